@@ -1,0 +1,29 @@
+# The two commands a newcomer needs: `make serve` and `make test`. Both create the environment first.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+DEMO_MODEL ?= models/demo-tiny
+
+.PHONY: env serve test clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# The CPU build of torch lies on disk on our machines; install it explicitly before anything can pull a CUDA build.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]'
+	touch $@
+
+env: $(VENV)/.installed
+
+$(DEMO_MODEL)/config.json: | env
+	$(VENV)/bin/tierlm demo-model $(DEMO_MODEL) --size tiny
+
+serve: env $(DEMO_MODEL)/config.json
+	$(VENV)/bin/tierlm generate $(DEMO_MODEL) --prompt "def fibonacci(n):" --max-tokens 64
+
+test: env
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV) models
