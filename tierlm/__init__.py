@@ -1,0 +1,1 @@
+"""tierlm: large hybrid MoE inference with every byte in the right memory tier."""
