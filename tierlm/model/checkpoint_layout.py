@@ -1,0 +1,156 @@
+"""The Hugging Face checkpoint layout of a Qwen4-Exp text model: every tensor's name, shape and kind.
+
+One table serves three users: the loader (what must be present, with which shape), the demo-model
+generator (what to write) and the capacity planner (bytes per tier). Names are given with the `model.`
+prefix that `Qwen4ExpForCausalLM` uses; the VLM checkpoint's `model.language_model.` prefix is mapped by
+the loader. Experts are per-expert tensors on disk; PLE tables are split into `shard_{j}` parts exactly as
+`torch.chunk(table, split_ngram_parts)` splits them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from tierlm.config import ModelConfig
+from tierlm.model.ngram_hash import NgramHashSpec
+
+PREFIX = "model."
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    shape: tuple[int, ...]
+    kind: str = "weight"  # weight | norm (Gemma 1+w, zero-init) | ones | int64 (hash buffers) | ple_table
+
+
+def ple_shard_rows(rows: int, parts: int) -> list[int]:
+    """Row counts of the shards `torch.chunk(rows, parts)` makes (the last is shorter; maybe fewer parts)."""
+    size = math.ceil(rows / parts)
+    return [min(size, rows - start) for start in range(0, rows, size)]
+
+
+def _hyper_connection(prefix: str, config: ModelConfig, with_inject: bool) -> list[TensorSpec]:
+    width = config.hc_count * config.hidden_size
+    specs = [
+        TensorSpec(f"{prefix}.hc_norm.weight", (width,), "norm"),
+        TensorSpec(f"{prefix}.input_mix_weight_down.weight", (config.hc_lowrank, width)),
+        TensorSpec(f"{prefix}.input_mix_weight_up.weight", (width, config.hc_lowrank)),
+    ]
+    if with_inject:
+        specs.append(TensorSpec(f"{prefix}.block_inject_weight.weight", (config.hc_count, width)))
+    return specs
+
+
+def _gated_deltanet(prefix: str, c: ModelConfig) -> list[TensorSpec]:
+    key_dim = c.linear_num_key_heads * c.linear_key_head_dim
+    value_dim = c.linear_num_value_heads * c.linear_value_head_dim
+    conv_dim = 2 * key_dim + value_dim
+    h = c.hidden_size
+    return [
+        TensorSpec(f"{prefix}.in_proj_qkv.weight", (conv_dim, h)),
+        TensorSpec(f"{prefix}.in_proj_z.weight", (value_dim, h)),
+        TensorSpec(f"{prefix}.in_proj_b.weight", (c.linear_num_value_heads, h)),
+        TensorSpec(f"{prefix}.in_proj_a.weight", (c.linear_num_value_heads, h)),
+        TensorSpec(f"{prefix}.conv1d.weight", (conv_dim, 1, c.linear_conv_kernel_dim)),
+        TensorSpec(f"{prefix}.dt_bias", (c.linear_num_value_heads,), "ones"),
+        TensorSpec(f"{prefix}.A_log", (c.linear_num_value_heads,), "a_log"),
+        TensorSpec(f"{prefix}.norm.weight", (c.linear_value_head_dim,), "ones"),
+        TensorSpec(f"{prefix}.out_proj.weight", (h, value_dim)),
+    ]
+
+
+def _qsa_attention(prefix: str, c: ModelConfig) -> list[TensorSpec]:
+    h, hd = c.hidden_size, c.head_dim
+    q_out, kv_out = 2 * c.num_attention_heads * hd, c.num_key_value_heads * hd
+    specs = [
+        TensorSpec(f"{prefix}.q_proj.weight", (q_out, h)),
+        TensorSpec(f"{prefix}.k_proj.weight", (kv_out, h)),
+        TensorSpec(f"{prefix}.v_proj.weight", (kv_out, h)),
+        TensorSpec(f"{prefix}.o_proj.weight", (h, c.num_attention_heads * hd)),
+        TensorSpec(f"{prefix}.q_norm.weight", (hd,), "norm"),
+        TensorSpec(f"{prefix}.k_norm.weight", (hd,), "norm"),
+        TensorSpec(f"{prefix}.indexer.index_qk_proj.weight", ((c.indexer_n_heads + 1) * c.indexer_head_dim, h)),
+        TensorSpec(f"{prefix}.indexer.q_layernorm.weight", (c.indexer_head_dim,), "norm"),
+        TensorSpec(f"{prefix}.indexer.k_layernorm.weight", (c.indexer_head_dim,), "norm"),
+    ]
+    if c.attention_bias:
+        specs += [
+            TensorSpec(f"{prefix}.q_proj.bias", (q_out,), "bias"),
+            TensorSpec(f"{prefix}.k_proj.bias", (kv_out,), "bias"),
+            TensorSpec(f"{prefix}.v_proj.bias", (kv_out,), "bias"),
+            TensorSpec(f"{prefix}.o_proj.bias", (h,), "bias"),
+        ]
+    return specs
+
+
+def _moe(prefix: str, c: ModelConfig) -> list[TensorSpec]:
+    h, i, s = c.hidden_size, c.moe_intermediate_size, c.shared_expert_intermediate_size
+    specs = [TensorSpec(f"{prefix}.gate.weight", (c.num_experts, h))]
+    for e in range(c.num_experts):
+        specs += [
+            TensorSpec(f"{prefix}.experts.{e}.gate_proj.weight", (i, h)),
+            TensorSpec(f"{prefix}.experts.{e}.up_proj.weight", (i, h)),
+            TensorSpec(f"{prefix}.experts.{e}.down_proj.weight", (h, i)),
+        ]
+    specs += [
+        TensorSpec(f"{prefix}.shared_expert.gate_proj.weight", (s, h)),
+        TensorSpec(f"{prefix}.shared_expert.up_proj.weight", (s, h)),
+        TensorSpec(f"{prefix}.shared_expert.down_proj.weight", (h, s)),
+        TensorSpec(f"{prefix}.shared_expert_gate.weight", (1, h)),
+    ]
+    return specs
+
+
+def _ple(prefix: str, c: ModelConfig, ple_index: int) -> list[TensorSpec]:
+    spec = NgramHashSpec.from_config(c, ple_index)
+    width = c.hc_count * c.hidden_size
+    table = f"{prefix}.ple_embedding"
+    specs = [
+        TensorSpec(f"{table}.ngram_embedding.shard_{j}.weight", (rows, c.ngram_head_dim), "ple_table")
+        for j, rows in enumerate(ple_shard_rows(spec.table_rows, c.split_ngram_parts))
+    ]
+    specs += [
+        TensorSpec(f"{table}.layer_multipliers", (c.ngram_size,), "int64"),
+        TensorSpec(f"{table}.ngram_heads_vocab_sizes", (spec.num_heads,), "int64"),
+        TensorSpec(f"{table}.ngram_heads_offsets", (spec.num_heads,), "int64"),
+        TensorSpec(f"{prefix}.key_proj.weight", (width, c.ple_embed_dim)),
+        TensorSpec(f"{prefix}.value_proj.weight", (c.hidden_size, c.ple_embed_dim)),
+        TensorSpec(f"{prefix}.norm_key.weight", (width,), "norm"),
+        TensorSpec(f"{prefix}.norm_query.weight", (width,), "norm"),
+        TensorSpec(f"{prefix}.norm_conv.weight", (width,), "norm"),
+        TensorSpec(f"{prefix}.conv1d.weight", (width, 1, c.ple_conv_kernel_size)),
+    ]
+    return specs
+
+
+def ple_hash_buffers(c: ModelConfig, ple_index: int) -> dict[str, list[int]]:
+    """The int64 buffers a checkpoint stores beside each PLE table (recomputed and compared on load)."""
+    spec = NgramHashSpec.from_config(c, ple_index)
+    return {
+        "layer_multipliers": list(spec.multipliers),
+        "ngram_heads_vocab_sizes": list(spec.head_sizes),
+        "ngram_heads_offsets": list(spec.head_offsets),
+    }
+
+
+def checkpoint_layout(c: ModelConfig) -> list[TensorSpec]:
+    """Every tensor of a `Qwen4ExpForCausalLM` checkpoint, in module order."""
+    specs = [TensorSpec(f"{PREFIX}embed_tokens.weight", (c.vocab_size, c.hidden_size))]
+    for layer in range(c.num_hidden_layers):
+        p = f"{PREFIX}layers.{layer}"
+        ple_index = c.ple_index(layer)
+        if ple_index is not None:
+            specs += _ple(f"{p}.ple", c, ple_index)
+        specs += _hyper_connection(f"{p}.attn_hyper_connection", c, with_inject=True)
+        if c.layer_types[layer] == "linear_attention":
+            specs += _gated_deltanet(f"{p}.linear_attn", c)
+        else:
+            specs += _qsa_attention(f"{p}.self_attn", c)
+        specs += _hyper_connection(f"{p}.mlp_hyper_connection", c, with_inject=True)
+        specs += _moe(f"{p}.mlp", c)
+    specs += _hyper_connection(f"{PREFIX}hyper_connection_mixer", c, with_inject=False)
+    if not c.tie_word_embeddings:
+        specs.append(TensorSpec("lm_head.weight", (c.vocab_size, c.hidden_size)))
+    return specs
