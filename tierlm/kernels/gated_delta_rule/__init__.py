@@ -1,0 +1,12 @@
+"""The gated delta rule (Gated DeltaNet's recurrence), in a per-token reference and a chunked form.
+
+Shapes (shared by both forms): q, k [B, T, H, Dk] (already l2-normalised, q already scaled by Dk^-1/2),
+v [B, T, H, Dv], g [B, T, H] (log decay <= 0), beta [B, T, H], initial_state [B, H, Dk, Dv] fp32.
+Returns (o [B, T, H, Dv] fp32, final_state [B, H, Dk, Dv] fp32). Per head and token:
+  S <- exp(g) S;  u = beta (v - S^T k);  S <- S + k u^T;  o = S^T q.
+"""
+
+from tierlm.kernels.gated_delta_rule.chunk import chunk_gated_delta_rule
+from tierlm.kernels.gated_delta_rule.naive import recurrent_gated_delta_rule
+
+__all__ = ["chunk_gated_delta_rule", "recurrent_gated_delta_rule"]

@@ -1,0 +1,78 @@
+"""What one model forward computes: packed tokens of several requests at different positions.
+
+Requests are packed without padding (varlen): tokens of request i occupy rows cu_seqlens[i]:cu_seqlens[i+1].
+Each request names its recurrent-state slot and its QSA block table in the `ModelCache` pools; the caller
+(the engine) owns the allocation, the model only reads and writes the slots and blocks it is given.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class ForwardBatch:
+    token_ids: torch.Tensor  # [N] int64, packed
+    positions: torch.Tensor  # [N] int64, absolute position of each token in its request
+    context_lens: list[int]  # per request: tokens already in the cache before this forward
+    query_lens: list[int]  # per request: tokens in this forward
+    state_slots: list[int]  # per request: slot in the recurrent-state pools
+    block_tables: torch.Tensor  # [B, max_blocks] int64 physical block ids (-1 past the end)
+    slot_mapping: torch.Tensor  # [N] int64 physical K/V row (block * block_size + offset) of each token
+    logits_rows: torch.Tensor  # [M] int64 packed rows whose logits are wanted
+    bounds: list[tuple[int, int]] = field(init=False)
+
+    def __post_init__(self) -> None:
+        starts = [0]
+        for n in self.query_lens:
+            starts.append(starts[-1] + n)
+        self.bounds = list(zip(starts[:-1], starts[1:]))
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.query_lens)
+
+    @property
+    def is_decode_only(self) -> bool:
+        return all(n == 1 for n in self.query_lens)
+
+    @classmethod
+    def build(
+        cls,
+        chunks: list[list[int]],
+        context_lens: list[int],
+        state_slots: list[int],
+        block_tables: list[list[int]],
+        block_size: int,
+        device: torch.device | str = "cpu",
+        logits: str = "last",
+    ) -> "ForwardBatch":
+        """Assemble the metadata for requests whose next `chunks[i]` tokens are computed now.
+
+        logits: "last" (one row per request, its last token) or "all" (every packed row).
+        """
+        positions, slots, last_rows = [], [], []
+        row = 0
+        for chunk, ctx, table in zip(chunks, context_lens, block_tables):
+            for p in range(ctx, ctx + len(chunk)):
+                positions.append(p)
+                slots.append(table[p // block_size] * block_size + p % block_size)
+            row += len(chunk)
+            last_rows.append(row - 1)
+        width = max((len(t) for t in block_tables), default=0)
+        padded = [t + [-1] * (width - len(t)) for t in block_tables]
+        total = sum(len(c) for c in chunks)
+        logits_rows = list(range(total)) if logits == "all" else last_rows
+        as_long = dict(dtype=torch.int64, device=device)
+        return cls(
+            token_ids=torch.tensor([t for c in chunks for t in c], **as_long),
+            positions=torch.tensor(positions, **as_long),
+            context_lens=list(context_lens),
+            query_lens=[len(c) for c in chunks],
+            state_slots=list(state_slots),
+            block_tables=torch.tensor(padded, **as_long).reshape(len(chunks), width),
+            slot_mapping=torch.tensor(slots, **as_long),
+            logits_rows=torch.tensor(logits_rows, **as_long),
+        )

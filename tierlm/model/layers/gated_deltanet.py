@@ -1,0 +1,94 @@
+"""Gated DeltaNet linear attention with per-request state in pooled slots.
+
+Per token: project to mixed q|k|v channels, a causal depthwise conv over time (kernel Kc, window kept
+in the slot between calls), silu, split, beta = sigmoid(b), log decay g = -exp(A_log) softplus(a + dt_bias),
+l2-normalised q and k (q scaled by dk^-1/2), then the gated delta rule (`kernels/gated_delta_rule`) and a
+gated RMS norm. Multi-token chunks use the chunked form; single-token decodes of all requests in the
+batch run together through the per-token form. Both start from and write back the slot's state.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tierlm.kernels.gated_delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_rule
+from tierlm.model.forward_batch import ForwardBatch
+from tierlm.model.layers.norm import GatedRMSNorm, l2norm
+from tierlm.model.model_cache import LayerState
+
+
+def causal_depthwise_conv(window: torch.Tensor, weight: torch.Tensor, dilation: int = 1) -> torch.Tensor:
+    """window [B, C, P + T] (P = (K-1)*dilation past values first), weight [C, K] -> [B, C, T]."""
+    return F.conv1d(window, weight.unsqueeze(1), groups=weight.shape[0], dilation=dilation)
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        c = config
+        self.num_k_heads, self.num_v_heads = c.linear_num_key_heads, c.linear_num_value_heads
+        self.head_k_dim, self.head_v_dim = c.linear_key_head_dim, c.linear_value_head_dim
+        self.key_dim = self.num_k_heads * self.head_k_dim
+        self.value_dim = self.num_v_heads * self.head_v_dim
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.kernel = c.linear_conv_kernel_dim
+        h = c.hidden_size
+        self.in_proj_qkv = nn.Linear(h, self.conv_dim, bias=False)
+        self.in_proj_z = nn.Linear(h, self.value_dim, bias=False)
+        self.in_proj_b = nn.Linear(h, self.num_v_heads, bias=False)
+        self.in_proj_a = nn.Linear(h, self.num_v_heads, bias=False)
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.kernel, groups=self.conv_dim, bias=False)
+        self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
+        self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
+        self.norm = GatedRMSNorm(self.head_v_dim, c.rms_norm_eps, c.output_gate_act)
+        self.out_proj = nn.Linear(self.value_dim, h, bias=False)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, state: LayerState) -> torch.Tensor:
+        mixed = self.in_proj_qkv(x)  # [N, C]
+        z = self.in_proj_z(x).unflatten(-1, (self.num_v_heads, self.head_v_dim))
+        beta = torch.sigmoid(self.in_proj_b(x))
+        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
+        weight = self.conv1d.weight.squeeze(1)
+        core = torch.empty(x.shape[0], self.num_v_heads, self.head_v_dim, dtype=x.dtype, device=x.device)
+
+        if batch.is_decode_only:
+            slots = torch.tensor(batch.state_slots, device=x.device)
+            window = torch.cat([state.gdn_conv[slots], mixed.unsqueeze(-1)], dim=-1)  # [B, C, Kc]
+            state.gdn_conv[slots] = window[..., 1:]
+            conv = F.silu(causal_depthwise_conv(window, weight)).transpose(1, 2)  # [B, 1, C]
+            q, k, v = self._heads(conv)
+            out, final = recurrent_gated_delta_rule(
+                q, k, v, g.unsqueeze(1), beta.unsqueeze(1), state.gdn_recurrent[slots]
+            )
+            state.gdn_recurrent[slots] = final
+            core[:] = out[:, 0].to(x.dtype)
+        else:
+            for (start, end), slot in zip(batch.bounds, batch.state_slots):
+                window = torch.cat([state.gdn_conv[slot], mixed[start:end].T], dim=-1).unsqueeze(0)
+                state.gdn_conv[slot] = window[0, :, -(self.kernel - 1):]
+                conv = F.silu(causal_depthwise_conv(window, weight)).transpose(1, 2)  # [1, T, C]
+                q, k, v = self._heads(conv)
+                rule = chunk_gated_delta_rule if end - start > 1 else recurrent_gated_delta_rule
+                out, final = rule(
+                    q, k, v, g[start:end].unsqueeze(0), beta[start:end].unsqueeze(0),
+                    state.gdn_recurrent[slot].unsqueeze(0),
+                )
+                state.gdn_recurrent[slot] = final[0]
+                core[start:end] = out[0].to(x.dtype)
+
+        core = self.norm(core, z)
+        return self.out_proj(core.flatten(-2))
+
+    def _heads(self, conv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """conv [B, T, C] -> q, k [B, T, nv, dk] (normalised, q scaled), v [B, T, nv, dv]."""
+        q, k, v = torch.split(conv, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q = q.unflatten(-1, (self.num_k_heads, self.head_k_dim))
+        k = k.unflatten(-1, (self.num_k_heads, self.head_k_dim))
+        v = v.unflatten(-1, (self.num_v_heads, self.head_v_dim))
+        repeat = self.num_v_heads // self.num_k_heads
+        if repeat > 1:
+            q, k = q.repeat_interleave(repeat, dim=2), k.repeat_interleave(repeat, dim=2)
+        q, k = l2norm(q.float()), l2norm(k.float())
+        return q * self.head_k_dim**-0.5, k, v

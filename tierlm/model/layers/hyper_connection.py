@@ -1,0 +1,41 @@
+"""Hyper-connections: the model carries `hc` residual streams of width H, stream-major in [N, hc*H].
+
+`mix` reads all streams into one block input (grouped RMSNorm, low-rank sigmoid mixer, mean over
+streams) and, for a block, per-stream injection gates; `combine` adds the block output to every stream
+with its gate. The final mixer (no injection) feeds lm_head and stands in for the final norm.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tierlm.model.layers.norm import RMSNorm
+
+
+class HyperConnection(nn.Module):
+    def __init__(self, hidden_size: int, hc_count: int, lowrank: int, eps: float, with_inject: bool) -> None:
+        super().__init__()
+        width = hc_count * hidden_size
+        self.hc_count, self.hidden_size = hc_count, hidden_size
+        self.hc_norm = RMSNorm(width, eps, group_size=hidden_size)
+        self.input_mix_weight_down = nn.Linear(width, lowrank, bias=False)
+        self.input_mix_weight_up = nn.Linear(lowrank, width, bias=False)
+        self.block_inject_weight = nn.Linear(width, hc_count, bias=False) if with_inject else None
+
+    def mix(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """streams [N, hc*H] -> (block input [N, H], injection gates [N, hc] or None)."""
+        normed = self.hc_norm(streams)
+        low = F.silu(self.input_mix_weight_down(normed) / self.hc_count)
+        gates = torch.sigmoid(self.input_mix_weight_up(low)).unflatten(-1, (self.hc_count, self.hidden_size))
+        block_input = (gates * normed.unflatten(-1, (self.hc_count, self.hidden_size))).mean(dim=-2)
+        if self.block_inject_weight is None:
+            return block_input, None
+        inject = 2 * torch.sigmoid(self.block_inject_weight(normed) / self.hc_count)
+        return block_input, inject
+
+    @staticmethod
+    def combine(streams: torch.Tensor, block_output: torch.Tensor, inject: torch.Tensor) -> torch.Tensor:
+        """streams [N, hc*H] + inject[:, s] * block_output on each stream s."""
+        return streams + (block_output.unsqueeze(-2) * inject.unsqueeze(-1)).flatten(-2)

@@ -1,0 +1,80 @@
+"""PLE: hashed n-gram embeddings injected into every hyper-connection stream before a layer.
+
+Per token: the rows chosen by `ngram_hash` are concatenated (emb [D]); key = norm_key(key_proj(emb))
+per stream, value = value_proj(emb); each stream's gate is sigmoid(signed sqrt(<key_s, norm_query(h)_s>
+/ sqrt(H))); gv_s = gate_s * value. The output gv + silu(dilated causal conv(norm_conv(gv))) is added to
+the streams. The conv history and the token context live in the request's state slot.
+
+Where table rows come from is the `RowSource`'s business: an in-memory tensor here; a memory-mapped file
+with prefetch (the NVMe tier) can stand in without changing this layer.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tierlm.model.forward_batch import ForwardBatch
+from tierlm.model.layers.gated_deltanet import causal_depthwise_conv
+from tierlm.model.layers.norm import RMSNorm
+from tierlm.model.model_cache import LayerState
+from tierlm.model.ngram_hash import NgramHashSpec, ngram_context, ngram_rows
+
+
+class NgramTable(nn.Module):
+    """The table as one in-memory tensor [rows, dE] (checkpoint shards are concatenated on load)."""
+
+    def __init__(self, rows: int, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(rows, dim), requires_grad=False)
+
+    def gather(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows [T, heads] -> embeddings [T, heads * dE]."""
+        return F.embedding(rows, self.weight).flatten(-2)
+
+
+class PLELayer(nn.Module):
+    def __init__(self, config, ple_index: int) -> None:
+        super().__init__()
+        c = config
+        self.spec = NgramHashSpec.from_config(c, ple_index)
+        self.hidden_size, self.hc_count, self.ngram_size = c.hidden_size, c.hc_count, c.ngram_size
+        width = c.hc_count * c.hidden_size
+        self.table = NgramTable(self.spec.table_rows, c.ngram_head_dim)
+        self.key_proj = nn.Linear(c.ple_embed_dim, width, bias=False)
+        self.value_proj = nn.Linear(c.ple_embed_dim, c.hidden_size, bias=False)
+        self.norm_key = RMSNorm(width, c.rms_norm_eps, group_size=c.hidden_size)
+        self.norm_query = RMSNorm(width, c.rms_norm_eps, group_size=c.hidden_size)
+        self.norm_conv = RMSNorm(width, c.rms_norm_eps, group_size=c.hidden_size)
+        self.conv1d = nn.Conv1d(width, width, c.ple_conv_kernel_size, groups=width, bias=False)
+        self.history = (c.ple_conv_kernel_size - 1) * c.ngram_size
+
+    def row_ids(self, batch: ForwardBatch, context: torch.Tensor) -> torch.Tensor:
+        """Table rows [N, heads] of every packed token; context [S, ngram_size-1]: each slot's last ids."""
+        rows = []
+        for (start, end), slot in zip(batch.bounds, batch.state_slots):
+            history = torch.cat([context[slot], batch.token_ids[start:end]])
+            rows.append(ngram_rows(ngram_context(history, self.spec.eos_token_id, self.ngram_size), self.spec))
+        return torch.cat(rows)
+
+    def forward(
+        self, streams: torch.Tensor, batch: ForwardBatch, state: LayerState, context: torch.Tensor
+    ) -> torch.Tensor:
+        emb = self.table.gather(self.row_ids(batch, context)).to(streams.dtype)
+        key = self.norm_key(self.key_proj(emb)).unflatten(-1, (self.hc_count, self.hidden_size))
+        value = self.value_proj(emb)
+        query = self.norm_query(streams).unflatten(-1, (self.hc_count, self.hidden_size))
+        dot = (key * query).sum(dim=-1, keepdim=True) / math.sqrt(self.hidden_size)
+        gate = dot.abs().clamp_min(1e-6).sqrt() * dot.sign()
+        gated = (torch.sigmoid(gate) * value.unsqueeze(-2)).flatten(-2)  # [N, hc*H]
+        conv_in = self.norm_conv(gated)
+        conv_out = torch.empty_like(gated)
+        weight = self.conv1d.weight.squeeze(1)
+        for (start, end), slot in zip(batch.bounds, batch.state_slots):
+            window = torch.cat([state.ple_conv[slot], conv_in[start:end].T], dim=-1)
+            state.ple_conv[slot] = window[:, -self.history :]
+            conv_out[start:end] = causal_depthwise_conv(window.unsqueeze(0), weight, self.ngram_size)[0].T
+        return gated + F.silu(conv_out)

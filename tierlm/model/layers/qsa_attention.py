@@ -1,0 +1,147 @@
+"""QSA indexed sparse attention: an indexer picks which K/V rows each query may attend to.
+
+Main attention: gated query heads (q_proj gives [query | gate] per head), q/k Gemma RMS norms, partial
+RoPE, GQA, output * sigmoid(gate), o_proj. The indexer scores compressed key blocks: block j (tokens
+[jR, jR+R)) has one key, k_layernorm(mean of its raw keys) roped at position jR; a query at position p
+sees nb = (p+1)//R complete blocks, scores each as sum_h relu(q_h . K_j)/sqrt(d), keeps the top
+min(budget/R, nb), and may attend to their tokens plus the open tail [nb*R, p].
+
+Storage (see `model_cache`): K/V rows paged by `slot_mapping`; a block's compressed key is written once,
+when its R-th token arrives; the raw keys of the still-open block wait in the request's ring slot.
+This module is the plain torch reference path: a dense boolean mask over the request's context.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tierlm.model.forward_batch import ForwardBatch
+from tierlm.model.layers.norm import RMSNorm
+from tierlm.model.layers.rotary import apply_rotary
+from tierlm.model.model_cache import LayerState
+
+
+def gather_rows(pool: torch.Tensor, block_table: torch.Tensor, count: int, rows_per_block: int) -> torch.Tensor:
+    """The first `count` logical rows of a paged pool [num_blocks, rows_per_block, ...] for one request."""
+    if count == 0:
+        return pool.new_empty((0, *pool.shape[2:]))
+    blocks = block_table[: math.ceil(count / rows_per_block)]
+    return pool[blocks].flatten(0, 1)[:count]
+
+
+class QSAIndexer(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        c = config
+        self.n_heads, self.head_dim = c.indexer_n_heads, c.indexer_head_dim
+        self.ratio, self.block_topk = c.indexer_compress_ratio, c.indexer_budget // c.indexer_compress_ratio
+        self.index_qk_proj = nn.Linear(c.hidden_size, (self.n_heads + 1) * self.head_dim, bias=False)
+        self.q_layernorm = RMSNorm(self.head_dim, c.rms_norm_eps)
+        self.k_layernorm = RMSNorm(self.head_dim, c.rms_norm_eps)
+
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [N, H] -> (roped, normed queries [N, ih, id], raw keys [N, id])."""
+        q, raw_keys = self.index_qk_proj(x).split([self.n_heads * self.head_dim, self.head_dim], dim=-1)
+        q = self.q_layernorm(q.unflatten(-1, (self.n_heads, self.head_dim)))
+        return apply_rotary(q, cos, sin), raw_keys
+
+    def compress(self, raw_group_keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """raw keys [G, R, id] of complete blocks -> block keys [G, id] (cos/sin at each block start)."""
+        pooled = raw_group_keys.float().mean(dim=1).to(raw_group_keys.dtype)
+        return apply_rotary(self.k_layernorm(pooled).unsqueeze(1), cos, sin).squeeze(1)
+
+    def store_block_keys(
+        self, raw_keys: torch.Tensor, context_len: int, slot: int, block_table: torch.Tensor,
+        state: LayerState, rotary, dtype: torch.dtype,
+    ) -> None:
+        """Complete the blocks this chunk closes, write their keys, keep the open block's raw keys."""
+        r = self.ratio
+        carried = context_len % r
+        first_block = context_len // r
+        pending = torch.cat([state.index_ring[slot, :carried], raw_keys])
+        complete = pending.shape[0] // r
+        if complete:
+            starts = torch.arange(first_block, first_block + complete, device=raw_keys.device) * r
+            cos, sin = rotary.cos_sin(starts, dtype)
+            keys = self.compress(pending[: complete * r].unflatten(0, (complete, r)), cos, sin)
+            per_block = state.block_size // r
+            physical = block_table[starts // state.block_size] * per_block + (starts % state.block_size) // r
+            state.index_keys.view(-1, self.head_dim)[physical] = keys
+        left = pending[complete * r :]
+        state.index_ring[slot, : left.shape[0]] = left
+
+    def select(self, q: torch.Tensor, block_keys: torch.Tensor, positions: torch.Tensor, kv_len: int) -> torch.Tensor:
+        """Allowed-key mask [T, kv_len] for queries q [T, ih, id] at `positions`, given block keys [G, id]."""
+        r = self.ratio
+        visible_blocks = (positions + 1) // r  # [T]
+        key_pos = torch.arange(kv_len, device=q.device)
+        # the open tail [nb*R, p]
+        allowed = (key_pos[None, :] >= visible_blocks[:, None] * r) & (key_pos[None, :] <= positions[:, None])
+        if block_keys.shape[0] == 0:
+            return allowed
+        scores = torch.relu(torch.matmul(q.float(), block_keys.float().T)).sum(dim=1) / math.sqrt(self.head_dim)
+        chosen = torch.zeros(scores.shape, dtype=torch.bool, device=q.device)
+        # queries that see the same number of blocks share one top-k call
+        for nb in torch.unique(visible_blocks).tolist():
+            if nb == 0:
+                continue
+            rows = torch.nonzero(visible_blocks == nb).flatten()
+            if nb <= self.block_topk:
+                chosen[rows, :nb] = True
+            else:
+                top = scores[rows, :nb].topk(self.block_topk, dim=-1).indices
+                chosen[rows.unsqueeze(1), top] = True
+        block_of_key = torch.clamp(key_pos // r, max=chosen.shape[1] - 1)
+        in_chosen = chosen[:, block_of_key] & (key_pos[None, :] < chosen.shape[1] * r)
+        return allowed | in_chosen
+
+
+class QSAAttention(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        c = config
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        h, bias = c.hidden_size, c.attention_bias
+        self.q_proj = nn.Linear(h, 2 * self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=bias)
+        self.q_norm = RMSNorm(self.head_dim, c.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, c.rms_norm_eps)
+        self.indexer = QSAIndexer(c)
+        self.scale = self.head_dim**-0.5
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, state: LayerState, rotary) -> torch.Tensor:
+        n = x.shape[0]
+        cos, sin = rotary.cos_sin(batch.positions, x.dtype)
+        q, gate = self.q_proj(x).view(n, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+        gate = gate.reshape(n, -1)
+        q = apply_rotary(self.q_norm(q), cos, sin)
+        k = apply_rotary(self.k_norm(self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)), cos, sin)
+        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        state.key_cache.view(-1, self.num_kv_heads, self.head_dim)[batch.slot_mapping] = k
+        state.value_cache.view(-1, self.num_kv_heads, self.head_dim)[batch.slot_mapping] = v
+
+        index_q, raw_keys = self.indexer.project(x, cos, sin)
+        out = torch.empty(n, self.num_heads, self.head_dim, dtype=x.dtype, device=x.device)
+        r, bs = self.indexer.ratio, state.block_size
+        for i, (start, end) in enumerate(batch.bounds):
+            table, ctx = batch.block_tables[i], batch.context_lens[i]
+            self.indexer.store_block_keys(
+                raw_keys[start:end], ctx, batch.state_slots[i], table, state, rotary, x.dtype
+            )
+            kv_len = ctx + end - start
+            block_keys = gather_rows(state.index_keys, table, kv_len // r, bs // r)
+            mask = self.indexer.select(index_q[start:end], block_keys, batch.positions[start:end], kv_len)
+            keys = gather_rows(state.key_cache, table, kv_len, bs).transpose(0, 1)
+            values = gather_rows(state.value_cache, table, kv_len, bs).transpose(0, 1)
+            attn = F.scaled_dot_product_attention(
+                q[start:end].transpose(0, 1).unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
+                attn_mask=mask, scale=self.scale, enable_gqa=True,
+            )
+            out[start:end] = attn[0].transpose(0, 1)
+        return self.o_proj(out.reshape(n, -1) * torch.sigmoid(gate))

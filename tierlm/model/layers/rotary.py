@@ -1,0 +1,31 @@
+"""Partial NeoX rotary embedding: rotate-half on the first `rotary_dim` dims, the rest pass through.
+
+For text the reference's interleaved M-RoPE has identical T/H/W positions, which makes it plain 1-D RoPE.
+cos/sin are computed in fp32 and cast to the activation dtype, as the reference does.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class RotaryEmbedding:
+    def __init__(self, rotary_dim: int, theta: float) -> None:
+        self.rotary_dim = rotary_dim
+        self.inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32, device="cpu") / rotary_dim))
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of shape [N, rotary_dim] for positions [N]."""
+        freqs = positions.float()[:, None] * self.inv_freq.to(positions.device)[None, :]
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [N, heads, D]; cos/sin [N, rotary_dim] (rotary_dim <= D)."""
+    rd = cos.shape[-1]
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    rot, rest = x[..., :rd], x[..., rd:]
+    half = rd // 2
+    rotated = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
+    return torch.cat([rot * cos + rotated * sin, rest], dim=-1)

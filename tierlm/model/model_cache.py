@@ -1,0 +1,109 @@
+"""Pooled per-request state of a Qwen4-Exp model, allocated once and addressed by slot and block.
+
+Two kinds of memory, matching the two kinds of layer:
+- Recurrent state, one slot per running request (`state slots`): the GDN conv window (last Kc-1 inputs)
+  and fp32 recurrent state, the PLE short-conv history (last (Kp-1)*ngram_size values) and the n-gram
+  token context (last ngram_size-1 ids, EOS-padded at the start of a request), and per QSA layer the raw
+  indexer keys of the open compression group (at most R-1 rows; the ring).
+- Paged QSA memory in fixed-size blocks (`blocks`): main K and V rows, and one compressed indexer key
+  per complete group of R tokens (normalised, roped at the group start), so that decode reads
+  ceil(p/R) small keys instead of p raw ones. block_size must be a multiple of R.
+The layers see only their own `LayerState`; who owns which slot or block is the engine's business.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tierlm.config import ModelConfig
+
+
+@dataclass
+class LayerState:
+    """The pools one decoder layer reads and writes (unused fields are None)."""
+
+    gdn_conv: torch.Tensor | None = None  # [S, C, Kc-1]
+    gdn_recurrent: torch.Tensor | None = None  # [S, nv, dk, dv] fp32
+    ple_conv: torch.Tensor | None = None  # [S, hc*H, (Kp-1)*ngram_size]
+    key_cache: torch.Tensor | None = None  # [num_blocks, block_size, nkv, hd]
+    value_cache: torch.Tensor | None = None  # [num_blocks, block_size, nkv, hd]
+    index_keys: torch.Tensor | None = None  # [num_blocks, block_size // R, index_head_dim]
+    index_ring: torch.Tensor | None = None  # [S, R, index_head_dim] raw keys of the open group
+    block_size: int = 0
+
+
+def state_bytes_per_slot(config: ModelConfig, dtype: torch.dtype) -> dict[str, int]:
+    """Bytes of recurrent state one request holds, per layer type (for capacity planning)."""
+    item = torch.tensor([], dtype=dtype).element_size()
+    c = config
+    conv_dim = 2 * c.linear_num_key_heads * c.linear_key_head_dim + c.linear_num_value_heads * c.linear_value_head_dim
+    gdn = conv_dim * (c.linear_conv_kernel_dim - 1) * item
+    gdn += c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * 4
+    ple = c.hc_count * c.hidden_size * (c.ple_conv_kernel_size - 1) * c.ngram_size * item
+    ring = (c.indexer_compress_ratio or 0) * (c.indexer_head_dim or 0) * item
+    return {"linear_attention": gdn, "ple": ple, "indexed_attention": ring}
+
+
+def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
+    """Bytes one token occupies in one QSA layer's paged memory (K, V and its share of a compressed key)."""
+    if not config.has_qsa:
+        return 0
+    item = torch.tensor([], dtype=dtype).element_size()
+    kv = 2 * config.num_key_value_heads * config.head_dim * item
+    return kv + config.indexer_head_dim * item // config.indexer_compress_ratio
+
+
+class ModelCache:
+    """All state pools of one model, sized at construction and never reallocated."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        num_slots: int,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        c = config
+        if c.has_qsa and block_size % c.indexer_compress_ratio:
+            raise ValueError(
+                f"block_size {block_size} must be a multiple of indexer_compress_ratio {c.indexer_compress_ratio}"
+            )
+        self.config, self.num_slots, self.num_blocks, self.block_size = c, num_slots, num_blocks, block_size
+        self.dtype, self.device = dtype, torch.device(device)
+        conv_dim = 2 * c.linear_num_key_heads * c.linear_key_head_dim + c.linear_num_value_heads * c.linear_value_head_dim
+        alloc = dict(dtype=dtype, device=self.device)
+        self.layers: list[LayerState] = []
+        for layer_idx, layer_type in enumerate(c.layer_types):
+            state = LayerState(block_size=block_size)
+            if layer_type == "linear_attention":
+                state.gdn_conv = torch.zeros(num_slots, conv_dim, c.linear_conv_kernel_dim - 1, **alloc)
+                state.gdn_recurrent = torch.zeros(
+                    num_slots, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim,
+                    dtype=torch.float32, device=self.device,
+                )
+            else:
+                shape = (num_blocks, block_size, c.num_key_value_heads, c.head_dim)
+                state.key_cache = torch.zeros(shape, **alloc)
+                state.value_cache = torch.zeros(shape, **alloc)
+                ratio = c.indexer_compress_ratio
+                state.index_keys = torch.zeros(num_blocks, block_size // ratio, c.indexer_head_dim, **alloc)
+                state.index_ring = torch.zeros(num_slots, ratio, c.indexer_head_dim, **alloc)
+            if c.ple_index(layer_idx) is not None:
+                history = (c.ple_conv_kernel_size - 1) * c.ngram_size
+                state.ple_conv = torch.zeros(num_slots, c.hc_count * c.hidden_size, history, **alloc)
+            self.layers.append(state)
+        eos = c.eos_token_id if c.eos_token_id is not None else 0
+        self.ngram_context = torch.full((num_slots, max(c.ngram_size - 1, 0)), eos, dtype=torch.int64, device=self.device)
+
+    def reset_slot(self, slot: int) -> None:
+        """Give a slot the state of a request that has seen no tokens yet."""
+        for state in self.layers:
+            for pool in (state.gdn_conv, state.gdn_recurrent, state.ple_conv):
+                if pool is not None:
+                    pool[slot].zero_()
+        if self.config.eos_token_id is not None:
+            self.ngram_context[slot].fill_(self.config.eos_token_id)
