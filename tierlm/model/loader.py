@@ -132,6 +132,7 @@ def load_model(
     with torch.device("meta"):
         model = Qwen4ExpForCausalLM(config).to(target_dtype)
     model = model.to_empty(device=device).requires_grad_(False).eval()
+    model.tie_weights()
     destination = _Destinations(model, config)
     handles: dict[Path, object] = {}
     for name, (file, name_in_file, _) in found.items():

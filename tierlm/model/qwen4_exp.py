@@ -90,7 +90,11 @@ class Qwen4ExpForCausalLM(nn.Module):
         self.config = config
         self.model = Qwen4ExpTextModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        if config.tie_word_embeddings:
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Share the embedding with lm_head when the config says so (again after materialising)."""
+        if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
     @torch.inference_mode()
