@@ -47,11 +47,11 @@ class ForwardBatch:
         block_tables: list[list[int]],
         block_size: int,
         device: torch.device | str = "cpu",
-        logits: str = "last",
+        logits: str | list[int] = "last",
     ) -> "ForwardBatch":
         """Assemble the metadata for requests whose next `chunks[i]` tokens are computed now.
 
-        logits: "last" (one row per request, its last token) or "all" (every packed row).
+        logits: "last" (one row per request, its last token), "all" (every packed row) or explicit rows.
         """
         positions, slots, last_rows = [], [], []
         row = 0
@@ -64,7 +64,10 @@ class ForwardBatch:
         width = max((len(t) for t in block_tables), default=0)
         padded = [t + [-1] * (width - len(t)) for t in block_tables]
         total = sum(len(c) for c in chunks)
-        logits_rows = list(range(total)) if logits == "all" else last_rows
+        if isinstance(logits, list):
+            logits_rows = logits
+        else:
+            logits_rows = list(range(total)) if logits == "all" else last_rows
         as_long = dict(dtype=torch.int64, device=device)
         return cls(
             token_ids=torch.tensor([t for c in chunks for t in c], **as_long),

@@ -1,0 +1,205 @@
+"""The step loop: requests in, one scheduled forward per `step()`, `RequestOutput`s out.
+
+Owns the model, its cache pools, the scheduler, the runner and the text side (prompt encoding,
+incremental detokenization, stop strings). A request with `n > 1` becomes n sequences that share a
+request id and report together. Both the offline `LLM` and the server drive this class.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+
+from tierlm.engine.cache_manager import CacheManager
+from tierlm.engine.model_runner import ModelRunner
+from tierlm.engine.request import Request, RequestStatus
+from tierlm.engine.sampler import Sampler
+from tierlm.engine.scheduler import Scheduler
+from tierlm.model.loader import load_model, resolve_model_path
+from tierlm.model.model_cache import ModelCache
+from tierlm.outputs import CompletionOutput, RequestOutput
+from tierlm.sampling_params import SamplingParams
+from tierlm.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str
+    dtype: str = "auto"
+    device: str | None = None
+    max_model_len: int | None = None
+    max_num_seqs: int = 4
+    max_num_batched_tokens: int = 512
+    block_size: int = 16
+    num_blocks: int | None = None  # None: enough for max_num_seqs requests of max_model_len
+    seed: int = 0
+
+
+class PromptTooLongError(ValueError):
+    """A prompt that cannot fit the model's context; the message gives both lengths."""
+
+
+@dataclass(eq=False)
+class _Sequence:
+    """A request's text-side state beside the engine's `Request`."""
+
+    request: Request
+    index: int
+    detokenizer: object
+    text: str = ""
+    detokenized: int = 0  # output tokens already fed to the detokenizer
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        model_dir = resolve_model_path(config.model)
+        self.model, self.model_config = load_model(model_dir, config.dtype, config.device)
+        self.tokenizer = Tokenizer.from_pretrained(model_dir)
+        mc = self.model_config
+        self.max_model_len = config.max_model_len or mc.max_position_embeddings
+        block_size = config.block_size
+        if mc.has_qsa and block_size % mc.indexer_compress_ratio:
+            block_size = math.lcm(block_size, mc.indexer_compress_ratio)
+        num_blocks = config.num_blocks or config.max_num_seqs * math.ceil(self.max_model_len / block_size)
+        if mc.has_qsa and num_blocks * block_size < self.max_model_len:
+            raise ValueError(
+                f"num_blocks {num_blocks} x block_size {block_size} cannot hold one request of "
+                f"max_model_len {self.max_model_len}"
+            )
+        dtype = next(self.model.parameters()).dtype
+        device = next(self.model.parameters()).device
+        self.cache = ModelCache(mc, config.max_num_seqs, num_blocks, block_size, dtype, device)
+        self.cache_manager = CacheManager(self.cache)
+        self.scheduler = Scheduler(self.cache_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.runner = ModelRunner(self.model, self.cache, Sampler(config.seed), self._decode_token)
+        self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(mc.eos_token_ids)
+        self._groups: dict[str, tuple[str | None, list[_Sequence]]] = {}
+        self._group_of: dict[Request, str] = {}
+        self._ids = itertools.count()
+
+    # ---- requests -----------------------------------------------------------------------------------
+    def default_params(self) -> tuple[float | None, float | None, int | None]:
+        d = self.tokenizer.generation_defaults
+        return d.temperature, d.top_p, d.top_k
+
+    def add_request(
+        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
+        prompt_text: str | None = None,
+    ) -> str:
+        """Queue a prompt (text or token ids; `prompt_text` names the text of given ids); returns its id."""
+        request_id = request_id or str(next(self._ids))
+        text = prompt if isinstance(prompt, str) else prompt_text
+        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        self.check_prompt(token_ids)
+        params = params.with_defaults(*self.default_params())
+        sequences = []
+        for index in range(params.n):
+            seq_params = params if params.seed is None else dataclasses.replace(params, seed=params.seed + index)
+            request = Request(
+                f"{request_id}-{index}" if params.n > 1 else request_id, token_ids, seq_params,
+                self.eos_token_ids, self.max_model_len, arrival_time=time.monotonic(),
+            )
+            detok = self.tokenizer.detokenizer(token_ids, skip_special_tokens=params.skip_special_tokens)
+            sequences.append(_Sequence(request, index, detok))
+            self._group_of[request] = request_id
+            self.scheduler.add(request)
+        self._groups[request_id] = (text, sequences)
+        return request_id
+
+    def check_prompt(self, token_ids: list[int]) -> None:
+        if not token_ids:
+            raise ValueError("prompt is empty: it must contain at least one token")
+        if len(token_ids) >= self.max_model_len:
+            raise PromptTooLongError(
+                f"prompt has {len(token_ids)} tokens, but max_model_len is {self.max_model_len} "
+                "(the prompt plus at least one generated token must fit)"
+            )
+        bad = [t for t in token_ids if not 0 <= t < self.model_config.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.model_config.vocab_size})")
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request now and free its memory; unknown or finished ids are ignored."""
+        group = self._groups.pop(request_id, None)
+        if group is None:
+            return
+        for seq in group[1]:
+            self._group_of.pop(seq.request, None)
+            if not seq.request.is_finished:
+                seq.request.finish(RequestStatus.FINISHED_ABORTED)
+            self.scheduler.finish(seq.request)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the step -----------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run one forward, sample; outputs of every request that changed this step."""
+        plan = self.scheduler.schedule()
+        if not plan.chunks:
+            return []
+        sampled = self.runner.execute(plan)
+        changed: dict[str, None] = {}
+        for chunk in plan.chunks:
+            request = chunk.request
+            request.num_computed_tokens += chunk.num_tokens
+            if request in sampled:
+                request.append_token(sampled[request])
+                changed[self._group_of[request]] = None
+        return [self._collect(request_id) for request_id in changed]
+
+    def _collect(self, request_id: str) -> RequestOutput:
+        prompt, sequences = self._groups[request_id]
+        completions = []
+        for seq in sequences:
+            request = seq.request
+            self._update_text(seq)
+            if request.is_finished:
+                self.scheduler.finish(request)
+            completions.append(
+                CompletionOutput(
+                    index=seq.index, text=seq.text, token_ids=list(request.output_token_ids),
+                    cumulative_logprob=request.cumulative_logprob if request.logprobs is not None else None,
+                    logprobs=request.logprobs,
+                    finish_reason=request.status.value if request.is_finished else None,
+                    stop_reason=request.stop_reason,
+                )
+            )
+        finished = all(seq.request.is_finished for seq in sequences)
+        first = sequences[0].request
+        if finished:
+            del self._groups[request_id]
+            for seq in sequences:
+                del self._group_of[seq.request]
+        return RequestOutput(
+            request_id=request_id, prompt=prompt, prompt_token_ids=first.prompt_token_ids,
+            prompt_logprobs=first.prompt_logprobs, outputs=completions, finished=finished,
+        )
+
+    def _update_text(self, seq: _Sequence) -> None:
+        """Detokenize the new tokens, then apply stop strings (which may finish the request)."""
+        request = seq.request
+        for token in request.output_token_ids[seq.detokenized :]:
+            seq.text += seq.detokenizer.push(token)
+        seq.detokenized = len(request.output_token_ids)
+        if request.is_finished and request.status != RequestStatus.FINISHED_ABORTED:
+            seq.text += seq.detokenizer.flush()
+        stops = request.params.stop_strings
+        if not stops or (request.is_finished and isinstance(request.stop_reason, str)):
+            return
+        for stop in stops:
+            at = seq.text.find(stop)
+            if at != -1:
+                end = at + len(stop) if request.params.include_stop_str_in_output else at
+                seq.text = seq.text[:end]
+                request.finish(RequestStatus.FINISHED_STOPPED, stop)
+                return
+
+    def _decode_token(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)

@@ -1,0 +1,75 @@
+"""Run one scheduled step: build the `ForwardBatch`, run the model, sample, collect log-probabilities.
+
+Takes the scheduler's plain `SchedulerOutput`, returns {request: sampled token} for chunks that reach
+their request's last token. Logits are computed only for rows that need them: the last row of each
+sampling chunk, plus every prompt row of requests that asked for prompt log-probabilities.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tierlm.engine.sampler import Sampler, position_logprobs
+from tierlm.engine.scheduler import SchedulerOutput
+from tierlm.model.forward_batch import ForwardBatch
+from tierlm.model.model_cache import ModelCache
+
+
+class ModelRunner:
+    def __init__(self, model, cache: ModelCache, sampler: Sampler, decode_token) -> None:
+        self.model = model
+        self.cache = cache
+        self.sampler = sampler
+        self.decode_token = decode_token  # token id -> text, for Logprob.decoded_token
+        self.device = cache.device
+
+    def execute(self, step: SchedulerOutput) -> dict:
+        rows, row, wanted = [], 0, []  # wanted: (chunk, first logits row, number of rows)
+        for chunk in step.chunks:
+            request = chunk.request
+            if request.prompt_logprobs is not None and chunk.start < request.num_prompt_tokens - 1:
+                # rows predicting prompt tokens start+1 .. min(end, P-1), and the sampling row if any
+                count = min(chunk.start + chunk.num_tokens, request.num_prompt_tokens) - chunk.start
+                wanted.append((chunk, len(rows), count))
+                rows.extend(range(row, row + count))
+            elif chunk.samples:
+                wanted.append((chunk, len(rows), 1))
+                rows.append(row + chunk.num_tokens - 1)
+            row += chunk.num_tokens
+        batch = ForwardBatch.build(
+            [c.request.token_slice(c.start, c.start + c.num_tokens) for c in step.chunks],
+            [c.start for c in step.chunks],
+            [c.request.state_slot for c in step.chunks],
+            [c.request.block_ids for c in step.chunks],
+            self.cache.block_size,
+            device=self.device,
+            logits=rows,
+        )
+        logits = self.model(batch, self.cache).float().cpu() if rows else None
+        sampled = {}
+        for chunk, first, count in wanted:
+            request = chunk.request
+            block = logits[first : first + count]
+            if request.prompt_logprobs is not None and chunk.start < request.num_prompt_tokens - 1:
+                self._record_prompt_logprobs(request, chunk.start, block)
+            if chunk.samples:
+                sampled[request] = self._sample(request, block[-1])
+        return sampled
+
+    def _record_prompt_logprobs(self, request, start: int, block: torch.Tensor) -> None:
+        logprobs = torch.log_softmax(block, dim=-1)
+        top = request.params.prompt_logprobs
+        for offset in range(block.shape[0]):
+            target = start + offset + 1
+            if target < request.num_prompt_tokens and len(request.prompt_logprobs) == target:
+                token = request.prompt_token_ids[target]
+                request.prompt_logprobs.append(position_logprobs(logprobs[offset], token, top, self.decode_token))
+
+    def _sample(self, request, row: torch.Tensor) -> int:
+        token = self.sampler.sample(row, request)
+        if request.logprobs is not None:
+            logprobs = torch.log_softmax(row, dim=-1)
+            entry = position_logprobs(logprobs, token, request.params.logprobs, self.decode_token)
+            request.logprobs.append(entry)
+            request.cumulative_logprob += entry[token].logprob
+        return token

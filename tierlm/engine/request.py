@@ -1,0 +1,98 @@
+"""One sequence being generated, in the counter model: `num_computed_tokens` catches up with `num_tokens`.
+
+There is no prefill or decode phase: a step computes the next tokens up to a budget; when computed
+equals total, the step's logits sample one more token. Prefix hits, chunked prefill and preemption
+(computed reset to zero) are all changes to that one counter.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from tierlm.outputs import PositionLogprobs
+from tierlm.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"
+
+    @property
+    def finished(self) -> bool:
+        return self not in (RequestStatus.WAITING, RequestStatus.RUNNING)
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: frozenset[int]
+    max_model_len: int
+    arrival_time: float = 0.0
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    stop_reason: int | str | None = None
+    # where its state lives; owned by the cache manager
+    state_slot: int | None = None
+    block_ids: list[int] = field(default_factory=list)
+    # sampling state
+    generator: torch.Generator | None = None
+    logprobs: list[PositionLogprobs] | None = None
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    cumulative_logprob: float = 0.0
+    num_preemptions: int = 0
+
+    def __post_init__(self) -> None:
+        if self.params.seed is not None:
+            self.generator = torch.Generator().manual_seed(self.params.seed)
+        if self.params.logprobs is not None:
+            self.logprobs = []
+        if self.params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        prompt_len = len(self.prompt_token_ids)
+        if end <= prompt_len:
+            return self.prompt_token_ids[start:end]
+        return (self.prompt_token_ids + self.output_token_ids)[start:end]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    def append_token(self, token_id: int) -> None:
+        """Record a sampled token and decide whether the request is done."""
+        self.output_token_ids.append(token_id)
+        n_out = len(self.output_token_ids)
+        if n_out >= self.params.min_tokens:
+            if token_id in self.params.stop_token_ids:
+                self.finish(RequestStatus.FINISHED_STOPPED, token_id)
+                return
+            if not self.params.ignore_eos and token_id in self.eos_token_ids:
+                self.finish(RequestStatus.FINISHED_STOPPED)
+                return
+        if self.params.max_tokens is not None and n_out >= self.params.max_tokens:
+            self.finish(RequestStatus.FINISHED_LENGTH)
+        elif self.num_tokens >= self.max_model_len:
+            self.finish(RequestStatus.FINISHED_LENGTH)
+
+    def finish(self, status: RequestStatus, stop_reason: int | str | None = None) -> None:
+        self.status = status
+        self.stop_reason = stop_reason

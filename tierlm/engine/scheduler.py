@@ -1,0 +1,109 @@
+"""Each step, decide which requests compute how many tokens, under a token budget.
+
+Counter model (as vLLM v1): running requests first, in admission order, each catching its computed
+count up to its total (a decode is 1 token, a prefill chunk up to the remaining budget); then waiting
+requests are admitted while the budget, `max_num_seqs`, a free state slot and enough blocks allow.
+When a running request cannot get the blocks it needs, the most recently admitted running request is
+preempted: its memory is freed and it waits again at the front, to be recomputed from scratch.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from tierlm.engine.cache_manager import CacheManager
+from tierlm.engine.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledChunk:
+    request: Request
+    num_tokens: int
+
+    @property
+    def start(self) -> int:
+        return self.request.num_computed_tokens
+
+    @property
+    def samples(self) -> bool:
+        """Whether this chunk reaches the request's last known token, so its logits pick the next one."""
+        return self.start + self.num_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+
+class Scheduler:
+    def __init__(self, cache_manager: CacheManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.cache_manager = cache_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self._reserve(request, n, out):
+                break  # the request itself was preempted; nothing after it remains
+            out.chunks.append(ScheduledChunk(request, n))
+            budget -= n
+            index += 1
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
+            request = self.waiting[0]
+            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self.cache_manager.can_admit(request, request.num_computed_tokens + n):
+                break
+            self.waiting.popleft()
+            self.cache_manager.admit(request)
+            self.cache_manager.grow(request, request.num_computed_tokens + n)
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.chunks.append(ScheduledChunk(request, n))
+            budget -= n
+        return out
+
+    def _reserve(self, request: Request, n: int, out: SchedulerOutput) -> bool:
+        """Blocks for the request's next n tokens, preempting from the back; False if it was the victim."""
+        while not self.cache_manager.grow(request, request.num_computed_tokens + n):
+            victim = self.running.pop()
+            self._preempt(victim)
+            out.preempted.append(victim)
+            if victim is request:
+                return False
+        return True
+
+    def _preempt(self, request: Request) -> None:
+        self.cache_manager.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.WAITING
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def finish(self, request: Request) -> None:
+        """Take a finished (or aborted) request out and free its memory at once."""
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.cache_manager.free(request)

@@ -1,0 +1,56 @@
+"""`tierlm generate MODEL --prompt TEXT`: one completion, streamed to the terminal as it is produced."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from tierlm.cli import CliError
+
+
+def add_parser(subparsers) -> None:
+    parser = subparsers.add_parser("generate", help="complete one prompt, streaming the text")
+    parser.add_argument("model", help="a local checkpoint folder (e.g. from `tierlm demo-model`)")
+    parser.add_argument("--prompt", required=True)
+    parser.add_argument("--chat", action="store_true", help="send the prompt as a user message (chat template)")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=None, help="default: the model's generation_config")
+    parser.add_argument("--top-p", type=float, default=None)
+    parser.add_argument("--top-k", type=int, default=None)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--device", default=None)
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from tierlm.engine.llm_engine import EngineConfig, LLMEngine
+    from tierlm.model.loader import ModelNotFoundError
+    from tierlm.sampling_params import SamplingParams
+
+    try:
+        params = SamplingParams(
+            max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+            seed=args.seed,
+        )
+        engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, device=args.device))
+        prompt = args.prompt
+        if args.chat:
+            prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+        request_id = engine.add_request(prompt, params)
+    except (ValueError, ModelNotFoundError) as exc:
+        raise CliError(str(exc)) from None
+    shown = 0
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.request_id != request_id:
+                continue
+            text = output.outputs[0].text
+            sys.stdout.write(text[shown:])
+            sys.stdout.flush()
+            shown = len(text)
+            if output.finished:
+                sys.stdout.write("\n")
+                print(f"[finish_reason={output.outputs[0].finish_reason}, "
+                      f"tokens={len(output.outputs[0].token_ids)}]", file=sys.stderr)
+    return 0

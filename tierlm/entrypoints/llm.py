@@ -1,0 +1,83 @@
+"""`LLM`: offline batch generation with vLLM's interface (`generate`, `chat`), on the engine."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from tierlm.engine.llm_engine import EngineConfig, LLMEngine
+from tierlm.outputs import RequestOutput
+from tierlm.sampling_params import SamplingParams
+
+Prompt = str | dict[str, Any]
+
+
+class LLM:
+    """LLM(model, dtype="auto", device=None, **engine options) -> generate(prompts, sampling_params)."""
+
+    def __init__(self, model: str, dtype: str = "auto", device: str | None = None, **engine_options: Any) -> None:
+        self.engine = LLMEngine(EngineConfig(model=str(model), dtype=dtype, device=device, **engine_options))
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        temperature, top_p, top_k = self.engine.default_params()
+        return SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Prompts are strings or {"prompt_token_ids": [...]}; a list is one batch, run together."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params_list = (
+            [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
+        )
+        if len(params_list) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(params_list)} sampling params")
+        ids = [
+            self.engine.add_request(_prompt_input(p), sp, prompt_text=p.get("prompt") if isinstance(p, dict) else None)
+            for p, sp in zip(prompts, params_list)
+        ]
+        return self._run(ids)
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        sampling_params: SamplingParams | None = None,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """One conversation (a list of messages) or a batch of them, rendered with the chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        tokenizer = self.engine.tokenizer
+        prompts = []
+        for conversation in conversations:
+            text = tokenizer.apply_chat_template(
+                conversation, add_generation_prompt=add_generation_prompt, **(chat_template_kwargs or {})
+            )
+            prompts.append({"prompt_token_ids": tokenizer.encode(text, add_special_tokens=False), "prompt": text})
+        return self.generate(prompts, sampling_params)
+
+    def _run(self, request_ids: list[str]) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        while self.engine.has_unfinished_requests():
+            for output in self.engine.step():
+                if output.finished:
+                    finished[output.request_id] = output
+        return [finished[i] for i in request_ids]
+
+
+def _prompt_input(prompt: Prompt) -> str | list[int]:
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+        return list(prompt["prompt_token_ids"])
+    if isinstance(prompt, dict) and "prompt" in prompt:
+        return prompt["prompt"]
+    raise ValueError("a prompt must be a string, {'prompt': str} or {'prompt_token_ids': [int, ...]}")

@@ -1,0 +1,77 @@
+"""`SamplingParams`: how one request is decoded, with vLLM's names, defaults and validation.
+
+`temperature`, `top_p` and `top_k` left as None take the model's generation_config.json values (as
+vLLM does with `--generation-config auto`), else 1.0 / 1.0 / off. Every invalid value raises a
+`ValueError` that names the parameter, which the server turns into an HTTP 400.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    stop_strings: list[str] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.stop_strings = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self._validate()
+
+    def _validate(self) -> None:
+        def fail(name: str, rule: str) -> None:
+            raise ValueError(f"{name} {rule}, got {getattr(self, name)!r}")
+
+        if not isinstance(self.n, int) or self.n < 1:
+            fail("n", "must be an integer >= 1")
+        if self.temperature is not None and not 0 <= self.temperature <= 100:
+            fail("temperature", "must be in [0, 100]")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            fail("top_p", "must be in (0, 1]")
+        if self.top_k is not None and (not isinstance(self.top_k, int) or self.top_k < -1):
+            fail("top_k", "must be -1 or 0 (disabled) or a positive integer")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            fail("max_tokens", "must be an integer >= 1")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            fail("min_tokens", "must be an integer >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            fail("min_tokens", f"must not exceed max_tokens={self.max_tokens}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 0 or value > 20):
+                fail(name, "must be an integer in [0, 20]")
+        if any(not isinstance(s, str) or not s for s in self.stop_strings):
+            fail("stop", "must be a non-empty string or a list of them")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            fail("stop_token_ids", "must be a list of non-negative token ids")
+        if self.seed is not None and not isinstance(self.seed, int):
+            fail("seed", "must be an integer")
+
+    def with_defaults(self, temperature: float | None, top_p: float | None, top_k: int | None) -> "SamplingParams":
+        """A copy whose unset temperature / top_p / top_k take the model's defaults."""
+        return dataclasses.replace(
+            self,
+            temperature=self.temperature if self.temperature is not None else (1.0 if temperature is None else temperature),
+            top_p=self.top_p if self.top_p is not None else (1.0 if top_p is None else top_p),
+            top_k=self.top_k if self.top_k is not None else (0 if top_k is None else top_k),
+        )
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
