@@ -40,10 +40,15 @@ class LLM:
         )
         if len(params_list) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params_list)} sampling params")
-        ids = [
-            self.engine.add_request(_prompt_input(p), sp, prompt_text=p.get("prompt") if isinstance(p, dict) else None)
-            for p, sp in zip(prompts, params_list)
-        ]
+        ids: list[str] = []
+        try:
+            for prompt, params in zip(prompts, params_list):
+                text = prompt.get("prompt") if isinstance(prompt, dict) else None
+                ids.append(self.engine.add_request(_prompt_input(prompt), params, prompt_text=text))
+        except ValueError:
+            for request_id in ids:  # a batch is accepted whole or not at all
+                self.engine.abort_request(request_id)
+            raise
         return self._run(ids)
 
     def chat(
