@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import jinja2
 import jinja2.ext
@@ -25,7 +25,15 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _BackendTokenizer
 
 # The special-token roles transformers passes to a chat template as variables (as strings).
-SPECIAL_TOKEN_ROLES = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
+SPECIAL_TOKEN_ROLES = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "pad_token",
+    "sep_token",
+    "cls_token",
+    "mask_token",
+)
 _REPLACEMENT_CHAR = "\ufffd"
 
 
@@ -50,7 +58,7 @@ class GenerationDefaults:
     max_new_tokens: int | None = None
 
     @classmethod
-    def from_dict(cls, raw: Mapping[str, Any]) -> "GenerationDefaults":
+    def from_dict(cls, raw: Mapping[str, Any]) -> GenerationDefaults:
         def pick(key: str, kind: type) -> Any:
             value = raw.get(key)
             return None if value is None else kind(value)
@@ -63,7 +71,7 @@ class GenerationDefaults:
         )
 
     @classmethod
-    def from_pretrained(cls, model_dir: str | Path) -> "GenerationDefaults":
+    def from_pretrained(cls, model_dir: str | Path) -> GenerationDefaults:
         return cls.from_dict(_read_json(Path(model_dir) / "generation_config.json", missing_ok=True))
 
 
@@ -104,7 +112,7 @@ def _token_content(value: Any) -> str | None:
 class _GenerationTag(jinja2.ext.Extension):
     """Accept `{% generation %}...{% endgeneration %}` (assistant-mask markers) and render the body as is."""
 
-    tags = {"generation"}
+    tags: ClassVar[set[str]] = {"generation"}
 
     def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
         lineno = next(parser.stream).lineno
@@ -116,9 +124,13 @@ def _raise_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
 
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys=False):
+def _tojson(
+    value: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys=False
+):
     # jinja's own tojson escapes HTML characters; chat templates expect plain JSON.
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
 
 
 def _strftime_now(fmt: str) -> str:
@@ -148,13 +160,17 @@ def _check_messages(messages: Any) -> list[dict[str, Any]]:
     checked = []
     for i, message in enumerate(messages):
         if not isinstance(message, Mapping):
-            raise ChatTemplateError(f"messages[{i}]: expected a mapping with 'role' and 'content', got {message!r}")
+            raise ChatTemplateError(
+                f"messages[{i}]: expected a mapping with 'role' and 'content', got {message!r}"
+            )
         role = message.get("role")
         if not isinstance(role, str) or not role:
             raise ChatTemplateError(f"messages[{i}]: 'role' must be a non-empty string, got {role!r}")
         content = message.get("content")
         if content is None and role != "assistant":
-            raise ChatTemplateError(f"messages[{i}]: 'content' is missing (only an assistant turn may omit it)")
+            raise ChatTemplateError(
+                f"messages[{i}]: 'content' is missing (only an assistant turn may omit it)"
+            )
         if content is not None and not isinstance(content, (str, list)):
             raise ChatTemplateError(
                 f"messages[{i}]: 'content' must be a string or a list of parts, got {type(content).__name__}"
@@ -194,15 +210,16 @@ class Tokenizer:
         self._compiled: dict[str, jinja2.Template] = {}
 
     @classmethod
-    def from_pretrained(cls, model_dir: str | Path) -> "Tokenizer":
-        """Read tokenizer.json, tokenizer_config.json, chat_template.jinja, config.json, generation_config.json."""
+    def from_pretrained(cls, model_dir: str | Path) -> Tokenizer:
+        """Read tokenizer.json and, where present, tokenizer_config.json, chat_template.jinja, config.json and
+        generation_config.json (the last two for the EOS set and sampling defaults)."""
         folder = Path(model_dir)
         path = folder / "tokenizer.json"
         if not path.is_file():
             raise TokenizerError(f"tokenizer.json: not found in {folder}")
         try:
             backend = _BackendTokenizer.from_file(str(path))
-        except Exception as exc:  # the Rust side raises a bare Exception
+        except Exception as exc:  # noqa: BLE001 (the Rust side raises a bare Exception)
             raise TokenizerError(f"tokenizer.json: cannot be read ({exc})") from None
 
         tok_config = _read_json(folder / "tokenizer_config.json", missing_ok=True)
@@ -219,7 +236,9 @@ class Tokenizer:
         template_file = folder / "chat_template.jinja"
         if template_file.is_file():  # the standalone file wins, as in transformers
             default = template_file.read_text(encoding="utf-8")
-            chat_template = {**chat_template, "default": default} if isinstance(chat_template, dict) else default
+            chat_template = (
+                {**chat_template, "default": default} if isinstance(chat_template, dict) else default
+            )
 
         model_config = _read_json(folder / "config.json", missing_ok=True)
         text_config = model_config.get("text_config") or {}
@@ -271,8 +290,11 @@ class Tokenizer:
 
     # ---- text <-> ids -------------------------------------------------------------------------------
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Ids of `text`; special tokens written in the text are recognised. `add_special_tokens` applies
-        the tokenizer's post-processor (e.g. a BOS), as in transformers; pass False for a rendered chat prompt."""
+        """Ids of `text`; special tokens written in the text are recognised.
+
+        `add_special_tokens` applies the tokenizer's post-processor (e.g. a BOS), as transformers does by
+        default; pass False for a rendered chat prompt, which already holds its special tokens.
+        """
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
@@ -290,7 +312,9 @@ class Tokenizer:
             return "default", template
         name = "tool_use" if tools is not None and "tool_use" in template else "default"
         if name not in template:
-            raise ChatTemplateError(f"chat template: no 'default' among the named templates {sorted(template)}")
+            raise ChatTemplateError(
+                f"chat template: no 'default' among the named templates {sorted(template)}"
+            )
         return name, template[name]
 
     def apply_chat_template(
@@ -303,7 +327,7 @@ class Tokenizer:
         """The prompt text for a conversation (encode it with `add_special_tokens=False`).
 
         Variables as transformers provides them: `messages`, `add_generation_prompt`, `tools`, the special
-        tokens as strings (`bos_token`, `eos_token`, ...), plus any `template_kwargs` (e.g. `enable_thinking`).
+        tokens as strings (`bos_token`, `eos_token`, ...), and any `template_kwargs` (`enable_thinking`, ...).
         """
         checked = _check_messages(messages)
         name, source = self._template_source(tools)
@@ -317,7 +341,9 @@ class Tokenizer:
         except jinja2.exceptions.TemplateError as exc:
             raise ChatTemplateError(f"chat template: {exc}") from None
 
-    def detokenizer(self, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True) -> "IncrementalDetokenizer":
+    def detokenizer(
+        self, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True
+    ) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self, prompt_ids=prompt_ids, skip_special_tokens=skip_special_tokens)
 
 
@@ -338,7 +364,9 @@ class IncrementalDetokenizer:
 
     PROMPT_CONTEXT = 6  # prompt ids kept as left context
 
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True):
+    def __init__(
+        self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True
+    ):
         self._tokenizer = tokenizer
         self._skip = skip_special_tokens
         self._ids: list[int] = list(prompt_ids[-self.PROMPT_CONTEXT :]) if prompt_ids else []
@@ -354,7 +382,9 @@ class IncrementalDetokenizer:
     def _window_texts(self) -> tuple[str, str]:
         decode = self._tokenizer.decode
         window = self._ids[self._prefix_offset :]
-        emitted_part = decode(self._ids[self._prefix_offset : self._read_offset], skip_special_tokens=self._skip)
+        emitted_part = decode(
+            self._ids[self._prefix_offset : self._read_offset], skip_special_tokens=self._skip
+        )
         return emitted_part, decode(window, skip_special_tokens=self._skip)
 
     def push(self, token_id: int) -> str:

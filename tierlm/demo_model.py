@@ -1,0 +1,500 @@
+"""`tierlm demo-model`: a small, random-weight Qwen4-Exp checkpoint with a real tokenizer, built offline.
+
+Owns the two demo configurations (`tiny` for tests and a 2-core CPU, `small` for benchmarks), the local
+training of their byte-level BPE tokenizer, the weight initialisation and the sharded safetensors writing.
+Everything is a function of (size, seed, this Python's standard library): building twice gives the same
+bytes. The tensor list comes from `tierlm.model.checkpoint_layout`, so the files have exactly the names,
+shapes and int64 hash buffers that transformers' `save_pretrained` would write. It does not own loading
+(the engine's weight loader reads what this writes, like any other checkpoint).
+
+Choices worth knowing:
+- dtype: `tiny` is float32 (exact CPU parity tests against transformers, fast enough on CPU); `small` is
+  bfloat16 (what a GPU serves, and half the bytes to move).
+- vocab_size: the tokenizer's size rounded up to a multiple of 64; the padded ids (if any) are never produced
+  by the tokenizer. With the trainer's vocab sizes (4096, 8192) there is no padding.
+- The tokenizer is trained on this interpreter's standard-library sources (sorted file names, a fixed byte
+  budget), so it is deterministic on a machine but may differ between Python versions.
+- Weights: normal with std 1/sqrt(fan_in) (a residual stream of RMS ~1 stays so), embeddings std 1,
+  `lm_head` scaled so next-token distributions are neither flat nor one-hot; Gemma-style norms (1+w) get
+  small noise around 0; PLE convolutions are non-zero (transformers zero-initialises them) so that path
+  is exercised. Each tensor has its own generator, seeded from (seed, tensor name).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import shutil
+import sys
+import sysconfig
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from tierlm.model.checkpoint_layout import TensorSpec
+
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+ENDOFTEXT, IM_START, IM_END = SPECIAL_TOKENS
+
+CHATML_TEMPLATE = (
+    "{%- for message in messages %}\n"
+    "{%- if message['role'] not in ['system', 'user', 'assistant'] %}\n"
+    "{{- raise_exception('Only system, user and assistant roles are supported, got ' + message['role']) }}\n"
+    "{%- endif %}\n"
+    "{{- '<|im_start|>' + message['role'] + '\\n' }}\n"
+    "{%- if message['content'] is string %}\n"
+    "{{- message['content'] }}\n"
+    "{%- elif message['content'] is not none %}\n"
+    "{%- for part in message['content'] %}\n"
+    "{%- if part['type'] == 'text' %}{{- part['text'] }}{%- endif %}\n"
+    "{%- endfor %}\n"
+    "{%- endif %}\n"
+    "{{- '<|im_end|>\\n' }}\n"
+    "{%- endfor %}\n"
+    "{%- if add_generation_prompt %}\n"
+    "{{- '<|im_start|>assistant\\n' }}\n"
+    "{%- endif %}\n"
+)
+
+# Sampling defaults written to generation_config.json (Qwen's usual non-thinking values).
+GENERATION_DEFAULTS = {"temperature": 0.7, "top_p": 0.8, "top_k": 20}
+
+NORM_STD = 0.05  # Gemma-style norm weights: 1 + w, w small
+EMBED_STD = 1.0
+# lm_head std = gain / sqrt(hidden): logits of std ~2.7 on the tiny model, mean next-token entropy ~60% of
+# log(vocab), mean top-1 probability ~13%: varied greedy output, neither a flat nor a one-hot softmax.
+LM_HEAD_GAIN = 6.0
+
+
+@dataclass(frozen=True)
+class DemoSize:
+    """One demo configuration: the architecture (config.json fields other than vocab/eos) and build knobs."""
+
+    text_config: dict[str, Any]
+    tokenizer_vocab: int
+    corpus_bytes: int  # standard-library source bytes the tokenizer is trained on
+    max_shard_bytes: int
+    dtype: str
+
+
+def _layer_types(num_layers: int, interval: int) -> list[str]:
+    return ["indexed_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(num_layers)]
+
+
+SIZES: dict[str, DemoSize] = {
+    # ~3.6 M parameters, 15 MB float32; 3 GDN layers (PLE on 1 and 2) + 1 QSA layer.
+    "tiny": DemoSize(
+        text_config={
+            "hidden_size": 128,
+            "num_hidden_layers": 4,
+            "layer_types": _layer_types(4, 4),
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 32,
+            "max_position_embeddings": 8192,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+            "linear_conv_kernel_dim": 4,
+            "linear_key_head_dim": 32,
+            "linear_value_head_dim": 32,
+            "linear_num_key_heads": 2,
+            "linear_num_value_heads": 4,
+            "num_experts": 16,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 64,
+            "shared_expert_intermediate_size": 128,
+            "hc_count": 4,
+            "hc_lowrank": 16,
+            "ple_layer_ids": [1, 2],
+            "ple_embed_dim": 64,
+            "ple_conv_kernel_size": 4,
+            "ngram_size": 3,
+            "heads_per_ngram": 2,
+            "ngram_vocab_size_base": 2000,
+            "split_ngram_parts": 4,
+            "indexer_n_heads": 4,
+            "indexer_kv_heads": 1,
+            "indexer_head_dim": 32,
+            "indexer_budget": 64,
+            "indexer_compress_ratio": 4,
+        },
+        tokenizer_vocab=4096,
+        corpus_bytes=2_000_000,
+        max_shard_bytes=8 << 20,
+        dtype="float32",
+    ),
+    # ~150 M parameters, ~300 MB bfloat16; 6 GDN layers (PLE on 1 and 5) + 2 QSA layers.
+    "small": DemoSize(
+        text_config={
+            "hidden_size": 512,
+            "num_hidden_layers": 8,
+            "layer_types": _layer_types(8, 4),
+            "num_attention_heads": 8,
+            "num_key_value_heads": 2,
+            "head_dim": 64,
+            "max_position_embeddings": 32768,
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": 1000000.0,
+                "partial_rotary_factor": 0.25,
+            },
+            "linear_conv_kernel_dim": 4,
+            "linear_key_head_dim": 64,
+            "linear_value_head_dim": 64,
+            "linear_num_key_heads": 4,
+            "linear_num_value_heads": 8,
+            "num_experts": 64,
+            "num_experts_per_tok": 4,
+            "moe_intermediate_size": 128,
+            "shared_expert_intermediate_size": 256,
+            "hc_count": 4,
+            "hc_lowrank": 32,
+            "ple_layer_ids": [1, 5],
+            "ple_embed_dim": 256,
+            "ple_conv_kernel_size": 4,
+            "ngram_size": 3,
+            "heads_per_ngram": 4,
+            "ngram_vocab_size_base": 50_000,
+            "split_ngram_parts": 16,
+            "indexer_n_heads": 4,
+            "indexer_kv_heads": 1,
+            "indexer_head_dim": 64,
+            "indexer_budget": 64,
+            "indexer_compress_ratio": 8,
+        },
+        tokenizer_vocab=8192,
+        corpus_bytes=4_000_000,
+        max_shard_bytes=100 << 20,
+        dtype="bfloat16",
+    ),
+}
+
+_COMMON_FIELDS = {
+    "hidden_act": "silu",
+    "rms_norm_eps": 1e-6,
+    "attention_bias": False,
+    "norm_topk_prob": True,
+    "make_ngram_vocab_size_divisible_by": 128,
+    "seed": 1234,
+    "output_gate_type": None,
+    "tie_word_embeddings": False,
+    "bos_token_id": None,
+    "pad_token_id": None,
+}
+
+
+# ---- tokenizer --------------------------------------------------------------------------------------
+
+
+def corpus_files(budget_bytes: int) -> list[Path]:
+    """The stdlib sources the tokenizer learns from: top-level `*.py`, by name, up to a byte budget."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    chosen, total = [], 0
+    for path in sorted(stdlib.glob("*.py"), key=lambda p: p.name):
+        if total >= budget_bytes:
+            break
+        chosen.append(path)
+        total += path.stat().st_size
+    if not chosen:
+        raise RuntimeError(f"no Python sources found in the standard library folder {stdlib}")
+    return chosen
+
+
+def _corpus_texts(files: list[Path]) -> Iterator[str]:
+    for path in files:
+        yield path.read_text(encoding="utf-8", errors="replace")
+
+
+@lru_cache(maxsize=4)
+def train_tokenizer(vocab_size: int, corpus_bytes: int, show_progress: bool = False) -> str:
+    """A byte-level BPE tokenizer (as tokenizer.json text) with the ChatML special tokens at ids 0, 1, 2.
+
+    Byte-level pre-tokenizer and decoder with the full 256-byte initial alphabet: every string round-trips.
+    Deterministic for a given file list (cached per process: the tests build several models).
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=2,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=show_progress,
+    )
+    files = corpus_files(corpus_bytes)
+    tokenizer.train_from_iterator(_corpus_texts(files), trainer=trainer, length=len(files))
+    return tokenizer.to_str(pretty=True)
+
+
+def _tokenizer_config(ids: dict[str, int], max_length: int) -> dict[str, Any]:
+    added = {
+        str(ids[token]): {
+            "content": token,
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": True,
+        }
+        for token in SPECIAL_TOKENS
+    }
+    return {
+        "added_tokens_decoder": added,
+        "bos_token": None,
+        "chat_template": CHATML_TEMPLATE,
+        "clean_up_tokenization_spaces": False,
+        "eos_token": IM_END,
+        "errors": "replace",
+        "model_max_length": max_length,
+        "pad_token": ENDOFTEXT,
+        "split_special_tokens": False,
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "unk_token": None,
+    }
+
+
+# ---- config -----------------------------------------------------------------------------------------
+
+
+def demo_config(size: str, vocab_size: int, eos_token_id: int) -> dict[str, Any]:
+    """The config.json dict of a demo model (flat text fields, as `save_pretrained` writes them)."""
+    spec = SIZES[size]
+    padded_vocab = math.ceil(vocab_size / 64) * 64
+    fields = {**_COMMON_FIELDS, **spec.text_config}
+    config = {
+        "architectures": ["Qwen4ExpForCausalLM"],
+        "model_type": "qwen4_exp_text",
+        "dtype": spec.dtype,
+        "vocab_size": padded_vocab,
+        "eos_token_id": eos_token_id,
+        "number_of_conv_states": 3 if fields["ple_layer_ids"] else 1,
+        "use_cache": True,
+        **fields,
+    }
+    return dict(sorted(config.items()))
+
+
+# ---- weights ----------------------------------------------------------------------------------------
+
+
+def _tensor_seed(seed: int, name: str) -> int:
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def init_tensor(
+    spec: TensorSpec,
+    seed: int,
+    dtype: torch.dtype,
+    hidden_size: int,
+    hash_buffers: dict[str, list[int]] | None,
+) -> torch.Tensor:
+    """One tensor of the demo checkpoint, from its `TensorSpec` kind (see the module docstring)."""
+    import torch
+
+    if spec.kind == "int64":
+        assert hash_buffers is not None, spec.name
+        return torch.tensor(hash_buffers[spec.name.rsplit(".", 1)[-1]], dtype=torch.int64)
+    gen = torch.Generator().manual_seed(_tensor_seed(seed, spec.name))
+    shape = spec.shape
+    if spec.kind == "ones":
+        values = torch.ones(shape)
+    elif spec.kind == "bias":
+        values = torch.zeros(shape)
+    elif spec.kind == "norm":
+        values = torch.empty(shape).normal_(0.0, NORM_STD, generator=gen)
+    elif spec.kind == "a_log":
+        values = torch.empty(shape).uniform_(1.0, 16.0, generator=gen).log_()
+    elif spec.kind == "ple_table":
+        values = torch.empty(shape).normal_(0.0, 1.0, generator=gen)
+    elif spec.kind == "weight":
+        if spec.name.endswith("embed_tokens.weight"):
+            std = EMBED_STD
+        elif spec.name == "lm_head.weight":
+            std = LM_HEAD_GAIN / math.sqrt(hidden_size)
+        else:
+            std = 1.0 / math.sqrt(math.prod(shape[1:]))
+        values = torch.empty(shape).normal_(0.0, std, generator=gen)
+    else:
+        raise ValueError(f"{spec.name}: unknown tensor kind {spec.kind!r}")
+    return values.to(dtype).contiguous()
+
+
+def _plan_shards(sizes: list[int], max_shard_bytes: int) -> list[int]:
+    """Shard index of each tensor, in order, starting a new shard when the next tensor would overflow."""
+    shard_of, current, used = [], 0, 0
+    for nbytes in sizes:
+        if used and used + nbytes > max_shard_bytes:
+            current, used = current + 1, 0
+        shard_of.append(current)
+        used += nbytes
+    return shard_of
+
+
+# ---- the build --------------------------------------------------------------------------------------
+
+OWNED_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "model.safetensors",
+    "model.safetensors.index.json",
+)
+
+
+def _owned(path: Path) -> bool:
+    return path.name in OWNED_FILES or (path.name.startswith("model-") and path.suffix == ".safetensors")
+
+
+def _write_json(path: Path, value: Any) -> None:
+    path.write_text(json.dumps(value, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def build_demo_model(
+    out_dir: str | Path, size: str = "tiny", seed: int = 0, *, overwrite: bool = False, progress: bool = False
+) -> Path:
+    """Write the demo checkpoint of `size` into `out_dir` and return that folder.
+
+    The files are written to a hidden folder beside `out_dir` and moved in at the end (config.json last),
+    so an interrupted build leaves no half model behind. An `out_dir` that already holds checkpoint files
+    is refused unless `overwrite`; only those files are replaced, anything else in the folder is kept.
+    """
+    import torch
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from safetensors.torch import save_file
+    from tokenizers import Tokenizer
+
+    from tierlm.config import ModelConfig
+    from tierlm.model.checkpoint_layout import checkpoint_layout, ple_hash_buffers
+
+    if size not in SIZES:
+        raise ValueError(f"size: unknown demo size {size!r}; choose one of {sorted(SIZES)}")
+    spec = SIZES[size]
+    out = Path(out_dir)
+    existing = sorted(p for p in out.iterdir() if _owned(p)) if out.is_dir() else []
+    if existing and not overwrite:
+        names = ", ".join(p.name for p in existing[:3]) + (", ..." if len(existing) > 3 else "")
+        raise FileExistsError(f"{out} already holds checkpoint files ({names}); overwrite=True replaces them")
+
+    console = Console(stderr=True)
+    # The trainer's bars print stray newlines on stdout when it is not a terminal.
+    show_trainer = progress and sys.stdout.isatty()
+    tokenizer_json = train_tokenizer(spec.tokenizer_vocab, spec.corpus_bytes, show_progress=show_trainer)
+    tokenizer = Tokenizer.from_str(tokenizer_json)
+    ids = {token: tokenizer.token_to_id(token) for token in SPECIAL_TOKENS}
+    raw_config = demo_config(size, tokenizer.get_vocab_size(with_added_tokens=True), ids[IM_END])
+    config = ModelConfig.from_dict(raw_config)  # refuse to write a config the reference would reject
+
+    dtype = getattr(torch, spec.dtype)
+    layout = checkpoint_layout(config)
+    buffers = {
+        f"model.layers.{layer_id - 1}.ple.ple_embedding.": ple_hash_buffers(config, k)
+        for k, layer_id in enumerate(config.ple_layer_ids)
+    }
+    item_size = {"int64": 8}
+    nbytes = [math.prod(t.shape) * item_size.get(t.kind, dtype.itemsize) for t in layout]
+    shard_of = _plan_shards(nbytes, spec.max_shard_bytes)
+    num_shards = shard_of[-1] + 1
+    shard_names = [f"model-{i + 1:05d}-of-{num_shards:05d}.safetensors" for i in range(num_shards)]
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    try:
+        (staging / "tokenizer.json").write_text(tokenizer_json, encoding="utf-8")
+        _write_json(staging / "tokenizer_config.json", _tokenizer_config(ids, config.max_position_embeddings))
+        _write_json(
+            staging / "generation_config.json",
+            {"do_sample": True, "eos_token_id": [ids[IM_END], ids[ENDOFTEXT]], **GENERATION_DEFAULTS},
+        )
+        columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+        with Progress(*columns, console=console, disable=not progress) as bar:
+            task = bar.add_task(f"demo-model {size}: weights", total=len(layout))
+            for shard in range(num_shards):
+                tensors = {}
+                for tensor_spec, owner in zip(layout, shard_of, strict=True):
+                    if owner != shard:
+                        continue
+                    prefix = tensor_spec.name.rsplit(".", 1)[0] + "."
+                    tensors[tensor_spec.name] = init_tensor(
+                        tensor_spec, seed, dtype, config.hidden_size, buffers.get(prefix)
+                    )
+                    bar.advance(task)
+                save_file(tensors, str(staging / shard_names[shard]), metadata={"format": "pt"})
+        index = {
+            "metadata": {"total_size": sum(nbytes)},
+            "weight_map": {
+                t.name: shard_names[s]
+                for t, s in sorted(zip(layout, shard_of, strict=True), key=lambda x: x[0].name)
+            },
+        }
+        _write_json(staging / "model.safetensors.index.json", index)
+        _write_json(staging / "config.json", raw_config)
+        mode = (staging / "config.json").stat().st_mode & 0o777  # what the umask gives a new file
+        for name in shard_names:  # safetensors creates its files private
+            (staging / name).chmod(mode)
+
+        out.mkdir(parents=True, exist_ok=True)
+        for stale in existing:
+            stale.unlink()
+        for path in sorted(staging.iterdir(), key=lambda p: p.name == "config.json"):  # config.json last
+            path.replace(out / path.name)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return out
+
+
+# ---- command line -----------------------------------------------------------------------------------
+
+
+def _run(args: argparse.Namespace) -> int:
+    from tierlm.cli import CliError
+
+    start = time.perf_counter()
+    try:
+        out = build_demo_model(args.out_dir, args.size, args.seed, overwrite=args.force, progress=True)
+    except FileExistsError:
+        raise CliError(
+            f"{args.out_dir} already holds checkpoint files; pass --force to replace them"
+        ) from None
+    total = sum(p.stat().st_size for p in out.iterdir() if _owned(p))
+    seconds = time.perf_counter() - start
+    print(
+        f"wrote the {args.size} demo model to {out}: {total / 1e6:.1f} MB in {seconds:.1f} s",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "demo-model",
+        help="write a small random-weight Qwen4-Exp checkpoint with a trained tokenizer",
+        description="Write a small random-weight Qwen4-Exp checkpoint (config, sharded safetensors, a BPE "
+        "tokenizer trained on Python's standard library, chat template). "
+        "The same seed gives identical files.",
+    )
+    parser.add_argument("out_dir", metavar="DIR", type=Path, help="folder to write the checkpoint into")
+    parser.add_argument(
+        "--size",
+        choices=sorted(SIZES),
+        default="tiny",
+        help="tiny: tests and CPU serving (float32); small: benchmarks (bfloat16)",
+    )
+    parser.add_argument(
+        "--seed", type=int, default=0, help="weight seed; the same seed gives identical files"
+    )
+    parser.add_argument("--force", action="store_true", help="replace checkpoint files already in DIR")
+    parser.set_defaults(func=_run)
