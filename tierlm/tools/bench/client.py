@@ -149,7 +149,9 @@ class StreamingClient:
         payload = build_payload(self.target, self.settings, messages)
         reply = StreamedReply(sent_at=time.perf_counter())
         try:
-            async with self.http.stream("POST", self.target.url, json=payload, headers=self.target.headers) as response:
+            async with self.http.stream(
+                "POST", self.target.url, json=payload, headers=self.target.headers
+            ) as response:
                 reply.status = response.status_code
                 if response.status_code != 200:
                     body = (await response.aread()).decode("utf-8", errors="replace")
@@ -171,11 +173,12 @@ class StreamingClient:
     async def _read_events(self, response: httpx.Response, reply: StreamedReply) -> None:
         visible: list[str] = []
         everything: list[str] = []
-        saw_done = False
+        saw_done = saw_event = False
         async for line in response.aiter_lines():
             arrived = time.perf_counter()
             if not line.startswith("data:"):
                 continue  # blank separators, SSE comments, `event:` lines
+            saw_event = True
             data = line[len("data:") :].strip()
             if data == "[DONE]":
                 saw_done = True
@@ -185,7 +188,9 @@ class StreamingClient:
             except ValueError:
                 chunk = None
             if not isinstance(chunk, dict):
-                reply.error = f"malformed JSON chunk after {len(reply.token_times)} output chunks: {_snippet(data)}"
+                reply.error = (
+                    f"malformed JSON chunk after {len(reply.token_times)} output chunks: {_snippet(data)}"
+                )
                 break
             if chunk.get("error"):
                 reply.error = f"error event in stream: {_snippet(json.dumps(chunk['error']))}"
@@ -203,8 +208,15 @@ class StreamingClient:
         reply.all_output_text = "".join(everything)
         if reply.error:
             return
-        if not saw_done:
-            reply.error = f"truncated stream: ended without [DONE] after {len(reply.token_times)} output chunks"
+        if not saw_event:
+            content_type = response.headers.get("content-type", "none")
+            reply.error = (
+                f"no SSE events in the answer (Content-Type: {content_type}); does the server stream?"
+            )
+        elif not saw_done:
+            reply.error = (
+                f"truncated stream: ended without [DONE] after {len(reply.token_times)} output chunks"
+            )
         elif not reply.token_times:
             reply.error = "stream finished without any output text"
 

@@ -90,7 +90,9 @@ def print_failures(console: Console, runs: list[RunMeasurement]) -> None:
     for record in failed[:FAILURES_SHOWN]:
         table.add_row(record.request_id, record.error)
     if len(failed) > FAILURES_SHOWN:
-        table.caption = f"... and {len(failed) - FAILURES_SHOWN} more: every error is in --result-json's `errors`"
+        table.caption = (
+            f"... and {len(failed) - FAILURES_SHOWN} more: every error is in --result-json's `errors`"
+        )
     console.print(table)
 
 

@@ -63,8 +63,7 @@ def measure_reply(
     messages: list[dict[str, str]],
     counter: TokenCounter,
 ) -> RequestRecord:
-    token_times = [t - run_started for t in reply.token_times]
-    start = reply.sent_at - run_started
+    """The record of one reply, with its token counts taken from the best source at hand."""
     if reply.usage_prompt_tokens is not None:
         input_tokens = reply.usage_prompt_tokens
     else:
@@ -81,10 +80,9 @@ def measure_reply(
         run=run,
         conversation=conversation,
         turn=turn,
-        start_s=start,
-        ttft_s=token_times[0] - start if token_times else 0.0,
+        ttft_s=reply.token_times[0] - reply.sent_at if reply.token_times else 0.0,
         e2el_s=reply.finished_at - reply.sent_at,
-        token_times_s=token_times,
+        token_times_s=[t - run_started for t in reply.token_times],
         input_tokens=input_tokens,
         output_tokens=output_tokens,
         error=reply.error,
@@ -92,9 +90,11 @@ def measure_reply(
 
 
 class Runner:
-    """Runs the conversations of one run after another through one `StreamingClient`."""
+    """Sends the conversations of a run, closed or open loop, through one `StreamingClient`."""
 
-    def __init__(self, client: StreamingClient, counter: TokenCounter, schedule: Schedule, progress: Progress | None):
+    def __init__(
+        self, client: StreamingClient, counter: TokenCounter, schedule: Schedule, progress: Progress | None
+    ):
         self.client = client
         self.counter = counter
         self.schedule = schedule
@@ -121,7 +121,7 @@ class Runner:
                 keep(record)
                 if not record.ok:
                     for later in range(turn + 1, len(user_turns)):
-                        keep(_skipped(index, number, later, turn, time.perf_counter() - started))
+                        keep(_skipped(index, number, later, turn))
                     return
                 history = messages + [{"role": "assistant", "content": reply.text}]
 
@@ -153,12 +153,11 @@ class Runner:
         return RunMeasurement(index=index, records=records, duration_s=duration)
 
 
-def _skipped(run: int, conversation: int, turn: int, failed_turn: int, now: float) -> RequestRecord:
+def _skipped(run: int, conversation: int, turn: int, failed_turn: int) -> RequestRecord:
     return RequestRecord(
         run=run,
         conversation=conversation,
         turn=turn,
-        start_s=now,
         ttft_s=0.0,
         e2el_s=0.0,
         error=f"not sent: turn {failed_turn} of this conversation failed",

@@ -18,6 +18,7 @@ vLLM; every field ending in `_ms` is in milliseconds.
 
 from __future__ import annotations
 
+import itertools
 import statistics
 from dataclasses import dataclass, field
 
@@ -41,12 +42,11 @@ COMPARED_FIELDS = (
 
 @dataclass
 class RequestRecord:
-    """One request's measurements; times in seconds, relative to the start of its run."""
+    """One request's measurements, in seconds; `token_times_s` count from the start of its run."""
 
     run: int
     conversation: int
     turn: int
-    start_s: float
     ttft_s: float  # 0.0 when no output arrived
     e2el_s: float
     token_times_s: list[float] = field(default_factory=list)
@@ -65,7 +65,7 @@ class RequestRecord:
     @property
     def itls_s(self) -> list[float]:
         times = self.token_times_s
-        return [later - earlier for earlier, later in zip(times, times[1:])]
+        return [later - earlier for earlier, later in itertools.pairwise(times)]
 
     @property
     def tpot_s(self) -> float | None:
@@ -146,13 +146,15 @@ def _median_or_none(values: list) -> float | None:
 def across_runs(summaries: list[dict]) -> dict:
     """Counts summed over the runs, every other scalar the median of the runs (None ignored)."""
     combined: dict = {}
-    for key, value in summaries[0].items():
+    for key in summaries[0]:
         if key == "run":
             continue
         if key in COUNT_FIELDS:
             combined[key] = sum(s[key] for s in summaries)
         elif key == "turn_ttfts_ms":
-            combined[key] = [_median_or_none(list(per_turn)) for per_turn in zip(*(s[key] for s in summaries))]
+            combined[key] = [
+                _median_or_none(list(per_turn)) for per_turn in zip(*(s[key] for s in summaries))
+            ]
         else:
             combined[key] = _median_or_none([s[key] for s in summaries])
     return combined
@@ -192,7 +194,9 @@ class ComparisonRow:
 
 def compare_results(ours: dict, other: dict) -> list[ComparisonRow]:
     """The main metrics of two result documents side by side, per-turn TTFT included."""
-    rows = [ComparisonRow(name, _number(ours.get(name)), _number(other.get(name))) for name in COMPARED_FIELDS]
+    rows = [
+        ComparisonRow(name, _number(ours.get(name)), _number(other.get(name))) for name in COMPARED_FIELDS
+    ]
     our_turns = ours.get("turn_ttfts_ms") or []
     other_turns = other.get("turn_ttfts_ms") or []
     if len(our_turns) > 1 or len(other_turns) > 1:

@@ -219,12 +219,13 @@ class StateFile:
     @contextmanager
     def update(self) -> Iterator[dict]:
         """Yield the state for changing; it is written back only if the block succeeds."""
+        lock_path = self.path.with_name(self.path.name + ".lock")
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            lock = open(self.path.with_name(self.path.name + ".lock"), "w")
+            lock_path.touch()
         except OSError as exc:
             raise CliError(f"--state-file: cannot use {self.path}: {exc}") from exc
-        with lock:
+        with open(lock_path, "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             state = self._read()
             yield state
