@@ -19,6 +19,7 @@ from safetensors import safe_open
 
 from tierlm.config import ModelConfig
 from tierlm.model.checkpoint_layout import PREFIX, checkpoint_layout, ple_hash_buffers, ple_shard_rows
+from tierlm.model.layers.packed_linear import PackedLinear
 from tierlm.model.qwen4_exp import Qwen4ExpForCausalLM
 
 VLM_PREFIX = "model.language_model."
@@ -149,9 +150,21 @@ class _Destinations:
         self.params = dict(model.named_parameters())
         self.config = config
         self.shard_starts: dict[str, list[int]] = {}
+        # checkpoint tensor -> (packed parameter, first row, end row)
+        self.packed: dict[str, tuple[str, int, int]] = {}
+        for path, module in model.named_modules():
+            if isinstance(module, PackedLinear):
+                parent = path.rsplit(".", 1)[0]
+                for part, (start, end) in module.packed_rows().items():
+                    self.packed[f"{parent}.{part}.weight"] = (f"{path}.weight", start, end)
+                    if module.bias is not None:
+                        self.packed[f"{parent}.{part}.bias"] = (f"{path}.bias", start, end)
 
     def fill(self, name: str, tensor: torch.Tensor) -> None:
-        if m := _EXPERT.fullmatch(name):
+        if name in self.packed:
+            param, start, end = self.packed[name]
+            self.params[param][start:end].copy_(tensor)
+        elif m := _EXPERT.fullmatch(name):
             stack, expert, proj = m.group(1), int(m.group(2)), m.group(3)
             if proj == "down_proj":
                 self.params[f"{stack}.down_proj"][expert].copy_(tensor)

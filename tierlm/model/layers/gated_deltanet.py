@@ -16,21 +16,19 @@ from torch import nn
 from tierlm.kernels.gated_delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_rule
 from tierlm.model.forward_batch import ForwardBatch
 from tierlm.model.layers.norm import GatedRMSNorm, l2norm
+from tierlm.model.layers.packed_linear import PackedLinear
 from tierlm.model.model_cache import LayerState
 
 
 def causal_depthwise_conv(window: torch.Tensor, weight: torch.Tensor, dilation: int = 1) -> torch.Tensor:
     """window [B, C, P + T] (P = (K-1)*dilation past values first), weight [C, K] -> [B, C, T].
 
-    Written as a sum of K shifted products: for the few tokens of a decode step it is far cheaper than
-    `F.conv1d`'s setup on CPU, and it is the same arithmetic.
+    One strided view of the K taps per output and one weighted sum: a few ops whatever T is, where
+    `F.conv1d`'s setup dominates a decode step on CPU.
     """
     kernel = weight.shape[1]
-    steps = window.shape[-1] - (kernel - 1) * dilation
-    out = window[..., :steps] * weight[:, :1]
-    for j in range(1, kernel):
-        out = out + window[..., j * dilation : j * dilation + steps] * weight[:, j : j + 1]
-    return out
+    taps = window.unfold(-1, (kernel - 1) * dilation + 1, 1)[..., ::dilation]  # [B, C, T, K]
+    return (taps * weight[:, None, :]).sum(-1)
 
 
 class GatedDeltaNet(nn.Module):
@@ -44,10 +42,10 @@ class GatedDeltaNet(nn.Module):
         self.conv_dim = 2 * self.key_dim + self.value_dim
         self.kernel = c.linear_conv_kernel_dim
         h = c.hidden_size
-        self.in_proj_qkv = nn.Linear(h, self.conv_dim, bias=False)
-        self.in_proj_z = nn.Linear(h, self.value_dim, bias=False)
-        self.in_proj_b = nn.Linear(h, self.num_v_heads, bias=False)
-        self.in_proj_a = nn.Linear(h, self.num_v_heads, bias=False)
+        self.in_proj = PackedLinear(
+            h, {"in_proj_qkv": self.conv_dim, "in_proj_z": self.value_dim, "in_proj_b": self.num_v_heads,
+                "in_proj_a": self.num_v_heads},
+        )
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.kernel, groups=self.conv_dim, bias=False)
         self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
         self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
@@ -55,10 +53,10 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = nn.Linear(self.value_dim, h, bias=False)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, state: LayerState) -> torch.Tensor:
-        mixed = self.in_proj_qkv(x)  # [N, C]
-        z = self.in_proj_z(x).unflatten(-1, (self.num_v_heads, self.head_v_dim))
-        beta = torch.sigmoid(self.in_proj_b(x))
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
+        mixed, z, b, a = self.in_proj(x)  # mixed: [N, C]
+        z = z.unflatten(-1, (self.num_v_heads, self.head_v_dim))
+        beta = torch.sigmoid(b)
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         weight = self.conv1d.weight.squeeze(1)
         core = torch.empty(x.shape[0], self.num_v_heads, self.head_v_dim, dtype=x.dtype, device=x.device)
 

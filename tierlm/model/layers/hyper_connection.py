@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tierlm.model.layers.norm import RMSNorm
+from tierlm.model.layers.packed_linear import PackedLinear
 
 
 class HyperConnection(nn.Module):
@@ -20,20 +21,23 @@ class HyperConnection(nn.Module):
         width = hc_count * hidden_size
         self.hc_count, self.hidden_size = hc_count, hidden_size
         self.hc_norm = RMSNorm(width, eps, group_size=hidden_size)
-        self.input_mix_weight_down = nn.Linear(width, lowrank, bias=False)
+        parts = {"input_mix_weight_down": lowrank}
+        if with_inject:
+            parts["block_inject_weight"] = hc_count
+        self.down_and_inject = PackedLinear(width, parts)
         self.input_mix_weight_up = nn.Linear(lowrank, width, bias=False)
-        self.block_inject_weight = nn.Linear(width, hc_count, bias=False) if with_inject else None
+        self.with_inject = with_inject
 
     def mix(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """streams [N, hc*H] -> (block input [N, H], injection gates [N, hc] or None)."""
         normed = self.hc_norm(streams)
-        low = F.silu(self.input_mix_weight_down(normed) / self.hc_count)
+        projected = self.down_and_inject(normed)
+        low = F.silu(projected[0] / self.hc_count)
         gates = torch.sigmoid(self.input_mix_weight_up(low)).unflatten(-1, (self.hc_count, self.hidden_size))
         block_input = (gates * normed.unflatten(-1, (self.hc_count, self.hidden_size))).mean(dim=-2)
-        if self.block_inject_weight is None:
+        if not self.with_inject:
             return block_input, None
-        inject = 2 * torch.sigmoid(self.block_inject_weight(normed) / self.hc_count)
-        return block_input, inject
+        return block_input, 2 * torch.sigmoid(projected[1] / self.hc_count)
 
     @staticmethod
     def combine(streams: torch.Tensor, block_output: torch.Tensor, inject: torch.Tensor) -> torch.Tensor:

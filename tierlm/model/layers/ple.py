@@ -20,6 +20,7 @@ from torch import nn
 from tierlm.model.forward_batch import ForwardBatch
 from tierlm.model.layers.gated_deltanet import causal_depthwise_conv
 from tierlm.model.layers.norm import RMSNorm
+from tierlm.model.layers.packed_linear import PackedLinear
 from tierlm.model.model_cache import LayerState
 from tierlm.model.ngram_hash import NgramHashSpec, ngram_context, ngram_rows
 
@@ -44,8 +45,7 @@ class PLELayer(nn.Module):
         self.hidden_size, self.hc_count, self.ngram_size = c.hidden_size, c.hc_count, c.ngram_size
         width = c.hc_count * c.hidden_size
         self.table = NgramTable(self.spec.table_rows, c.ngram_head_dim)
-        self.key_proj = nn.Linear(c.ple_embed_dim, width, bias=False)
-        self.value_proj = nn.Linear(c.ple_embed_dim, c.hidden_size, bias=False)
+        self.key_value_proj = PackedLinear(c.ple_embed_dim, {"key_proj": width, "value_proj": c.hidden_size})
         self.norm_key = RMSNorm(width, c.rms_norm_eps, group_size=c.hidden_size)
         self.norm_query = RMSNorm(width, c.rms_norm_eps, group_size=c.hidden_size)
         self.norm_conv = RMSNorm(width, c.rms_norm_eps, group_size=c.hidden_size)
@@ -64,8 +64,8 @@ class PLELayer(nn.Module):
         self, streams: torch.Tensor, batch: ForwardBatch, state: LayerState, context: torch.Tensor
     ) -> torch.Tensor:
         emb = self.table.gather(self.row_ids(batch, context)).to(streams.dtype)
-        key = self.norm_key(self.key_proj(emb)).unflatten(-1, (self.hc_count, self.hidden_size))
-        value = self.value_proj(emb)
+        key, value = self.key_value_proj(emb)
+        key = self.norm_key(key).unflatten(-1, (self.hc_count, self.hidden_size))
         query = self.norm_query(streams).unflatten(-1, (self.hc_count, self.hidden_size))
         dot = (key * query).sum(dim=-1, keepdim=True) / math.sqrt(self.hidden_size)
         gate = dot.abs().clamp_min(1e-6).sqrt() * dot.sign()

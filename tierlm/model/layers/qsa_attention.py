@@ -21,6 +21,7 @@ from torch import nn
 
 from tierlm.model.forward_batch import ForwardBatch
 from tierlm.model.layers.norm import RMSNorm
+from tierlm.model.layers.packed_linear import PackedLinear
 from tierlm.model.layers.rotary import apply_rotary
 from tierlm.model.model_cache import LayerState
 
@@ -106,9 +107,10 @@ class QSAAttention(nn.Module):
         c = config
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         h, bias = c.hidden_size, c.attention_bias
-        self.q_proj = nn.Linear(h, 2 * self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
+        kv_width = self.num_kv_heads * self.head_dim
+        self.qkv_proj = PackedLinear(
+            h, {"q_proj": 2 * self.num_heads * self.head_dim, "k_proj": kv_width, "v_proj": kv_width}, bias=bias
+        )
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=bias)
         self.q_norm = RMSNorm(self.head_dim, c.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, c.rms_norm_eps)
@@ -118,11 +120,12 @@ class QSAAttention(nn.Module):
     def forward(self, x: torch.Tensor, batch: ForwardBatch, state: LayerState, rotary) -> torch.Tensor:
         n = x.shape[0]
         cos, sin = rotary.cos_sin(batch.positions, x.dtype)
-        q, gate = self.q_proj(x).view(n, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+        q_and_gate, k, v = self.qkv_proj(x)
+        q, gate = q_and_gate.reshape(n, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
         gate = gate.reshape(n, -1)
         q = apply_rotary(self.q_norm(q), cos, sin)
-        k = apply_rotary(self.k_norm(self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)), cos, sin)
-        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        k = apply_rotary(self.k_norm(k.reshape(n, self.num_kv_heads, self.head_dim)), cos, sin)
+        v = v.reshape(n, self.num_kv_heads, self.head_dim)
         state.key_cache.view(-1, self.num_kv_heads, self.head_dim)[batch.slot_mapping] = k
         state.value_cache.view(-1, self.num_kv_heads, self.head_dim)[batch.slot_mapping] = v
 
