@@ -9,6 +9,10 @@ Two kinds of memory, matching the two kinds of layer:
   per complete group of R tokens (normalised, roped at the group start), so that decode reads
   ceil(p/R) small keys instead of p raw ones. block_size must be a multiple of R.
 The layers see only their own `LayerState`; who owns which slot or block is the engine's business.
+
+One extra slot and one extra block (`scratch_slot`, `scratch_block`) are never handed out: padded rows
+of a fixed-size decode batch (CUDA graphs) and writes that a static-shape path must make unconditionally
+(an indexer key of a block not yet complete) land there.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ class LayerState:
     index_keys: torch.Tensor | None = None  # [num_blocks, block_size // R, index_head_dim]
     index_ring: torch.Tensor | None = None  # [S, R, index_head_dim] raw keys of the open group
     block_size: int = 0
+    scratch_block: int = 0
 
 
 def state_bytes_per_slot(config: ModelConfig, dtype: torch.dtype) -> dict[str, int]:
@@ -74,11 +79,13 @@ class ModelCache:
             )
         self.config, self.num_slots, self.num_blocks, self.block_size = c, num_slots, num_blocks, block_size
         self.dtype, self.device = dtype, torch.device(device)
+        self.scratch_slot, self.scratch_block = num_slots, num_blocks
+        num_slots, num_blocks = num_slots + 1, num_blocks + 1
         conv_dim = 2 * c.linear_num_key_heads * c.linear_key_head_dim + c.linear_num_value_heads * c.linear_value_head_dim
         alloc = dict(dtype=dtype, device=self.device)
         self.layers: list[LayerState] = []
         for layer_idx, layer_type in enumerate(c.layer_types):
-            state = LayerState(block_size=block_size)
+            state = LayerState(block_size=block_size, scratch_block=self.scratch_block)
             if layer_type == "linear_attention":
                 state.gdn_conv = torch.zeros(num_slots, conv_dim, c.linear_conv_kernel_dim - 1, **alloc)
                 state.gdn_recurrent = torch.zeros(

@@ -97,35 +97,50 @@ class NgramHashSpec:
 def ngram_context(history: torch.Tensor, eos: int, ngram_size: int) -> torch.Tensor:
     """Shifted token streams for the hash.
 
-    history: [P + T] int64, the request's previous `P = ngram_size-1` ids (EOS-padded at the request
-    start) followed by this chunk's T ids. Returns [ngram_size, T]: row s holds t_s for each new token,
+    history: [..., P + T] int64, each request's previous `P = ngram_size-1` ids (EOS-padded at the request
+    start) followed by its T new ids. Returns [ngram_size, ..., T]: row s holds t_s for each new token,
     with tokens at or before the most recent EOS strictly before the current position read as EOS.
     """
     prefix = ngram_size - 1
-    total = history.shape[0]
-    positions = torch.arange(total, device=history.device)
-    eos_pos = torch.where(history == eos, positions, torch.full_like(positions, -1))
-    last_eos_inclusive = torch.cummax(eos_pos, dim=0).values
+    positions = torch.arange(history.shape[-1], device=history.device)
+    eos_pos = torch.where(history == eos, positions, -1)
+    last_eos_inclusive = torch.cummax(eos_pos, dim=-1).values
     # most recent EOS strictly before each position
-    last_eos_before = torch.cat([last_eos_inclusive.new_full((1,), -1), last_eos_inclusive[:-1]])
-    out = []
+    last_eos_before = torch.cat([torch.full_like(last_eos_inclusive[..., :1], -1), last_eos_inclusive[..., :-1]], -1)
     current = positions[prefix:]
+    streams = []
     for shift in range(ngram_size):
         source = current - shift
-        valid = source > last_eos_before[prefix:]
-        out.append(torch.where(valid, history[source], torch.full_like(source, eos)))
-    return torch.stack(out)
+        valid = source > last_eos_before[..., prefix:]
+        streams.append(torch.where(valid, history[..., source], eos))
+    return torch.stack(streams)
+
+
+class NgramHasher:
+    """`NgramHashSpec` as device tensors, made once per device so a forward copies nothing from the host."""
+
+    def __init__(self, spec: NgramHashSpec) -> None:
+        self.spec = spec
+        self._tensors: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+    def rows(self, context: torch.Tensor) -> torch.Tensor:
+        """Row ids [..., T, num_heads] for shifted streams `context` [ngram_size, ..., T] (int64)."""
+        if context.device not in self._tensors:
+            as_long = dict(dtype=torch.int64, device=context.device)
+            self._tensors[context.device] = (
+                torch.tensor(self.spec.multipliers, **as_long),
+                torch.tensor(self.spec.head_sizes, **as_long),
+                torch.tensor(self.spec.head_offsets, **as_long),
+            )
+        mults, sizes, offsets = self._tensors[context.device]
+        mixed = context[0] * mults[0]
+        per_order = []
+        for n in range(2, self.spec.ngram_size + 1):
+            mixed = torch.bitwise_xor(mixed, context[n - 1] * mults[n - 1])
+            per_order.append(mixed.unsqueeze(-1).expand(*mixed.shape, self.spec.heads_per_ngram))
+        return torch.remainder(torch.cat(per_order, dim=-1), sizes) + offsets
 
 
 def ngram_rows(context: torch.Tensor, spec: NgramHashSpec) -> torch.Tensor:
-    """Row ids [T, num_heads] for shifted streams `context` [ngram_size, T] (int64)."""
-    mults = torch.tensor(spec.multipliers, dtype=torch.int64, device=context.device)
-    sizes = torch.tensor(spec.head_sizes, dtype=torch.int64, device=context.device)
-    offsets = torch.tensor(spec.head_offsets, dtype=torch.int64, device=context.device)
-    mixed = context[0] * mults[0]
-    per_order = []
-    for n in range(2, spec.ngram_size + 1):
-        mixed = torch.bitwise_xor(mixed, context[n - 1] * mults[n - 1])
-        per_order.append(mixed.unsqueeze(-1).expand(-1, spec.heads_per_ngram))
-    mixed_per_head = torch.cat(per_order, dim=-1)
-    return torch.remainder(mixed_per_head, sizes) + offsets
+    """Row ids [..., T, num_heads] for shifted streams `context` [ngram_size, ..., T] (int64)."""
+    return NgramHasher(spec).rows(context)

@@ -79,6 +79,10 @@ class Qwen4ExpTextModel(nn.Module):
         keep = cache.ngram_context.shape[1]
         if keep == 0:
             return
+        if batch.is_decode_only:
+            history = torch.cat([cache.ngram_context[batch.slots], batch.token_ids[:, None]], dim=-1)
+            cache.ngram_context[batch.slots] = history[:, 1:]
+            return
         for (start, end), slot in zip(batch.bounds, batch.state_slots):
             history = torch.cat([cache.ngram_context[slot], batch.token_ids[start:end]])
             cache.ngram_context[slot] = history[-keep:]

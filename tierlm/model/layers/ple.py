@@ -22,7 +22,7 @@ from tierlm.model.layers.gated_deltanet import causal_depthwise_conv
 from tierlm.model.layers.norm import RMSNorm
 from tierlm.model.layers.packed_linear import PackedLinear
 from tierlm.model.model_cache import LayerState
-from tierlm.model.ngram_hash import NgramHashSpec, ngram_context, ngram_rows
+from tierlm.model.ngram_hash import NgramHasher, NgramHashSpec, ngram_context
 
 
 class NgramTable(nn.Module):
@@ -42,6 +42,7 @@ class PLELayer(nn.Module):
         super().__init__()
         c = config
         self.spec = NgramHashSpec.from_config(c, ple_index)
+        self.hasher = NgramHasher(self.spec)
         self.hidden_size, self.hc_count, self.ngram_size = c.hidden_size, c.hc_count, c.ngram_size
         width = c.hc_count * c.hidden_size
         self.table = NgramTable(self.spec.table_rows, c.ngram_head_dim)
@@ -54,10 +55,14 @@ class PLELayer(nn.Module):
 
     def row_ids(self, batch: ForwardBatch, context: torch.Tensor) -> torch.Tensor:
         """Table rows [N, heads] of every packed token; context [S, ngram_size-1]: each slot's last ids."""
+        eos = self.spec.eos_token_id
+        if batch.is_decode_only:
+            history = torch.cat([context[batch.slots], batch.token_ids[:, None]], dim=-1)  # [B, P+1]
+            return self.hasher.rows(ngram_context(history, eos, self.ngram_size))[:, 0]
         rows = []
         for (start, end), slot in zip(batch.bounds, batch.state_slots):
             history = torch.cat([context[slot], batch.token_ids[start:end]])
-            rows.append(ngram_rows(ngram_context(history, self.spec.eos_token_id, self.ngram_size), self.spec))
+            rows.append(self.hasher.rows(ngram_context(history, eos, self.ngram_size)))
         return torch.cat(rows)
 
     def forward(
@@ -70,11 +75,18 @@ class PLELayer(nn.Module):
         dot = (key * query).sum(dim=-1, keepdim=True) / math.sqrt(self.hidden_size)
         gate = dot.abs().clamp_min(1e-6).sqrt() * dot.sign()
         gated = (torch.sigmoid(gate) * value.unsqueeze(-2)).flatten(-2)  # [N, hc*H]
-        conv_in = self.norm_conv(gated)
-        conv_out = torch.empty_like(gated)
+        return gated + F.silu(self._short_conv(self.norm_conv(gated), batch, state))
+
+    def _short_conv(self, conv_in: torch.Tensor, batch: ForwardBatch, state: LayerState) -> torch.Tensor:
+        """Dilated causal conv over each request's history of conv_in [N, hc*H]; updates the history."""
         weight = self.conv1d.weight.squeeze(1)
+        if batch.is_decode_only:
+            window = torch.cat([state.ple_conv[batch.slots], conv_in.unsqueeze(-1)], dim=-1)
+            state.ple_conv[batch.slots] = window[..., 1:]
+            return causal_depthwise_conv(window, weight, self.ngram_size)[..., 0]
+        conv_out = torch.empty_like(conv_in)
         for (start, end), slot in zip(batch.bounds, batch.state_slots):
             window = torch.cat([state.ple_conv[slot], conv_in[start:end].T], dim=-1)
             state.ple_conv[slot] = window[:, -self.history :]
             conv_out[start:end] = causal_depthwise_conv(window.unsqueeze(0), weight, self.ngram_size)[0].T
-        return gated + F.silu(conv_out)
+        return conv_out

@@ -8,7 +8,10 @@ min(budget/R, nb), and may attend to their tokens plus the open tail [nb*R, p].
 
 Storage (see `model_cache`): K/V rows paged by `slot_mapping`; a block's compressed key is written once,
 when its R-th token arrives; the raw keys of the still-open block wait in the request's ring slot.
-This module is the plain torch reference path: a dense boolean mask over the request's context.
+Two paths: for prefill and mixed batches a dense boolean mask over each request's context (the plain
+reference); for decode-only batches a static-shape, sync-free path over all requests at once that
+gathers just the selected rows (budget + tail), the shape a CUDA graph can capture and a host-memory
+K/V pool can serve.
 """
 
 from __future__ import annotations
@@ -100,6 +103,56 @@ class QSAIndexer(nn.Module):
         in_chosen = chosen[:, block_of_key] & (key_pos[None, :] < chosen.shape[1] * r)
         return allowed | in_chosen
 
+    # ---- decode: one token per request, static shapes, no host sync ------------------------------------
+    def store_block_key_decode(
+        self, raw_keys: torch.Tensor, batch: ForwardBatch, state: LayerState, rotary, dtype: torch.dtype
+    ) -> None:
+        """Put each new raw key in its request's ring; where it closes a block, write the block's key.
+
+        The block key is computed for every request and written to the scratch block where the block is
+        not complete yet, so the work does not depend on the data.
+        """
+        r, bs = self.ratio, state.block_size
+        context = batch.context_lens_tensor
+        offset = context % r
+        state.index_ring[batch.slots, offset] = raw_keys
+        starts = context - offset  # first position of the open block
+        cos, sin = rotary.cos_sin(starts, dtype)
+        keys = self.compress(state.index_ring[batch.slots], cos, sin)
+        block = batch.block_tables.gather(1, (starts // bs)[:, None]).squeeze(1)
+        row = block * (bs // r) + (starts % bs) // r
+        row = torch.where(offset == r - 1, row, state.scratch_block * (bs // r))
+        state.index_keys.view(-1, self.head_dim)[row] = keys
+
+    def select_decode(self, q: torch.Tensor, batch: ForwardBatch, state: LayerState) -> DecodeSelection:
+        """The K/V rows each request's query attends to: its top blocks' tokens and its open tail."""
+        r, bs = self.ratio, state.block_size
+        tables = torch.where(batch.block_tables < 0, state.scratch_block, batch.block_tables)  # [B, W]
+        block_keys = state.index_keys[tables].flatten(1, 2)  # [B, G = W * bs / R, id]
+        positions = batch.positions
+        visible = (positions + 1) // r  # complete blocks each query sees
+        scores = torch.relu(torch.einsum("bhd,bgd->bhg", q.float(), block_keys.float())).sum(1)
+        group_ids = torch.arange(block_keys.shape[1], device=q.device)
+        scores = (scores / math.sqrt(self.head_dim)).masked_fill(group_ids >= visible[:, None], float("-inf"))
+        top = scores.topk(min(self.block_topk, scores.shape[1]), dim=-1)
+        in_block = torch.arange(r, device=q.device)
+        chosen_pos = (top.indices[..., None] * r + in_block).flatten(1)  # [B, topk * R]
+        chosen_ok = (top.values > float("-inf"))[..., None].expand(-1, -1, r).flatten(1)
+        tail_pos = visible[:, None] * r + in_block[: r - 1]  # [B, R - 1]
+        tail_ok = tail_pos <= positions[:, None]
+        token_pos = torch.cat([chosen_pos, tail_pos], dim=1)
+        valid = torch.cat([chosen_ok, tail_ok], dim=1)
+        block = tables.gather(1, torch.clamp(token_pos // bs, max=tables.shape[1] - 1))
+        rows = torch.where(valid, block * bs + token_pos % bs, state.scratch_block * bs)
+        return DecodeSelection(rows, valid)
+
+
+class DecodeSelection:
+    """What one decode step of a QSA layer reads: per request the physical K/V rows [B, S] and validity."""
+
+    def __init__(self, rows: torch.Tensor, valid: torch.Tensor) -> None:
+        self.rows, self.valid = rows, valid
+
 
 class QSAAttention(nn.Module):
     def __init__(self, config) -> None:
@@ -130,6 +183,8 @@ class QSAAttention(nn.Module):
         state.value_cache.view(-1, self.num_kv_heads, self.head_dim)[batch.slot_mapping] = v
 
         index_q, raw_keys = self.indexer.project(x, cos, sin)
+        if batch.is_decode_only:
+            return self._decode(q, gate, index_q, raw_keys, batch, state, rotary)
         out = torch.empty(n, self.num_heads, self.head_dim, dtype=x.dtype, device=x.device)
         r, bs = self.indexer.ratio, state.block_size
         for i, (start, end) in enumerate(batch.bounds):
@@ -148,3 +203,14 @@ class QSAAttention(nn.Module):
             )
             out[start:end] = attn[0].transpose(0, 1)
         return self.o_proj(out.reshape(n, -1) * torch.sigmoid(gate))
+
+    def _decode(self, q, gate, index_q, raw_keys, batch: ForwardBatch, state: LayerState, rotary) -> torch.Tensor:
+        self.indexer.store_block_key_decode(raw_keys, batch, state, rotary, q.dtype)
+        selection = self.indexer.select_decode(index_q, batch, state)
+        keys = state.key_cache.view(-1, self.num_kv_heads, self.head_dim)[selection.rows].transpose(1, 2)
+        values = state.value_cache.view(-1, self.num_kv_heads, self.head_dim)[selection.rows].transpose(1, 2)
+        attn = F.scaled_dot_product_attention(
+            q.unsqueeze(2), keys, values, attn_mask=selection.valid[:, None, None, :], scale=self.scale,
+            enable_gqa=True,
+        )  # [B, nh, 1, hd]
+        return self.o_proj(attn.flatten(1) * torch.sigmoid(gate))

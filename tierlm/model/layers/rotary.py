@@ -13,10 +13,14 @@ class RotaryEmbedding:
     def __init__(self, rotary_dim: int, theta: float) -> None:
         self.rotary_dim = rotary_dim
         self.inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32, device="cpu") / rotary_dim))
+        self._on_device: dict[torch.device, torch.Tensor] = {}  # no host copy inside a forward
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin of shape [N, rotary_dim] for positions [N]."""
-        freqs = positions.float()[:, None] * self.inv_freq.to(positions.device)[None, :]
+        inv_freq = self._on_device.get(positions.device)
+        if inv_freq is None:
+            inv_freq = self._on_device[positions.device] = self.inv_freq.to(positions.device)
+        freqs = positions.float()[:, None] * inv_freq[None, :]
         emb = torch.cat([freqs, freqs], dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
