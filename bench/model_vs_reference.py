@@ -3,7 +3,8 @@
 Builds a random (perturbed) checkpoint with transformers, loads it into both, and measures
   prefill tokens/s: one forward over a prompt (transformers: `generate(max_new_tokens=1)`),
   decode tokens/s: greedy steps after the prompt (transformers: `generate` with its cache, the
-                   prefill time subtracted; tierlm: its forward on the pooled cache, one token a step),
+                   prefill time subtracted; tierlm: its forward on the pooled cache, one token a step,
+                   replayed from a CUDA graph on the GPU unless --enforce-eager),
 and prints both side by side with the ratio tierlm / transformers, plus how many greedy tokens agree.
 
     python bench/model_vs_reference.py                       # CPU, fp32, hidden 256, 6 layers, 32 experts
@@ -18,6 +19,7 @@ import time
 
 import torch
 
+from tierlm.model.decode_graphs import DecodeGraphRunner
 from tierlm.model.forward_batch import ForwardBatch
 from tierlm.model.loader import load_model
 from tierlm.model.model_cache import ModelCache
@@ -65,11 +67,13 @@ def run_reference(model, prompt: torch.Tensor, steps: int, device) -> tuple[floa
     return prefill, total - prefill, out[0, prompt.shape[1] :].tolist()
 
 
-def run_tierlm(model, config, prompt: list[int], steps: int, dtype, device) -> tuple[float, float, list[int]]:
+def run_tierlm(model, config, prompt: list[int], steps: int, dtype, device, eager: bool):
     block_size = 16
     blocks = (len(prompt) + steps + block_size) // block_size + 1
     cache = ModelCache(config, 1, blocks, block_size, dtype, device)
     table = [list(range(blocks))]
+    graphs = None if eager or device.type != "cuda" else DecodeGraphRunner(model, cache, 1, blocks)
+    decode = graphs.run if graphs is not None else (lambda batch: model(batch, cache))
 
     def generate(n_new: int) -> list[int]:
         cache.reset_slot(0)
@@ -78,7 +82,7 @@ def run_tierlm(model, config, prompt: list[int], steps: int, dtype, device) -> t
         for _ in range(n_new - 1):
             pos = len(prompt) + len(tokens) - 1
             batch = ForwardBatch.build([[tokens[-1]]], [pos], [0], table, block_size, device=device)
-            tokens.append(int(model(batch, cache)[-1].argmax()))
+            tokens.append(int(decode(batch)[-1].argmax()))
         return tokens
 
     generate(2)  # warm-up
@@ -97,6 +101,7 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=8192)
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--decode-steps", type=int, default=32)
+    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for tierlm's decode")
     args = parser.parse_args()
 
     from transformers import Qwen4ExpForCausalLM, Qwen4ExpTextConfig
@@ -116,7 +121,7 @@ def main() -> None:
 
     ref_prefill, ref_decode, ref_tokens = run_reference(reference, prompt.to(device), args.decode_steps, device)
     our_prefill, our_decode, our_tokens = run_tierlm(
-        model, config, prompt[0].tolist(), args.decode_steps, dtype, device
+        model, config, prompt[0].tolist(), args.decode_steps, dtype, device, args.enforce_eager
     )
     agree = sum(a == b for a, b in zip(ref_tokens, our_tokens))
     n = args.prompt_len
@@ -125,7 +130,8 @@ def main() -> None:
         ("decode tok/s", args.decode_steps / ref_decode, args.decode_steps / our_decode),
     ]
     params = sum(p.numel() for p in model.parameters()) / 1e6
-    print(f"device={args.device} dtype={args.dtype} hidden={args.hidden} layers={args.layers} "
+    graphs = "off" if args.enforce_eager or device.type != "cuda" else "on"
+    print(f"device={args.device} dtype={args.dtype} cuda_graphs={graphs} hidden={args.hidden} layers={args.layers} "
           f"experts={args.experts} params={params:.1f}M prompt={n} decode_steps={args.decode_steps}")
     print(f"{'metric':<16}{'transformers':>14}{'tierlm':>12}{'ratio':>9}")
     for name, ref, ours in rows:

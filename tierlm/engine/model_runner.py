@@ -16,9 +16,10 @@ from tierlm.model.model_cache import ModelCache
 
 
 class ModelRunner:
-    def __init__(self, model, cache: ModelCache, sampler: Sampler, decode_token) -> None:
+    def __init__(self, model, cache: ModelCache, sampler: Sampler, decode_token, graphs=None) -> None:
         self.model = model
         self.cache = cache
+        self.graphs = graphs  # a DecodeGraphRunner, or None to run every step eagerly
         self.sampler = sampler
         self.decode_token = decode_token  # token id -> text, for Logprob.decoded_token
         self.device = cache.device
@@ -45,7 +46,7 @@ class ModelRunner:
             device=self.device,
             logits=rows,
         )
-        logits = self.model(batch, self.cache).float().cpu() if rows else None
+        logits = self._forward(batch).float().cpu() if rows else None
         sampled = {}
         for chunk, first, count in wanted:
             request = chunk.request
@@ -55,6 +56,11 @@ class ModelRunner:
             if chunk.samples:
                 sampled[request] = self._sample(request, block[-1])
         return sampled
+
+    def _forward(self, batch: ForwardBatch) -> torch.Tensor:
+        if self.graphs is not None and self.graphs.can_run(batch):
+            return self.graphs.run(batch)
+        return self.model(batch, self.cache)
 
     def _record_prompt_logprobs(self, request, start: int, block: torch.Tensor) -> None:
         logprobs = torch.log_softmax(block, dim=-1)

@@ -23,14 +23,17 @@ class ForwardBatch:
     slot_mapping: torch.Tensor  # [N] int64 physical K/V row (block * block_size + offset) of each token
     logits_rows: torch.Tensor  # [M] int64 packed rows whose logits are wanted
     bounds: list[tuple[int, int]] = field(init=False)
-    # the per-request lists as tensors on the batch's device (what decode paths index with)
-    slots: torch.Tensor = field(init=False)
-    context_lens_tensor: torch.Tensor = field(init=False)
+    # the per-request lists as tensors on the batch's device (what decode paths index with); given
+    # explicitly only by a static batch whose tensors are a CUDA graph's input buffers
+    slots: torch.Tensor | None = None
+    context_lens_tensor: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         as_long = dict(dtype=torch.int64, device=self.token_ids.device)
-        self.slots = torch.tensor(self.state_slots, **as_long)
-        self.context_lens_tensor = torch.tensor(self.context_lens, **as_long)
+        if self.slots is None:
+            self.slots = torch.tensor(self.state_slots, **as_long)
+        if self.context_lens_tensor is None:
+            self.context_lens_tensor = torch.tensor(self.context_lens, **as_long)
         starts = [0]
         for n in self.query_lens:
             starts.append(starts[-1] + n)

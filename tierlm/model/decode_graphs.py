@@ -1,0 +1,105 @@
+"""Decode steps replayed from captured CUDA graphs.
+
+A decode step of a small model launches ~1,500 tiny kernels; on the GPU its time is launch overhead,
+not arithmetic. The decode path is static-shape and sync-free (see the layers), so one forward per
+batch size can be captured once and replayed: the step's inputs are copied into fixed input buffers,
+the graph replays, the logits come out of a fixed output buffer.
+
+A batch of B requests runs in the smallest captured size >= B; the padding rows point at the cache's
+scratch slot and scratch block, so they never touch a real request's state. With `capture=False` the
+same padded static batches run eagerly: that is how the padding is tested on a machine without a GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tierlm.model.forward_batch import ForwardBatch
+from tierlm.model.model_cache import ModelCache
+
+
+def captured_sizes(max_batch: int) -> list[int]:
+    """1, 2, 4, 8, then every multiple of 8 up to max_batch (as vLLM does)."""
+    sizes = [b for b in (1, 2, 4) if b < max_batch] + list(range(8, max_batch, 8))
+    return sorted(set(sizes + [max_batch]))
+
+
+class DecodeGraphRunner:
+    def __init__(self, model, cache: ModelCache, max_batch: int, max_blocks_per_request: int, capture: bool = True):
+        self.model, self.cache = model, cache
+        self.sizes = captured_sizes(max_batch)
+        self.max_batch = max_batch
+        device = cache.device
+        as_long = dict(dtype=torch.int64, device=device)
+        # the input buffers every captured graph reads
+        self.token_ids = torch.zeros(max_batch, **as_long)
+        self.positions = torch.zeros(max_batch, **as_long)
+        self.context_lens = torch.zeros(max_batch, **as_long)
+        self.slots = torch.zeros(max_batch, **as_long)
+        self.block_tables = torch.zeros(max_batch, max_blocks_per_request, **as_long)
+        self.slot_mapping = torch.zeros(max_batch, **as_long)
+        self.logits_rows = torch.arange(max_batch, **as_long)
+        self._pad_from(0)
+        self.batches = {size: self._static_batch(size) for size in self.sizes}
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        if capture:
+            self._capture()
+
+    def _static_batch(self, size: int) -> ForwardBatch:
+        return ForwardBatch(
+            token_ids=self.token_ids[:size], positions=self.positions[:size], context_lens=[0] * size,
+            query_lens=[1] * size, state_slots=[self.cache.scratch_slot] * size,
+            block_tables=self.block_tables[:size], slot_mapping=self.slot_mapping[:size],
+            logits_rows=self.logits_rows[:size], slots=self.slots[:size], context_lens_tensor=self.context_lens[:size],
+        )
+
+    def _pad_from(self, start: int) -> None:
+        """Rows from `start` on become harmless padding: scratch slot, scratch block, position 0."""
+        for buffer in (self.token_ids, self.positions, self.context_lens):
+            buffer[start:].zero_()
+        self.slots[start:] = self.cache.scratch_slot
+        self.block_tables[start:] = self.cache.scratch_block
+        self.slot_mapping[start:] = self.cache.scratch_block * self.cache.block_size
+
+    def _capture(self) -> None:
+        pool = None
+        for size in reversed(self.sizes):  # largest first, so smaller graphs reuse its memory pool
+            batch = self.batches[size]
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):  # warm up lazily built tensors and kernels outside the capture
+                    self.model(batch, self.cache)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.outputs[size] = self.model(batch, self.cache)
+            pool = graph.pool()
+            self.graphs[size] = graph
+
+    def can_run(self, batch: ForwardBatch) -> bool:
+        return (
+            batch.is_decode_only
+            and batch.num_requests <= self.max_batch
+            and batch.block_tables.shape[1] <= self.block_tables.shape[1]
+            and batch.logits_rows.shape[0] == batch.num_requests
+        )
+
+    def run(self, batch: ForwardBatch) -> torch.Tensor:
+        """Logits [B, vocab] of a decode-only batch (valid until the next call)."""
+        n = batch.num_requests
+        size = next(s for s in self.sizes if s >= n)
+        self.token_ids[:n].copy_(batch.token_ids)
+        self.positions[:n].copy_(batch.positions)
+        self.context_lens[:n].copy_(batch.context_lens_tensor)
+        self.slots[:n].copy_(batch.slots)
+        width = batch.block_tables.shape[1]
+        self.block_tables[:n, :width].copy_(batch.block_tables)
+        self.block_tables[:n, width:] = -1
+        self.slot_mapping[:n].copy_(batch.slot_mapping)
+        self._pad_from(n)
+        if size in self.graphs:
+            self.graphs[size].replay()
+            return self.outputs[size][:n]
+        return self.model(self.batches[size], self.cache)[:n]
