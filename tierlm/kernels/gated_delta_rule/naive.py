@@ -15,7 +15,7 @@ def recurrent_gated_delta_rule(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """See the package docstring for shapes; iterates over T."""
     q, k, v, g, beta = (x.float() for x in (q, k, v, g, beta))
-    state = initial_state.float().clone()
+    state = initial_state.float()  # never written in place: each step makes a new tensor
     out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
     for t in range(q.shape[1]):
         state = state * g[:, t].exp()[..., None, None]

@@ -94,8 +94,8 @@ class GatedDeltaNet(nn.Module):
         q = q.unflatten(-1, (self.num_k_heads, self.head_k_dim))
         k = k.unflatten(-1, (self.num_k_heads, self.head_k_dim))
         v = v.unflatten(-1, (self.num_v_heads, self.head_v_dim))
+        q, k = l2norm(q.float(), scale=self.head_k_dim**-0.5), l2norm(k.float())
         repeat = self.num_v_heads // self.num_k_heads
-        if repeat > 1:
+        if repeat > 1:  # value head j reads key head j // repeat
             q, k = q.repeat_interleave(repeat, dim=2), k.repeat_interleave(repeat, dim=2)
-        q, k = l2norm(q.float()), l2norm(k.float())
-        return q * self.head_k_dim**-0.5, k, v
+        return q, k, v

@@ -44,5 +44,7 @@ class GatedRMSNorm(nn.Module):
         return (y * self.activation(gate.float())).to(dtype)
 
 
-def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+def l2norm(x: torch.Tensor, eps: float = 1e-6, scale: float = 1.0) -> torch.Tensor:
+    """scale * x * rsqrt(sum(x^2) + eps), as one fused rms_norm: x * rsqrt(mean(x^2) + eps/d) / sqrt(d)."""
+    d = x.shape[-1]
+    return F.rms_norm(x, (d,), eps=eps / d) * (scale * d**-0.5)
