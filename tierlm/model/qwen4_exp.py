@@ -80,8 +80,8 @@ class Qwen4ExpTextModel(nn.Module):
         if keep == 0:
             return
         if batch.is_decode_only:
-            history = torch.cat([cache.ngram_context[batch.slots], batch.token_ids[:, None]], dim=-1)
-            cache.ngram_context[batch.slots] = history[:, 1:]
+            history = torch.cat([cache.ngram_context.index_select(0, batch.slots), batch.token_ids[:, None]], dim=-1)
+            cache.ngram_context.index_copy_(0, batch.slots, history[:, 1:])
             return
         for (start, end), slot in zip(batch.bounds, batch.state_slots):
             history = torch.cat([cache.ngram_context[slot], batch.token_ids[start:end]])

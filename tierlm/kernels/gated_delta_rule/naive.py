@@ -18,9 +18,9 @@ def recurrent_gated_delta_rule(
     state = initial_state.float()  # never written in place: each step makes a new tensor
     out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
     for t in range(q.shape[1]):
+        k_t = k[:, t, :, None, :]  # [B, H, 1, Dk]
         state = state * g[:, t].exp()[..., None, None]
-        memory = torch.einsum("bhkv,bhk->bhv", state, k[:, t])
-        delta = (v[:, t] - memory) * beta[:, t, :, None]
-        state = state + k[:, t, :, :, None] * delta[:, :, None, :]
-        out[:, t] = torch.einsum("bhkv,bhk->bhv", state, q[:, t])
+        delta = (v[:, t, :, None, :] - k_t @ state) * beta[:, t, :, None, None]  # [B, H, 1, Dv]
+        state = state + k_t.transpose(-1, -2) @ delta
+        out[:, t] = (q[:, t, :, None, :] @ state).squeeze(-2)
     return out, state

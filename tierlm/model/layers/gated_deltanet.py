@@ -13,7 +13,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tierlm.kernels.gated_delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_rule
+from tierlm.kernels.gated_delta_rule import (
+    chunk_gated_delta_rule,
+    fused_recurrent_gated_delta_rule_step,
+    recurrent_gated_delta_rule,
+)
 from tierlm.model.forward_batch import ForwardBatch
 from tierlm.model.layers.norm import GatedRMSNorm, l2norm
 from tierlm.model.layers.packed_linear import PackedLinear
@@ -57,36 +61,44 @@ class GatedDeltaNet(nn.Module):
         z = z.unflatten(-1, (self.num_v_heads, self.head_v_dim))
         beta = torch.sigmoid(b)
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        step = self._decode if batch.is_decode_only else self._chunks
+        core = step(mixed, beta, g, batch, state).to(x.dtype)  # [N, nv, dv]
+        return self.out_proj(self.norm(core, z).flatten(-2))
+
+    def _chunks(self, mixed, beta, g, batch: ForwardBatch, state: LayerState) -> torch.Tensor:
+        """Any batch: each request's chunk through the conv and the chunked (or per-token) rule."""
         weight = self.conv1d.weight.squeeze(1)
-        core = torch.empty(x.shape[0], self.num_v_heads, self.head_v_dim, dtype=x.dtype, device=x.device)
-
-        if batch.is_decode_only:
-            slots = batch.slots
-            window = torch.cat([state.gdn_conv[slots], mixed.unsqueeze(-1)], dim=-1)  # [B, C, Kc]
-            state.gdn_conv[slots] = window[..., 1:]
-            conv = F.silu(causal_depthwise_conv(window, weight)).transpose(1, 2)  # [B, 1, C]
+        core = torch.empty(mixed.shape[0], self.num_v_heads, self.head_v_dim, device=mixed.device)
+        for (start, end), slot in zip(batch.bounds, batch.state_slots):
+            window = torch.cat([state.gdn_conv[slot], mixed[start:end].T], dim=-1).unsqueeze(0)
+            state.gdn_conv[slot] = window[0, :, -(self.kernel - 1) :]
+            conv = F.silu(causal_depthwise_conv(window, weight)).transpose(1, 2)  # [1, T, C]
             q, k, v = self._heads(conv)
-            out, final = recurrent_gated_delta_rule(
-                q, k, v, g.unsqueeze(1), beta.unsqueeze(1), state.gdn_recurrent[slots]
+            rule = chunk_gated_delta_rule if end - start > 1 else recurrent_gated_delta_rule
+            out, final = rule(
+                q, k, v, g[start:end].unsqueeze(0), beta[start:end].unsqueeze(0),
+                state.gdn_recurrent[slot].unsqueeze(0),
             )
-            state.gdn_recurrent[slots] = final
-            core[:] = out[:, 0].to(x.dtype)
-        else:
-            for (start, end), slot in zip(batch.bounds, batch.state_slots):
-                window = torch.cat([state.gdn_conv[slot], mixed[start:end].T], dim=-1).unsqueeze(0)
-                state.gdn_conv[slot] = window[0, :, -(self.kernel - 1):]
-                conv = F.silu(causal_depthwise_conv(window, weight)).transpose(1, 2)  # [1, T, C]
-                q, k, v = self._heads(conv)
-                rule = chunk_gated_delta_rule if end - start > 1 else recurrent_gated_delta_rule
-                out, final = rule(
-                    q, k, v, g[start:end].unsqueeze(0), beta[start:end].unsqueeze(0),
-                    state.gdn_recurrent[slot].unsqueeze(0),
-                )
-                state.gdn_recurrent[slot] = final[0]
-                core[start:end] = out[0].to(x.dtype)
+            state.gdn_recurrent[slot] = final[0]
+            core[start:end] = out[0]
+        return core
 
-        core = self.norm(core, z)
-        return self.out_proj(core.flatten(-2))
+    def _decode(self, mixed, beta, g, batch: ForwardBatch, state: LayerState) -> torch.Tensor:
+        """One token per request, all requests at once; static shapes (CUDA-graph safe)."""
+        # index_select / index_copy_: whole-slot copies, several times cheaper than [] indexing
+        slots = batch.slots
+        window = torch.cat([state.gdn_conv.index_select(0, slots), mixed.unsqueeze(-1)], dim=-1)  # [B, C, Kc]
+        state.gdn_conv.index_copy_(0, slots, window[..., 1:])
+        conv = F.silu((window * self.conv1d.weight[:, 0]).sum(-1))  # [B, C]
+        q, k, v = conv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        n = mixed.shape[0]
+        q = l2norm(q.float().view(n, self.num_k_heads, self.head_k_dim), scale=self.head_k_dim**-0.5)
+        k = l2norm(k.float().view(n, self.num_k_heads, self.head_k_dim))
+        out, final = fused_recurrent_gated_delta_rule_step(
+            q, k, v.view(n, self.num_v_heads, self.head_v_dim), g, beta, state.gdn_recurrent.index_select(0, slots)
+        )
+        state.gdn_recurrent.index_copy_(0, slots, final)
+        return out
 
     def _heads(self, conv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """conv [B, T, C] -> q, k [B, T, nv, dk] (normalised, q scaled), v [B, T, nv, dv]."""

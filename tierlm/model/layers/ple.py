@@ -57,7 +57,7 @@ class PLELayer(nn.Module):
         """Table rows [N, heads] of every packed token; context [S, ngram_size-1]: each slot's last ids."""
         eos = self.spec.eos_token_id
         if batch.is_decode_only:
-            history = torch.cat([context[batch.slots], batch.token_ids[:, None]], dim=-1)  # [B, P+1]
+            history = torch.cat([context.index_select(0, batch.slots), batch.token_ids[:, None]], dim=-1)  # [B, P+1]
             return self.hasher.rows(ngram_context(history, eos, self.ngram_size))[:, 0]
         rows = []
         for (start, end), slot in zip(batch.bounds, batch.state_slots):
@@ -81,8 +81,8 @@ class PLELayer(nn.Module):
         """Dilated causal conv over each request's history of conv_in [N, hc*H]; updates the history."""
         weight = self.conv1d.weight.squeeze(1)
         if batch.is_decode_only:
-            window = torch.cat([state.ple_conv[batch.slots], conv_in.unsqueeze(-1)], dim=-1)
-            state.ple_conv[batch.slots] = window[..., 1:]
+            window = torch.cat([state.ple_conv.index_select(0, batch.slots), conv_in.unsqueeze(-1)], dim=-1)
+            state.ple_conv.index_copy_(0, batch.slots, window[..., 1:])
             return causal_depthwise_conv(window, weight, self.ngram_size)[..., 0]
         conv_out = torch.empty_like(conv_in)
         for (start, end), slot in zip(batch.bounds, batch.state_slots):
