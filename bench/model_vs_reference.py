@@ -4,7 +4,7 @@ Builds a random (perturbed) checkpoint with transformers, loads it into both, an
   prefill tokens/s: one forward over a prompt (transformers: `generate(max_new_tokens=1)`),
   decode tokens/s: greedy steps after the prompt (transformers: `generate` with its cache, the
                    prefill time subtracted; tierlm: its forward on the pooled cache, one token a step,
-                   replayed from a CUDA graph on the GPU unless --enforce-eager),
+                   eagerly and through `StaticDecodeRunner` (CUDA graphs on GPU, torch.compile on CPU),
 and prints both side by side with the ratio tierlm / transformers, plus how many greedy tokens agree.
 
     python bench/model_vs_reference.py                       # CPU, fp32, hidden 256, 6 layers, 32 experts
@@ -19,10 +19,10 @@ import time
 
 import torch
 
-from tierlm.model.decode_graphs import DecodeGraphRunner
 from tierlm.model.forward_batch import ForwardBatch
 from tierlm.model.loader import load_model
 from tierlm.model.model_cache import ModelCache
+from tierlm.model.static_decode import StaticDecodeRunner
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -67,13 +67,14 @@ def run_reference(model, prompt: torch.Tensor, steps: int, device) -> tuple[floa
     return prefill, total - prefill, out[0, prompt.shape[1] :].tolist()
 
 
-def run_tierlm(model, config, prompt: list[int], steps: int, dtype, device, eager: bool):
+def run_tierlm(model, config, prompt: list[int], steps: int, dtype, device, mode: str):
+    """mode: "eager", or "cuda_graph" / "compile" for decode steps through `StaticDecodeRunner`."""
     block_size = 16
     blocks = (len(prompt) + steps + block_size) // block_size + 1
     cache = ModelCache(config, 1, blocks, block_size, dtype, device)
     table = [list(range(blocks))]
-    graphs = None if eager or device.type != "cuda" else DecodeGraphRunner(model, cache, 1, blocks)
-    decode = graphs.run if graphs is not None else (lambda batch: model(batch, cache))
+    static = None if mode == "eager" else StaticDecodeRunner(model, cache, 1, blocks, mode)
+    decode = static.run if static is not None else (lambda batch: model(batch, cache))
 
     def generate(n_new: int) -> list[int]:
         cache.reset_slot(0)
@@ -101,7 +102,10 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=8192)
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--decode-steps", type=int, default=32)
-    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for tierlm's decode")
+    parser.add_argument(
+        "--static-mode", choices=["cuda_graph", "compile", "none"], default=None,
+        help="tierlm's fixed-shape decode beside its eager one (default: cuda_graph on GPU, compile on CPU)",
+    )
     args = parser.parse_args()
 
     from transformers import Qwen4ExpForCausalLM, Qwen4ExpTextConfig
@@ -120,23 +124,22 @@ def main() -> None:
     prompt = torch.randint(1, args.vocab, (1, args.prompt_len), generator=torch.Generator().manual_seed(1))
 
     ref_prefill, ref_decode, ref_tokens = run_reference(reference, prompt.to(device), args.decode_steps, device)
-    our_prefill, our_decode, our_tokens = run_tierlm(
-        model, config, prompt[0].tolist(), args.decode_steps, dtype, device, args.enforce_eager
-    )
-    agree = sum(a == b for a, b in zip(ref_tokens, our_tokens))
+    static_mode = args.static_mode or ("cuda_graph" if device.type == "cuda" else "compile")
+    modes = ["eager"] + ([static_mode] if static_mode != "none" else [])
+    ours = {m: run_tierlm(model, config, prompt[0].tolist(), args.decode_steps, dtype, device, m) for m in modes}
     n = args.prompt_len
-    rows = [
-        ("prefill tok/s", n / ref_prefill, n / our_prefill),
-        ("decode tok/s", args.decode_steps / ref_decode, args.decode_steps / our_decode),
-    ]
     params = sum(p.numel() for p in model.parameters()) / 1e6
-    graphs = "off" if args.enforce_eager or device.type != "cuda" else "on"
-    print(f"device={args.device} dtype={args.dtype} cuda_graphs={graphs} hidden={args.hidden} layers={args.layers} "
-          f"experts={args.experts} params={params:.1f}M prompt={n} decode_steps={args.decode_steps}")
-    print(f"{'metric':<16}{'transformers':>14}{'tierlm':>12}{'ratio':>9}")
-    for name, ref, ours in rows:
-        print(f"{name:<16}{ref:>14.1f}{ours:>12.1f}{ours / ref:>8.2f}x")
-    print(f"greedy tokens agreeing: {agree}/{len(ref_tokens)}")
+    print(f"device={args.device} dtype={args.dtype} hidden={args.hidden} layers={args.layers} "
+          f"experts={args.experts} vocab={args.vocab} params={params:.1f}M prompt={n} decode_steps={args.decode_steps}")
+    print(f"{'metric':<28}{'transformers':>14}{'tierlm':>12}{'ratio':>9}")
+    print(f"{'prefill tok/s':<28}{n / ref_prefill:>14.1f}{n / ours['eager'][0]:>12.1f}"
+          f"{ref_prefill / ours['eager'][0]:>8.2f}x")
+    for mode, (_, decode, tokens) in ours.items():
+        ref_rate, our_rate = args.decode_steps / ref_decode, args.decode_steps / decode
+        print(f"{'decode tok/s (' + mode + ')':<28}{ref_rate:>14.1f}{our_rate:>12.1f}{our_rate / ref_rate:>8.2f}x")
+    for mode, (_, _, tokens) in ours.items():
+        agree = sum(a == b for a, b in zip(ref_tokens, tokens))
+        print(f"greedy tokens agreeing with transformers ({mode}): {agree}/{len(ref_tokens)}")
 
 
 if __name__ == "__main__":

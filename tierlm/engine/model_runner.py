@@ -16,10 +16,10 @@ from tierlm.model.model_cache import ModelCache
 
 
 class ModelRunner:
-    def __init__(self, model, cache: ModelCache, sampler: Sampler, decode_token, graphs=None) -> None:
+    def __init__(self, model, cache: ModelCache, sampler: Sampler, decode_token, static_decode=None) -> None:
         self.model = model
         self.cache = cache
-        self.graphs = graphs  # a DecodeGraphRunner, or None to run every step eagerly
+        self.static_decode = static_decode  # a StaticDecodeRunner, or None to run every step eagerly
         self.sampler = sampler
         self.decode_token = decode_token  # token id -> text, for Logprob.decoded_token
         self.device = cache.device
@@ -58,8 +58,8 @@ class ModelRunner:
         return sampled
 
     def _forward(self, batch: ForwardBatch) -> torch.Tensor:
-        if self.graphs is not None and self.graphs.can_run(batch):
-            return self.graphs.run(batch)
+        if self.static_decode is not None and self.static_decode.can_run(batch):
+            return self.static_decode.run(batch)
         return self.model(batch, self.cache)
 
     def _record_prompt_logprobs(self, request, start: int, block: torch.Tensor) -> None:

@@ -20,6 +20,8 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--device", default=None)
+    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs / compilation for decode")
+    parser.add_argument("--compile-decode", action="store_true", help="CPU: torch.compile the decode step")
     parser.set_defaults(func=run)
 
 
@@ -33,7 +35,10 @@ def run(args: argparse.Namespace) -> int:
             max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
             seed=args.seed,
         )
-        engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, device=args.device))
+        engine = LLMEngine(EngineConfig(
+            model=args.model, dtype=args.dtype, device=args.device, enforce_eager=args.enforce_eager,
+            compile_decode=args.compile_decode,
+        ))
         prompt = args.prompt
         if args.chat:
             prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])

@@ -27,6 +27,9 @@ class ForwardBatch:
     # explicitly only by a static batch whose tensors are a CUDA graph's input buffers
     slots: torch.Tensor | None = None
     context_lens_tensor: torch.Tensor | None = None
+    # True for the fixed-shape decode batches of `static_decode`: layers must then take their
+    # sync-free forms (no host reads of tensor values), which CUDA graphs and torch.compile need
+    static: bool = False
 
     def __post_init__(self) -> None:
         as_long = dict(dtype=torch.int64, device=self.token_ids.device)

@@ -51,7 +51,7 @@ class DecoderLayer(nn.Module):
             out = self.self_attn(x, batch, state, rotary)
         streams = HyperConnection.combine(streams, out, inject)
         x, inject = self.mlp_hyper_connection.mix(streams)
-        return HyperConnection.combine(streams, self.mlp(x), inject)
+        return HyperConnection.combine(streams, self.mlp(x, batch.static), inject)
 
 
 class Qwen4ExpTextModel(nn.Module):
@@ -101,7 +101,7 @@ class Qwen4ExpForCausalLM(nn.Module):
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    @torch.inference_mode()
+    @torch.no_grad()  # not inference_mode: its tensors cannot flow through torch.compile
     def forward(self, batch: ForwardBatch, cache: ModelCache) -> torch.Tensor:
         """Logits [M, vocab] for `batch.logits_rows`."""
         return self.lm_head(self.model(batch, cache))

@@ -23,10 +23,11 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
         if self.group_size is not None:
-            normed = F.rms_norm(xf.unflatten(-1, (-1, self.group_size)), (self.group_size,), eps=self.eps).flatten(-2)
-        else:
-            normed = F.rms_norm(xf, (xf.shape[-1],), eps=self.eps)
-        return (normed * (1.0 + self.weight.float())).to(x.dtype)
+            xf = xf.unflatten(-1, (-1, self.group_size))
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.group_size is not None:
+            xf = xf.flatten(-2)
+        return (xf * (1.0 + self.weight.float())).to(x.dtype)
 
 
 class GatedRMSNorm(nn.Module):

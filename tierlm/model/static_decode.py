@@ -1,13 +1,14 @@
-"""Decode steps replayed from captured CUDA graphs.
+"""Decode steps as fixed-shape forwards: replayed from CUDA graphs, or compiled with torch.compile.
 
-A decode step of a small model launches ~1,500 tiny kernels; on the GPU its time is launch overhead,
-not arithmetic. The decode path is static-shape and sync-free (see the layers), so one forward per
-batch size can be captured once and replayed: the step's inputs are copied into fixed input buffers,
-the graph replays, the logits come out of a fixed output buffer.
+A decode step of a small model is ~1,500 tiny ops; its time is dispatch and launch overhead, not
+arithmetic. The decode path is static-shape and sync-free (see the layers), so one forward per batch
+size can be captured once (GPU: a CUDA graph) or compiled once (CPU: torch.compile fuses the ops into
+a few kernels) and then reused: each step's inputs are copied into fixed input buffers, the forward runs
+on them, and the logits come out of a fixed output buffer.
 
-A batch of B requests runs in the smallest captured size >= B; the padding rows point at the cache's
-scratch slot and scratch block, so they never touch a real request's state. With `capture=False` the
-same padded static batches run eagerly: that is how the padding is tested on a machine without a GPU.
+A batch of B requests runs at the smallest prepared size >= B; padding rows point at the cache's
+scratch slot and scratch block, so they never touch a real request's state. Mode "eager" runs the same
+padded batches without capture or compilation: that is how the padding is tested without a GPU.
 """
 
 from __future__ import annotations
@@ -17,21 +18,28 @@ import torch
 from tierlm.model.forward_batch import ForwardBatch
 from tierlm.model.model_cache import ModelCache
 
+MODES = ("cuda_graph", "compile", "eager")
 
-def captured_sizes(max_batch: int) -> list[int]:
+
+def prepared_sizes(max_batch: int) -> list[int]:
     """1, 2, 4, 8, then every multiple of 8 up to max_batch (as vLLM does)."""
     sizes = [b for b in (1, 2, 4) if b < max_batch] + list(range(8, max_batch, 8))
     return sorted(set(sizes + [max_batch]))
 
 
-class DecodeGraphRunner:
-    def __init__(self, model, cache: ModelCache, max_batch: int, max_blocks_per_request: int, capture: bool = True):
-        self.model, self.cache = model, cache
-        self.sizes = captured_sizes(max_batch)
+class StaticDecodeRunner:
+    def __init__(
+        self, model, cache: ModelCache, max_batch: int, max_blocks_per_request: int, mode: str,
+        sizes: list[int] | None = None,
+    ) -> None:
+        """sizes: the batch sizes to prepare (default `prepared_sizes(max_batch)`); the largest is max_batch."""
+        if mode not in MODES:
+            raise ValueError(f"mode {mode!r}: choose one of {MODES}")
+        self.model, self.cache, self.mode = model, cache, mode
+        self.sizes = sorted(set(sizes or prepared_sizes(max_batch)) | {max_batch})
         self.max_batch = max_batch
-        device = cache.device
-        as_long = dict(dtype=torch.int64, device=device)
-        # the input buffers every captured graph reads
+        as_long = dict(dtype=torch.int64, device=cache.device)
+        # the input buffers every prepared forward reads
         self.token_ids = torch.zeros(max_batch, **as_long)
         self.positions = torch.zeros(max_batch, **as_long)
         self.context_lens = torch.zeros(max_batch, **as_long)
@@ -43,7 +51,13 @@ class DecodeGraphRunner:
         self.batches = {size: self._static_batch(size) for size in self.sizes}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
-        if capture:
+        self.forward = model
+        if mode == "compile":
+            # one compiled graph per prepared size; shapes never change for a given size
+            self.forward = torch.compile(model, dynamic=False)
+            for size in self.sizes:
+                self.forward(self.batches[size], cache)
+        elif mode == "cuda_graph":
             self._capture()
 
     def _static_batch(self, size: int) -> ForwardBatch:
@@ -52,6 +66,7 @@ class DecodeGraphRunner:
             query_lens=[1] * size, state_slots=[self.cache.scratch_slot] * size,
             block_tables=self.block_tables[:size], slot_mapping=self.slot_mapping[:size],
             logits_rows=self.logits_rows[:size], slots=self.slots[:size], context_lens_tensor=self.context_lens[:size],
+            static=True,
         )
 
     def _pad_from(self, start: int) -> None:
@@ -102,4 +117,4 @@ class DecodeGraphRunner:
         if size in self.graphs:
             self.graphs[size].replay()
             return self.outputs[size][:n]
-        return self.model(self.batches[size], self.cache)[:n]
+        return self.forward(self.batches[size], self.cache)[:n]
