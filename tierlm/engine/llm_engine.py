@@ -29,6 +29,18 @@ from tierlm.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of the engine's state for metrics (read between steps)."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float  # fraction of QSA blocks in use (0 for a model without QSA layers)
+    num_preemptions: int  # total since start
+    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache, total
+    prefix_cache_hits: int  # of which found cached, total
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: str
     dtype: str = "auto"
@@ -145,6 +157,17 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def stats(self) -> EngineStats:
+        manager = self.cache_manager
+        total = self.cache.num_blocks
+        used = total - manager.num_free_blocks if manager.uses_blocks else 0
+        return EngineStats(
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            kv_cache_usage=used / total if manager.uses_blocks and total else 0.0,
+            num_preemptions=self.scheduler.num_preemptions,
+            prefix_cache_queries=0, prefix_cache_hits=0,
+        )
 
     # ---- the step -----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
