@@ -22,12 +22,14 @@ def test_selection_is_top_blocks_plus_open_tail():
     kv_len = context + chunk
     positions = torch.arange(context, kv_len)
     q = torch.randn(chunk, 3, 8)
-    block_keys = torch.randn(kv_len // r, 8)
+    q[::3] = -q[::3].abs()  # every score of these queries is relu(negative) = 0: a full tie
+    block_keys = torch.randn(kv_len // r, 8).abs()
     mask = indexer.select(q, block_keys, positions, kv_len)
     for i, p in enumerate(positions.tolist()):
         nb = (p + 1) // r
         scores = torch.relu(q[i] @ block_keys[:nb].T).sum(0) / math.sqrt(8)
-        chosen = set(scores.topk(min(topk, nb)).indices.tolist())
+        # top scores, ties to the lower block index
+        chosen = set(sorted(range(nb), key=lambda j: (-float(scores[j]), j))[: min(topk, nb)])
         expected = {j for j in range(p + 1) if j // r in chosen or j >= nb * r}
         assert set(torch.nonzero(mask[i]).flatten().tolist()) == expected
         # late queries really are sparse: the budget drops blocks

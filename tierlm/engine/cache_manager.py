@@ -1,55 +1,212 @@
-"""Who owns which recurrent-state slot and which QSA block.
+"""Who owns which state slot and which QSA block, and the prefix cache over them.
 
-Pure bookkeeping over the `ModelCache` pools: a free list of slots (one per running request) and of
-blocks (block_size tokens of every QSA layer each). The scheduler asks before it schedules tokens;
-finished, aborted and preempted requests give everything back at once. The model never allocates.
+Pure bookkeeping over the `ModelCache` pools; the model never allocates. The scheduler asks before it
+schedules tokens; finished, aborted and preempted requests give everything back at once.
+
+Prefix caching for a hybrid model needs two things at the reuse point: the QSA blocks before it
+(identified by a hash chain over their tokens, as in vLLM and nano-vllm) and the recurrent state of
+every GDN and PLE layer exactly there. That state is a whole slot (115 MB per request in the target
+model, against 32 KB for a 16-token QSA block), so checkpoints are few and deliberate:
+- one at the last block boundary inside the prompt (a resent conversation always shares it), and
+- one at the latest block boundary reached while decoding (replacing the request's previous one),
+each a copy of the request's slot into a checkpoint slot, keyed by the hash of the block it ends.
+A hit is the longest run of cached blocks that ends at a block with a checkpoint. Blocks and
+checkpoints are evicted least-recently-used; a cached block is reusable only while ref count is 0 or
+it is shared read-only (full blocks are never written again).
 """
 
 from __future__ import annotations
 
-import math
-from collections import deque
+import hashlib
+from collections import OrderedDict, deque
+
+import numpy as np
 
 from tierlm.engine.request import Request
 from tierlm.model.model_cache import ModelCache
 
 
+def chain_hash(parent: bytes, tokens: list[int]) -> bytes:
+    return hashlib.blake2b(parent + np.asarray(tokens, dtype=np.int64).tobytes(), digest_size=16).digest()
+
+
 class CacheManager:
-    def __init__(self, cache: ModelCache) -> None:
+    def __init__(
+        self, cache: ModelCache, max_num_seqs: int, num_checkpoints: int = 0, enable_prefix_caching: bool = False
+    ) -> None:
+        if max_num_seqs + num_checkpoints > cache.num_slots:
+            raise ValueError(f"{max_num_seqs} running slots + {num_checkpoints} checkpoints > {cache.num_slots} slots")
         self.cache = cache
         self.block_size = cache.block_size
-        self.free_slots = deque(range(cache.num_slots))
-        self.free_blocks = deque(range(cache.num_blocks)) if cache.config.has_qsa else deque()
         self.uses_blocks = cache.config.has_qsa
+        self.prefix_caching = enable_prefix_caching and num_checkpoints > 0
+        self.free_slots = deque(range(max_num_seqs))
+        self.free_checkpoint_slots = list(range(max_num_seqs, max_num_seqs + num_checkpoints))
+        num_blocks = cache.num_blocks if self.uses_blocks else 0
+        self.free_blocks = deque(range(num_blocks))
+        self.ref_counts = [0] * num_blocks
+        self.hash_of_block: list[bytes | None] = [None] * num_blocks
+        self.block_of_hash: dict[bytes, int] = {}
+        self.evictable: OrderedDict[int, None] = OrderedDict()  # cached blocks nobody uses, oldest first
+        self.checkpoints: OrderedDict[bytes, int] = OrderedDict()  # block hash -> slot, oldest first
+        self.queried_tokens = 0
+        self.hit_tokens = 0
+
+    # ---- blocks -------------------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks that can be handed out now (cached ones nobody uses count: they can be evicted)."""
+        return len(self.free_blocks) + len(self.evictable)
 
     def blocks_needed(self, request: Request, num_tokens: int) -> int:
-        """Blocks to add so the request can hold `num_tokens` tokens."""
         if not self.uses_blocks:
             return 0
-        return max(0, math.ceil(num_tokens / self.block_size) - len(request.block_ids))
-
-    def can_admit(self, request: Request, num_tokens: int) -> bool:
-        return bool(self.free_slots) and self.blocks_needed(request, num_tokens) <= len(self.free_blocks)
-
-    def admit(self, request: Request) -> None:
-        request.state_slot = self.free_slots.popleft()
-        self.cache.reset_slot(request.state_slot)
+        return max(0, -(-num_tokens // self.block_size) - len(request.block_ids))
 
     def grow(self, request: Request, num_tokens: int) -> bool:
         """Give the request blocks for `num_tokens` tokens; False (and nothing taken) if there are too few."""
         needed = self.blocks_needed(request, num_tokens)
-        if needed > len(self.free_blocks):
+        if needed > self.num_free_blocks:
             return False
-        request.block_ids.extend(self.free_blocks.popleft() for _ in range(needed))
+        for _ in range(needed):
+            request.block_ids.append(self._take_block())
         return True
 
+    def _take_block(self) -> int:
+        if self.free_blocks:
+            block = self.free_blocks.popleft()
+        else:
+            block, _ = self.evictable.popitem(last=False)
+            self._forget(block)
+        self.ref_counts[block] = 1
+        return block
+
+    def _forget(self, block: int) -> None:
+        """Evict a cached block's identity (and the checkpoint that ends at it)."""
+        digest = self.hash_of_block[block]
+        self.hash_of_block[block] = None
+        if digest is not None and self.block_of_hash.get(digest) == block:
+            del self.block_of_hash[digest]
+            slot = self.checkpoints.pop(digest, None)
+            if slot is not None:
+                self.free_checkpoint_slots.append(slot)
+
+    # ---- admission ----------------------------------------------------------------------------------
+    def match_prefix(self, request: Request) -> int:
+        """Tokens of the request that the prefix cache can supply (a multiple of block_size, maybe 0)."""
+        if not self.prefix_caching or request.prompt_logprobs is not None:  # those need every prompt row
+            return 0
+        hashes = self._hashes(request, (request.num_tokens - 1) // self.block_size)  # leave >= 1 to compute
+        run = 0
+        while run < len(hashes) and hashes[run] in self.block_of_hash:
+            run += 1
+        while run and hashes[run - 1] not in self.checkpoints:
+            run -= 1
+        return run * self.block_size
+
+    def can_admit(self, request: Request, hit_tokens: int, num_tokens: int) -> bool:
+        """A free slot and blocks for `num_tokens` tokens, counting the `hit_tokens` it will share."""
+        if not self.free_slots:
+            return False
+        if not self.uses_blocks:
+            return True
+        shared = hit_tokens // self.block_size
+        hashes = request.block_hashes[:shared]
+        reclaimed = sum(1 for h in hashes if self.block_of_hash[h] in self.evictable)  # leave the free pool
+        return -(-num_tokens // self.block_size) - shared <= self.num_free_blocks - reclaimed
+
+    def admit(self, request: Request, hit_tokens: int) -> None:
+        """Give the request a slot; with a prefix hit, share its blocks and restore its checkpoint."""
+        request.state_slot = self.free_slots.popleft()
+        request.num_cached_tokens = hit_tokens
+        self.queried_tokens += request.num_tokens
+        if hit_tokens == 0:
+            self.cache.reset_slot(request.state_slot)
+            request.num_computed_tokens = 0
+            return
+        shared = hit_tokens // self.block_size
+        for digest in request.block_hashes[:shared]:
+            block = self.block_of_hash[digest]
+            self.evictable.pop(block, None)
+            self.ref_counts[block] += 1
+            request.block_ids.append(block)
+        last = request.block_hashes[shared - 1]
+        self.checkpoints.move_to_end(last)
+        self.cache.copy_slot(self.checkpoints[last], request.state_slot)
+        request.num_computed_tokens = hit_tokens
+        self.hit_tokens += hit_tokens
+
+    def prompt_checkpoint_at(self, request: Request) -> int:
+        """The block boundary inside the prompt where a checkpoint is taken (0: none)."""
+        if not self.prefix_caching:
+            return 0
+        return (request.num_prompt_tokens - 1) // self.block_size * self.block_size
+
+    # ---- after each step ----------------------------------------------------------------------------
+    def on_computed(self, request: Request) -> None:
+        """Register the request's newly full blocks; checkpoint at the boundaries of the policy above."""
+        if not self.prefix_caching:
+            return
+        computed = request.num_computed_tokens
+        full = computed // self.block_size
+        hashes = self._hashes(request, full)
+        for index in range(full):
+            block = request.block_ids[index]
+            if self.hash_of_block[block] is None and hashes[index] not in self.block_of_hash:
+                self.hash_of_block[block] = hashes[index]
+                self.block_of_hash[hashes[index]] = block
+        if computed % self.block_size or computed == 0:
+            return
+        at_prompt_boundary = computed == self.prompt_checkpoint_at(request)
+        if at_prompt_boundary or computed > request.num_prompt_tokens:
+            if not at_prompt_boundary and request.decode_checkpoint is not None:
+                self._drop_checkpoint(request.decode_checkpoint)
+            digest = hashes[full - 1]
+            if self._checkpoint(request, digest) and not at_prompt_boundary:
+                request.decode_checkpoint = digest
+
+    def _checkpoint(self, request: Request, digest: bytes) -> bool:
+        """Copy the request's state into a checkpoint for the block `digest` ends; False if none was made."""
+        if digest not in self.block_of_hash:  # no cached block leads to it: it could never be hit
+            return False
+        if digest in self.checkpoints:
+            self.checkpoints.move_to_end(digest)
+            return False
+        if self.free_checkpoint_slots:
+            slot = self.free_checkpoint_slots.pop()
+        elif self.checkpoints:
+            _, slot = self.checkpoints.popitem(last=False)
+        else:
+            return False
+        self.cache.copy_slot(request.state_slot, slot)
+        self.checkpoints[digest] = slot
+        return True
+
+    def _drop_checkpoint(self, digest: bytes) -> None:
+        slot = self.checkpoints.pop(digest, None)
+        if slot is not None:
+            self.free_checkpoint_slots.append(slot)
+
+    def _hashes(self, request: Request, count: int) -> list[bytes]:
+        """The hash chain over the request's first `count` full blocks (extended as tokens arrive)."""
+        hashes = request.block_hashes
+        while len(hashes) < count:
+            start = len(hashes) * self.block_size
+            hashes.append(chain_hash(hashes[-1] if hashes else b"", request.token_slice(start, start + self.block_size)))
+        return hashes[:count]
+
+    # ---- release ------------------------------------------------------------------------------------
     def free(self, request: Request) -> None:
+        """Give back the slot and blocks at once; cached blocks stay findable until evicted."""
         if request.state_slot is not None:
             self.free_slots.append(request.state_slot)
             request.state_slot = None
-        self.free_blocks.extend(request.block_ids)
+        for block in request.block_ids:
+            self.ref_counts[block] -= 1
+            if self.ref_counts[block] == 0:
+                if self.hash_of_block[block] is not None:
+                    self.evictable[block] = None
+                else:
+                    self.free_blocks.append(block)
         request.block_ids = []
-
-    @property
-    def num_free_blocks(self) -> int:
-        return len(self.free_blocks)
+        request.decode_checkpoint = None

@@ -8,7 +8,9 @@ request id and report together. Both the offline `LLM` and the server drive this
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
+import logging
 import math
 import time
 from dataclasses import dataclass
@@ -19,6 +21,7 @@ from tierlm.engine.cache_manager import CacheManager
 from tierlm.engine.model_runner import ModelRunner
 from tierlm.engine.request import Request, RequestStatus
 from tierlm.engine.sampler import Sampler
+from tierlm.memory.plan import CachePlan, cache_budget, plan_cache
 from tierlm.engine.scheduler import Scheduler
 from tierlm.model.static_decode import StaticDecodeRunner
 from tierlm.model.loader import load_model, resolve_model_path
@@ -26,6 +29,21 @@ from tierlm.model.model_cache import ModelCache
 from tierlm.outputs import CompletionOutput, RequestOutput
 from tierlm.sampling_params import SamplingParams
 from tierlm.tokenizer import Tokenizer
+
+logger = logging.getLogger("tierlm")
+
+
+def engine_cache_plan(config: EngineConfig, model_config, dtype: str, device: str, weights_bytes: int) -> CachePlan:
+    """The cache plan for these settings: the engine sizes its pools from it, `tierlm plan` prints it."""
+    max_model_len = config.max_model_len or model_config.max_position_embeddings
+    budget, source = cache_budget(config.kv_cache_memory_bytes, config.gpu_memory_utilization, device, weights_bytes)
+    checkpoints = 0
+    if config.enable_prefix_caching and model_config.has_qsa:
+        checkpoints = 2 * config.max_num_seqs if config.max_state_checkpoints is None else config.max_state_checkpoints
+    return plan_cache(
+        model_config, dtype, block_size=config.block_size, max_model_len=max_model_len,
+        max_num_seqs=config.max_num_seqs, budget_bytes=budget, budget_source=source, num_checkpoints=checkpoints,
+    )
 
 
 @dataclass(frozen=True)
@@ -49,7 +67,10 @@ class EngineConfig:
     max_num_seqs: int = 4
     max_num_batched_tokens: int = 512
     block_size: int = 16
-    num_blocks: int | None = None  # None: enough for max_num_seqs requests of max_model_len
+    enable_prefix_caching: bool = True
+    max_state_checkpoints: int | None = None  # prefix-cache state checkpoints; default 2 x max_num_seqs
+    kv_cache_memory_bytes: int | None = None  # the cache budget; else a fraction of device memory:
+    gpu_memory_utilization: float | None = None  # CUDA: of total memory (0.9); CPU: of available RAM (0.1)
     seed: int = 0
     enforce_eager: bool = False  # True: no CUDA graphs (nor compilation) for decode steps
     compile_decode: bool = False  # on CPU, torch.compile the decode step (slow start, ~2x faster steps)
@@ -78,20 +99,18 @@ class LLMEngine:
         self.tokenizer = Tokenizer.from_pretrained(model_dir)
         mc = self.model_config
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
-        block_size = config.block_size
-        if mc.has_qsa and block_size % mc.indexer_compress_ratio:
-            block_size = math.lcm(block_size, mc.indexer_compress_ratio)
-        num_blocks = config.num_blocks or config.max_num_seqs * math.ceil(self.max_model_len / block_size)
-        if mc.has_qsa and num_blocks * block_size < self.max_model_len:
-            raise ValueError(
-                f"num_blocks {num_blocks} x block_size {block_size} cannot hold one request of "
-                f"max_model_len {self.max_model_len}"
-            )
         dtype = next(self.model.parameters()).dtype
         device = next(self.model.parameters()).device
-        self.cache = ModelCache(mc, config.max_num_seqs, num_blocks, block_size, dtype, device)
-        self.cache_manager = CacheManager(self.cache)
+        self.cache_plan = engine_cache_plan(config, mc, str(dtype).removeprefix("torch."), str(device), 0)
+        for line in self.cache_plan.lines():
+            logger.info(line)
+        plan = self.cache_plan
+        self.cache = ModelCache(mc, plan.num_slots, plan.num_blocks, plan.block_size, dtype, device)
+        self.cache_manager = CacheManager(
+            self.cache, config.max_num_seqs, plan.num_checkpoints, config.enable_prefix_caching
+        )
         self.scheduler = Scheduler(self.cache_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        block_size = plan.block_size
         static_decode = None
         mode = "cuda_graph" if device.type == "cuda" else ("compile" if config.compile_decode else None)
         if mode and not config.enforce_eager:
@@ -118,12 +137,16 @@ class LLMEngine:
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         self.check_prompt(token_ids)
         params = params.with_defaults(*self.default_params())
+        grammars = [None] * params.n  # a matcher per sequence; a bad schema raises before anything is queued
+        if params.structured_output is not None:
+            grammars = [self._structured_outputs.new_state(params.structured_output) for _ in range(params.n)]
         sequences = []
         for index in range(params.n):
             seq_params = params if params.seed is None else dataclasses.replace(params, seed=params.seed + index)
             request = Request(
                 f"{request_id}-{index}" if params.n > 1 else request_id, token_ids, seq_params,
                 self.eos_token_ids, self.max_model_len, arrival_time=time.monotonic(),
+                structured_output=grammars[index],
             )
             detok = self.tokenizer.detokenizer(token_ids, skip_special_tokens=params.skip_special_tokens)
             sequences.append(_Sequence(request, index, detok))
@@ -131,6 +154,13 @@ class LLMEngine:
             self.scheduler.add(request)
         self._groups[request_id] = (text, sequences)
         return request_id
+
+    @functools.cached_property
+    def _structured_outputs(self):
+        """Compiles `SamplingParams.structured_output`; built on first use (xgrammar is slow to import)."""
+        from tierlm.engine.structured_output import StructuredOutputManager
+
+        return StructuredOutputManager(self.tokenizer, self.model_config.vocab_size, sorted(self.eos_token_ids))
 
     def check_prompt(self, token_ids: list[int]) -> None:
         if not token_ids:
@@ -166,7 +196,7 @@ class LLMEngine:
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             kv_cache_usage=used / total if manager.uses_blocks and total else 0.0,
             num_preemptions=self.scheduler.num_preemptions,
-            prefix_cache_queries=0, prefix_cache_hits=0,
+            prefix_cache_queries=manager.queried_tokens, prefix_cache_hits=manager.hit_tokens,
         )
 
     # ---- the step -----------------------------------------------------------------------------------
@@ -180,6 +210,7 @@ class LLMEngine:
         for chunk in plan.chunks:
             request = chunk.request
             request.num_computed_tokens += chunk.num_tokens
+            self.cache_manager.on_computed(request)
             if request in sampled:
                 request.append_token(sampled[request])
                 changed[self._group_of[request]] = None
@@ -211,6 +242,7 @@ class LLMEngine:
         return RequestOutput(
             request_id=request_id, prompt=prompt, prompt_token_ids=first.prompt_token_ids,
             prompt_logprobs=first.prompt_logprobs, outputs=completions, finished=finished,
+            num_cached_tokens=first.num_cached_tokens,
         )
 
     def _update_text(self, seq: _Sequence) -> None:

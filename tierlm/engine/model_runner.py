@@ -46,7 +46,7 @@ class ModelRunner:
             device=self.device,
             logits=rows,
         )
-        logits = self._forward(batch).float().cpu() if rows else None
+        logits = self._forward(batch).float().cpu()  # always run: the chunk fills the cache even with no rows
         sampled = {}
         for chunk, first, count in wanted:
             request = chunk.request

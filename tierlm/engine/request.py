@@ -9,11 +9,15 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from tierlm.outputs import PositionLogprobs
 from tierlm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from tierlm.engine.structured_output import GrammarState
 
 
 class RequestStatus(enum.Enum):
@@ -44,12 +48,16 @@ class Request:
     # where its state lives; owned by the cache manager
     state_slot: int | None = None
     block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)  # hash chain over its full blocks of tokens
+    decode_checkpoint: bytes | None = None  # the block hash of its latest decode-time state checkpoint
+    num_cached_tokens: int = 0  # tokens the prefix cache supplied at its (latest) admission
     # sampling state
     generator: torch.Generator | None = None
     logprobs: list[PositionLogprobs] | None = None
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     cumulative_logprob: float = 0.0
     num_preemptions: int = 0
+    structured_output: GrammarState | None = None  # the grammar matcher of a structured-output request
 
     def __post_init__(self) -> None:
         if self.params.seed is not None:
@@ -80,6 +88,13 @@ class Request:
     def append_token(self, token_id: int) -> None:
         """Record a sampled token and decide whether the request is done."""
         self.output_token_ids.append(token_id)
+        if self.structured_output is not None:
+            if not self.structured_output.accept(token_id):  # not expected: the sampler masks the rest
+                self.finish(RequestStatus.FINISHED_ERROR, "structured output: the grammar rejected the token")
+                return
+            if self.structured_output.is_terminated:  # the JSON is complete and a stop token followed
+                self.finish(RequestStatus.FINISHED_STOPPED)
+                return
         n_out = len(self.output_token_ids)
         if n_out >= self.params.min_tokens:
             if token_id in self.params.stop_token_ids:

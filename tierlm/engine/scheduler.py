@@ -4,7 +4,9 @@ Counter model (as vLLM v1): running requests first, in admission order, each cat
 count up to its total (a decode is 1 token, a prefill chunk up to the remaining budget); then waiting
 requests are admitted while the budget, `max_num_seqs`, a free state slot and enough blocks allow.
 When a running request cannot get the blocks it needs, the most recently admitted running request is
-preempted: its memory is freed and it waits again at the front, to be recomputed from scratch.
+preempted: its memory is freed and it waits again at the front, to be recomputed (its prefix-cache hits
+included). A new request starts after its longest cached prefix; prefill chunks stop at the prompt's
+checkpoint boundary so the prefix cache can snapshot the state there.
 """
 
 from __future__ import annotations
@@ -62,7 +64,7 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            n = self._chunk(request, request.num_computed_tokens, budget)
             if not self._reserve(request, n, out):
                 break  # the request itself was preempted; nothing after it remains
             out.chunks.append(ScheduledChunk(request, n))
@@ -70,17 +72,26 @@ class Scheduler:
             index += 1
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
             request = self.waiting[0]
-            n = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self.cache_manager.can_admit(request, request.num_computed_tokens + n):
+            hit = self.cache_manager.match_prefix(request)
+            n = self._chunk(request, hit, budget)
+            if not self.cache_manager.can_admit(request, hit, hit + n):
                 break
             self.waiting.popleft()
-            self.cache_manager.admit(request)
-            self.cache_manager.grow(request, request.num_computed_tokens + n)
+            self.cache_manager.admit(request, hit)
+            self.cache_manager.grow(request, hit + n)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             out.chunks.append(ScheduledChunk(request, n))
             budget -= n
         return out
+
+    def _chunk(self, request: Request, start: int, budget: int) -> int:
+        """Tokens to compute from `start`: up to the budget, stopping at the prompt's checkpoint boundary."""
+        n = min(request.num_tokens - start, budget)
+        boundary = self.cache_manager.prompt_checkpoint_at(request)
+        if start < boundary < start + n:
+            n = boundary - start
+        return n
 
     def _reserve(self, request: Request, n: int, out: SchedulerOutput) -> bool:
         """Blocks for the request's next n tokens, preempting from the back; False if it was the victim."""

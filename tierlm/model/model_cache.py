@@ -39,27 +39,6 @@ class LayerState:
     scratch_block: int = 0
 
 
-def state_bytes_per_slot(config: ModelConfig, dtype: torch.dtype) -> dict[str, int]:
-    """Bytes of recurrent state one request holds, per layer type (for capacity planning)."""
-    item = torch.tensor([], dtype=dtype).element_size()
-    c = config
-    conv_dim = 2 * c.linear_num_key_heads * c.linear_key_head_dim + c.linear_num_value_heads * c.linear_value_head_dim
-    gdn = conv_dim * (c.linear_conv_kernel_dim - 1) * item
-    gdn += c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * 4
-    ple = c.hc_count * c.hidden_size * (c.ple_conv_kernel_size - 1) * c.ngram_size * item
-    ring = (c.indexer_compress_ratio or 0) * (c.indexer_head_dim or 0) * item
-    return {"linear_attention": gdn, "ple": ple, "indexed_attention": ring}
-
-
-def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
-    """Bytes one token occupies in one QSA layer's paged memory (K, V and its share of a compressed key)."""
-    if not config.has_qsa:
-        return 0
-    item = torch.tensor([], dtype=dtype).element_size()
-    kv = 2 * config.num_key_value_heads * config.head_dim * item
-    return kv + config.indexer_head_dim * item // config.indexer_compress_ratio
-
-
 class ModelCache:
     """All state pools of one model, sized at construction and never reallocated."""
 
@@ -105,6 +84,14 @@ class ModelCache:
             self.layers.append(state)
         eos = c.eos_token_id if c.eos_token_id is not None else 0
         self.ngram_context = torch.full((num_slots, max(c.ngram_size - 1, 0)), eos, dtype=torch.int64, device=self.device)
+
+    def copy_slot(self, source: int, target: int) -> None:
+        """Copy one slot's recurrent state into another (a prefix-cache checkpoint, or its restore)."""
+        for state in self.layers:
+            for pool in (state.gdn_conv, state.gdn_recurrent, state.ple_conv, state.index_ring):
+                if pool is not None:
+                    pool[target].copy_(pool[source])
+        self.ngram_context[target].copy_(self.ngram_context[source])
 
     def reset_slot(self, slot: int) -> None:
         """Give a slot the state of a request that has seen no tokens yet."""

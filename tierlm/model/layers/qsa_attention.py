@@ -29,6 +29,17 @@ from tierlm.model.layers.rotary import apply_rotary
 from tierlm.model.model_cache import LayerState
 
 
+def top_blocks(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, indices) of the k highest scores per row, ties going to the lower block index.
+
+    relu makes exact-zero scores common, and torch.topk breaks ties differently for different row
+    widths; a stable sort makes the choice a property of the scores alone, so a request selects the
+    same blocks whatever else is in its batch.
+    """
+    values, indices = torch.sort(scores, dim=-1, descending=True, stable=True)
+    return values[..., :k], indices[..., :k]
+
+
 def gather_rows(pool: torch.Tensor, block_table: torch.Tensor, count: int, rows_per_block: int) -> torch.Tensor:
     """The first `count` logical rows of a paged pool [num_blocks, rows_per_block, ...] for one request."""
     if count == 0:
@@ -97,7 +108,7 @@ class QSAIndexer(nn.Module):
             if nb <= self.block_topk:
                 chosen[rows, :nb] = True
             else:
-                top = scores[rows, :nb].topk(self.block_topk, dim=-1).indices
+                top = top_blocks(scores[rows, :nb], self.block_topk)[1]
                 chosen[rows.unsqueeze(1), top] = True
         block_of_key = torch.clamp(key_pos // r, max=chosen.shape[1] - 1)
         in_chosen = chosen[:, block_of_key] & (key_pos[None, :] < chosen.shape[1] * r)
@@ -134,10 +145,10 @@ class QSAIndexer(nn.Module):
         scores = torch.relu(torch.einsum("bhd,bgd->bhg", q.float(), block_keys.float())).sum(1)
         group_ids = torch.arange(block_keys.shape[1], device=q.device)
         scores = (scores / math.sqrt(self.head_dim)).masked_fill(group_ids >= visible[:, None], float("-inf"))
-        top = scores.topk(min(self.block_topk, scores.shape[1]), dim=-1)
+        top_values, top_indices = top_blocks(scores, min(self.block_topk, scores.shape[1]))
         in_block = torch.arange(r, device=q.device)
-        chosen_pos = (top.indices[..., None] * r + in_block).flatten(1)  # [B, topk * R]
-        chosen_ok = (top.values > float("-inf"))[..., None].expand(-1, -1, r).flatten(1)
+        chosen_pos = (top_indices[..., None] * r + in_block).flatten(1)  # [B, topk * R]
+        chosen_ok = (top_values > float("-inf"))[..., None].expand(-1, -1, r).flatten(1)
         tail_pos = visible[:, None] * r + in_block[: r - 1]  # [B, R - 1]
         tail_ok = tail_pos <= positions[:, None]
         token_pos = torch.cat([chosen_pos, tail_pos], dim=1)

@@ -1,0 +1,1 @@
+"""Memory tiers: capacity planning now; host pools, the n-gram store and the row cache later."""
