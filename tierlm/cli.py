@@ -16,6 +16,7 @@ SUBCOMMANDS = {
     "generate": "tierlm.entrypoints.generate_cli",
     "demo-model": "tierlm.demo_model",
     "bench": "tierlm.tools.bench.cli",
+    "plan": "tierlm.tools.plan",
 }
 
 

@@ -1,0 +1,62 @@
+"""`tierlm plan MODEL`: the cache capacity the engine would have, from config.json alone.
+
+Prints exactly the lines the engine logs at start-up for the same settings (both call
+`engine_cache_plan`), without loading weights: blocks, tokens, requests of max_model_len that fit,
+bytes per token and per request of each layer type, and the prefix-cache checkpoint cost. With a
+--gpu-memory-utilization budget the weights are estimated from the checkpoint layout.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from tierlm.cli import CliError
+
+
+def add_parser(subparsers) -> None:
+    parser = subparsers.add_parser("plan", help="capacity of the cache for a model and settings")
+    parser.add_argument("model", help="a local checkpoint folder (only config.json is read)")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--max-num-seqs", type=int, default=4)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=None)
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--max-state-checkpoints", type=int, default=None)
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from tierlm.config import ConfigError, ModelConfig
+    from tierlm.engine.llm_engine import EngineConfig, engine_cache_plan
+    from tierlm.memory.plan import ITEM_BYTES, CapacityError
+    from tierlm.model.checkpoint_layout import checkpoint_layout
+    from tierlm.model.loader import ModelNotFoundError, resolve_dtype, resolve_model_path
+
+    try:
+        config = ModelConfig.from_pretrained(resolve_model_path(args.model))
+        dtype = str(resolve_dtype(args.dtype, config)).removeprefix("torch.")
+        settings = EngineConfig(
+            model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+            block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
+            max_state_checkpoints=args.max_state_checkpoints, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+        )
+        weights = sum(_numel(spec.shape) * (8 if spec.kind == "int64" else ITEM_BYTES[dtype])
+                      for spec in checkpoint_layout(config))
+        plan = engine_cache_plan(settings, config, dtype, args.device, weights)
+    except (ConfigError, CapacityError, ModelNotFoundError, ValueError) as exc:
+        raise CliError(str(exc)) from None
+    print(f"model: {args.model} ({weights:,} B of weights in {dtype})")
+    for line in plan.lines():
+        print(line)
+    return 0
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    total = 1
+    for dim in shape:
+        total *= dim
+    return total
