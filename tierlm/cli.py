@@ -13,6 +13,7 @@ import sys
 
 # subcommand name -> module that owns it
 SUBCOMMANDS = {
+    "serve": "tierlm.server.cli",
     "generate": "tierlm.entrypoints.generate_cli",
     "demo-model": "tierlm.demo_model",
     "bench": "tierlm.tools.bench.cli",

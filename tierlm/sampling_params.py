@@ -3,12 +3,29 @@
 `temperature`, `top_p` and `top_k` left as None take the model's generation_config.json values (as
 vLLM does with `--generation-config auto`), else 1.0 / 1.0 / off. Every invalid value raises a
 `ValueError` that names the parameter, which the server turns into an HTTP 400.
+`structured_output` constrains the output to JSON (the engine compiles it with xgrammar, see
+`tierlm.engine.structured_output`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class StructuredOutputRequest:
+    """Constrain output to JSON: any object (`json_object`) or one valid under `json_schema` (its text)."""
+
+    json_schema: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        if (self.json_schema is None) != self.json_object:
+            raise ValueError("structured_output must set exactly one of json_schema and json_object")
+        if self.json_schema is not None and not isinstance(self.json_schema, str):
+            kind = type(self.json_schema).__name__
+            raise ValueError(f"structured_output json_schema must be the schema as a JSON string, got {kind}")
 
 
 @dataclass
@@ -27,6 +44,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured_output: StructuredOutputRequest | None = None
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -62,6 +80,9 @@ class SamplingParams:
             fail("stop_token_ids", "must be a list of non-negative token ids")
         if self.seed is not None and not isinstance(self.seed, int):
             fail("seed", "must be an integer")
+        structured = self.structured_output
+        if structured is not None and not isinstance(structured, StructuredOutputRequest):
+            fail("structured_output", "must be a StructuredOutputRequest")
 
     def with_defaults(self, temperature: float | None, top_p: float | None, top_k: int | None) -> "SamplingParams":
         """A copy whose unset temperature / top_p / top_k take the model's defaults."""

@@ -1,9 +1,10 @@
 """Turn one request's logits row into its next token, and report log-probabilities.
 
-Plain torch, one row at a time (a handful of requests per step): min_tokens masking of EOS and stop
-ids, greedy at temperature 0, else temperature, top-k, top-p and a draw from the request's own
-generator (seeded requests are reproducible whatever else is in the batch). Log-probabilities are
-those of the raw model distribution, as vLLM reports by default.
+Plain torch, one row at a time (a handful of requests per step): a structured-output request's grammar
+mask, else min_tokens masking of EOS and stop ids (the grammar alone decides where JSON ends), greedy at
+temperature 0, else temperature, top-k, top-p and a draw from the request's own generator (seeded
+requests are reproducible whatever else is in the batch). Log-probabilities are those of the raw model
+distribution, as vLLM reports by default.
 """
 
 from __future__ import annotations
@@ -32,7 +33,9 @@ class Sampler:
     def sample(self, logits: torch.Tensor, request: Request) -> int:
         params = request.params
         logits = logits.float()
-        if len(request.output_token_ids) < params.min_tokens:
+        if request.structured_output is not None:
+            logits = request.structured_output.mask_logits(logits)
+        elif len(request.output_token_ids) < params.min_tokens:
             banned = set(params.stop_token_ids) | (set() if params.ignore_eos else set(request.eos_token_ids))
             if banned:
                 logits = logits.clone()

@@ -1,0 +1,194 @@
+"""The server's parts without a model: the engine thread (on a scripted fake engine) and the CLI flags."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import gc
+import time
+
+import pytest
+
+from tierlm.cli import build_parser
+from tierlm.engine import llm_engine
+from tierlm.engine.llm_engine import EngineStats
+from tierlm.outputs import CompletionOutput, RequestOutput
+from tierlm.sampling_params import SamplingParams
+from tierlm.server.async_engine import AsyncEngine, EnginePrompt, EngineRequestError
+from tierlm.server.cli import engine_config
+
+POISON_STEP, POISON_ADD, POISON_FINISH = 666, 667, 668  # prompt tokens that make the fake engine misbehave
+
+
+class FakeEngine:
+    """One token per step per request; finishes at max_tokens. Poison prompts fail the step, the add or the
+    request (finish_reason "error")."""
+
+    def __init__(self) -> None:
+        self.requests: dict[str, tuple[list[int], SamplingParams, list[int]]] = {}
+        self.aborted: list[str] = []
+
+    def add_request(self, prompt, params, request_id, prompt_text=None):
+        if prompt == [POISON_ADD]:
+            raise ValueError("prompt 667 is not allowed")
+        self.requests[request_id] = (prompt, params, [])
+        return request_id
+
+    def step(self):
+        time.sleep(0.002)
+        if any(prompt == [POISON_STEP] for prompt, _, _ in self.requests.values()):
+            raise RuntimeError("kernel exploded")
+        outputs = []
+        for request_id, (prompt, params, tokens) in list(self.requests.items()):
+            tokens.append(len(tokens))
+            finished = len(tokens) >= params.max_tokens or prompt == [POISON_FINISH]
+            reason = ("error" if prompt == [POISON_FINISH] else "length") if finished else None
+            completion = CompletionOutput(0, "t" * len(tokens), list(tokens), None, None, reason, "bad")
+            outputs.append(RequestOutput(request_id, None, prompt, None, [completion], finished))
+            if finished:
+                del self.requests[request_id]
+        return outputs
+
+    def abort_request(self, request_id):
+        if self.requests.pop(request_id, None) is not None:
+            self.aborted.append(request_id)
+
+    def has_unfinished_requests(self):
+        return bool(self.requests)
+
+    def stats(self):
+        return EngineStats(len(self.requests), 0, 0.0, 0, 0, 0)
+
+
+def run(scenario):
+    """Run `scenario(engine, fake)` on a fresh AsyncEngine over a fresh fake, in a fresh event loop."""
+
+    async def main():
+        fake = FakeEngine()
+        engine = AsyncEngine(fake, "fake")
+        engine.start()
+        try:
+            return await scenario(engine, fake)
+        finally:
+            engine.stop()
+
+    return asyncio.run(main())
+
+
+async def generate(engine, request_id, prompts, max_tokens=5):
+    params = SamplingParams(max_tokens=max_tokens)
+    stream = await engine.submit(request_id, [EnginePrompt(p) for p in prompts], params)
+    return [(index, output) async for index, output in stream]
+
+
+async def until(condition, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.005)
+
+
+def test_outputs_of_every_prompt_arrive_in_order():
+    async def scenario(engine, fake):
+        items = await generate(engine, "a", [[1], [2]], max_tokens=3)
+        for index in (0, 1):
+            mine = [o for i, o in items if i == index]
+            assert [len(o.outputs[0].token_ids) for o in mine] == [1, 2, 3] and mine[-1].finished
+        assert engine.is_alive and not fake.requests
+        assert b'tierlm:time_to_first_token_seconds_count{model_name="fake"} 2.0' in engine.metrics.render()
+
+    run(scenario)
+
+
+def test_a_refused_request_raises_at_submit_and_the_thread_serves_on():
+    async def scenario(engine, fake):
+        with pytest.raises(ValueError, match="667"):
+            await engine.submit("bad", [EnginePrompt([1]), EnginePrompt([POISON_ADD])], SamplingParams())
+        assert not fake.requests  # the job's first prompt was taken back
+        assert (await generate(engine, "good", [[1]]))[-1][1].finished
+
+    run(scenario)
+
+
+def test_a_failing_step_fails_the_jobs_in_flight_and_the_thread_serves_on():
+    async def scenario(engine, fake):
+        with pytest.raises(EngineRequestError, match="kernel exploded"):
+            await generate(engine, "poison", [[POISON_STEP]])
+        assert not fake.requests
+        assert (await generate(engine, "after", [[1]]))[-1][1].finished
+
+    run(scenario)
+
+
+def test_a_request_finished_with_error_fails_only_its_job():
+    async def scenario(engine, fake):
+        healthy = asyncio.ensure_future(generate(engine, "healthy", [[1]], max_tokens=20))
+        with pytest.raises(EngineRequestError, match="bad"):
+            await generate(engine, "broken", [[POISON_FINISH]])
+        assert (await healthy)[-1][1].outputs[0].finish_reason == "length"
+        assert b'finished_reason="error"' not in engine.metrics.render()
+
+    run(scenario)
+
+
+def test_leaving_a_stream_early_aborts_its_requests():
+    async def scenario(engine, fake):
+        prompts = [EnginePrompt([1]), EnginePrompt([2])]
+        stream = await engine.submit("left", prompts, SamplingParams(max_tokens=10**6))
+        async for _ in stream:
+            break
+        await until(lambda: sorted(fake.aborted) == ["left-0", "left-1"])
+        await until(lambda: engine.stats.num_running == 0)
+
+    run(scenario)
+
+
+def test_a_dropped_stream_aborts_its_request():
+    async def scenario(engine, fake):
+        stream = await engine.submit("dropped", [EnginePrompt([1])], SamplingParams(max_tokens=10**6))
+        del stream
+        gc.collect()
+        await until(lambda: fake.aborted == ["dropped"])
+
+    run(scenario)
+
+
+def test_a_cancelled_consumer_aborts_its_request():
+    async def scenario(engine, fake):
+        task = asyncio.ensure_future(generate(engine, "cancelled", [[1]], max_tokens=10**6))
+        await until(lambda: "cancelled" in fake.requests)
+        task.cancel()
+        await until(lambda: fake.aborted == ["cancelled"])
+
+    run(scenario)
+
+
+# ---- tierlm serve flags -------------------------------------------------------------------------------
+
+
+def parse(*argv):
+    return build_parser(["serve", *argv]).parse_args(["serve", *argv])
+
+
+def test_engine_flags_reach_engine_config():
+    args = parse("m", "--max-model-len", "64", "--max-num-seqs", "2", "--no-enable-prefix-caching",
+                 "--kv-cache-memory-bytes", "1000000", "--enforce-eager", "--dtype", "float32", "--seed", "3")
+    config = engine_config("m", args)
+    expected = {"model": "m", "max_model_len": 64, "max_num_seqs": 2, "enforce_eager": True,
+                "dtype": "float32", "seed": 3, "enable_prefix_caching": False, "kv_cache_memory_bytes": 1000000}
+    expected = {k: v for k, v in expected.items() if k in {f.name for f in dataclasses.fields(config)}}
+    assert {k: getattr(config, k) for k in expected} == expected
+    defaults = engine_config("m", parse())
+    assert defaults == llm_engine.EngineConfig(model="m")
+
+
+def test_flags_an_older_engine_config_lacks_are_reported_and_dropped(monkeypatch, capsys):
+    @dataclasses.dataclass(frozen=True)
+    class OlderConfig:
+        model: str
+        max_model_len: int | None = None
+
+    monkeypatch.setattr(llm_engine, "EngineConfig", OlderConfig)
+    config = engine_config("m", parse("--max-model-len", "64", "--gpu-memory-utilization", "0.5"))
+    assert config == OlderConfig(model="m", max_model_len=64)
+    assert "--gpu-memory-utilization is ignored" in capsys.readouterr().err

@@ -1,0 +1,124 @@
+"""Grammar-constrained decoding: JSON output that parses (and matches a JSON schema), through xgrammar.
+
+Owns the model's `xgrammar.TokenizerInfo` (built from tokenizer.json, sized to the model's vocab_size,
+the engine's EOS ids as the stop tokens), schema checking (JSON syntax, then the JSON Schema
+meta-schema, then what xgrammar can compile: each failure is a `ValueError` naming the problem), the
+compiled grammars (cached by schema text) and each request's
+`GrammarState` (the matcher, its token bitmask). It does not sample (the `Sampler` asks the state for the
+mask) nor decide when a request ends (`Request.append_token` advances the state and stops on termination).
+
+Output is compact JSON (xgrammar's `any_whitespace=False`: ", " and ": " separators, no free whitespace),
+so a model cannot stall in whitespace; user schemas are compiled in xgrammar's strict mode (no properties
+or items beyond those the schema names), `json_object` as a non-strict `{"type": "object"}`.
+Special tokens, padded ids and tokens holding a raw control character (U+0000-U+001F) are kept out of
+every grammar: JSON never allows such a character (strings escape it; our whitespace is spaces), but
+xgrammar 0.2's rule for length-bounded strings (`maxLength`) would let one in. A known gap left open:
+xgrammar accepts UTF-8-encoded surrogates (U+D800-U+DFFF) inside strings, which Python decodes as three
+U+FFFD characters.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+
+import torch
+import xgrammar
+
+from tierlm.sampling_params import StructuredOutputRequest
+from tierlm.tokenizer import Tokenizer
+
+_ANY_OBJECT = '{"type": "object"}'
+_CONTROL = re.compile("[\x00-\x1f]")
+_XGRAMMAR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")  # "[12:09:50] /project/cpp/file.cc:123: "
+
+
+class InvalidSchemaError(ValueError):
+    """A `json_schema` that is not JSON, not a valid JSON Schema, or not one xgrammar supports.
+
+    Its message starts with "json_schema" (the server names `response_format` as the faulty parameter)."""
+
+
+class GrammarState:
+    """One request's position in its grammar: which tokens may come next, and whether it is complete."""
+
+    def __init__(self, compiled: xgrammar.CompiledGrammar, vocab_size: int) -> None:
+        self._matcher = xgrammar.GrammarMatcher(compiled)
+        self._bitmask = xgrammar.allocate_token_bitmask(1, vocab_size)
+
+    def mask_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """A copy of a float32 CPU logits row with every token the grammar forbids next set to -inf."""
+        masked = logits.clone()
+        if self._matcher.fill_next_token_bitmask(self._bitmask):
+            xgrammar.apply_token_bitmask_inplace(masked.unsqueeze(0), self._bitmask)
+        return masked
+
+    def accept(self, token_id: int) -> bool:
+        """Advance past a sampled token; False if the grammar does not allow it (the state is unchanged)."""
+        return self._matcher.accept_token(token_id)
+
+    @property
+    def is_terminated(self) -> bool:
+        """The output is complete and a stop token was accepted."""
+        return self._matcher.is_terminated()
+
+
+class StructuredOutputManager:
+    """Compiles structured-output requests against one model's vocabulary; one per engine."""
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, stop_token_ids: list[int]) -> None:
+        # byte-level / byte-fallback / raw, and add_prefix_space, read from tokenizer.json as xgrammar's
+        # own `TokenizerInfo.from_huggingface` does for a fast tokenizer
+        metadata = xgrammar.TokenizerInfo._detect_metadata_from_hf(tokenizer.backend.to_str())
+        encoded_vocab = [""] * vocab_size  # "" marks an id no grammar uses
+        vocab = tokenizer.backend.get_vocab(with_added_tokens=True)
+        tokens = {i: token for token, i in vocab.items() if i < vocab_size}
+        ids = sorted(tokens)
+        texts = tokenizer.backend.decode_batch([[i] for i in ids], skip_special_tokens=False)
+        for token_id, text in zip(ids, texts, strict=True):
+            if token_id not in tokenizer.special_token_ids and not _CONTROL.search(text):
+                encoded_vocab[token_id] = tokens[token_id]
+        info = xgrammar.TokenizerInfo(
+            encoded_vocab, metadata["vocab_type"], vocab_size=vocab_size,
+            stop_token_ids=sorted(stop_token_ids), add_prefix_space=metadata["add_prefix_space"],
+        )
+        self.vocab_size = vocab_size
+        self._compiler = xgrammar.GrammarCompiler(info, cache_enabled=False)
+        # compiled grammars by (schema text, json_object)
+        self._compile = functools.lru_cache(maxsize=256)(self._compile_uncached)
+
+    def new_state(self, request: StructuredOutputRequest) -> GrammarState:
+        """A fresh matcher for `request` (raises InvalidSchemaError for a bad schema)."""
+        return GrammarState(self._compile(request.json_schema, request.json_object), self.vocab_size)
+
+    def _compile_uncached(self, json_schema: str | None, json_object: bool) -> xgrammar.CompiledGrammar:
+        if json_object:
+            return self._compiler.compile_json_schema(_ANY_OBJECT, any_whitespace=False, strict_mode=False)
+        check_json_schema(json_schema)
+        try:
+            return self._compiler.compile_json_schema(json_schema, any_whitespace=False)
+        except RuntimeError as exc:
+            raise InvalidSchemaError(f"json_schema is not supported: {_xgrammar_message(exc)}") from None
+
+
+def check_json_schema(text: str) -> None:
+    """Raise InvalidSchemaError unless `text` is a JSON object that is a valid JSON Schema."""
+    import jsonschema
+
+    try:
+        schema = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InvalidSchemaError(f"json_schema is not valid JSON: {exc}") from None
+    if not isinstance(schema, dict):
+        raise InvalidSchemaError(f"json_schema must be a JSON object, got {type(schema).__name__}")
+    try:
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+    except jsonschema.SchemaError as exc:
+        where = "/" + "/".join(str(p) for p in exc.absolute_path)
+        message = f"json_schema is not a valid JSON Schema at {where}: {exc.message}"
+        raise InvalidSchemaError(message) from None
+
+
+def _xgrammar_message(exc: RuntimeError) -> str:
+    return _XGRAMMAR_PREFIX.sub("", str(exc).strip())

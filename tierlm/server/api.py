@@ -1,0 +1,111 @@
+"""The FastAPI app: routes, the API key, request parsing, and every error in OpenAI's shape.
+
+/v1/* (models, completions, chat/completions) need `Authorization: Bearer KEY` when the server has a
+key; /health and /metrics never do. Bodies are parsed here rather than by FastAPI, so a malformed body or
+a missing field is a 400 naming the field (FastAPI would answer 422 in its own shape).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import secrets
+from contextlib import asynccontextmanager
+from typing import TypeVar
+
+from fastapi import APIRouter, Depends, FastAPI, Request, Response
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ValidationError
+
+from tierlm.server.async_engine import AsyncEngine, EngineRequestError
+from tierlm.server.chat import create_chat_completion
+from tierlm.server.completions import create_completion
+from tierlm.server.metrics import CONTENT_TYPE
+from tierlm.server.protocol import ApiError, ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from tierlm.server.serving import ClientDisconnected, ServingContext
+
+logger = logging.getLogger("tierlm.server")
+
+CLIENT_CLOSED = 499  # nginx's status for a client that left; never seen by that client
+_Body = TypeVar("_Body", bound=BaseModel)
+
+
+def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None) -> FastAPI:
+    """The app around a (not yet started) AsyncEngine; the app's lifespan starts and stops its thread."""
+    ctx = ServingContext(engine, engine.engine.tokenizer, model_name, engine.engine.max_model_len)
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI):
+        engine.start()
+        yield
+        engine.stop()
+
+    app = FastAPI(title="tierlm", lifespan=lifespan)
+
+    @app.exception_handler(ApiError)
+    async def api_error(_request: Request, exc: ApiError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(EngineRequestError)
+    async def engine_error(_request: Request, exc: EngineRequestError) -> JSONResponse:
+        return JSONResponse(ApiError(500, str(exc)).body(), status_code=500)
+
+    @app.exception_handler(Exception)
+    async def internal_error(_request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("request failed")
+        return JSONResponse(ApiError(500, f"internal error: {exc}").body(), status_code=500)
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200 if engine.is_alive else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(engine.metrics.render(), media_type=CONTENT_TYPE)
+
+    def check_key(request: Request) -> None:
+        given = request.headers.get("authorization", "")
+        if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+            raise ApiError(401, "invalid or missing API key: send the header 'Authorization: Bearer <key>'")
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_key)] if api_key else [])
+
+    @v1.get("/models")
+    async def models() -> ModelList:
+        return ModelList(data=[ModelCard(id=model_name, max_model_len=ctx.max_model_len)])
+
+    @v1.post("/completions")
+    async def completions(request: Request) -> Response:
+        body = await _parse(request, CompletionRequest)
+        return await _unless_gone(create_completion(body, ctx, request))
+
+    @v1.post("/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        body = await _parse(request, ChatCompletionRequest)
+        return await _unless_gone(create_chat_completion(body, ctx, request))
+
+    app.include_router(v1)
+    return app
+
+
+async def _parse(request: Request, model: type[_Body]) -> _Body:
+    try:
+        data = json.loads(await request.body())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, f"the request body must be a JSON object, got {type(data).__name__}")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        problems = [f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}" for e in exc.errors()]
+        location = exc.errors()[0]["loc"]
+        param = str(location[0]) if location else None
+        raise ApiError(400, "invalid request: " + "; ".join(problems[:3]), param) from None
+
+
+async def _unless_gone(handler) -> Response:
+    try:
+        return await handler
+    except ClientDisconnected:
+        return Response(status_code=CLIENT_CLOSED)

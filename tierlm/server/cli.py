@@ -1,0 +1,98 @@
+"""`tierlm serve [MODEL]`: the OpenAI-compatible server (FastAPI on uvicorn), with vLLM's flag names.
+
+Without MODEL it serves the tiny demo model, built on first use into `$XDG_CACHE_HOME/tierlm/demo-tiny`
+(`~/.cache/tierlm/demo-tiny`). The served name is MODEL's folder name unless `--served-model-name`.
+Engine flags left unset keep `EngineConfig`'s defaults; a flag whose field this engine's `EngineConfig`
+lacks is reported and ignored. Unlike vLLM the default host is 127.0.0.1: pass `--host 0.0.0.0` to listen
+on every interface.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import sys
+from pathlib import Path
+
+from tierlm.cli import CliError
+
+# flag destination -> EngineConfig field (the same name)
+ENGINE_FLAGS = (
+    "dtype", "device", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "seed", "enforce_eager",
+    "enable_prefix_caching", "kv_cache_memory_bytes", "gpu_memory_utilization",
+)
+
+
+def add_parser(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "serve", help="serve a model over an OpenAI-compatible HTTP API",
+        description="Serve a model over an OpenAI-compatible HTTP API (FastAPI on uvicorn); flags as vLLM's.",
+    )
+    parser.add_argument(
+        "model", nargs="?", default=None,
+        help="a checkpoint folder or Hugging Face repo id (default: the demo model, built on first use)",
+    )
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--served-model-name", default=None, help="the name clients use (default: folder)")
+    parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    engine = parser.add_argument_group("engine (unset: the engine's defaults)")
+    engine.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"])
+    engine.add_argument("--device", default=None, help="cuda, cuda:1, cpu (default: cuda if available)")
+    engine.add_argument("--max-model-len", type=int, default=None, help="context length (default: model's)")
+    engine.add_argument("--max-num-seqs", type=int, default=None, help="requests in a batch at most")
+    engine.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens per step at most")
+    engine.add_argument("--seed", type=int, default=None, help="seed of unseeded sampling")
+    engine.add_argument("--enforce-eager", action="store_true", default=None,
+                        help="no CUDA graphs (nor compilation) for decode steps")
+    engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
+    engine.add_argument("--kv-cache-memory-bytes", type=int, default=None, help="the cache budget in bytes")
+    engine.add_argument("--gpu-memory-utilization", type=float, default=None,
+                        help="the cache budget as a fraction of device memory")
+    parser.set_defaults(func=run)
+
+
+def demo_model_dir() -> Path:
+    """The default model: the tiny demo checkpoint in the user's cache folder, built there if missing."""
+    from tierlm.demo_model import build_demo_model
+
+    folder = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tierlm" / "demo-tiny"
+    if not (folder / "config.json").is_file():
+        print(f"tierlm serve: building the demo model in {folder} (once)", file=sys.stderr)
+        build_demo_model(folder, "tiny", overwrite=True)
+    return folder
+
+
+def engine_config(model: str, args: argparse.Namespace):
+    """EngineConfig from the flags that were given and that this EngineConfig has."""
+    from tierlm.engine.llm_engine import EngineConfig
+
+    known = {f.name for f in dataclasses.fields(EngineConfig)}
+    given = {name: getattr(args, name) for name in ENGINE_FLAGS if getattr(args, name) is not None}
+    for name in sorted(set(given) - known):
+        print(f"tierlm serve: this engine has no {name} setting; --{name.replace('_', '-')} is ignored",
+              file=sys.stderr)
+    return EngineConfig(model=model, **{k: v for k, v in given.items() if k in known})
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from tierlm.engine.llm_engine import LLMEngine
+    from tierlm.model.loader import ModelNotFoundError
+    from tierlm.server.api import build_app
+    from tierlm.server.async_engine import AsyncEngine
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    model = args.model or str(demo_model_dir())
+    name = args.served_model_name or (Path(model).name if Path(model).expanduser().is_dir() else model)
+    try:
+        engine = LLMEngine(engine_config(model, args))
+    except (ValueError, ModelNotFoundError) as exc:
+        raise CliError(str(exc)) from None
+    app = build_app(AsyncEngine(engine, name), name, args.api_key)
+    print(f"tierlm serve: {model} as {name!r} on http://{args.host}:{args.port}/v1", file=sys.stderr)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+    return 0

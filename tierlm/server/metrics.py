@@ -1,0 +1,100 @@
+"""Prometheus metrics under vLLM's names with a `tierlm:` prefix, in a registry of the server's own.
+
+Latencies and token counts are pushed by the engine thread as outputs leave `step()` (prometheus-client
+metrics are thread-safe); the engine's state (running / waiting requests, KV usage, preemptions, prefix
+cache) is read at scrape time from the latest `EngineStats` snapshot by a custom collector. Every series
+carries a `model_name` label, as vLLM's do.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from tierlm.engine.llm_engine import EngineStats
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
+_TOKEN_GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+_REQUEST_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0, 1800.0)
+
+
+class Metrics:
+    def __init__(self, model_name: str, stats: Callable[[], EngineStats]) -> None:
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, labels, buckets=buckets, registry=self.registry).labels(model_name)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, labels, registry=self.registry).labels(model_name)
+
+        self._ttft = histogram(
+            "tierlm:time_to_first_token_seconds", "Arrival to first generated token.", _LATENCY_BUCKETS
+        )
+        self._itl = histogram(
+            "tierlm:inter_token_latency_seconds", "Time between a request's successive tokens.",
+            _TOKEN_GAP_BUCKETS,
+        )
+        self._e2e = histogram(
+            "tierlm:e2e_request_latency_seconds", "Arrival to the last token of a finished request.",
+            _REQUEST_BUCKETS,
+        )
+        self._prompt_tokens = counter("tierlm:prompt_tokens", "Prompt tokens (counted at first token).")
+        self._generation_tokens = counter("tierlm:generation_tokens", "Generated tokens.")
+        self._success = Counter(
+            "tierlm:request_success", "Requests finished by the engine (aborted ones are not).",
+            ["model_name", "finished_reason"], registry=self.registry,
+        )
+        self._model_name = model_name
+        self.registry.register(_EngineStatsCollector(model_name, stats))
+
+    # ---- pushed by the engine thread ---------------------------------------------------------------
+    def first_token(self, seconds: float, num_prompt_tokens: int) -> None:
+        self._ttft.observe(seconds)
+        self._prompt_tokens.inc(num_prompt_tokens)
+
+    def next_token(self, seconds: float) -> None:
+        self._itl.observe(seconds)
+
+    def generated(self, num_tokens: int) -> None:
+        self._generation_tokens.inc(num_tokens)
+
+    def finished(self, seconds: float, finish_reasons: Iterable[str | None]) -> None:
+        self._e2e.observe(seconds)
+        for reason in finish_reasons:
+            self._success.labels(self._model_name, reason).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _EngineStatsCollector(Collector):
+    """Engine state as gauges and counters, read from the latest stats snapshot at each scrape."""
+
+    def __init__(self, model_name: str, stats: Callable[[], EngineStats]) -> None:
+        self._model_name = model_name
+        self._stats = stats
+
+    def collect(self) -> Iterable[Metric]:
+        stats = self._stats()
+        gauge, counter = GaugeMetricFamily, CounterMetricFamily
+        values = [
+            (gauge, "tierlm:num_requests_running", "Requests in the running batch.", stats.num_running),
+            (gauge, "tierlm:num_requests_waiting", "Requests waiting to be admitted.", stats.num_waiting),
+            (gauge, "tierlm:kv_cache_usage_perc", "Fraction of K/V blocks in use.", stats.kv_cache_usage),
+            (counter, "tierlm:num_preemptions", "Preemptions since start.", stats.num_preemptions),
+            (counter, "tierlm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+             stats.prefix_cache_queries),
+            (counter, "tierlm:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+             stats.prefix_cache_hits),
+        ]
+        for family, name, doc, value in values:
+            metric = family(name, doc, labels=["model_name"])
+            metric.add_metric([self._model_name], value)
+            yield metric
