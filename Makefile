@@ -20,7 +20,7 @@ $(DEMO_MODEL)/config.json: | env
 	$(VENV)/bin/tierlm demo-model $(DEMO_MODEL) --size tiny
 
 serve: env $(DEMO_MODEL)/config.json
-	$(VENV)/bin/tierlm generate $(DEMO_MODEL) --prompt "def fibonacci(n):" --max-tokens 64
+	$(VENV)/bin/tierlm serve $(DEMO_MODEL) --host 127.0.0.1 --port 8000
 
 test: env
 	$(PY) -m pytest -q

@@ -1,0 +1,146 @@
+"""Serving throughput and prefix-cache TTFT of `tierlm serve`, measured from the client, in one run.
+
+1. Total output tok/s at 1, 2, 4 and 8 concurrent streams (closed loop, `tierlm bench`), with the
+   ratio to one stream.
+2. TTFT of a second conversation turn that shares ~90% of its prompt with the first (the first turn's
+   prompt and answer, then a new ~10% message), with prefix caching on vs off (two servers), as a ratio.
+
+    python bench/serve_throughput.py                 # demo model (built if missing), CPU
+    python bench/serve_throughput.py --model DIR --device cuda
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def server(model: str, device: str, extra: list[str]):
+    port = free_port()
+    args = [sys.executable, "-m", "tierlm.cli", "serve", model, "--host", "127.0.0.1", "--port", str(port),
+            "--device", device, *extra]
+    log = tempfile.TemporaryFile()
+    proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                log.seek(0)
+                raise RuntimeError(f"server exited:\n{log.read().decode()[-3000:]}")
+            try:
+                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.5)
+        else:
+            raise RuntimeError("server did not become healthy in 300 s")
+        yield base
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+
+
+def served_name(base: str) -> str:
+    return httpx.get(f"{base}/v1/models", timeout=10).json()["data"][0]["id"]
+
+
+def throughput(base: str, streams: int, prompt_tokens: int, output_tokens: int) -> float:
+    """Total output tok/s of `streams` closed-loop streams, measured by `tierlm bench`."""
+    with tempfile.NamedTemporaryFile(suffix=".json") as result:
+        subprocess.run(
+            [sys.executable, "-m", "tierlm.cli", "bench", "--base-url", base, "--model", served_name(base),
+             "--endpoint", "completions", "--concurrency", str(streams), "--num-requests", str(3 * streams),
+             "--prompt-tokens", str(prompt_tokens), "--output-tokens", str(output_tokens), "--lane", "warm",
+             "--warmup", "1", "--runs", "1", "--no-progress", "--result-json", result.name],
+            check=True, cwd=ROOT, stdout=subprocess.DEVNULL,
+        )
+        return json.loads(Path(result.name).read_text())["output_throughput"]
+
+
+def streamed_ttft(base: str, prompt: str, max_tokens: int) -> tuple[float, str]:
+    """(seconds to the first streamed token, the full completion text) of one completions request."""
+    body = {"model": served_name(base), "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "stream": True, "ignore_eos": True}
+    start, first, text = time.perf_counter(), None, []
+    with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=600) as response:
+        response.raise_for_status()
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            piece = json.loads(line[6:])["choices"][0]["text"]
+            if piece and first is None:
+                first = time.perf_counter() - start
+            text.append(piece)
+    return first, "".join(text)
+
+
+def second_turn_ttft(base: str, first_prompt: str, follow_up: str) -> float:
+    _, answer = streamed_ttft(base, first_prompt, 32)
+    ttft, _ = streamed_ttft(base, first_prompt + answer + follow_up, 8)
+    return ttft
+
+
+def conversation_text(words: int, seed: int) -> str:
+    vocabulary = ("the model reads every token once and keeps its state in slots while blocks of keys "
+                  "and values wait in the pool for the next question about the code").split()
+    return " ".join(vocabulary[(i * 7 + seed) % len(vocabulary)] for i in range(words))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None, help="checkpoint folder (default: the demo model)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--prompt-tokens", type=int, default=64)
+    parser.add_argument("--output-tokens", type=int, default=64)
+    parser.add_argument("--turn-words", type=int, default=900, help="first-turn prompt length in words")
+    args = parser.parse_args()
+    model = args.model
+    if model is None:
+        from tierlm.demo_model import build_demo_model
+
+        model = str(ROOT / "models" / "demo-tiny")
+        if not (Path(model) / "config.json").exists():
+            build_demo_model(model, "tiny")
+    common = ["--max-num-seqs", "8", "--max-model-len", "4096"]
+
+    print(f"model={model} device={args.device} prompt_tokens={args.prompt_tokens} output_tokens={args.output_tokens}")
+    with server(model, args.device, common) as base:
+        rates = {n: throughput(base, n, args.prompt_tokens, args.output_tokens) for n in (1, 2, 4, 8)}
+    print(f"{'streams':>8}{'output tok/s':>15}{'vs 1 stream':>13}")
+    for n, rate in rates.items():
+        print(f"{n:>8}{rate:>15.1f}{rate / rates[1]:>12.2f}x")
+
+    first, follow_up = conversation_text(args.turn_words, 1), " " + conversation_text(args.turn_words // 9, 2)
+    ttfts = {}
+    for label, flag in (("prefix caching on", "--enable-prefix-caching"), ("prefix caching off", "--no-enable-prefix-caching")):
+        with server(model, args.device, [*common, flag]) as base:
+            streamed_ttft(base, conversation_text(50, 3), 4)  # warm-up
+            ttfts[label] = second_turn_ttft(base, first, follow_up)
+    on, off = ttfts["prefix caching on"], ttfts["prefix caching off"]
+    print(f"second-turn TTFT (~90% shared prefix): on {on * 1000:.1f} ms, off {off * 1000:.1f} ms, "
+          f"ratio on/off {on / off:.2f}")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    main()
