@@ -2,8 +2,8 @@
 
 1. Total output tok/s at 1, 2, 4 and 8 concurrent streams (closed loop, `tierlm bench`), with the
    ratio to one stream.
-2. TTFT of a second conversation turn that shares ~90% of its prompt with the first (the first turn's
-   prompt and answer, then a new ~10% message), with prefix caching on vs off (two servers), as a ratio.
+2. TTFT of a second chat turn that shares ~90% of its prompt with the first (the first turn's message
+   and answer, then a new message of ~10%), with prefix caching on vs off (two servers), as a ratio.
 
     python bench/serve_throughput.py                 # demo model (built if missing), CPU
     python bench/serve_throughput.py --model DIR --device cuda
@@ -77,26 +77,29 @@ def throughput(base: str, streams: int, prompt_tokens: int, output_tokens: int) 
         return json.loads(Path(result.name).read_text())["output_throughput"]
 
 
-def streamed_ttft(base: str, prompt: str, max_tokens: int) -> tuple[float, str]:
-    """(seconds to the first streamed token, the full completion text) of one completions request."""
-    body = {"model": served_name(base), "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+def streamed_chat(base: str, messages: list[dict], max_tokens: int) -> tuple[float, str]:
+    """(seconds to the first streamed content, the whole answer) of one chat completion."""
+    body = {"model": served_name(base), "messages": messages, "max_tokens": max_tokens, "temperature": 0,
             "stream": True, "ignore_eos": True}
     start, first, text = time.perf_counter(), None, []
-    with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=600) as response:
+    with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=600) as response:
         response.raise_for_status()
         for line in response.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
-            piece = json.loads(line[6:])["choices"][0]["text"]
+            choices = json.loads(line[6:])["choices"]
+            piece = choices[0]["delta"].get("content") if choices else None
             if piece and first is None:
                 first = time.perf_counter() - start
-            text.append(piece)
+            text.append(piece or "")
     return first, "".join(text)
 
 
-def second_turn_ttft(base: str, first_prompt: str, follow_up: str) -> float:
-    _, answer = streamed_ttft(base, first_prompt, 32)
-    ttft, _ = streamed_ttft(base, first_prompt + answer + follow_up, 8)
+def second_turn_ttft(base: str, first_message: str, follow_up: str) -> float:
+    turn = [{"role": "user", "content": first_message}]
+    _, answer = streamed_chat(base, turn, 32)
+    turn += [{"role": "assistant", "content": answer}, {"role": "user", "content": follow_up}]
+    ttft, _ = streamed_chat(base, turn, 8)
     return ttft
 
 
@@ -130,14 +133,14 @@ def main() -> None:
     for n, rate in rates.items():
         print(f"{n:>8}{rate:>15.1f}{rate / rates[1]:>12.2f}x")
 
-    first, follow_up = conversation_text(args.turn_words, 1), " " + conversation_text(args.turn_words // 9, 2)
+    first, follow_up = conversation_text(args.turn_words, 1), conversation_text(args.turn_words // 9, 2)
     ttfts = {}
     for label, flag in (("prefix caching on", "--enable-prefix-caching"), ("prefix caching off", "--no-enable-prefix-caching")):
         with server(model, args.device, [*common, flag]) as base:
-            streamed_ttft(base, conversation_text(50, 3), 4)  # warm-up
+            streamed_chat(base, [{"role": "user", "content": conversation_text(50, 3)}], 4)  # warm-up
             ttfts[label] = second_turn_ttft(base, first, follow_up)
     on, off = ttfts["prefix caching on"], ttfts["prefix caching off"]
-    print(f"second-turn TTFT (~90% shared prefix): on {on * 1000:.1f} ms, off {off * 1000:.1f} ms, "
+    print(f"second chat turn TTFT (~90% shared prefix): on {on * 1000:.1f} ms, off {off * 1000:.1f} ms, "
           f"ratio on/off {on / off:.2f}")
 
 

@@ -76,10 +76,13 @@ class Request:
         return len(self.prompt_token_ids)
 
     def token_slice(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of prompt + output, without building the whole sequence."""
         prompt_len = len(self.prompt_token_ids)
         if end <= prompt_len:
             return self.prompt_token_ids[start:end]
-        return (self.prompt_token_ids + self.output_token_ids)[start:end]
+        if start >= prompt_len:
+            return self.output_token_ids[start - prompt_len : end - prompt_len]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - prompt_len]
 
     @property
     def is_finished(self) -> bool:

@@ -27,6 +27,8 @@ import weakref
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
+import torch
+
 from tierlm.engine.llm_engine import EngineStats, LLMEngine
 from tierlm.outputs import RequestOutput
 from tierlm.sampling_params import SamplingParams
@@ -121,6 +123,8 @@ class AsyncEngine:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._tracked: dict[str, _Tracked] = {}  # engine request id -> its book-keeping (engine thread only)
         self._thread = threading.Thread(target=self._run, name="tierlm-engine", daemon=True)
+        # OpenMP's thread count is per thread: carry the creator's setting over to the engine thread
+        self._torch_threads = torch.get_num_threads()
 
     # ---- the event loop's side ---------------------------------------------------------------------
     def start(self) -> None:
@@ -158,6 +162,7 @@ class AsyncEngine:
 
     # ---- the engine thread -------------------------------------------------------------------------
     def _run(self) -> None:
+        torch.set_num_threads(self._torch_threads)
         while True:
             for command in self._take_commands(block=not self.engine.has_unfinished_requests()):
                 if command is _STOP:

@@ -99,17 +99,12 @@ class QSAIndexer(nn.Module):
         if block_keys.shape[0] == 0:
             return allowed
         scores = torch.relu(torch.matmul(q.float(), block_keys.float().T)).sum(dim=1) / math.sqrt(self.head_dim)
-        chosen = torch.zeros(scores.shape, dtype=torch.bool, device=q.device)
-        # queries that see the same number of blocks share one top-k call
-        for nb in torch.unique(visible_blocks).tolist():
-            if nb == 0:
-                continue
-            rows = torch.nonzero(visible_blocks == nb).flatten()
-            if nb <= self.block_topk:
-                chosen[rows, :nb] = True
-            else:
-                top = top_blocks(scores[rows, :nb], self.block_topk)[1]
-                chosen[rows.unsqueeze(1), top] = True
+        # blocks a query cannot see yet score -inf, so they sort after every visible one (ties keep the
+        # lower index first): one sort for all queries, the same choice as sorting each visible prefix
+        group_ids = torch.arange(scores.shape[1], device=q.device)
+        scores = scores.masked_fill(group_ids >= visible_blocks[:, None], float("-inf"))
+        values, top = top_blocks(scores, min(self.block_topk, scores.shape[1]))
+        chosen = torch.zeros(scores.shape, dtype=torch.bool, device=q.device).scatter_(1, top, values > float("-inf"))
         block_of_key = torch.clamp(key_pos // r, max=chosen.shape[1] - 1)
         in_chosen = chosen[:, block_of_key] & (key_pos[None, :] < chosen.shape[1] * r)
         return allowed | in_chosen
