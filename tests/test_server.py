@@ -428,3 +428,24 @@ def test_metrics_names_and_counts(server, client):
     assert metric(server, "tierlm:request_success_total") >= 2
     assert 'finished_reason="length"' in httpx.get(f"{server['url']}/metrics").text
     assert math.isfinite(metric(server, "tierlm:e2e_request_latency_seconds_sum"))
+
+
+def test_tierlm_bench_end_to_end(server, tmp_path):
+    """`tierlm bench` (client side) against this server: chat, 2 streams, 2 turns, metrics snapshots."""
+    from tierlm.cli import main
+
+    result = tmp_path / "result.json"
+    code = main([
+        "bench", "--base-url", server["url"], "--model", MODEL, "--api-key", API_KEY, "--concurrency", "2",
+        "--num-requests", "2", "--turns", "2", "--prompt-tokens", "24", "--output-tokens", "8", "--warmup", "0",
+        "--lane", "cold", "--state-file", str(tmp_path / "state.json"),
+        "--tokenizer", str(server["model_dir"] / "tokenizer.json"), "--no-progress", "--result-json", str(result),
+    ])
+    assert code == 0
+    data = json.loads(result.read_text())
+    assert data["completed"] == 4 and data["failed"] == 0
+    assert data["output_lens"] == [8, 8, 8, 8]  # usage from the server: ignore_eos + max_tokens honoured
+    assert all(ttft > 0 for ttft in data["ttfts"]) and len(data["turn_ttfts_ms"]) == 2
+    before, after = data["server_metrics_before"], data["server_metrics_after"]
+    generated = [k for k in after if k.startswith("tierlm:generation_tokens_total")]
+    assert generated and after[generated[0]] - before.get(generated[0], 0) >= 32
