@@ -1,17 +1,26 @@
-"""The QSA indexer's key selection against a per-query statement of the rule."""
+"""QSA key selection against a per-query statement of the rule, and gathered-row attention against a
+dense masked attention over the whole context (the plain reference)."""
 
 from __future__ import annotations
 
 import math
 
 import torch
+import torch.nn.functional as F
 
-from tierlm.model.layers.qsa_attention import QSAIndexer
+from tierlm.model.layers.qsa_attention import QSAAttention, QSAIndexer, Selection
+from tierlm.model.model_cache import LayerState
 
 
 class _Config:
     indexer_n_heads, indexer_head_dim, indexer_compress_ratio, indexer_budget = 3, 8, 4, 12
     hidden_size, rms_norm_eps = 16, 1e-6
+    num_attention_heads, num_key_value_heads, head_dim, attention_bias = 4, 2, 8, False
+
+
+def chosen_sets(indexer, q, block_keys, positions):
+    token_pos, valid = indexer.choose(indexer.scores(q, block_keys, positions), positions)
+    return [set(token_pos[i][valid[i]].tolist()) for i in range(len(positions))]
 
 
 def test_selection_is_top_blocks_plus_open_tail():
@@ -24,14 +33,52 @@ def test_selection_is_top_blocks_plus_open_tail():
     q = torch.randn(chunk, 3, 8)
     q[::3] = -q[::3].abs()  # every score of these queries is relu(negative) = 0: a full tie
     block_keys = torch.randn(kv_len // r, 8).abs()
-    mask = indexer.select(q, block_keys, positions, kv_len)
+    got = chosen_sets(indexer, q, block_keys, positions)
     for i, p in enumerate(positions.tolist()):
         nb = (p + 1) // r
         scores = torch.relu(q[i] @ block_keys[:nb].T).sum(0) / math.sqrt(8)
         # top scores, ties to the lower block index
         chosen = set(sorted(range(nb), key=lambda j: (-float(scores[j]), j))[: min(topk, nb)])
         expected = {j for j in range(p + 1) if j // r in chosen or j >= nb * r}
-        assert set(torch.nonzero(mask[i]).flatten().tolist()) == expected
-        # late queries really are sparse: the budget drops blocks
-        if nb > topk:
+        assert got[i] == expected
+        if nb > topk:  # late queries really are sparse: the budget drops blocks
             assert len(expected) < p + 1
+
+
+def test_per_query_block_keys_choose_the_same():
+    """The decode form (block keys gathered per query) equals the shared-keys form."""
+    torch.manual_seed(1)
+    indexer = QSAIndexer(_Config())
+    positions = torch.tensor([3, 17, 40, 41, 63])
+    q = torch.randn(5, 3, 8)
+    block_keys = torch.randn(16, 8)
+    assert chosen_sets(indexer, q, block_keys, positions) == chosen_sets(
+        indexer, q, block_keys.expand(5, -1, -1), positions
+    )
+
+
+def test_gathered_attention_equals_dense_masked_attention():
+    torch.manual_seed(2)
+    attention = QSAAttention(_Config())
+    block_size, blocks, kv_len = 8, 6, 45
+    state = LayerState(
+        key_cache=torch.randn(blocks + 1, block_size, 2, 8), value_cache=torch.randn(blocks + 1, block_size, 2, 8),
+        block_size=block_size, scratch_block=blocks,
+    )
+    table = torch.tensor([4, 0, 5, 2, 1, 3])  # a shuffled block table
+    positions = torch.arange(30, kv_len)
+    q = torch.randn(len(positions), 4, 8)
+    scores = attention.indexer.scores(torch.randn(len(positions), 3, 8), torch.randn(kv_len // 4, 8), positions)
+    token_pos, valid = attention.indexer.choose(scores, positions)
+    got = attention._attend(q, Selection.of(token_pos, valid, table.expand(len(positions), -1), state), state)
+    # reference: every context key, a boolean mask of the chosen ones
+    keys = state.key_cache[table].flatten(0, 1)[:kv_len].transpose(0, 1)
+    values = state.value_cache[table].flatten(0, 1)[:kv_len].transpose(0, 1)
+    mask = torch.zeros(len(positions), kv_len, dtype=torch.bool)
+    for i in range(len(positions)):
+        mask[i, token_pos[i][valid[i]]] = True
+    expected = F.scaled_dot_product_attention(
+        q.transpose(0, 1).unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), attn_mask=mask,
+        scale=8**-0.5, enable_gqa=True,
+    )[0].transpose(0, 1)
+    assert torch.allclose(got, expected, atol=1e-6)

@@ -8,10 +8,11 @@ min(budget/R, nb), and may attend to their tokens plus the open tail [nb*R, p].
 
 Storage (see `model_cache`): K/V rows paged by `slot_mapping`; a block's compressed key is written once,
 when its R-th token arrives; the raw keys of the still-open block wait in the request's ring slot.
-Two paths: for prefill and mixed batches a dense boolean mask over each request's context (the plain
-reference); for decode-only batches a static-shape, sync-free path over all requests at once that
-gathers just the selected rows (budget + tail), the shape a CUDA graph can capture and a host-memory
-K/V pool can serve.
+Attention reads only the selected rows: each query gathers its (budget + R - 1) K/V rows from the
+paged pool and attends to them, so prefill costs O(budget) per token, not O(context), and a host-memory
+K/V pool could serve the same reads. Prefill and mixed batches go request by request; decode-only
+batches run all requests at once in a static-shape, sync-free form (what a CUDA graph captures). The
+plain reference (a dense boolean mask over the whole context) lives in the tests.
 """
 
 from __future__ import annotations
@@ -89,25 +90,29 @@ class QSAIndexer(nn.Module):
         left = pending[complete * r :]
         state.index_ring[slot, : left.shape[0]] = left
 
-    def select(self, q: torch.Tensor, block_keys: torch.Tensor, positions: torch.Tensor, kv_len: int) -> torch.Tensor:
-        """Allowed-key mask [T, kv_len] for queries q [T, ih, id] at `positions`, given block keys [G, id]."""
-        r = self.ratio
-        visible_blocks = (positions + 1) // r  # [T]
-        key_pos = torch.arange(kv_len, device=q.device)
-        # the open tail [nb*R, p]
-        allowed = (key_pos[None, :] >= visible_blocks[:, None] * r) & (key_pos[None, :] <= positions[:, None])
-        if block_keys.shape[0] == 0:
-            return allowed
-        scores = torch.relu(torch.matmul(q.float(), block_keys.float().T)).sum(dim=1) / math.sqrt(self.head_dim)
-        # blocks a query cannot see yet score -inf, so they sort after every visible one (ties keep the
-        # lower index first): one sort for all queries, the same choice as sorting each visible prefix
+    def scores(self, q: torch.Tensor, block_keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Block scores [M, G] of queries q [M, ih, id] against block keys [G, id] (or per query [M, G, id]);
+        blocks a query cannot see yet (j >= (p+1)//R) score -inf."""
+        if block_keys.dim() == 2:
+            products = torch.matmul(q.float(), block_keys.float().T)  # [M, ih, G]
+        else:
+            products = torch.einsum("mhd,mgd->mhg", q.float(), block_keys.float())
+        scores = torch.relu(products).sum(dim=1) / math.sqrt(self.head_dim)
         group_ids = torch.arange(scores.shape[1], device=q.device)
-        scores = scores.masked_fill(group_ids >= visible_blocks[:, None], float("-inf"))
+        return scores.masked_fill(group_ids >= ((positions + 1) // self.ratio)[:, None], float("-inf"))
+
+    def choose(self, scores: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token positions [M, S] each query attends to and their validity [M, S], S = budget + R - 1:
+        the tokens of its top blocks (ties to the lower block), then its open tail [nb*R, p]."""
+        r = self.ratio
+        # -inf (unseen) blocks sort after every visible one: one sort serves queries of any position
         values, top = top_blocks(scores, min(self.block_topk, scores.shape[1]))
-        chosen = torch.zeros(scores.shape, dtype=torch.bool, device=q.device).scatter_(1, top, values > float("-inf"))
-        block_of_key = torch.clamp(key_pos // r, max=chosen.shape[1] - 1)
-        in_chosen = chosen[:, block_of_key] & (key_pos[None, :] < chosen.shape[1] * r)
-        return allowed | in_chosen
+        in_block = torch.arange(r, device=scores.device)
+        chosen_pos = (top[..., None] * r + in_block).flatten(1)
+        chosen_ok = (values > float("-inf"))[..., None].expand(-1, -1, r).flatten(1)
+        tail_pos = (positions + 1) // r * r
+        tail_pos = tail_pos[:, None] + in_block[: r - 1]
+        return torch.cat([chosen_pos, tail_pos], dim=1), torch.cat([chosen_ok, tail_pos <= positions[:, None]], dim=1)
 
     # ---- decode: one token per request, static shapes, no host sync ------------------------------------
     def store_block_key_decode(
@@ -130,34 +135,27 @@ class QSAIndexer(nn.Module):
         row = torch.where(offset == r - 1, row, state.scratch_block * (bs // r))
         state.index_keys.view(-1, self.head_dim)[row] = keys
 
-    def select_decode(self, q: torch.Tensor, batch: ForwardBatch, state: LayerState) -> DecodeSelection:
+    def select_decode(self, q: torch.Tensor, batch: ForwardBatch, state: LayerState) -> "Selection":
         """The K/V rows each request's query attends to: its top blocks' tokens and its open tail."""
-        r, bs = self.ratio, state.block_size
         tables = torch.where(batch.block_tables < 0, state.scratch_block, batch.block_tables)  # [B, W]
         block_keys = state.index_keys[tables].flatten(1, 2)  # [B, G = W * bs / R, id]
-        positions = batch.positions
-        visible = (positions + 1) // r  # complete blocks each query sees
-        scores = torch.relu(torch.einsum("bhd,bgd->bhg", q.float(), block_keys.float())).sum(1)
-        group_ids = torch.arange(block_keys.shape[1], device=q.device)
-        scores = (scores / math.sqrt(self.head_dim)).masked_fill(group_ids >= visible[:, None], float("-inf"))
-        top_values, top_indices = top_blocks(scores, min(self.block_topk, scores.shape[1]))
-        in_block = torch.arange(r, device=q.device)
-        chosen_pos = (top_indices[..., None] * r + in_block).flatten(1)  # [B, topk * R]
-        chosen_ok = (top_values > float("-inf"))[..., None].expand(-1, -1, r).flatten(1)
-        tail_pos = visible[:, None] * r + in_block[: r - 1]  # [B, R - 1]
-        tail_ok = tail_pos <= positions[:, None]
-        token_pos = torch.cat([chosen_pos, tail_pos], dim=1)
-        valid = torch.cat([chosen_ok, tail_ok], dim=1)
-        block = tables.gather(1, torch.clamp(token_pos // bs, max=tables.shape[1] - 1))
-        rows = torch.where(valid, block * bs + token_pos % bs, state.scratch_block * bs)
-        return DecodeSelection(rows, valid)
+        token_pos, valid = self.choose(self.scores(q, block_keys, batch.positions), batch.positions)
+        return Selection.of(token_pos, valid, tables, state)
 
 
-class DecodeSelection:
-    """What one decode step of a QSA layer reads: per request the physical K/V rows [B, S] and validity."""
+class Selection:
+    """What a QSA layer reads for each query: physical K/V rows [M, S] and their validity [M, S]
+    (invalid entries point at the scratch block, so every read stays in bounds)."""
 
     def __init__(self, rows: torch.Tensor, valid: torch.Tensor) -> None:
         self.rows, self.valid = rows, valid
+
+    @classmethod
+    def of(cls, token_pos: torch.Tensor, valid: torch.Tensor, tables: torch.Tensor, state: LayerState) -> "Selection":
+        """tables: [M, W] block tables (one per query row; an expanded view for one request's queries)."""
+        bs = state.block_size
+        block = tables.gather(1, torch.clamp(token_pos // bs, max=tables.shape[1] - 1))
+        return cls(torch.where(valid, block * bs + token_pos % bs, state.scratch_block * bs), valid)
 
 
 class QSAAttention(nn.Module):
@@ -198,25 +196,25 @@ class QSAAttention(nn.Module):
             self.indexer.store_block_keys(
                 raw_keys[start:end], ctx, batch.state_slots[i], table, state, rotary, x.dtype
             )
-            kv_len = ctx + end - start
-            block_keys = gather_rows(state.index_keys, table, kv_len // r, bs // r)
-            mask = self.indexer.select(index_q[start:end], block_keys, batch.positions[start:end], kv_len)
-            keys = gather_rows(state.key_cache, table, kv_len, bs).transpose(0, 1)
-            values = gather_rows(state.value_cache, table, kv_len, bs).transpose(0, 1)
-            attn = F.scaled_dot_product_attention(
-                q[start:end].transpose(0, 1).unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
-                attn_mask=mask, scale=self.scale, enable_gqa=True,
-            )
-            out[start:end] = attn[0].transpose(0, 1)
+            positions = batch.positions[start:end]
+            block_keys = gather_rows(state.index_keys, table, (ctx + end - start) // r, bs // r)
+            scores = self.indexer.scores(index_q[start:end], block_keys, positions)
+            token_pos, valid = self.indexer.choose(scores, positions)
+            tables = torch.where(table < 0, state.scratch_block, table).expand(end - start, -1)
+            out[start:end] = self._attend(q[start:end], Selection.of(token_pos, valid, tables, state), state)
         return self.o_proj(out.reshape(n, -1) * torch.sigmoid(gate))
 
-    def _decode(self, q, gate, index_q, raw_keys, batch: ForwardBatch, state: LayerState, rotary) -> torch.Tensor:
-        self.indexer.store_block_key_decode(raw_keys, batch, state, rotary, q.dtype)
-        selection = self.indexer.select_decode(index_q, batch, state)
+    def _attend(self, q: torch.Tensor, selection: Selection, state: LayerState) -> torch.Tensor:
+        """q [M, nh, hd] over each query's selected rows -> [M, nh, hd]."""
         keys = state.key_cache.view(-1, self.num_kv_heads, self.head_dim)[selection.rows].transpose(1, 2)
         values = state.value_cache.view(-1, self.num_kv_heads, self.head_dim)[selection.rows].transpose(1, 2)
         attn = F.scaled_dot_product_attention(
             q.unsqueeze(2), keys, values, attn_mask=selection.valid[:, None, None, :], scale=self.scale,
             enable_gqa=True,
-        )  # [B, nh, 1, hd]
-        return self.o_proj(attn.flatten(1) * torch.sigmoid(gate))
+        )  # [M, nh, 1, hd]
+        return attn.squeeze(2)
+
+    def _decode(self, q, gate, index_q, raw_keys, batch: ForwardBatch, state: LayerState, rotary) -> torch.Tensor:
+        self.indexer.store_block_key_decode(raw_keys, batch, state, rotary, q.dtype)
+        selection = self.indexer.select_decode(index_q, batch, state)
+        return self.o_proj(self._attend(q, selection, state).flatten(1) * torch.sigmoid(gate))
