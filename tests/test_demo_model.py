@@ -166,3 +166,25 @@ def test_transformers_reads_the_tokenizer_the_same_way(model_dir):
     for add in (True, False):
         expected = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add)
         assert ours.apply_chat_template(messages, add_generation_prompt=add) == expected
+
+
+def test_bigger_ngram_tables(tmp_path, monkeypatch, capsys):
+    """`--ngram-vocab-base` etc.: the table grows, split so that no shard exceeds MAX_PLE_SHARD_BYTES."""
+    from tierlm import demo_model
+
+    monkeypatch.setattr(demo_model, "MAX_PLE_SHARD_BYTES", 1 << 20)
+    out = tmp_path / "big"
+    assert cli_main(["demo-model", str(out), "--ngram-vocab-base", "30000", "--heads-per-ngram", "4",
+                     "--ple-embed-dim", "128"]) == 0
+    config = ModelConfig.from_pretrained(out)
+    assert (config.ngram_vocab_size_base, config.heads_per_ngram, config.ple_embed_dim) == (30000, 4, 128)
+    assert config.split_ngram_parts == math.ceil(30000 * 128 * 4 / (1 << 20))
+    index, found = _headers(out)
+    assert set(index["weight_map"]) == {t.name for t in checkpoint_layout(config)}
+    tables = [shape for name, (shape, _, _) in found.items() if ".ngram_embedding.shard_" in name]
+    assert len(tables) == 2 * config.split_ngram_parts and all(s[1] == 16 for s in tables)
+    assert max(s[0] * s[1] * 4 for s in tables) <= 1 << 20
+    assert cli_main(["demo-model", str(tmp_path / "bad"), "--ple-embed-dim", "30"]) == 2
+    assert "ple_embed_dim" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="cannot be overridden"):
+        demo_config("tiny", 4096, 2, {"hidden_size": 64})

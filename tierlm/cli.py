@@ -18,6 +18,9 @@ SUBCOMMANDS = {
     "demo-model": "tierlm.demo_model",
     "bench": "tierlm.tools.bench.cli",
     "plan": "tierlm.tools.plan",
+    "ple": "tierlm.tools.ple_export",
+    "probe-drive": "tierlm.tools.probe_drive",
+    "simulate-cache": "tierlm.tools.simulate_cache",
 }
 
 

@@ -18,6 +18,10 @@ Choices worth knowing:
   `lm_head` scaled so next-token distributions are neither flat nor one-hot; Gemma-style norms (1+w) get
   small noise around 0; PLE convolutions are non-zero (transformers zero-initialises them) so that path
   is exercised. Each tensor has its own generator, seeded from (seed, tensor name).
+- Bigger n-gram tables (`--ngram-vocab-base`, `--heads-per-ngram`, `--ple-embed-dim`) for NVMe and
+  page-cache benchmarks: the table is then split into shards of at most `MAX_PLE_SHARD_BYTES`, and each
+  shard is generated (from its own generator), written and freed before the next, so the build's memory
+  stays bounded whatever the table size. The `add_parser` epilog gives a 4 GB recipe.
 """
 
 from __future__ import annotations
@@ -191,6 +195,12 @@ _COMMON_FIELDS = {
 }
 
 
+# The PLE fields a demo build may override (`tierlm demo-model --ngram-vocab-base ...`), and the largest
+# table shard it then writes: each shard is generated, written and freed on its own.
+PLE_OVERRIDES = ("ngram_vocab_size_base", "heads_per_ngram", "ple_embed_dim")
+MAX_PLE_SHARD_BYTES = 64 << 20
+
+
 # ---- tokenizer --------------------------------------------------------------------------------------
 
 
@@ -267,11 +277,29 @@ def _tokenizer_config(ids: dict[str, int], max_length: int) -> dict[str, Any]:
 # ---- config -----------------------------------------------------------------------------------------
 
 
-def demo_config(size: str, vocab_size: int, eos_token_id: int) -> dict[str, Any]:
-    """The config.json dict of a demo model (flat text fields, as `save_pretrained` writes them)."""
+def demo_config(
+    size: str, vocab_size: int, eos_token_id: int, ple_overrides: dict[str, int] | None = None
+) -> dict[str, Any]:
+    """The config.json dict of a demo model (flat text fields, as `save_pretrained` writes them).
+
+    `ple_overrides` replaces any of `PLE_OVERRIDES` (a bigger n-gram table); `split_ngram_parts` then
+    grows so that no table shard exceeds `MAX_PLE_SHARD_BYTES`.
+    """
     spec = SIZES[size]
     padded_vocab = math.ceil(vocab_size / 64) * 64
     fields = {**_COMMON_FIELDS, **spec.text_config}
+    if ple_overrides:
+        unknown = sorted(set(ple_overrides) - set(PLE_OVERRIDES))
+        if unknown:
+            raise ValueError(
+                f"ple_overrides: {unknown} cannot be overridden; choose from {list(PLE_OVERRIDES)}"
+            )
+        fields.update(ple_overrides)
+        item_size = 4 if spec.dtype == "float32" else 2
+        # about heads x ngram_vocab_size_base rows (each head's prime lies just above the base), D/heads wide
+        table_bytes = fields["ngram_vocab_size_base"] * fields["ple_embed_dim"] * item_size
+        parts = math.ceil(table_bytes / MAX_PLE_SHARD_BYTES)
+        fields["split_ngram_parts"] = max(fields["split_ngram_parts"], parts)
     config = {
         "architectures": ["Qwen4ExpForCausalLM"],
         "model_type": "qwen4_exp_text",
@@ -363,13 +391,20 @@ def _write_json(path: Path, value: Any) -> None:
 
 
 def build_demo_model(
-    out_dir: str | Path, size: str = "tiny", seed: int = 0, *, overwrite: bool = False, progress: bool = False
+    out_dir: str | Path,
+    size: str = "tiny",
+    seed: int = 0,
+    *,
+    overwrite: bool = False,
+    progress: bool = False,
+    ple_overrides: dict[str, int] | None = None,
 ) -> Path:
     """Write the demo checkpoint of `size` into `out_dir` and return that folder.
 
     The files are written to a hidden folder beside `out_dir` and moved in at the end (config.json last),
     so an interrupted build leaves no half model behind. An `out_dir` that already holds checkpoint files
     is refused unless `overwrite`; only those files are replaced, anything else in the folder is kept.
+    `ple_overrides` (see `demo_config`) makes the n-gram tables bigger, e.g. multi-GB for benchmarks.
     """
     import torch
     from rich.console import Console
@@ -395,7 +430,8 @@ def build_demo_model(
     tokenizer_json = train_tokenizer(spec.tokenizer_vocab, spec.corpus_bytes, show_progress=show_trainer)
     tokenizer = Tokenizer.from_str(tokenizer_json)
     ids = {token: tokenizer.token_to_id(token) for token in SPECIAL_TOKENS}
-    raw_config = demo_config(size, tokenizer.get_vocab_size(with_added_tokens=True), ids[IM_END])
+    vocab = tokenizer.get_vocab_size(with_added_tokens=True)
+    raw_config = demo_config(size, vocab, ids[IM_END], ple_overrides)
     config = ModelConfig.from_dict(raw_config)  # refuse to write a config the reference would reject
 
     dtype = getattr(torch, spec.dtype)
@@ -463,12 +499,17 @@ def _run(args: argparse.Namespace) -> int:
     from tierlm.cli import CliError
 
     start = time.perf_counter()
+    overrides = {name: getattr(args, name) for name in PLE_OVERRIDES if getattr(args, name) is not None}
     try:
-        out = build_demo_model(args.out_dir, args.size, args.seed, overwrite=args.force, progress=True)
+        out = build_demo_model(
+            args.out_dir, args.size, args.seed, overwrite=args.force, progress=True, ple_overrides=overrides
+        )
     except FileExistsError:
         raise CliError(
             f"{args.out_dir} already holds checkpoint files; pass --force to replace them"
         ) from None
+    except ValueError as exc:  # ConfigError: overrides the architecture rules reject
+        raise CliError(str(exc)) from None
     total = sum(p.stat().st_size for p in out.iterdir() if _owned(p))
     seconds = time.perf_counter() - start
     print(
@@ -485,6 +526,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         description="Write a small random-weight Qwen4-Exp checkpoint (config, sharded safetensors, a BPE "
         "tokenizer trained on Python's standard library, chat template). "
         "The same seed gives identical files.",
+        epilog="A multi-GB n-gram table for NVMe benchmarks, with the real model's 320-byte rows "
+        "(16 heads of 160 bf16 values): `tierlm demo-model models/demo-ple4g --size small "
+        "--ngram-vocab-base 400000 --heads-per-ngram 8 --ple-embed-dim 2560` writes two PLE tables of "
+        "6.4 M rows x 320 B = 2.05 GB each (4.1 GB); table bytes per PLE layer are about "
+        "ngram-vocab-base x ple-embed-dim x 2 (bfloat16; x 4 for the float32 tiny size).",
     )
     parser.add_argument("out_dir", metavar="DIR", type=Path, help="folder to write the checkpoint into")
     parser.add_argument(
@@ -497,4 +543,21 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--seed", type=int, default=0, help="weight seed; the same seed gives identical files"
     )
     parser.add_argument("--force", action="store_true", help="replace checkpoint files already in DIR")
+    tables = parser.add_argument_group("bigger n-gram tables (benchmarks; see the recipe below)")
+    tables.add_argument(
+        "--ngram-vocab-base", dest="ngram_vocab_size_base", type=_positive_int, metavar="N",
+        help="ngram_vocab_size_base: each n-gram head gets the next prime above N rows",
+    )
+    tables.add_argument("--heads-per-ngram", type=_positive_int, metavar="N", help="heads_per_ngram")
+    tables.add_argument(
+        "--ple-embed-dim", type=_positive_int, metavar="D",
+        help="ple_embed_dim: row width x number of heads ((ngram_size-1) x heads-per-ngram)",
+    )
     parser.set_defaults(func=_run)
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
