@@ -12,6 +12,7 @@ import functools
 import itertools
 import logging
 import math
+import os
 import time
 from dataclasses import dataclass
 
@@ -21,8 +22,10 @@ from tierlm.engine.cache_manager import CacheManager
 from tierlm.engine.model_runner import ModelRunner
 from tierlm.engine.request import Request, RequestStatus
 from tierlm.engine.sampler import Sampler
+from tierlm.memory.ngram_prefetch import PrefetchWorker
+from tierlm.memory.ngram_store import NgramStore, find_table_dir
 from tierlm.memory.plan import CachePlan, cache_budget, plan_cache
-from tierlm.engine.scheduler import Scheduler
+from tierlm.engine.scheduler import RequestListener, Scheduler
 from tierlm.model.static_decode import StaticDecodeRunner
 from tierlm.model.loader import load_model, resolve_model_path
 from tierlm.model.model_cache import ModelCache
@@ -56,6 +59,12 @@ class EngineStats:
     num_preemptions: int  # total since start
     prefix_cache_queries: int  # prompt tokens looked up in the prefix cache, total
     prefix_cache_hits: int  # of which found cached, total
+    # the n-gram tables as memory-mapped files (zeros when they are in memory)
+    ple_rows_gathered: int = 0
+    ple_pages_advised: int = 0
+    ple_prefetch_backlog_tokens: int = 0
+    ple_gather_seconds: float = 0.0
+    ple_table_resident_fraction: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -72,8 +81,24 @@ class EngineConfig:
     kv_cache_memory_bytes: int | None = None  # the cache budget; else a fraction of device memory:
     gpu_memory_utilization: float | None = None  # CUDA: of total memory (0.9); CPU: of available RAM (0.1)
     seed: int = 0
+    ple_table: str | None = None  # folder of `tierlm ple export`; default: <model>/ple_tables if present
+    ple_prefetch: bool = True  # admission-time prefetch of the tables' pages (TIERLM_NO_PLE_PREFETCH=1: off)
     enforce_eager: bool = False  # True: no CUDA graphs (nor compilation) for decode steps
     compile_decode: bool = False  # on CPU, torch.compile the decode step (slow start, ~2x faster steps)
+
+
+class _PrefetchListener(RequestListener):
+    """Admitted: prefetch the table pages of what is left to compute. Released: drop the rest."""
+
+    def __init__(self, prefetcher: PrefetchWorker) -> None:
+        self.prefetcher = prefetcher
+
+    def admitted(self, request: Request) -> None:
+        start = request.num_computed_tokens
+        self.prefetcher.submit(request.request_id, request.token_slice(0, request.num_tokens), start)
+
+    def released(self, request: Request) -> None:
+        self.prefetcher.cancel(request.request_id)
 
 
 class PromptTooLongError(ValueError):
@@ -95,7 +120,10 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         model_dir = resolve_model_path(config.model)
-        self.model, self.model_config = load_model(model_dir, config.dtype, config.device)
+        table_dir = find_table_dir(str(model_dir), config.ple_table)
+        self.model, self.model_config = load_model(
+            model_dir, config.dtype, config.device, mapped_ple_tables=table_dir is not None
+        )
         self.tokenizer = Tokenizer.from_pretrained(model_dir)
         mc = self.model_config
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
@@ -109,14 +137,27 @@ class LLMEngine:
         self.cache_manager = CacheManager(
             self.cache, config.max_num_seqs, plan.num_checkpoints, config.enable_prefix_caching
         )
-        self.scheduler = Scheduler(self.cache_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.ngram_store = self.prefetcher = None
+        if table_dir is not None:
+            self.ngram_store = NgramStore(table_dir, mc, device)
+            logger.info("PLE tables memory-mapped from %s", table_dir)
+            if config.ple_prefetch and not os.environ.get("TIERLM_NO_PLE_PREFETCH"):
+                self.prefetcher = PrefetchWorker(self.ngram_store)
+        listener = _PrefetchListener(self.prefetcher) if self.prefetcher else None
+        self.scheduler = Scheduler(self.cache_manager, config.max_num_seqs, config.max_num_batched_tokens, listener)
         block_size = plan.block_size
         static_decode = None
         mode = "cuda_graph" if device.type == "cuda" else ("compile" if config.compile_decode else None)
         if mode and not config.enforce_eager:
             max_blocks = math.ceil(self.max_model_len / block_size)
-            static_decode = StaticDecodeRunner(self.model, self.cache, config.max_num_seqs, max_blocks, mode)
-        self.runner = ModelRunner(self.model, self.cache, Sampler(config.seed), self._decode_token, static_decode)
+            ple_dims = {t.ple_index: t.rows.shape[1] * mc.num_ngram_heads for t in self.ngram_store.tables} if (
+                self.ngram_store) else None
+            static_decode = StaticDecodeRunner(
+                self.model, self.cache, config.max_num_seqs, max_blocks, mode, ple_embedding_dims=ple_dims
+            )
+        self.runner = ModelRunner(
+            self.model, self.cache, Sampler(config.seed), self._decode_token, static_decode, self.ngram_store
+        )
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(mc.eos_token_ids)
         self._groups: dict[str, tuple[str | None, list[_Sequence]]] = {}
         self._group_of: dict[Request, str] = {}
@@ -197,6 +238,17 @@ class LLMEngine:
             kv_cache_usage=used / total if manager.uses_blocks and total else 0.0,
             num_preemptions=self.scheduler.num_preemptions,
             prefix_cache_queries=manager.queried_tokens, prefix_cache_hits=manager.hit_tokens,
+            **self._ple_stats(),
+        )
+
+    def _ple_stats(self) -> dict:
+        if self.ngram_store is None:
+            return {}
+        counters = self.ngram_store.counters
+        return dict(
+            ple_rows_gathered=counters.rows_gathered, ple_pages_advised=counters.pages_advised,
+            ple_prefetch_backlog_tokens=self.prefetcher.backlog_tokens if self.prefetcher else 0,
+            ple_gather_seconds=counters.gather_seconds, ple_table_resident_fraction=counters.resident_fraction,
         )
 
     # ---- the step -----------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ sampling chunk, plus every prompt row of requests that asked for prompt log-prob
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from tierlm.engine.sampler import Sampler, position_logprobs
@@ -16,10 +17,13 @@ from tierlm.model.model_cache import ModelCache
 
 
 class ModelRunner:
-    def __init__(self, model, cache: ModelCache, sampler: Sampler, decode_token, static_decode=None) -> None:
+    def __init__(
+        self, model, cache: ModelCache, sampler: Sampler, decode_token, static_decode=None, ngram_store=None
+    ) -> None:
         self.model = model
         self.cache = cache
         self.static_decode = static_decode  # a StaticDecodeRunner, or None to run every step eagerly
+        self.ngram_store = ngram_store  # an NgramStore when PLE tables are memory-mapped files
         self.sampler = sampler
         self.decode_token = decode_token  # token id -> text, for Logprob.decoded_token
         self.device = cache.device
@@ -46,6 +50,8 @@ class ModelRunner:
             device=self.device,
             logits=rows,
         )
+        if self.ngram_store is not None:
+            batch.ple_embeddings = self._ple_embeddings(step)
         logits = self._forward(batch).float().cpu()  # always run: the chunk fills the cache even with no rows
         sampled = {}
         for chunk, first, count in wanted:
@@ -56,6 +62,22 @@ class ModelRunner:
             if chunk.samples:
                 sampled[request] = self._sample(request, block[-1])
         return sampled
+
+    def _ple_embeddings(self, step: SchedulerOutput) -> dict[int, torch.Tensor]:
+        """Gather this step's PLE rows from the mapped tables; advise freshly sampled tokens' pages first."""
+        store = self.ngram_store
+        per_chunk, fresh = [], []
+        for chunk in step.chunks:
+            request = chunk.request
+            previous = request.token_slice(max(0, chunk.start - store.context_len), chunk.start)
+            tokens = np.asarray(request.token_slice(chunk.start, chunk.start + chunk.num_tokens), dtype=np.int64)
+            rows = store.rows_for(store.context_of(previous), tokens)
+            per_chunk.append(rows)
+            if chunk.start >= request.num_prompt_tokens:  # a sampled token: nothing prefetched it
+                fresh.append(rows)
+        if fresh:  # one call for all of them, right before the gather
+            store.advise_rows([np.concatenate(layer) for layer in zip(*fresh)], merge=False)
+        return store.gather([np.concatenate(layer) for layer in zip(*per_chunk)])
 
     def _forward(self, batch: ForwardBatch) -> torch.Tensor:
         if self.static_decode is not None and self.static_decode.can_run(batch):

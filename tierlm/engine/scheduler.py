@@ -43,8 +43,23 @@ class SchedulerOutput:
         return sum(c.num_tokens for c in self.chunks)
 
 
+class RequestListener:
+    """Told when a request starts running and when it stops (finished, aborted or preempted): the hooks
+    for work that follows a request's life, such as the n-gram table prefetch."""
+
+    def admitted(self, request: Request) -> None:
+        pass
+
+    def released(self, request: Request) -> None:
+        pass
+
+
 class Scheduler:
-    def __init__(self, cache_manager: CacheManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(
+        self, cache_manager: CacheManager, max_num_seqs: int, max_num_batched_tokens: int,
+        listener: RequestListener | None = None,
+    ) -> None:
+        self.listener = listener or RequestListener()
         self.cache_manager = cache_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -80,6 +95,7 @@ class Scheduler:
             self.cache_manager.admit(request, hit)
             self.cache_manager.grow(request, hit + n)
             request.status = RequestStatus.RUNNING
+            self.listener.admitted(request)
             self.running.append(request)
             out.chunks.append(ScheduledChunk(request, n))
             budget -= n
@@ -105,6 +121,7 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.cache_manager.free(request)
+        self.listener.released(request)
         request.num_computed_tokens = 0
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
@@ -118,3 +135,4 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
         self.cache_manager.free(request)
+        self.listener.released(request)

@@ -30,6 +30,9 @@ class ForwardBatch:
     # True for the fixed-shape decode batches of `static_decode`: layers must then take their
     # sync-free forms (no host reads of tensor values), which CUDA graphs and torch.compile need
     static: bool = False
+    # PLE embeddings gathered by the host from memory-mapped tables (the NVMe tier), per PLE index:
+    # [N, ple_embed_dim]; None: the PLE layers read their in-memory tables
+    ple_embeddings: dict[int, torch.Tensor] | None = None
 
     def __post_init__(self) -> None:
         as_long = dict(dtype=torch.int64, device=self.token_ids.device)

@@ -121,8 +121,11 @@ def _check_layout(config: ModelConfig, found: dict) -> None:
 
 
 def load_model(
-    model_dir: str | Path, dtype: str | torch.dtype = "auto", device: str | torch.device | None = None
+    model_dir: str | Path, dtype: str | torch.dtype = "auto", device: str | torch.device | None = None,
+    mapped_ple_tables: bool = False,
 ) -> tuple[Qwen4ExpForCausalLM, ModelConfig]:
+    """mapped_ple_tables: the PLE tables are served from memory-mapped files (`memory/ngram_store.py`),
+    so they are neither allocated nor read here."""
     model_dir = resolve_model_path(model_dir)
     config = ModelConfig.from_pretrained(model_dir)
     target_dtype = resolve_dtype(dtype, config)
@@ -132,11 +135,17 @@ def load_model(
 
     with torch.device("meta"):
         model = Qwen4ExpForCausalLM(config).to(target_dtype)
+    if mapped_ple_tables:
+        for layer in model.model.layers:
+            if layer.ple is not None:
+                layer.ple.table = None
     model = model.to_empty(device=device).requires_grad_(False).eval()
     model.tie_weights()
     destination = _Destinations(model, config)
     handles: dict[Path, object] = {}
     for name, (file, name_in_file, _) in found.items():
+        if mapped_ple_tables and _PLE_SHARD.fullmatch(name):
+            continue
         if file not in handles:
             handles[file] = safe_open(file, framework="pt")
         destination.fill(name, handles[file].get_tensor(name_in_file))

@@ -30,9 +30,10 @@ def prepared_sizes(max_batch: int) -> list[int]:
 class StaticDecodeRunner:
     def __init__(
         self, model, cache: ModelCache, max_batch: int, max_blocks_per_request: int, mode: str,
-        sizes: list[int] | None = None,
+        sizes: list[int] | None = None, ple_embedding_dims: dict[int, int] | None = None,
     ) -> None:
-        """sizes: the batch sizes to prepare (default `prepared_sizes(max_batch)`); the largest is max_batch."""
+        """sizes: the batch sizes to prepare (default `prepared_sizes(max_batch)`); the largest is max_batch.
+        ple_embedding_dims: {PLE index: width} when the host gathers PLE embeddings (mapped tables)."""
         if mode not in MODES:
             raise ValueError(f"mode {mode!r}: choose one of {MODES}")
         self.model, self.cache, self.mode = model, cache, mode
@@ -47,6 +48,10 @@ class StaticDecodeRunner:
         self.block_tables = torch.zeros(max_batch, max_blocks_per_request, **as_long)
         self.slot_mapping = torch.zeros(max_batch, **as_long)
         self.logits_rows = torch.arange(max_batch, **as_long)
+        self.ple_embeddings = {
+            index: torch.zeros(max_batch, width, dtype=cache.dtype, device=cache.device)
+            for index, width in (ple_embedding_dims or {}).items()
+        } or None
         self._pad_from(0)
         self.batches = {size: self._static_batch(size) for size in self.sizes}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -67,6 +72,7 @@ class StaticDecodeRunner:
             block_tables=self.block_tables[:size], slot_mapping=self.slot_mapping[:size],
             logits_rows=self.logits_rows[:size], slots=self.slots[:size], context_lens_tensor=self.context_lens[:size],
             static=True,
+            ple_embeddings={i: e[:size] for i, e in self.ple_embeddings.items()} if self.ple_embeddings else None,
         )
 
     def _pad_from(self, start: int) -> None:
@@ -113,6 +119,8 @@ class StaticDecodeRunner:
         self.block_tables[:n, :width].copy_(batch.block_tables)
         self.block_tables[:n, width:] = -1
         self.slot_mapping[:n].copy_(batch.slot_mapping)
+        for index, buffer in (self.ple_embeddings or {}).items():
+            buffer[:n].copy_(batch.ple_embeddings[index])
         self._pad_from(n)
         if size in self.graphs:
             self.graphs[size].replay()

@@ -22,7 +22,7 @@ from tierlm.cli import CliError
 ENGINE_FLAGS = (
     "dtype", "device", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "seed", "enforce_eager",
     "enable_prefix_caching", "kv_cache_memory_bytes", "gpu_memory_utilization", "compile_decode",
-    "max_state_checkpoints",
+    "max_state_checkpoints", "ple_table", "ple_prefetch",
 )
 
 
@@ -54,6 +54,10 @@ def add_parser(subparsers) -> None:
                         help="prefix-cache recurrent-state checkpoints (default: 2 x max-num-seqs)")
     engine.add_argument("--compile-decode", action="store_true", default=None,
                         help="CPU: torch.compile the decode step (slow start, faster steps)")
+    engine.add_argument("--ple-table", default=None,
+                        help="folder of `tierlm ple export`: serve PLE rows from memory-mapped files")
+    engine.add_argument("--ple-prefetch", action=argparse.BooleanOptionalAction, default=None,
+                        help="admission-time prefetch of the mapped tables' pages (default on)")
     engine.add_argument("--cpu-threads", type=int, default=None,
                         help="torch threads on CPU (default: cores - 1, leaving one to the HTTP side)")
     engine.add_argument("--gpu-memory-utilization", type=float, default=None,

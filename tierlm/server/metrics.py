@@ -93,6 +93,16 @@ class _EngineStatsCollector(Collector):
              stats.prefix_cache_queries),
             (counter, "tierlm:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
              stats.prefix_cache_hits),
+            # the PLE n-gram tables as memory-mapped files (all zero when they are in memory)
+            (counter, "tierlm:ple_rows_gathered", "PLE table rows gathered from the mapped files.",
+             stats.ple_rows_gathered),
+            (counter, "tierlm:ple_pages_advised", "Table pages asked for with MADV_WILLNEED.", stats.ple_pages_advised),
+            (gauge, "tierlm:ple_prefetch_backlog_tokens", "Admitted prompt tokens whose pages are not advised yet.",
+             stats.ple_prefetch_backlog_tokens),
+            (counter, "tierlm:ple_gather_seconds", "Time spent inside PLE gathers (page faults included).",
+             stats.ple_gather_seconds),
+            (gauge, "tierlm:ple_table_resident_fraction", "Share of table pages in memory (sampled with mincore).",
+             stats.ple_table_resident_fraction),
         ]
         for family, name, doc, value in values:
             metric = family(name, doc, labels=["model_name"])

@@ -5,8 +5,8 @@ per stream, value = value_proj(emb); each stream's gate is sigmoid(signed sqrt(<
 / sqrt(H))); gv_s = gate_s * value. The output gv + silu(dilated causal conv(norm_conv(gv))) is added to
 the streams. The conv history and the token context live in the request's state slot.
 
-Where table rows come from is the `RowSource`'s business: an in-memory tensor here; a memory-mapped file
-with prefetch (the NVMe tier) can stand in without changing this layer.
+Where table rows come from: the in-memory table here (`NgramTable`), or, when the tables are memory-mapped
+files (`memory/ngram_store.py`, the NVMe tier), embeddings the host gathered into `batch.ple_embeddings`.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ class PLELayer(nn.Module):
     def __init__(self, config, ple_index: int) -> None:
         super().__init__()
         c = config
+        self.ple_index = ple_index
         self.spec = NgramHashSpec.from_config(c, ple_index)
         self.hasher = NgramHasher(self.spec)
         self.hidden_size, self.hc_count, self.ngram_size = c.hidden_size, c.hc_count, c.ngram_size
@@ -68,7 +69,10 @@ class PLELayer(nn.Module):
     def forward(
         self, streams: torch.Tensor, batch: ForwardBatch, state: LayerState, context: torch.Tensor
     ) -> torch.Tensor:
-        emb = self.table.gather(self.row_ids(batch, context)).to(streams.dtype)
+        if batch.ple_embeddings is not None:
+            emb = batch.ple_embeddings[self.ple_index].to(streams.dtype)
+        else:
+            emb = self.table.gather(self.row_ids(batch, context)).to(streams.dtype)
         key, value = self.key_value_proj(emb)
         key = self.norm_key(key).unflatten(-1, (self.hc_count, self.hidden_size))
         query = self.norm_query(streams).unflatten(-1, (self.hc_count, self.hidden_size))

@@ -1,0 +1,141 @@
+"""The PLE tables as memory-mapped files: same outputs as in memory, prefetch at admission (process_madvise
+and its per-range fallback), decode-time advice, cancellation."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from tierlm import LLM, SamplingParams
+from tierlm.config import ModelConfig
+from tierlm.demo_model import build_demo_model
+from tierlm.memory.madvise import PAGE_SIZE, resident_pages, row_pages
+from tierlm.memory.ngram_prefetch import PrefetchWorker
+from tierlm.memory.ngram_store import NgramStore
+from tierlm.memory.ple_table import export_ple_tables
+
+PARAMS = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=3)
+
+
+@pytest.fixture(scope="module")
+def model_with_tables(tmp_path_factory):
+    """The tiny demo model with a table big enough (tens of MB) that a prompt touches a small share of it."""
+    folder = tmp_path_factory.mktemp("ple")
+    model = build_demo_model(folder / "model", "tiny", ple_overrides={"ngram_vocab_size_base": 200_000})
+    export_ple_tables(model, folder / "tables")
+    return model, folder / "tables"
+
+
+def evict(tables) -> None:
+    for name in os.listdir(tables):
+        if name.endswith(".bin"):
+            fd = os.open(tables / name, os.O_RDONLY)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.close(fd)
+
+
+def expected_pages(store: NgramStore, tokens: list[int]) -> list[set[int]]:
+    rows = store.rows_for(store.context_of([]), np.asarray(tokens))
+    return [set(row_pages(r.reshape(-1) * t.row_bytes, t.row_bytes).tolist()) for t, r in zip(store.tables, rows)]
+
+
+def resident(store: NgramStore) -> list[set[int]]:
+    return [set(np.flatnonzero(resident_pages(t.address, t.length)).tolist()) for t in store.tables]
+
+
+def wait_resident(store: NgramStore, wanted: list[set[int]], timeout: float = 10.0) -> list[set[int]]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        now = resident(store)
+        if all(w <= n for w, n in zip(wanted, now)):
+            return now
+        time.sleep(0.02)
+    return resident(store)
+
+
+def test_mapped_tables_give_the_in_memory_outputs(model_with_tables):
+    model, tables = model_with_tables
+    in_memory = LLM(str(model), device="cpu", max_model_len=512)
+    prompts = ["def handler(event, context):\n    return", "import numpy as np\n" * 5]
+    expected = in_memory.generate(prompts, PARAMS)
+    for prefetch in (True, False):
+        mapped = LLM(str(model), device="cpu", max_model_len=512, ple_table=str(tables), ple_prefetch=prefetch)
+        assert all(layer.ple is None or layer.ple.table is None for layer in mapped.engine.model.model.layers)
+        got = mapped.generate(prompts, PARAMS)
+        for a, b in zip(got, expected):
+            assert a.outputs[0].token_ids == b.outputs[0].token_ids
+            assert [list(p.items()) for p in a.outputs[0].logprobs] == [list(p.items()) for p in b.outputs[0].logprobs]
+        stats = mapped.engine.stats()
+        assert stats.ple_rows_gathered > 0 and stats.ple_pages_advised > 0  # decode-time advice in both
+        if prefetch:
+            assert mapped.engine.prefetcher.wait_idle()
+            assert mapped.engine.prefetcher.advised_tokens >= sum(len(o.prompt_token_ids) for o in got)
+        else:
+            assert mapped.engine.prefetcher is None
+
+
+@pytest.mark.parametrize("fallback", [False, True])
+def test_admission_prefetch_makes_the_prompt_pages_resident(model_with_tables, fallback):
+    model, tables = model_with_tables
+    config = ModelConfig.from_pretrained(model)
+    store = NgramStore(str(tables), config, torch.device("cpu"), force_madvise_fallback=fallback)
+    worker = PrefetchWorker(store)
+    tokens = np.random.default_rng(0).integers(3, config.vocab_size, 3000).tolist()
+    wanted = expected_pages(store, tokens)
+    evict(tables)
+    before = resident(store)
+    assert sum(len(w & b) for w, b in zip(wanted, before)) < sum(len(w) for w in wanted) // 10
+    worker.submit("request-1", tokens, 0)
+    assert worker.wait_idle()
+    after = wait_resident(store, wanted)
+    for want, now in zip(wanted, after):
+        assert want <= now  # every page the prompt's gathers will touch, before any forward ran
+    assert store.advisor.use_process_madvise is not fallback
+    assert store.counters.pages_advised >= sum(len(w) for w in wanted)
+    worker.stop()
+
+
+def test_cancelled_prefetch_stops(model_with_tables):
+    model, tables = model_with_tables
+    config = ModelConfig.from_pretrained(model)
+    store = NgramStore(str(tables), config, torch.device("cpu"))
+    worker = PrefetchWorker(store)
+    tokens = np.random.default_rng(1).integers(3, config.vocab_size, 200_000).tolist()
+    worker.submit("long", tokens, 0)
+    worker.cancel("long")
+    assert worker.wait_idle()
+    assert worker.advised_tokens < len(tokens)
+    assert worker.backlog_tokens == 0
+    worker.stop()
+
+
+def test_decode_advice_covers_exactly_the_new_tokens_rows(model_with_tables):
+    model, tables = model_with_tables
+    config = ModelConfig.from_pretrained(model)
+    store = NgramStore(str(tables), config, torch.device("cpu"))
+    context, token = store.context_of([17, 42]), np.asarray([1234])
+    rows = store.rows_for(context, token)
+    calls = []
+    store.advisor.advise = lambda starts, lengths: calls.append((starts.copy(), lengths.copy()))
+    store.advise_rows(rows, merge=False)
+    assert len(calls) == 1  # one call for all layers' rows
+    starts, lengths = calls[0]
+    assert (lengths == PAGE_SIZE).all()
+    advised = sorted(starts.tolist())
+    expected = sorted(
+        t.address + page * PAGE_SIZE
+        for t, r in zip(store.tables, rows)
+        for page in row_pages(r.reshape(-1) * t.row_bytes, t.row_bytes).tolist()
+    )
+    assert advised == expected
+    # and the kernel really reads those pages
+    del store.advisor.advise
+    evict(tables)
+    store.advise_rows(rows, merge=False)
+    wanted = [set(row_pages(r.reshape(-1) * t.row_bytes, t.row_bytes).tolist()) for t, r in zip(store.tables, rows)]
+    for want, now in zip(wanted, wait_resident(store, wanted)):
+        assert want <= now

@@ -1,0 +1,165 @@
+"""The PLE n-gram tables as memory-mapped files: the NVMe tier.
+
+A table too large for RAM (95 GiB in the target model) stays a file (`tierlm ple export`), mapped
+read-only in intent with MADV_RANDOM (readahead would read 23x more than the 320-byte rows need).
+Each step's rows are computed on the host from the requests' token ids (`ngram_rows_np`), gathered
+from the mapping into a staging buffer (pinned on CUDA) and copied to the device; the model's PLE
+layers take those embeddings instead of their own table.
+
+Page faults in the gather are synchronous 4 KiB reads at queue depth 1, so the store asks the kernel
+for pages ahead of use (`madvise.PageAdvisor`): at admission for a whole prompt (`ngram_prefetch`),
+and right before the gather for a freshly sampled token (its rows' first and last pages, one call).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from tierlm.config import ModelConfig
+from tierlm.memory.madvise import PAGE_SIZE, PageAdvisor, buffer_address, page_ranges, resident_fraction, row_pages
+from tierlm.memory.ngram_rows_np import NgramHashArrays, carry_context, initial_context, ngram_rows_np
+from tierlm.memory.ple_table import PleTableManifest, load_manifest
+from tierlm.model.ngram_hash import NgramHashSpec
+
+MADV_RANDOM = 1
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+@dataclass
+class MappedTable:
+    """One PLE layer's table file, mapped."""
+
+    ple_index: int
+    layer: int
+    hashing: NgramHashArrays
+    rows: torch.Tensor  # [rows, row_dim] view of the mapping
+    row_bytes: int
+    address: int
+    length: int
+    mapping: mmap.mmap
+
+
+@dataclass
+class StoreCounters:
+    rows_gathered: int = 0
+    pages_advised: int = 0
+    gather_seconds: float = 0.0  # time inside gathers (page faults included): what the step waited
+    resident_fraction: float = 0.0  # sampled with mincore on a background cadence
+
+
+class NgramStore:
+    def __init__(
+        self, directory: str, config: ModelConfig, device: torch.device, force_madvise_fallback: bool = False
+    ) -> None:
+        self.manifest: PleTableManifest = load_manifest(directory, config)
+        self.config = config
+        self.device = device
+        self.advisor = PageAdvisor(force_fallback=force_madvise_fallback)
+        self.counters = StoreCounters()
+        self.lock = threading.Lock()  # the advisor and counters are shared with the prefetch thread
+        self.tables: list[MappedTable] = []
+        self._staging: dict[int, torch.Tensor] = {}  # per PLE index, reused (pinned on CUDA), grown on demand
+        for entry in self.manifest.layers:
+            with open(self.manifest.path(entry), "rb") as f:
+                # ACCESS_COPY: a private mapping whose pages stay the page cache's until written (never)
+                mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+            address = buffer_address(mapping)
+            _libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(len(mapping)), MADV_RANDOM)
+            dtype = TORCH_DTYPES[entry.dtype]
+            rows = torch.frombuffer(mapping, dtype=dtype).view(entry.rows, -1)
+            spec = NgramHashSpec.from_config(config, entry.ple_index)
+            self.tables.append(MappedTable(
+                entry.ple_index, entry.layer, NgramHashArrays.from_spec(spec), rows, entry.row_bytes, address,
+                len(mapping), mapping,
+            ))
+        self.initial_context = initial_context(NgramHashSpec.from_config(config, self.tables[0].ple_index))
+
+    # ---- rows ---------------------------------------------------------------------------------------
+    def rows_for(self, context: np.ndarray, chunk: np.ndarray) -> list[np.ndarray]:
+        """Per PLE layer, the row ids [T, heads] of `chunk` after `context` (its previous ids)."""
+        return [ngram_rows_np(table.hashing, context, chunk) for table in self.tables]
+
+    @property
+    def context_len(self) -> int:
+        return self.config.ngram_size - 1
+
+    def context_of(self, previous_ids: list[int]) -> np.ndarray:
+        """The hash context from the ids just before a chunk (fewer than ngram_size-1 at a request's start:
+        the rest is EOS padding)."""
+        return carry_context(self.initial_context, np.asarray(previous_ids[-self.context_len :], dtype=np.int64))
+
+    # ---- advice -------------------------------------------------------------------------------------
+    def advise_rows(self, rows: list[np.ndarray], merge: bool) -> None:
+        """MADV_WILLNEED for the pages of these rows (per layer), in one batch of system calls.
+
+        merge=False (decode): each row's first and last page as given, no sorting: cheaper than a
+        generic unique-and-merge for a step's handful of rows.
+        """
+        starts, lengths = [], []
+        for table, layer_rows in zip(self.tables, rows):
+            offsets = layer_rows.reshape(-1).astype(np.int64) * table.row_bytes
+            if merge:
+                first, count = page_ranges(offsets, table.row_bytes)
+                starts.append(table.address + first * PAGE_SIZE)
+                lengths.append(count * PAGE_SIZE)
+            else:
+                pages = row_pages(offsets, table.row_bytes)
+                starts.append(table.address + pages * PAGE_SIZE)
+                lengths.append(np.full(pages.shape, PAGE_SIZE, dtype=np.int64))
+        starts, lengths = np.concatenate(starts), np.concatenate(lengths)
+        with self.lock:
+            self.advisor.advise(starts, lengths)
+            self.counters.pages_advised += int(lengths.sum()) // PAGE_SIZE
+
+    # ---- gather -------------------------------------------------------------------------------------
+    def gather(self, rows: list[np.ndarray]) -> dict[int, torch.Tensor]:
+        """Embeddings per PLE index: [T, heads * row_dim] on the device, rows read from the mappings."""
+        out = {}
+        start = time.perf_counter()
+        for table, layer_rows in zip(self.tables, rows):
+            index = torch.from_numpy(np.ascontiguousarray(layer_rows.reshape(-1)))
+            staged = self._staging_for(table, index.numel())
+            torch.index_select(table.rows, 0, index, out=staged)
+            # a blocking copy: the staging buffer is reused by the next gather
+            out[table.ple_index] = staged.to(self.device).view(layer_rows.shape[0], -1)
+        with self.lock:
+            self.counters.gather_seconds += time.perf_counter() - start
+            self.counters.rows_gathered += sum(r.size for r in rows)
+        return out
+
+    def _staging_for(self, table: MappedTable, count: int) -> torch.Tensor:
+        buffer = self._staging.get(table.ple_index)
+        if buffer is None or buffer.shape[0] < count:
+            buffer = torch.empty(max(count, 1024), table.rows.shape[1], dtype=table.rows.dtype,
+                                 pin_memory=self.device.type == "cuda")
+            self._staging[table.ple_index] = buffer
+        return buffer[:count]
+
+    def sample_residency(self) -> float:
+        """Update and return the share of table pages in memory (mincore on a page sample)."""
+        total = sum(t.length for t in self.tables)
+        fraction = sum(resident_fraction(t.address, t.length) * t.length for t in self.tables) / total
+        self.counters.resident_fraction = fraction
+        return fraction
+
+    def close(self) -> None:
+        for table in self.tables:
+            table.rows = None
+        self.tables = []
+
+
+def find_table_dir(model_dir: str, explicit: str | None) -> str | None:
+    """The table folder: given explicitly, or `ple_tables/` inside the model folder if it has a manifest."""
+    if explicit:
+        return explicit
+    candidate = os.path.join(model_dir, "ple_tables")
+    return candidate if os.path.exists(os.path.join(candidate, "manifest.json")) else None
