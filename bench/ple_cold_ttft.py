@@ -45,11 +45,12 @@ def evict(tables: Path) -> None:
         os.close(fd)
 
 
-def ttft_ms(base: str, model_dir: Path, prompt_tokens: int, lane: str, state: Path) -> float:
+def ttft_ms(base: str, model_dir: Path, prompt_tokens: int, lane: str, state: Path, requests: int = 1) -> float:
+    """Median TTFT of `requests` sequential requests (cold lane: each with text never sent before)."""
     with tempfile.NamedTemporaryFile(suffix=".json") as result:
         subprocess.run(
             [sys.executable, "-m", "tierlm.cli", "bench", "--base-url", base, "--model", model_dir.name,
-             "--endpoint", "completions", "--concurrency", "1", "--num-requests", "1", "--warmup", "0",
+             "--endpoint", "completions", "--concurrency", "1", "--num-requests", str(requests), "--warmup", "0",
              "--prompt-tokens", str(prompt_tokens), "--output-tokens", "2", "--lane", lane,
              "--state-file", str(state), "--tokenizer", str(model_dir / "tokenizer.json"), "--no-progress",
              "--result-json", result.name],
@@ -90,7 +91,7 @@ def main() -> None:
                 side_results[f"cold {length}"] = ttft_ms(base, model_dir, length, "cold", state)
             length = args.prompt_tokens[0]
             ttft_ms(base, model_dir, length, "warm", state)  # read its pages once
-            side_results[f"warm {length}"] = ttft_ms(base, model_dir, length, "warm", state)
+            side_results[f"warm {length}"] = ttft_ms(base, model_dir, length, "warm", state, requests=5)
             results[side] = side_results
 
     off, on = results["prefetch off"], results["prefetch on"]

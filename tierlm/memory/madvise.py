@@ -33,10 +33,6 @@ _libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
 _libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
 
 
-class IOVec(ctypes.Structure):
-    _fields_ = [("iov_base", ctypes.c_void_p), ("iov_len", ctypes.c_size_t)]
-
-
 def buffer_address(buffer) -> int:
     """Address of a writable buffer (e.g. an ACCESS_COPY mmap)."""
     return ctypes.addressof(ctypes.c_char.from_buffer(buffer))
@@ -55,7 +51,6 @@ class PageAdvisor:
                 self._fall_back(f"pidfd_open failed ({exc})")
         self.calls = 0  # system calls made
         self.ranges = 0  # ranges advised
-        self._iov = (IOVec * IOV_MAX)()  # reused: building it is the per-step cost at decode
 
     def _fall_back(self, why: str) -> None:
         if self.use_process_madvise:
@@ -66,13 +61,14 @@ class PageAdvisor:
         """MADV_WILLNEED for ranges (page-aligned start addresses, lengths in bytes)."""
         count = len(starts)
         self.ranges += count
+        # the iovec array is a numpy [count, 2] uint64 array (iov_base, iov_len): no Python loop fills it
+        iov = np.empty((count, 2), dtype=np.uint64)
+        iov[:, 0], iov[:, 1] = starts, lengths
         done = 0
         while done < count and self.use_process_madvise:
             n = min(IOV_MAX, count - done)
-            for i in range(n):
-                self._iov[i].iov_base = int(starts[done + i])
-                self._iov[i].iov_len = int(lengths[done + i])
-            result = _libc.syscall(SYS_PROCESS_MADVISE, self.pidfd, self._iov, n, MADV_WILLNEED, 0)
+            pointer = ctypes.c_void_p(iov.ctypes.data + done * iov.strides[0])
+            result = _libc.syscall(SYS_PROCESS_MADVISE, self.pidfd, pointer, n, MADV_WILLNEED, 0)
             self.calls += 1
             if result < 0:
                 err = ctypes.get_errno()
