@@ -13,6 +13,7 @@ thread samples the table's resident fraction for /metrics (mincore; never on the
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -26,6 +27,7 @@ from tierlm.memory.ngram_store import NgramStore
 logger = logging.getLogger("tierlm")
 
 PIECE_TOKENS = 1024
+PREFETCH_NICENESS = 10
 RESIDENCY_EVERY_SECONDS = 5.0
 
 
@@ -81,6 +83,9 @@ class PrefetchWorker:
         self._thread.join(timeout=10)
 
     def _run(self) -> None:
+        # background work: let the engine and the HTTP side win every contest for a core (on a warm
+        # table the advice is wasted, so it must cost nothing the user can see)
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), PREFETCH_NICENESS)
         last_sample = 0.0
         while True:
             try:
