@@ -71,9 +71,11 @@ def test_mapped_tables_give_the_in_memory_outputs(model_with_tables):
             assert [list(p.items()) for p in a.outputs[0].logprobs] == [list(p.items()) for p in b.outputs[0].logprobs]
         stats = mapped.engine.stats()
         assert stats.ple_rows_gathered > 0 and stats.ple_pages_advised > 0  # decode-time advice in both
-        if prefetch:
-            assert mapped.engine.prefetcher.wait_idle()
-            assert mapped.engine.prefetcher.advised_tokens >= sum(len(o.prompt_token_ids) for o in got)
+        if prefetch:  # every admitted prompt was handed over; what a finished request left is dropped
+            worker = mapped.engine.prefetcher
+            assert worker.wait_idle()
+            assert worker.submitted_tokens >= sum(len(o.prompt_token_ids) for o in got)
+            assert worker.advised_tokens + worker.dropped_tokens == worker.submitted_tokens
         else:
             assert mapped.engine.prefetcher is None
 
@@ -109,6 +111,7 @@ def test_cancelled_prefetch_stops(model_with_tables):
     worker.cancel("long")
     assert worker.wait_idle()
     assert worker.advised_tokens < len(tokens)
+    assert worker.advised_tokens + worker.dropped_tokens == len(tokens)
     assert worker.backlog_tokens == 0
     worker.stop()
 

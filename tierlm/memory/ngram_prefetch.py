@@ -46,7 +46,9 @@ class PrefetchWorker:
         self._cancelled: set[str] = set()
         self._lock = threading.Lock()
         self._backlog = 0  # tokens submitted but not yet advised
+        self.submitted_tokens = 0
         self.advised_tokens = 0
+        self.dropped_tokens = 0  # of requests that finished or were preempted first
         self._thread = threading.Thread(target=self._run, name="tierlm-ple-prefetch", daemon=True)
         self._thread.start()
 
@@ -63,6 +65,7 @@ class PrefetchWorker:
             self._cancelled.discard(request_id)
             self._active[request_id] = self._active.get(request_id, 0) + 1
             self._backlog += tokens.size
+            self.submitted_tokens += tokens.size
         self._jobs.put(_Job(request_id, tokens, self.store.context_of(token_ids[:start])))
 
     def cancel(self, request_id: str) -> None:
@@ -119,6 +122,7 @@ class PrefetchWorker:
         finally:
             with self._lock:
                 self._backlog -= job.tokens.size - done
+                self.dropped_tokens += job.tokens.size - done
                 self._active[job.request_id] -= 1
                 if not self._active[job.request_id]:
                     del self._active[job.request_id]
