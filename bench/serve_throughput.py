@@ -115,7 +115,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--output-tokens", type=int, default=64)
-    parser.add_argument("--turn-words", type=int, default=900, help="first-turn prompt length in words")
+    parser.add_argument("--turn-words", type=int, default=2500, help="first-turn message length in words")
     args = parser.parse_args()
     model = args.model
     if model is None:
@@ -141,7 +141,7 @@ def main() -> None:
             ttfts[label] = second_turn_ttft(base, first, follow_up)
     on, off = ttfts["prefix caching on"], ttfts["prefix caching off"]
     print(f"second chat turn TTFT (~90% shared prefix): on {on * 1000:.1f} ms, off {off * 1000:.1f} ms, "
-          f"ratio on/off {on / off:.2f}")
+          f"ratio on/off {on / off:.3f}")
 
 
 if __name__ == "__main__":
