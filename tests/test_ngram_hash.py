@@ -7,7 +7,7 @@ import torch
 from reference_models import BASE
 
 from tierlm.config import ModelConfig
-from tierlm.model.ngram_hash import NgramHashSpec, layer_multipliers, ngram_context, ngram_rows, primes_above
+from tierlm.model.ngram_hash import NgramHasher, NgramHashSpec, layer_multipliers, ngram_context, primes_above
 
 
 def reference_rows(config_fields: dict, ple_index: int, ids: torch.Tensor) -> torch.Tensor:
@@ -29,6 +29,7 @@ def test_rows_equal_reference_on_streams_with_eos(ngram_size, ple_index, vocab):
               "ngram_vocab_size_base": 100_003, "ple_embed_dim": 3 * (ngram_size - 1) * 4, "ple_layer_ids": [1, 2, 3]}
     config = ModelConfig.from_dict(fields)
     spec = NgramHashSpec.from_config(config, ple_index)
+    ngram_rows = NgramHasher(spec).rows
     gen = torch.Generator().manual_seed(ple_index + ngram_size)
     ids = torch.randint(0, vocab, (3, 200), generator=gen)
     ids[ids % 7 == 0] = config.eos_token_id  # many EOS, some adjacent
@@ -36,13 +37,13 @@ def test_rows_equal_reference_on_streams_with_eos(ngram_size, ple_index, vocab):
     expected = reference_rows(fields, ple_index, ids)
     eos_pad = torch.full((ngram_size - 1,), config.eos_token_id)
     for b in range(3):
-        whole = ngram_rows(ngram_context(torch.cat([eos_pad, ids[b]]), config.eos_token_id, ngram_size), spec)
+        whole = ngram_rows(ngram_context(torch.cat([eos_pad, ids[b]]), config.eos_token_id, ngram_size))
         assert torch.equal(whole, expected[b])
         # in chunks, carrying the last ngram_size-1 ids as the engine does
         history, pieces = eos_pad, []
         for start, end in ((0, 1), (1, 2), (2, 57), (57, 58), (58, 200)):
             chunk = ids[b, start:end]
-            pieces.append(ngram_rows(ngram_context(torch.cat([history, chunk]), config.eos_token_id, ngram_size), spec))
+            pieces.append(ngram_rows(ngram_context(torch.cat([history, chunk]), config.eos_token_id, ngram_size)))
             history = torch.cat([history, chunk])[-(ngram_size - 1):]
         assert torch.equal(torch.cat(pieces), expected[b])
 
@@ -52,7 +53,7 @@ def test_out_of_vocabulary_ids_wrap_like_int64():
     config = ModelConfig.from_dict({**BASE, "vocab_size": 512})
     spec = NgramHashSpec.from_config(config, 0)
     big = torch.tensor([2**40, 2**41 + 3, 2**42 + 5, 7], dtype=torch.int64)
-    rows = ngram_rows(ngram_context(torch.cat([torch.tensor([1, 1]), big]), 1, 3), spec)
+    rows = NgramHasher(spec).rows(ngram_context(torch.cat([torch.tensor([1, 1]), big]), 1, 3))
     assert (rows >= 0).all() and (rows < spec.table_rows).all()
     fields = {**BASE, "vocab_size": 512}
     assert torch.equal(rows, reference_rows(fields, 0, big[None])[0])

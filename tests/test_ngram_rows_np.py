@@ -9,7 +9,7 @@ from reference_models import BASE
 
 from tierlm.config import ModelConfig
 from tierlm.memory.ngram_rows_np import NgramHashArrays, carry_context, initial_context, ngram_rows_np
-from tierlm.model.ngram_hash import NgramHashSpec, ngram_context, ngram_rows
+from tierlm.model.ngram_hash import NgramHasher, NgramHashSpec, ngram_context
 
 
 def _spec(ngram_size: int, vocab: int, ple_index: int = 0, heads_per_ngram: int = 3) -> NgramHashSpec:
@@ -27,7 +27,7 @@ def _spec(ngram_size: int, vocab: int, ple_index: int = 0, heads_per_ngram: int 
 
 def _torch_rows(spec: NgramHashSpec, context: np.ndarray, chunk: np.ndarray) -> np.ndarray:
     history = torch.from_numpy(np.concatenate([context, chunk]).astype(np.int64))
-    return ngram_rows(ngram_context(history, spec.eos_token_id, spec.ngram_size), spec).numpy()
+    return NgramHasher(spec).rows(ngram_context(history, spec.eos_token_id, spec.ngram_size)).numpy()
 
 
 def _stream(spec: NgramHashSpec, vocab: int, length: int, seed: int) -> np.ndarray:

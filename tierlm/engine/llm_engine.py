@@ -16,8 +16,6 @@ import os
 import time
 from dataclasses import dataclass
 
-import torch
-
 from tierlm.engine.cache_manager import CacheManager
 from tierlm.engine.model_runner import ModelRunner
 from tierlm.engine.request import Request, RequestStatus

@@ -140,7 +140,3 @@ class NgramHasher:
             per_order.append(mixed.unsqueeze(-1).expand(*mixed.shape, self.spec.heads_per_ngram))
         return torch.remainder(torch.cat(per_order, dim=-1), sizes) + offsets
 
-
-def ngram_rows(context: torch.Tensor, spec: NgramHashSpec) -> torch.Tensor:
-    """Row ids [..., T, num_heads] for shifted streams `context` [ngram_size, ..., T] (int64)."""
-    return NgramHasher(spec).rows(context)
