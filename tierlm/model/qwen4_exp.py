@@ -16,7 +16,7 @@ from tierlm.model.forward_batch import ForwardBatch
 from tierlm.model.layers.gated_deltanet import GatedDeltaNet
 from tierlm.model.layers.hyper_connection import HyperConnection
 from tierlm.model.layers.moe import SparseMoeBlock
-from tierlm.model.layers.ple import PLELayer
+from tierlm.model.layers.ple import PLELayer, shifted_token_streams
 from tierlm.model.layers.qsa_attention import QSAAttention
 from tierlm.model.layers.rotary import RotaryEmbedding
 from tierlm.model.model_cache import LayerState, ModelCache
@@ -39,11 +39,11 @@ class DecoderLayer(nn.Module):
         self.mlp = SparseMoeBlock(c)
 
     def forward(
-        self, streams: torch.Tensor, batch: ForwardBatch, state: LayerState, cache: ModelCache,
-        rotary: RotaryEmbedding,
+        self, streams: torch.Tensor, batch: ForwardBatch, state: LayerState, rotary: RotaryEmbedding,
+        token_streams: torch.Tensor | None,
     ) -> torch.Tensor:
         if self.ple is not None:
-            streams = streams + self.ple(streams, batch, state, cache.ngram_context)
+            streams = streams + self.ple(streams, batch, state, token_streams)
         x, inject = self.attn_hyper_connection.mix(streams)
         if self.layer_type == "linear_attention":
             out = self.linear_attn(x, batch, state)
@@ -69,8 +69,12 @@ class Qwen4ExpTextModel(nn.Module):
     def forward(self, batch: ForwardBatch, cache: ModelCache) -> torch.Tensor:
         """Returns the final mixer's output [M, H] for `batch.logits_rows`."""
         streams = self.embed_tokens(batch.token_ids).repeat(1, self.config.hc_count)
+        c = self.config
+        token_streams = None
+        if c.ple_layer_ids and batch.ple_embeddings is None:
+            token_streams = shifted_token_streams(batch, cache.ngram_context, c.eos_token_id, c.ngram_size)
         for layer, state in zip(self.layers, cache.layers):
-            streams = layer(streams, batch, state, cache, self.rotary)
+            streams = layer(streams, batch, state, self.rotary, token_streams)
         self._advance_ngram_context(batch, cache)
         mixed, _ = self.hyper_connection_mixer.mix(streams[batch.logits_rows])
         return mixed

@@ -25,6 +25,18 @@ from tierlm.model.model_cache import LayerState
 from tierlm.model.ngram_hash import NgramHasher, NgramHashSpec, ngram_context
 
 
+def shifted_token_streams(batch: ForwardBatch, context: torch.Tensor, eos: int, ngram_size: int) -> torch.Tensor:
+    """The n-gram context of every packed token, [ngram_size, N] (see `ngram_hash.ngram_context`);
+    context [S, ngram_size-1] holds each slot's last ids. The same for every PLE layer: computed once."""
+    if batch.is_decode_only:
+        history = torch.cat([context.index_select(0, batch.slots), batch.token_ids[:, None]], dim=-1)  # [B, P+1]
+        return ngram_context(history, eos, ngram_size)[..., 0]
+    return torch.cat([
+        ngram_context(torch.cat([context[slot], batch.token_ids[start:end]]), eos, ngram_size)
+        for (start, end), slot in zip(batch.bounds, batch.state_slots)
+    ], dim=-1)
+
+
 class NgramTable(nn.Module):
     """The table as one in-memory tensor [rows, dE] (checkpoint shards are concatenated on load)."""
 
@@ -54,25 +66,15 @@ class PLELayer(nn.Module):
         self.conv1d = nn.Conv1d(width, width, c.ple_conv_kernel_size, groups=width, bias=False)
         self.history = (c.ple_conv_kernel_size - 1) * c.ngram_size
 
-    def row_ids(self, batch: ForwardBatch, context: torch.Tensor) -> torch.Tensor:
-        """Table rows [N, heads] of every packed token; context [S, ngram_size-1]: each slot's last ids."""
-        eos = self.spec.eos_token_id
-        if batch.is_decode_only:
-            history = torch.cat([context.index_select(0, batch.slots), batch.token_ids[:, None]], dim=-1)  # [B, P+1]
-            return self.hasher.rows(ngram_context(history, eos, self.ngram_size))[:, 0]
-        rows = []
-        for (start, end), slot in zip(batch.bounds, batch.state_slots):
-            history = torch.cat([context[slot], batch.token_ids[start:end]])
-            rows.append(self.hasher.rows(ngram_context(history, eos, self.ngram_size)))
-        return torch.cat(rows)
-
     def forward(
-        self, streams: torch.Tensor, batch: ForwardBatch, state: LayerState, context: torch.Tensor
+        self, streams: torch.Tensor, batch: ForwardBatch, state: LayerState, token_streams: torch.Tensor | None
     ) -> torch.Tensor:
+        """token_streams: `shifted_token_streams` of the batch (shared by every PLE layer), or None when the
+        host gathered the embeddings (`batch.ple_embeddings`)."""
         if batch.ple_embeddings is not None:
             emb = batch.ple_embeddings[self.ple_index].to(streams.dtype)
         else:
-            emb = self.table.gather(self.row_ids(batch, context)).to(streams.dtype)
+            emb = self.table.gather(self.hasher.rows(token_streams)).to(streams.dtype)
         key, value = self.key_value_proj(emb)
         key = self.norm_key(key).unflatten(-1, (self.hc_count, self.hidden_size))
         query = self.norm_query(streams).unflatten(-1, (self.hc_count, self.hidden_size))
