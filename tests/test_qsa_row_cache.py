@@ -1,0 +1,171 @@
+"""The QSA decode row cache (kernels/qsa_row_cache): cached reads equal reads of the pool, bit for bit."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tierlm.kernels.qsa_row_cache import QSARowCache, plan_rows, read_rows
+from tierlm.memory.host_pool import HostPool
+
+NKV, HD, BLOCK_SIZE, NUM_BLOCKS = 2, 8, 16, 32
+SCRATCH_ROW = (NUM_BLOCKS - 1) * BLOCK_SIZE  # the last block plays the scratch block padding points at
+B, S = 3, 24
+
+
+def empty_cache(num_slots: int, dtype=torch.float32) -> QSARowCache:
+    arena = torch.randn(2, num_slots, NKV, HD).to(dtype)  # whatever the arena held before
+    return QSARowCache(arena[0], arena[1])
+
+
+class Workload:
+    """Synthetic decode steps over a host pool: each step keeps ~70% of every request's rows, requests
+    0 and 2 share rows (a shared prefix), ~10% of entries are padding, and rows are rewritten (the new
+    token's row among them, so a row is both written and read in one step)."""
+
+    def __init__(self, seed: int, dtype=torch.float32) -> None:
+        self.gen = torch.Generator().manual_seed(seed)
+        self.host_k = self.randn(NUM_BLOCKS * BLOCK_SIZE).to(dtype)
+        self.host_v = self.randn(NUM_BLOCKS * BLOCK_SIZE).to(dtype)
+        self.rows = self.random_rows((B, S))
+
+    def randn(self, n: int) -> torch.Tensor:
+        return torch.randn(n, NKV, HD, generator=self.gen)
+
+    def random_rows(self, shape) -> torch.Tensor:
+        return torch.randint(0, SCRATCH_ROW, shape, generator=self.gen)
+
+    def step(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(rows written to the pool, rows [B, S], valid [B, S]) of the next step."""
+        keep = torch.rand(B, S, generator=self.gen) < 0.7
+        self.rows = torch.where(keep, self.rows, self.random_rows((B, S)))
+        self.rows[2, :8] = self.rows[0, :8]
+        written = torch.cat([self.random_rows((2,)), self.rows[0, -1:]])
+        for pool in (self.host_k, self.host_v):
+            pool[written] = self.randn(3).to(pool.dtype)
+            pool[SCRATCH_ROW] = self.randn(1).to(pool.dtype)  # padding writes, never invalidated
+        valid = torch.rand(B, S, generator=self.gen) > 0.1
+        return written, torch.where(valid, self.rows, SCRATCH_ROW), valid
+
+    def overwrite_arena(self, cache: QSARowCache) -> None:
+        """A staged prefill used the arena: the slots' bytes change, then the cache forgets them."""
+        cache.keys.copy_(self.randn(cache.num_slots).to(cache.keys.dtype))
+        cache.values.copy_(self.randn(cache.num_slots).to(cache.values.dtype))
+        cache.drop_all()
+
+
+def check_tags(cache: QSARowCache, work: Workload) -> None:
+    """Every tag names the row its slot really holds, in the slot that row maps to."""
+    slots = torch.nonzero(cache.tags >= 0).flatten()
+    tags = cache.tags[slots]
+    assert torch.equal(tags % cache.num_slots, slots)
+    assert torch.equal(cache.keys[slots], work.host_k[tags])
+    assert torch.equal(cache.values[slots], work.host_v[tags])
+    assert not (cache.tags == SCRATCH_ROW).any()  # padding never enters the cache
+
+
+def test_cached_reads_equal_pool_reads_over_many_steps():
+    work, cache = Workload(seed=0), empty_cache(num_slots=29)  # ~70 entries a step: many collisions
+    valid_entries = 0
+    for step in range(1000):
+        if step == 500:
+            work.overwrite_arena(cache)
+        written, rows, valid = work.step()
+        cache.invalidate(written)
+        hit = plan_rows(cache, rows, valid)
+        before = cache.keys.clone(), cache.values.clone(), cache.tags.clone()
+        keys, values = read_rows(cache, work.host_k, work.host_v, rows, hit)
+
+        assert torch.equal(keys, work.host_k[rows]) and torch.equal(values, work.host_v[rows])
+        hit_slots = cache.hitmark == cache.epoch
+        assert torch.equal(hit_slots.nonzero().flatten(), torch.unique(rows[hit] % cache.num_slots))
+        for old, new in zip(before, (cache.keys, cache.values, cache.tags)):
+            assert torch.equal(old[hit_slots], new[hit_slots])  # a slot being read is not written
+        check_tags(cache, work)
+        valid_entries += int(valid.sum())
+    hits, misses = cache.counters()
+    assert hits + misses == valid_entries
+    assert hits / valid_entries > 0.2
+
+
+def test_collisions_hits_keep_their_slot_and_the_highest_claim_wins():
+    work, cache = Workload(seed=1), empty_cache(num_slots=4)
+    cache.invalidate(torch.tensor([5]))  # step 1: row 5 goes into slot 1
+    read_rows(cache, work.host_k, work.host_v, torch.tensor([[5]]), plan_rows(cache, torch.tensor([[5]]),
+                                                                              torch.tensor([[True]])))
+    assert cache.tags.tolist() == [-1, 5, -1, -1]
+
+    cache.invalidate(torch.tensor([], dtype=torch.int64))
+    rows = torch.tensor([[5, 9, 2, 6, 6, 10]])  # slot 1: 5 hits, 9 misses; slot 2: 2, 6, 10 miss
+    valid = torch.tensor([[True, True, True, True, True, False]])  # 10 is padding: it claims nothing
+    hit = plan_rows(cache, rows, valid)
+    assert hit.tolist() == [[True, False, False, False, False, False]]
+    keys, _ = read_rows(cache, work.host_k, work.host_v, rows, hit)
+    assert torch.equal(keys, work.host_k[rows])
+    assert cache.tags.tolist() == [-1, 5, 6, -1]  # 9 lost to the hit, 6 beat 2, 10 never claimed
+    assert cache.counters() == (1, 5)
+
+    cache.invalidate(torch.tensor([6, 7]))  # 6 rewritten: slot 2 empties; 7 was not cached
+    assert cache.tags.tolist() == [-1, 5, -1, -1]
+    cache.drop_all()
+    assert (cache.tags == -1).all()
+
+
+def compare_triton_with_reference(steps: int) -> None:
+    """The Triton kernels and the reference, in lockstep on one workload: same outputs, same state.
+
+    On CUDA the kernels run compiled and read the pool from registered host memory over UVA; without a
+    GPU, Triton's interpreter runs them (TRITON_INTERPRET=1, set before triton is first imported).
+    """
+    from tierlm.kernels.qsa_row_cache.triton import triton_plan_rows, triton_read_rows
+
+    cuda = torch.cuda.is_available()
+    work = Workload(seed=2, dtype=torch.bfloat16)
+    reference = empty_cache(num_slots=29, dtype=torch.bfloat16)
+    arena = torch.stack([reference.keys, reference.values]).to("cuda" if cuda else "cpu")
+    kernel = QSARowCache(arena[0], arena[1])
+    pools = [HostPool(work.host_k.shape, torch.bfloat16, pin=cuda) for _ in range(2)]
+    for step in range(steps):
+        if step == steps // 2:
+            work.overwrite_arena(reference)
+            kernel.keys.copy_(reference.keys)
+            kernel.values.copy_(reference.values)
+            kernel.drop_all()
+        written, rows, valid = work.step()
+        pools[0].tensor.copy_(work.host_k)
+        pools[1].tensor.copy_(work.host_v)
+        outputs = []
+        for cache, plan, read, pool_k, pool_v in (
+            (reference, plan_rows, read_rows, work.host_k, work.host_v),
+            (kernel, triton_plan_rows, triton_read_rows, pools[0].tensor, pools[1].tensor),
+        ):
+            on = cache.keys.device
+            cache.invalidate(written.to(on))
+            hit = plan(cache, rows.to(on), valid.to(on))
+            outputs.append((hit, *read(cache, pool_k, pool_v, rows.to(on), hit)))
+        for a, b in zip(*outputs):
+            assert torch.equal(a, b.cpu())
+        for name in ("keys", "values", "tags", "hitmark", "claims", "epoch", "hits", "misses"):
+            assert torch.equal(getattr(reference, name), getattr(kernel, name).cpu()), name
+    for pool in pools:
+        pool.close()
+
+
+def test_triton_kernels_equal_the_reference():
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed")
+    if torch.cuda.is_available():
+        compare_triton_with_reference(steps=300)
+        return
+    script = "import test_qsa_row_cache as t; t.compare_triton_with_reference(steps=40)"
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=Path(__file__).parent, env=dict(os.environ, TRITON_INTERPRET="1"),
+        capture_output=True, text=True, timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
