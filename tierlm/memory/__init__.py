@@ -1,1 +1,1 @@
-"""Memory tiers: capacity planning now; host pools, the n-gram store and the row cache later."""
+"""Memory tiers: capacity planning, the NVMe tier for the PLE tables, and exact-size host pools."""
