@@ -1,0 +1,103 @@
+"""QSA decode row reads from a pinned host pool over UVA: all from host vs the VRAM row cache (GPU).
+
+At the target model's QSA shapes (2 KV heads, head_dim 256, bf16: 2 KiB of K+V per row, budget 2048
++ tail per step) it times, per layer and step, the read of the selected rows
+  - all from host (the read kernel with the cache disabled: every row crosses PCIe), and
+  - through the row cache (invalidate + plan + read), where consecutive steps share 0%, 72% or 100%
+    of their rows,
+checks every cached read against the pool (bit-identical), and reports the pinned pool's requested vs
+resident bytes (exact, not rounded up to a power of two).
+
+    python bench/qsa_row_cache.py                   # needs CUDA and triton
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from tierlm.kernels.qsa_row_cache import QSARowCache
+from tierlm.kernels.qsa_row_cache.triton import triton_plan_rows, triton_read_rows
+from tierlm.memory.host_pool import HostPool
+
+
+def selections(steps: int, rows: int, selected: int, overlap: float, seed: int) -> list[torch.Tensor]:
+    """Row selections where each step keeps `overlap` of the previous one's rows."""
+    gen = torch.Generator().manual_seed(seed)
+    current = torch.randperm(rows, generator=gen)[:selected]
+    out = [current]
+    keep = int(round(overlap * selected))
+    for _ in range(steps - 1):
+        fresh = torch.randint(0, rows, (selected - keep,), generator=gen)
+        current = torch.cat([current[torch.randperm(selected, generator=gen)[:keep]], fresh])
+        out.append(current)
+    return out
+
+
+def time_steps(fn, steps: list[torch.Tensor]) -> float:
+    """Mean GPU milliseconds of fn(rows) per step (CUDA events)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for rows in steps[:20]:  # warm-up (compilation, cache filling)
+        fn(rows)
+    torch.cuda.synchronize()
+    start.record()
+    for rows in steps[20:]:
+        fn(rows)
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / (len(steps) - 20)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--context", type=int, default=262_144, help="rows in the pool (one layer)")
+    parser.add_argument("--selected", type=int, default=2048 + 3, help="rows read per step (budget + tail)")
+    parser.add_argument("--cache-rows", type=int, default=16_384, help="VRAM row-cache slots")
+    parser.add_argument("--steps", type=int, default=220)
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    shape = (args.context, 2, 256)
+    pool_k, pool_v = HostPool(shape, torch.bfloat16, pin=True), HostPool(shape, torch.bfloat16, pin=True)
+    gen = torch.Generator().manual_seed(0)
+    for pool in (pool_k, pool_v):
+        pool.tensor.copy_(torch.randn(shape, generator=gen).to(torch.bfloat16))
+    print(f"pinned pool: requested {pool_k.nbytes:,} B, mapped {pool_k.mapped_bytes:,} B, "
+          f"resident {pool_k.resident_bytes():,} B (x2 for K and V)")
+
+    valid = torch.ones(1, args.selected, dtype=torch.bool, device=device)
+    no_cache = QSARowCache(*(torch.zeros(1, 2, 256, dtype=torch.bfloat16, device=device) for _ in range(2)))
+    all_miss = torch.zeros(1, args.selected, dtype=torch.bool, device=device)
+
+    def from_host(rows: torch.Tensor):
+        # claims stay -1 in a cache never planned: no write happens, every row is read from the pool
+        return triton_read_rows(no_cache, pool_k.tensor, pool_v.tensor, rows, all_miss)
+
+    print(f"{'overlap':>8}{'all from host (us)':>20}{'row cache (us)':>16}{'ratio':>8}{'hit rate':>10}{'exact':>7}")
+    for overlap in (0.0, 0.72, 1.0):
+        steps = [s.view(1, -1).to(device) for s in selections(args.steps, args.context, args.selected, overlap, 1)]
+        arena = [torch.zeros(args.cache_rows, 2, 256, dtype=torch.bfloat16, device=device) for _ in range(2)]
+        cache = QSARowCache(*arena)
+        written = torch.zeros(1, dtype=torch.int64, device=device)  # the step's new token: one row rewritten
+
+        def cached(rows: torch.Tensor):
+            cache.invalidate(written)
+            hit = triton_plan_rows(cache, rows, valid)
+            return triton_read_rows(cache, pool_k.tensor, pool_v.tensor, rows, hit)
+
+        host_ms = time_steps(from_host, steps)
+        hits_before, misses_before = cache.counters()
+        cache_ms = time_steps(cached, steps)
+        hits, misses = cache.counters()
+        exact = all(
+            torch.equal(k.cpu(), pool_k.tensor[rows.cpu()]) and torch.equal(v.cpu(), pool_v.tensor[rows.cpu()])
+            for rows in steps[-5:]
+            for k, v in [cached(rows)]
+        )
+        rate = (hits - hits_before) / max(1, hits - hits_before + misses - misses_before)
+        print(f"{overlap:>8.0%}{host_ms * 1000:>20.1f}{cache_ms * 1000:>16.1f}{cache_ms / host_ms:>7.2f}x"
+              f"{rate:>10.1%}{str(exact):>7}")
+
+
+if __name__ == "__main__":
+    main()
