@@ -24,6 +24,7 @@ from typing import Any
 
 from tierlm.config import ModelConfig
 from tierlm.model.checkpoint_layout import ple_shard_rows
+from tierlm.model.loader import checkpoint_files
 from tierlm.model.ngram_hash import NgramHashSpec
 
 FORMAT_VERSION = 1
@@ -112,14 +113,6 @@ class PleTableManifest:
 
 
 # ---- export ---------------------------------------------------------------------------------------------
-
-
-def checkpoint_files(model_dir: Path) -> list[Path]:
-    """The safetensors files of a checkpoint folder (via its index when there is one)."""
-    index = model_dir / "model.safetensors.index.json"
-    if index.exists():
-        return sorted({model_dir / name for name in json.loads(index.read_text())["weight_map"].values()})
-    return sorted(model_dir.glob("*.safetensors"))
 
 
 def _find_shards(model_dir: Path) -> dict[int, dict[int, tuple[Path, str]]]:

@@ -73,7 +73,8 @@ def resolve_dtype(dtype: str | torch.dtype, config: ModelConfig) -> torch.dtype:
     return DTYPES[name]
 
 
-def _checkpoint_files(model_dir: Path) -> list[Path]:
+def checkpoint_files(model_dir: Path) -> list[Path]:
+    """The safetensors files of a checkpoint folder (via its index when there is one)."""
     index = model_dir / "model.safetensors.index.json"
     if index.exists():
         weight_map = json.loads(index.read_text())["weight_map"]
@@ -130,7 +131,7 @@ def load_model(
     config = ModelConfig.from_pretrained(model_dir)
     target_dtype = resolve_dtype(dtype, config)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    found = _index_tensors(_checkpoint_files(model_dir))
+    found = _index_tensors(checkpoint_files(model_dir))
     _check_layout(config, found)
 
     with torch.device("meta"):
