@@ -19,7 +19,7 @@ import argparse
 import torch
 
 from tierlm.kernels.qsa_row_cache import QSARowCache
-from tierlm.kernels.qsa_row_cache.triton import triton_plan_rows, triton_read_rows
+from tierlm.kernels.qsa_row_cache.triton import triton_invalidate, triton_plan_rows, triton_read_rows
 from tierlm.memory.host_pool import HostPool
 
 
@@ -91,7 +91,7 @@ def main() -> None:
         written = torch.zeros(1, dtype=torch.int64, device=device)  # the step's new token: one row rewritten
 
         def cached(rows: torch.Tensor):
-            cache.invalidate(written)
+            triton_invalidate(cache, written)
             hit = triton_plan_rows(cache, rows, valid)
             return triton_read_rows(cache, pool_k.tensor, pool_v.tensor, rows, hit)
 

@@ -123,7 +123,7 @@ def compare_triton_with_reference(steps: int) -> None:
     On CUDA the kernels run compiled and read the pool from registered host memory over UVA; without a
     GPU, Triton's interpreter runs them (TRITON_INTERPRET=1, set before triton is first imported).
     """
-    from tierlm.kernels.qsa_row_cache.triton import triton_plan_rows, triton_read_rows
+    from tierlm.kernels.qsa_row_cache.triton import triton_invalidate, triton_plan_rows, triton_read_rows
 
     cuda = torch.cuda.is_available()
     work = Workload(seed=2, dtype=torch.bfloat16)
@@ -141,12 +141,12 @@ def compare_triton_with_reference(steps: int) -> None:
         pools[0].tensor.copy_(work.host_k)
         pools[1].tensor.copy_(work.host_v)
         outputs = []
-        for cache, plan, read, pool_k, pool_v in (
-            (reference, plan_rows, read_rows, work.host_k, work.host_v),
-            (kernel, triton_plan_rows, triton_read_rows, pools[0].tensor, pools[1].tensor),
+        for cache, invalidate, plan, read, pool_k, pool_v in (
+            (reference, QSARowCache.invalidate, plan_rows, read_rows, work.host_k, work.host_v),
+            (kernel, triton_invalidate, triton_plan_rows, triton_read_rows, pools[0].tensor, pools[1].tensor),
         ):
             on = cache.keys.device
-            cache.invalidate(written.to(on))
+            invalidate(cache, written.to(on))
             hit = plan(cache, rows.to(on), valid.to(on))
             outputs.append((hit, *read(cache, pool_k, pool_v, rows.to(on), hit)))
         for a, b in zip(*outputs):

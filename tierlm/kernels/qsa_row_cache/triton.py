@@ -1,9 +1,11 @@
-"""The row cache's step as two Triton kernels: the plan, then the read (same signatures as `naive`).
+"""The row cache's step as three Triton kernels: invalidate, plan, read (same signatures as `naive`).
 
 On CUDA the cache and the selection live on the device and the pool in registered host memory
 (`memory/host_pool`): the read kernel loads each miss's row straight from host RAM over UVA, one row per
-entry, and nothing else crosses PCIe. The launch boundary between the two kernels is the step's only
+entry, and nothing else crosses PCIe. The launch boundary between plan and read is the step's only
 grid-wide synchronisation: every hit mark and claim is in place before any entry decides to write.
+Invalidate is one kernel rather than the reference's handful of torch ops: at 2 KiB rows a step's
+kernels are short, and each launch is a visible share of the step.
 Bit-identical to `naive` (tested under TRITON_INTERPRET=1 on CPU).
 """
 
@@ -16,6 +18,28 @@ import triton.language as tl
 from tierlm.kernels.qsa_row_cache.naive import EPOCH_SHIFT, QSARowCache
 
 PLAN_BLOCK = 256
+
+
+@triton.jit
+def _invalidate_kernel(rows_ptr, num_rows, tags_ptr, epoch_ptr, num_slots, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    inside = offsets < num_rows
+    rows = tl.load(rows_ptr + offsets, mask=inside, other=0)
+    slots = rows % num_slots
+    held = tl.load(tags_ptr + slots, mask=inside, other=-1)
+    # every writer of a slot stores the same -1: duplicates need no atomics
+    tl.store(tags_ptr + slots, tl.full([BLOCK], -1, tl.int64), mask=inside & (held == rows))
+    if tl.program_id(0) == 0:
+        tl.store(epoch_ptr, tl.load(epoch_ptr) + 1)
+
+
+def triton_invalidate(cache: QSARowCache, rows_written: torch.Tensor) -> None:
+    """As `QSARowCache.invalidate`, in one launch."""
+    rows = rows_written.flatten().contiguous()
+    n = rows.numel()
+    _invalidate_kernel[(max(1, triton.cdiv(n, PLAN_BLOCK)),)](
+        rows, n, cache.tags, cache.epoch, cache.num_slots, BLOCK=PLAN_BLOCK
+    )
 
 
 @triton.jit
