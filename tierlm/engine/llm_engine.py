@@ -63,6 +63,9 @@ class EngineStats:
     ple_prefetch_backlog_tokens: int = 0
     ple_gather_seconds: float = 0.0
     ple_table_resident_fraction: float = 0.0
+    # QSA K/V in host pools: decode row reads served by the VRAM row cache
+    qsa_row_cache_hits: int = 0
+    qsa_row_cache_misses: int = 0
 
 
 @dataclass(frozen=True)
@@ -81,6 +84,9 @@ class EngineConfig:
     seed: int = 0
     ple_table: str | None = None  # folder of `tierlm ple export`; default: <model>/ple_tables if present
     ple_prefetch: bool = True  # admission-time prefetch of the tables' pages (TIERLM_NO_PLE_PREFETCH=1: off)
+    qsa_kv_offload: bool = False  # QSA K/V in exact-size (pinned) host pools, read over UVA at decode
+    qsa_row_cache: bool = True  # with offload: keep recently read rows in VRAM (bit-identical)
+    qsa_row_cache_rows: int = 16384  # row-cache slots per QSA layer
     enforce_eager: bool = False  # True: no CUDA graphs (nor compilation) for decode steps
     compile_decode: bool = False  # on CPU, torch.compile the decode step (slow start, ~2x faster steps)
 
@@ -131,7 +137,14 @@ class LLMEngine:
         for line in self.cache_plan.lines():
             logger.info(line)
         plan = self.cache_plan
-        self.cache = ModelCache(mc, plan.num_slots, plan.num_blocks, plan.block_size, dtype, device)
+        self.cache = ModelCache(
+            mc, plan.num_slots, plan.num_blocks, plan.block_size, dtype, device, kv_offload=config.qsa_kv_offload,
+            row_cache_rows=config.qsa_row_cache_rows if config.qsa_row_cache else 0,
+            staging_rows=math.ceil(self.max_model_len / plan.block_size) * plan.block_size,
+        )
+        if config.qsa_kv_offload:
+            logger.info("QSA K/V in host pools (%s)", "row cache of %d rows per layer" % config.qsa_row_cache_rows
+                        if config.qsa_row_cache else "no row cache")
         self.cache_manager = CacheManager(
             self.cache, config.max_num_seqs, plan.num_checkpoints, config.enable_prefix_caching
         )
@@ -236,8 +249,15 @@ class LLMEngine:
             kv_cache_usage=used / total if manager.uses_blocks and total else 0.0,
             num_preemptions=self.scheduler.num_preemptions,
             prefix_cache_queries=manager.queried_tokens, prefix_cache_hits=manager.hit_tokens,
-            **self._ple_stats(),
+            **self._ple_stats(), **self._row_cache_stats(),
         )
+
+    def _row_cache_stats(self) -> dict:
+        offloaded = [state.offload for state in self.cache.layers if state.offload is not None]
+        if not offloaded or not self.config.qsa_row_cache:
+            return {}
+        counts = [o.hit_counts() for o in offloaded]
+        return dict(qsa_row_cache_hits=sum(h for h, _ in counts), qsa_row_cache_misses=sum(m for _, m in counts))
 
     def _ple_stats(self) -> dict:
         if self.ngram_store is None:

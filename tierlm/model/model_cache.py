@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import torch
 
 from tierlm.config import ModelConfig
+from tierlm.memory.host_pool import allocate_pools
+from tierlm.model.qsa_offload import OffloadedKV
 
 
 @dataclass
@@ -37,6 +39,7 @@ class LayerState:
     index_ring: torch.Tensor | None = None  # [S, R, index_head_dim] raw keys of the open group
     block_size: int = 0
     scratch_block: int = 0
+    offload: object | None = None  # an OffloadedKV when key/value_cache are host pools
 
 
 class ModelCache:
@@ -50,7 +53,13 @@ class ModelCache:
         block_size: int,
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
+        kv_offload: bool = False,
+        row_cache_rows: int = 0,
+        staging_rows: int = 0,
     ) -> None:
+        """kv_offload: QSA K/V in exactly sized host pools (pinned on CUDA) instead of device memory, read
+        through a VRAM row cache of `row_cache_rows` per layer at decode and staged into a shared device
+        buffer of `staging_rows` rows at prefill (see `qsa_offload`)."""
         c = config
         if c.has_qsa and block_size % c.indexer_compress_ratio:
             raise ValueError(
@@ -62,6 +71,16 @@ class ModelCache:
         num_slots, num_blocks = num_slots + 1, num_blocks + 1
         conv_dim = 2 * c.linear_num_key_heads * c.linear_key_head_dim + c.linear_num_value_heads * c.linear_value_head_dim
         alloc = dict(dtype=dtype, device=self.device)
+        kv_shape = (num_blocks, block_size, c.num_key_value_heads, c.head_dim)
+        qsa_layers = [i for i, t in enumerate(c.layer_types) if t == "indexed_attention"]
+        pools = {}
+        if kv_offload and qsa_layers:
+            pools = allocate_pools(
+                {f"layer{i}.{kind}": (kv_shape, dtype) for i in qsa_layers for kind in ("keys", "values")},
+                pin=self.device.type == "cuda",
+            )
+            row_shape = kv_shape[2:]
+            staging = tuple(torch.zeros(max(staging_rows, block_size), *row_shape, **alloc) for _ in range(2))
         self.layers: list[LayerState] = []
         for layer_idx, layer_type in enumerate(c.layer_types):
             state = LayerState(block_size=block_size, scratch_block=self.scratch_block)
@@ -71,10 +90,14 @@ class ModelCache:
                     num_slots, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim,
                     dtype=torch.float32, device=self.device,
                 )
+            elif pools:
+                keys, values = pools[f"layer{layer_idx}.keys"], pools[f"layer{layer_idx}.values"]
+                state.key_cache, state.value_cache = keys.tensor, values.tensor
+                state.offload = OffloadedKV(keys, values, staging, self.device, row_cache_rows)
             else:
-                shape = (num_blocks, block_size, c.num_key_value_heads, c.head_dim)
-                state.key_cache = torch.zeros(shape, **alloc)
-                state.value_cache = torch.zeros(shape, **alloc)
+                state.key_cache = torch.zeros(kv_shape, **alloc)
+                state.value_cache = torch.zeros(kv_shape, **alloc)
+            if layer_type == "indexed_attention":
                 ratio = c.indexer_compress_ratio
                 state.index_keys = torch.zeros(num_blocks, block_size // ratio, c.indexer_head_dim, **alloc)
                 state.index_ring = torch.zeros(num_slots, ratio, c.indexer_head_dim, **alloc)

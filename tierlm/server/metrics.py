@@ -103,6 +103,10 @@ class _EngineStatsCollector(Collector):
              stats.ple_gather_seconds),
             (gauge, "tierlm:ple_table_resident_fraction", "Share of table pages in memory (sampled with mincore).",
              stats.ple_table_resident_fraction),
+            (counter, "tierlm:qsa_row_cache_hits", "Decode K/V row reads served from the VRAM row cache.",
+             stats.qsa_row_cache_hits),
+            (counter, "tierlm:qsa_row_cache_misses", "Decode K/V row reads from the host pools.",
+             stats.qsa_row_cache_misses),
         ]
         for family, name, doc, value in values:
             metric = family(name, doc, labels=["model_name"])

@@ -1,4 +1,5 @@
-"""The row cache's step as three Triton kernels: invalidate, plan, read (same signatures as `naive`).
+"""The row cache's step as three Triton kernels: invalidate, plan, read (same signatures as `naive`),
+and the write of new rows into a host pool.
 
 On CUDA the cache and the selection live on the device and the pool in registered host memory
 (`memory/host_pool`): the read kernel loads each miss's row straight from host RAM over UVA, one row per
@@ -125,3 +126,22 @@ def triton_read_rows(
         EPOCH_SHIFT=EPOCH_SHIFT, BLOCK_D=triton.next_power_of_2(row_width),
     )
     return out_k, out_v
+
+
+@triton.jit
+def _write_kernel(rows_ptr, src_ptr, pool_ptr, row_width, BLOCK_D: tl.constexpr):
+    entry = tl.program_id(0).to(tl.int64)
+    row = tl.load(rows_ptr + entry)
+    columns = tl.arange(0, BLOCK_D)
+    inside = columns < row_width
+    tl.store(pool_ptr + row * row_width + columns, tl.load(src_ptr + entry * row_width + columns, mask=inside),
+             mask=inside)
+
+
+def triton_write_rows(pool: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> None:
+    """pool[rows] = values, where pool [R, nkv, hd] may be registered host memory written over UVA
+    (one launch, no host sync: a decode step writing its new rows can be captured in a CUDA graph)."""
+    rows, values = rows.contiguous(), values.contiguous()
+    row_width = pool.shape[1:].numel()
+    if rows.numel():
+        _write_kernel[(rows.numel(),)](rows, values, pool, row_width, BLOCK_D=triton.next_power_of_2(row_width))

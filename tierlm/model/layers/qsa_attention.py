@@ -183,8 +183,11 @@ class QSAAttention(nn.Module):
         q = apply_rotary(self.q_norm(q), cos, sin)
         k = apply_rotary(self.k_norm(k.reshape(n, self.num_kv_heads, self.head_dim)), cos, sin)
         v = v.reshape(n, self.num_kv_heads, self.head_dim)
-        state.key_cache.view(-1, self.num_kv_heads, self.head_dim)[batch.slot_mapping] = k
-        state.value_cache.view(-1, self.num_kv_heads, self.head_dim)[batch.slot_mapping] = v
+        if state.offload is not None:
+            state.offload.write(batch.slot_mapping, k, v)
+        else:
+            state.key_cache.view(-1, self.num_kv_heads, self.head_dim)[batch.slot_mapping] = k
+            state.value_cache.view(-1, self.num_kv_heads, self.head_dim)[batch.slot_mapping] = v
 
         index_q, raw_keys = self.indexer.project(x, cos, sin)
         if batch.is_decode_only:
@@ -200,21 +203,33 @@ class QSAAttention(nn.Module):
             block_keys = gather_rows(state.index_keys, table, (ctx + end - start) // r, bs // r)
             scores = self.indexer.scores(index_q[start:end], block_keys, positions)
             token_pos, valid = self.indexer.choose(scores, positions)
-            tables = torch.where(table < 0, state.scratch_block, table).expand(end - start, -1)
-            out[start:end] = self._attend(q[start:end], Selection.of(token_pos, valid, tables, state), state)
+            if state.offload is not None:  # gather from the request's context staged on the device
+                staged_k, staged_v = state.offload.stage(table, ctx + end - start)
+                at = torch.where(valid, token_pos, 0)
+                keys, values = staged_k[at], staged_v[at]
+            else:
+                tables = torch.where(table < 0, state.scratch_block, table).expand(end - start, -1)
+                keys, values = self._gather(Selection.of(token_pos, valid, tables, state), state)
+            out[start:end] = self._attend(q[start:end], keys, values, valid)
         return self.o_proj(out.reshape(n, -1) * torch.sigmoid(gate))
 
-    def _attend(self, q: torch.Tensor, selection: Selection, state: LayerState) -> torch.Tensor:
-        """q [M, nh, hd] over each query's selected rows -> [M, nh, hd]."""
-        keys = state.key_cache.view(-1, self.num_kv_heads, self.head_dim)[selection.rows].transpose(1, 2)
-        values = state.value_cache.view(-1, self.num_kv_heads, self.head_dim)[selection.rows].transpose(1, 2)
+    def _gather(self, selection: Selection, state: LayerState) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V [M, S, nkv, hd] of the selected rows, from device pools or (offloaded) host pools."""
+        if state.offload is not None:
+            return state.offload.read_selected(selection.rows, selection.valid)
+        keys = state.key_cache.view(-1, self.num_kv_heads, self.head_dim)[selection.rows]
+        return keys, state.value_cache.view(-1, self.num_kv_heads, self.head_dim)[selection.rows]
+
+    def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """q [M, nh, hd] over each query's rows K, V [M, S, nkv, hd] where valid [M, S] -> [M, nh, hd]."""
         attn = F.scaled_dot_product_attention(
-            q.unsqueeze(2), keys, values, attn_mask=selection.valid[:, None, None, :], scale=self.scale,
-            enable_gqa=True,
+            q.unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=valid[:, None, None, :],
+            scale=self.scale, enable_gqa=True,
         )  # [M, nh, 1, hd]
         return attn.squeeze(2)
 
     def _decode(self, q, gate, index_q, raw_keys, batch: ForwardBatch, state: LayerState, rotary) -> torch.Tensor:
         self.indexer.store_block_key_decode(raw_keys, batch, state, rotary, q.dtype)
         selection = self.indexer.select_decode(index_q, batch, state)
-        return self.o_proj(self._attend(q, selection, state).flatten(1) * torch.sigmoid(gate))
+        keys, values = self._gather(selection, state)
+        return self.o_proj(self._attend(q, keys, values, selection.valid).flatten(1) * torch.sigmoid(gate))
