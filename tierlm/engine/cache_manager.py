@@ -96,9 +96,10 @@ class CacheManager:
         """Tokens of the request that the prefix cache can supply (a multiple of block_size, maybe 0)."""
         if not self.prefix_caching or request.prompt_logprobs is not None:  # those need every prompt row
             return 0
-        hashes = self._hashes(request, (request.num_tokens - 1) // self.block_size)  # leave >= 1 to compute
+        count = (request.num_tokens - 1) // self.block_size  # leave >= 1 token to compute
+        hashes = self._hashes(request, count)
         run = 0
-        while run < len(hashes) and hashes[run] in self.block_of_hash:
+        while run < count and hashes[run] in self.block_of_hash:
             run += 1
         while run and hashes[run - 1] not in self.checkpoints:
             run -= 1
@@ -130,6 +131,7 @@ class CacheManager:
             self.evictable.pop(block, None)
             self.ref_counts[block] += 1
             request.block_ids.append(block)
+        request.num_registered_blocks = shared  # they are cached blocks already
         last = request.block_hashes[shared - 1]
         self.checkpoints.move_to_end(last)
         self.cache.copy_slot(self.checkpoints[last], request.state_slot)
@@ -150,11 +152,13 @@ class CacheManager:
         computed = request.num_computed_tokens
         full = computed // self.block_size
         hashes = self._hashes(request, full)
-        for index in range(full):
+        # only the blocks that became full since the last call: this runs every decode step
+        for index in range(request.num_registered_blocks, full):
             block = request.block_ids[index]
             if self.hash_of_block[block] is None and hashes[index] not in self.block_of_hash:
                 self.hash_of_block[block] = hashes[index]
                 self.block_of_hash[hashes[index]] = block
+        request.num_registered_blocks = full
         if computed % self.block_size or computed == 0:
             return
         at_prompt_boundary = computed == self.prompt_checkpoint_at(request)
@@ -188,12 +192,13 @@ class CacheManager:
             self.free_checkpoint_slots.append(slot)
 
     def _hashes(self, request: Request, count: int) -> list[bytes]:
-        """The hash chain over the request's first `count` full blocks (extended as tokens arrive)."""
+        """The request's hash chain, extended to cover at least its first `count` full blocks (not copied:
+        callers read only the first `count`)."""
         hashes = request.block_hashes
         while len(hashes) < count:
             start = len(hashes) * self.block_size
             hashes.append(chain_hash(hashes[-1] if hashes else b"", request.token_slice(start, start + self.block_size)))
-        return hashes[:count]
+        return hashes
 
     # ---- release ------------------------------------------------------------------------------------
     def free(self, request: Request) -> None:
@@ -209,4 +214,5 @@ class CacheManager:
                 else:
                     self.free_blocks.append(block)
         request.block_ids = []
+        request.num_registered_blocks = 0
         request.decode_checkpoint = None

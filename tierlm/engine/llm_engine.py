@@ -13,8 +13,9 @@ import itertools
 import logging
 import math
 import os
-import time
 from dataclasses import dataclass
+
+import torch
 
 from tierlm.engine.cache_manager import CacheManager
 from tierlm.engine.model_runner import ModelRunner
@@ -197,7 +198,7 @@ class LLMEngine:
             seq_params = params if params.seed is None else dataclasses.replace(params, seed=params.seed + index)
             request = Request(
                 f"{request_id}-{index}" if params.n > 1 else request_id, token_ids, seq_params,
-                self.eos_token_ids, self.max_model_len, arrival_time=time.monotonic(),
+                self.eos_token_ids, self.max_model_len,
                 structured_output=grammars[index],
             )
             detok = self.tokenizer.detokenizer(token_ids, skip_special_tokens=params.skip_special_tokens)
@@ -256,8 +257,9 @@ class LLMEngine:
         offloaded = [state.offload for state in self.cache.layers if state.offload is not None]
         if not offloaded or not self.config.qsa_row_cache:
             return {}
-        counts = [o.hit_counts() for o in offloaded]
-        return dict(qsa_row_cache_hits=sum(h for h, _ in counts), qsa_row_cache_misses=sum(m for _, m in counts))
+        # one device read for all layers: the server snapshots the stats after every step
+        hits, misses = torch.stack([torch.stack([o.cache.hits, o.cache.misses]) for o in offloaded]).sum(0).tolist()
+        return dict(qsa_row_cache_hits=hits, qsa_row_cache_misses=misses)
 
     def _ple_stats(self) -> dict:
         if self.ngram_store is None:

@@ -40,7 +40,6 @@ class Request:
     params: SamplingParams
     eos_token_ids: frozenset[int]
     max_model_len: int
-    arrival_time: float = 0.0
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
@@ -49,6 +48,7 @@ class Request:
     state_slot: int | None = None
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # hash chain over its full blocks of tokens
+    num_registered_blocks: int = 0  # of its blocks, how many the prefix cache has seen full
     decode_checkpoint: bytes | None = None  # the block hash of its latest decode-time state checkpoint
     num_cached_tokens: int = 0  # tokens the prefix cache supplied at its (latest) admission
     # sampling state

@@ -71,12 +71,9 @@ class OffloadedKV:
         staged = []
         for pool, buffer in zip(self.pools, self.staging):
             rows = pool.tensor[blocks].flatten(0, 1)[:count]
-            buffer[:count].copy_(rows, non_blocking=True)
+            buffer[:count].copy_(rows)  # from pageable memory: a synchronous copy whatever the flag
             staged.append(buffer[:count])
         return staged[0], staged[1]
-
-    def hit_counts(self) -> tuple[int, int]:
-        return self.cache.counters()
 
 
 def _write_rows(pool: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> None:
