@@ -49,8 +49,6 @@ class PageAdvisor:
                 self.pidfd = os.pidfd_open(os.getpid())
             except (OSError, AttributeError) as exc:
                 self._fall_back(f"pidfd_open failed ({exc})")
-        self.calls = 0  # system calls made
-        self.ranges = 0  # ranges advised
 
     def _fall_back(self, why: str) -> None:
         if self.use_process_madvise:
@@ -60,7 +58,6 @@ class PageAdvisor:
     def advise(self, starts: np.ndarray, lengths: np.ndarray) -> None:
         """MADV_WILLNEED for ranges (page-aligned start addresses, lengths in bytes)."""
         count = len(starts)
-        self.ranges += count
         # the iovec array is a numpy [count, 2] uint64 array (iov_base, iov_len): no Python loop fills it
         iov = np.empty((count, 2), dtype=np.uint64)
         iov[:, 0], iov[:, 1] = starts, lengths
@@ -69,7 +66,6 @@ class PageAdvisor:
             n = min(IOV_MAX, count - done)
             pointer = ctypes.c_void_p(iov.ctypes.data + done * iov.strides[0])
             result = _libc.syscall(SYS_PROCESS_MADVISE, self.pidfd, pointer, n, MADV_WILLNEED, 0)
-            self.calls += 1
             if result < 0:
                 err = ctypes.get_errno()
                 if err in (errno.EPERM, errno.ENOSYS, errno.EINVAL):
@@ -81,7 +77,6 @@ class PageAdvisor:
             if _libc.madvise(int(starts[i]), int(lengths[i]), MADV_WILLNEED) != 0:
                 err = ctypes.get_errno()
                 raise OSError(err, f"madvise: {os.strerror(err)}")
-            self.calls += 1
 
 
 def page_ranges(offsets: np.ndarray, row_bytes: int) -> tuple[np.ndarray, np.ndarray]:

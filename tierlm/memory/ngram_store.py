@@ -39,7 +39,6 @@ class MappedTable:
     """One PLE layer's table file, mapped."""
 
     ple_index: int
-    layer: int
     hashing: NgramHashArrays
     rows: torch.Tensor  # [rows, row_dim] view of the mapping
     row_bytes: int
@@ -78,7 +77,7 @@ class NgramStore:
             rows = torch.frombuffer(mapping, dtype=dtype).view(entry.rows, -1)
             spec = NgramHashSpec.from_config(config, entry.ple_index)
             self.tables.append(MappedTable(
-                entry.ple_index, entry.layer, NgramHashArrays.from_spec(spec), rows, entry.row_bytes, address,
+                entry.ple_index, NgramHashArrays.from_spec(spec), rows, entry.row_bytes, address,
                 len(mapping), mapping,
             ))
         self.initial_context = initial_context(NgramHashSpec.from_config(config, self.tables[0].ple_index))
@@ -150,11 +149,6 @@ class NgramStore:
         fraction = sum(resident_fraction(t.address, t.length) * t.length for t in self.tables) / total
         self.counters.resident_fraction = fraction
         return fraction
-
-    def close(self) -> None:
-        for table in self.tables:
-            table.rows = None
-        self.tables = []
 
 
 def find_table_dir(model_dir: str, explicit: str | None) -> str | None:

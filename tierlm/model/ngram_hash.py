@@ -89,10 +89,6 @@ class NgramHashSpec:
     def context_len(self) -> int:
         return self.ngram_size - 1
 
-    def head_order(self, head: int) -> int:
-        """The n-gram order that head `head` hashes: all bigram heads first, then trigram, ..."""
-        return head // self.heads_per_ngram + 2
-
 
 def ngram_context(history: torch.Tensor, eos: int, ngram_size: int) -> torch.Tensor:
     """Shifted token streams for the hash.
