@@ -117,10 +117,19 @@ def test_sampled_logprobs(llm):
 
 
 def test_generation_config_defaults_apply_when_unset(llm):
-    defaults = llm.get_default_sampling_params()
-    tokenizer_defaults = llm.get_tokenizer().generation_defaults
-    assert defaults.temperature == tokenizer_defaults.temperature
-    assert defaults.top_k == tokenizer_defaults.top_k
+    """Unset temperature / top_p / top_k take generation_config.json's values; set ones are kept."""
+    defaults = llm.get_tokenizer().generation_defaults
+    assert defaults.temperature is not None and defaults.top_k is not None  # the demo model ships them
+    engine = llm.engine
+    unset = engine.add_request(PROMPTS[0], SamplingParams(max_tokens=1))
+    explicit = engine.add_request(PROMPTS[0], SamplingParams(max_tokens=1, temperature=0.3, top_p=0.5, top_k=3))
+    queued = {r.request_id: r.params for r in engine.scheduler.waiting}
+    assert (queued[unset].temperature, queued[unset].top_p, queued[unset].top_k) == (
+        defaults.temperature, defaults.top_p, defaults.top_k)
+    assert (queued[explicit].temperature, queued[explicit].top_p, queued[explicit].top_k) == (0.3, 0.5, 3)
+    for request_id in (unset, explicit):
+        engine.abort_request(request_id)
+    assert not engine.has_unfinished_requests()
 
 
 @pytest.mark.parametrize(
