@@ -1,5 +1,6 @@
 """End-to-end decode tok/s with QSA K/V on the device, in host pools, and in host pools + row cache.
-(Each measured request follows a short warm-up request, and is timed from its first token on.)
+(Each measured request follows a short warm-up request; decode is timed from its first token on, and
+the prefill before it, through the staging arena when offloaded, is reported beside it.)
 
 Demo-scale model (built if missing), one request at 8k and at 32k tokens of context, greedy, decode
 steps through the engine (CUDA graphs on GPU); also checks that the three give the same tokens.
@@ -21,18 +22,18 @@ from tierlm.demo_model import build_demo_model
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def decode_rate(llm: LLM, prompt: list[int], steps: int) -> tuple[float, list[int]]:
-    """Decode tok/s of one request, timed from its first token (the prefill is not in the figure)."""
+def decode_rate(llm: LLM, prompt: list[int], steps: int) -> tuple[float, float, list[int]]:
+    """(prefill seconds, decode tok/s timed from the first token, token ids) of one request."""
     engine = llm.engine
     engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True))
-    start, out = None, None
+    submitted, start, out = time.perf_counter(), None, None
     while engine.has_unfinished_requests():
         for out in engine.step():
             if start is None and out.outputs[0].token_ids:
                 if torch.cuda.is_available():
                     torch.cuda.synchronize()
                 start = time.perf_counter()
-    return steps / (time.perf_counter() - start), out.outputs[0].token_ids
+    return start - submitted, steps / (time.perf_counter() - start), out.outputs[0].token_ids
 
 
 def main() -> None:
@@ -53,13 +54,13 @@ def main() -> None:
     }
     gen = torch.Generator().manual_seed(0)
     prompts = {n: torch.randint(3, 4000, (n,), generator=gen).tolist() for n in args.contexts}
-    results, tokens = {}, {}
+    results, prefill, tokens = {}, {}, {}
     for side, options in sides.items():
         llm = LLM(str(model), device=args.device, max_model_len=max_len, max_num_seqs=1,
                   enable_prefix_caching=False, **options)
         for n, prompt in prompts.items():
             decode_rate(llm, prompt[:600], 4)  # warm-up (decode runs fixed shapes: a short prompt does)
-            results[side, n], tokens[side, n] = decode_rate(llm, prompt, args.steps)
+            prefill[side, n], results[side, n], tokens[side, n] = decode_rate(llm, prompt, args.steps)
         del llm
         torch.cuda.empty_cache() if args.device.startswith("cuda") else None
     print(f"model demo-{args.size} on {args.device}, {args.steps} decode steps")
@@ -68,6 +69,9 @@ def main() -> None:
         same = len({tuple(tokens[side, n]) for side in sides}) == 1
         row = "".join(f"{results[side, n]:>24.1f}" for side in sides)
         print(f"{n:>8}{row}{str(same):>13}")
+    print(f"{'context':>8}" + "".join(f"{side + ' prefill s':>24}" for side in sides))
+    for n in args.contexts:
+        print(f"{n:>8}" + "".join(f"{prefill[side, n]:>24.2f}" for side in sides))
 
 
 if __name__ == "__main__":

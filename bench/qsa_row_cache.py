@@ -1,13 +1,13 @@
-"""QSA decode row reads from a pinned host pool over UVA: all from host vs the VRAM row cache (GPU).
+"""QSA decode attention over rows in a pinned host pool (UVA): all from host vs the VRAM row cache (GPU).
 
-At the target model's QSA shapes (2 KV heads, head_dim 256, bf16: 2 KiB of K+V per row, budget 2048
-+ tail per step) it times, per layer and step, the read of the selected rows
-  - all from host (the read kernel with the cache disabled: every row crosses PCIe), and
-  - through the row cache (invalidate + plan + read), where consecutive steps share 0%, 72% or 100%
-    of their rows,
-each step replayed from a CUDA graph (as a captured decode step runs), checks cached reads against the
-pool (bit-identical), and reports the pinned pool's requested vs resident bytes (exact, not rounded up
-to a power of two).
+At the target model's QSA shapes (24 query heads over 2 KV heads, head_dim 256, bf16: 2 KiB of K+V per
+row, budget 2048 + tail per step) it times, per layer and step, the decode attention kernel
+  - reading every selected row from host (the cache never planned: every row crosses PCIe), and
+  - through the row cache (invalidate + plan + attention), where consecutive steps share 0%, 72% or
+    100% of their rows,
+each step replayed from a CUDA graph (as a captured decode step runs). It checks that the cached output
+equals the all-from-host output bit for bit, and reports the pinned pool's requested vs resident bytes
+(exact, not rounded up to a power of two).
 
     python bench/qsa_row_cache.py                   # needs CUDA and triton
 """
@@ -19,7 +19,7 @@ import argparse
 import torch
 
 from tierlm.kernels.qsa_row_cache import QSARowCache
-from tierlm.kernels.qsa_row_cache.triton import triton_invalidate, triton_plan_rows, triton_read_rows
+from tierlm.kernels.qsa_row_cache.triton import triton_decode_attention, triton_invalidate, triton_plan_rows
 from tierlm.memory.host_pool import HostPool
 
 
@@ -64,6 +64,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=262_144, help="rows in the pool (one layer)")
     parser.add_argument("--selected", type=int, default=2048 + 3, help="rows read per step (budget + tail)")
     parser.add_argument("--cache-rows", type=int, default=16_384, help="VRAM row-cache slots")
+    parser.add_argument("--heads", type=int, default=24, help="query heads (over 2 KV heads of 256)")
     parser.add_argument("--steps", type=int, default=220)
     args = parser.parse_args()
     device = torch.device("cuda")
@@ -75,13 +76,15 @@ def main() -> None:
     print(f"pinned pool: requested {pool_k.nbytes:,} B, mapped {pool_k.mapped_bytes:,} B, "
           f"resident {pool_k.resident_bytes():,} B (x2 for K and V)")
 
+    q = torch.randn(1, args.heads, 256, generator=gen).to(device=device, dtype=torch.bfloat16)
+    scale = 256**-0.5
     valid = torch.ones(1, args.selected, dtype=torch.bool, device=device)
-    no_cache = QSARowCache(*(torch.zeros(1, 2, 256, dtype=torch.bfloat16, device=device) for _ in range(2)))
+    never_planned = QSARowCache(*(torch.zeros(1, 2, 256, dtype=torch.bfloat16, device=device) for _ in range(2)))
     all_miss = torch.zeros(1, args.selected, dtype=torch.bool, device=device)
 
     def from_host(rows: torch.Tensor):
         # claims stay -1 in a cache never planned: no write happens, every row is read from the pool
-        return triton_read_rows(no_cache, pool_k.tensor, pool_v.tensor, rows, all_miss)
+        return triton_decode_attention(never_planned, pool_k.tensor, pool_v.tensor, q, rows, valid, all_miss, scale)
 
     print(f"{'overlap':>8}{'all from host (us)':>20}{'row cache (us)':>16}{'ratio':>8}{'hit rate':>10}{'exact':>7}")
     for overlap in (0.0, 0.72, 1.0):
@@ -93,17 +96,13 @@ def main() -> None:
         def cached(rows: torch.Tensor):
             triton_invalidate(cache, written)
             hit = triton_plan_rows(cache, rows, valid)
-            return triton_read_rows(cache, pool_k.tensor, pool_v.tensor, rows, hit)
+            return triton_decode_attention(cache, pool_k.tensor, pool_v.tensor, q, rows, valid, hit, scale)
 
         host_ms = time_steps(from_host, steps)
         hits_before, misses_before = cache.counters()
         cache_ms = time_steps(cached, steps)
         hits, misses = cache.counters()
-        exact = all(
-            torch.equal(k.cpu(), pool_k.tensor[rows.cpu()]) and torch.equal(v.cpu(), pool_v.tensor[rows.cpu()])
-            for rows in steps[-5:]
-            for k, v in [cached(rows)]
-        )
+        exact = all(torch.equal(cached(rows), from_host(rows)) for rows in steps[-5:])
         rate = (hits - hits_before) / max(1, hits - hits_before + misses - misses_before)
         print(f"{overlap:>8.0%}{host_ms * 1000:>20.1f}{cache_ms * 1000:>16.1f}{cache_ms / host_ms:>7.2f}x"
               f"{rate:>10.1%}{str(exact):>7}")

@@ -8,6 +8,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from tierlm.kernels.qsa_row_cache import attend_rows
 from tierlm.model.layers.qsa_attention import QSAAttention, QSAIndexer, Selection
 from tierlm.model.model_cache import LayerState
 
@@ -71,7 +72,7 @@ def test_gathered_attention_equals_dense_masked_attention():
     scores = attention.indexer.scores(torch.randn(len(positions), 3, 8), torch.randn(kv_len // 4, 8), positions)
     token_pos, valid = attention.indexer.choose(scores, positions)
     selection = Selection.of(token_pos, valid, table.expand(len(positions), -1), state)
-    got = attention._attend(q, *attention._gather(selection, state), selection.valid)
+    got = attend_rows(q, *attention._gather(selection, state), selection.valid, attention.scale)
     # reference: every context key, a boolean mask of the chosen ones
     keys = state.key_cache[table].flatten(0, 1)[:kv_len].transpose(0, 1)
     values = state.value_cache[table].flatten(0, 1)[:kv_len].transpose(0, 1)

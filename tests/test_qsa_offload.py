@@ -1,4 +1,5 @@
-"""QSA K/V in host pools (and through the row cache) generate exactly what device pools generate."""
+"""QSA K/V in host pools (and through the row cache) generate exactly what device pools generate; the
+offloaded layer's prefill staging and its decode-batch limit."""
 
 from __future__ import annotations
 
@@ -7,6 +8,9 @@ import torch
 
 from tierlm import LLM, SamplingParams
 from tierlm.demo_model import build_demo_model
+from tierlm.kernels.qsa_row_cache import attend_rows
+from tierlm.memory.host_pool import allocate_pools
+from tierlm.model.qsa_offload import OffloadedKV
 
 PARAMS = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=3)
 
@@ -37,3 +41,47 @@ def test_offload_with_and_without_row_cache_equals_device_pools(demo_dir, device
             assert stats.qsa_row_cache_hits > 0 and stats.qsa_row_cache_misses > 0
         else:
             assert stats.qsa_row_cache_hits == 0
+
+
+def offloaded_layer(arena_rows: int, max_cached_batch: int = 12) -> OffloadedKV:
+    """One layer's K/V in host pools of 40 blocks x 4 rows (2 KV heads x 8 dims), random contents."""
+    pools = allocate_pools({kind: ((40, 4, 2, 8), torch.float32) for kind in ("keys", "values")}, pin=False)
+    gen = torch.Generator().manual_seed(0)
+    for pool in pools.values():
+        pool.tensor.copy_(torch.randn(pool.shape, generator=gen))
+    return OffloadedKV(pools["keys"], pools["values"], arena_rows, torch.device("cpu"),
+                       max_cached_batch=max_cached_batch)
+
+
+def test_prefill_stages_only_selected_rows_section_by_section():
+    layer = offloaded_layer(arena_rows=7)  # 7 distinct rows per section: several sections
+    gen = torch.Generator().manual_seed(1)
+    rows = torch.randint(0, 160, (5, 12), generator=gen)
+    valid = torch.rand(5, 12, generator=gen) > 0.2
+    layer.cache.tags[:] = torch.arange(7) + 7 * 3  # pretend slots hold rows 21..27
+    keys, values = layer.gather_prefill(rows, valid)
+    mask = valid[..., None, None]
+    assert torch.equal(keys, torch.where(mask, layer.host_k[rows], 0.0))
+    assert torch.equal(values, torch.where(mask, layer.host_v[rows], 0.0))
+    assert (layer.cache.tags == -1).all()  # the arena was overwritten: its slots no longer hold their rows
+
+
+def test_large_batches_read_every_row_from_the_pool_and_still_invalidate():
+    layer = offloaded_layer(arena_rows=64, max_cached_batch=2)
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randn(3, 4, 8, generator=gen)
+    rows = torch.randint(0, 160, (3, 10), generator=gen)
+    valid = torch.ones(3, 10, dtype=torch.bool)
+    layer.write(torch.tensor([5]), torch.zeros(1, 2, 8), torch.zeros(1, 2, 8))
+    small = layer.decode_attention(q[:2], rows[:2], valid[:2], 0.35)  # decode-shaped: fills the cache
+    cached = layer.cache.tags.clone()
+    assert (cached >= 0).sum() > 0
+    rewritten = cached[cached >= 0][:1]
+    layer.write(rewritten, torch.ones(1, 2, 8), torch.ones(1, 2, 8))  # a cached row changes in the pool
+    assert layer.cache.tags[rewritten % 64] == -1
+    large = layer.decode_attention(q, rows, valid, 0.35)  # 3 > 2 requests: not planned, nothing cached
+    hits, misses = layer.cache.counters()
+    assert (hits, misses) == (0, int(valid[:2].sum()))
+    assert ((layer.cache.tags == cached) | (layer.cache.tags == -1)).all()
+    expected = attend_rows(q, layer.host_k[rows], layer.host_v[rows], valid, 0.35)
+    assert torch.equal(large, expected) and not torch.equal(large[:2], small)

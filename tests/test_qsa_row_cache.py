@@ -1,4 +1,5 @@
-"""The QSA decode row cache (kernels/qsa_row_cache): cached reads equal reads of the pool, bit for bit."""
+"""The QSA decode row cache (kernels/qsa_row_cache): cached reads equal reads of the pool, bit for bit;
+the Triton kernels equal the reference; prefill staging through the arena equals reading the pool."""
 
 from __future__ import annotations
 
@@ -11,10 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from tierlm.kernels.qsa_row_cache import QSARowCache, plan_rows, read_rows
+from tierlm.kernels.qsa_row_cache import QSARowCache, attend_rows, decode_attention, plan_rows, read_rows
 from tierlm.memory.host_pool import HostPool
 
 NKV, HD, BLOCK_SIZE, NUM_BLOCKS = 2, 8, 16, 32
+NUM_HEADS = 2 * NKV
+SCALE = HD**-0.5
 SCRATCH_ROW = (NUM_BLOCKS - 1) * BLOCK_SIZE  # the last block plays the scratch block padding points at
 B, S = 3, 24
 
@@ -41,8 +44,12 @@ class Workload:
     def random_rows(self, shape) -> torch.Tensor:
         return torch.randint(0, SCRATCH_ROW, shape, generator=self.gen)
 
+    def query(self) -> torch.Tensor:
+        return torch.randn(B, NUM_HEADS, HD, generator=self.gen).to(self.host_k.dtype)
+
     def step(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(rows written to the pool, rows [B, S], valid [B, S]) of the next step."""
+        """(rows written to the pool, rows [B, S], valid [B, S]) of the next step; one step in five,
+        request 1's last 8 entries are all padding."""
         keep = torch.rand(B, S, generator=self.gen) < 0.7
         self.rows = torch.where(keep, self.rows, self.random_rows((B, S)))
         self.rows[2, :8] = self.rows[0, :8]
@@ -51,6 +58,8 @@ class Workload:
             pool[written] = self.randn(3).to(pool.dtype)
             pool[SCRATCH_ROW] = self.randn(1).to(pool.dtype)  # padding writes, never invalidated
         valid = torch.rand(B, S, generator=self.gen) > 0.1
+        if torch.rand(1, generator=self.gen) < 0.2:
+            valid[1, -8:] = False
         return written, torch.where(valid, self.rows, SCRATCH_ROW), valid
 
     def overwrite_arena(self, cache: QSARowCache) -> None:
@@ -72,6 +81,7 @@ def check_tags(cache: QSARowCache, work: Workload) -> None:
 
 def test_cached_reads_equal_pool_reads_over_many_steps():
     work, cache = Workload(seed=0), empty_cache(num_slots=29)  # ~70 entries a step: many collisions
+    never_planned = empty_cache(num_slots=29)
     valid_entries = 0
     for step in range(1000):
         if step == 500:
@@ -83,6 +93,11 @@ def test_cached_reads_equal_pool_reads_over_many_steps():
         keys, values = read_rows(cache, work.host_k, work.host_v, rows, hit)
 
         assert torch.equal(keys, work.host_k[rows]) and torch.equal(values, work.host_v[rows])
+        # the same step through attention: with the cache planned, and with nothing cached (never planned)
+        q = work.query()
+        uncached = decode_attention(never_planned, work.host_k, work.host_v, q, rows, valid,
+                                    torch.zeros_like(valid), SCALE)
+        assert torch.equal(attend_rows(q, keys, values, valid, SCALE), uncached)
         hit_slots = cache.hitmark == cache.epoch
         assert torch.equal(hit_slots.nonzero().flatten(), torch.unique(rows[hit] % cache.num_slots))
         for old, new in zip(before, (cache.keys, cache.values, cache.tags)):
@@ -117,20 +132,26 @@ def test_collisions_hits_keep_their_slot_and_the_highest_claim_wins():
     assert (cache.tags == -1).all()
 
 
-def compare_triton_with_reference(steps: int) -> None:
-    """The Triton kernels and the reference, in lockstep on one workload: same outputs, same state.
+def compare_triton_with_reference(steps: int, dtype: torch.dtype) -> None:
+    """The Triton kernels and the reference, in lockstep on one workload: the same cache state after
+    every step, attention outputs equal up to summation order, and the kernel's output through the cache
+    equal bit for bit to its output with every row read from the pool.
 
     On CUDA the kernels run compiled and read the pool from registered host memory over UVA; without a
     GPU, Triton's interpreter runs them (TRITON_INTERPRET=1, set before triton is first imported).
+    Splits of 8 entries: each request's 24 entries take 3 programs, some with no valid entry.
     """
-    from tierlm.kernels.qsa_row_cache.triton import triton_invalidate, triton_plan_rows, triton_read_rows
+    import tierlm.kernels.qsa_row_cache.triton as kernels
 
-    cuda = torch.cuda.is_available()
-    work = Workload(seed=2, dtype=torch.bfloat16)
-    reference = empty_cache(num_slots=29, dtype=torch.bfloat16)
-    arena = torch.stack([reference.keys, reference.values]).to("cuda" if cuda else "cpu")
+    kernels.DECODE_SPLIT, kernels.DECODE_BLOCK_N = 8, 16
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    work = Workload(seed=2, dtype=dtype)
+    reference = empty_cache(num_slots=29, dtype=dtype)
+    arena = torch.stack([reference.keys, reference.values]).to(device)
     kernel = QSARowCache(arena[0], arena[1])
-    pools = [HostPool(work.host_k.shape, torch.bfloat16, pin=cuda) for _ in range(2)]
+    never_planned = QSARowCache(*torch.zeros(2, 29, NKV, HD, dtype=dtype, device=device))
+    pools = [HostPool(work.host_k.shape, dtype, pin=device == "cuda") for _ in range(2)]
     for step in range(steps):
         if step == steps // 2:
             work.overwrite_arena(reference)
@@ -138,32 +159,61 @@ def compare_triton_with_reference(steps: int) -> None:
             kernel.values.copy_(reference.values)
             kernel.drop_all()
         written, rows, valid = work.step()
+        q = work.query()
         pools[0].tensor.copy_(work.host_k)
         pools[1].tensor.copy_(work.host_v)
-        outputs = []
-        for cache, invalidate, plan, read, pool_k, pool_v in (
-            (reference, QSARowCache.invalidate, plan_rows, read_rows, work.host_k, work.host_v),
-            (kernel, triton_invalidate, triton_plan_rows, triton_read_rows, pools[0].tensor, pools[1].tensor),
-        ):
-            on = cache.keys.device
-            invalidate(cache, written.to(on))
-            hit = plan(cache, rows.to(on), valid.to(on))
-            outputs.append((hit, *read(cache, pool_k, pool_v, rows.to(on), hit)))
-        for a, b in zip(*outputs):
-            assert torch.equal(a, b.cpu())
+        reference.invalidate(written)
+        hit = plan_rows(reference, rows, valid)
+        expected = decode_attention(reference, work.host_k, work.host_v, q, rows, valid, hit, SCALE)
+        kernels.triton_invalidate(kernel, written.to(device))
+        hit = kernels.triton_plan_rows(kernel, rows.to(device), valid.to(device))
+        out = kernels.triton_decode_attention(kernel, pools[0].tensor, pools[1].tensor, q.to(device), rows.to(device),
+                                              valid.to(device), hit, SCALE)
+        all_from_pool = kernels.triton_decode_attention(
+            never_planned, pools[0].tensor, pools[1].tensor, q.to(device), rows.to(device), valid.to(device),
+            torch.zeros_like(hit), SCALE,
+        )
+        assert torch.equal(out, all_from_pool)
+        torch.testing.assert_close(out.cpu(), expected, atol=tolerance, rtol=tolerance)
         for name in ("keys", "values", "tags", "hitmark", "claims", "epoch", "hits", "misses"):
             assert torch.equal(getattr(reference, name), getattr(kernel, name).cpu()), name
+    assert (never_planned.tags == -1).all()
     for pool in pools:
         pool.close()
+
+
+def compare_row_moves(device: str) -> None:
+    """Writing rows into a pool and gathering them out (prefill staging), kernels vs torch indexing."""
+    from tierlm.kernels.qsa_row_cache.triton import triton_gather_rows, triton_write_rows
+
+    gen = torch.Generator().manual_seed(3)
+    pool = HostPool((64, NKV, HD), torch.bfloat16, pin=device == "cuda")
+    pool.tensor.copy_(torch.randn(64, NKV, HD, generator=gen).to(torch.bfloat16))
+    expected = pool.tensor.clone()
+    rows = torch.randperm(64, generator=gen)[:20]
+    new = torch.randn(20, NKV, HD, generator=gen).to(torch.bfloat16)
+    triton_write_rows(pool.tensor, rows.to(device), new.to(device))
+    if device == "cuda":
+        torch.cuda.synchronize()
+    expected[rows] = new
+    assert torch.equal(pool.tensor, expected)
+    out = torch.zeros(24, NKV, HD, dtype=torch.bfloat16, device=device)
+    wanted = torch.randint(0, 64, (17,), generator=gen)
+    triton_gather_rows(out, pool.tensor, wanted.to(device))
+    assert torch.equal(out[:17].cpu(), expected[wanted]) and not out[17:].any()
+    pool.close()
 
 
 def test_triton_kernels_equal_the_reference():
     if importlib.util.find_spec("triton") is None:
         pytest.skip("triton is not installed")
     if torch.cuda.is_available():
-        compare_triton_with_reference(steps=2000)
+        for dtype in (torch.bfloat16, torch.float32):
+            compare_triton_with_reference(steps=2000, dtype=dtype)
+        compare_row_moves("cuda")
         return
-    script = "import test_qsa_row_cache as t; t.compare_triton_with_reference(steps=40)"
+    script = ("import torch, test_qsa_row_cache as t; t.compare_row_moves('cpu')\n"
+              "for dtype in (torch.bfloat16, torch.float32): t.compare_triton_with_reference(steps=30, dtype=dtype)")
     done = subprocess.run(
         [sys.executable, "-c", script], cwd=Path(__file__).parent, env=dict(os.environ, TRITON_INTERPRET="1"),
         capture_output=True, text=True, timeout=120,

@@ -54,12 +54,12 @@ class ModelCache:
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
         kv_offload: bool = False,
-        row_cache_rows: int = 0,
-        staging_rows: int = 0,
+        arena_rows: int = 0,
+        row_cache: bool = True,
     ) -> None:
-        """kv_offload: QSA K/V in exactly sized host pools (pinned on CUDA) instead of device memory, read
-        through a VRAM row cache of `row_cache_rows` per layer at decode and staged into a shared device
-        buffer of `staging_rows` rows at prefill (see `qsa_offload`)."""
+        """kv_offload: QSA K/V in exactly sized host pools (pinned on CUDA) instead of device memory, with
+        a device arena of `arena_rows` rows per layer that stages prefill reads and, at decode, caches
+        recently read rows unless `row_cache` is False (see `qsa_offload`)."""
         c = config
         if c.has_qsa and block_size % c.indexer_compress_ratio:
             raise ValueError(
@@ -79,8 +79,6 @@ class ModelCache:
                 {f"layer{i}.{kind}": (kv_shape, dtype) for i in qsa_layers for kind in ("keys", "values")},
                 pin=self.device.type == "cuda",
             )
-            row_shape = kv_shape[2:]
-            staging = tuple(torch.zeros(max(staging_rows, block_size), *row_shape, **alloc) for _ in range(2))
         self.layers: list[LayerState] = []
         for layer_idx, layer_type in enumerate(c.layer_types):
             state = LayerState(block_size=block_size, scratch_block=self.scratch_block)
@@ -93,7 +91,7 @@ class ModelCache:
             elif pools:
                 keys, values = pools[f"layer{layer_idx}.keys"], pools[f"layer{layer_idx}.values"]
                 state.key_cache, state.value_cache = keys.tensor, values.tensor
-                state.offload = OffloadedKV(keys, values, staging, self.device, row_cache_rows)
+                state.offload = OffloadedKV(keys, values, arena_rows, self.device, row_cache)
             else:
                 state.key_cache = torch.zeros(kv_shape, **alloc)
                 state.value_cache = torch.zeros(kv_shape, **alloc)

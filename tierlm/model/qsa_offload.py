@@ -1,54 +1,61 @@
 """QSA K/V in host memory: where one layer's rows live when they do not fit the device.
 
-The layer's K and V pools are `HostPool`s (exactly sized, pinned on CUDA). The model writes each new
-token's rows into them, and reads them in two ways:
-- decode: only the selected rows, straight from the pool over UVA, through a per-layer VRAM row cache
-  (`kernels/qsa_row_cache`: consecutive steps select mostly the same rows), bit-identical to reading
-  the pool;
-- prefill: the request's context rows are copied into a device staging buffer (shared by the layers,
-  allocated once) and the chunk's queries gather from there.
-On CPU the pools are plain memory and the torch reference forms of the same steps run. The indexer's
-compressed keys stay on the device: they are tens of bytes per token and every step reads them all.
+The layer's K and V pools are `HostPool`s (exactly sized, pinned on CUDA); the model writes each new
+token's rows into them over UVA. Beside them the layer owns a device arena of `arena_rows` rows of K and
+of V, allocated once at start-up, with two uses that never overlap in time:
+- prefill: the rows a chunk's queries selected are copied from the pools into the arena, section by
+  section (at most `arena_rows` distinct rows at a time), and each query's rows are gathered from there.
+  A row crosses PCIe once per chunk however many queries select it, rows nobody selected not at all,
+  and attention then runs on exactly the bytes device pools would give (bit-identical).
+- decode: the arena is the row cache (`kernels/qsa_row_cache`): the attention kernel reads each selected
+  row from the arena if it is cached there, else straight from the pool over UVA, and keeps it. Only
+  decode-shaped batches (at most `max_cached_batch` requests) use the cache; larger ones read every row
+  from the pool, and their writes still invalidate.
+A staged prefill overwrites the arena's first rows, so it drops their tags. On CPU the pools are plain
+memory and the torch reference forms of the same steps run. The indexer's compressed keys stay on the
+device: they are tens of bytes per token and every step reads them all.
 """
 
 from __future__ import annotations
 
 import torch
 
-from tierlm.kernels.qsa_row_cache import QSARowCache, plan_rows, read_rows
+from tierlm.kernels.qsa_row_cache import QSARowCache, decode_attention, plan_rows
 from tierlm.memory.host_pool import HostPool
+
+ROW_CACHE_MAX_BATCH = 12  # decode batches up to this size use the row cache
 
 
 class OffloadedKV:
     def __init__(
-        self, keys: HostPool, values: HostPool, staging: tuple[torch.Tensor, torch.Tensor],
-        device: torch.device, cache_rows: int,
+        self, keys: HostPool, values: HostPool, arena_rows: int, device: torch.device, row_cache: bool = True,
+        max_cached_batch: int = ROW_CACHE_MAX_BATCH,
     ) -> None:
-        """keys, values: pools [num_blocks, block_size, nkv, hd]; staging: device [max_rows, nkv, hd] x 2;
-        cache_rows: row-cache slots in VRAM (0: no cache, every selected row crosses PCIe)."""
-        self.pools = (keys, values)
+        """keys, values: pools [num_blocks, block_size, nkv, hd]; arena_rows: rows of the device arena
+        (prefill staging section, row-cache slots); row_cache: False reads every decode row from the pool."""
+        if arena_rows < 1:
+            raise ValueError(f"the staging arena needs at least one row, got {arena_rows}")
         self.host_k = keys.tensor.view(-1, *keys.tensor.shape[2:])
         self.host_v = values.tensor.view(-1, *values.tensor.shape[2:])
-        self.staging = staging
         self.device = device
-        row_shape = self.host_k.shape[1:]
-        slots = max(cache_rows, 1)
-        arena = [torch.zeros(slots, *row_shape, dtype=self.host_k.dtype, device=device) for _ in range(2)]
+        arena = [torch.zeros(arena_rows, *self.host_k.shape[1:], dtype=self.host_k.dtype, device=device)
+                 for _ in range(2)]
         self.cache = QSARowCache(*arena)
-        self.use_cache = cache_rows > 0
+        self.row_cache, self.max_cached_batch = row_cache, max_cached_batch
         if device.type == "cuda":
             from tierlm.kernels.qsa_row_cache.triton import (
+                triton_decode_attention,
+                triton_gather_rows,
                 triton_invalidate,
                 triton_plan_rows,
-                triton_read_rows,
                 triton_write_rows,
             )
 
-            self._invalidate, self._plan, self._read = triton_invalidate, triton_plan_rows, triton_read_rows
-            self._write = triton_write_rows
+            self._invalidate, self._plan, self._attend = triton_invalidate, triton_plan_rows, triton_decode_attention
+            self._write, self._gather = triton_write_rows, triton_gather_rows
         else:
-            self._invalidate, self._plan, self._read = QSARowCache.invalidate, plan_rows, read_rows
-            self._write = _write_rows
+            self._invalidate, self._plan, self._attend = QSARowCache.invalidate, plan_rows, decode_attention
+            self._write, self._gather = _write_rows, _gather_rows
 
     def write(self, rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         """New tokens' K, V [N, nkv, hd] into pool rows [N]; their cached copies are dropped."""
@@ -56,26 +63,38 @@ class OffloadedKV:
         self._write(self.host_v, rows, values)
         self._invalidate(self.cache, rows)
 
-    def read_selected(self, rows: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K, V [B, S, nkv, hd] of selected pool rows [B, S] (invalid entries: padding, any row)."""
-        if self.use_cache:
+    def decode_attention(self, q: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor, scale: float) -> torch.Tensor:
+        """Each request's query q [B, nh, hd] over its selected pool rows [B, S] (where valid) -> [B, nh, hd]."""
+        if self.row_cache and rows.shape[0] <= self.max_cached_batch:
             hit = self._plan(self.cache, rows, valid)
-        else:  # never planned, the cache's claims stay empty: nothing is cached, everything is read
+        else:  # not planned: no hit, no claim wins, nothing is cached and every row is read from the pool
             hit = torch.zeros_like(valid)
-        return self._read(self.cache, self.host_k, self.host_v, rows, hit)
+        return self._attend(self.cache, self.host_k, self.host_v, q, rows, valid, hit, scale)
 
-    def stage(self, table: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The first `count` logical rows of a request (its block table) on the device, position-indexed."""
-        block_size = self.pools[0].tensor.shape[1]
-        blocks = table[: -(-count // block_size)].cpu()
-        staged = []
-        for pool, buffer in zip(self.pools, self.staging):
-            rows = pool.tensor[blocks].flatten(0, 1)[:count]
-            buffer[:count].copy_(rows)  # from pageable memory: a synchronous copy whatever the flag
-            staged.append(buffer[:count])
-        return staged[0], staged[1]
+    def gather_prefill(self, rows: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V [M, S, nkv, hd] of selected pool rows [M, S] (invalid entries: zeros), staged through the arena."""
+        keys = torch.zeros(*rows.shape, *self.host_k.shape[1:], dtype=self.host_k.dtype, device=self.device)
+        values = torch.zeros_like(keys)
+        entries = valid.nonzero(as_tuple=True)
+        needed, inverse = torch.unique(rows[entries], return_inverse=True)
+        arena_rows, count = self.cache.num_slots, needed.numel()
+        for first in range(0, count, arena_rows):
+            section = needed[first : first + arena_rows]
+            self._gather(self.cache.keys, self.host_k, section)
+            self._gather(self.cache.values, self.host_v, section)
+            in_section = (inverse >= first) & (inverse < first + section.numel())
+            at = tuple(index[in_section] for index in entries)
+            keys[at] = self.cache.keys[inverse[in_section] - first]
+            values[at] = self.cache.values[inverse[in_section] - first]
+        self.cache.drop_slots(min(count, arena_rows))
+        return keys, values
 
 
 def _write_rows(pool: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> None:
     """Reference write (CPU): pool[rows] = values."""
     pool[rows.cpu()] = values.to(pool.device)
+
+
+def _gather_rows(out: torch.Tensor, pool: torch.Tensor, rows: torch.Tensor) -> None:
+    """Reference staging copy (CPU): out[:len(rows)] = pool[rows]."""
+    torch.index_select(pool, 0, rows.cpu(), out=out[: rows.numel()])

@@ -7,6 +7,7 @@ docstring for the shapes and the protocol of a step.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 EPOCH_SHIFT = 32  # a claim is epoch << 32 | row: rows below 2**32, epochs below 2**31 (a year at 60 steps/s)
 
@@ -47,8 +48,12 @@ class QSARowCache:
         self.epoch += 1
 
     def drop_all(self) -> None:
-        """Forget every slot (the arena was overwritten, e.g. by a staged prefill)."""
+        """Forget every slot (the arena was overwritten)."""
         self.tags.fill_(-1)
+
+    def drop_slots(self, count: int) -> None:
+        """Forget slots [0, count): a staged prefill overwrote the arena's first `count` rows."""
+        self.tags[:count].fill_(-1)
 
     def counters(self) -> tuple[int, int]:
         """(hits, misses) of valid entries since construction (waits for the device)."""
@@ -93,3 +98,34 @@ def read_rows(
     cache.values[target] = from_pool_v[write]
     cache.tags[target] = rows[write]
     return keys, values
+
+
+def attend_rows(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """q [M, nh, hd] over each query's own rows K, V [M, S, nkv, hd] where valid [M, S] -> [M, nh, hd]
+    (grouped-query: head h reads KV head h // (nh / nkv))."""
+    attn = F.scaled_dot_product_attention(
+        q.unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=valid[:, None, None, :],
+        scale=scale, enable_gqa=True,
+    )  # [M, nh, 1, hd]
+    return attn.squeeze(2)
+
+
+def decode_attention(
+    cache: QSARowCache,
+    host_keys: torch.Tensor,
+    host_values: torch.Tensor,
+    q: torch.Tensor,
+    rows: torch.Tensor,
+    valid: torch.Tensor,
+    hit: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """One decode query per request q [B, nh, hd] over its selected rows [B, S] -> [B, nh, hd].
+
+    Hits read their slot, the rest the pool, and winning misses fill the cache (`read_rows`). With
+    hit all False and a cache never planned this step, nothing is cached: the plain, all-host path.
+    """
+    keys, values = read_rows(cache, host_keys, host_values, rows, hit)
+    return attend_rows(q, keys, values, valid, scale)

@@ -9,8 +9,9 @@ min(budget/R, nb), and may attend to their tokens plus the open tail [nb*R, p].
 Storage (see `model_cache`): K/V rows paged by `slot_mapping`; a block's compressed key is written once,
 when its R-th token arrives; the raw keys of the still-open block wait in the request's ring slot.
 Attention reads only the selected rows: each query gathers its (budget + R - 1) K/V rows from the
-paged pool and attends to them, so prefill costs O(budget) per token, not O(context), and a host-memory
-K/V pool could serve the same reads. Prefill and mixed batches go request by request; decode-only
+paged pool and attends to them, so prefill costs O(budget) per token, not O(context); with K/V in host
+pools (`qsa_offload`) prefill stages the selected rows through a device arena and decode reads them over
+UVA through a VRAM row cache. Prefill and mixed batches go request by request; decode-only
 batches run all requests at once in a static-shape, sync-free form (what a CUDA graph captures). The
 plain reference (a dense boolean mask over the whole context) lives in the tests.
 """
@@ -20,9 +21,9 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from tierlm.kernels.qsa_row_cache import attend_rows
 from tierlm.model.forward_batch import ForwardBatch
 from tierlm.model.layers.norm import RMSNorm
 from tierlm.model.layers.packed_linear import PackedLinear
@@ -203,33 +204,24 @@ class QSAAttention(nn.Module):
             block_keys = gather_rows(state.index_keys, table, (ctx + end - start) // r, bs // r)
             scores = self.indexer.scores(index_q[start:end], block_keys, positions)
             token_pos, valid = self.indexer.choose(scores, positions)
-            if state.offload is not None:  # gather from the request's context staged on the device
-                staged_k, staged_v = state.offload.stage(table, ctx + end - start)
-                at = torch.where(valid, token_pos, 0)
-                keys, values = staged_k[at], staged_v[at]
-            else:
-                tables = torch.where(table < 0, state.scratch_block, table).expand(end - start, -1)
-                keys, values = self._gather(Selection.of(token_pos, valid, tables, state), state)
-            out[start:end] = self._attend(q[start:end], keys, values, valid)
+            tables = torch.where(table < 0, state.scratch_block, table).expand(end - start, -1)
+            keys, values = self._gather(Selection.of(token_pos, valid, tables, state), state)
+            out[start:end] = attend_rows(q[start:end], keys, values, valid, self.scale)
         return self.o_proj(out.reshape(n, -1) * torch.sigmoid(gate))
 
     def _gather(self, selection: Selection, state: LayerState) -> tuple[torch.Tensor, torch.Tensor]:
-        """K, V [M, S, nkv, hd] of the selected rows, from device pools or (offloaded) host pools."""
+        """K, V [M, S, nkv, hd] of the selected rows, from device pools or (offloaded) staged from host pools."""
         if state.offload is not None:
-            return state.offload.read_selected(selection.rows, selection.valid)
+            return state.offload.gather_prefill(selection.rows, selection.valid)
         keys = state.key_cache.view(-1, self.num_kv_heads, self.head_dim)[selection.rows]
         return keys, state.value_cache.view(-1, self.num_kv_heads, self.head_dim)[selection.rows]
-
-    def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        """q [M, nh, hd] over each query's rows K, V [M, S, nkv, hd] where valid [M, S] -> [M, nh, hd]."""
-        attn = F.scaled_dot_product_attention(
-            q.unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=valid[:, None, None, :],
-            scale=self.scale, enable_gqa=True,
-        )  # [M, nh, 1, hd]
-        return attn.squeeze(2)
 
     def _decode(self, q, gate, index_q, raw_keys, batch: ForwardBatch, state: LayerState, rotary) -> torch.Tensor:
         self.indexer.store_block_key_decode(raw_keys, batch, state, rotary, q.dtype)
         selection = self.indexer.select_decode(index_q, batch, state)
-        keys, values = self._gather(selection, state)
-        return self.o_proj(self._attend(q, keys, values, selection.valid).flatten(1) * torch.sigmoid(gate))
+        if state.offload is not None:  # rows read over UVA, through the row cache
+            out = state.offload.decode_attention(q, selection.rows, selection.valid, self.scale)
+        else:
+            keys, values = self._gather(selection, state)
+            out = attend_rows(q, keys, values, selection.valid, self.scale)
+        return self.o_proj(out.flatten(1) * torch.sigmoid(gate))
