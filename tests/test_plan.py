@@ -7,8 +7,12 @@ import logging
 import pytest
 
 from tierlm.cli import main
+from tierlm.config import ModelConfig
 from tierlm.demo_model import build_demo_model
-from tierlm.engine.llm_engine import EngineConfig, LLMEngine
+from tierlm.engine.llm_engine import EngineConfig, LLMEngine, engine_cache_plan
+from tierlm.memory import plan as plan_module
+from tierlm.memory.host_pool import DEFAULT_MARGIN_BYTES
+from tierlm.memory.plan import CapacityError, kv_block_bytes
 
 
 @pytest.fixture(scope="module")
@@ -21,6 +25,7 @@ SETTINGS = [
     dict(kv_cache_memory_bytes=3_000_000, max_model_len=1024, max_num_seqs=2),
     dict(kv_cache_memory_bytes=8_000_000, max_model_len=2048, enable_prefix_caching=False, block_size=32),
     dict(kv_cache_memory_bytes=5_000_000, max_model_len=512, max_num_seqs=3, max_state_checkpoints=1),
+    dict(kv_cache_memory_bytes=20_000_000, qsa_kv_offload=True, qsa_row_cache_rows=64),
 ]
 
 
@@ -30,23 +35,37 @@ def cli_args(settings: dict) -> list[str]:
         flag = "--" + key.replace("_", "-")
         if value is False:
             args.append("--no-" + key.replace("_", "-"))
+        elif value is True:
+            args.append(flag)
         else:
             args += [flag, str(value)]
     return args
 
 
 @pytest.mark.parametrize("settings", SETTINGS)
-def test_plan_prints_the_engine_startup_figures(demo_dir, settings, capsys, caplog):
+def test_plan_prints_the_engine_startup_figures(demo_dir, settings, capsys, caplog, monkeypatch):
+    # the plan prints the host RAM it counted on: the same figure for both (MemAvailable moves)
+    monkeypatch.setattr(plan_module, "available_ram_bytes", lambda: 8 << 30)
     assert main(["plan", str(demo_dir), *cli_args(settings)]) == 0
     printed = capsys.readouterr().out.splitlines()[1:]  # after the model line
     with caplog.at_level(logging.INFO, logger="tierlm"):
         engine = LLMEngine(EngineConfig(model=str(demo_dir), device="cpu", **settings))
     logged = [r.getMessage() for r in caplog.records if r.name == "tierlm"]
-    assert printed == logged == engine.cache_plan.lines()
+    assert printed == logged[: len(printed)] == engine.cache_plan.lines()  # then the host pools' lines
     plan = engine.cache_plan
     # the pools really have the planned sizes, within the budget
     assert engine.cache.num_blocks == plan.num_blocks and engine.cache.num_slots == plan.num_slots
     assert plan.used_bytes() <= plan.budget_bytes
+    assert plan.kv_offload == settings.get("qsa_kv_offload", False)  # auto is off on CPU
+    qsa = [state for state in engine.cache.layers if state.key_cache is not None]
+    assert qsa and all((state.offload is not None) == plan.kv_offload for state in qsa)
+    if plan.kv_offload:
+        assert sum(state.key_cache.nbytes + state.value_cache.nbytes for state in qsa) == plan.host_bytes()
+        assert plan.host_bytes() <= plan.host_available_bytes
+        caches = [state.offload.cache for state in qsa]
+        arena = sum(c.keys.nbytes + c.values.nbytes + c.tags.nbytes + c.hitmark.nbytes + c.claims.nbytes
+                    for c in caches)
+        assert arena == plan.arena_bytes
     if settings.get("enable_prefix_caching", True):
         assert plan.num_checkpoints == settings.get("max_state_checkpoints", 2 * settings.get("max_num_seqs", 4))
     else:
@@ -56,3 +75,68 @@ def test_plan_prints_the_engine_startup_figures(demo_dir, settings, capsys, capl
 def test_plan_rejects_a_budget_too_small(demo_dir, capsys):
     assert main(["plan", str(demo_dir), "--kv-cache-memory-bytes", "1000"]) == 2
     assert "raise --kv-cache-memory-bytes" in capsys.readouterr().err
+
+
+# ---- where the QSA K/V go: auto, explicit, and the host RAM that bounds them -------------------------
+
+SMALL = dict(kv_cache_memory_bytes=12_000_000, qsa_row_cache_rows=1024)  # the device alone: 2.41 of 4 requests
+LARGE = dict(kv_cache_memory_bytes=20_000_000, qsa_row_cache_rows=1024)  # the device alone: all 4
+
+
+def plan_for(demo_dir, device, host_memory_bytes=64 << 30, **settings):
+    """The engine's plan on `device`; a given budget queries no device, so "cuda" plans without a GPU."""
+    config = ModelConfig.from_pretrained(demo_dir)
+    return engine_cache_plan(EngineConfig(model="m", **settings), config, "float32", device, 0, host_memory_bytes)
+
+
+def host_blocks(demo_dir, blocks):
+    """Host RAM (before the margin) for `blocks` blocks of K/V and the scratch block."""
+    return DEFAULT_MARGIN_BYTES + (blocks + 1) * kv_block_bytes(ModelConfig.from_pretrained(demo_dir), "float32", 16)
+
+
+def test_auto_offloads_on_cuda_when_the_device_alone_is_short(demo_dir):
+    on_device = plan_for(demo_dir, "cuda", **SMALL, qsa_kv_offload=False)
+    assert on_device.requests_at_max_len < on_device.max_num_seqs
+    plan = plan_for(demo_dir, "cuda", **SMALL)
+    assert plan.kv_offload and plan.kv_placement.startswith("auto: the device alone holds 2.41 of")
+    assert plan.num_blocks > on_device.num_blocks and plan.requests_at_max_len == plan.max_num_seqs
+    assert plan.used_bytes() <= plan.budget_bytes and plan.arena_bytes == 1024 * (2 * 2 * 32 * 4 + 3 * 8)
+    line = "  QSA K/V: in host RAM (auto: the device alone holds 2.41 of max_num_seqs 4 requests of max_model_len)"
+    assert line in plan.lines()
+    assert not plan_for(demo_dir, "cuda", **LARGE).kv_offload
+    tight = dict(kv_cache_memory_bytes=1_500_000, max_model_len=1024, qsa_row_cache_rows=64)
+    with pytest.raises(CapacityError):
+        plan_for(demo_dir, "cuda:1", **tight, qsa_kv_offload=False)
+    plan = plan_for(demo_dir, "cuda:1", **tight)
+    assert plan.kv_offload and plan.kv_placement == "auto: the device alone cannot hold one request of max_model_len"
+
+
+def test_auto_stays_on_the_device_on_cpu_or_when_offloading_holds_no_more(demo_dir):
+    plan = plan_for(demo_dir, "cpu", **SMALL)
+    assert not plan.kv_offload and plan.kv_placement == "auto: off on cpu"
+    assert "  QSA K/V: on the device (auto: off on cpu)" in plan.lines()
+    no_more = plan_for(demo_dir, "cuda", host_blocks(demo_dir, 600), **SMALL)
+    assert not no_more.kv_offload and no_more.kv_placement.endswith("offloaded they would hold no more")
+    assert no_more.num_blocks == plan.num_blocks
+
+
+def test_explicit_placement_wins(demo_dir):
+    assert not plan_for(demo_dir, "cuda", **SMALL, qsa_kv_offload=False).kv_offload
+    for device in ("cuda", "cpu"):
+        plan = plan_for(demo_dir, device, **LARGE, qsa_kv_offload=True)
+        assert plan.kv_offload and plan.kv_placement == "--qsa-kv-offload"
+
+
+def test_host_ram_bounds_the_offloaded_blocks(demo_dir):
+    plan = plan_for(demo_dir, "cuda", host_blocks(demo_dir, 600), **SMALL, qsa_kv_offload=True)
+    assert plan.num_blocks == 600 and plan.host_bytes() == plan.host_available_bytes
+    assert plan.host_source.startswith("--host-memory-bytes")
+    with pytest.raises(CapacityError, match="host RAM for the QSA K/V: .* needs 512 blocks"):
+        plan_for(demo_dir, "cuda", host_blocks(demo_dir, 100), **SMALL, qsa_kv_offload=True)
+
+
+def test_plan_rejects_host_ram_too_small(demo_dir, capsys):
+    argv = ["plan", str(demo_dir), "--kv-cache-memory-bytes", "20000000", "--qsa-kv-offload",
+            "--host-memory-bytes", "1000"]
+    assert main(argv) == 2
+    assert "host RAM for the QSA K/V" in capsys.readouterr().err

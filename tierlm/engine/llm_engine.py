@@ -21,9 +21,10 @@ from tierlm.engine.cache_manager import CacheManager
 from tierlm.engine.model_runner import ModelRunner
 from tierlm.engine.request import Request, RequestStatus
 from tierlm.engine.sampler import Sampler
+from tierlm.memory.host_pool import DEFAULT_MARGIN_BYTES
 from tierlm.memory.ngram_prefetch import PrefetchWorker
 from tierlm.memory.ngram_store import NgramStore, find_table_dir
-from tierlm.memory.plan import CachePlan, cache_budget, plan_cache
+from tierlm.memory.plan import CachePlan, cache_budget, host_budget, plan_cache
 from tierlm.engine.scheduler import RequestListener, Scheduler
 from tierlm.model.static_decode import StaticDecodeRunner
 from tierlm.model.loader import load_model, resolve_model_path
@@ -35,16 +36,26 @@ from tierlm.tokenizer import Tokenizer
 logger = logging.getLogger("tierlm")
 
 
-def engine_cache_plan(config: EngineConfig, model_config, dtype: str, device: str, weights_bytes: int) -> CachePlan:
-    """The cache plan for these settings: the engine sizes its pools from it, `tierlm plan` prints it."""
+def engine_cache_plan(
+    config: EngineConfig, model_config, dtype: str, device: str, weights_bytes: int,
+    host_memory_bytes: int | None = None,
+) -> CachePlan:
+    """The cache plan for these settings: the engine sizes its pools from it, `tierlm plan` prints it.
+
+    host_memory_bytes: the host RAM to plan the offloaded QSA K/V with, instead of this machine's
+    MemAvailable (the engine leaves it unset: `allocate_pools` checks MemAvailable anyway).
+    """
     max_model_len = config.max_model_len or model_config.max_position_embeddings
     budget, source = cache_budget(config.kv_cache_memory_bytes, config.gpu_memory_utilization, device, weights_bytes)
+    host, host_source = host_budget(host_memory_bytes, DEFAULT_MARGIN_BYTES)
     checkpoints = 0
     if config.enable_prefix_caching and model_config.has_qsa:
         checkpoints = 2 * config.max_num_seqs if config.max_state_checkpoints is None else config.max_state_checkpoints
     return plan_cache(
         model_config, dtype, block_size=config.block_size, max_model_len=max_model_len,
         max_num_seqs=config.max_num_seqs, budget_bytes=budget, budget_source=source, num_checkpoints=checkpoints,
+        kv_offload=config.qsa_kv_offload, device_type=torch.device(device).type,
+        arena_rows=config.qsa_row_cache_rows, host_available_bytes=host, host_source=host_source,
     )
 
 
@@ -85,9 +96,11 @@ class EngineConfig:
     seed: int = 0
     ple_table: str | None = None  # folder of `tierlm ple export`; default: <model>/ple_tables if present
     ple_prefetch: bool = True  # admission-time prefetch of the tables' pages (TIERLM_NO_PLE_PREFETCH=1: off)
-    qsa_kv_offload: bool = False  # QSA K/V in exact-size (pinned) host pools, read over UVA at decode
+    # QSA K/V in exact-size (pinned) host pools, read over UVA at decode; None: auto, on CUDA when the
+    # budget cannot hold max_num_seqs requests of max_model_len on the device (see memory/plan.py)
+    qsa_kv_offload: bool | None = None
     qsa_row_cache: bool = True  # with offload: keep recently read rows in VRAM (bit-identical)
-    qsa_row_cache_rows: int = 16384  # row-cache slots per QSA layer
+    qsa_row_cache_rows: int = 16384  # with offload: rows of each QSA layer's VRAM arena (prefill staging, row cache)
     enforce_eager: bool = False  # True: no CUDA graphs (nor compilation) for decode steps
     compile_decode: bool = False  # on CPU, torch.compile the decode step (slow start, ~2x faster steps)
 
@@ -139,12 +152,11 @@ class LLMEngine:
             logger.info(line)
         plan = self.cache_plan
         self.cache = ModelCache(
-            mc, plan.num_slots, plan.num_blocks, plan.block_size, dtype, device, kv_offload=config.qsa_kv_offload,
-            row_cache_rows=config.qsa_row_cache_rows if config.qsa_row_cache else 0,
-            staging_rows=math.ceil(self.max_model_len / plan.block_size) * plan.block_size,
+            mc, plan.num_slots, plan.num_blocks, plan.block_size, dtype, device, kv_offload=plan.kv_offload,
+            arena_rows=config.qsa_row_cache_rows, row_cache=config.qsa_row_cache,
         )
-        if config.qsa_kv_offload:
-            logger.info("QSA K/V in host pools (%s)", "row cache of %d rows per layer" % config.qsa_row_cache_rows
+        if plan.kv_offload:
+            logger.info("QSA K/V in host pools (%s)", f"row cache of {plan.arena_rows:,} rows per layer"
                         if config.qsa_row_cache else "no row cache")
         self.cache_manager = CacheManager(
             self.cache, config.max_num_seqs, plan.num_checkpoints, config.enable_prefix_caching

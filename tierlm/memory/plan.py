@@ -10,12 +10,17 @@ Where the bytes go (per layer type):
 - linear_attention (GDN): per request the conv window (Kc-1 inputs) and the fp32 recurrent state.
 - PLE: per request the dilated conv history ((Kp-1) * ngram_size values) and ngram_size-1 token ids.
 A state slot holds one request's recurrent state for every layer; prefix-cache checkpoints are slots too.
+
+With QSA K/V offloaded (--qsa-kv-offload, or auto on CUDA when the device alone is short) a block's K/V
+rows go to host RAM and only its indexer keys stay on the device, which also holds each QSA layer's
+arena (prefill staging and decode row cache); the number of blocks is then bounded by both memories.
 """
 
 from __future__ import annotations
 
+import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from tierlm.config import ModelConfig
 
@@ -69,14 +74,27 @@ def slot_bytes(config: ModelConfig, dtype: str) -> int:
     return total + (8 * (config.ngram_size - 1) if config.ple_layer_ids else 0)
 
 
-def block_bytes(config: ModelConfig, dtype: str, block_size: int) -> int:
-    """One block of block_size tokens over all QSA layers."""
+def kv_block_bytes(config: ModelConfig, dtype: str, block_size: int) -> int:
+    """One block's K and V rows over all QSA layers (what offload moves to host RAM)."""
     if not config.has_qsa:
         return 0
-    item = ITEM_BYTES[dtype]
-    per_layer = block_size * 2 * config.num_key_value_heads * config.head_dim * item
-    per_layer += block_size // config.indexer_compress_ratio * config.indexer_head_dim * item
+    per_layer = block_size * 2 * config.num_key_value_heads * config.head_dim * ITEM_BYTES[dtype]
     return config.layer_types.count("indexed_attention") * per_layer
+
+
+def index_block_bytes(config: ModelConfig, dtype: str, block_size: int) -> int:
+    """One block's compressed indexer keys over all QSA layers (on the device, offloaded or not)."""
+    if not config.has_qsa:
+        return 0
+    per_layer = block_size // config.indexer_compress_ratio * config.indexer_head_dim * ITEM_BYTES[dtype]
+    return config.layer_types.count("indexed_attention") * per_layer
+
+
+def arena_bytes(config: ModelConfig, dtype: str, arena_rows: int) -> int:
+    """The device arenas of offloaded QSA layers: per layer arena_rows K rows and as many V rows, and the
+    row cache's tag, hit mark and claim (int64 each) per row."""
+    row = config.num_key_value_heads * config.head_dim * ITEM_BYTES[dtype]
+    return config.layer_types.count("indexed_attention") * arena_rows * (2 * row + 3 * 8)
 
 
 def aligned_block_size(config: ModelConfig, block_size: int) -> int:
@@ -96,9 +114,16 @@ class CachePlan:
     max_num_seqs: int
     num_blocks: int
     num_checkpoints: int
-    block_bytes: int
+    block_bytes: int  # per block on the device: K/V and indexer keys, or with offload the indexer keys alone
     slot_bytes: int
     layers: tuple[LayerBytes, ...]
+    kv_offload: bool  # QSA K/V in host pools
+    kv_placement: str  # why the K/V are where they are: the flag, or what auto saw
+    host_block_bytes: int  # per block in host RAM (0 without offload)
+    host_available_bytes: int  # what the host pools may take (the safety margin already taken off)
+    host_source: str
+    arena_rows: int  # per QSA layer, K and V each, with offload
+    arena_bytes: int  # all QSA layers' arenas, on the device (0 without offload)
 
     @property
     def num_slots(self) -> int:
@@ -110,6 +135,10 @@ class CachePlan:
         return self.num_blocks * self.block_size
 
     @property
+    def qsa_layers(self) -> int:
+        return sum(lb.layers for lb in self.layers if lb.layer_type == "indexed_attention")
+
+    @property
     def requests_at_max_len(self) -> float:
         """Requests of max_model_len that fit at once (blocks and running slots both limit it)."""
         if not self.block_bytes:
@@ -117,7 +146,12 @@ class CachePlan:
         return min(self.tokens / self.max_model_len, float(self.max_num_seqs))
 
     def used_bytes(self) -> int:
-        return (self.num_blocks + 1) * self.block_bytes + (self.num_slots + 1) * self.slot_bytes
+        """Device bytes: blocks and slots (each with its scratch one), and the arenas."""
+        return (self.num_blocks + 1) * self.block_bytes + (self.num_slots + 1) * self.slot_bytes + self.arena_bytes
+
+    def host_bytes(self) -> int:
+        """Host RAM of the K/V pools (the scratch block included)."""
+        return (self.num_blocks + 1) * self.host_block_bytes
 
     def lines(self) -> list[str]:
         out = [f"cache budget: {self.budget_bytes:,} B ({self.budget_source}), dtype {self.dtype}"]
@@ -125,16 +159,32 @@ class CachePlan:
             unit = f"{lb.per_token:,.0f} B/token" if lb.per_token else f"{lb.per_request:,} B/request"
             out.append(f"  {lb.layer_type} x{lb.layers}: {unit} per layer ({lb.detail})")
         if self.block_bytes:
-            out.append(f"  QSA blocks: {self.num_blocks:,} x {self.block_size} tokens = {self.tokens:,} tokens "
-                       f"({self.block_bytes:,} B/block)")
+            out += self._qsa_lines()
         out.append(f"  state slots: {self.max_num_seqs} running + {self.num_checkpoints} prefix-cache checkpoints "
                    f"(+1 scratch), {self.slot_bytes:,} B each")
         share = self.num_checkpoints * self.slot_bytes / self.budget_bytes if self.budget_bytes else 0.0
         out.append(f"  checkpoint cost: {self.num_checkpoints} x {self.slot_bytes:,} B = "
                    f"{self.num_checkpoints * self.slot_bytes:,} B ({share:.1%} of the budget)")
         out.append(f"  capacity: {self.requests_at_max_len:.2f} requests of max_model_len {self.max_model_len:,} "
-                   f"at once (max_num_seqs {self.max_num_seqs}); {self.used_bytes():,} B allocated")
+                   f"at once (max_num_seqs {self.max_num_seqs}); {self.used_bytes():,} B allocated"
+                   + (" on the device" if self.kv_offload else ""))
         return out
+
+    def _qsa_lines(self) -> list[str]:
+        blocks = f"  QSA blocks: {self.num_blocks:,} x {self.block_size} tokens = {self.tokens:,} tokens"
+        if not self.kv_offload:
+            return [f"  QSA K/V: on the device ({self.kv_placement})", f"{blocks} ({self.block_bytes:,} B/block)"]
+        host = (f"  host RAM: {self.num_blocks + 1:,} blocks (1 scratch) x {self.host_block_bytes:,} B = "
+                f"{self.host_bytes():,} B of K/V pools, of {self.host_available_bytes:,} B available "
+                f"({self.host_source})")
+        arenas = (f"  QSA arenas: {self.arena_rows:,} rows (K and V) per layer x {self.qsa_layers} = "
+                  f"{self.arena_bytes:,} B on the device (prefill staging, decode row cache)")
+        return [
+            f"  QSA K/V: in host RAM ({self.kv_placement})",
+            f"{blocks} ({self.block_bytes:,} B/block on the device + {self.host_block_bytes:,} B/block in host RAM)",
+            host,
+            arenas,
+        ]
 
 
 def plan_cache(
@@ -147,38 +197,103 @@ def plan_cache(
     budget_bytes: int,
     budget_source: str,
     num_checkpoints: int,
+    kv_offload: bool | None,
+    device_type: str,
+    arena_rows: int,
+    host_available_bytes: int,
+    host_source: str,
 ) -> CachePlan:
     """Split the budget: slots for running requests and checkpoints first, the rest into blocks.
 
     Blocks are capped at twice what max_num_seqs requests of max_model_len can use (the second half
     serves the prefix cache), so a large budget is not spent on blocks nothing can reach.
+
+    kv_offload None (auto) offloads the QSA K/V only on CUDA (on CPU host RAM is the device memory),
+    and only when the device alone holds fewer than max_num_seqs requests of max_model_len and the
+    offloaded plan holds more blocks: auto never plans less than the device alone would.
     """
-    block_size = aligned_block_size(config, block_size)
-    one_block, one_slot = block_bytes(config, dtype, block_size), slot_bytes(config, dtype)
+    split = functools.partial(
+        _split, config, dtype, block_size=aligned_block_size(config, block_size), max_model_len=max_model_len,
+        max_num_seqs=max_num_seqs, budget_bytes=budget_bytes, budget_source=budget_source,
+        num_checkpoints=num_checkpoints, arena_rows=arena_rows, host_available_bytes=host_available_bytes,
+        host_source=host_source,
+    )
+    if kv_offload is not None:
+        return split(kv_offload, "--qsa-kv-offload" if kv_offload else "--no-qsa-kv-offload")
+    if device_type != "cuda":
+        return split(False, f"auto: off on {device_type}")
+    try:
+        on_device = split(False, f"auto: the device holds max_num_seqs {max_num_seqs} requests of max_model_len")
+    except CapacityError:
+        return split(True, "auto: the device alone cannot hold one request of max_model_len")
+    if on_device.requests_at_max_len >= max_num_seqs:
+        return on_device
+    short = (f"auto: the device alone holds {on_device.requests_at_max_len:.2f} of max_num_seqs {max_num_seqs} "
+             "requests of max_model_len")
+    try:
+        offloaded = split(True, short)
+    except CapacityError:
+        return replace(on_device, kv_placement=f"{short}; offloaded they would not fit")
+    if offloaded.num_blocks <= on_device.num_blocks:
+        return replace(on_device, kv_placement=f"{short}; offloaded they would hold no more")
+    return offloaded
+
+
+def _split(
+    config: ModelConfig,
+    dtype: str,
+    kv_offload: bool,
+    kv_placement: str,
+    *,
+    block_size: int,
+    max_model_len: int,
+    max_num_seqs: int,
+    budget_bytes: int,
+    budget_source: str,
+    num_checkpoints: int,
+    arena_rows: int,
+    host_available_bytes: int,
+    host_source: str,
+) -> CachePlan:
+    """The plan for one placement of the QSA K/V; CapacityError when one request does not fit."""
+    kv_offload = kv_offload and config.has_qsa
+    kv_block, index_block = kv_block_bytes(config, dtype, block_size), index_block_bytes(config, dtype, block_size)
+    one_block, host_block = (index_block, kv_block) if kv_offload else (kv_block + index_block, 0)
+    arenas = arena_bytes(config, dtype, arena_rows) if kv_offload else 0
+    one_slot = slot_bytes(config, dtype)
     per_request_blocks = math.ceil(max_model_len / block_size)
-    slots_bytes = (max_num_seqs + num_checkpoints + 1) * one_slot
+    num_slots = max_num_seqs + num_checkpoints + 1
+    held = f"{num_slots} state slots of {one_slot:,} B" + (f" and QSA arenas of {arenas:,} B" if arenas else "")
+    free = budget_bytes - num_slots * one_slot - arenas
     if one_block:
-        fit = (budget_bytes - slots_bytes) // one_block - 1  # one scratch block
-        num_blocks = min(fit, 2 * max_num_seqs * per_request_blocks)
-        if num_blocks < per_request_blocks:
+        fit = free // one_block - 1  # one scratch block
+        host_fit = host_available_bytes // host_block - 1 if host_block else fit
+        num_blocks = min(fit, host_fit, 2 * max_num_seqs * per_request_blocks)
+        if fit < per_request_blocks:
             raise CapacityError(
                 f"the cache budget of {budget_bytes:,} B ({budget_source}) holds {max(fit, 0):,} blocks of "
-                f"{block_size} tokens after {max_num_seqs + num_checkpoints + 1} state slots of {one_slot:,} B, "
-                f"but one request of max_model_len {max_model_len:,} needs {per_request_blocks:,} blocks "
-                f"({one_block:,} B each); raise --kv-cache-memory-bytes or lower --max-model-len / --max-num-seqs"
+                f"{block_size} tokens after {held}, but one request of max_model_len {max_model_len:,} needs "
+                f"{per_request_blocks:,} blocks ({one_block:,} B each); raise --kv-cache-memory-bytes or lower "
+                "--max-model-len / --max-num-seqs" + (" / --qsa-row-cache-rows" if arenas else "")
+            )
+        if host_fit < per_request_blocks:
+            raise CapacityError(
+                f"host RAM for the QSA K/V: {host_available_bytes:,} B available ({host_source}) holds "
+                f"{max(host_fit, 0):,} blocks of {block_size} tokens (+1 scratch), but one request of max_model_len "
+                f"{max_model_len:,} needs {per_request_blocks:,} blocks of {host_block:,} B = "
+                f"{per_request_blocks * host_block:,} B; free host memory or lower --max-model-len"
             )
     else:
         num_blocks = 0
-        if slots_bytes > budget_bytes:
-            raise CapacityError(
-                f"the cache budget of {budget_bytes:,} B ({budget_source}) cannot hold "
-                f"{max_num_seqs + num_checkpoints + 1} state slots of {one_slot:,} B"
-            )
+        if free < 0:
+            raise CapacityError(f"the cache budget of {budget_bytes:,} B ({budget_source}) cannot hold {held}")
     return CachePlan(
         dtype=dtype, block_size=block_size, budget_bytes=budget_bytes, budget_source=budget_source,
         max_model_len=max_model_len, max_num_seqs=max_num_seqs, num_blocks=num_blocks,
         num_checkpoints=num_checkpoints, block_bytes=one_block, slot_bytes=one_slot,
-        layers=tuple(layer_bytes(config, dtype)),
+        layers=tuple(layer_bytes(config, dtype)), kv_offload=kv_offload, kv_placement=kv_placement,
+        host_block_bytes=host_block, host_available_bytes=host_available_bytes, host_source=host_source,
+        arena_rows=arena_rows if kv_offload else 0, arena_bytes=arenas,
     )
 
 
@@ -217,3 +332,18 @@ def cache_budget(
     fraction = gpu_memory_utilization or DEFAULT_CPU_MEMORY_FRACTION
     available = available_ram_bytes() - weights_bytes
     return int(fraction * available), f"{fraction} of {available:,} B available RAM"
+
+
+def host_budget(host_memory_bytes: int | None, margin_bytes: int) -> tuple[int, str]:
+    """(bytes the QSA K/V host pools may take, where it came from): host RAM less a safety margin.
+
+    host_memory_bytes stands in for this machine's MemAvailable (to plan another machine). On CPU the
+    weights, the cache budget and the host pools all come out of RAM; the pools are checked against
+    MemAvailable alone, as `host_pool.allocate_pools` checks them at start-up, before the cache's other
+    tensors exist.
+    """
+    available, source = (
+        (available_ram_bytes(), "MemAvailable") if host_memory_bytes is None
+        else (host_memory_bytes, "--host-memory-bytes")
+    )
+    return available - margin_bytes, f"{source} {available:,} B less a {margin_bytes:,} B margin"

@@ -23,6 +23,7 @@ ENGINE_FLAGS = (
     "dtype", "device", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "seed", "enforce_eager",
     "enable_prefix_caching", "kv_cache_memory_bytes", "gpu_memory_utilization", "compile_decode",
     "max_state_checkpoints", "ple_table", "ple_prefetch", "qsa_kv_offload", "qsa_row_cache",
+    "qsa_row_cache_rows",
 )
 
 
@@ -58,10 +59,13 @@ def add_parser(subparsers) -> None:
                         help="folder of `tierlm ple export`: serve PLE rows from memory-mapped files")
     engine.add_argument("--ple-prefetch", action=argparse.BooleanOptionalAction, default=None,
                         help="admission-time prefetch of the mapped tables' pages (default on)")
-    engine.add_argument("--qsa-kv-offload", action="store_true", default=None,
-                        help="QSA K/V in exact-size pinned host pools, read over UVA at decode")
+    engine.add_argument("--qsa-kv-offload", action=argparse.BooleanOptionalAction, default=None,
+                        help="QSA K/V in exact-size pinned host pools, read over UVA at decode (default: "
+                        "auto, on CUDA when the budget cannot hold max-num-seqs requests of max-model-len)")
     engine.add_argument("--qsa-row-cache", action=argparse.BooleanOptionalAction, default=None,
                         help="with --qsa-kv-offload: cache recently read rows in VRAM (default on)")
+    engine.add_argument("--qsa-row-cache-rows", type=int, default=None,
+                        help="with --qsa-kv-offload: rows of each QSA layer's VRAM arena (default 16384)")
     engine.add_argument("--cpu-threads", type=int, default=None,
                         help="torch threads on CPU (default: cores - 1, leaving one to the HTTP side)")
     engine.add_argument("--gpu-memory-utilization", type=float, default=None,

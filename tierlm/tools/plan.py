@@ -3,7 +3,9 @@
 Prints exactly the lines the engine logs at start-up for the same settings (both call
 `engine_cache_plan`), without loading weights: blocks, tokens, requests of max_model_len that fit,
 bytes per token and per request of each layer type, and the prefix-cache checkpoint cost. With a
---gpu-memory-utilization budget the weights are estimated from the checkpoint layout.
+--gpu-memory-utilization budget the weights are estimated from the checkpoint layout. `--device cuda`
+with --kv-cache-memory-bytes needs no GPU, and --host-memory-bytes stands in for this machine's
+MemAvailable, so a deployment machine (QSA K/V offloaded or not) can be planned from another one.
 """
 
 from __future__ import annotations
@@ -25,6 +27,12 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--gpu-memory-utilization", type=float, default=None)
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--max-state-checkpoints", type=int, default=None)
+    parser.add_argument("--qsa-kv-offload", action=argparse.BooleanOptionalAction, default=None,
+                        help="QSA K/V in host RAM (default: auto, as the engine decides)")
+    parser.add_argument("--qsa-row-cache-rows", type=int, default=16384,
+                        help="with offload: rows of each QSA layer's device arena")
+    parser.add_argument("--host-memory-bytes", type=int, default=None,
+                        help="host RAM to plan with instead of this machine's MemAvailable")
     parser.set_defaults(func=run)
 
 
@@ -42,11 +50,12 @@ def run(args: argparse.Namespace) -> int:
             model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
             block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
             max_state_checkpoints=args.max_state_checkpoints, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-            gpu_memory_utilization=args.gpu_memory_utilization,
+            gpu_memory_utilization=args.gpu_memory_utilization, qsa_kv_offload=args.qsa_kv_offload,
+            qsa_row_cache_rows=args.qsa_row_cache_rows,
         )
         weights = sum(_numel(spec.shape) * (8 if spec.kind == "int64" else ITEM_BYTES[dtype])
                       for spec in checkpoint_layout(config))
-        plan = engine_cache_plan(settings, config, dtype, args.device, weights)
+        plan = engine_cache_plan(settings, config, dtype, args.device, weights, args.host_memory_bytes)
     except (ConfigError, CapacityError, ModelNotFoundError, ValueError) as exc:
         raise CliError(str(exc)) from None
     print(f"model: {args.model} ({weights:,} B of weights in {dtype})")
