@@ -1,10 +1,11 @@
 """QSA decode attention over rows in a pinned host pool (UVA): all from host vs the VRAM row cache (GPU).
 
 At the target model's QSA shapes (24 query heads over 2 KV heads, head_dim 256, bf16: 2 KiB of K+V per
-row, budget 2048 + tail per step) it times, per layer and step, the decode attention kernel
+row, budget 2048 + tail per step) it times, per layer and step, what a decode step runs there: the store of the new token's row, then the
+decode attention
   - reading every selected row from host (the cache never planned: every row crosses PCIe), and
-  - through the row cache (invalidate + plan + attention), where consecutive steps share 0%, 72% or
-    100% of their rows,
+  - through the row cache (store + plan + attention), where consecutive steps share 0%, 72% or 100% of
+    their rows,
 each step replayed from a CUDA graph (as a captured decode step runs). It checks that the cached output
 equals the all-from-host output bit for bit, and reports the pinned pool's requested vs resident bytes
 (exact, not rounded up to a power of two).
@@ -19,7 +20,7 @@ import argparse
 import torch
 
 from tierlm.kernels.qsa_row_cache import QSARowCache
-from tierlm.kernels.qsa_row_cache.triton import triton_decode_attention, triton_invalidate, triton_plan_rows
+from tierlm.kernels.qsa_row_cache.triton import triton_decode_attention, triton_plan_rows, triton_store_rows
 from tierlm.memory.host_pool import HostPool
 
 
@@ -65,7 +66,7 @@ def main() -> None:
     parser.add_argument("--selected", type=int, default=2048 + 3, help="rows read per step (budget + tail)")
     parser.add_argument("--cache-rows", type=int, default=16_384, help="VRAM row-cache slots")
     parser.add_argument("--heads", type=int, default=24, help="query heads (over 2 KV heads of 256)")
-    parser.add_argument("--steps", type=int, default=220)
+    parser.add_argument("--steps", type=int, default=520)
     args = parser.parse_args()
     device = torch.device("cuda")
     shape = (args.context, 2, 256)
@@ -81,9 +82,13 @@ def main() -> None:
     valid = torch.ones(1, args.selected, dtype=torch.bool, device=device)
     never_planned = QSARowCache(*(torch.zeros(1, 2, 256, dtype=torch.bfloat16, device=device) for _ in range(2)))
     all_miss = torch.zeros(1, args.selected, dtype=torch.bool, device=device)
+    # the step's new token: one row rewritten (with what it held, so that every step reads the same pool)
+    written = torch.zeros(1, dtype=torch.int64, device=device)
+    new_k, new_v = (pool.tensor[:1].to(device) for pool in (pool_k, pool_v))
 
     def from_host(rows: torch.Tensor):
         # claims stay -1 in a cache never planned: no write happens, every row is read from the pool
+        triton_store_rows(never_planned, pool_k.tensor, pool_v.tensor, written, new_k, new_v)
         return triton_decode_attention(never_planned, pool_k.tensor, pool_v.tensor, q, rows, valid, all_miss, scale)
 
     print(f"{'overlap':>8}{'all from host (us)':>20}{'row cache (us)':>16}{'ratio':>8}{'hit rate':>10}{'exact':>7}")
@@ -91,10 +96,9 @@ def main() -> None:
         steps = [s.view(1, -1).to(device) for s in selections(args.steps, args.context, args.selected, overlap, 1)]
         arena = [torch.zeros(args.cache_rows, 2, 256, dtype=torch.bfloat16, device=device) for _ in range(2)]
         cache = QSARowCache(*arena)
-        written = torch.zeros(1, dtype=torch.int64, device=device)  # the step's new token: one row rewritten
 
-        def cached(rows: torch.Tensor):
-            triton_invalidate(cache, written)
+        def cached(rows: torch.Tensor, cache=cache):
+            triton_store_rows(cache, pool_k.tensor, pool_v.tensor, written, new_k, new_v)
             hit = triton_plan_rows(cache, rows, valid)
             return triton_decode_attention(cache, pool_k.tensor, pool_v.tensor, q, rows, valid, hit, scale)
 

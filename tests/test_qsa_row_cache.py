@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tierlm.kernels.qsa_row_cache import QSARowCache, attend_rows, decode_attention, plan_rows, read_rows
+from tierlm.kernels.qsa_row_cache import QSARowCache, attend_rows, decode_attention, plan_rows, read_rows, store_rows
 from tierlm.memory.host_pool import HostPool
 
 NKV, HD, BLOCK_SIZE, NUM_BLOCKS = 2, 8, 16, 32
@@ -132,18 +132,19 @@ def test_collisions_hits_keep_their_slot_and_the_highest_claim_wins():
     assert (cache.tags == -1).all()
 
 
-def compare_triton_with_reference(steps: int, dtype: torch.dtype) -> None:
+def compare_triton_with_reference(steps: int, dtype: torch.dtype, split: int) -> None:
     """The Triton kernels and the reference, in lockstep on one workload: the same cache state after
     every step, attention outputs equal up to summation order, and the kernel's output through the cache
     equal bit for bit to its output with every row read from the pool.
 
     On CUDA the kernels run compiled and read the pool from registered host memory over UVA; without a
     GPU, Triton's interpreter runs them (TRITON_INTERPRET=1, set before triton is first imported).
-    Splits of 8 entries: each request's 24 entries take 3 programs, some with no valid entry.
+    split: entries per program (8: each request's 24 entries take 3 programs per KV head, some with no
+    valid entry; 1: 24 splits, merged 8 at a time).
     """
     import tierlm.kernels.qsa_row_cache.triton as kernels
 
-    kernels.DECODE_SPLIT, kernels.DECODE_BLOCK_N = 8, 16
+    kernels.DECODE_SPLIT, kernels.DECODE_BLOCK_N, kernels.MERGE_CHUNK = split, 16, 8
     device = "cuda" if torch.cuda.is_available() else "cpu"
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     work = Workload(seed=2, dtype=dtype)
@@ -162,10 +163,12 @@ def compare_triton_with_reference(steps: int, dtype: torch.dtype) -> None:
         q = work.query()
         pools[0].tensor.copy_(work.host_k)
         pools[1].tensor.copy_(work.host_v)
-        reference.invalidate(written)
+        new_k, new_v = work.host_k[written], work.host_v[written]  # what the step wrote (the pools hold it)
+        store_rows(reference, work.host_k, work.host_v, written, new_k, new_v)
         hit = plan_rows(reference, rows, valid)
         expected = decode_attention(reference, work.host_k, work.host_v, q, rows, valid, hit, SCALE)
-        kernels.triton_invalidate(kernel, written.to(device))
+        kernels.triton_store_rows(kernel, pools[0].tensor, pools[1].tensor, written.to(device), new_k.to(device),
+                                  new_v.to(device))
         hit = kernels.triton_plan_rows(kernel, rows.to(device), valid.to(device))
         out = kernels.triton_decode_attention(kernel, pools[0].tensor, pools[1].tensor, q.to(device), rows.to(device),
                                               valid.to(device), hit, SCALE)
@@ -183,37 +186,47 @@ def compare_triton_with_reference(steps: int, dtype: torch.dtype) -> None:
 
 
 def compare_row_moves(device: str) -> None:
-    """Writing rows into a pool and gathering them out (prefill staging), kernels vs torch indexing."""
-    from tierlm.kernels.qsa_row_cache.triton import triton_gather_rows, triton_write_rows
+    """Storing new rows into the pools (their slots emptied) and gathering rows out (prefill staging):
+    the kernels vs the reference."""
+    from tierlm.kernels.qsa_row_cache.triton import triton_gather_rows, triton_store_rows
 
     gen = torch.Generator().manual_seed(3)
-    pool = HostPool((64, NKV, HD), torch.bfloat16, pin=device == "cuda")
-    pool.tensor.copy_(torch.randn(64, NKV, HD, generator=gen).to(torch.bfloat16))
-    expected = pool.tensor.clone()
+    pools = [HostPool((64, NKV, HD), torch.bfloat16, pin=device == "cuda") for _ in range(2)]
+    expected = [torch.randn(64, NKV, HD, generator=gen).to(torch.bfloat16) for _ in range(2)]
+    for pool, start in zip(pools, expected):
+        pool.tensor.copy_(start)
+    reference = empty_cache(num_slots=29, dtype=torch.bfloat16)
+    reference.tags.copy_(torch.arange(29) + 29 * (torch.arange(29) % 2))  # every slot holds a row
+    kernel = QSARowCache(reference.keys.to(device), reference.values.to(device))
+    kernel.tags.copy_(reference.tags)
     rows = torch.randperm(64, generator=gen)[:20]
-    new = torch.randn(20, NKV, HD, generator=gen).to(torch.bfloat16)
-    triton_write_rows(pool.tensor, rows.to(device), new.to(device))
+    new = [torch.randn(20, NKV, HD, generator=gen).to(torch.bfloat16) for _ in range(2)]
+    store_rows(reference, *expected, rows, *new)
+    triton_store_rows(kernel, pools[0].tensor, pools[1].tensor, rows.to(device), new[0].to(device), new[1].to(device))
     if device == "cuda":
         torch.cuda.synchronize()
-    expected[rows] = new
-    assert torch.equal(pool.tensor, expected)
+    assert all(torch.equal(pool.tensor, want) for pool, want in zip(pools, expected))
+    assert torch.equal(kernel.tags.cpu(), reference.tags) and torch.equal(kernel.epoch.cpu(), reference.epoch)
+    assert (reference.tags == -1).sum() > 0
     out = torch.zeros(24, NKV, HD, dtype=torch.bfloat16, device=device)
     wanted = torch.randint(0, 64, (17,), generator=gen)
-    triton_gather_rows(out, pool.tensor, wanted.to(device))
-    assert torch.equal(out[:17].cpu(), expected[wanted]) and not out[17:].any()
-    pool.close()
+    triton_gather_rows(out, pools[0].tensor, wanted.to(device))
+    assert torch.equal(out[:17].cpu(), expected[0][wanted]) and not out[17:].any()
+    for pool in pools:
+        pool.close()
 
 
 def test_triton_kernels_equal_the_reference():
     if importlib.util.find_spec("triton") is None:
         pytest.skip("triton is not installed")
     if torch.cuda.is_available():
-        for dtype in (torch.bfloat16, torch.float32):
-            compare_triton_with_reference(steps=2000, dtype=dtype)
+        for dtype, split in ((torch.bfloat16, 8), (torch.float32, 1)):
+            compare_triton_with_reference(steps=2000, dtype=dtype, split=split)
         compare_row_moves("cuda")
         return
     script = ("import torch, test_qsa_row_cache as t; t.compare_row_moves('cpu')\n"
-              "for dtype in (torch.bfloat16, torch.float32): t.compare_triton_with_reference(steps=30, dtype=dtype)")
+              "t.compare_triton_with_reference(steps=30, dtype=torch.bfloat16, split=8)\n"
+              "t.compare_triton_with_reference(steps=10, dtype=torch.float32, split=1)")
     done = subprocess.run(
         [sys.executable, "-c", script], cwd=Path(__file__).parent, env=dict(os.environ, TRITON_INTERPRET="1"),
         capture_output=True, text=True, timeout=120,

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from tierlm.kernels.qsa_row_cache import QSARowCache, decode_attention, plan_rows
+from tierlm.kernels.qsa_row_cache import QSARowCache, decode_attention, plan_rows, store_rows
 from tierlm.memory.host_pool import HostPool
 
 ROW_CACHE_MAX_BATCH = 12  # decode batches up to this size use the row cache
@@ -46,22 +46,18 @@ class OffloadedKV:
             from tierlm.kernels.qsa_row_cache.triton import (
                 triton_decode_attention,
                 triton_gather_rows,
-                triton_invalidate,
                 triton_plan_rows,
-                triton_write_rows,
+                triton_store_rows,
             )
 
-            self._invalidate, self._plan, self._attend = triton_invalidate, triton_plan_rows, triton_decode_attention
-            self._write, self._gather = triton_write_rows, triton_gather_rows
+            self._store, self._plan, self._attend = triton_store_rows, triton_plan_rows, triton_decode_attention
+            self._gather = triton_gather_rows
         else:
-            self._invalidate, self._plan, self._attend = QSARowCache.invalidate, plan_rows, decode_attention
-            self._write, self._gather = _write_rows, _gather_rows
+            self._store, self._plan, self._attend, self._gather = store_rows, plan_rows, decode_attention, _gather_rows
 
     def write(self, rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         """New tokens' K, V [N, nkv, hd] into pool rows [N]; their cached copies are dropped."""
-        self._write(self.host_k, rows, keys)
-        self._write(self.host_v, rows, values)
-        self._invalidate(self.cache, rows)
+        self._store(self.cache, self.host_k, self.host_v, rows, keys, values)
 
     def decode_attention(self, q: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor, scale: float) -> torch.Tensor:
         """Each request's query q [B, nh, hd] over its selected pool rows [B, S] (where valid) -> [B, nh, hd]."""
@@ -88,11 +84,6 @@ class OffloadedKV:
             values[at] = self.cache.values[inverse[in_section] - first]
         self.cache.drop_slots(min(count, arena_rows))
         return keys, values
-
-
-def _write_rows(pool: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> None:
-    """Reference write (CPU): pool[rows] = values."""
-    pool[rows.cpu()] = values.to(pool.device)
 
 
 def _gather_rows(out: torch.Tensor, pool: torch.Tensor, rows: torch.Tensor) -> None:

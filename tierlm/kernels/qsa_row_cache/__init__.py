@@ -12,8 +12,9 @@ rows [B, S] int64 physical rows in [0, R), R < 2**32; valid [B, S] bool (an inva
 it reads the pool and never enters the cache).
 
 One decode step, per layer (`QSARowCache` holds the state; `naive` has the plain torch forms):
-  cache.invalidate(rows_written)   rows written to the pool since the last step lose their slot; the
-                                   step's epoch advances (every written row must pass through here)
+  store_rows(cache, host_keys, host_values, rows_written, keys, values)
+                                   new rows into the pool; those rows lose their slot; the step's epoch
+                                   advances (every row written to the pool must pass through here)
   hit = plan_rows(cache, rows, valid)
                                    a valid entry hits if tags[r % C] == r, and marks its slot with the
                                    epoch; a valid miss claims its slot with max(epoch << 32 | r)
@@ -35,6 +36,7 @@ from tierlm.kernels.qsa_row_cache.naive import (
     decode_attention,
     plan_rows,
     read_rows,
+    store_rows,
 )
 
-__all__ = ["QSARowCache", "attend_rows", "decode_attention", "plan_rows", "read_rows"]
+__all__ = ["QSARowCache", "attend_rows", "decode_attention", "plan_rows", "read_rows", "store_rows"]

@@ -60,6 +60,21 @@ class QSARowCache:
         return int(self.hits), int(self.misses)
 
 
+def store_rows(
+    cache: QSARowCache,
+    host_keys: torch.Tensor,
+    host_values: torch.Tensor,
+    rows: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+) -> None:
+    """New tokens' K, V [N, nkv, hd] into pool rows [N]; their slots forget them; the epoch advances."""
+    at = rows.to(host_keys.device)
+    host_keys[at] = keys.to(host_keys.device)
+    host_values[at] = values.to(host_values.device)
+    cache.invalidate(rows)
+
+
 def plan_rows(cache: QSARowCache, rows: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """Which entries hit [B, S] bool; marks hit slots with the epoch and lets misses claim theirs."""
     slots = (rows % cache.num_slots).flatten()

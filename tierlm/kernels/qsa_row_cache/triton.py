@@ -1,13 +1,14 @@
-"""The row cache's step as Triton kernels (same signatures as `naive`): invalidate, plan, and decode
-attention that reads its rows through the cache; plus row moves between a host pool and the device.
+"""The row cache's step as Triton kernels (same signatures as `naive`): store (new rows into the pools,
+invalidating their slots), plan, and decode attention that reads its rows through the cache; plus the
+gather that stages prefill rows from a host pool.
 
 On CUDA the cache and the selection live on the device and the pool in registered host memory
 (`memory/host_pool`): the attention kernel loads each miss's row straight from host RAM over UVA and
 nothing else crosses PCIe. The launch boundary between plan and attention is the step's only grid-wide
 synchronisation: every hit mark and claim is in place before any entry decides to write.
-Invalidate is one kernel rather than the reference's handful of torch ops: at 2 KiB rows a step's
-kernels are short, and each launch is a visible share of the step.
-Invalidate, plan and the cache state the attention kernel leaves are bit-identical to `naive`; its
+Store is one kernel rather than the reference's handful of torch ops, and the splits' merge is one
+more: at 2 KiB rows a step's kernels are short, and each launch is a visible share of the step.
+Store, plan and the cache state the attention kernel leaves are bit-identical to `naive`; its
 output equals the reference's up to floating-point summation order, and equals itself bit for bit
 whether its rows came from the cache or the pool (tested under TRITON_INTERPRET=1 on CPU and on a GPU).
 """
@@ -20,28 +21,44 @@ import triton.language as tl
 
 from tierlm.kernels.qsa_row_cache.naive import EPOCH_SHIFT, QSARowCache
 
-PLAN_BLOCK = 256
+PLAN_BLOCK = 64  # entries per plan program: ~32 programs for one request's 2k entries
 
 
 @triton.jit
-def _invalidate_kernel(rows_ptr, num_rows, tags_ptr, epoch_ptr, num_slots, BLOCK: tl.constexpr):
-    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    inside = offsets < num_rows
-    rows = tl.load(rows_ptr + offsets, mask=inside, other=0)
-    slots = rows % num_slots
-    held = tl.load(tags_ptr + slots, mask=inside, other=-1)
-    # every writer of a slot stores the same -1: duplicates need no atomics
-    tl.store(tags_ptr + slots, tl.full([BLOCK], -1, tl.int64), mask=inside & (held == rows))
-    if tl.program_id(0) == 0:
+def _store_kernel(rows_ptr, keys_ptr, values_ptr, host_k_ptr, host_v_ptr, tags_ptr, epoch_ptr, num_rows, num_slots,
+                  ROW_WIDTH: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One program per new row: its K and V into the pool (over UVA), its slot emptied if it holds the row."""
+    entry = tl.program_id(0).to(tl.int64)
+    if entry < num_rows:
+        row = tl.load(rows_ptr + entry)
+        columns = tl.arange(0, BLOCK_D)
+        inside = columns < ROW_WIDTH
+        tl.store(host_k_ptr + row * ROW_WIDTH + columns, tl.load(keys_ptr + entry * ROW_WIDTH + columns, mask=inside),
+                 mask=inside)
+        tl.store(host_v_ptr + row * ROW_WIDTH + columns,
+                 tl.load(values_ptr + entry * ROW_WIDTH + columns, mask=inside), mask=inside)
+        slot = row % num_slots
+        # every writer of a slot stores the same -1: duplicates need no atomics
+        tl.store(tags_ptr + slot, -1, mask=tl.load(tags_ptr + slot) == row)
+    if entry == 0:
         tl.store(epoch_ptr, tl.load(epoch_ptr) + 1)
 
 
-def triton_invalidate(cache: QSARowCache, rows_written: torch.Tensor) -> None:
-    """As `QSARowCache.invalidate`, in one launch."""
-    rows = rows_written.flatten().contiguous()
-    n = rows.numel()
-    _invalidate_kernel[(max(1, triton.cdiv(n, PLAN_BLOCK)),)](
-        rows, n, cache.tags, cache.epoch, cache.num_slots, BLOCK=PLAN_BLOCK
+def triton_store_rows(
+    cache: QSARowCache,
+    host_keys: torch.Tensor,
+    host_values: torch.Tensor,
+    rows: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+) -> None:
+    """As `naive.store_rows`, in one launch and without a host sync (a captured decode step can run it):
+    the pools may be registered host memory, written over UVA."""
+    rows, keys, values = rows.contiguous(), keys.contiguous(), values.contiguous()
+    row_width = host_keys.shape[1:].numel()
+    _store_kernel[(max(1, rows.numel()),)](
+        rows, keys, values, host_keys, host_values, cache.tags, cache.epoch, rows.numel(), cache.num_slots,
+        ROW_WIDTH=row_width, BLOCK_D=triton.next_power_of_2(row_width),
     )
 
 
@@ -87,69 +104,72 @@ def _decode_attention_kernel(
     HEAD_DIM_PAD: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, EPOCH_SHIFT: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    """One program: one request's query, entries [split * SPLIT, (split + 1) * SPLIT) of its selection,
-    every head. Writes the split's unnormalised output, running max and sum per head."""
+    """One program: one request, one KV head and its GROUP query heads, entries [split * SPLIT,
+    (split + 1) * SPLIT) of the request's selection. Writes the split's unnormalised output, running
+    max and running sum per query head; a winning miss writes its head's part of the row (and, in the
+    head-0 program, the tag: nothing reads a slot in the step that fills it)."""
     request = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
+    kv_head = tl.program_id(2)
     num_splits = tl.num_programs(1)
     num_heads: tl.constexpr = NUM_KV_HEADS * GROUP
     row_width: tl.constexpr = NUM_KV_HEADS * HEAD_DIM
     epoch = tl.load(epoch_ptr)
     in_group = tl.arange(0, GROUP_PAD)
+    heads = kv_head * GROUP + in_group
+    heads_ok = in_group < GROUP
     dims = tl.arange(0, HEAD_DIM_PAD)
     dims_ok = dims < HEAD_DIM
+    columns = kv_head * HEAD_DIM + dims
+    q = tl.load(q_ptr + (request * num_heads + heads)[:, None] * HEAD_DIM + dims[None, :],
+                mask=heads_ok[:, None] & dims_ok[None, :], other=0.0).to(tl.float32)
+    running_max = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    running_sum = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)
     first = split * SPLIT
     last = tl.minimum(first + SPLIT, num_entries)
-    for kv_head in tl.static_range(NUM_KV_HEADS):
-        heads = kv_head * GROUP + in_group
-        heads_ok = in_group < GROUP
-        q = tl.load(q_ptr + (request * num_heads + heads)[:, None] * HEAD_DIM + dims[None, :],
-                    mask=heads_ok[:, None] & dims_ok[None, :], other=0.0).to(tl.float32)
-        running_max = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-        running_sum = tl.zeros([GROUP_PAD], tl.float32)
-        acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)
-        columns = kv_head * HEAD_DIM + dims
-        for start in range(first, last, BLOCK_N):
-            entries = start + tl.arange(0, BLOCK_N)
-            inside = entries < last
-            at = request * num_entries + entries
-            row = tl.load(rows_ptr + at, mask=inside, other=0)
-            valid = inside & (tl.load(valid_ptr + at, mask=inside, other=0) != 0)
-            hit = tl.load(hit_ptr + at, mask=inside, other=0) != 0
-            slot = row % num_slots
-            # one pointer per entry: its cache slot if it hit, else its row in the pool (over UVA)
-            cached = slot[:, None] * row_width + columns[None, :]
-            pooled = row[:, None] * row_width + columns[None, :]
-            k_ptrs = tl.where(hit[:, None], cache_k_ptr + cached, host_k_ptr + pooled)
-            v_ptrs = tl.where(hit[:, None], cache_v_ptr + cached, host_v_ptr + pooled)
-            loaded = inside[:, None] & dims_ok[None, :]
-            k = tl.load(k_ptrs, mask=loaded, other=0.0)
-            v = tl.load(v_ptrs, mask=loaded, other=0.0)
-            # fp32 dots: bf16 rows convert exactly (to tf32 too), so tf32 loses nothing on them
-            scores = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision=PRECISION) * scale  # [GROUP_PAD, N]
-            scores = tl.where(valid[None, :], scores, float("-inf"))
-            new_max = tl.maximum(running_max, tl.max(scores, axis=1))
-            shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # no valid entry yet: nothing to scale
-            p = tl.exp(scores - shift[:, None])
-            rescale = tl.exp(running_max - shift)
-            running_sum = running_sum * rescale + tl.sum(p, axis=1)
-            acc = acc * rescale[:, None] + tl.dot(p, v.to(tl.float32), input_precision=PRECISION)
-            running_max = new_max
-            # a miss fills its slot if its claim won and nobody hit the slot (never planned: no claim won)
-            won = tl.load(claims_ptr + slot, mask=inside, other=-1) == ((epoch << EPOCH_SHIFT) | row)
-            write = inside & ~hit & won & (tl.load(hitmark_ptr + slot, mask=inside, other=epoch) != epoch)
-            tl.store(cache_k_ptr + cached, k, mask=write[:, None] & dims_ok[None, :])
-            tl.store(cache_v_ptr + cached, v, mask=write[:, None] & dims_ok[None, :])
-            if kv_head == NUM_KV_HEADS - 1:  # the row's last part is in: the slot may say it holds it
-                tl.store(tags_ptr + slot, row, mask=write)
-        out_at = (request * num_splits + split) * num_heads + heads
-        tl.store(acc_ptr + out_at[:, None] * HEAD_DIM + dims[None, :], acc, mask=heads_ok[:, None] & dims_ok[None, :])
-        tl.store(max_ptr + out_at, running_max, mask=heads_ok)
-        tl.store(sum_ptr + out_at, running_sum, mask=heads_ok)
+    for start in range(first, last, BLOCK_N):
+        entries = start + tl.arange(0, BLOCK_N)
+        inside = entries < last
+        at = request * num_entries + entries
+        row = tl.load(rows_ptr + at, mask=inside, other=0)
+        valid = inside & (tl.load(valid_ptr + at, mask=inside, other=0) != 0)
+        hit = tl.load(hit_ptr + at, mask=inside, other=0) != 0
+        slot = row % num_slots
+        # a miss fills its slot if its claim won and nobody hit the slot (never planned: no claim won);
+        # asked before the rows are loaded, so that these small reads wait alongside the long ones
+        won = tl.load(claims_ptr + slot, mask=inside, other=-1) == ((epoch << EPOCH_SHIFT) | row)
+        write = inside & ~hit & won & (tl.load(hitmark_ptr + slot, mask=inside, other=epoch) != epoch)
+        # one pointer per entry: its cache slot if it hit, else its row in the pool (over UVA)
+        cached = slot[:, None] * row_width + columns[None, :]
+        pooled = row[:, None] * row_width + columns[None, :]
+        loaded = inside[:, None] & dims_ok[None, :]
+        k = tl.load(tl.where(hit[:, None], cache_k_ptr + cached, host_k_ptr + pooled), mask=loaded, other=0.0)
+        v = tl.load(tl.where(hit[:, None], cache_v_ptr + cached, host_v_ptr + pooled), mask=loaded, other=0.0)
+        # fp32 dots: bf16 rows convert exactly (to tf32 too), so tf32 loses nothing on them
+        scores = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision=PRECISION) * scale  # [GROUP_PAD, N]
+        scores = tl.where(valid[None, :], scores, float("-inf"))
+        new_max = tl.maximum(running_max, tl.max(scores, axis=1))
+        shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # no valid entry yet: nothing to scale
+        p = tl.exp(scores - shift[:, None])
+        rescale = tl.exp(running_max - shift)
+        running_sum = running_sum * rescale + tl.sum(p, axis=1)
+        acc = acc * rescale[:, None] + tl.dot(p, v.to(tl.float32), input_precision=PRECISION)
+        running_max = new_max
+        tl.store(cache_k_ptr + cached, k, mask=write[:, None] & dims_ok[None, :])
+        tl.store(cache_v_ptr + cached, v, mask=write[:, None] & dims_ok[None, :])
+        if kv_head == 0:
+            tl.store(tags_ptr + slot, row, mask=write)
+    out_at = (request * num_splits + split) * num_heads + heads
+    tl.store(acc_ptr + out_at[:, None] * HEAD_DIM + dims[None, :], acc, mask=heads_ok[:, None] & dims_ok[None, :])
+    tl.store(max_ptr + out_at, running_max, mask=heads_ok)
+    tl.store(sum_ptr + out_at, running_sum, mask=heads_ok)
 
 
-DECODE_SPLIT = 256  # selected entries per program: ~9 programs a request at a 2,048-row budget
+DECODE_SPLIT = 32  # selected entries per program: 65 programs per request and KV head at a 2,048-row budget
 DECODE_BLOCK_N = 32
+DECODE_WARPS = 4
+MERGE_CHUNK = 64  # splits the merge kernel reads at once: every split of a 2,048-row budget in one go
 
 
 def triton_decode_attention(
@@ -172,47 +192,60 @@ def triton_decode_attention(
     acc = torch.empty(batch, num_splits, num_heads, head_dim, dtype=torch.float32, device=q.device)
     running_max = torch.empty(batch, num_splits, num_heads, dtype=torch.float32, device=q.device)
     running_sum = torch.empty_like(running_max)
-    _decode_attention_kernel[(batch, num_splits)](
+    _decode_attention_kernel[(batch, num_splits, num_kv_heads)](
         q.contiguous(), rows.contiguous(), valid.contiguous(), hit.contiguous(), host_keys, host_values,
         cache.keys, cache.values, cache.tags, cache.hitmark, cache.claims, cache.epoch,
         acc, running_max, running_sum, num_entries, cache.num_slots, scale,
         NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)), SPLIT=DECODE_SPLIT,
         BLOCK_N=DECODE_BLOCK_N, EPOCH_SHIFT=EPOCH_SHIFT,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=DECODE_WARPS,
     )
-    return merge_splits(acc, running_max, running_sum).to(q.dtype)
-
-
-def merge_splits(acc: torch.Tensor, running_max: torch.Tensor, running_sum: torch.Tensor) -> torch.Tensor:
-    """Combine per-split softmax partials [B, splits, nh, (hd)] into [B, nh, hd] (fp32)."""
-    overall = running_max.amax(dim=1, keepdim=True)
-    weight = torch.exp(running_max - overall)  # a split with no valid entry (max -inf) weighs 0
-    return (acc * weight[..., None]).sum(dim=1) / (running_sum * weight).sum(dim=1)[..., None]
+    out = torch.empty_like(q)
+    splits_pad = triton.next_power_of_2(num_splits)
+    dim_block = min(64, triton.next_power_of_2(head_dim))
+    _merge_kernel[(batch, num_heads, triton.cdiv(head_dim, dim_block))](
+        acc, running_max, running_sum, out, num_splits, num_heads, HEAD_DIM=head_dim, SPLITS_PAD=splits_pad,
+        CHUNK=min(MERGE_CHUNK, splits_pad), DIM_BLOCK=dim_block,
+    )
+    return out
 
 
 @triton.jit
-def _copy_rows_kernel(src_ptr, src_rows_ptr, dst_ptr, dst_rows_ptr, row_width,
-                      GATHER: tl.constexpr, BLOCK_D: tl.constexpr):
+def _merge_kernel(acc_ptr, max_ptr, sum_ptr, out_ptr, num_splits, num_heads, HEAD_DIM: tl.constexpr,
+                  SPLITS_PAD: tl.constexpr, CHUNK: tl.constexpr, DIM_BLOCK: tl.constexpr):
+    """One program per (request, head, DIM_BLOCK dims): the softmax partials of its splits, rescaled to
+    the overall max and summed."""
+    request = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    dims = tl.program_id(2) * DIM_BLOCK + tl.arange(0, DIM_BLOCK)
+    splits = tl.arange(0, SPLITS_PAD)
+    at = (request * num_splits + splits) * num_heads + head
+    overall = tl.max(tl.load(max_ptr + at, mask=splits < num_splits, other=float("-inf")), axis=0)
+    total = tl.zeros([DIM_BLOCK], tl.float32)
+    norm = tl.zeros([CHUNK], tl.float32)
+    for first in range(0, num_splits, CHUNK):
+        chunk = first + tl.arange(0, CHUNK)
+        inside = chunk < num_splits
+        part = (request * num_splits + chunk) * num_heads + head
+        weight = tl.exp(tl.load(max_ptr + part, mask=inside, other=float("-inf")) - overall)  # empty split: 0
+        norm += weight * tl.load(sum_ptr + part, mask=inside, other=0.0)
+        partial = tl.load(acc_ptr + part[:, None] * HEAD_DIM + dims[None, :],
+                          mask=inside[:, None] & (dims < HEAD_DIM)[None, :], other=0.0)
+        total += tl.sum(partial * weight[:, None], axis=0)
+    out = total / tl.sum(norm, axis=0)
+    tl.store(out_ptr + (request * num_heads + head) * HEAD_DIM + dims, out.to(out_ptr.dtype.element_ty),
+             mask=dims < HEAD_DIM)
+
+
+@triton.jit
+def _gather_rows_kernel(pool_ptr, rows_ptr, out_ptr, ROW_WIDTH: tl.constexpr, BLOCK_D: tl.constexpr):
     entry = tl.program_id(0).to(tl.int64)
     columns = tl.arange(0, BLOCK_D)
-    inside = columns < row_width
-    if GATHER:  # dst[entry] = src[rows[entry]]
-        src_row, dst_row = tl.load(src_rows_ptr + entry), entry
-    else:  # dst[rows[entry]] = src[entry]
-        src_row, dst_row = entry, tl.load(dst_rows_ptr + entry)
-    row = tl.load(src_ptr + src_row * row_width + columns, mask=inside)
-    tl.store(dst_ptr + dst_row * row_width + columns, row, mask=inside)
-
-
-def triton_write_rows(pool: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> None:
-    """pool[rows] = values, where pool [R, nkv, hd] may be registered host memory written over UVA
-    (one launch, no host sync: a decode step writing its new rows can be captured in a CUDA graph)."""
-    rows, values = rows.contiguous(), values.contiguous()
-    row_width = pool.shape[1:].numel()
-    if rows.numel():
-        _copy_rows_kernel[(rows.numel(),)](values, rows, pool, rows, row_width, GATHER=False,
-                                           BLOCK_D=triton.next_power_of_2(row_width))
+    inside = columns < ROW_WIDTH
+    row = tl.load(rows_ptr + entry)
+    tl.store(out_ptr + entry * ROW_WIDTH + columns, tl.load(pool_ptr + row * ROW_WIDTH + columns, mask=inside),
+             mask=inside)
 
 
 def triton_gather_rows(out: torch.Tensor, pool: torch.Tensor, rows: torch.Tensor) -> None:
@@ -221,5 +254,5 @@ def triton_gather_rows(out: torch.Tensor, pool: torch.Tensor, rows: torch.Tensor
     rows = rows.contiguous()
     row_width = pool.shape[1:].numel()
     if rows.numel():
-        _copy_rows_kernel[(rows.numel(),)](pool, rows, out, rows, row_width, GATHER=True,
-                                           BLOCK_D=triton.next_power_of_2(row_width))
+        _gather_rows_kernel[(rows.numel(),)](pool, rows, out, ROW_WIDTH=row_width,
+                                             BLOCK_D=triton.next_power_of_2(row_width))
