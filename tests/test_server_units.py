@@ -192,3 +192,14 @@ def test_flags_an_older_engine_config_lacks_are_reported_and_dropped(monkeypatch
     config = engine_config("m", parse("--max-model-len", "64", "--gpu-memory-utilization", "0.5"))
     assert config == OlderConfig(model="m", max_model_len=64)
     assert "--gpu-memory-utilization is ignored" in capsys.readouterr().err
+
+
+def test_metrics_report_the_row_cache_hit_rate():
+    from tierlm.server.metrics import Metrics
+
+    stats = EngineStats(0, 0, 0.0, 0, 0, 0, qsa_row_cache_hits=3, qsa_row_cache_misses=1)
+    rendered = Metrics("m", lambda: stats).render()
+    assert b'tierlm:qsa_row_cache_hit_rate{model_name="m"} 0.75' in rendered
+    assert b'tierlm:qsa_row_cache_hits_total{model_name="m"} 3.0' in rendered
+    empty = Metrics("m", lambda: EngineStats(0, 0, 0.0, 0, 0, 0)).render()
+    assert b'tierlm:qsa_row_cache_hit_rate{model_name="m"} 0.0' in empty

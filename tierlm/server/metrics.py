@@ -107,8 +107,14 @@ class _EngineStatsCollector(Collector):
              stats.qsa_row_cache_hits),
             (counter, "tierlm:qsa_row_cache_misses", "Decode K/V row reads from the host pools.",
              stats.qsa_row_cache_misses),
+            (gauge, "tierlm:qsa_row_cache_hit_rate", "Share of decode K/V row reads served by the row cache, "
+             "since start (0 before any).", _share(stats.qsa_row_cache_hits, stats.qsa_row_cache_misses)),
         ]
         for family, name, doc, value in values:
             metric = family(name, doc, labels=["model_name"])
             metric.add_metric([self._model_name], value)
             yield metric
+
+
+def _share(hits: int, misses: int) -> float:
+    return hits / (hits + misses) if hits + misses else 0.0
