@@ -3,8 +3,8 @@
 the prefill before it, through the staging arena when offloaded, is reported beside it.)
 
 Demo-scale model (built if missing), one request at 8k and at 32k tokens of context, greedy, decode
-steps through the engine (CUDA graphs on GPU); also checks that the row cache changes no token and
-whether host pools give the device pools' tokens.
+steps through the engine (CUDA graphs on GPU); also checks that the row cache changes no token, nor
+do host pools (the same attention kernel reads device pools on CUDA).
 
     python bench/qsa_offload_decode.py --device cuda
 """
@@ -65,8 +65,6 @@ def main() -> None:
         del llm
         torch.cuda.empty_cache() if args.device.startswith("cuda") else None
     print(f"model demo-{args.size} on {args.device}, {args.steps} decode steps")
-    # the row cache must not change a bit; device pools run another attention kernel (on CUDA), so a
-    # near-tie between two logits may go the other way there
     print(f"{'context':>8}" + "".join(f"{side + ' tok/s':>24}" for side in sides)
           + f"{'cache = no cache':>18}{'host = device':>15}")
     for n in args.contexts:

@@ -24,35 +24,24 @@ def demo_dir(tmp_path_factory):
     "cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")),
 ])
 def test_offload_with_and_without_row_cache_equals_device_pools(demo_dir, device):
-    """With and without the row cache: the same logprobs, bit for bit. Against device pools: on CPU the
-    same too (the same attention code runs); on CUDA (pinned pools read over UVA by the Triton attention
-    kernel, decode steps in CUDA graphs) the same tokens, logprobs equal up to summation order."""
+    """Bit for bit: the same tokens and logprobs. On CUDA the pools are pinned and read over UVA by the
+    Triton attention kernel, which also reads device pools there, and decode steps run in CUDA graphs."""
     options = dict(device=device, max_model_len=512, max_num_seqs=4, enable_prefix_caching=False)
     prompts = ["def parse(tokens):\n" * 30, "import os\n", "class Node:\n    def __init__(self):\n" * 8]
     expected = LLM(str(demo_dir), **options, qsa_kv_offload=False).generate(prompts, PARAMS)
-    outputs = {}
     for row_cache in (True, False):
         # a tiny arena: prefill stages in many sections; many slots collide, rows are evicted every step
         llm = LLM(str(demo_dir), **options, qsa_kv_offload=True, qsa_row_cache=row_cache, qsa_row_cache_rows=61)
         assert all(s.offload is not None for s in llm.engine.cache.layers if s.key_cache is not None)
-        outputs[row_cache] = [
-            (out.outputs[0].token_ids, [list(p.items()) for p in out.outputs[0].logprobs])
-            for out in llm.generate(prompts, PARAMS)
-        ]
+        got = llm.generate(prompts, PARAMS)
+        for a, b in zip(got, expected):
+            assert a.outputs[0].token_ids == b.outputs[0].token_ids
+            assert [list(p.items()) for p in a.outputs[0].logprobs] == [list(p.items()) for p in b.outputs[0].logprobs]
         stats = llm.engine.stats()
         if row_cache:
             assert stats.qsa_row_cache_hits > 0 and stats.qsa_row_cache_misses > 0
         else:
             assert stats.qsa_row_cache_hits == 0
-    assert outputs[True] == outputs[False]
-    for (tokens, logprobs), reference in zip(outputs[True], expected):
-        assert tokens == reference.outputs[0].token_ids
-        reference_logprobs = [list(p.items()) for p in reference.outputs[0].logprobs]
-        if device == "cpu":
-            assert logprobs == reference_logprobs
-        for got, want in zip(logprobs, reference_logprobs):
-            assert [t for t, _ in got] == [t for t, _ in want]
-            assert [p.logprob for _, p in got] == pytest.approx([p.logprob for _, p in want], abs=1e-4)
 
 
 def offloaded_layer(arena_rows: int, max_cached_batch: int = 12) -> OffloadedKV:

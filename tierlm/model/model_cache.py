@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from tierlm.config import ModelConfig
+from tierlm.kernels.qsa_row_cache import QSARowCache
 from tierlm.memory.host_pool import allocate_pools
 from tierlm.model.qsa_offload import OffloadedKV
 
@@ -40,6 +41,9 @@ class LayerState:
     block_size: int = 0
     scratch_block: int = 0
     offload: object | None = None  # an OffloadedKV when key/value_cache are host pools
+    # CUDA, device pools: a one-slot row cache never planned, so that decode reads the pools with the
+    # attention kernel host pools use (the same numerics: offload changes no bit of the output)
+    empty_row_cache: QSARowCache | None = None
 
 
 class ModelCache:
@@ -95,6 +99,8 @@ class ModelCache:
             else:
                 state.key_cache = torch.zeros(kv_shape, **alloc)
                 state.value_cache = torch.zeros(kv_shape, **alloc)
+                if self.device.type == "cuda":
+                    state.empty_row_cache = QSARowCache(*torch.zeros(2, 1, *kv_shape[2:], **alloc))
             if layer_type == "indexed_attention":
                 ratio = c.indexer_compress_ratio
                 state.index_keys = torch.zeros(num_blocks, block_size // ratio, c.indexer_head_dim, **alloc)

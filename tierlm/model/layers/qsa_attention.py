@@ -221,6 +221,15 @@ class QSAAttention(nn.Module):
         selection = self.indexer.select_decode(index_q, batch, state)
         if state.offload is not None:  # rows read over UVA, through the row cache
             out = state.offload.decode_attention(q, selection.rows, selection.valid, self.scale)
+        elif state.empty_row_cache is not None:  # CUDA: the same kernel over device pools
+            from tierlm.kernels.qsa_row_cache.triton import triton_decode_attention
+
+            key_rows = state.key_cache.view(-1, self.num_kv_heads, self.head_dim)
+            value_rows = state.value_cache.view(-1, self.num_kv_heads, self.head_dim)
+            out = triton_decode_attention(
+                state.empty_row_cache, key_rows, value_rows, q, selection.rows, selection.valid,
+                torch.zeros_like(selection.valid), self.scale,
+            )
         else:
             keys, values = self._gather(selection, state)
             out = attend_rows(q, keys, values, selection.valid, self.scale)
