@@ -10,6 +10,7 @@ from tierlm import LLM, SamplingParams
 from tierlm.demo_model import build_demo_model
 from tierlm.kernels.qsa_row_cache import attend_rows
 from tierlm.memory.host_pool import allocate_pools
+from tierlm.model.layers import qsa_attention
 from tierlm.model.qsa_offload import OffloadedKV
 
 PARAMS = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=3)
@@ -86,3 +87,20 @@ def test_large_batches_read_every_row_from_the_pool_and_still_invalidate():
     assert ((layer.cache.tags == cached) | (layer.cache.tags == -1)).all()
     expected = attend_rows(q, layer.host_k[rows], layer.host_v[rows], valid, 0.35)
     assert torch.equal(large, expected) and not torch.equal(large[:2], small)
+
+
+def test_prefill_in_query_groups_gives_what_one_group_gives(demo_dir, monkeypatch):
+    """Prefill queries scored, selected and attended a few at a time (bounded memory at long context):
+    the same generation as all at once, and offloaded pools still equal device pools bit for bit."""
+    options = dict(device="cpu", max_model_len=512, max_num_seqs=2, enable_prefix_caching=False)
+    prompts = ["def parse(tokens):\n" * 30, "class Node:\n    def __init__(self):\n" * 8]
+    whole = LLM(str(demo_dir), **options).generate(prompts, PARAMS)
+    monkeypatch.setattr(qsa_attention, "PREFILL_GROUP_BYTES", 1)  # one query at a time
+    grouped = {offload: LLM(str(demo_dir), **options, qsa_kv_offload=offload, qsa_row_cache_rows=61).generate(
+        prompts, PARAMS) for offload in (False, True)}
+    for a, b, c in zip(grouped[False], grouped[True], whole):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids == c.outputs[0].token_ids
+        assert [list(p.items()) for p in a.outputs[0].logprobs] == [list(p.items()) for p in b.outputs[0].logprobs]
+        for got, want in zip(a.outputs[0].logprobs, c.outputs[0].logprobs):
+            assert list(got) == list(want)
+            assert [p.logprob for p in got.values()] == pytest.approx([p.logprob for p in want.values()], abs=1e-5)

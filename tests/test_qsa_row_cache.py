@@ -12,7 +12,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from tierlm.kernels.qsa_row_cache import QSARowCache, attend_rows, decode_attention, plan_rows, read_rows, store_rows
+from tierlm.kernels.qsa_row_cache import (
+    QSARowCache,
+    attend_rows,
+    decode_attention,
+    plan_rows,
+    read_rows,
+    store_rows,
+)
 from tierlm.memory.host_pool import HostPool
 
 NKV, HD, BLOCK_SIZE, NUM_BLOCKS = 2, 8, 16, 32

@@ -21,14 +21,14 @@ from tierlm.engine.cache_manager import CacheManager
 from tierlm.engine.model_runner import ModelRunner
 from tierlm.engine.request import Request, RequestStatus
 from tierlm.engine.sampler import Sampler
+from tierlm.engine.scheduler import RequestListener, Scheduler
 from tierlm.memory.host_pool import DEFAULT_MARGIN_BYTES
 from tierlm.memory.ngram_prefetch import PrefetchWorker
 from tierlm.memory.ngram_store import NgramStore, find_table_dir
 from tierlm.memory.plan import CachePlan, cache_budget, host_budget, plan_cache
-from tierlm.engine.scheduler import RequestListener, Scheduler
-from tierlm.model.static_decode import StaticDecodeRunner
 from tierlm.model.loader import load_model, resolve_model_path
 from tierlm.model.model_cache import ModelCache
+from tierlm.model.static_decode import StaticDecodeRunner
 from tierlm.outputs import CompletionOutput, RequestOutput
 from tierlm.sampling_params import SamplingParams
 from tierlm.tokenizer import Tokenizer

@@ -24,7 +24,14 @@ import numpy as np
 import torch
 
 from tierlm.config import ModelConfig
-from tierlm.memory.madvise import PAGE_SIZE, PageAdvisor, buffer_address, page_ranges, resident_fraction, row_pages
+from tierlm.memory.madvise import (
+    PAGE_SIZE,
+    PageAdvisor,
+    buffer_address,
+    page_ranges,
+    resident_fraction,
+    row_pages,
+)
 from tierlm.memory.ngram_rows_np import NgramHashArrays, carry_context, initial_context, ngram_rows_np
 from tierlm.memory.ple_table import PleTableManifest, load_manifest
 from tierlm.model.ngram_hash import NgramHashSpec

@@ -11,9 +11,10 @@ when its R-th token arrives; the raw keys of the still-open block wait in the re
 Attention reads only the selected rows: each query gathers its (budget + R - 1) K/V rows from the
 paged pool and attends to them, so prefill costs O(budget) per token, not O(context); with K/V in host
 pools (`qsa_offload`) prefill stages the selected rows through a device arena and decode reads them over
-UVA through a VRAM row cache. Prefill and mixed batches go request by request; decode-only
-batches run all requests at once in a static-shape, sync-free form (what a CUDA graph captures). The
-plain reference (a dense boolean mask over the whole context) lives in the tests.
+UVA through a VRAM row cache. Prefill and mixed batches go request by request, each request's queries
+in groups whose working memory is bounded (`query_group`); decode-only batches run all requests at once
+in a static-shape, sync-free form (what a CUDA graph captures). The plain reference (a dense boolean
+mask over the whole context) lives in the tests.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ from tierlm.model.layers.norm import RMSNorm
 from tierlm.model.layers.packed_linear import PackedLinear
 from tierlm.model.layers.rotary import apply_rotary
 from tierlm.model.model_cache import LayerState
+
+PREFILL_GROUP_BYTES = 256 << 20  # working memory of one group of prefill queries (see `query_group`)
 
 
 def top_blocks(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -200,14 +203,28 @@ class QSAAttention(nn.Module):
             self.indexer.store_block_keys(
                 raw_keys[start:end], ctx, batch.state_slots[i], table, state, rotary, x.dtype
             )
-            positions = batch.positions[start:end]
             block_keys = gather_rows(state.index_keys, table, (ctx + end - start) // r, bs // r)
-            scores = self.indexer.scores(index_q[start:end], block_keys, positions)
-            token_pos, valid = self.indexer.choose(scores, positions)
-            tables = torch.where(table < 0, state.scratch_block, table).expand(end - start, -1)
-            keys, values = self._gather(Selection.of(token_pos, valid, tables, state), state)
-            out[start:end] = attend_rows(q[start:end], keys, values, valid, self.scale)
+            tables = torch.where(table < 0, state.scratch_block, table)
+            group = self.query_group(block_keys.shape[0], x.dtype)
+            for lo in range(start, end, group):  # the chunk's queries a bounded group at a time
+                hi = min(lo + group, end)
+                positions = batch.positions[lo:hi]
+                token_pos, valid = self.indexer.choose(self.indexer.scores(index_q[lo:hi], block_keys, positions),
+                                                       positions)
+                keys, values = self._gather(Selection.of(token_pos, valid, tables.expand(hi - lo, -1), state), state)
+                out[lo:hi] = attend_rows(q[lo:hi], keys, values, valid, self.scale)
         return self.o_proj(out.reshape(n, -1) * torch.sigmoid(gate))
+
+    def query_group(self, num_block_keys: int, dtype: torch.dtype) -> int:
+        """How many prefill queries to score, select and attend at once so that their working tensors
+        stay within PREFILL_GROUP_BYTES: per query the indexer's fp32 products and sort over every block
+        key of the context, and its S selected K/V rows, gathered and then widened to every query head
+        by grouped-query attention. At the target model's shapes and 262k context that is ~55 MB per
+        query: a whole chunk at once would take tens of GB."""
+        selected = self.indexer.block_topk * self.indexer.ratio + self.indexer.ratio - 1
+        per_query = num_block_keys * (4 * self.indexer.n_heads + 4 + 8)
+        per_query += selected * 2 * (self.num_kv_heads + self.num_heads) * self.head_dim * dtype.itemsize
+        return max(1, PREFILL_GROUP_BYTES // per_query)
 
     def _gather(self, selection: Selection, state: LayerState) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V [M, S, nkv, hd] of the selected rows, from device pools or (offloaded) staged from host pools."""
