@@ -72,7 +72,7 @@ def test_gathered_attention_equals_dense_masked_attention():
     scores = attention.indexer.scores(torch.randn(len(positions), 3, 8), torch.randn(kv_len // 4, 8), positions)
     token_pos, valid = attention.indexer.choose(scores, positions)
     selection = Selection.of(token_pos, valid, table.expand(len(positions), -1), state)
-    got = attend_rows(q, *attention._gather(selection, state), selection.valid, attention.scale)
+    got = attend_rows(q, *attention._gather(selection.rows, state), selection.valid, attention.scale)
     # reference: every context key, a boolean mask of the chosen ones
     keys = state.key_cache[table].flatten(0, 1)[:kv_len].transpose(0, 1)
     values = state.value_cache[table].flatten(0, 1)[:kv_len].transpose(0, 1)

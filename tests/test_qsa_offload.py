@@ -55,17 +55,24 @@ def offloaded_layer(arena_rows: int, max_cached_batch: int = 12) -> OffloadedKV:
                        max_cached_batch=max_cached_batch)
 
 
-def test_prefill_stages_only_selected_rows_section_by_section():
-    layer = offloaded_layer(arena_rows=7)  # 7 distinct rows per section: several sections
+@pytest.mark.parametrize("arena_rows", [7, 200])
+def test_prefill_reads_of_query_groups_equal_pool_reads(arena_rows):
+    """200 rows hold the chunk's distinct rows: staged once. 7 do not: each group of queries is staged
+    on its own, section by section. Either way the arena's overwritten slots are forgotten."""
+    layer = offloaded_layer(arena_rows=arena_rows)
     gen = torch.Generator().manual_seed(1)
     rows = torch.randint(0, 160, (5, 12), generator=gen)
     valid = torch.rand(5, 12, generator=gen) > 0.2
-    layer.cache.tags[:] = torch.arange(7) + 7 * 3  # pretend slots hold rows 21..27
-    keys, values = layer.gather_prefill(rows, valid)
-    mask = valid[..., None, None]
-    assert torch.equal(keys, torch.where(mask, layer.host_k[rows], 0.0))
-    assert torch.equal(values, torch.where(mask, layer.host_v[rows], 0.0))
-    assert (layer.cache.tags == -1).all()  # the arena was overwritten: its slots no longer hold their rows
+    layer.cache.tags[:] = torch.arange(arena_rows) + arena_rows * 3  # pretend every slot holds a row
+    read = layer.prefill_reader(rows, valid)
+    for lo, hi in ((0, 2), (2, 5)):
+        keys, values = read(lo, hi)
+        mask = valid[lo:hi, :, None, None]
+        assert torch.equal(keys, torch.where(mask, layer.host_k[rows[lo:hi]], 0.0))
+        assert torch.equal(values, torch.where(mask, layer.host_v[rows[lo:hi]], 0.0))
+    distinct = torch.unique(rows[valid]).numel()
+    assert (layer.cache.tags[: min(distinct, arena_rows)] == -1).all()
+    assert (layer.cache.tags[distinct:] >= 0).all()  # slots the staging did not touch keep their rows
 
 
 def test_large_batches_read_every_row_from_the_pool_and_still_invalidate():
@@ -89,14 +96,16 @@ def test_large_batches_read_every_row_from_the_pool_and_still_invalidate():
     assert torch.equal(large, expected) and not torch.equal(large[:2], small)
 
 
-def test_prefill_in_query_groups_gives_what_one_group_gives(demo_dir, monkeypatch):
+@pytest.mark.parametrize("arena_rows", [61, 16384])
+def test_prefill_in_query_groups_gives_what_one_group_gives(demo_dir, monkeypatch, arena_rows):
     """Prefill queries scored, selected and attended a few at a time (bounded memory at long context):
-    the same generation as all at once, and offloaded pools still equal device pools bit for bit."""
+    the same generation as all at once, and offloaded pools still equal device pools bit for bit, whether
+    each group is staged on its own (61 rows) or the chunk is staged once (16,384)."""
     options = dict(device="cpu", max_model_len=512, max_num_seqs=2, enable_prefix_caching=False)
     prompts = ["def parse(tokens):\n" * 30, "class Node:\n    def __init__(self):\n" * 8]
     whole = LLM(str(demo_dir), **options).generate(prompts, PARAMS)
     monkeypatch.setattr(qsa_attention, "PREFILL_GROUP_BYTES", 1)  # one query at a time
-    grouped = {offload: LLM(str(demo_dir), **options, qsa_kv_offload=offload, qsa_row_cache_rows=61).generate(
+    grouped = {offload: LLM(str(demo_dir), **options, qsa_kv_offload=offload, qsa_row_cache_rows=arena_rows).generate(
         prompts, PARAMS) for offload in (False, True)}
     for a, b, c in zip(grouped[False], grouped[True], whole):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids == c.outputs[0].token_ids

@@ -3,10 +3,11 @@
 The layer's K and V pools are `HostPool`s (exactly sized, pinned on CUDA); the model writes each new
 token's rows into them over UVA. Beside them the layer owns a device arena of `arena_rows` rows of K and
 of V, allocated once at start-up, with two uses that never overlap in time:
-- prefill: the rows a chunk's queries selected are copied from the pools into the arena, section by
-  section (at most `arena_rows` distinct rows at a time), and each query's rows are gathered from there.
-  A row crosses PCIe once per chunk however many queries select it, rows nobody selected not at all,
-  and attention then runs on exactly the bytes device pools would give (bit-identical).
+- prefill: the rows a chunk's queries selected are copied from the pools into the arena (all at once
+  when they fit, else for each group of queries, section by section), and each query's rows are
+  gathered from there. A row crosses PCIe once per chunk (or group) however many queries select it,
+  rows nobody selected not at all, and attention then runs on exactly the bytes device pools would
+  give (bit-identical).
 - decode: the arena is the row cache (`kernels/qsa_row_cache`): the attention kernel reads each selected
   row from the arena if it is cached there, else straight from the pool over UVA, and keeps it. Only
   decode-shaped batches (at most `max_cached_batch` requests) use the cache; larger ones read every row
@@ -18,12 +19,15 @@ device: they are tens of bytes per token and every step reads them all.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from tierlm.kernels.qsa_row_cache import QSARowCache, decode_attention, plan_rows, store_rows
 from tierlm.memory.host_pool import HostPool
 
 ROW_CACHE_MAX_BATCH = 12  # decode batches up to this size use the row cache
+KeysValues = tuple[torch.Tensor, torch.Tensor]
 
 
 class OffloadedKV:
@@ -67,23 +71,49 @@ class OffloadedKV:
             hit = torch.zeros_like(valid)
         return self._attend(self.cache, self.host_k, self.host_v, q, rows, valid, hit, scale)
 
-    def gather_prefill(self, rows: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K, V [M, S, nkv, hd] of selected pool rows [M, S] (invalid entries: zeros), staged through the arena."""
+    def prefill_reader(self, rows: torch.Tensor, valid: torch.Tensor) -> Callable[[int, int], KeysValues]:
+        """For a prefill chunk's selections, pool rows [M, S] (where valid): a function giving K, V
+        [hi - lo, S, nkv, hd] of queries lo:hi (invalid entries: zeros).
+
+        When the chunk's distinct rows fit the arena they are staged once, here, and every query group
+        gathers from the arena; otherwise each call stages its own queries' rows, section by section.
+        """
+        entries = valid.nonzero(as_tuple=True)
+        needed, inverse = torch.unique(rows[entries], return_inverse=True)
+        if needed.numel() > self.cache.num_slots:
+            return lambda lo, hi: self.gather_prefill(rows[lo:hi], valid[lo:hi])
+        self._stage(needed)
+        arena_row = torch.zeros_like(rows)
+        arena_row[entries] = inverse
+
+        def gather(lo: int, hi: int) -> KeysValues:
+            at, ok = arena_row[lo:hi], valid[lo:hi, :, None, None]
+            return torch.where(ok, self.cache.keys[at], 0), torch.where(ok, self.cache.values[at], 0)
+
+        return gather
+
+    def gather_prefill(self, rows: torch.Tensor, valid: torch.Tensor) -> KeysValues:
+        """K, V [M, S, nkv, hd] of selected pool rows [M, S] (invalid entries: zeros), staged through the
+        arena at most an arena's worth of distinct rows at a time."""
         keys = torch.zeros(*rows.shape, *self.host_k.shape[1:], dtype=self.host_k.dtype, device=self.device)
         values = torch.zeros_like(keys)
         entries = valid.nonzero(as_tuple=True)
         needed, inverse = torch.unique(rows[entries], return_inverse=True)
-        arena_rows, count = self.cache.num_slots, needed.numel()
-        for first in range(0, count, arena_rows):
+        arena_rows = self.cache.num_slots
+        for first in range(0, needed.numel(), arena_rows):
             section = needed[first : first + arena_rows]
-            self._gather(self.cache.keys, self.host_k, section)
-            self._gather(self.cache.values, self.host_v, section)
+            self._stage(section)
             in_section = (inverse >= first) & (inverse < first + section.numel())
             at = tuple(index[in_section] for index in entries)
             keys[at] = self.cache.keys[inverse[in_section] - first]
             values[at] = self.cache.values[inverse[in_section] - first]
-        self.cache.drop_slots(min(count, arena_rows))
         return keys, values
+
+    def _stage(self, rows: torch.Tensor) -> None:
+        """Pool rows [n <= arena rows] into the arena's first n rows, whose cached rows are forgotten."""
+        self._gather(self.cache.keys, self.host_k, rows)
+        self._gather(self.cache.values, self.host_v, rows)
+        self.cache.drop_slots(rows.numel())
 
 
 def _gather_rows(out: torch.Tensor, pool: torch.Tensor, rows: torch.Tensor) -> None:

@@ -206,13 +206,18 @@ class QSAAttention(nn.Module):
             block_keys = gather_rows(state.index_keys, table, (ctx + end - start) // r, bs // r)
             tables = torch.where(table < 0, state.scratch_block, table)
             group = self.query_group(block_keys.shape[0], x.dtype)
-            for lo in range(start, end, group):  # the chunk's queries a bounded group at a time
-                hi = min(lo + group, end)
+            groups = [(lo, min(lo + group, end)) for lo in range(start, end, group)]  # bounded working memory
+            selections = []
+            for lo, hi in groups:
                 positions = batch.positions[lo:hi]
                 token_pos, valid = self.indexer.choose(self.indexer.scores(index_q[lo:hi], block_keys, positions),
                                                        positions)
-                keys, values = self._gather(Selection.of(token_pos, valid, tables.expand(hi - lo, -1), state), state)
-                out[lo:hi] = attend_rows(q[lo:hi], keys, values, valid, self.scale)
+                selections.append(Selection.of(token_pos, valid, tables.expand(hi - lo, -1), state))
+            rows, valid = torch.cat([s.rows for s in selections]), torch.cat([s.valid for s in selections])
+            read = self._prefill_reader(rows, valid, state)
+            for lo, hi in groups:
+                keys, values = read(lo - start, hi - start)
+                out[lo:hi] = attend_rows(q[lo:hi], keys, values, valid[lo - start : hi - start], self.scale)
         return self.o_proj(out.reshape(n, -1) * torch.sigmoid(gate))
 
     def query_group(self, num_block_keys: int, dtype: torch.dtype) -> int:
@@ -226,12 +231,17 @@ class QSAAttention(nn.Module):
         per_query += selected * 2 * (self.num_kv_heads + self.num_heads) * self.head_dim * dtype.itemsize
         return max(1, PREFILL_GROUP_BYTES // per_query)
 
-    def _gather(self, selection: Selection, state: LayerState) -> tuple[torch.Tensor, torch.Tensor]:
-        """K, V [M, S, nkv, hd] of the selected rows, from device pools or (offloaded) staged from host pools."""
+    def _prefill_reader(self, rows: torch.Tensor, valid: torch.Tensor, state: LayerState):
+        """A function giving K, V [hi - lo, S, nkv, hd] of queries lo:hi of a chunk's selections [M, S]:
+        from device pools, or staged from host pools (`OffloadedKV.prefill_reader`)."""
         if state.offload is not None:
-            return state.offload.gather_prefill(selection.rows, selection.valid)
-        keys = state.key_cache.view(-1, self.num_kv_heads, self.head_dim)[selection.rows]
-        return keys, state.value_cache.view(-1, self.num_kv_heads, self.head_dim)[selection.rows]
+            return state.offload.prefill_reader(rows, valid)
+        return lambda lo, hi: self._gather(rows[lo:hi], state)
+
+    def _gather(self, rows: torch.Tensor, state: LayerState) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V [M, S, nkv, hd] of device pool rows [M, S]."""
+        keys = state.key_cache.view(-1, self.num_kv_heads, self.head_dim)[rows]
+        return keys, state.value_cache.view(-1, self.num_kv_heads, self.head_dim)[rows]
 
     def _decode(self, q, gate, index_q, raw_keys, batch: ForwardBatch, state: LayerState, rotary) -> torch.Tensor:
         self.indexer.store_block_key_decode(raw_keys, batch, state, rotary, q.dtype)
@@ -248,6 +258,6 @@ class QSAAttention(nn.Module):
                 torch.zeros_like(selection.valid), self.scale,
             )
         else:
-            keys, values = self._gather(selection, state)
+            keys, values = self._gather(selection.rows, state)
             out = attend_rows(q, keys, values, selection.valid, self.scale)
         return self.o_proj(out.flatten(1) * torch.sigmoid(gate))
