@@ -30,19 +30,25 @@ def test_offload_with_and_without_row_cache_equals_device_pools(demo_dir, device
     options = dict(device=device, max_model_len=512, max_num_seqs=4, enable_prefix_caching=False)
     prompts = ["def parse(tokens):\n" * 30, "import os\n", "class Node:\n    def __init__(self):\n" * 8]
     expected = LLM(str(demo_dir), **options, qsa_kv_offload=False).generate(prompts, PARAMS)
-    for row_cache in (True, False):
-        # a tiny arena: prefill stages in many sections; many slots collide, rows are evicted every step
-        llm = LLM(str(demo_dir), **options, qsa_kv_offload=True, qsa_row_cache=row_cache, qsa_row_cache_rows=61)
+    variants = {  # a tiny arena: prefill stages in many sections; many slots collide, rows are evicted every step
+        "row cache": dict(qsa_row_cache=True),
+        "no row cache": dict(qsa_row_cache=False),
+        "batches of 3 too large for the cache": dict(qsa_row_cache=True, qsa_row_cache_max_batch=2),
+    }
+    for name, variant in variants.items():
+        llm = LLM(str(demo_dir), **options, qsa_kv_offload=True, qsa_row_cache_rows=61, **variant)
         assert all(s.offload is not None for s in llm.engine.cache.layers if s.key_cache is not None)
         got = llm.generate(prompts, PARAMS)
         for a, b in zip(got, expected):
-            assert a.outputs[0].token_ids == b.outputs[0].token_ids
+            assert a.outputs[0].token_ids == b.outputs[0].token_ids, name
             assert [list(p.items()) for p in a.outputs[0].logprobs] == [list(p.items()) for p in b.outputs[0].logprobs]
         stats = llm.engine.stats()
-        if row_cache:
+        if name == "row cache":
             assert stats.qsa_row_cache_hits > 0 and stats.qsa_row_cache_misses > 0
-        else:
+        elif name == "no row cache":
             assert stats.qsa_row_cache_hits == 0
+        else:  # the 3 requests decode together to the end (ignore_eos, one max_tokens): never a small batch
+            assert stats.qsa_row_cache_hits == stats.qsa_row_cache_misses == 0
 
 
 def offloaded_layer(arena_rows: int, max_cached_batch: int = 12) -> OffloadedKV:

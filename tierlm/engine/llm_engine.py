@@ -101,6 +101,7 @@ class EngineConfig:
     qsa_kv_offload: bool | None = None
     qsa_row_cache: bool = True  # with offload: keep recently read rows in VRAM (bit-identical)
     qsa_row_cache_rows: int = 16384  # with offload: rows of each QSA layer's VRAM arena (prefill staging, row cache)
+    qsa_row_cache_max_batch: int = 12  # decode batches of up to this many requests use the row cache
     enforce_eager: bool = False  # True: no CUDA graphs (nor compilation) for decode steps
     compile_decode: bool = False  # on CPU, torch.compile the decode step (slow start, ~2x faster steps)
 
@@ -154,10 +155,11 @@ class LLMEngine:
         self.cache = ModelCache(
             mc, plan.num_slots, plan.num_blocks, plan.block_size, dtype, device, kv_offload=plan.kv_offload,
             arena_rows=config.qsa_row_cache_rows, row_cache=config.qsa_row_cache,
+            row_cache_max_batch=config.qsa_row_cache_max_batch,
         )
         if plan.kv_offload:
-            logger.info("QSA K/V in host pools (%s)", f"row cache of {plan.arena_rows:,} rows per layer"
-                        if config.qsa_row_cache else "no row cache")
+            logger.info("QSA K/V in host pools (%s)", f"row cache of {plan.arena_rows:,} rows per layer for decode "
+                        f"batches of up to {config.qsa_row_cache_max_batch}" if config.qsa_row_cache else "no row cache")
         self.cache_manager = CacheManager(
             self.cache, config.max_num_seqs, plan.num_checkpoints, config.enable_prefix_caching
         )

@@ -24,7 +24,7 @@ import torch
 from tierlm.config import ModelConfig
 from tierlm.kernels.qsa_row_cache import QSARowCache
 from tierlm.memory.host_pool import allocate_pools
-from tierlm.model.qsa_offload import OffloadedKV
+from tierlm.model.qsa_offload import ROW_CACHE_MAX_BATCH, OffloadedKV
 
 
 @dataclass
@@ -60,10 +60,12 @@ class ModelCache:
         kv_offload: bool = False,
         arena_rows: int = 0,
         row_cache: bool = True,
+        row_cache_max_batch: int = ROW_CACHE_MAX_BATCH,
     ) -> None:
         """kv_offload: QSA K/V in exactly sized host pools (pinned on CUDA) instead of device memory, with
         a device arena of `arena_rows` rows per layer that stages prefill reads and, at decode, caches
-        recently read rows unless `row_cache` is False (see `qsa_offload`)."""
+        recently read rows for batches of up to `row_cache_max_batch` requests unless `row_cache` is False
+        (see `qsa_offload`)."""
         c = config
         if c.has_qsa and block_size % c.indexer_compress_ratio:
             raise ValueError(
@@ -95,7 +97,7 @@ class ModelCache:
             elif pools:
                 keys, values = pools[f"layer{layer_idx}.keys"], pools[f"layer{layer_idx}.values"]
                 state.key_cache, state.value_cache = keys.tensor, values.tensor
-                state.offload = OffloadedKV(keys, values, arena_rows, self.device, row_cache)
+                state.offload = OffloadedKV(keys, values, arena_rows, self.device, row_cache, row_cache_max_batch)
             else:
                 state.key_cache = torch.zeros(kv_shape, **alloc)
                 state.value_cache = torch.zeros(kv_shape, **alloc)

@@ -23,7 +23,7 @@ ENGINE_FLAGS = (
     "dtype", "device", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "seed", "enforce_eager",
     "enable_prefix_caching", "kv_cache_memory_bytes", "gpu_memory_utilization", "compile_decode",
     "max_state_checkpoints", "ple_table", "ple_prefetch", "qsa_kv_offload", "qsa_row_cache",
-    "qsa_row_cache_rows",
+    "qsa_row_cache_rows", "qsa_row_cache_max_batch",
 )
 
 
@@ -66,6 +66,8 @@ def add_parser(subparsers) -> None:
                         help="with --qsa-kv-offload: cache recently read rows in VRAM (default on)")
     engine.add_argument("--qsa-row-cache-rows", type=int, default=None,
                         help="with --qsa-kv-offload: rows of each QSA layer's VRAM arena (default 16384)")
+    engine.add_argument("--qsa-row-cache-max-batch", type=int, default=None,
+                        help="decode batches of up to this many requests read through the row cache (default 12)")
     engine.add_argument("--cpu-threads", type=int, default=None,
                         help="torch threads on CPU (default: cores - 1, leaving one to the HTTP side)")
     engine.add_argument("--gpu-memory-utilization", type=float, default=None,
