@@ -73,7 +73,7 @@ class Workload:
         """A staged prefill used the arena: the slots' bytes change, then the cache forgets them."""
         cache.keys.copy_(self.randn(cache.num_slots).to(cache.keys.dtype))
         cache.values.copy_(self.randn(cache.num_slots).to(cache.values.dtype))
-        cache.drop_all()
+        cache.drop_slots(cache.num_slots)
 
 
 def check_tags(cache: QSARowCache, work: Workload) -> None:
@@ -135,7 +135,7 @@ def test_collisions_hits_keep_their_slot_and_the_highest_claim_wins():
 
     cache.invalidate(torch.tensor([6, 7]))  # 6 rewritten: slot 2 empties; 7 was not cached
     assert cache.tags.tolist() == [-1, 5, -1, -1]
-    cache.drop_all()
+    cache.drop_slots(cache.num_slots)
     assert (cache.tags == -1).all()
 
 
@@ -165,7 +165,7 @@ def compare_triton_with_reference(steps: int, dtype: torch.dtype, split: int) ->
             work.overwrite_arena(reference)
             kernel.keys.copy_(reference.keys)
             kernel.values.copy_(reference.values)
-            kernel.drop_all()
+            kernel.drop_slots(kernel.num_slots)
         written, rows, valid = work.step()
         q = work.query()
         pools[0].tensor.copy_(work.host_k)

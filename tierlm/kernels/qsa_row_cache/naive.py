@@ -47,10 +47,6 @@ class QSARowCache:
         self.tags.scatter_reduce_(0, slots, torch.where(held == rows, -1, held), reduce="amin")
         self.epoch += 1
 
-    def drop_all(self) -> None:
-        """Forget every slot (the arena was overwritten)."""
-        self.tags.fill_(-1)
-
     def drop_slots(self, count: int) -> None:
         """Forget slots [0, count): a staged prefill overwrote the arena's first `count` rows."""
         self.tags[:count].fill_(-1)
