@@ -119,3 +119,24 @@ def test_prefill_in_query_groups_gives_what_one_group_gives(demo_dir, monkeypatc
         for got, want in zip(a.outputs[0].logprobs, c.outputs[0].logprobs):
             assert list(got) == list(want)
             assert [p.logprob for p in got.values()] == pytest.approx([p.logprob for p in want.values()], abs=1e-5)
+
+
+def test_offload_with_prefix_caching_equals_device_pools(demo_dir):
+    """Cached prefix blocks (shared rows, their slots in the row cache) and freed blocks reused by later
+    requests (new rows over old ones: their cached copies must go) change nothing."""
+    options = dict(device="cpu", max_model_len=512, max_num_seqs=2, kv_cache_memory_bytes=3_000_000)
+    shared = "def parse(tokens):\n    return [t for t in tokens]\n" * 6
+    rounds = [[shared + "x = 1\n", shared + "y = 2\n"], [shared + "z = 3\n"]]
+    rounds += [[f"class C{i}:\n" + f"    def m{i}(self): return {i}\n" * 30] * 2 for i in range(4)]
+    engines = {offload: LLM(str(demo_dir), **options, qsa_kv_offload=offload, qsa_row_cache_rows=97)
+               for offload in (False, True)}
+    blocks_used, block_size = 0, engines[True].engine.cache_plan.block_size
+    for prompts in rounds:
+        expected, got = (engines[offload].generate(prompts, PARAMS) for offload in (False, True))
+        for a, b in zip(got, expected):
+            assert a.outputs[0].token_ids == b.outputs[0].token_ids
+            assert [list(p.items()) for p in a.outputs[0].logprobs] == [list(p.items()) for p in b.outputs[0].logprobs]
+            blocks_used += -(-(len(a.prompt_token_ids) + len(a.outputs[0].token_ids)) // block_size)
+    assert blocks_used > engines[True].engine.cache_plan.num_blocks  # so freed blocks were handed out again
+    stats = engines[True].engine.stats()
+    assert stats.prefix_cache_hits > 0 and stats.qsa_row_cache_hits > 0
