@@ -77,6 +77,13 @@ def test_plan_rejects_a_budget_too_small(demo_dir, capsys):
     assert "raise --kv-cache-memory-bytes" in capsys.readouterr().err
 
 
+def test_row_cache_settings_out_of_range_are_refused(demo_dir, capsys):
+    assert main(["plan", str(demo_dir), "--kv-cache-memory-bytes", "20000000", "--qsa-row-cache-rows", "0"]) == 2
+    assert "--qsa-row-cache-rows must be at least 1, got 0" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="--qsa-row-cache-max-batch must be 0 or more, got -1"):
+        LLMEngine(EngineConfig(model=str(demo_dir), device="cpu", qsa_row_cache_max_batch=-1))
+
+
 # ---- where the QSA K/V go: auto, explicit, and the host RAM that bounds them -------------------------
 
 SMALL = dict(kv_cache_memory_bytes=12_000_000, qsa_row_cache_rows=1024)  # the device alone: 2.41 of 4 requests

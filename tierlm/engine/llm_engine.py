@@ -25,7 +25,7 @@ from tierlm.engine.scheduler import RequestListener, Scheduler
 from tierlm.memory.host_pool import DEFAULT_MARGIN_BYTES
 from tierlm.memory.ngram_prefetch import PrefetchWorker
 from tierlm.memory.ngram_store import NgramStore, find_table_dir
-from tierlm.memory.plan import CachePlan, cache_budget, host_budget, plan_cache
+from tierlm.memory.plan import CachePlan, CapacityError, cache_budget, host_budget, plan_cache
 from tierlm.model.loader import load_model, resolve_model_path
 from tierlm.model.model_cache import ModelCache
 from tierlm.model.static_decode import StaticDecodeRunner
@@ -45,6 +45,10 @@ def engine_cache_plan(
     host_memory_bytes: the host RAM to plan the offloaded QSA K/V with, instead of this machine's
     MemAvailable (the engine leaves it unset: `allocate_pools` checks MemAvailable anyway).
     """
+    if config.qsa_row_cache_rows < 1:
+        raise CapacityError(f"--qsa-row-cache-rows must be at least 1, got {config.qsa_row_cache_rows}")
+    if config.qsa_row_cache_max_batch < 0:
+        raise CapacityError(f"--qsa-row-cache-max-batch must be 0 or more, got {config.qsa_row_cache_max_batch}")
     max_model_len = config.max_model_len or model_config.max_position_embeddings
     budget, source = cache_budget(config.kv_cache_memory_bytes, config.gpu_memory_utilization, device, weights_bytes)
     host, host_source = host_budget(host_memory_bytes, DEFAULT_MARGIN_BYTES)
