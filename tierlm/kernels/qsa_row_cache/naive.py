@@ -115,12 +115,18 @@ def attend_rows(
     q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor, scale: float
 ) -> torch.Tensor:
     """q [M, nh, hd] over each query's own rows K, V [M, S, nkv, hd] where valid [M, S] -> [M, nh, hd]
-    (grouped-query: head h reads KV head h // (nh / nkv))."""
+    (grouped-query: head h reads KV head h // (nh / nkv)).
+
+    The nh / nkv query heads that share a KV head go in as that head's "sequence" of queries, so K and
+    V are never widened to nh heads (SDPA's enable_gqa would copy them nh / nkv times: 12x at the
+    target model's shapes, where a prefill query's rows are 4 MB before the copy).
+    """
+    num_kv_heads = keys.shape[2]
     attn = F.scaled_dot_product_attention(
-        q.unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=valid[:, None, None, :],
-        scale=scale, enable_gqa=True,
-    )  # [M, nh, 1, hd]
-    return attn.squeeze(2)
+        q.unflatten(1, (num_kv_heads, -1)), keys.transpose(1, 2), values.transpose(1, 2),
+        attn_mask=valid[:, None, None, :], scale=scale,
+    )  # [M, nkv, nh / nkv, hd]
+    return attn.flatten(1, 2)
 
 
 def decode_attention(

@@ -223,12 +223,11 @@ class QSAAttention(nn.Module):
     def query_group(self, num_block_keys: int, dtype: torch.dtype) -> int:
         """How many prefill queries to score, select and attend at once so that their working tensors
         stay within PREFILL_GROUP_BYTES: per query the indexer's fp32 products and sort over every block
-        key of the context, and its S selected K/V rows, gathered and then widened to every query head
-        by grouped-query attention. At the target model's shapes and 262k context that is ~55 MB per
-        query: a whole chunk at once would take tens of GB."""
+        key of the context, its S selected K and V rows, and its fp32 attention weights. At the target
+        model's shapes and 262k context that is ~10 MB per query (a whole chunk at once would take GBs)."""
         selected = self.indexer.block_topk * self.indexer.ratio + self.indexer.ratio - 1
         per_query = num_block_keys * (4 * self.indexer.n_heads + 4 + 8)
-        per_query += selected * 2 * (self.num_kv_heads + self.num_heads) * self.head_dim * dtype.itemsize
+        per_query += selected * (2 * self.num_kv_heads * self.head_dim * dtype.itemsize + 4 * self.num_heads)
         return max(1, PREFILL_GROUP_BYTES // per_query)
 
     def _prefill_reader(self, rows: torch.Tensor, valid: torch.Tensor, state: LayerState):
