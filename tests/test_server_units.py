@@ -27,6 +27,7 @@ class FakeEngine:
     def __init__(self) -> None:
         self.requests: dict[str, tuple[list[int], SamplingParams, list[int]]] = {}
         self.aborted: list[str] = []
+        self.steps = self.stats_calls = 0
 
     def add_request(self, prompt, params, request_id, prompt_text=None):
         if prompt == [POISON_ADD]:
@@ -35,6 +36,7 @@ class FakeEngine:
         return request_id
 
     def step(self):
+        self.steps += 1
         time.sleep(0.002)
         if any(prompt == [POISON_STEP] for prompt, _, _ in self.requests.values()):
             raise RuntimeError("kernel exploded")
@@ -57,6 +59,7 @@ class FakeEngine:
         return bool(self.requests)
 
     def stats(self):
+        self.stats_calls += 1
         return EngineStats(len(self.requests), 0, 0.0, 0, 0, 0)
 
 
@@ -203,3 +206,12 @@ def test_metrics_report_the_row_cache_hit_rate():
     assert b'tierlm:qsa_row_cache_hits_total{model_name="m"} 3.0' in rendered
     empty = Metrics("m", lambda: EngineStats(0, 0, 0.0, 0, 0, 0)).render()
     assert b'tierlm:qsa_row_cache_hit_rate{model_name="m"} 0.0' in empty
+
+
+def test_a_busy_engine_is_not_asked_for_stats_after_every_step():
+    async def scenario(engine, fake):
+        await generate(engine, "long", [[1]], max_tokens=200)  # 200 steps of 2 ms and more
+        await until(lambda: engine.stats.num_running == 0)  # the idle engine's snapshot is fresh
+        assert fake.steps == 200 and fake.stats_calls < 20
+
+    run(scenario)

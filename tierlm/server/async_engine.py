@@ -38,6 +38,7 @@ logger = logging.getLogger("tierlm.server")
 
 _ACCEPTED = object()  # delivered once all of a job's prompts are queued in the engine
 _STOP = object()
+STATS_INTERVAL_S = 0.25  # while the engine is busy, /metrics' engine gauges are at most this old
 
 
 class EngineRequestError(RuntimeError):
@@ -119,6 +120,7 @@ class AsyncEngine:
     def __init__(self, engine: LLMEngine, model_name: str) -> None:
         self.engine = engine
         self.stats: EngineStats = engine.stats()  # replaced (never mutated) by the engine thread
+        self._stats_at = time.monotonic()
         self.metrics = Metrics(model_name, lambda: self.stats)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._tracked: dict[str, _Tracked] = {}  # engine request id -> its book-keeping (engine thread only)
@@ -174,7 +176,10 @@ class AsyncEngine:
                     self._fail(job, None)
             if self.engine.has_unfinished_requests():
                 self._step()
-            self.stats = self.engine.stats()
+            # a snapshot reads device counters: not after every step of a busy engine, always once it is idle
+            now = time.monotonic()
+            if not self.engine.has_unfinished_requests() or now - self._stats_at >= STATS_INTERVAL_S:
+                self.stats, self._stats_at = self.engine.stats(), now
 
     def _take_commands(self, block: bool) -> list:
         commands = [self._inbox.get()] if block else []
