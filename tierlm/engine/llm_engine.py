@@ -25,7 +25,7 @@ from tierlm.engine.scheduler import RequestListener, Scheduler
 from tierlm.memory.host_pool import DEFAULT_MARGIN_BYTES
 from tierlm.memory.ngram_prefetch import PrefetchWorker
 from tierlm.memory.ngram_store import NgramStore, find_table_dir
-from tierlm.memory.plan import CachePlan, CapacityError, cache_budget, host_budget, plan_cache
+from tierlm.memory.plan import CachePlan, CacheSettings, CapacityError, cache_budget, host_budget, plan_cache
 from tierlm.model.loader import load_model, resolve_model_path
 from tierlm.model.model_cache import ModelCache
 from tierlm.model.static_decode import StaticDecodeRunner
@@ -55,12 +55,12 @@ def engine_cache_plan(
     checkpoints = 0
     if config.enable_prefix_caching and model_config.has_qsa:
         checkpoints = 2 * config.max_num_seqs if config.max_state_checkpoints is None else config.max_state_checkpoints
-    return plan_cache(
-        model_config, dtype, block_size=config.block_size, max_model_len=max_model_len,
-        max_num_seqs=config.max_num_seqs, budget_bytes=budget, budget_source=source, num_checkpoints=checkpoints,
-        kv_offload=config.qsa_kv_offload, device_type=torch.device(device).type,
-        arena_rows=config.qsa_row_cache_rows, host_available_bytes=host, host_source=host_source,
-    )
+    return plan_cache(model_config, dtype, CacheSettings(
+        block_size=config.block_size, max_model_len=max_model_len, max_num_seqs=config.max_num_seqs,
+        num_checkpoints=checkpoints, budget_bytes=budget, budget_source=source, kv_offload=config.qsa_kv_offload,
+        device_type=torch.device(device).type, arena_rows=config.qsa_row_cache_rows, host_available_bytes=host,
+        host_source=host_source,
+    ))
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,6 @@ arena (prefill staging and decode row cache); the number of blocks is then bound
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass, replace
 
@@ -187,22 +186,24 @@ class CachePlan:
         ]
 
 
-def plan_cache(
-    config: ModelConfig,
-    dtype: str,
-    *,
-    block_size: int,
-    max_model_len: int,
-    max_num_seqs: int,
-    budget_bytes: int,
-    budget_source: str,
-    num_checkpoints: int,
-    kv_offload: bool | None,
-    device_type: str,
-    arena_rows: int,
-    host_available_bytes: int,
-    host_source: str,
-) -> CachePlan:
+@dataclass(frozen=True)
+class CacheSettings:
+    """What a plan is asked for: the engine's settings and the memory each side may use."""
+
+    block_size: int
+    max_model_len: int
+    max_num_seqs: int
+    num_checkpoints: int
+    budget_bytes: int  # device
+    budget_source: str
+    kv_offload: bool | None  # QSA K/V in host pools; None: auto
+    device_type: str
+    arena_rows: int  # with offload, per QSA layer
+    host_available_bytes: int  # for the host pools, the safety margin already taken off
+    host_source: str
+
+
+def plan_cache(config: ModelConfig, dtype: str, settings: CacheSettings) -> CachePlan:
     """Split the budget: slots for running requests and checkpoints first, the rest into blocks.
 
     Blocks are capped at twice what max_num_seqs requests of max_model_len can use (the second half
@@ -212,26 +213,24 @@ def plan_cache(
     and only when the device alone holds fewer than max_num_seqs requests of max_model_len and the
     offloaded plan holds more blocks: auto never plans less than the device alone would.
     """
-    split = functools.partial(
-        _split, config, dtype, block_size=aligned_block_size(config, block_size), max_model_len=max_model_len,
-        max_num_seqs=max_num_seqs, budget_bytes=budget_bytes, budget_source=budget_source,
-        num_checkpoints=num_checkpoints, arena_rows=arena_rows, host_available_bytes=host_available_bytes,
-        host_source=host_source,
-    )
-    if kv_offload is not None:
-        return split(kv_offload, "--qsa-kv-offload" if kv_offload else "--no-qsa-kv-offload")
-    if device_type != "cuda":
-        return split(False, f"auto: off on {device_type}")
+    settings = replace(settings, block_size=aligned_block_size(config, settings.block_size))
+    seqs = settings.max_num_seqs
+    if settings.kv_offload is not None:
+        flag = "--qsa-kv-offload" if settings.kv_offload else "--no-qsa-kv-offload"
+        return _split(config, dtype, settings, settings.kv_offload, flag)
+    if settings.device_type != "cuda":
+        return _split(config, dtype, settings, False, f"auto: off on {settings.device_type}")
     try:
-        on_device = split(False, f"auto: the device holds max_num_seqs {max_num_seqs} requests of max_model_len")
+        on_device = _split(config, dtype, settings, False,
+                           f"auto: the device holds max_num_seqs {seqs} requests of max_model_len")
     except CapacityError:
-        return split(True, "auto: the device alone cannot hold one request of max_model_len")
-    if on_device.requests_at_max_len >= max_num_seqs:
+        return _split(config, dtype, settings, True, "auto: the device alone cannot hold one request of max_model_len")
+    if on_device.requests_at_max_len >= seqs:
         return on_device
-    short = (f"auto: the device alone holds {on_device.requests_at_max_len:.2f} of max_num_seqs {max_num_seqs} "
+    short = (f"auto: the device alone holds {on_device.requests_at_max_len:.2f} of max_num_seqs {seqs} "
              "requests of max_model_len")
     try:
-        offloaded = split(True, short)
+        offloaded = _split(config, dtype, settings, True, short)
     except CapacityError:
         return replace(on_device, kv_placement=f"{short}; offloaded they would not fit")
     if offloaded.num_blocks <= on_device.num_blocks:
@@ -239,61 +238,46 @@ def plan_cache(
     return offloaded
 
 
-def _split(
-    config: ModelConfig,
-    dtype: str,
-    kv_offload: bool,
-    kv_placement: str,
-    *,
-    block_size: int,
-    max_model_len: int,
-    max_num_seqs: int,
-    budget_bytes: int,
-    budget_source: str,
-    num_checkpoints: int,
-    arena_rows: int,
-    host_available_bytes: int,
-    host_source: str,
-) -> CachePlan:
+def _split(config: ModelConfig, dtype: str, s: CacheSettings, kv_offload: bool, kv_placement: str) -> CachePlan:
     """The plan for one placement of the QSA K/V; CapacityError when one request does not fit."""
     kv_offload = kv_offload and config.has_qsa
-    kv_block, index_block = kv_block_bytes(config, dtype, block_size), index_block_bytes(config, dtype, block_size)
+    kv_block, index_block = kv_block_bytes(config, dtype, s.block_size), index_block_bytes(config, dtype, s.block_size)
     one_block, host_block = (index_block, kv_block) if kv_offload else (kv_block + index_block, 0)
-    arenas = arena_bytes(config, dtype, arena_rows) if kv_offload else 0
+    arenas = arena_bytes(config, dtype, s.arena_rows) if kv_offload else 0
     one_slot = slot_bytes(config, dtype)
-    per_request_blocks = math.ceil(max_model_len / block_size)
-    num_slots = max_num_seqs + num_checkpoints + 1
+    per_request_blocks = math.ceil(s.max_model_len / s.block_size)
+    num_slots = s.max_num_seqs + s.num_checkpoints + 1
     held = f"{num_slots} state slots of {one_slot:,} B" + (f" and QSA arenas of {arenas:,} B" if arenas else "")
-    free = budget_bytes - num_slots * one_slot - arenas
+    free = s.budget_bytes - num_slots * one_slot - arenas
     if one_block:
         fit = free // one_block - 1  # one scratch block
-        host_fit = host_available_bytes // host_block - 1 if host_block else fit
-        num_blocks = min(fit, host_fit, 2 * max_num_seqs * per_request_blocks)
+        host_fit = s.host_available_bytes // host_block - 1 if host_block else fit
+        num_blocks = min(fit, host_fit, 2 * s.max_num_seqs * per_request_blocks)
         if fit < per_request_blocks:
             raise CapacityError(
-                f"the cache budget of {budget_bytes:,} B ({budget_source}) holds {max(fit, 0):,} blocks of "
-                f"{block_size} tokens after {held}, but one request of max_model_len {max_model_len:,} needs "
+                f"the cache budget of {s.budget_bytes:,} B ({s.budget_source}) holds {max(fit, 0):,} blocks of "
+                f"{s.block_size} tokens after {held}, but one request of max_model_len {s.max_model_len:,} needs "
                 f"{per_request_blocks:,} blocks ({one_block:,} B each); raise --kv-cache-memory-bytes or lower "
                 "--max-model-len / --max-num-seqs" + (" / --qsa-row-cache-rows" if arenas else "")
             )
         if host_fit < per_request_blocks:
             raise CapacityError(
-                f"host RAM for the QSA K/V: {host_available_bytes:,} B available ({host_source}) holds "
-                f"{max(host_fit, 0):,} blocks of {block_size} tokens (+1 scratch), but one request of max_model_len "
-                f"{max_model_len:,} needs {per_request_blocks:,} blocks of {host_block:,} B = "
+                f"host RAM for the QSA K/V: {s.host_available_bytes:,} B available ({s.host_source}) holds "
+                f"{max(host_fit, 0):,} blocks of {s.block_size} tokens (+1 scratch), but one request of "
+                f"max_model_len {s.max_model_len:,} needs {per_request_blocks:,} blocks of {host_block:,} B = "
                 f"{per_request_blocks * host_block:,} B; free host memory or lower --max-model-len"
             )
     else:
         num_blocks = 0
         if free < 0:
-            raise CapacityError(f"the cache budget of {budget_bytes:,} B ({budget_source}) cannot hold {held}")
+            raise CapacityError(f"the cache budget of {s.budget_bytes:,} B ({s.budget_source}) cannot hold {held}")
     return CachePlan(
-        dtype=dtype, block_size=block_size, budget_bytes=budget_bytes, budget_source=budget_source,
-        max_model_len=max_model_len, max_num_seqs=max_num_seqs, num_blocks=num_blocks,
-        num_checkpoints=num_checkpoints, block_bytes=one_block, slot_bytes=one_slot,
+        dtype=dtype, block_size=s.block_size, budget_bytes=s.budget_bytes, budget_source=s.budget_source,
+        max_model_len=s.max_model_len, max_num_seqs=s.max_num_seqs, num_blocks=num_blocks,
+        num_checkpoints=s.num_checkpoints, block_bytes=one_block, slot_bytes=one_slot,
         layers=tuple(layer_bytes(config, dtype)), kv_offload=kv_offload, kv_placement=kv_placement,
-        host_block_bytes=host_block, host_available_bytes=host_available_bytes, host_source=host_source,
-        arena_rows=arena_rows if kv_offload else 0, arena_bytes=arenas,
+        host_block_bytes=host_block, host_available_bytes=s.host_available_bytes, host_source=s.host_source,
+        arena_rows=s.arena_rows if kv_offload else 0, arena_bytes=arenas,
     )
 
 
