@@ -18,7 +18,7 @@ from tierlm.model.layers.hyper_connection import HyperConnection
 from tierlm.model.layers.moe import SparseMoeBlock
 from tierlm.model.layers.ple import PLELayer, shifted_token_streams
 from tierlm.model.layers.qsa_attention import QSAAttention
-from tierlm.model.layers.rotary import RotaryEmbedding
+from tierlm.model.layers.rotary import Rope, RotaryEmbedding
 from tierlm.model.model_cache import LayerState, ModelCache
 
 
@@ -39,7 +39,7 @@ class DecoderLayer(nn.Module):
         self.mlp = SparseMoeBlock(c)
 
     def forward(
-        self, streams: torch.Tensor, batch: ForwardBatch, state: LayerState, rotary: RotaryEmbedding,
+        self, streams: torch.Tensor, batch: ForwardBatch, state: LayerState, rope: Rope,
         token_streams: torch.Tensor | None,
     ) -> torch.Tensor:
         if self.ple is not None:
@@ -48,7 +48,7 @@ class DecoderLayer(nn.Module):
         if self.layer_type == "linear_attention":
             out = self.linear_attn(x, batch, state)
         else:
-            out = self.self_attn(x, batch, state, rotary)
+            out = self.self_attn(x, batch, state, rope)
         streams = HyperConnection.combine(streams, out, inject)
         x, inject = self.mlp_hyper_connection.mix(streams)
         return HyperConnection.combine(streams, self.mlp(x, batch.static), inject)
@@ -73,8 +73,9 @@ class Qwen4ExpTextModel(nn.Module):
         token_streams = None
         if c.ple_layer_ids and batch.ple_embeddings is None:
             token_streams = shifted_token_streams(batch, cache.ngram_context, c.eos_token_id, c.ngram_size)
+        rope = Rope(self.rotary, batch.positions, streams.dtype)
         for layer, state in zip(self.layers, cache.layers):
-            streams = layer(streams, batch, state, self.rotary, token_streams)
+            streams = layer(streams, batch, state, rope, token_streams)
         self._advance_ngram_context(batch, cache)
         mixed, _ = self.hyper_connection_mixer.mix(streams[batch.logits_rows])
         return mixed

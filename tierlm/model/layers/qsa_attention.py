@@ -28,7 +28,7 @@ from tierlm.kernels.qsa_row_cache import attend_rows
 from tierlm.model.forward_batch import ForwardBatch
 from tierlm.model.layers.norm import RMSNorm
 from tierlm.model.layers.packed_linear import PackedLinear
-from tierlm.model.layers.rotary import apply_rotary
+from tierlm.model.layers.rotary import Rope, apply_rotary
 from tierlm.model.model_cache import LayerState
 
 PREFILL_GROUP_BYTES = 256 << 20  # working memory of one group of prefill queries (see `query_group`)
@@ -76,7 +76,7 @@ class QSAIndexer(nn.Module):
 
     def store_block_keys(
         self, raw_keys: torch.Tensor, context_len: int, slot: int, block_table: torch.Tensor,
-        state: LayerState, rotary, dtype: torch.dtype,
+        state: LayerState, rope: Rope,
     ) -> None:
         """Complete the blocks this chunk closes, write their keys, keep the open block's raw keys."""
         r = self.ratio
@@ -86,7 +86,7 @@ class QSAIndexer(nn.Module):
         complete = pending.shape[0] // r
         if complete:
             starts = torch.arange(first_block, first_block + complete, device=raw_keys.device) * r
-            cos, sin = rotary.cos_sin(starts, dtype)
+            cos, sin = rope.at(starts)
             keys = self.compress(pending[: complete * r].unflatten(0, (complete, r)), cos, sin)
             per_block = state.block_size // r
             physical = block_table[starts // state.block_size] * per_block + (starts % state.block_size) // r
@@ -120,7 +120,7 @@ class QSAIndexer(nn.Module):
 
     # ---- decode: one token per request, static shapes, no host sync ------------------------------------
     def store_block_key_decode(
-        self, raw_keys: torch.Tensor, batch: ForwardBatch, state: LayerState, rotary, dtype: torch.dtype
+        self, raw_keys: torch.Tensor, batch: ForwardBatch, state: LayerState, rope: Rope
     ) -> None:
         """Put each new raw key in its request's ring; where it closes a block, write the block's key.
 
@@ -132,7 +132,7 @@ class QSAIndexer(nn.Module):
         offset = context % r
         state.index_ring[batch.slots, offset] = raw_keys
         starts = context - offset  # first position of the open block
-        cos, sin = rotary.cos_sin(starts, dtype)
+        cos, sin = rope.at(starts)
         keys = self.compress(state.index_ring[batch.slots], cos, sin)
         block = batch.block_tables.gather(1, (starts // bs)[:, None]).squeeze(1)
         row = block * (bs // r) + (starts % bs) // r
@@ -178,9 +178,9 @@ class QSAAttention(nn.Module):
         self.indexer = QSAIndexer(c)
         self.scale = self.head_dim**-0.5
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, state: LayerState, rotary) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, state: LayerState, rope: Rope) -> torch.Tensor:
         n = x.shape[0]
-        cos, sin = rotary.cos_sin(batch.positions, x.dtype)
+        cos, sin = rope.cos, rope.sin
         q_and_gate, k, v = self.qkv_proj(x)
         q, gate = q_and_gate.reshape(n, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
         gate = gate.reshape(n, -1)
@@ -195,13 +195,13 @@ class QSAAttention(nn.Module):
 
         index_q, raw_keys = self.indexer.project(x, cos, sin)
         if batch.is_decode_only:
-            return self._decode(q, gate, index_q, raw_keys, batch, state, rotary)
+            return self._decode(q, gate, index_q, raw_keys, batch, state, rope)
         out = torch.empty(n, self.num_heads, self.head_dim, dtype=x.dtype, device=x.device)
         r, bs = self.indexer.ratio, state.block_size
         for i, (start, end) in enumerate(batch.bounds):
             table, ctx = batch.block_tables[i], batch.context_lens[i]
             self.indexer.store_block_keys(
-                raw_keys[start:end], ctx, batch.state_slots[i], table, state, rotary, x.dtype
+                raw_keys[start:end], ctx, batch.state_slots[i], table, state, rope
             )
             block_keys = gather_rows(state.index_keys, table, (ctx + end - start) // r, bs // r)
             tables = torch.where(table < 0, state.scratch_block, table)
@@ -242,8 +242,8 @@ class QSAAttention(nn.Module):
         keys = state.key_cache.view(-1, self.num_kv_heads, self.head_dim)[rows]
         return keys, state.value_cache.view(-1, self.num_kv_heads, self.head_dim)[rows]
 
-    def _decode(self, q, gate, index_q, raw_keys, batch: ForwardBatch, state: LayerState, rotary) -> torch.Tensor:
-        self.indexer.store_block_key_decode(raw_keys, batch, state, rotary, q.dtype)
+    def _decode(self, q, gate, index_q, raw_keys, batch: ForwardBatch, state: LayerState, rope: Rope) -> torch.Tensor:
+        self.indexer.store_block_key_decode(raw_keys, batch, state, rope)
         selection = self.indexer.select_decode(index_q, batch, state)
         if state.offload is not None:  # rows read over UVA, through the row cache
             out = state.offload.decode_attention(q, selection.rows, selection.valid, self.scale)

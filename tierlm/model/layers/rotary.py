@@ -25,6 +25,18 @@ class RotaryEmbedding:
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
+class Rope:
+    """The rotary tables of one forward: cos/sin at the tokens' positions, computed once here for every
+    attention layer (not once per layer), and at other positions (the indexer's block starts) on demand."""
+
+    def __init__(self, rotary: RotaryEmbedding, positions: torch.Tensor, dtype: torch.dtype) -> None:
+        self.rotary, self.dtype = rotary, dtype
+        self.cos, self.sin = rotary.cos_sin(positions, dtype)
+
+    def at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.rotary.cos_sin(positions, self.dtype)
+
+
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [N, heads, D]; cos/sin [N, rotary_dim] (rotary_dim <= D)."""
     rd = cos.shape[-1]
