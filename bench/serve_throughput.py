@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import socket
@@ -23,6 +24,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
+
+from tierlm.tools.bench.client import GenerationSettings, ServerTarget, StreamedReply, StreamingClient
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -78,21 +81,19 @@ def throughput(base: str, streams: int, prompt_tokens: int, output_tokens: int) 
 
 
 def streamed_chat(base: str, messages: list[dict], max_tokens: int) -> tuple[float, str]:
-    """(seconds to the first streamed content, the whole answer) of one chat completion."""
-    body = {"model": served_name(base), "messages": messages, "max_tokens": max_tokens, "temperature": 0,
-            "stream": True, "ignore_eos": True}
-    start, first, text = time.perf_counter(), None, []
-    with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=600) as response:
-        response.raise_for_status()
-        for line in response.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            choices = json.loads(line[6:])["choices"]
-            piece = choices[0]["delta"].get("content") if choices else None
-            if piece and first is None:
-                first = time.perf_counter() - start
-            text.append(piece or "")
-    return first, "".join(text)
+    """(seconds to the first streamed content, the whole answer) of one chat completion, timed by
+    `tierlm bench`'s client."""
+    target = ServerTarget.from_base_url(base, served_name(base), "chat", api_key=None)
+    settings = GenerationSettings(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
+
+    async def one() -> StreamedReply:
+        async with httpx.AsyncClient(timeout=600) as http:
+            return await StreamingClient(http, target, settings).complete(messages)
+
+    reply = asyncio.run(one())
+    if reply.error:
+        raise RuntimeError(reply.error)
+    return reply.token_times[0] - reply.sent_at, reply.text
 
 
 def second_turn_ttft(base: str, first_message: str, follow_up: str) -> float:
