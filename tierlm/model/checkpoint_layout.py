@@ -5,6 +5,9 @@ generator (what to write) and the capacity planner (bytes per tier). Names are g
 prefix that `Qwen4ExpForCausalLM` uses; the VLM checkpoint's `model.language_model.` prefix is mapped by
 the loader. Experts are per-expert tensors on disk; PLE tables are split into `shard_{j}` parts exactly as
 `torch.chunk(table, split_ngram_parts)` splits them.
+
+With a quantization config, each linear or embedding weight whose module is quantized is replaced by
+its format's tensors (e.g. `weight_packed` int32, `weight_scale`, `weight_shape`).
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ from dataclasses import dataclass
 
 from tierlm.config import ModelConfig
 from tierlm.model.ngram_hash import NgramHashSpec
+from tierlm.model.quantization.base import DENSE, QuantizationError
+from tierlm.model.quantization.config import QuantizationConfig
 
 PREFIX = "model."
 
@@ -22,7 +27,10 @@ PREFIX = "model."
 class TensorSpec:
     name: str
     shape: tuple[int, ...]
-    kind: str = "weight"  # weight | norm (Gemma 1+w, zero-init) | ones | int64 (hash buffers) | ple_table
+    # weight | norm (Gemma 1+w, zero-init) | ones | int64 (hash buffers) | ple_table | quantized (packed
+    # integers and their shapes) | scale (quantization scales)
+    kind: str = "weight"
+    dtype: str | None = None  # int32 | int64 for integer tensors of quantized modules; None: as the kind says
 
 
 def ple_shard_rows(rows: int, parts: int) -> list[int]:
@@ -135,8 +143,40 @@ def ple_hash_buffers(c: ModelConfig, ple_index: int) -> dict[str, list[int]]:
     }
 
 
-def checkpoint_layout(c: ModelConfig) -> list[TensorSpec]:
+def checkpoint_layout(c: ModelConfig, quantization: QuantizationConfig | None = None) -> list[TensorSpec]:
     """Every tensor of a `Qwen4ExpForCausalLM` checkpoint, in module order."""
+    specs = _dense_layout(c)
+    return specs if quantization is None else [q for spec in specs for q in _stored(spec, quantization)]
+
+
+def weight_module(spec: TensorSpec) -> tuple[str, str] | None:
+    """(module, kind) of a linear or embedding weight a quantization config may cover, else None."""
+    if spec.kind != "weight" or len(spec.shape) != 2 or not spec.name.endswith(".weight"):
+        return None
+    module = spec.name[: -len(".weight")]
+    return module, "embedding" if module.endswith("embed_tokens") else "linear"
+
+
+def _stored(spec: TensorSpec, quantization: QuantizationConfig) -> list[TensorSpec]:
+    """The tensors a checkpoint stores for one dense-layout tensor under `quantization`."""
+    found = weight_module(spec)
+    if found is None:
+        return [spec]
+    module, kind = found
+    fmt = quantization.format_of(module, kind)
+    if fmt == DENSE:
+        return [spec]
+    try:
+        tensors = fmt.checkpoint_tensors(*spec.shape)
+    except QuantizationError as exc:
+        raise QuantizationError(f"{module} ({fmt.label}): {exc}") from None
+    return [
+        TensorSpec(f"{module}.{name}", t.shape, "quantized" if t.dtype else "scale", t.dtype)
+        for name, t in tensors.items()
+    ]
+
+
+def _dense_layout(c: ModelConfig) -> list[TensorSpec]:
     specs = [TensorSpec(f"{PREFIX}embed_tokens.weight", (c.vocab_size, c.hidden_size))]
     for layer in range(c.num_hidden_layers):
         p = f"{PREFIX}layers.{layer}"

@@ -5,12 +5,19 @@ checkpoint tensor is read from the memory-mapped safetensors file straight into 
 expert tensors into slices of the stacked expert weights, PLE `shard_{j}` parts into row ranges of one
 table), so no second full copy of the weights is ever held. The checkpoint is checked against
 `checkpoint_layout` before any data is read: a missing, unexpected or misshapen tensor fails with its
-name and the expected shape.
+name and the expected shape; unknown tensors of known modules (e.g. activation scales) are skipped with
+one log line.
+
+Quantized checkpoints: the `quantization_config` in config.json gives each checkpoint module a weight
+format (`tierlm.model.quantization`); each layer gets the quant method of its modules before the model is
+materialised, so packed weights are allocated packed and copied in packed (only small zero points are
+unpacked), never dequantized.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import re
 from pathlib import Path
 
@@ -19,16 +26,21 @@ from safetensors import safe_open
 
 from tierlm.config import ModelConfig
 from tierlm.model.checkpoint_layout import PREFIX, checkpoint_layout, ple_hash_buffers, ple_shard_rows
-from tierlm.model.layers.packed_linear import PackedLinear
+from tierlm.model.quantization.base import DENSE, ModulePart, QuantizationError
+from tierlm.model.quantization.config import QuantizationConfig, module_format
 from tierlm.model.qwen4_exp import Qwen4ExpForCausalLM
+
+logger = logging.getLogger(__name__)
 
 VLM_PREFIX = "model.language_model."
 # tensors of parts tierlm builds elsewhere (vision tower, MTP draft head): not part of the text model
 IGNORED_PREFIXES = ("model.visual.", "mtp.")
+# tensors of known parts that inference does not use (skipped with the unknown tensors of known modules)
+UNUSED_PREFIXES = ("model.hyper_connection_mixer.block_inject_weight.",)
+INT_TAGS = {"int32": "I32", "int64": "I64"}
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
-_EXPERT = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
 _PLE_SHARD = re.compile(r"(model\.layers\.\d+\.ple)\.ple_embedding\.ngram_embedding\.shard_(\d+)\.weight")
 _PLE_BUFFER = re.compile(r"model\.layers\.(\d+)\.ple\.ple_embedding\.(\w+)")
 
@@ -94,31 +106,65 @@ def _canonical(name: str) -> str | None:
     return name
 
 
-def _index_tensors(files: list[Path]) -> dict[str, tuple[Path, str, tuple[int, ...]]]:
-    """canonical name -> (file, name in file, shape), reading headers only."""
+def _index_tensors(files: list[Path]) -> dict[str, tuple[Path, str, tuple[int, ...], str]]:
+    """canonical name -> (file, name in file, shape, safetensors dtype tag), reading headers only."""
     found = {}
     for file in files:
         with safe_open(file, framework="pt") as f:
             for name in f.keys():
                 canonical = _canonical(name)
                 if canonical is not None:
-                    found[canonical] = (file, name, tuple(f.get_slice(name).get_shape()))
+                    view = f.get_slice(name)
+                    found[canonical] = (file, name, tuple(view.get_shape()), view.get_dtype())
     return found
 
 
-def _check_layout(config: ModelConfig, found: dict) -> None:
-    expected = {spec.name: spec.shape for spec in checkpoint_layout(config)}
+def _check_layout(config: ModelConfig, found: dict, quantization: QuantizationConfig | None) -> list[str]:
+    """Check names, shapes and integer dtypes against the layout; returns the tensors to skip: unknown
+    tensors of known modules (scales of activation quantization, hash statistics, ...), which vLLM ignores
+    too. A tensor of a module the config does not have is an error."""
+    try:
+        layout = checkpoint_layout(config, quantization)
+    except QuantizationError as exc:
+        raise CheckpointError(str(exc)) from None
+    expected = {spec.name: spec for spec in layout}
     missing = [n for n in expected if n not in found]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        raise CheckpointError(f"missing tensor {missing[0]} (expected shape {list(expected[missing[0]])}){more}")
+        spec = expected[missing[0]]
+        raise CheckpointError(f"missing tensor {missing[0]} (expected shape {list(spec.shape)}){more}")
+    modules = {name.rsplit(".", 1)[0] for name in expected}
     unexpected = sorted(n for n in found if n not in expected)
-    if unexpected:
-        more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
-        raise CheckpointError(f"unexpected tensor {unexpected[0]} in the checkpoint{more}; it does not fit the config")
-    for name, shape in expected.items():
-        if found[name][2] != shape:
-            raise CheckpointError(f"tensor {name} has shape {list(found[name][2])}, expected {list(shape)}")
+    skipped = [n for n in unexpected if n.rsplit(".", 1)[0] in modules or n.startswith(UNUSED_PREFIXES)]
+    foreign = [n for n in unexpected if n not in set(skipped)]
+    if foreign:
+        more = f" (and {len(foreign) - 1} more)" if len(foreign) > 1 else ""
+        raise CheckpointError(f"unexpected tensor {foreign[0]} in the checkpoint{more}; it does not fit the config")
+    for name, spec in expected.items():
+        if found[name][2] != spec.shape:
+            raise CheckpointError(f"tensor {name} has shape {list(found[name][2])}, expected {list(spec.shape)}")
+        if spec.dtype is not None and found[name][3] != INT_TAGS[spec.dtype]:
+            raise CheckpointError(f"tensor {name} is {found[name][3]}, expected {INT_TAGS[spec.dtype]} ({spec.dtype})")
+    if skipped:
+        shown = ", ".join(skipped[:3]) + (", ..." if len(skipped) > 3 else "")
+        logger.info("skipping %d checkpoint tensors inference does not use: %s", len(skipped), shown)
+    return skipped
+
+
+def _attach_formats(model: Qwen4ExpForCausalLM, quantization: QuantizationConfig | None) -> None:
+    """Give every linear, embedding and experts layer the quant method of its checkpoint modules."""
+    if quantization is None:
+        return
+    for path, module in model.named_modules():
+        if hasattr(module, "checkpoint_modules"):
+            names = [part.name for part in module.checkpoint_modules(path)]
+            kind = "embedding" if module.kind == "embedding" else "linear"
+            try:
+                module.set_format(module_format(quantization, names, kind, path))
+            except QuantizationError as exc:
+                raise CheckpointError(f"{path}: {exc}") from None
+    if model.config.tie_word_embeddings and model.lm_head.quant_method.format != DENSE:
+        raise CheckpointError("tie_word_embeddings with a quantized lm_head / embedding is not supported")
 
 
 def load_model(
@@ -131,11 +177,16 @@ def load_model(
     config = ModelConfig.from_pretrained(model_dir)
     target_dtype = resolve_dtype(dtype, config)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    quantization = read_quantization_config(model_dir)
     found = _index_tensors(checkpoint_files(model_dir))
-    _check_layout(config, found)
+    if quantization is not None:
+        quantization = quantization.bind_checkpoint(set(found))
+    skipped = set(_check_layout(config, found, quantization))
 
     with torch.device("meta"):
-        model = Qwen4ExpForCausalLM(config).to(target_dtype)
+        model = Qwen4ExpForCausalLM(config)
+        _attach_formats(model, quantization)
+        model = model.to(target_dtype)
     if mapped_ple_tables:
         for layer in model.model.layers:
             if layer.ple is not None:
@@ -144,13 +195,22 @@ def load_model(
     model.tie_weights()
     destination = _Destinations(model, config)
     handles: dict[Path, object] = {}
-    for name, (file, name_in_file, _) in found.items():
-        if mapped_ple_tables and _PLE_SHARD.fullmatch(name):
+    for name, (file, name_in_file, _, _) in found.items():
+        if name in skipped or (mapped_ple_tables and _PLE_SHARD.fullmatch(name)):
             continue
         if file not in handles:
             handles[file] = safe_open(file, framework="pt")
         destination.fill(name, handles[file].get_tensor(name_in_file))
     return model, config
+
+
+def read_quantization_config(model_dir: Path) -> QuantizationConfig | None:
+    """The checkpoint's quantization_config (None for an unquantized one); errors name the field."""
+    raw = json.loads((Path(model_dir) / "config.json").read_text())
+    try:
+        return QuantizationConfig.from_config_json(raw)
+    except QuantizationError as exc:
+        raise CheckpointError(f"{model_dir}/config.json: {exc}") from None
 
 
 class _Destinations:
@@ -160,28 +220,27 @@ class _Destinations:
         self.params = dict(model.named_parameters())
         self.config = config
         self.shard_starts: dict[str, list[int]] = {}
-        # checkpoint tensor -> (packed parameter, first row, end row)
-        self.packed: dict[str, tuple[str, int, int]] = {}
+        # checkpoint tensor -> (layer, the checkpoint module's part, tensor name in its format)
+        self.parts: dict[str, tuple[torch.nn.Module, ModulePart, str]] = {}
+        # checkpoint bias -> (packed bias parameter, first row, end row)
+        self.biases: dict[str, tuple[torch.Tensor, int, int]] = {}
+        self.shared_filled: set[tuple[int, str, int | None]] = set()
         for path, module in model.named_modules():
-            if isinstance(module, PackedLinear):
-                parent = path.rsplit(".", 1)[0]
-                for part, (start, end) in module.packed_rows().items():
-                    self.packed[f"{parent}.{part}.weight"] = (f"{path}.weight", start, end)
-                    if module.bias is not None:
-                        self.packed[f"{parent}.{part}.bias"] = (f"{path}.bias", start, end)
+            if not hasattr(module, "checkpoint_modules"):
+                continue
+            fmt = module.quant_method.format
+            for part in module.checkpoint_modules(path):
+                for suffix in fmt.checkpoint_tensors(part.out_features, part.in_features):
+                    self.parts[f"{part.name}.{suffix}"] = (module, part, suffix)
+                if getattr(module, "bias", None) is not None:
+                    self.biases[f"{part.name}.bias"] = (module.bias, part.start, part.end)
 
     def fill(self, name: str, tensor: torch.Tensor) -> None:
-        if name in self.packed:
-            param, start, end = self.packed[name]
-            self.params[param][start:end].copy_(tensor)
-        elif m := _EXPERT.fullmatch(name):
-            stack, expert, proj = m.group(1), int(m.group(2)), m.group(3)
-            if proj == "down_proj":
-                self.params[f"{stack}.down_proj"][expert].copy_(tensor)
-                return
-            size = self.config.moe_intermediate_size
-            rows = slice(0, size) if proj == "gate_proj" else slice(size, 2 * size)
-            self.params[f"{stack}.gate_up_proj"][expert, rows].copy_(tensor)
+        if name in self.parts:
+            self._fill_part(name, tensor, *self.parts[name])
+        elif name in self.biases:
+            param, start, end = self.biases[name]
+            param[start:end].copy_(tensor)
         elif m := _PLE_SHARD.fullmatch(name):
             table = self.params[f"{m.group(1)}.table.weight"]
             starts = self.shard_starts.get(m.group(1))
@@ -196,3 +255,25 @@ class _Destinations:
                 raise CheckpointError(f"tensor {name} is {tensor.tolist()}, but the config's hash gives {expected}")
         else:
             self.params[name].copy_(tensor)
+
+    def _fill_part(self, name: str, tensor: torch.Tensor, module, part: ModulePart, suffix: str) -> None:
+        fmt = module.quant_method.format
+        try:
+            pieces = fmt.convert(suffix, tensor, part.out_features, part.in_features, name)
+        except QuantizationError as exc:
+            raise CheckpointError(str(exc)) from None
+        specs = fmt.runtime_tensors(part.out_features, part.in_features)
+        for runtime_name, piece in pieces.items():
+            target = module.runtime_tensor(part, runtime_name)
+            out_dim = specs[runtime_name].out_dim
+            if out_dim is not None:
+                target.narrow(out_dim, part.start, part.out_features).copy_(piece)
+                continue
+            key = (id(module), runtime_name, part.expert)
+            if key in self.shared_filled and not torch.equal(target, piece.to(target.dtype)):
+                raise CheckpointError(
+                    f"tensor {name} differs from the {runtime_name} of the modules packed with it ({part.name} "
+                    "runs as one module with them, so they must agree)"
+                )
+            target.copy_(piece)
+            self.shared_filled.add(key)

@@ -13,9 +13,11 @@ from torch import nn
 
 from tierlm.config import ModelConfig
 from tierlm.model.forward_batch import ForwardBatch
+from tierlm.model.layers.embedding import Embedding
 from tierlm.model.layers.gated_deltanet import GatedDeltaNet
 from tierlm.model.layers.hyper_connection import HyperConnection
 from tierlm.model.layers.moe import SparseMoeBlock
+from tierlm.model.layers.packed_linear import Linear
 from tierlm.model.layers.ple import PLELayer, shifted_token_streams
 from tierlm.model.layers.qsa_attention import QSAAttention
 from tierlm.model.layers.rotary import Rope, RotaryEmbedding
@@ -59,7 +61,7 @@ class Qwen4ExpTextModel(nn.Module):
         super().__init__()
         c = config
         self.config = c
-        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.embed_tokens = Embedding(c.vocab_size, c.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(c, i) for i in range(c.num_hidden_layers))
         self.hyper_connection_mixer = HyperConnection(
             c.hidden_size, c.hc_count, c.hc_lowrank, c.rms_norm_eps, with_inject=False
@@ -98,7 +100,7 @@ class Qwen4ExpForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = Qwen4ExpTextModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
 
     def tie_weights(self) -> None:

@@ -20,7 +20,7 @@ from tierlm.kernels.gated_delta_rule import (
 )
 from tierlm.model.forward_batch import ForwardBatch
 from tierlm.model.layers.norm import GatedRMSNorm, l2norm
-from tierlm.model.layers.packed_linear import PackedLinear
+from tierlm.model.layers.packed_linear import Linear, PackedLinear
 from tierlm.model.model_cache import LayerState
 
 
@@ -54,7 +54,7 @@ class GatedDeltaNet(nn.Module):
         self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
         self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
         self.norm = GatedRMSNorm(self.head_v_dim, c.rms_norm_eps, c.output_gate_act)
-        self.out_proj = nn.Linear(self.value_dim, h, bias=False)
+        self.out_proj = Linear(self.value_dim, h, bias=False)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, state: LayerState) -> torch.Tensor:
         mixed, z, b, a = self.in_proj(x)  # mixed: [N, C]

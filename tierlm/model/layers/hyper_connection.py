@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tierlm.model.layers.norm import RMSNorm
-from tierlm.model.layers.packed_linear import PackedLinear
+from tierlm.model.layers.packed_linear import Linear, PackedLinear
 
 
 class HyperConnection(nn.Module):
@@ -25,7 +25,7 @@ class HyperConnection(nn.Module):
         if with_inject:
             parts["block_inject_weight"] = hc_count
         self.down_and_inject = PackedLinear(width, parts)
-        self.input_mix_weight_up = nn.Linear(lowrank, width, bias=False)
+        self.input_mix_weight_up = Linear(lowrank, width, bias=False)
         self.with_inject = with_inject
 
     def mix(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:

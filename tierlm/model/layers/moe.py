@@ -1,9 +1,9 @@
 """Sparse MoE block: softmax router (fp32), top-k, optional renormalisation, SwiGLU experts, and a
 shared expert behind a sigmoid gate.
 
-Experts are held stacked (`gate_up_proj` [E, 2I, H] = gate rows then up rows, `down_proj` [E, H, I]);
-the loader fills them from the per-expert checkpoint tensors. The forward here is the plain torch
-reference: one pass per hit expert over the tokens routed to it.
+Experts are held stacked by a fused-experts method (dense `gate_up_proj` [E, 2I, H] = gate rows then up
+rows, `down_proj` [E, H, I], or packed low-bit stacks; see `quantization.experts`), which also runs them;
+the loader fills them from the per-expert checkpoint tensors.
 """
 
 from __future__ import annotations
@@ -12,14 +12,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tierlm.model.layers.packed_linear import PackedLinear
+from tierlm.model.layers.packed_linear import Linear, PackedLinear
+from tierlm.model.quantization.base import DENSE, ModulePart, WeightFormat
+from tierlm.model.quantization.experts import PROJECTIONS, FusedExpertsMethod
 
 
 class SwiGLU(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
         self.gate_up = PackedLinear(hidden_size, {"gate_proj": intermediate_size, "up_proj": intermediate_size})
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x)
@@ -36,48 +38,44 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Te
 
 
 class Experts(nn.Module):
-    # Up to this many (token, expert) pairs (a decode step), a small-batch form runs instead of grouping
-    # tokens by expert: in a static batch one batched product over the gathered expert weights (no host
-    # sync, so it can be captured or compiled); else a loop over the pairs on weight views (no copy),
-    # which measured 3x faster than gathering in eager mode on CPU.
-    SMALL_BATCH_PAIRS = 16
+    """The stacked routed experts of one layer; held and run by a fused-experts method
+    (`quantization.experts`): dense `gate_up_proj` [E, 2I, H] (gate rows, then up rows) and `down_proj`
+    [E, H, I], or the same stacks packed."""
+
+    kind = "experts"
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
+        self.quant_method = None
+        self.set_format(DENSE)
+
+    def set_format(self, fmt: WeightFormat) -> None:
+        if self.quant_method is not None:
+            for projection in PROJECTIONS:
+                for name in self.quant_method.format.runtime_names:
+                    delattr(self, self.quant_method.tensor_name(projection, name))
+        self.quant_method = FusedExpertsMethod(fmt)
+        self.quant_method.create_weights(self, self.num_experts, self.hidden_size, self.intermediate_size)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, static: bool = False) -> torch.Tensor:
-        if static:
-            return self._gathered(x, weights, experts)
-        if experts.numel() <= self.SMALL_BATCH_PAIRS:
-            return self._per_pair(x, weights, experts)
-        out = torch.zeros_like(x)
-        for expert in torch.unique(experts).tolist():
-            token_idx, slot_idx = torch.where(experts == expert)
-            gate, up = F.linear(x[token_idx], self.gate_up_proj[expert]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.down_proj[expert])
-            # a token routes to an expert at most once, so the indices are unique (index_add_ is slow on CPU)
-            out[token_idx] += (y * weights[token_idx, slot_idx, None]).to(out.dtype)
-        return out
+        """static: take the sync-free expert form (see `FusedExpertsMethod`)."""
+        return self.quant_method.apply(self, x, weights, experts, static)
 
-    def _per_pair(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        rows = []
-        for token, (ids, token_weights) in enumerate(zip(experts.tolist(), weights)):
-            acc = torch.zeros_like(x[token])
-            for slot in sorted(range(len(ids)), key=ids.__getitem__):  # ascending expert id, as the reference
-                gate, up = F.linear(x[token], self.gate_up_proj[ids[slot]]).chunk(2, dim=-1)
-                acc = acc + F.linear(F.silu(gate) * up, self.down_proj[ids[slot]]) * token_weights[slot]
-            rows.append(acc)
-        return torch.stack(rows)
+    def checkpoint_modules(self, path: str) -> list[ModulePart]:
+        """Per expert e: `{path}.{e}.gate_proj` / `up_proj` fill gate_up's rows, `down_proj` fills down."""
+        h, i = self.hidden_size, self.intermediate_size
+        parts = []
+        for e in range(self.num_experts):
+            parts += [
+                ModulePart(f"{path}.{e}.gate_proj", 0, i, h, e, "gate_up"),
+                ModulePart(f"{path}.{e}.up_proj", i, 2 * i, h, e, "gate_up"),
+                ModulePart(f"{path}.{e}.down_proj", 0, h, i, e, "down"),
+            ]
+        return parts
 
-    def _gathered(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        n, k = experts.shape
-        flat = experts.flatten()
-        inputs = x.repeat_interleave(k, dim=0).unsqueeze(-1)  # [n*k, H, 1]
-        gate, up = torch.bmm(self.gate_up_proj[flat], inputs).squeeze(-1).chunk(2, dim=-1)
-        y = torch.bmm(self.down_proj[flat], (F.silu(gate) * up).unsqueeze(-1)).squeeze(-1)  # [n*k, H]
-        return (y.view(n, k, -1) * weights.unsqueeze(-1)).sum(dim=1).to(x.dtype)
+    def runtime_tensor(self, part: ModulePart, name: str) -> torch.Tensor:
+        return getattr(self, self.quant_method.tensor_name(part.projection, name))[part.expert]
 
 
 class SparseMoeBlock(nn.Module):

@@ -1,34 +1,69 @@
-"""`PackedLinear`: several checkpoint projections of the same input stacked into one weight.
+"""`Linear` and `PackedLinear`: the model's linear layers, each run by a quant method.
 
-Projections that read the same activations (GDN's q|k|v, z, b, a; a hyper-connection's mixer and
-injection gates; the router and the shared-expert gate) run as one matrix product instead of several:
-at decode, each small GEMV costs more in launch and dispatch than in arithmetic. The checkpoint keeps
-them apart; `packed_rows` tells the loader which rows each checkpoint tensor fills.
+`PackedLinear` stacks several checkpoint projections that read the same input into one weight
+(GDN's q|k|v, z, b, a; a hyper-connection's mixer and injection gates; the router and the shared-expert
+gate), so they run as one matrix product instead of several: at decode, each small GEMV costs more in
+launch and dispatch than in arithmetic. The checkpoint keeps them apart; `checkpoint_modules` tells the
+loader which output rows each checkpoint module fills. `Linear` is the one-projection case.
+
+How the weight is held and multiplied (bf16, or packed INT4/6/8 in some checkpoint format) is the
+layer's quant method (`tierlm.model.quantization`), set by the loader with `set_format`; the model files
+never see the format.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from tierlm.model.quantization.base import DENSE, ModulePart, WeightFormat, linear_method
 
 
 class PackedLinear(nn.Module):
+    kind = "linear"
+
     def __init__(self, in_features: int, parts: dict[str, int], bias: bool = False) -> None:
         """parts: checkpoint name (relative to the parent module) -> output rows, in packing order."""
         super().__init__()
         self.part_names = list(parts)
         self.part_sizes = list(parts.values())
-        self.weight = nn.Parameter(torch.empty(sum(self.part_sizes), in_features))
-        self.bias = nn.Parameter(torch.empty(sum(self.part_sizes))) if bias else None
+        self.in_features, self.out_features = in_features, sum(self.part_sizes)
+        self.bias = nn.Parameter(torch.empty(self.out_features)) if bias else None
+        self.quant_method = None
+        self.set_format(DENSE)
+
+    def set_format(self, fmt: WeightFormat) -> None:
+        """Hold the weight in `fmt` (replacing the tensors of the previous format; built on meta first)."""
+        if self.quant_method is not None:
+            for name in self.quant_method.format.runtime_names:
+                delattr(self, name)
+        self.quant_method = linear_method(fmt)
+        self.quant_method.create_weights(self, self.in_features, self.out_features)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return F.linear(x, self.weight, self.bias).split(self.part_sizes, dim=-1)
+        return self.quant_method.apply(self, x).split(self.part_sizes, dim=-1)
 
-    def packed_rows(self) -> dict[str, tuple[int, int]]:
-        """checkpoint part name -> (first row, end row) in the packed weight."""
-        rows, start = {}, 0
+    def checkpoint_modules(self, path: str) -> list[ModulePart]:
+        """The checkpoint modules this layer holds (siblings of `path`) and their output rows."""
+        parent = path.rsplit(".", 1)[0]
+        parts, start = [], 0
         for name, size in zip(self.part_names, self.part_sizes):
-            rows[name] = (start, start + size)
+            parts.append(ModulePart(f"{parent}.{name}", start, start + size, self.in_features))
             start += size
-        return rows
+        return parts
+
+    def runtime_tensor(self, part: ModulePart, name: str) -> torch.Tensor:
+        return getattr(self, name)
+
+
+class Linear(PackedLinear):
+    """y = x W^T (+ b), the checkpoint module being this layer itself."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__(in_features, {"": out_features}, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.quant_method.apply(self, x)
+
+    def checkpoint_modules(self, path: str) -> list[ModulePart]:
+        return [ModulePart(path, 0, self.out_features, self.in_features)]

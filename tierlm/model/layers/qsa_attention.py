@@ -27,7 +27,7 @@ from torch import nn
 from tierlm.kernels.qsa_row_cache import attend_rows
 from tierlm.model.forward_batch import ForwardBatch
 from tierlm.model.layers.norm import RMSNorm
-from tierlm.model.layers.packed_linear import PackedLinear
+from tierlm.model.layers.packed_linear import Linear, PackedLinear
 from tierlm.model.layers.rotary import Rope, apply_rotary
 from tierlm.model.model_cache import LayerState
 
@@ -59,7 +59,7 @@ class QSAIndexer(nn.Module):
         c = config
         self.n_heads, self.head_dim = c.indexer_n_heads, c.indexer_head_dim
         self.ratio, self.block_topk = c.indexer_compress_ratio, c.indexer_budget // c.indexer_compress_ratio
-        self.index_qk_proj = nn.Linear(c.hidden_size, (self.n_heads + 1) * self.head_dim, bias=False)
+        self.index_qk_proj = Linear(c.hidden_size, (self.n_heads + 1) * self.head_dim, bias=False)
         self.q_layernorm = RMSNorm(self.head_dim, c.rms_norm_eps)
         self.k_layernorm = RMSNorm(self.head_dim, c.rms_norm_eps)
 
@@ -172,7 +172,7 @@ class QSAAttention(nn.Module):
         self.qkv_proj = PackedLinear(
             h, {"q_proj": 2 * self.num_heads * self.head_dim, "k_proj": kv_width, "v_proj": kv_width}, bias=bias
         )
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=bias)
+        self.o_proj = Linear(self.num_heads * self.head_dim, h, bias=bias)
         self.q_norm = RMSNorm(self.head_dim, c.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, c.rms_norm_eps)
         self.indexer = QSAIndexer(c)

@@ -1,0 +1,209 @@
+"""Quantization's two abstractions: a weight format, and the quant methods layers are built with.
+
+A `WeightFormat` says how one weight W [N, K] (N output rows, K inputs) is stored: the tensors a
+checkpoint holds for it (`checkpoint_tensors`, names relative to the module, e.g. `weight_packed`), the
+tensors held in memory (`runtime_tensors`: still packed; each names the dimension its output rows run
+along, so projections packed into one module, or experts stacked into one tensor, fill their own rows),
+how a checkpoint tensor becomes runtime tensors (`convert`: e.g. zero points unpacked, `weight_shape`
+checked and dropped) and the plain torch `dequantize` of runtime tensors back to W.
+
+Layers (`Linear`, `PackedLinear`, `Embedding`, `Experts`) hold a quant method, as vLLM's layers do:
+`create_weights(layer, ...)` registers the runtime tensors of its format on the layer and `apply(layer, x)`
+runs the op. The model files never branch on the format; the loader picks each layer's method from the
+checkpoint's `quantization_config` (see `quantization.config`).
+
+The quantized `apply` here is the torch reference: it dequantizes one layer's weight (one expert's, in
+the MoE) on the fly, inside the op, and drops it after; nothing keeps a dequantized copy. The fused
+low-bit Triton kernels (`tierlm/kernels/quant_linear`, `tierlm/kernels/fused_moe`) replace it for
+`pack-quantized` weights: they read the same runtime tensors, [N, ceil(K * bits / 32)] int32 words and
+[N, K / group] scales ([E, ...] for stacked experts).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class QuantizationError(ValueError):
+    """A quantization_config or quantized tensor that tierlm cannot use; the message names it."""
+
+
+@dataclass(frozen=True)
+class CheckpointTensor:
+    """A tensor a checkpoint stores for one module: shape and dtype tag (None: the model's float dtype)."""
+
+    shape: tuple[int, ...]
+    dtype: str | None = None  # "int32" | "int64" | None
+
+
+@dataclass(frozen=True)
+class RuntimeTensor:
+    """A tensor held in memory for one weight [N, K]."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype | None  # None: the model's float dtype
+    out_dim: int | None  # where the N output rows run (parts are concatenated there); None: shared by parts
+
+
+@dataclass(frozen=True)
+class ModulePart:
+    """One checkpoint module a layer holds: its name, the output rows [start, end) it fills in the
+    layer's weight, its input width, and for stacked experts the expert and projection (gate_up | down)."""
+
+    name: str
+    start: int
+    end: int
+    in_features: int
+    expert: int | None = None
+    projection: str | None = None
+
+    @property
+    def out_features(self) -> int:
+        return self.end - self.start
+
+
+class WeightFormat(ABC):
+    """How one weight [N, K] is stored on disk and in memory (see the module docstring). Concrete
+    formats also say their `bits` per value."""
+
+    @property
+    @abstractmethod
+    def label(self) -> str:
+        """Short name for plans and logs, e.g. `int4/g32`."""
+
+    @property
+    @abstractmethod
+    def runtime_names(self) -> tuple[str, ...]:
+        """The names `runtime_tensors` returns (whatever the shape)."""
+
+    @abstractmethod
+    def checkpoint_tensors(self, out_features: int, in_features: int) -> dict[str, CheckpointTensor]: ...
+
+    @abstractmethod
+    def runtime_tensors(self, out_features: int, in_features: int) -> dict[str, RuntimeTensor]: ...
+
+    @abstractmethod
+    def convert(
+        self, name: str, tensor: torch.Tensor, out_features: int, in_features: int, where: str
+    ) -> dict[str, torch.Tensor]:
+        """Checkpoint tensor `name` of one weight -> runtime tensors; `where` (the full tensor name) is
+        for error messages."""
+
+    @abstractmethod
+    def dequantize(self, tensors: Mapping[str, torch.Tensor], in_features: int) -> torch.Tensor:
+        """Runtime tensors (with any leading batch dims, e.g. experts) -> W [..., N, K] in fp32."""
+
+    def rows_dim_is_leading(self, out_features: int, in_features: int) -> bool:
+        """Whether every runtime tensor has its output rows first (a row gather then works: embeddings)."""
+        return all(t.out_dim == 0 for t in self.runtime_tensors(out_features, in_features).values())
+
+
+class DenseFormat(WeightFormat):
+    """An unquantized weight: `weight` [N, K] in the model's dtype, on disk and in memory."""
+
+    @property
+    def label(self) -> str:
+        return "dense"
+
+    bits = 16
+    runtime_names = ("weight",)
+
+    def checkpoint_tensors(self, out_features, in_features):
+        return {"weight": CheckpointTensor((out_features, in_features))}
+
+    def runtime_tensors(self, out_features, in_features):
+        return {"weight": RuntimeTensor((out_features, in_features), None, 0)}
+
+    def convert(self, name, tensor, out_features, in_features, where):
+        return {"weight": tensor}
+
+    def dequantize(self, tensors, in_features):
+        return tensors["weight"].float()
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, DenseFormat)
+
+    def __hash__(self) -> int:
+        return hash("dense")
+
+
+DENSE = DenseFormat()
+
+
+def register_runtime_tensors(layer: nn.Module, prefix: str, specs: dict[str, RuntimeTensor], leading: tuple[int, ...]) -> None:
+    """Register the runtime tensors as frozen parameters (int ones included: the loader fills parameters)."""
+    for name, spec in specs.items():
+        data = torch.empty(*leading, *spec.shape, dtype=spec.dtype or torch.get_default_dtype())
+        layer.register_parameter(prefix + name, nn.Parameter(data, requires_grad=False))
+
+
+def runtime_view(layer: nn.Module, fmt: WeightFormat, prefix: str = "") -> dict[str, torch.Tensor]:
+    return {name: getattr(layer, prefix + name) for name in fmt.runtime_names}
+
+
+# ---- linear -------------------------------------------------------------------------------------------
+
+
+class LinearMethod(ABC):
+    """How a linear layer holds its weight and computes y = x W^T (+ bias)."""
+
+    def __init__(self, fmt: WeightFormat) -> None:
+        self.format = fmt
+
+    def create_weights(self, layer: nn.Module, in_features: int, out_features: int) -> None:
+        register_runtime_tensors(layer, "", self.format.runtime_tensors(out_features, in_features), ())
+
+    @abstractmethod
+    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor: ...
+
+    def dequantized_weight(self, layer: nn.Module, dtype: torch.dtype) -> torch.Tensor:
+        return self.format.dequantize(runtime_view(layer, self.format), layer.in_features).to(dtype)
+
+
+class UnquantizedLinearMethod(LinearMethod):
+    def __init__(self) -> None:
+        super().__init__(DENSE)
+
+    def apply(self, layer, x):
+        return F.linear(x, layer.weight, layer.bias)
+
+
+class QuantizedLinearMethod(LinearMethod):
+    """Torch reference: dequantize this layer's weight inside the op (the Triton GEMV/GEMM replaces it)."""
+
+    def apply(self, layer, x):
+        return F.linear(x, self.dequantized_weight(layer, x.dtype), layer.bias)
+
+
+def linear_method(fmt: WeightFormat) -> LinearMethod:
+    return UnquantizedLinearMethod() if fmt == DENSE else QuantizedLinearMethod(fmt)
+
+
+# ---- embedding ----------------------------------------------------------------------------------------
+
+
+class EmbeddingMethod:
+    """Rows of the table [V, H] for token ids; a quantized table dequantizes only the gathered rows."""
+
+    def __init__(self, fmt: WeightFormat, vocab_size: int, hidden_size: int) -> None:
+        if not fmt.rows_dim_is_leading(vocab_size, hidden_size):
+            raise QuantizationError(f"an embedding cannot be stored as {fmt.label}: its rows are not leading")
+        self.format = fmt
+
+    def create_weights(self, layer: nn.Module, vocab_size: int, hidden_size: int) -> None:
+        register_runtime_tensors(layer, "", self.format.runtime_tensors(vocab_size, hidden_size), ())
+
+    def apply(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        if self.format == DENSE:
+            return F.embedding(ids, layer.weight)
+        tensors = runtime_view(layer, self.format)
+        dtype = next(t.dtype for t in tensors.values() if t.is_floating_point())
+        rows = {name: t.index_select(0, ids.reshape(-1)) for name, t in tensors.items()}
+        out = self.format.dequantize(rows, layer.embedding_dim).to(dtype)
+        return out.view(*ids.shape, layer.embedding_dim)
