@@ -21,6 +21,7 @@ SUBCOMMANDS = {
     "ple": "tierlm.tools.ple_export",
     "probe-drive": "tierlm.tools.probe_drive",
     "simulate-cache": "tierlm.tools.simulate_cache",
+    "quantize": "tierlm.tools.quantize",
 }
 
 

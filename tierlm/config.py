@@ -1,9 +1,9 @@
 """Model configuration: a Qwen4-Exp `config.json` read into one validated, frozen dataclass.
 
 Owns the derivations and validation rules that transformers' `Qwen4ExpTextConfig` applies (layer types
-from `full_attention_interval`, `full_attention` read as `indexed_attention`, one-indexed and sorted
-`ple_layer_ids`, the QSA and PLE field rules), so that a checkpoint tierlm accepts is one the reference
-accepts too. Every rejection is a `ConfigError` naming the field and the rule. It does not own engine or
+from `full_attention_interval`, `full_attention` and transformers 5.17's `qwen_sparse_attention` read as
+`indexed_attention`, one-indexed and sorted `ple_layer_ids`, the QSA and PLE field rules), so that a
+checkpoint tierlm accepts is one the reference accepts too. Every rejection is a `ConfigError` naming the field and the rule. It does not own engine or
 server settings; those live beside the code that uses them.
 """
 
@@ -17,6 +17,9 @@ from typing import Any
 
 SUPPORTED_ARCHITECTURES = ("Qwen4ExpForCausalLM", "Qwen4ExpForConditionalGeneration")
 LAYER_TYPES = ("linear_attention", "indexed_attention")
+# names other checkpoints give the QSA layer: the real checkpoint's `full_attention`, and transformers
+# 5.17's `qwen_sparse_attention` (renamed `indexed_attention` in 5.19; vLLM accepts both)
+LAYER_TYPE_ALIASES = {"full_attention": "indexed_attention", "qwen_sparse_attention": "indexed_attention"}
 QSA_FIELDS = ("indexer_n_heads", "indexer_kv_heads", "indexer_head_dim", "indexer_budget", "indexer_compress_ratio")
 
 
@@ -152,7 +155,7 @@ class ModelConfig:
             layer_types = [
                 "linear_attention" if (i + 1) % interval else "indexed_attention" for i in range(num_layers)
             ]
-        layer_types = ["indexed_attention" if t == "full_attention" else t for t in layer_types]
+        layer_types = [LAYER_TYPE_ALIASES.get(t, t) for t in layer_types]
         values["layer_types"] = tuple(layer_types)
 
         values["ple_layer_ids"] = tuple(sorted(set(text.get("ple_layer_ids") or [])))

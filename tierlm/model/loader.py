@@ -106,7 +106,7 @@ def _canonical(name: str) -> str | None:
     return name
 
 
-def _index_tensors(files: list[Path]) -> dict[str, tuple[Path, str, tuple[int, ...], str]]:
+def index_tensors(files: list[Path]) -> dict[str, tuple[Path, str, tuple[int, ...], str]]:
     """canonical name -> (file, name in file, shape, safetensors dtype tag), reading headers only."""
     found = {}
     for file in files:
@@ -119,7 +119,7 @@ def _index_tensors(files: list[Path]) -> dict[str, tuple[Path, str, tuple[int, .
     return found
 
 
-def _check_layout(config: ModelConfig, found: dict, quantization: QuantizationConfig | None) -> list[str]:
+def check_layout(config: ModelConfig, found: dict, quantization: QuantizationConfig | None) -> list[str]:
     """Check names, shapes and integer dtypes against the layout; returns the tensors to skip: unknown
     tensors of known modules (scales of activation quantization, hash statistics, ...), which vLLM ignores
     too. A tensor of a module the config does not have is an error."""
@@ -151,7 +151,7 @@ def _check_layout(config: ModelConfig, found: dict, quantization: QuantizationCo
     return skipped
 
 
-def _attach_formats(model: Qwen4ExpForCausalLM, quantization: QuantizationConfig | None) -> None:
+def attach_formats(model: Qwen4ExpForCausalLM, quantization: QuantizationConfig | None) -> None:
     """Give every linear, embedding and experts layer the quant method of its checkpoint modules."""
     if quantization is None:
         return
@@ -178,14 +178,14 @@ def load_model(
     target_dtype = resolve_dtype(dtype, config)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     quantization = read_quantization_config(model_dir)
-    found = _index_tensors(checkpoint_files(model_dir))
+    found = index_tensors(checkpoint_files(model_dir))
     if quantization is not None:
         quantization = quantization.bind_checkpoint(set(found))
-    skipped = set(_check_layout(config, found, quantization))
+    skipped = set(check_layout(config, found, quantization))
 
     with torch.device("meta"):
         model = Qwen4ExpForCausalLM(config)
-        _attach_formats(model, quantization)
+        attach_formats(model, quantization)
         model = model.to(target_dtype)
     if mapped_ple_tables:
         for layer in model.model.layers:

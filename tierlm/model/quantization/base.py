@@ -137,8 +137,9 @@ DENSE = DenseFormat()
 
 
 def register_runtime_tensors(layer: nn.Module, prefix: str, specs: dict[str, RuntimeTensor], leading: tuple[int, ...]) -> None:
-    """Register the runtime tensors as frozen parameters (int ones included: the loader fills parameters)."""
-    for name, spec in specs.items():
+    """Register the runtime tensors as frozen parameters (int ones included: the loader fills parameters).
+    Floating-point ones first: the engine takes the model's dtype from its first parameter."""
+    for name, spec in sorted(specs.items(), key=lambda item: item[1].dtype is not None):
         data = torch.empty(*leading, *spec.shape, dtype=spec.dtype or torch.get_default_dtype())
         layer.register_parameter(prefix + name, nn.Parameter(data, requires_grad=False))
 
