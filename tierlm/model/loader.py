@@ -160,9 +160,13 @@ def attach_formats(model: Qwen4ExpForCausalLM, quantization: QuantizationConfig 
             names = [part.name for part in module.checkpoint_modules(path)]
             kind = "embedding" if module.kind == "embedding" else "linear"
             try:
-                module.set_format(module_format(quantization, names, kind, path))
+                fmt = module_format(quantization, names, kind, path)
             except QuantizationError as exc:
-                raise CheckpointError(f"{path}: {exc}") from None
+                raise CheckpointError(str(exc)) from None
+            try:
+                module.set_format(fmt)
+            except QuantizationError as exc:
+                raise CheckpointError(f"{path} ({fmt.label}): {exc}") from None
     if model.config.tie_word_embeddings and model.lm_head.quant_method.format != DENSE:
         raise CheckpointError("tie_word_embeddings with a quantized lm_head / embedding is not supported")
 
@@ -181,12 +185,11 @@ def load_model(
     found = index_tensors(checkpoint_files(model_dir))
     if quantization is not None:
         quantization = quantization.bind_checkpoint(set(found))
-    skipped = set(check_layout(config, found, quantization))
-
     with torch.device("meta"):
         model = Qwen4ExpForCausalLM(config)
         attach_formats(model, quantization)
         model = model.to(target_dtype)
+    skipped = set(check_layout(config, found, quantization))
     if mapped_ple_tables:
         for layer in model.model.layers:
             if layer.ple is not None:
@@ -224,7 +227,7 @@ class _Destinations:
         self.parts: dict[str, tuple[torch.nn.Module, ModulePart, str]] = {}
         # checkpoint bias -> (packed bias parameter, first row, end row)
         self.biases: dict[str, tuple[torch.Tensor, int, int]] = {}
-        self.shared_filled: set[tuple[int, str, int | None]] = set()
+        self.shared_filled: set[tuple] = set()
         for path, module in model.named_modules():
             if not hasattr(module, "checkpoint_modules"):
                 continue
@@ -269,7 +272,7 @@ class _Destinations:
             if out_dim is not None:
                 target.narrow(out_dim, part.start, part.out_features).copy_(piece)
                 continue
-            key = (id(module), runtime_name, part.expert)
+            key = (id(module), runtime_name, part.expert, part.projection)
             if key in self.shared_filled and not torch.equal(target, piece.to(target.dtype)):
                 raise CheckpointError(
                     f"tensor {name} differs from the {runtime_name} of the modules packed with it ({part.name} "
