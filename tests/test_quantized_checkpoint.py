@@ -290,22 +290,66 @@ def test_transformers_5_17_layer_type_name_loads():
     assert config.layer_types[3] == "indexed_attention"
 
 
-# ---- the command and the engine -----------------------------------------------------------------------
+# ---- the commands and the engine ----------------------------------------------------------------------
 
 
-def test_quantize_command_writes_a_checkpoint_the_engine_serves(tmp_path, capsys):
-    from tierlm import LLM, SamplingParams
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
     from tierlm.demo_model import build_demo_model
 
-    demo = build_demo_model(tmp_path / "demo", "tiny")
-    out = tmp_path / "demo-int4"
+    return build_demo_model(tmp_path_factory.mktemp("demo") / "tiny", "tiny")
+
+
+@pytest.fixture(scope="module")
+def demo_int4(demo, tmp_path_factory):
+    out = tmp_path_factory.mktemp("demo-int4") / "q"
     assert cli_main(["quantize", str(demo), "--out", str(out), "--scheme", "int4-mixed", "--group-size", "32"]) == 0
-    assert (out / "tokenizer.json").exists() and (out / "generation_config.json").exists()
-    llm = LLM(str(out), dtype="float32", device="cpu", max_model_len=256, max_num_seqs=2)
+    return out
+
+
+def test_quantize_command_writes_a_checkpoint_the_engine_serves(demo, demo_int4, tmp_path, capsys):
+    from tierlm import LLM, SamplingParams
+
+    assert (demo_int4 / "tokenizer.json").exists() and (demo_int4 / "generation_config.json").exists()
+    llm = LLM(str(demo_int4), dtype="float32", device="cpu", max_model_len=256, max_num_seqs=2)
     result = llm.generate("def fibonacci(n):", SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0]
     assert len(result.outputs[0].token_ids) == 6
     # a second run refuses the non-empty folder; a group that does not divide the widths is named
-    assert cli_main(["quantize", str(demo), "--out", str(out)]) == 2
+    assert cli_main(["quantize", str(demo), "--out", str(demo_int4)]) == 2
     assert "pass --force" in capsys.readouterr().err
     assert cli_main(["quantize", str(demo), "--out", str(tmp_path / "g48"), "--group-size", "48"]) == 2
     assert "group_size 48 does not divide" in capsys.readouterr().err
+
+
+def test_eval_kld_matches_the_engines_prompt_logprobs(demo, demo_int4, tmp_path, capsys):
+    from tierlm import LLM, SamplingParams
+    from tierlm.tokenizer import Tokenizer
+    from tierlm.tools.eval_kld import evaluate_kld, kl_divergence, prompt_logprobs
+
+    text = "import os\nimport sys\n\ndef main(argv):\n    return len(argv)\n" * 3
+    ids = Tokenizer.from_pretrained(demo).encode(text)
+    logprobs, _ = prompt_logprobs(demo_int4, ids, dtype="float32", device="cpu", chunk=20)
+    # the engine's prompt logprobs (top 20 + the prompt token) agree with the full distributions
+    llm = LLM(str(demo_int4), dtype="float32", device="cpu", max_model_len=256, max_num_seqs=1)
+    engine = llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
+    for position in (1, len(ids) // 2, len(ids) - 1):
+        entry = engine.prompt_logprobs[position][ids[position]]
+        assert abs(entry.logprob - logprobs[position - 1, ids[position]].item()) < 1e-4
+
+    same = kl_divergence(logprobs, logprobs)
+    assert same.mean == 0 and same.max == 0 and same.top1_agreement == 1
+    report = evaluate_kld(demo, demo_int4, text, dtype="float32", device="cpu")
+    base_logprobs, _ = prompt_logprobs(demo, ids, dtype="float32", device="cpu")
+    expected = torch.nn.functional.kl_div(logprobs, base_logprobs, log_target=True, reduction="none").sum(-1)
+    assert report.tokens == len(ids) and report.mean == pytest.approx(expected.mean().item(), rel=1e-5)
+    assert 0 < report.mean <= report.p99 <= report.max and 0 < report.top1_agreement <= 1
+
+    text_file = tmp_path / "text.txt"
+    text_file.write_text(text)
+    assert cli_main(["eval", "kld", str(demo), str(demo_int4), "--text", str(text_file), "--dtype", "float32",
+                     "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert f"tokens: {len(ids)}" in out and "KL(base || quant) nats: mean" in out and "top-1 agreement" in out
+    (tmp_path / "empty.txt").write_text("")
+    assert cli_main(["eval", "kld", str(demo), str(demo_int4), "--text", str(tmp_path / "empty.txt")]) == 2
+    assert "KL needs at least 2" in capsys.readouterr().err

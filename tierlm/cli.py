@@ -22,6 +22,7 @@ SUBCOMMANDS = {
     "probe-drive": "tierlm.tools.probe_drive",
     "simulate-cache": "tierlm.tools.simulate_cache",
     "quantize": "tierlm.tools.quantize",
+    "eval": "tierlm.tools.eval_kld",
 }
 
 
