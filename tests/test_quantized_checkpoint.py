@@ -353,3 +353,29 @@ def test_eval_kld_matches_the_engines_prompt_logprobs(demo, demo_int4, tmp_path,
     (tmp_path / "empty.txt").write_text("")
     assert cli_main(["eval", "kld", str(demo), str(demo_int4), "--text", str(tmp_path / "empty.txt")]) == 2
     assert "KL needs at least 2" in capsys.readouterr().err
+
+
+def test_plan_counts_the_packed_bytes_the_loader_allocates(quantized, capsys):
+    from tierlm.memory.plan import weight_bytes
+    from tierlm.model.loader import read_quantization_config
+
+    model, config = load_model(quantized, dtype="float32", device="cpu")
+    by_format = weight_bytes(config, "float32", read_quantization_config(quantized))
+    assert set(by_format) == {"dense", "int4/g16", "int6/g16", "int8/channel"}
+    hash_buffers = 8 * sum(config.ngram_size + 2 * config.num_ngram_heads for _ in config.ple_layer_ids)
+    allocated = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert sum(by_format.values()) - hash_buffers == allocated
+    assert cli_main(["plan", str(quantized)]) == 0
+    assert f"int4/g16 {by_format['int4/g16']:,} B" in capsys.readouterr().out
+
+
+def test_demo_model_can_be_written_quantized(tmp_path):
+    from tierlm.demo_model import build_demo_model
+
+    out = build_demo_model(tmp_path / "q", "tiny", quantize="int4", group_size=64)
+    raw = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert raw["config_groups"]["group_0"]["weights"]["group_size"] == 64
+    assert not any(p.name.startswith(".") for p in tmp_path.iterdir())  # the dense build is gone
+    model, _ = load_model(out, dtype="float32", device="cpu")
+    assert model.model.layers[0].mlp.experts.quant_method.format.label == "int4/g64"
+    assert model.lm_head.quant_method.format.label == "dense"

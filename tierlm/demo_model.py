@@ -398,6 +398,8 @@ def build_demo_model(
     overwrite: bool = False,
     progress: bool = False,
     ple_overrides: dict[str, int] | None = None,
+    quantize: str | None = None,
+    group_size: int = 32,
 ) -> Path:
     """Write the demo checkpoint of `size` into `out_dir` and return that folder.
 
@@ -405,7 +407,22 @@ def build_demo_model(
     so an interrupted build leaves no half model behind. An `out_dir` that already holds checkpoint files
     is refused unless `overwrite`; only those files are replaced, anything else in the folder is kept.
     `ple_overrides` (see `demo_config`) makes the n-gram tables bigger, e.g. multi-GB for benchmarks.
+    `quantize` (a `tierlm quantize` scheme, e.g. int4-mixed) writes the quantized checkpoint instead: the
+    dense one is built in a hidden folder beside `out_dir` and quantized from there.
     """
+    if quantize is not None:
+        from tierlm.tools.quantize import quantize_checkpoint
+
+        out = Path(out_dir)
+        if out.is_dir() and any(_owned(p) for p in out.iterdir()) and not overwrite:
+            raise FileExistsError(f"{out} already holds checkpoint files; overwrite=True replaces them")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        dense = Path(tempfile.mkdtemp(prefix=f".{out.name}.dense-", dir=out.parent))
+        try:
+            build_demo_model(dense, size, seed, overwrite=True, progress=progress, ple_overrides=ple_overrides)
+            return quantize_checkpoint(dense, out, quantize, group_size, overwrite=True, progress=progress)
+        finally:
+            shutil.rmtree(dense, ignore_errors=True)
     import torch
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -502,7 +519,8 @@ def _run(args: argparse.Namespace) -> int:
     overrides = {name: getattr(args, name) for name in PLE_OVERRIDES if getattr(args, name) is not None}
     try:
         out = build_demo_model(
-            args.out_dir, args.size, args.seed, overwrite=args.force, progress=True, ple_overrides=overrides
+            args.out_dir, args.size, args.seed, overwrite=args.force, progress=True, ple_overrides=overrides,
+            quantize=args.quantize, group_size=args.group_size,
         )
     except FileExistsError:
         raise CliError(
@@ -543,6 +561,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--seed", type=int, default=0, help="weight seed; the same seed gives identical files"
     )
     parser.add_argument("--force", action="store_true", help="replace checkpoint files already in DIR")
+    from tierlm.tools.quantize import SCHEMES as QUANTIZE_SCHEMES
+
+    parser.add_argument(
+        "--quantize", choices=QUANTIZE_SCHEMES, default=None, metavar="SCHEME",
+        help=f"write the checkpoint quantized as `tierlm quantize --scheme SCHEME` would ({', '.join(QUANTIZE_SCHEMES)})",
+    )
+    parser.add_argument("--group-size", type=_positive_int, default=32, help="with --quantize: inputs per INT4/INT6 scale")
     tables = parser.add_argument_group("bigger n-gram tables (benchmarks; see the recipe below)")
     tables.add_argument(
         "--ngram-vocab-base", dest="ngram_vocab_size_base", type=_positive_int, metavar="N",

@@ -14,6 +14,8 @@ A state slot holds one request's recurrent state for every layer; prefix-cache c
 With QSA K/V offloaded (--qsa-kv-offload, or auto on CUDA when the device alone is short) a block's K/V
 rows go to host RAM and only its indexer keys stay on the device, which also holds each QSA layer's
 arena (prefill staging and decode row cache); the number of blocks is then bounded by both memories.
+
+`weight_bytes` counts the weights as held in memory, per storage format (quantized modules packed).
 """
 
 from __future__ import annotations
@@ -25,6 +27,27 @@ from tierlm.config import ModelConfig
 
 ITEM_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 DEFAULT_CPU_MEMORY_FRACTION = 0.1  # of available RAM, when no --gpu-memory-utilization is given on CPU
+
+
+def weight_bytes(config: ModelConfig, dtype: str, quantization=None) -> dict[str, int]:
+    """Bytes of the model's weights in memory per format label (`dense`: the model dtype; int64 hash
+    buffers at 8 bytes), the quantized modules counted by their packed runtime tensors."""
+    from tierlm.model.checkpoint_layout import checkpoint_layout, weight_module
+    from tierlm.model.quantization.base import DENSE
+
+    totals: dict[str, int] = {}
+    for spec in checkpoint_layout(config):
+        module = weight_module(spec)
+        fmt = quantization.format_of(*module) if module and quantization is not None else DENSE
+        if fmt == DENSE:
+            nbytes = math.prod(spec.shape) * (8 if spec.kind == "int64" else ITEM_BYTES[dtype])
+        else:
+            nbytes = sum(
+                math.prod(t.shape) * (t.dtype.itemsize if t.dtype is not None else ITEM_BYTES[dtype])
+                for t in fmt.runtime_tensors(*spec.shape).values()
+            )
+        totals[fmt.label] = totals.get(fmt.label, 0) + nbytes
+    return totals
 
 
 class CapacityError(ValueError):

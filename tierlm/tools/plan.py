@@ -3,7 +3,8 @@
 Prints exactly the lines the engine logs at start-up for the same settings (both call
 `engine_cache_plan`), without loading weights: blocks, tokens, requests of max_model_len that fit,
 bytes per token and per request of each layer type, and the prefix-cache checkpoint cost. With a
---gpu-memory-utilization budget the weights are estimated from the checkpoint layout. `--device cuda`
+--gpu-memory-utilization budget the weights are estimated from the checkpoint layout (quantized modules
+at their packed size, per format). `--device cuda`
 with --kv-cache-memory-bytes needs no GPU, and --host-memory-bytes stands in for this machine's
 MemAvailable, so a deployment machine (QSA K/V offloaded or not) can be planned from another one.
 """
@@ -39,12 +40,12 @@ def add_parser(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     from tierlm.config import ConfigError, ModelConfig
     from tierlm.engine.llm_engine import EngineConfig, engine_cache_plan
-    from tierlm.memory.plan import ITEM_BYTES, CapacityError
-    from tierlm.model.checkpoint_layout import checkpoint_layout
-    from tierlm.model.loader import ModelNotFoundError, resolve_dtype, resolve_model_path
+    from tierlm.memory.plan import CapacityError, weight_bytes
+    from tierlm.model.loader import ModelNotFoundError, read_quantization_config, resolve_dtype, resolve_model_path
 
     try:
-        config = ModelConfig.from_pretrained(resolve_model_path(args.model))
+        model_dir = resolve_model_path(args.model)
+        config = ModelConfig.from_pretrained(model_dir)
         dtype = str(resolve_dtype(args.dtype, config)).removeprefix("torch.")
         settings = EngineConfig(
             model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
@@ -53,19 +54,16 @@ def run(args: argparse.Namespace) -> int:
             gpu_memory_utilization=args.gpu_memory_utilization, qsa_kv_offload=args.qsa_kv_offload,
             qsa_row_cache_rows=args.qsa_row_cache_rows,
         )
-        weights = sum(_numel(spec.shape) * (8 if spec.kind == "int64" else ITEM_BYTES[dtype])
-                      for spec in checkpoint_layout(config))
+        by_format = weight_bytes(config, dtype, read_quantization_config(model_dir))
+        weights = sum(by_format.values())
         plan = engine_cache_plan(settings, config, dtype, args.device, weights, args.host_memory_bytes)
     except (ConfigError, CapacityError, ModelNotFoundError, ValueError) as exc:
         raise CliError(str(exc)) from None
-    print(f"model: {args.model} ({weights:,} B of weights in {dtype})")
+    formats = "" if list(by_format) == ["dense"] else ": " + ", ".join(
+        f"{label} {size:,} B" for label, size in sorted(by_format.items(), key=lambda item: -item[1])
+    )
+    print(f"model: {args.model} ({weights:,} B of weights in {dtype}{formats})")
     for line in plan.lines():
         print(line)
     return 0
 
-
-def _numel(shape: tuple[int, ...]) -> int:
-    total = 1
-    for dim in shape:
-        total *= dim
-    return total

@@ -173,6 +173,8 @@ def quantize_checkpoint(
 
     layout = checkpoint_layout(config)
     out.mkdir(parents=True, exist_ok=True)
+    for stale in [*out.glob("*.safetensors"), out / "model.safetensors.index.json"]:
+        stale.unlink(missing_ok=True)  # an overwritten checkpoint keeps no shard of the old one
     staging = Path(tempfile.mkdtemp(prefix=".quantize-", dir=out))
     shards: list[Path] = []
     weight_map: dict[str, int] = {}
