@@ -379,3 +379,60 @@ def test_demo_model_can_be_written_quantized(tmp_path):
     model, _ = load_model(out, dtype="float32", device="cpu")
     assert model.model.layers[0].mlp.experts.quant_method.format.label == "int4/g64"
     assert model.lm_head.quant_method.format.label == "dense"
+
+
+# ---- fp8 PLE tables ------------------------------------------------------------------------------------
+
+
+def _fp8_ple_copy(model_dir, out):
+    """`model_dir` with every PLE table in float8 e4m3 and one global scale (vLLM's fp8 PLE layout); also
+    returns the tables' dequantized rows {decoder layer: [rows, dE] fp32}."""
+    shutil.copytree(model_dir, out)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    tensors = {f: load_file(out / f) for f in files}
+    dequantized = {}
+    config = ModelConfig.from_pretrained(out)
+    for layer_id in config.ple_layer_ids:
+        prefix = f"model.layers.{layer_id - 1}.ple.ple_embedding.ngram_embedding"
+        names = sorted((n for n in index["weight_map"] if n.startswith(prefix + ".shard_")),
+                       key=lambda n: int(n.split("shard_")[1].split(".")[0]))
+        scale = max(tensors[index["weight_map"][n]][n].abs().max().item() for n in names) / 448
+        rows = []
+        for name in names:
+            file = index["weight_map"][name]
+            fp8 = (tensors[file][name].float() / scale).to(torch.float8_e4m3fn)
+            tensors[file][name] = fp8
+            rows.append(fp8.float() * torch.tensor(scale, dtype=torch.float32))
+        tensors[files[0]][f"{prefix}.weight_scale"] = torch.tensor([scale], dtype=torch.float32)
+        index["weight_map"][f"{prefix}.weight_scale"] = files[0]
+        dequantized[layer_id - 1] = torch.cat(rows)
+    for file, content in tensors.items():
+        save_file(content, out / file)
+    (out / "model.safetensors.index.json").write_text(json.dumps(index))
+    return out, dequantized
+
+
+def test_fp8_ple_tables_load_in_memory_and_mapped(demo, tmp_path):
+    from tierlm import LLM, SamplingParams
+    from tierlm.memory.ple_table import export_ple_tables, load_manifest
+
+    folder, dequantized = _fp8_ple_copy(demo, tmp_path / "fp8")
+    model, config = load_model(folder, dtype="float32", device="cpu")
+    for layer_index, rows in dequantized.items():
+        table = model.model.layers[layer_index].ple.table
+        assert table.weight.dtype == torch.float8_e4m3fn  # held as fp8: 1 byte per value
+        ids = torch.tensor([[0, 5], [len(rows) - 1, 5]])
+        assert torch.equal(table.gather(ids), rows[ids].flatten(-2))
+
+    manifest = export_ple_tables(folder, tmp_path / "tables")
+    assert all(t.dtype == "float8_e4m3fn" and t.scale > 0 for t in manifest.layers)
+    assert load_manifest(tmp_path / "tables", config).layers == manifest.layers
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
+    prompt = "def handler(event, context):\n    return"
+    in_memory = LLM(str(folder), dtype="float32", device="cpu", max_model_len=256).generate(prompt, params)[0]
+    mapped_llm = LLM(str(folder), dtype="float32", device="cpu", max_model_len=256, ple_table=str(tmp_path / "tables"))
+    mapped = mapped_llm.generate(prompt, params)[0]
+    assert mapped.outputs[0].token_ids == in_memory.outputs[0].token_ids
+    for a, b in zip(mapped.outputs[0].logprobs, in_memory.outputs[0].logprobs):
+        assert all(abs(a[t].logprob - b[t].logprob) < 1e-5 for t in b)

@@ -37,7 +37,10 @@ from tierlm.memory.ple_table import PleTableManifest, load_manifest
 from tierlm.model.ngram_hash import NgramHashSpec
 
 MADV_RANDOM = 1
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+TORCH_DTYPES = {
+    "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+    "float8_e4m3fn": torch.float8_e4m3fn,  # with the manifest's global scale
+}
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
@@ -52,6 +55,7 @@ class MappedTable:
     address: int
     length: int
     mapping: mmap.mmap
+    scale: float | None = None  # fp8 tables: embeddings = rows * scale
 
 
 @dataclass
@@ -85,7 +89,7 @@ class NgramStore:
             spec = NgramHashSpec.from_config(config, entry.ple_index)
             self.tables.append(MappedTable(
                 entry.ple_index, NgramHashArrays.from_spec(spec), rows, entry.row_bytes, address,
-                len(mapping), mapping,
+                len(mapping), mapping, entry.scale,
             ))
         self.initial_context = initial_context(NgramHashSpec.from_config(config, self.tables[0].ple_index))
 
@@ -136,7 +140,8 @@ class NgramStore:
             staged = self._staging_for(table, index.numel())
             torch.index_select(table.rows, 0, index, out=staged)
             # a blocking copy: the staging buffer is reused by the next gather
-            out[table.ple_index] = staged.to(self.device).view(layer_rows.shape[0], -1)
+            embeddings = staged.to(self.device).view(layer_rows.shape[0], -1)
+            out[table.ple_index] = embeddings if table.scale is None else embeddings.float() * table.scale
         with self.lock:
             self.counters.gather_seconds += time.perf_counter() - start
             self.counters.rows_gathered += sum(r.size for r in rows)

@@ -26,6 +26,7 @@ from dataclasses import dataclass, replace
 from tierlm.config import ModelConfig
 
 ITEM_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+SPEC_DTYPE_BYTES = {"int32": 4, "int64": 8, "float8_e4m3fn": 1, "float32": 4}
 DEFAULT_CPU_MEMORY_FRACTION = 0.1  # of available RAM, when no --gpu-memory-utilization is given on CPU
 
 
@@ -36,11 +37,13 @@ def weight_bytes(config: ModelConfig, dtype: str, quantization=None) -> dict[str
     from tierlm.model.quantization.base import DENSE
 
     totals: dict[str, int] = {}
-    for spec in checkpoint_layout(config):
+    ple_fp8 = config.extra.get("ple_embedding_dtype") == "float8_e4m3fn"  # vLLM's config field
+    for spec in checkpoint_layout(config, ple_fp8=ple_fp8):
         module = weight_module(spec)
         fmt = quantization.format_of(*module) if module and quantization is not None else DENSE
         if fmt == DENSE:
-            nbytes = math.prod(spec.shape) * (8 if spec.kind == "int64" else ITEM_BYTES[dtype])
+            item = SPEC_DTYPE_BYTES[spec.dtype] if spec.dtype else 8 if spec.kind == "int64" else ITEM_BYTES[dtype]
+            nbytes = math.prod(spec.shape) * item
         else:
             nbytes = sum(
                 math.prod(t.shape) * (t.dtype.itemsize if t.dtype is not None else ITEM_BYTES[dtype])

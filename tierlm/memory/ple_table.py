@@ -7,6 +7,8 @@ into one row-major `layer{L}.bin` per PLE layer (L: the 0-based decoder layer), 
 for byte, streaming bounded pieces so no table is ever held in RAM, and writes `manifest.json` last: its
 presence means every file is complete. `load_manifest` checks a folder against the model config (the hash
 constants recomputed, rows, row width, file sizes) before the engine maps anything.
+A float8 e4m3 table (vLLM's fp8 PLE checkpoint: fp8 shards and one `ngram_embedding.weight_scale`) is
+written as is, and its scale recorded in the manifest (embedding = stored row * scale).
 It owns the file format; the mmap row source, prefetch and page-cache advice live with the engine.
 """
 
@@ -18,7 +20,7 @@ import os
 import re
 import shutil
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +45,9 @@ ITEM_BYTES = dict(DTYPES.values())
 
 _SHARD = re.compile(
     r"(?:model\.language_model\.|model\.)layers\.(\d+)\.ple\.ple_embedding\.ngram_embedding\.shard_(\d+)\.weight"
+)
+_SCALE = re.compile(
+    r"(?:model\.language_model\.|model\.)layers\.(\d+)\.ple\.ple_embedding\.ngram_embedding\.weight_scale"
 )
 
 
@@ -73,6 +78,7 @@ class PleLayerTable:
     multipliers: list[int]
     seed: int
     eos: int
+    scale: float | None = None  # float8 tables: the global scale (row values are stored / scale)
 
     @classmethod
     def expected(cls, config: ModelConfig, ple_index: int, dtype: str) -> PleLayerTable:
@@ -115,17 +121,21 @@ class PleTableManifest:
 # ---- export ---------------------------------------------------------------------------------------------
 
 
-def _find_shards(model_dir: Path) -> dict[int, dict[int, tuple[Path, str]]]:
-    """decoder layer -> shard j -> (file, tensor name), from the files' headers."""
+def _find_shards(model_dir: Path) -> tuple[dict[int, dict[int, tuple[Path, str]]], dict[int, float]]:
+    """decoder layer -> shard j -> (file, tensor name), from the files' headers; and decoder layer -> the
+    global scale of an fp8 table (`ngram_embedding.weight_scale`)."""
     from safetensors import safe_open
 
     found: dict[int, dict[int, tuple[Path, str]]] = {}
+    scales: dict[int, float] = {}
     for file in checkpoint_files(model_dir):
         with safe_open(file, framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not iterable)
                 if m := _SHARD.fullmatch(name):
                     found.setdefault(int(m.group(1)), {})[int(m.group(2))] = (file, name)
-    return found
+                elif m := _SCALE.fullmatch(name):
+                    scales[int(m.group(1))] = float(f.get_tensor(name).reshape(-1)[0])
+    return found, scales
 
 
 def _plan_layer(config: ModelConfig, ple_index: int, shards: dict[int, tuple[Path, str]], where: str):
@@ -183,12 +193,16 @@ def export_ple_tables(
         raise ValueError(f"{model_dir}: the model has no PLE layers (ple_layer_ids is empty)")
     if out.is_dir() and any(out.iterdir()) and not overwrite:
         raise FileExistsError(f"{out} is not empty")
-    shards = _find_shards(model_dir)
+    shards, scales = _find_shards(model_dir)
     where = f"checkpoint {model_dir}"
-    plans = [
-        _plan_layer(config, k, shards.get(layer_id - 1, {}), where)
-        for k, layer_id in enumerate(config.ple_layer_ids)
-    ]
+    plans = []
+    for k, layer_id in enumerate(config.ple_layer_ids):
+        table, ordered = _plan_layer(config, k, shards.get(layer_id - 1, {}), where)
+        if table.dtype == "float8_e4m3fn":
+            if layer_id - 1 not in scales:
+                raise PleTableError(where, layer_id - 1, "ngram_embedding.weight_scale", "the fp8 table's scale", "none")
+            table = replace(table, scale=scales[layer_id - 1])
+        plans.append((table, ordered))
     total = sum(table.nbytes for table, _ in plans)
     out.mkdir(parents=True, exist_ok=True)
     for stale in [MANIFEST] + [name for t, _ in plans for name in (t.file, f"{t.file}.partial")]:
@@ -244,13 +258,15 @@ def load_manifest(directory: str | Path, config: ModelConfig) -> PleTableManifes
     found_layers = [entry.get("layer") for entry in entries]
     if found_layers != expected_layers:
         raise PleTableError(where, None, "PLE layers", expected_layers, found_layers)
-    names = [f.name for f in fields(PleLayerTable)]
+    names = [f.name for f in fields(PleLayerTable) if f.name != "scale"]  # the scale: fp8 tables only
     tables = []
     for ple_index, (layer, entry) in enumerate(zip(expected_layers, entries, strict=True)):
-        if sorted(entry) != sorted(names):
+        if sorted(set(entry) - {"scale"}) != sorted(names):
             raise PleTableError(where, layer, "fields", sorted(names), sorted(entry))
         if entry["dtype"] not in ITEM_BYTES:
             raise PleTableError(where, layer, "dtype", " or ".join(ITEM_BYTES), entry["dtype"])
+        if (entry["dtype"] == "float8_e4m3fn") != (entry.get("scale") is not None):
+            raise PleTableError(where, layer, "scale", "a scale for float8_e4m3fn tables only", entry.get("scale"))
         expected = asdict(PleLayerTable.expected(config, ple_index, entry["dtype"]))
         for name in names:
             if entry[name] != expected[name]:

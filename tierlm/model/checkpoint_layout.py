@@ -6,7 +6,8 @@ prefix that `Qwen4ExpForCausalLM` uses; the VLM checkpoint's `model.language_mod
 the loader. Experts are per-expert tensors on disk; PLE tables are split into `shard_{j}` parts exactly as
 `torch.chunk(table, split_ngram_parts)` splits them.
 
-With a quantization config, each linear or embedding weight whose module is quantized is replaced by
+An fp8 PLE table (vLLM's format) adds its `ngram_embedding.weight_scale`. With a quantization config, each
+linear or embedding weight whose module is quantized is replaced by
 its format's tensors (e.g. `weight_packed` int32, `weight_scale`, `weight_shape`).
 """
 
@@ -21,6 +22,7 @@ from tierlm.model.quantization.base import DENSE, QuantizationError
 from tierlm.model.quantization.config import QuantizationConfig
 
 PREFIX = "model."
+PLE_FP8 = "float8_e4m3fn"
 
 
 @dataclass(frozen=True)
@@ -30,7 +32,9 @@ class TensorSpec:
     # weight | norm (Gemma 1+w, zero-init) | ones | int64 (hash buffers) | ple_table | quantized (packed
     # integers and their shapes) | scale (quantization scales)
     kind: str = "weight"
-    dtype: str | None = None  # int32 | int64 for integer tensors of quantized modules; None: as the kind says
+    # int32 | int64 (integer tensors of quantized modules), float8_e4m3fn (an fp8 PLE table) or float32 (its
+    # scale); None: as the kind says
+    dtype: str | None = None
 
 
 def ple_shard_rows(rows: int, parts: int) -> list[int]:
@@ -111,14 +115,17 @@ def _moe(prefix: str, c: ModelConfig) -> list[TensorSpec]:
     return specs
 
 
-def _ple(prefix: str, c: ModelConfig, ple_index: int) -> list[TensorSpec]:
+def _ple(prefix: str, c: ModelConfig, ple_index: int, ple_fp8: bool) -> list[TensorSpec]:
     spec = NgramHashSpec.from_config(c, ple_index)
     width = c.hc_count * c.hidden_size
     table = f"{prefix}.ple_embedding"
     specs = [
-        TensorSpec(f"{table}.ngram_embedding.shard_{j}.weight", (rows, c.ngram_head_dim), "ple_table")
+        TensorSpec(f"{table}.ngram_embedding.shard_{j}.weight", (rows, c.ngram_head_dim), "ple_table",
+                   PLE_FP8 if ple_fp8 else None)
         for j, rows in enumerate(ple_shard_rows(spec.table_rows, c.split_ngram_parts))
     ]
+    if ple_fp8:  # one global scale (a scalar or [1])
+        specs.append(TensorSpec(f"{table}.ngram_embedding.weight_scale", (1,), "ple_scale", "float32"))
     specs += [
         TensorSpec(f"{table}.layer_multipliers", (c.ngram_size,), "int64"),
         TensorSpec(f"{table}.ngram_heads_vocab_sizes", (spec.num_heads,), "int64"),
@@ -143,9 +150,12 @@ def ple_hash_buffers(c: ModelConfig, ple_index: int) -> dict[str, list[int]]:
     }
 
 
-def checkpoint_layout(c: ModelConfig, quantization: QuantizationConfig | None = None) -> list[TensorSpec]:
-    """Every tensor of a `Qwen4ExpForCausalLM` checkpoint, in module order."""
-    specs = _dense_layout(c)
+def checkpoint_layout(
+    c: ModelConfig, quantization: QuantizationConfig | None = None, ple_fp8: bool = False
+) -> list[TensorSpec]:
+    """Every tensor of a `Qwen4ExpForCausalLM` checkpoint, in module order. ple_fp8: the PLE tables are
+    float8 e4m3 with one global scale each."""
+    specs = _dense_layout(c, ple_fp8)
     return specs if quantization is None else [q for spec in specs for q in _stored(spec, quantization)]
 
 
@@ -176,13 +186,13 @@ def _stored(spec: TensorSpec, quantization: QuantizationConfig) -> list[TensorSp
     ]
 
 
-def _dense_layout(c: ModelConfig) -> list[TensorSpec]:
+def _dense_layout(c: ModelConfig, ple_fp8: bool) -> list[TensorSpec]:
     specs = [TensorSpec(f"{PREFIX}embed_tokens.weight", (c.vocab_size, c.hidden_size))]
     for layer in range(c.num_hidden_layers):
         p = f"{PREFIX}layers.{layer}"
         ple_index = c.ple_index(layer)
         if ple_index is not None:
-            specs += _ple(f"{p}.ple", c, ple_index)
+            specs += _ple(f"{p}.ple", c, ple_index, ple_fp8)
         specs += _hyper_connection(f"{p}.attn_hyper_connection", c, with_inject=True)
         if c.layer_types[layer] == "linear_attention":
             specs += _gated_deltanet(f"{p}.linear_attn", c)

@@ -26,6 +26,7 @@ from safetensors import safe_open
 
 from tierlm.config import ModelConfig
 from tierlm.model.checkpoint_layout import PREFIX, checkpoint_layout, ple_hash_buffers, ple_shard_rows
+from tierlm.model.layers.ple_fp8 import Fp8NgramTable
 from tierlm.model.quantization.base import DENSE, ModulePart, QuantizationError
 from tierlm.model.quantization.config import QuantizationConfig, module_format
 from tierlm.model.qwen4_exp import Qwen4ExpForCausalLM
@@ -37,11 +38,12 @@ VLM_PREFIX = "model.language_model."
 IGNORED_PREFIXES = ("model.visual.", "mtp.")
 # tensors of known parts that inference does not use (skipped with the unknown tensors of known modules)
 UNUSED_PREFIXES = ("model.hyper_connection_mixer.block_inject_weight.",)
-INT_TAGS = {"int32": "I32", "int64": "I64"}
+DTYPE_TAGS = {"int32": "I32", "int64": "I64", "float8_e4m3fn": "F8_E4M3", "float32": "F32"}
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 _PLE_SHARD = re.compile(r"(model\.layers\.\d+\.ple)\.ple_embedding\.ngram_embedding\.shard_(\d+)\.weight")
+_PLE_SCALE = re.compile(r"(model\.layers\.\d+\.ple)\.ple_embedding\.ngram_embedding\.weight_scale")
 _PLE_BUFFER = re.compile(r"model\.layers\.(\d+)\.ple\.ple_embedding\.(\w+)")
 
 
@@ -119,12 +121,17 @@ def index_tensors(files: list[Path]) -> dict[str, tuple[Path, str, tuple[int, ..
     return found
 
 
+def has_fp8_ple_tables(found: dict) -> bool:
+    """Whether the checkpoint's PLE tables are float8 e4m3 (then with a global scale each)."""
+    return any(info[3] == "F8_E4M3" for name, info in found.items() if _PLE_SHARD.fullmatch(name))
+
+
 def check_layout(config: ModelConfig, found: dict, quantization: QuantizationConfig | None) -> list[str]:
     """Check names, shapes and integer dtypes against the layout; returns the tensors to skip: unknown
     tensors of known modules (scales of activation quantization, hash statistics, ...), which vLLM ignores
     too. A tensor of a module the config does not have is an error."""
     try:
-        layout = checkpoint_layout(config, quantization)
+        layout = checkpoint_layout(config, quantization, has_fp8_ple_tables(found))
     except QuantizationError as exc:
         raise CheckpointError(str(exc)) from None
     expected = {spec.name: spec for spec in layout}
@@ -141,10 +148,10 @@ def check_layout(config: ModelConfig, found: dict, quantization: QuantizationCon
         more = f" (and {len(foreign) - 1} more)" if len(foreign) > 1 else ""
         raise CheckpointError(f"unexpected tensor {foreign[0]} in the checkpoint{more}; it does not fit the config")
     for name, spec in expected.items():
-        if found[name][2] != spec.shape:
+        if found[name][2] != spec.shape and not (spec.kind == "ple_scale" and found[name][2] == ()):
             raise CheckpointError(f"tensor {name} has shape {list(found[name][2])}, expected {list(spec.shape)}")
-        if spec.dtype is not None and found[name][3] != INT_TAGS[spec.dtype]:
-            raise CheckpointError(f"tensor {name} is {found[name][3]}, expected {INT_TAGS[spec.dtype]} ({spec.dtype})")
+        if spec.dtype is not None and found[name][3] != DTYPE_TAGS[spec.dtype]:
+            raise CheckpointError(f"tensor {name} is {found[name][3]}, expected {DTYPE_TAGS[spec.dtype]} ({spec.dtype})")
     if skipped:
         shown = ", ".join(skipped[:3]) + (", ..." if len(skipped) > 3 else "")
         logger.info("skipping %d checkpoint tensors inference does not use: %s", len(skipped), shown)
@@ -190,16 +197,18 @@ def load_model(
         attach_formats(model, quantization)
         model = model.to(target_dtype)
     skipped = set(check_layout(config, found, quantization))
-    if mapped_ple_tables:
-        for layer in model.model.layers:
-            if layer.ple is not None:
-                layer.ple.table = None
+    for layer in model.model.layers:
+        if layer.ple is not None and mapped_ple_tables:
+            layer.ple.table = None
+        elif layer.ple is not None and has_fp8_ple_tables(found):  # after .to(): it would cast fp8 too
+            with torch.device("meta"):
+                layer.ple.table = Fp8NgramTable(*layer.ple.table.weight.shape)
     model = model.to_empty(device=device).requires_grad_(False).eval()
     model.tie_weights()
     destination = _Destinations(model, config)
     handles: dict[Path, object] = {}
     for name, (file, name_in_file, _, _) in found.items():
-        if name in skipped or (mapped_ple_tables and _PLE_SHARD.fullmatch(name)):
+        if name in skipped or (mapped_ple_tables and (_PLE_SHARD.fullmatch(name) or _PLE_SCALE.fullmatch(name))):
             continue
         if file not in handles:
             handles[file] = safe_open(file, framework="pt")
@@ -252,6 +261,8 @@ class _Destinations:
                 starts = self.shard_starts[m.group(1)] = [sum(sizes[:j]) for j in range(len(sizes))]
             start = starts[int(m.group(2))]
             table[start : start + tensor.shape[0]].copy_(tensor)
+        elif m := _PLE_SCALE.fullmatch(name):
+            self.params[f"{m.group(1)}.table.scale"].copy_(tensor.reshape(1))
         elif m := _PLE_BUFFER.fullmatch(name):
             expected = ple_hash_buffers(self.config, self.config.ple_index(int(m.group(1))))[m.group(2)]
             if tensor.tolist() != expected:
