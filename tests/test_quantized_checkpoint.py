@@ -397,7 +397,8 @@ def _fp8_ple_copy(model_dir, out):
         prefix = f"model.layers.{layer_id - 1}.ple.ple_embedding.ngram_embedding"
         names = sorted((n for n in index["weight_map"] if n.startswith(prefix + ".shard_")),
                        key=lambda n: int(n.split("shard_")[1].split(".")[0]))
-        scale = max(tensors[index["weight_map"][n]][n].abs().max().item() for n in names) / 448
+        amax = max(tensors[index["weight_map"][n]][n].abs().max().item() for n in names)
+        scale = float(torch.tensor(amax / 448, dtype=torch.float32))
         rows = []
         for name in names:
             file = index["weight_map"][name]
@@ -428,6 +429,11 @@ def test_fp8_ple_tables_load_in_memory_and_mapped(demo, tmp_path):
     manifest = export_ple_tables(folder, tmp_path / "tables")
     assert all(t.dtype == "float8_e4m3fn" and t.scale > 0 for t in manifest.layers)
     assert load_manifest(tmp_path / "tables", config).layers == manifest.layers
+    # `ple export --fp8` of the dense checkpoint writes the same bytes and scales
+    assert cli_main(["ple", "export", str(demo), "--out", str(tmp_path / "converted"), "--fp8"]) == 0
+    assert load_manifest(tmp_path / "converted", config).layers == manifest.layers
+    for table in manifest.layers:
+        assert (tmp_path / "converted" / table.file).read_bytes() == (tmp_path / "tables" / table.file).read_bytes()
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
     prompt = "def handler(event, context):\n    return"
     in_memory = LLM(str(folder), dtype="float32", device="cpu", max_model_len=256).generate(prompt, params)[0]

@@ -8,7 +8,8 @@ for byte, streaming bounded pieces so no table is ever held in RAM, and writes `
 presence means every file is complete. `load_manifest` checks a folder against the model config (the hash
 constants recomputed, rows, row width, file sizes) before the engine maps anything.
 A float8 e4m3 table (vLLM's fp8 PLE checkpoint: fp8 shards and one `ngram_embedding.weight_scale`) is
-written as is, and its scale recorded in the manifest (embedding = stored row * scale).
+written as is, and its scale recorded in the manifest (embedding = stored row * scale); `fp8=True`
+converts a bf16/fp32 table to one.
 It owns the file format; the mmap row source, prefetch and page-cache advice live with the engine.
 """
 
@@ -32,6 +33,7 @@ from tierlm.model.ngram_hash import NgramHashSpec
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 PIECE_BYTES = 64 << 20  # rows read from a shard and written per step
+FP8, FP8_MAX = "float8_e4m3fn", 448.0
 
 # safetensors dtype tag -> (name in the manifest, bytes per value)
 DTYPES = {
@@ -170,19 +172,35 @@ def _plan_layer(config: ModelConfig, ple_index: int, shards: dict[int, tuple[Pat
     return PleLayerTable.expected(config, ple_index, DTYPES[dtype_tags.pop()][0]), ordered
 
 
+def _fp8_scale(ordered: list[tuple[Path, str, int]], row_bytes: int) -> float:
+    """max |value| / 448 (the largest e4m3 value) over a table's shards, read in bounded pieces."""
+    import torch
+    from safetensors import safe_open
+
+    amax, step = 0.0, max(1, PIECE_BYTES // row_bytes)
+    for file, name, rows in ordered:
+        with safe_open(file, framework="pt") as f:
+            view = f.get_slice(name)
+            for start in range(0, rows, step):
+                amax = max(amax, view[start : min(start + step, rows)].abs().max().item())
+    return float(torch.tensor((amax or 1.0) / FP8_MAX, dtype=torch.float32))  # as a checkpoint stores it
+
+
 def export_ple_tables(
     model_dir: str | Path,
     out_dir: str | Path,
     *,
     overwrite: bool = False,
     on_bytes: Callable[[int, int], None] | None = None,
+    fp8: bool = False,
 ) -> PleTableManifest:
     """Write every PLE layer's table of the checkpoint in `model_dir` as `out_dir/layer{L}.bin` + manifest.
 
     A non-empty `out_dir` is refused unless `overwrite` (then only the manifest and table files are
     replaced). Each file is written as `.partial`, fsynced, dropped from the page cache (benchmarks and the
     engine then start from a cold table, as after a reboot) and renamed; the manifest comes last.
-    `on_bytes(done, total)` reports progress.
+    `on_bytes(done, total)` reports progress. fp8: write a bf16/fp32 table as float8 e4m3 with one global
+    scale (max |value| / 448, found in a first streaming pass), half the bytes of bf16.
     """
     import torch
     from safetensors import safe_open
@@ -202,6 +220,8 @@ def export_ple_tables(
             if layer_id - 1 not in scales:
                 raise PleTableError(where, layer_id - 1, "ngram_embedding.weight_scale", "the fp8 table's scale", "none")
             table = replace(table, scale=scales[layer_id - 1])
+        elif fp8:
+            table = replace(PleLayerTable.expected(config, k, FP8), scale=_fp8_scale(ordered, table.row_bytes))
         plans.append((table, ordered))
     total = sum(table.nbytes for table, _ in plans)
     out.mkdir(parents=True, exist_ok=True)
@@ -222,7 +242,10 @@ def export_ple_tables(
                 with safe_open(file, framework="pt") as f:
                     view = f.get_slice(name)
                     for start in range(0, rows, step):
-                        piece = view[start : min(start + step, rows)].reshape(-1).view(torch.uint8)
+                        piece = view[start : min(start + step, rows)]
+                        if table.scale is not None and piece.dtype != torch.float8_e4m3fn:
+                            piece = (piece.float() / table.scale).to(torch.float8_e4m3fn)
+                        piece = piece.reshape(-1).view(torch.uint8)
                         sink.write(memoryview(piece.numpy()))
                         done += piece.numel()
                         if on_bytes:

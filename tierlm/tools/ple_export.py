@@ -28,6 +28,10 @@ def add_parser(subparsers) -> None:
     export.add_argument(
         "--force", action="store_true", help="write into a non-empty DIR (replacing the tables)"
     )
+    export.add_argument(
+        "--fp8", action="store_true",
+        help="write bf16/fp32 tables as float8 e4m3 with one global scale each (half the bytes of bf16)",
+    )
     export.set_defaults(func=run_export)
 
 
@@ -55,6 +59,7 @@ def run_export(args: argparse.Namespace) -> int:
                 out,
                 overwrite=args.force,
                 on_bytes=lambda done, total: bar.update(task, completed=done, total=total),
+                fp8=args.fp8,
             )
     except (ValueError, OSError) as exc:  # ConfigError, PleTableError, ModelNotFoundError, no space
         raise CliError(str(exc)) from None

@@ -75,21 +75,20 @@ def quantize_weight(weight, bits: int, group_size: int | None, clip_search: bool
         w = weight[start : start + rows].float().unflatten(-1, (-1, width))  # [r, G, width]
         absmax = w.abs().amax(dim=-1)
         best_err = torch.full(absmax.shape, math.inf)
-        best_q = torch.zeros(w.shape, dtype=torch.int8)
         best_scale = torch.ones(absmax.shape, dtype=weight.dtype)
         for ratio in ratios:
             scale = (absmax * ratio / qmax).to(weight.dtype)
             scale = torch.where(scale == 0, torch.ones_like(scale), scale)  # all-zero group: any scale
             s = scale.float().unsqueeze(-1)
-            q = _round(torch.clamp(w / s, qmin, qmax))
-            err = ((q * s - w) ** 2).sum(dim=-1)
+            err = ((_round(torch.clamp(w / s, qmin, qmax)) * s - w) ** 2).sum(dim=-1)
             better = err < best_err
             best_err = torch.where(better, err, best_err)
             best_scale = torch.where(better, scale, best_scale)
-            best_q = torch.where(better.unsqueeze(-1), q.to(torch.int8), best_q)
-        signed[start : start + rows] = best_q.flatten(-2)
+        s = best_scale.float().unsqueeze(-1)
+        q = _round(torch.clamp(w / s, qmin, qmax))
+        signed[start : start + rows] = q.to(torch.int8).flatten(-2)
         scales[start : start + rows] = best_scale
-        dequantized[start : start + rows] = (best_q.float() * best_scale.float().unsqueeze(-1)).flatten(-2)
+        dequantized[start : start + rows] = (q * s).flatten(-2)
     return QuantizedWeight(signed, scales, dequantized)
 
 
