@@ -182,7 +182,7 @@ def _gptq_symmetric(weight: torch.Tensor, perm: torch.Tensor):
 
 def _gptq_asymmetric(weight: torch.Tensor, bits: int = 8):
     """Min/max asymmetric quantization in groups of GROUP -> GPTQ tensors (identity g_idx), dequantized."""
-    n, k = weight.shape
+    k = weight.shape[1]
     qmax = (1 << bits) - 1
     grouped = weight.unflatten(-1, (-1, GROUP))
     low, high = grouped.amin(-1).clamp(max=0), grouped.amax(-1).clamp(min=0)
@@ -271,8 +271,8 @@ def test_unknown_tensors_are_skipped_with_one_log_line(quantized, tmp_path, capl
         (lambda q: q["config_groups"]["group_0"]["weights"].update(group_size=48),
          r"model\.layers\.0\.mlp\.experts \(int4/g48\): group_size 48 does not divide the 64 input columns"),
         (lambda q: q["ignore"].append("model.layers.0.mlp.experts.0.up_proj"),
-         "model.layers.0.mlp.experts runs as one module, so its checkpoint modules must share one format, "
-         "but model.layers.0.mlp.experts.0.gate_proj is int4/g16, model.layers.0.mlp.experts.0.up_proj is dense"),
+         ("model.layers.0.mlp.experts runs as one module, so its checkpoint modules must share one format, "
+          "but model.layers.0.mlp.experts.0.gate_proj is int4/g16, model.layers.0.mlp.experts.0.up_proj is dense")),
     ],
 )
 def test_bad_quantization_config_is_named(quantized, tmp_path, edit, message):

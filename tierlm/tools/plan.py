@@ -41,7 +41,12 @@ def run(args: argparse.Namespace) -> int:
     from tierlm.config import ConfigError, ModelConfig
     from tierlm.engine.llm_engine import EngineConfig, engine_cache_plan
     from tierlm.memory.plan import CapacityError, weight_bytes
-    from tierlm.model.loader import ModelNotFoundError, read_quantization_config, resolve_dtype, resolve_model_path
+    from tierlm.model.loader import (
+        ModelNotFoundError,
+        read_quantization_config,
+        resolve_dtype,
+        resolve_model_path,
+    )
 
     try:
         model_dir = resolve_model_path(args.model)

@@ -33,7 +33,7 @@ from tierlm.model.quantization.base import (
     RuntimeTensor,
     WeightFormat,
 )
-from tierlm.model.quantization.packing import packed_length, pack_int32, unpack_int32
+from tierlm.model.quantization.packing import pack_int32, packed_length, unpack_int32
 
 PACK_QUANTIZED = "pack-quantized"
 CLASS_NAMES = {"linear": "Linear", "embedding": "Embedding"}
