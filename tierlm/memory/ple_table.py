@@ -218,7 +218,9 @@ def export_ple_tables(
         table, ordered = _plan_layer(config, k, shards.get(layer_id - 1, {}), where)
         if table.dtype == "float8_e4m3fn":
             if layer_id - 1 not in scales:
-                raise PleTableError(where, layer_id - 1, "ngram_embedding.weight_scale", "the fp8 table's scale", "none")
+                raise PleTableError(
+                    where, layer_id - 1, "ngram_embedding.weight_scale", "the fp8 table's scale", "none"
+                )
             table = replace(table, scale=scales[layer_id - 1])
         elif fp8:
             table = replace(PleLayerTable.expected(config, k, FP8), scale=_fp8_scale(ordered, table.row_bytes))

@@ -151,7 +151,9 @@ def check_layout(config: ModelConfig, found: dict, quantization: QuantizationCon
         if found[name][2] != spec.shape and not (spec.kind == "ple_scale" and found[name][2] == ()):
             raise CheckpointError(f"tensor {name} has shape {list(found[name][2])}, expected {list(spec.shape)}")
         if spec.dtype is not None and found[name][3] != DTYPE_TAGS[spec.dtype]:
-            raise CheckpointError(f"tensor {name} is {found[name][3]}, expected {DTYPE_TAGS[spec.dtype]} ({spec.dtype})")
+            raise CheckpointError(
+                f"tensor {name} is {found[name][3]}, expected {DTYPE_TAGS[spec.dtype]} ({spec.dtype})"
+            )
     if skipped:
         shown = ", ".join(skipped[:3]) + (", ..." if len(skipped) > 3 else "")
         logger.info("skipping %d checkpoint tensors inference does not use: %s", len(skipped), shown)

@@ -58,7 +58,9 @@ class Experts(nn.Module):
         self.quant_method = FusedExpertsMethod(fmt)
         self.quant_method.create_weights(self, self.num_experts, self.hidden_size, self.intermediate_size)
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, static: bool = False) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, static: bool = False
+    ) -> torch.Tensor:
         """static: take the sync-free expert form (see `FusedExpertsMethod`)."""
         return self.quant_method.apply(self, x, weights, experts, static)
 

@@ -136,16 +136,18 @@ class DenseFormat(WeightFormat):
 DENSE = DenseFormat()
 
 
-def register_runtime_tensors(layer: nn.Module, prefix: str, specs: dict[str, RuntimeTensor], leading: tuple[int, ...]) -> None:
+def register_runtime_tensors(
+    layer: nn.Module, specs: dict[str, RuntimeTensor], leading: tuple[int, ...] = ()
+) -> None:
     """Register the runtime tensors as frozen parameters (int ones included: the loader fills parameters).
     Floating-point ones first: the engine takes the model's dtype from its first parameter."""
     for name, spec in sorted(specs.items(), key=lambda item: item[1].dtype is not None):
         data = torch.empty(*leading, *spec.shape, dtype=spec.dtype or torch.get_default_dtype())
-        layer.register_parameter(prefix + name, nn.Parameter(data, requires_grad=False))
+        layer.register_parameter(name, nn.Parameter(data, requires_grad=False))
 
 
-def runtime_view(layer: nn.Module, fmt: WeightFormat, prefix: str = "") -> dict[str, torch.Tensor]:
-    return {name: getattr(layer, prefix + name) for name in fmt.runtime_names}
+def runtime_view(layer: nn.Module, fmt: WeightFormat) -> dict[str, torch.Tensor]:
+    return {name: getattr(layer, name) for name in fmt.runtime_names}
 
 
 # ---- linear -------------------------------------------------------------------------------------------
@@ -158,7 +160,7 @@ class LinearMethod(ABC):
         self.format = fmt
 
     def create_weights(self, layer: nn.Module, in_features: int, out_features: int) -> None:
-        register_runtime_tensors(layer, "", self.format.runtime_tensors(out_features, in_features), ())
+        register_runtime_tensors(layer, self.format.runtime_tensors(out_features, in_features))
 
     @abstractmethod
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor: ...
@@ -198,7 +200,7 @@ class EmbeddingMethod:
         self.format = fmt
 
     def create_weights(self, layer: nn.Module, vocab_size: int, hidden_size: int) -> None:
-        register_runtime_tensors(layer, "", self.format.runtime_tensors(vocab_size, hidden_size), ())
+        register_runtime_tensors(layer, self.format.runtime_tensors(vocab_size, hidden_size))
 
     def apply(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         if self.format == DENSE:

@@ -186,7 +186,9 @@ def _weights_format(group: str, weights: Any, group_format: str | None) -> PackQ
     group_size = weights.get("group_size")
     if strategy == "group":
         if not isinstance(group_size, int) or group_size <= 0:
-            raise QuantizationError(f"{where}.weights.group_size: strategy 'group' needs a positive integer, got {group_size!r}")
+            raise QuantizationError(
+                f"{where}.weights.group_size: strategy 'group' needs a positive integer, got {group_size!r}"
+            )
     elif strategy == "channel":
         group_size = None
     else:

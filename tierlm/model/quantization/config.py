@@ -42,7 +42,8 @@ class QuantizationConfig:
         if method in AUTO_ROUND_METHODS or method == "gptq":
             return cls(method, parse_gptq(section, method))
         raise QuantizationError(
-            f"quantization_config.quant_method: {method!r} is not supported; tierlm reads {', '.join(SUPPORTED_METHODS)}"
+            f"quantization_config.quant_method: {method!r} is not supported; "
+            f"tierlm reads {', '.join(SUPPORTED_METHODS)}"
         )
 
     def bind_checkpoint(self, tensor_names: set[str]) -> QuantizationConfig:

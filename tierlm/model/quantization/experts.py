@@ -42,7 +42,7 @@ class FusedExpertsMethod:
         for projection, (n, k) in shapes.items():
             specs = self.format.runtime_tensors(n, k)
             renamed = {self.tensor_name(projection, name): spec for name, spec in specs.items()}
-            register_runtime_tensors(layer, "", renamed, (num_experts,))
+            register_runtime_tensors(layer, renamed, (num_experts,))
 
     def expert_weight(self, layer: nn.Module, projection: str, index, dtype: torch.dtype) -> torch.Tensor:
         """The weight of expert(s) `index` (an int, or ids [M] for a stack [M, N, K]) in `dtype`."""

@@ -168,7 +168,8 @@ class GptqConfig:
             return None
         if bits not in GPTQ_BITS:
             raise QuantizationError(
-                f"{where}: {bits}-bit GPTQ packing is not supported (auto_gptq packs {', '.join(map(str, GPTQ_BITS))} bits)"
+                f"{where}: {bits}-bit GPTQ packing is not supported "
+                f"(auto_gptq packs {', '.join(map(str, GPTQ_BITS))} bits)"
             )
         return GptqFormat(bits, group_size, symmetric, self.has_g_idx)
 
@@ -215,13 +216,17 @@ def parse_gptq(raw: dict[str, Any], method: str) -> GptqConfig:
                 "(and compressed-tensors checkpoints)"
             )
         if raw.get("data_type", "int") != "int":
-            raise QuantizationError(f"quantization_config.data_type: {raw.get('data_type')!r} is not supported (only 'int')")
+            raise QuantizationError(
+                f"quantization_config.data_type: {raw.get('data_type')!r} is not supported (only 'int')"
+            )
     bits = raw.get("bits")
     if not isinstance(bits, int):
         raise QuantizationError(f"quantization_config.bits: expected an integer, got {bits!r}")
     group_size = raw.get("group_size", 128)
     if not isinstance(group_size, int) or (group_size <= 0 and group_size != -1):
-        raise QuantizationError(f"quantization_config.group_size: expected a positive integer or -1, got {group_size!r}")
+        raise QuantizationError(
+            f"quantization_config.group_size: expected a positive integer or -1, got {group_size!r}"
+        )
     symmetric = raw.get("sym", True)
     blocks = raw.get("block_name_to_quantize") or raw.get("to_quant_block_names") or []
     if isinstance(blocks, str):
