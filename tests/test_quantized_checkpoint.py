@@ -52,15 +52,15 @@ def _dense_copy(base, out, replace: dict[str, torch.Tensor]):
 
 
 def _logits(model, config, ids: list[int], chunk: int = 17) -> torch.Tensor:
-    """The model's logits over `ids`, prefilled in chunks through one request slot."""
+    """The model's logits (fp32) over `ids`, prefilled in chunks through one request slot."""
     block_size = 12
-    cache = ModelCache(config, 1, 16, block_size, torch.float32)
+    cache = ModelCache(config, 1, 16, block_size, next(model.parameters()).dtype)
     cache.reset_slot(0)
     table, out = list(range(16)), []
     for start in range(0, len(ids), chunk):
         piece = ids[start : start + chunk]
         batch = ForwardBatch.build([piece], [start], [0], [table], block_size, logits="all")
-        out.append(model(batch, cache))
+        out.append(model(batch, cache).float())
     return torch.cat(out)
 
 
@@ -148,6 +148,33 @@ def test_quantized_logits_equal_the_dequantized_dense_model(base, quantized, tmp
     assert (got - expected).abs().max().item() <= TOLERANCE
     original, _ = load_model(base, dtype="float32", device="cpu")
     assert (_logits(original, config, ids) - got).abs().max().item() > 100 * TOLERANCE  # it did quantize
+
+
+def _dequantized_from_model(model, dtype) -> dict[str, torch.Tensor]:
+    """Every quantized checkpoint module's weight as the loaded model dequantizes it in `dtype`."""
+    weights = {}
+    for path, module in model.named_modules():
+        if not hasattr(module, "checkpoint_modules") or module.quant_method.format.label == "dense":
+            continue
+        for part in module.checkpoint_modules(path):
+            if module.kind == "experts":
+                full = module.quant_method.expert_weight(module, part.projection, part.expert, dtype)
+            elif module.kind == "embedding":
+                full = module(torch.arange(module.num_embeddings))
+            else:
+                full = module.quant_method.dequantized_weight(module, dtype)
+            weights[f"{part.name}.weight"] = full[part.start : part.end].clone()
+    return weights
+
+
+def test_quantized_model_in_bf16_equals_its_dequantized_dense_model(base, quantized, tmp_path):
+    """In bf16 (scales rounded to bf16 on load) the packed layers compute exactly what dense layers holding
+    their dequantized weights compute."""
+    model, config = load_model(quantized, dtype="bfloat16", device="cpu")
+    dense_dir = _dense_copy(base, tmp_path / "dense", _dequantized_from_model(model, torch.bfloat16))
+    dense, _ = load_model(dense_dir, dtype="bfloat16", device="cpu")
+    ids = torch.randint(2, config.vocab_size, (45,), generator=torch.Generator().manual_seed(3)).tolist()
+    assert torch.equal(_logits(model, config, ids), _logits(dense, config, ids))
 
 
 def test_expert_forms_agree_on_quantized_experts(quantized):
