@@ -17,7 +17,7 @@ from fastapi import APIRouter, Depends, FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 
-from tierlm.server.async_engine import AsyncEngine, EngineRequestError
+from tierlm.server.async_engine import AsyncEngine, EngineDeadError, EngineRequestError
 from tierlm.server.chat import create_chat_completion
 from tierlm.server.completions import create_completion
 from tierlm.server.metrics import CONTENT_TYPE
@@ -49,6 +49,10 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None) 
     @app.exception_handler(EngineRequestError)
     async def engine_error(_request: Request, exc: EngineRequestError) -> JSONResponse:
         return JSONResponse(ApiError(500, str(exc)).body(), status_code=500)
+
+    @app.exception_handler(EngineDeadError)
+    async def engine_dead(_request: Request, exc: EngineDeadError) -> JSONResponse:
+        return JSONResponse(ApiError(503, str(exc)).body(), status_code=503)
 
     @app.exception_handler(Exception)
     async def internal_error(_request: Request, exc: Exception) -> JSONResponse:

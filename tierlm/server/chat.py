@@ -70,9 +70,9 @@ async def create_chat_completion(
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     stream = await submit(ctx, request_id, prompts, params, "messages")
     if request.stream:
-        chunks = _chunks(request, ctx, request_id, prompts, deltas(stream, request.n, params, True))
+        chunks = _chunks(request, ctx, request_id, prompts, deltas(stream, request.n, True))
         return StreamingResponse(sse_events(chunks), media_type="text/event-stream")
-    results = await collect(http_request, stream, request.n, params, True)
+    results = await collect(http_request, stream, request.n, True)
     choices = [
         ChatChoice(
             index=r.index, message=ChatMessageOut(content=r.text), finish_reason=r.finish_reason,

@@ -60,10 +60,10 @@ async def create_completion(
     stream = await submit(ctx, request_id, prompts, params, "prompt")
     builder = _ChoiceBuilder(request, ctx.tokenizer)
     if request.stream:
-        source = deltas(stream, request.n, params, keep_output)
+        source = deltas(stream, request.n, keep_output)
         chunks = _chunks(request, ctx, request_id, prompts, builder, source)
         return StreamingResponse(sse_events(chunks), media_type="text/event-stream")
-    results = await collect(http_request, stream, request.n, params, keep_output)
+    results = await collect(http_request, stream, request.n, keep_output)
     choices = [
         builder.choice(r.index, r.output, r.text, r.token_ids, r.logprobs, r.finish_reason, r.stop_reason)
         for r in results

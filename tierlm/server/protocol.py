@@ -14,7 +14,10 @@ from pydantic import BaseModel, ConfigDict, Field
 
 # ---- errors -------------------------------------------------------------------------------------------
 
-ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 500: "InternalServerError"}
+ERROR_TYPES = {
+    400: "BadRequestError", 401: "AuthenticationError", 408: "RequestTimeoutError", 500: "InternalServerError",
+    503: "ServiceUnavailableError",
+}
 
 
 class ApiError(Exception):
