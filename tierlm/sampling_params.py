@@ -87,8 +87,8 @@ class SamplingParams:
             fail("stop", "must be a non-empty string or a list of them")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             fail("stop_token_ids", "must be a list of non-negative token ids")
-        if self.seed is not None and not isinstance(self.seed, int):
-            fail("seed", "must be an integer")
+        if self.seed is not None and (not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**63):
+            fail("seed", "must be a 64-bit signed integer")
         if not isinstance(self.output_kind, RequestOutputKind):
             fail("output_kind", "must be a RequestOutputKind")
         structured = self.structured_output

@@ -259,7 +259,10 @@ class LLMEngine:
             grammars = [self._structured_outputs.new_state(params.structured_output) for _ in range(params.n)]
         sequences = []
         for index in range(params.n):
-            seq_params = params if params.seed is None else dataclasses.replace(params, seed=params.seed + index)
+            # sequence i draws from seed + i (wrapped into 64 bits)
+            seq_params = params if params.seed is None else dataclasses.replace(
+                params, seed=(params.seed + index + 2**63) % 2**64 - 2**63
+            )
             request = Request(
                 f"{request_id}-{index}" if params.n > 1 else request_id, token_ids, seq_params,
                 self.eos_token_ids, self.max_model_len,

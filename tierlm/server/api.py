@@ -21,7 +21,14 @@ from tierlm.server.async_engine import AsyncEngine, EngineDeadError, EngineReque
 from tierlm.server.chat import create_chat_completion
 from tierlm.server.completions import create_completion
 from tierlm.server.metrics import CONTENT_TYPE
-from tierlm.server.protocol import ApiError, ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from tierlm.server.protocol import (
+    ERROR_TYPES,
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+)
 from tierlm.server.serving import ClientDisconnected, ServingContext
 
 logger = logging.getLogger("tierlm.server")
@@ -78,18 +85,46 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None) 
     async def models() -> ModelList:
         return ModelList(data=[ModelCard(id=model_name, max_model_len=ctx.max_model_len)])
 
-    @v1.post("/completions")
+    @v1.post("/completions", openapi_extra=_request_body(CompletionRequest), responses=_ERROR_RESPONSES)
     async def completions(request: Request) -> Response:
         body = await _parse(request, CompletionRequest)
         return await _unless_gone(create_completion(body, ctx, request))
 
-    @v1.post("/chat/completions")
+    @v1.post("/chat/completions", openapi_extra=_request_body(ChatCompletionRequest), responses=_ERROR_RESPONSES)
     async def chat_completions(request: Request) -> Response:
         body = await _parse(request, ChatCompletionRequest)
         return await _unless_gone(create_chat_completion(body, ctx, request))
 
     app.include_router(v1)
+    _publish_request_schemas(app, [CompletionRequest, ChatCompletionRequest])
     return app
+
+
+_ERROR_RESPONSES = {status: {"description": name} for status, name in ERROR_TYPES.items()}
+_COMPONENTS = "#/components/schemas/{model}"
+
+
+def _request_body(model: type[BaseModel]) -> dict:
+    """The OpenAPI requestBody of a route that parses its body itself (to answer 400 in OpenAI's shape)."""
+    return {"requestBody": {"required": True, "content": {"application/json": {
+        "schema": {"$ref": _COMPONENTS.format(model=model.__name__)}}}}}
+
+
+def _publish_request_schemas(app: FastAPI, models: list[type[BaseModel]]) -> None:
+    """Put the request models (and the models they use) into the app's OpenAPI components."""
+    default = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = default()  # built once and kept in app.openapi_schema
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            for model in models:
+                body = model.model_json_schema(ref_template=_COMPONENTS)
+                components.update(body.pop("$defs", {}))
+                components[model.__name__] = body
+        return app.openapi_schema
+
+    app.openapi = openapi
 
 
 async def _parse(request: Request, model: type[_Body]) -> _Body:
