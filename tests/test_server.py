@@ -369,15 +369,19 @@ BAD_REQUESTS = {
     "unsupported_schema_ref": ("/v1/chat/completions", {**CHAT, "response_format": {
         "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": {
             "a": {"$ref": "#/missing"}}}}}}, "response_format", "json_schema"),
-    "unknown_model": ("/v1/chat/completions", {**CHAT, "model": "gpt-17"}, "model", "gpt-17"),
     "missing_messages": ("/v1/chat/completions", {"model": MODEL}, "messages", "messages"),
     "missing_prompt": ("/v1/completions", {"model": MODEL, "max_tokens": 3}, "prompt", "prompt"),
     "empty_messages": ("/v1/chat/completions", {**CHAT, "messages": []}, "messages", "messages"),
     "wrong_type": ("/v1/completions", {"prompt": "x", "max_tokens": "many"}, "max_tokens", "max_tokens"),
-    "empty_prompt": ("/v1/completions", {"prompt": ""}, "prompt", "empty"),
+    "empty_prompt": ("/v1/completions", {"prompt": ""}, "prompt", "at least 1 character"),
+    "empty_token_list": ("/v1/completions", {"prompt": [[1], []]}, "prompt", "at least 1 item"),
+    "content_missing": ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user"}]}, "messages",
+                        "needs 'content'"),
+    "reserved_template_kwarg": ("/v1/chat/completions", {**CHAT, "chat_template_kwargs": {"messages": []}},
+                                "chat_template_kwargs", "cannot be set there"),
     "token_outside_vocab": ("/v1/completions", {"prompt": [1, 10**9]}, "prompt", "vocabulary"),
-    "role_the_template_refuses": ("/v1/chat/completions", {
-        **CHAT, "messages": [{"role": "robot", "content": "x"}]}, "messages", "robot"),
+    "unknown_role": ("/v1/chat/completions", {
+        **CHAT, "messages": [{"role": "robot", "content": "x"}]}, "messages", "'user'"),
 }
 
 
@@ -394,6 +398,8 @@ def test_bad_requests_get_400_in_openai_shape(server, case):
 def test_bad_requests_reach_the_openai_client_as_errors(client):
     with pytest.raises(openai.BadRequestError, match="top_p"):
         client.completions.create(model=MODEL, prompt="x", top_p=7)
+    with pytest.raises(openai.NotFoundError, match="gpt-17"):  # OpenAI and vLLM answer 404 too
+        client.chat.completions.create(model="gpt-17", messages=[{"role": "user", "content": "hi"}])
 
 
 def test_api_key(server):

@@ -14,7 +14,13 @@ from tierlm.engine import llm_engine
 from tierlm.engine.llm_engine import EngineStats
 from tierlm.outputs import CompletionOutput, RequestOutput
 from tierlm.sampling_params import SamplingParams
-from tierlm.server.async_engine import AsyncEngine, EngineDeadError, EnginePrompt, EngineRequestError, output_size
+from tierlm.server.async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    EnginePrompt,
+    EngineRequestError,
+    output_size,
+)
 from tierlm.server.cli import engine_config
 
 POISON_STEP, POISON_ADD, POISON_FINISH = 666, 667, 668  # prompt tokens that make the fake engine misbehave

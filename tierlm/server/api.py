@@ -14,7 +14,7 @@ from contextlib import asynccontextmanager
 from typing import TypeVar
 
 from fastapi import APIRouter, Depends, FastAPI, Request, Response
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 from pydantic import BaseModel, ValidationError
 
 from tierlm.server.async_engine import AsyncEngine, EngineDeadError, EngineRequestError
@@ -66,11 +66,14 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None) 
         logger.exception("request failed")
         return JSONResponse(ApiError(500, f"internal error: {exc}").body(), status_code=500)
 
-    @app.get("/health")
-    async def health() -> Response:
-        return Response(status_code=200 if engine.is_alive else 503)
+    @app.get("/health", response_class=PlainTextResponse,
+             responses={503: {"description": "the engine has failed", "content": {"text/plain": {}}}})
+    async def health() -> PlainTextResponse:
+        if engine.is_alive:
+            return PlainTextResponse("ok")
+        return PlainTextResponse(f"the engine has failed: {engine.dead_reason or 'its thread stopped'}", 503)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> Response:
         return Response(engine.metrics.render(), media_type=CONTENT_TYPE)
 

@@ -55,10 +55,11 @@ async def create_chat_completion(
     messages = [message.model_dump() for message in request.messages]
     try:
         text = ctx.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, **(request.chat_template_kwargs or {})
+            messages, add_generation_prompt=True, template_kwargs=request.chat_template_kwargs
         )
     except ValueError as exc:  # ChatTemplateError: no template, a message it refuses, ...
-        raise ApiError(400, str(exc), "messages") from None
+        param = "chat_template_kwargs" if str(exc).startswith("chat_template_kwargs") else "messages"
+        raise ApiError(400, str(exc), param) from None
     prompts = [EnginePrompt(ctx.tokenizer.encode(text, add_special_tokens=False), text)]
     max_param = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
     max_tokens = getattr(request, max_param)

@@ -18,7 +18,6 @@ from fastapi.responses import StreamingResponse
 from tierlm.outputs import PositionLogprobs, RequestOutput
 from tierlm.server.async_engine import EnginePrompt
 from tierlm.server.protocol import (
-    ApiError,
     CompletionChoice,
     CompletionLogprobs,
     CompletionRequest,
@@ -76,8 +75,6 @@ async def create_completion(
 
 
 def _prompts(prompt: str | list, tokenizer: Tokenizer) -> list[EnginePrompt]:
-    if isinstance(prompt, list) and not prompt:
-        raise ApiError(400, "prompt must not be an empty list", "prompt")
     if isinstance(prompt, str) or isinstance(prompt[0], int):
         prompt = [prompt]
     return [

@@ -14,12 +14,12 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 
 # ---- errors -------------------------------------------------------------------------------------------
 
 ERROR_TYPES = {
-    400: "BadRequestError", 401: "AuthenticationError", 408: "RequestTimeoutError", 500: "InternalServerError",
+    400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 500: "InternalServerError",
     503: "ServiceUnavailableError",
 }
 
@@ -91,18 +91,55 @@ class SamplingRequest(_Request):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
+NonEmptyText = Annotated[str, Field(min_length=1)]
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
+
+
+def _prompt_form(value: Any) -> str | None:
+    """Which of the four prompt forms a value is meant as, so errors speak of that form alone."""
+    if isinstance(value, str):
+        return "text"
+    if isinstance(value, list):
+        first = value[0] if value else None
+        return "texts" if isinstance(first, str) else "batch" if isinstance(first, list) else "token_ids"
+    return None
+
+
+Prompt = Annotated[
+    Annotated[NonEmptyText, Tag("text")]
+    | Annotated[list[NonEmptyText], Field(min_length=1), Tag("texts")]
+    | Annotated[TokenIds, Tag("token_ids")]
+    | Annotated[list[TokenIds], Field(min_length=1), Tag("batch")],
+    Discriminator(_prompt_form, custom_error_type="prompt_form",
+                  custom_error_message="a string, a list of strings, a list of token ids or a list of such lists"),
+]
+
+
 class CompletionRequest(SamplingRequest):
-    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
+    prompt: Prompt
     max_tokens: int | None = Field(16, ge=0)
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=20)
 
 
+class TextPart(_Request):
+    type: Literal["text"]
+    text: str
+
+
 class ChatMessage(_Request):
+    """A turn; content is required except on an assistant turn (that may carry only tool calls)."""
+
     model_config = ConfigDict(extra="allow")  # name, tool_calls, ...: passed to the chat template as given
 
-    role: str
-    content: str | list[dict[str, Any]] | None = None
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+
+    @model_validator(mode="after")
+    def _content_unless_assistant(self) -> ChatMessage:
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs 'content' (only an assistant turn may omit it)")
+        return self
 
 
 class ChatCompletionRequest(SamplingRequest):

@@ -20,7 +20,13 @@ from pydantic import BaseModel
 from tierlm.engine.llm_engine import PromptTooLongError
 from tierlm.outputs import PositionLogprobs, RequestOutput
 from tierlm.sampling_params import SamplingParams, StructuredOutputRequest
-from tierlm.server.async_engine import AsyncEngine, EngineDeadError, EnginePrompt, EngineRequestError, RequestStream
+from tierlm.server.async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    EnginePrompt,
+    EngineRequestError,
+    RequestStream,
+)
 from tierlm.server.protocol import ApiError, ResponseFormat, SamplingRequest, UsageInfo
 from tierlm.tokenizer import Tokenizer
 
@@ -47,7 +53,8 @@ class ClientDisconnected(Exception):
 
 def check_model(request: SamplingRequest, ctx: ServingContext) -> None:
     if request.model is not None and request.model != ctx.model_name:
-        raise ApiError(400, f"model {request.model!r} is not served here (it is {ctx.model_name!r})", "model")
+        raise ApiError(404, f"the model {request.model!r} does not exist here (this server serves {ctx.model_name!r})",
+                       "model")
 
 
 def check_room(num_prompt_tokens: int, max_tokens: int | None, ctx: ServingContext, param: str) -> None:
