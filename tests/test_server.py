@@ -376,12 +376,14 @@ BAD_REQUESTS = {
     "empty_prompt": ("/v1/completions", {"prompt": ""}, "prompt", "at least 1 character"),
     "empty_token_list": ("/v1/completions", {"prompt": [[1], []]}, "prompt", "at least 1 item"),
     "content_missing": ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user"}]}, "messages",
-                        "needs 'content'"),
+                        "content: Field required"),
+    "json_schema_format_without_schema": ("/v1/completions", {"prompt": "x", "response_format": {
+        "type": "json_schema"}}, "response_format", "json_schema: Field required"),
     "reserved_template_kwarg": ("/v1/chat/completions", {**CHAT, "chat_template_kwargs": {"messages": []}},
                                 "chat_template_kwargs", "cannot be set there"),
     "token_outside_vocab": ("/v1/completions", {"prompt": [1, 10**9]}, "prompt", "vocabulary"),
     "unknown_role": ("/v1/chat/completions", {
-        **CHAT, "messages": [{"role": "robot", "content": "x"}]}, "messages", "'user'"),
+        **CHAT, "messages": [{"role": "robot", "content": "x"}]}, "messages", "'robot'"),
 }
 
 

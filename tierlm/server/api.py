@@ -88,12 +88,12 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None) 
     async def models() -> ModelList:
         return ModelList(data=[ModelCard(id=model_name, max_model_len=ctx.max_model_len)])
 
-    @v1.post("/completions", openapi_extra=_request_body(CompletionRequest), responses=_ERROR_RESPONSES)
+    @v1.post("/completions", openapi_extra=_request_body(CompletionRequest), responses=_RESPONSES)
     async def completions(request: Request) -> Response:
         body = await _parse(request, CompletionRequest)
         return await _unless_gone(create_completion(body, ctx, request))
 
-    @v1.post("/chat/completions", openapi_extra=_request_body(ChatCompletionRequest), responses=_ERROR_RESPONSES)
+    @v1.post("/chat/completions", openapi_extra=_request_body(ChatCompletionRequest), responses=_RESPONSES)
     async def chat_completions(request: Request) -> Response:
         body = await _parse(request, ChatCompletionRequest)
         return await _unless_gone(create_chat_completion(body, ctx, request))
@@ -103,7 +103,11 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None) 
     return app
 
 
-_ERROR_RESPONSES = {status: {"description": name} for status, name in ERROR_TYPES.items()}
+_RESPONSES = {
+    200: {"description": "the answer; with stream: true, server-sent events",
+          "content": {"application/json": {}, "text/event-stream": {}}},
+    **{status: {"description": name} for status, name in ERROR_TYPES.items()},
+}
 _COMPONENTS = "#/components/schemas/{model}"
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
 # ---- errors -------------------------------------------------------------------------------------------
 
@@ -62,9 +62,20 @@ class JsonSchemaSpec(_Request):
     strict: bool | None = None
 
 
-class ResponseFormat(_Request):
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: JsonSchemaSpec | None = None
+class TextFormat(_Request):
+    type: Literal["text"]
+
+
+class JsonObjectFormat(_Request):
+    type: Literal["json_object"]
+
+
+class JsonSchemaFormat(_Request):
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaSpec
+
+
+ResponseFormat = Annotated[TextFormat | JsonObjectFormat | JsonSchemaFormat, Field(discriminator="type")]
 
 
 class SamplingRequest(_Request):
@@ -127,19 +138,23 @@ class TextPart(_Request):
     text: str
 
 
-class ChatMessage(_Request):
-    """A turn; content is required except on an assistant turn (that may carry only tool calls)."""
-
+class _Message(_Request):
     model_config = ConfigDict(extra="allow")  # name, tool_calls, ...: passed to the chat template as given
 
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+
+class TurnMessage(_Message):
+    role: Literal["system", "developer", "user", "tool"]
+    content: str | list[TextPart]
+
+
+class AssistantMessage(_Message):
+    """An assistant turn may omit its content (one that carries only tool calls)."""
+
+    role: Literal["assistant"]
     content: str | list[TextPart] | None = None
 
-    @model_validator(mode="after")
-    def _content_unless_assistant(self) -> ChatMessage:
-        if self.content is None and self.role != "assistant":
-            raise ValueError(f"a {self.role} message needs 'content' (only an assistant turn may omit it)")
-        return self
+
+ChatMessage = Annotated[TurnMessage | AssistantMessage, Field(discriminator="role")]
 
 
 class ChatCompletionRequest(SamplingRequest):

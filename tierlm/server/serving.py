@@ -92,9 +92,6 @@ def _structured_output(response_format: ResponseFormat | None) -> StructuredOutp
         return None
     if response_format.type == "json_object":
         return StructuredOutputRequest(json_object=True)
-    if response_format.json_schema is None:
-        message = "response_format of type json_schema needs a 'json_schema' object with a 'schema'"
-        raise ApiError(400, message, "response_format")
     return StructuredOutputRequest(json_schema=json.dumps(response_format.json_schema.schema_))
 
 
