@@ -48,6 +48,7 @@ class _Request(BaseModel):
 
 
 TokenId = Annotated[int, Field(ge=0)]
+NonEmptyText = Annotated[str, Field(min_length=1)]
 Seed = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
 
 
@@ -88,7 +89,7 @@ class SamplingRequest(_Request):
     top_k: int | None = Field(None, ge=-1)
     min_tokens: int = Field(0, ge=0)
     seed: Seed | None = None
-    stop: str | list[str] | None = None
+    stop: NonEmptyText | list[NonEmptyText] | None = None
     stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
@@ -102,7 +103,6 @@ class SamplingRequest(_Request):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
-NonEmptyText = Annotated[str, Field(min_length=1)]
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 
 
