@@ -144,8 +144,9 @@ async def _parse(request: Request, model: type[_Body]) -> _Body:
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        problems = [f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}" for e in exc.errors()]
-        location = exc.errors()[0]["loc"]
+        errors = sorted(exc.errors(), key=lambda e: -len(e["loc"]))  # a union's deepest match first
+        problems = [f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}" for e in errors]
+        location = errors[0]["loc"]
         param = str(location[0]) if location else None
         raise ApiError(400, "invalid request: " + "; ".join(problems[:3]), param) from None
 
