@@ -1,0 +1,165 @@
+"""`quant_linear` as one Triton kernel (same signature as `naive`), with the weight format a compile-time
+variant: unquantized (bf16 / fp16 / fp32) or packed INT4 / INT6 / INT8 with group scales (see `packing`).
+
+Each program computes a [BLOCK_M, BLOCK_N] tile of y over a range of K. The weight tile is read in
+place and, when packed, dequantized in registers: the int32 word holding each value is loaded (values
+that straddle two words take the next word too), shifted and masked, the 2^(bits-1) bias removed, and
+multiplied by its group's scale in fp32, then rounded to x's dtype: the same rounded weight `naive`
+builds, so the two differ only in summation order (products accumulate in fp32 here).
+  - decode (M <= GEMV_MAX_ROWS): no tensor-core dot (it would pad M to 16); the tile products are summed
+    as a broadcast multiply, and K is split over several programs (SPLIT_K) when N alone gives too few
+    programs to keep the device's memory system busy; the fp32 partials are summed after.
+  - prefill chunks: tl.dot tiles (fp32 in IEEE precision, so fp32 results match the reference closely).
+`load_weight_tile` and `multiply_accumulate` are shared with the fused MoE kernels (kernels/fused_moe).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tierlm.kernels.quant_linear.naive import check_weight
+from tierlm.kernels.quant_linear.packing import check_packed
+
+GEMV_MAX_ROWS = 4  # up to this many rows, the broadcast-multiply form (no padding of M to 16)
+GEMV_TARGET_PROGRAMS = 512  # decode: split K until about this many programs run (a few per SM)
+
+
+@triton.jit
+def load_weight_tile(w_ptr, s_ptr, k0, offs_n, n_mask, stride_wn, stride_sn, K, BITS: tl.constexpr,
+                     GROUP_SIZE: tl.constexpr, BLOCK_K: tl.constexpr, DTYPE: tl.constexpr, PRECISION: tl.constexpr):
+    """Tile [BLOCK_K, BLOCK_N] of W^T (element (k, n) = W[n, k] for k in [k0, k0 + BLOCK_K)) in DTYPE,
+    out-of-range elements 0. BITS 0: w_ptr is W [N, K] itself (row stride stride_wn); else the packed
+    words [N, ceil(K * BITS / 32)] and s_ptr the scales [N, K / GROUP_SIZE] (row stride stride_sn)."""
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    mask = (offs_k < K)[:, None] & n_mask[None, :]
+    rows = offs_n[None, :].to(tl.int64)
+    if BITS == 0:
+        tile = tl.load(w_ptr + rows * stride_wn + offs_k[:, None], mask=mask, other=0.0).to(DTYPE)
+    else:
+        position = offs_k * BITS  # bit position of value k in its row
+        word_ptr = w_ptr + rows * stride_wn + (position // 32)[:, None]
+        shift = (position % 32).to(tl.uint32)[:, None]
+        value = tl.load(word_ptr, mask=mask, other=0).to(tl.uint32, bitcast=True) >> shift
+        if 32 % BITS != 0:  # values may straddle two words: their high bits start the next word
+            straddles = (shift + BITS) > 32
+            high = tl.load(word_ptr + 1, mask=mask & straddles, other=0).to(tl.uint32, bitcast=True)
+            value = value | (high << tl.where(straddles, 32 - shift, 0))
+        q = (value & ((1 << BITS) - 1)).to(tl.int32) - (1 << (BITS - 1))
+        if GROUP_SIZE % BLOCK_K == 0:  # the tile lies in one group: one scale per row
+            scale = tl.load(s_ptr + rows * stride_sn + k0 // GROUP_SIZE, mask=n_mask[None, :], other=0.0)
+        else:
+            scale = tl.load(s_ptr + rows * stride_sn + (offs_k // GROUP_SIZE)[:, None], mask=mask, other=0.0)
+        tile = round_to(q.to(tl.float32) * scale.to(tl.float32), DTYPE, PRECISION)
+    return tile
+
+
+@triton.jit
+def round_to(x, DTYPE: tl.constexpr, PRECISION: tl.constexpr):
+    """fp32 x rounded to DTYPE, to nearest even. The CPU interpreter (PRECISION "interpreter") truncates
+    fp32 -> bf16 (triton 3.9), so there the rounding is done on the bits (finite values)."""
+    if PRECISION == "interpreter" and DTYPE == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        result = bits.to(tl.float32, bitcast=True).to(DTYPE)  # exact: the low bits are zero
+    else:
+        result = x.to(DTYPE)
+    return result
+
+
+@triton.jit
+def multiply_accumulate(a, b, acc, USE_DOT: tl.constexpr, PRECISION: tl.constexpr):
+    """acc [M, N] fp32 + a [M, K] @ b [K, N]: tl.dot, or (few rows) a broadcast multiply summed over K.
+    PRECISION "interpreter" (the CPU, whose tl.dot multiplies bf16 operands' raw bits in triton 3.9):
+    operands widened to fp32 first, the same products (a product of two bf16 or fp16 values is exact in
+    fp32) and the same fp32 accumulation."""
+    if USE_DOT:
+        if PRECISION == "interpreter":
+            result = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+        else:
+            result = tl.dot(a, b, acc, input_precision=PRECISION)
+    else:
+        result = acc + tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
+    return result
+
+
+@triton.jit
+def _quant_linear_kernel(
+    x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, k_per_split, stride_xm, stride_wn, stride_sn, stride_ym, stride_ys,
+    BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """One program: rows [pid_m * BLOCK_M, +BLOCK_M), columns [pid_n * BLOCK_N, +BLOCK_N), input columns
+    [split * k_per_split, +k_per_split) (a multiple of BLOCK_K). Writes y, or with several splits its
+    fp32 partial at y_ptr + split * stride_ys."""
+    pid_m, pid_n, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask, n_mask = offs_m < M, offs_n < N
+    dtype = x_ptr.dtype.element_ty
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    k_start = split * k_per_split
+    for k0 in range(k_start, tl.minimum(k_start + k_per_split, K), BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        a = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :],
+                    mask=m_mask[:, None] & (offs_k < K)[None, :], other=0.0)
+        b = load_weight_tile(w_ptr, s_ptr, k0, offs_n, n_mask, stride_wn, stride_sn, K,
+                             BITS, GROUP_SIZE, BLOCK_K, dtype, PRECISION)
+        acc = multiply_accumulate(a, b, acc, USE_DOT, PRECISION)
+    y_ptrs = y_ptr + split * stride_ys + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
+    tl.store(y_ptrs, round_to(acc, y_ptr.dtype.element_ty, PRECISION), mask=m_mask[:, None] & n_mask[None, :])
+
+
+def dot_precision(x: torch.Tensor) -> str:
+    """The PRECISION constexpr of `multiply_accumulate` and `round_to`: fp32 products in IEEE precision
+    (not TF32), so fp32 results match the reference; "interpreter" on the CPU (only Triton's interpreter
+    runs kernels there: it needs the workarounds those helpers describe)."""
+    if x.device.type == "cpu":
+        return "interpreter"
+    return "ieee" if x.dtype == torch.float32 else "tf32"
+
+
+def kernel_group_size(bits: int | None, group_size: int) -> int:
+    """The GROUP_SIZE constexpr: 0 for unquantized weights."""
+    return 0 if bits is None else group_size
+
+
+def quant_linear(x: torch.Tensor, weight_or_packed: torch.Tensor, *, scales: torch.Tensor | None = None,
+                 bits: int | None = None, group_size: int | None = None) -> torch.Tensor:
+    """As `naive.quant_linear`: y = x W^T, x [..., K] -> [..., N] in x's dtype, for W [N, K] in x's dtype or
+    packed int32 [N, ceil(K * bits / 32)] with scales [N, K / group_size] (or [N, 1])."""
+    check_weight(x, weight_or_packed, scales, bits)
+    k = x.shape[-1]
+    n = weight_or_packed.shape[0]
+    if bits is not None:
+        group_size = check_packed(weight_or_packed, scales, bits, k, group_size)
+        scales = scales.contiguous()
+    weight = weight_or_packed.contiguous()
+    x2 = x.reshape(-1, k).contiguous()
+    m = x2.shape[0]
+    out_shape = (*x.shape[:-1], n)
+    if m == 0:
+        return x.new_empty(out_shape)
+    if m <= GEMV_MAX_ROWS:
+        block_m, block_n, block_k, use_dot = triton.next_power_of_2(m), 16, 256 // triton.next_power_of_2(m), False
+    else:
+        block_m, block_n, block_k, use_dot = min(64, max(16, triton.next_power_of_2(m))), 64, 64, True
+    block_k = min(block_k, max(16, triton.next_power_of_2(k)))
+    tiles_mn = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+    k_tiles = triton.cdiv(k, block_k)
+    splits = 1
+    if not use_dot:
+        splits = max(1, min(k_tiles // 4, GEMV_TARGET_PROGRAMS // tiles_mn))  # >= 4 tiles of K per split
+    k_per_split = triton.cdiv(k_tiles, splits) * block_k
+    splits = triton.cdiv(k, k_per_split)
+    y = torch.empty((splits, m, n), dtype=torch.float32 if splits > 1 else x.dtype, device=x.device)
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), splits)
+    _quant_linear_kernel[grid](
+        x2, weight, scales if scales is not None else weight, y, m, n, k, k_per_split,
+        x2.stride(0), weight.stride(0), scales.stride(0) if scales is not None else 0, y.stride(1), y.stride(0),
+        BITS=bits or 0, GROUP_SIZE=kernel_group_size(bits, group_size or 0), BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_K=block_k, USE_DOT=use_dot, PRECISION=dot_precision(x),
+    )
+    y = y.sum(dim=0).to(x.dtype) if splits > 1 else y[0]
+    return y.view(out_shape)
