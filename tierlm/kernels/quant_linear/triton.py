@@ -15,6 +15,8 @@ builds, so the two differ only in summation order (products accumulate in fp32 h
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -23,7 +25,37 @@ from tierlm.kernels.quant_linear.naive import check_weight
 from tierlm.kernels.quant_linear.packing import check_packed
 
 GEMV_MAX_ROWS = 4  # up to this many rows, the broadcast-multiply form (no padding of M to 16)
+GEMV_BLOCK_N, GEMV_BLOCK_PRODUCTS = 16, 256  # decode tiles: BLOCK_N columns, BLOCK_M * BLOCK_K = 256
 GEMV_TARGET_PROGRAMS = 512  # decode: split K until about this many programs run (a few per SM)
+GEMV_MIN_TILES_PER_SPLIT = 4  # ... but give each split at least this many tiles of K
+GEMM_BLOCK_N, GEMM_BLOCK_K, GEMM_MAX_BLOCK_M = 64, 64, 64
+
+
+class LaunchConfig(NamedTuple):
+    block_m: int
+    block_n: int
+    block_k: int
+    use_dot: bool
+    splits: int  # programs along K
+    k_per_split: int  # a multiple of block_k
+
+
+def launch_config(m: int, n: int, k: int) -> LaunchConfig:
+    """Tiles for y [m, n] = x [m, k] W^T: the GEMV form up to GEMV_MAX_ROWS rows, else tl.dot tiles."""
+    if m <= GEMV_MAX_ROWS:
+        block_m = triton.next_power_of_2(m)
+        block_n, block_k, use_dot = GEMV_BLOCK_N, GEMV_BLOCK_PRODUCTS // block_m, False
+    else:
+        block_m = min(GEMM_MAX_BLOCK_M, max(16, triton.next_power_of_2(m)))
+        block_n, block_k, use_dot = GEMM_BLOCK_N, GEMM_BLOCK_K, True
+    block_k = min(block_k, max(16, triton.next_power_of_2(k)))
+    k_tiles = triton.cdiv(k, block_k)
+    splits = 1
+    if not use_dot:
+        tiles_mn = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+        splits = max(1, min(k_tiles // GEMV_MIN_TILES_PER_SPLIT, GEMV_TARGET_PROGRAMS // tiles_mn))
+    k_per_split = triton.cdiv(k_tiles, splits) * block_k
+    return LaunchConfig(block_m, block_n, block_k, use_dot, triton.cdiv(k, k_per_split), k_per_split)
 
 
 @triton.jit
@@ -120,11 +152,6 @@ def dot_precision(x: torch.Tensor) -> str:
     return "ieee" if x.dtype == torch.float32 else "tf32"
 
 
-def kernel_group_size(bits: int | None, group_size: int) -> int:
-    """The GROUP_SIZE constexpr: 0 for unquantized weights."""
-    return 0 if bits is None else group_size
-
-
 def quant_linear(x: torch.Tensor, weight_or_packed: torch.Tensor, *, scales: torch.Tensor | None = None,
                  bits: int | None = None, group_size: int | None = None) -> torch.Tensor:
     """As `naive.quant_linear`: y = x W^T, x [..., K] -> [..., N] in x's dtype, for W [N, K] in x's dtype or
@@ -141,25 +168,14 @@ def quant_linear(x: torch.Tensor, weight_or_packed: torch.Tensor, *, scales: tor
     out_shape = (*x.shape[:-1], n)
     if m == 0:
         return x.new_empty(out_shape)
-    if m <= GEMV_MAX_ROWS:
-        block_m, block_n, block_k, use_dot = triton.next_power_of_2(m), 16, 256 // triton.next_power_of_2(m), False
-    else:
-        block_m, block_n, block_k, use_dot = min(64, max(16, triton.next_power_of_2(m))), 64, 64, True
-    block_k = min(block_k, max(16, triton.next_power_of_2(k)))
-    tiles_mn = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
-    k_tiles = triton.cdiv(k, block_k)
-    splits = 1
-    if not use_dot:
-        splits = max(1, min(k_tiles // 4, GEMV_TARGET_PROGRAMS // tiles_mn))  # >= 4 tiles of K per split
-    k_per_split = triton.cdiv(k_tiles, splits) * block_k
-    splits = triton.cdiv(k, k_per_split)
-    y = torch.empty((splits, m, n), dtype=torch.float32 if splits > 1 else x.dtype, device=x.device)
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), splits)
+    cfg = launch_config(m, n, k)
+    y = torch.empty((cfg.splits, m, n), dtype=torch.float32 if cfg.splits > 1 else x.dtype, device=x.device)
+    grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n), cfg.splits)
     _quant_linear_kernel[grid](
-        x2, weight, scales if scales is not None else weight, y, m, n, k, k_per_split,
+        x2, weight, scales if scales is not None else weight, y, m, n, k, cfg.k_per_split,
         x2.stride(0), weight.stride(0), scales.stride(0) if scales is not None else 0, y.stride(1), y.stride(0),
-        BITS=bits or 0, GROUP_SIZE=kernel_group_size(bits, group_size or 0), BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_K=block_k, USE_DOT=use_dot, PRECISION=dot_precision(x),
+        BITS=bits or 0, GROUP_SIZE=0 if bits is None else group_size, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k, USE_DOT=cfg.use_dot, PRECISION=dot_precision(x),
     )
-    y = y.sum(dim=0).to(x.dtype) if splits > 1 else y[0]
+    y = y.sum(dim=0).to(x.dtype) if cfg.splits > 1 else y[0]
     return y.view(out_shape)
