@@ -98,7 +98,8 @@ def kernel_results() -> dict[str, str | None]:
         pytest.skip("triton is not installed")
     if torch.cuda.is_available():
         return run_kernel_cases(list(CASES))
-    script = "import json, test_quant_linear_kernel as t; print(json.dumps(t.run_kernel_cases(list(t.CASES))))"
+    script = ("import json, torch, test_quant_linear_kernel as t; torch.set_num_threads(1)\n"
+              "print(json.dumps(t.run_kernel_cases(list(t.CASES))))")
     done = subprocess.run([sys.executable, "-c", script], cwd=Path(__file__).parent, capture_output=True, text=True,
                           env=dict(os.environ, TRITON_INTERPRET="1"), timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
