@@ -29,9 +29,10 @@ import triton.language as tl
 from tierlm.kernels.fused_moe.naive import check_moe_args
 from tierlm.kernels.quant_linear.triton import dot_precision, load_weight_tile, multiply_accumulate, round_to
 
+# Tile sizes (module constants so a benchmark can sweep them; not tuned on a GPU yet)
 DECODE_MAX_PAIRS = 64  # up to this many (token, expert) pairs, one-row blocks and broadcast products
-DECODE_BLOCK_N, DECODE_BLOCK_K = 32, 128
-PREFILL_BLOCK_M, PREFILL_BLOCK_N, PREFILL_BLOCK_K = 32, 64, 64
+DECODE_BLOCK_N, DECODE_BLOCK_K, DECODE_NUM_WARPS = 32, 128, 4
+PREFILL_BLOCK_M, PREFILL_BLOCK_N, PREFILL_BLOCK_K, PREFILL_NUM_WARPS = 32, 64, 64, 4
 SUM_BLOCK = 256
 
 
@@ -162,15 +163,16 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, to
 
     expert_of_pair = topk_ids.flatten()
     if num_pairs <= DECODE_MAX_PAIRS:
-        block_m, block_n, block_k, use_dot = 1, DECODE_BLOCK_N, DECODE_BLOCK_K, False
+        block_m, block_n, block_k, use_dot, warps = 1, DECODE_BLOCK_N, DECODE_BLOCK_K, False, DECODE_NUM_WARPS
         pair_ids = torch.arange(num_pairs, dtype=torch.int32, device=x.device)
         block_expert = expert_of_pair.to(torch.int32)
     else:
         block_m, block_n, block_k, use_dot = PREFILL_BLOCK_M, PREFILL_BLOCK_N, PREFILL_BLOCK_K, True
+        warps = PREFILL_NUM_WARPS
         pair_ids, block_expert = align_pairs_to_blocks(expert_of_pair, w_gate_up.shape[0], block_m)
     num_blocks = block_expert.numel()
     common = dict(BITS=bits or 0, GROUP_SIZE=group, BLOCK_M=block_m, BLOCK_N=block_n, USE_DOT=use_dot,
-                  PRECISION=dot_precision(x))
+                  PRECISION=dot_precision(x), num_warps=warps)
 
     act = torch.empty((num_pairs, inter), dtype=x.dtype, device=x.device)
     _gate_up_kernel[(num_blocks, triton.cdiv(inter, block_n))](
