@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from tierlm.kernels.fused_moe.naive import check_moe_args
-from tierlm.kernels.quant_linear.triton import dot_precision, load_weight_tile, multiply_accumulate, round_to
+from tierlm.kernels.quant_linear.triton import accumulate_tile, dot_precision, round_to
 
 # Tile sizes (module constants so a benchmark can sweep them; not tuned on a GPU yet)
 DECODE_MAX_PAIRS = 64  # up to this many (token, expert) pairs, one-row blocks and broadcast products
@@ -55,19 +55,16 @@ def _gate_up_kernel(
         n_mask = offs_n < I
         gate_w, gate_s = w_ptr + expert * stride_we, s_ptr + expert * stride_se
         up_w, up_s = gate_w + I * stride_wn, gate_s + I * stride_sn
-        dtype = x_ptr.dtype.element_ty
         gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, H, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             a = tl.load(x_ptr + tokens[:, None] * stride_xt + offs_k[None, :],
                         mask=valid[:, None] & (offs_k < H)[None, :], other=0.0)
-            w_gate = load_weight_tile(gate_w, gate_s, k0, offs_n, n_mask, stride_wn, stride_sn, H,
-                                      BITS, GROUP_SIZE, BLOCK_K, dtype, PRECISION)
-            gate = multiply_accumulate(a, w_gate, gate, USE_DOT, PRECISION)
-            w_up = load_weight_tile(up_w, up_s, k0, offs_n, n_mask, stride_wn, stride_sn, H,
-                                    BITS, GROUP_SIZE, BLOCK_K, dtype, PRECISION)
-            up = multiply_accumulate(a, w_up, up, USE_DOT, PRECISION)
+            gate = accumulate_tile(gate, a, gate_w, gate_s, k0, offs_n, n_mask, stride_wn, stride_sn, H, BITS,
+                                   GROUP_SIZE, BLOCK_N, BLOCK_K, USE_DOT, PRECISION)
+            up = accumulate_tile(up, a, up_w, up_s, k0, offs_n, n_mask, stride_wn, stride_sn, H, BITS,
+                                 GROUP_SIZE, BLOCK_N, BLOCK_K, USE_DOT, PRECISION)
         act = gate / (1.0 + tl.exp(-gate)) * up
         out_ptrs = out_ptr + pairs[:, None].to(tl.int64) * stride_op + offs_n[None, :]
         tl.store(out_ptrs, round_to(act, out_ptr.dtype.element_ty, PRECISION), mask=valid[:, None] & n_mask[None, :])
@@ -91,15 +88,13 @@ def _down_kernel(
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < H
         w_e, s_e = w_ptr + expert * stride_we, s_ptr + expert * stride_se
-        dtype = act_ptr.dtype.element_ty
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, I, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             a = tl.load(act_ptr + rows[:, None] * stride_ap + offs_k[None, :],
                         mask=valid[:, None] & (offs_k < I)[None, :], other=0.0)
-            w = load_weight_tile(w_e, s_e, k0, offs_n, n_mask, stride_wn, stride_sn, I,
-                                 BITS, GROUP_SIZE, BLOCK_K, dtype, PRECISION)
-            acc = multiply_accumulate(a, w, acc, USE_DOT, PRECISION)
+            acc = accumulate_tile(acc, a, w_e, s_e, k0, offs_n, n_mask, stride_wn, stride_sn, I, BITS, GROUP_SIZE,
+                                  BLOCK_N, BLOCK_K, USE_DOT, PRECISION)
         routing = tl.load(routing_ptr + rows, mask=valid, other=0.0).to(tl.float32)
         out_ptrs = out_ptr + rows[:, None] * stride_op + offs_n[None, :]
         tl.store(out_ptrs, acc * routing[:, None], mask=valid[:, None] & n_mask[None, :])

@@ -2,15 +2,18 @@
 variant: unquantized (bf16 / fp16 / fp32) or packed INT4 / INT6 / INT8 with group scales (see `packing`).
 
 Each program computes a [BLOCK_M, BLOCK_N] tile of y over a range of K. The weight tile is read in
-place and, when packed, dequantized in registers: the int32 word holding each value is loaded (values
-that straddle two words take the next word too), shifted and masked, the 2^(bits-1) bias removed, and
-multiplied by its group's scale in fp32, then rounded to x's dtype: the same rounded weight `naive`
-builds, so the two differ only in summation order (products accumulate in fp32 here).
+place and, when packed, dequantized in registers: for 4 and 8 bits each int32 word is loaded once and
+split into its 8 or 4 values; for 6 bits each value's word is gathered (and the next one where the value
+straddles two); shifted and masked, the 2^(bits-1) bias removed, multiplied by its group's scale in fp32,
+then rounded to x's dtype: the same rounded weight `naive` builds, so the two differ only in summation
+order (products accumulate in fp32 here).
   - decode (M <= GEMV_MAX_ROWS): no tensor-core dot (it would pad M to 16); the tile products are summed
     as a broadcast multiply, and K is split over several programs (SPLIT_K) when N alone gives too few
     programs to keep the device's memory system busy; the fp32 partials are summed after.
   - prefill chunks: tl.dot tiles (fp32 in IEEE precision, so fp32 results match the reference closely).
-`load_weight_tile` and `multiply_accumulate` are shared with the fused MoE kernels (kernels/fused_moe).
+`accumulate_tile` (with `load_weight_rows`, `round_to`) is shared with the fused MoE kernels
+(kernels/fused_moe). On the CPU the kernels run in Triton's interpreter, which needs two workarounds
+(PRECISION "interpreter": see `round_to` and `accumulate_tile`).
 """
 
 from __future__ import annotations
@@ -59,35 +62,6 @@ def launch_config(m: int, n: int, k: int) -> LaunchConfig:
 
 
 @triton.jit
-def load_weight_tile(w_ptr, s_ptr, k0, offs_n, n_mask, stride_wn, stride_sn, K, BITS: tl.constexpr,
-                     GROUP_SIZE: tl.constexpr, BLOCK_K: tl.constexpr, DTYPE: tl.constexpr, PRECISION: tl.constexpr):
-    """Tile [BLOCK_K, BLOCK_N] of W^T (element (k, n) = W[n, k] for k in [k0, k0 + BLOCK_K)) in DTYPE,
-    out-of-range elements 0. BITS 0: w_ptr is W [N, K] itself (row stride stride_wn); else the packed
-    words [N, ceil(K * BITS / 32)] and s_ptr the scales [N, K / GROUP_SIZE] (row stride stride_sn)."""
-    offs_k = k0 + tl.arange(0, BLOCK_K)
-    mask = (offs_k < K)[:, None] & n_mask[None, :]
-    rows = offs_n[None, :].to(tl.int64)
-    if BITS == 0:
-        tile = tl.load(w_ptr + rows * stride_wn + offs_k[:, None], mask=mask, other=0.0).to(DTYPE)
-    else:
-        position = offs_k * BITS  # bit position of value k in its row
-        word_ptr = w_ptr + rows * stride_wn + (position // 32)[:, None]
-        shift = (position % 32).to(tl.uint32)[:, None]
-        value = tl.load(word_ptr, mask=mask, other=0).to(tl.uint32, bitcast=True) >> shift
-        if 32 % BITS != 0:  # values may straddle two words: their high bits start the next word
-            straddles = (shift + BITS) > 32
-            high = tl.load(word_ptr + 1, mask=mask & straddles, other=0).to(tl.uint32, bitcast=True)
-            value = value | (high << tl.where(straddles, 32 - shift, 0))
-        q = (value & ((1 << BITS) - 1)).to(tl.int32) - (1 << (BITS - 1))
-        if GROUP_SIZE % BLOCK_K == 0:  # the tile lies in one group: one scale per row
-            scale = tl.load(s_ptr + rows * stride_sn + k0 // GROUP_SIZE, mask=n_mask[None, :], other=0.0)
-        else:
-            scale = tl.load(s_ptr + rows * stride_sn + (offs_k // GROUP_SIZE)[:, None], mask=mask, other=0.0)
-        tile = round_to(q.to(tl.float32) * scale.to(tl.float32), DTYPE, PRECISION)
-    return tile
-
-
-@triton.jit
 def round_to(x, DTYPE: tl.constexpr, PRECISION: tl.constexpr):
     """fp32 x rounded to DTYPE, to nearest even. The CPU interpreter (PRECISION "interpreter") truncates
     fp32 -> bf16 (triton 3.9), so there the rounding is done on the bits (finite values)."""
@@ -101,18 +75,69 @@ def round_to(x, DTYPE: tl.constexpr, PRECISION: tl.constexpr):
 
 
 @triton.jit
-def multiply_accumulate(a, b, acc, USE_DOT: tl.constexpr, PRECISION: tl.constexpr):
-    """acc [M, N] fp32 + a [M, K] @ b [K, N]: tl.dot, or (few rows) a broadcast multiply summed over K.
-    PRECISION "interpreter" (the CPU, whose tl.dot multiplies bf16 operands' raw bits in triton 3.9):
-    operands widened to fp32 first, the same products (a product of two bf16 or fp16 values is exact in
-    fp32) and the same fp32 accumulation."""
+def load_weight_rows(w_ptr, s_ptr, k0, offs_n, n_mask, stride_wn, stride_sn, K, BITS: tl.constexpr,
+                     GROUP_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DTYPE: tl.constexpr,
+                     PRECISION: tl.constexpr):
+    """Tile [BLOCK_N, BLOCK_K] of W (rows offs_n, columns [k0, k0 + BLOCK_K), k0 a multiple of BLOCK_K) in
+    DTYPE, out-of-range elements 0. BITS 0: w_ptr is W [N, K] itself (row stride stride_wn); else the
+    packed words [N, ceil(K * BITS / 32)] and s_ptr the scales [N, K / GROUP_SIZE] (row stride stride_sn).
+    4 and 8 bits: each word is loaded once, [BLOCK_N, BLOCK_K / values per word], and split in registers;
+    6 bits: each value's word (and the next, where it straddles) is gathered."""
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    k_mask = offs_k < K
+    rows = offs_n[:, None].to(tl.int64)
+    if BITS == 0:
+        tile = tl.load(w_ptr + rows * stride_wn + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :],
+                       other=0.0).to(DTYPE)
+    else:
+        if 32 % BITS == 0:  # whole values in a word
+            # (inline constexpr arithmetic: arange needs constexpr bounds, and a plain local loses that
+            # in the interpreter)
+            offs_w = k0 // (32 // BITS) + tl.arange(0, BLOCK_K // (32 // BITS))
+            words = tl.load(w_ptr + rows * stride_wn + offs_w[None, :],
+                            mask=n_mask[:, None] & (offs_w < tl.cdiv(K * BITS, 32))[None, :], other=0)
+            shifts = (tl.arange(0, 32 // BITS) * BITS).to(tl.uint32)
+            value = words.to(tl.uint32, bitcast=True)[:, :, None] >> shifts[None, None, :]
+            value = tl.reshape(value, (BLOCK_N, BLOCK_K))  # value j of word w: column w * 32 / BITS + j
+        else:
+            position = offs_k * BITS  # bit position of value k in its row
+            word_ptr = w_ptr + rows * stride_wn + (position // 32)[None, :]
+            mask = n_mask[:, None] & k_mask[None, :]
+            shift = (position % 32).to(tl.uint32)[None, :]
+            value = tl.load(word_ptr, mask=mask, other=0).to(tl.uint32, bitcast=True) >> shift
+            # values may straddle two words: their high bits start the next word
+            straddles = (shift + BITS) > 32
+            high = tl.load(word_ptr + 1, mask=mask & straddles, other=0).to(tl.uint32, bitcast=True)
+            value = value | (high << tl.where(straddles, 32 - shift, 0))
+        q = (value & ((1 << BITS) - 1)).to(tl.int32) - (1 << (BITS - 1))
+        if GROUP_SIZE % BLOCK_K == 0:  # the tile lies in one group: one scale per row
+            scale = tl.load(s_ptr + rows * stride_sn + k0 // GROUP_SIZE, mask=n_mask[:, None], other=0.0)
+        else:
+            scale = tl.load(s_ptr + rows * stride_sn + (offs_k // GROUP_SIZE)[None, :],
+                            mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        w = tl.where(k_mask[None, :], q.to(tl.float32) * scale.to(tl.float32), 0.0)
+        tile = round_to(w, DTYPE, PRECISION)
+    return tile
+
+
+@triton.jit
+def accumulate_tile(acc, a, w_ptr, s_ptr, k0, offs_n, n_mask, stride_wn, stride_sn, K, BITS: tl.constexpr,
+                    GROUP_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr,
+                    PRECISION: tl.constexpr):
+    """acc [M, BLOCK_N] fp32 + a [M, BLOCK_K] @ W[offs_n, k0:k0 + BLOCK_K]^T, the weight tile read in place
+    (and dequantized in registers: `load_weight_rows`) in a's dtype. USE_DOT: tl.dot; else (few rows) a
+    broadcast multiply summed over K. PRECISION "interpreter" (the CPU, whose tl.dot multiplies bf16
+    operands' raw bits in triton 3.9): operands widened to fp32 first, the same products (a product of
+    two bf16 or fp16 values is exact in fp32) and the same fp32 accumulation."""
+    w = load_weight_rows(w_ptr, s_ptr, k0, offs_n, n_mask, stride_wn, stride_sn, K, BITS, GROUP_SIZE, BLOCK_N,
+                         BLOCK_K, a.dtype, PRECISION)
     if USE_DOT:
         if PRECISION == "interpreter":
-            result = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+            result = tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
         else:
-            result = tl.dot(a, b, acc, input_precision=PRECISION)
+            result = tl.dot(a, tl.trans(w), acc, input_precision=PRECISION)
     else:
-        result = acc + tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
+        result = acc + tl.sum(a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
     return result
 
 
@@ -136,15 +161,14 @@ def _quant_linear_kernel(
         offs_k = k0 + tl.arange(0, BLOCK_K)
         a = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :],
                     mask=m_mask[:, None] & (offs_k < K)[None, :], other=0.0)
-        b = load_weight_tile(w_ptr, s_ptr, k0, offs_n, n_mask, stride_wn, stride_sn, K,
-                             BITS, GROUP_SIZE, BLOCK_K, dtype, PRECISION)
-        acc = multiply_accumulate(a, b, acc, USE_DOT, PRECISION)
+        acc = accumulate_tile(acc, a, w_ptr, s_ptr, k0, offs_n, n_mask, stride_wn, stride_sn, K, BITS, GROUP_SIZE,
+                              BLOCK_N, BLOCK_K, USE_DOT, PRECISION)
     y_ptrs = y_ptr + split * stride_ys + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
     tl.store(y_ptrs, round_to(acc, y_ptr.dtype.element_ty, PRECISION), mask=m_mask[:, None] & n_mask[None, :])
 
 
 def dot_precision(x: torch.Tensor) -> str:
-    """The PRECISION constexpr of `multiply_accumulate` and `round_to`: fp32 products in IEEE precision
+    """The PRECISION constexpr of `accumulate_tile` and `round_to`: fp32 products in IEEE precision
     (not TF32), so fp32 results match the reference; "interpreter" on the CPU (only Triton's interpreter
     runs kernels there: it needs the workarounds those helpers describe)."""
     if x.device.type == "cpu":
