@@ -36,7 +36,7 @@ FORMATS = {"unquantized": (None, None), "int4-g32": (4, 32), "int8-g16": (8, 16)
 # (tokens, top-k, routing skewed towards expert 5): decode, 6 pairs; prefill, 40 pairs in blocks of 16
 # (expert 5 takes 20 of them: two blocks), taken past DECODE_MAX_PAIRS (lowered to keep shapes tiny)
 PATHS = {"decode": (3, 2, False), "prefill": (20, 2, True)}
-DECODE_MAX_PAIRS = 16
+DECODE_MAX_PAIRS, PREFILL_BLOCK_M = 16, 16
 CASES = {f"{d}-{f}-{p}": (DTYPES[d], FORMATS[f], PATHS[p]) for d in DTYPES for f in FORMATS for p in PATHS}
 
 
@@ -96,19 +96,26 @@ def run_kernel_cases(names: list[str]) -> dict[str, str | None]:
     """Each case through the Triton kernels vs the reference: {case: None if it passed, else why not}."""
     import tierlm.kernels.fused_moe.triton as kernels
 
-    kernels.DECODE_MAX_PAIRS = DECODE_MAX_PAIRS
     device = "cuda" if torch.cuda.is_available() else "cpu"
     results = {}
-    for name in names:
-        args, kwargs, exact = make_case(name)
-        pairs = args[4].numel()
-        if (pairs <= kernels.DECODE_MAX_PAIRS) != name.endswith("decode"):
-            results[name] = f"{pairs} pairs do not take the {name.rsplit('-', 1)[1]} path"
-            continue
-        reference = naive.fused_moe(*args, **kwargs)
-        on_device = dict(kwargs, scales=tuple(s.to(device) for s in kwargs["scales"])) if kwargs else {}
-        out = kernels.fused_moe(*(a.to(device) for a in args), **on_device).cpu()
-        results[name] = within_tolerance(out, reference, *exact)
+    saved = kernels.DECODE_MAX_PAIRS, kernels.PREFILL_BLOCK_M
+    kernels.DECODE_MAX_PAIRS, kernels.PREFILL_BLOCK_M = DECODE_MAX_PAIRS, PREFILL_BLOCK_M
+    try:
+        for name in names:
+            args, kwargs, exact = make_case(name)
+            ids = args[4]
+            if (ids.numel() <= DECODE_MAX_PAIRS) != name.endswith("decode"):
+                results[name] = f"{ids.numel()} pairs do not take the {name.rsplit('-', 1)[1]} path"
+                continue
+            if name.endswith("prefill") and not (ids == 5).sum() > PREFILL_BLOCK_M:
+                results[name] = "expert 5 does not fill two blocks"
+                continue
+            reference = naive.fused_moe(*args, **kwargs)
+            on_device = dict(kwargs, scales=tuple(s.to(device) for s in kwargs["scales"])) if kwargs else {}
+            out = kernels.fused_moe(*(a.to(device) for a in args), **on_device).cpu()
+            results[name] = within_tolerance(out, reference, *exact)
+    finally:
+        kernels.DECODE_MAX_PAIRS, kernels.PREFILL_BLOCK_M = saved
     return results
 
 

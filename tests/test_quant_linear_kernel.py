@@ -77,18 +77,22 @@ def run_kernel_cases(names: list[str]) -> dict[str, str | None]:
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     results = {}
-    for name in names:
-        x, weight, kwargs, exact, min_tiles = make_case(name)
-        kernels.GEMV_MIN_TILES_PER_SPLIT = min_tiles
-        rows = x.numel() // x.shape[-1]
-        splits = kernels.launch_config(rows, weight.shape[0], x.shape[-1]).splits
-        if name.endswith("decode-split") and splits < 2:
-            results[name] = f"expected a split over K, got {splits}"
-            continue
-        reference = naive.quant_linear(x, weight, **kwargs)
-        on_device = {key: v.to(device) if torch.is_tensor(v) else v for key, v in kwargs.items()}
-        out = kernels.quant_linear(x.to(device), weight.to(device), **on_device).cpu()
-        results[name] = within_tolerance(out, reference, *exact)
+    saved = kernels.GEMV_MIN_TILES_PER_SPLIT
+    try:
+        for name in names:
+            x, weight, kwargs, exact, min_tiles = make_case(name)
+            kernels.GEMV_MIN_TILES_PER_SPLIT = min_tiles
+            rows = x.numel() // x.shape[-1]
+            splits = kernels.launch_config(rows, weight.shape[0], x.shape[-1]).splits
+            if name.endswith("decode-split") and splits < 2:
+                results[name] = f"expected a split over K, got {splits}"
+                continue
+            reference = naive.quant_linear(x, weight, **kwargs)
+            on_device = {key: v.to(device) if torch.is_tensor(v) else v for key, v in kwargs.items()}
+            out = kernels.quant_linear(x.to(device), weight.to(device), **on_device).cpu()
+            results[name] = within_tolerance(out, reference, *exact)
+    finally:
+        kernels.GEMV_MIN_TILES_PER_SPLIT = saved
     return results
 
 
