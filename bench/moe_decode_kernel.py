@@ -32,9 +32,10 @@ from types import SimpleNamespace
 import torch
 
 ROUTINGS = 8  # (2 on the CPU, where the interpreter takes seconds per call)
-TARGET = dict(hidden=2560, experts=512, top_k=10, intermediate=640, groups=(32, 128))
-SMALL = dict(hidden=32, experts=8, top_k=2, intermediate=32, groups=(16, 32))
-SWEEP = [(block_n, block_k, warps) for block_n in (16, 32, 64) for block_k in (64, 128, 256) for warps in (2, 4, 8)]
+TARGET = {"hidden": 2560, "experts": 512, "top_k": 10, "intermediate": 640, "groups": (32, 128)}
+SMALL = {"hidden": 32, "experts": 8, "top_k": 2, "intermediate": 32, "groups": (16, 32)}
+SWEEP = [(block_n, block_k, warps) for block_n in (16, 32, 64) for block_k in (64, 128, 256)
+         for warps in (2, 4, 8)]
 
 
 def timed(fn, calls: int, device: torch.device, use_graph: bool) -> float:
@@ -110,11 +111,66 @@ def routings(batch: int, shape: dict, device: torch.device, gen: torch.Generator
     return out
 
 
-def measure(args, device: torch.device) -> dict:
+def measure_batch(run: SimpleNamespace, experts: tuple, label: str, batch: int) -> dict:
+    """One format at one batch size: kernel (best tiles if sweeping), reference, gathered; checked."""
     from tierlm.kernels.fused_moe import naive
     from tierlm.kernels.fused_moe import triton as kernels
     from tierlm.model.layers.moe import Experts
 
+    w_gate_up, w_down, kw, per_expert = experts
+    shape, device = run.shape, run.device
+    x = [torch.randn(batch, shape["hidden"], generator=run.gen, device=device).to(torch.bfloat16)
+         for _ in range(ROUTINGS)]
+    routes = routings(batch, shape, device, run.gen)
+    distinct = sum(torch.unique(ids).numel() for _, ids in routes) / ROUTINGS
+    nbytes = distinct * per_expert
+    decode = batch * shape["top_k"] <= kernels.DECODE_MAX_PAIRS
+
+    def kernel(i: int) -> torch.Tensor:
+        return kernels.fused_moe(x[i], w_gate_up, w_down, *routes[i], **kw)
+
+    def reference(i: int) -> torch.Tensor:
+        return naive.fused_moe(x[i], w_gate_up, w_down, *routes[i], **kw)
+
+    best = None
+    for config in SWEEP if run.sweep and decode else [None]:
+        if config is not None:
+            kernels.DECODE_BLOCK_N, kernels.DECODE_BLOCK_K, kernels.DECODE_NUM_WARPS = config
+        seconds = timed(kernel, ROUTINGS, device, run.use_graph)
+        if config is not None:
+            print(f"{'':>10}{batch:>6}  tiles (BLOCK_N, BLOCK_K, warps) {config}: {seconds * 1e6:.1f} us, "
+                  f"{nbytes / seconds / 1e9:.1f} GB/s")
+        if best is None or seconds < best[0]:
+            best = (seconds, config)
+    kernel_s, config = best
+    if config is not None:
+        kernels.DECODE_BLOCK_N, kernels.DECODE_BLOCK_K, kernels.DECODE_NUM_WARPS = config
+    reference_s = timed(reference, ROUTINGS, device, use_graph=False)
+    gathered_s = None
+    if not kw:  # bf16: the model's static path today, on the same weights (no copy of the stack)
+        holder = SimpleNamespace(gate_up_proj=w_gate_up, down_proj=w_down)
+        gathered_s = timed(lambda i: Experts._gathered(holder, x[i], *routes[i]), ROUTINGS, device, run.use_graph)
+    diff = 0.0
+    for i in range(ROUTINGS):
+        ref, out = reference(i).float(), kernel(i).float()
+        diff = max(diff, ((out - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item())
+    row = {
+        "format": label, "batch": batch, "path": "decode" if decode else "grouped", "distinct_experts": distinct,
+        "weight_bytes_per_call": nbytes, "kernel_us": kernel_s * 1e6, "kernel_GBps": nbytes / kernel_s / 1e9,
+        "kernel_vs_copy": nbytes / kernel_s / run.copy, "reference_us": reference_s * 1e6,
+        "reference_GBps": nbytes / reference_s / 1e9, "reference_over_kernel": reference_s / kernel_s,
+        "gathered_us": None if gathered_s is None else gathered_s * 1e6,
+        "gathered_over_kernel": None if gathered_s is None else gathered_s / kernel_s,
+        "max_rel_diff": diff, "decode_tiles": config,
+    }
+    gathered = " " * 22 if gathered_s is None else f"{gathered_s * 1e6:>12.1f}{gathered_s / kernel_s:>9.2f}x"
+    print(f"{label:>10}{batch:>6}{row['path']:>8}{distinct:>8.1f}{nbytes / 1e6:>9.2f}{kernel_s * 1e6:>11.1f}"
+          f"{row['kernel_GBps']:>8.1f}{row['kernel_vs_copy']:>7.1%}{reference_s * 1e6:>10.1f}"
+          f"{reference_s / kernel_s:>8.2f}x{gathered}{diff:>13.2e}")
+    return row
+
+
+def measure(args, device: torch.device) -> dict:
     global ROUTINGS
     shape = SMALL if args.small else TARGET
     if device.type == "cpu":
@@ -122,64 +178,21 @@ def measure(args, device: torch.device) -> dict:
     gen = torch.Generator(device=device).manual_seed(0)
     copy = copy_bandwidth(device, args.copy_bytes)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (Triton interpreter)"
+    use_graph = device.type == "cuda" and not args.no_graph
+    run = SimpleNamespace(shape=shape, device=device, gen=gen, copy=copy, use_graph=use_graph, sweep=args.sweep)
     print(f"device: {name}; copy bandwidth {copy / 1e9:.1f} GB/s (read + write)")
     print(f"shapes: {shape}; each call one of {ROUTINGS} routings; GB/s on the distinct experts' weight bytes")
-    use_graph = device.type == "cuda" and not args.no_graph
+    print(f"{'format':>10}{'batch':>6}{'path':>8}{'experts':>8}{'MB/call':>9}{'kernel us':>11}{'GB/s':>8}"
+          f"{'of copy':>8}{'ref us':>10}{'ref/kern':>9}{'gathered us':>12}{'gath/kern':>10}{'max rel diff':>13}")
     rows = []
-    header = (f"{'format':>10}{'batch':>6}{'path':>8}{'experts':>8}{'MB/call':>9}{'kernel us':>11}{'GB/s':>8}"
-              f"{'of copy':>8}{'ref us':>10}{'ref/kern':>9}{'gathered us':>12}{'gath/kern':>10}{'max rel diff':>13}")
-    print(header)
     for fmt, group in (("bf16", None), *(("int4", g) for g in shape["groups"])):
         w_gate_up, w_down, scales, per_expert = make_experts(shape, fmt, group, device, gen)
-        kw = {} if scales is None else dict(format="int4", scales=scales, group_size=group)
-        for batch in args.batches:
-            x = [torch.randn(batch, shape["hidden"], generator=gen, device=device).to(torch.bfloat16)
-                 for _ in range(ROUTINGS)]
-            routes = routings(batch, shape, device, gen)
-            distinct = sum(torch.unique(ids).numel() for _, ids in routes) / ROUTINGS
-            nbytes = distinct * per_expert
-            configs = SWEEP if args.sweep and batch * shape["top_k"] <= kernels.DECODE_MAX_PAIRS else [None]
-            best = None
-            for config in configs:
-                if config is not None:
-                    kernels.DECODE_BLOCK_N, kernels.DECODE_BLOCK_K, kernels.DECODE_NUM_WARPS = config
-                seconds = timed(lambda i: kernels.fused_moe(x[i], w_gate_up, w_down, *routes[i], **kw),
-                                ROUTINGS, device, use_graph)
-                if config is not None:
-                    print(f"{'':>10}{batch:>6}  tiles (BLOCK_N, BLOCK_K, warps) {config}: {seconds * 1e6:.1f} us, "
-                          f"{nbytes / seconds / 1e9:.1f} GB/s")
-                if best is None or seconds < best[0]:
-                    best = (seconds, config)
-            kernel_s, config = best
-            if config is not None:
-                kernels.DECODE_BLOCK_N, kernels.DECODE_BLOCK_K, kernels.DECODE_NUM_WARPS = config
-            reference_s = timed(lambda i: naive.fused_moe(x[i], w_gate_up, w_down, *routes[i], **kw), ROUTINGS,
-                                device, use_graph=False)
-            gathered_s = None
-            if fmt == "bf16":  # the model's static path today, on the same weights (no copy of the stack)
-                holder = SimpleNamespace(gate_up_proj=w_gate_up, down_proj=w_down)
-                gathered_s = timed(lambda i: Experts._gathered(holder, x[i], *routes[i]), ROUTINGS, device, use_graph)
-            diff = 0.0
-            for i in range(ROUTINGS):
-                ref = naive.fused_moe(x[i], w_gate_up, w_down, *routes[i], **kw).float()
-                out = kernels.fused_moe(x[i], w_gate_up, w_down, *routes[i], **kw).float()
-                diff = max(diff, ((out - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item())
-            path = "decode" if batch * shape["top_k"] <= kernels.DECODE_MAX_PAIRS else "grouped"
-            label = fmt if group is None else f"{fmt}-g{group}"
-            row = dict(format=label, batch=batch, path=path, distinct_experts=distinct, weight_bytes_per_call=nbytes,
-                       kernel_us=kernel_s * 1e6, kernel_GBps=nbytes / kernel_s / 1e9, kernel_vs_copy=nbytes / kernel_s / copy,
-                       reference_us=reference_s * 1e6, reference_GBps=nbytes / reference_s / 1e9,
-                       reference_over_kernel=reference_s / kernel_s, gathered_us=None if gathered_s is None else gathered_s * 1e6,
-                       gathered_over_kernel=None if gathered_s is None else gathered_s / kernel_s,
-                       max_rel_diff=diff, decode_tiles=config)
-            rows.append(row)
-            gathered = "" if gathered_s is None else f"{gathered_s * 1e6:>12.1f}{gathered_s / kernel_s:>9.2f}x"
-            print(f"{label:>10}{batch:>6}{path:>8}{distinct:>8.1f}{nbytes / 1e6:>9.2f}{kernel_s * 1e6:>11.1f}"
-                  f"{row['kernel_GBps']:>8.1f}{row['kernel_vs_copy']:>7.1%}{reference_s * 1e6:>10.1f}"
-                  f"{reference_s / kernel_s:>8.2f}x{gathered or ' ' * 22}{diff:>13.2e}")
-        del w_gate_up, w_down, scales
-    return dict(device=name, copy_bandwidth_GBps=copy / 1e9, shapes=shape, routings_per_timing=ROUTINGS,
-                cuda_graph=use_graph, torch=torch.__version__, rows=rows)
+        kw = {} if scales is None else {"format": "int4", "scales": scales, "group_size": group}
+        label = fmt if group is None else f"{fmt}-g{group}"
+        rows += [measure_batch(run, (w_gate_up, w_down, kw, per_expert), label, batch) for batch in args.batches]
+        w_gate_up = w_down = scales = kw = None  # free this format's experts before the next one's
+    return {"device": name, "copy_bandwidth_GBps": copy / 1e9, "shapes": shape, "routings_per_timing": ROUTINGS,
+            "cuda_graph": use_graph, "torch": torch.__version__, "rows": rows}
 
 
 def main() -> None:

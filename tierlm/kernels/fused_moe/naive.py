@@ -35,7 +35,7 @@ def check_moe_args(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tenso
     if w_gate_up.dim() != 3 or w_down.dim() != 3 or w_gate_up.shape[0] != w_down.shape[0]:
         raise ValueError(f"w_gate_up {tuple(w_gate_up.shape)} and w_down {tuple(w_down.shape)} must be stacked "
                          "[E, ...] over the same experts")
-    e, two_i = w_gate_up.shape[:2]
+    two_i = w_gate_up.shape[1]
     if two_i % 2 or w_down.shape[1] != h:
         raise ValueError(f"w_gate_up must be [E, 2I, .] and w_down [E, H={h}, .]; got {tuple(w_gate_up.shape)}, "
                          f"{tuple(w_down.shape)}")

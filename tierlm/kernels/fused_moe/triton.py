@@ -166,8 +166,8 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, to
         warps = PREFILL_NUM_WARPS
         pair_ids, block_expert = align_pairs_to_blocks(expert_of_pair, w_gate_up.shape[0], block_m)
     num_blocks = block_expert.numel()
-    common = dict(BITS=bits or 0, GROUP_SIZE=group, BLOCK_M=block_m, BLOCK_N=block_n, USE_DOT=use_dot,
-                  PRECISION=dot_precision(x), num_warps=warps)
+    common = {"BITS": bits or 0, "GROUP_SIZE": group, "BLOCK_M": block_m, "BLOCK_N": block_n, "USE_DOT": use_dot,
+                  "PRECISION": dot_precision(x), "num_warps": warps}
 
     act = torch.empty((num_pairs, inter), dtype=x.dtype, device=x.device)
     _gate_up_kernel[(num_blocks, triton.cdiv(inter, block_n))](
