@@ -30,10 +30,11 @@ import torch
 from tierlm.kernels.fused_moe import naive
 from tierlm.kernels.quant_linear import packing
 
-E, H, I = 8, 32, 64
+E, H, I = 8, 96, 64
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 FORMATS = {"unquantized": (None, None), "int4-g32": (4, 32), "int8-g16": (8, 16), "int6-g16": (6, 16)}
-# (tokens, top-k, routing skewed towards expert 5): decode, 6 pairs; prefill, 40 pairs in blocks of 16
+# H is not a whole number of K tiles (masked loads), I is (unmasked). (tokens, top-k, routing skewed
+# towards expert 5): decode, 6 pairs; prefill, 40 pairs in blocks of 16
 # (expert 5 takes 20 of them: two blocks), taken past DECODE_MAX_PAIRS (lowered to keep shapes tiny)
 PATHS = {"decode": (3, 2, False), "prefill": (20, 2, True)}
 DECODE_MAX_PAIRS, PREFILL_BLOCK_M = 16, 16

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from tierlm.kernels.fused_moe.naive import check_moe_args
-from tierlm.kernels.quant_linear.triton import accumulate_tile, dot_precision, round_to
+from tierlm.kernels.quant_linear.triton import accumulate_tile, column_mask, dot_precision, round_to
 
 # Tile sizes (module constants so a benchmark can sweep them; not tuned on a GPU yet)
 DECODE_MAX_PAIRS = 64  # up to this many (token, expert) pairs, one-row blocks and broadcast products
@@ -41,7 +41,8 @@ def _gate_up_kernel(
     x_ptr, w_ptr, s_ptr, out_ptr, pair_ids_ptr, block_expert_ptr, num_pairs, H, I,
     stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_op,
     TOP_K: tl.constexpr, BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, USE_DOT: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     """One program: the pairs of block pid(0) (all on one expert; ids >= num_pairs are padding), columns
     [pid(1) * BLOCK_N, +BLOCK_N) of I. out[pair, n] = silu(gate) * up, gate = x W[e, n], up = x W[e, I + n]."""
@@ -60,11 +61,11 @@ def _gate_up_kernel(
         for k0 in range(0, H, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             a = tl.load(x_ptr + tokens[:, None] * stride_xt + offs_k[None, :],
-                        mask=valid[:, None] & (offs_k < H)[None, :], other=0.0)
+                        mask=valid[:, None] & column_mask(offs_k, H, EVEN_K)[None, :], other=0.0)
             gate = accumulate_tile(gate, a, gate_w, gate_s, k0, offs_n, n_mask, stride_wn, stride_sn, H, BITS,
-                                   GROUP_SIZE, BLOCK_N, BLOCK_K, USE_DOT, PRECISION)
+                                   GROUP_SIZE, BLOCK_N, BLOCK_K, EVEN_K, USE_DOT, PRECISION)
             up = accumulate_tile(up, a, up_w, up_s, k0, offs_n, n_mask, stride_wn, stride_sn, H, BITS,
-                                 GROUP_SIZE, BLOCK_N, BLOCK_K, USE_DOT, PRECISION)
+                                 GROUP_SIZE, BLOCK_N, BLOCK_K, EVEN_K, USE_DOT, PRECISION)
         act = gate / (1.0 + tl.exp(-gate)) * up
         out_ptrs = out_ptr + pairs[:, None].to(tl.int64) * stride_op + offs_n[None, :]
         tl.store(out_ptrs, round_to(act, out_ptr.dtype.element_ty, PRECISION), mask=valid[:, None] & n_mask[None, :])
@@ -75,7 +76,7 @@ def _down_kernel(
     act_ptr, w_ptr, s_ptr, routing_ptr, out_ptr, pair_ids_ptr, block_expert_ptr, num_pairs, H, I,
     stride_ap, stride_we, stride_wn, stride_se, stride_sn, stride_op,
     BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, USE_DOT: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """One program: the pairs of block pid(0), columns [pid(1) * BLOCK_N, +BLOCK_N) of H.
     out[pair, h] = routing[pair] * (act[pair] W_down[e, h]), in fp32."""
@@ -92,9 +93,9 @@ def _down_kernel(
         for k0 in range(0, I, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             a = tl.load(act_ptr + rows[:, None] * stride_ap + offs_k[None, :],
-                        mask=valid[:, None] & (offs_k < I)[None, :], other=0.0)
+                        mask=valid[:, None] & column_mask(offs_k, I, EVEN_K)[None, :], other=0.0)
             acc = accumulate_tile(acc, a, w_e, s_e, k0, offs_n, n_mask, stride_wn, stride_sn, I, BITS, GROUP_SIZE,
-                                  BLOCK_N, BLOCK_K, USE_DOT, PRECISION)
+                                  BLOCK_N, BLOCK_K, EVEN_K, USE_DOT, PRECISION)
         routing = tl.load(routing_ptr + rows, mask=valid, other=0.0).to(tl.float32)
         out_ptrs = out_ptr + rows[:, None] * stride_op + offs_n[None, :]
         tl.store(out_ptrs, acc * routing[:, None], mask=valid[:, None] & n_mask[None, :])
@@ -166,6 +167,7 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, to
         warps = PREFILL_NUM_WARPS
         pair_ids, block_expert = align_pairs_to_blocks(expert_of_pair, w_gate_up.shape[0], block_m)
     num_blocks = block_expert.numel()
+    gate_up_k, down_k = (min(block_k, max(16, triton.next_power_of_2(k))) for k in (h, inter))
     common = {"BITS": bits or 0, "GROUP_SIZE": group, "BLOCK_M": block_m, "BLOCK_N": block_n, "USE_DOT": use_dot,
                   "PRECISION": dot_precision(x), "num_warps": warps}
 
@@ -173,13 +175,13 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, to
     _gate_up_kernel[(num_blocks, triton.cdiv(inter, block_n))](
         x, w_gate_up, gate_up_scales, act, pair_ids, block_expert, num_pairs, h, inter,
         x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), gate_up_scales.stride(0), gate_up_scales.stride(1),
-        act.stride(0), TOP_K=top_k, BLOCK_K=min(block_k, max(16, triton.next_power_of_2(h))), **common,
+        act.stride(0), TOP_K=top_k, BLOCK_K=gate_up_k, EVEN_K=h % gate_up_k == 0, **common,
     )
     pair_out = torch.empty((num_pairs, h), dtype=torch.float32, device=x.device)
     _down_kernel[(num_blocks, triton.cdiv(h, block_n))](
         act, w_down, down_scales, routing, pair_out, pair_ids, block_expert, num_pairs, h, inter,
         act.stride(0), w_down.stride(0), w_down.stride(1), down_scales.stride(0), down_scales.stride(1),
-        pair_out.stride(0), BLOCK_K=min(block_k, max(16, triton.next_power_of_2(inter))), **common,
+        pair_out.stride(0), BLOCK_K=down_k, EVEN_K=inter % down_k == 0, **common,
     )
     out = torch.empty_like(x)
     _sum_pairs_kernel[(t, triton.cdiv(h, SUM_BLOCK))](pair_out, out, h, TOP_K=top_k, BLOCK=SUM_BLOCK,

@@ -75,62 +75,90 @@ def round_to(x, DTYPE: tl.constexpr, PRECISION: tl.constexpr):
 
 
 @triton.jit
-def load_weight_rows(w_ptr, s_ptr, k0, offs_n, n_mask, stride_wn, stride_sn, K, BITS: tl.constexpr,
-                     GROUP_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DTYPE: tl.constexpr,
-                     PRECISION: tl.constexpr):
-    """Tile [BLOCK_N, BLOCK_K] of W (rows offs_n, columns [k0, k0 + BLOCK_K), k0 a multiple of BLOCK_K) in
-    DTYPE, out-of-range elements 0. BITS 0: w_ptr is W [N, K] itself (row stride stride_wn); else the
-    packed words [N, ceil(K * BITS / 32)] and s_ptr the scales [N, K / GROUP_SIZE] (row stride stride_sn).
-    4 and 8 bits: each word is loaded once, [BLOCK_N, BLOCK_K / values per word], and split in registers;
-    6 bits: each value's word (and the next, where it straddles) is gathered."""
-    offs_k = k0 + tl.arange(0, BLOCK_K)
-    k_mask = offs_k < K
-    rows = offs_n[:, None].to(tl.int64)
-    if BITS == 0:
-        tile = tl.load(w_ptr + rows * stride_wn + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :],
-                       other=0.0).to(DTYPE)
+def column_mask(columns, K, EVEN_K: tl.constexpr):
+    """columns < K; all true when K is a whole number of tiles (EVEN_K), so loads need no mask (and can
+    be vectorized)."""
+    if EVEN_K:
+        mask = tl.full(columns.shape, 1, tl.int1)
     else:
-        if 32 % BITS == 0:  # whole values in a word
-            # (inline constexpr arithmetic: arange needs constexpr bounds, and a plain local loses that
-            # in the interpreter)
-            offs_w = k0 // (32 // BITS) + tl.arange(0, BLOCK_K // (32 // BITS))
+        mask = columns < K
+    return mask
+
+
+@triton.jit
+def load_group_scales(s_ptr, rows, columns, k0, mask, stride_sn, GROUP_SIZE: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The scales of weight rows `rows` at input columns `columns` (broadcastable index tensors), masked.
+    When the tile [k0, k0 + BLOCK_K) lies in one group, one scale per row (shape of `rows`)."""
+    if GROUP_SIZE % BLOCK_K == 0:
+        scale = tl.load(s_ptr + rows * stride_sn + k0 // GROUP_SIZE)
+    else:
+        scale = tl.load(s_ptr + rows * stride_sn + columns // GROUP_SIZE, mask=mask, other=0.0)
+    return scale.to(tl.float32)
+
+
+@triton.jit
+def load_weight_rows(w_ptr, s_ptr, k0, offs_n, n_mask, stride_wn, stride_sn, K, BITS: tl.constexpr,
+                     GROUP_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                     DTYPE: tl.constexpr, PRECISION: tl.constexpr):
+    """Tile [BLOCK_N, BLOCK_K] of W (rows offs_n, columns [k0, k0 + BLOCK_K), k0 a multiple of BLOCK_K) in
+    DTYPE, out-of-range columns 0 (out-of-range rows: whatever row 0..N-1 clamps to; callers mask them
+    out). BITS 0: w_ptr is W [N, K] itself (row stride stride_wn); else the packed words
+    [N, ceil(K * BITS / 32)] and s_ptr the scales [N, K / GROUP_SIZE] (row stride stride_sn).
+    4 and 8 bits: each word is loaded once, [BLOCK_N, BLOCK_K / values per word] (16-byte loads), split in
+    registers into [BLOCK_N, words, values per word], scaled there (one scale per word when groups hold
+    whole words) and flattened; 6 bits: each value's word (and the next, where it straddles) is gathered."""
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    k_mask = column_mask(offs_k, K, EVEN_K)
+    rows = tl.where(n_mask, offs_n, 0)[:, None].to(tl.int64)  # clamped: loads need no row mask
+    if BITS == 0:
+        tile = tl.load(w_ptr + rows * stride_wn + offs_k[None, :], mask=k_mask[None, :], other=0.0).to(DTYPE)
+    elif 32 % BITS == 0:  # whole values in a word
+        # (constexpr arithmetic inline: arange needs constexpr bounds, a plain local loses that in the
+        # interpreter)
+        offs_w = tl.multiple_of(k0 // (32 // BITS), BLOCK_K // (32 // BITS)) + tl.arange(0, BLOCK_K // (32 // BITS))
+        if EVEN_K:
+            words = tl.load(w_ptr + rows * stride_wn + offs_w[None, :])
+        else:
             words = tl.load(w_ptr + rows * stride_wn + offs_w[None, :],
-                            mask=n_mask[:, None] & (offs_w < tl.cdiv(K * BITS, 32))[None, :], other=0)
-            shifts = (tl.arange(0, 32 // BITS) * BITS).to(tl.uint32)
-            value = words.to(tl.uint32, bitcast=True)[:, :, None] >> shifts[None, None, :]
-            value = tl.reshape(value, (BLOCK_N, BLOCK_K))  # value j of word w: column w * 32 / BITS + j
+                            mask=(offs_w < tl.cdiv(K * BITS, 32))[None, :], other=0)
+        within_word = tl.arange(0, 32 // BITS)
+        q = (words.to(tl.uint32, bitcast=True)[:, :, None] >> (within_word * BITS).to(tl.uint32)[None, None, :])
+        q = (q & ((1 << BITS) - 1)).to(tl.int32) - (1 << (BITS - 1))  # [BLOCK_N, words, values per word]
+        columns = offs_w[None, :, None] * (32 // BITS) + within_word[None, None, :]
+        inside = column_mask(columns, K, EVEN_K)
+        if GROUP_SIZE % (32 // BITS) == 0:  # groups hold whole words: one scale per word
+            first = offs_w[None, :, None] * (32 // BITS)  # [1, words, 1]
+            scale = load_group_scales(s_ptr, rows[:, :, None], first, k0, column_mask(first, K, EVEN_K), stride_sn,
+                                      GROUP_SIZE, BLOCK_K)
         else:
-            position = offs_k * BITS  # bit position of value k in its row
-            word_ptr = w_ptr + rows * stride_wn + (position // 32)[None, :]
-            mask = n_mask[:, None] & k_mask[None, :]
-            shift = (position % 32).to(tl.uint32)[None, :]
-            value = tl.load(word_ptr, mask=mask, other=0).to(tl.uint32, bitcast=True) >> shift
-            # values may straddle two words: their high bits start the next word
-            straddles = (shift + BITS) > 32
-            high = tl.load(word_ptr + 1, mask=mask & straddles, other=0).to(tl.uint32, bitcast=True)
-            value = value | (high << tl.where(straddles, 32 - shift, 0))
+            scale = load_group_scales(s_ptr, rows[:, :, None], columns, k0, inside, stride_sn, GROUP_SIZE, BLOCK_K)
+        w = tl.where(inside, q.to(tl.float32) * scale, 0.0)
+        tile = tl.reshape(round_to(w, DTYPE, PRECISION), (BLOCK_N, BLOCK_K))  # value j of word i: i * 32/BITS + j
+    else:  # values straddle words
+        position = offs_k * BITS  # bit position of value k in its row
+        word_ptr = w_ptr + rows * stride_wn + (position // 32)[None, :]
+        shift = (position % 32).to(tl.uint32)[None, :]
+        value = tl.load(word_ptr, mask=k_mask[None, :], other=0).to(tl.uint32, bitcast=True) >> shift
+        straddles = (shift + BITS) > 32  # the value's high bits start the next word
+        high = tl.load(word_ptr + 1, mask=k_mask[None, :] & straddles, other=0).to(tl.uint32, bitcast=True)
+        value = value | (high << tl.where(straddles, 32 - shift, 0))
         q = (value & ((1 << BITS) - 1)).to(tl.int32) - (1 << (BITS - 1))
-        if GROUP_SIZE % BLOCK_K == 0:  # the tile lies in one group: one scale per row
-            scale = tl.load(s_ptr + rows * stride_sn + k0 // GROUP_SIZE, mask=n_mask[:, None], other=0.0)
-        else:
-            scale = tl.load(s_ptr + rows * stride_sn + (offs_k // GROUP_SIZE)[None, :],
-                            mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        w = tl.where(k_mask[None, :], q.to(tl.float32) * scale.to(tl.float32), 0.0)
-        tile = round_to(w, DTYPE, PRECISION)
+        scale = load_group_scales(s_ptr, rows, offs_k[None, :], k0, k_mask[None, :], stride_sn, GROUP_SIZE, BLOCK_K)
+        tile = round_to(tl.where(k_mask[None, :], q.to(tl.float32) * scale, 0.0), DTYPE, PRECISION)
     return tile
 
 
 @triton.jit
 def accumulate_tile(acc, a, w_ptr, s_ptr, k0, offs_n, n_mask, stride_wn, stride_sn, K, BITS: tl.constexpr,
-                    GROUP_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr,
-                    PRECISION: tl.constexpr):
+                    GROUP_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                    USE_DOT: tl.constexpr, PRECISION: tl.constexpr):
     """acc [M, BLOCK_N] fp32 + a [M, BLOCK_K] @ W[offs_n, k0:k0 + BLOCK_K]^T, the weight tile read in place
     (and dequantized in registers: `load_weight_rows`) in a's dtype. USE_DOT: tl.dot; else (few rows) a
     broadcast multiply summed over K. PRECISION "interpreter" (the CPU, whose tl.dot multiplies bf16
     operands' raw bits in triton 3.9): operands widened to fp32 first, the same products (a product of
     two bf16 or fp16 values is exact in fp32) and the same fp32 accumulation."""
     w = load_weight_rows(w_ptr, s_ptr, k0, offs_n, n_mask, stride_wn, stride_sn, K, BITS, GROUP_SIZE, BLOCK_N,
-                         BLOCK_K, a.dtype, PRECISION)
+                         BLOCK_K, EVEN_K, a.dtype, PRECISION)
     if USE_DOT:
         if PRECISION == "interpreter":
             result = tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
@@ -145,7 +173,7 @@ def accumulate_tile(acc, a, w_ptr, s_ptr, k0, offs_n, n_mask, stride_wn, stride_
 def _quant_linear_kernel(
     x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, k_per_split, stride_xm, stride_wn, stride_sn, stride_ym, stride_ys,
     BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, USE_DOT: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """One program: rows [pid_m * BLOCK_M, +BLOCK_M), columns [pid_n * BLOCK_N, +BLOCK_N), input columns
     [split * k_per_split, +k_per_split) (a multiple of BLOCK_K). Writes y, or with several splits its
@@ -159,9 +187,9 @@ def _quant_linear_kernel(
     for k0 in range(k_start, tl.minimum(k_start + k_per_split, K), BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         a = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :],
-                    mask=m_mask[:, None] & (offs_k < K)[None, :], other=0.0)
+                    mask=m_mask[:, None] & column_mask(offs_k, K, EVEN_K)[None, :], other=0.0)
         acc = accumulate_tile(acc, a, w_ptr, s_ptr, k0, offs_n, n_mask, stride_wn, stride_sn, K, BITS, GROUP_SIZE,
-                              BLOCK_N, BLOCK_K, USE_DOT, PRECISION)
+                              BLOCK_N, BLOCK_K, EVEN_K, USE_DOT, PRECISION)
     y_ptrs = y_ptr + split * stride_ys + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
     tl.store(y_ptrs, round_to(acc, y_ptr.dtype.element_ty, PRECISION), mask=m_mask[:, None] & n_mask[None, :])
 
@@ -198,7 +226,7 @@ def quant_linear(x: torch.Tensor, weight_or_packed: torch.Tensor, *, scales: tor
         x2, weight, scales if scales is not None else weight, y, m, n, k, cfg.k_per_split,
         x2.stride(0), weight.stride(0), scales.stride(0) if scales is not None else 0, y.stride(1), y.stride(0),
         BITS=bits or 0, GROUP_SIZE=0 if bits is None else group_size, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, USE_DOT=cfg.use_dot, PRECISION=dot_precision(x),
+        BLOCK_K=cfg.block_k, EVEN_K=k % cfg.block_k == 0, USE_DOT=cfg.use_dot, PRECISION=dot_precision(x),
     )
     y = y.sum(dim=0).to(x.dtype) if cfg.splits > 1 else y[0]
     return y.view(out_shape)
