@@ -191,8 +191,11 @@ def measure(args, device: torch.device) -> dict:
         label = fmt if group is None else f"{fmt}-g{group}"
         rows += [measure_batch(run, (w_gate_up, w_down, kw, per_expert), label, batch) for batch in args.batches]
         w_gate_up = w_down = scales = kw = None  # free this format's experts before the next one's
+    from tierlm.kernels.fused_moe import triton as kernels
+
     return {"device": name, "copy_bandwidth_GBps": copy / 1e9, "shapes": shape, "routings_per_timing": ROUTINGS,
-            "cuda_graph": use_graph, "torch": torch.__version__, "rows": rows}
+            "cuda_graph": use_graph, "torch": torch.__version__, "decode_max_pairs": kernels.DECODE_MAX_PAIRS,
+            "grouped_block_m": kernels.PREFILL_BLOCK_M, "rows": rows}
 
 
 def main() -> None:
@@ -201,6 +204,10 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--sweep", action="store_true", help="also sweep the decode tile sizes (best one reported)")
     parser.add_argument("--no-graph", action="store_true", help="time eager launches, not a CUDA graph replay")
+    parser.add_argument("--decode-max-pairs", type=int, default=None,
+                        help="override fused_moe's DECODE_MAX_PAIRS (one-pair blocks up to this many pairs)")
+    parser.add_argument("--grouped-block-m", type=int, default=None,
+                        help="override fused_moe's PREFILL_BLOCK_M (rows per expert block, >= 16)")
     parser.add_argument("--copy-bytes", type=int, default=None, help="size of the copy-bandwidth tensor")
     parser.add_argument("--out", type=Path, default=None, help="JSON path (default bench/results/...)")
     args = parser.parse_args()
@@ -210,6 +217,12 @@ def main() -> None:
             parser.error("no CUDA device: run with --small (Triton's interpreter, tiny shapes)")
         os.environ["TRITON_INTERPRET"] = "1"  # before the kernels' module first imports triton
         torch.set_num_threads(1)
+    from tierlm.kernels.fused_moe import triton as kernels
+
+    if args.decode_max_pairs is not None:
+        kernels.DECODE_MAX_PAIRS = args.decode_max_pairs
+    if args.grouped_block_m is not None:
+        kernels.PREFILL_BLOCK_M = args.grouped_block_m
     if args.copy_bytes is None:
         args.copy_bytes = 2 << 30 if device.type == "cuda" else 64 << 20
     result = measure(args, device)
