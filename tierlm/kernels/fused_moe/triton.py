@@ -169,7 +169,7 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, to
     num_blocks = block_expert.numel()
     gate_up_k, down_k = (min(block_k, max(16, triton.next_power_of_2(k))) for k in (h, inter))
     common = {"BITS": bits or 0, "GROUP_SIZE": group, "BLOCK_M": block_m, "BLOCK_N": block_n, "USE_DOT": use_dot,
-                  "PRECISION": dot_precision(x), "num_warps": warps}
+              "PRECISION": dot_precision(x), "num_warps": warps}
 
     act = torch.empty((num_pairs, inter), dtype=x.dtype, device=x.device)
     _gate_up_kernel[(num_blocks, triton.cdiv(inter, block_n))](
