@@ -35,14 +35,21 @@ PREFILL_GROUP_BYTES = 256 << 20  # working memory of one group of prefill querie
 
 
 def top_blocks(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(values, indices) of the k highest scores per row, ties going to the lower block index.
+    """(values, indices) of the k highest scores per row, highest first, ties going to the lower block index.
 
     relu makes exact-zero scores common, and torch.topk breaks ties differently for different row
-    widths; a stable sort makes the choice a property of the scores alone, so a request selects the
-    same blocks whatever else is in its batch.
+    widths; so the choice is made a property of the scores alone (a request selects the same blocks
+    whatever else is in its batch) by giving torch.topk unique int64 keys: a score's bits above the
+    complement of its block index. Scores are sums of relus (>= 0; the sign of -0.0 is cleared, so it
+    ties with 0.0) or -inf (a block the query cannot see, below every score), so the bits order as the
+    values do. No full sort: topk over the row.
     """
-    values, indices = torch.sort(scores, dim=-1, descending=True, stable=True)
-    return values[..., :k], indices[..., :k]
+    index = torch.arange(scores.shape[-1], device=scores.device)
+    bits = scores.view(torch.int32).to(torch.int64) & 0x7FFFFFFF
+    bits = torch.where(scores == float("-inf"), -1, bits)
+    keys = (bits << 32) | (0xFFFFFFFF - index)
+    indices = torch.topk(keys, k, dim=-1).indices
+    return scores.gather(-1, indices), indices
 
 
 def gather_rows(pool: torch.Tensor, block_table: torch.Tensor, count: int, rows_per_block: int) -> torch.Tensor:
@@ -109,7 +116,7 @@ class QSAIndexer(nn.Module):
         """Token positions [M, S] each query attends to and their validity [M, S], S = budget + R - 1:
         the tokens of its top blocks (ties to the lower block), then its open tail [nb*R, p]."""
         r = self.ratio
-        # -inf (unseen) blocks sort after every visible one: one sort serves queries of any position
+        # -inf (unseen) blocks rank after every visible one: one top-k serves queries of any position
         values, top = top_blocks(scores, min(self.block_topk, scores.shape[1]))
         in_block = torch.arange(r, device=scores.device)
         chosen_pos = (top[..., None] * r + in_block).flatten(1)
@@ -140,11 +147,31 @@ class QSAIndexer(nn.Module):
         state.index_keys.view(-1, self.head_dim)[row] = keys
 
     def select_decode(self, q: torch.Tensor, batch: ForwardBatch, state: LayerState) -> "Selection":
-        """The K/V rows each request's query attends to: its top blocks' tokens and its open tail."""
+        """The K/V rows each request's query attends to: its top blocks' tokens and its open tail.
+
+        Scores are [B, G] with G the blocks of the batch's block-table width (`static_decode` picks that
+        width per step from the batch's longest context): a static batch scores every block of the table
+        (sync-free, one shape per width), any other batch only each request's visible blocks."""
         tables = torch.where(batch.block_tables < 0, state.scratch_block, batch.block_tables)  # [B, W]
-        block_keys = state.index_keys[tables].flatten(1, 2)  # [B, G = W * bs / R, id]
-        token_pos, valid = self.choose(self.scores(q, block_keys, batch.positions), batch.positions)
+        if batch.static:
+            block_keys = state.index_keys[tables].flatten(1, 2)  # [B, G = W * bs / R, id]
+            scores = self.scores(q, block_keys, batch.positions)
+        else:
+            scores = self.visible_scores(q, batch, state)
+        token_pos, valid = self.choose(scores, batch.positions)
         return Selection.of(token_pos, valid, tables, state)
+
+    def visible_scores(self, q: torch.Tensor, batch: ForwardBatch, state: LayerState) -> torch.Tensor:
+        """Decode block scores [B, G = W * bs / R] where each request scores only the nb = (p+1)//R blocks
+        its query sees (varlen: a short request beside a long one costs its own length); the rest -inf."""
+        per_block = state.block_size // self.ratio
+        scores = torch.full((batch.num_requests, batch.block_tables.shape[1] * per_block), float("-inf"),
+                            device=q.device)
+        for i, context in enumerate(batch.context_lens):
+            visible = (context + 1) // self.ratio
+            block_keys = gather_rows(state.index_keys, batch.block_tables[i], visible, per_block)
+            scores[i, :visible] = self.scores(q[i : i + 1], block_keys, batch.positions[i : i + 1])[0]
+        return scores
 
 
 class Selection:
@@ -222,11 +249,11 @@ class QSAAttention(nn.Module):
 
     def query_group(self, num_block_keys: int, dtype: torch.dtype) -> int:
         """How many prefill queries to score, select and attend at once so that their working tensors
-        stay within PREFILL_GROUP_BYTES: per query the indexer's fp32 products and sort over every block
-        key of the context, its S selected K and V rows, and its fp32 attention weights. At the target
+        stay within PREFILL_GROUP_BYTES: per query the indexer's fp32 products and top-k keys over every
+        block key of the context, its S selected K and V rows, and its fp32 attention weights. At the target
         model's shapes and 262k context that is ~10 MB per query (a whole chunk at once would take GBs)."""
         selected = self.indexer.block_topk * self.indexer.ratio + self.indexer.ratio - 1
-        per_query = num_block_keys * (4 * self.indexer.n_heads + 4 + 8)
+        per_query = num_block_keys * (4 * self.indexer.n_heads + 4 + 16)
         per_query += selected * (2 * self.num_kv_heads * self.head_dim * dtype.itemsize + 4 * self.num_heads)
         return max(1, PREFILL_GROUP_BYTES // per_query)
 
