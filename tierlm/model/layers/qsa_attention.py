@@ -13,8 +13,11 @@ paged pool and attends to them, so prefill costs O(budget) per token, not O(cont
 pools (`qsa_offload`) prefill stages the selected rows through a device arena and decode reads them over
 UVA through a VRAM row cache. Prefill and mixed batches go request by request, each request's queries
 in groups whose working memory is bounded (`query_group`); decode-only batches run all requests at once
-in a static-shape, sync-free form (what a CUDA graph captures). The plain reference (a dense boolean
-mask over the whole context) lives in the tests.
+in a static-shape, sync-free form (what a CUDA graph captures). The indexer's work follows the context,
+not max_model_len: a request scores only the compressed keys up to its own position (a static batch up
+to its block-table width, which `static_decode` sizes from the batch's longest context), and keeps its
+top blocks with torch.topk (no sort of the row). The plain reference (a dense boolean mask over the
+whole context) lives in the tests.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import math
 import torch
 from torch import nn
 
+from tierlm.kernels.qsa_block_scores import block_scores
 from tierlm.kernels.qsa_row_cache import attend_rows
 from tierlm.model.forward_batch import ForwardBatch
 from tierlm.model.layers.norm import RMSNorm
@@ -150,12 +154,15 @@ class QSAIndexer(nn.Module):
         """The K/V rows each request's query attends to: its top blocks' tokens and its open tail.
 
         Scores are [B, G] with G the blocks of the batch's block-table width (`static_decode` picks that
-        width per step from the batch's longest context): a static batch scores every block of the table
-        (sync-free, one shape per width), any other batch only each request's visible blocks."""
+        width per step from the batch's longest context), unseen ones -inf. A static batch scores in one
+        sync-free call (`kernels/qsa_block_scores`: on CUDA a kernel that reads only each request's
+        visible keys), any other batch request by request, each over its visible keys."""
         tables = torch.where(batch.block_tables < 0, state.scratch_block, batch.block_tables)  # [B, W]
         if batch.static:
-            block_keys = state.index_keys[tables].flatten(1, 2)  # [B, G = W * bs / R, id]
-            scores = self.scores(q, block_keys, batch.positions)
+            score = block_scores
+            if q.is_cuda:
+                from tierlm.kernels.qsa_block_scores.triton import triton_block_scores as score
+            scores = score(q, state.index_keys, batch.block_tables, batch.positions, self.ratio)
         else:
             scores = self.visible_scores(q, batch, state)
         token_pos, valid = self.choose(scores, batch.positions)
