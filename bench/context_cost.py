@@ -70,10 +70,13 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--size", default="tiny", choices=["tiny", "small"])
     parser.add_argument("--context", type=int, default=200)
-    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--max-model-lens", type=int, nargs=2, default=[8192, 262_144])
+    parser.add_argument("--threads", type=int, default=1, help="CPU threads (one: steadier on a shared machine)")
     args = parser.parse_args()
     device = torch.device(args.device)
+    if device.type == "cpu":
+        torch.set_num_threads(args.threads)
     folder = ROOT / "models" / f"demo-{args.size}"
     if not (folder / "config.json").exists():
         build_demo_model(folder, args.size)
