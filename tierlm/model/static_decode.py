@@ -86,8 +86,10 @@ class StaticDecodeRunner:
         if mode == "compile":
             # one compiled graph per prepared shape; shapes never change for a given (size, width)
             self.forward = torch.compile(model, dynamic=False)
-            for shape in self.shapes:
-                self.forward(self.batches[shape], cache)
+            # each shape is a recompile of the same code: let all of them be compiled, not run eagerly
+            with torch._dynamo.config.patch(recompile_limit=max(8, len(self.shapes))):
+                for shape in self.shapes:
+                    self.forward(self.batches[shape], cache)
         elif mode == "cuda_graph":
             self._capture()
 

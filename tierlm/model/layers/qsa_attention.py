@@ -106,12 +106,9 @@ class QSAIndexer(nn.Module):
         state.index_ring[slot, : left.shape[0]] = left
 
     def scores(self, q: torch.Tensor, block_keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Block scores [M, G] of queries q [M, ih, id] against block keys [G, id] (or per query [M, G, id]);
-        blocks a query cannot see yet (j >= (p+1)//R) score -inf."""
-        if block_keys.dim() == 2:
-            products = torch.matmul(q.float(), block_keys.float().T)  # [M, ih, G]
-        else:
-            products = torch.einsum("mhd,mgd->mhg", q.float(), block_keys.float())
+        """Block scores [M, G] of queries q [M, ih, id] against one request's block keys [G, id]; blocks a
+        query cannot see yet (j >= (p+1)//R) score -inf. (Decode batches: `kernels/qsa_block_scores`.)"""
+        products = torch.matmul(q.float(), block_keys.float().T)  # [M, ih, G]
         scores = torch.relu(products).sum(dim=1) / math.sqrt(self.head_dim)
         group_ids = torch.arange(scores.shape[1], device=q.device)
         return scores.masked_fill(group_ids >= ((positions + 1) // self.ratio)[:, None], float("-inf"))
