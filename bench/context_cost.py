@@ -92,12 +92,12 @@ def main() -> None:
         results = step_times(model, cache, sides, args.context, args.steps)
     short, long = args.max_model_lens
     lines = [
-        f"demo-{args.size} on {device_name(device)}: decode step of a {args.context}-token request, "
-        f"best of {args.steps} steps (ms)",
+        (f"demo-{args.size} on {device_name(device)}: decode step of a {args.context}-token request, "
+         f"best of {args.steps} steps (ms)"),
         f"{'max_model_len':>14}{'widths by context':>20}{'one full width':>17}",
         *(f"{n:>14,}{results[n, False] * 1e3:>20.2f}{results[n, True] * 1e3:>17.2f}" for n in (short, long)),
-        f"{f'{long / 1000:.0f}k / {short / 1000:.0f}k':>14}{results[long, False] / results[short, False]:>20.3f}"
-        f"{results[long, True] / results[short, True]:>17.3f}",
+        (f"{f'{long / 1000:.0f}k / {short / 1000:.0f}k':>14}{results[long, False] / results[short, False]:>20.3f}"
+         f"{results[long, True] / results[short, True]:>17.3f}"),
     ]
     print("\n".join(lines))
     out = ROOT / "bench" / "results" / f"context_cost_{device_name(device)}.txt"

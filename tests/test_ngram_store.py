@@ -8,6 +8,7 @@ import mmap
 import os
 import time
 from dataclasses import asdict
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -148,7 +149,7 @@ def test_decode_advice_covers_exactly_the_new_tokens_rows(model_with_tables):
 
 
 def ram_and_swap_bytes() -> int:
-    fields = dict(line.split(":", 1) for line in open("/proc/meminfo"))
+    fields = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
     return sum(int(fields[name].split()[0]) * 1024 for name in ("MemTotal", "SwapTotal"))
 
 
@@ -178,7 +179,7 @@ def test_a_table_larger_than_ram_and_swap_maps_and_reads_at_both_ends(tmp_path):
     manifest = {"format_version": FORMAT_VERSION, "layers": [asdict(t) for t in tables]}
     (tmp_path / MANIFEST).write_text(json.dumps(manifest))
     try:
-        if open("/proc/sys/vm/overcommit_memory").read().strip() != "1":
+        if Path("/proc/sys/vm/overcommit_memory").read_text().strip() != "1":
             # what the store did before: a private writable mapping is charged against commit and refused
             with open(tmp_path / tables[0].file, "rb") as f, pytest.raises(OSError):
                 mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)

@@ -63,7 +63,7 @@ def test_triton_block_scores_equal_the_reference():
         return
     done = subprocess.run(
         [sys.executable, "-c", "import test_qsa_block_scores as t; t.compare('cpu')"], cwd=Path(__file__).parent,
-        env=dict(os.environ, TRITON_INTERPRET="1"), capture_output=True, text=True, timeout=120,
+        env=dict(os.environ, TRITON_INTERPRET="1"), capture_output=True, text=True, timeout=120, check=False,
     )
     assert done.returncode == 0, done.stderr[-4000:]
 
