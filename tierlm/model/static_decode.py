@@ -92,6 +92,7 @@ class StaticDecodeRunner:
                     self.forward(self.batches[shape], cache)
         elif mode == "cuda_graph":
             self._capture()
+        cache.reset_row_cache_counters()  # the warm-up and capture forwards served no request
 
     def _static_batch(self, size: int, width: int) -> ForwardBatch:
         return ForwardBatch(
