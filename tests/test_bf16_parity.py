@@ -5,8 +5,10 @@ and asserts
 
     error(tierlm bf16) <= FACTOR * error(transformers bf16) + half a bf16 ulp of the largest reference value
 
-(error = max |x - reference|; the floor is what rounding the output to bf16 alone may cost), so the
-tolerance follows transformers' own bf16 error on that input, not a fixed number.
+row by row (a token's logits, a token's MoE output; error = max |x - reference| over the row; the floor
+is what rounding the output to bf16 alone may cost), so the tolerance follows transformers' own bf16
+error on that very input, not a fixed number. Measured here: tierlm's error is within 1.04x
+transformers' plus the floor (on most rows, the same as transformers').
 
 - The depthwise convolutions (GDN's and PLE's dilated one) against `F.conv1d`, error in ulps.
 - The MoE block (routing choices made) in its three expert forms, on tokens with clear top-k margins.
@@ -32,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from reference_models import BASE, Runner, build_reference, prompt_ids, reference_logits
 
-import tierlm.model.layers.moe as moe
+from tierlm.model.layers import moe
 from tierlm.model.layers.gated_deltanet import causal_depthwise_conv
 from tierlm.model.layers.qsa_attention import QSAIndexer
 from tierlm.model.loader import load_model
@@ -48,11 +50,13 @@ def bf16_ulp(x: torch.Tensor) -> torch.Tensor:
 
 def assert_within_reference_error(ours: torch.Tensor, theirs: torch.Tensor, reference: torch.Tensor, what: str):
     """ours, theirs: bf16 results of tierlm and transformers; reference: transformers' fp32 result."""
-    ours_error = (ours.float() - reference).abs().max().item()
-    their_error = (theirs.float() - reference).abs().max().item()
-    floor = bf16_ulp(reference.abs().max()).item() / 2
-    assert ours_error <= FACTOR * their_error + floor, (
-        f"{what}: tierlm bf16 is {ours_error:.3g} from fp32, transformers bf16 {their_error:.3g} (floor {floor:.3g})"
+    ours_error = (ours.float() - reference).abs().amax(dim=-1)
+    their_error = (theirs.float() - reference).abs().amax(dim=-1)
+    floor = bf16_ulp(reference.abs().amax(dim=-1)) / 2
+    worse = ours_error > FACTOR * their_error + floor
+    assert not worse.any(), (
+        f"{what}: {int(worse.sum())} rows; at the worst, tierlm bf16 is {ours_error[worse].max().item():.3g} from "
+        f"fp32 where transformers bf16 is {their_error[worse][ours_error[worse].argmax()].item():.3g}"
     )
 
 
@@ -108,7 +112,10 @@ class ReferenceChoices:
     orders them by weight), indexer selection masks."""
 
     def __init__(self, model) -> None:
-        from transformers.models.qwen4_exp.modeling_qwen4_exp import Qwen4ExpTextQSAIndexer, Qwen4ExpTextTopKRouter
+        from transformers.models.qwen4_exp.modeling_qwen4_exp import (
+            Qwen4ExpTextQSAIndexer,
+            Qwen4ExpTextTopKRouter,
+        )
 
         self.choices: list[torch.Tensor] = []
         for module in model.modules():
