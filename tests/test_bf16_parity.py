@@ -160,7 +160,7 @@ LAYER_KIND_CONFIGS = {
     # budget 8 of up to 7 blocks of 4 tokens: from position 11 on, each query keeps 2 blocks
     "qsa": {**BASE, **NO_CHOICE, "layer_types": ["indexed_attention", "linear_attention"], "num_hidden_layers": 2},
 }
-WEIGHT_SEED, PROMPT_SEED = 1, 3  # the QSA config's block choices are all clear (gap / drift > 30)
+WEIGHT_SEED, PROMPT_SEED = 1, 3  # seeds where every QSA block choice is clear (asserted in each test)
 PROMPT, STEPS = 12, 4  # decode paths: prefill PROMPT tokens, then STEPS single-token steps (a block closes)
 LENGTH = PROMPT + STEPS
 CHUNKS = ((5, 1, 7, 2, 1), (7, 3, 1, 4, 1))  # uneven chunks of the two requests, one forward per column
