@@ -432,7 +432,8 @@ METRIC_NAMES = [
     "tierlm:generation_tokens_total",
     "tierlm:num_preemptions_total", "tierlm:request_success_total", "tierlm:num_requests_running",
     "tierlm:num_requests_waiting", "tierlm:kv_cache_usage_perc", "tierlm:prefix_cache_queries_total",
-    "tierlm:prefix_cache_hits_total",
+    "tierlm:prefix_cache_hits_total", "tierlm:device_memory_allocated_bytes", "tierlm:device_memory_peak_bytes",
+    "tierlm:num_streams_throttled", "tierlm:streams_ended_stalled_total",
 ]
 
 

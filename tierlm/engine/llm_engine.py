@@ -82,6 +82,11 @@ class EngineStats:
     # QSA K/V in host pools: decode row reads served by the VRAM row cache
     qsa_row_cache_hits: int = 0
     qsa_row_cache_misses: int = 0
+    # the device's caching allocator (zeros on CPU): bytes held by tensors, reserved from the driver,
+    # and the most ever held
+    device_memory_allocated: int = 0
+    device_memory_reserved: int = 0
+    device_memory_peak: int = 0
 
 
 @dataclass(frozen=True)
@@ -238,6 +243,11 @@ class LLMEngine:
         self._group_of: dict[Request, str] = {}
         self._ids = itertools.count()
         self.last_step_num_tokens = 0
+        if device.type == "cuda":
+            memory = self._device_memory()
+            logger.info("%s memory after start-up: %s allocated, %s reserved, peak %s", device,
+                        *(f"{memory[k]:,} B" for k in ("device_memory_allocated", "device_memory_reserved",
+                                                        "device_memory_peak")))
 
     # ---- requests -----------------------------------------------------------------------------------
     def default_params(self) -> tuple[float | None, float | None, int | None]:
@@ -324,7 +334,17 @@ class LLMEngine:
             kv_cache_usage=used / total if manager.uses_blocks and total else 0.0,
             num_preemptions=self.scheduler.num_preemptions,
             prefix_cache_queries=manager.queried_tokens, prefix_cache_hits=manager.hit_tokens,
-            **self._ple_stats(), **self._row_cache_stats(),
+            **self._ple_stats(), **self._row_cache_stats(), **self._device_memory(),
+        )
+
+    def _device_memory(self) -> dict:
+        if self.cache.device.type != "cuda":
+            return {}
+        device = self.cache.device
+        return dict(
+            device_memory_allocated=torch.cuda.memory_allocated(device),
+            device_memory_reserved=torch.cuda.memory_reserved(device),
+            device_memory_peak=torch.cuda.max_memory_allocated(device),
         )
 
     def _row_cache_stats(self) -> dict:

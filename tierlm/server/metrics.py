@@ -120,6 +120,12 @@ class _EngineStatsCollector(Collector):
              stats.qsa_row_cache_hits),
             (counter, "tierlm:qsa_row_cache_misses", "Decode K/V row reads from the host pools.",
              stats.qsa_row_cache_misses),
+            (gauge, "tierlm:device_memory_allocated_bytes", "Device memory held by tensors (0 on CPU).",
+             stats.device_memory_allocated),
+            (gauge, "tierlm:device_memory_reserved_bytes", "Device memory reserved by the caching allocator.",
+             stats.device_memory_reserved),
+            (gauge, "tierlm:device_memory_peak_bytes", "The most device memory tensors have held since start.",
+             stats.device_memory_peak),
             (gauge, "tierlm:qsa_row_cache_hit_rate", "Share of decode K/V row reads served by the row cache, "
              "since start (0 before any).", _share(stats.qsa_row_cache_hits, stats.qsa_row_cache_misses)),
         ]
