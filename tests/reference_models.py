@@ -2,7 +2,8 @@
 
 Each config is built with `Qwen4ExpTextConfig`, every float parameter gets 0.05 * N(0, 1) noise (the
 reference zero-initialises norms and the PLE conv, which would leave those paths untested), and the
-model is saved with `save_pretrained`, so tierlm reads exactly what the reference writes.
+model is saved with `save_pretrained`, so tierlm reads exactly what the reference writes. `Runner`
+drives tierlm's model over the same tokens, request by request and chunk by chunk, in any dtype.
 """
 
 from __future__ import annotations
@@ -10,6 +11,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+
+from tierlm.model.forward_batch import ForwardBatch
+from tierlm.model.model_cache import ModelCache
+from tierlm.model.static_decode import StaticDecodeRunner
+
+BLOCK_SIZE = 12  # a multiple of every test config's compress ratio (3 and 4)
+BLOCKS_PER_REQUEST = 20
 
 BASE = {
     "vocab_size": 512, "hidden_size": 64, "num_hidden_layers": 4,
@@ -47,12 +55,14 @@ CONFIGS = {
 }
 
 
-def build_reference(name: str, out_dir: Path, seed: int = 0):
-    """Save the perturbed reference model for CONFIGS[name] into out_dir; return the HF model."""
+def build_reference(config: str | dict, out_dir: Path, seed: int = 0):
+    """Save the perturbed reference model for config (a CONFIGS name, or the config itself) into out_dir;
+    return the HF model."""
     from transformers import Qwen4ExpForCausalLM, Qwen4ExpTextConfig
 
     torch.manual_seed(seed)
-    model = Qwen4ExpForCausalLM(Qwen4ExpTextConfig(**CONFIGS[name])).eval()
+    fields = CONFIGS[config] if isinstance(config, str) else config
+    model = Qwen4ExpForCausalLM(Qwen4ExpTextConfig(**fields)).eval()
     with torch.no_grad():
         for param in model.parameters():
             if param.dtype.is_floating_point:
@@ -65,3 +75,52 @@ def reference_logits(model, ids: torch.Tensor) -> torch.Tensor:
     """Full-sequence logits [B, T, V] of the reference, without cache."""
     with torch.no_grad():
         return model(ids, use_cache=False).logits
+
+
+def prompt_ids(config, batch: int, length: int, seed: int) -> torch.Tensor:
+    """Random ids with EOS planted mid-sequence (and right after another EOS once)."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(4, config.vocab_size, (batch, length), generator=gen)
+    eos = config.eos_token_id if config.eos_token_id is not None else 1
+    ids[:, length // 3] = eos
+    ids[0, length // 2] = eos
+    ids[0, length // 2 + 1] = eos
+    return ids
+
+
+class Runner:
+    """Drives the tierlm model over several requests with disjoint slots and block tables.
+
+    static_mode: run decode-only steps through a `StaticDecodeRunner` in that mode (its fixed-shape
+    batches), with room for all the requests at once.
+    """
+
+    def __init__(
+        self, model, config, num_requests: int, dtype: torch.dtype = torch.float32, static_mode: str | None = None
+    ) -> None:
+        self.model = model
+        self.cache = ModelCache(config, num_requests, num_requests * BLOCKS_PER_REQUEST, BLOCK_SIZE, dtype)
+        self.tables = [list(range(i * BLOCKS_PER_REQUEST, (i + 1) * BLOCKS_PER_REQUEST)) for i in range(num_requests)]
+        self.positions = [0] * num_requests
+        for slot in range(num_requests):
+            self.cache.reset_slot(slot)
+        self.static = None
+        if static_mode is not None:
+            self.static = StaticDecodeRunner(model, self.cache, num_requests, BLOCKS_PER_REQUEST, static_mode)
+
+    def step(self, chunks: dict[int, list[int]]) -> dict[int, torch.Tensor]:
+        """Compute the next chunk of each named request in ONE forward; logits per request [T, V]."""
+        reqs = sorted(chunks)
+        batch = ForwardBatch.build(
+            [chunks[r] for r in reqs], [self.positions[r] for r in reqs], reqs,
+            [self.tables[r] for r in reqs], BLOCK_SIZE, logits="all",
+        )
+        if self.static is not None and self.static.can_run(batch):
+            logits = self.static.run(batch)
+        else:
+            logits = self.model(batch, self.cache)
+        out = {}
+        for r, (start, end) in zip(reqs, batch.bounds):
+            out[r] = logits[start:end]
+            self.positions[r] += end - start
+        return out

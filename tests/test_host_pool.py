@@ -154,7 +154,7 @@ def race(tmp_path, fake_total: int) -> tuple[list, list]:
         while len(list(tmp_path.glob("*.pid"))) < 2 and time.monotonic() < deadline:
             time.sleep(0.01)
         (tmp_path / "go").touch()
-        assert [proc.wait(timeout=40) for proc in procs] == [0, 0]
+        assert [proc.wait(timeout=600) for proc in procs] == [0, 0]
     finally:
         for proc in procs:
             if proc.poll() is None:

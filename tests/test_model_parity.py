@@ -4,15 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from reference_models import CONFIGS, build_reference, reference_logits
+from reference_models import CONFIGS, Runner, build_reference, prompt_ids, reference_logits
 
-from tierlm.model.forward_batch import ForwardBatch
 from tierlm.model.loader import load_model
-from tierlm.model.model_cache import ModelCache
 
 TOLERANCE = 1e-4
-BLOCK_SIZE = 12  # a multiple of every test config's compress ratio (3 and 4)
-BLOCKS_PER_REQUEST = 20
 
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
@@ -22,43 +18,6 @@ def pair(request, tmp_path_factory):
     reference = build_reference(request.param, folder)
     model, config = load_model(folder, dtype="float32", device="cpu")
     return reference, model, config
-
-
-def prompt_ids(config, batch: int, length: int, seed: int) -> torch.Tensor:
-    """Random ids with EOS planted mid-sequence (and right after another EOS once)."""
-    gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(4, config.vocab_size, (batch, length), generator=gen)
-    eos = config.eos_token_id if config.eos_token_id is not None else 1
-    ids[:, length // 3] = eos
-    ids[0, length // 2] = eos
-    ids[0, length // 2 + 1] = eos
-    return ids
-
-
-class Runner:
-    """Drives the tierlm model over several requests with disjoint slots and block tables."""
-
-    def __init__(self, model, config, num_requests: int) -> None:
-        self.model = model
-        self.cache = ModelCache(config, num_requests, num_requests * BLOCKS_PER_REQUEST, BLOCK_SIZE, torch.float32)
-        self.tables = [list(range(i * BLOCKS_PER_REQUEST, (i + 1) * BLOCKS_PER_REQUEST)) for i in range(num_requests)]
-        self.positions = [0] * num_requests
-        for slot in range(num_requests):
-            self.cache.reset_slot(slot)
-
-    def step(self, chunks: dict[int, list[int]]) -> dict[int, torch.Tensor]:
-        """Compute the next chunk of each named request in ONE forward; logits per request [T, V]."""
-        reqs = sorted(chunks)
-        batch = ForwardBatch.build(
-            [chunks[r] for r in reqs], [self.positions[r] for r in reqs], reqs,
-            [self.tables[r] for r in reqs], BLOCK_SIZE, logits="all",
-        )
-        logits = self.model(batch, self.cache)
-        out = {}
-        for r, (start, end) in zip(reqs, batch.bounds):
-            out[r] = logits[start:end]
-            self.positions[r] += end - start
-        return out
 
 
 def test_full_sequence_forward(pair):

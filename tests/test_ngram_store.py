@@ -3,8 +3,12 @@ and its per-range fallback), decode-time advice, cancellation."""
 
 from __future__ import annotations
 
+import json
+import mmap
 import os
 import time
+from dataclasses import asdict
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,11 +16,11 @@ import torch
 
 from tierlm import LLM, SamplingParams
 from tierlm.config import ModelConfig
-from tierlm.demo_model import build_demo_model
+from tierlm.demo_model import build_demo_model, demo_config
 from tierlm.memory.madvise import PAGE_SIZE, resident_pages, row_pages
 from tierlm.memory.ngram_prefetch import PrefetchWorker
 from tierlm.memory.ngram_store import NgramStore
-from tierlm.memory.ple_table import export_ple_tables
+from tierlm.memory.ple_table import FORMAT_VERSION, MANIFEST, PleLayerTable, export_ple_tables
 
 PARAMS = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=3)
 
@@ -142,3 +146,56 @@ def test_decode_advice_covers_exactly_the_new_tokens_rows(model_with_tables):
     wanted = [set(row_pages(r.reshape(-1) * t.row_bytes, t.row_bytes).tolist()) for t, r in zip(store.tables, rows)]
     for want, now in zip(wanted, wait_resident(store, wanted)):
         assert want <= now
+
+
+def ram_and_swap_bytes() -> int:
+    fields = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+    return sum(int(fields[name].split()[0]) * 1024 for name in ("MemTotal", "SwapTotal"))
+
+
+def test_a_table_larger_than_ram_and_swap_maps_and_reads_at_both_ends(tmp_path):
+    """Each table file is sparse (truncate: no disk), bigger than this host's RAM + swap, with real rows
+    at its first and last row; the store maps it through the manifest and reads both."""
+    limit = ram_and_swap_bytes()
+    small = ModelConfig.from_dict(demo_config("tiny", 4096, 1))
+    row_bytes = small.ngram_head_dim * 4
+    base = (limit * 5 // 4) // (small.num_ngram_heads * row_bytes) + 1  # each head ~ base rows
+    config = ModelConfig.from_dict(demo_config("tiny", 4096, 1, ple_overrides={"ngram_vocab_size_base": base}))
+    tables = [PleLayerTable.expected(config, k, "float32") for k in range(len(config.ple_layer_ids))]
+    expected = {}
+    for table in tables:
+        assert table.nbytes > limit
+        path = tmp_path / table.file
+        with open(path, "wb") as f:
+            try:
+                os.truncate(f.fileno(), table.nbytes)
+            except OSError as exc:
+                pytest.skip(f"{tmp_path}: no sparse file of {table.nbytes} bytes here ({exc})")
+            for row in (0, table.rows - 1):
+                values = np.arange(row_bytes // 4, dtype=np.float32) + 1000.0 * table.ple_index + (row > 0) * 0.5
+                os.pwrite(f.fileno(), values.tobytes(), row * table.row_bytes)
+                expected[table.ple_index, row] = values
+        assert os.stat(path).st_blocks * 512 < 1 << 20  # really sparse
+    manifest = {"format_version": FORMAT_VERSION, "layers": [asdict(t) for t in tables]}
+    (tmp_path / MANIFEST).write_text(json.dumps(manifest))
+    try:
+        if Path("/proc/sys/vm/overcommit_memory").read_text().strip() != "1":
+            # what the store did before: a private writable mapping is charged against commit and refused
+            with open(tmp_path / tables[0].file, "rb") as f, pytest.raises(OSError):
+                mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        store = NgramStore(str(tmp_path), config, torch.device("cpu"))
+        heads = config.num_ngram_heads
+        last = [t.rows - 1 for t in tables]
+        # per layer: token 0 reads row 0 in every head, token 1 the last row, token 2 both alternately
+        rows = [np.array([[0] * heads, [end] * heads, [0, end] * (heads // 2)]) for end in last]
+        got = store.gather(rows)
+        for table, end in zip(tables, last):
+            out = got[table.ple_index].view(3, heads, -1).numpy()
+            first, final = expected[table.ple_index, 0], expected[table.ple_index, end]
+            np.testing.assert_array_equal(out[0], np.stack([first] * heads))
+            np.testing.assert_array_equal(out[1], np.stack([final] * heads))
+            np.testing.assert_array_equal(out[2], np.stack([first, final] * (heads // 2)))
+        assert store.sample_residency() < 0.01
+    finally:
+        for table in tables:
+            (tmp_path / table.file).unlink()

@@ -8,6 +8,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from tierlm.kernels.qsa_block_scores import block_scores
 from tierlm.kernels.qsa_row_cache import attend_rows
 from tierlm.model.layers.qsa_attention import QSAAttention, QSAIndexer, Selection
 from tierlm.model.model_cache import LayerState
@@ -46,16 +47,25 @@ def test_selection_is_top_blocks_plus_open_tail():
             assert len(expected) < p + 1
 
 
-def test_per_query_block_keys_choose_the_same():
-    """The decode form (block keys gathered per query) equals the shared-keys form."""
+def test_decode_block_scores_choose_the_same():
+    """The decode form (each query's keys read through its block table, `kernels/qsa_block_scores`)
+    equals the shared-keys form."""
     torch.manual_seed(1)
     indexer = QSAIndexer(_Config())
     positions = torch.tensor([3, 17, 40, 41, 63])
     q = torch.randn(5, 3, 8)
-    block_keys = torch.randn(16, 8)
-    assert chosen_sets(indexer, q, block_keys, positions) == chosen_sets(
-        indexer, q, block_keys.expand(5, -1, -1), positions
-    )
+    block_keys = torch.randn(16, 8)  # 64 tokens: 8 paged blocks of 8 tokens, 2 keys each
+    physical = torch.randperm(9)[:8]
+    index_keys = torch.randn(9, 2, 8)
+    index_keys[physical] = block_keys.view(8, 2, 8)
+    tables = torch.cat([physical, torch.tensor([-1, -1])]).expand(5, -1)  # padded past the end
+    decode = block_scores(q, index_keys, tables, positions, 4)
+    shared = indexer.scores(q, block_keys, positions)
+    assert torch.equal(decode[:, 16:], torch.full((5, 4), float("-inf")))
+    torch.testing.assert_close(decode[:, :16], shared, rtol=1e-6, atol=1e-6)
+    assert [set(s.tolist()) for s in indexer.choose(decode, positions)[0]] == [
+        set(s.tolist()) for s in indexer.choose(shared, positions)[0]
+    ]
 
 
 def test_gathered_attention_equals_dense_masked_attention():

@@ -349,7 +349,17 @@ BAD_REQUESTS = {
                                 "max_model_len"),
     "temperature": ("/v1/chat/completions", {**CHAT, "temperature": -1}, "temperature", "temperature"),
     "top_p": ("/v1/completions", {"prompt": "x", "top_p": 1.5}, "top_p", "top_p"),
-    "n": ("/v1/completions", {"prompt": "x", "n": 0}, "n", "n must be"),
+    "n": ("/v1/completions", {"prompt": "x", "n": 0}, "n", "n: Input should be greater than or equal to 1"),
+    "temperature_above_openai_range": ("/v1/completions", {"prompt": "x", "temperature": 2.5}, "temperature",
+                                       "less than or equal to 2"),
+    "nan_literal": ("/v1/completions", '{"prompt": "x", "temperature": NaN}', "temperature", "finite number"),
+    "seed_beyond_64_bits": ("/v1/completions", {"prompt": "x", "seed": 2**70}, "seed", "seed"),
+    "stream_is_not_a_boolean": ("/v1/completions", {"prompt": "x", "stream": "yes"}, "stream", "boolean"),
+    "max_tokens_as_a_string": ("/v1/completions", {"prompt": "x", "max_tokens": "3"}, "max_tokens",
+                               "valid integer"),
+    "booleans_as_token_ids": ("/v1/completions", {"prompt": [[True, False]]}, "prompt", "valid integer"),
+    "stop_token_id_negative": ("/v1/completions", {"prompt": "x", "stop_token_ids": [-1]}, "stop_token_ids",
+                               "greater than or equal to 0"),
     "logprobs": ("/v1/completions", {"prompt": "x", "logprobs": 50}, "logprobs", "logprobs"),
     "malformed_json": ("/v1/chat/completions", '{"messages": [', None, "not valid JSON"),
     "not_an_object": ("/v1/completions", "[1, 2]", None, "JSON object"),
@@ -359,15 +369,21 @@ BAD_REQUESTS = {
     "unsupported_schema_ref": ("/v1/chat/completions", {**CHAT, "response_format": {
         "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": {
             "a": {"$ref": "#/missing"}}}}}}, "response_format", "json_schema"),
-    "unknown_model": ("/v1/chat/completions", {**CHAT, "model": "gpt-17"}, "model", "gpt-17"),
     "missing_messages": ("/v1/chat/completions", {"model": MODEL}, "messages", "messages"),
     "missing_prompt": ("/v1/completions", {"model": MODEL, "max_tokens": 3}, "prompt", "prompt"),
     "empty_messages": ("/v1/chat/completions", {**CHAT, "messages": []}, "messages", "messages"),
     "wrong_type": ("/v1/completions", {"prompt": "x", "max_tokens": "many"}, "max_tokens", "max_tokens"),
-    "empty_prompt": ("/v1/completions", {"prompt": ""}, "prompt", "empty"),
+    "empty_prompt": ("/v1/completions", {"prompt": ""}, "prompt", "at least 1 character"),
+    "empty_token_list": ("/v1/completions", {"prompt": [[1], []]}, "prompt", "at least 1 item"),
+    "content_missing": ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user"}]}, "messages",
+                        "content: Field required"),
+    "json_schema_format_without_schema": ("/v1/completions", {"prompt": "x", "response_format": {
+        "type": "json_schema"}}, "response_format", "json_schema: Field required"),
+    "reserved_template_kwarg": ("/v1/chat/completions", {**CHAT, "chat_template_kwargs": {"messages": []}},
+                                "chat_template_kwargs", "cannot be set there"),
     "token_outside_vocab": ("/v1/completions", {"prompt": [1, 10**9]}, "prompt", "vocabulary"),
-    "role_the_template_refuses": ("/v1/chat/completions", {
-        **CHAT, "messages": [{"role": "robot", "content": "x"}]}, "messages", "robot"),
+    "unknown_role": ("/v1/chat/completions", {
+        **CHAT, "messages": [{"role": "robot", "content": "x"}]}, "messages", "'robot'"),
 }
 
 
@@ -384,6 +400,8 @@ def test_bad_requests_get_400_in_openai_shape(server, case):
 def test_bad_requests_reach_the_openai_client_as_errors(client):
     with pytest.raises(openai.BadRequestError, match="top_p"):
         client.completions.create(model=MODEL, prompt="x", top_p=7)
+    with pytest.raises(openai.NotFoundError, match="gpt-17"):  # OpenAI and vLLM answer 404 too
+        client.chat.completions.create(model="gpt-17", messages=[{"role": "user", "content": "hi"}])
 
 
 def test_api_key(server):
@@ -414,7 +432,8 @@ METRIC_NAMES = [
     "tierlm:generation_tokens_total",
     "tierlm:num_preemptions_total", "tierlm:request_success_total", "tierlm:num_requests_running",
     "tierlm:num_requests_waiting", "tierlm:kv_cache_usage_perc", "tierlm:prefix_cache_queries_total",
-    "tierlm:prefix_cache_hits_total",
+    "tierlm:prefix_cache_hits_total", "tierlm:device_memory_allocated_bytes", "tierlm:device_memory_peak_bytes",
+    "tierlm:num_streams_throttled", "tierlm:streams_ended_stalled_total",
 ]
 
 

@@ -14,7 +14,13 @@ from tierlm.engine import llm_engine
 from tierlm.engine.llm_engine import EngineStats
 from tierlm.outputs import CompletionOutput, RequestOutput
 from tierlm.sampling_params import SamplingParams
-from tierlm.server.async_engine import AsyncEngine, EnginePrompt, EngineRequestError
+from tierlm.server.async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    EnginePrompt,
+    EngineRequestError,
+    output_size,
+)
 from tierlm.server.cli import engine_config
 
 POISON_STEP, POISON_ADD, POISON_FINISH = 666, 667, 668  # prompt tokens that make the fake engine misbehave
@@ -28,6 +34,8 @@ class FakeEngine:
         self.requests: dict[str, tuple[list[int], SamplingParams, list[int]]] = {}
         self.aborted: list[str] = []
         self.steps = self.stats_calls = 0
+        self.last_step_num_tokens = 0
+        self.paused: set[str] = set()
 
     def add_request(self, prompt, params, request_id, prompt_text=None):
         if prompt == [POISON_ADD]:
@@ -41,15 +49,21 @@ class FakeEngine:
         if any(prompt == [POISON_STEP] for prompt, _, _ in self.requests.values()):
             raise RuntimeError("kernel exploded")
         outputs = []
-        for request_id, (prompt, params, tokens) in list(self.requests.items()):
+        runnable = [r for r in self.requests.items() if r[0] not in self.paused]
+        self.last_step_num_tokens = len(runnable)
+        for request_id, (prompt, params, tokens) in runnable:
             tokens.append(len(tokens))
             finished = len(tokens) >= params.max_tokens or prompt == [POISON_FINISH]
             reason = ("error" if prompt == [POISON_FINISH] else "length") if finished else None
-            completion = CompletionOutput(0, "t" * len(tokens), list(tokens), None, None, reason, "bad")
+            # a delta, as the server asks for: the new token and its text
+            completion = CompletionOutput(0, "t", [tokens[-1]], None, None, reason, "bad")
             outputs.append(RequestOutput(request_id, None, prompt, None, [completion], finished))
             if finished:
                 del self.requests[request_id]
         return outputs
+
+    def pause_request(self, request_id, paused):
+        (self.paused.add if paused else self.paused.discard)(request_id)
 
     def abort_request(self, request_id):
         if self.requests.pop(request_id, None) is not None:
@@ -63,12 +77,12 @@ class FakeEngine:
         return EngineStats(len(self.requests), 0, 0.0, 0, 0, 0)
 
 
-def run(scenario):
+def run(scenario, **engine_options):
     """Run `scenario(engine, fake)` on a fresh AsyncEngine over a fresh fake, in a fresh event loop."""
 
     async def main():
         fake = FakeEngine()
-        engine = AsyncEngine(fake, "fake")
+        engine = AsyncEngine(fake, "fake", **engine_options)
         engine.start()
         try:
             return await scenario(engine, fake)
@@ -96,7 +110,7 @@ def test_outputs_of_every_prompt_arrive_in_order():
         items = await generate(engine, "a", [[1], [2]], max_tokens=3)
         for index in (0, 1):
             mine = [o for i, o in items if i == index]
-            assert [len(o.outputs[0].token_ids) for o in mine] == [1, 2, 3] and mine[-1].finished
+            assert [o.outputs[0].token_ids for o in mine] == [[0], [1], [2]] and mine[-1].finished
         assert engine.is_alive and not fake.requests
         assert b'tierlm:time_to_first_token_seconds_count{model_name="fake"} 2.0' in engine.metrics.render()
 
@@ -113,12 +127,18 @@ def test_a_refused_request_raises_at_submit_and_the_thread_serves_on():
     run(scenario)
 
 
-def test_a_failing_step_fails_the_jobs_in_flight_and_the_thread_serves_on():
+def test_a_failing_step_fails_the_jobs_in_flight_and_marks_the_engine_dead():
     async def scenario(engine, fake):
-        with pytest.raises(EngineRequestError, match="kernel exploded"):
+        healthy = asyncio.ensure_future(generate(engine, "healthy", [[1]], max_tokens=10**6))
+        await until(lambda: "healthy" in fake.requests)
+        with pytest.raises(EngineDeadError, match="kernel exploded"):
             await generate(engine, "poison", [[POISON_STEP]])
-        assert not fake.requests
-        assert (await generate(engine, "after", [[1]]))[-1][1].finished
+        with pytest.raises(EngineDeadError, match="kernel exploded"):
+            await healthy  # the batch it shared is suspect: it fails too
+        assert not engine.is_alive and "kernel exploded" in engine.dead_reason
+        with pytest.raises(EngineDeadError, match="serves no more"):  # refused, not queued
+            await generate(engine, "after", [[1]])
+        assert "after" not in fake.requests
 
     run(scenario)
 
@@ -164,6 +184,43 @@ def test_a_cancelled_consumer_aborts_its_request():
         await until(lambda: fake.aborted == ["cancelled"])
 
     run(scenario)
+
+
+def test_a_stream_nobody_reads_is_paused_at_its_bound_and_resumed_as_it_is_read():
+    bound = 10 * output_size(RequestOutput("x", None, [1], None, [CompletionOutput(0, "t", [0], None, None)]))
+
+    async def scenario(engine, fake):
+        other = asyncio.ensure_future(generate(engine, "other", [[1]], max_tokens=300))
+        stream = await engine.submit("stalled", [EnginePrompt([1])], SamplingParams(max_tokens=10**6))
+        await until(lambda: "stalled" in fake.paused)
+        assert (await other)[-1][1].finished  # the rest of the batch goes on
+        generated = len(fake.requests["stalled"][2])
+        await asyncio.sleep(0.1)
+        assert len(fake.requests["stalled"][2]) == generated  # paused: no compute, no new output
+        assert bound < stream._job.pending_bytes <= bound + bound // 10 + 1000
+        assert b"tierlm:num_streams_throttled{model_name=\"fake\"} 1.0" in engine.metrics.render()
+        received = 0
+        async for _ in stream:  # reading lets it run again
+            received += 1
+            if received == 3 * generated:
+                break
+        assert received == 3 * generated  # it ran on as it was read
+        stream.close()
+        await until(lambda: fake.aborted == ["stalled"])
+
+    run(scenario, max_stream_buffer_bytes=bound)
+
+
+def test_a_stream_paused_past_the_stall_timeout_is_ended():
+    async def scenario(engine, fake):
+        stream = await engine.submit("stalled", [EnginePrompt([1])], SamplingParams(max_tokens=10**6))
+        await until(lambda: fake.aborted == ["stalled"])
+        assert b"tierlm:streams_ended_stalled_total{model_name=\"fake\"} 1.0" in engine.metrics.render()
+        with pytest.raises(EngineRequestError, match="read nothing for 0.2 s"):
+            async for _ in stream:
+                pass
+
+    run(scenario, max_stream_buffer_bytes=1, stream_stall_timeout_s=0.2)
 
 
 # ---- tierlm serve flags -------------------------------------------------------------------------------

@@ -70,4 +70,4 @@ def test_compiled_static_batches_match_plain_decode_on_cpu(tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_captured_graphs_match_plain_decode_on_gpu(tmp_path):
     runner = compare_with_plain_decode(tmp_path, "cuda", "cuda_graph", steps=300, max_batch=8)
-    assert sorted(runner.graphs) == [1, 2, 4, 8]
+    assert sorted(runner.graphs) == [(1, WIDTH), (2, WIDTH), (4, WIDTH), (8, WIDTH)]

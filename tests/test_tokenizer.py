@@ -168,7 +168,7 @@ def test_template_file_wins_and_sees_special_tokens(tmp_path):
         "{% if tools is none %}|no tools{% endif %}|{{ add_generation_prompt }}|{{ flavour }}"
     )
     tok = Tokenizer.from_pretrained(folder)
-    rendered = tok.apply_chat_template([{"role": "user", "content": "<b>&"}], flavour="x")
+    rendered = tok.apply_chat_template([{"role": "user", "content": "<b>&"}], template_kwargs={"flavour": "x"})
     assert rendered == 'user="<b>&"<|im_end|>|<|endoftext|>|False|no tools|True|x'
 
 

@@ -10,7 +10,15 @@ vLLM does with `--generation-config auto`), else 1.0 / 1.0 / off. Every invalid 
 from __future__ import annotations
 
 import dataclasses
+import enum
 from dataclasses import dataclass, field
+
+
+class RequestOutputKind(enum.Enum):
+    """What each `RequestOutput` of a running request carries (vLLM's names)."""
+
+    CUMULATIVE = 0  # everything so far: the whole text, every token and logprob (the offline API)
+    DELTA = 1  # only what is new since the last output (the server: its queues hold no repeated copies)
 
 
 @dataclass(frozen=True)
@@ -45,6 +53,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured_output: StructuredOutputRequest | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -78,8 +87,10 @@ class SamplingParams:
             fail("stop", "must be a non-empty string or a list of them")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             fail("stop_token_ids", "must be a list of non-negative token ids")
-        if self.seed is not None and not isinstance(self.seed, int):
-            fail("seed", "must be an integer")
+        if self.seed is not None and (not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**63):
+            fail("seed", "must be a 64-bit signed integer")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            fail("output_kind", "must be a RequestOutputKind")
         structured = self.structured_output
         if structured is not None and not isinstance(structured, StructuredOutputRequest):
             fail("structured_output", "must be a StructuredOutputRequest")
@@ -92,7 +103,3 @@ class SamplingParams:
             top_p=self.top_p if self.top_p is not None else (1.0 if top_p is None else top_p),
             top_k=self.top_k if self.top_k is not None else (0 if top_k is None else top_k),
         )
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0

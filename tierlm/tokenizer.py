@@ -322,7 +322,7 @@ class Tokenizer:
         messages: Sequence[Mapping[str, Any]],
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
-        **template_kwargs: Any,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> str:
         """The prompt text for a conversation (encode it with `add_special_tokens=False`).
 
@@ -330,6 +330,10 @@ class Tokenizer:
         tokens as strings (`bos_token`, `eos_token`, ...), and any `template_kwargs` (`enable_thinking`, ...).
         """
         checked = _check_messages(messages)
+        template_kwargs = dict(template_kwargs or {})
+        reserved = sorted({"messages", "add_generation_prompt", "tools"} & set(template_kwargs))
+        if reserved:
+            raise ChatTemplateError(f"chat_template_kwargs: {', '.join(reserved)} cannot be set there")
         name, source = self._template_source(tools)
         if name not in self._compiled:
             self._compiled[name] = compile_chat_template(source)
@@ -340,6 +344,9 @@ class Tokenizer:
             )
         except jinja2.exceptions.TemplateError as exc:
             raise ChatTemplateError(f"chat template: {exc}") from None
+        except (TypeError, ValueError, AttributeError, KeyError, IndexError, ArithmeticError) as exc:
+            # the template tripped on a value it was given (a message field, a template kwarg)
+            raise ChatTemplateError(f"chat template failed on the values given: {type(exc).__name__}: {exc}") from None
 
     def detokenizer(
         self, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True

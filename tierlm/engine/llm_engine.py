@@ -30,7 +30,7 @@ from tierlm.model.loader import load_model, resolve_model_path
 from tierlm.model.model_cache import ModelCache
 from tierlm.model.static_decode import StaticDecodeRunner
 from tierlm.outputs import CompletionOutput, RequestOutput
-from tierlm.sampling_params import SamplingParams
+from tierlm.sampling_params import RequestOutputKind, SamplingParams
 from tierlm.tokenizer import Tokenizer
 
 logger = logging.getLogger("tierlm")
@@ -82,6 +82,11 @@ class EngineStats:
     # QSA K/V in host pools: decode row reads served by the VRAM row cache
     qsa_row_cache_hits: int = 0
     qsa_row_cache_misses: int = 0
+    # the device's caching allocator (zeros on CPU): bytes held by tensors, reserved from the driver,
+    # and the most ever held
+    device_memory_allocated: int = 0
+    device_memory_reserved: int = 0
+    device_memory_peak: int = 0
 
 
 @dataclass(frozen=True)
@@ -137,6 +142,51 @@ class _Sequence:
     detokenizer: object
     text: str = ""
     detokenized: int = 0  # output tokens already fed to the detokenizer
+    # with RequestOutputKind.DELTA: characters and tokens already reported
+    sent_chars: int = 0
+    sent_tokens: int = 0
+
+    def completion(self, delta: bool, holdback: int) -> CompletionOutput:
+        """Everything so far, or (delta) what is new since the last call.
+
+        A delta holds back the last `holdback` characters while the request runs: a stop string completed
+        by a later token would cut them from the final text.
+        """
+        request = self.request
+        finished = request.is_finished
+        text, token_ids, logprobs = self.text, request.output_token_ids, request.logprobs
+        if delta:
+            end = len(text) if finished else max(self.sent_chars, len(text) - holdback)
+            text, self.sent_chars = text[self.sent_chars : end], end
+            if logprobs is not None:
+                logprobs = logprobs[self.sent_tokens :]
+            token_ids, self.sent_tokens = token_ids[self.sent_tokens :], len(token_ids)
+        else:
+            token_ids = list(token_ids)
+        return CompletionOutput(
+            index=self.index, text=text, token_ids=token_ids,
+            cumulative_logprob=request.cumulative_logprob if request.logprobs is not None else None,
+            logprobs=logprobs, finish_reason=request.status.value if finished else None,
+            stop_reason=request.stop_reason,
+        )
+
+
+@dataclass(eq=False)
+class _Group:
+    """The sequences of one `add_request` (n of them), reported together under one request id."""
+
+    prompt: str | None
+    sequences: list[_Sequence]
+    reported: bool = False  # an output was returned already
+
+    @functools.cached_property
+    def delta(self) -> bool:
+        return self.sequences[0].request.params.output_kind is RequestOutputKind.DELTA
+
+    @functools.cached_property
+    def holdback(self) -> int:
+        """Characters a running delta keeps back: one short of the longest stop string."""
+        return max((len(s) for s in self.sequences[0].request.params.stop_strings), default=1) - 1
 
 
 class LLMEngine:
@@ -189,9 +239,15 @@ class LLMEngine:
             self.model, self.cache, Sampler(config.seed), self._decode_token, static_decode, self.ngram_store
         )
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(mc.eos_token_ids)
-        self._groups: dict[str, tuple[str | None, list[_Sequence]]] = {}
+        self._groups: dict[str, _Group] = {}
         self._group_of: dict[Request, str] = {}
         self._ids = itertools.count()
+        self.last_step_num_tokens = 0
+        if device.type == "cuda":
+            memory = self._device_memory()
+            logger.info("%s memory after start-up: %s allocated, %s reserved, peak %s", device,
+                        *(f"{memory[k]:,} B" for k in ("device_memory_allocated", "device_memory_reserved",
+                                                        "device_memory_peak")))
 
     # ---- requests -----------------------------------------------------------------------------------
     def default_params(self) -> tuple[float | None, float | None, int | None]:
@@ -213,7 +269,10 @@ class LLMEngine:
             grammars = [self._structured_outputs.new_state(params.structured_output) for _ in range(params.n)]
         sequences = []
         for index in range(params.n):
-            seq_params = params if params.seed is None else dataclasses.replace(params, seed=params.seed + index)
+            # sequence i draws from seed + i (wrapped into 64 bits)
+            seq_params = params if params.seed is None else dataclasses.replace(
+                params, seed=(params.seed + index + 2**63) % 2**64 - 2**63
+            )
             request = Request(
                 f"{request_id}-{index}" if params.n > 1 else request_id, token_ids, seq_params,
                 self.eos_token_ids, self.max_model_len,
@@ -223,7 +282,7 @@ class LLMEngine:
             sequences.append(_Sequence(request, index, detok))
             self._group_of[request] = request_id
             self.scheduler.add(request)
-        self._groups[request_id] = (text, sequences)
+        self._groups[request_id] = _Group(text, sequences)
         return request_id
 
     @functools.cached_property
@@ -250,11 +309,18 @@ class LLMEngine:
         group = self._groups.pop(request_id, None)
         if group is None:
             return
-        for seq in group[1]:
+        for seq in group.sequences:
             self._group_of.pop(seq.request, None)
             if not seq.request.is_finished:
                 seq.request.finish(RequestStatus.FINISHED_ABORTED)
             self.scheduler.finish(seq.request)
+
+    def pause_request(self, request_id: str, paused: bool) -> None:
+        """Hold a request back from scheduling (its memory stays), or let it run again; unknown ids are
+        ignored. The server pauses a stream whose client has not read what it was sent."""
+        group = self._groups.get(request_id)
+        for seq in group.sequences if group else ():
+            seq.request.paused = paused
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -268,7 +334,17 @@ class LLMEngine:
             kv_cache_usage=used / total if manager.uses_blocks and total else 0.0,
             num_preemptions=self.scheduler.num_preemptions,
             prefix_cache_queries=manager.queried_tokens, prefix_cache_hits=manager.hit_tokens,
-            **self._ple_stats(), **self._row_cache_stats(),
+            **self._ple_stats(), **self._row_cache_stats(), **self._device_memory(),
+        )
+
+    def _device_memory(self) -> dict:
+        if self.cache.device.type != "cuda":
+            return {}
+        device = self.cache.device
+        return dict(
+            device_memory_allocated=torch.cuda.memory_allocated(device),
+            device_memory_reserved=torch.cuda.memory_reserved(device),
+            device_memory_peak=torch.cuda.max_memory_allocated(device),
         )
 
     def _row_cache_stats(self) -> dict:
@@ -293,45 +369,59 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule, run one forward, sample; outputs of every request that changed this step."""
         plan = self.scheduler.schedule()
+        self.last_step_num_tokens = plan.num_tokens  # 0: nothing could run (all paused, or no room)
         if not plan.chunks:
             return []
-        sampled = self.runner.execute(plan)
+        result = self.runner.execute(plan)
         changed: dict[str, None] = {}
         for chunk in plan.chunks:
             request = chunk.request
             request.num_computed_tokens += chunk.num_tokens
             self.cache_manager.on_computed(request)
-            if request in sampled:
-                request.append_token(sampled[request])
-                changed[self._group_of[request]] = None
+            if request in result.failed:
+                request.finish(RequestStatus.FINISHED_ERROR, result.failed[request])
+            elif request in result.sampled:
+                self._append(request, result.sampled[request])
+            else:
+                continue
+            changed[self._group_of[request]] = None
         return [self._collect(request_id) for request_id in changed]
 
+    @staticmethod
+    def _append(request: Request, token_id: int) -> None:
+        """Append a sampled token; a failure of this request's own state (its grammar) ends it alone."""
+        try:
+            request.append_token(token_id)
+        except Exception as exc:  # noqa: BLE001
+            logger.exception("request %s could not take token %d", request.request_id, token_id)
+            request.finish(RequestStatus.FINISHED_ERROR, f"{type(exc).__name__}: {exc}")
+
     def _collect(self, request_id: str) -> RequestOutput:
-        prompt, sequences = self._groups[request_id]
+        group = self._groups[request_id]
+        sequences = group.sequences
         completions = []
         for seq in sequences:
             request = seq.request
-            self._update_text(seq)
+            try:
+                self._update_text(seq)
+            except Exception as exc:  # noqa: BLE001 (its detokenizer or stop strings: it fails alone)
+                logger.exception("request %s: detokenizing failed", request.request_id)
+                request.finish(RequestStatus.FINISHED_ERROR, f"detokenizing failed: {type(exc).__name__}: {exc}")
             if request.is_finished:
                 self.scheduler.finish(request)
-            completions.append(
-                CompletionOutput(
-                    index=seq.index, text=seq.text, token_ids=list(request.output_token_ids),
-                    cumulative_logprob=request.cumulative_logprob if request.logprobs is not None else None,
-                    logprobs=request.logprobs,
-                    finish_reason=request.status.value if request.is_finished else None,
-                    stop_reason=request.stop_reason,
-                )
-            )
+            completions.append(seq.completion(group.delta, group.holdback))
         finished = all(seq.request.is_finished for seq in sequences)
         first = sequences[0].request
         if finished:
             del self._groups[request_id]
             for seq in sequences:
                 del self._group_of[seq.request]
+        # a delta stream reports the prompt's log-probabilities once, in its first output
+        prompt_logprobs = None if group.delta and group.reported else first.prompt_logprobs
+        group.reported = True
         return RequestOutput(
-            request_id=request_id, prompt=prompt, prompt_token_ids=first.prompt_token_ids,
-            prompt_logprobs=first.prompt_logprobs, outputs=completions, finished=finished,
+            request_id=request_id, prompt=group.prompt, prompt_token_ids=first.prompt_token_ids,
+            prompt_logprobs=prompt_logprobs, outputs=completions, finished=finished,
             num_cached_tokens=first.num_cached_tokens,
         )
 

@@ -1,19 +1,33 @@
 """Run one scheduled step: build the `ForwardBatch`, run the model, sample, collect log-probabilities.
 
-Takes the scheduler's plain `SchedulerOutput`, returns {request: sampled token} for chunks that reach
-their request's last token. Logits are computed only for rows that need them: the last row of each
-sampling chunk, plus every prompt row of requests that asked for prompt log-probabilities.
+Takes the scheduler's plain `SchedulerOutput`, returns a `StepResult`: {request: sampled token} for
+chunks that reach their request's last token, and {request: why} for requests whose own part of the step
+failed (their logits row, sampling parameters or grammar): those end alone, the rest of the batch goes
+on. Logits are computed only for rows that need them: the last row of each sampling chunk, plus every
+prompt row of requests that asked for prompt log-probabilities.
 """
 
 from __future__ import annotations
 
+import logging
+from dataclasses import dataclass, field
+
 import numpy as np
 import torch
 
-from tierlm.engine.sampler import Sampler, position_logprobs
+from tierlm.engine.request import Request
+from tierlm.engine.sampler import Sampler, SamplingError, position_logprobs
 from tierlm.engine.scheduler import SchedulerOutput
 from tierlm.model.forward_batch import ForwardBatch
 from tierlm.model.model_cache import ModelCache
+
+logger = logging.getLogger("tierlm")
+
+
+@dataclass
+class StepResult:
+    sampled: dict[Request, int] = field(default_factory=dict)
+    failed: dict[Request, str] = field(default_factory=dict)  # request -> why its part of the step failed
 
 
 class ModelRunner:
@@ -28,7 +42,7 @@ class ModelRunner:
         self.decode_token = decode_token  # token id -> text, for Logprob.decoded_token
         self.device = cache.device
 
-    def execute(self, step: SchedulerOutput) -> dict:
+    def execute(self, step: SchedulerOutput) -> StepResult:
         rows, row, wanted = [], 0, []  # wanted: (chunk, first logits row, number of rows)
         for chunk in step.chunks:
             request = chunk.request
@@ -53,15 +67,21 @@ class ModelRunner:
         if self.ngram_store is not None:
             batch.ple_embeddings = self._ple_embeddings(step)
         logits = self._forward(batch).float().cpu()  # always run: the chunk fills the cache even with no rows
-        sampled = {}
+        result = StepResult()
         for chunk, first, count in wanted:
             request = chunk.request
             block = logits[first : first + count]
-            if request.prompt_logprobs is not None and chunk.start < request.num_prompt_tokens - 1:
-                self._record_prompt_logprobs(request, chunk.start, block)
-            if chunk.samples:
-                sampled[request] = self._sample(request, block[-1])
-        return sampled
+            try:
+                if request.prompt_logprobs is not None and chunk.start < request.num_prompt_tokens - 1:
+                    self._record_prompt_logprobs(request, chunk.start, block)
+                if chunk.samples:
+                    result.sampled[request] = self._sample(request, block[-1])
+            except SamplingError as exc:
+                result.failed[request] = str(exc)
+            except Exception as exc:  # noqa: BLE001 (this request's own part: it fails alone)
+                logger.exception("sampling request %s failed", request.request_id)
+                result.failed[request] = f"sampling failed: {type(exc).__name__}: {exc}"
+        return result
 
     def _ple_embeddings(self, step: SchedulerOutput) -> dict[int, torch.Tensor]:
         """Gather this step's PLE rows from the mapped tables; advise freshly sampled tokens' pages first."""

@@ -57,6 +57,7 @@ class Request:
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     cumulative_logprob: float = 0.0
     num_preemptions: int = 0
+    paused: bool = False  # held back from scheduling (its client has not read its earlier outputs)
     structured_output: GrammarState | None = None  # the grammar matcher of a structured-output request
 
     def __post_init__(self) -> None:

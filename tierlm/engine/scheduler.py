@@ -6,7 +6,8 @@ requests are admitted while the budget, `max_num_seqs`, a free state slot and en
 When a running request cannot get the blocks it needs, the most recently admitted running request is
 preempted: its memory is freed and it waits again at the front, to be recomputed (its prefix-cache hits
 included). A new request starts after its longest cached prefix; prefill chunks stop at the prompt's
-checkpoint boundary so the prefix cache can snapshot the state there.
+checkpoint boundary so the prefix cache can snapshot the state there. A paused running request keeps
+its memory and is skipped until it is let go on.
 """
 
 from __future__ import annotations
@@ -79,6 +80,9 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
+            if request.paused:
+                index += 1
+                continue
             n = self._chunk(request, request.num_computed_tokens, budget)
             if not self._reserve(request, n, out):
                 break  # the request itself was preempted; nothing after it remains

@@ -64,7 +64,7 @@ class LLM:
         prompts = []
         for conversation in conversations:
             text = tokenizer.apply_chat_template(
-                conversation, add_generation_prompt=add_generation_prompt, **(chat_template_kwargs or {})
+                conversation, add_generation_prompt=add_generation_prompt, template_kwargs=chat_template_kwargs
             )
             prompts.append({"prompt_token_ids": tokenizer.encode(text, add_special_tokens=False), "prompt": text})
         return self.generate(prompts, sampling_params)

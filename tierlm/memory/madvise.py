@@ -33,11 +33,6 @@ _libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
 _libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
 
 
-def buffer_address(buffer) -> int:
-    """Address of a writable buffer (e.g. an ACCESS_COPY mmap)."""
-    return ctypes.addressof(ctypes.c_char.from_buffer(buffer))
-
-
 class PageAdvisor:
     """MADV_WILLNEED over many ranges at once; one per process (the pidfd and the fallback flag)."""
 

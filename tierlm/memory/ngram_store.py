@@ -1,10 +1,12 @@
 """The PLE n-gram tables as memory-mapped files: the NVMe tier.
 
 A table too large for RAM (95 GiB in the target model) stays a file (`tierlm ple export`), mapped
-read-only in intent with MADV_RANDOM (readahead would read 23x more than the 320-byte rows need).
-Each step's rows are computed on the host from the requests' token ids (`ngram_rows_np`), gathered
-from the mapping into a staging buffer (pinned on CUDA) and copied to the device; the model's PLE
-layers take those embeddings instead of their own table.
+read-only and shared (MAP_SHARED, PROT_READ: the mapping is the page cache's pages, charged to no
+process's commit, so a table larger than RAM + swap maps on any host) with MADV_RANDOM (readahead would
+read 23x more than the 320-byte rows need). Each step's rows are computed on the host from the
+requests' token ids (`ngram_rows_np`), copied from the mapping into a staging buffer (pinned on CUDA;
+numpy `take`, since torch tensors over read-only memory are not allowed) and copied to the device; the
+model's PLE layers take those embeddings instead of their own table.
 
 Page faults in the gather are synchronous 4 KiB reads at queue depth 1, so the store asks the kernel
 for pages ahead of use (`madvise.PageAdvisor`): at admission for a whole prompt (`ngram_prefetch`),
@@ -24,14 +26,7 @@ import numpy as np
 import torch
 
 from tierlm.config import ModelConfig
-from tierlm.memory.madvise import (
-    PAGE_SIZE,
-    PageAdvisor,
-    buffer_address,
-    page_ranges,
-    resident_fraction,
-    row_pages,
-)
+from tierlm.memory.madvise import PAGE_SIZE, PageAdvisor, page_ranges, resident_fraction, row_pages
 from tierlm.memory.ngram_rows_np import NgramHashArrays, carry_context, initial_context, ngram_rows_np
 from tierlm.memory.ple_table import PleTableManifest, load_manifest
 from tierlm.model.ngram_hash import NgramHashSpec
@@ -39,8 +34,11 @@ from tierlm.model.ngram_hash import NgramHashSpec
 MADV_RANDOM = 1
 TORCH_DTYPES = {
     "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-    "float8_e4m3fn": torch.float8_e4m3fn,  # with the manifest's global scale
+    "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2,  # fp8: with the manifest's scale
 }
+# the rows are only copied, never computed on: numpy moves them as integers of the element's width
+# (numpy has no bfloat16 or float8), and the staging buffer is viewed the same way
+BIT_TYPES = {4: (np.int32, torch.int32), 2: (np.int16, torch.int16), 1: (np.int8, torch.int8)}
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
@@ -50,7 +48,8 @@ class MappedTable:
 
     ple_index: int
     hashing: NgramHashArrays
-    rows: torch.Tensor  # [rows, row_dim] view of the mapping
+    rows: np.ndarray  # [rows, row_dim] read-only view of the mapping, elements as same-width integers
+    dtype: torch.dtype  # what the elements are
     row_bytes: int
     address: int
     length: int
@@ -77,18 +76,19 @@ class NgramStore:
         self.counters = StoreCounters()
         self.lock = threading.Lock()  # the advisor and counters are shared with the prefetch thread
         self.tables: list[MappedTable] = []
-        self._staging: dict[int, torch.Tensor] = {}  # per PLE index, reused (pinned on CUDA), grown on demand
+        # per PLE index, reused (pinned on CUDA), grown on demand: (buffer, its integer view for numpy)
+        self._staging: dict[int, tuple[torch.Tensor, np.ndarray]] = {}
         for entry in self.manifest.layers:
             with open(self.manifest.path(entry), "rb") as f:
-                # ACCESS_COPY: a private mapping whose pages stay the page cache's until written (never)
-                mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-            address = buffer_address(mapping)
-            _libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(len(mapping)), MADV_RANDOM)
+                # ACCESS_READ: MAP_SHARED | PROT_READ (no commit charge, unlike a private writable mapping)
+                mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
             dtype = TORCH_DTYPES[entry.dtype]
-            rows = torch.frombuffer(mapping, dtype=dtype).view(entry.rows, -1)
+            rows = np.frombuffer(mapping, dtype=BIT_TYPES[dtype.itemsize][0]).reshape(entry.rows, -1)
+            address = rows.ctypes.data
+            _libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(len(mapping)), MADV_RANDOM)
             spec = NgramHashSpec.from_config(config, entry.ple_index)
             self.tables.append(MappedTable(
-                entry.ple_index, NgramHashArrays.from_spec(spec), rows, entry.row_bytes, address,
+                entry.ple_index, NgramHashArrays.from_spec(spec), rows, dtype, entry.row_bytes, address,
                 len(mapping), mapping, entry.scale,
             ))
         self.initial_context = initial_context(NgramHashSpec.from_config(config, self.tables[0].ple_index))
@@ -136,9 +136,11 @@ class NgramStore:
         out = {}
         start = time.perf_counter()
         for table, layer_rows in zip(self.tables, rows):
-            index = torch.from_numpy(np.ascontiguousarray(layer_rows.reshape(-1)))
-            staged = self._staging_for(table, index.numel())
-            torch.index_select(table.rows, 0, index, out=staged)
+            index = layer_rows.reshape(-1)
+            staged, staged_bits = self._staging_for(table, index.size)
+            # mode="clip" copies straight into `out` (mode="raise" goes through a temporary); the rows
+            # come from the hash modulo the table size, in range by construction
+            np.take(table.rows, index, axis=0, out=staged_bits, mode="clip")
             # a blocking copy: the staging buffer is reused by the next gather
             embeddings = staged.to(self.device).view(layer_rows.shape[0], -1)
             out[table.ple_index] = embeddings if table.scale is None else embeddings.float() * table.scale
@@ -147,13 +149,16 @@ class NgramStore:
             self.counters.rows_gathered += sum(r.size for r in rows)
         return out
 
-    def _staging_for(self, table: MappedTable, count: int) -> torch.Tensor:
-        buffer = self._staging.get(table.ple_index)
-        if buffer is None or buffer.shape[0] < count:
-            buffer = torch.empty(max(count, 1024), table.rows.shape[1], dtype=table.rows.dtype,
+    def _staging_for(self, table: MappedTable, count: int) -> tuple[torch.Tensor, np.ndarray]:
+        """The first `count` rows of the table's staging buffer, and the same memory as numpy integers."""
+        staging = self._staging.get(table.ple_index)
+        if staging is None or staging[0].shape[0] < count:
+            buffer = torch.empty(max(count, 1024), table.rows.shape[1], dtype=table.dtype,
                                  pin_memory=self.device.type == "cuda")
-            self._staging[table.ple_index] = buffer
-        return buffer[:count]
+            staging = buffer, buffer.view(BIT_TYPES[table.dtype.itemsize][1]).numpy()
+            self._staging[table.ple_index] = staging
+        buffer, bits = staging
+        return buffer[:count], bits[:count]
 
     def sample_residency(self) -> float:
         """Update and return the share of table pages in memory (mincore on a page sample)."""

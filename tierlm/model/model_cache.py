@@ -122,6 +122,12 @@ class ModelCache:
                     pool[target].copy_(pool[source])
         self.ngram_context[target].copy_(self.ngram_context[source])
 
+    def reset_row_cache_counters(self) -> None:
+        """Zero every offloaded layer's row-cache hit and miss counts (warm-up forwards are not serving)."""
+        for state in self.layers:
+            if state.offload is not None:
+                state.offload.cache.reset_counters()
+
     def reset_slot(self, slot: int) -> None:
         """Give a slot the state of a request that has seen no tokens yet."""
         for state in self.layers:

@@ -1,17 +1,23 @@
 """Decode steps as fixed-shape forwards: replayed from CUDA graphs, or compiled with torch.compile.
 
 A decode step of a small model is ~1,500 tiny ops; its time is dispatch and launch overhead, not
-arithmetic. The decode path is static-shape and sync-free (see the layers), so one forward per batch
-size can be captured once (GPU: a CUDA graph) or compiled once (CPU: torch.compile fuses the ops into
-a few kernels) and then reused: each step's inputs are copied into fixed input buffers, the forward runs
-on them, and the logits come out of a fixed output buffer.
+arithmetic. The decode path is static-shape and sync-free (see the layers), so one forward per shape
+can be captured once (GPU: a CUDA graph) or compiled once (CPU: torch.compile fuses the ops into a few
+kernels) and then reused: each step's inputs are copied into fixed input buffers, the forward runs on
+them, and the logits come out of a fixed output buffer.
 
-A batch of B requests runs at the smallest prepared size >= B; padding rows point at the cache's
-scratch slot and scratch block, so they never touch a real request's state. Mode "eager" runs the same
-padded batches without capture or compilation: that is how the padding is tested without a GPU.
+A shape is a (batch size, block-table width) pair. A batch of B requests runs at the smallest prepared
+size >= B; padding rows point at the cache's scratch slot and scratch block, so they never touch a real
+request's state. The width is the smallest prepared width >= the batch's longest block table: widths
+double from one covering FIRST_WIDTH_TOKENS up to max_model_len, so what a step reads and scores (the
+QSA indexer scores every compressed key of the table) follows the batch's context, not max_model_len.
+Mode "eager" runs the same padded batches without capture or compilation: that is how the padding is
+tested without a GPU.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -19,6 +25,9 @@ from tierlm.model.forward_batch import ForwardBatch
 from tierlm.model.model_cache import ModelCache
 
 MODES = ("cuda_graph", "compile", "eager")
+# the narrowest prepared block table, in tokens: scoring this many tokens' compressed keys costs little
+# beside the rest of a decode step, and fewer widths mean fewer graphs
+FIRST_WIDTH_TOKENS = 4096
 
 
 def prepared_sizes(max_batch: int) -> list[int]:
@@ -27,66 +36,87 @@ def prepared_sizes(max_batch: int) -> list[int]:
     return sorted(set(sizes + [max_batch]))
 
 
+def prepared_widths(max_blocks: int, first: int) -> list[int]:
+    """Block-table widths: `first` blocks, doubling while below max_blocks, then max_blocks itself."""
+    widths, width = [], max(1, first)
+    while width < max_blocks:
+        widths.append(width)
+        width *= 2
+    return widths + [max_blocks]
+
+
 class StaticDecodeRunner:
     def __init__(
         self, model, cache: ModelCache, max_batch: int, max_blocks_per_request: int, mode: str,
         sizes: list[int] | None = None, ple_embedding_dims: dict[int, int] | None = None,
+        widths: list[int] | None = None,
     ) -> None:
         """sizes: the batch sizes to prepare (default `prepared_sizes(max_batch)`); the largest is max_batch.
+        widths: the block-table widths to prepare (default `prepared_widths` from FIRST_WIDTH_TOKENS); the
+        largest is max_blocks_per_request.
         ple_embedding_dims: {PLE index: width} when the host gathers PLE embeddings (mapped tables)."""
         if mode not in MODES:
             raise ValueError(f"mode {mode!r}: choose one of {MODES}")
         self.model, self.cache, self.mode = model, cache, mode
         self.sizes = sorted(set(sizes or prepared_sizes(max_batch)) | {max_batch})
+        first = math.ceil(FIRST_WIDTH_TOKENS / cache.block_size)
+        widths = widths or prepared_widths(max_blocks_per_request, first)
+        self.widths = sorted({w for w in widths if w < max_blocks_per_request} | {max_blocks_per_request})
         self.max_batch = max_batch
         as_long = dict(dtype=torch.int64, device=cache.device)
-        # the input buffers every prepared forward reads
+        # the input buffers every prepared forward reads (a narrower width reads the first columns)
         self.token_ids = torch.zeros(max_batch, **as_long)
         self.positions = torch.zeros(max_batch, **as_long)
         self.context_lens = torch.zeros(max_batch, **as_long)
         self.slots = torch.zeros(max_batch, **as_long)
         self.block_tables = torch.zeros(max_batch, max_blocks_per_request, **as_long)
+        self.tables_at = {width: self.block_tables[:, :width] for width in self.widths}  # the columns a width reads
         self.slot_mapping = torch.zeros(max_batch, **as_long)
         self.logits_rows = torch.arange(max_batch, **as_long)
         self.ple_embeddings = {
             index: torch.zeros(max_batch, width, dtype=cache.dtype, device=cache.device)
             for index, width in (ple_embedding_dims or {}).items()
         } or None
-        self._pad_from(0)
-        self.batches = {size: self._static_batch(size) for size in self.sizes}
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        self._pad(0, max_batch, max_blocks_per_request)
+        self.shapes = [(size, width) for size in self.sizes for width in self.widths]
+        self.batches = {shape: self._static_batch(*shape) for shape in self.shapes}
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
         self.forward = model
         if mode == "compile":
-            # one compiled graph per prepared size; shapes never change for a given size
+            # one compiled graph per prepared shape; shapes never change for a given (size, width)
             self.forward = torch.compile(model, dynamic=False)
-            for size in self.sizes:
-                self.forward(self.batches[size], cache)
+            # each shape is a recompile of the same code: let all of them be compiled, not run eagerly
+            with torch._dynamo.config.patch(recompile_limit=max(8, len(self.shapes))):
+                for shape in self.shapes:
+                    self.forward(self.batches[shape], cache)
         elif mode == "cuda_graph":
             self._capture()
+        cache.reset_row_cache_counters()  # the warm-up and capture forwards served no request
 
-    def _static_batch(self, size: int) -> ForwardBatch:
+    def _static_batch(self, size: int, width: int) -> ForwardBatch:
         return ForwardBatch(
             token_ids=self.token_ids[:size], positions=self.positions[:size], context_lens=[0] * size,
             query_lens=[1] * size, state_slots=[self.cache.scratch_slot] * size,
-            block_tables=self.block_tables[:size], slot_mapping=self.slot_mapping[:size],
+            block_tables=self.tables_at[width][:size], slot_mapping=self.slot_mapping[:size],
             logits_rows=self.logits_rows[:size], slots=self.slots[:size], context_lens_tensor=self.context_lens[:size],
             static=True,
             ple_embeddings={i: e[:size] for i, e in self.ple_embeddings.items()} if self.ple_embeddings else None,
         )
 
-    def _pad_from(self, start: int) -> None:
-        """Rows from `start` on become harmless padding: scratch slot, scratch block, position 0."""
+    def _pad(self, start: int, size: int, width: int) -> None:
+        """Rows start:size become harmless padding (scratch slot, scratch block in the first `width`
+        columns, position 0): what a (size, width) forward reads of them."""
         for buffer in (self.token_ids, self.positions, self.context_lens):
-            buffer[start:].zero_()
-        self.slots[start:] = self.cache.scratch_slot
-        self.block_tables[start:] = self.cache.scratch_block
-        self.slot_mapping[start:] = self.cache.scratch_block * self.cache.block_size
+            buffer[start:size].zero_()
+        self.slots[start:size] = self.cache.scratch_slot
+        self.tables_at[width][start:size] = self.cache.scratch_block
+        self.slot_mapping[start:size] = self.cache.scratch_block * self.cache.block_size
 
     def _capture(self) -> None:
         pool = None
-        for size in reversed(self.sizes):  # largest first, so smaller graphs reuse its memory pool
-            batch = self.batches[size]
+        for shape in reversed(self.shapes):  # largest first, so smaller graphs reuse its memory pool
+            batch = self.batches[shape]
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
@@ -95,9 +125,9 @@ class StaticDecodeRunner:
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self.outputs[size] = self.model(batch, self.cache)
+                self.outputs[shape] = self.model(batch, self.cache)
             pool = graph.pool()
-            self.graphs[size] = graph
+            self.graphs[shape] = graph
 
     def can_run(self, batch: ForwardBatch) -> bool:
         return (
@@ -107,22 +137,27 @@ class StaticDecodeRunner:
             and batch.logits_rows.shape[0] == batch.num_requests
         )
 
+    def shape_for(self, batch: ForwardBatch) -> tuple[int, int]:
+        """The prepared (size, width) a decode batch runs at: the smallest that hold it."""
+        size = next(s for s in self.sizes if s >= batch.num_requests)
+        return size, next(w for w in self.widths if w >= batch.block_tables.shape[1])
+
     def run(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits [B, vocab] of a decode-only batch (valid until the next call)."""
         n = batch.num_requests
-        size = next(s for s in self.sizes if s >= n)
+        size, width = shape = self.shape_for(batch)
         self.token_ids[:n].copy_(batch.token_ids)
         self.positions[:n].copy_(batch.positions)
         self.context_lens[:n].copy_(batch.context_lens_tensor)
         self.slots[:n].copy_(batch.slots)
-        width = batch.block_tables.shape[1]
-        self.block_tables[:n, :width].copy_(batch.block_tables)
-        self.block_tables[:n, width:] = -1
+        used, tables = batch.block_tables.shape[1], self.tables_at[width]
+        tables[:n, :used].copy_(batch.block_tables)
+        tables[:n, used:] = -1
         self.slot_mapping[:n].copy_(batch.slot_mapping)
         for index, buffer in (self.ple_embeddings or {}).items():
             buffer[:n].copy_(batch.ple_embeddings[index])
-        self._pad_from(n)
-        if size in self.graphs:
-            self.graphs[size].replay()
-            return self.outputs[size][:n]
-        return self.forward(self.batches[size], self.cache)[:n]
+        self._pad(n, size, width)
+        if shape in self.graphs:
+            self.graphs[shape].replay()
+            return self.outputs[shape][:n]
+        return self.forward(self.batches[shape], self.cache)[:n]

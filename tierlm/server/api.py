@@ -14,14 +14,21 @@ from contextlib import asynccontextmanager
 from typing import TypeVar
 
 from fastapi import APIRouter, Depends, FastAPI, Request, Response
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 from pydantic import BaseModel, ValidationError
 
-from tierlm.server.async_engine import AsyncEngine, EngineRequestError
+from tierlm.server.async_engine import AsyncEngine, EngineDeadError, EngineRequestError
 from tierlm.server.chat import create_chat_completion
 from tierlm.server.completions import create_completion
 from tierlm.server.metrics import CONTENT_TYPE
-from tierlm.server.protocol import ApiError, ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from tierlm.server.protocol import (
+    ERROR_TYPES,
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+)
 from tierlm.server.serving import ClientDisconnected, ServingContext
 
 logger = logging.getLogger("tierlm.server")
@@ -50,16 +57,23 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None) 
     async def engine_error(_request: Request, exc: EngineRequestError) -> JSONResponse:
         return JSONResponse(ApiError(500, str(exc)).body(), status_code=500)
 
+    @app.exception_handler(EngineDeadError)
+    async def engine_dead(_request: Request, exc: EngineDeadError) -> JSONResponse:
+        return JSONResponse(ApiError(503, str(exc)).body(), status_code=503)
+
     @app.exception_handler(Exception)
     async def internal_error(_request: Request, exc: Exception) -> JSONResponse:
         logger.exception("request failed")
         return JSONResponse(ApiError(500, f"internal error: {exc}").body(), status_code=500)
 
-    @app.get("/health")
-    async def health() -> Response:
-        return Response(status_code=200 if engine.is_alive else 503)
+    @app.get("/health", response_class=PlainTextResponse,
+             responses={503: {"description": "the engine has failed", "content": {"text/plain": {}}}})
+    async def health() -> PlainTextResponse:
+        if engine.is_alive:
+            return PlainTextResponse("ok")
+        return PlainTextResponse(f"the engine has failed: {engine.dead_reason or 'its thread stopped'}", 503)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> Response:
         return Response(engine.metrics.render(), media_type=CONTENT_TYPE)
 
@@ -74,18 +88,50 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None) 
     async def models() -> ModelList:
         return ModelList(data=[ModelCard(id=model_name, max_model_len=ctx.max_model_len)])
 
-    @v1.post("/completions")
+    @v1.post("/completions", openapi_extra=_request_body(CompletionRequest), responses=_RESPONSES)
     async def completions(request: Request) -> Response:
         body = await _parse(request, CompletionRequest)
         return await _unless_gone(create_completion(body, ctx, request))
 
-    @v1.post("/chat/completions")
+    @v1.post("/chat/completions", openapi_extra=_request_body(ChatCompletionRequest), responses=_RESPONSES)
     async def chat_completions(request: Request) -> Response:
         body = await _parse(request, ChatCompletionRequest)
         return await _unless_gone(create_chat_completion(body, ctx, request))
 
     app.include_router(v1)
+    _publish_request_schemas(app, [CompletionRequest, ChatCompletionRequest])
     return app
+
+
+_RESPONSES = {
+    200: {"description": "the answer; with stream: true, server-sent events",
+          "content": {"application/json": {}, "text/event-stream": {}}},
+    **{status: {"description": name} for status, name in ERROR_TYPES.items()},
+}
+_COMPONENTS = "#/components/schemas/{model}"
+
+
+def _request_body(model: type[BaseModel]) -> dict:
+    """The OpenAPI requestBody of a route that parses its body itself (to answer 400 in OpenAI's shape)."""
+    return {"requestBody": {"required": True, "content": {"application/json": {
+        "schema": {"$ref": _COMPONENTS.format(model=model.__name__)}}}}}
+
+
+def _publish_request_schemas(app: FastAPI, models: list[type[BaseModel]]) -> None:
+    """Put the request models (and the models they use) into the app's OpenAPI components."""
+    default = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = default()  # built once and kept in app.openapi_schema
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            for model in models:
+                body = model.model_json_schema(ref_template=_COMPONENTS)
+                components.update(body.pop("$defs", {}))
+                components[model.__name__] = body
+        return app.openapi_schema
+
+    app.openapi = openapi
 
 
 async def _parse(request: Request, model: type[_Body]) -> _Body:
@@ -98,8 +144,9 @@ async def _parse(request: Request, model: type[_Body]) -> _Body:
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        problems = [f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}" for e in exc.errors()]
-        location = exc.errors()[0]["loc"]
+        errors = sorted(exc.errors(), key=lambda e: -len(e["loc"]))  # a union's deepest match first
+        problems = [f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}" for e in errors]
+        location = errors[0]["loc"]
         param = str(location[0]) if location else None
         raise ApiError(400, "invalid request: " + "; ".join(problems[:3]), param) from None
 

@@ -55,10 +55,11 @@ async def create_chat_completion(
     messages = [message.model_dump() for message in request.messages]
     try:
         text = ctx.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, **(request.chat_template_kwargs or {})
+            messages, add_generation_prompt=True, template_kwargs=request.chat_template_kwargs
         )
     except ValueError as exc:  # ChatTemplateError: no template, a message it refuses, ...
-        raise ApiError(400, str(exc), "messages") from None
+        param = "chat_template_kwargs" if str(exc).startswith("chat_template_kwargs") else "messages"
+        raise ApiError(400, str(exc), param) from None
     prompts = [EnginePrompt(ctx.tokenizer.encode(text, add_special_tokens=False), text)]
     max_param = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
     max_tokens = getattr(request, max_param)
@@ -70,9 +71,9 @@ async def create_chat_completion(
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     stream = await submit(ctx, request_id, prompts, params, "messages")
     if request.stream:
-        chunks = _chunks(request, ctx, request_id, prompts, deltas(stream, request.n, params, True))
+        chunks = _chunks(request, ctx, request_id, prompts, deltas(stream, request.n, True))
         return StreamingResponse(sse_events(chunks), media_type="text/event-stream")
-    results = await collect(http_request, stream, request.n, params, True)
+    results = await collect(http_request, stream, request.n, True)
     choices = [
         ChatChoice(
             index=r.index, message=ChatMessageOut(content=r.text), finish_reason=r.finish_reason,

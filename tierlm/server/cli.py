@@ -40,6 +40,19 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--served-model-name", default=None, help="the name clients use (default: folder)")
     parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    clients = parser.add_argument_group("clients (what one client may cost the others)")
+    clients.add_argument("--max-stream-buffer-bytes", type=int, default=None,
+                         help="output a stream's client has not read, at most (estimated bytes); past it the "
+                         "request is paused until the client reads half of it (default 4 MiB)")
+    clients.add_argument("--stream-stall-timeout", type=float, default=None,
+                         help="seconds a paused stream may wait for its client before it is ended (default 60)")
+    clients.add_argument("--request-read-timeout", type=float, default=60.0,
+                         help="seconds for a request's headers and body to arrive; slower connections are "
+                         "closed (default 60)")
+    clients.add_argument("--timeout-keep-alive", type=int, default=5,
+                         help="seconds an idle keep-alive connection stays open (default 5)")
+    clients.add_argument("--limit-concurrency", type=int, default=None,
+                         help="connections and requests at once; more get HTTP 503 (default: no limit)")
     engine = parser.add_argument_group("engine (unset: the engine's defaults)")
     engine.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"])
     engine.add_argument("--device", default=None, help="cuda, cuda:1, cpu (default: cuda if available)")
@@ -114,16 +127,28 @@ def run(args: argparse.Namespace) -> int:
     from tierlm.model.loader import ModelNotFoundError
     from tierlm.server.api import build_app
     from tierlm.server.async_engine import AsyncEngine
+    from tierlm.server.connection import protocol_with_read_timeout
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     set_cpu_threads(args.cpu_threads)
     model = args.model or str(demo_model_dir())
     name = args.served_model_name or (Path(model).name if Path(model).expanduser().is_dir() else model)
+    if args.limit_concurrency is not None and args.limit_concurrency < 1:
+        raise CliError(f"--limit-concurrency must be at least 1, got {args.limit_concurrency}")
+    if args.timeout_keep_alive < 0:
+        raise CliError(f"--timeout-keep-alive must be 0 or more, got {args.timeout_keep_alive}")
     try:
+        http = protocol_with_read_timeout(args.request_read_timeout)
         engine = LLMEngine(engine_config(model, args))
+        limits = {"max_stream_buffer_bytes": args.max_stream_buffer_bytes,
+                  "stream_stall_timeout_s": args.stream_stall_timeout}
+        async_engine = AsyncEngine(engine, name, **{k: v for k, v in limits.items() if v is not None})
     except (ValueError, ModelNotFoundError) as exc:
         raise CliError(str(exc)) from None
-    app = build_app(AsyncEngine(engine, name), name, args.api_key)
+    app = build_app(async_engine, name, args.api_key)
     print(f"tierlm serve: {model} as {name!r} on http://{args.host}:{args.port}/v1", file=sys.stderr)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+    uvicorn.run(
+        app, host=args.host, port=args.port, log_level="info", http=http, limit_concurrency=args.limit_concurrency,
+        timeout_keep_alive=args.timeout_keep_alive,
+    )
     return 0

@@ -18,7 +18,6 @@ from fastapi.responses import StreamingResponse
 from tierlm.outputs import PositionLogprobs, RequestOutput
 from tierlm.server.async_engine import EnginePrompt
 from tierlm.server.protocol import (
-    ApiError,
     CompletionChoice,
     CompletionLogprobs,
     CompletionRequest,
@@ -60,10 +59,10 @@ async def create_completion(
     stream = await submit(ctx, request_id, prompts, params, "prompt")
     builder = _ChoiceBuilder(request, ctx.tokenizer)
     if request.stream:
-        source = deltas(stream, request.n, params, keep_output)
+        source = deltas(stream, request.n, keep_output)
         chunks = _chunks(request, ctx, request_id, prompts, builder, source)
         return StreamingResponse(sse_events(chunks), media_type="text/event-stream")
-    results = await collect(http_request, stream, request.n, params, keep_output)
+    results = await collect(http_request, stream, request.n, keep_output)
     choices = [
         builder.choice(r.index, r.output, r.text, r.token_ids, r.logprobs, r.finish_reason, r.stop_reason)
         for r in results
@@ -76,8 +75,6 @@ async def create_completion(
 
 
 def _prompts(prompt: str | list, tokenizer: Tokenizer) -> list[EnginePrompt]:
-    if isinstance(prompt, list) and not prompt:
-        raise ApiError(400, "prompt must not be an empty list", "prompt")
     if isinstance(prompt, str) or isinstance(prompt[0], int):
         prompt = [prompt]
     return [

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -51,6 +51,13 @@ class Metrics:
             "tierlm:request_success", "Requests finished by the engine (aborted ones are not).",
             ["model_name", "finished_reason"], registry=self.registry,
         )
+        self._throttled = Gauge(
+            "tierlm:num_streams_throttled", "Streams paused because their client has not read their output.",
+            labels, registry=self.registry,
+        ).labels(model_name)
+        self._stalled = counter(
+            "tierlm:streams_ended_stalled", "Streams ended because their client read nothing for the stall timeout."
+        )
         self._model_name = model_name
         self.registry.register(_EngineStatsCollector(model_name, stats))
 
@@ -69,6 +76,12 @@ class Metrics:
         self._e2e.observe(seconds)
         for reason in finish_reasons:
             self._success.labels(self._model_name, reason).inc()
+
+    def throttled(self, num_streams: int) -> None:
+        self._throttled.set(num_streams)
+
+    def stalled(self) -> None:
+        self._stalled.inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -107,6 +120,12 @@ class _EngineStatsCollector(Collector):
              stats.qsa_row_cache_hits),
             (counter, "tierlm:qsa_row_cache_misses", "Decode K/V row reads from the host pools.",
              stats.qsa_row_cache_misses),
+            (gauge, "tierlm:device_memory_allocated_bytes", "Device memory held by tensors (0 on CPU).",
+             stats.device_memory_allocated),
+            (gauge, "tierlm:device_memory_reserved_bytes", "Device memory reserved by the caching allocator.",
+             stats.device_memory_reserved),
+            (gauge, "tierlm:device_memory_peak_bytes", "The most device memory tensors have held since start.",
+             stats.device_memory_peak),
             (gauge, "tierlm:qsa_row_cache_hit_rate", "Share of decode K/V row reads served by the row cache, "
              "since start (0 before any).", _share(stats.qsa_row_cache_hits, stats.qsa_row_cache_misses)),
         ]

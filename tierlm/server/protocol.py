@@ -1,20 +1,27 @@
 """The OpenAI wire shapes the server reads and writes, as pydantic models, and its error type.
 
 Requests accept OpenAI's fields plus vLLM's sampling extras (`top_k`, `min_tokens`, `ignore_eos`, ...);
-unknown fields are ignored, as vLLM does. Ranges are not checked here: `SamplingParams` checks them and
-its messages name the parameter. Responses carry only what tierlm fills in.
+unknown fields are ignored, as vLLM does. Types are strict where OpenAI's schema is: a boolean is
+`true`/`false`, an integer is a JSON integer, token ids are integers (no "3", 3.0 or true), and numbers
+are finite (no NaN or Infinity literals). Numeric fields carry OpenAI's ranges (temperature [0, 2],
+top_p (0, 1], n [1, 128], logprobs [0, 20], seed a 64-bit integer), so they are refused with a 400 and
+are in the OpenAPI schema; `SamplingParams` checks the combinations. Responses carry only what tierlm
+fills in.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
 # ---- errors -------------------------------------------------------------------------------------------
 
-ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 500: "InternalServerError"}
+ERROR_TYPES = {
+    400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 500: "InternalServerError",
+    503: "ServiceUnavailableError",
+}
 
 
 class ApiError(Exception):
@@ -37,7 +44,12 @@ class ApiError(Exception):
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+
+
+TokenId = Annotated[int, Field(ge=0)]
+NonEmptyText = Annotated[str, Field(min_length=1)]
+Seed = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
 
 
 class StreamOptions(_Request):
@@ -51,23 +63,34 @@ class JsonSchemaSpec(_Request):
     strict: bool | None = None
 
 
-class ResponseFormat(_Request):
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: JsonSchemaSpec | None = None
+class TextFormat(_Request):
+    type: Literal["text"]
+
+
+class JsonObjectFormat(_Request):
+    type: Literal["json_object"]
+
+
+class JsonSchemaFormat(_Request):
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaSpec
+
+
+ResponseFormat = Annotated[TextFormat | JsonObjectFormat | JsonSchemaFormat, Field(discriminator="type")]
 
 
 class SamplingRequest(_Request):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model: str | None = None
-    n: int = 1
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_tokens: int = 0
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    n: int = Field(1, ge=1, le=128)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)
+    min_tokens: int = Field(0, ge=0)
+    seed: Seed | None = None
+    stop: NonEmptyText | list[NonEmptyText] | None = None
+    stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -80,26 +103,66 @@ class SamplingRequest(_Request):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
+
+
+def _prompt_form(value: Any) -> str | None:
+    """Which of the four prompt forms a value is meant as, so errors speak of that form alone."""
+    if isinstance(value, str):
+        return "text"
+    if isinstance(value, list):
+        first = value[0] if value else None
+        return "texts" if isinstance(first, str) else "batch" if isinstance(first, list) else "token_ids"
+    return None
+
+
+Prompt = Annotated[
+    Annotated[NonEmptyText, Tag("text")]
+    | Annotated[list[NonEmptyText], Field(min_length=1), Tag("texts")]
+    | Annotated[TokenIds, Tag("token_ids")]
+    | Annotated[list[TokenIds], Field(min_length=1), Tag("batch")],
+    Discriminator(_prompt_form, custom_error_type="prompt_form",
+                  custom_error_message="a string, a list of strings, a list of token ids or a list of such lists"),
+]
+
+
 class CompletionRequest(SamplingRequest):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
+    prompt: Prompt
+    max_tokens: int | None = Field(16, ge=0)
     echo: bool = False
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=20)
 
 
-class ChatMessage(_Request):
+class TextPart(_Request):
+    type: Literal["text"]
+    text: str
+
+
+class _Message(_Request):
     model_config = ConfigDict(extra="allow")  # name, tool_calls, ...: passed to the chat template as given
 
-    role: str
-    content: str | list[dict[str, Any]] | None = None
+
+class TurnMessage(_Message):
+    role: Literal["system", "developer", "user", "tool"]
+    content: str | list[TextPart]
+
+
+class AssistantMessage(_Message):
+    """An assistant turn may omit its content (one that carries only tool calls)."""
+
+    role: Literal["assistant"]
+    content: str | list[TextPart] | None = None
+
+
+ChatMessage = Annotated[TurnMessage | AssistantMessage, Field(discriminator="role")]
 
 
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
     chat_template_kwargs: dict[str, Any] | None = None
 
 

@@ -20,7 +20,13 @@ from pydantic import BaseModel
 from tierlm.engine.llm_engine import PromptTooLongError
 from tierlm.outputs import PositionLogprobs, RequestOutput
 from tierlm.sampling_params import SamplingParams, StructuredOutputRequest
-from tierlm.server.async_engine import AsyncEngine, EnginePrompt, EngineRequestError, RequestStream
+from tierlm.server.async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    EnginePrompt,
+    EngineRequestError,
+    RequestStream,
+)
 from tierlm.server.protocol import ApiError, ResponseFormat, SamplingRequest, UsageInfo
 from tierlm.tokenizer import Tokenizer
 
@@ -47,7 +53,8 @@ class ClientDisconnected(Exception):
 
 def check_model(request: SamplingRequest, ctx: ServingContext) -> None:
     if request.model is not None and request.model != ctx.model_name:
-        raise ApiError(400, f"model {request.model!r} is not served here (it is {ctx.model_name!r})", "model")
+        raise ApiError(404, f"the model {request.model!r} does not exist here (this server serves {ctx.model_name!r})",
+                       "model")
 
 
 def check_room(num_prompt_tokens: int, max_tokens: int | None, ctx: ServingContext, param: str) -> None:
@@ -85,9 +92,6 @@ def _structured_output(response_format: ResponseFormat | None) -> StructuredOutp
         return None
     if response_format.type == "json_object":
         return StructuredOutputRequest(json_object=True)
-    if response_format.json_schema is None:
-        message = "response_format of type json_schema needs a 'json_schema' object with a 'schema'"
-        raise ApiError(400, message, "response_format")
     return StructuredOutputRequest(json_schema=json.dumps(response_format.json_schema.schema_))
 
 
@@ -105,6 +109,8 @@ async def submit(
         raise ApiError(400, str(exc), param) from None
     except EngineRequestError as exc:
         raise ApiError(500, str(exc)) from None
+    except EngineDeadError as exc:
+        raise ApiError(503, str(exc)) from None
 
 
 def decoded(tokenizer: Tokenizer, token_id: int, entries: PositionLogprobs | None) -> str:
@@ -136,34 +142,27 @@ class ChoiceDelta:
     stop_reason: int | str | None
 
 
-async def deltas(
-    stream: RequestStream, n: int, params: SamplingParams, keep_output: bool
-) -> AsyncIterator[ChoiceDelta]:
-    """Each choice's new text, tokens and logprobs, as the engine's cumulative snapshots arrive.
+async def deltas(stream: RequestStream, n: int, keep_output: bool) -> AsyncIterator[ChoiceDelta]:
+    """Each choice's new text, tokens and logprobs, as the engine's deltas arrive.
 
-    While a choice runs, the last `len(longest stop string) - 1` characters are held back: a stop string
-    completed by the next token would cut them from the final text.
+    The engine holds back the text a stop string could still cut, so each delta is final as it comes.
     """
-    holdback = max((len(s) for s in params.stop_strings), default=1) - 1
-    sent: dict[int, tuple[int, int] | None] = {}  # choice -> (characters, tokens) sent; None once finished
+    finished: dict[int, bool] = {}  # choice -> whether its last delta was sent
     async for prompt_index, output in stream:
         for completion in output.outputs:
             index = prompt_index * n + completion.index
-            first = index not in sent
-            if not first and sent[index] is None:
+            first = index not in finished
+            if finished.get(index):
                 continue
-            chars, tokens = sent.get(index) or (0, 0)
-            finished = completion.finish_reason is not None
+            done = completion.finish_reason is not None
             text = completion.text if keep_output else ""
             token_ids = completion.token_ids if keep_output else []
-            end = len(text) if finished else max(chars, len(text) - holdback)
-            logprobs = None if completion.logprobs is None else completion.logprobs[tokens : len(token_ids)]
-            if not (first or finished or end > chars or len(token_ids) > tokens):
+            logprobs = None if completion.logprobs is None else (completion.logprobs if keep_output else [])
+            if not (first or done or text or token_ids):
                 continue
-            sent[index] = None if finished else (end, len(token_ids))
+            finished[index] = done
             yield ChoiceDelta(
-                index, output, first, text[chars:end], token_ids[tokens:], logprobs,
-                completion.finish_reason, completion.stop_reason,
+                index, output, first, text, token_ids, logprobs, completion.finish_reason, completion.stop_reason
             )
 
 
@@ -188,14 +187,12 @@ class ChoiceResult:
         self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
 
 
-async def collect(
-    http_request: Request, stream: RequestStream, n: int, params: SamplingParams, keep_output: bool
-) -> list[ChoiceResult]:
+async def collect(http_request: Request, stream: RequestStream, n: int, keep_output: bool) -> list[ChoiceResult]:
     """Every choice of a job, by index; raises ClientDisconnected (aborting the job) if the client leaves."""
 
     async def run() -> list[ChoiceResult]:
         results: dict[int, ChoiceResult] = {}
-        async for delta in deltas(stream, n, params, keep_output):
+        async for delta in deltas(stream, n, keep_output):
             results.setdefault(delta.index, ChoiceResult(delta.index, delta.output)).add(delta)
         return [results[i] for i in sorted(results)]
 
@@ -244,6 +241,8 @@ async def sse_events(chunks: AsyncIterator[BaseModel]) -> AsyncIterator[str]:
         yield sse(exc.body())
     except EngineRequestError as exc:
         yield sse(ApiError(500, str(exc)).body())
+    except EngineDeadError as exc:
+        yield sse(ApiError(503, str(exc)).body())
     except Exception as exc:  # noqa: BLE001 (the headers are sent: report it in the stream)
         logger.exception("streaming a response failed")
         yield sse(ApiError(500, f"internal error: {exc}").body())

@@ -51,6 +51,11 @@ class QSARowCache:
         """Forget slots [0, count): a staged prefill overwrote the arena's first `count` rows."""
         self.tags[:count].fill_(-1)
 
+    def reset_counters(self) -> None:
+        """Start counting hits and misses afresh (after the warm-up forwards of graph capture)."""
+        self.hits.zero_()
+        self.misses.zero_()
+
     def counters(self) -> tuple[int, int]:
         """(hits, misses) of valid entries since construction (waits for the device)."""
         return int(self.hits), int(self.misses)

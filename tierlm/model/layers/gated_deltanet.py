@@ -25,14 +25,16 @@ from tierlm.model.model_cache import LayerState
 
 
 def causal_depthwise_conv(window: torch.Tensor, weight: torch.Tensor, dilation: int = 1) -> torch.Tensor:
-    """window [B, C, P + T] (P = (K-1)*dilation past values first), weight [C, K] -> [B, C, T].
+    """window [B, C, P + T] (P = (K-1)*dilation past values first), weight [C, K] -> [B, C, T] in window's dtype.
 
     One strided view of the K taps per output and one weighted sum: a few ops whatever T is, where
-    `F.conv1d`'s setup dominates a decode step on CPU.
+    `F.conv1d`'s setup dominates a decode step on CPU. The products and their sum are fp32 and the result
+    is rounded once, as `F.conv1d` accumulates: rounding every bf16 tap x weight product before the sum
+    put outputs hundreds of ulps off where the products cancel (tests/test_bf16_parity.py).
     """
     kernel = weight.shape[1]
     taps = window.unfold(-1, (kernel - 1) * dilation + 1, 1)[..., ::dilation]  # [B, C, T, K]
-    return (taps * weight[:, None, :]).sum(-1)
+    return (taps * weight.float()[:, None, :]).sum(-1).to(window.dtype)
 
 
 class GatedDeltaNet(nn.Module):
@@ -89,7 +91,7 @@ class GatedDeltaNet(nn.Module):
         slots = batch.slots
         window = torch.cat([state.gdn_conv.index_select(0, slots), mixed.unsqueeze(-1)], dim=-1)  # [B, C, Kc]
         state.gdn_conv.index_copy_(0, slots, window[..., 1:])
-        conv = F.silu((window * self.conv1d.weight[:, 0]).sum(-1))  # [B, C]
+        conv = F.silu(causal_depthwise_conv(window, self.conv1d.weight.squeeze(1))[..., 0])  # [B, C]
         q, k, v = conv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         n = mixed.shape[0]
         q = l2norm(q.float().view(n, self.num_k_heads, self.head_k_dim), scale=self.head_k_dim**-0.5)

@@ -13,8 +13,11 @@ paged pool and attends to them, so prefill costs O(budget) per token, not O(cont
 pools (`qsa_offload`) prefill stages the selected rows through a device arena and decode reads them over
 UVA through a VRAM row cache. Prefill and mixed batches go request by request, each request's queries
 in groups whose working memory is bounded (`query_group`); decode-only batches run all requests at once
-in a static-shape, sync-free form (what a CUDA graph captures). The plain reference (a dense boolean
-mask over the whole context) lives in the tests.
+in a static-shape, sync-free form (what a CUDA graph captures). The indexer's work follows the context,
+not max_model_len: a request scores only the compressed keys up to its own position (a static batch up
+to its block-table width, which `static_decode` sizes from the batch's longest context), and keeps its
+top blocks with torch.topk (no sort of the row). The plain reference (a dense boolean mask over the
+whole context) lives in the tests.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import math
 import torch
 from torch import nn
 
+from tierlm.kernels.qsa_block_scores import block_scores
 from tierlm.kernels.qsa_row_cache import attend_rows
 from tierlm.model.forward_batch import ForwardBatch
 from tierlm.model.layers.norm import RMSNorm
@@ -35,14 +39,21 @@ PREFILL_GROUP_BYTES = 256 << 20  # working memory of one group of prefill querie
 
 
 def top_blocks(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(values, indices) of the k highest scores per row, ties going to the lower block index.
+    """(values, indices) of the k highest scores per row, highest first, ties going to the lower block index.
 
     relu makes exact-zero scores common, and torch.topk breaks ties differently for different row
-    widths; a stable sort makes the choice a property of the scores alone, so a request selects the
-    same blocks whatever else is in its batch.
+    widths; so the choice is made a property of the scores alone (a request selects the same blocks
+    whatever else is in its batch) by giving torch.topk unique int64 keys: a score's bits above the
+    complement of its block index. Scores are sums of relus (>= 0; the sign of -0.0 is cleared, so it
+    ties with 0.0) or -inf (a block the query cannot see, below every score), so the bits order as the
+    values do. No full sort: topk over the row.
     """
-    values, indices = torch.sort(scores, dim=-1, descending=True, stable=True)
-    return values[..., :k], indices[..., :k]
+    index = torch.arange(scores.shape[-1], device=scores.device)
+    bits = scores.view(torch.int32).to(torch.int64) & 0x7FFFFFFF
+    bits = torch.where(scores == float("-inf"), -1, bits)
+    keys = (bits << 32) | (0xFFFFFFFF - index)
+    indices = torch.topk(keys, k, dim=-1).indices
+    return scores.gather(-1, indices), indices
 
 
 def gather_rows(pool: torch.Tensor, block_table: torch.Tensor, count: int, rows_per_block: int) -> torch.Tensor:
@@ -95,12 +106,9 @@ class QSAIndexer(nn.Module):
         state.index_ring[slot, : left.shape[0]] = left
 
     def scores(self, q: torch.Tensor, block_keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Block scores [M, G] of queries q [M, ih, id] against block keys [G, id] (or per query [M, G, id]);
-        blocks a query cannot see yet (j >= (p+1)//R) score -inf."""
-        if block_keys.dim() == 2:
-            products = torch.matmul(q.float(), block_keys.float().T)  # [M, ih, G]
-        else:
-            products = torch.einsum("mhd,mgd->mhg", q.float(), block_keys.float())
+        """Block scores [M, G] of queries q [M, ih, id] against one request's block keys [G, id]; blocks a
+        query cannot see yet (j >= (p+1)//R) score -inf. (Decode batches: `kernels/qsa_block_scores`.)"""
+        products = torch.matmul(q.float(), block_keys.float().T)  # [M, ih, G]
         scores = torch.relu(products).sum(dim=1) / math.sqrt(self.head_dim)
         group_ids = torch.arange(scores.shape[1], device=q.device)
         return scores.masked_fill(group_ids >= ((positions + 1) // self.ratio)[:, None], float("-inf"))
@@ -109,7 +117,7 @@ class QSAIndexer(nn.Module):
         """Token positions [M, S] each query attends to and their validity [M, S], S = budget + R - 1:
         the tokens of its top blocks (ties to the lower block), then its open tail [nb*R, p]."""
         r = self.ratio
-        # -inf (unseen) blocks sort after every visible one: one sort serves queries of any position
+        # -inf (unseen) blocks rank after every visible one: one top-k serves queries of any position
         values, top = top_blocks(scores, min(self.block_topk, scores.shape[1]))
         in_block = torch.arange(r, device=scores.device)
         chosen_pos = (top[..., None] * r + in_block).flatten(1)
@@ -140,11 +148,34 @@ class QSAIndexer(nn.Module):
         state.index_keys.view(-1, self.head_dim)[row] = keys
 
     def select_decode(self, q: torch.Tensor, batch: ForwardBatch, state: LayerState) -> "Selection":
-        """The K/V rows each request's query attends to: its top blocks' tokens and its open tail."""
+        """The K/V rows each request's query attends to: its top blocks' tokens and its open tail.
+
+        Scores are [B, G] with G the blocks of the batch's block-table width (`static_decode` picks that
+        width per step from the batch's longest context), unseen ones -inf. A static batch scores in one
+        sync-free call (`kernels/qsa_block_scores`: on CUDA a kernel that reads only each request's
+        visible keys), any other batch request by request, each over its visible keys."""
         tables = torch.where(batch.block_tables < 0, state.scratch_block, batch.block_tables)  # [B, W]
-        block_keys = state.index_keys[tables].flatten(1, 2)  # [B, G = W * bs / R, id]
-        token_pos, valid = self.choose(self.scores(q, block_keys, batch.positions), batch.positions)
+        if batch.static:
+            score = block_scores
+            if q.is_cuda:
+                from tierlm.kernels.qsa_block_scores.triton import triton_block_scores as score
+            scores = score(q, state.index_keys, batch.block_tables, batch.positions, self.ratio)
+        else:
+            scores = self.visible_scores(q, batch, state)
+        token_pos, valid = self.choose(scores, batch.positions)
         return Selection.of(token_pos, valid, tables, state)
+
+    def visible_scores(self, q: torch.Tensor, batch: ForwardBatch, state: LayerState) -> torch.Tensor:
+        """Decode block scores [B, G = W * bs / R] where each request scores only the nb = (p+1)//R blocks
+        its query sees (varlen: a short request beside a long one costs its own length); the rest -inf."""
+        per_block = state.block_size // self.ratio
+        scores = torch.full((batch.num_requests, batch.block_tables.shape[1] * per_block), float("-inf"),
+                            device=q.device)
+        for i, context in enumerate(batch.context_lens):
+            visible = (context + 1) // self.ratio
+            block_keys = gather_rows(state.index_keys, batch.block_tables[i], visible, per_block)
+            scores[i, :visible] = self.scores(q[i : i + 1], block_keys, batch.positions[i : i + 1])[0]
+        return scores
 
 
 class Selection:
@@ -222,11 +253,11 @@ class QSAAttention(nn.Module):
 
     def query_group(self, num_block_keys: int, dtype: torch.dtype) -> int:
         """How many prefill queries to score, select and attend at once so that their working tensors
-        stay within PREFILL_GROUP_BYTES: per query the indexer's fp32 products and sort over every block
-        key of the context, its S selected K and V rows, and its fp32 attention weights. At the target
+        stay within PREFILL_GROUP_BYTES: per query the indexer's fp32 products and top-k keys over every
+        block key of the context, its S selected K and V rows, and its fp32 attention weights. At the target
         model's shapes and 262k context that is ~10 MB per query (a whole chunk at once would take GBs)."""
         selected = self.indexer.block_topk * self.indexer.ratio + self.indexer.ratio - 1
-        per_query = num_block_keys * (4 * self.indexer.n_heads + 4 + 8)
+        per_query = num_block_keys * (4 * self.indexer.n_heads + 4 + 16)
         per_query += selected * (2 * self.num_kv_heads * self.head_dim * dtype.itemsize + 4 * self.num_heads)
         return max(1, PREFILL_GROUP_BYTES // per_query)
 

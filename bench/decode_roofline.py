@@ -1,0 +1,267 @@
+"""Decode against the memory roofline at the target model's real layer widths (issue 12's measuring stick).
+
+Builds the real-width Qwen4-Exp stack with random weights (hidden 2560, vocab 248,320, 512 experts top-10 of
+width 640 and a shared expert of 640, GDN 16 key / 48 value heads of 128, QSA 24 heads over 2 KV heads of
+256, indexer 8 heads x 128 with budget 2048 and ratio 4, 4 hyper-connection streams of low rank 320, PLE on
+the second layer; N layers at 3 GDN : 1 QSA, default 4), measures the device's copy bandwidth in the same
+run, then for each context and batch size decodes through `StaticDecodeRunner` (CUDA graphs on a GPU) and
+prints: tok/s, bytes read per step (the weights a step touches: every dense weight, the routed experts'
+rows, one embedding row per token, the PLE rows; plus the GDN state read and written and the QSA rows the
+attention and indexer read), % of the roofline (those bytes at the copy bandwidth), kernels per step,
+host time per step (wall time of `run` beyond the GPU time of the replay), and a per-part table of kernel
+time from one profiled step of the same fixed-shape batch run eagerly.
+
+The PLE table is shrunk (n-gram vocab 100,000 rows per head instead of 20,000,000): a step reads 16 rows
+of it per token either way. Results go to bench/results/decode_roofline_<device>.json.
+
+    python bench/decode_roofline.py --device cuda                 # 4 layers, contexts 512 and 8192, batches 1/4/16
+    python bench/decode_roofline.py --device cpu --small          # a shrunk config, to check the script runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from tierlm.config import ModelConfig
+from tierlm.model.forward_batch import ForwardBatch
+from tierlm.model.layers.gated_deltanet import GatedDeltaNet
+from tierlm.model.layers.hyper_connection import HyperConnection
+from tierlm.model.layers.moe import Experts, SparseMoeBlock, SwiGLU
+from tierlm.model.layers.ple import PLELayer
+from tierlm.model.layers.qsa_attention import QSAAttention
+from tierlm.model.model_cache import ModelCache
+from tierlm.model.qwen4_exp import Qwen4ExpForCausalLM
+from tierlm.model.static_decode import StaticDecodeRunner
+
+BLOCK_SIZE = 16
+
+
+def real_width_config(layers: int, small: bool) -> dict:
+    if small:  # the same shape of model, small enough for a CPU
+        h, vocab, experts, inter, nv, nk, heads, lowrank, budget = 256, 4096, 32, 64, 8, 4, 4, 32, 64
+    else:
+        h, vocab, experts, inter, nv, nk, heads, lowrank, budget = 2560, 248320, 512, 640, 48, 16, 24, 320, 2048
+    return {
+        "vocab_size": vocab, "hidden_size": h, "num_hidden_layers": layers, "full_attention_interval": 4,
+        "num_attention_heads": heads, "num_key_value_heads": 2, "head_dim": 256 if not small else 64,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+        "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128 if not small else 32,
+        "linear_value_head_dim": 128 if not small else 32, "linear_num_key_heads": nk, "linear_num_value_heads": nv,
+        "num_experts": experts, "num_experts_per_tok": 10 if not small else 4, "moe_intermediate_size": inter,
+        "shared_expert_intermediate_size": inter, "norm_topk_prob": True, "hc_count": 4, "hc_lowrank": lowrank,
+        "ple_layer_ids": [2], "ple_embed_dim": h, "ple_conv_kernel_size": 4, "ngram_size": 3, "heads_per_ngram": 8,
+        "ngram_vocab_size_base": 100_000 if not small else 2_000, "split_ngram_parts": 4,
+        "indexer_n_heads": 8, "indexer_kv_heads": 1, "indexer_head_dim": 128 if not small else 64,
+        "indexer_budget": budget, "indexer_compress_ratio": 4, "eos_token_id": 1, "max_position_embeddings": 65536,
+        "hidden_act": "silu", "rms_norm_eps": 1e-6,
+    }
+
+
+def build_model(config: ModelConfig, dtype: torch.dtype, device: torch.device) -> Qwen4ExpForCausalLM:
+    with torch.device("meta"):
+        model = Qwen4ExpForCausalLM(config).to(dtype)
+    model = model.to_empty(device=device).requires_grad_(False).eval()
+    gen = torch.Generator(device=device).manual_seed(0)
+    for param in model.parameters():
+        param.normal_(0.0, 0.02, generator=gen)
+    return model
+
+
+def copy_bandwidth(device: torch.device, nbytes: int) -> float:
+    """Bytes per second moved by a device copy (read + write), best of 10."""
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(12):
+        seconds = gpu_time(lambda: dst.copy_(src), device)
+        best = min(best, seconds)
+    return 2 * src.numel() * src.element_size() / best
+
+
+def gpu_time(fn, device: torch.device) -> float:
+    if device.type != "cuda":
+        start = time.perf_counter()
+        fn()
+        return time.perf_counter() - start
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return begin.elapsed_time(end) / 1000
+
+
+def step_bytes(model: Qwen4ExpForCausalLM, config: ModelConfig, batch: int, context: int) -> int:
+    """Bytes a decode step of `batch` requests at `context` must read (and the states it writes)."""
+    c, total = config, 0
+    experts_total, tables = 0, 0
+    for name, param in model.named_parameters():
+        size = param.numel() * param.element_size()
+        if ".experts." in name:
+            experts_total += size
+        elif "embed_tokens" in name:
+            total += batch * c.hidden_size * param.element_size()
+        elif ".ple." in name and param.dim() == 2 and param.shape[1] * c.num_ngram_heads == c.ple_embed_dim:
+            tables += batch * c.num_ngram_heads * param.shape[1] * param.element_size()
+        else:
+            total += size
+    hit = min(c.num_experts, batch * c.num_experts_per_tok)  # distinct experts touched, at most
+    total += experts_total * hit // c.num_experts + tables
+    gdn_layers = sum(t == "linear_attention" for t in c.layer_types)
+    qsa_layers = c.num_hidden_layers - gdn_layers
+    state = c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * 4
+    total += 2 * batch * gdn_layers * state
+    rows = min(context, c.indexer_budget + c.indexer_compress_ratio - 1)
+    row_bytes = 2 * c.num_key_value_heads * c.head_dim * param.element_size()
+    index_bytes = (context // c.indexer_compress_ratio) * c.indexer_head_dim * param.element_size()
+    total += batch * qsa_layers * (rows * row_bytes + index_bytes)
+    return total
+
+
+PARTS = {  # (class, method) -> part name in the kernel-time table
+    (HyperConnection, "mix"): "hyper-connections", (HyperConnection, "combine"): "hyper-connections",
+    (GatedDeltaNet, "forward"): "GDN", (QSAAttention, "forward"): "QSA + indexer", (PLELayer, "forward"): "PLE",
+    (Experts, "forward"): "MoE experts", (SwiGLU, "forward"): "shared expert", (SparseMoeBlock, "forward"): "router",
+}
+
+
+@contextmanager
+def labelled_parts():
+    """Wrap each part's method in a profiler range named after the part (undone on exit)."""
+    saved = []
+    for (cls, method), part in PARTS.items():
+        raw = cls.__dict__[method]
+        fn = raw.__func__ if isinstance(raw, staticmethod) else raw
+
+        def wrapped(*args, _fn=fn, _part=part, **kwargs):
+            with torch.profiler.record_function(f"part:{_part}"):
+                return _fn(*args, **kwargs)
+
+        setattr(cls, method, staticmethod(wrapped) if isinstance(raw, staticmethod) else wrapped)
+        saved.append((cls, method, raw))
+    try:
+        yield
+    finally:
+        for cls, method, raw in saved:
+            setattr(cls, method, raw)
+
+
+def kernel_table(fn, device: torch.device) -> tuple[int, dict[str, tuple[int, float]]]:
+    """Kernels launched by one call of fn, and {part: (kernels, seconds)} by innermost part range."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with labelled_parts(), torch.profiler.profile(activities=activities) as prof:
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    parts: dict[str, list] = defaultdict(lambda: [0, 0.0])
+
+    def walk(event, part: str) -> None:
+        if event.name.startswith("part:"):
+            part = event.name[5:]
+        for kernel in getattr(event, "kernels", []):
+            parts[part][0] += 1
+            parts[part][1] += kernel.duration / 1e6
+        for child in event.cpu_children:
+            walk(child, part)
+
+    for event in prof.events():
+        if event.cpu_parent is None and event.device_type == torch.autograd.DeviceType.CPU:
+            walk(event, "other (embedding, lm_head, norms, copies)")
+    return sum(n for n, _ in parts.values()), {k: (n, t) for k, (n, t) in parts.items()}
+
+
+def measure(model, config, dtype, device, batch: int, context: int, steps: int) -> dict:
+    blocks_each = (context + steps + BLOCK_SIZE) // BLOCK_SIZE + 1
+    cache = ModelCache(config, batch, batch * blocks_each, BLOCK_SIZE, dtype, device)
+    for state in cache.layers:  # the context's K/V, indexer keys and states: random contents
+        for tensor in vars(state).values():
+            if isinstance(tensor, torch.Tensor) and tensor.is_floating_point():
+                tensor.normal_(0.0, 0.02)
+    tables = [list(range(i * blocks_each, (i + 1) * blocks_each)) for i in range(batch)]
+    mode = "cuda_graph" if device.type == "cuda" else "eager"
+    runner = StaticDecodeRunner(model, cache, batch, blocks_each, mode, sizes=[batch])
+    gen = torch.Generator().manual_seed(batch)
+
+    def batch_at(step: int) -> ForwardBatch:
+        tokens = torch.randint(2, config.vocab_size, (batch,), generator=gen).tolist()
+        return ForwardBatch.build([[t] for t in tokens], [context + step] * batch, list(range(batch)), tables,
+                                  BLOCK_SIZE, device=device)
+
+    for step in range(3):
+        runner.run(batch_at(step))
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    wall, gpu = 0.0, 0.0
+    for step in range(steps):
+        inputs = batch_at(3 + step)
+        start = time.perf_counter()
+        gpu += gpu_time(lambda: runner.run(inputs), device)
+        wall += time.perf_counter() - start
+    eager = StaticDecodeRunner(model, cache, batch, blocks_each, "eager", sizes=[batch])
+    inputs = batch_at(steps + 3)
+    kernels, parts = kernel_table(lambda: eager.run(inputs), device)
+    nbytes = step_bytes(model, config, batch, context)
+    return {
+        "batch": batch, "context": context, "tok_s": batch * steps / wall, "step_ms": 1000 * wall / steps,
+        "gpu_step_ms": 1000 * gpu / steps, "host_ms": 1000 * max(0.0, wall - gpu) / steps, "bytes_per_step": nbytes,
+        "kernels_per_step": kernels, "parts": parts,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--contexts", type=int, nargs="+", default=[512, 8192])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--small", action="store_true", help="a shrunk config (CPU check)")
+    args = parser.parse_args()
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    config = ModelConfig.from_dict(real_width_config(args.layers, args.small))
+    model = build_model(config, dtype, device)
+    name = torch.cuda.get_device_name(device).replace(" ", "-").lower() if device.type == "cuda" else (
+        f"cpu-{platform.machine()}")
+    bandwidth = copy_bandwidth(device, 2 << 30 if device.type == "cuda" else 64 << 20)
+    params = sum(p.numel() for p in model.parameters())
+    print(f"{name}: {args.layers} layers {config.layer_types}, {params / 1e9:.2f}B params, {args.dtype}; "
+          f"copy bandwidth {bandwidth / 1e9:.0f} GB/s (read + write)")
+    results = []
+    header = f"{'ctx':>6} {'batch':>5} {'tok/s':>9} {'step ms':>8} {'GB/step':>8} {'roofline':>9} {'kernels':>8} {'host ms':>8}"
+    print(header)
+    for context in args.contexts:
+        for batch in args.batches:
+            r = measure(model, config, dtype, device, batch, context, args.steps)
+            r["roofline_fraction"] = r["bytes_per_step"] / bandwidth / (r["step_ms"] / 1000)
+            results.append(r)
+            print(f"{context:>6} {batch:>5} {r['tok_s']:>9.1f} {r['step_ms']:>8.3f} {r['bytes_per_step'] / 1e9:>8.3f} "
+                  f"{100 * r['roofline_fraction']:>8.1f}% {r['kernels_per_step']:>8} {r['host_ms']:>8.3f}")
+    first = results[0]
+    print(f"\nwhere a step's kernel time goes (ctx {first['context']}, batch {first['batch']}, eager fixed-shape step):")
+    total = sum(t for _, t in first["parts"].values()) or 1.0
+    for part, (n, t) in sorted(first["parts"].items(), key=lambda kv: -kv[1][1]):
+        print(f"  {part:<44} {n:>5} kernels {1e3 * t:>8.3f} ms {100 * t / total:>5.1f}%")
+    if len(results) > 1:
+        one = next((r for r in results if r["batch"] == 1), None)
+        four = next((r for r in results if r["batch"] == 4 and one and r["context"] == one["context"]), None)
+        if one and four:
+            print(f"batch 4 / batch 1 total tok/s at ctx {one['context']}: {four['tok_s'] / one['tok_s']:.2f}x")
+    out = Path(__file__).parent / "results" / f"decode_roofline_{name}.json"
+    out.write_text(json.dumps({"device": name, "dtype": args.dtype, "layers": args.layers,
+                               "copy_bandwidth": bandwidth, "results": results}, indent=1))
+    print(f"saved {out}")
+
+
+if __name__ == "__main__":
+    main()

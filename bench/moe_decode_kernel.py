@@ -1,0 +1,237 @@
+"""The fused MoE kernels (kernels/fused_moe/triton.py) vs the torch reference, at decode batch sizes.
+
+At the target model's expert shapes (hidden 2560, 512 experts, top-10, expert intermediate 640) and
+batches of 1, 4 and 16 tokens, for bf16 experts and INT4 experts with group 32 and 128, it measures in
+one run:
+  - the device copy bandwidth: a large tensor copied, (bytes read + bytes written) / time;
+  - each form's achieved bandwidth on the expert weights a call must read (the packed words and
+    scales, or the bf16 weights, of the distinct experts its tokens selected), and its ratio to the
+    copy bandwidth: the kernels (3 launches + the routing sort, replayed from a CUDA graph on a GPU),
+    the torch reference (`naive`: a loop over the hit experts, each dequantized), and for bf16 the
+    model's sync-free path today (`Experts._gathered`: the selected experts copied out, then bmm).
+Each timed call cycles through ROUTINGS different routings, so the weights of one call are not in L2
+for the next (INT4 experts of one token fit in an H200's L2). The kernel's output is checked against
+the reference on every routing (max |diff| relative to max |reference|).
+
+    python bench/moe_decode_kernel.py                 # CUDA
+    python bench/moe_decode_kernel.py --sweep         # CUDA, also sweeps the decode tile sizes
+    python bench/moe_decode_kernel.py --small         # CPU: Triton's interpreter, tiny shapes
+Results go to bench/results/moe_decode_kernel_<device>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+ROUTINGS = 8  # (2 on the CPU, where the interpreter takes seconds per call)
+TARGET = {"hidden": 2560, "experts": 512, "top_k": 10, "intermediate": 640, "groups": (32, 128)}
+SMALL = {"hidden": 32, "experts": 8, "top_k": 2, "intermediate": 32, "groups": (16, 32)}
+SWEEP = [(block_n, block_k, warps) for block_n in (16, 32, 64) for block_k in (64, 128, 256)
+         for warps in (2, 4, 8)]
+
+
+def timed(fn, calls: int, device: torch.device, use_graph: bool) -> float:
+    """Seconds per call of fn(i) for i in range(calls) (one call per routing), best of 5 rounds (CPU: one)."""
+    if device.type != "cuda":
+        fn(0)  # warm-up
+        start = time.perf_counter()
+        for i in range(calls):
+            fn(i)
+        return (time.perf_counter() - start) / calls
+    for i in range(calls):  # warm-up: compilation, allocator
+        fn(i)
+    torch.cuda.synchronize()
+    graph = None
+    if use_graph:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for i in range(calls):
+                fn(i)
+    best = float("inf")
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        if graph is not None:
+            graph.replay()
+        else:
+            for i in range(calls):
+                fn(i)
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1000)
+    return best / calls
+
+
+def copy_bandwidth(device: torch.device, nbytes: int) -> float:
+    """Bytes per second of a large copy, counting the bytes read and the bytes written."""
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device).normal_()
+    dst = torch.empty_like(src)
+    seconds = timed(lambda i: dst.copy_(src), 1, device, use_graph=False)
+    return 2 * nbytes / seconds
+
+
+def make_experts(shape: dict, fmt: str, group: int | None, device: torch.device, gen: torch.Generator):
+    """(w_gate_up, w_down, scales or None, bytes per expert): random weights; packed words are random
+    bits (every pattern is a valid code), scales small so outputs stay in range."""
+    e, h, i = shape["experts"], shape["hidden"], shape["intermediate"]
+    if fmt == "bf16":
+        w_gate_up = torch.randn(e, 2 * i, h, generator=gen, device=device, dtype=torch.bfloat16) * h**-0.5
+        w_down = torch.randn(e, h, i, generator=gen, device=device, dtype=torch.bfloat16) * i**-0.5
+        return w_gate_up, w_down, None, (w_gate_up[0].numel() + w_down[0].numel()) * 2
+    from tierlm.kernels.quant_linear.packing import packed_width
+
+    def words(n: int, k: int) -> torch.Tensor:
+        return torch.randint(-2**31, 2**31 - 1, (e, n, packed_width(k, 4)), generator=gen, device=device,
+                             dtype=torch.int32)
+
+    def scales(n: int, k: int) -> torch.Tensor:
+        return (torch.rand(e, n, k // group, generator=gen, device=device) * 0.02 / k**0.5).to(torch.bfloat16)
+
+    w_gate_up, w_down = words(2 * i, h), words(h, i)
+    s = (scales(2 * i, h), scales(h, i))
+    per_expert = sum(t[0].numel() * t.element_size() for t in (w_gate_up, w_down, *s))
+    return w_gate_up, w_down, s, per_expert
+
+
+def routings(batch: int, shape: dict, device: torch.device, gen: torch.Generator):
+    """ROUTINGS random (weights, ids) of a decode batch: distinct experts per token, renormalised weights."""
+    out = []
+    for _ in range(ROUTINGS):
+        probs = torch.softmax(torch.randn(batch, shape["experts"], generator=gen, device=device), dim=-1)
+        weights, ids = torch.topk(probs, shape["top_k"], dim=-1)
+        out.append(((weights / weights.sum(-1, keepdim=True)).to(torch.bfloat16), ids))
+    return out
+
+
+def measure_batch(run: SimpleNamespace, experts: tuple, label: str, batch: int) -> dict:
+    """One format at one batch size: kernel (best tiles if sweeping), reference, gathered; checked."""
+    from tierlm.kernels.fused_moe import naive
+    from tierlm.kernels.fused_moe import triton as kernels
+    from tierlm.model.layers.moe import Experts
+
+    w_gate_up, w_down, kw, per_expert = experts
+    shape, device = run.shape, run.device
+    x = [torch.randn(batch, shape["hidden"], generator=run.gen, device=device).to(torch.bfloat16)
+         for _ in range(ROUTINGS)]
+    routes = routings(batch, shape, device, run.gen)
+    distinct = sum(torch.unique(ids).numel() for _, ids in routes) / ROUTINGS
+    nbytes = distinct * per_expert
+    decode = batch * shape["top_k"] <= kernels.DECODE_MAX_PAIRS
+
+    def kernel(i: int) -> torch.Tensor:
+        return kernels.fused_moe(x[i], w_gate_up, w_down, *routes[i], **kw)
+
+    def reference(i: int) -> torch.Tensor:
+        return naive.fused_moe(x[i], w_gate_up, w_down, *routes[i], **kw)
+
+    best = None
+    for config in SWEEP if run.sweep and decode else [None]:
+        if config is not None:
+            kernels.DECODE_BLOCK_N, kernels.DECODE_BLOCK_K, kernels.DECODE_NUM_WARPS = config
+        seconds = timed(kernel, ROUTINGS, device, run.use_graph)
+        if config is not None:
+            print(f"{'':>10}{batch:>6}  tiles (BLOCK_N, BLOCK_K, warps) {config}: {seconds * 1e6:.1f} us, "
+                  f"{nbytes / seconds / 1e9:.1f} GB/s")
+        if best is None or seconds < best[0]:
+            best = (seconds, config)
+    kernel_s, config = best
+    if config is not None:
+        kernels.DECODE_BLOCK_N, kernels.DECODE_BLOCK_K, kernels.DECODE_NUM_WARPS = config
+    reference_s = timed(reference, ROUTINGS, device, use_graph=False)
+    gathered_s = None
+    if not kw:  # bf16: the model's static path today, on the same weights (no copy of the stack)
+        holder = SimpleNamespace(gate_up_proj=w_gate_up, down_proj=w_down)
+        gathered_s = timed(lambda i: Experts._gathered(holder, x[i], *routes[i]), ROUTINGS, device, run.use_graph)
+    diff = 0.0
+    for i in range(ROUTINGS):
+        ref, out = reference(i).float(), kernel(i).float()
+        diff = max(diff, ((out - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item())
+    row = {
+        "format": label, "batch": batch, "path": "decode" if decode else "grouped", "distinct_experts": distinct,
+        "weight_bytes_per_call": nbytes, "kernel_us": kernel_s * 1e6, "kernel_GBps": nbytes / kernel_s / 1e9,
+        "kernel_vs_copy": nbytes / kernel_s / run.copy, "reference_us": reference_s * 1e6,
+        "reference_GBps": nbytes / reference_s / 1e9, "reference_over_kernel": reference_s / kernel_s,
+        "gathered_us": None if gathered_s is None else gathered_s * 1e6,
+        "gathered_over_kernel": None if gathered_s is None else gathered_s / kernel_s,
+        "max_rel_diff": diff, "decode_tiles": config,
+    }
+    gathered = " " * 22 if gathered_s is None else f"{gathered_s * 1e6:>12.1f}{gathered_s / kernel_s:>9.2f}x"
+    print(f"{label:>10}{batch:>6}{row['path']:>8}{distinct:>8.1f}{nbytes / 1e6:>9.2f}{kernel_s * 1e6:>11.1f}"
+          f"{row['kernel_GBps']:>8.1f}{row['kernel_vs_copy']:>7.1%}{reference_s * 1e6:>10.1f}"
+          f"{reference_s / kernel_s:>8.2f}x{gathered}{diff:>13.2e}")
+    return row
+
+
+def measure(args, device: torch.device) -> dict:
+    global ROUTINGS
+    shape = SMALL if args.small else TARGET
+    if device.type == "cpu":
+        ROUTINGS = 2
+    gen = torch.Generator(device=device).manual_seed(0)
+    copy = copy_bandwidth(device, args.copy_bytes)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (Triton interpreter)"
+    use_graph = device.type == "cuda" and not args.no_graph
+    run = SimpleNamespace(shape=shape, device=device, gen=gen, copy=copy, use_graph=use_graph, sweep=args.sweep)
+    print(f"device: {name}; copy bandwidth {copy / 1e9:.1f} GB/s (read + write)")
+    print(f"shapes: {shape}; each call one of {ROUTINGS} routings; GB/s on the distinct experts' weight bytes")
+    print(f"{'format':>10}{'batch':>6}{'path':>8}{'experts':>8}{'MB/call':>9}{'kernel us':>11}{'GB/s':>8}"
+          f"{'of copy':>8}{'ref us':>10}{'ref/kern':>9}{'gathered us':>12}{'gath/kern':>10}{'max rel diff':>13}")
+    rows = []
+    for fmt, group in (("bf16", None), *(("int4", g) for g in shape["groups"])):
+        w_gate_up, w_down, scales, per_expert = make_experts(shape, fmt, group, device, gen)
+        kw = {} if scales is None else {"format": "int4", "scales": scales, "group_size": group}
+        label = fmt if group is None else f"{fmt}-g{group}"
+        rows += [measure_batch(run, (w_gate_up, w_down, kw, per_expert), label, batch) for batch in args.batches]
+        w_gate_up = w_down = scales = kw = None  # free this format's experts before the next one's
+    from tierlm.kernels.fused_moe import triton as kernels
+
+    return {"device": name, "copy_bandwidth_GBps": copy / 1e9, "shapes": shape, "routings_per_timing": ROUTINGS,
+            "cuda_graph": use_graph, "torch": torch.__version__, "decode_max_pairs": kernels.DECODE_MAX_PAIRS,
+            "grouped_block_m": kernels.PREFILL_BLOCK_M, "rows": rows}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--small", action="store_true", help="tiny shapes; on a CPU, through Triton's interpreter")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--sweep", action="store_true", help="also sweep the decode tile sizes (best one reported)")
+    parser.add_argument("--no-graph", action="store_true", help="time eager launches, not a CUDA graph replay")
+    parser.add_argument("--decode-max-pairs", type=int, default=None,
+                        help="override fused_moe's DECODE_MAX_PAIRS (one-pair blocks up to this many pairs)")
+    parser.add_argument("--grouped-block-m", type=int, default=None,
+                        help="override fused_moe's PREFILL_BLOCK_M (rows per expert block, >= 16)")
+    parser.add_argument("--copy-bytes", type=int, default=None, help="size of the copy-bandwidth tensor")
+    parser.add_argument("--out", type=Path, default=None, help="JSON path (default bench/results/...)")
+    args = parser.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cpu":
+        if not args.small:
+            parser.error("no CUDA device: run with --small (Triton's interpreter, tiny shapes)")
+        os.environ["TRITON_INTERPRET"] = "1"  # before the kernels' module first imports triton
+        torch.set_num_threads(1)
+    from tierlm.kernels.fused_moe import triton as kernels
+
+    if args.decode_max_pairs is not None:
+        kernels.DECODE_MAX_PAIRS = args.decode_max_pairs
+    if args.grouped_block_m is not None:
+        kernels.PREFILL_BLOCK_M = args.grouped_block_m
+    if args.copy_bytes is None:
+        args.copy_bytes = 2 << 30 if device.type == "cuda" else 64 << 20
+    result = measure(args, device)
+    slug = re.sub(r"[^a-z0-9]+", "_", result["device"].lower()).strip("_")
+    out = args.out or Path(__file__).parent / "results" / f"moe_decode_kernel_{slug}{'_small' if args.small else ''}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,201 @@
+"""kernels/fused_moe: the Triton experts against the torch reference (itself checked against the model's
+`Experts`), in fp32 and bf16, unquantized and INT4 / INT6 / INT8 group-quantized, on the decode path
+(one pair per block) and the prefill path (pairs sorted by expert into padded blocks, some experts with
+several blocks, some with none); and the block alignment on its own.
+
+Tolerance (as in test_quant_linear_kernel): both forms are compared with `exact`, the reference's
+computation in fp64 on the same inputs (x, routing weights, the experts' weights as both forms multiply
+by them: dequantized and rounded to x's dtype). The kernel may be off by at most twice the reference's
+own error (in bf16: its rounded products, SiLU, and the expert-by-expert accumulation in bf16, as
+transformers does), plus one unit of roundoff of x's dtype at the output's largest magnitude, plus one
+unit of fp32 roundoff at the largest sum of |terms| of the down products and top-k sum (fp32 sums in
+another order; the term that matters in fp32).
+
+Without a GPU the kernels run in Triton's interpreter (TRITON_INTERPRET=1 must be set before triton is
+first imported), so every kernel case runs in one child process and each test reads its case's result.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tierlm.kernels.fused_moe import naive
+from tierlm.kernels.quant_linear import packing
+
+E, H, I = 8, 96, 64
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+FORMATS = {"unquantized": (None, None), "int4-g32": (4, 32), "int8-g16": (8, 16), "int6-g16": (6, 16)}
+# H is not a whole number of K tiles (masked loads), I is (unmasked). (tokens, top-k, routing skewed
+# towards expert 5): decode, 6 pairs; prefill, 40 pairs in blocks of 16
+# (expert 5 takes 20 of them: two blocks), taken past DECODE_MAX_PAIRS (lowered to keep shapes tiny)
+PATHS = {"decode": (3, 2, False), "prefill": (20, 2, True)}
+DECODE_MAX_PAIRS, PREFILL_BLOCK_M = 16, 16
+CASES = {f"{d}-{f}-{p}": (DTYPES[d], FORMATS[f], PATHS[p]) for d in DTYPES for f in FORMATS for p in PATHS}
+
+
+def route(tokens: int, top_k: int, skewed: bool, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax top-k routing with renormalised weights (fp32). skewed: every token picks expert 5 and
+    experts 0-2 are never picked."""
+    logits = torch.randn(tokens, E, generator=gen)
+    if skewed:
+        logits[:, 5] += 10
+        logits[:, :3] -= 10
+    weights, ids = torch.topk(torch.softmax(logits, dim=-1), top_k, dim=-1)
+    return weights / weights.sum(dim=-1, keepdim=True), ids
+
+
+def make_case(name: str, seed: int = 0):
+    """(args, kwargs, exact fp64 output) of one case."""
+    dtype, (bits, group), (tokens, top_k, skewed) = CASES[name]
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, H, generator=gen).to(dtype)
+    w_gate_up = (torch.randn(E, 2 * I, H, generator=gen) * H**-0.5).to(dtype)
+    w_down = (torch.randn(E, H, I, generator=gen) * I**-0.5).to(dtype)
+    weights, ids = route(tokens, top_k, skewed, gen)
+    weights = weights.to(dtype)
+    if bits is None:
+        args, kwargs, used = (x, w_gate_up, w_down, weights, ids), {}, (w_gate_up, w_down)
+    else:
+        (gu, gu_scales), (down, down_scales) = (packing.quantize(w, bits, group) for w in (w_gate_up, w_down))
+        args = (x, gu, down, weights, ids)
+        kwargs = {"format": f"int{bits}", "scales": (gu_scales, down_scales), "group_size": group}
+        used = (packing.dequantize(gu, gu_scales, bits, H, dtype=dtype),
+                packing.dequantize(down, down_scales, bits, I, dtype=dtype))
+    exact = naive.fused_moe(x.double(), used[0].double(), used[1].double(), weights.double(), ids)
+    magnitude = torch.zeros_like(exact)
+    for token in range(tokens):
+        for e, w in zip(ids[token].tolist(), weights[token].double()):
+            gate, up = (x[token].double() @ used[0][e].double().T).chunk(2)
+            act = torch.nn.functional.silu(gate) * up
+            magnitude[token] += w.abs() * (act.abs() @ used[1][e].double().abs().T)
+    return args, kwargs, (exact, magnitude)
+
+
+def within_tolerance(out: torch.Tensor, reference: torch.Tensor, exact: torch.Tensor, magnitude: torch.Tensor
+                     ) -> str | None:
+    """None if `out` is as close to `exact` as the tolerance in the module docstring allows, else why not."""
+    if out.shape != exact.shape or out.dtype != reference.dtype:
+        return f"shape/dtype {tuple(out.shape)} {out.dtype}, expected {tuple(exact.shape)} {reference.dtype}"
+    reference_error = (reference.double() - exact).abs().max().item()
+    bound = (2 * reference_error + torch.finfo(out.dtype).eps * exact.abs().max().item()
+             + torch.finfo(torch.float32).eps * magnitude.max().item())
+    error = (out.double() - exact).abs().max().item()
+    if not error <= bound:
+        return f"max error {error:.3g} > bound {bound:.3g} (reference's own error {reference_error:.3g})"
+    return None
+
+
+def run_kernel_cases(names: list[str]) -> dict[str, str | None]:
+    """Each case through the Triton kernels vs the reference: {case: None if it passed, else why not}."""
+    import tierlm.kernels.fused_moe.triton as kernels
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    results = {}
+    saved = kernels.DECODE_MAX_PAIRS, kernels.PREFILL_BLOCK_M
+    kernels.DECODE_MAX_PAIRS, kernels.PREFILL_BLOCK_M = DECODE_MAX_PAIRS, PREFILL_BLOCK_M
+    try:
+        for name in names:
+            args, kwargs, exact = make_case(name)
+            ids = args[4]
+            if (ids.numel() <= DECODE_MAX_PAIRS) != name.endswith("decode"):
+                results[name] = f"{ids.numel()} pairs do not take the {name.rsplit('-', 1)[1]} path"
+                continue
+            if name.endswith("prefill") and not (ids == 5).sum() > PREFILL_BLOCK_M:
+                results[name] = "expert 5 does not fill two blocks"
+                continue
+            reference = naive.fused_moe(*args, **kwargs)
+            on_device = dict(kwargs, scales=tuple(s.to(device) for s in kwargs["scales"])) if kwargs else {}
+            out = kernels.fused_moe(*(a.to(device) for a in args), **on_device).cpu()
+            results[name] = within_tolerance(out, reference, *exact)
+    finally:
+        kernels.DECODE_MAX_PAIRS, kernels.PREFILL_BLOCK_M = saved
+    return results
+
+
+@pytest.fixture(scope="module")
+def kernel_results() -> dict[str, str | None]:
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed")
+    if torch.cuda.is_available():
+        return run_kernel_cases(list(CASES))
+    script = ("import json, torch, test_fused_moe_kernel as t; torch.set_num_threads(1)\n"
+              "print(json.dumps(t.run_kernel_cases(list(t.CASES))))")
+    done = subprocess.run([sys.executable, "-c", script], cwd=Path(__file__).parent, capture_output=True, text=True,
+                          check=False,
+                          env=dict(os.environ, TRITON_INTERPRET="1"), timeout=1200)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_triton_kernels_match_reference(kernel_results, case):
+    assert kernel_results[case] is None, kernel_results[case]
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values())
+def test_reference_equals_the_model_experts(dtype):
+    """The reference computes what `model/layers/moe.Experts` computes today (its expert loop)."""
+    from tierlm.model.layers.moe import Experts
+
+    gen = torch.Generator().manual_seed(4)
+    experts = Experts(E, H, I).to(dtype)
+    with torch.no_grad():
+        experts.gate_up_proj.copy_(torch.randn(E, 2 * I, H, generator=gen) * H**-0.5)
+        experts.down_proj.copy_(torch.randn(E, H, I, generator=gen) * I**-0.5)
+        x = torch.randn(20, H, generator=gen).to(dtype)
+        weights, ids = route(20, 4, False, gen)
+        expected = experts(x, weights.to(dtype), ids)  # 80 pairs: the loop over hit experts
+        out = naive.fused_moe(x, experts.gate_up_proj, experts.down_proj, weights.to(dtype), ids)
+    assert torch.equal(out, expected)
+
+
+def test_align_pairs_to_blocks():
+    from tierlm.kernels.fused_moe.triton import align_pairs_to_blocks
+
+    gen = torch.Generator().manual_seed(5)
+    expert_of_pair = torch.cat([torch.full((21,), 3), torch.randint(4, 9, (30,), generator=gen)])
+    expert_of_pair = expert_of_pair[torch.randperm(51, generator=gen)]
+    pair_ids, block_expert = align_pairs_to_blocks(expert_of_pair, num_experts=12, block_m=8)
+    blocks = pair_ids.view(-1, 8)
+    assert blocks.shape[0] == block_expert.numel() == -(-(51 + 12 * 7) // 8)  # the bound, no host sync
+    real = pair_ids[pair_ids < 51]
+    assert torch.equal(real.sort().values, torch.arange(51, dtype=torch.int32))  # every pair once
+    used = block_expert >= 0
+    assert (pair_ids.view(-1, 8)[~used] == 51).all()  # blocks past the last run: padding only
+    counts = torch.bincount(expert_of_pair, minlength=12)
+    expected_blocks = [e for e in range(12) for _ in range(-(-int(counts[e]) // 8))]
+    assert block_expert[used].tolist() == expected_blocks  # ascending, each run in whole blocks
+    assert used[: len(expected_blocks)].all() and not used[len(expected_blocks):].any()
+    for block, expert in zip(blocks[used], block_expert[used]):
+        members = block[block < 51].long()
+        assert (expert_of_pair[members] == expert).all() and len(members) > 0
+        assert torch.equal(members, members.sort().values)  # token order kept within an expert
+
+
+def test_bad_arguments_name_the_problem():
+    x = torch.randn(2, H)
+    gate_up, down = torch.randn(E, 2 * I, H), torch.randn(E, H, I)
+    weights, ids = route(2, 2, False, torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="format must be one of"):
+        naive.fused_moe(x, gate_up, down, weights, ids, format="int3")
+    with pytest.raises(ValueError, match="needs scales"):
+        naive.fused_moe(x, gate_up, down, weights, ids, format="int4")
+    with pytest.raises(ValueError, match="take no scales"):
+        naive.fused_moe(x, gate_up, down, weights, ids, group_size=32)
+    with pytest.raises(ValueError, match=r"\[T=2, k\]"):
+        naive.fused_moe(x, gate_up, down, weights[:1], ids[:1])
+    with pytest.raises(ValueError, match="must lie in"):
+        naive.fused_moe(x, gate_up, down, weights, ids + E)
+    with pytest.raises(ValueError, match=r"w_down \[E, H, I=64\]"):
+        naive.fused_moe(x, gate_up, down[..., :32], weights, ids)
+    (gu, gu_s), (dn, dn_s) = packing.quantize(gate_up, 4, 32), packing.quantize(down, 4, 16)
+    with pytest.raises(ValueError, match="group"):
+        naive.fused_moe(x, gu, dn, weights, ids, format="int4", scales=(gu_s, dn_s))

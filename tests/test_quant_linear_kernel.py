@@ -1,0 +1,173 @@
+"""kernels/quant_linear: the packed format (compressed-tensors `pack-quantized`), the torch reference, and
+the Triton kernel against the reference in fp32 and bf16 over every weight format and both forms (GEMV
+for decode rows, split over K or not; tl.dot GEMM for prefill chunks).
+
+Tolerance (bf16 and fp32 alike): both forms are compared with `exact`, the same computation in fp64 on
+the same inputs (x, and the weight dequantized and rounded to x's dtype, which is what both forms
+multiply by). The kernel may be off by at most twice the reference's own error, plus one unit of
+roundoff of x's dtype at the output's largest magnitude (the final rounding may land on the
+neighbouring value), plus one unit of fp32 roundoff at the largest sum of |products| (fp32 sums in
+another order). In bf16 the middle term dominates, in fp32 the last. A wrong bit, group or scale is
+off by orders of magnitude more.
+
+Without a GPU the kernels run in Triton's interpreter (TRITON_INTERPRET=1 must be set before triton is
+first imported), so every kernel case runs in one child process and each test reads its case's result.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tierlm.kernels.quant_linear import naive, packing
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# (name, bits, group_size): group_size None = one scale per output channel
+FORMATS = [("unquantized", None, None), ("int4-g32", 4, 32), ("int8-g64", 8, 64), ("int6-g32", 6, 32),
+           ("int4-channel", 4, None)]
+# (name, leading shape of x, K, N, min tiles per split): 1 row (K in 2 splits, the second tile part-full,
+# groups smaller than a tile), 3 rows in a [3, 1] batch (no split, one scale per tile), 20 rows (tl.dot);
+# N never a multiple of the tile
+SHAPES = [("decode-split", (1,), 320, 40, 1), ("decode", (3, 1), 192, 40, 4), ("prefill", (20,), 192, 72, 4)]
+CASES = {f"{d}-{f[0]}-{s[0]}": (DTYPES[d], f, s) for d in DTYPES for f in FORMATS for s in SHAPES}
+
+
+def make_case(name: str, seed: int = 0):
+    """(x, weight_or_packed, kwargs, exact fp64 result, min tiles per split) for one case."""
+    dtype, (_, bits, group), (_, lead, k, n, min_tiles) = CASES[name]
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(*lead, k, generator=gen).to(dtype)
+    w = torch.randn(n, k, generator=gen).to(dtype)
+    if bits is None:
+        weight, kwargs, w_used = w, {}, w
+    else:
+        weight, scales = packing.quantize(w, bits, group or k)
+        kwargs = {"scales": scales, "bits": bits, "group_size": group}
+        w_used = packing.dequantize(weight, scales, bits, k, dtype=dtype)
+    exact = x.double() @ w_used.double().T
+    magnitude = x.double().abs() @ w_used.double().abs().T
+    return x, weight, kwargs, (exact, magnitude), min_tiles
+
+
+def within_tolerance(out: torch.Tensor, reference: torch.Tensor, exact: torch.Tensor, magnitude: torch.Tensor
+                     ) -> str | None:
+    """None if `out` is as close to `exact` as the tolerance in the module docstring allows, else why not.
+    magnitude: each output's sum of |products| (the scale of its summation error)."""
+    reference_error = (reference.double() - exact).abs().max().item()
+    bound = (2 * reference_error + torch.finfo(out.dtype).eps * exact.abs().max().item()
+             + torch.finfo(torch.float32).eps * magnitude.max().item())
+    error = (out.double() - exact).abs().max().item()
+    if out.shape != exact.shape or out.dtype != reference.dtype:
+        return f"shape/dtype {tuple(out.shape)} {out.dtype}, expected {tuple(exact.shape)} {reference.dtype}"
+    if not error <= bound:
+        return f"max error {error:.3g} > bound {bound:.3g} (reference's own error {reference_error:.3g})"
+    return None
+
+
+def run_kernel_cases(names: list[str]) -> dict[str, str | None]:
+    """Each case through the Triton kernel vs the reference: {case: None if it passed, else why not}."""
+    import tierlm.kernels.quant_linear.triton as kernels
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    results = {}
+    saved = kernels.GEMV_MIN_TILES_PER_SPLIT
+    try:
+        for name in names:
+            x, weight, kwargs, exact, min_tiles = make_case(name)
+            kernels.GEMV_MIN_TILES_PER_SPLIT = min_tiles
+            rows = x.numel() // x.shape[-1]
+            splits = kernels.launch_config(rows, weight.shape[0], x.shape[-1]).splits
+            if name.endswith("decode-split") and splits < 2:
+                results[name] = f"expected a split over K, got {splits}"
+                continue
+            reference = naive.quant_linear(x, weight, **kwargs)
+            on_device = {key: v.to(device) if torch.is_tensor(v) else v for key, v in kwargs.items()}
+            out = kernels.quant_linear(x.to(device), weight.to(device), **on_device).cpu()
+            results[name] = within_tolerance(out, reference, *exact)
+    finally:
+        kernels.GEMV_MIN_TILES_PER_SPLIT = saved
+    return results
+
+
+@pytest.fixture(scope="module")
+def kernel_results() -> dict[str, str | None]:
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed")
+    if torch.cuda.is_available():
+        return run_kernel_cases(list(CASES))
+    script = ("import json, torch, test_quant_linear_kernel as t; torch.set_num_threads(1)\n"
+              "print(json.dumps(t.run_kernel_cases(list(t.CASES))))")
+    done = subprocess.run([sys.executable, "-c", script], cwd=Path(__file__).parent, capture_output=True, text=True,
+                          check=False,
+                          env=dict(os.environ, TRITON_INTERPRET="1"), timeout=1200)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_triton_kernel_matches_reference(kernel_results, case):
+    assert kernel_results[case] is None, kernel_results[case]
+
+
+def test_packing_layout_is_lsb_first_and_dense():
+    """Value k of a row sits at bits [k * bits, (k + 1) * bits) of the row's bit stream (compressed-tensors'
+    pack_to_int32 with packed_dim=1); the words are int32, so a high top value makes a word negative."""
+    values = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 15, 9]])
+    packed = packing.pack(values, 4)
+    assert packed.shape == (1, 2) and packed.dtype == torch.int32
+    assert packed[0, 0].item() == 0xF7654321 - (1 << 32) and packed[0, 1].item() == 9
+    six = packing.pack(torch.tensor([[63, 0, 0, 0, 0, 0b101011]]), 6)  # the 6th value straddles words 0-1
+    assert six.shape == (1, 2)
+    assert six[0, 0].item() == (63 | 0b11 << 30) - (1 << 32) and six[0, 1].item() == 0b1010
+    assert packing.packed_width(100, 6) == 19 and packing.packed_width(64, 8) == 16
+
+
+@pytest.mark.parametrize("bits", packing.SUPPORTED_BITS)
+def test_pack_unpack_and_dequantize_round_trip(bits):
+    gen = torch.Generator().manual_seed(bits)
+    values = torch.randint(0, 1 << bits, (3, 5, 70), generator=gen)  # 70: not a whole number of words
+    packed = packing.pack(values, bits)
+    assert packed.shape == (3, 5, packing.packed_width(70, bits))
+    assert torch.equal(packing.unpack(packed, bits, 70), values.to(torch.int32))
+    scales = torch.rand(3, 5, 7, generator=gen).to(torch.bfloat16)
+    w = packing.dequantize(packed, scales, bits, 70, group_size=10, dtype=torch.float32)
+    expected = (values - (1 << (bits - 1))).float() * scales.float().repeat_interleave(10, dim=-1)
+    assert torch.equal(w, expected)
+
+
+@pytest.mark.parametrize("bits", packing.SUPPORTED_BITS)
+def test_quantize_rounds_to_nearest_within_half_a_step(bits):
+    w = torch.randn(6, 64, generator=torch.Generator().manual_seed(1))
+    packed, scales = packing.quantize(w, bits, 32)
+    assert scales.shape == (6, 2)
+    back = packing.dequantize(packed, scales, bits, 64, dtype=torch.float32)
+    step = scales.float().repeat_interleave(32, dim=-1)
+    assert ((back - w).abs() <= step / 2 + 1e-6).all()
+    q = packing.unpack(packed, bits, 64)
+    assert q.max() <= (1 << bits) - 1 and q.min() >= 1  # symmetric: the most negative code stays unused
+
+
+def test_bad_arguments_name_the_problem():
+    x = torch.randn(2, 64)
+    packed, scales = packing.quantize(torch.randn(8, 64), 4, 32)
+    with pytest.raises(ValueError, match="bits must be one of"):
+        naive.quant_linear(x, packed, scales=scales, bits=5)
+    with pytest.raises(ValueError, match="words per row"):
+        naive.quant_linear(x, packed[:, :4], scales=scales, bits=4)
+    with pytest.raises(ValueError, match="group_size 16 does not|needs 4"):
+        naive.quant_linear(x, packed, scales=scales, bits=4, group_size=16)
+    with pytest.raises(ValueError, match="both bits and scales"):
+        naive.quant_linear(x, packed, bits=4)
+    with pytest.raises(ValueError, match="do not match packed weight"):
+        naive.quant_linear(x, packed, scales=scales[:4], bits=4)
+    with pytest.raises(ValueError, match="differs from x dtype"):
+        naive.quant_linear(x, torch.randn(8, 64, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match=r"is not \[N, K=64\]"):
+        naive.quant_linear(x, torch.randn(8, 32))

@@ -1,0 +1,213 @@
+"""What one client can cost the others, against `tierlm serve` on the demo model: sampling edges in a
+shared batch, a client that stops reading, connections that never finish a request, the concurrency
+limit, and refused prompts that must not outlive their request (no reference cycles)."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import json
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tierlm.demo_model import build_demo_model
+
+MODEL = "demo-tiny"
+READ_TIMEOUT_S = 2
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _serve(folder: Path, log_path: Path, *flags: str):
+    port = _free_port()
+    log = open(log_path, "w+")  # noqa: SIM115 (closed by the caller's fixture)
+    command = [
+        sys.executable, "-m", "tierlm.cli", "serve", str(folder), "--host", "127.0.0.1", "--port", str(port),
+        "--dtype", "float32", "--device", "cpu", "--served-model-name", MODEL, *flags,
+    ]
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        if process.poll() is not None or time.monotonic() > deadline:
+            log.seek(0)
+            pytest.fail(f"tierlm serve did not come up:\n{log.read()}")
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return process, log, url, port
+        except httpx.TransportError:
+            time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("demo") / MODEL
+    build_demo_model(folder, "tiny")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+    process, log, url, port = _serve(
+        model_dir, tmp_path_factory.mktemp("log") / "server.log", "--max-model-len", "4200", "--max-num-seqs", "5",
+        "--request-read-timeout", str(READ_TIMEOUT_S),
+    )
+    yield {"url": url, "port": port, "pid": process.pid}
+    process.terminate()
+    process.wait(timeout=30)
+    log.close()
+
+
+def _rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def _metric(url: str, name: str) -> float:
+    """The sum of a metric's series (0 before any)."""
+    lines = httpx.get(f"{url}/metrics", timeout=10).text.splitlines()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(name + "{"))
+
+
+def _stream(url: str, body: dict) -> tuple[list[dict], bool]:
+    """Every event of a streamed completion, and whether [DONE] closed it."""
+    events, done = [], False
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as response:
+        assert response.status_code == 200, response.read()
+        for line in response.iter_lines():
+            if line == "data: [DONE]":
+                done = True
+            elif line.startswith("data: "):
+                events.append(json.loads(line[6:]))
+    return events, done
+
+
+def test_sampling_edges_in_a_shared_batch_fail_nobody(server):
+    url = server["url"]
+    healthy = {"model": MODEL, "prompt": "def add(a, b):", "max_tokens": 40, "ignore_eos": True, "stream": True}
+    edges = [
+        {"prompt": "hi", "max_tokens": 2, "temperature": 1e-39},
+        {"prompt": "hi", "max_tokens": 2, "top_p": 1e-46, "temperature": 1.0},
+        {"prompt": "hi", "max_tokens": 0, "temperature": 1e-39, "echo": True, "logprobs": 1},
+        {"prompt": "hi", "max_tokens": 2, "temperature": 5e-324, "top_p": 5e-324},
+    ]
+    greedy = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 2, "temperature": 0},
+                        timeout=60).json()["choices"][0]["text"]
+    with ThreadPoolExecutor(7) as pool:
+        streams = [pool.submit(_stream, url, healthy) for _ in range(3)]
+        time.sleep(0.3)  # the streams are running: the edge cases join their batch
+        answers = list(pool.map(lambda body: httpx.post(f"{url}/v1/completions", json=body, timeout=60), edges))
+        for future in streams:
+            events, done = future.result()
+            assert done and events[-1]["choices"][0]["finish_reason"] == "length"
+            assert not any("error" in e for e in events)
+    assert [a.status_code for a in answers] == [200] * len(edges), [a.text for a in answers]
+    assert answers[0].json()["choices"][0]["text"] == greedy  # below the temperature floor: greedy
+    assert answers[1].json()["choices"][0]["text"] == greedy  # top_p keeps the most likely token
+    assert httpx.get(f"{url}/health").status_code == 200
+
+
+def test_a_client_that_stops_reading_costs_bounded_memory(server):
+    """4,000 tokens with 20 logprobs each, never read: the server holds deltas (paused at its buffer bound
+    once the socket's buffers are full), so its memory stays flat, not quadratic in the tokens."""
+    url, pid = server["url"], server["pid"]
+    body = json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 4000, "logprobs": 20, "ignore_eos": True,
+                       "stream": True}).encode()
+    finished = _metric(url, "tierlm:request_success_total")
+    before = _rss_bytes(pid)
+    with socket.socket() as client:
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        client.connect(("127.0.0.1", server["port"]))
+        client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                       b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        deadline = time.monotonic() + 600  # generous: the machine may be loaded
+        while not (_metric(url, "tierlm:num_streams_throttled") or _metric(url, "tierlm:request_success_total")
+                   > finished):
+            assert time.monotonic() < deadline, "the unread stream neither finished nor was paused"
+            time.sleep(0.5)
+        time.sleep(20)
+        grown = _rss_bytes(pid) - before
+        assert grown < 50 * 2**20, f"RSS grew {grown / 2**20:.1f} MiB for one unread stream"
+        reply = httpx.post(f"{url}/v1/completions", json={"prompt": "y", "max_tokens": 3}, timeout=60)
+        assert reply.status_code == 200  # the others are served meanwhile
+    deadline = time.monotonic() + 30  # the client left: its request is aborted and its memory freed
+    while _metric(url, "tierlm:num_requests_running") or _metric(url, "tierlm:num_streams_throttled"):
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+
+
+@pytest.mark.parametrize("sent", [b"", b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n",
+                                  b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"pro"])
+def test_a_request_that_never_arrives_whole_is_dropped(server, sent):
+    with socket.create_connection(("127.0.0.1", server["port"])) as client:
+        client.sendall(sent)
+        client.settimeout(READ_TIMEOUT_S * 10)
+        started = time.monotonic()
+        assert client.recv(1024) == b""  # closed by the server, not by our timeout
+        assert time.monotonic() - started >= READ_TIMEOUT_S * 0.5
+    assert httpx.get(f"{server['url']}/health", timeout=10).status_code == 200
+
+
+def test_over_the_concurrency_limit_is_503(model_dir, tmp_path):
+    process, log, url, port = _serve(model_dir, tmp_path / "server.log", "--limit-concurrency", "2")
+    try:
+        with socket.create_connection(("127.0.0.1", port)), socket.create_connection(("127.0.0.1", port)):
+            time.sleep(0.2)
+            assert httpx.get(f"{url}/health", timeout=10).status_code == 503
+        deadline = time.monotonic() + 10
+        while httpx.get(f"{url}/health", timeout=10).status_code != 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+        log.close()
+
+
+def test_refused_prompts_are_freed_without_a_garbage_collection(model_dir):
+    """Each refused prompt's token lists die with its request: no reference cycle keeps them."""
+    from tierlm.engine.llm_engine import EngineConfig, LLMEngine
+    from tierlm.server.api import build_app
+    from tierlm.server.async_engine import AsyncEngine
+
+    engine = AsyncEngine(LLMEngine(EngineConfig(str(model_dir), dtype="float32", device="cpu", max_model_len=256)), MODEL)
+    app = build_app(engine, MODEL)
+    length = 100_000
+
+    def live_long_lists() -> int:
+        return sum(1 for o in gc.get_objects() if type(o) is list and len(o) >= length)
+
+    async def main() -> list[int]:
+        engine.start()
+        transport = httpx.ASGITransport(app=app)
+        statuses = []
+        async with httpx.AsyncClient(transport=transport, base_url="http://tierlm") as client:
+            for i in range(20):
+                prompt = [(i + j) % 200 + 2 for j in range(length)] if i % 2 else "word " * length
+                response = await client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2})
+                statuses.append(response.status_code)
+        engine.stop()
+        return statuses
+
+    gc.collect()
+    gc.disable()
+    try:
+        baseline = live_long_lists()
+        statuses = asyncio.run(main())
+        assert statuses == [400] * 20
+        assert live_long_lists() == baseline
+    finally:
+        gc.enable()

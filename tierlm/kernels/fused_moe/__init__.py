@@ -1,0 +1,18 @@
+"""Top-k SwiGLU experts over stacked expert weights, unquantized or packed INT4 / INT6 / INT8 with group
+scales (the format: `quant_linear.packing`).
+
+Signature (every form): fused_moe(x [T, H], w_gate_up, w_down, topk_weights [T, k], topk_ids [T, k], *,
+format="unquantized" | "int4" | "int6" | "int8", scales=None | (gate_up_scales, down_scales),
+group_size=None) -> [T, H] in x's dtype. Unquantized weights are laid out as `model/layers/moe.Experts`
+holds them (w_gate_up [E, 2I, H]: gate rows then up rows; w_down [E, H, I]); packed ones as int32
+[E, N, ceil(K * bits / 32)] with scales [E, N, K / group_size].
+  naive.py   a loop over the hit experts in ascending id (transformers' order), experts dequantized one
+             at a time (the reference)
+  triton.py  gate_up + SiLU-and-mul, down + routing weight, and the top-k sum: three launches for the
+             batch, the weights read in place; decode pairs one per block, prefill pairs sorted by expert
+             into padded blocks (align_pairs_to_blocks) for a grouped GEMM
+"""
+
+from tierlm.kernels.fused_moe.naive import fused_moe
+
+__all__ = ["fused_moe"]

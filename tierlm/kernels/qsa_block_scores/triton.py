@@ -1,0 +1,58 @@
+"""QSA decode block scores as one Triton kernel (same signature as `naive.block_scores`).
+
+One program per (request, tile of BLOCK_G compressed keys): it loads the request's block ids for the
+tile, the keys they hold (only those the query sees: masked loads read nothing past nb = (p+1)//R), and
+the request's ih query heads, and writes sum_h relu(q_h . K_j) / sqrt(id), or -inf. Nothing is gathered
+into a [B, G, id] copy, and a short request in a batch with a long one costs its own length in memory
+traffic. Equal to the reference up to fp32 summation order (tested under TRITON_INTERPRET=1 on CPU).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_G = 64  # compressed keys per program
+
+
+@triton.jit
+def _block_scores_kernel(q_ptr, keys_ptr, tables_ptr, positions_ptr, out_ptr, table_stride, num_groups, sqrt_dim,
+                         RATIO: tl.constexpr, PER_BLOCK: tl.constexpr, N_HEADS: tl.constexpr,
+                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr):
+    request = tl.program_id(0).to(tl.int64)
+    groups = tl.program_id(1).to(tl.int64) * BLOCK_G + tl.arange(0, BLOCK_G)
+    inside = groups < num_groups
+    seen = inside & (groups < (tl.load(positions_ptr + request) + 1) // RATIO)
+    columns = tl.arange(0, BLOCK_D)
+    in_dim = columns < HEAD_DIM
+    block = tl.load(tables_ptr + request * table_stride + groups // PER_BLOCK, mask=seen, other=0)
+    rows = block * PER_BLOCK + groups % PER_BLOCK
+    keys = tl.load(keys_ptr + rows[:, None] * HEAD_DIM + columns[None, :], mask=seen[:, None] & in_dim[None, :],
+                   other=0.0).to(tl.float32)
+    total = tl.zeros([BLOCK_G], dtype=tl.float32)
+    for head in tl.static_range(N_HEADS):
+        q = tl.load(q_ptr + (request * N_HEADS + head) * HEAD_DIM + columns, mask=in_dim, other=0.0).to(tl.float32)
+        total += tl.maximum(tl.sum(keys * q[None, :], axis=1), 0.0)
+    tl.store(out_ptr + request * num_groups + groups, tl.where(seen, total / sqrt_dim, float("-inf")), mask=inside)
+
+
+def triton_block_scores(
+    q: torch.Tensor, index_keys: torch.Tensor, block_tables: torch.Tensor, positions: torch.Tensor, ratio: int
+) -> torch.Tensor:
+    """As `naive.block_scores`, in one launch and without a host sync (a captured decode step can run it)."""
+    batch, heads, dim = q.shape
+    per_block = index_keys.shape[1]
+    num_groups = block_tables.shape[1] * per_block
+    if block_tables.stride(1) != 1:
+        block_tables = block_tables.contiguous()
+    out = torch.empty(batch, num_groups, dtype=torch.float32, device=q.device)
+    grid = (batch, triton.cdiv(num_groups, BLOCK_G))
+    _block_scores_kernel[grid](
+        q.contiguous(), index_keys.contiguous(), block_tables, positions.contiguous(), out, block_tables.stride(0),
+        num_groups, math.sqrt(dim), RATIO=ratio, PER_BLOCK=per_block, N_HEADS=heads, HEAD_DIM=dim,
+        BLOCK_D=triton.next_power_of_2(dim), BLOCK_G=BLOCK_G,
+    )
+    return out
