@@ -12,11 +12,12 @@ Layers (`Linear`, `PackedLinear`, `Embedding`, `Experts`) hold a quant method, a
 runs the op. The model files never branch on the format; the loader picks each layer's method from the
 checkpoint's `quantization_config` (see `quantization.config`).
 
-The quantized `apply` here is the torch reference: it dequantizes one layer's weight (one expert's, in
-the MoE) on the fly, inside the op, and drops it after; nothing keeps a dequantized copy. The fused
-low-bit Triton kernels (`tierlm/kernels/quant_linear`, `tierlm/kernels/fused_moe`) replace it for
-`pack-quantized` weights: they read the same runtime tensors, [N, ceil(K * bits / 32)] int32 words and
-[N, K / group] scales ([E, ...] for stacked experts).
+The quantized `apply` runs the format's fused kernel where there is one (`kernel_linear`,
+`kernel_experts`: symmetric `pack-quantized` INT4/6/8 on CUDA through `tierlm/kernels/quant_linear` and
+`tierlm/kernels/fused_moe`, which read the same runtime tensors, [N, ceil(K * bits / 32)] int32 words and
+[N, K / group] scales, [E, ...] for stacked experts; TIERLM_QUANT_KERNELS=0 turns them off). Elsewhere
+it is the torch reference: it dequantizes one layer's weight (one expert's, in the MoE) on the fly,
+inside the op, and drops it after; nothing keeps a dequantized copy.
 """
 
 from __future__ import annotations
@@ -99,6 +100,16 @@ class WeightFormat(ABC):
     def dequantize(self, tensors: Mapping[str, torch.Tensor], in_features: int) -> torch.Tensor:
         """Runtime tensors (with any leading batch dims, e.g. experts) -> W [..., N, K] in fp32."""
 
+    def kernel_linear(self, x: torch.Tensor, tensors: Mapping[str, torch.Tensor], in_features: int):
+        """y = x W^T through a fused low-bit kernel, or None where this format or device has none (the
+        torch reference runs then)."""
+        return None
+
+    def kernel_experts(self, x, gate_up: Mapping[str, torch.Tensor], down: Mapping[str, torch.Tensor],
+                       weights: torch.Tensor, experts: torch.Tensor):
+        """The routed experts' sum through the fused MoE kernel over stacked runtime tensors, or None."""
+        return None
+
     def rows_dim_is_leading(self, out_features: int, in_features: int) -> bool:
         """Whether every runtime tensor has its output rows first (a row gather then works: embeddings)."""
         return all(t.out_dim == 0 for t in self.runtime_tensors(out_features, in_features).values())
@@ -178,10 +189,14 @@ class UnquantizedLinearMethod(LinearMethod):
 
 
 class QuantizedLinearMethod(LinearMethod):
-    """Torch reference: dequantize this layer's weight inside the op (the Triton GEMV/GEMM replaces it)."""
+    """The format's fused kernel where it has one (pack-quantized on CUDA); else the torch reference,
+    which dequantizes this layer's weight inside the op."""
 
     def apply(self, layer, x):
-        return F.linear(x, self.dequantized_weight(layer, x.dtype), layer.bias)
+        y = self.format.kernel_linear(x, runtime_view(layer, self.format), layer.in_features)
+        if y is None:
+            return F.linear(x, self.dequantized_weight(layer, x.dtype), layer.bias)
+        return y if layer.bias is None else y + layer.bias
 
 
 def linear_method(fmt: WeightFormat) -> LinearMethod:

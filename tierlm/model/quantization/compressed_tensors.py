@@ -20,6 +20,7 @@ quantized by the first group that targets it unless ignored. Weight-only schemes
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -36,6 +37,7 @@ from tierlm.model.quantization.base import (
 from tierlm.model.quantization.packing import pack_int32, packed_length, unpack_int32
 
 PACK_QUANTIZED = "pack-quantized"
+KERNEL_BITS = (4, 6, 8)  # what tierlm/kernels/quant_linear and fused_moe read
 CLASS_NAMES = {"linear": "Linear", "embedding": "Embedding"}
 
 
@@ -101,6 +103,36 @@ class PackQuantizedFormat(WeightFormat):
         width = in_features if self.group_size is None else self.group_size
         grouped = stored.float().unflatten(-1, (-1, width))
         return ((grouped - zero.unsqueeze(-1)) * scale.unsqueeze(-1)).flatten(-2)
+
+    # ---- fused kernels (tierlm/kernels): symmetric INT4/6/8 on CUDA ------------------------------------
+    def _has_kernel(self, x: torch.Tensor) -> bool:
+        return (x.is_cuda and self.symmetric and self.bits in KERNEL_BITS
+                and os.environ.get("TIERLM_QUANT_KERNELS", "1") != "0")
+
+    def kernel_linear(self, x, tensors, in_features):
+        if not self._has_kernel(x):
+            return None
+        return self.linear_kernel(x, tensors, in_features)
+
+    def linear_kernel(self, x, tensors, in_features):
+        """The Triton GEMV / GEMM over this format's runtime tensors (any device Triton runs on)."""
+        from tierlm.kernels.quant_linear.triton import quant_linear
+
+        return quant_linear(x, tensors["weight_packed"], scales=tensors["weight_scale"], bits=self.bits,
+                            group_size=self.group_size or in_features)
+
+    def kernel_experts(self, x, gate_up, down, weights, experts):
+        if not self._has_kernel(x) or self.group_size is None:  # per-channel: gate_up and down groups differ
+            return None
+        return self.experts_kernel(x, gate_up, down, weights, experts)
+
+    def experts_kernel(self, x, gate_up, down, weights, experts):
+        """The fused Triton MoE over stacked runtime tensors (any device Triton runs on)."""
+        from tierlm.kernels.fused_moe.triton import fused_moe
+
+        return fused_moe(x, gate_up["weight_packed"], down["weight_packed"], weights, experts,
+                         format=f"int{self.bits}", scales=(gate_up["weight_scale"], down["weight_scale"]),
+                         group_size=self.group_size)
 
     # ---- writing (the quantizer) ----------------------------------------------------------------------
     def pack(self, signed: torch.Tensor, scale: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -9,8 +9,9 @@ The experts of one MoE layer are held stacked: `gate_up` (each expert's gate row
 that give the same result (grouped by expert for prefill, a per-pair loop for a small eager decode, and
 one gathered batched product for a static (captured or compiled) step, which has no host sync). A
 quantized expert is dequantized when the loop reaches it (the gathered form dequantizes the gathered
-experts' weights), never the whole stack. The fused Triton MoE (`tierlm/kernels/fused_moe`) replaces it
-for `pack-quantized` experts, reading the same stacked tensors in place.
+experts' weights), never the whole stack. Where the format has a fused kernel (`kernel_experts`:
+`pack-quantized` with group scales on CUDA, `tierlm/kernels/fused_moe`) that runs instead, reading the
+same stacked tensors in place.
 """
 
 from __future__ import annotations
@@ -44,6 +45,9 @@ class FusedExpertsMethod:
             renamed = {self.tensor_name(projection, name): spec for name, spec in specs.items()}
             register_runtime_tensors(layer, renamed, (num_experts,))
 
+    def _stack(self, layer: nn.Module, projection: str) -> dict[str, torch.Tensor]:
+        return {name: getattr(layer, self.tensor_name(projection, name)) for name in self.format.runtime_names}
+
     def expert_weight(self, layer: nn.Module, projection: str, index, dtype: torch.dtype) -> torch.Tensor:
         """The weight of expert(s) `index` (an int, or ids [M] for a stack [M, N, K]) in `dtype`."""
         if self.format == DENSE:
@@ -58,7 +62,14 @@ class FusedExpertsMethod:
         self, layer: nn.Module, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, static: bool = False
     ) -> torch.Tensor:
         """x [N, H], routing weights and expert ids [N, k] -> sum_k w_k * expert_k(x) [N, H].
-        static: the sync-free gathered form (captured or compiled decode steps)."""
+        static: the sync-free gathered form (captured or compiled decode steps); the fused kernel, where the
+        format has one, is sync-free in both cases."""
+        if self.format != DENSE:
+            y = self.format.kernel_experts(
+                x, self._stack(layer, "gate_up"), self._stack(layer, "down"), weights, experts
+            )
+            if y is not None:
+                return y
         if static:
             return self._gathered(layer, x, weights, experts)
         if experts.numel() <= self.SMALL_BATCH_PAIRS:
