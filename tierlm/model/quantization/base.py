@@ -102,13 +102,12 @@ class WeightFormat(ABC):
 
     def kernel_linear(self, x: torch.Tensor, tensors: Mapping[str, torch.Tensor], in_features: int):
         """y = x W^T through a fused low-bit kernel, or None where this format or device has none (the
-        torch reference runs then)."""
-        return None
+        torch reference runs then). This default has none."""
 
     def kernel_experts(self, x, gate_up: Mapping[str, torch.Tensor], down: Mapping[str, torch.Tensor],
                        weights: torch.Tensor, experts: torch.Tensor):
-        """The routed experts' sum through the fused MoE kernel over stacked runtime tensors, or None."""
-        return None
+        """The routed experts' sum through the fused MoE kernel over stacked runtime tensors, or None.
+        This default has none."""
 
     def rows_dim_is_leading(self, out_features: int, in_features: int) -> bool:
         """Whether every runtime tensor has its output rows first (a row gather then works: embeddings)."""
