@@ -55,13 +55,24 @@ CONFIGS = {
 }
 
 
+def _layer_type_names(fields: dict) -> dict:
+    """transformers before 5.19 (the GPU machine has 5.17) calls the QSA layer `qwen_sparse_attention`;
+    tierlm loads either name."""
+    import transformers
+
+    if tuple(int(p) for p in transformers.__version__.split(".")[:2]) >= (5, 19) or not fields.get("layer_types"):
+        return fields
+    names = ["qwen_sparse_attention" if t == "indexed_attention" else t for t in fields["layer_types"]]
+    return {**fields, "layer_types": names}
+
+
 def build_reference(config: str | dict, out_dir: Path, seed: int = 0):
     """Save the perturbed reference model for config (a CONFIGS name, or the config itself) into out_dir;
     return the HF model."""
     from transformers import Qwen4ExpForCausalLM, Qwen4ExpTextConfig
 
     torch.manual_seed(seed)
-    fields = CONFIGS[config] if isinstance(config, str) else config
+    fields = _layer_type_names(CONFIGS[config] if isinstance(config, str) else config)
     model = Qwen4ExpForCausalLM(Qwen4ExpTextConfig(**fields)).eval()
     with torch.no_grad():
         for param in model.parameters():
