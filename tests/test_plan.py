@@ -26,6 +26,8 @@ SETTINGS = [
     dict(kv_cache_memory_bytes=8_000_000, max_model_len=2048, enable_prefix_caching=False, block_size=32),
     dict(kv_cache_memory_bytes=5_000_000, max_model_len=512, max_num_seqs=3, max_state_checkpoints=1),
     dict(kv_cache_memory_bytes=20_000_000, qsa_kv_offload=True, qsa_row_cache_rows=64),
+    dict(kv_cache_memory_bytes=20_000_000, qsa_kv_offload=True, qsa_row_cache_bytes=300_000),
+    dict(kv_cache_memory_bytes=5_000_000, max_model_len=512, checkpoint_host_bytes=10_000_000),
 ]
 
 
@@ -60,16 +62,23 @@ def test_plan_prints_the_engine_startup_figures(demo_dir, settings, capsys, capl
     qsa = [state for state in engine.cache.layers if state.key_cache is not None]
     assert qsa and all((state.offload is not None) == plan.kv_offload for state in qsa)
     if plan.kv_offload:
-        assert sum(state.key_cache.nbytes + state.value_cache.nbytes for state in qsa) == plan.host_bytes()
+        assert sum(state.key_cache.nbytes + state.value_cache.nbytes for state in qsa) == plan.host_kv_bytes()
         assert plan.host_bytes() <= plan.host_available_bytes
         caches = [state.offload.cache for state in qsa]
         arena = sum(c.keys.nbytes + c.values.nbytes + c.tags.nbytes + c.hitmark.nbytes + c.claims.nbytes
                     for c in caches)
         assert arena == plan.arena_bytes
-    if settings.get("enable_prefix_caching", True):
+    if "checkpoint_host_bytes" in settings:
+        assert plan.num_checkpoints == settings["checkpoint_host_bytes"] // plan.checkpoint_bytes
+    elif settings.get("enable_prefix_caching", True):
         assert plan.num_checkpoints == settings.get("max_state_checkpoints", 2 * settings.get("max_num_seqs", 4))
     else:
         assert plan.num_checkpoints == 0
+    # the checkpoints are host rows of exactly the planned size; the device holds the running slots only
+    host_pool = engine.cache.checkpoints.nbytes if engine.cache.checkpoints else 0
+    assert host_pool == plan.host_checkpoint_bytes() and engine.cache.num_slots == plan.max_num_seqs
+    if "qsa_row_cache_bytes" in settings:
+        assert plan.arena_bytes <= settings["qsa_row_cache_bytes"] < plan.arena_bytes + plan.qsa_layers * (2 * 2 * 32 * 4 + 24)
 
 
 def test_plan_rejects_a_budget_too_small(demo_dir, capsys):
@@ -147,3 +156,54 @@ def test_plan_rejects_host_ram_too_small(demo_dir, capsys):
             "--host-memory-bytes", "1000"]
     assert main(argv) == 2
     assert "host RAM for the QSA K/V" in capsys.readouterr().err
+
+
+# ---- the real model at the seed's release settings ---------------------------------------------------
+
+# the fact sheet's deduced real config (docs: qwen4-exp-architecture.md section 14)
+REAL = dict(
+    vocab_size=248320, hidden_size=2560, num_hidden_layers=48, full_attention_interval=4, num_attention_heads=24,
+    num_key_value_heads=2, head_dim=256, partial_rotary_factor=0.25, linear_num_key_heads=16,
+    linear_num_value_heads=48, linear_key_head_dim=128, linear_value_head_dim=128, num_experts=512,
+    num_experts_per_tok=10, moe_intermediate_size=640, shared_expert_intermediate_size=640, hc_count=4,
+    hc_lowrank=320, ple_layer_ids=[2], ple_embed_dim=2560, ngram_size=3, heads_per_ngram=8, indexer_n_heads=8,
+    indexer_kv_heads=1, indexer_head_dim=128, indexer_budget=2048, indexer_compress_ratio=4, eos_token_id=248044,
+    max_position_embeddings=262144, torch_dtype="bfloat16",
+)
+SEED_RANKS = (tuple(range(16)), tuple(range(16, 33)), tuple(range(33, 48)))  # the seed's PP=3 split 16/17/15
+SEED_RELEASE = dict(kv_cache_memory_bytes=550_000_000, max_model_len=262144, max_num_seqs=4)
+
+
+def test_real_config_sizes_match_the_fact_sheet():
+    config = ModelConfig.from_dict(REAL)
+    assert config.layer_types.count("indexed_attention") == 12
+    assert plan_module.slot_bytes(config, "bfloat16") == 36 * (61_440 + 3_145_728) + 184_320 + 12 * 4 * 128 * 2 + 16
+    assert plan_module.ple_table_bytes(config, "bfloat16") == 102_400_491_520  # 95.37 GiB
+    assert plan_module.arena_rows_for(config, "bfloat16", 95 << 20) == (95 << 20) // (12 * (2 * 2 * 256 * 2 + 24))
+
+
+@pytest.mark.parametrize("layer_ids", SEED_RANKS, ids=["rank0", "rank1", "rank2"])
+def test_seed_release_settings_hold_four_full_length_requests_per_rank(layer_ids):
+    """550 MB per GPU and 262,144 tokens with prefix caching on: each rank of the seed's split holds 4
+    requests of max_model_len (the seed: 2.00), checkpoints in host RAM, and the plan says so."""
+    config = ModelConfig.from_dict(REAL)
+    plan = engine_cache_plan(EngineConfig(model="m", **SEED_RELEASE), config, "bfloat16", "cuda", 0,
+                             host_memory_bytes=48 << 30, ple_mapped=True, layer_ids=layer_ids)
+    assert plan.kv_offload and plan.prefix_caching and plan.num_checkpoints == 8
+    assert plan.requests_at_max_len >= 4
+    lines = plan.lines()
+    assert "capacity: 4.00 requests of max_model_len 262,144 at once (max_num_seqs 4), with prefix caching on" in lines
+    assert plan.used_bytes() <= 550_000_000 and plan.arena_bytes <= 95 << 20  # the arena beside the budget
+    assert plan.num_slots == 4 and plan.slot_bytes * 5 + (plan.num_blocks + 1) * plan.block_bytes == plan.used_bytes()
+    printed = "\n".join(lines)
+    for tier in ("weights", "state slots", "QSA device rows", "QSA row-cache arena", "QSA K/V pools",
+                 "prefix-cache checkpoints: 8 x", "page cache left for the mapped PLE tables"):
+        assert tier in printed, tier
+    assert ("page cache left for the mapped PLE tables" in printed) == (0 in layer_ids)  # the PLE layer's rank
+
+
+def test_the_whole_real_model_on_one_550_mb_device_is_refused_with_the_reason():
+    """One rank with all 48 layers: 5 slots of 115.6 MB leave nothing for 262,144 tokens of indexer keys."""
+    with pytest.raises(CapacityError, match="holds 0 blocks of 16 tokens after 5 state slots of 115,65"):
+        engine_cache_plan(EngineConfig(model="m", **SEED_RELEASE), ModelConfig.from_dict(REAL), "bfloat16", "cuda",
+                          0, host_memory_bytes=48 << 30)

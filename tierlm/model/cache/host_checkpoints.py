@@ -1,0 +1,89 @@
+"""Prefix-cache checkpoints in (pinned) host RAM: copies of request state slots, taken and restored.
+
+A checkpoint is one slot of every `SlotState` of the model, laid out back to back in one row of a
+single exact-size host pool (`memory.host_pool`, allocated under the rank lock; pinned on CUDA):
+[num_checkpoints, checkpoint_bytes] bytes, each slot pool's part viewed with its own dtype and shape.
+Parts are ordered by element size (largest first) and a row is padded to 8 bytes, so every view is
+aligned; `checkpoint_bytes` gives the row size (the planner uses the same function).
+
+Moves (the caller keeps the books: which checkpoint holds what, least recently used first):
+- `save(slot, index)`: device slot -> host row. On CUDA the copy runs on a side stream (non_blocking,
+  the engine thread does not wait) after the work already queued on the current stream; the current
+  stream waits for it before its next kernels, which may overwrite the slot.
+- `restore(index, slot)`: host row -> device slot, on the current stream (non_blocking on CUDA), after
+  any save still writing that row. On CPU both are plain copies.
+Only the slots of running requests stay in device memory.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tierlm.memory.host_pool import allocate_pools
+from tierlm.model.cache.slot_state import SlotState
+
+ALIGN = 8  # bytes: the largest element size of a slot pool (int64 token ids)
+
+
+def checkpoint_bytes(part_bytes: list[int]) -> int:
+    """One checkpoint row: the parts' bytes, padded to ALIGN."""
+    return -(-sum(part_bytes) // ALIGN) * ALIGN
+
+
+class HostCheckpoints:
+    def __init__(self, states: list[SlotState], count: int, device: torch.device) -> None:
+        self.count, self.device = count, device
+        pools = [pool for state in states for pool in state.slot_pools]
+        order = sorted(range(len(pools)), key=lambda i: -pools[i].dtype.itemsize)
+        self.row_bytes = checkpoint_bytes([pools[i][0].nbytes for i in order])
+        self.pool = allocate_pools({"prefix-cache checkpoints": ((count, self.row_bytes), torch.uint8)},
+                                   pin=device.type == "cuda")["prefix-cache checkpoints"]
+        rows = self.pool.tensor
+        views: list[torch.Tensor | None] = [None] * len(pools)
+        offset = 0
+        for i in order:
+            pool = pools[i]
+            nbytes = pool[0].nbytes
+            views[i] = rows[:, offset : offset + nbytes].view(pool.dtype).view(count, *pool.shape[1:])
+            offset += nbytes
+        # per state, its pools' views (in the state's own order)
+        self._views, at = [], 0
+        for state in states:
+            self._views.append(views[at : at + len(state.slot_pools)])
+            at += len(state.slot_pools)
+        self.states = states
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self.side = torch.cuda.Stream(device)
+            self.saved: dict[int, torch.cuda.Event] = {}  # index -> the event of its latest save
+
+    @property
+    def nbytes(self) -> int:
+        return self.pool.nbytes
+
+    def save(self, slot: int, index: int) -> None:
+        if not self.cuda:
+            self._copy_out(slot, index, non_blocking=False)
+            return
+        current = torch.cuda.current_stream(self.device)
+        self.side.wait_stream(current)
+        with torch.cuda.stream(self.side):
+            self._copy_out(slot, index, non_blocking=True)
+            self.saved[index] = self.side.record_event()
+        current.wait_stream(self.side)  # the slot is not overwritten before it is read
+
+    def restore(self, index: int, slot: int) -> None:
+        if self.cuda:
+            event = self.saved.pop(index, None)
+            if event is not None:
+                torch.cuda.current_stream(self.device).wait_event(event)
+        for state, views in zip(self.states, self._views):
+            state.restore_slot([view[index] for view in views], slot, non_blocking=self.cuda)
+
+    def _copy_out(self, slot: int, index: int, non_blocking: bool) -> None:
+        for state, views in zip(self.states, self._views):
+            state.save_slot(slot, [view[index] for view in views], non_blocking=non_blocking)
+
+    def close(self) -> None:
+        self.pool.close()
+
