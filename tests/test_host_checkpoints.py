@@ -33,7 +33,7 @@ def prompt(seed: int, length: int = 20) -> dict:
 
 def test_spill_and_restore_are_exact(demo_dir):
     """Random state in two slots -> host rows -> other slots: every pool equal bit for bit, the row the
-    planner's size, and a saved row unchanged by later writes to its slot."""
+    planner's size, and a saved row unchanged by later writes to its slot; device copies too."""
     config = ModelConfig.from_pretrained(demo_dir)
     cache = ModelCache(config, num_slots=4, num_blocks=8, block_size=16, dtype=torch.float32,
                        num_host_checkpoints=3)
@@ -49,9 +49,11 @@ def test_spill_and_restore_are_exact(demo_dir):
     cache.reset_slot(0)  # the slot moves on; its saved copy must not
     cache.restore_checkpoint(2, 3)
     cache.restore_checkpoint(0, 2)
-    for slot, expected in ((3, before[0]), (2, before[1])):
+    for state in cache.slot_states:  # and a slot copied on the device, as each kind copies it
+        state.copy_slot(3, 1)
+    for slot, expected in ((3, before[0]), (2, before[1]), (1, before[0])):
         got = [pool[slot] for state in cache.slot_states for pool in state.slot_pools]
-        assert all(torch.equal(a, b) for a, b in zip(got, expected))
+        assert len(got) == len(expected) and all(torch.equal(a, b) for a, b in zip(got, expected))
 
 
 def test_a_conversation_resumed_after_50_others_hits_and_matches(demo_dir):

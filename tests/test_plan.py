@@ -12,7 +12,7 @@ from tierlm.demo_model import build_demo_model
 from tierlm.engine.llm_engine import EngineConfig, LLMEngine, engine_cache_plan
 from tierlm.memory import plan as plan_module
 from tierlm.memory.host_pool import DEFAULT_MARGIN_BYTES
-from tierlm.memory.plan import CapacityError, kv_block_bytes
+from tierlm.memory.plan import CapacityError, checkpoint_bytes, kv_block_bytes
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +95,7 @@ def test_row_cache_settings_out_of_range_are_refused(demo_dir, capsys):
 
 # ---- where the QSA K/V go: auto, explicit, and the host RAM that bounds them -------------------------
 
-SMALL = dict(kv_cache_memory_bytes=12_000_000, qsa_row_cache_rows=1024)  # the device alone: 2.41 of 4 requests
+SMALL = dict(kv_cache_memory_bytes=12_000_000, qsa_row_cache_rows=1024)  # the device alone: 2.58 of 4 requests
 LARGE = dict(kv_cache_memory_bytes=20_000_000, qsa_row_cache_rows=1024)  # the device alone: all 4
 
 
@@ -106,21 +106,24 @@ def plan_for(demo_dir, device, host_memory_bytes=64 << 30, **settings):
 
 
 def host_blocks(demo_dir, blocks):
-    """Host RAM (before the margin) for `blocks` blocks of K/V and the scratch block."""
-    return DEFAULT_MARGIN_BYTES + (blocks + 1) * kv_block_bytes(ModelConfig.from_pretrained(demo_dir), "float32", 16)
+    """Host RAM (before the margin) for `blocks` blocks of K/V and the scratch block, beside the default
+    8 prefix-cache checkpoints."""
+    config = ModelConfig.from_pretrained(demo_dir)
+    return DEFAULT_MARGIN_BYTES + (blocks + 1) * kv_block_bytes(config, "float32", 16) + 8 * checkpoint_bytes(
+        config, "float32")
 
 
 def test_auto_offloads_on_cuda_when_the_device_alone_is_short(demo_dir):
     on_device = plan_for(demo_dir, "cuda", **SMALL, qsa_kv_offload=False)
     assert on_device.requests_at_max_len < on_device.max_num_seqs
     plan = plan_for(demo_dir, "cuda", **SMALL)
-    assert plan.kv_offload and plan.kv_placement.startswith("auto: the device alone holds 2.41 of")
+    assert plan.kv_offload and plan.kv_placement.startswith("auto: the device alone holds 2.58 of")
     assert plan.num_blocks > on_device.num_blocks and plan.requests_at_max_len == plan.max_num_seqs
     assert plan.used_bytes() <= plan.budget_bytes and plan.arena_bytes == 1024 * (2 * 2 * 32 * 4 + 3 * 8)
-    line = "  QSA K/V: in host RAM (auto: the device alone holds 2.41 of max_num_seqs 4 requests of max_model_len)"
+    line = "  QSA K/V: in host RAM (auto: the device alone holds 2.58 of max_num_seqs 4 requests of max_model_len)"
     assert line in plan.lines()
     assert not plan_for(demo_dir, "cuda", **LARGE).kv_offload
-    tight = dict(kv_cache_memory_bytes=1_500_000, max_model_len=1024, qsa_row_cache_rows=64)
+    tight = dict(kv_cache_memory_bytes=800_000, max_model_len=1024, qsa_row_cache_rows=64)
     with pytest.raises(CapacityError):
         plan_for(demo_dir, "cuda:1", **tight, qsa_kv_offload=False)
     plan = plan_for(demo_dir, "cuda:1", **tight)
@@ -154,8 +157,10 @@ def test_host_ram_bounds_the_offloaded_blocks(demo_dir):
 def test_plan_rejects_host_ram_too_small(demo_dir, capsys):
     argv = ["plan", str(demo_dir), "--kv-cache-memory-bytes", "20000000", "--qsa-kv-offload",
             "--host-memory-bytes", "1000"]
-    assert main(argv) == 2
+    assert main([*argv, "--no-enable-prefix-caching"]) == 2
     assert "host RAM for the QSA K/V" in capsys.readouterr().err
+    assert main(argv) == 2  # the checkpoints come first
+    assert "host RAM for the prefix-cache checkpoints: 8 x 95,760 B" in capsys.readouterr().err
 
 
 # ---- the real model at the seed's release settings ---------------------------------------------------
@@ -197,7 +202,7 @@ def test_seed_release_settings_hold_four_full_length_requests_per_rank(layer_ids
     assert plan.num_slots == 4 and plan.slot_bytes * 5 + (plan.num_blocks + 1) * plan.block_bytes == plan.used_bytes()
     printed = "\n".join(lines)
     for tier in ("weights", "state slots", "QSA device rows", "QSA row-cache arena", "QSA K/V pools",
-                 "prefix-cache checkpoints: 8 x", "page cache left for the mapped PLE tables"):
+                 "prefix-cache checkpoints: 8 x"):
         assert tier in printed, tier
     assert ("page cache left for the mapped PLE tables" in printed) == (0 in layer_ids)  # the PLE layer's rank
 

@@ -190,7 +190,7 @@ class CachePlan:
     host_block_bytes: int  # per block in host RAM (0 without offload)
     host_available_bytes: int  # what the host pools may take (the safety margin already taken off)
     host_source: str
-    arena_rows: int  # per QSA layer, K and V each, with offload
+    arena_rows: int  # per QSA layer, K and V each, with offload (at most the pool's rows)
     arena_bytes: int  # all QSA layers' arenas, on the device (0 without offload)
     arena_source: str
     arena_in_budget: bool  # the arena comes out of the cache budget (else it is allocated beside it)
@@ -364,7 +364,7 @@ def _split(config: ModelConfig, dtype: str, s: CacheSettings, kv_offload: bool, 
     one_slot = slot_bytes(config, dtype, ids)
     one_checkpoint = checkpoint_bytes(config, dtype, ids)
     checkpoints_host = s.num_checkpoints * one_checkpoint
-    if checkpoints_host > s.host_available_bytes:
+    if checkpoints_host and checkpoints_host > s.host_available_bytes:
         raise CapacityError(
             f"host RAM for the prefix-cache checkpoints: {s.num_checkpoints:,} x {one_checkpoint:,} B = "
             f"{checkpoints_host:,} B, but {s.host_available_bytes:,} B are available ({s.host_source}); lower "
@@ -398,6 +398,8 @@ def _split(config: ModelConfig, dtype: str, s: CacheSettings, kv_offload: bool, 
         num_blocks = 0
         if free < 0:
             raise CapacityError(f"the cache budget of {s.budget_bytes:,} B ({s.budget_source}) cannot hold {held}")
+    arena_rows = min(s.arena_rows, (num_blocks + 1) * s.block_size) if kv_offload else 0  # no more than the pool
+    arenas = arena_bytes(config, dtype, arena_rows, ids)
     return CachePlan(
         dtype=dtype, block_size=s.block_size, budget_bytes=s.budget_bytes, budget_source=s.budget_source,
         max_model_len=s.max_model_len, max_num_seqs=s.max_num_seqs, num_blocks=num_blocks,
@@ -405,7 +407,7 @@ def _split(config: ModelConfig, dtype: str, s: CacheSettings, kv_offload: bool, 
         block_bytes=one_block, slot_bytes=one_slot, layers=tuple(layer_bytes(config, dtype, ids)),
         kv_offload=kv_offload, kv_placement=kv_placement, host_block_bytes=host_block,
         host_available_bytes=s.host_available_bytes, host_source=s.host_source,
-        arena_rows=s.arena_rows if kv_offload else 0, arena_bytes=arenas, arena_source=s.arena_source,
+        arena_rows=arena_rows, arena_bytes=arenas, arena_source=s.arena_source,
         arena_in_budget=s.arena_in_budget,
         weights_bytes=s.weights_bytes, ple_table_bytes=ple_table_bytes(config, dtype, ids), ple_mapped=s.ple_mapped,
         prefix_caching=s.prefix_caching, layer_ids=ids,

@@ -159,11 +159,6 @@ class ModelCache:
         """One request's state over every layer (what a checkpoint copies)."""
         return sum(state.slot_bytes for state in self.slot_states)
 
-    def copy_slot(self, source: int, target: int) -> None:
-        """Copy one slot's state into another."""
-        for state in self.slot_states:
-            state.copy_slot(source, target)
-
     def reset_slot(self, slot: int) -> None:
         """Give a slot the state of a request that has seen no tokens yet."""
         for state in self.slot_states:

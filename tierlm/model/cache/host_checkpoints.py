@@ -7,11 +7,12 @@ Parts are ordered by element size (largest first) and a row is padded to 8 bytes
 aligned; `checkpoint_bytes` gives the row size (the planner uses the same function).
 
 Moves (the caller keeps the books: which checkpoint holds what, least recently used first):
-- `save(slot, index)`: device slot -> host row. On CUDA the copy runs on a side stream (non_blocking,
-  the engine thread does not wait) after the work already queued on the current stream; the current
-  stream waits for it before its next kernels, which may overwrite the slot.
-- `restore(index, slot)`: host row -> device slot, on the current stream (non_blocking on CUDA), after
-  any save still writing that row. On CPU both are plain copies.
+- `save(slot, index)`: device slot -> host row. On CUDA the copy is queued on a side stream (non_blocking:
+  the engine thread does not wait for it) after the work already queued on the current stream, and the
+  current stream waits for the copy before its next kernels, which may overwrite the slot. (The device
+  does wait: a copy that overlaps the next step would need a device staging slot.)
+- `restore(index, slot)`: host row -> device slot, queued on the current stream (non_blocking on CUDA),
+  so after every save queued before it. On CPU both are plain copies.
 Only the slots of running requests stay in device memory.
 """
 
@@ -32,6 +33,7 @@ def checkpoint_bytes(part_bytes: list[int]) -> int:
 
 class HostCheckpoints:
     def __init__(self, states: list[SlotState], count: int, device: torch.device) -> None:
+        """`count` checkpoint rows, each one slot of every pool of `states` (the device's slot states)."""
         self.count, self.device = count, device
         pools = [pool for state in states for pool in state.slot_pools]
         order = sorted(range(len(pools)), key=lambda i: -pools[i].dtype.itemsize)
@@ -53,9 +55,7 @@ class HostCheckpoints:
             at += len(state.slot_pools)
         self.states = states
         self.cuda = device.type == "cuda"
-        if self.cuda:
-            self.side = torch.cuda.Stream(device)
-            self.saved: dict[int, torch.cuda.Event] = {}  # index -> the event of its latest save
+        self.side = torch.cuda.Stream(device) if self.cuda else None
 
     @property
     def nbytes(self) -> int:
@@ -69,21 +69,13 @@ class HostCheckpoints:
         self.side.wait_stream(current)
         with torch.cuda.stream(self.side):
             self._copy_out(slot, index, non_blocking=True)
-            self.saved[index] = self.side.record_event()
         current.wait_stream(self.side)  # the slot is not overwritten before it is read
 
     def restore(self, index: int, slot: int) -> None:
-        if self.cuda:
-            event = self.saved.pop(index, None)
-            if event is not None:
-                torch.cuda.current_stream(self.device).wait_event(event)
         for state, views in zip(self.states, self._views):
             state.restore_slot([view[index] for view in views], slot, non_blocking=self.cuda)
 
     def _copy_out(self, slot: int, index: int, non_blocking: bool) -> None:
         for state, views in zip(self.states, self._views):
             state.save_slot(slot, [view[index] for view in views], non_blocking=non_blocking)
-
-    def close(self) -> None:
-        self.pool.close()
 
