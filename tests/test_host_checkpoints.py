@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -66,7 +69,8 @@ def test_a_conversation_resumed_after_50_others_hits_and_matches(demo_dir):
     assert llm.engine.cache.num_slots == 4  # the device keeps the running requests' slots only
     first = prompt(0)
     turn1 = llm.generate(first, GREEDY)[0]
-    llm.generate([prompt(seed) for seed in range(1, 51)], GREEDY)
+    llm.generate([prompt(seed) for seed in range(1, 51)], SamplingParams(temperature=0, max_tokens=1))
+    assert len(llm.engine.cache_manager.checkpoints) == 51  # one each, at token 16: none evicted
     resumed = {"prompt_token_ids": first["prompt_token_ids"] + turn1.outputs[0].token_ids + [5, 6, 7]}
     turn2 = llm.generate(resumed, GREEDY)[0]
     assert turn2.num_cached_tokens == 16  # its prompt checkpoint (the last block boundary of turn 1's prompt)
@@ -85,3 +89,19 @@ def test_checkpoints_are_evicted_least_recently_used(demo_dir):
     assert [hits(a), hits(b), hits(a), hits(c)] == [0, 0, 16, 0]
     assert hits(a) == 16  # still there (now the newest)
     assert hits(b) == 0  # evicted: its blocks are cached, but no checkpoint ends at them
+
+
+def test_serve_flags_reach_engine_config():
+    from tierlm.cli import build_parser
+    from tierlm.server.cli import engine_config
+
+    argv = ["serve", "m", "--checkpoint-host-bytes", "123456789", "--qsa-row-cache-bytes", "4096"]
+    config = engine_config("m", build_parser(argv).parse_args(argv))
+    assert (config.checkpoint_host_bytes, config.qsa_row_cache_bytes) == (123456789, 4096)
+
+
+def test_the_model_never_imports_the_planner():
+    """memory/ may depend on model/, never the reverse: importing the model and its cache loads no plan."""
+    code = ("import sys, tierlm.model.qwen4_exp, tierlm.model.model_cache, tierlm.model.static_decode; "
+            "assert 'tierlm.memory.plan' not in sys.modules, 'tierlm.memory.plan imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300)

@@ -235,7 +235,8 @@ class LLMEngine:
         dtype = next(self.model.parameters()).dtype
         device = next(self.model.parameters()).device
         self.cache_plan = engine_cache_plan(
-            config, mc, str(dtype).removeprefix("torch."), str(device), 0, ple_mapped=table_dir is not None
+            config, mc, str(dtype).removeprefix("torch."), str(device), 0,
+            ple_mapped=table_dir is not None and bool(mc.ple_layer_ids),
         )
         for line in self.cache_plan.lines():
             logger.info(line)
