@@ -15,6 +15,7 @@ from tierlm.memory.plan import checkpoint_bytes
 from tierlm.model.model_cache import ModelCache
 
 GREEDY = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU"))]
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +24,7 @@ def demo_dir(tmp_path_factory):
 
 
 def make(demo_dir, **options):
-    defaults = dict(dtype="float32", device="cpu", max_model_len=512, max_num_seqs=4,
+    defaults = dict(dtype="float32", device=options.pop("device", "cpu"), max_model_len=512, max_num_seqs=4,
                     kv_cache_memory_bytes=40_000_000)
     return LLM(str(demo_dir), **{**defaults, **options})
 
@@ -34,18 +35,20 @@ def prompt(seed: int, length: int = 20) -> dict:
     return {"prompt_token_ids": ids}
 
 
-def test_spill_and_restore_are_exact(demo_dir):
+@pytest.mark.parametrize("device", DEVICES)
+def test_spill_and_restore_are_exact(demo_dir, device):
     """Random state in two slots -> host rows -> other slots: every pool equal bit for bit, the row the
     planner's size, and a saved row unchanged by later writes to its slot; device copies too."""
     config = ModelConfig.from_pretrained(demo_dir)
-    cache = ModelCache(config, num_slots=4, num_blocks=8, block_size=16, dtype=torch.float32,
+    cache = ModelCache(config, num_slots=4, num_blocks=8, block_size=16, dtype=torch.float32, device=device,
                        num_host_checkpoints=3)
+    assert cache.checkpoints.pool.pinned == (device == "cuda")
     assert cache.checkpoints.row_bytes == checkpoint_bytes(config, "float32")
     assert cache.checkpoints.nbytes == 3 * checkpoint_bytes(config, "float32")
     generator = torch.Generator().manual_seed(0)
     for state in cache.slot_states:
         for pool in state.slot_pools:
-            pool.copy_(torch.randint(0, 1000, pool.shape, generator=generator).to(pool.dtype))
+            pool.copy_(torch.randint(0, 1000, pool.shape, generator=generator).to(pool.dtype).to(device))
     before = [[pool[slot].clone() for state in cache.slot_states for pool in state.slot_pools] for slot in (0, 1)]
     cache.save_checkpoint(0, 2)
     cache.save_checkpoint(1, 0)
@@ -59,11 +62,12 @@ def test_spill_and_restore_are_exact(demo_dir):
         assert len(got) == len(expected) and all(torch.equal(a, b) for a, b in zip(got, expected))
 
 
-def test_a_conversation_resumed_after_50_others_hits_and_matches(demo_dir):
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_conversation_resumed_after_50_others_hits_and_matches(demo_dir, device):
     """Its checkpoint went to host RAM and came back: the same tokens as a run without prefix caching."""
-    llm = make(demo_dir, checkpoint_host_bytes=200 * checkpoint_bytes(ModelConfig.from_pretrained(demo_dir),
-                                                                        "float32"))
-    plain = make(demo_dir, enable_prefix_caching=False)
+    row = checkpoint_bytes(ModelConfig.from_pretrained(demo_dir), "float32")
+    llm = make(demo_dir, device=device, checkpoint_host_bytes=200 * row)
+    plain = make(demo_dir, device=device, enable_prefix_caching=False)
     plan = llm.engine.cache_plan
     assert plan.num_checkpoints == 200 and llm.engine.cache.checkpoints.nbytes == plan.host_checkpoint_bytes()
     assert llm.engine.cache.num_slots == 4  # the device keeps the running requests' slots only

@@ -74,6 +74,11 @@ def test_plan_prints_the_engine_startup_figures(demo_dir, settings, capsys, capl
         assert plan.num_checkpoints == settings.get("max_state_checkpoints", 2 * settings.get("max_num_seqs", 4))
     else:
         assert plan.num_checkpoints == 0
+    # each cache kind's own sizes add up to the plan's
+    layers = engine.cache.layers
+    device_block = sum(c.indexer.block_bytes for c in layers if c.indexer) + (
+        0 if plan.kv_offload else sum(c.kv.block_bytes for c in layers if c.kv))
+    assert device_block == plan.block_bytes and engine.cache.slot_bytes == plan.slot_bytes
     # the checkpoints are host rows of exactly the planned size; the device holds the running slots only
     host_pool = engine.cache.checkpoints.nbytes if engine.cache.checkpoints else 0
     assert host_pool == plan.host_checkpoint_bytes() and engine.cache.num_slots == plan.max_num_seqs
