@@ -100,7 +100,7 @@ def test_row_cache_settings_out_of_range_are_refused(demo_dir, capsys):
 
 # ---- where the QSA K/V go: auto, explicit, and the host RAM that bounds them -------------------------
 
-SMALL = dict(kv_cache_memory_bytes=12_000_000, qsa_row_cache_rows=1024)  # the device alone: 2.58 of 4 requests
+SMALL = dict(kv_cache_memory_bytes=12_000_000, qsa_row_cache_rows=1024)  # the device alone: 2.56 of 4 requests
 LARGE = dict(kv_cache_memory_bytes=20_000_000, qsa_row_cache_rows=1024)  # the device alone: all 4
 
 
@@ -122,10 +122,10 @@ def test_auto_offloads_on_cuda_when_the_device_alone_is_short(demo_dir):
     on_device = plan_for(demo_dir, "cuda", **SMALL, qsa_kv_offload=False)
     assert on_device.requests_at_max_len < on_device.max_num_seqs
     plan = plan_for(demo_dir, "cuda", **SMALL)
-    assert plan.kv_offload and plan.kv_placement.startswith("auto: the device alone holds 2.58 of")
+    assert plan.kv_offload and plan.kv_placement.startswith("auto: the device alone holds 2.56 of")
     assert plan.num_blocks > on_device.num_blocks and plan.requests_at_max_len == plan.max_num_seqs
     assert plan.used_bytes() <= plan.budget_bytes and plan.arena_bytes == 1024 * (2 * 2 * 32 * 4 + 3 * 8)
-    line = "  QSA K/V: in host RAM (auto: the device alone holds 2.58 of max_num_seqs 4 requests of max_model_len)"
+    line = "  QSA K/V: in host RAM (auto: the device alone holds 2.56 of max_num_seqs 4 requests of max_model_len)"
     assert line in plan.lines()
     assert not plan_for(demo_dir, "cuda", **LARGE).kv_offload
     tight = dict(kv_cache_memory_bytes=800_000, max_model_len=1024, qsa_row_cache_rows=64)
@@ -141,7 +141,8 @@ def test_auto_stays_on_the_device_on_cpu_or_when_offloading_holds_no_more(demo_d
     assert "  QSA K/V: on the device (auto: off on cpu)" in plan.lines()
     no_more = plan_for(demo_dir, "cuda", host_blocks(demo_dir, 600), **SMALL)
     assert not no_more.kv_offload and no_more.kv_placement.endswith("offloaded they would hold no more")
-    assert no_more.num_blocks == plan.num_blocks
+    assert no_more.num_blocks == plan_for(demo_dir, "cuda", **SMALL, qsa_kv_offload=False).num_blocks
+    assert plan.staging_slots == 0 and no_more.staging_slots == 1  # checkpoint saves stage on CUDA only
 
 
 def test_explicit_placement_wins(demo_dir):
@@ -204,7 +205,8 @@ def test_seed_release_settings_hold_four_full_length_requests_per_rank(layer_ids
     lines = plan.lines()
     assert "capacity: 4.00 requests of max_model_len 262,144 at once (max_num_seqs 4), with prefix caching on" in lines
     assert plan.used_bytes() <= 550_000_000 and plan.arena_bytes <= 95 << 20  # the arena beside the budget
-    assert plan.num_slots == 4 and plan.slot_bytes * 5 + (plan.num_blocks + 1) * plan.block_bytes == plan.used_bytes()
+    assert plan.num_slots == 4 and plan.device_slots == 6  # + scratch + the checkpoints' staging slot
+    assert plan.slot_bytes * 6 + (plan.num_blocks + 1) * plan.block_bytes == plan.used_bytes()
     printed = "\n".join(lines)
     for tier in ("weights", "state slots", "QSA device rows", "QSA row-cache arena", "QSA K/V pools",
                  "prefix-cache checkpoints: 8 x"):
@@ -213,7 +215,8 @@ def test_seed_release_settings_hold_four_full_length_requests_per_rank(layer_ids
 
 
 def test_the_whole_real_model_on_one_550_mb_device_is_refused_with_the_reason():
-    """One rank with all 48 layers: 5 slots of 115.6 MB leave nothing for 262,144 tokens of indexer keys."""
-    with pytest.raises(CapacityError, match="holds 0 blocks of 16 tokens after 5 state slots of 115,65"):
+    """One rank with all 48 layers: 6 slots of 115.6 MB (4 running, scratch, staging) leave nothing for
+    262,144 tokens of indexer keys."""
+    with pytest.raises(CapacityError, match="holds 0 blocks of 16 tokens after 6 state slots of 115,65"):
         engine_cache_plan(EngineConfig(model="m", **SEED_RELEASE), ModelConfig.from_dict(REAL), "bfloat16", "cuda",
                           0, host_memory_bytes=48 << 30)

@@ -13,7 +13,8 @@ Where the bytes go (per layer type):
 A state slot holds one request's recurrent state for every layer.
 
 The tiers:
-- device: the weights (reported), one state slot per running request (+1 scratch), the QSA device rows
+- device: the weights (reported), one state slot per running request (+1 scratch, and on CUDA with
+  prefix caching +1 that checkpoint saves pass through on their way to host RAM), the QSA device rows
   (indexer keys, and K/V unless offloaded), with offload each QSA layer's arena (prefill staging and
   decode row cache; a byte budget, `--qsa-row-cache-bytes`, default the seed's 95 MiB per GPU). An
   explicit --kv-cache-memory-bytes sizes the cache alone (slots and rows, as vLLM's flag sizes its KV
@@ -198,12 +199,18 @@ class CachePlan:
     ple_table_bytes: int  # the PLE tables' size
     ple_mapped: bool  # the tables are files mapped from NVMe (served through the page cache)
     prefix_caching: bool
+    staging_slots: int  # 1 on CUDA with checkpoints: the slot saves pass through (model/cache/host_checkpoints)
     layer_ids: tuple[int, ...] | None  # one pipeline rank's layers; None: all
 
     @property
     def num_slots(self) -> int:
         """Device slots the engine hands out: one per running request (a scratch slot comes on top)."""
         return self.max_num_seqs
+
+    @property
+    def device_slots(self) -> int:
+        """Every slot in device memory: running, scratch, staging."""
+        return self.num_slots + 1 + self.staging_slots
 
     @property
     def tokens(self) -> int:
@@ -223,12 +230,12 @@ class CachePlan:
     def used_bytes(self) -> int:
         """Bytes of the cache budget taken: blocks and slots (each with its scratch one), and the arenas
         when they come out of the budget."""
-        cache = (self.num_blocks + 1) * self.block_bytes + (self.num_slots + 1) * self.slot_bytes
+        cache = (self.num_blocks + 1) * self.block_bytes + self.device_slots * self.slot_bytes
         return cache + (self.arena_bytes if self.arena_in_budget else 0)
 
     def device_bytes(self) -> int:
         """Every device byte the cache allocates: the budget's share and the arenas."""
-        return (self.num_blocks + 1) * self.block_bytes + (self.num_slots + 1) * self.slot_bytes + self.arena_bytes
+        return (self.num_blocks + 1) * self.block_bytes + self.device_slots * self.slot_bytes + self.arena_bytes
 
     def host_kv_bytes(self) -> int:
         """Host RAM of the K/V pools (the scratch block included)."""
@@ -255,8 +262,9 @@ class CachePlan:
         mapped = " (PLE tables mapped, not included)" if self.ple_mapped else ""
         out.append(f"device: cache budget {self.budget_bytes:,} B ({self.budget_source}); weights "
                    f"{self.weights_bytes:,} B{mapped}")
-        out.append(f"  state slots: {self.max_num_seqs} running (+1 scratch) x {self.slot_bytes:,} B = "
-                   f"{(self.num_slots + 1) * self.slot_bytes:,} B")
+        staging = ", +1 checkpoint staging" if self.staging_slots else ""
+        out.append(f"  state slots: {self.max_num_seqs} running (+1 scratch{staging}) x {self.slot_bytes:,} B = "
+                   f"{self.device_slots * self.slot_bytes:,} B")
         if self.block_bytes:
             out += self._qsa_lines()
         beside = "" if self.arena_in_budget or not self.arena_bytes else (
@@ -371,7 +379,8 @@ def _split(config: ModelConfig, dtype: str, s: CacheSettings, kv_offload: bool, 
             "--checkpoint-host-bytes / --max-state-checkpoints or free host memory"
         )
     per_request_blocks = math.ceil(s.max_model_len / s.block_size)
-    num_slots = s.max_num_seqs + 1
+    staging = int(s.device_type == "cuda" and s.num_checkpoints > 0)
+    num_slots = s.max_num_seqs + 1 + staging
     held = f"{num_slots} state slots of {one_slot:,} B" + (
         f" and QSA arenas of {arenas:,} B" if arenas and s.arena_in_budget else "")
     free = s.budget_bytes - num_slots * one_slot - (arenas if s.arena_in_budget else 0)
@@ -410,7 +419,7 @@ def _split(config: ModelConfig, dtype: str, s: CacheSettings, kv_offload: bool, 
         arena_rows=arena_rows, arena_bytes=arenas, arena_source=s.arena_source,
         arena_in_budget=s.arena_in_budget,
         weights_bytes=s.weights_bytes, ple_table_bytes=ple_table_bytes(config, dtype, ids), ple_mapped=s.ple_mapped,
-        prefix_caching=s.prefix_caching, layer_ids=ids,
+        prefix_caching=s.prefix_caching, staging_slots=staging, layer_ids=ids,
     )
 
 

@@ -10,7 +10,8 @@ and the model one `NgramContextState` (last ngram_size-1 token ids, EOS at a req
 The layers see only their own caches; who owns which slot or block is the engine's business.
 
 Slots are for running requests. Prefix-cache checkpoints (copies of a slot at a block boundary) live in
-host RAM (`HostCheckpoints`): `save_checkpoint` / `restore_checkpoint` move a slot there and back.
+host RAM (`HostCheckpoints`): `save_checkpoint` / `restore_checkpoint` move a slot there and back. On
+CUDA one more slot (`staging_slot`) holds the copy of a slot whose save is still crossing PCIe.
 
 One extra slot and one extra block (`scratch_slot`, `scratch_block`) are never handed out: padded rows
 of a fixed-size decode batch (CUDA graphs) and writes that a static-shape path must make unconditionally
@@ -110,7 +111,9 @@ class ModelCache:
         self.config, self.num_slots, self.num_blocks, self.block_size = c, num_slots, num_blocks, block_size
         self.dtype, self.device = dtype, torch.device(device)
         self.scratch_slot, self.scratch_block = num_slots, num_blocks
-        num_slots, num_blocks = num_slots + 1, num_blocks + 1
+        staging = num_host_checkpoints > 0 and self.device.type == "cuda"
+        self.staging_slot = num_slots + 1 if staging else None
+        num_slots, num_blocks = num_slots + 1 + staging, num_blocks + 1
         conv_dim = 2 * c.linear_num_key_heads * c.linear_key_head_dim + c.linear_num_value_heads * c.linear_value_head_dim
         alloc = dict(dtype=dtype, device=self.device)
         kv_shape = (num_blocks, block_size, c.num_key_value_heads, c.head_dim)
@@ -151,8 +154,9 @@ class ModelCache:
         self.slot_states: list[SlotState] = [
             state for caches in self.layers for state in (caches.gdn, caches.ple, caches.indexer) if state is not None
         ] + [NgramContextState(self.ngram_context, c.eos_token_id)]
-        self.checkpoints = HostCheckpoints(self.slot_states, num_host_checkpoints, self.device) if (
-            num_host_checkpoints) else None
+        self.checkpoints = HostCheckpoints(
+            self.slot_states, num_host_checkpoints, self.device, self.staging_slot
+        ) if num_host_checkpoints else None
 
     @property
     def slot_bytes(self) -> int:
