@@ -12,10 +12,11 @@ import torch
 from reference_models import build_reference
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from tierlm.model.cache import QSAIndexerState
 from tierlm.model.forward_batch import ForwardBatch
 from tierlm.model.layers.qsa_attention import QSAIndexer, top_blocks
 from tierlm.model.loader import load_model
-from tierlm.model.model_cache import LayerState, ModelCache
+from tierlm.model.model_cache import ModelCache
 from tierlm.model.static_decode import StaticDecodeRunner, prepared_widths
 
 BLOCK_SIZE, CONTEXT = 16, 200
@@ -132,8 +133,8 @@ def test_varlen_decode_scoring_selects_what_the_padded_form_selects(dtype):
     torch.manual_seed(0)
     indexer = QSAIndexer(_Config())
     block_size, blocks = 8, 64
-    state = LayerState(index_keys=torch.randn(blocks + 1, block_size // 4, 8).to(dtype), block_size=block_size,
-                       scratch_block=blocks)
+    state = QSAIndexerState(torch.zeros(5, 4, 8, dtype=dtype),
+                            torch.randn(blocks + 1, block_size // 4, 8).to(dtype), block_size, blocks)
     contexts = [200, 3, 37, 8, 131]
     order, tables = torch.randperm(blocks).tolist(), []  # shuffled blocks, each request its own
     for c in contexts:

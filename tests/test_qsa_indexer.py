@@ -10,8 +10,8 @@ import torch.nn.functional as F
 
 from tierlm.kernels.qsa_block_scores import block_scores
 from tierlm.kernels.qsa_row_cache import attend_rows
+from tierlm.model.cache import QSADeviceKV, QSAIndexerState
 from tierlm.model.layers.qsa_attention import QSAAttention, QSAIndexer, Selection
-from tierlm.model.model_cache import LayerState
 
 
 class _Config:
@@ -72,20 +72,18 @@ def test_gathered_attention_equals_dense_masked_attention():
     torch.manual_seed(2)
     attention = QSAAttention(_Config())
     block_size, blocks, kv_len = 8, 6, 45
-    state = LayerState(
-        key_cache=torch.randn(blocks + 1, block_size, 2, 8), value_cache=torch.randn(blocks + 1, block_size, 2, 8),
-        block_size=block_size, scratch_block=blocks,
-    )
+    kv = QSADeviceKV(torch.randn(blocks + 1, block_size, 2, 8), torch.randn(blocks + 1, block_size, 2, 8))
+    paging = QSAIndexerState(torch.zeros(1, 4, 8), torch.zeros(blocks + 1, block_size // 4, 8), block_size, blocks)
     table = torch.tensor([4, 0, 5, 2, 1, 3])  # a shuffled block table
     positions = torch.arange(30, kv_len)
     q = torch.randn(len(positions), 4, 8)
     scores = attention.indexer.scores(torch.randn(len(positions), 3, 8), torch.randn(kv_len // 4, 8), positions)
     token_pos, valid = attention.indexer.choose(scores, positions)
-    selection = Selection.of(token_pos, valid, table.expand(len(positions), -1), state)
-    got = attend_rows(q, *attention._gather(selection.rows, state), selection.valid, attention.scale)
+    selection = Selection.of(token_pos, valid, table.expand(len(positions), -1), paging)
+    got = attend_rows(q, *kv.gather(selection.rows), selection.valid, attention.scale)
     # reference: every context key, a boolean mask of the chosen ones
-    keys = state.key_cache[table].flatten(0, 1)[:kv_len].transpose(0, 1)
-    values = state.value_cache[table].flatten(0, 1)[:kv_len].transpose(0, 1)
+    keys = kv.key_cache[table].flatten(0, 1)[:kv_len].transpose(0, 1)
+    values = kv.value_cache[table].flatten(0, 1)[:kv_len].transpose(0, 1)
     mask = torch.zeros(len(positions), kv_len, dtype=torch.bool)
     for i in range(len(positions)):
         mask[i, token_pos[i][valid[i]]] = True

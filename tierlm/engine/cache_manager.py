@@ -9,10 +9,12 @@ every GDN and PLE layer exactly there. That state is a whole slot (115 MB per re
 model, against 32 KB for a 16-token QSA block), so checkpoints are few and deliberate:
 - one at the last block boundary inside the prompt (a resent conversation always shares it), and
 - one at the latest block boundary reached while decoding (replacing the request's previous one),
-each a copy of the request's slot into a checkpoint slot, keyed by the hash of the block it ends.
-A hit is the longest run of cached blocks that ends at a block with a checkpoint. Blocks and
-checkpoints are evicted least-recently-used; a cached block is reusable only while ref count is 0 or
-it is shared read-only (full blocks are never written again).
+each a copy of the request's slot into a row of the host checkpoint pool (pinned host RAM: device
+memory keeps only the slots of running requests; `model/cache/host_checkpoints`), keyed by the hash
+of the block it ends, and copied back into the slot of a request that hits it. A hit is the longest
+run of cached blocks that ends at a block with a checkpoint. Blocks and checkpoints are evicted
+least-recently-used; a cached block is reusable only while ref count is 0 or it is shared read-only
+(full blocks are never written again).
 """
 
 from __future__ import annotations
@@ -34,21 +36,24 @@ class CacheManager:
     def __init__(
         self, cache: ModelCache, max_num_seqs: int, num_checkpoints: int = 0, enable_prefix_caching: bool = False
     ) -> None:
-        if max_num_seqs + num_checkpoints > cache.num_slots:
-            raise ValueError(f"{max_num_seqs} running slots + {num_checkpoints} checkpoints > {cache.num_slots} slots")
+        if max_num_seqs > cache.num_slots:
+            raise ValueError(f"{max_num_seqs} running requests > {cache.num_slots} state slots")
+        host_rows = cache.checkpoints.count if cache.checkpoints else 0
+        if num_checkpoints > host_rows:
+            raise ValueError(f"{num_checkpoints} checkpoints > {host_rows} rows of the host checkpoint pool")
         self.cache = cache
         self.block_size = cache.block_size
         self.uses_blocks = cache.config.has_qsa
         self.prefix_caching = enable_prefix_caching and num_checkpoints > 0
         self.free_slots = deque(range(max_num_seqs))
-        self.free_checkpoint_slots = list(range(max_num_seqs, max_num_seqs + num_checkpoints))
+        self.free_checkpoints = list(range(num_checkpoints))  # rows of the host checkpoint pool
         num_blocks = cache.num_blocks if self.uses_blocks else 0
         self.free_blocks = deque(range(num_blocks))
         self.ref_counts = [0] * num_blocks
         self.hash_of_block: list[bytes | None] = [None] * num_blocks
         self.block_of_hash: dict[bytes, int] = {}
         self.evictable: OrderedDict[int, None] = OrderedDict()  # cached blocks nobody uses, oldest first
-        self.checkpoints: OrderedDict[bytes, int] = OrderedDict()  # block hash -> slot, oldest first
+        self.checkpoints: OrderedDict[bytes, int] = OrderedDict()  # block hash -> host row, oldest first
         self.queried_tokens = 0
         self.hit_tokens = 0
 
@@ -87,9 +92,9 @@ class CacheManager:
         self.hash_of_block[block] = None
         if digest is not None and self.block_of_hash.get(digest) == block:
             del self.block_of_hash[digest]
-            slot = self.checkpoints.pop(digest, None)
-            if slot is not None:
-                self.free_checkpoint_slots.append(slot)
+            row = self.checkpoints.pop(digest, None)
+            if row is not None:
+                self.free_checkpoints.append(row)
 
     # ---- admission ----------------------------------------------------------------------------------
     def match_prefix(self, request: Request) -> int:
@@ -134,7 +139,7 @@ class CacheManager:
         request.num_registered_blocks = shared  # they are cached blocks already
         last = request.block_hashes[shared - 1]
         self.checkpoints.move_to_end(last)
-        self.cache.copy_slot(self.checkpoints[last], request.state_slot)
+        self.cache.restore_checkpoint(self.checkpoints[last], request.state_slot)
         request.num_computed_tokens = hit_tokens
         self.hit_tokens += hit_tokens
 
@@ -176,20 +181,20 @@ class CacheManager:
         if digest in self.checkpoints:
             self.checkpoints.move_to_end(digest)
             return False
-        if self.free_checkpoint_slots:
-            slot = self.free_checkpoint_slots.pop()
+        if self.free_checkpoints:
+            row = self.free_checkpoints.pop()
         elif self.checkpoints:
-            _, slot = self.checkpoints.popitem(last=False)
+            _, row = self.checkpoints.popitem(last=False)  # the least recently used
         else:
             return False
-        self.cache.copy_slot(request.state_slot, slot)
-        self.checkpoints[digest] = slot
+        self.cache.save_checkpoint(request.state_slot, row)
+        self.checkpoints[digest] = row
         return True
 
     def _drop_checkpoint(self, digest: bytes) -> None:
-        slot = self.checkpoints.pop(digest, None)
-        if slot is not None:
-            self.free_checkpoint_slots.append(slot)
+        row = self.checkpoints.pop(digest, None)
+        if row is not None:
+            self.free_checkpoints.append(row)
 
     def _hashes(self, request: Request, count: int) -> list[bytes]:
         """The request's hash chain, extended to cover at least its first `count` full blocks (not copied:

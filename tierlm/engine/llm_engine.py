@@ -25,8 +25,19 @@ from tierlm.engine.scheduler import RequestListener, Scheduler
 from tierlm.memory.host_pool import DEFAULT_MARGIN_BYTES
 from tierlm.memory.ngram_prefetch import PrefetchWorker
 from tierlm.memory.ngram_store import NgramStore, find_table_dir
-from tierlm.memory.plan import CachePlan, CacheSettings, CapacityError, cache_budget, host_budget, plan_cache
-from tierlm.model.loader import load_model, resolve_model_path
+from tierlm.memory.plan import (
+    DEFAULT_ROW_CACHE_BYTES,
+    CachePlan,
+    CacheSettings,
+    CapacityError,
+    arena_rows_for,
+    cache_budget,
+    checkpoint_bytes,
+    host_budget,
+    plan_cache,
+    weight_bytes,
+)
+from tierlm.model.loader import load_model, read_quantization_config, resolve_model_path
 from tierlm.model.model_cache import ModelCache
 from tierlm.model.static_decode import StaticDecodeRunner
 from tierlm.outputs import CompletionOutput, RequestOutput
@@ -38,28 +49,53 @@ logger = logging.getLogger("tierlm")
 
 def engine_cache_plan(
     config: EngineConfig, model_config, dtype: str, device: str, weights_bytes: int,
-    host_memory_bytes: int | None = None,
+    host_memory_bytes: int | None = None, ple_mapped: bool = False, layer_ids: tuple[int, ...] | None = None,
+    quantization=None,
 ) -> CachePlan:
     """The cache plan for these settings: the engine sizes its pools from it, `tierlm plan` prints it.
 
-    host_memory_bytes: the host RAM to plan the offloaded QSA K/V with, instead of this machine's
-    MemAvailable (the engine leaves it unset: `allocate_pools` checks MemAvailable anyway).
+    weights_bytes: weights not loaded yet, to count as in use in a --gpu-memory-utilization budget (the
+    engine, which has loaded its weights, passes 0). host_memory_bytes: the host RAM to plan the host
+    pools with, instead of this machine's MemAvailable. ple_mapped: the PLE tables are mapped files.
+    layer_ids: the layers one pipeline rank holds (default: all). quantization: the checkpoint's
+    `QuantizationConfig` (the weights are reported at their packed size).
     """
-    if config.qsa_row_cache_rows < 1:
+    if config.qsa_row_cache_rows is not None and config.qsa_row_cache_rows < 1:
         raise CapacityError(f"--qsa-row-cache-rows must be at least 1, got {config.qsa_row_cache_rows}")
     if config.qsa_row_cache_max_batch < 0:
         raise CapacityError(f"--qsa-row-cache-max-batch must be 0 or more, got {config.qsa_row_cache_max_batch}")
+    if config.checkpoint_host_bytes is not None and config.max_state_checkpoints is not None:
+        raise CapacityError("give --checkpoint-host-bytes or --max-state-checkpoints, not both")
     max_model_len = config.max_model_len or model_config.max_position_embeddings
     budget, source = cache_budget(config.kv_cache_memory_bytes, config.gpu_memory_utilization, device, weights_bytes)
     host, host_source = host_budget(host_memory_bytes, DEFAULT_MARGIN_BYTES)
-    checkpoints = 0
-    if config.enable_prefix_caching and model_config.has_qsa:
-        checkpoints = 2 * config.max_num_seqs if config.max_state_checkpoints is None else config.max_state_checkpoints
+    if config.qsa_row_cache_rows is not None:
+        arena_rows, arena_source = config.qsa_row_cache_rows, "--qsa-row-cache-rows"
+    else:
+        arena_rows = arena_rows_for(model_config, dtype, config.qsa_row_cache_bytes, layer_ids)
+        arena_source = f"--qsa-row-cache-bytes {config.qsa_row_cache_bytes:,}"
+        if arena_rows < 1:
+            raise CapacityError(f"--qsa-row-cache-bytes {config.qsa_row_cache_bytes:,} holds no row of each QSA layer")
+    caching = config.enable_prefix_caching and model_config.has_qsa
+    checkpoints, checkpoint_source = 0, "prefix caching off"
+    if caching and config.checkpoint_host_bytes is not None:
+        if config.checkpoint_host_bytes < 0:
+            raise CapacityError(f"--checkpoint-host-bytes must be 0 or more, got {config.checkpoint_host_bytes}")
+        checkpoints = config.checkpoint_host_bytes // checkpoint_bytes(model_config, dtype, layer_ids)
+        checkpoint_source = f"--checkpoint-host-bytes {config.checkpoint_host_bytes:,}"
+    elif caching and config.max_state_checkpoints is not None:
+        checkpoints, checkpoint_source = config.max_state_checkpoints, "--max-state-checkpoints"
+    elif caching:
+        checkpoints, checkpoint_source = 2 * config.max_num_seqs, "default: 2 x max_num_seqs"
     return plan_cache(model_config, dtype, CacheSettings(
         block_size=config.block_size, max_model_len=max_model_len, max_num_seqs=config.max_num_seqs,
         num_checkpoints=checkpoints, budget_bytes=budget, budget_source=source, kv_offload=config.qsa_kv_offload,
-        device_type=torch.device(device).type, arena_rows=config.qsa_row_cache_rows, host_available_bytes=host,
-        host_source=host_source,
+        device_type=torch.device(device).type, arena_rows=arena_rows, host_available_bytes=host,
+        host_source=host_source, arena_source=arena_source, arena_in_budget=config.kv_cache_memory_bytes is None,
+        checkpoint_source=checkpoint_source,
+        weights_bytes=sum(weight_bytes(model_config, dtype, quantization, ple_mapped, layer_ids).values()),
+        ple_mapped=ple_mapped,
+        prefix_caching=caching and checkpoints > 0, layer_ids=layer_ids,
     ))
 
 
@@ -100,6 +136,7 @@ class EngineConfig:
     block_size: int = 16
     enable_prefix_caching: bool = True
     max_state_checkpoints: int | None = None  # prefix-cache state checkpoints; default 2 x max_num_seqs
+    checkpoint_host_bytes: int | None = None  # or: the host RAM the checkpoints may take (pinned, LRU)
     kv_cache_memory_bytes: int | None = None  # the cache budget; else a fraction of device memory:
     gpu_memory_utilization: float | None = None  # CUDA: of total memory (0.9); CPU: of available RAM (0.1)
     seed: int = 0
@@ -109,7 +146,10 @@ class EngineConfig:
     # budget cannot hold max_num_seqs requests of max_model_len on the device (see memory/plan.py)
     qsa_kv_offload: bool | None = None
     qsa_row_cache: bool = True  # with offload: keep recently read rows in VRAM (bit-identical)
-    qsa_row_cache_rows: int = 16384  # with offload: rows of each QSA layer's VRAM arena (prefill staging, row cache)
+    # with offload: each QSA layer's VRAM arena (prefill staging, row cache), in rows per layer, or
+    # (rows None) a byte budget for all QSA layers together
+    qsa_row_cache_rows: int | None = None
+    qsa_row_cache_bytes: int = DEFAULT_ROW_CACHE_BYTES
     qsa_row_cache_max_batch: int = 12  # decode batches of up to this many requests use the row cache
     enforce_eager: bool = False  # True: no CUDA graphs (nor compilation) for decode steps
     compile_decode: bool = False  # on CPU, torch.compile the decode step (slow start, ~2x faster steps)
@@ -202,14 +242,18 @@ class LLMEngine:
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
         dtype = next(self.model.parameters()).dtype
         device = next(self.model.parameters()).device
-        self.cache_plan = engine_cache_plan(config, mc, str(dtype).removeprefix("torch."), str(device), 0)
+        self.cache_plan = engine_cache_plan(
+            config, mc, str(dtype).removeprefix("torch."), str(device), 0,
+            ple_mapped=table_dir is not None and bool(mc.ple_layer_ids),
+            quantization=read_quantization_config(model_dir),
+        )
         for line in self.cache_plan.lines():
             logger.info(line)
         plan = self.cache_plan
         self.cache = ModelCache(
             mc, plan.num_slots, plan.num_blocks, plan.block_size, dtype, device, kv_offload=plan.kv_offload,
-            arena_rows=config.qsa_row_cache_rows, row_cache=config.qsa_row_cache,
-            row_cache_max_batch=config.qsa_row_cache_max_batch,
+            arena_rows=plan.arena_rows, row_cache=config.qsa_row_cache,
+            row_cache_max_batch=config.qsa_row_cache_max_batch, num_host_checkpoints=plan.num_checkpoints,
         )
         if plan.kv_offload:
             logger.info("QSA K/V in host pools (%s)", f"row cache of {plan.arena_rows:,} rows per layer for decode "

@@ -38,7 +38,6 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 
 from tierlm.memory.madvise import PAGE_SIZE, resident_pages
-from tierlm.memory.plan import available_ram_bytes
 
 logger = logging.getLogger("tierlm")
 
@@ -78,6 +77,15 @@ def _commit(mapping: mmap.mmap) -> None:
         mapping.madvise(MADV_POPULATE_WRITE)
     except OSError:
         torch.frombuffer(mapping, dtype=torch.uint8)[::PAGE_SIZE].zero_()
+
+
+def available_ram_bytes() -> int:
+    """MemAvailable from /proc/meminfo (what can be allocated without swapping)."""
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise OSError("MemAvailable not found in /proc/meminfo")
 
 
 def pool_bytes(shape: Sequence[int], dtype: torch.dtype) -> int:

@@ -1,6 +1,6 @@
-"""Capacity planning: how a memory budget splits into QSA blocks and recurrent-state slots.
+"""Capacity planning: how each memory tier's budget splits into blocks, slots, arenas and pools.
 
-One pure function (`plan_cache`) turns a config, the engine settings and a byte budget into a
+One pure function (`plan_cache`) turns a config, the engine settings and the byte budgets into a
 `CachePlan`; the engine sizes its pools from it and logs `plan.lines()` at start-up, and `tierlm plan`
 prints the same lines from config.json alone, without loading weights.
 
@@ -8,14 +8,24 @@ Where the bytes go (per layer type):
 - indexed_attention (QSA): per token K and V rows plus one compressed indexer key per R tokens (paged,
   in blocks of block_size tokens); per request the raw indexer keys of the open block (the ring).
 - linear_attention (GDN): per request the conv window (Kc-1 inputs) and the fp32 recurrent state.
-- PLE: per request the dilated conv history ((Kp-1) * ngram_size values) and ngram_size-1 token ids.
-A state slot holds one request's recurrent state for every layer; prefix-cache checkpoints are slots too.
+- PLE: per request the dilated conv history ((Kp-1) * ngram_size values); the model keeps ngram_size-1
+  token ids per request.
+A state slot holds one request's recurrent state for every layer.
 
-With QSA K/V offloaded (--qsa-kv-offload, or auto on CUDA when the device alone is short) a block's K/V
-rows go to host RAM and only its indexer keys stay on the device, which also holds each QSA layer's
-arena (prefill staging and decode row cache); the number of blocks is then bounded by both memories.
+The tiers:
+- device: the weights (reported, per storage format: quantized modules at their packed size), one state slot per running request (+1 scratch, and on CUDA with
+  prefix caching +1 that checkpoint saves pass through on their way to host RAM), the QSA device rows
+  (indexer keys, and K/V unless offloaded), with offload each QSA layer's arena (prefill staging and
+  decode row cache; a byte budget, `--qsa-row-cache-bytes`, default the seed's 95 MiB per GPU). An
+  explicit --kv-cache-memory-bytes sizes the cache alone (slots and rows, as vLLM's flag sizes its KV
+  cache) and the arena comes beside it; a budget from --gpu-memory-utilization holds the arena too.
+- host RAM (pinned on CUDA): offloaded QSA K/V pools, and the prefix-cache checkpoints (a slot's copy
+  each, LRU; `--checkpoint-host-bytes`); what is left of the host budget is page cache, which the
+  mapped PLE tables need (reported against their size).
+With QSA K/V offloaded (--qsa-kv-offload, or auto on CUDA when the device alone is short) the number of
+blocks is bounded by both memories.
 
-`weight_bytes` counts the weights as held in memory, per storage format (quantized modules packed).
+`layer_ids` plans the layers one pipeline rank holds (default: all of them).
 """
 
 from __future__ import annotations
@@ -24,21 +34,34 @@ import math
 from dataclasses import dataclass, replace
 
 from tierlm.config import ModelConfig
+from tierlm.memory.host_pool import available_ram_bytes
 
 ITEM_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 SPEC_DTYPE_BYTES = {"int32": 4, "int64": 8, "float8_e4m3fn": 1, "float32": 4}
 DEFAULT_CPU_MEMORY_FRACTION = 0.1  # of available RAM, when no --gpu-memory-utilization is given on CPU
+DEFAULT_ROW_CACHE_BYTES = 95 << 20  # the seed's row-cache arena per GPU
+CHECKPOINT_ALIGN = 8  # a host checkpoint row is padded to this (see model/cache/host_checkpoints.py)
 
 
-def weight_bytes(config: ModelConfig, dtype: str, quantization=None) -> dict[str, int]:
+def weight_bytes(
+    config: ModelConfig, dtype: str, quantization=None, ple_mapped: bool = False,
+    layer_ids: tuple[int, ...] | None = None,
+) -> dict[str, int]:
     """Bytes of the model's weights in memory per format label (`dense`: the model dtype; int64 hash
-    buffers at 8 bytes), the quantized modules counted by their packed runtime tensors."""
+    buffers at 8 bytes), the quantized modules counted by their packed runtime tensors; without the PLE
+    tables when they are mapped files; with layer_ids only those decoder layers (and every tensor outside
+    the layers)."""
     from tierlm.model.checkpoint_layout import checkpoint_layout, weight_module
     from tierlm.model.quantization.base import DENSE
 
     totals: dict[str, int] = {}
+    ids = None if layer_ids is None else set(layer_ids)
     ple_fp8 = config.extra.get("ple_embedding_dtype") == "float8_e4m3fn"  # vLLM's config field
     for spec in checkpoint_layout(config, ple_fp8=ple_fp8):
+        parts = spec.name.split(".")
+        if (ple_mapped and spec.kind == "ple_table") or (
+                ids is not None and parts[1] == "layers" and int(parts[2]) not in ids):
+            continue
         module = weight_module(spec)
         fmt = quantization.format_of(*module) if module and quantization is not None else DENSE
         if fmt == DENSE:
@@ -66,11 +89,22 @@ class LayerBytes:
     detail: str
 
 
-def layer_bytes(config: ModelConfig, dtype: str) -> list[LayerBytes]:
+def _layer_types(config: ModelConfig, layer_ids: tuple[int, ...] | None) -> list[str]:
+    ids = range(config.num_hidden_layers) if layer_ids is None else layer_ids
+    return [config.layer_types[i] for i in ids]
+
+
+def _ple_layers(config: ModelConfig, layer_ids: tuple[int, ...] | None) -> int:
+    ids = range(config.num_hidden_layers) if layer_ids is None else layer_ids
+    return sum(1 for i in ids if config.ple_index(i) is not None)
+
+
+def layer_bytes(config: ModelConfig, dtype: str, layer_ids: tuple[int, ...] | None = None) -> list[LayerBytes]:
     item = ITEM_BYTES[dtype]
     c = config
+    types = _layer_types(c, layer_ids)
     out = []
-    qsa_layers = c.layer_types.count("indexed_attention")
+    qsa_layers = types.count("indexed_attention")
     if qsa_layers:
         kv = 2 * c.num_key_value_heads * c.head_dim * item
         index_key = c.indexer_head_dim * item / c.indexer_compress_ratio
@@ -79,7 +113,7 @@ def layer_bytes(config: ModelConfig, dtype: str) -> list[LayerBytes]:
             "indexed_attention", qsa_layers, kv + index_key, ring,
             f"K/V {kv:,} + index key {index_key:g} per token; index ring {ring:,} per request",
         ))
-    gdn_layers = c.layer_types.count("linear_attention")
+    gdn_layers = types.count("linear_attention")
     if gdn_layers:
         conv_dim = 2 * c.linear_num_key_heads * c.linear_key_head_dim + c.linear_num_value_heads * c.linear_value_head_dim
         conv = conv_dim * (c.linear_conv_kernel_dim - 1) * item
@@ -87,39 +121,63 @@ def layer_bytes(config: ModelConfig, dtype: str) -> list[LayerBytes]:
         out.append(LayerBytes(
             "linear_attention", gdn_layers, 0, conv + state, f"conv window {conv:,} + fp32 state {state:,} per request"
         ))
-    if c.ple_layer_ids:
+    ple_layers = _ple_layers(c, layer_ids)
+    if ple_layers:
         history = c.hc_count * c.hidden_size * (c.ple_conv_kernel_size - 1) * c.ngram_size * item
-        out.append(LayerBytes("ple", len(c.ple_layer_ids), 0, history, f"conv history {history:,} per request"))
+        out.append(LayerBytes("ple", ple_layers, 0, history, f"conv history {history:,} per request"))
     return out
 
 
-def slot_bytes(config: ModelConfig, dtype: str) -> int:
-    """One request's recurrent state over all layers (plus its n-gram context ids)."""
-    total = sum(lb.layers * lb.per_request for lb in layer_bytes(config, dtype))
-    return total + (8 * (config.ngram_size - 1) if config.ple_layer_ids else 0)
+def slot_bytes(config: ModelConfig, dtype: str, layer_ids: tuple[int, ...] | None = None) -> int:
+    """One request's state over the layers (plus the model's n-gram context ids, int64)."""
+    total = sum(lb.layers * lb.per_request for lb in layer_bytes(config, dtype, layer_ids))
+    return total + 8 * max(config.ngram_size - 1, 0)
 
 
-def kv_block_bytes(config: ModelConfig, dtype: str, block_size: int) -> int:
-    """One block's K and V rows over all QSA layers (what offload moves to host RAM)."""
-    if not config.has_qsa:
-        return 0
+def checkpoint_bytes(config: ModelConfig, dtype: str, layer_ids: tuple[int, ...] | None = None) -> int:
+    """One prefix-cache checkpoint in host RAM: a slot, padded to CHECKPOINT_ALIGN bytes."""
+    return -(-slot_bytes(config, dtype, layer_ids) // CHECKPOINT_ALIGN) * CHECKPOINT_ALIGN
+
+
+def kv_block_bytes(config: ModelConfig, dtype: str, block_size: int, layer_ids: tuple[int, ...] | None = None) -> int:
+    """One block's K and V rows over the QSA layers (what offload moves to host RAM)."""
     per_layer = block_size * 2 * config.num_key_value_heads * config.head_dim * ITEM_BYTES[dtype]
-    return config.layer_types.count("indexed_attention") * per_layer
+    return _layer_types(config, layer_ids).count("indexed_attention") * per_layer
 
 
-def index_block_bytes(config: ModelConfig, dtype: str, block_size: int) -> int:
-    """One block's compressed indexer keys over all QSA layers (on the device, offloaded or not)."""
-    if not config.has_qsa:
+def index_block_bytes(
+    config: ModelConfig, dtype: str, block_size: int, layer_ids: tuple[int, ...] | None = None
+) -> int:
+    """One block's compressed indexer keys over the QSA layers (on the device, offloaded or not)."""
+    qsa_layers = _layer_types(config, layer_ids).count("indexed_attention")
+    if not qsa_layers:
         return 0
-    per_layer = block_size // config.indexer_compress_ratio * config.indexer_head_dim * ITEM_BYTES[dtype]
-    return config.layer_types.count("indexed_attention") * per_layer
+    return qsa_layers * block_size // config.indexer_compress_ratio * config.indexer_head_dim * ITEM_BYTES[dtype]
 
 
-def arena_bytes(config: ModelConfig, dtype: str, arena_rows: int) -> int:
-    """The device arenas of offloaded QSA layers: per layer arena_rows K rows and as many V rows, and the
-    row cache's tag, hit mark and claim (int64 each) per row."""
-    row = config.num_key_value_heads * config.head_dim * ITEM_BYTES[dtype]
-    return config.layer_types.count("indexed_attention") * arena_rows * (2 * row + 3 * 8)
+def arena_row_bytes(config: ModelConfig, dtype: str) -> int:
+    """One arena row of one QSA layer: a K row and a V row, and the row cache's tag, hit mark and claim."""
+    return 2 * config.num_key_value_heads * config.head_dim * ITEM_BYTES[dtype] + 3 * 8
+
+
+def arena_bytes(config: ModelConfig, dtype: str, arena_rows: int, layer_ids: tuple[int, ...] | None = None) -> int:
+    """The device arenas of offloaded QSA layers: arena_rows rows per layer."""
+    return _layer_types(config, layer_ids).count("indexed_attention") * arena_rows * arena_row_bytes(config, dtype)
+
+
+def arena_rows_for(config: ModelConfig, dtype: str, budget_bytes: int, layer_ids: tuple[int, ...] | None = None) -> int:
+    """Rows per QSA layer that an arena byte budget (all QSA layers together) holds."""
+    layers = _layer_types(config, layer_ids).count("indexed_attention")
+    return budget_bytes // (max(layers, 1) * arena_row_bytes(config, dtype))
+
+
+def ple_table_bytes(config: ModelConfig, dtype: str, layer_ids: tuple[int, ...] | None = None) -> int:
+    """The PLE n-gram tables of the layers (rows x ngram_head_dim each)."""
+    from tierlm.model.checkpoint_layout import checkpoint_layout
+
+    ids = set(range(config.num_hidden_layers) if layer_ids is None else layer_ids)
+    return sum(math.prod(spec.shape) * ITEM_BYTES[dtype] for spec in checkpoint_layout(config)
+               if spec.kind == "ple_table" and int(spec.name.split(".")[2]) in ids)
 
 
 def aligned_block_size(config: ModelConfig, block_size: int) -> int:
@@ -138,7 +196,9 @@ class CachePlan:
     max_model_len: int
     max_num_seqs: int
     num_blocks: int
-    num_checkpoints: int
+    num_checkpoints: int  # rows of the host checkpoint pool
+    checkpoint_bytes: int  # one row
+    checkpoint_source: str
     block_bytes: int  # per block on the device: K/V and indexer keys, or with offload the indexer keys alone
     slot_bytes: int
     layers: tuple[LayerBytes, ...]
@@ -147,13 +207,26 @@ class CachePlan:
     host_block_bytes: int  # per block in host RAM (0 without offload)
     host_available_bytes: int  # what the host pools may take (the safety margin already taken off)
     host_source: str
-    arena_rows: int  # per QSA layer, K and V each, with offload
+    arena_rows: int  # per QSA layer, K and V each, with offload (at most the pool's rows)
     arena_bytes: int  # all QSA layers' arenas, on the device (0 without offload)
+    arena_source: str
+    arena_in_budget: bool  # the arena comes out of the cache budget (else it is allocated beside it)
+    weights_bytes: int  # on the device (reported; mapped PLE tables not included)
+    ple_table_bytes: int  # the PLE tables' size
+    ple_mapped: bool  # the tables are files mapped from NVMe (served through the page cache)
+    prefix_caching: bool
+    staging_slots: int  # 1 on CUDA with checkpoints: the slot saves pass through (model/cache/host_checkpoints)
+    layer_ids: tuple[int, ...] | None  # one pipeline rank's layers; None: all
 
     @property
     def num_slots(self) -> int:
-        """Slots the engine hands out: running requests, then checkpoints (a scratch slot comes on top)."""
-        return self.max_num_seqs + self.num_checkpoints
+        """Device slots the engine hands out: one per running request (a scratch slot comes on top)."""
+        return self.max_num_seqs
+
+    @property
+    def device_slots(self) -> int:
+        """Every slot in device memory: running, scratch, staging."""
+        return self.num_slots + 1 + self.staging_slots
 
     @property
     def tokens(self) -> int:
@@ -171,45 +244,77 @@ class CachePlan:
         return min(self.tokens / self.max_model_len, float(self.max_num_seqs))
 
     def used_bytes(self) -> int:
-        """Device bytes: blocks and slots (each with its scratch one), and the arenas."""
-        return (self.num_blocks + 1) * self.block_bytes + (self.num_slots + 1) * self.slot_bytes + self.arena_bytes
+        """Bytes of the cache budget taken: blocks and slots (each with its scratch one), and the arenas
+        when they come out of the budget."""
+        cache = (self.num_blocks + 1) * self.block_bytes + self.device_slots * self.slot_bytes
+        return cache + (self.arena_bytes if self.arena_in_budget else 0)
 
-    def host_bytes(self) -> int:
+    def device_bytes(self) -> int:
+        """Every device byte the cache allocates: the budget's share and the arenas."""
+        return (self.num_blocks + 1) * self.block_bytes + self.device_slots * self.slot_bytes + self.arena_bytes
+
+    def host_kv_bytes(self) -> int:
         """Host RAM of the K/V pools (the scratch block included)."""
         return (self.num_blocks + 1) * self.host_block_bytes
 
+    def host_checkpoint_bytes(self) -> int:
+        return self.num_checkpoints * self.checkpoint_bytes
+
+    def host_bytes(self) -> int:
+        """Host RAM of every pool: K/V and checkpoints."""
+        return self.host_kv_bytes() + self.host_checkpoint_bytes()
+
+    def page_cache_bytes(self) -> int:
+        """What the host budget leaves once the pools are allocated (the mapped tables' page cache)."""
+        return max(self.host_available_bytes - self.host_bytes(), 0)
+
     def lines(self) -> list[str]:
-        out = [f"cache budget: {self.budget_bytes:,} B ({self.budget_source}), dtype {self.dtype}"]
+        ranks = "" if self.layer_ids is None else f" for layers {self.layer_ids[0]}-{self.layer_ids[-1]}"
+        out = [(f"cache plan{ranks}: dtype {self.dtype}, block {self.block_size} tokens, max_model_len "
+                f"{self.max_model_len:,}, max_num_seqs {self.max_num_seqs}")]
         for lb in self.layers:
             unit = f"{lb.per_token:,.0f} B/token" if lb.per_token else f"{lb.per_request:,} B/request"
             out.append(f"  {lb.layer_type} x{lb.layers}: {unit} per layer ({lb.detail})")
+        mapped = " (PLE tables mapped, not included)" if self.ple_mapped else ""
+        out.append(f"device: cache budget {self.budget_bytes:,} B ({self.budget_source}); weights "
+                   f"{self.weights_bytes:,} B{mapped}")
+        staging = ", +1 checkpoint staging" if self.staging_slots else ""
+        out.append(f"  state slots: {self.max_num_seqs} running (+1 scratch{staging}) x {self.slot_bytes:,} B = "
+                   f"{self.device_slots * self.slot_bytes:,} B")
         if self.block_bytes:
             out += self._qsa_lines()
-        out.append(f"  state slots: {self.max_num_seqs} running + {self.num_checkpoints} prefix-cache checkpoints "
-                   f"(+1 scratch), {self.slot_bytes:,} B each")
-        share = self.num_checkpoints * self.slot_bytes / self.budget_bytes if self.budget_bytes else 0.0
-        out.append(f"  checkpoint cost: {self.num_checkpoints} x {self.slot_bytes:,} B = "
-                   f"{self.num_checkpoints * self.slot_bytes:,} B ({share:.1%} of the budget)")
-        out.append(f"  capacity: {self.requests_at_max_len:.2f} requests of max_model_len {self.max_model_len:,} "
-                   f"at once (max_num_seqs {self.max_num_seqs}); {self.used_bytes():,} B allocated"
-                   + (" on the device" if self.kv_offload else ""))
+        beside = "" if self.arena_in_budget or not self.arena_bytes else (
+            f" + {self.arena_bytes:,} B of arenas beside it = {self.device_bytes():,} B")
+        out.append(f"  allocated: {self.used_bytes():,} B of the budget{beside}")
+        out.append(f"host: {self.host_available_bytes:,} B for pools and page cache ({self.host_source})")
+        if self.kv_offload:
+            out.append(f"  QSA K/V pools: {self.num_blocks + 1:,} blocks (1 scratch) x {self.host_block_bytes:,} B = "
+                       f"{self.host_kv_bytes():,} B")
+        if self.prefix_caching:
+            out.append(f"  prefix-cache checkpoints: {self.num_checkpoints:,} x {self.checkpoint_bytes:,} B = "
+                       f"{self.host_checkpoint_bytes():,} B, LRU ({self.checkpoint_source})")
+        else:
+            out.append("  prefix-cache checkpoints: none (prefix caching off)")
+        if self.ple_table_bytes and self.ple_mapped:
+            share = self.page_cache_bytes() / self.ple_table_bytes
+            out.append(f"  page cache left for the mapped PLE tables: {self.page_cache_bytes():,} B of their "
+                       f"{self.ple_table_bytes:,} B ({share:.1%})")
+        elif self.ple_table_bytes:
+            out.append(f"  PLE tables: {self.ple_table_bytes:,} B in the weights (not mapped)")
+        caching = "with prefix caching on" if self.prefix_caching else "prefix caching off"
+        out.append(f"capacity: {self.requests_at_max_len:.2f} requests of max_model_len {self.max_model_len:,} "
+                   f"at once (max_num_seqs {self.max_num_seqs}), {caching}")
         return out
 
     def _qsa_lines(self) -> list[str]:
-        blocks = f"  QSA blocks: {self.num_blocks:,} x {self.block_size} tokens = {self.tokens:,} tokens"
-        if not self.kv_offload:
-            return [f"  QSA K/V: on the device ({self.kv_placement})", f"{blocks} ({self.block_bytes:,} B/block)"]
-        host = (f"  host RAM: {self.num_blocks + 1:,} blocks (1 scratch) x {self.host_block_bytes:,} B = "
-                f"{self.host_bytes():,} B of K/V pools, of {self.host_available_bytes:,} B available "
-                f"({self.host_source})")
-        arenas = (f"  QSA arenas: {self.arena_rows:,} rows (K and V) per layer x {self.qsa_layers} = "
-                  f"{self.arena_bytes:,} B on the device (prefill staging, decode row cache)")
-        return [
-            f"  QSA K/V: in host RAM ({self.kv_placement})",
-            f"{blocks} ({self.block_bytes:,} B/block on the device + {self.host_block_bytes:,} B/block in host RAM)",
-            host,
-            arenas,
-        ]
+        what = "indexer keys" if self.kv_offload else "K/V and indexer keys"
+        rows = (f"  QSA device rows ({what}): {self.num_blocks:,} blocks (+1 scratch) x {self.block_size} tokens = "
+                f"{self.tokens:,} tokens, {self.block_bytes:,} B/block = {(self.num_blocks + 1) * self.block_bytes:,} B")
+        out = [rows, f"  QSA K/V: {'in host RAM' if self.kv_offload else 'on the device'} ({self.kv_placement})"]
+        if self.kv_offload:
+            out.append(f"  QSA row-cache arena: {self.arena_rows:,} rows (K and V) per layer x {self.qsa_layers} = "
+                       f"{self.arena_bytes:,} B ({self.arena_source}; prefill staging, decode row cache)")
+        return out
 
 
 @dataclass(frozen=True)
@@ -219,7 +324,7 @@ class CacheSettings:
     block_size: int
     max_model_len: int
     max_num_seqs: int
-    num_checkpoints: int
+    num_checkpoints: int  # host checkpoint rows (0: prefix caching off)
     budget_bytes: int  # device
     budget_source: str
     kv_offload: bool | None  # QSA K/V in host pools; None: auto
@@ -227,10 +332,18 @@ class CacheSettings:
     arena_rows: int  # with offload, per QSA layer
     host_available_bytes: int  # for the host pools, the safety margin already taken off
     host_source: str
+    arena_source: str = "--qsa-row-cache-rows"
+    arena_in_budget: bool = True
+    checkpoint_source: str = "--max-state-checkpoints"
+    weights_bytes: int = 0
+    ple_mapped: bool = False
+    prefix_caching: bool = True
+    layer_ids: tuple[int, ...] | None = None
 
 
 def plan_cache(config: ModelConfig, dtype: str, settings: CacheSettings) -> CachePlan:
-    """Split the budget: slots for running requests and checkpoints first, the rest into blocks.
+    """Split the budgets: on the device a slot per running request first, the rest into blocks; in host
+    RAM the checkpoints first, the rest (offload) into K/V pools.
 
     Blocks are capped at twice what max_num_seqs requests of max_model_len can use (the second half
     serves the prefix cache), so a large budget is not spent on blocks nothing can reach.
@@ -266,54 +379,64 @@ def plan_cache(config: ModelConfig, dtype: str, settings: CacheSettings) -> Cach
 
 def _split(config: ModelConfig, dtype: str, s: CacheSettings, kv_offload: bool, kv_placement: str) -> CachePlan:
     """The plan for one placement of the QSA K/V; CapacityError when one request does not fit."""
+    ids = s.layer_ids
     kv_offload = kv_offload and config.has_qsa
-    kv_block, index_block = kv_block_bytes(config, dtype, s.block_size), index_block_bytes(config, dtype, s.block_size)
+    kv_block, index_block = kv_block_bytes(config, dtype, s.block_size, ids), index_block_bytes(
+        config, dtype, s.block_size, ids)
     one_block, host_block = (index_block, kv_block) if kv_offload else (kv_block + index_block, 0)
-    arenas = arena_bytes(config, dtype, s.arena_rows) if kv_offload else 0
-    one_slot = slot_bytes(config, dtype)
+    arenas = arena_bytes(config, dtype, s.arena_rows, ids) if kv_offload else 0
+    one_slot = slot_bytes(config, dtype, ids)
+    one_checkpoint = checkpoint_bytes(config, dtype, ids)
+    checkpoints_host = s.num_checkpoints * one_checkpoint
+    if checkpoints_host and checkpoints_host > s.host_available_bytes:
+        raise CapacityError(
+            f"host RAM for the prefix-cache checkpoints: {s.num_checkpoints:,} x {one_checkpoint:,} B = "
+            f"{checkpoints_host:,} B, but {s.host_available_bytes:,} B are available ({s.host_source}); lower "
+            "--checkpoint-host-bytes / --max-state-checkpoints or free host memory"
+        )
     per_request_blocks = math.ceil(s.max_model_len / s.block_size)
-    num_slots = s.max_num_seqs + s.num_checkpoints + 1
-    held = f"{num_slots} state slots of {one_slot:,} B" + (f" and QSA arenas of {arenas:,} B" if arenas else "")
-    free = s.budget_bytes - num_slots * one_slot - arenas
+    staging = int(s.device_type == "cuda" and s.num_checkpoints > 0)
+    num_slots = s.max_num_seqs + 1 + staging
+    held = f"{num_slots} state slots of {one_slot:,} B" + (
+        f" and QSA arenas of {arenas:,} B" if arenas and s.arena_in_budget else "")
+    free = s.budget_bytes - num_slots * one_slot - (arenas if s.arena_in_budget else 0)
     if one_block:
         fit = free // one_block - 1  # one scratch block
-        host_fit = s.host_available_bytes // host_block - 1 if host_block else fit
+        host_fit = (s.host_available_bytes - checkpoints_host) // host_block - 1 if host_block else fit
         num_blocks = min(fit, host_fit, 2 * s.max_num_seqs * per_request_blocks)
         if fit < per_request_blocks:
             raise CapacityError(
                 f"the cache budget of {s.budget_bytes:,} B ({s.budget_source}) holds {max(fit, 0):,} blocks of "
                 f"{s.block_size} tokens after {held}, but one request of max_model_len {s.max_model_len:,} needs "
                 f"{per_request_blocks:,} blocks ({one_block:,} B each); raise --kv-cache-memory-bytes or lower "
-                "--max-model-len / --max-num-seqs" + (" / --qsa-row-cache-rows" if arenas else "")
+                "--max-model-len / --max-num-seqs" + (" / --qsa-row-cache-bytes" if arenas and s.arena_in_budget else "")
             )
         if host_fit < per_request_blocks:
             raise CapacityError(
-                f"host RAM for the QSA K/V: {s.host_available_bytes:,} B available ({s.host_source}) holds "
-                f"{max(host_fit, 0):,} blocks of {s.block_size} tokens (+1 scratch), but one request of "
-                f"max_model_len {s.max_model_len:,} needs {per_request_blocks:,} blocks of {host_block:,} B = "
-                f"{per_request_blocks * host_block:,} B; free host memory or lower --max-model-len"
+                f"host RAM for the QSA K/V: {s.host_available_bytes:,} B available ({s.host_source}), less "
+                f"{checkpoints_host:,} B of checkpoints, holds {max(host_fit, 0):,} blocks of {s.block_size} tokens "
+                f"(+1 scratch), but one request of max_model_len {s.max_model_len:,} needs {per_request_blocks:,} "
+                f"blocks of {host_block:,} B = {per_request_blocks * host_block:,} B; free host memory or lower "
+                "--max-model-len / --checkpoint-host-bytes"
             )
     else:
         num_blocks = 0
         if free < 0:
             raise CapacityError(f"the cache budget of {s.budget_bytes:,} B ({s.budget_source}) cannot hold {held}")
+    arena_rows = min(s.arena_rows, (num_blocks + 1) * s.block_size) if kv_offload else 0  # no more than the pool
+    arenas = arena_bytes(config, dtype, arena_rows, ids)
     return CachePlan(
         dtype=dtype, block_size=s.block_size, budget_bytes=s.budget_bytes, budget_source=s.budget_source,
         max_model_len=s.max_model_len, max_num_seqs=s.max_num_seqs, num_blocks=num_blocks,
-        num_checkpoints=s.num_checkpoints, block_bytes=one_block, slot_bytes=one_slot,
-        layers=tuple(layer_bytes(config, dtype)), kv_offload=kv_offload, kv_placement=kv_placement,
-        host_block_bytes=host_block, host_available_bytes=s.host_available_bytes, host_source=s.host_source,
-        arena_rows=s.arena_rows if kv_offload else 0, arena_bytes=arenas,
+        num_checkpoints=s.num_checkpoints, checkpoint_bytes=one_checkpoint, checkpoint_source=s.checkpoint_source,
+        block_bytes=one_block, slot_bytes=one_slot, layers=tuple(layer_bytes(config, dtype, ids)),
+        kv_offload=kv_offload, kv_placement=kv_placement, host_block_bytes=host_block,
+        host_available_bytes=s.host_available_bytes, host_source=s.host_source,
+        arena_rows=arena_rows, arena_bytes=arenas, arena_source=s.arena_source,
+        arena_in_budget=s.arena_in_budget,
+        weights_bytes=s.weights_bytes, ple_table_bytes=ple_table_bytes(config, dtype, ids), ple_mapped=s.ple_mapped,
+        prefix_caching=s.prefix_caching, staging_slots=staging, layer_ids=ids,
     )
-
-
-def available_ram_bytes() -> int:
-    """MemAvailable from /proc/meminfo (what can be allocated without swapping)."""
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    raise OSError("MemAvailable not found in /proc/meminfo")
 
 
 def cache_budget(

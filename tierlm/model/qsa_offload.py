@@ -39,6 +39,7 @@ class OffloadedKV:
         (prefill staging section, row-cache slots); row_cache: False reads every decode row from the pool."""
         if arena_rows < 1:
             raise ValueError(f"the staging arena needs at least one row, got {arena_rows}")
+        self.key_cache, self.value_cache = keys.tensor, values.tensor
         self.host_k = keys.tensor.view(-1, *keys.tensor.shape[2:])
         self.host_v = values.tensor.view(-1, *values.tensor.shape[2:])
         self.device = device

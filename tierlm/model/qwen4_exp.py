@@ -21,7 +21,7 @@ from tierlm.model.layers.packed_linear import Linear
 from tierlm.model.layers.ple import PLELayer, shifted_token_streams
 from tierlm.model.layers.qsa_attention import QSAAttention
 from tierlm.model.layers.rotary import Rope, RotaryEmbedding
-from tierlm.model.model_cache import LayerState, ModelCache
+from tierlm.model.model_cache import LayerCaches, ModelCache
 
 
 class DecoderLayer(nn.Module):
@@ -41,16 +41,16 @@ class DecoderLayer(nn.Module):
         self.mlp = SparseMoeBlock(c)
 
     def forward(
-        self, streams: torch.Tensor, batch: ForwardBatch, state: LayerState, rope: Rope,
+        self, streams: torch.Tensor, batch: ForwardBatch, caches: LayerCaches, rope: Rope,
         token_streams: torch.Tensor | None,
     ) -> torch.Tensor:
         if self.ple is not None:
-            streams = streams + self.ple(streams, batch, state, token_streams)
+            streams = streams + self.ple(streams, batch, caches.ple, token_streams)
         x, inject = self.attn_hyper_connection.mix(streams)
         if self.layer_type == "linear_attention":
-            out = self.linear_attn(x, batch, state)
+            out = self.linear_attn(x, batch, caches.gdn)
         else:
-            out = self.self_attn(x, batch, state, rope)
+            out = self.self_attn(x, batch, caches.kv, caches.indexer, rope)
         streams = HyperConnection.combine(streams, out, inject)
         x, inject = self.mlp_hyper_connection.mix(streams)
         return HyperConnection.combine(streams, self.mlp(x, batch.static), inject)
@@ -76,8 +76,8 @@ class Qwen4ExpTextModel(nn.Module):
         if c.ple_layer_ids and batch.ple_embeddings is None:
             token_streams = shifted_token_streams(batch, cache.ngram_context, c.eos_token_id, c.ngram_size)
         rope = Rope(self.rotary, batch.positions, streams.dtype)
-        for layer, state in zip(self.layers, cache.layers):
-            streams = layer(streams, batch, state, rope, token_streams)
+        for layer, caches in zip(self.layers, cache.layers):
+            streams = layer(streams, batch, caches, rope, token_streams)
         self._advance_ngram_context(batch, cache)
         mixed, _ = self.hyper_connection_mixer.mix(streams[batch.logits_rows])
         return mixed

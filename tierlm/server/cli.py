@@ -23,7 +23,7 @@ ENGINE_FLAGS = (
     "dtype", "device", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "seed", "enforce_eager",
     "enable_prefix_caching", "kv_cache_memory_bytes", "gpu_memory_utilization", "compile_decode",
     "max_state_checkpoints", "ple_table", "ple_prefetch", "qsa_kv_offload", "qsa_row_cache",
-    "qsa_row_cache_rows", "qsa_row_cache_max_batch",
+    "qsa_row_cache_rows", "qsa_row_cache_max_batch", "checkpoint_host_bytes", "qsa_row_cache_bytes",
 )
 
 
@@ -66,6 +66,8 @@ def add_parser(subparsers) -> None:
     engine.add_argument("--kv-cache-memory-bytes", type=int, default=None, help="the cache budget in bytes")
     engine.add_argument("--max-state-checkpoints", type=int, default=None,
                         help="prefix-cache recurrent-state checkpoints (default: 2 x max-num-seqs)")
+    engine.add_argument("--checkpoint-host-bytes", type=int, default=None,
+                        help="host RAM (pinned) for prefix-cache checkpoints, LRU (instead of --max-state-checkpoints)")
     engine.add_argument("--compile-decode", action="store_true", default=None,
                         help="CPU: torch.compile the decode step (slow start, faster steps)")
     engine.add_argument("--ple-table", default=None,
@@ -78,7 +80,9 @@ def add_parser(subparsers) -> None:
     engine.add_argument("--qsa-row-cache", action=argparse.BooleanOptionalAction, default=None,
                         help="with --qsa-kv-offload: cache recently read rows in VRAM (default on)")
     engine.add_argument("--qsa-row-cache-rows", type=int, default=None,
-                        help="with --qsa-kv-offload: rows of each QSA layer's VRAM arena (default 16384)")
+                        help="with --qsa-kv-offload: rows of each QSA layer's VRAM arena (default: from the bytes)")
+    engine.add_argument("--qsa-row-cache-bytes", type=int, default=None,
+                        help="with --qsa-kv-offload: the VRAM arenas of all QSA layers in bytes (default 95 MiB)")
     engine.add_argument("--qsa-row-cache-max-batch", type=int, default=None,
                         help="decode batches of up to this many requests read through the row cache (default 12)")
     engine.add_argument("--cpu-threads", type=int, default=None,

@@ -1,10 +1,10 @@
 """`tierlm plan MODEL`: the cache capacity the engine would have, from config.json alone.
 
 Prints exactly the lines the engine logs at start-up for the same settings (both call
-`engine_cache_plan`), without loading weights: blocks, tokens, requests of max_model_len that fit,
-bytes per token and per request of each layer type, and the prefix-cache checkpoint cost. With a
---gpu-memory-utilization budget the weights are estimated from the checkpoint layout (quantized modules
-at their packed size, per format). `--device cuda`
+`engine_cache_plan`), without loading weights, tier by tier: on the device the weights (quantized modules
+at their packed size, per format), state slots, QSA device rows and row-cache arena; in host RAM the QSA
+K/V pools, the prefix-cache checkpoints and the page cache left for mapped PLE tables; then the number of
+max_model_len requests that fit at once. `--device cuda`
 with --kv-cache-memory-bytes needs no GPU, and --host-memory-bytes stands in for this machine's
 MemAvailable, so a deployment machine (QSA K/V offloaded or not) can be planned from another one.
 """
@@ -28,10 +28,16 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--gpu-memory-utilization", type=float, default=None)
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--max-state-checkpoints", type=int, default=None)
+    parser.add_argument("--checkpoint-host-bytes", type=int, default=None,
+                        help="host RAM for the prefix-cache checkpoints (instead of --max-state-checkpoints)")
     parser.add_argument("--qsa-kv-offload", action=argparse.BooleanOptionalAction, default=None,
                         help="QSA K/V in host RAM (default: auto, as the engine decides)")
-    parser.add_argument("--qsa-row-cache-rows", type=int, default=16384,
-                        help="with offload: rows of each QSA layer's device arena")
+    parser.add_argument("--qsa-row-cache-rows", type=int, default=None,
+                        help="with offload: rows of each QSA layer's device arena (default: from the bytes)")
+    parser.add_argument("--qsa-row-cache-bytes", type=int, default=None,
+                        help="with offload: the device arenas of all QSA layers, in bytes (default 95 MiB)")
+    parser.add_argument("--ple-table", default=None,
+                        help="the PLE tables as mapped files (default: <model>/ple_tables if present)")
     parser.add_argument("--host-memory-bytes", type=int, default=None,
                         help="host RAM to plan with instead of this machine's MemAvailable")
     parser.set_defaults(func=run)
@@ -40,6 +46,7 @@ def add_parser(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     from tierlm.config import ConfigError, ModelConfig
     from tierlm.engine.llm_engine import EngineConfig, engine_cache_plan
+    from tierlm.memory.ngram_store import find_table_dir
     from tierlm.memory.plan import CapacityError, weight_bytes
     from tierlm.model.loader import (
         ModelNotFoundError,
@@ -51,17 +58,21 @@ def run(args: argparse.Namespace) -> int:
     try:
         model_dir = resolve_model_path(args.model)
         config = ModelConfig.from_pretrained(model_dir)
+        ple_mapped = bool(config.ple_layer_ids) and find_table_dir(str(model_dir), args.ple_table) is not None
         dtype = str(resolve_dtype(args.dtype, config)).removeprefix("torch.")
         settings = EngineConfig(
             model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
             block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
             max_state_checkpoints=args.max_state_checkpoints, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
             gpu_memory_utilization=args.gpu_memory_utilization, qsa_kv_offload=args.qsa_kv_offload,
-            qsa_row_cache_rows=args.qsa_row_cache_rows,
+            qsa_row_cache_rows=args.qsa_row_cache_rows, checkpoint_host_bytes=args.checkpoint_host_bytes,
+            **({} if args.qsa_row_cache_bytes is None else {"qsa_row_cache_bytes": args.qsa_row_cache_bytes}),
         )
-        by_format = weight_bytes(config, dtype, read_quantization_config(model_dir))
+        quantization = read_quantization_config(model_dir)
+        by_format = weight_bytes(config, dtype, quantization, ple_mapped)
         weights = sum(by_format.values())
-        plan = engine_cache_plan(settings, config, dtype, args.device, weights, args.host_memory_bytes)
+        plan = engine_cache_plan(settings, config, dtype, args.device, weights, args.host_memory_bytes, ple_mapped,
+                                 quantization=quantization)
     except (ConfigError, CapacityError, ModelNotFoundError, ValueError) as exc:
         raise CliError(str(exc)) from None
     formats = "" if list(by_format) == ["dense"] else ": " + ", ".join(

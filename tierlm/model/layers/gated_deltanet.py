@@ -18,10 +18,10 @@ from tierlm.kernels.gated_delta_rule import (
     fused_recurrent_gated_delta_rule_step,
     recurrent_gated_delta_rule,
 )
+from tierlm.model.cache import GDNState
 from tierlm.model.forward_batch import ForwardBatch
 from tierlm.model.layers.norm import GatedRMSNorm, l2norm
 from tierlm.model.layers.packed_linear import Linear, PackedLinear
-from tierlm.model.model_cache import LayerState
 
 
 def causal_depthwise_conv(window: torch.Tensor, weight: torch.Tensor, dilation: int = 1) -> torch.Tensor:
@@ -58,7 +58,7 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(self.head_v_dim, c.rms_norm_eps, c.output_gate_act)
         self.out_proj = Linear(self.value_dim, h, bias=False)
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, state: LayerState) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, state: GDNState) -> torch.Tensor:
         mixed, z, b, a = self.in_proj(x)  # mixed: [N, C]
         z = z.unflatten(-1, (self.num_v_heads, self.head_v_dim))
         beta = torch.sigmoid(b)
@@ -67,39 +67,39 @@ class GatedDeltaNet(nn.Module):
         core = step(mixed, beta, g, batch, state).to(x.dtype)  # [N, nv, dv]
         return self.out_proj(self.norm(core, z).flatten(-2))
 
-    def _chunks(self, mixed, beta, g, batch: ForwardBatch, state: LayerState) -> torch.Tensor:
+    def _chunks(self, mixed, beta, g, batch: ForwardBatch, state: GDNState) -> torch.Tensor:
         """Any batch: each request's chunk through the conv and the chunked (or per-token) rule."""
         weight = self.conv1d.weight.squeeze(1)
         core = torch.empty(mixed.shape[0], self.num_v_heads, self.head_v_dim, device=mixed.device)
         for (start, end), slot in zip(batch.bounds, batch.state_slots):
-            window = torch.cat([state.gdn_conv[slot], mixed[start:end].T], dim=-1).unsqueeze(0)
-            state.gdn_conv[slot] = window[0, :, -(self.kernel - 1) :]
+            window = torch.cat([state.conv[slot], mixed[start:end].T], dim=-1).unsqueeze(0)
+            state.conv[slot] = window[0, :, -(self.kernel - 1) :]
             conv = F.silu(causal_depthwise_conv(window, weight)).transpose(1, 2)  # [1, T, C]
             q, k, v = self._heads(conv)
             rule = chunk_gated_delta_rule if end - start > 1 else recurrent_gated_delta_rule
             out, final = rule(
                 q, k, v, g[start:end].unsqueeze(0), beta[start:end].unsqueeze(0),
-                state.gdn_recurrent[slot].unsqueeze(0),
+                state.recurrent[slot].unsqueeze(0),
             )
-            state.gdn_recurrent[slot] = final[0]
+            state.recurrent[slot] = final[0]
             core[start:end] = out[0]
         return core
 
-    def _decode(self, mixed, beta, g, batch: ForwardBatch, state: LayerState) -> torch.Tensor:
+    def _decode(self, mixed, beta, g, batch: ForwardBatch, state: GDNState) -> torch.Tensor:
         """One token per request, all requests at once; static shapes (CUDA-graph safe)."""
         # index_select / index_copy_: whole-slot copies, several times cheaper than [] indexing
         slots = batch.slots
-        window = torch.cat([state.gdn_conv.index_select(0, slots), mixed.unsqueeze(-1)], dim=-1)  # [B, C, Kc]
-        state.gdn_conv.index_copy_(0, slots, window[..., 1:])
+        window = torch.cat([state.conv.index_select(0, slots), mixed.unsqueeze(-1)], dim=-1)  # [B, C, Kc]
+        state.conv.index_copy_(0, slots, window[..., 1:])
         conv = F.silu(causal_depthwise_conv(window, self.conv1d.weight.squeeze(1))[..., 0])  # [B, C]
         q, k, v = conv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         n = mixed.shape[0]
         q = l2norm(q.float().view(n, self.num_k_heads, self.head_k_dim), scale=self.head_k_dim**-0.5)
         k = l2norm(k.float().view(n, self.num_k_heads, self.head_k_dim))
         out, final = fused_recurrent_gated_delta_rule_step(
-            q, k, v.view(n, self.num_v_heads, self.head_v_dim), g, beta, state.gdn_recurrent.index_select(0, slots)
+            q, k, v.view(n, self.num_v_heads, self.head_v_dim), g, beta, state.recurrent.index_select(0, slots)
         )
-        state.gdn_recurrent.index_copy_(0, slots, final)
+        state.recurrent.index_copy_(0, slots, final)
         return out
 
     def _heads(self, conv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -17,11 +17,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tierlm.model.cache import PLEState
 from tierlm.model.forward_batch import ForwardBatch
 from tierlm.model.layers.gated_deltanet import causal_depthwise_conv
 from tierlm.model.layers.norm import RMSNorm
 from tierlm.model.layers.packed_linear import PackedLinear
-from tierlm.model.model_cache import LayerState
 from tierlm.model.ngram_hash import NgramHasher, NgramHashSpec, ngram_context
 
 
@@ -67,7 +67,7 @@ class PLELayer(nn.Module):
         self.history = (c.ple_conv_kernel_size - 1) * c.ngram_size
 
     def forward(
-        self, streams: torch.Tensor, batch: ForwardBatch, state: LayerState, token_streams: torch.Tensor | None
+        self, streams: torch.Tensor, batch: ForwardBatch, state: PLEState, token_streams: torch.Tensor | None
     ) -> torch.Tensor:
         """token_streams: `shifted_token_streams` of the batch (shared by every PLE layer), or None when the
         host gathered the embeddings (`batch.ple_embeddings`)."""
@@ -83,16 +83,16 @@ class PLELayer(nn.Module):
         gated = (torch.sigmoid(gate) * value.unsqueeze(-2)).flatten(-2)  # [N, hc*H]
         return gated + F.silu(self._short_conv(self.norm_conv(gated), batch, state))
 
-    def _short_conv(self, conv_in: torch.Tensor, batch: ForwardBatch, state: LayerState) -> torch.Tensor:
+    def _short_conv(self, conv_in: torch.Tensor, batch: ForwardBatch, state: PLEState) -> torch.Tensor:
         """Dilated causal conv over each request's history of conv_in [N, hc*H]; updates the history."""
         weight = self.conv1d.weight.squeeze(1)
         if batch.is_decode_only:
-            window = torch.cat([state.ple_conv.index_select(0, batch.slots), conv_in.unsqueeze(-1)], dim=-1)
-            state.ple_conv.index_copy_(0, batch.slots, window[..., 1:])
+            window = torch.cat([state.conv.index_select(0, batch.slots), conv_in.unsqueeze(-1)], dim=-1)
+            state.conv.index_copy_(0, batch.slots, window[..., 1:])
             return causal_depthwise_conv(window, weight, self.ngram_size)[..., 0]
         conv_out = torch.empty_like(conv_in)
         for (start, end), slot in zip(batch.bounds, batch.state_slots):
-            window = torch.cat([state.ple_conv[slot], conv_in[start:end].T], dim=-1)
-            state.ple_conv[slot] = window[:, -self.history :]
+            window = torch.cat([state.conv[slot], conv_in[start:end].T], dim=-1)
+            state.conv[slot] = window[:, -self.history :]
             conv_out[start:end] = causal_depthwise_conv(window.unsqueeze(0), weight, self.ngram_size)[0].T
         return conv_out

@@ -29,11 +29,12 @@ from torch import nn
 
 from tierlm.kernels.qsa_block_scores import block_scores
 from tierlm.kernels.qsa_row_cache import attend_rows
+from tierlm.model.cache import QSADeviceKV, QSAIndexerState
 from tierlm.model.forward_batch import ForwardBatch
 from tierlm.model.layers.norm import RMSNorm
 from tierlm.model.layers.packed_linear import Linear, PackedLinear
 from tierlm.model.layers.rotary import Rope, apply_rotary
-from tierlm.model.model_cache import LayerState
+from tierlm.model.qsa_offload import OffloadedKV
 
 PREFILL_GROUP_BYTES = 256 << 20  # working memory of one group of prefill queries (see `query_group`)
 
@@ -87,13 +88,13 @@ class QSAIndexer(nn.Module):
 
     def store_block_keys(
         self, raw_keys: torch.Tensor, context_len: int, slot: int, block_table: torch.Tensor,
-        state: LayerState, rope: Rope,
+        state: QSAIndexerState, rope: Rope,
     ) -> None:
         """Complete the blocks this chunk closes, write their keys, keep the open block's raw keys."""
         r = self.ratio
         carried = context_len % r
         first_block = context_len // r
-        pending = torch.cat([state.index_ring[slot, :carried], raw_keys])
+        pending = torch.cat([state.ring[slot, :carried], raw_keys])
         complete = pending.shape[0] // r
         if complete:
             starts = torch.arange(first_block, first_block + complete, device=raw_keys.device) * r
@@ -101,9 +102,9 @@ class QSAIndexer(nn.Module):
             keys = self.compress(pending[: complete * r].unflatten(0, (complete, r)), cos, sin)
             per_block = state.block_size // r
             physical = block_table[starts // state.block_size] * per_block + (starts % state.block_size) // r
-            state.index_keys.view(-1, self.head_dim)[physical] = keys
+            state.keys.view(-1, self.head_dim)[physical] = keys
         left = pending[complete * r :]
-        state.index_ring[slot, : left.shape[0]] = left
+        state.ring[slot, : left.shape[0]] = left
 
     def scores(self, q: torch.Tensor, block_keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Block scores [M, G] of queries q [M, ih, id] against one request's block keys [G, id]; blocks a
@@ -128,7 +129,7 @@ class QSAIndexer(nn.Module):
 
     # ---- decode: one token per request, static shapes, no host sync ------------------------------------
     def store_block_key_decode(
-        self, raw_keys: torch.Tensor, batch: ForwardBatch, state: LayerState, rope: Rope
+        self, raw_keys: torch.Tensor, batch: ForwardBatch, state: QSAIndexerState, rope: Rope
     ) -> None:
         """Put each new raw key in its request's ring; where it closes a block, write the block's key.
 
@@ -138,16 +139,16 @@ class QSAIndexer(nn.Module):
         r, bs = self.ratio, state.block_size
         context = batch.context_lens_tensor
         offset = context % r
-        state.index_ring[batch.slots, offset] = raw_keys
+        state.ring[batch.slots, offset] = raw_keys
         starts = context - offset  # first position of the open block
         cos, sin = rope.at(starts)
-        keys = self.compress(state.index_ring[batch.slots], cos, sin)
+        keys = self.compress(state.ring[batch.slots], cos, sin)
         block = batch.block_tables.gather(1, (starts // bs)[:, None]).squeeze(1)
         row = block * (bs // r) + (starts % bs) // r
         row = torch.where(offset == r - 1, row, state.scratch_block * (bs // r))
-        state.index_keys.view(-1, self.head_dim)[row] = keys
+        state.keys.view(-1, self.head_dim)[row] = keys
 
-    def select_decode(self, q: torch.Tensor, batch: ForwardBatch, state: LayerState) -> "Selection":
+    def select_decode(self, q: torch.Tensor, batch: ForwardBatch, state: QSAIndexerState) -> "Selection":
         """The K/V rows each request's query attends to: its top blocks' tokens and its open tail.
 
         Scores are [B, G] with G the blocks of the batch's block-table width (`static_decode` picks that
@@ -159,13 +160,13 @@ class QSAIndexer(nn.Module):
             score = block_scores
             if q.is_cuda:
                 from tierlm.kernels.qsa_block_scores.triton import triton_block_scores as score
-            scores = score(q, state.index_keys, batch.block_tables, batch.positions, self.ratio)
+            scores = score(q, state.keys, batch.block_tables, batch.positions, self.ratio)
         else:
             scores = self.visible_scores(q, batch, state)
         token_pos, valid = self.choose(scores, batch.positions)
         return Selection.of(token_pos, valid, tables, state)
 
-    def visible_scores(self, q: torch.Tensor, batch: ForwardBatch, state: LayerState) -> torch.Tensor:
+    def visible_scores(self, q: torch.Tensor, batch: ForwardBatch, state: QSAIndexerState) -> torch.Tensor:
         """Decode block scores [B, G = W * bs / R] where each request scores only the nb = (p+1)//R blocks
         its query sees (varlen: a short request beside a long one costs its own length); the rest -inf."""
         per_block = state.block_size // self.ratio
@@ -173,7 +174,7 @@ class QSAIndexer(nn.Module):
                             device=q.device)
         for i, context in enumerate(batch.context_lens):
             visible = (context + 1) // self.ratio
-            block_keys = gather_rows(state.index_keys, batch.block_tables[i], visible, per_block)
+            block_keys = gather_rows(state.keys, batch.block_tables[i], visible, per_block)
             scores[i, :visible] = self.scores(q[i : i + 1], block_keys, batch.positions[i : i + 1])[0]
         return scores
 
@@ -186,8 +187,11 @@ class Selection:
         self.rows, self.valid = rows, valid
 
     @classmethod
-    def of(cls, token_pos: torch.Tensor, valid: torch.Tensor, tables: torch.Tensor, state: LayerState) -> "Selection":
-        """tables: [M, W] block tables (one per query row; an expanded view for one request's queries)."""
+    def of(
+        cls, token_pos: torch.Tensor, valid: torch.Tensor, tables: torch.Tensor, state: QSAIndexerState
+    ) -> "Selection":
+        """tables: [M, W] block tables (one per query row; an expanded view for one request's queries);
+        state: the paging (block_size, scratch_block) the layer's caches share."""
         bs = state.block_size
         block = tables.gather(1, torch.clamp(token_pos // bs, max=tables.shape[1] - 1))
         return cls(torch.where(valid, block * bs + token_pos % bs, state.scratch_block * bs), valid)
@@ -209,7 +213,9 @@ class QSAAttention(nn.Module):
         self.indexer = QSAIndexer(c)
         self.scale = self.head_dim**-0.5
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, state: LayerState, rope: Rope) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, batch: ForwardBatch, kv: QSADeviceKV | OffloadedKV, state: QSAIndexerState, rope: Rope
+    ) -> torch.Tensor:
         n = x.shape[0]
         cos, sin = rope.cos, rope.sin
         q_and_gate, k, v = self.qkv_proj(x)
@@ -218,15 +224,11 @@ class QSAAttention(nn.Module):
         q = apply_rotary(self.q_norm(q), cos, sin)
         k = apply_rotary(self.k_norm(k.reshape(n, self.num_kv_heads, self.head_dim)), cos, sin)
         v = v.reshape(n, self.num_kv_heads, self.head_dim)
-        if state.offload is not None:
-            state.offload.write(batch.slot_mapping, k, v)
-        else:
-            state.key_cache.view(-1, self.num_kv_heads, self.head_dim)[batch.slot_mapping] = k
-            state.value_cache.view(-1, self.num_kv_heads, self.head_dim)[batch.slot_mapping] = v
+        kv.write(batch.slot_mapping, k, v)
 
         index_q, raw_keys = self.indexer.project(x, cos, sin)
         if batch.is_decode_only:
-            return self._decode(q, gate, index_q, raw_keys, batch, state, rope)
+            return self._decode(q, gate, index_q, raw_keys, batch, kv, state, rope)
         out = torch.empty(n, self.num_heads, self.head_dim, dtype=x.dtype, device=x.device)
         r, bs = self.indexer.ratio, state.block_size
         for i, (start, end) in enumerate(batch.bounds):
@@ -234,7 +236,7 @@ class QSAAttention(nn.Module):
             self.indexer.store_block_keys(
                 raw_keys[start:end], ctx, batch.state_slots[i], table, state, rope
             )
-            block_keys = gather_rows(state.index_keys, table, (ctx + end - start) // r, bs // r)
+            block_keys = gather_rows(state.keys, table, (ctx + end - start) // r, bs // r)
             tables = torch.where(table < 0, state.scratch_block, table)
             group = self.query_group(block_keys.shape[0], x.dtype)
             groups = [(lo, min(lo + group, end)) for lo in range(start, end, group)]  # bounded working memory
@@ -245,7 +247,7 @@ class QSAAttention(nn.Module):
                                                        positions)
                 selections.append(Selection.of(token_pos, valid, tables.expand(hi - lo, -1), state))
             rows, valid = torch.cat([s.rows for s in selections]), torch.cat([s.valid for s in selections])
-            read = self._prefill_reader(rows, valid, state)
+            read = kv.prefill_reader(rows, valid)  # from device pools, or staged from host pools
             for lo, hi in groups:
                 keys, values = read(lo - start, hi - start)
                 out[lo:hi] = attend_rows(q[lo:hi], keys, values, valid[lo - start : hi - start], self.scale)
@@ -261,33 +263,11 @@ class QSAAttention(nn.Module):
         per_query += selected * (2 * self.num_kv_heads * self.head_dim * dtype.itemsize + 4 * self.num_heads)
         return max(1, PREFILL_GROUP_BYTES // per_query)
 
-    def _prefill_reader(self, rows: torch.Tensor, valid: torch.Tensor, state: LayerState):
-        """A function giving K, V [hi - lo, S, nkv, hd] of queries lo:hi of a chunk's selections [M, S]:
-        from device pools, or staged from host pools (`OffloadedKV.prefill_reader`)."""
-        if state.offload is not None:
-            return state.offload.prefill_reader(rows, valid)
-        return lambda lo, hi: self._gather(rows[lo:hi], state)
-
-    def _gather(self, rows: torch.Tensor, state: LayerState) -> tuple[torch.Tensor, torch.Tensor]:
-        """K, V [M, S, nkv, hd] of device pool rows [M, S]."""
-        keys = state.key_cache.view(-1, self.num_kv_heads, self.head_dim)[rows]
-        return keys, state.value_cache.view(-1, self.num_kv_heads, self.head_dim)[rows]
-
-    def _decode(self, q, gate, index_q, raw_keys, batch: ForwardBatch, state: LayerState, rope: Rope) -> torch.Tensor:
+    def _decode(
+        self, q, gate, index_q, raw_keys, batch: ForwardBatch, kv: QSADeviceKV | OffloadedKV, state: QSAIndexerState,
+        rope: Rope,
+    ) -> torch.Tensor:
         self.indexer.store_block_key_decode(raw_keys, batch, state, rope)
         selection = self.indexer.select_decode(index_q, batch, state)
-        if state.offload is not None:  # rows read over UVA, through the row cache
-            out = state.offload.decode_attention(q, selection.rows, selection.valid, self.scale)
-        elif state.empty_row_cache is not None:  # CUDA: the same kernel over device pools
-            from tierlm.kernels.qsa_row_cache.triton import triton_decode_attention
-
-            key_rows = state.key_cache.view(-1, self.num_kv_heads, self.head_dim)
-            value_rows = state.value_cache.view(-1, self.num_kv_heads, self.head_dim)
-            out = triton_decode_attention(
-                state.empty_row_cache, key_rows, value_rows, q, selection.rows, selection.valid,
-                torch.zeros_like(selection.valid), self.scale,
-            )
-        else:
-            keys, values = self._gather(selection.rows, state)
-            out = attend_rows(q, keys, values, selection.valid, self.scale)
+        out = kv.decode_attention(q, selection.rows, selection.valid, self.scale)
         return self.o_proj(out.flatten(1) * torch.sigmoid(gate))
