@@ -102,3 +102,61 @@ def test_varlen_reference_is_the_per_sequence_rule():
         assert rel_rms(out[lo:hi], o_ref[0]) < 1e-5 and rel_rms(final_pool[slot], s_ref[0]) < 1e-5
         o_chunk, _ = chunk_gated_delta_rule(*(x[None] for x in per_seq), pool[slot][None])
         assert torch.equal(out[lo:hi], o_chunk[0])
+
+
+def compare_layer(device: str) -> None:
+    """GatedDeltaNet's prefill with the rule in one Triton launch against its torch path: same outputs,
+    same conv windows and recurrent states left in the slots (three requests of 1, 70 and 5 tokens)."""
+    from types import SimpleNamespace
+
+    from tierlm.model.forward_batch import ForwardBatch
+    from tierlm.model.layers.gated_deltanet import GatedDeltaNet
+    from tierlm.model.model_cache import LayerState
+
+    torch.manual_seed(0)
+    config = SimpleNamespace(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                             linear_value_head_dim=16, linear_conv_kernel_dim=4, hidden_size=32, rms_norm_eps=1e-6,
+                             output_gate_act="silu")
+    layer = GatedDeltaNet(config)
+    for p in layer.parameters():
+        p.data = torch.randn_like(p) * 0.3
+    layer = layer.to(device)
+    lengths, slots = [1, 70, 5], [3, 0, 1]
+    batch = ForwardBatch.build([[2] * n for n in lengths], [9, 0, 3], slots, [[0], [1], [2]], 128, device)
+    mixed = torch.randn(sum(lengths), layer.conv_dim, device=device)
+    beta = torch.rand(sum(lengths), layer.num_v_heads, device=device)
+    g = -torch.rand(sum(lengths), layer.num_v_heads, device=device) * 3
+    conv0 = torch.randn(4, layer.conv_dim, layer.kernel - 1, device=device)
+    rec0 = torch.randn(4, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim, device=device)
+    torch_state = LayerState(gdn_conv=conv0.clone(), gdn_recurrent=rec0.clone())
+    kernel_state = LayerState(gdn_conv=conv0.clone(), gdn_recurrent=rec0.clone())
+    expected = torch_chunks(layer, mixed, beta, g, batch, torch_state)
+    got = layer._chunks_triton(mixed, beta, g, batch, kernel_state, layer.conv1d.weight.squeeze(1))
+    assert torch.equal(kernel_state.gdn_conv, torch_state.gdn_conv)
+    assert rel_rms(got.cpu(), expected.cpu()) < 1e-5
+    assert rel_rms(kernel_state.gdn_recurrent.cpu(), torch_state.gdn_recurrent.cpu()) < 1e-5
+
+
+def torch_chunks(layer, mixed, beta, g, batch, state):
+    """The layer's torch path, whatever device the tensors are on (the kill switch forces it on CUDA)."""
+    saved = os.environ.get("TIERLM_NO_TRITON_GDN_PREFILL")
+    os.environ["TIERLM_NO_TRITON_GDN_PREFILL"] = "1"
+    try:
+        return layer._chunks(mixed, beta, g, batch, state)
+    finally:
+        if saved is None:
+            del os.environ["TIERLM_NO_TRITON_GDN_PREFILL"]
+
+
+def test_layer_prefill_through_the_kernel_equals_its_torch_path():
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed")
+    if torch.cuda.is_available():
+        compare_layer("cuda")
+        return
+    done = subprocess.run(
+        [sys.executable, "-c", "import test_gated_delta_rule_triton as t; t.compare_layer('cpu')"],
+        cwd=Path(__file__).parent, env=dict(os.environ, TRITON_INTERPRET="1"), capture_output=True, text=True,
+        timeout=120, check=False,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]

@@ -17,4 +17,6 @@ from tierlm.kernels.gated_delta_rule.naive import recurrent_gated_delta_rule
 __all__ = [
     "chunk_gated_delta_rule",
     "chunk_gated_delta_rule_varlen",
-    "fused_recurrent_gated_delta_rule_step", "recurrent_gated_delta_rule"]
+    "fused_recurrent_gated_delta_rule_step",
+    "recurrent_gated_delta_rule",
+]
