@@ -41,6 +41,11 @@ def causal_depthwise_conv(window: torch.Tensor, weight: torch.Tensor, dilation: 
     return (taps * weight.float()[:, None, :]).sum(-1).to(window.dtype)
 
 
+def triton_prefill_applies(x: torch.Tensor) -> bool:
+    """The prefill rule through `chunk_triton`: on CUDA, unless TIERLM_NO_TRITON_GDN_PREFILL=1."""
+    return x.is_cuda and not os.environ.get("TIERLM_NO_TRITON_GDN_PREFILL")
+
+
 class GatedDeltaNet(nn.Module):
     def __init__(self, config) -> None:
         super().__init__()
@@ -74,7 +79,7 @@ class GatedDeltaNet(nn.Module):
     def _chunks(self, mixed, beta, g, batch: ForwardBatch, state: LayerState) -> torch.Tensor:
         """Any batch: each request's chunk through the conv and the chunked (or per-token) rule."""
         weight = self.conv1d.weight.squeeze(1)
-        if mixed.is_cuda and not os.environ.get("TIERLM_NO_TRITON_GDN_PREFILL"):
+        if triton_prefill_applies(mixed):
             return self._chunks_triton(mixed, beta, g, batch, state, weight)
         core = torch.empty(mixed.shape[0], self.num_v_heads, self.head_v_dim, device=mixed.device)
         for (start, end), slot in zip(batch.bounds, batch.state_slots):
