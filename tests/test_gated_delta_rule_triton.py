@@ -160,3 +160,16 @@ def test_layer_prefill_through_the_kernel_equals_its_torch_path():
         timeout=120, check=False,
     )
     assert done.returncode == 0, done.stderr[-4000:]
+
+
+def test_kernel_refuses_bad_inputs():
+    """Checked before any launch: an fp16 state pool, an empty sequence in cu_seqlens."""
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed")
+    from tierlm.kernels.gated_delta_rule.chunk_triton import triton_chunk_gated_delta_rule_varlen as kernel
+
+    inputs, cu_seqlens, pool, indices = workload(*CASES["mixed_lengths"])
+    with pytest.raises(ValueError, match="state pool must be fp32"):
+        kernel(*inputs, cu_seqlens, pool.half(), indices)
+    with pytest.raises(ValueError, match="empty or decreasing"):
+        kernel(*inputs, torch.tensor([0, 1, 1, 76, 140]), pool, indices)
