@@ -24,12 +24,21 @@ BLOCK_SIZE = 16
 def prefill_logits(folder: Path, dtype: str, kernels: bool, device: str) -> torch.Tensor:
     import tierlm.model.layers.gated_deltanet as gdn
     import tierlm.model.layers.qsa_attention as qsa
+
+    saved = gdn.triton_prefill_applies, qsa.sparse_kernel_applies
+    gdn.triton_prefill_applies = lambda x: kernels
+    qsa.sparse_kernel_applies = lambda q, state: kernels and state.offload is None
+    try:
+        return run_prefill(folder, dtype, device)
+    finally:
+        gdn.triton_prefill_applies, qsa.sparse_kernel_applies = saved
+
+
+def run_prefill(folder: Path, dtype: str, device: str) -> torch.Tensor:
     from tierlm.model.forward_batch import ForwardBatch
     from tierlm.model.loader import load_model
     from tierlm.model.model_cache import ModelCache
 
-    gdn.triton_prefill_applies = lambda x: kernels
-    qsa.sparse_kernel_applies = lambda q, state: kernels and state.offload is None
     model, config = load_model(folder, dtype=dtype, device=device)
     cache = ModelCache(config, 2, 16, BLOCK_SIZE, getattr(torch, dtype), device)
     cache.reset_slot(0)
