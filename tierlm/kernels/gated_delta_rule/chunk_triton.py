@@ -58,7 +58,7 @@ def _chunk_inverse_kernel(k_ptr, g_ptr, beta_ptr, chunk_starts_ptr, chunk_ends_p
     decay = tl.exp(tl.where(strict, cum[:, None] - cum[None, :], float("-inf")))
     a = tl.where(strict, beta[:, None] * decay * tl.dot(k, tl.trans(k), input_precision="ieee"), 0.0)
     inverse = tl.where(rows[:, None] == rows[None, :], 1.0, 0.0)
-    for i in range(1, BC):
+    for i in range(1, tl.minimum(end - start, BC)):  # padding rows stay rows of I
         a_row = tl.sum(tl.where(rows[:, None] == i, a, 0.0), 0)
         new_row = tl.where(rows == i, 1.0, 0.0) - tl.sum(a_row[:, None] * inverse, 0)
         inverse = tl.where(rows[:, None] == i, new_row[None, :], inverse)
