@@ -6,7 +6,8 @@ three Gated DeltaNet layers (16 key / 48 value heads of 128) and one QSA layer (
 not pinned down there: --indexer-heads, --indexer-dim). Random weights; each layer adds its output to the
 residual stream (no MoE: its cost per token does not depend on the context). One prompt per context length
 is prefilled in chunks of --chunk tokens (what the scheduler hands the model), and its tok/s is the prompt
-length over the whole prefill's time, with the time of each layer kind beside it. The two paths are the
+length over the whole prefill's time, with the time of each layer kind beside it and, in parentheses,
+the part of the QSA time its indexer took (block scores and top-k: O(context) per query on both paths). The two paths are the
 kernels (default on CUDA) and the torch paths (TIERLM_NO_TRITON_GDN_PREFILL=1, TIERLM_NO_TRITON_QSA_PREFILL=1).
 The issue's target: tok/s at 128k >= 50% of tok/s at 8k. Results go to bench/results/long_prefill_<device>.txt.
 
@@ -39,12 +40,12 @@ BLOCK_SIZE = 64
 KILL_SWITCHES = ("TIERLM_NO_TRITON_GDN_PREFILL", "TIERLM_NO_TRITON_QSA_PREFILL")
 LAYER_TYPES = ("linear_attention",) * 3 + ("indexed_attention",)
 WIDTHS = {
-    "real": dict(hidden_size=2560, linear_num_key_heads=16, linear_num_value_heads=48, linear_key_head_dim=128,
-                 linear_value_head_dim=128, num_attention_heads=24, num_key_value_heads=2, head_dim=256,
-                 partial_rotary_factor=0.25, indexer_budget=2048),
-    "small": dict(hidden_size=256, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32,
-                  linear_value_head_dim=32, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-                  partial_rotary_factor=0.25, indexer_budget=256),
+    "real": {"hidden_size": 2560, "linear_num_key_heads": 16, "linear_num_value_heads": 48,
+             "linear_key_head_dim": 128, "linear_value_head_dim": 128, "num_attention_heads": 24,
+             "num_key_value_heads": 2, "head_dim": 256, "partial_rotary_factor": 0.25, "indexer_budget": 2048},
+    "small": {"hidden_size": 256, "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 32,
+              "linear_value_head_dim": 32, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+              "partial_rotary_factor": 0.25, "indexer_budget": 256},
 }
 
 
@@ -69,15 +70,37 @@ def build_stack(config: ModelConfig, device: torch.device, dtype: torch.dtype) -
     return layers
 
 
+def time_indexer(layers, seconds: dict[str, float], sync) -> None:
+    """Add the QSA layers' block scoring and top-k choice (the work that grows with the context, the same on
+    both paths) to seconds["indexer"]: their methods wrapped on the instances, a device sync around each call."""
+
+    def timed(method):
+        def call(*args):
+            sync()
+            began = time.perf_counter()
+            result = method(*args)
+            sync()
+            seconds["indexer"] += time.perf_counter() - began
+            return result
+
+        return call
+
+    for layer in layers:
+        if isinstance(layer, QSAAttention):
+            layer.indexer.scores = timed(type(layer.indexer).scores.__get__(layer.indexer))
+            layer.indexer.choose = timed(type(layer.indexer).choose.__get__(layer.indexer))
+
+
 def prefill(layers, config: ModelConfig, cache: ModelCache, rotary, length: int, chunk: int) -> dict[str, float]:
     """Seconds to prefill one `length`-token prompt in chunks of `chunk` (slot 0, blocks 0..), in total and
-    per layer kind (each layer timed alone: a device sync around it)."""
+    per layer kind (each layer timed alone: a device sync around it), and the QSA indexer's share."""
     device = cache.device
     cache.reset_slot(0)
     table = list(range(math.ceil(length / BLOCK_SIZE)))
     gen = torch.Generator(device=device).manual_seed(1)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    seconds = {"total": 0.0, "linear_attention": 0.0, "indexed_attention": 0.0}
+    seconds = {"total": 0.0, "linear_attention": 0.0, "indexed_attention": 0.0, "indexer": 0.0}
+    time_indexer(layers, seconds, sync)
     for start in range(0, length, chunk):
         n = min(chunk, length - start)
         batch = ForwardBatch.build([[3] * n], [start], [0], [table], BLOCK_SIZE, device=device)
@@ -141,19 +164,20 @@ def main() -> None:
     lines = [
         (f"{widths} widths (hidden {config.hidden_size}; 3 GDN + 1 QSA) on {device_name(device)}, {str(dtype)[6:]}, "
          f"chunks of {args.chunk}: prefill of one prompt, best of {args.repeats}"),
-        f"{'context':>9}" + "".join(f"{f'{p} tok/s':>15}{'GDN s':>9}{'QSA s':>9}" for p in paths)
+        f"{'context':>9}" + "".join(f"{f'{p} tok/s':>15}{'GDN s':>9}{'QSA s':>9}{'(index)':>9}" for p in paths)
         + ("" if len(paths) == 1 else f"{'kernels/torch':>15}"),
     ]
     for length in (short, long):
         row = f"{length:>9,}"
         for path in paths:
             r = results[path, length]
-            row += f"{length / r['total']:>15,.0f}{r['linear_attention']:>9.3f}{r['indexed_attention']:>9.3f}"
+            row += (f"{length / r['total']:>15,.0f}{r['linear_attention']:>9.3f}{r['indexed_attention']:>9.3f}"
+                    f"{r['indexer']:>9.3f}")
         if len(paths) > 1:
             row += f"{results['torch', length]['total'] / results['kernels', length]['total']:>15.2f}"
         lines.append(row)
     ratio = {p: (long / results[p, long]["total"]) / (short / results[p, short]["total"]) for p in paths}
-    lines.append(f"{f'{long / 1024:g}k/{short / 1024:g}k':>9}" + "".join(f"{ratio[p]:>15.3f}{'':>18}" for p in paths)
+    lines.append(f"{f'{long / 1024:g}k/{short / 1024:g}k':>9}" + "".join(f"{ratio[p]:>15.3f}{'':>27}" for p in paths)
                  + "   (tok/s ratio; target >= 0.5)")
     print("\n".join(lines))
     out = ROOT / "bench" / "results" / f"long_prefill_{device_name(device)}{'_small' if args.small else ''}.txt"

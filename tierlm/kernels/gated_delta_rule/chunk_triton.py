@@ -20,6 +20,8 @@ heads); W is recomputed by each column block (Dv / BV of them).
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import triton
 import triton.language as tl
@@ -142,16 +144,16 @@ def triton_chunk_gated_delta_rule_varlen(
     # the chunks of every sequence, in order (one host read of cu_seqlens)
     bounds = cu_seqlens.tolist()
     starts, ends, first_chunk = [], [], []
-    for bos, eos in zip(bounds[:-1], bounds[1:]):
+    for bos, eos in itertools.pairwise(bounds):
         if eos <= bos:
             raise ValueError(f"cu_seqlens {bounds} has an empty or decreasing sequence")
         first_chunk.append(len(starts))
         starts.extend(range(bos, eos, CHUNK_SIZE))
         ends.extend([eos] * len(range(bos, eos, CHUNK_SIZE)))
-    as_long = dict(dtype=torch.int64, device=v.device)
+    as_long = {"dtype": torch.int64, "device": v.device}
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
-    heads = dict(HV=num_value_heads, GROUP=num_value_heads // num_key_heads, DK=dk,
-                 BK=max(16, triton.next_power_of_2(dk)), BC=CHUNK_SIZE)
+    heads = {"HV": num_value_heads, "GROUP": num_value_heads // num_key_heads, "DK": dk,
+             "BK": max(16, triton.next_power_of_2(dk)), "BC": CHUNK_SIZE}
     inverse = torch.empty(len(starts), num_value_heads, CHUNK_SIZE, CHUNK_SIZE, dtype=torch.float32, device=v.device)
     _chunk_inverse_kernel[(len(starts), num_value_heads)](
         k, g, beta, torch.tensor(starts, **as_long), torch.tensor(ends, **as_long), inverse, **heads, num_warps=4,
