@@ -12,8 +12,13 @@ in registers and walks the sequence's chunks in order:
   O  = (Q e^G) S + (tril(Q K^T) e^(G_t - G_s)) U
   S <- e^(G_last) S + (K e^(G_last - G))^T U
 Tokens past a sequence's end load as zeros with g = 0 and beta = 0, which leaves U, S and G_last
-exactly as if the chunk were short. Every product is fp32 (`input_precision="ieee"`: TF32 keeps 10
-mantissa bits, and the state carries its rounding from chunk to chunk). Value head h reads key head h // (Hv / Hk): keys are not repeated.
+exactly as if the chunk were short. Products are fp32-accurate: on a GPU "tf32x3" (each fp32 operand
+split into two TF32 parts, three tensor-core products: ~fp32 error; plain TF32 keeps 10 mantissa bits,
+and the state would carry that rounding from chunk to chunk), in the interpreter "ieee". Full-fp32 FMA
+dots ("ieee") over Dk = 128 do not fit the registers on sm_90: ptxas (triton 3.9, compiled here for
+sm_90a without a GPU) fell back to 32 registers and a 7-15 KB stack per thread; with tf32x3 the
+inverse kernel has no spills and the state kernel 255 registers + 3.2 KB of stack at 4 warps (the
+output's Q K^T and Q S are most of it: splitting them into a third, parallel kernel is the next step). Value head h reads key head h // (Hv / Hk): keys are not repeated.
 T goes through memory (C*C fp32 per chunk and value head: 16 KiB, 200 MB for an 8k-token chunk at 48
 heads); W is recomputed by each column block (Dv / BV of them).
 """
@@ -40,7 +45,7 @@ def _chunk_decay(g_ptr, t, inside, head, HV: tl.constexpr):
 @triton.jit
 def _chunk_inverse_kernel(k_ptr, g_ptr, beta_ptr, chunk_starts_ptr, chunk_ends_ptr, inverse_ptr,
                           HV: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, BK: tl.constexpr,
-                          BC: tl.constexpr):
+                          BC: tl.constexpr, PRECISION: tl.constexpr):
     """One program per (chunk, value head): T = (I + A)^-1 into inverse [chunks, HV, BC, BC] fp32.
 
     Forward substitution, row by row: row i of T is e_i - sum_{s<i} A_is (row s of T). Chunks are
@@ -58,7 +63,7 @@ def _chunk_inverse_kernel(k_ptr, g_ptr, beta_ptr, chunk_starts_ptr, chunk_ends_p
     cum = _chunk_decay(g_ptr, t, inside, head, HV)
     strict = rows[:, None] > rows[None, :]
     decay = tl.exp(tl.where(strict, cum[:, None] - cum[None, :], float("-inf")))
-    a = tl.where(strict, beta[:, None] * decay * tl.dot(k, tl.trans(k), input_precision="ieee"), 0.0)
+    a = tl.where(strict, beta[:, None] * decay * tl.dot(k, tl.trans(k), input_precision=PRECISION), 0.0)
     inverse = tl.where(rows[:, None] == rows[None, :], 1.0, 0.0)
     for i in range(1, tl.minimum(end - start, BC)):  # padding rows stay rows of I
         a_row = tl.sum(tl.where(rows[:, None] == i, a, 0.0), 0)
@@ -70,7 +75,8 @@ def _chunk_inverse_kernel(k_ptr, g_ptr, beta_ptr, chunk_starts_ptr, chunk_ends_p
 @triton.jit
 def _chunk_rule_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, cu_ptr, first_chunk_ptr, inverse_ptr, state_ptr,
                        indices_ptr, out_ptr, HV: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr,
-                       DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BC: tl.constexpr):
+                       DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BC: tl.constexpr,
+                       PRECISION: tl.constexpr):
     """One program per (value-column block, value head, sequence): the sequence's chunks in order, the
     state's columns in registers."""
     column_block, head, seq = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -102,15 +108,15 @@ def _chunk_rule_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, cu_ptr, first_chunk
         decay = tl.exp(tl.where(causal, cum[:, None] - cum[None, :], float("-inf")))
         inverse = tl.load(inverse_ptr + ((chunk * HV + head) * BC + rows[:, None]) * BC + rows[None, :])
         growth = tl.exp(cum)
-        w = tl.dot(inverse, k * (beta * growth)[:, None], input_precision="ieee")
-        u = tl.dot(inverse, v * beta[:, None], input_precision="ieee")
-        u = u - tl.dot(w, state, input_precision="ieee")
-        scores = tl.dot(q, tl.trans(k), input_precision="ieee") * decay
-        out = tl.dot(q * growth[:, None], state, input_precision="ieee") + tl.dot(scores, u, input_precision="ieee")
+        w = tl.dot(inverse, k * (beta * growth)[:, None], input_precision=PRECISION)
+        u = tl.dot(inverse, v * beta[:, None], input_precision=PRECISION)
+        u = u - tl.dot(w, state, input_precision=PRECISION)
+        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * decay
+        out = tl.dot(q * growth[:, None], state, input_precision=PRECISION) + tl.dot(scores, u, input_precision=PRECISION)
         tl.store(out_ptr + value_at, out, mask=value_mask)
         last = tl.sum(tl.where(rows == BC - 1, cum, 0.0), 0)
         carried = k * tl.exp(last - cum)[:, None]
-        state = state * tl.exp(last) + tl.dot(tl.trans(carried), u, input_precision="ieee")
+        state = state * tl.exp(last) + tl.dot(tl.trans(carried), u, input_precision=PRECISION)
         chunk += 1
     tl.store(state_at, state, mask=state_mask)
 
@@ -153,7 +159,8 @@ def triton_chunk_gated_delta_rule_varlen(
     as_long = {"dtype": torch.int64, "device": v.device}
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     heads = {"HV": num_value_heads, "GROUP": num_value_heads // num_key_heads, "DK": dk,
-             "BK": max(16, triton.next_power_of_2(dk)), "BC": CHUNK_SIZE}
+             "BK": max(16, triton.next_power_of_2(dk)), "BC": CHUNK_SIZE,
+             "PRECISION": "ieee" if v.device.type == "cpu" else "tf32x3"}
     inverse = torch.empty(len(starts), num_value_heads, CHUNK_SIZE, CHUNK_SIZE, dtype=torch.float32, device=v.device)
     _chunk_inverse_kernel[(len(starts), num_value_heads)](
         k, g, beta, torch.tensor(starts, **as_long), torch.tensor(ends, **as_long), inverse, **heads, num_warps=4,
@@ -161,6 +168,6 @@ def triton_chunk_gated_delta_rule_varlen(
     block_v = max(16, min(COLUMN_BLOCK, triton.next_power_of_2(dv)))
     _chunk_rule_kernel[(triton.cdiv(dv, block_v), num_value_heads, num_seqs)](
         q, k, v, g, beta, cu_seqlens.contiguous(), torch.tensor(first_chunk, **as_long), inverse, state_pool,
-        state_indices.contiguous(), out, DV=dv, BV=block_v, **heads, num_warps=8, num_stages=1,
+        state_indices.contiguous(), out, DV=dv, BV=block_v, **heads, num_warps=4, num_stages=1,
     )
     return out
