@@ -49,3 +49,35 @@ def chunk_gated_delta_rule(
         last = cum[..., -1:]
         state = last.exp()[..., None] * state + (kc * (last - cum).exp()[..., None]).transpose(-1, -2) @ u
     return out.transpose(1, 2), state
+
+
+def chunk_gated_delta_rule_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    state_pool: torch.Tensor,
+    state_indices: torch.Tensor,
+) -> torch.Tensor:
+    """Several packed sequences at once, states in a pool (the reference for `chunk_triton`).
+
+    q, k [N, Hk, Dk] (normalised, q scaled; value head h reads key head h // (Hv / Hk)), v [N, Hv, Dv],
+    g, beta [N, Hv], cu_seqlens [B + 1] (sequence i is rows cu_seqlens[i]:cu_seqlens[i+1], each >= 1),
+    state_pool [P, Hv, Dk, Dv] fp32, state_indices [B] (the pool slot of each sequence: its initial
+    state, overwritten in place by its final state) -> o [N, Hv, Dv] fp32. Sequence by sequence through
+    `chunk_gated_delta_rule`.
+    """
+    repeat = v.shape[1] // k.shape[1]
+    q, k = q.repeat_interleave(repeat, dim=1), k.repeat_interleave(repeat, dim=1)
+    out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
+    bounds = cu_seqlens.tolist()
+    for i, slot in enumerate(state_indices.tolist()):
+        start, end = bounds[i], bounds[i + 1]
+        o, final = chunk_gated_delta_rule(
+            *(x[None, start:end] for x in (q, k, v, g, beta)), state_pool[slot].unsqueeze(0)
+        )
+        out[start:end] = o[0]
+        state_pool[slot] = final[0]
+    return out

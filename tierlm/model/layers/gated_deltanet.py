@@ -4,10 +4,14 @@ Per token: project to mixed q|k|v channels, a causal depthwise conv over time (k
 in the slot between calls), silu, split, beta = sigmoid(b), log decay g = -exp(A_log) softplus(a + dt_bias),
 l2-normalised q and k (q scaled by dk^-1/2), then the gated delta rule (`kernels/gated_delta_rule`) and a
 gated RMS norm. Multi-token chunks use the chunked form; single-token decodes of all requests in the
-batch run together through the per-token form. Both start from and write back the slot's state.
+batch run together through the per-token form. Both start from and write back the slot's state. On CUDA
+a prefill batch's rule runs as one Triton launch over all its requests (`chunk_triton`;
+TIERLM_NO_TRITON_GDN_PREFILL=1 turns it off); on CPU request by request in torch.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +39,11 @@ def causal_depthwise_conv(window: torch.Tensor, weight: torch.Tensor, dilation: 
     kernel = weight.shape[1]
     taps = window.unfold(-1, (kernel - 1) * dilation + 1, 1)[..., ::dilation]  # [B, C, T, K]
     return (taps * weight.float()[:, None, :]).sum(-1).to(window.dtype)
+
+
+def triton_prefill_applies(x: torch.Tensor) -> bool:
+    """The prefill rule through `chunk_triton`: on CUDA, unless TIERLM_NO_TRITON_GDN_PREFILL=1."""
+    return x.is_cuda and not os.environ.get("TIERLM_NO_TRITON_GDN_PREFILL")
 
 
 class GatedDeltaNet(nn.Module):
@@ -70,6 +79,8 @@ class GatedDeltaNet(nn.Module):
     def _chunks(self, mixed, beta, g, batch: ForwardBatch, state: GDNState) -> torch.Tensor:
         """Any batch: each request's chunk through the conv and the chunked (or per-token) rule."""
         weight = self.conv1d.weight.squeeze(1)
+        if triton_prefill_applies(mixed):
+            return self._chunks_triton(mixed, beta, g, batch, state, weight)
         core = torch.empty(mixed.shape[0], self.num_v_heads, self.head_v_dim, device=mixed.device)
         for (start, end), slot in zip(batch.bounds, batch.state_slots):
             window = torch.cat([state.conv[slot], mixed[start:end].T], dim=-1).unsqueeze(0)
@@ -84,6 +95,19 @@ class GatedDeltaNet(nn.Module):
             state.recurrent[slot] = final[0]
             core[start:end] = out[0]
         return core
+
+    def _chunks_triton(self, mixed, beta, g, batch: ForwardBatch, state: GDNState, weight) -> torch.Tensor:
+        """As `_chunks`: the conv request by request, then the rule for every request in one launch."""
+        from tierlm.kernels.gated_delta_rule.chunk_triton import triton_chunk_gated_delta_rule_varlen
+
+        conv = torch.empty_like(mixed)  # [N, C]
+        for (start, end), slot in zip(batch.bounds, batch.state_slots):
+            window = torch.cat([state.conv[slot], mixed[start:end].T], dim=-1).unsqueeze(0)
+            state.conv[slot] = window[0, :, -(self.kernel - 1) :]
+            conv[start:end] = F.silu(causal_depthwise_conv(window, weight))[0].T
+        q, k, v = self._heads(conv, repeat_keys=False)
+        cu_seqlens = torch.tensor([0, *(end for _, end in batch.bounds)], dtype=torch.int32, device=mixed.device)
+        return triton_chunk_gated_delta_rule_varlen(q, k, v, g, beta, cu_seqlens, state.recurrent, batch.slots)
 
     def _decode(self, mixed, beta, g, batch: ForwardBatch, state: GDNState) -> torch.Tensor:
         """One token per request, all requests at once; static shapes (CUDA-graph safe)."""
@@ -102,14 +126,14 @@ class GatedDeltaNet(nn.Module):
         state.recurrent.index_copy_(0, slots, final)
         return out
 
-    def _heads(self, conv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """conv [B, T, C] -> q, k [B, T, nv, dk] (normalised, q scaled), v [B, T, nv, dv]."""
+    def _heads(self, conv: torch.Tensor, repeat_keys: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """conv [..., C] -> q, k [..., nv, dk] (normalised, q scaled; nk heads if not repeat_keys), v [..., nv, dv]."""
         q, k, v = torch.split(conv, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = q.unflatten(-1, (self.num_k_heads, self.head_k_dim))
         k = k.unflatten(-1, (self.num_k_heads, self.head_k_dim))
         v = v.unflatten(-1, (self.num_v_heads, self.head_v_dim))
         q, k = l2norm(q.float(), scale=self.head_k_dim**-0.5), l2norm(k.float())
         repeat = self.num_v_heads // self.num_k_heads
-        if repeat > 1:  # value head j reads key head j // repeat
+        if repeat > 1 and repeat_keys:  # value head j reads key head j // repeat
             q, k = q.repeat_interleave(repeat, dim=2), k.repeat_interleave(repeat, dim=2)
         return q, k, v

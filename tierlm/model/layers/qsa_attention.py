@@ -12,7 +12,9 @@ Attention reads only the selected rows: each query gathers its (budget + R - 1) 
 paged pool and attends to them, so prefill costs O(budget) per token, not O(context); with K/V in host
 pools (`qsa_offload`) prefill stages the selected rows through a device arena and decode reads them over
 UVA through a VRAM row cache. Prefill and mixed batches go request by request, each request's queries
-in groups whose working memory is bounded (`query_group`); decode-only batches run all requests at once
+in groups whose working memory is bounded (`query_group`), attending on CUDA through a kernel that reads
+the selected rows in place (`kernels/qsa_sparse_attention`; TIERLM_NO_TRITON_QSA_PREFILL=1: the gather
++ SDPA path CPU runs); decode-only batches run all requests at once
 in a static-shape, sync-free form (what a CUDA graph captures). The indexer's work follows the context,
 not max_model_len: a request scores only the compressed keys up to its own position (a static batch up
 to its block-table width, which `static_decode` sizes from the batch's longest context), and keeps its
@@ -23,6 +25,7 @@ whole context) lives in the tests.
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 from torch import nn
@@ -55,6 +58,12 @@ def top_blocks(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor
     keys = (bits << 32) | (0xFFFFFFFF - index)
     indices = torch.topk(keys, k, dim=-1).indices
     return scores.gather(-1, indices), indices
+
+
+def sparse_kernel_applies(q: torch.Tensor, kv: QSADeviceKV | OffloadedKV) -> bool:
+    """Prefill attention through `kernels/qsa_sparse_attention`'s Triton kernel: on CUDA with device
+    pools (offloaded pools stage rows through the arena), unless TIERLM_NO_TRITON_QSA_PREFILL=1."""
+    return q.is_cuda and isinstance(kv, QSADeviceKV) and not os.environ.get("TIERLM_NO_TRITON_QSA_PREFILL")
 
 
 def gather_rows(pool: torch.Tensor, block_table: torch.Tensor, count: int, rows_per_block: int) -> torch.Tensor:
@@ -247,6 +256,12 @@ class QSAAttention(nn.Module):
                                                        positions)
                 selections.append(Selection.of(token_pos, valid, tables.expand(hi - lo, -1), state))
             rows, valid = torch.cat([s.rows for s in selections]), torch.cat([s.valid for s in selections])
+            if sparse_kernel_applies(q, kv):  # rows read in place: no [queries x rows] copy
+                from tierlm.kernels.qsa_sparse_attention.triton import triton_sparse_attention
+
+                out[start:end] = triton_sparse_attention(q[start:end], kv.key_rows, kv.value_rows, rows, valid,
+                                                         self.scale)
+                continue
             read = kv.prefill_reader(rows, valid)  # from device pools, or staged from host pools
             for lo, hi in groups:
                 keys, values = read(lo - start, hi - start)
