@@ -14,7 +14,7 @@ for the next (INT4 experts of one token fit in an H200's L2). The kernel's outpu
 the reference on every routing (max |diff| relative to max |reference|).
 
     python bench/moe_decode_kernel.py                 # CUDA
-    python bench/moe_decode_kernel.py --sweep         # CUDA, also sweeps the decode tile sizes
+    python bench/moe_decode_kernel.py --sweep         # CUDA, also sweeps the tile sizes (best reported)
     python bench/moe_decode_kernel.py --small         # CPU: Triton's interpreter, tiny shapes
 Results go to bench/results/moe_decode_kernel_<device>.json.
 """
@@ -34,8 +34,16 @@ import torch
 ROUTINGS = 8  # (2 on the CPU, where the interpreter takes seconds per call)
 TARGET = {"hidden": 2560, "experts": 512, "top_k": 10, "intermediate": 640, "groups": (32, 128)}
 SMALL = {"hidden": 32, "experts": 8, "top_k": 2, "intermediate": 32, "groups": (16, 32)}
-SWEEP = [(block_n, block_k, warps) for block_n in (16, 32, 64) for block_k in (64, 128, 256)
-         for warps in (2, 4, 8)]
+# --sweep: the decode GEMV tiles, one kernel at a time (gate_up with the down tiles as set, then down
+# with the best gate_up), and the grouped GEMM's tiles; each set as module constants of fused_moe.triton
+GATE_UP_SWEEP = [{"GATE_UP_BLOCK_N": n, "GATE_UP_BLOCK_K": k, "GATE_UP_NUM_WARPS": w}
+                 for n in (8, 16, 32) for k in (256, 512) for w in (4, 8)]
+DOWN_SWEEP = [{"DOWN_BLOCK_N": n, "DOWN_BLOCK_K": k, "DOWN_NUM_WARPS": w, "DOWN_SPLITS": s}
+              for n in (8, 16, 32) for k in (128, 256) for w in (4, 8) for s in (1, 2, 5)
+              if w == 4 or (s == 1 and n * k in (2048, 8192))]
+GROUPED_SWEEP = [{"PREFILL_BLOCK_M": m, "PREFILL_BLOCK_N": n, "PREFILL_BLOCK_K": k, "PREFILL_NUM_WARPS": w}
+                 for m, n, k, w in ((16, 64, 64, 4), (16, 64, 128, 4), (16, 128, 64, 4), (16, 32, 128, 4),
+                                    (16, 64, 128, 8), (32, 64, 64, 4), (16, 128, 128, 8), (16, 32, 64, 2))]
 
 
 def timed(fn, calls: int, device: torch.device, use_graph: bool) -> float:
@@ -132,22 +140,25 @@ def measure_batch(run: SimpleNamespace, experts: tuple, label: str, batch: int) 
     def reference(i: int) -> torch.Tensor:
         return naive.fused_moe(x[i], w_gate_up, w_down, *routes[i], **kw)
 
-    best = None
-    for config in SWEEP if run.sweep and decode else [None]:
-        if config is not None:
-            kernels.DECODE_BLOCK_N, kernels.DECODE_BLOCK_K, kernels.DECODE_NUM_WARPS = config
-        seconds = timed(kernel, ROUTINGS, device, run.use_graph)
-        if config is not None:
-            print(f"{'':>10}{batch:>6}  tiles (BLOCK_N, BLOCK_K, warps) {config}: {seconds * 1e6:.1f} us, "
-                  f"{nbytes / seconds / 1e9:.1f} GB/s")
-        if best is None or seconds < best[0]:
-            best = (seconds, config)
-    kernel_s, config = best
-    if config is not None:
-        kernels.DECODE_BLOCK_N, kernels.DECODE_BLOCK_K, kernels.DECODE_NUM_WARPS = config
-    reference_s = timed(reference, ROUTINGS, device, use_graph=False)
+    config = {}
+    if run.sweep:
+        stages = (GATE_UP_SWEEP, DOWN_SWEEP) if decode else (GROUPED_SWEEP,)
+        for stage in stages:
+            best = None
+            for candidate in stage:
+                for name, value in candidate.items():
+                    setattr(kernels, name, value)
+                seconds = timed(kernel, ROUTINGS, device, run.use_graph)
+                print(f"{'':>10}{batch:>6}  {candidate}: {seconds * 1e6:.1f} us, {nbytes / seconds / run.copy:.1%} of copy")
+                if best is None or seconds < best[0]:
+                    best = (seconds, candidate)
+            for name, value in best[1].items():
+                setattr(kernels, name, value)
+            config.update(best[1])
+    kernel_s = timed(kernel, ROUTINGS, device, run.use_graph)
+    reference_s = None if run.no_reference else timed(reference, ROUTINGS, device, use_graph=False)
     gathered_s = None
-    if not kw:  # bf16: the model's static path today, on the same weights (no copy of the stack)
+    if not kw and not run.no_reference:  # bf16: the model's static path today, on the same weights (no copy of the stack)
         holder = SimpleNamespace(gate_up_proj=w_gate_up, down_proj=w_down)
         gathered_s = timed(lambda i: Experts._gathered(holder, x[i], *routes[i]), ROUTINGS, device, run.use_graph)
     diff = 0.0
@@ -157,17 +168,25 @@ def measure_batch(run: SimpleNamespace, experts: tuple, label: str, batch: int) 
     row = {
         "format": label, "batch": batch, "path": "decode" if decode else "grouped", "distinct_experts": distinct,
         "weight_bytes_per_call": nbytes, "kernel_us": kernel_s * 1e6, "kernel_GBps": nbytes / kernel_s / 1e9,
-        "kernel_vs_copy": nbytes / kernel_s / run.copy, "reference_us": reference_s * 1e6,
-        "reference_GBps": nbytes / reference_s / 1e9, "reference_over_kernel": reference_s / kernel_s,
+        "kernel_vs_copy": nbytes / kernel_s / run.copy,
+        "reference_us": None if reference_s is None else reference_s * 1e6,
+        "reference_GBps": None if reference_s is None else nbytes / reference_s / 1e9,
+        "reference_over_kernel": None if reference_s is None else reference_s / kernel_s,
         "gathered_us": None if gathered_s is None else gathered_s * 1e6,
         "gathered_over_kernel": None if gathered_s is None else gathered_s / kernel_s,
-        "max_rel_diff": diff, "decode_tiles": config,
+        "max_rel_diff": diff, "tiles": config or current_tiles(kernels, decode),
     }
     gathered = " " * 22 if gathered_s is None else f"{gathered_s * 1e6:>12.1f}{gathered_s / kernel_s:>9.2f}x"
+    reference = " " * 19 if reference_s is None else f"{reference_s * 1e6:>10.1f}{reference_s / kernel_s:>8.2f}x"
     print(f"{label:>10}{batch:>6}{row['path']:>8}{distinct:>8.1f}{nbytes / 1e6:>9.2f}{kernel_s * 1e6:>11.1f}"
-          f"{row['kernel_GBps']:>8.1f}{row['kernel_vs_copy']:>7.1%}{reference_s * 1e6:>10.1f}"
-          f"{reference_s / kernel_s:>8.2f}x{gathered}{diff:>13.2e}")
+          f"{row['kernel_GBps']:>8.1f}{row['kernel_vs_copy']:>8.1%}{reference}{gathered}{diff:>13.2e}")
     return row
+
+
+def current_tiles(kernels, decode: bool) -> dict:
+    """The tile constants the kernels use now for one form (those the sweep sets)."""
+    names = [*GATE_UP_SWEEP[0], *DOWN_SWEEP[0]] if decode else [*GROUPED_SWEEP[0]]
+    return {name: getattr(kernels, name) for name in names if hasattr(kernels, name)}
 
 
 def measure(args, device: torch.device) -> dict:
@@ -179,13 +198,16 @@ def measure(args, device: torch.device) -> dict:
     copy = copy_bandwidth(device, args.copy_bytes)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (Triton interpreter)"
     use_graph = device.type == "cuda" and not args.no_graph
-    run = SimpleNamespace(shape=shape, device=device, gen=gen, copy=copy, use_graph=use_graph, sweep=args.sweep)
+    run = SimpleNamespace(shape=shape, device=device, gen=gen, copy=copy, use_graph=use_graph, sweep=args.sweep,
+                          no_reference=args.no_reference)
     print(f"device: {name}; copy bandwidth {copy / 1e9:.1f} GB/s (read + write)")
     print(f"shapes: {shape}; each call one of {ROUTINGS} routings; GB/s on the distinct experts' weight bytes")
     print(f"{'format':>10}{'batch':>6}{'path':>8}{'experts':>8}{'MB/call':>9}{'kernel us':>11}{'GB/s':>8}"
           f"{'of copy':>8}{'ref us':>10}{'ref/kern':>9}{'gathered us':>12}{'gath/kern':>10}{'max rel diff':>13}")
     rows = []
     for fmt, group in (("bf16", None), *(("int4", g) for g in shape["groups"])):
+        if args.formats and (fmt if group is None else f"{fmt}-g{group}") not in args.formats:
+            continue
         w_gate_up, w_down, scales, per_expert = make_experts(shape, fmt, group, device, gen)
         kw = {} if scales is None else {"format": "int4", "scales": scales, "group_size": group}
         label = fmt if group is None else f"{fmt}-g{group}"
@@ -202,7 +224,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--small", action="store_true", help="tiny shapes; on a CPU, through Triton's interpreter")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
-    parser.add_argument("--sweep", action="store_true", help="also sweep the decode tile sizes (best one reported)")
+    parser.add_argument("--sweep", action="store_true", help="also sweep the tile sizes (best one reported)")
+    parser.add_argument("--no-reference", action="store_true",
+                        help="skip timing the torch reference and gathered path (outputs are still checked)")
+    parser.add_argument("--formats", nargs="+", default=None, help="subset of bf16, int4-g32, int4-g128, ...")
     parser.add_argument("--no-graph", action="store_true", help="time eager launches, not a CUDA graph replay")
     parser.add_argument("--decode-max-pairs", type=int, default=None,
                         help="override fused_moe's DECODE_MAX_PAIRS (one-pair blocks up to this many pairs)")

@@ -28,8 +28,8 @@ import triton
 import triton.language as tl
 
 from tierlm.kernels.fused_moe.naive import check_moe_args
-from tierlm.kernels.quant_linear.triton import (accumulate_tile, column_mask, dot_precision, gemv_accumulate,
-                                                gemv_sum, gemv_zeros, round_to)
+from tierlm.kernels.quant_linear.triton import (accumulate_tile, check_whole_word_groups, column_mask, dot_precision,
+                                                gemv_accumulate, gemv_sum, gemv_zeros, round_to)
 
 # Tile sizes (module constants so a benchmark can sweep them)
 DECODE_MAX_PAIRS = 64  # up to this many (token, expert) pairs, the GEMV form
@@ -63,7 +63,7 @@ def _gate_up_gemv_kernel(
                                stride_sn, H, BITS, GROUP_SIZE, BLOCK_K, EVEN_K, PRECISION)
         up = gemv_accumulate(up, x_ptr, x_rows, one_row, up_w, up_s, k0, offs_n, n_mask, stride_wn, stride_sn, H,
                              BITS, GROUP_SIZE, BLOCK_K, EVEN_K, PRECISION)
-    gate_sum, up_sum = gemv_sum(gate, BITS), gemv_sum(up, BITS)  # [1, BLOCK_N]
+    gate_sum, up_sum = gemv_sum(gate), gemv_sum(up)  # [1, BLOCK_N]
     act = gate_sum / (1.0 + tl.exp(-gate_sum)) * up_sum
     tl.store(out_ptr + pair.to(tl.int64) * stride_op + offs_n[None, :],
              round_to(act, out_ptr.dtype.element_ty, PRECISION), mask=n_mask[None, :])
@@ -101,7 +101,7 @@ def _down_sum_gemv_kernel(
         for k0 in range(0, I, BLOCK_K):
             acc = gemv_accumulate(acc, act_ptr, x_rows, one_row, w_e, s_e, k0, offs_n, n_mask, stride_wn, stride_sn,
                                   I, BITS, GROUP_SIZE, BLOCK_K, EVEN_K, PRECISION)
-        result += gemv_sum(acc, BITS) * routing.to(tl.float32)
+        result += gemv_sum(acc) * routing.to(tl.float32)
     out_ptrs = out_ptr + (token * (TOP_K // RANKS) + split) * stride_ot + offs_n[None, :]
     tl.store(out_ptrs, round_to(result, out_ptr.dtype.element_ty, PRECISION), mask=n_mask[None, :])
 
@@ -215,6 +215,7 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, to
     """As `naive.fused_moe` (see there for shapes and formats). topk_ids must lie in [0, E): they are not
     checked here (that would cost a host sync)."""
     bits, inter, group = check_moe_args(x, w_gate_up, w_down, topk_weights, topk_ids, format, scales, group_size)
+    check_whole_word_groups(bits, group)
     t, h = x.shape
     top_k = topk_ids.shape[1]
     num_pairs = t * top_k

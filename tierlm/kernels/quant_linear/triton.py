@@ -177,45 +177,65 @@ def load_straddling_values(w_ptr, s_ptr, k0, offs_k, k_mask, rows, stride_wn, st
 
 @triton.jit
 def gemv_zeros(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BITS: tl.constexpr):
-    """The fp32 accumulator of `gemv_accumulate`: one per product of a tile (the sum over K is taken once,
-    by `gemv_sum`, not per tile): [BLOCK_M, BLOCK_N, words, values per word] for 4 and 8 bits, else
+    """The fp32 accumulator of `gemv_accumulate` (the sum over K is taken once, by `gemv_sum`, not per
+    tile): one per packed word for 4 and 8 bits, [BLOCK_M, BLOCK_N, words], else one per product,
     [BLOCK_M, BLOCK_N, BLOCK_K]."""
     if BITS != 0 and 32 % BITS == 0:
-        acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K // (32 // BITS), 32 // BITS), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K // (32 // BITS)), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
     return acc
 
 
 @triton.jit
-def gemv_sum(acc, BITS: tl.constexpr):
-    """[BLOCK_M, BLOCK_N]: a `gemv_zeros` accumulator summed over its K axes."""
-    if BITS != 0 and 32 % BITS == 0:
-        total = tl.sum(tl.sum(acc, axis=3), axis=2)
-    else:
-        total = tl.sum(acc, axis=2)
-    return total
+def gemv_sum(acc):
+    """[BLOCK_M, BLOCK_N]: a `gemv_zeros` accumulator summed over K."""
+    return tl.sum(acc, axis=2)
+
+
+@triton.jit
+def word_field(words, j: tl.constexpr, BITS: tl.constexpr):
+    """Value j of each int32 word (bits [j * BITS, (j + 1) * BITS)) as fp32, the 2^(BITS-1) bias removed,
+    in the words' own shape and layout: the field ORed into the mantissa of 2^23 (the float 2^23 + q,
+    exact) and 2^23 plus the bias subtracted, so no integer-to-float conversion (a quarter-rate
+    instruction) is needed."""
+    field = (words.to(tl.uint32, bitcast=True) >> (j * BITS)) & ((1 << BITS) - 1)
+    return (field | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + (1 << (BITS - 1)))
 
 
 @triton.jit
 def gemv_accumulate(acc, x_ptr, x_rows, m_mask, w_ptr, s_ptr, k0, offs_n, n_mask, stride_wn, stride_sn, K,
                     BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
                     PRECISION: tl.constexpr):
-    """The GEMV form (a few rows; no tensor cores): acc (`gemv_zeros`) + the products of x's rows
-    (x_rows: [BLOCK_M] int64 offsets of each row from x_ptr, masked by m_mask) at columns
-    [k0, k0 + BLOCK_K) with the weight tile of rows offs_n, in fp32, each weight first rounded to x's
-    dtype (as `naive` dequantizes). No reduction here: the sum over K is taken once at the end
-    (`gemv_sum`). For 4 and 8 bits x is loaded in the packed words' [words, values per word] shape, so
-    the unpacked weights are used where they lie in registers (no reshape)."""
+    """The GEMV form (a few rows; no tensor cores): acc (`gemv_zeros`) + x's rows (x_rows: [BLOCK_M]
+    int64 offsets of each row from x_ptr, masked by m_mask) at columns [k0, k0 + BLOCK_K) times the
+    weight tile of rows offs_n, in fp32. No reduction across threads here: the sum over K is taken once
+    at the end (`gemv_sum`).
+    4 and 8 bits: each word is loaded once ([BLOCK_N, words]: 16-byte loads) and its values taken out one
+    at a time (`word_field`) in the words' own layout, each multiplied by the x column it belongs to
+    (loaded as [BLOCK_M, words] with a stride of 32 / BITS), so no value changes threads. Each word's
+    products are summed in fp32 and multiplied by the word's group scale (groups hold whole words): the
+    weights are q * scale exactly, not rounded to x's dtype first as `naive` and the GEMM form do (in
+    bf16 a difference well under the output's own rounding; in fp32 at fp32 roundoff).
+    Unquantized and 6 bits: per-product accumulators, 6-bit weights dequantized as `load_weight_rows`."""
     rows = tl.where(n_mask, offs_n, 0)[:, None].to(tl.int64)  # clamped: loads need no row mask
     if BITS != 0 and 32 % BITS == 0:
-        offs_w = k0 // (32 // BITS) + tl.arange(0, BLOCK_K // (32 // BITS))
-        columns = offs_w[:, None] * (32 // BITS) + tl.arange(0, 32 // BITS)[None, :]  # [words, values]
-        a = tl.load(x_ptr + x_rows[:, None, None] + columns[None, :, :],
-                    mask=m_mask[:, None, None] & column_mask(columns, K, EVEN_K)[None, :, :], other=0.0)
-        w = dequantize_words(w_ptr, s_ptr, k0, rows, stride_wn, stride_sn, K, BITS, GROUP_SIZE, BLOCK_K, EVEN_K,
-                             x_ptr.dtype.element_ty, PRECISION)
-        result = acc + a.to(tl.float32)[:, None, :, :] * w[None, :, :, :]
+        offs_w = tl.multiple_of(k0 // (32 // BITS), BLOCK_K // (32 // BITS)) + tl.arange(0, BLOCK_K // (32 // BITS))
+        if EVEN_K:
+            words = tl.load(w_ptr + rows * stride_wn + offs_w[None, :])
+        else:
+            words = tl.load(w_ptr + rows * stride_wn + offs_w[None, :],
+                            mask=(offs_w < tl.cdiv(K * BITS, 32))[None, :], other=0)
+        per_word = tl.zeros(acc.shape, dtype=tl.float32)
+        for j in tl.static_range(32 // BITS):
+            columns = offs_w * (32 // BITS) + j
+            a = tl.load(x_ptr + x_rows[:, None] + columns[None, :],
+                        mask=m_mask[:, None] & column_mask(columns, K, EVEN_K)[None, :], other=0.0)
+            per_word += a.to(tl.float32)[:, None, :] * word_field(words, j, BITS)[None, :, :]
+        first = offs_w[None, :] * (32 // BITS)  # each word's first column: its group
+        scale = load_group_scales(s_ptr, rows, first, k0, column_mask(first, K, EVEN_K), stride_sn, GROUP_SIZE,
+                                  BLOCK_K)
+        result = acc + per_word * scale[None, :, :]
     else:
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = column_mask(offs_k, K, EVEN_K)
@@ -267,7 +287,7 @@ def _gemv_kernel(
         acc = gemv_accumulate(acc, x_ptr, x_rows, m_mask, w_ptr, s_ptr, k0, offs_n, n_mask, stride_wn, stride_sn, K,
                               BITS, GROUP_SIZE, BLOCK_K, EVEN_K, PRECISION)
     y_ptrs = y_ptr + split * stride_ys + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
-    tl.store(y_ptrs, round_to(gemv_sum(acc, BITS), y_ptr.dtype.element_ty, PRECISION),
+    tl.store(y_ptrs, round_to(gemv_sum(acc), y_ptr.dtype.element_ty, PRECISION),
              mask=m_mask[:, None] & n_mask[None, :])
 
 
@@ -293,6 +313,14 @@ def _gemm_kernel(
     tl.store(y_ptrs, round_to(acc, y_ptr.dtype.element_ty, PRECISION), mask=m_mask[:, None] & n_mask[None, :])
 
 
+def check_whole_word_groups(bits: int | None, group_size: int) -> None:
+    """The GEMV form scales each packed word by one group scale: for 4 and 8 bits a group must hold whole
+    words (compressed-tensors' groups of 32 / 64 / 128 and per-channel scales all do)."""
+    if bits is not None and 32 % bits == 0 and group_size % (32 // bits):
+        raise ValueError(f"group_size {group_size} splits a {bits}-bit word's {32 // bits} values across groups; "
+                         f"the kernels need a multiple of {32 // bits}")
+
+
 def dot_precision(x: torch.Tensor) -> str:
     """The PRECISION constexpr of `accumulate_tile` and `round_to`: fp32 products in IEEE precision
     (not TF32), so fp32 results match the reference; "interpreter" on the CPU (only Triton's interpreter
@@ -311,6 +339,7 @@ def quant_linear(x: torch.Tensor, weight_or_packed: torch.Tensor, *, scales: tor
     n = weight_or_packed.shape[0]
     if bits is not None:
         group_size = check_packed(weight_or_packed, scales, bits, k, group_size)
+        check_whole_word_groups(bits, group_size)
         scales = scales.contiguous()
     weight = weight_or_packed.contiguous()
     x2 = x.reshape(-1, k).contiguous()
