@@ -7,11 +7,13 @@ and no launch needs a host sync, so a decode step can be captured in a CUDA grap
     padding M to 16), each product in its own fp32 accumulator summed once at the end
     (`quant_linear.triton.gemv_accumulate`). Two launches, with no sort or gather before them:
       1. `_gate_up_gemv_kernel`: program (n block, pair) computes silu(x W_gate^T) * (x W_up^T) for
-         GATE_UP_BLOCK_N of the expert's I columns, stored in x's dtype as `naive` rounds it;
+         `gate_up_block_n` of the expert's I columns, stored in x's dtype as `naive` rounds it;
       2. `_down_sum_gemv_kernel`: program (n block, token, split) ranks the token's k experts by id in
          registers and, in ascending id (the reference's order), adds routing weight x (act W_down^T)
-         over its k / DOWN_SPLITS of them in fp32; with one split it rounds the token's output once
-         (the top-k sum fused), else its fp32 partial goes to `_sum_chunks_kernel`.
+         over `down_ranks` of them in fp32; when that is all k it rounds the token's output once (the
+         top-k sum fused), else its fp32 partial goes to `_sum_chunks_kernel` (a third launch that adds
+         the partials in order: on an H200 the extra programs in flight win, 2 ranks per program).
+    Tiles per weight format: DECODE_TILES.
     Two pairs on one expert read its weights twice, which at 10 of 512 experts per token is rare.
   - prefill: each token's experts sorted by id, then `align_pairs_to_blocks` (vLLM's
     moe_align_block_size, in torch) sorts the pairs by expert into blocks of PREFILL_BLOCK_M rows, each
@@ -23,6 +25,8 @@ and no launch needs a host sync, so a decode step can be captured in a CUDA grap
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -31,11 +35,24 @@ from tierlm.kernels.fused_moe.naive import check_moe_args
 from tierlm.kernels.quant_linear.triton import (accumulate_tile, check_whole_word_groups, column_mask, dot_precision,
                                                 gemv_accumulate, gemv_sum, gemv_zeros, round_to)
 
-# Tile sizes (module constants so a benchmark can sweep them)
-DECODE_MAX_PAIRS = 64  # up to this many (token, expert) pairs, the GEMV form
-GATE_UP_BLOCK_N, GATE_UP_BLOCK_K, GATE_UP_NUM_WARPS = 16, 256, 4
-DOWN_BLOCK_N, DOWN_BLOCK_K, DOWN_NUM_WARPS = 16, 128, 4
-DOWN_SPLITS = 1  # the top-k split over this many programs (1: the top-k sum in the down kernel itself)
+
+class DecodeTiles(NamedTuple):
+    """The decode form's launch shape for one weight format."""
+    gate_up_block_n: int  # of the expert's I columns per gate_up program (gate and up rows each)
+    gate_up_block_k: int  # input columns per step
+    gate_up_warps: int
+    down_block_n: int  # of the H output columns per down program
+    down_block_k: int
+    down_warps: int
+    down_ranks: int  # of a token's top-k experts per down program: with fewer than top-k, the programs
+    #                  store fp32 partials that `_sum_chunks_kernel` adds (more programs in flight)
+
+
+# Tile sizes, per weight format (bits; 0 unquantized): module constants so a benchmark can sweep them.
+# Chosen on an H200 by bench/moe_decode_kernel.py --sweep (bench/results/moe_decode_kernel_nvidia_h200.json)
+DECODE_MAX_PAIRS = 160  # up to this many (token, expert) pairs (16 tokens of top-10), the GEMV form
+DECODE_TILES = {0: DecodeTiles(8, 512, 4, 16, 128, 4, 2), 4: DecodeTiles(16, 512, 4, 32, 256, 4, 2),
+                6: DecodeTiles(8, 256, 4, 16, 128, 4, 2), 8: DecodeTiles(16, 512, 4, 32, 256, 4, 2)}
 PREFILL_BLOCK_M, PREFILL_BLOCK_N, PREFILL_BLOCK_K, PREFILL_NUM_WARPS = 32, 64, 64, 4
 SUM_BLOCK = 256
 
@@ -77,9 +94,10 @@ def _down_sum_gemv_kernel(
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """One program: token pid(1), columns [pid(0) * BLOCK_N, +BLOCK_N) of H, the token's experts of
-    ranks [pid(2) * RANKS, +RANKS) by ascending id (SLOTS: TOP_K rounded up to a power of 2).
-    out[token * splits + pid(2), h] = sum over those ranks, in order, of routing * (act[pair] W_down[e, h])
-    in fp32; rounded to out's dtype (with one split, the token's final output) or stored in fp32."""
+    ranks [pid(2) * RANKS, +RANKS) (those below TOP_K) by ascending id (SLOTS: TOP_K rounded up to a
+    power of 2). out[token * splits + pid(2), h] = sum over those ranks, in order, of
+    routing * (act[pair] W_down[e, h]) in fp32; rounded to out's dtype (with one split, the token's
+    final output) or stored in fp32."""
     pid_n, token, split = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
     slots = tl.arange(0, SLOTS)
     valid = slots < TOP_K
@@ -91,18 +109,19 @@ def _down_sum_gemv_kernel(
     one_row = tl.full((1,), 1, tl.int1)
     result = tl.zeros((1, BLOCK_N), dtype=tl.float32)
     for r in tl.static_range(RANKS):
-        slot = tl.sum(tl.where(valid & (rank == split * RANKS + r), slots, 0), axis=0)
-        pair = token * TOP_K + slot
-        expert = tl.load(ids_ptr + pair).to(tl.int64)
-        routing = round_to(tl.load(routing_ptr + pair).to(tl.float32), act_ptr.dtype.element_ty, PRECISION)
-        w_e, s_e = w_ptr + expert * stride_we, s_ptr + expert * stride_se
-        x_rows = pair * stride_ap + tl.zeros((1,), dtype=tl.int64)
-        acc = gemv_zeros(1, BLOCK_N, BLOCK_K, BITS)
-        for k0 in range(0, I, BLOCK_K):
-            acc = gemv_accumulate(acc, act_ptr, x_rows, one_row, w_e, s_e, k0, offs_n, n_mask, stride_wn, stride_sn,
-                                  I, BITS, GROUP_SIZE, BLOCK_K, EVEN_K, PRECISION)
-        result += gemv_sum(acc) * routing.to(tl.float32)
-    out_ptrs = out_ptr + (token * (TOP_K // RANKS) + split) * stride_ot + offs_n[None, :]
+        if split * RANKS + r < TOP_K:
+            slot = tl.sum(tl.where(valid & (rank == split * RANKS + r), slots, 0), axis=0)
+            pair = token * TOP_K + slot
+            expert = tl.load(ids_ptr + pair).to(tl.int64)
+            routing = round_to(tl.load(routing_ptr + pair).to(tl.float32), act_ptr.dtype.element_ty, PRECISION)
+            w_e, s_e = w_ptr + expert * stride_we, s_ptr + expert * stride_se
+            x_rows = pair * stride_ap + tl.zeros((1,), dtype=tl.int64)
+            acc = gemv_zeros(1, BLOCK_N, BLOCK_K, BITS)
+            for k0 in range(0, I, BLOCK_K):
+                acc = gemv_accumulate(acc, act_ptr, x_rows, one_row, w_e, s_e, k0, offs_n, n_mask, stride_wn,
+                                      stride_sn, I, BITS, GROUP_SIZE, BLOCK_K, EVEN_K, PRECISION)
+            result += gemv_sum(acc) * routing.to(tl.float32)
+    out_ptrs = out_ptr + (token * tl.cdiv(TOP_K, RANKS) + split) * stride_ot + offs_n[None, :]
     tl.store(out_ptrs, round_to(result, out_ptr.dtype.element_ty, PRECISION), mask=n_mask[None, :])
 
 
@@ -231,25 +250,28 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, to
 
 
 def _decode(x, weights, topk_weights, topk_ids, bits: int, group: int, inter: int) -> torch.Tensor:
-    """The GEMV form: two launches (three with DOWN_SPLITS > 1), no sort."""
+    """The GEMV form: two launches (three when a down program takes fewer than top-k experts), no sort."""
     w_gate_up, gate_up_scales, w_down, down_scales = weights
     (t, h), top_k = x.shape, topk_ids.shape[1]
+    tiles = DECODE_TILES[bits]
     precision = dot_precision(x)
-    gate_up_k, down_k = min(GATE_UP_BLOCK_K, triton.next_power_of_2(h)), min(DOWN_BLOCK_K, triton.next_power_of_2(inter))
+    gate_up_k = min(tiles.gate_up_block_k, triton.next_power_of_2(h))
+    down_k = min(tiles.down_block_k, triton.next_power_of_2(inter))
     act = torch.empty((t * top_k, inter), dtype=x.dtype, device=x.device)
-    _gate_up_gemv_kernel[(triton.cdiv(inter, GATE_UP_BLOCK_N), t * top_k)](
+    _gate_up_gemv_kernel[(triton.cdiv(inter, tiles.gate_up_block_n), t * top_k)](
         x, w_gate_up, gate_up_scales, act, topk_ids, h, inter, x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1),
         gate_up_scales.stride(0), gate_up_scales.stride(1), act.stride(0), TOP_K=top_k, BITS=bits, GROUP_SIZE=group,
-        BLOCK_N=GATE_UP_BLOCK_N, BLOCK_K=gate_up_k, EVEN_K=h % gate_up_k == 0, PRECISION=precision,
-        num_warps=GATE_UP_NUM_WARPS,
+        BLOCK_N=tiles.gate_up_block_n, BLOCK_K=gate_up_k, EVEN_K=h % gate_up_k == 0, PRECISION=precision,
+        num_warps=tiles.gate_up_warps,
     )
-    splits = DOWN_SPLITS if top_k % DOWN_SPLITS == 0 else 1
+    ranks = min(tiles.down_ranks, top_k)
+    splits = triton.cdiv(top_k, ranks)
     out = torch.empty_like(x) if splits == 1 else torch.empty((t * splits, h), dtype=torch.float32, device=x.device)
-    _down_sum_gemv_kernel[(triton.cdiv(h, DOWN_BLOCK_N), t, splits)](
+    _down_sum_gemv_kernel[(triton.cdiv(h, tiles.down_block_n), t, splits)](
         act, w_down, down_scales, topk_weights, topk_ids, out, h, inter, act.stride(0), w_down.stride(0),
         w_down.stride(1), down_scales.stride(0), down_scales.stride(1), out.stride(0), TOP_K=top_k,
-        SLOTS=triton.next_power_of_2(top_k), RANKS=top_k // splits, BITS=bits, GROUP_SIZE=group, BLOCK_N=DOWN_BLOCK_N,
-        BLOCK_K=down_k, EVEN_K=inter % down_k == 0, PRECISION=precision, num_warps=DOWN_NUM_WARPS,
+        SLOTS=triton.next_power_of_2(top_k), RANKS=ranks, BITS=bits, GROUP_SIZE=group, BLOCK_N=tiles.down_block_n,
+        BLOCK_K=down_k, EVEN_K=inter % down_k == 0, PRECISION=precision, num_warps=tiles.down_warps,
     )
     if splits == 1:
         return out

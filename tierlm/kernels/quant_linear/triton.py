@@ -30,12 +30,14 @@ import triton.language as tl
 from tierlm.kernels.quant_linear.naive import check_weight
 from tierlm.kernels.quant_linear.packing import check_packed
 
+# Tile sizes, chosen on an H200 by bench/quant_linear_kernel.py --sweep (module constants so it can sweep them)
 GEMV_MAX_ROWS = 4  # up to this many rows, the GEMV form (no padding of M to 16 for tensor cores)
-# GEMV tiles: BLOCK_N output columns, BLOCK_M * BLOCK_K = GEMV_BLOCK_PRODUCTS products per column per step
-GEMV_BLOCK_N, GEMV_BLOCK_PRODUCTS, GEMV_NUM_WARPS = 16, 256, 4
-GEMV_TARGET_PROGRAMS = 512  # decode: split K until about this many programs run (a few per SM)
-GEMV_MIN_TILES_PER_SPLIT = 4  # ... but give each split at least this many tiles of K
-GEMM_BLOCK_N, GEMM_BLOCK_K, GEMM_MAX_BLOCK_M, GEMM_NUM_WARPS = 64, 64, 64, 4
+GEMV_BLOCK_N, GEMV_NUM_WARPS = 8, 4  # output columns per program (few: the accumulators are per product)
+GEMV_BLOCK_K = {1: 512, 2: 512, 4: 256}  # input columns per step, by rows per program
+GEMV_TARGET_PROGRAMS = 528  # decode: split K until about this many programs run (4 per SM on an H200)
+GEMV_MIN_TILES_PER_SPLIT = 2  # ... but give each split at least this many tiles of K
+GEMM_MAX_BLOCK_M = 64
+GEMM_TILES = {0: (32, 128, 4), 4: (128, 64, 4), 6: (128, 64, 4), 8: (128, 64, 4)}  # bits: BLOCK_N, BLOCK_K, warps
 
 
 class LaunchConfig(NamedTuple):
@@ -48,14 +50,15 @@ class LaunchConfig(NamedTuple):
     num_warps: int
 
 
-def launch_config(m: int, n: int, k: int) -> LaunchConfig:
-    """Tiles for y [m, n] = x [m, k] W^T: the GEMV form up to GEMV_MAX_ROWS rows, else tl.dot tiles."""
+def launch_config(m: int, n: int, k: int, bits: int | None = None) -> LaunchConfig:
+    """Tiles for y [m, n] = x [m, k] W^T (W packed in `bits`, or unquantized): the GEMV form up to
+    GEMV_MAX_ROWS rows, else tl.dot tiles."""
     if m <= GEMV_MAX_ROWS:
         block_m = triton.next_power_of_2(m)
-        block_n, block_k, use_dot, warps = GEMV_BLOCK_N, GEMV_BLOCK_PRODUCTS // block_m, False, GEMV_NUM_WARPS
+        block_n, block_k, use_dot, warps = GEMV_BLOCK_N, GEMV_BLOCK_K[block_m], False, GEMV_NUM_WARPS
     else:
         block_m = min(GEMM_MAX_BLOCK_M, max(16, triton.next_power_of_2(m)))
-        block_n, block_k, use_dot, warps = GEMM_BLOCK_N, GEMM_BLOCK_K, True, GEMM_NUM_WARPS
+        (block_n, block_k, warps), use_dot = GEMM_TILES[bits or 0], True
     block_k = min(block_k, max(16, triton.next_power_of_2(k)))
     k_tiles = triton.cdiv(k, block_k)
     splits = 1
@@ -347,7 +350,7 @@ def quant_linear(x: torch.Tensor, weight_or_packed: torch.Tensor, *, scales: tor
     out_shape = (*x.shape[:-1], n)
     if m == 0:
         return x.new_empty(out_shape)
-    cfg = launch_config(m, n, k)
+    cfg = launch_config(m, n, k, bits)
     s_arg, stride_sn = (scales, scales.stride(0)) if scales is not None else (weight, 0)
     common = {"BITS": bits or 0, "GROUP_SIZE": 0 if bits is None else group_size, "BLOCK_M": cfg.block_m,
               "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "EVEN_K": k % cfg.block_k == 0,
