@@ -85,7 +85,7 @@ def run_kernel_cases(names: list[str]) -> dict[str, str | None]:
             x, weight, kwargs, exact, min_tiles = make_case(name)
             kernels.GEMV_MIN_TILES_PER_SPLIT = min_tiles
             rows = x.numel() // x.shape[-1]
-            splits = kernels.launch_config(rows, weight.shape[0], x.shape[-1], kwargs.get("bits")).splits
+            splits = kernels.launch_config(rows, weight.shape[0], x.shape[-1], kwargs.get("bits"), x.element_size()).splits
             if name.endswith("decode-split") and splits < 2:
                 results[name] = f"expected a split over K, got {splits}"
                 continue

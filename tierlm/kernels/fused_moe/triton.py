@@ -49,10 +49,10 @@ class DecodeTiles(NamedTuple):
 
 
 # Tile sizes, per weight format (bits; 0 unquantized): module constants so a benchmark can sweep them.
-# Chosen on an H200 by bench/moe_decode_kernel.py --sweep (bench/results/moe_decode_kernel_nvidia_h200.json)
+# Chosen on an H200 by bench/moe_decode_kernel.py --sweep for bf16 and INT4 (bench/results/
+# moe_decode_kernel_nvidia_h200.json): the same tiles won for both; INT6 / INT8 not swept (the same)
 DECODE_MAX_PAIRS = 160  # up to this many (token, expert) pairs (16 tokens of top-10), the GEMV form
-DECODE_TILES = {0: DecodeTiles(8, 512, 4, 16, 128, 4, 2), 4: DecodeTiles(16, 512, 4, 32, 256, 4, 2),
-                6: DecodeTiles(8, 256, 4, 16, 128, 4, 2), 8: DecodeTiles(16, 512, 4, 32, 256, 4, 2)}
+DECODE_TILES = dict.fromkeys((0, 4, 6, 8), DecodeTiles(8, 512, 4, 16, 128, 4, 2))
 PREFILL_BLOCK_M, PREFILL_BLOCK_N, PREFILL_BLOCK_K, PREFILL_NUM_WARPS = 32, 64, 64, 4
 SUM_BLOCK = 256
 

@@ -50,15 +50,17 @@ class LaunchConfig(NamedTuple):
     num_warps: int
 
 
-def launch_config(m: int, n: int, k: int, bits: int | None = None) -> LaunchConfig:
-    """Tiles for y [m, n] = x [m, k] W^T (W packed in `bits`, or unquantized): the GEMV form up to
-    GEMV_MAX_ROWS rows, else tl.dot tiles."""
+def launch_config(m: int, n: int, k: int, bits: int | None = None, itemsize: int = 2) -> LaunchConfig:
+    """Tiles for y [m, n] = x [m, k] W^T (W packed in `bits`, or unquantized; x's elements `itemsize`
+    bytes): the GEMV form up to GEMV_MAX_ROWS rows, else tl.dot tiles (GEMM_TILES' K is for 2-byte x:
+    fp32 takes half as many columns per step, or its pipelined tiles outgrow shared memory)."""
     if m <= GEMV_MAX_ROWS:
         block_m = triton.next_power_of_2(m)
         block_n, block_k, use_dot, warps = GEMV_BLOCK_N, GEMV_BLOCK_K[block_m], False, GEMV_NUM_WARPS
     else:
         block_m = min(GEMM_MAX_BLOCK_M, max(16, triton.next_power_of_2(m)))
         (block_n, block_k, warps), use_dot = GEMM_TILES[bits or 0], True
+        block_k = max(16, block_k * 2 // itemsize)
     block_k = min(block_k, max(16, triton.next_power_of_2(k)))
     k_tiles = triton.cdiv(k, block_k)
     splits = 1
@@ -350,7 +352,7 @@ def quant_linear(x: torch.Tensor, weight_or_packed: torch.Tensor, *, scales: tor
     out_shape = (*x.shape[:-1], n)
     if m == 0:
         return x.new_empty(out_shape)
-    cfg = launch_config(m, n, k, bits)
+    cfg = launch_config(m, n, k, bits, x.element_size())
     s_arg, stride_sn = (scales, scales.stride(0)) if scales is not None else (weight, 0)
     common = {"BITS": bits or 0, "GROUP_SIZE": 0 if bits is None else group_size, "BLOCK_M": cfg.block_m,
               "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "EVEN_K": k % cfg.block_k == 0,
