@@ -6,15 +6,16 @@ one run:
   - the device copy bandwidth: a large tensor copied, (bytes read + bytes written) / time;
   - each form's achieved bandwidth on the expert weights a call must read (the packed words and
     scales, or the bf16 weights, of the distinct experts its tokens selected), and its ratio to the
-    copy bandwidth: the kernels (3 launches + the routing sort, replayed from a CUDA graph on a GPU),
-    the torch reference (`naive`: a loop over the hit experts, each dequantized), and for bf16 the
+    copy bandwidth: the kernels (2-3 launches at decode, replayed from a CUDA graph on a GPU), with
+    --baseline ROOT also another checkout's kernels (before/after in one run), the torch reference (`naive`: a loop over the hit experts, each dequantized), and for bf16 the
     model's sync-free path today (`Experts._gathered`: the selected experts copied out, then bmm).
 Each timed call cycles through ROUTINGS different routings, so the weights of one call are not in L2
 for the next (INT4 experts of one token fit in an H200's L2). The kernel's output is checked against
 the reference on every routing (max |diff| relative to max |reference|).
 
     python bench/moe_decode_kernel.py                 # CUDA
-    python bench/moe_decode_kernel.py --sweep         # CUDA, also sweeps the decode tile sizes
+    python bench/moe_decode_kernel.py --sweep         # CUDA, also sweeps the tile sizes (best reported)
+    python bench/moe_decode_kernel.py --baseline ../main   # CUDA, before (../main's kernels) and after
     python bench/moe_decode_kernel.py --small         # CPU: Triton's interpreter, tiny shapes
 Results go to bench/results/moe_decode_kernel_<device>.json.
 """
@@ -34,8 +35,15 @@ import torch
 ROUTINGS = 8  # (2 on the CPU, where the interpreter takes seconds per call)
 TARGET = {"hidden": 2560, "experts": 512, "top_k": 10, "intermediate": 640, "groups": (32, 128)}
 SMALL = {"hidden": 32, "experts": 8, "top_k": 2, "intermediate": 32, "groups": (16, 32)}
-SWEEP = [(block_n, block_k, warps) for block_n in (16, 32, 64) for block_k in (64, 128, 256)
-         for warps in (2, 4, 8)]
+# --sweep: at the first batch size (later ones keep the tiles chosen there), the decode GEMV tiles of the
+# format (fused_moe.triton.DECODE_TILES), one kernel at a time (gate_up with the down tiles as set, then
+# down with the best gate_up), or the grouped GEMM's tiles. (8 warps never won on an H200: not swept.)
+GATE_UP_SWEEP = [{"gate_up_block_n": n, "gate_up_block_k": k} for n in (8, 16, 32) for k in (256, 512)]
+DOWN_SWEEP = [{"down_block_n": n, "down_block_k": k, "down_ranks": r} for n in (16, 32) for k in (128, 256)
+              for r in (5, 2)]
+GROUPED_SWEEP = [{"PREFILL_BLOCK_M": m, "PREFILL_BLOCK_N": n, "PREFILL_BLOCK_K": k, "PREFILL_NUM_WARPS": w}
+                 for m, n, k, w in ((16, 64, 64, 4), (16, 64, 128, 4), (16, 128, 64, 4), (16, 32, 128, 4),
+                                    (16, 64, 128, 8), (32, 64, 64, 4), (16, 128, 128, 8), (16, 32, 64, 2))]
 
 
 def timed(fn, calls: int, device: torch.device, use_graph: bool) -> float:
@@ -132,20 +140,32 @@ def measure_batch(run: SimpleNamespace, experts: tuple, label: str, batch: int) 
     def reference(i: int) -> torch.Tensor:
         return naive.fused_moe(x[i], w_gate_up, w_down, *routes[i], **kw)
 
-    best = None
-    for config in SWEEP if run.sweep and decode else [None]:
-        if config is not None:
-            kernels.DECODE_BLOCK_N, kernels.DECODE_BLOCK_K, kernels.DECODE_NUM_WARPS = config
-        seconds = timed(kernel, ROUTINGS, device, run.use_graph)
-        if config is not None:
-            print(f"{'':>10}{batch:>6}  tiles (BLOCK_N, BLOCK_K, warps) {config}: {seconds * 1e6:.1f} us, "
-                  f"{nbytes / seconds / 1e9:.1f} GB/s")
-        if best is None or seconds < best[0]:
-            best = (seconds, config)
-    kernel_s, config = best
-    if config is not None:
-        kernels.DECODE_BLOCK_N, kernels.DECODE_BLOCK_K, kernels.DECODE_NUM_WARPS = config
-    reference_s = timed(reference, ROUTINGS, device, use_graph=False)
+    bits = 0 if not kw else int(kw["format"][3:])
+
+    def apply(candidate: dict) -> None:
+        if decode:
+            kernels.DECODE_TILES[bits] = kernels.DECODE_TILES[bits]._replace(**candidate)
+        else:
+            for name, value in candidate.items():
+                setattr(kernels, name, value)
+
+    if run.sweep is not None and (not run.sweep or label in run.sweep) and batch == run.sweep_batch:
+        for stage in (GATE_UP_SWEEP, DOWN_SWEEP) if decode else (GROUPED_SWEEP,):
+            best = None
+            for candidate in stage:
+                apply(candidate)
+                seconds = timed(kernel, ROUTINGS, device, run.use_graph)
+                print(f"{'':>10}{batch:>6}  {candidate}: {seconds * 1e6:.1f} us, {nbytes / seconds / run.copy:.1%} of copy")
+                if best is None or seconds < best[0]:
+                    best = (seconds, candidate)
+            apply(best[1])
+    config = kernels.DECODE_TILES[bits]._asdict() if decode else {name: getattr(kernels, name) for name in GROUPED_SWEEP[0]}
+    kernel_s = timed(kernel, ROUTINGS, device, run.use_graph)
+    baseline_s = None
+    if run.baseline is not None:  # the kernels of another checkout (--baseline), with their own tiles
+        baseline_s = timed(lambda i: run.baseline.fused_moe(x[i], w_gate_up, w_down, *routes[i], **kw), ROUTINGS,
+                           device, run.use_graph)
+    reference_s = None if run.no_reference else timed(reference, ROUTINGS, device, use_graph=False)
     gathered_s = None
     if not kw:  # bf16: the model's static path today, on the same weights (no copy of the stack)
         holder = SimpleNamespace(gate_up_proj=w_gate_up, down_proj=w_down)
@@ -157,16 +177,23 @@ def measure_batch(run: SimpleNamespace, experts: tuple, label: str, batch: int) 
     row = {
         "format": label, "batch": batch, "path": "decode" if decode else "grouped", "distinct_experts": distinct,
         "weight_bytes_per_call": nbytes, "kernel_us": kernel_s * 1e6, "kernel_GBps": nbytes / kernel_s / 1e9,
-        "kernel_vs_copy": nbytes / kernel_s / run.copy, "reference_us": reference_s * 1e6,
-        "reference_GBps": nbytes / reference_s / 1e9, "reference_over_kernel": reference_s / kernel_s,
+        "kernel_vs_copy": nbytes / kernel_s / run.copy,
+        "baseline_us": None if baseline_s is None else baseline_s * 1e6,
+        "baseline_vs_copy": None if baseline_s is None else nbytes / baseline_s / run.copy,
+        "baseline_over_kernel": None if baseline_s is None else baseline_s / kernel_s,
+        "reference_us": None if reference_s is None else reference_s * 1e6,
+        "reference_GBps": None if reference_s is None else nbytes / reference_s / 1e9,
+        "reference_over_kernel": None if reference_s is None else reference_s / kernel_s,
         "gathered_us": None if gathered_s is None else gathered_s * 1e6,
         "gathered_over_kernel": None if gathered_s is None else gathered_s / kernel_s,
-        "max_rel_diff": diff, "decode_tiles": config,
+        "max_rel_diff": diff, "tiles": config,
     }
+    baseline = (" " * 28 if baseline_s is None else
+                f"{baseline_s * 1e6:>11.1f}{nbytes / baseline_s / run.copy:>8.1%}{baseline_s / kernel_s:>8.2f}x")
     gathered = " " * 22 if gathered_s is None else f"{gathered_s * 1e6:>12.1f}{gathered_s / kernel_s:>9.2f}x"
+    reference_text = " " * 19 if reference_s is None else f"{reference_s * 1e6:>10.1f}{reference_s / kernel_s:>8.2f}x"
     print(f"{label:>10}{batch:>6}{row['path']:>8}{distinct:>8.1f}{nbytes / 1e6:>9.2f}{kernel_s * 1e6:>11.1f}"
-          f"{row['kernel_GBps']:>8.1f}{row['kernel_vs_copy']:>7.1%}{reference_s * 1e6:>10.1f}"
-          f"{reference_s / kernel_s:>8.2f}x{gathered}{diff:>13.2e}")
+          f"{row['kernel_GBps']:>8.1f}{row['kernel_vs_copy']:>8.1%}{baseline}{reference_text}{gathered}{diff:>13.2e}")
     return row
 
 
@@ -179,13 +206,20 @@ def measure(args, device: torch.device) -> dict:
     copy = copy_bandwidth(device, args.copy_bytes)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (Triton interpreter)"
     use_graph = device.type == "cuda" and not args.no_graph
-    run = SimpleNamespace(shape=shape, device=device, gen=gen, copy=copy, use_graph=use_graph, sweep=args.sweep)
+    run = SimpleNamespace(shape=shape, device=device, gen=gen, copy=copy, use_graph=use_graph, sweep=args.sweep,
+                          no_reference=args.no_reference, baseline=None, sweep_batch=args.batches[0])
+    if args.baseline is not None:
+        from kernel_baseline import load_baseline
+
+        run.baseline = load_baseline(args.baseline, "fused_moe")
     print(f"device: {name}; copy bandwidth {copy / 1e9:.1f} GB/s (read + write)")
     print(f"shapes: {shape}; each call one of {ROUTINGS} routings; GB/s on the distinct experts' weight bytes")
     print(f"{'format':>10}{'batch':>6}{'path':>8}{'experts':>8}{'MB/call':>9}{'kernel us':>11}{'GB/s':>8}"
-          f"{'of copy':>8}{'ref us':>10}{'ref/kern':>9}{'gathered us':>12}{'gath/kern':>10}{'max rel diff':>13}")
+          f"{'of copy':>8}{'before us':>11}{'of copy':>8}{'speed-up':>9}{'ref us':>10}{'ref/kern':>9}{'gathered us':>12}{'gath/kern':>10}{'max rel diff':>13}")
     rows = []
     for fmt, group in (("bf16", None), *(("int4", g) for g in shape["groups"])):
+        if args.formats and (fmt if group is None else f"{fmt}-g{group}") not in args.formats:
+            continue
         w_gate_up, w_down, scales, per_expert = make_experts(shape, fmt, group, device, gen)
         kw = {} if scales is None else {"format": "int4", "scales": scales, "group_size": group}
         label = fmt if group is None else f"{fmt}-g{group}"
@@ -202,7 +236,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--small", action="store_true", help="tiny shapes; on a CPU, through Triton's interpreter")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
-    parser.add_argument("--sweep", action="store_true", help="also sweep the decode tile sizes (best one reported)")
+    parser.add_argument("--sweep", nargs="*", default=None, metavar="FORMAT",
+                        help="also sweep the tile sizes (best one kept and reported), of these formats (none named: all)")
+    parser.add_argument("--no-reference", action="store_true",
+                        help="skip timing the torch reference (outputs are still checked against it)")
+    parser.add_argument("--baseline", type=Path, default=None, metavar="ROOT",
+                        help="also time ROOT's fused_moe kernels (another checkout: before/after in one run)")
+    parser.add_argument("--formats", nargs="+", default=None, help="subset of bf16, int4-g32, int4-g128, ...")
     parser.add_argument("--no-graph", action="store_true", help="time eager launches, not a CUDA graph replay")
     parser.add_argument("--decode-max-pairs", type=int, default=None,
                         help="override fused_moe's DECODE_MAX_PAIRS (one-pair blocks up to this many pairs)")

@@ -1,6 +1,6 @@
 """kernels/fused_moe: the Triton experts against the torch reference (itself checked against the model's
 `Experts`), in fp32 and bf16, unquantized and INT4 / INT6 / INT8 group-quantized, on the decode path
-(one pair per block) and the prefill path (pairs sorted by expert into padded blocks, some experts with
+(GEMVs, the top-k sum in the down kernel or over several programs) and the prefill path (pairs sorted by expert into padded blocks, some experts with
 several blocks, some with none); and the block alignment on its own.
 
 Tolerance (as in test_quant_linear_kernel): both forms are compared with `exact`, the reference's
@@ -34,11 +34,14 @@ E, H, I = 8, 96, 64
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 FORMATS = {"unquantized": (None, None), "int4-g32": (4, 32), "int8-g16": (8, 16), "int6-g16": (6, 16)}
 # H is not a whole number of K tiles (masked loads), I is (unmasked). (tokens, top-k, routing skewed
-# towards expert 5): decode, 6 pairs; prefill, 40 pairs in blocks of 16
-# (expert 5 takes 20 of them: two blocks), taken past DECODE_MAX_PAIRS (lowered to keep shapes tiny)
-PATHS = {"decode": (3, 2, False), "prefill": (20, 2, True)}
+# towards expert 5, a down program's ranks): decode, 6 pairs, each token's top-k sum in the down kernel;
+# decode-split, 9 pairs, the top-3 over two down programs (2 ranks and 1) and the partials summed after;
+# prefill, 40 pairs in blocks of 16 (expert 5 takes 20 of them: two blocks), taken past DECODE_MAX_PAIRS
+# (lowered to keep shapes tiny)
+PATHS = {"decode": (3, 2, False, 2), "decode-split": (3, 3, False, 2), "prefill": (20, 2, True, 2)}
 DECODE_MAX_PAIRS, PREFILL_BLOCK_M = 16, 16
-CASES = {f"{d}-{f}-{p}": (DTYPES[d], FORMATS[f], PATHS[p]) for d in DTYPES for f in FORMATS for p in PATHS}
+CASES = {f"{d}-{f}-{p}": (DTYPES[d], FORMATS[f], PATHS[p]) for d in DTYPES for f in FORMATS for p in PATHS
+         if p != "decode-split" or f in ("unquantized", "int4-g32")}  # (the split is format-independent)
 
 
 def route(tokens: int, top_k: int, skewed: bool, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,7 +57,7 @@ def route(tokens: int, top_k: int, skewed: bool, gen: torch.Generator) -> tuple[
 
 def make_case(name: str, seed: int = 0):
     """(args, kwargs, exact fp64 output) of one case."""
-    dtype, (bits, group), (tokens, top_k, skewed) = CASES[name]
+    dtype, (bits, group), (tokens, top_k, skewed, _) = CASES[name]
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(tokens, H, generator=gen).to(dtype)
     w_gate_up = (torch.randn(E, 2 * I, H, generator=gen) * H**-0.5).to(dtype)
@@ -99,14 +102,16 @@ def run_kernel_cases(names: list[str]) -> dict[str, str | None]:
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     results = {}
-    saved = kernels.DECODE_MAX_PAIRS, kernels.PREFILL_BLOCK_M
+    saved = kernels.DECODE_MAX_PAIRS, kernels.PREFILL_BLOCK_M, kernels.DECODE_TILES
     kernels.DECODE_MAX_PAIRS, kernels.PREFILL_BLOCK_M = DECODE_MAX_PAIRS, PREFILL_BLOCK_M
     try:
         for name in names:
             args, kwargs, exact = make_case(name)
             ids = args[4]
-            if (ids.numel() <= DECODE_MAX_PAIRS) != name.endswith("decode"):
-                results[name] = f"{ids.numel()} pairs do not take the {name.rsplit('-', 1)[1]} path"
+            ranks = CASES[name][2][3]
+            kernels.DECODE_TILES = {bits: tiles._replace(down_ranks=ranks) for bits, tiles in saved[2].items()}
+            if (ids.numel() <= DECODE_MAX_PAIRS) == name.endswith("prefill"):
+                results[name] = f"{ids.numel()} pairs do not take the path of {name}"
                 continue
             if name.endswith("prefill") and not (ids == 5).sum() > PREFILL_BLOCK_M:
                 results[name] = "expert 5 does not fill two blocks"
@@ -116,7 +121,7 @@ def run_kernel_cases(names: list[str]) -> dict[str, str | None]:
             out = kernels.fused_moe(*(a.to(device) for a in args), **on_device).cpu()
             results[name] = within_tolerance(out, reference, *exact)
     finally:
-        kernels.DECODE_MAX_PAIRS, kernels.PREFILL_BLOCK_M = saved
+        kernels.DECODE_MAX_PAIRS, kernels.PREFILL_BLOCK_M, kernels.DECODE_TILES = saved
     return results
 
 

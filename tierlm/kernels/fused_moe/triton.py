@@ -1,39 +1,128 @@
 """`fused_moe` as Triton kernels (same signature as `naive`), the experts' weight format a compile-time
 variant (unquantized, or packed INT4 / INT6 / INT8 with group scales: `quant_linear.packing`).
 
-Three launches for all tokens of a batch, each reading the selected experts' weights in place (no copy
-of an expert's weights is ever made):
-  1. gate_up: each program takes a block of (token, expert) pairs that share one expert and a block of
-     the expert's I columns, and computes silu(x W_gate^T) * (x W_up^T) for them (both products in fp32,
-     the weight tiles dequantized in registers), stored in x's dtype as `naive` rounds it;
-  2. down: the same over the intermediate, times the pair's routing weight, stored per pair in fp32;
-  3. sum: each token's k pair rows added in fp32 in ascending expert id (the reference's order), rounded
-     once to x's dtype.
-Pairs are grouped by expert in one of two ways (no host sync in either, so a decode step can be captured):
-  - decode (up to DECODE_MAX_PAIRS pairs): every pair is its own block of one row; the products are
-    broadcast multiplies (no tl.dot padding M to 16). Two pairs on one expert read its weights twice,
-    which at 10 of 512 experts per token is rare.
-  - prefill: `align_pairs_to_blocks` (vLLM's moe_align_block_size, in torch) sorts the pairs by expert
-    into blocks of BLOCK_M rows, each expert's run padded to a whole block; the kernels are then a
-    grouped GEMM over those blocks (tl.dot), one expert's weights per block, blocks past the end idle.
-Routing order: each token's (expert, weight) slots are first sorted by expert id, so pair p = t * k + s
-is token t's s-th smallest expert, and step 3 sums in the reference's order.
+Every launch reads the selected experts' weights in place (no copy of an expert's weights is ever made),
+and no launch needs a host sync, so a decode step can be captured in a CUDA graph. Two forms:
+  - decode (up to DECODE_MAX_PAIRS (token, expert) pairs): GEMVs, one pair per program row (no tl.dot
+    padding M to 16), each product in its own fp32 accumulator summed once at the end
+    (`quant_linear.triton.gemv_accumulate`). Two launches, with no sort or gather before them:
+      1. `_gate_up_gemv_kernel`: program (n block, pair) computes silu(x W_gate^T) * (x W_up^T) for
+         `gate_up_block_n` of the expert's I columns, stored in x's dtype as `naive` rounds it;
+      2. `_down_sum_gemv_kernel`: program (n block, token, split) ranks the token's k experts by id in
+         registers and, in ascending id (the reference's order), adds routing weight x (act W_down^T)
+         over `down_ranks` of them in fp32; when that is all k it rounds the token's output once (the
+         top-k sum fused), else its fp32 partial goes to `_sum_chunks_kernel` (a third launch that adds
+         the partials in order: on an H200 the extra programs in flight win, 2 ranks per program).
+    Tiles per weight format: DECODE_TILES.
+    Two pairs on one expert read its weights twice, which at 10 of 512 experts per token is rare.
+  - prefill: each token's experts sorted by id, then `align_pairs_to_blocks` (vLLM's
+    moe_align_block_size, in torch) sorts the pairs by expert into blocks of PREFILL_BLOCK_M rows, each
+    expert's run padded to a whole block; `_gate_up_kernel` and `_down_kernel` are a grouped GEMM over
+    those blocks (tl.dot), one expert's weights per block, blocks past the end idle; the down products
+    times the routing weight are stored per pair in fp32 and `_sum_chunks_kernel` adds each token's k of
+    them in ascending expert id, rounding once.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
 from tierlm.kernels.fused_moe.naive import check_moe_args
-from tierlm.kernels.quant_linear.triton import accumulate_tile, column_mask, dot_precision, round_to
+from tierlm.kernels.quant_linear.triton import (accumulate_tile, check_whole_word_groups, column_mask, dot_precision,
+                                                gemv_accumulate, gemv_sum, gemv_zeros, round_to)
 
-# Tile sizes (module constants so a benchmark can sweep them; not tuned on a GPU yet)
-DECODE_MAX_PAIRS = 64  # up to this many (token, expert) pairs, one-row blocks and broadcast products
-DECODE_BLOCK_N, DECODE_BLOCK_K, DECODE_NUM_WARPS = 32, 128, 4
+
+class DecodeTiles(NamedTuple):
+    """The decode form's launch shape for one weight format."""
+    gate_up_block_n: int  # of the expert's I columns per gate_up program (gate and up rows each)
+    gate_up_block_k: int  # input columns per step
+    gate_up_warps: int
+    down_block_n: int  # of the H output columns per down program
+    down_block_k: int
+    down_warps: int
+    down_ranks: int  # of a token's top-k experts per down program: with fewer than top-k, the programs
+    #                  store fp32 partials that `_sum_chunks_kernel` adds (more programs in flight)
+
+
+# Tile sizes, per weight format (bits; 0 unquantized): module constants so a benchmark can sweep them.
+# Chosen on an H200 by bench/moe_decode_kernel.py --sweep for bf16 and INT4 (bench/results/
+# moe_decode_kernel_nvidia_h200.json): the same tiles won for both; INT6 / INT8 not swept (the same)
+DECODE_MAX_PAIRS = 160  # up to this many (token, expert) pairs (16 tokens of top-10), the GEMV form
+DECODE_TILES = dict.fromkeys((0, 4, 6, 8), DecodeTiles(8, 512, 4, 16, 128, 4, 2))
 PREFILL_BLOCK_M, PREFILL_BLOCK_N, PREFILL_BLOCK_K, PREFILL_NUM_WARPS = 32, 64, 64, 4
 SUM_BLOCK = 256
+
+
+@triton.jit
+def _gate_up_gemv_kernel(
+    x_ptr, w_ptr, s_ptr, out_ptr, ids_ptr, H, I, stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_op,
+    TOP_K: tl.constexpr, BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """One program: pair pid(1) (token pair // TOP_K, expert ids[pair]), columns [pid(0) * BLOCK_N,
+    +BLOCK_N) of I. out[pair, n] = silu(gate) * up, gate = x W[e, n], up = x W[e, I + n]."""
+    pid_n, pair = tl.program_id(0), tl.program_id(1)
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    x_rows = (pair // TOP_K).to(tl.int64) * stride_xt + tl.zeros((1,), dtype=tl.int64)
+    one_row = tl.full((1,), 1, tl.int1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < I
+    gate_w, gate_s = w_ptr + expert * stride_we, s_ptr + expert * stride_se
+    up_w, up_s = gate_w + I * stride_wn, gate_s + I * stride_sn
+    gate = gemv_zeros(1, BLOCK_N, BLOCK_K, BITS)
+    up = gemv_zeros(1, BLOCK_N, BLOCK_K, BITS)
+    for k0 in range(0, H, BLOCK_K):
+        gate = gemv_accumulate(gate, x_ptr, x_rows, one_row, gate_w, gate_s, k0, offs_n, n_mask, stride_wn,
+                               stride_sn, H, BITS, GROUP_SIZE, BLOCK_K, EVEN_K, PRECISION)
+        up = gemv_accumulate(up, x_ptr, x_rows, one_row, up_w, up_s, k0, offs_n, n_mask, stride_wn, stride_sn, H,
+                             BITS, GROUP_SIZE, BLOCK_K, EVEN_K, PRECISION)
+    gate_sum, up_sum = gemv_sum(gate), gemv_sum(up)  # [1, BLOCK_N]
+    act = gate_sum / (1.0 + tl.exp(-gate_sum)) * up_sum
+    tl.store(out_ptr + pair.to(tl.int64) * stride_op + offs_n[None, :],
+             round_to(act, out_ptr.dtype.element_ty, PRECISION), mask=n_mask[None, :])
+
+
+@triton.jit
+def _down_sum_gemv_kernel(
+    act_ptr, w_ptr, s_ptr, routing_ptr, ids_ptr, out_ptr, H, I, stride_ap, stride_we, stride_wn, stride_se,
+    stride_sn, stride_ot,
+    TOP_K: tl.constexpr, SLOTS: tl.constexpr, RANKS: tl.constexpr, BITS: tl.constexpr, GROUP_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """One program: token pid(1), columns [pid(0) * BLOCK_N, +BLOCK_N) of H, the token's experts of
+    ranks [pid(2) * RANKS, +RANKS) (those below TOP_K) by ascending id (SLOTS: TOP_K rounded up to a
+    power of 2). out[token * splits + pid(2), h] = sum over those ranks, in order, of
+    routing * (act[pair] W_down[e, h]) in fp32; rounded to out's dtype (with one split, the token's
+    final output) or stored in fp32."""
+    pid_n, token, split = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
+    slots = tl.arange(0, SLOTS)
+    valid = slots < TOP_K
+    ids = tl.load(ids_ptr + token * TOP_K + slots, mask=valid, other=0)
+    # rank of each slot's expert among the token's (ids are distinct)
+    rank = tl.sum(((ids[None, :] < ids[:, None]) & valid[None, :]).to(tl.int32), axis=1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < H
+    one_row = tl.full((1,), 1, tl.int1)
+    result = tl.zeros((1, BLOCK_N), dtype=tl.float32)
+    for r in tl.static_range(RANKS):
+        if split * RANKS + r < TOP_K:
+            slot = tl.sum(tl.where(valid & (rank == split * RANKS + r), slots, 0), axis=0)
+            pair = token * TOP_K + slot
+            expert = tl.load(ids_ptr + pair).to(tl.int64)
+            routing = round_to(tl.load(routing_ptr + pair).to(tl.float32), act_ptr.dtype.element_ty, PRECISION)
+            w_e, s_e = w_ptr + expert * stride_we, s_ptr + expert * stride_se
+            x_rows = pair * stride_ap + tl.zeros((1,), dtype=tl.int64)
+            acc = gemv_zeros(1, BLOCK_N, BLOCK_K, BITS)
+            for k0 in range(0, I, BLOCK_K):
+                acc = gemv_accumulate(acc, act_ptr, x_rows, one_row, w_e, s_e, k0, offs_n, n_mask, stride_wn,
+                                      stride_sn, I, BITS, GROUP_SIZE, BLOCK_K, EVEN_K, PRECISION)
+            result += gemv_sum(acc) * routing.to(tl.float32)
+    out_ptrs = out_ptr + (token * tl.cdiv(TOP_K, RANKS) + split) * stride_ot + offs_n[None, :]
+    tl.store(out_ptrs, round_to(result, out_ptr.dtype.element_ty, PRECISION), mask=n_mask[None, :])
 
 
 @triton.jit
@@ -41,10 +130,9 @@ def _gate_up_kernel(
     x_ptr, w_ptr, s_ptr, out_ptr, pair_ids_ptr, block_expert_ptr, num_pairs, H, I,
     stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_op,
     TOP_K: tl.constexpr, BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, USE_DOT: tl.constexpr,
-    PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """One program: the pairs of block pid(0) (all on one expert; ids >= num_pairs are padding), columns
+    """The grouped GEMM's gate_up. One program: the pairs of block pid(0) (all on one expert; ids >= num_pairs are padding), columns
     [pid(1) * BLOCK_N, +BLOCK_N) of I. out[pair, n] = silu(gate) * up, gate = x W[e, n], up = x W[e, I + n]."""
     block, pid_n = tl.program_id(0), tl.program_id(1)
     expert = tl.load(block_expert_ptr + block).to(tl.int64)
@@ -63,9 +151,9 @@ def _gate_up_kernel(
             a = tl.load(x_ptr + tokens[:, None] * stride_xt + offs_k[None, :],
                         mask=valid[:, None] & column_mask(offs_k, H, EVEN_K)[None, :], other=0.0)
             gate = accumulate_tile(gate, a, gate_w, gate_s, k0, offs_n, n_mask, stride_wn, stride_sn, H, BITS,
-                                   GROUP_SIZE, BLOCK_N, BLOCK_K, EVEN_K, USE_DOT, PRECISION)
+                                   GROUP_SIZE, BLOCK_N, BLOCK_K, EVEN_K, PRECISION)
             up = accumulate_tile(up, a, up_w, up_s, k0, offs_n, n_mask, stride_wn, stride_sn, H, BITS,
-                                 GROUP_SIZE, BLOCK_N, BLOCK_K, EVEN_K, USE_DOT, PRECISION)
+                                 GROUP_SIZE, BLOCK_N, BLOCK_K, EVEN_K, PRECISION)
         act = gate / (1.0 + tl.exp(-gate)) * up
         out_ptrs = out_ptr + pairs[:, None].to(tl.int64) * stride_op + offs_n[None, :]
         tl.store(out_ptrs, round_to(act, out_ptr.dtype.element_ty, PRECISION), mask=valid[:, None] & n_mask[None, :])
@@ -76,9 +164,9 @@ def _down_kernel(
     act_ptr, w_ptr, s_ptr, routing_ptr, out_ptr, pair_ids_ptr, block_expert_ptr, num_pairs, H, I,
     stride_ap, stride_we, stride_wn, stride_se, stride_sn, stride_op,
     BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, USE_DOT: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """One program: the pairs of block pid(0), columns [pid(1) * BLOCK_N, +BLOCK_N) of H.
+    """The grouped GEMM's down. One program: the pairs of block pid(0), columns [pid(1) * BLOCK_N, +BLOCK_N) of H.
     out[pair, h] = routing[pair] * (act[pair] W_down[e, h]), in fp32."""
     block, pid_n = tl.program_id(0), tl.program_id(1)
     expert = tl.load(block_expert_ptr + block).to(tl.int64)
@@ -95,22 +183,22 @@ def _down_kernel(
             a = tl.load(act_ptr + rows[:, None] * stride_ap + offs_k[None, :],
                         mask=valid[:, None] & column_mask(offs_k, I, EVEN_K)[None, :], other=0.0)
             acc = accumulate_tile(acc, a, w_e, s_e, k0, offs_n, n_mask, stride_wn, stride_sn, I, BITS, GROUP_SIZE,
-                                  BLOCK_N, BLOCK_K, EVEN_K, USE_DOT, PRECISION)
+                                  BLOCK_N, BLOCK_K, EVEN_K, PRECISION)
         routing = tl.load(routing_ptr + rows, mask=valid, other=0.0).to(tl.float32)
+        routing = round_to(routing, act_ptr.dtype.element_ty, PRECISION).to(tl.float32)
         out_ptrs = out_ptr + rows[:, None] * stride_op + offs_n[None, :]
         tl.store(out_ptrs, acc * routing[:, None], mask=valid[:, None] & n_mask[None, :])
 
 
 @triton.jit
-def _sum_pairs_kernel(pair_out_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK: tl.constexpr,
-                      PRECISION: tl.constexpr):
-    """out[t, h] = sum over s < TOP_K, in order, of pair_out[t * TOP_K + s, h] (fp32), rounded once."""
+def _sum_chunks_kernel(partial_ptr, out_ptr, H, CHUNKS: tl.constexpr, BLOCK: tl.constexpr, PRECISION: tl.constexpr):
+    """out[t, h] = sum over c < CHUNKS, in order, of partial[t * CHUNKS + c, h] (fp32), rounded once."""
     token, pid_h = tl.program_id(0).to(tl.int64), tl.program_id(1)
     offs = pid_h * BLOCK + tl.arange(0, BLOCK)
     mask = offs < H
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for slot in range(TOP_K):
-        acc += tl.load(pair_out_ptr + (token * TOP_K + slot) * H + offs, mask=mask, other=0.0)
+    for chunk in range(CHUNKS):
+        acc += tl.load(partial_ptr + (token * CHUNKS + chunk) * H + offs, mask=mask, other=0.0)
     tl.store(out_ptr + token * H + offs, round_to(acc, out_ptr.dtype.element_ty, PRECISION), mask=mask)
 
 
@@ -146,6 +234,7 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, to
     """As `naive.fused_moe` (see there for shapes and formats). topk_ids must lie in [0, E): they are not
     checked here (that would cost a host sync)."""
     bits, inter, group = check_moe_args(x, w_gate_up, w_down, topk_weights, topk_ids, format, scales, group_size)
+    check_whole_word_groups(bits, group)
     t, h = x.shape
     top_k = topk_ids.shape[1]
     num_pairs = t * top_k
@@ -154,36 +243,74 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, to
     x = x.contiguous()
     w_gate_up, w_down = w_gate_up.contiguous(), w_down.contiguous()
     gate_up_scales, down_scales = (w_gate_up, w_down) if bits is None else (s.contiguous() for s in scales)
+    weights = (w_gate_up, gate_up_scales, w_down, down_scales)
+    if num_pairs <= DECODE_MAX_PAIRS:
+        return _decode(x, weights, topk_weights.contiguous(), topk_ids.contiguous(), bits or 0, group, inter)
+    return _grouped(x, weights, topk_weights, topk_ids, bits or 0, group, inter)
+
+
+def _decode(x, weights, topk_weights, topk_ids, bits: int, group: int, inter: int) -> torch.Tensor:
+    """The GEMV form: two launches (three when a down program takes fewer than top-k experts), no sort."""
+    w_gate_up, gate_up_scales, w_down, down_scales = weights
+    (t, h), top_k = x.shape, topk_ids.shape[1]
+    tiles = DECODE_TILES[bits]
+    precision = dot_precision(x)
+    gate_up_k = min(tiles.gate_up_block_k, triton.next_power_of_2(h))
+    down_k = min(tiles.down_block_k, triton.next_power_of_2(inter))
+    act = torch.empty((t * top_k, inter), dtype=x.dtype, device=x.device)
+    _gate_up_gemv_kernel[(triton.cdiv(inter, tiles.gate_up_block_n), t * top_k)](
+        x, w_gate_up, gate_up_scales, act, topk_ids, h, inter, x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1),
+        gate_up_scales.stride(0), gate_up_scales.stride(1), act.stride(0), TOP_K=top_k, BITS=bits, GROUP_SIZE=group,
+        BLOCK_N=tiles.gate_up_block_n, BLOCK_K=gate_up_k, EVEN_K=h % gate_up_k == 0, PRECISION=precision,
+        num_warps=tiles.gate_up_warps,
+    )
+    ranks = min(tiles.down_ranks, top_k)
+    splits = triton.cdiv(top_k, ranks)
+    out = torch.empty_like(x) if splits == 1 else torch.empty((t * splits, h), dtype=torch.float32, device=x.device)
+    _down_sum_gemv_kernel[(triton.cdiv(h, tiles.down_block_n), t, splits)](
+        act, w_down, down_scales, topk_weights, topk_ids, out, h, inter, act.stride(0), w_down.stride(0),
+        w_down.stride(1), down_scales.stride(0), down_scales.stride(1), out.stride(0), TOP_K=top_k,
+        SLOTS=triton.next_power_of_2(top_k), RANKS=ranks, BITS=bits, GROUP_SIZE=group, BLOCK_N=tiles.down_block_n,
+        BLOCK_K=down_k, EVEN_K=inter % down_k == 0, PRECISION=precision, num_warps=tiles.down_warps,
+    )
+    if splits == 1:
+        return out
+    return _sum_chunks(out, x, splits)
+
+
+def _sum_chunks(partial: torch.Tensor, x: torch.Tensor, chunks: int) -> torch.Tensor:
+    """[T * chunks, H] fp32 -> [T, H] in x's dtype, each token's chunks added in order."""
+    t, h = x.shape
+    out = torch.empty_like(x)
+    _sum_chunks_kernel[(t, triton.cdiv(h, SUM_BLOCK))](partial, out, h, CHUNKS=chunks, BLOCK=SUM_BLOCK,
+                                                       PRECISION=dot_precision(x))
+    return out
+
+
+def _grouped(x, weights, topk_weights, topk_ids, bits: int, group: int, inter: int) -> torch.Tensor:
+    """The grouped-GEMM form: pairs sorted by expert into blocks, tl.dot tiles, per-pair fp32 outputs
+    summed by `_sum_chunks_kernel` in ascending expert id."""
+    w_gate_up, gate_up_scales, w_down, down_scales = weights
+    (t, h), top_k = x.shape, topk_ids.shape[1]
+    num_pairs = t * top_k
     topk_ids, order = topk_ids.sort(dim=1)  # each token's experts in ascending id: the sum's order
     routing = topk_weights.gather(1, order).flatten()
-
-    expert_of_pair = topk_ids.flatten()
-    if num_pairs <= DECODE_MAX_PAIRS:
-        block_m, block_n, block_k, use_dot, warps = 1, DECODE_BLOCK_N, DECODE_BLOCK_K, False, DECODE_NUM_WARPS
-        pair_ids = torch.arange(num_pairs, dtype=torch.int32, device=x.device)
-        block_expert = expert_of_pair.to(torch.int32)
-    else:
-        block_m, block_n, block_k, use_dot = PREFILL_BLOCK_M, PREFILL_BLOCK_N, PREFILL_BLOCK_K, True
-        warps = PREFILL_NUM_WARPS
-        pair_ids, block_expert = align_pairs_to_blocks(expert_of_pair, w_gate_up.shape[0], block_m)
+    block_m = PREFILL_BLOCK_M
+    pair_ids, block_expert = align_pairs_to_blocks(topk_ids.flatten(), w_gate_up.shape[0], block_m)
     num_blocks = block_expert.numel()
-    gate_up_k, down_k = (min(block_k, max(16, triton.next_power_of_2(k))) for k in (h, inter))
-    common = {"BITS": bits or 0, "GROUP_SIZE": group, "BLOCK_M": block_m, "BLOCK_N": block_n, "USE_DOT": use_dot,
-              "PRECISION": dot_precision(x), "num_warps": warps}
-
+    gate_up_k, down_k = (min(PREFILL_BLOCK_K, max(16, triton.next_power_of_2(k))) for k in (h, inter))
+    common = {"BITS": bits, "GROUP_SIZE": group, "BLOCK_M": block_m, "BLOCK_N": PREFILL_BLOCK_N,
+              "PRECISION": dot_precision(x), "num_warps": PREFILL_NUM_WARPS}
     act = torch.empty((num_pairs, inter), dtype=x.dtype, device=x.device)
-    _gate_up_kernel[(num_blocks, triton.cdiv(inter, block_n))](
+    _gate_up_kernel[(num_blocks, triton.cdiv(inter, PREFILL_BLOCK_N))](
         x, w_gate_up, gate_up_scales, act, pair_ids, block_expert, num_pairs, h, inter,
         x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), gate_up_scales.stride(0), gate_up_scales.stride(1),
         act.stride(0), TOP_K=top_k, BLOCK_K=gate_up_k, EVEN_K=h % gate_up_k == 0, **common,
     )
     pair_out = torch.empty((num_pairs, h), dtype=torch.float32, device=x.device)
-    _down_kernel[(num_blocks, triton.cdiv(h, block_n))](
+    _down_kernel[(num_blocks, triton.cdiv(h, PREFILL_BLOCK_N))](
         act, w_down, down_scales, routing, pair_out, pair_ids, block_expert, num_pairs, h, inter,
         act.stride(0), w_down.stride(0), w_down.stride(1), down_scales.stride(0), down_scales.stride(1),
         pair_out.stride(0), BLOCK_K=down_k, EVEN_K=inter % down_k == 0, **common,
     )
-    out = torch.empty_like(x)
-    _sum_pairs_kernel[(t, triton.cdiv(h, SUM_BLOCK))](pair_out, out, h, TOP_K=top_k, BLOCK=SUM_BLOCK,
-                                                      PRECISION=dot_precision(x))
-    return out
+    return _sum_chunks(pair_out, x, top_k)

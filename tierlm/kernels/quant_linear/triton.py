@@ -1,4 +1,4 @@
-"""`quant_linear` as one Triton kernel (same signature as `naive`), with the weight format a compile-time
+"""`quant_linear` as Triton kernels (same signature as `naive`), with the weight format a compile-time
 variant: unquantized (bf16 / fp16 / fp32) or packed INT4 / INT6 / INT8 with group scales (see `packing`).
 
 Each program computes a [BLOCK_M, BLOCK_N] tile of y over a range of K. The weight tile is read in
@@ -7,11 +7,14 @@ split into its 8 or 4 values; for 6 bits each value's word is gathered (and the 
 straddles two); shifted and masked, the 2^(bits-1) bias removed, multiplied by its group's scale in fp32,
 then rounded to x's dtype: the same rounded weight `naive` builds, so the two differ only in summation
 order (products accumulate in fp32 here).
-  - decode (M <= GEMV_MAX_ROWS): no tensor-core dot (it would pad M to 16); the tile products are summed
-    as a broadcast multiply, and K is split over several programs (SPLIT_K) when N alone gives too few
+  - decode (M <= GEMV_MAX_ROWS), `_gemv_kernel`: no tensor-core dot (it would pad M to 16); each
+    product lands in its own fp32 accumulator (`gemv_accumulate`) and the sum over K is taken once at
+    the end (no reduction per tile); packed 4/8-bit weights stay in their [words, values per word]
+    shape and x is loaded in that shape. K is split over several programs when N alone gives too few
     programs to keep the device's memory system busy; the fp32 partials are summed after.
-  - prefill chunks: tl.dot tiles (fp32 in IEEE precision, so fp32 results match the reference closely).
-`accumulate_tile` (with `load_weight_rows`, `round_to`) is shared with the fused MoE kernels
+  - prefill chunks, `_gemm_kernel`: tl.dot tiles (fp32 in IEEE precision, so fp32 results match the
+    reference closely).
+`gemv_accumulate` and `accumulate_tile` (with `round_to`) are shared with the fused MoE kernels
 (kernels/fused_moe). On the CPU the kernels run in Triton's interpreter, which needs two workarounds
 (PRECISION "interpreter": see `round_to` and `accumulate_tile`).
 """
@@ -27,11 +30,14 @@ import triton.language as tl
 from tierlm.kernels.quant_linear.naive import check_weight
 from tierlm.kernels.quant_linear.packing import check_packed
 
-GEMV_MAX_ROWS = 4  # up to this many rows, the broadcast-multiply form (no padding of M to 16)
-GEMV_BLOCK_N, GEMV_BLOCK_PRODUCTS = 16, 256  # decode tiles: BLOCK_N columns, BLOCK_M * BLOCK_K = 256
-GEMV_TARGET_PROGRAMS = 512  # decode: split K until about this many programs run (a few per SM)
-GEMV_MIN_TILES_PER_SPLIT = 4  # ... but give each split at least this many tiles of K
-GEMM_BLOCK_N, GEMM_BLOCK_K, GEMM_MAX_BLOCK_M = 64, 64, 64
+# Tile sizes, chosen on an H200 by bench/quant_linear_kernel.py --sweep (module constants so it can sweep them)
+GEMV_MAX_ROWS = 4  # up to this many rows, the GEMV form (no padding of M to 16 for tensor cores)
+GEMV_BLOCK_N, GEMV_NUM_WARPS = 8, 4  # output columns per program (few: the accumulators are per product)
+GEMV_BLOCK_K = {1: 512, 2: 512, 4: 256}  # input columns per step, by rows per program
+GEMV_TARGET_PROGRAMS = 528  # decode: split K until about this many programs run (4 per SM on an H200)
+GEMV_MIN_TILES_PER_SPLIT = 2  # ... but give each split at least this many tiles of K
+GEMM_MAX_BLOCK_M = 64
+GEMM_TILES = {0: (32, 128, 4), 4: (128, 64, 4), 6: (128, 64, 4), 8: (128, 64, 4)}  # bits: BLOCK_N, BLOCK_K, warps
 
 
 class LaunchConfig(NamedTuple):
@@ -41,16 +47,20 @@ class LaunchConfig(NamedTuple):
     use_dot: bool
     splits: int  # programs along K
     k_per_split: int  # a multiple of block_k
+    num_warps: int
 
 
-def launch_config(m: int, n: int, k: int) -> LaunchConfig:
-    """Tiles for y [m, n] = x [m, k] W^T: the GEMV form up to GEMV_MAX_ROWS rows, else tl.dot tiles."""
+def launch_config(m: int, n: int, k: int, bits: int | None = None, itemsize: int = 2) -> LaunchConfig:
+    """Tiles for y [m, n] = x [m, k] W^T (W packed in `bits`, or unquantized; x's elements `itemsize`
+    bytes): the GEMV form up to GEMV_MAX_ROWS rows, else tl.dot tiles (GEMM_TILES' K is for 2-byte x:
+    fp32 takes half as many columns per step, or its pipelined tiles outgrow shared memory)."""
     if m <= GEMV_MAX_ROWS:
         block_m = triton.next_power_of_2(m)
-        block_n, block_k, use_dot = GEMV_BLOCK_N, GEMV_BLOCK_PRODUCTS // block_m, False
+        block_n, block_k, use_dot, warps = GEMV_BLOCK_N, GEMV_BLOCK_K[block_m], False, GEMV_NUM_WARPS
     else:
         block_m = min(GEMM_MAX_BLOCK_M, max(16, triton.next_power_of_2(m)))
-        block_n, block_k, use_dot = GEMM_BLOCK_N, GEMM_BLOCK_K, True
+        (block_n, block_k, warps), use_dot = GEMM_TILES[bits or 0], True
+        block_k = max(16, block_k * 2 // itemsize)
     block_k = min(block_k, max(16, triton.next_power_of_2(k)))
     k_tiles = triton.cdiv(k, block_k)
     splits = 1
@@ -58,7 +68,7 @@ def launch_config(m: int, n: int, k: int) -> LaunchConfig:
         tiles_mn = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
         splits = max(1, min(k_tiles // GEMV_MIN_TILES_PER_SPLIT, GEMV_TARGET_PROGRAMS // tiles_mn))
     k_per_split = triton.cdiv(k_tiles, splits) * block_k
-    return LaunchConfig(block_m, block_n, block_k, use_dot, triton.cdiv(k, k_per_split), k_per_split)
+    return LaunchConfig(block_m, block_n, block_k, use_dot, triton.cdiv(k, k_per_split), k_per_split, warps)
 
 
 @triton.jit
@@ -97,6 +107,37 @@ def load_group_scales(s_ptr, rows, columns, k0, mask, stride_sn, GROUP_SIZE: tl.
 
 
 @triton.jit
+def dequantize_words(w_ptr, s_ptr, k0, rows, stride_wn, stride_sn, K, BITS: tl.constexpr, GROUP_SIZE: tl.constexpr,
+                     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, DTYPE: tl.constexpr, PRECISION: tl.constexpr):
+    """4 and 8 bits: the packed tile of rows `rows` ([BLOCK_N, 1] int64, in range) at input columns
+    [k0, k0 + BLOCK_K), dequantized and rounded to DTYPE, held as fp32 [BLOCK_N, words, values per word]
+    (value j of word i is column k0 + i * 32/BITS + j; out-of-range columns 0). Each word is loaded once
+    ([BLOCK_N, BLOCK_K / values per word]: 16-byte loads), split in registers by shifts, and scaled
+    there (one scale per word when groups hold whole words)."""
+    # (constexpr arithmetic inline: arange needs constexpr bounds, a plain local loses that in the
+    # interpreter)
+    offs_w = tl.multiple_of(k0 // (32 // BITS), BLOCK_K // (32 // BITS)) + tl.arange(0, BLOCK_K // (32 // BITS))
+    if EVEN_K:
+        words = tl.load(w_ptr + rows * stride_wn + offs_w[None, :])
+    else:
+        words = tl.load(w_ptr + rows * stride_wn + offs_w[None, :],
+                        mask=(offs_w < tl.cdiv(K * BITS, 32))[None, :], other=0)
+    within_word = tl.arange(0, 32 // BITS)
+    q = (words.to(tl.uint32, bitcast=True)[:, :, None] >> (within_word * BITS).to(tl.uint32)[None, None, :])
+    q = (q & ((1 << BITS) - 1)).to(tl.int32) - (1 << (BITS - 1))  # [BLOCK_N, words, values per word]
+    columns = offs_w[None, :, None] * (32 // BITS) + within_word[None, None, :]
+    inside = column_mask(columns, K, EVEN_K)
+    if GROUP_SIZE % (32 // BITS) == 0:  # groups hold whole words: one scale per word
+        first = offs_w[None, :, None] * (32 // BITS)  # [1, words, 1]
+        scale = load_group_scales(s_ptr, rows[:, :, None], first, k0, column_mask(first, K, EVEN_K), stride_sn,
+                                  GROUP_SIZE, BLOCK_K)
+    else:
+        scale = load_group_scales(s_ptr, rows[:, :, None], columns, k0, inside, stride_sn, GROUP_SIZE, BLOCK_K)
+    w = tl.where(inside, q.to(tl.float32) * scale, 0.0)
+    return round_to(w, DTYPE, PRECISION).to(tl.float32)
+
+
+@triton.jit
 def load_weight_rows(w_ptr, s_ptr, k0, offs_n, n_mask, stride_wn, stride_sn, K, BITS: tl.constexpr,
                      GROUP_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
                      DTYPE: tl.constexpr, PRECISION: tl.constexpr):
@@ -104,94 +145,185 @@ def load_weight_rows(w_ptr, s_ptr, k0, offs_n, n_mask, stride_wn, stride_sn, K, 
     DTYPE, out-of-range columns 0 (out-of-range rows: whatever row 0..N-1 clamps to; callers mask them
     out). BITS 0: w_ptr is W [N, K] itself (row stride stride_wn); else the packed words
     [N, ceil(K * BITS / 32)] and s_ptr the scales [N, K / GROUP_SIZE] (row stride stride_sn).
-    4 and 8 bits: each word is loaded once, [BLOCK_N, BLOCK_K / values per word] (16-byte loads), split in
-    registers into [BLOCK_N, words, values per word], scaled there (one scale per word when groups hold
-    whole words) and flattened; 6 bits: each value's word (and the next, where it straddles) is gathered."""
+    4 and 8 bits: `dequantize_words`, flattened; 6 bits: each value's word (and the next, where it
+    straddles) is gathered."""
     offs_k = k0 + tl.arange(0, BLOCK_K)
     k_mask = column_mask(offs_k, K, EVEN_K)
     rows = tl.where(n_mask, offs_n, 0)[:, None].to(tl.int64)  # clamped: loads need no row mask
     if BITS == 0:
         tile = tl.load(w_ptr + rows * stride_wn + offs_k[None, :], mask=k_mask[None, :], other=0.0).to(DTYPE)
     elif 32 % BITS == 0:  # whole values in a word
-        # (constexpr arithmetic inline: arange needs constexpr bounds, a plain local loses that in the
-        # interpreter)
+        w = dequantize_words(w_ptr, s_ptr, k0, rows, stride_wn, stride_sn, K, BITS, GROUP_SIZE, BLOCK_K, EVEN_K,
+                             DTYPE, PRECISION)
+        tile = tl.reshape(w.to(DTYPE), (BLOCK_N, BLOCK_K))  # value j of word i: i * 32/BITS + j
+    else:  # values straddle words
+        tile = load_straddling_values(w_ptr, s_ptr, k0, offs_k, k_mask, rows, stride_wn, stride_sn, BITS, GROUP_SIZE,
+                                      BLOCK_K, DTYPE, PRECISION)
+    return tile
+
+
+@triton.jit
+def load_straddling_values(w_ptr, s_ptr, k0, offs_k, k_mask, rows, stride_wn, stride_sn, BITS: tl.constexpr,
+                           GROUP_SIZE: tl.constexpr, BLOCK_K: tl.constexpr, DTYPE: tl.constexpr,
+                           PRECISION: tl.constexpr):
+    """6 bits: [BLOCK_N, BLOCK_K] of W in DTYPE at rows `rows` ([BLOCK_N, 1]) and columns offs_k (masked
+    by k_mask, k0 the first); each value's word is gathered, and the next one where the value straddles two."""
+    position = offs_k * BITS  # bit position of value k in its row
+    word_ptr = w_ptr + rows * stride_wn + (position // 32)[None, :]
+    shift = (position % 32).to(tl.uint32)[None, :]
+    value = tl.load(word_ptr, mask=k_mask[None, :], other=0).to(tl.uint32, bitcast=True) >> shift
+    straddles = (shift + BITS) > 32  # the value's high bits start the next word
+    high = tl.load(word_ptr + 1, mask=k_mask[None, :] & straddles, other=0).to(tl.uint32, bitcast=True)
+    value = value | (high << tl.where(straddles, 32 - shift, 0))
+    q = (value & ((1 << BITS) - 1)).to(tl.int32) - (1 << (BITS - 1))
+    scale = load_group_scales(s_ptr, rows, offs_k[None, :], k0, k_mask[None, :], stride_sn, GROUP_SIZE, BLOCK_K)
+    return round_to(tl.where(k_mask[None, :], q.to(tl.float32) * scale, 0.0), DTYPE, PRECISION)
+
+
+@triton.jit
+def gemv_zeros(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BITS: tl.constexpr):
+    """The fp32 accumulator of `gemv_accumulate` (the sum over K is taken once, by `gemv_sum`, not per
+    tile): one per packed word for 4 and 8 bits, [BLOCK_M, BLOCK_N, words], else one per product,
+    [BLOCK_M, BLOCK_N, BLOCK_K]."""
+    if BITS != 0 and 32 % BITS == 0:
+        acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K // (32 // BITS)), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    return acc
+
+
+@triton.jit
+def gemv_sum(acc):
+    """[BLOCK_M, BLOCK_N]: a `gemv_zeros` accumulator summed over K."""
+    return tl.sum(acc, axis=2)
+
+
+@triton.jit
+def word_field(words, j: tl.constexpr, BITS: tl.constexpr):
+    """Value j of each int32 word (bits [j * BITS, (j + 1) * BITS)) as fp32, the 2^(BITS-1) bias removed,
+    in the words' own shape and layout: the field ORed into the mantissa of 2^23 (the float 2^23 + q,
+    exact) and 2^23 plus the bias subtracted, so no integer-to-float conversion (a quarter-rate
+    instruction) is needed."""
+    field = (words.to(tl.uint32, bitcast=True) >> (j * BITS)) & ((1 << BITS) - 1)
+    return (field | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + (1 << (BITS - 1)))
+
+
+@triton.jit
+def gemv_accumulate(acc, x_ptr, x_rows, m_mask, w_ptr, s_ptr, k0, offs_n, n_mask, stride_wn, stride_sn, K,
+                    BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                    PRECISION: tl.constexpr):
+    """The GEMV form (a few rows; no tensor cores): acc (`gemv_zeros`) + x's rows (x_rows: [BLOCK_M]
+    int64 offsets of each row from x_ptr, masked by m_mask) at columns [k0, k0 + BLOCK_K) times the
+    weight tile of rows offs_n, in fp32. No reduction across threads here: the sum over K is taken once
+    at the end (`gemv_sum`).
+    4 and 8 bits: each word is loaded once ([BLOCK_N, words]: 16-byte loads) and its values taken out one
+    at a time (`word_field`) in the words' own layout, each multiplied by the x column it belongs to
+    (loaded as [BLOCK_M, words] with a stride of 32 / BITS), so no value changes threads. Each word's
+    products are summed in fp32 and multiplied by the word's group scale (groups hold whole words): the
+    weights are q * scale exactly, not rounded to x's dtype first as `naive` and the GEMM form do (in
+    bf16 a difference well under the output's own rounding; in fp32 at fp32 roundoff).
+    Unquantized and 6 bits: per-product accumulators, 6-bit weights dequantized as `load_weight_rows`."""
+    rows = tl.where(n_mask, offs_n, 0)[:, None].to(tl.int64)  # clamped: loads need no row mask
+    if BITS != 0 and 32 % BITS == 0:
         offs_w = tl.multiple_of(k0 // (32 // BITS), BLOCK_K // (32 // BITS)) + tl.arange(0, BLOCK_K // (32 // BITS))
         if EVEN_K:
             words = tl.load(w_ptr + rows * stride_wn + offs_w[None, :])
         else:
             words = tl.load(w_ptr + rows * stride_wn + offs_w[None, :],
                             mask=(offs_w < tl.cdiv(K * BITS, 32))[None, :], other=0)
-        within_word = tl.arange(0, 32 // BITS)
-        q = (words.to(tl.uint32, bitcast=True)[:, :, None] >> (within_word * BITS).to(tl.uint32)[None, None, :])
-        q = (q & ((1 << BITS) - 1)).to(tl.int32) - (1 << (BITS - 1))  # [BLOCK_N, words, values per word]
-        columns = offs_w[None, :, None] * (32 // BITS) + within_word[None, None, :]
-        inside = column_mask(columns, K, EVEN_K)
-        if GROUP_SIZE % (32 // BITS) == 0:  # groups hold whole words: one scale per word
-            first = offs_w[None, :, None] * (32 // BITS)  # [1, words, 1]
-            scale = load_group_scales(s_ptr, rows[:, :, None], first, k0, column_mask(first, K, EVEN_K), stride_sn,
-                                      GROUP_SIZE, BLOCK_K)
+        per_word = tl.zeros(acc.shape, dtype=tl.float32)
+        for j in tl.static_range(32 // BITS):
+            columns = offs_w * (32 // BITS) + j
+            a = tl.load(x_ptr + x_rows[:, None] + columns[None, :],
+                        mask=m_mask[:, None] & column_mask(columns, K, EVEN_K)[None, :], other=0.0)
+            per_word += a.to(tl.float32)[:, None, :] * word_field(words, j, BITS)[None, :, :]
+        first = offs_w[None, :] * (32 // BITS)  # each word's first column: its group
+        scale = load_group_scales(s_ptr, rows, first, k0, column_mask(first, K, EVEN_K), stride_sn, GROUP_SIZE,
+                                  BLOCK_K)
+        result = acc + per_word * scale[None, :, :]
+    else:
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = column_mask(offs_k, K, EVEN_K)
+        a = tl.load(x_ptr + x_rows[:, None] + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        if BITS == 0:
+            w = tl.load(w_ptr + rows * stride_wn + offs_k[None, :], mask=k_mask[None, :], other=0.0)
         else:
-            scale = load_group_scales(s_ptr, rows[:, :, None], columns, k0, inside, stride_sn, GROUP_SIZE, BLOCK_K)
-        w = tl.where(inside, q.to(tl.float32) * scale, 0.0)
-        tile = tl.reshape(round_to(w, DTYPE, PRECISION), (BLOCK_N, BLOCK_K))  # value j of word i: i * 32/BITS + j
-    else:  # values straddle words
-        position = offs_k * BITS  # bit position of value k in its row
-        word_ptr = w_ptr + rows * stride_wn + (position // 32)[None, :]
-        shift = (position % 32).to(tl.uint32)[None, :]
-        value = tl.load(word_ptr, mask=k_mask[None, :], other=0).to(tl.uint32, bitcast=True) >> shift
-        straddles = (shift + BITS) > 32  # the value's high bits start the next word
-        high = tl.load(word_ptr + 1, mask=k_mask[None, :] & straddles, other=0).to(tl.uint32, bitcast=True)
-        value = value | (high << tl.where(straddles, 32 - shift, 0))
-        q = (value & ((1 << BITS) - 1)).to(tl.int32) - (1 << (BITS - 1))
-        scale = load_group_scales(s_ptr, rows, offs_k[None, :], k0, k_mask[None, :], stride_sn, GROUP_SIZE, BLOCK_K)
-        tile = round_to(tl.where(k_mask[None, :], q.to(tl.float32) * scale, 0.0), DTYPE, PRECISION)
-    return tile
+            w = load_straddling_values(w_ptr, s_ptr, k0, offs_k, k_mask, rows, stride_wn, stride_sn, BITS, GROUP_SIZE,
+                                       BLOCK_K, x_ptr.dtype.element_ty, PRECISION)
+        result = acc + a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+    return result
 
 
 @triton.jit
 def accumulate_tile(acc, a, w_ptr, s_ptr, k0, offs_n, n_mask, stride_wn, stride_sn, K, BITS: tl.constexpr,
                     GROUP_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                    USE_DOT: tl.constexpr, PRECISION: tl.constexpr):
-    """acc [M, BLOCK_N] fp32 + a [M, BLOCK_K] @ W[offs_n, k0:k0 + BLOCK_K]^T, the weight tile read in place
-    (and dequantized in registers: `load_weight_rows`) in a's dtype. USE_DOT: tl.dot; else (few rows) a
-    broadcast multiply summed over K. PRECISION "interpreter" (the CPU, whose tl.dot multiplies bf16
-    operands' raw bits in triton 3.9): operands widened to fp32 first, the same products (a product of
-    two bf16 or fp16 values is exact in fp32) and the same fp32 accumulation."""
+                    PRECISION: tl.constexpr):
+    """The GEMM form: acc [M, BLOCK_N] fp32 + a [M, BLOCK_K] @ W[offs_n, k0:k0 + BLOCK_K]^T by tl.dot, the
+    weight tile read in place (and dequantized in registers: `load_weight_rows`) in a's dtype.
+    PRECISION "interpreter" (the CPU, whose tl.dot multiplies bf16 operands' raw bits in triton 3.9):
+    operands widened to fp32 first, the same products (a product of two bf16 or fp16 values is exact in
+    fp32) and the same fp32 accumulation."""
     w = load_weight_rows(w_ptr, s_ptr, k0, offs_n, n_mask, stride_wn, stride_sn, K, BITS, GROUP_SIZE, BLOCK_N,
                          BLOCK_K, EVEN_K, a.dtype, PRECISION)
-    if USE_DOT:
-        if PRECISION == "interpreter":
-            result = tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
-        else:
-            result = tl.dot(a, tl.trans(w), acc, input_precision=PRECISION)
+    if PRECISION == "interpreter":
+        result = tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
     else:
-        result = acc + tl.sum(a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+        result = tl.dot(a, tl.trans(w), acc, input_precision=PRECISION)
     return result
 
 
 @triton.jit
-def _quant_linear_kernel(
+def _gemv_kernel(
     x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, k_per_split, stride_xm, stride_wn, stride_sn, stride_ym, stride_ys,
     BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, USE_DOT: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """One program: rows [pid_m * BLOCK_M, +BLOCK_M), columns [pid_n * BLOCK_N, +BLOCK_N), input columns
-    [split * k_per_split, +k_per_split) (a multiple of BLOCK_K). Writes y, or with several splits its
-    fp32 partial at y_ptr + split * stride_ys."""
-    pid_m, pid_n, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    [split * k_per_split, +k_per_split) (a multiple of BLOCK_K), by `gemv_accumulate`. Writes y, or with
+    several splits its fp32 partial at y_ptr + split * stride_ys."""
+    pid_n, pid_m, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask, n_mask = offs_m < M, offs_n < N
+    x_rows = tl.where(m_mask, offs_m, 0).to(tl.int64) * stride_xm
+    acc = gemv_zeros(BLOCK_M, BLOCK_N, BLOCK_K, BITS)
+    k_start = split * k_per_split
+    for k0 in range(k_start, tl.minimum(k_start + k_per_split, K), BLOCK_K):
+        acc = gemv_accumulate(acc, x_ptr, x_rows, m_mask, w_ptr, s_ptr, k0, offs_n, n_mask, stride_wn, stride_sn, K,
+                              BITS, GROUP_SIZE, BLOCK_K, EVEN_K, PRECISION)
+    y_ptrs = y_ptr + split * stride_ys + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
+    tl.store(y_ptrs, round_to(gemv_sum(acc), y_ptr.dtype.element_ty, PRECISION),
+             mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _gemm_kernel(
+    x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_sn, stride_ym,
+    BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """One program: the [BLOCK_M, BLOCK_N] tile (pid_m, pid_n) of y over all of K, by `accumulate_tile`."""
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask, n_mask = offs_m < M, offs_n < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    k_start = split * k_per_split
-    for k0 in range(k_start, tl.minimum(k_start + k_per_split, K), BLOCK_K):
+    for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         a = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :],
                     mask=m_mask[:, None] & column_mask(offs_k, K, EVEN_K)[None, :], other=0.0)
         acc = accumulate_tile(acc, a, w_ptr, s_ptr, k0, offs_n, n_mask, stride_wn, stride_sn, K, BITS, GROUP_SIZE,
-                              BLOCK_N, BLOCK_K, EVEN_K, USE_DOT, PRECISION)
-    y_ptrs = y_ptr + split * stride_ys + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
+                              BLOCK_N, BLOCK_K, EVEN_K, PRECISION)
+    y_ptrs = y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
     tl.store(y_ptrs, round_to(acc, y_ptr.dtype.element_ty, PRECISION), mask=m_mask[:, None] & n_mask[None, :])
+
+
+def check_whole_word_groups(bits: int | None, group_size: int) -> None:
+    """The GEMV form scales each packed word by one group scale: for 4 and 8 bits a group must hold whole
+    words (compressed-tensors' groups of 32 / 64 / 128 and per-channel scales all do)."""
+    if bits is not None and 32 % bits == 0 and group_size % (32 // bits):
+        raise ValueError(f"group_size {group_size} splits a {bits}-bit word's {32 // bits} values across groups; "
+                         f"the kernels need a multiple of {32 // bits}")
 
 
 def dot_precision(x: torch.Tensor) -> str:
@@ -212,6 +344,7 @@ def quant_linear(x: torch.Tensor, weight_or_packed: torch.Tensor, *, scales: tor
     n = weight_or_packed.shape[0]
     if bits is not None:
         group_size = check_packed(weight_or_packed, scales, bits, k, group_size)
+        check_whole_word_groups(bits, group_size)
         scales = scales.contiguous()
     weight = weight_or_packed.contiguous()
     x2 = x.reshape(-1, k).contiguous()
@@ -219,14 +352,19 @@ def quant_linear(x: torch.Tensor, weight_or_packed: torch.Tensor, *, scales: tor
     out_shape = (*x.shape[:-1], n)
     if m == 0:
         return x.new_empty(out_shape)
-    cfg = launch_config(m, n, k)
+    cfg = launch_config(m, n, k, bits, x.element_size())
+    s_arg, stride_sn = (scales, scales.stride(0)) if scales is not None else (weight, 0)
+    common = {"BITS": bits or 0, "GROUP_SIZE": 0 if bits is None else group_size, "BLOCK_M": cfg.block_m,
+              "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "EVEN_K": k % cfg.block_k == 0,
+              "PRECISION": dot_precision(x), "num_warps": cfg.num_warps}
+    if cfg.use_dot:
+        y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+        _gemm_kernel[(triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n))](
+            x2, weight, s_arg, y, m, n, k, x2.stride(0), weight.stride(0), stride_sn, y.stride(0), **common)
+        return y.view(out_shape)
     y = torch.empty((cfg.splits, m, n), dtype=torch.float32 if cfg.splits > 1 else x.dtype, device=x.device)
-    grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n), cfg.splits)
-    _quant_linear_kernel[grid](
-        x2, weight, scales if scales is not None else weight, y, m, n, k, cfg.k_per_split,
-        x2.stride(0), weight.stride(0), scales.stride(0) if scales is not None else 0, y.stride(1), y.stride(0),
-        BITS=bits or 0, GROUP_SIZE=0 if bits is None else group_size, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, EVEN_K=k % cfg.block_k == 0, USE_DOT=cfg.use_dot, PRECISION=dot_precision(x),
-    )
+    _gemv_kernel[(triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m), cfg.splits)](
+        x2, weight, s_arg, y, m, n, k, cfg.k_per_split, x2.stride(0), weight.stride(0), stride_sn, y.stride(1),
+        y.stride(0), **common)
     y = y.sum(dim=0).to(x.dtype) if cfg.splits > 1 else y[0]
     return y.view(out_shape)

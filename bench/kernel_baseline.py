@@ -1,0 +1,41 @@
+"""Another checkout's Triton kernel modules loaded beside this checkout's, so a benchmark can time the
+kernels before and after a change in one process (`--baseline ROOT` of bench/moe_decode_kernel.py and
+bench/quant_linear_kernel.py)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+QUANT_LINEAR = "tierlm.kernels.quant_linear.triton"
+
+
+def _load(name: str, path: Path) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None or not path.is_file():
+        raise SystemExit(f"--baseline: no kernel module at {path}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def load_baseline(root: Path, op: str) -> ModuleType:
+    """root/tierlm/kernels/<op>/triton.py as a module of its own; its import of quant_linear's kernels
+    resolves to root's copy of them (the rest of tierlm is this checkout's)."""
+    kernels = root / "tierlm" / "kernels"
+    quant_linear = _load("baseline_quant_linear_triton", kernels / "quant_linear" / "triton.py")
+    if op == "quant_linear":
+        return quant_linear
+    import tierlm.kernels.quant_linear  # noqa: F401  (the parent package, this checkout's)
+
+    saved = sys.modules.get(QUANT_LINEAR)
+    sys.modules[QUANT_LINEAR] = quant_linear
+    try:
+        return _load(f"baseline_{op}_triton", kernels / op / "triton.py")
+    finally:
+        if saved is None:
+            del sys.modules[QUANT_LINEAR]
+        else:
+            sys.modules[QUANT_LINEAR] = saved

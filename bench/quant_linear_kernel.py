@@ -1,0 +1,244 @@
+"""The quant_linear kernels (kernels/quant_linear/triton.py) at the target model's linear shapes, against
+the device copy bandwidth and cuBLAS.
+
+For N x K = 10240 x 2560 (GDN in_proj), 248320 x 2560 (lm_head) and 2560 x 6144, batches of 1, 4 and
+16 rows, bf16 weights and packed INT8 (one scale per output channel) and INT4 (group 128) weights, it
+measures in one run:
+  - the device copy bandwidth: a large tensor copied, (bytes read + bytes written) / time;
+  - the kernel's achieved bandwidth on the weight bytes it must read (the packed words and scales, or
+    the bf16 weight) and its ratio to the copy bandwidth;
+  - torch's F.linear on the bf16 weight of the same shape (cuBLAS), and the kernel's speed-up over it;
+  - with --baseline ROOT, another checkout's quant_linear kernel (before/after in one run).
+Each timed call cycles through enough copies of the weight that one call's weight is not in L2 for the
+next (CUDA-graph replay of the cycle, best of 5). The kernel's output is checked against the torch
+reference (`naive`: the weight dequantized, then F.linear): max |diff| relative to max |reference|.
+
+    python bench/quant_linear_kernel.py            # CUDA
+    python bench/quant_linear_kernel.py --sweep    # CUDA, also sweeps the tile sizes (best one reported)
+    python bench/quant_linear_kernel.py --baseline ../main   # CUDA, before (../main's kernel) and after
+    python bench/quant_linear_kernel.py --small    # CPU: Triton's interpreter, tiny shapes
+Results go to bench/results/quant_linear_kernel_<device>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+TARGET = {"shapes": [(10240, 2560), (248320, 2560), (2560, 6144)], "l2_bytes": 256 << 20}
+SMALL = {"shapes": [(40, 256), (24, 512)], "l2_bytes": 1 << 20}
+FORMATS = {"bf16": (None, None), "int8": (8, None), "int4-g128": (4, 128)}  # (bits, group; None: per channel)
+# --sweep: the GEMV tiles (batches up to GEMV_MAX_ROWS), then the K split, or the GEMM tiles of the
+# format (larger batches); each candidate timed on every shape, the one with the best mean fraction of the
+# copy bandwidth kept (module constants of quant_linear.triton)
+GEMV_SWEEP = [{"GEMV_BLOCK_N": n, "GEMV_BLOCK_K": {1: k, 2: k, 4: k // 2}, "GEMV_NUM_WARPS": w}
+              for n in (4, 8, 16) for k in (256, 512, 1024) for w in (4, 8) if w == 4 or k == 1024]
+SPLIT_SWEEP = [{"GEMV_TARGET_PROGRAMS": t, "GEMV_MIN_TILES_PER_SPLIT": m} for t in (264, 528, 1056) for m in (2, 4)]
+GEMM_SWEEP = [(64, 64, 4), (32, 128, 4), (64, 128, 4), (128, 64, 4), (32, 64, 2), (64, 128, 8)]  # N, K, warps
+
+
+def timed(fn, calls: int, device: torch.device) -> float:
+    """Seconds per call of fn(i) for i in range(calls), replayed from a CUDA graph, best of 5 (CPU: one pass)."""
+    import time
+
+    for i in range(calls):  # warm-up: compilation, allocator
+        fn(i)
+    if device.type != "cuda":
+        start = time.perf_counter()
+        for i in range(calls):
+            fn(i)
+        return (time.perf_counter() - start) / calls
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fn(i)
+    best = float("inf")
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1000)
+    return best / calls
+
+
+def copy_bandwidth(device: torch.device, nbytes: int) -> float:
+    """Bytes per second of a large copy, counting the bytes read and the bytes written."""
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device).normal_()
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    if device.type == "cuda":  # timed eagerly: a graph replays a copy as a memcpy node, slower than the kernel
+        torch.cuda.synchronize()
+        best = float("inf")
+        for _ in range(5):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            dst.copy_(src)
+            end.record()
+            end.synchronize()
+            best = min(best, start.elapsed_time(end) / 1000)
+        return 2 * nbytes / best
+    return 2 * nbytes / timed(lambda i: dst.copy_(src), 1, device)
+
+
+def make_weights(n: int, k: int, fmt: str, copies: int, device: torch.device, gen: torch.Generator):
+    """copies of one random weight in a format: [(weight_or_packed, kwargs)], and the bytes of one copy.
+    Packed words are random bits (every pattern is a valid code); scales small so outputs stay in range."""
+    from tierlm.kernels.quant_linear.packing import packed_width
+
+    bits, group = FORMATS[fmt]
+    out = []
+    for _ in range(copies):
+        if bits is None:
+            w = torch.randn(n, k, generator=gen, device=device, dtype=torch.bfloat16) * k**-0.5
+            out.append((w, {}))
+            continue
+        words = torch.randint(-2**31, 2**31 - 1, (n, packed_width(k, bits)), generator=gen, device=device,
+                              dtype=torch.int32)
+        groups = 1 if group is None else k // group
+        scales = (torch.rand(n, groups, generator=gen, device=device) * 0.5 / (k**0.5 * (1 << (bits - 1))))
+        out.append((words, {"scales": scales.to(torch.bfloat16), "bits": bits, "group_size": group}))
+    w, kw = out[0]
+    nbytes = w.numel() * w.element_size() + (kw["scales"].numel() * 2 if kw else 0)
+    return out, nbytes
+
+
+def measure_shape(run: SimpleNamespace, n: int, k: int, fmt: str, batch: int, weights: list,
+                  with_baseline: bool = False) -> dict:
+    """One (shape, format, batch): the kernel with the tiles as set now (and the --baseline kernel)."""
+    from tierlm.kernels.quant_linear import triton as kernels
+
+    copies = len(weights) - 1
+    xs = run.xs[(k, batch)]
+    kernel_s = timed(lambda i: kernels.quant_linear(xs[i % len(xs)], weights[i][0], **weights[i][1]), copies,
+                     run.device)
+    result = {"kernel_s": kernel_s, "fraction": run.nbytes[(n, k, fmt)] / kernel_s / run.copy}
+    if with_baseline and run.baseline is not None:
+        result["baseline_s"] = timed(lambda i: run.baseline.quant_linear(xs[i % len(xs)], weights[i][0], **weights[i][1]),
+                                     copies, run.device)
+    return result
+
+
+def sweep(run: SimpleNamespace, fmt: str, batch: int, stage: list, weights_of: dict) -> dict:
+    """Set the candidate of `stage` with the best mean fraction of the copy bandwidth over the shapes."""
+    from tierlm.kernels.quant_linear import triton as kernels
+
+    best = None
+    for candidate in stage:
+        for name, value in candidate.items():
+            setattr(kernels, name, value)
+        fractions = [measure_shape(run, n, k, fmt, batch, weights_of[(n, k)])["fraction"] for n, k in run.shapes]
+        mean = sum(fractions) / len(fractions)
+        print(f"{fmt:>10}{batch:>6}  {candidate}: " + ", ".join(f"{f:.1%}" for f in fractions) + f"  mean {mean:.1%}")
+        if best is None or mean > best[0]:
+            best = (mean, candidate)
+    for name, value in best[1].items():
+        setattr(kernels, name, value)
+    return best[1]
+
+
+def measure(args, device: torch.device) -> dict:
+    from tierlm.kernels.quant_linear import naive
+    from tierlm.kernels.quant_linear import triton as kernels
+
+    target = SMALL if args.small else TARGET
+    gen = torch.Generator(device=device).manual_seed(0)
+    copy = copy_bandwidth(device, args.copy_bytes)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (Triton interpreter)"
+    shapes = [tuple(s) for s in target["shapes"]]
+    xs = {(k, b): [torch.randn(b, k, generator=gen, device=device).to(torch.bfloat16) for _ in range(4)]
+          for k in {k for _, k in shapes} for b in args.batches}
+    run = SimpleNamespace(device=device, copy=copy, shapes=shapes, xs=xs, nbytes={}, baseline=None)
+    if args.baseline is not None:
+        from kernel_baseline import load_baseline
+
+        run.baseline = load_baseline(args.baseline, "quant_linear")
+    print(f"device: {name}; copy bandwidth {copy / 1e9:.1f} GB/s (read + write)")
+    print(f"{'format':>10}{'N x K':>14}{'batch':>6}{'MB':>9}{'kernel us':>11}{'GB/s':>8}{'of copy':>8}"
+          f"{'before us':>11}{'speed-up':>9}{'cuBLAS bf16 us':>15}{'speed-up':>9}{'max rel diff':>13}  tiles")
+    rows, chosen = [], {}
+    bf16_us = {}
+    for fmt in args.formats:
+        weights_of = {}
+        for n, k in shapes:
+            one = make_weights(n, k, fmt, 1, device, gen)[1]
+            copies = 1 if device.type != "cuda" else max(2, min(8, math.ceil(target["l2_bytes"] / one)))
+            weights_of[(n, k)], run.nbytes[(n, k, fmt)] = make_weights(n, k, fmt, copies + 1, device, gen)
+        for batch in args.batches:
+            gemv = batch <= kernels.GEMV_MAX_ROWS
+            if args.sweep:
+                tiles = {}
+                bits = FORMATS[fmt][0] or 0
+                gemm = [{"GEMM_TILES": {**kernels.GEMM_TILES, bits: tiles}} for tiles in GEMM_SWEEP]
+                for stage in (GEMV_SWEEP, SPLIT_SWEEP) if gemv else (gemm,):
+                    tiles.update(sweep(run, fmt, batch, stage, weights_of))
+                chosen[f"{fmt}-b{batch}"] = tiles
+            for n, k in shapes:
+                weights = weights_of[(n, k)]
+                result = measure_shape(run, n, k, fmt, batch, weights, with_baseline=True)
+                x = xs[(k, batch)][0]
+                if fmt == "bf16":
+                    bf16_us[(n, k, batch)] = timed(lambda i: torch.nn.functional.linear(x, weights[i][0]),
+                                                   len(weights) - 1, device) * 1e6
+                ref = naive.quant_linear(x, weights[0][0], **weights[0][1]).float()
+                out = kernels.quant_linear(x, weights[0][0], **weights[0][1]).float()
+                diff = ((out - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
+                cfg = kernels.launch_config(batch, n, k, FORMATS[fmt][0])
+                nbytes, us = run.nbytes[(n, k, fmt)], result["kernel_s"] * 1e6
+                cublas = bf16_us.get((n, k, batch))
+                row = {"format": fmt, "N": n, "K": k, "batch": batch, "weight_bytes": nbytes, "kernel_us": us,
+                       "kernel_GBps": nbytes / result["kernel_s"] / 1e9, "kernel_vs_copy": result["fraction"],
+                       "cublas_bf16_us": cublas, "speedup_over_cublas_bf16": None if cublas is None else cublas / us,
+                       "max_rel_diff": diff, "launch": cfg._asdict()}
+                rows.append(row)
+                before = result.get("baseline_s")
+                row["baseline_us"] = None if before is None else before * 1e6
+                row["baseline_over_kernel"] = None if before is None else before * 1e6 / us
+                before_text = " " * 20 if before is None else f"{before * 1e6:>11.1f}{before * 1e6 / us:>8.2f}x"
+                cublas_text = " " * 24 if cublas is None else f"{cublas:>15.1f}{cublas / us:>8.2f}x"
+                print(f"{fmt:>10}{f'{n}x{k}':>14}{batch:>6}{nbytes / 1e6:>9.2f}{us:>11.1f}{row['kernel_GBps']:>8.1f}"
+                      f"{result['fraction']:>8.1%}{before_text}{cublas_text}{diff:>13.2e}  "
+                      f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} splits {cfg.splits} warps {getattr(cfg, 'num_warps', 4)}")
+        weights_of = None
+    return {"device": name, "copy_bandwidth_GBps": copy / 1e9, "torch": torch.__version__, "cuda_graph": True,
+            "swept_tiles": chosen, "rows": rows}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--small", action="store_true", help="tiny shapes; on a CPU, through Triton's interpreter")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--formats", nargs="+", default=list(FORMATS), choices=list(FORMATS))
+    parser.add_argument("--sweep", action="store_true", help="also sweep the tile sizes (best one reported)")
+    parser.add_argument("--baseline", type=Path, default=None, metavar="ROOT",
+                        help="also time ROOT's quant_linear kernel (another checkout: before/after in one run)")
+    parser.add_argument("--copy-bytes", type=int, default=None, help="size of the copy-bandwidth tensor")
+    parser.add_argument("--out", type=Path, default=None, help="JSON path (default bench/results/...)")
+    args = parser.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cpu":
+        if not args.small:
+            parser.error("no CUDA device: run with --small (Triton's interpreter, tiny shapes)")
+        os.environ["TRITON_INTERPRET"] = "1"  # before the kernels' module first imports triton
+        torch.set_num_threads(1)
+    if args.copy_bytes is None:
+        args.copy_bytes = 2 << 30 if device.type == "cuda" else 64 << 20
+    result = measure(args, device)
+    slug = re.sub(r"[^a-z0-9]+", "_", result["device"].lower()).strip("_")
+    out = args.out or Path(__file__).parent / "results" / f"quant_linear_kernel_{slug}{'_small' if args.small else ''}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
