@@ -109,9 +109,9 @@ def compare_layer(device: str) -> None:
     same conv windows and recurrent states left in the slots (three requests of 1, 70 and 5 tokens)."""
     from types import SimpleNamespace
 
+    from tierlm.model.cache import GDNState
     from tierlm.model.forward_batch import ForwardBatch
     from tierlm.model.layers.gated_deltanet import GatedDeltaNet
-    from tierlm.model.cache import GDNState
 
     torch.manual_seed(0)
     config = SimpleNamespace(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,

@@ -32,8 +32,16 @@ import triton
 import triton.language as tl
 
 from tierlm.kernels.fused_moe.naive import check_moe_args
-from tierlm.kernels.quant_linear.triton import (accumulate_tile, check_whole_word_groups, column_mask, dot_precision,
-                                                gemv_accumulate, gemv_sum, gemv_zeros, round_to)
+from tierlm.kernels.quant_linear.triton import (
+    accumulate_tile,
+    check_whole_word_groups,
+    column_mask,
+    dot_precision,
+    gemv_accumulate,
+    gemv_sum,
+    gemv_zeros,
+    round_to,
+)
 
 
 class DecodeTiles(NamedTuple):
