@@ -106,10 +106,13 @@ def prefill(layers, config: ModelConfig, cache: ModelCache, rotary, length: int,
         batch = ForwardBatch.build([[3] * n], [start], [0], [table], BLOCK_SIZE, device=device)
         x = torch.randn(n, config.hidden_size, generator=gen, device=device, dtype=cache.dtype)
         rope = Rope(rotary, batch.positions, x.dtype)
-        for layer, kind, state in zip(layers, config.layer_types, cache.layers):
+        for layer, kind, caches in zip(layers, config.layer_types, cache.layers):
             sync()
             began = time.perf_counter()
-            out = layer(x, batch, state) if kind == "linear_attention" else layer(x, batch, state, rope)
+            if kind == "linear_attention":
+                out = layer(x, batch, caches.gdn)
+            else:
+                out = layer(x, batch, caches.kv, caches.indexer, rope)
             x = x + out
             sync()
             seconds[kind] += time.perf_counter() - began
