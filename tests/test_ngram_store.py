@@ -199,3 +199,19 @@ def test_a_table_larger_than_ram_and_swap_maps_and_reads_at_both_ends(tmp_path):
     finally:
         for table in tables:
             (tmp_path / table.file).unlink()
+
+
+def test_staging_buffers_are_sized_at_start_and_never_grow(model_with_tables):
+    model, tables = model_with_tables
+    config = ModelConfig.from_pretrained(model)
+    store = NgramStore(str(tables), config, torch.device("cpu"), max_tokens=64)
+    buffers = {index: staged[0].data_ptr() for index, staged in store._staging.items()}
+    assert buffers and all(staged[0].shape[0] == 64 * config.num_ngram_heads for staged in store._staging.values())
+    rng = np.random.default_rng(0)
+    for length in (1, 64, 17, 64, 3):
+        tokens = rng.integers(2, config.vocab_size, length)
+        out = store.gather(store.rows_for(store.context_of([]), tokens))
+        assert all(e.shape[0] == length for e in out.values())
+    assert {index: staged[0].data_ptr() for index, staged in store._staging.items()} == buffers
+    with pytest.raises(ValueError, match="exceeds the staging buffer"):
+        store.gather(store.rows_for(store.context_of([]), rng.integers(2, config.vocab_size, 65)))

@@ -263,7 +263,7 @@ class LLMEngine:
         )
         self.ngram_store = self.prefetcher = None
         if table_dir is not None:
-            self.ngram_store = NgramStore(table_dir, mc, device)
+            self.ngram_store = NgramStore(table_dir, mc, device, max_tokens=config.max_num_batched_tokens)
             logger.info("PLE tables memory-mapped from %s", table_dir)
             if config.ple_prefetch and not os.environ.get("TIERLM_NO_PLE_PREFETCH"):
                 self.prefetcher = PrefetchWorker(self.ngram_store)

@@ -67,8 +67,11 @@ class StoreCounters:
 
 class NgramStore:
     def __init__(
-        self, directory: str, config: ModelConfig, device: torch.device, force_madvise_fallback: bool = False
+        self, directory: str, config: ModelConfig, device: torch.device, force_madvise_fallback: bool = False,
+        max_tokens: int = 512,
     ) -> None:
+        """max_tokens: the most tokens one gather serves (the engine's max_num_batched_tokens); the staging
+        buffers are sized for it here, once, and never grow while serving."""
         self.manifest: PleTableManifest = load_manifest(directory, config)
         self.config = config
         self.device = device
@@ -76,8 +79,9 @@ class NgramStore:
         self.counters = StoreCounters()
         self.lock = threading.Lock()  # the advisor and counters are shared with the prefetch thread
         self.tables: list[MappedTable] = []
-        # per PLE index, reused (pinned on CUDA), grown on demand: (buffer, its integer view for numpy)
+        # per PLE index, reused (pinned on CUDA), sized at start: (buffer, its integer view for numpy)
         self._staging: dict[int, tuple[torch.Tensor, np.ndarray]] = {}
+        self.max_rows = max_tokens * config.num_ngram_heads
         for entry in self.manifest.layers:
             with open(self.manifest.path(entry), "rb") as f:
                 # ACCESS_READ: MAP_SHARED | PROT_READ (no commit charge, unlike a private writable mapping)
@@ -91,6 +95,8 @@ class NgramStore:
                 entry.ple_index, NgramHashArrays.from_spec(spec), rows, dtype, entry.row_bytes, address,
                 len(mapping), mapping, entry.scale,
             ))
+            buffer = torch.empty(self.max_rows, rows.shape[1], dtype=dtype, pin_memory=device.type == "cuda")
+            self._staging[entry.ple_index] = buffer, buffer.view(BIT_TYPES[dtype.itemsize][1]).numpy()
         self.initial_context = initial_context(NgramHashSpec.from_config(config, self.tables[0].ple_index))
 
     # ---- rows ---------------------------------------------------------------------------------------
@@ -151,13 +157,10 @@ class NgramStore:
 
     def _staging_for(self, table: MappedTable, count: int) -> tuple[torch.Tensor, np.ndarray]:
         """The first `count` rows of the table's staging buffer, and the same memory as numpy integers."""
-        staging = self._staging.get(table.ple_index)
-        if staging is None or staging[0].shape[0] < count:
-            buffer = torch.empty(max(count, 1024), table.rows.shape[1], dtype=table.dtype,
-                                 pin_memory=self.device.type == "cuda")
-            staging = buffer, buffer.view(BIT_TYPES[table.dtype.itemsize][1]).numpy()
-            self._staging[table.ple_index] = staging
-        buffer, bits = staging
+        if count > self.max_rows:
+            raise ValueError(f"a gather of {count} rows exceeds the staging buffer's {self.max_rows} "
+                             f"(max_tokens x {self.config.num_ngram_heads} heads)")
+        buffer, bits = self._staging[table.ple_index]
         return buffer[:count], bits[:count]
 
     def sample_residency(self) -> float:
