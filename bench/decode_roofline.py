@@ -205,7 +205,7 @@ def measure(model, config, dtype, device, batch: int, context: int, steps: int) 
     for step in range(steps):
         inputs = batch_at(3 + step)
         start = time.perf_counter()
-        gpu += gpu_time(lambda: runner.run(inputs), device)
+        gpu += gpu_time(lambda inputs=inputs: runner.run(inputs), device)
         wall += time.perf_counter() - start
     eager = StaticDecodeRunner(model, cache, batch, blocks_each, "eager", sizes=[batch])
     inputs = batch_at(steps + 3)
