@@ -8,11 +8,7 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
-import socket
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -20,6 +16,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
+from serve_process import serving
 
 from tierlm import LLM, SamplingParams
 
@@ -29,41 +26,13 @@ MAX_MODEL_LEN = 512
 GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     cache = tmp_path_factory.mktemp("cache")
-    port = _free_port()
-    log = open(cache / "server.log", "w+")  # noqa: SIM115 (closed below)
-    command = [
-        sys.executable, "-m", "tierlm.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-        "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "4", "--dtype", "float32", "--device", "cpu",
-        "--api-key", API_KEY,
-    ]
-    env = {**os.environ, "XDG_CACHE_HOME": str(cache)}
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            if process.poll() is not None or time.monotonic() > deadline:
-                log.seek(0)
-                pytest.fail(f"tierlm serve did not come up:\n{log.read()}")
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.2)
-        yield {"url": url, "model_dir": cache / "tierlm" / "demo-tiny"}
-    finally:
-        process.terminate()
-        process.wait(timeout=30)
-        log.close()
+    flags = ["--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "4", "--dtype", "float32", "--device", "cpu",
+             "--api-key", API_KEY]
+    with serving(flags, cache / "server.log", env={"XDG_CACHE_HOME": str(cache)}) as process:
+        yield {"url": process.url, "model_dir": cache / "tierlm" / "demo-tiny"}
 
 
 @pytest.fixture(scope="module")

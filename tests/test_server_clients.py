@@ -8,46 +8,18 @@ import asyncio
 import gc
 import json
 import socket
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import pytest
+from serve_process import serving
 
 from tierlm.demo_model import build_demo_model
 
 MODEL = "demo-tiny"
 READ_TIMEOUT_S = 2
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _serve(folder: Path, log_path: Path, *flags: str):
-    port = _free_port()
-    log = open(log_path, "w+")  # noqa: SIM115 (closed by the caller's fixture)
-    command = [
-        sys.executable, "-m", "tierlm.cli", "serve", str(folder), "--host", "127.0.0.1", "--port", str(port),
-        "--dtype", "float32", "--device", "cpu", "--served-model-name", MODEL, *flags,
-    ]
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        if process.poll() is not None or time.monotonic() > deadline:
-            log.seek(0)
-            pytest.fail(f"tierlm serve did not come up:\n{log.read()}")
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return process, log, url, port
-        except httpx.TransportError:
-            time.sleep(0.2)
 
 
 @pytest.fixture(scope="module")
@@ -59,14 +31,10 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
-    process, log, url, port = _serve(
-        model_dir, tmp_path_factory.mktemp("log") / "server.log", "--max-model-len", "4200", "--max-num-seqs", "5",
-        "--request-read-timeout", str(READ_TIMEOUT_S),
-    )
-    yield {"url": url, "port": port, "pid": process.pid}
-    process.terminate()
-    process.wait(timeout=30)
-    log.close()
+    flags = [str(model_dir), "--dtype", "float32", "--device", "cpu", "--served-model-name", MODEL,
+             "--max-model-len", "4200", "--max-num-seqs", "5", "--request-read-timeout", str(READ_TIMEOUT_S)]
+    with serving(flags, tmp_path_factory.mktemp("log") / "server.log") as process:
+        yield {"url": process.url, "port": process.port, "pid": process.pid}
 
 
 def _rss_bytes(pid: int) -> int:
@@ -162,19 +130,15 @@ def test_a_request_that_never_arrives_whole_is_dropped(server, sent):
 
 
 def test_over_the_concurrency_limit_is_503(model_dir, tmp_path):
-    process, log, url, port = _serve(model_dir, tmp_path / "server.log", "--limit-concurrency", "2")
-    try:
-        with socket.create_connection(("127.0.0.1", port)), socket.create_connection(("127.0.0.1", port)):
+    flags = [str(model_dir), "--dtype", "float32", "--device", "cpu", "--limit-concurrency", "2"]
+    with serving(flags, tmp_path / "server.log") as process:
+        with socket.create_connection(("127.0.0.1", process.port)), socket.create_connection(("127.0.0.1", process.port)):
             time.sleep(0.2)
-            assert httpx.get(f"{url}/health", timeout=10).status_code == 503
+            assert httpx.get(f"{process.url}/health", timeout=10).status_code == 503
         deadline = time.monotonic() + 10
-        while httpx.get(f"{url}/health", timeout=10).status_code != 200:
+        while httpx.get(f"{process.url}/health", timeout=10).status_code != 200:
             assert time.monotonic() < deadline
             time.sleep(0.1)
-    finally:
-        process.terminate()
-        process.wait(timeout=30)
-        log.close()
 
 
 def test_refused_prompts_are_freed_without_a_garbage_collection(model_dir):
