@@ -18,14 +18,10 @@ first imported), so every kernel case runs in one child process and each test re
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from interpreted import interpreted_json
 
 from tierlm.kernels.fused_moe import naive
 from tierlm.kernels.quant_linear import packing
@@ -131,13 +127,8 @@ def kernel_results() -> dict[str, str | None]:
         pytest.skip("triton is not installed")
     if torch.cuda.is_available():
         return run_kernel_cases(list(CASES))
-    script = ("import json, torch, test_fused_moe_kernel as t; torch.set_num_threads(1)\n"
-              "print(json.dumps(t.run_kernel_cases(list(t.CASES))))")
-    done = subprocess.run([sys.executable, "-c", script], cwd=Path(__file__).parent, capture_output=True, text=True,
-                          check=False,
-                          env=dict(os.environ, TRITON_INTERPRET="1"), timeout=1200)
-    assert done.returncode == 0, done.stderr[-4000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return interpreted_json("import json, torch, test_fused_moe_kernel as t; torch.set_num_threads(1)\n"
+                            "print(json.dumps(t.run_kernel_cases(list(t.CASES))))")
 
 
 @pytest.mark.parametrize("case", CASES)

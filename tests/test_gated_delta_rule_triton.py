@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from interpreted import run_interpreted
 
 from tierlm.kernels.gated_delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_rule
 from tierlm.kernels.gated_delta_rule.chunk import chunk_gated_delta_rule_varlen
@@ -80,12 +78,7 @@ def test_triton_chunk_rule_equals_the_reference(case):
     if torch.cuda.is_available():
         compare(case, "cuda")
         return
-    done = subprocess.run(
-        [sys.executable, "-c", f"import test_gated_delta_rule_triton as t; t.compare({case!r}, 'cpu')"],
-        cwd=Path(__file__).parent, env=dict(os.environ, TRITON_INTERPRET="1"), capture_output=True, text=True,
-        timeout=120, check=False,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
+    run_interpreted(f"import test_gated_delta_rule_triton as t; t.compare({case!r}, 'cpu')")
 
 
 def test_varlen_reference_is_the_per_sequence_rule():
@@ -154,12 +147,7 @@ def test_layer_prefill_through_the_kernel_equals_its_torch_path():
     if torch.cuda.is_available():
         compare_layer("cuda")
         return
-    done = subprocess.run(
-        [sys.executable, "-c", "import test_gated_delta_rule_triton as t; t.compare_layer('cpu')"],
-        cwd=Path(__file__).parent, env=dict(os.environ, TRITON_INTERPRET="1"), capture_output=True, text=True,
-        timeout=120, check=False,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
+    run_interpreted("import test_gated_delta_rule_triton as t; t.compare_layer('cpu')")
 
 
 def test_kernel_refuses_bad_inputs():

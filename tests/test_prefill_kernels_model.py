@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import importlib.util
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from interpreted import run_interpreted
 
 BLOCK_SIZE = 16
 
@@ -76,9 +74,4 @@ def test_model_prefill_through_the_kernels_equals_the_torch_path(tmp_path):
     if torch.cuda.is_available():
         compare(str(tmp_path), "cuda")
         return
-    done = subprocess.run(
-        [sys.executable, "-c", f"import test_prefill_kernels_model as t; t.compare({str(tmp_path)!r}, 'cpu')"],
-        cwd=Path(__file__).parent, env=dict(os.environ, TRITON_INTERPRET="1"), capture_output=True, text=True,
-        timeout=180, check=False,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
+    run_interpreted(f"import test_prefill_kernels_model as t; t.compare({str(tmp_path)!r}, 'cpu')")

@@ -7,13 +7,10 @@ differ only by fp32 summation order: the tolerance is a few fp32 ulps of the sco
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from interpreted import run_interpreted
 
 from tierlm.kernels.qsa_block_scores import block_scores
 from tierlm.model.layers.qsa_attention import top_blocks
@@ -61,11 +58,7 @@ def test_triton_block_scores_equal_the_reference():
     if torch.cuda.is_available():
         compare("cuda")
         return
-    done = subprocess.run(
-        [sys.executable, "-c", "import test_qsa_block_scores as t; t.compare('cpu')"], cwd=Path(__file__).parent,
-        env=dict(os.environ, TRITON_INTERPRET="1"), capture_output=True, text=True, timeout=120, check=False,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
+    run_interpreted("import test_qsa_block_scores as t; t.compare('cpu')")
 
 
 def test_reference_scores_only_what_each_query_sees():

@@ -4,13 +4,10 @@ the Triton kernels equal the reference; prefill staging through the arena equals
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from interpreted import run_interpreted
 
 from tierlm.kernels.qsa_row_cache import (
     QSARowCache,
@@ -234,8 +231,4 @@ def test_triton_kernels_equal_the_reference():
     script = ("import torch, test_qsa_row_cache as t; t.compare_row_moves('cpu')\n"
               "t.compare_triton_with_reference(steps=30, dtype=torch.bfloat16, split=8)\n"
               "t.compare_triton_with_reference(steps=10, dtype=torch.float32, split=1)")
-    done = subprocess.run(
-        [sys.executable, "-c", script], cwd=Path(__file__).parent, env=dict(os.environ, TRITON_INTERPRET="1"),
-        capture_output=True, text=True, timeout=1200,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
+    run_interpreted(script)

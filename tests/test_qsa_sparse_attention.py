@@ -8,13 +8,10 @@ computed on the same (bf16-rounded) inputs, the kernel's within 2x the reference
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from interpreted import run_interpreted
 
 from tierlm.kernels.qsa_sparse_attention import sparse_attention
 
@@ -71,11 +68,7 @@ def test_triton_sparse_attention_equals_the_reference():
     if torch.cuda.is_available():
         compare("cuda")
         return
-    done = subprocess.run(
-        [sys.executable, "-c", "import test_qsa_sparse_attention as t; t.compare('cpu')"], cwd=Path(__file__).parent,
-        env=dict(os.environ, TRITON_INTERPRET="1"), capture_output=True, text=True, timeout=120, check=False,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
+    run_interpreted("import test_qsa_sparse_attention as t; t.compare('cpu')")
 
 
 def test_reference_attends_to_valid_rows_only():

@@ -9,12 +9,8 @@ so 1e-5 of the output's magnitude bounds them; a wrong bit, group, scale or expe
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
+from interpreted import interpreted_json
 from reference_models import build_reference
 
 from tierlm.tools.quantize import quantize_checkpoint
@@ -55,11 +51,7 @@ def kernel_results(tmp_path_factory):
     build_reference("hc4_ple", base)
     int4 = quantize_checkpoint(base, tmp_path_factory.mktemp("int4"), "int4", 32)
     int8 = quantize_checkpoint(base, tmp_path_factory.mktemp("int8"), "int8", 32)
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, "-c", CHILD, str(int4), str(int8)], env=env, capture_output=True,
-                          text=True, timeout=1200, check=False)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return interpreted_json(CHILD, str(int4), str(int8))
 
 
 @pytest.mark.parametrize("layer", ["experts", "lm_head", "o_proj"])

@@ -16,8 +16,8 @@ Schemes (the module names the config groups target are tierlm's checkpoint names
 
 Output: config.json with a `quantization_config` as llm-compressor writes it (quant_method
 compressed-tensors, format pack-quantized, config_groups with targets, ignore), the tensors in
-`model-XXXXX-of-YYYYY.safetensors` with an index, and the other files of MODEL (tokenizer, generation
-config) copied. It streams: one tensor is read, quantized (in row chunks) and queued for the current
+`model-00001-of-00003.safetensors`-style shards with an index, and the other files of MODEL
+(tokenizer, generation config) copied. It streams: one tensor is read, quantized (in row chunks) and queued for the current
 output shard, which is written once it reaches `--max-shard-bytes`; memory stays about one shard plus one
 tensor, whatever the checkpoint's size.
 """

@@ -60,7 +60,7 @@ class AccessTrace:
 def phase_of_tokens(lengths: list[int], decode_fraction: float) -> np.ndarray:
     """Per token: True for decode (the last `decode_fraction` of each request's tokens)."""
     return np.concatenate(
-        [np.arange(length) >= length - int(round(length * decode_fraction)) for length in lengths]
+        [np.arange(length) >= length - round(length * decode_fraction) for length in lengths]
     )
 
 
