@@ -29,7 +29,7 @@ def selections(steps: int, rows: int, selected: int, overlap: float, seed: int) 
     gen = torch.Generator().manual_seed(seed)
     current = torch.randperm(rows, generator=gen)[:selected]
     out = [current]
-    keep = int(round(overlap * selected))
+    keep = round(overlap * selected)
     for _ in range(steps - 1):
         fresh = torch.randint(0, rows, (selected - keep,), generator=gen)
         current = torch.cat([current[torch.randperm(selected, generator=gen)[:keep]], fresh])
