@@ -15,6 +15,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+# how weights are loaded: "auto" reads the checkpoint; "dummy" (vLLM's name) draws random weights from
+# config.json alone (benchmarks at any size without writing a checkpoint)
+LOAD_FORMATS = ("auto", "dummy")
+
 SUPPORTED_ARCHITECTURES = ("Qwen4ExpForCausalLM", "Qwen4ExpForConditionalGeneration")
 LAYER_TYPES = ("linear_attention", "indexed_attention")
 # names other checkpoints give the QSA layer: the real checkpoint's `full_attention`, and transformers

@@ -14,10 +14,10 @@ Choices worth knowing:
   by the tokenizer. With the trainer's vocab sizes (4096, 8192) there is no padding.
 - The tokenizer is trained on this interpreter's standard-library sources (sorted file names, a fixed byte
   budget), so it is deterministic on a machine but may differ between Python versions.
-- Weights: normal with std 1/sqrt(fan_in) (a residual stream of RMS ~1 stays so), embeddings std 1,
-  `lm_head` scaled so next-token distributions are neither flat nor one-hot; Gemma-style norms (1+w) get
-  small noise around 0; PLE convolutions are non-zero (transformers zero-initialises them) so that path
-  is exercised. Each tensor has its own generator, seeded from (seed, tensor name).
+- Weights: `tierlm.model.random_weights` (also what `--load-format dummy` loads): std 1/sqrt(fan_in),
+  an lm_head scaled so next-token distributions are neither flat nor one-hot, Gemma-style norms near 0,
+  non-zero PLE convolutions (transformers zero-initialises them) so that path is exercised. Each tensor
+  has its own generator, seeded from (seed, tensor name).
 - Bigger n-gram tables (`--ngram-vocab-base`, `--heads-per-ngram`, `--ple-embed-dim`) for NVMe and
   page-cache benchmarks: the table is then split into shards of at most `MAX_PLE_SHARD_BYTES`, and each
   shard is generated (from its own generator), written and freed before the next, so the build's memory
@@ -27,7 +27,6 @@ Choices worth knowing:
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import math
 import shutil
@@ -39,12 +38,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    import torch
-
-    from tierlm.model.checkpoint_layout import TensorSpec
+from typing import Any
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 ENDOFTEXT, IM_START, IM_END = SPECIAL_TOKENS
@@ -71,13 +65,6 @@ CHATML_TEMPLATE = (
 
 # Sampling defaults written to generation_config.json (Qwen's usual non-thinking values).
 GENERATION_DEFAULTS = {"temperature": 0.7, "top_p": 0.8, "top_k": 20}
-
-NORM_STD = 0.05  # Gemma-style norm weights: 1 + w, w small
-EMBED_STD = 1.0
-# lm_head std = gain / sqrt(hidden): logits of std ~2.7 on the tiny model, mean next-token entropy ~60% of
-# log(vocab), mean top-1 probability ~13%: varied greedy output, neither a flat nor a one-hot softmax.
-LM_HEAD_GAIN = 6.0
-
 
 @dataclass(frozen=True)
 class DemoSize:
@@ -316,49 +303,6 @@ def demo_config(
 # ---- weights ----------------------------------------------------------------------------------------
 
 
-def _tensor_seed(seed: int, name: str) -> int:
-    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
-
-
-def init_tensor(
-    spec: TensorSpec,
-    seed: int,
-    dtype: torch.dtype,
-    hidden_size: int,
-    hash_buffers: dict[str, list[int]] | None,
-) -> torch.Tensor:
-    """One tensor of the demo checkpoint, from its `TensorSpec` kind (see the module docstring)."""
-    import torch
-
-    if spec.kind == "int64":
-        assert hash_buffers is not None, spec.name
-        return torch.tensor(hash_buffers[spec.name.rsplit(".", 1)[-1]], dtype=torch.int64)
-    gen = torch.Generator().manual_seed(_tensor_seed(seed, spec.name))
-    shape = spec.shape
-    if spec.kind == "ones":
-        values = torch.ones(shape)
-    elif spec.kind == "bias":
-        values = torch.zeros(shape)
-    elif spec.kind == "norm":
-        values = torch.empty(shape).normal_(0.0, NORM_STD, generator=gen)
-    elif spec.kind == "a_log":
-        values = torch.empty(shape).uniform_(1.0, 16.0, generator=gen).log_()
-    elif spec.kind == "ple_table":
-        values = torch.empty(shape).normal_(0.0, 1.0, generator=gen)
-    elif spec.kind == "weight":
-        if spec.name.endswith("embed_tokens.weight"):
-            std = EMBED_STD
-        elif spec.name == "lm_head.weight":
-            std = LM_HEAD_GAIN / math.sqrt(hidden_size)
-        else:
-            std = 1.0 / math.sqrt(math.prod(shape[1:]))
-        values = torch.empty(shape).normal_(0.0, std, generator=gen)
-    else:
-        raise ValueError(f"{spec.name}: unknown tensor kind {spec.kind!r}")
-    return values.to(dtype).contiguous()
-
-
 def _plan_shards(sizes: list[int], max_shard_bytes: int) -> list[int]:
     """Shard index of each tensor, in order, starting a new shard when the next tensor would overflow."""
     shard_of, current, used = [], 0, 0
@@ -431,6 +375,7 @@ def build_demo_model(
 
     from tierlm.config import ModelConfig
     from tierlm.model.checkpoint_layout import checkpoint_layout, ple_hash_buffers
+    from tierlm.model.random_weights import random_tensor
 
     if size not in SIZES:
         raise ValueError(f"size: unknown demo size {size!r}; choose one of {sorted(SIZES)}")
@@ -480,9 +425,10 @@ def build_demo_model(
                 for tensor_spec, owner in zip(layout, shard_of, strict=True):
                     if owner != shard:
                         continue
-                    prefix = tensor_spec.name.rsplit(".", 1)[0] + "."
-                    tensors[tensor_spec.name] = init_tensor(
-                        tensor_spec, seed, dtype, config.hidden_size, buffers.get(prefix)
+                    prefix, leaf = tensor_spec.name.rsplit(".", 1)
+                    hash_buffer = buffers[prefix + "."][leaf] if tensor_spec.kind == "int64" else None
+                    tensors[tensor_spec.name] = random_tensor(
+                        tensor_spec, seed, dtype, config.hidden_size, hash_buffer
                     )
                     bar.advance(task)
                 save_file(tensors, str(staging / shard_names[shard]), metadata={"format": "pt"})

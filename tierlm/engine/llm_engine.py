@@ -153,6 +153,7 @@ class EngineConfig:
     qsa_row_cache_max_batch: int = 12  # decode batches of up to this many requests use the row cache
     enforce_eager: bool = False  # True: no CUDA graphs (nor compilation) for decode steps
     compile_decode: bool = False  # on CPU, torch.compile the decode step (slow start, ~2x faster steps)
+    load_format: str = "auto"  # "dummy": random weights from config.json alone (benchmarks; vLLM's flag)
 
 
 class _PrefetchListener(RequestListener):
@@ -235,7 +236,8 @@ class LLMEngine:
         model_dir = resolve_model_path(config.model)
         table_dir = find_table_dir(str(model_dir), config.ple_table)
         self.model, self.model_config = load_model(
-            model_dir, config.dtype, config.device, mapped_ple_tables=table_dir is not None
+            model_dir, config.dtype, config.device, mapped_ple_tables=table_dir is not None,
+            load_format=config.load_format,
         )
         self.tokenizer = Tokenizer.from_pretrained(model_dir)
         mc = self.model_config

@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from tierlm.cli import CliError
+from tierlm.config import LOAD_FORMATS
 
 
 def add_parser(subparsers) -> None:
@@ -22,6 +23,8 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--device", default=None)
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs / compilation for decode")
     parser.add_argument("--compile-decode", action="store_true", help="CPU: torch.compile the decode step")
+    parser.add_argument("--load-format", default="auto", choices=LOAD_FORMATS,
+                        help="dummy: random weights from config.json alone, no checkpoint read (benchmarks)")
     parser.set_defaults(func=run)
 
 
@@ -37,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
         )
         engine = LLMEngine(EngineConfig(
             model=args.model, dtype=args.dtype, device=args.device, enforce_eager=args.enforce_eager,
-            compile_decode=args.compile_decode,
+            compile_decode=args.compile_decode, load_format=args.load_format,
         ))
         prompt = args.prompt
         if args.chat:
