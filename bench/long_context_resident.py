@@ -3,8 +3,8 @@
 Issue 10's check at the target model's real layer widths: the 4-layer stack of `decode_roofline.py` (3 GDN
 + 1 QSA, 512 experts, hc 4, PLE on one layer; random weights through `--load-format dummy`, so no checkpoint
 is written) served by the engine with `--qsa-kv-offload` at max_model_len 262,144 and max_num_seqs 4.
-Four distinct random prompts of --context tokens are submitted together and decoded greedily for --steps
-tokens; then each prompt is run alone on the same engine (prefix caching off, so every prefill is
+Four distinct random prompts of --context tokens are submitted together and decoded greedily (each request
+generates enough tokens that all four then decode together for --steps steps); then each prompt is run alone on the same engine (prefix caching off, so every prefill is
 recomputed). Printed: the plan (device and host tiers), whether all four were decoding at once with no
 preemption, prefill tok/s, decode tok/s at batch 4 and at batch 1, the host K/V pool, the device peak, and
 for each request whether its tokens equal those of its run alone, and the largest |logprob| difference of
@@ -62,10 +62,10 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def run(llm: LLM, prompts: list[list[int]], steps: int) -> dict:
+def run(llm: LLM, prompts: list[list[int]], max_tokens: int) -> dict:
     """Submit `prompts` together and step to the end: tokens, chosen-token logprobs, timings, residency."""
     engine = llm.engine
-    params = SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True, logprobs=0)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
     ids = [engine.add_request(p, params) for p in prompts]
     results, all_decoding, decode_steps, decode_seconds = {}, False, 0, 0.0
     preempted_before = engine.stats().num_preemptions
@@ -108,14 +108,18 @@ def main() -> None:
     parser.add_argument("--small", action="store_true", help="shrunk widths and context (a CPU check)")
     parser.add_argument("--context", type=int, default=None, help="prompt tokens (default 252,928 = 247k)")
     parser.add_argument("--requests", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=32, help="greedy tokens per request")
+    parser.add_argument("--steps", type=int, default=32,
+                        help="decode steps with every request decoding (each request generates more: it decodes "
+                        "while the later ones prefill)")
     parser.add_argument("--max-model-len", type=int, default=None, help="default 262,144 (small: 4,096)")
     parser.add_argument("--chunk", type=int, default=8192, help="max_num_batched_tokens")
     args = parser.parse_args()
     context = args.context or (3000 if args.small else 247 * 1024)
     max_len = args.max_model_len or (4096 if args.small else 262_144)
-    if context + args.steps > max_len:
-        parser.error(f"--context {context} + --steps {args.steps} exceeds max_model_len {max_len}")
+    # the first request decodes one token a step while the others prefill, chunk by chunk
+    max_tokens = args.steps + (args.requests - 1) * -(-context // args.chunk) + args.requests
+    if context + max_tokens > max_len:
+        parser.error(f"--context {context} + {max_tokens} generated tokens exceed max_model_len {max_len}")
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 4000, (context,), generator=gen).tolist() for _ in range(args.requests)]
     with tempfile.TemporaryDirectory() as folder:
@@ -124,12 +128,12 @@ def main() -> None:
                   max_num_batched_tokens=args.chunk, qsa_kv_offload=True, enable_prefix_caching=False)
         plan = llm.engine.cache_plan.lines()
         run(llm, [prompts[0][:600]], 4)  # warm-up: kernels compiled, decode graphs captured
-        together = run(llm, prompts, args.steps)
-        alone = [run(llm, [p], args.steps) for p in prompts]
+        together = run(llm, prompts, max_tokens)
+        alone = [run(llm, [p], max_tokens) for p in prompts]
     lines = [
         f"{'small' if args.small else 'real'} widths, 4 layers (3 GDN + 1 QSA), {args.dtype} on "
         f"{device_name(args.device)}; {args.requests} requests of {context:,} prompt tokens, max_model_len "
-        f"{max_len:,}, QSA K/V in host pools, prefill chunks of {args.chunk:,}, {args.steps} greedy tokens each",
+        f"{max_len:,}, QSA K/V in host pools, prefill chunks of {args.chunk:,}, {max_tokens} greedy tokens each",
         *plan,
         f"all {args.requests} resident and decoding at once: {together['all_resident_decoding']}; "
         f"preemptions: {together['preemptions']}; device peak {together['device_peak'] / 2**30:.2f} GiB",

@@ -25,7 +25,7 @@ def prefill_logits(folder: Path, dtype: str, kernels: bool, device: str) -> torc
 
     saved = gdn.triton_prefill_applies, qsa.sparse_kernel_applies
     gdn.triton_prefill_applies = lambda x: kernels
-    qsa.sparse_kernel_applies = lambda q, kv: kernels and isinstance(kv, qsa.QSADeviceKV)
+    qsa.sparse_kernel_applies = lambda q: kernels
     try:
         return run_prefill(folder, dtype, device)
     finally:

@@ -9,6 +9,7 @@ import torch
 from tierlm import LLM, SamplingParams
 from tierlm.demo_model import build_demo_model
 from tierlm.kernels.qsa_row_cache import attend_rows
+from tierlm.kernels.qsa_sparse_attention import sparse_attention
 from tierlm.memory.host_pool import allocate_pools
 from tierlm.model.layers import qsa_attention
 from tierlm.model.qsa_offload import OffloadedKV
@@ -27,9 +28,9 @@ def demo_dir(tmp_path_factory):
 def test_offload_with_and_without_row_cache_equals_device_pools(demo_dir, device, monkeypatch):
     """Bit for bit: the same tokens and logprobs. On CUDA the pools are pinned and read over UVA by the
     Triton attention kernel, which also reads device pools there, and decode steps run in CUDA graphs.
-    Offloaded prefill stages rows through the arena for gather + SDPA, so the device pools' reference
-    takes that path too (their sparse prefill kernel reads rows in place: equal within bf16 rounding,
-    not bit for bit; tests/test_qsa_sparse_attention.py checks it)."""
+    Prefill takes the torch path on both sides (the kill switch): with the tiny arena the kernel path
+    would merge parts of the rows, equal within rounding, not bit for bit (see
+    test_offloaded_prefill_kernel_path_on_cuda)."""
     monkeypatch.setenv("TIERLM_NO_TRITON_QSA_PREFILL", "1")
     options = dict(device=device, max_model_len=512, max_num_seqs=4, enable_prefix_caching=False)
     prompts = ["def parse(tokens):\n" * 30, "import os\n", "class Node:\n    def __init__(self):\n" * 8]
@@ -85,6 +86,42 @@ def test_prefill_reads_of_query_groups_equal_pool_reads(arena_rows):
         assert (layer.cache.tags[:distinct] == -1).all() and (layer.cache.tags[distinct:] >= 0).all()
     else:  # staged a section at a time: every slot was overwritten
         assert (layer.cache.tags == -1).all()
+
+
+@pytest.mark.parametrize("arena_rows", [7, 200])
+def test_prefill_attention_through_the_arena_equals_attention_over_the_pools(arena_rows):
+    """The kernel path's staging (the CPU runs the reference attention): 200 rows hold the chunk's rows,
+    staged once, and give the very bits of attention over the pools; 7 do not: parts merged."""
+    layer = offloaded_layer(arena_rows=arena_rows)
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(5, 4, 8, generator=gen)
+    rows = torch.randint(0, 160, (5, 12), generator=gen)
+    valid = torch.rand(5, 12, generator=gen) > 0.2
+    valid[:, -1] = True
+    got = layer.prefill_attention(q, rows, valid, 0.35)
+    expected = sparse_attention(q, layer.host_k, layer.host_v, rows, valid, 0.35)
+    if arena_rows > torch.unique(rows[valid]).numel():
+        assert torch.equal(got, expected)
+    else:
+        assert torch.allclose(got, expected, atol=1e-5) and not torch.equal(got, expected)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("arena_rows", [61, 16384])
+def test_offloaded_prefill_kernel_path_on_cuda(demo_dir, arena_rows):
+    """Prefill through the sparse kernel from the arena: staged once (16,384 rows), the same tokens and
+    logprobs as device pools bit for bit; in parts (61 rows), the same tokens, logprobs within 1e-2."""
+    options = dict(device="cuda", max_model_len=512, max_num_seqs=4, enable_prefix_caching=False)
+    prompts = ["def parse(tokens):\n" * 30, "import os\n", "class Node:\n    def __init__(self):\n" * 8]
+    expected = LLM(str(demo_dir), **options, qsa_kv_offload=False).generate(prompts, PARAMS)
+    got = LLM(str(demo_dir), **options, qsa_kv_offload=True, qsa_row_cache_rows=arena_rows).generate(prompts, PARAMS)
+    for a, b in zip(got, expected):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for p, r in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            if arena_rows == 16384:
+                assert list(p.items()) == list(r.items())
+            else:
+                assert [x.logprob for x in p.values()] == pytest.approx([x.logprob for x in r.values()], abs=1e-2)
 
 
 def test_large_batches_read_every_row_from_the_pool_and_still_invalidate():

@@ -14,6 +14,7 @@ import torch
 from interpreted import run_interpreted
 
 from tierlm.kernels.qsa_sparse_attention import sparse_attention
+from tierlm.kernels.qsa_sparse_attention.naive import merge_parts, sparse_attention_lse
 
 HEADS, KV_HEADS, DIM, ROWS, SELECTED = 6, 2, 24, 80, 45  # DIM not a power of two; S spans two row blocks
 
@@ -62,13 +63,50 @@ def compare(device: str) -> None:
     assert rel_rms(got, exact) <= 2 * rel_rms(reference, exact), (rel_rms(got, exact), rel_rms(reference, exact))
 
 
+def compare_parts(device: str) -> None:
+    """with_lse: the fp32 output and log-sum-exp of the reference; two disjoint parts of the rows (a query
+    may have no valid entry in one: zeros, -inf), merged, give the attention over all of them."""
+    from tierlm.kernels.qsa_sparse_attention.triton import triton_sparse_attention
+
+    scale = DIM**-0.5
+    for dtype in (torch.float32, torch.bfloat16):
+        q, keys, values, rows, valid = workload(dtype)
+        first = valid & (torch.arange(SELECTED) < SELECTED // 2)
+        parts = [first, valid & ~first]
+        assert not parts[0][1].any()  # query 1's valid entries are all in the second part
+        got = [triton_sparse_attention(*(x.to(device) for x in (q, keys, values, rows, part)), scale, with_lse=True)
+               for part in parts]
+        want = [sparse_attention_lse(q, keys, values, rows, part, scale) for part in parts]
+        for (out, lse), (ref_out, ref_lse) in zip(got, want):
+            assert out.dtype == lse.dtype == torch.float32
+            assert torch.equal(torch.isinf(lse.cpu()), torch.isinf(ref_lse))
+            finite = torch.isfinite(ref_lse)
+            assert torch.allclose(lse.cpu()[finite], ref_lse[finite], atol=1e-5, rtol=1e-5)
+            assert rel_rms(out.cpu(), ref_out) < 1e-5
+        merged = merge_parts([o.cpu() for o, _ in got], [lse.cpu() for _, lse in got], dtype)
+        whole = sparse_attention(*(x.float() if x.is_floating_point() else x for x in (q, keys, values)), rows,
+                                 valid, scale)
+        assert merged.dtype == dtype and rel_rms(merged, whole) < (1e-5 if dtype == torch.float32 else 8e-3)
+
+
 def test_triton_sparse_attention_equals_the_reference():
     if importlib.util.find_spec("triton") is None:
         pytest.skip("triton is not installed")
     if torch.cuda.is_available():
         compare("cuda")
+        compare_parts("cuda")
         return
-    run_interpreted("import test_qsa_sparse_attention as t; t.compare('cpu')")
+    run_interpreted("import test_qsa_sparse_attention as t; t.compare('cpu'); t.compare_parts('cpu')")
+
+
+def test_parts_merged_equal_the_whole_reference():
+    q, keys, values, rows, valid = workload(torch.float32)
+    first = valid & (torch.arange(SELECTED) < SELECTED // 2)
+    parts = [first, valid & ~first]
+    outs, lses = zip(*(sparse_attention_lse(q, keys, values, rows, part, DIM**-0.5) for part in parts))
+    assert torch.isinf(lses[0][1]).all()  # query 1 has all its rows in the second part
+    whole = sparse_attention(q, keys, values, rows, valid, DIM**-0.5)
+    assert rel_rms(merge_parts(list(outs), list(lses), torch.float32), whole) < 1e-6
 
 
 def test_reference_attends_to_valid_rows_only():

@@ -3,11 +3,14 @@
 The layer's K and V pools are `HostPool`s (exactly sized, pinned on CUDA); the model writes each new
 token's rows into them over UVA. Beside them the layer owns a device arena of `arena_rows` rows of K and
 of V, allocated once at start-up, with two uses that never overlap in time:
-- prefill: the rows a chunk's queries selected are copied from the pools into the arena (all at once
-  when they fit, else for each group of queries, section by section), and each query's rows are
-  gathered from there. A row crosses PCIe once per chunk (or group) however many queries select it,
-  rows nobody selected not at all, and attention then runs on exactly the bytes device pools would
-  give (bit-identical).
+- prefill: the rows a chunk's queries selected are copied from the pools into the arena, and attention
+  reads them there. On CUDA (`prefill_attention`) the sparse attention kernel reads each query's rows
+  by index in the arena: all at once when the chunk's rows fit (bit-identical to device pools), else a
+  part of the rows at a time, each part's attention and log-sum-exp merged. The torch path
+  (`prefill_reader`) gathers each query's rows from the arena (staged for each group of queries, section
+  by section, when they do not fit) and gives exactly the bytes device pools would give. Either way a
+  row crosses PCIe once per chunk (or part, or group) however many queries select it, rows nobody
+  selected not at all.
 - decode: the arena is the row cache (`kernels/qsa_row_cache`): the attention kernel reads each selected
   row from the arena if it is cached there, else straight from the pool over UVA, and keeps it. Only
   decode-shaped batches (at most `max_cached_batch` requests) use the cache; larger ones read every row
@@ -20,10 +23,12 @@ device: they are tens of bytes per token and every step reads them all.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 import torch
 
 from tierlm.kernels.qsa_row_cache import QSARowCache, decode_attention, plan_rows, store_rows
+from tierlm.kernels.qsa_sparse_attention.naive import merge_parts, sparse_attention, sparse_attention_lse
 from tierlm.memory.host_pool import HostPool
 
 ROW_CACHE_MAX_BATCH = 12  # decode batches up to this size use the row cache
@@ -54,11 +59,14 @@ class OffloadedKV:
                 triton_plan_rows,
                 triton_store_rows,
             )
+            from tierlm.kernels.qsa_sparse_attention.triton import triton_sparse_attention
 
             self._store, self._plan, self._attend = triton_store_rows, triton_plan_rows, triton_decode_attention
             self._gather = triton_gather_rows
+            self._sparse, self._sparse_lse = triton_sparse_attention, partial(triton_sparse_attention, with_lse=True)
         else:
             self._store, self._plan, self._attend, self._gather = store_rows, plan_rows, decode_attention, _gather_rows
+            self._sparse, self._sparse_lse = sparse_attention, sparse_attention_lse
 
     def write(self, rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         """New tokens' K, V [N, nkv, hd] into pool rows [N]; their cached copies are dropped."""
@@ -71,6 +79,28 @@ class OffloadedKV:
         else:  # not planned: no hit, no claim wins, nothing is cached and every row is read from the pool
             hit = torch.zeros_like(valid)
         return self._attend(self.cache, self.host_k, self.host_v, q, rows, valid, hit, scale)
+
+    def prefill_attention(self, q: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor, scale: float) -> torch.Tensor:
+        """A prefill chunk's attention: q [M, nh, hd] over its selected pool rows [M, S] (where valid)
+        -> [M, nh, hd], the rows staged into the arena (see the module docstring)."""
+        entries = valid.nonzero(as_tuple=True)
+        needed, inverse = torch.unique(rows[entries], return_inverse=True)
+        at = torch.zeros_like(rows)
+        at[entries] = inverse
+        capacity = self.cache.num_slots
+        if needed.numel() <= capacity:
+            self._stage(needed)
+            return self._sparse(q, self.cache.keys, self.cache.values, at, valid, scale)
+        outs, lses = [], []
+        for first in range(0, needed.numel(), capacity):
+            part = needed[first : first + capacity]
+            self._stage(part)
+            in_part = valid & (at >= first) & (at < first + part.numel())
+            at_in_part = (at - first).clamp_(0, part.numel() - 1)
+            out, lse = self._sparse_lse(q, self.cache.keys, self.cache.values, at_in_part, in_part, scale)
+            outs.append(out)
+            lses.append(lse)
+        return merge_parts(outs, lses, q.dtype)
 
     def prefill_reader(self, rows: torch.Tensor, valid: torch.Tensor) -> Callable[[int, int], KeysValues]:
         """For a prefill chunk's selections, pool rows [M, S] (where valid): a function giving K, V

@@ -11,8 +11,10 @@ their loads hit in L2. Products follow the inputs' dtype (`products`): fp32 inpu
 fp32 softmax weights by V in TF32 (weights rounded to 10 mantissa bits, not bf16's 7: rounding them to
 bf16, as flash attention does, doubled the error against an fp32 computation of the same inputs).
 
-Device pools only: with K/V offloaded to host pools the prefill path keeps staging rows through the
-device arena (`qsa_offload`).
+With `with_lse` it also returns each (query, head)'s log-sum-exp of its scaled scores, so attention over
+a set of rows can be computed in parts and merged (`naive.merge_parts`): the offloaded prefill
+(`model/qsa_offload.py`) stages a chunk's rows into the device arena a part at a time when they do not fit
+at once. A query with no valid entry in a part gets zeros and a log-sum-exp of -inf.
 """
 
 from __future__ import annotations
@@ -25,9 +27,9 @@ ROW_BLOCK = 32
 
 
 @triton.jit
-def _sparse_attention_kernel(q_ptr, key_ptr, value_ptr, rows_ptr, valid_ptr, out_ptr, num_selected, scale,
+def _sparse_attention_kernel(q_ptr, key_ptr, value_ptr, rows_ptr, valid_ptr, out_ptr, lse_ptr, num_selected, scale,
                              NH: tl.constexpr, NKV: tl.constexpr, HD: tl.constexpr, BG: tl.constexpr,
-                             BD: tl.constexpr, BS: tl.constexpr, PRODUCTS: tl.constexpr):
+                             BD: tl.constexpr, BS: tl.constexpr, PRODUCTS: tl.constexpr, WITH_LSE: tl.constexpr):
     query, kv_head = tl.program_id(0).to(tl.int64), tl.program_id(1)
     group = NH // NKV
     heads = tl.arange(0, BG)
@@ -63,7 +65,13 @@ def _sparse_attention_kernel(q_ptr, key_ptr, value_ptr, rows_ptr, valid_ptr, out
         else:
             acc = acc * rescale[:, None] + tl.dot(weights, values.to(tl.float32), input_precision="ieee")
         running_max = new_max
-    out = acc / running_sum[:, None]
+    if WITH_LSE:  # a part may hold no valid entry of this query: zeros, and -inf
+        seen = running_sum > 0
+        out = acc / tl.where(seen, running_sum, 1.0)[:, None]
+        lse = tl.where(seen, running_max + tl.log(tl.where(seen, running_sum, 1.0)), float("-inf"))
+        tl.store(lse_ptr + query * NH + kv_head * group + heads, lse, mask=head_inside)
+    else:
+        out = acc / running_sum[:, None]
     tl.store(out_ptr + q_at, out.to(out_ptr.dtype.element_ty), mask=q_mask)
 
 
@@ -84,8 +92,10 @@ def triton_sparse_attention(
     rows: torch.Tensor,
     valid: torch.Tensor,
     scale: float,
-) -> torch.Tensor:
-    """As `naive.sparse_attention` (shapes there), reading the rows in place; one launch."""
+    with_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """As `naive.sparse_attention` (shapes there), reading the rows in place; one launch. with_lse: also
+    each (query, head)'s log-sum-exp [M, nh], and the output in fp32 (see the module docstring)."""
     m, num_heads, head_dim = q.shape
     num_kv_heads = key_rows.shape[1]
     if num_heads % num_kv_heads:
@@ -98,13 +108,15 @@ def triton_sparse_attention(
         raise ValueError("key_rows and value_rows must be contiguous [R, nkv, hd] views of the pools")
     mode = products(q)
     # the interpreter truncates fp32 -> bf16 stores; there the kernel writes fp32 and torch rounds (to nearest)
-    out = torch.empty(q.shape, dtype=torch.float32 if mode == "interpreter" else q.dtype, device=q.device)
-    if m == 0:
-        return out.to(q.dtype)
-    _sparse_attention_kernel[(m, num_kv_heads)](
-        q.contiguous(), key_rows, value_rows, rows.contiguous(), valid.contiguous().view(torch.uint8), out,
-        rows.shape[1], scale, NH=num_heads, NKV=num_kv_heads, HD=head_dim,
-        BG=max(16, triton.next_power_of_2(num_heads // num_kv_heads)), BD=max(16, triton.next_power_of_2(head_dim)),
-        BS=ROW_BLOCK, PRODUCTS=mode, num_warps=4, num_stages=2,
-    )
-    return out.to(q.dtype)
+    fp32_out = mode == "interpreter" or with_lse
+    out = torch.empty(q.shape, dtype=torch.float32 if fp32_out else q.dtype, device=q.device)
+    lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if with_lse else out
+    if m > 0:
+        _sparse_attention_kernel[(m, num_kv_heads)](
+            q.contiguous(), key_rows, value_rows, rows.contiguous(), valid.contiguous().view(torch.uint8), out,
+            lse, rows.shape[1], scale, NH=num_heads, NKV=num_kv_heads, HD=head_dim,
+            BG=max(16, triton.next_power_of_2(num_heads // num_kv_heads)),
+            BD=max(16, triton.next_power_of_2(head_dim)), BS=ROW_BLOCK, PRODUCTS=mode, WITH_LSE=with_lse,
+            num_warps=4, num_stages=2,
+        )
+    return (out, lse) if with_lse else out.to(q.dtype)

@@ -60,10 +60,10 @@ def top_blocks(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor
     return scores.gather(-1, indices), indices
 
 
-def sparse_kernel_applies(q: torch.Tensor, kv: QSADeviceKV | OffloadedKV) -> bool:
-    """Prefill attention through `kernels/qsa_sparse_attention`'s Triton kernel: on CUDA with device
-    pools (offloaded pools stage rows through the arena), unless TIERLM_NO_TRITON_QSA_PREFILL=1."""
-    return q.is_cuda and isinstance(kv, QSADeviceKV) and not os.environ.get("TIERLM_NO_TRITON_QSA_PREFILL")
+def sparse_kernel_applies(q: torch.Tensor) -> bool:
+    """Prefill attention through `kernels/qsa_sparse_attention`'s Triton kernel (device pools read in
+    place; offloaded pools through the arena): on CUDA, unless TIERLM_NO_TRITON_QSA_PREFILL=1."""
+    return q.is_cuda and not os.environ.get("TIERLM_NO_TRITON_QSA_PREFILL")
 
 
 def gather_rows(pool: torch.Tensor, block_table: torch.Tensor, count: int, rows_per_block: int) -> torch.Tensor:
@@ -256,7 +256,10 @@ class QSAAttention(nn.Module):
                                                        positions)
                 selections.append(Selection.of(token_pos, valid, tables.expand(hi - lo, -1), state))
             rows, valid = torch.cat([s.rows for s in selections]), torch.cat([s.valid for s in selections])
-            if sparse_kernel_applies(q, kv):  # rows read in place: no [queries x rows] copy
+            if sparse_kernel_applies(q):  # rows read by index: no [queries x rows] copy
+                if isinstance(kv, OffloadedKV):
+                    out[start:end] = kv.prefill_attention(q[start:end], rows, valid, self.scale)
+                    continue
                 from tierlm.kernels.qsa_sparse_attention.triton import triton_sparse_attention
 
                 out[start:end] = triton_sparse_attention(q[start:end], kv.key_rows, kv.value_rows, rows, valid,
