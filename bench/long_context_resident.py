@@ -27,8 +27,8 @@ import time
 from pathlib import Path
 
 import torch
-
 from decode_roofline import real_width_config
+
 from tierlm import LLM, SamplingParams
 from tierlm.demo_model import build_demo_model
 
