@@ -30,13 +30,14 @@ import os
 import torch
 from torch import nn
 
+from tierlm.kernels.norm_rope.naive import apply_rotary
 from tierlm.kernels.qsa_block_scores import block_scores
 from tierlm.kernels.qsa_row_cache import attend_rows
 from tierlm.model.cache import QSADeviceKV, QSAIndexerState
 from tierlm.model.forward_batch import ForwardBatch
 from tierlm.model.layers.norm import RMSNorm
 from tierlm.model.layers.packed_linear import Linear, PackedLinear
-from tierlm.model.layers.rotary import Rope, apply_rotary
+from tierlm.model.layers.rotary import Rope
 from tierlm.model.qsa_offload import OffloadedKV
 
 PREFILL_GROUP_BYTES = 256 << 20  # working memory of one group of prefill queries (see `query_group`)
@@ -66,6 +67,16 @@ def sparse_kernel_applies(q: torch.Tensor) -> bool:
     return q.is_cuda and not os.environ.get("TIERLM_NO_TRITON_QSA_PREFILL")
 
 
+def norm_rope(norm: RMSNorm, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """norm(x) then rotary, x [N, heads, D]: on CUDA one launch (`kernels/norm_rope`), unless
+    TIERLM_NO_FUSED_NORM_ROPE=1; else the torch ops."""
+    if x.is_cuda and not os.environ.get("TIERLM_NO_FUSED_NORM_ROPE"):
+        from tierlm.kernels.norm_rope.triton import triton_norm_rope
+
+        return triton_norm_rope(x, norm.weight, norm.eps, cos, sin)
+    return apply_rotary(norm(x), cos, sin)
+
+
 def gather_rows(pool: torch.Tensor, block_table: torch.Tensor, count: int, rows_per_block: int) -> torch.Tensor:
     """The first `count` logical rows of a paged pool [num_blocks, rows_per_block, ...] for one request."""
     if count == 0:
@@ -87,13 +98,12 @@ class QSAIndexer(nn.Module):
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, H] -> (roped, normed queries [N, ih, id], raw keys [N, id])."""
         q, raw_keys = self.index_qk_proj(x).split([self.n_heads * self.head_dim, self.head_dim], dim=-1)
-        q = self.q_layernorm(q.unflatten(-1, (self.n_heads, self.head_dim)))
-        return apply_rotary(q, cos, sin), raw_keys
+        return norm_rope(self.q_layernorm, q.unflatten(-1, (self.n_heads, self.head_dim)), cos, sin), raw_keys
 
     def compress(self, raw_group_keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """raw keys [G, R, id] of complete blocks -> block keys [G, id] (cos/sin at each block start)."""
         pooled = raw_group_keys.float().mean(dim=1).to(raw_group_keys.dtype)
-        return apply_rotary(self.k_layernorm(pooled).unsqueeze(1), cos, sin).squeeze(1)
+        return norm_rope(self.k_layernorm, pooled.unsqueeze(1), cos, sin).squeeze(1)
 
     def store_block_keys(
         self, raw_keys: torch.Tensor, context_len: int, slot: int, block_table: torch.Tensor,
@@ -230,8 +240,8 @@ class QSAAttention(nn.Module):
         q_and_gate, k, v = self.qkv_proj(x)
         q, gate = q_and_gate.reshape(n, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
         gate = gate.reshape(n, -1)
-        q = apply_rotary(self.q_norm(q), cos, sin)
-        k = apply_rotary(self.k_norm(k.reshape(n, self.num_kv_heads, self.head_dim)), cos, sin)
+        q = norm_rope(self.q_norm, q, cos, sin)
+        k = norm_rope(self.k_norm, k.reshape(n, self.num_kv_heads, self.head_dim), cos, sin)
         v = v.reshape(n, self.num_kv_heads, self.head_dim)
         kv.write(batch.slot_mapping, k, v)
 

@@ -1,4 +1,5 @@
-"""Partial NeoX rotary embedding: rotate-half on the first `rotary_dim` dims, the rest pass through.
+"""Rotary tables: cos/sin per position (applied by `kernels/norm_rope`: partial NeoX, rotate-half on the
+first `rotary_dim` dims, the rest pass through).
 
 For text the reference's interleaved M-RoPE has identical T/H/W positions, which makes it plain 1-D RoPE.
 cos/sin are computed in fp32 and cast to the activation dtype, as the reference does.
@@ -35,13 +36,3 @@ class Rope:
 
     def at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.rotary.cos_sin(positions, self.dtype)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [N, heads, D]; cos/sin [N, rotary_dim] (rotary_dim <= D)."""
-    rd = cos.shape[-1]
-    cos, sin = cos[:, None, :], sin[:, None, :]
-    rot, rest = x[..., :rd], x[..., rd:]
-    half = rd // 2
-    rotated = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
-    return torch.cat([rot * cos + rotated * sin, rest], dim=-1)
