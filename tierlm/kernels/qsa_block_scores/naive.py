@@ -1,4 +1,5 @@
-"""QSA decode block scores in plain torch: the reference (see the package docstring for shapes)."""
+"""QSA decode block scores in plain torch, and the ranking keys top-k takes them by: the reference (see
+the package docstring for shapes)."""
 
 from __future__ import annotations
 
@@ -17,3 +18,20 @@ def block_scores(
     scores = torch.relu(products).sum(dim=1) / math.sqrt(q.shape[-1])
     groups = torch.arange(scores.shape[1], device=q.device)
     return scores.masked_fill(groups >= ((positions + 1) // ratio)[:, None], float("-inf"))
+
+
+def ranking_keys(scores: torch.Tensor) -> torch.Tensor:
+    """Unique int64 keys [B, G] that order blocks as top-k should take them: higher score first, ties to
+    the lower block index, whatever the row's width (torch.topk alone breaks ties differently for
+    different widths). A score's bits (scores are sums of relus, >= 0, with the sign of -0.0 cleared, so
+    it ties with 0.0; or -inf for an unseen block: bits -1, below every seen one) above the complement of
+    its block index. A key is >= 0 exactly when its block is seen; `block_of_key` undoes the index."""
+    index = torch.arange(scores.shape[-1], device=scores.device)
+    bits = scores.view(torch.int32).to(torch.int64) & 0x7FFFFFFF
+    bits = torch.where(scores == float("-inf"), -1, bits)
+    return (bits << 32) | (0xFFFFFFFF - index)
+
+
+def block_of_key(keys: torch.Tensor) -> torch.Tensor:
+    """The block index a ranking key was made for."""
+    return 0xFFFFFFFF - (keys & 0xFFFFFFFF)

@@ -32,7 +32,9 @@ from torch import nn
 
 from tierlm.kernels.norm_rope.naive import apply_rotary
 from tierlm.kernels.qsa_block_scores import block_scores
+from tierlm.kernels.qsa_block_scores.naive import ranking_keys
 from tierlm.kernels.qsa_row_cache import attend_rows
+from tierlm.kernels.qsa_selection import chosen_positions, physical_rows
 from tierlm.model.cache import QSADeviceKV, QSAIndexerState
 from tierlm.model.forward_batch import ForwardBatch
 from tierlm.model.layers.norm import RMSNorm
@@ -48,16 +50,9 @@ def top_blocks(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor
 
     relu makes exact-zero scores common, and torch.topk breaks ties differently for different row
     widths; so the choice is made a property of the scores alone (a request selects the same blocks
-    whatever else is in its batch) by giving torch.topk unique int64 keys: a score's bits above the
-    complement of its block index. Scores are sums of relus (>= 0; the sign of -0.0 is cleared, so it
-    ties with 0.0) or -inf (a block the query cannot see, below every score), so the bits order as the
-    values do. No full sort: topk over the row.
+    whatever else is in its batch) by giving torch.topk unique keys (`ranking_keys`). No full sort.
     """
-    index = torch.arange(scores.shape[-1], device=scores.device)
-    bits = scores.view(torch.int32).to(torch.int64) & 0x7FFFFFFF
-    bits = torch.where(scores == float("-inf"), -1, bits)
-    keys = (bits << 32) | (0xFFFFFFFF - index)
-    indices = torch.topk(keys, k, dim=-1).indices
+    indices = torch.topk(ranking_keys(scores), k, dim=-1).indices
     return scores.gather(-1, indices), indices
 
 
@@ -136,15 +131,14 @@ class QSAIndexer(nn.Module):
     def choose(self, scores: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Token positions [M, S] each query attends to and their validity [M, S], S = budget + R - 1:
         the tokens of its top blocks (ties to the lower block), then its open tail [nb*R, p]."""
-        r = self.ratio
         # -inf (unseen) blocks rank after every visible one: one top-k serves queries of any position
-        values, top = top_blocks(scores, min(self.block_topk, scores.shape[1]))
-        in_block = torch.arange(r, device=scores.device)
-        chosen_pos = (top[..., None] * r + in_block).flatten(1)
-        chosen_ok = (values > float("-inf"))[..., None].expand(-1, -1, r).flatten(1)
-        tail_pos = (positions + 1) // r * r
-        tail_pos = tail_pos[:, None] + in_block[: r - 1]
-        return torch.cat([chosen_pos, tail_pos], dim=1), torch.cat([chosen_ok, tail_pos <= positions[:, None]], dim=1)
+        return chosen_positions(self.top_keys(scores), positions, self.ratio)
+
+    def top_keys(self, ranked: torch.Tensor) -> torch.Tensor:
+        """The ranking keys [M, K] of each query's top blocks, highest first, from its scores [M, G] (or
+        their ranking keys, int64); K = min(budget / R, G). top-k, no full sort."""
+        keys = ranked if ranked.dtype == torch.int64 else ranking_keys(ranked)
+        return torch.topk(keys, min(self.block_topk, keys.shape[1]), dim=-1).values
 
     # ---- decode: one token per request, static shapes, no host sync ------------------------------------
     def store_block_key_decode(
@@ -173,8 +167,16 @@ class QSAIndexer(nn.Module):
         Scores are [B, G] with G the blocks of the batch's block-table width (`static_decode` picks that
         width per step from the batch's longest context), unseen ones -inf. A static batch scores in one
         sync-free call (`kernels/qsa_block_scores`: on CUDA a kernel that reads only each request's
-        visible keys), any other batch request by request, each over its visible keys."""
-        tables = torch.where(batch.block_tables < 0, state.scratch_block, batch.block_tables)  # [B, W]
+        visible keys), any other batch request by request, each over its visible keys. On CUDA a static
+        batch goes scores -> ranking keys (the same kernel) -> top-k -> rows (`kernels/qsa_selection`) in
+        three launches (TIERLM_NO_FUSED_QSA_SELECT=1: the torch ops between them)."""
+        if batch.static and q.is_cuda and not os.environ.get("TIERLM_NO_FUSED_QSA_SELECT"):
+            from tierlm.kernels.qsa_block_scores.triton import triton_block_scores
+            from tierlm.kernels.qsa_selection.triton import triton_selection_rows
+
+            keys = triton_block_scores(q, state.keys, batch.block_tables, batch.positions, self.ratio, keys=True)
+            return Selection(*triton_selection_rows(self.top_keys(keys), batch.positions, batch.block_tables,
+                                                    self.ratio, state.block_size, state.scratch_block))
         if batch.static:
             score = block_scores
             if q.is_cuda:
@@ -183,7 +185,7 @@ class QSAIndexer(nn.Module):
         else:
             scores = self.visible_scores(q, batch, state)
         token_pos, valid = self.choose(scores, batch.positions)
-        return Selection.of(token_pos, valid, tables, state)
+        return Selection.of(token_pos, valid, batch.block_tables, state)
 
     def visible_scores(self, q: torch.Tensor, batch: ForwardBatch, state: QSAIndexerState) -> torch.Tensor:
         """Decode block scores [B, G = W * bs / R] where each request scores only the nb = (p+1)//R blocks
@@ -211,9 +213,7 @@ class Selection:
     ) -> "Selection":
         """tables: [M, W] block tables (one per query row; an expanded view for one request's queries);
         state: the paging (block_size, scratch_block) the layer's caches share."""
-        bs = state.block_size
-        block = tables.gather(1, torch.clamp(token_pos // bs, max=tables.shape[1] - 1))
-        return cls(torch.where(valid, block * bs + token_pos % bs, state.scratch_block * bs), valid)
+        return cls(physical_rows(token_pos, valid, tables, state.block_size, state.scratch_block), valid)
 
 
 class QSAAttention(nn.Module):
