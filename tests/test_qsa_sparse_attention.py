@@ -65,7 +65,8 @@ def compare(device: str) -> None:
 
 def compare_parts(device: str) -> None:
     """with_lse: the fp32 output and log-sum-exp of the reference; two disjoint parts of the rows (a query
-    may have no valid entry in one: zeros, -inf), merged, give the attention over all of them."""
+    may have no valid entry in one: zeros, -inf), merged, give the attention over all of them. bf16: the
+    outputs (the GPU multiplies the weights by V in TF32) within 2x the torch bf16 path's own error."""
     from tierlm.kernels.qsa_sparse_attention.triton import triton_sparse_attention
 
     scale = DIM**-0.5
@@ -77,16 +78,26 @@ def compare_parts(device: str) -> None:
         got = [triton_sparse_attention(*(x.to(device) for x in (q, keys, values, rows, part)), scale, with_lse=True)
                for part in parts]
         want = [sparse_attention_lse(q, keys, values, rows, part, scale) for part in parts]
-        for (out, lse), (ref_out, ref_lse) in zip(got, want):
+        for (out, lse), (ref_out, ref_lse), part in zip(got, want, parts):
+            out, lse = out.cpu(), lse.cpu()
             assert out.dtype == lse.dtype == torch.float32
-            assert torch.equal(torch.isinf(lse.cpu()), torch.isinf(ref_lse))
+            assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse))
             finite = torch.isfinite(ref_lse)
-            assert torch.allclose(lse.cpu()[finite], ref_lse[finite], atol=1e-5, rtol=1e-5)
-            assert rel_rms(out.cpu(), ref_out) < 1e-5
+            assert torch.allclose(lse[finite], ref_lse[finite], atol=1e-5, rtol=1e-5)
+            seen = part.any(dim=1)
+            assert (out[~seen] == 0).all()
+            if dtype == torch.float32:
+                assert rel_rms(out, ref_out) < 1e-5
+            else:
+                own = sparse_attention(q[seen], keys, values, rows[seen], part[seen], scale)
+                assert rel_rms(out[seen], ref_out[seen]) <= 2 * rel_rms(own, ref_out[seen])
         merged = merge_parts([o.cpu() for o, _ in got], [lse.cpu() for _, lse in got], dtype)
-        whole = sparse_attention(*(x.float() if x.is_floating_point() else x for x in (q, keys, values)), rows,
-                                 valid, scale)
-        assert merged.dtype == dtype and rel_rms(merged, whole) < (1e-5 if dtype == torch.float32 else 8e-3)
+        exact = sparse_attention(q.float(), keys.float(), values.float(), rows, valid, scale)
+        assert merged.dtype == dtype
+        if dtype == torch.float32:
+            assert rel_rms(merged, exact) < 1e-5
+        else:
+            assert rel_rms(merged, exact) <= 2 * rel_rms(sparse_attention(q, keys, values, rows, valid, scale), exact)
 
 
 def test_triton_sparse_attention_equals_the_reference():
