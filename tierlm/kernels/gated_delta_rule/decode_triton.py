@@ -59,11 +59,13 @@ def _value_head(q, k, head, row, slot, mixed_row, conv_slot, weight, z_row, b, a
 
     state_at = state_pool + (slot * HV + head) * DK * DV + dk[:, None] * DV + dv[None, :]
     state_mask = k_inside[:, None] & v_inside[None, :]
-    state = tl.load(state_at, mask=state_mask, other=0.0) * tl.exp(g)
-    update = (v - tl.sum(k[:, None] * state, 0)) * beta
-    state = state + k[:, None] * update[None, :]
-    tl.store(state_at, state, mask=state_mask)
-    o = tl.sum(q[:, None] * state, 0)
+    # S' = e^g S + k u^T with u = beta (v - e^g S^T k), and o = S'^T q = e^g S^T q + (k.q) u: both
+    # products with S in one pass over it, S' formed as it is stored
+    state = tl.load(state_at, mask=state_mask, other=0.0)
+    decay = tl.exp(g)
+    update = (v - decay * tl.sum(k[:, None] * state, 0)) * beta
+    o = decay * tl.sum(q[:, None] * state, 0) + tl.sum(k * q, 0) * update
+    tl.store(state_at, decay * state + k[:, None] * update[None, :], mask=state_mask)
 
     model_dtype = out_row.dtype.element_ty
     o = o.to(model_dtype).to(tl.float32)
