@@ -4,10 +4,9 @@ vs the torch path they replace (decode.gated_delta_decode), at decode batch size
 At the target model's GDN widths (16 key heads / 48 value heads of 128, conv kernel 4, hidden 2560; a
 3.1 MB fp32 state per request), bf16, batches 1, 4 and 16, in one run:
   - the device copy bandwidth (a large copy, bytes read + written / time);
-  - the step between in_proj and out_proj: the torch path and the kernels in each program layout
-    (one program per value head + a launch for the q/k windows; one per key head, one launch) at several
-    warp counts, each with its time, its bandwidth on the state (read once + written once) as a fraction
-    of the copy bandwidth, and torch's time over it;
+  - the step between in_proj and out_proj: the torch path and the kernels (with --sweep, also at other
+    warp counts of the main kernel), each with its time, its bandwidth on the state (read once + written
+    once) as a fraction of the copy bandwidth, and torch's time over it;
   - the whole layer (in_proj, the step, out_proj) with TIERLM_NO_FUSED_GDN_DECODE=1 and without.
 Everything is replayed from CUDA graphs, as static decode runs it. Each timed round cycles through
 enough distinct state slots that one call's states are not in L2 for the next (in a model, every
@@ -15,6 +14,7 @@ other layer's weights pass through L2 between two calls of one layer). Outputs a
 the torch path (max |diff| / max |reference|).
 
     python bench/gdn_decode_kernel.py             # CUDA
+    python bench/gdn_decode_kernel.py --sweep 2 8 16   # CUDA, also the main kernel at 2, 8, 16 warps
     TRITON_INTERPRET=1 python bench/gdn_decode_kernel.py --small   # CPU: the interpreter, tiny shapes
 Results go to bench/results/gdn_decode_kernel_<device>.json.
 """
@@ -40,7 +40,6 @@ from tierlm.model.layers.gated_deltanet import GatedDeltaNet
 
 TARGET = {"hk": 16, "hv": 48, "dk": 128, "dv": 128, "kc": 4, "hidden": 2560}
 SMALL = {"hk": 2, "hv": 6, "dk": 16, "dv": 16, "kc": 4, "hidden": 32}
-LAYOUTS = [{"whole_key_head": w, "num_warps": n} for w in (False, True) for n in (4, 8, 16)]
 COLD_BYTES = 256 << 20  # state bytes each timed round cycles through (> an H200's 50 MB L2)
 
 
@@ -71,9 +70,20 @@ def timed(fn, calls: int, device: torch.device) -> float:
 
 
 def copy_bandwidth(device: torch.device, nbytes: int) -> float:
+    """Bytes per second of a large copy (read + written), best of 12 (as bench/decode_roofline.py)."""
     src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device).normal_()
     dst = torch.empty_like(src)
-    return 2 * nbytes / timed(lambda i: dst.copy_(src), 1, device)
+    if device.type != "cuda":
+        return 2 * nbytes / timed(lambda i: dst.copy_(src), 1, device)
+    best = float("inf")
+    for _ in range(12):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1000)
+    return 2 * nbytes / best
 
 
 def real_layer(shape: dict, dtype: torch.dtype, device: torch.device) -> GatedDeltaNet:
@@ -91,6 +101,7 @@ def real_layer(shape: dict, dtype: torch.dtype, device: torch.device) -> GatedDe
 
 
 def measure_batch(layer: GatedDeltaNet, batch: int, args, device: torch.device, dtype: torch.dtype, copy: float):
+    default_warps = decode_triton.DECODE_WARPS
     state_bytes = layer.num_v_heads * layer.head_k_dim * layer.head_v_dim * 4
     cycles = max(2, math.ceil(args.cold_bytes / (batch * state_bytes)))
     slots_total = cycles * batch + 1
@@ -108,22 +119,20 @@ def measure_batch(layer: GatedDeltaNet, batch: int, args, device: torch.device, 
 
     bytes_per_call = 2 * batch * state_bytes
     torch_s = timed(step(gated_delta_decode), cycles, device)
-    row = {"batch": batch, "torch_step_us": torch_s * 1e6, "layouts": []}
+    row = {"batch": batch, "torch_step_us": torch_s * 1e6}
     print(f"{batch:>6} {'torch path':<28}{torch_s * 1e6:>10.1f}{bytes_per_call / torch_s / copy:>9.1%}{'1.00x':>9}")
-    best = None
-    for layout in LAYOUTS if not args.small else LAYOUTS[:2] + LAYOUTS[3:5]:
-        decode_triton.DECODE_CONFIG.update(layout)
+    row["kernel"] = []
+    for warps in sorted({decode_triton.DECODE_WARPS, *(args.sweep or [])}):
+        decode_triton.DECODE_WARPS = warps
         seconds = timed(step(decode_triton.triton_gated_delta_decode), cycles, device)
-        name = f"{'key-head' if layout['whole_key_head'] else 'value-head'} x{layout['num_warps']} warps"
-        row["layouts"].append({**layout, "us": seconds * 1e6, "vs_copy": bytes_per_call / seconds / copy,
-                               "torch_over_kernel": torch_s / seconds})
-        print(f"{'':>6} {name:<28}{seconds * 1e6:>10.1f}{bytes_per_call / seconds / copy:>9.1%}"
+        row["kernel"].append({"num_warps": warps, "us": seconds * 1e6, "vs_copy": bytes_per_call / seconds / copy,
+                              "torch_over_kernel": torch_s / seconds})
+        print(f"{'':>6} {f'kernels, {warps} warps':<28}{seconds * 1e6:>10.1f}{bytes_per_call / seconds / copy:>9.1%}"
               f"{torch_s / seconds:>8.2f}x")
-        if best is None or seconds < best[0]:
-            best = (seconds, layout)
-    decode_triton.DECODE_CONFIG.update(best[1])
-    row["best"] = best[1]
-    # check: the best layout and the torch path, one step each from the same pools
+    decode_triton.DECODE_WARPS = default_warps
+    kernel_s = next(r["us"] for r in row["kernel"] if r["num_warps"] == default_warps) / 1e6
+    row.update({"kernel_step_us": kernel_s * 1e6, "torch_over_kernel": torch_s / kernel_s})
+    # check: the kernels and the torch path, one step each from the same pools
     pools = (conv.clone(), recurrent.clone())
     ref = gated_delta_decode(mixed, z, b, a, *weights, *pools, slot_sets[0], layer.norm.eps, "silu").float()
     got = decode_triton.triton_gated_delta_decode(mixed, z, b, a, *weights, conv, recurrent, slot_sets[0],
@@ -144,7 +153,7 @@ def measure_batch(layer: GatedDeltaNet, batch: int, args, device: torch.device, 
     os.environ.pop("TIERLM_NO_FUSED_GDN_DECODE", None)
     row.update({"layer_torch_us": layer_s[False] * 1e6, "layer_fused_us": layer_s[True] * 1e6,
                 "layer_torch_over_fused": layer_s[False] / layer_s[True]})
-    print(f"{'':>6} {'best:':<28}{best[0] * 1e6:>10.1f}  max rel diff vs torch {row['max_rel_diff']:.2e}")
+    print(f"{'':>6} max rel diff of the kernels' output vs torch: {row['max_rel_diff']:.2e}")
     print(f"{'':>6} whole layer (in_proj, step, out_proj): torch {layer_s[False] * 1e6:.1f} us, "
           f"fused {layer_s[True] * 1e6:.1f} us, {layer_s[False] / layer_s[True]:.2f}x")
     return row
@@ -154,6 +163,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--sweep", type=int, nargs="*", help="also time the main kernel at these warp counts")
     parser.add_argument("--small", action="store_true", help="tiny shapes (CPU, under TRITON_INTERPRET=1)")
     parser.add_argument("--cold-bytes", type=int, default=COLD_BYTES, help="state bytes cycled through per round")
     args = parser.parse_args()
@@ -170,8 +180,7 @@ def main() -> None:
     rows = [measure_batch(layer, batch, args, device, dtype, copy) for batch in args.batches]
     print("\nbatch   torch step   fused step    ratio  |  torch layer  fused layer    ratio")
     for r in rows:
-        fused = min(layout["us"] for layout in r["layouts"])
-        print(f"{r['batch']:>5} {r['torch_step_us']:>12.1f} {fused:>12.1f} {r['torch_step_us'] / fused:>7.2f}x  |"
+        print(f"{r['batch']:>5} {r['torch_step_us']:>12.1f} {r['kernel_step_us']:>12.1f} {r['torch_over_kernel']:>7.2f}x  |"
               f" {r['layer_torch_us']:>12.1f} {r['layer_fused_us']:>12.1f} {r['layer_torch_over_fused']:>7.2f}x")
     out = Path(__file__).parent / "results" / f"gdn_decode_kernel_{name}.json"
     out.write_text(json.dumps({"device": name, "shape": shape, "copy_bandwidth": copy, "results": rows}, indent=1))

@@ -143,20 +143,8 @@ def assert_within_transformers_error(ours, theirs, truth, what: str) -> None:
 
 
 def compare(shape: tuple, device: str, gate: str = "silu") -> None:
-    """Both program layouts of the kernel (`compare_layout`), on one batch with padding rows."""
-    from tierlm.kernels.gated_delta_rule import decode_triton
-
-    saved = dict(decode_triton.DECODE_CONFIG)
-    try:
-        for whole_key_head in (False, True):
-            decode_triton.DECODE_CONFIG["whole_key_head"] = whole_key_head
-            compare_layout(shape, device, gate, f"whole_key_head={whole_key_head}")
-    finally:
-        decode_triton.DECODE_CONFIG.update(saved)
-
-
-def compare_layout(shape: tuple, device: str, gate: str, layout: str) -> None:
-    """The kernel against the reference in fp32, and against transformers' bf16 error in bf16."""
+    """The kernel against the reference in fp32, and against transformers' bf16 error in bf16, on one
+    batch with padding rows."""
     from tierlm.kernels.gated_delta_rule.decode import gated_delta_decode
     from tierlm.kernels.gated_delta_rule.decode_triton import triton_gated_delta_decode as kernel
 
@@ -170,8 +158,8 @@ def compare_layout(shape: tuple, device: str, gate: str, layout: str) -> None:
     assert torch.equal(conv[untouched], inputs["conv_pool"][untouched])
     assert torch.equal(state[untouched], inputs["state_pool"][untouched])
     assert torch.equal(conv[slots], conv_ref[slots])
-    assert rel_rms(out[:real], out_ref[:real]) < 1e-5, (layout, rel_rms(out[:real], out_ref[:real]))
-    assert rel_rms(state[slots], state_ref[slots]) < 1e-5, (layout, rel_rms(state[slots], state_ref[slots]))
+    assert rel_rms(out[:real], out_ref[:real]) < 1e-5, rel_rms(out[:real], out_ref[:real])
+    assert rel_rms(state[slots], state_ref[slots]) < 1e-5, rel_rms(state[slots], state_ref[slots])
 
     inputs = workload(*shape, torch.bfloat16, device, gate=gate)
     truth = yardstick_step({**inputs, "slots": slots}, torch.float32)
@@ -181,8 +169,8 @@ def compare_layout(shape: tuple, device: str, gate: str, layout: str) -> None:
     assert torch.equal(conv[untouched], inputs["conv_pool"][untouched])
     assert torch.equal(state[untouched], inputs["state_pool"][untouched])
     assert torch.equal(conv[slots], run(gated_delta_decode, inputs)[1][slots])
-    assert_within_transformers_error(out[:real], theirs[0], truth[0], f"bf16 output, {layout}")
-    assert_within_transformers_error(state[slots], theirs[1], truth[1], f"bf16 state, {layout}")
+    assert_within_transformers_error(out[:real], theirs[0], truth[0], "bf16 output")
+    assert_within_transformers_error(state[slots], theirs[1], truth[1], "bf16 state")
 
 
 def triton_available() -> bool:

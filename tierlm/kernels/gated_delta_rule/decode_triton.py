@@ -9,6 +9,12 @@ windows, its gate and output. The Hv / Hk value heads of a key head all read tha
 the q/k conv windows have several readers; a program may write only what no other program reads, and the
 q/k windows are rewritten by a second, tiny launch after the first (`_key_window_kernel`). Padding rows
 of static decode all point at one scratch slot: their programs race on its contents, which nobody reads.
+
+Measured on an H200 at the target widths (bench/results/gdn_decode_kernel_nvidia-h200.json), this layout
+beat one launch with one program per (request, key head) looping over its 3 value heads (that program
+owns its q/k windows): 8.4 vs 15.3 us at batch 1, 13.6 vs 17.9 at 4, 36.8 vs 34.8 at 16; the torch path
+took 94, 162 and 348 us. At batch 1 the 48 programs are fewer than the SMs; splitting Dv would need the
+gated norm's sum of squares across programs.
 """
 
 from __future__ import annotations
@@ -18,6 +24,11 @@ import triton
 import triton.language as tl
 
 from tierlm.kernels.gated_delta_rule.decode import GATE_ACTIVATIONS, decode_head_counts
+
+# the main kernel's warps: on an H200 at the target widths (bench/gdn_decode_kernel.py), 4 beat 8 and 16
+# at batches 1, 4 and 16 (8.4 / 10.6 / 13.1 us at batch 1), though ptxas keeps ~170 bytes a thread on
+# the stack at 4 (a [128, 128] fp32 state tile: 128 registers a thread)
+DECODE_WARPS = 4
 
 
 @triton.jit
@@ -42,18 +53,27 @@ def _short_conv(mixed_row, conv_slot, weight, channels, inside, KC: tl.constexpr
 
 
 @triton.jit
-def _value_head(q, k, head, row, slot, mixed_row, conv_slot, weight, z_row, b, a, A_log, dt_bias, norm_weight,  # noqa: N803
-                state_pool, out_row, eps, HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr,
-                DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, KC: tl.constexpr, KP: tl.constexpr,
-                SILU_GATE: tl.constexpr):
-    """One value head of one request, given its key head's normalised q and k ([BK] fp32)."""
+def _decode_kernel(mixed, mixed_stride, z, z_stride, b, b_stride, a, a_stride, weight, A_log, dt_bias,  # noqa: N803
+                   norm_weight, conv_pool, state_pool, slots, out, eps,
+                   HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr,
+                   BV: tl.constexpr, KC: tl.constexpr, KP: tl.constexpr, SILU_GATE: tl.constexpr):
+    """One program per (request, value head): everything but the q/k conv window update."""
+    row, head = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    key_head = head // (HV // HK)
+    slot = tl.load(slots + row).to(tl.int64)
+    mixed_row = mixed + row * mixed_stride
+    conv_slot = conv_pool + slot * (2 * HK * DK + HV * DV) * (KC - 1)
     dk, dv = tl.arange(0, BK), tl.arange(0, BV)
     k_inside, v_inside = dk < DK, dv < DV
+    q = _short_conv(mixed_row, conv_slot, weight, key_head * DK + dk, k_inside, KC, KP, False)
+    k = _short_conv(mixed_row, conv_slot, weight, (HK + key_head) * DK + dk, k_inside, KC, KP, False)
     v = _short_conv(mixed_row, conv_slot, weight, 2 * HK * DK + head * DV + dv, v_inside, KC, KP, True)
+    q = q * tl.rsqrt(tl.sum(q * q, 0) + 1e-6) * (DK ** -0.5)
+    k = k * tl.rsqrt(tl.sum(k * k, 0) + 1e-6)
 
-    b_in = tl.load(b + head)
+    b_in = tl.load(b + row * b_stride + head)
     beta = (1.0 / (1.0 + tl.exp(-b_in.to(tl.float32)))).to(b_in.dtype).to(tl.float32)
-    x = tl.load(a + head).to(tl.float32) + tl.load(dt_bias + head).to(tl.float32)
+    x = tl.load(a + row * a_stride + head).to(tl.float32) + tl.load(dt_bias + head).to(tl.float32)
     softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))  # torch's threshold
     g = -tl.exp(tl.load(A_log + head).to(tl.float32)) * softplus
 
@@ -67,40 +87,16 @@ def _value_head(q, k, head, row, slot, mixed_row, conv_slot, weight, z_row, b, a
     o = decay * tl.sum(q[:, None] * state, 0) + tl.sum(k * q, 0) * update
     tl.store(state_at, decay * state + k[:, None] * update[None, :], mask=state_mask)
 
-    model_dtype = out_row.dtype.element_ty
+    model_dtype = out.dtype.element_ty
     o = o.to(model_dtype).to(tl.float32)
     normed = (o * tl.rsqrt(tl.sum(o * o, 0) / DV + eps)).to(model_dtype).to(tl.float32)
     y = (normed * tl.load(norm_weight + dv, mask=v_inside, other=0.0).to(tl.float32)).to(model_dtype)
-    gate = tl.load(z_row + head * DV + dv, mask=v_inside, other=0.0).to(tl.float32)
+    gate = tl.load(z + row * z_stride + head * DV + dv, mask=v_inside, other=0.0).to(tl.float32)
     if SILU_GATE:
         gate = gate / (1.0 + tl.exp(-gate))
     else:
         gate = 1.0 / (1.0 + tl.exp(-gate))
-    tl.store(out_row + head * DV + dv, (y.to(tl.float32) * gate).to(model_dtype), mask=v_inside)
-
-
-@triton.jit
-def _decode_kernel(mixed, mixed_stride, z, z_stride, b, b_stride, a, a_stride, weight, A_log, dt_bias,  # noqa: N803
-                   norm_weight, conv_pool, state_pool, slots, out, eps,
-                   HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr,
-                   BV: tl.constexpr, KC: tl.constexpr, KP: tl.constexpr, HEADS: tl.constexpr,
-                   SILU_GATE: tl.constexpr):
-    """One program per (request, HEADS value heads of one key head). With HEADS = Hv / Hk the program
-    owns its key head's q/k windows and updates them; with fewer, `_key_window_kernel` does after."""
-    row, first_head = tl.program_id(0).to(tl.int64), tl.program_id(1) * HEADS
-    key_head = first_head // (HV // HK)
-    slot = tl.load(slots + row).to(tl.int64)
-    mixed_row = mixed + row * mixed_stride
-    conv_slot = conv_pool + slot * (2 * HK * DK + HV * DV) * (KC - 1)
-    dk = tl.arange(0, BK)
-    q = _short_conv(mixed_row, conv_slot, weight, key_head * DK + dk, dk < DK, KC, KP, HEADS == HV // HK)
-    k = _short_conv(mixed_row, conv_slot, weight, (HK + key_head) * DK + dk, dk < DK, KC, KP, HEADS == HV // HK)
-    q = q * tl.rsqrt(tl.sum(q * q, 0) + 1e-6) * (DK ** -0.5)
-    k = k * tl.rsqrt(tl.sum(k * k, 0) + 1e-6)
-    for j in tl.static_range(HEADS):
-        _value_head(q, k, first_head + j, row, slot, mixed_row, conv_slot, weight, z + row * z_stride,
-                    b + row * b_stride, a + row * a_stride, A_log, dt_bias, norm_weight, state_pool,
-                    out + row * HV * DV, eps, HK, HV, DK, DV, BK, BV, KC, KP, SILU_GATE)
+    tl.store(out + row * HV * DV + head * DV + dv, (y.to(tl.float32) * gate).to(model_dtype), mask=v_inside)
 
 
 @triton.jit
@@ -156,19 +152,11 @@ def triton_gated_delta_decode(
     slots = slots.contiguous()
     shapes = {"HK": num_key_heads, "HV": num_value_heads, "DK": head_k_dim, "DV": head_v_dim,
               "BK": triton.next_power_of_2(head_k_dim), "KC": kernel, "KP": triton.next_power_of_2(kernel)}
-    group = num_value_heads // num_key_heads
-    heads = group if DECODE_CONFIG["whole_key_head"] else 1
-    _decode_kernel[(n, num_value_heads // heads)](
+    _decode_kernel[(n, num_value_heads)](
         mixed, mixed.stride(0), z, z.stride(0), b, b.stride(0), a, a.stride(0), conv_weight, A_log, dt_bias,
-        norm_weight, conv_pool, state_pool, slots, out, eps, BV=triton.next_power_of_2(head_v_dim), HEADS=heads,
-        SILU_GATE=gate_activation == "silu", **shapes, num_warps=DECODE_CONFIG["num_warps"],
+        norm_weight, conv_pool, state_pool, slots, out, eps, BV=triton.next_power_of_2(head_v_dim),
+        SILU_GATE=gate_activation == "silu", **shapes, num_warps=DECODE_WARPS,
     )
-    if heads != group:
-        _key_window_kernel[(n, 2, num_key_heads)](mixed, mixed.stride(0), conv_weight, conv_pool, slots, **shapes,
-                                                   num_warps=1)
+    _key_window_kernel[(n, 2, num_key_heads)](mixed, mixed.stride(0), conv_weight, conv_pool, slots, **shapes,
+                                               num_warps=1)
     return out
-
-
-# whole_key_head: one program per (request, key head) looping over its value heads, in one launch; else
-# one per (request, value head) and a second launch for the q/k windows. num_warps: of the main kernel.
-DECODE_CONFIG = {"whole_key_head": False, "num_warps": 8}
