@@ -148,7 +148,7 @@ def compare(shape: tuple, device: str, gate: str = "silu") -> None:
     from tierlm.kernels.gated_delta_rule.decode import gated_delta_decode
     from tierlm.kernels.gated_delta_rule.decode_triton import triton_gated_delta_decode as kernel
 
-    hk, hv, dk, dv, kc, real, padding = shape
+    hv, dv, real, padding = shape[1], shape[3], shape[5], shape[6]
     inputs = workload(*shape, torch.float32, device, gate=gate)
     slots = inputs["slots"][:real]
     untouched = torch.ones(inputs["conv_pool"].shape[0], dtype=torch.bool, device=device)
@@ -228,7 +228,7 @@ def compare_layer(device: str) -> None:
     assert rel_rms(states[True].recurrent[:4], states[False].recurrent[:4]) < 1e-5
 
 
-class forced_decode_path:  # noqa: N801 (a context manager)
+class forced_decode_path:  # a context manager, named as one reads in a `with`
     """The layer's decode step through the kernels (fused) or torch, whatever the device."""
 
     def __init__(self, module, fused: bool) -> None:

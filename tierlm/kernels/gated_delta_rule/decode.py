@@ -52,7 +52,7 @@ def gated_delta_decode(
     b: torch.Tensor,
     a: torch.Tensor,
     conv_weight: torch.Tensor,
-    A_log: torch.Tensor,  # noqa: N803 (the checkpoint's name)
+    A_log: torch.Tensor,
     dt_bias: torch.Tensor,
     norm_weight: torch.Tensor,
     conv_pool: torch.Tensor,

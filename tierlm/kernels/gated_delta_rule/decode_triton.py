@@ -10,11 +10,11 @@ the q/k conv windows have several readers; a program may write only what no othe
 q/k windows are rewritten by a second, tiny launch after the first (`_key_window_kernel`). Padding rows
 of static decode all point at one scratch slot: their programs race on its contents, which nobody reads.
 
-Measured on an H200 at the target widths (bench/results/gdn_decode_kernel_nvidia-h200.json), this layout
-beat one launch with one program per (request, key head) looping over its 3 value heads (that program
-owns its q/k windows): 8.4 vs 15.3 us at batch 1, 13.6 vs 17.9 at 4, 36.8 vs 34.8 at 16; the torch path
-took 94, 162 and 348 us. At batch 1 the 48 programs are fewer than the SMs; splitting Dv would need the
-gated norm's sum of squares across programs.
+Measured on an H200 at the target widths (bench/results/gdn_decode_kernel*_nvidia-h200.txt), this
+layout beat one launch with one program per (request, key head) looping over its 3 value heads (that
+program owns its q/k windows): 8.4 vs 15.3 us at batch 1, 13.6 vs 17.9 at 4, 36.8 vs 34.8 at 16; the
+torch path took 94, 162 and 348 us. At batch 1 the 48 programs are fewer than the SMs; splitting Dv
+would need the gated norm's sum of squares across programs.
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ import triton.language as tl
 
 from tierlm.kernels.gated_delta_rule.decode import GATE_ACTIVATIONS, decode_head_counts
 
-# the main kernel's warps: on an H200 at the target widths (bench/gdn_decode_kernel.py), 4 beat 8 and 16
-# at batches 1, 4 and 16 (8.4 / 10.6 / 13.1 us at batch 1), though ptxas keeps ~170 bytes a thread on
-# the stack at 4 (a [128, 128] fp32 state tile: 128 registers a thread)
+# the main kernel's warps: on an H200 at the target widths (bench/gdn_decode_kernel.py --sweep), 4 beat
+# 2, 8 and 16 at batches 1, 4 and 16 (batch 1: 35.5 / 8.1 / 10.1 / 13.1 us), though ptxas keeps ~170
+# bytes a thread on the stack at 4 (a [128, 128] fp32 state tile is 128 registers a thread)
 DECODE_WARPS = 4
 
 
@@ -53,7 +53,7 @@ def _short_conv(mixed_row, conv_slot, weight, channels, inside, KC: tl.constexpr
 
 
 @triton.jit
-def _decode_kernel(mixed, mixed_stride, z, z_stride, b, b_stride, a, a_stride, weight, A_log, dt_bias,  # noqa: N803
+def _decode_kernel(mixed, mixed_stride, z, z_stride, b, b_stride, a, a_stride, weight, A_log, dt_bias,
                    norm_weight, conv_pool, state_pool, slots, out, eps,
                    HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr,
                    BV: tl.constexpr, KC: tl.constexpr, KP: tl.constexpr, SILU_GATE: tl.constexpr):
@@ -123,7 +123,7 @@ def triton_gated_delta_decode(
     b: torch.Tensor,
     a: torch.Tensor,
     conv_weight: torch.Tensor,
-    A_log: torch.Tensor,  # noqa: N803 (the checkpoint's name)
+    A_log: torch.Tensor,
     dt_bias: torch.Tensor,
     norm_weight: torch.Tensor,
     conv_pool: torch.Tensor,

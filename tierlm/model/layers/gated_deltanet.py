@@ -19,7 +19,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tierlm.kernels.gated_delta_rule import chunk_gated_delta_rule, gated_delta_decode, recurrent_gated_delta_rule
+from tierlm.kernels.gated_delta_rule import (
+    chunk_gated_delta_rule,
+    gated_delta_decode,
+    recurrent_gated_delta_rule,
+)
 from tierlm.model.cache import GDNState
 from tierlm.model.forward_batch import ForwardBatch
 from tierlm.model.layers.norm import GatedRMSNorm, l2norm
