@@ -5,12 +5,15 @@ v [B, T, H, Dv], g [B, T, H] (log decay <= 0), beta [B, T, H], initial_state [B,
 Returns (o [B, T, H, Dv] fp32, final_state [B, H, Dk, Dv] fp32). Per head and token:
   S <- exp(g) S;  u = beta (v - S^T k);  S <- S + k u^T;  o = S^T q.
 
-The decode step also has a batched form with grouped key heads (`fused_recurrent`). Prefill batches have a
+The decode step also has a batched form with grouped key heads (`fused_recurrent`), and a layer's whole decode
+step after its input projections (conv, norms, gates, rule, gated output norm: `decode.gated_delta_decode`, the
+torch reference; `decode_triton`, two Triton launches, used on CUDA). Prefill batches have a
 varlen form over packed sequences with grouped key heads and states in a pool (`chunk.chunk_gated_delta_rule_varlen`,
 the torch reference; `chunk_triton`, one Triton launch for the whole batch, used on CUDA).
 """
 
 from tierlm.kernels.gated_delta_rule.chunk import chunk_gated_delta_rule, chunk_gated_delta_rule_varlen
+from tierlm.kernels.gated_delta_rule.decode import gated_delta_decode
 from tierlm.kernels.gated_delta_rule.fused_recurrent import fused_recurrent_gated_delta_rule_step
 from tierlm.kernels.gated_delta_rule.naive import recurrent_gated_delta_rule
 
@@ -18,5 +21,6 @@ __all__ = [
     "chunk_gated_delta_rule",
     "chunk_gated_delta_rule_varlen",
     "fused_recurrent_gated_delta_rule_step",
+    "gated_delta_decode",
     "recurrent_gated_delta_rule",
 ]

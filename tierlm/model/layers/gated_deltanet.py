@@ -4,9 +4,11 @@ Per token: project to mixed q|k|v channels, a causal depthwise conv over time (k
 in the slot between calls), silu, split, beta = sigmoid(b), log decay g = -exp(A_log) softplus(a + dt_bias),
 l2-normalised q and k (q scaled by dk^-1/2), then the gated delta rule (`kernels/gated_delta_rule`) and a
 gated RMS norm. Multi-token chunks use the chunked form; single-token decodes of all requests in the
-batch run together through the per-token form. Both start from and write back the slot's state. On CUDA
-a prefill batch's rule runs as one Triton launch over all its requests (`chunk_triton`;
-TIERLM_NO_TRITON_GDN_PREFILL=1 turns it off); on CPU request by request in torch.
+batch run together, everything between in_proj and out_proj in one step (`gated_delta_rule.decode`).
+Both start from and write back the slot's state. On CUDA a prefill batch's rule runs as one Triton
+launch over all its requests (`chunk_triton`; TIERLM_NO_TRITON_GDN_PREFILL=1 turns it off), and a decode
+step as two Triton launches (`decode_triton`; TIERLM_NO_FUSED_GDN_DECODE=1 turns it off); on CPU
+request by request, and the decode step, in torch.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from torch import nn
 
 from tierlm.kernels.gated_delta_rule import (
     chunk_gated_delta_rule,
-    fused_recurrent_gated_delta_rule_step,
+    gated_delta_decode,
     recurrent_gated_delta_rule,
 )
 from tierlm.model.cache import GDNState
@@ -39,6 +41,11 @@ def causal_depthwise_conv(window: torch.Tensor, weight: torch.Tensor, dilation: 
     kernel = weight.shape[1]
     taps = window.unfold(-1, (kernel - 1) * dilation + 1, 1)[..., ::dilation]  # [B, C, T, K]
     return (taps * weight.float()[:, None, :]).sum(-1).to(window.dtype)
+
+
+def fused_decode_applies(x: torch.Tensor) -> bool:
+    """The decode step through `decode_triton`'s kernels: on CUDA, unless TIERLM_NO_FUSED_GDN_DECODE=1."""
+    return x.is_cuda and not os.environ.get("TIERLM_NO_FUSED_GDN_DECODE")
 
 
 def triton_prefill_applies(x: torch.Tensor) -> bool:
@@ -65,15 +72,17 @@ class GatedDeltaNet(nn.Module):
         self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
         self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
         self.norm = GatedRMSNorm(self.head_v_dim, c.rms_norm_eps, c.output_gate_act)
+        self.gate_activation = c.output_gate_act
         self.out_proj = Linear(self.value_dim, h, bias=False)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, state: GDNState) -> torch.Tensor:
         mixed, z, b, a = self.in_proj(x)  # mixed: [N, C]
+        if batch.is_decode_only:
+            return self.out_proj(self._decode(mixed, z, b, a, batch, state))
         z = z.unflatten(-1, (self.num_v_heads, self.head_v_dim))
         beta = torch.sigmoid(b)
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
-        step = self._decode if batch.is_decode_only else self._chunks
-        core = step(mixed, beta, g, batch, state).to(x.dtype)  # [N, nv, dv]
+        core = self._chunks(mixed, beta, g, batch, state).to(x.dtype)  # [N, nv, dv]
         return self.out_proj(self.norm(core, z).flatten(-2))
 
     def _chunks(self, mixed, beta, g, batch: ForwardBatch, state: GDNState) -> torch.Tensor:
@@ -109,22 +118,17 @@ class GatedDeltaNet(nn.Module):
         cu_seqlens = torch.tensor([0, *(end for _, end in batch.bounds)], dtype=torch.int32, device=mixed.device)
         return triton_chunk_gated_delta_rule_varlen(q, k, v, g, beta, cu_seqlens, state.recurrent, batch.slots)
 
-    def _decode(self, mixed, beta, g, batch: ForwardBatch, state: GDNState) -> torch.Tensor:
-        """One token per request, all requests at once; static shapes (CUDA-graph safe)."""
-        # index_select / index_copy_: whole-slot copies, several times cheaper than [] indexing
-        slots = batch.slots
-        window = torch.cat([state.conv.index_select(0, slots), mixed.unsqueeze(-1)], dim=-1)  # [B, C, Kc]
-        state.conv.index_copy_(0, slots, window[..., 1:])
-        conv = F.silu(causal_depthwise_conv(window, self.conv1d.weight.squeeze(1))[..., 0])  # [B, C]
-        q, k, v = conv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        n = mixed.shape[0]
-        q = l2norm(q.float().view(n, self.num_k_heads, self.head_k_dim), scale=self.head_k_dim**-0.5)
-        k = l2norm(k.float().view(n, self.num_k_heads, self.head_k_dim))
-        out, final = fused_recurrent_gated_delta_rule_step(
-            q, k, v.view(n, self.num_v_heads, self.head_v_dim), g, beta, state.recurrent.index_select(0, slots)
+    def _decode(self, mixed, z, b, a, batch: ForwardBatch, state: GDNState) -> torch.Tensor:
+        """One token per request, all requests at once, from the in_proj outputs to out_proj's input
+        [B, nv*dv]: static shapes, no host sync (CUDA-graph safe)."""
+        if fused_decode_applies(mixed):
+            from tierlm.kernels.gated_delta_rule.decode_triton import triton_gated_delta_decode as step
+        else:
+            step = gated_delta_decode
+        return step(
+            mixed, z, b, a, self.conv1d.weight.squeeze(1), self.A_log, self.dt_bias, self.norm.weight, state.conv,
+            state.recurrent, batch.slots, self.norm.eps, self.gate_activation,
         )
-        state.recurrent.index_copy_(0, slots, final)
-        return out
 
     def _heads(self, conv: torch.Tensor, repeat_keys: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """conv [..., C] -> q, k [..., nv, dk] (normalised, q scaled; nk heads if not repeat_keys), v [..., nv, dv]."""
