@@ -29,6 +29,7 @@ from tierlm.model.checkpoint_layout import PREFIX, checkpoint_layout, ple_hash_b
 from tierlm.model.layers.ple_fp8 import Fp8NgramTable
 from tierlm.model.quantization.base import DENSE, ModulePart, QuantizationError
 from tierlm.model.quantization.config import QuantizationConfig, module_format
+from tierlm.model.pipeline_stage import PipelineStage, StageLayout
 from tierlm.model.qwen4_exp import Qwen4ExpForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -182,10 +183,11 @@ def attach_formats(model: Qwen4ExpForCausalLM, quantization: QuantizationConfig 
 
 def load_model(
     model_dir: str | Path, dtype: str | torch.dtype = "auto", device: str | torch.device | None = None,
-    mapped_ple_tables: bool = False,
-) -> tuple[Qwen4ExpForCausalLM, ModelConfig]:
+    mapped_ple_tables: bool = False, stage: StageLayout | None = None,
+) -> tuple[Qwen4ExpForCausalLM | PipelineStage, ModelConfig]:
     """mapped_ple_tables: the PLE tables are served from memory-mapped files (`memory/ngram_store.py`),
-    so they are neither allocated nor read here."""
+    so they are neither allocated nor read here. stage: one pipeline rank's part (a `PipelineStage`):
+    only the tensors it holds are allocated and read; the whole checkpoint is still checked."""
     model_dir = resolve_model_path(model_dir)
     config = ModelConfig.from_pretrained(model_dir)
     target_dtype = resolve_dtype(dtype, config)
@@ -197,9 +199,11 @@ def load_model(
     with torch.device("meta"):
         model = Qwen4ExpForCausalLM(config)
         attach_formats(model, quantization)
+        if stage is not None:
+            model = PipelineStage(model, stage)
         model = model.to(target_dtype)
     skipped = set(check_layout(config, found, quantization))
-    for layer in model.model.layers:
+    for layer in model.model.layers.children():
         if layer.ple is not None and mapped_ple_tables:
             layer.ple.table = None
         elif layer.ple is not None and has_fp8_ple_tables(found):  # after .to(): it would cast fp8 too
@@ -210,6 +214,8 @@ def load_model(
     destination = _Destinations(model, config)
     handles: dict[Path, object] = {}
     for name, (file, name_in_file, _, _) in found.items():
+        if stage is not None and not stage.holds(name):
+            continue
         if name in skipped or (mapped_ple_tables and (_PLE_SHARD.fullmatch(name) or _PLE_SCALE.fullmatch(name))):
             continue
         if file not in handles:

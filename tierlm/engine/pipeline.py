@@ -1,0 +1,519 @@
+"""Pipeline parallelism: the model's layers split between processes, one scheduler in the first.
+
+Rank 0 is the engine: tokenizer, scheduler, cache manager, text side, and the first stage (embedding
+and the first layers). Every other rank runs `pipeline_worker.run_worker`: it holds its own layers
+(the last rank also the final mixer and lm_head), its own `ModelCache`, cache plan, host pools and
+static decode runner, and follows rank 0's step descriptions. Each step:
+1. rank 0 schedules a batch and sends every rank a `StepMessage`: the batch (`ForwardBatch` on the
+   CPU: token ids, positions, slots, block tables; slot and block numbers are rank 0's cache manager's,
+   the same on every rank), the cache operations rank 0's cache manager made since the last message
+   (reset a slot, save or restore a prefix-cache checkpoint: each rank applies them to its own layers
+   before the forward, so they land between the same two forwards everywhere), and for the last rank
+   what to sample;
+2. rank 0 runs its layers and sends the multi-stream residual [N, hc * hidden] to rank 1, which runs
+   its layers and sends it on; each rank posts its receive of the residual as soon as the step message
+   is in, before its host work (building the batch), so the copy overlaps that work (deferred receive);
+3. the last rank computes the logits, samples and sends back only the token ids and the requested
+   log-probabilities (`StageResult`).
+
+Sampling on the last rank: its sampler keeps a mirror of each request's sampling state (parameters,
+output tokens, seeded generator; `pipeline_worker._Mirror`). Structured output: rank 0's grammar
+matcher gives the allowed-token bitmask of each constrained row, which is sent with the step: vocab/8
+bytes a row (31 KB for a 248k vocabulary) against 4 x vocab (1 MB) to send the fp32 logits row back
+and sample on rank 0.
+
+Micro-batches: up to pipeline_parallel_size batches are in flight (vLLM's virtual engines), each with
+about 1/N of the running requests; a request is in one batch at a time (`Scheduler.schedule(busy=)`).
+TIERLM_PP_MAX_IN_FLIGHT=1 turns this off (one batch at a time).
+
+Failure: every collective has `pipeline_timeout_s`; rank 0 waits for results on a thread and watches
+the worker processes it spawned, so a dead rank ends the step with a `PipelineError` naming it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import logging
+import math
+import os
+import pickle
+import queue
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from tierlm.distributed.group import (
+    CONTROL_TAG,
+    EXIT_PEER_LOST,
+    RESULT_TAG,
+    PipelineError,
+    PipelineGroup,
+    describe_exit,
+    free_tcp_address,
+    rank_device,
+)
+from tierlm.engine.model_runner import ModelRunner, StepResult
+from tierlm.engine.sampler import Sampler
+from tierlm.engine.request import Request
+from tierlm.engine.scheduler import Scheduler, SchedulerOutput
+from tierlm.memory.partition import (
+    PartitionError,
+    balanced_partition,
+    check_partition,
+    layouts,
+    parse_partition,
+    rank_loads,
+)
+from tierlm.model.forward_batch import ForwardBatch
+from tierlm.model.pipeline_stage import StageLayout
+
+logger = logging.getLogger("tierlm")
+
+RESULT_POLL_S = 0.2  # how often rank 0 checks its workers while it waits for a result
+
+
+# ---- messages ----------------------------------------------------------------------------------------
+@dataclass
+class NewRequest:
+    """What the last rank's sampler needs to mirror a request, sent once."""
+
+    key: int
+    request_id: str
+    prompt_token_ids: list[int]
+    params: object
+    eos_token_ids: frozenset[int]
+    max_model_len: int
+    output_token_ids: list[int]
+    has_grammar: bool
+
+
+@dataclass
+class SampleSpec:
+    """One chunk's logits rows for the last rank: rows first .. first+count of the logits."""
+
+    key: int
+    first: int
+    count: int
+    start: int
+    num_tokens: int
+    samples: bool
+    bitmask: torch.Tensor | None = None  # structured output: the tokens allowed next
+
+
+@dataclass
+class StepMessage:
+    kind: str = "step"  # step | stats | echo | stop
+    batch: ForwardBatch | None = None
+    cache_ops: list[tuple[str, tuple]] = field(default_factory=list)
+    new_requests: list[NewRequest] = field(default_factory=list)
+    released: list[int] = field(default_factory=list)
+    samples: list[SampleSpec] = field(default_factory=list)
+    echo_shape: tuple[int, ...] | None = None  # kind "echo": a tensor rank 1 sends straight back
+
+
+@dataclass
+class StageResult:
+    """The last rank's answer to one step, by request key."""
+
+    sampled: dict[int, int] = field(default_factory=dict)
+    failed: dict[int, str] = field(default_factory=dict)
+    logprobs: dict[int, dict] = field(default_factory=dict)
+    cumulative_logprob: dict[int, float] = field(default_factory=dict)
+    prompt_logprobs: dict[int, list] = field(default_factory=dict)
+    error: str | None = None  # the step itself failed on the last rank
+
+
+# ---- the layer split ---------------------------------------------------------------------------------
+def device_capacity(device: torch.device) -> int:
+    """The memory a rank balances its layers against: the device's total memory (equal shares on CPU)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[1]
+    return 1
+
+
+def pipeline_layouts(config, model_config, dtype: str, capacities: list[int], quantization=None) -> list[StageLayout]:
+    """Every rank's layers: `pp_layer_partition` if given, else balanced by bytes against capacities."""
+    world = len(capacities)
+    counts = parse_partition(config.pp_layer_partition)
+    if counts is not None:
+        check_partition(counts, model_config.num_hidden_layers, world)
+    else:
+        max_model_len = config.max_model_len or model_config.max_position_embeddings
+        per_layer, first, last = rank_loads(model_config, dtype, world, config.max_num_seqs, max_model_len,
+                                            quantization)
+        counts = balanced_partition(per_layer, first, last, capacities)
+    return layouts(model_config, counts)
+
+
+def check_pipeline_config(config, model_config) -> None:
+    """What can be checked before any process starts; errors are ValueErrors for the CLI."""
+    world = config.pipeline_parallel_size
+    if world < 1:
+        raise ValueError(f"--pipeline-parallel-size must be at least 1, got {world}")
+    counts = parse_partition(config.pp_layer_partition)
+    if counts is not None:
+        check_partition(counts, model_config.num_hidden_layers, world)
+    elif model_config.num_hidden_layers < world:
+        raise PartitionError(f"the model has {model_config.num_hidden_layers} layers, fewer than "
+                             f"--pipeline-parallel-size {world}")
+
+
+# ---- one rank's stage, built the same way on every rank ----------------------------------------------
+@dataclass
+class Stage:
+    layout: StageLayout
+    model: torch.nn.Module
+    model_config: object
+    cache: object  # ModelCache
+    plan: object  # CachePlan, with the blocks and checkpoints every rank agreed on
+    static_decode: object | None
+    summaries: list[str]  # one line per rank (rank 0 logs them)
+
+
+def build_stage(config, group: PipelineGroup) -> Stage:
+    """Load this rank's layers, plan its memory, agree on blocks and checkpoints with the other ranks,
+    and allocate its cache. Every rank calls this at start-up (it holds collectives)."""
+    from tierlm.config import ModelConfig
+    from tierlm.engine.llm_engine import engine_cache_plan
+    from tierlm.model.loader import load_model, read_quantization_config, resolve_dtype, resolve_model_path
+    from tierlm.model.model_cache import ModelCache
+
+    model_dir = resolve_model_path(config.model)
+    model_config = ModelConfig.from_pretrained(model_dir)
+    quantization = read_quantization_config(model_dir)
+    dtype_name = str(resolve_dtype(config.dtype, model_config)).removeprefix("torch.")
+    capacities = group.all_gather_object(device_capacity(group.device))
+    chosen = pipeline_layouts(config, model_config, dtype_name, capacities, quantization) if group.rank == 0 else None
+    layout = group.all_gather_object(chosen)[0][group.rank]
+    model, model_config = load_model(model_dir, config.dtype, group.device, stage=layout)
+    plan = engine_cache_plan(config, model_config, dtype_name, str(group.device), 0, stage=layout,
+                             quantization=quantization)
+    plan = agreed_plan(plan, group.all_gather_object(plan_limits(plan)), model_config, layout)
+    dtype = next(model.parameters()).dtype
+    cache = ModelCache(
+        model_config, plan.num_slots, plan.num_blocks, plan.block_size, dtype, group.device,
+        kv_offload=plan.kv_offload, arena_rows=plan.arena_rows, row_cache=config.qsa_row_cache,
+        row_cache_max_batch=config.qsa_row_cache_max_batch, num_host_checkpoints=plan.num_checkpoints,
+        layer_ids=layout.layer_ids,
+    )
+    static_decode = _static_decode(config, model, model_config, cache, layout)
+    summary = rank_summary(layout, str(group.device), plan)
+    if group.device.type == "cuda":
+        summary += f"; device memory allocated {torch.cuda.memory_allocated(group.device):,} B"
+    return Stage(layout, model, model_config, cache, plan, static_decode, group.all_gather_object(summary))
+
+
+def plan_limits(plan) -> tuple[int | None, int]:
+    """What a rank's plan allows: (blocks, or None when it holds no QSA layer; checkpoints)."""
+    return (plan.num_blocks if plan.block_bytes else None), plan.num_checkpoints
+
+
+def agreed_plan(plan, limits: list[tuple[int | None, int]], model_config, layout: StageLayout):
+    """A rank's plan cut to what every rank allows: slots and blocks are numbered by rank 0's cache
+    manager, so every rank holds as many blocks and checkpoint rows as the tightest one."""
+    from tierlm.memory.plan import arena_bytes
+
+    blocks = min((b for b, _ in limits if b is not None), default=plan.num_blocks)
+    checkpoints = min(c for _, c in limits)
+    arena_rows = min(plan.arena_rows, (blocks + 1) * plan.block_size) if plan.kv_offload else 0
+    return dataclasses.replace(plan, num_blocks=blocks, num_checkpoints=checkpoints, arena_rows=arena_rows,
+                               arena_bytes=arena_bytes(model_config, plan.dtype, arena_rows, layout.layer_ids))
+
+
+def rank_summary(layout: StageLayout, device: str, plan) -> str:
+    """One rank's line of the start-up log and of `tierlm plan --pipeline-parallel-size N`."""
+    host = f", host pools {plan.host_bytes():,} B" if plan.host_bytes() else ""
+    return (f"rank {layout.rank} on {device}: {layout.describe()}; weights {plan.weights_bytes:,} B, cache "
+            f"{plan.device_bytes():,} B ({plan.num_blocks:,} blocks, {plan.device_slots} slots){host}")
+
+
+def _static_decode(config, model, model_config, cache, layout: StageLayout):
+    from tierlm.model.static_decode import StaticDecodeRunner
+
+    mode = "cuda_graph" if cache.device.type == "cuda" else ("compile" if config.compile_decode else None)
+    if not mode or config.enforce_eager:
+        return None
+    max_model_len = config.max_model_len or model_config.max_position_embeddings
+    width = None if layout.is_first else model_config.hc_count * model_config.hidden_size
+    return StaticDecodeRunner(model, cache, config.max_num_seqs, math.ceil(max_model_len / cache.block_size), mode,
+                              stage_input_width=width)
+
+
+# ---- rank 0 ------------------------------------------------------------------------------------------
+class RecordingCache:
+    """Rank 0's `ModelCache` as the cache manager sees it: every slot reset and checkpoint save or
+    restore runs here and is also recorded, to be replayed by the other ranks on their layers."""
+
+    RECORDED = ("reset_slot", "save_checkpoint", "restore_checkpoint")
+
+    def __init__(self, cache) -> None:
+        self._cache = cache
+        self.ops: list[tuple[str, tuple]] = []
+
+    def __getattr__(self, name):
+        attribute = getattr(self._cache, name)
+        if name in self.RECORDED:
+            def recorded(*args):
+                self.ops.append((name, args))
+                return attribute(*args)
+            return recorded
+        return attribute
+
+    def drain(self) -> list[tuple[str, tuple]]:
+        ops, self.ops = self.ops, []
+        return ops
+
+
+@dataclass
+class _InFlight:
+    plan: SchedulerOutput
+    requests: dict[int, Request]  # by key, the requests whose rows come back
+    send: object  # the hidden state's send to rank 1 (waited for when the result is back)
+    hidden: torch.Tensor  # kept alive until then
+
+
+class PipelineDriver:
+    """Rank 0's side: starts the workers, builds rank 0's stage, and runs steps through the pipeline."""
+
+    def __init__(self, config, tokenizer_decode=None) -> None:
+        from tierlm.distributed.group import torchrun_rank
+
+        self.config = config
+        self.world_size = config.pipeline_parallel_size
+        self.processes: list = []
+        launched = torchrun_rank()
+        if launched is not None:
+            init_method, (rank, world) = "env://", launched
+            if world != self.world_size:
+                raise ValueError(f"--pipeline-parallel-size {self.world_size} but torchrun started {world} processes")
+            assert rank == 0, "ranks other than 0 run pipeline_worker.run_worker"
+        else:
+            init_method = free_tcp_address()
+            self._spawn_workers(init_method)
+        device = rank_device(config.device, 0)
+        if device.type == "cpu":  # the ranks share the cores: OpenMP threads that spin on a taken core stall
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.world_size))
+        try:
+            self.group = PipelineGroup.join(0, self.world_size, device, init_method, config.pipeline_timeout_s)
+            self.stage = build_stage(config, self.group)
+        except BaseException:
+            self.close()
+            raise
+        for line in self.stage.summaries:
+            logger.info("pipeline %s", line)
+        self.runner = ModelRunner(self.stage.model, self.stage.cache, Sampler(config.seed), tokenizer_decode,
+                                  self.stage.static_decode)
+        env = os.environ.get("TIERLM_PP_MAX_IN_FLIGHT")
+        self.max_in_flight = int(env) if env else self.world_size
+        self.cache = RecordingCache(self.stage.cache)
+        self.in_flight: deque[_InFlight] = deque()
+        self.keys: dict[Request, int] = {}  # requests the last rank mirrors
+        self._next_key = 0
+        self.failure: str | None = None
+        self.exit_process_on_failure = False  # the server sets it: a dead rank ends the process
+        self._results: queue.Queue = queue.Queue()
+        self._receiver = threading.Thread(target=self._receive_results, name="pipeline-results", daemon=True)
+        self._receiver.start()
+        atexit.register(self.close)
+
+    # ---- start and stop ----
+    def _spawn_workers(self, init_method: str) -> None:
+        """One `python -m tierlm.engine.pipeline_worker` per rank > 0 (a fresh interpreter: nothing of the
+        caller's main module is imported again), the engine config pickled on its stdin."""
+        for rank in range(1, self.world_size):
+            process = subprocess.Popen(
+                [sys.executable, "-m", "tierlm.engine.pipeline_worker", str(rank), str(self.world_size), init_method],
+                stdin=subprocess.PIPE,
+            )
+            process.stdin.write(pickle.dumps(self.config))
+            process.stdin.close()
+            self.processes.append(process)
+
+    def close(self) -> None:
+        """Stop the workers (a stop message, then their processes) and leave the groups."""
+        group = getattr(self, "group", None)
+        if group is not None and getattr(self, "failure", None) is None and not getattr(self, "closed", False):
+            try:
+                for rank in range(1, self.world_size):
+                    group.send_object(StepMessage(kind="stop"), rank)
+            except Exception:  # noqa: BLE001 - a rank already gone: its process is ended below
+                pass
+        for process in self.processes:
+            try:
+                process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                process.terminate()
+                process.wait(timeout=5)
+        self.processes = []
+        self.closed = True
+
+    # ---- steps ----
+    @property
+    def busy(self) -> set[Request]:
+        return {request for entry in self.in_flight for request in entry.requests.values()}
+
+    def step(self, scheduler: Scheduler) -> tuple[int, list[tuple[SchedulerOutput, StepResult]]]:
+        """Launch batches while fewer than max_in_flight are out, then take back the oldest.
+        Returns (tokens launched, [(the plan that came back, its result)])."""
+        self._check_alive()
+        launched = 0
+        while len(self.in_flight) < self.max_in_flight:
+            share = len(scheduler.running) + len(scheduler.waiting)
+            room = max(1, math.ceil(min(share, scheduler.max_num_seqs) / self.max_in_flight))
+            plan = scheduler.schedule(busy=self.busy, max_requests=room)
+            if not plan.chunks:
+                break
+            self.submit(plan)
+            launched += plan.num_tokens
+        if not self.in_flight:
+            return launched, []
+        return launched, [self.collect()]
+
+    def submit(self, plan: SchedulerOutput) -> None:
+        runner = self.runner
+        batch, wanted = runner.prepare(plan, device="cpu")
+        self._release_finished()
+        message = StepMessage(batch=batch, cache_ops=self.cache.drain())
+        requests = {}
+        for chunk, first, count in wanted:
+            request = chunk.request
+            key = self.keys.get(request)
+            if key is None:
+                key = self.keys[request] = self._next_key
+                self._next_key += 1
+                message.new_requests.append(NewRequest(
+                    key, request.request_id, request.prompt_token_ids, request.params, request.eos_token_ids,
+                    request.max_model_len, list(request.output_token_ids), request.structured_output is not None,
+                ))
+            grammar = request.structured_output
+            bitmask = grammar.token_bitmask() if grammar is not None and chunk.samples else None
+            message.samples.append(SampleSpec(key, first, count, chunk.start, chunk.num_tokens, chunk.samples, bitmask))
+            requests[key] = request
+        self._send_all(message)
+        hidden = runner.forward(batch.to(self.stage.cache.device)).contiguous()
+        try:
+            send = self.group.isend(hidden, 1)
+        except Exception as exc:  # noqa: BLE001
+            self._fail(f"sending the hidden state to rank 1 failed: {exc}")
+        self.in_flight.append(_InFlight(plan, requests, send, hidden))
+
+    def collect(self) -> tuple[SchedulerOutput, StepResult]:
+        entry = self.in_flight.popleft()
+        answer = self._wait_result()
+        try:
+            entry.send.wait()  # done: the last rank has answered
+        except Exception as exc:  # noqa: BLE001
+            self._fail(f"sending the hidden state to rank 1 failed: {exc}")
+        if answer.error is not None:
+            self._fail(f"pipeline rank {self.world_size - 1} failed during a step: {answer.error}")
+        result = StepResult()
+        for key, request in entry.requests.items():
+            if key in answer.failed:
+                result.failed[request] = answer.failed[key]
+                continue
+            if key in answer.prompt_logprobs:
+                request.prompt_logprobs.extend(answer.prompt_logprobs[key])
+            if key in answer.sampled:
+                result.sampled[request] = answer.sampled[key]
+                if key in answer.logprobs:
+                    request.logprobs.append(answer.logprobs[key])
+                    request.cumulative_logprob = answer.cumulative_logprob[key]
+        return entry.plan, result
+
+    def _release_finished(self) -> None:
+        """Requests that finished (or were aborted) since the last message: the last rank drops them."""
+        done = [request for request in self.keys if request.is_finished and request not in self.busy]
+        self._released = [self.keys.pop(request) for request in done]
+
+    def _send_all(self, message: StepMessage) -> None:
+        message.released, self._released = getattr(self, "_released", []), []
+        for rank in range(1, self.world_size):
+            try:
+                self.group.send_object(message, rank)
+            except Exception as exc:  # noqa: BLE001
+                self._fail(f"sending a step to rank {rank} failed: {exc}")
+
+    # ---- waiting, and failures ----
+    def _receive_results(self) -> None:
+        """The result thread: the last rank's answers, in order, into a queue (an error ends it)."""
+        while True:
+            try:
+                self._results.put(self.group.recv_object(self.world_size - 1, RESULT_TAG, self.group.result_group))
+            except Exception as exc:  # noqa: BLE001
+                self._results.put(exc)
+                return
+
+    def _wait_result(self) -> StageResult:
+        deadline = time.monotonic() + self.config.pipeline_timeout_s
+        while True:
+            try:
+                answer = self._results.get(timeout=RESULT_POLL_S)
+            except queue.Empty:
+                self._check_alive()
+                if time.monotonic() > deadline:
+                    self._fail(f"no result from pipeline rank {self.world_size - 1} in "
+                               f"{self.config.pipeline_timeout_s:g} s (pipeline_timeout_s)")
+                continue
+            if isinstance(answer, Exception):
+                self._fail(f"lost the connection to pipeline rank {self.world_size - 1}: {answer}")
+            return answer
+
+    def _check_alive(self) -> None:
+        if self.failure is not None:
+            raise PipelineError(self.failure)
+        for rank, process in enumerate(self.processes, start=1):
+            if process.poll() is not None:
+                self._fail(f"pipeline rank {rank} {describe_exit(process.returncode)}")
+
+    def _fail(self, why: str) -> None:
+        """Name the rank that went first (a worker that saw another go exits with EXIT_PEER_LOST), stop
+        the others, raise."""
+        if self.failure is None:
+            deadline = time.monotonic() + 3.0
+            while self.processes and time.monotonic() < deadline and all(p.poll() is None for p in self.processes):
+                time.sleep(0.05)
+            dead = [(rank, p.returncode) for rank, p in enumerate(self.processes, start=1) if p.poll() is not None]
+            first = sorted(dead, key=lambda item: item[1] == EXIT_PEER_LOST)  # who saw another go: last
+            if first:
+                rank, code = first[0]
+                why = f"pipeline rank {rank} {describe_exit(code)} ({why})"
+            self.failure = why
+            logger.error("%s; stopping the pipeline", why)
+            for process in self.processes:
+                if process.poll() is None:
+                    process.terminate()
+            if self.exit_process_on_failure:
+                import signal
+
+                os.kill(os.getpid(), signal.SIGTERM)
+        raise PipelineError(self.failure)
+
+    # ---- measurements (bench/pipeline_decode.py) ----
+    def worker_stats(self) -> list[dict]:
+        """Each worker's counters: host work, time waiting for the hidden state, forward, steps."""
+        stats = []
+        for rank in range(1, self.world_size):
+            self.group.send_object(StepMessage(kind="stats"), rank)
+            stats.append(self.group.recv_object(rank, tag=CONTROL_TAG))
+        return stats
+
+    def echo_seconds(self, shape: tuple[int, ...], dtype: torch.dtype, repeats: int = 20) -> float:
+        """Round trip of a hidden state of `shape` between ranks 0 and 1, halved: one stage-to-stage copy."""
+        tensor = torch.zeros(shape, dtype=dtype, device=self.stage.cache.device)
+        self.group.send_object(StepMessage(kind="echo", echo_shape=tuple(shape)), 1)
+        self.group.send_object(repeats, 1)
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            self.group.isend(tensor, 1).wait()
+            self.group.irecv(tensor, 1).wait()
+            if tensor.device.type == "cuda":
+                torch.cuda.synchronize(tensor.device)
+            times.append(time.perf_counter() - start)
+        return sorted(times)[len(times) // 2] / 2
