@@ -75,6 +75,9 @@ class PipelineGroup:
 
     @classmethod
     def join(cls, rank: int, world_size: int, device: torch.device, init_method: str, timeout_s: float):
+        if dist.is_initialized():
+            raise ValueError("this process is in a pipeline already (one per process): close the other engine "
+                             "first (LLMEngine.close)")
         timeout = datetime.timedelta(seconds=timeout_s)
         backend = "nccl" if device.type == "cuda" else "gloo"
         if device.type == "cuda":

@@ -245,6 +245,12 @@ def _static_decode(config, model, model_config, cache, layout: StageLayout):
                               stage_input_width=width)
 
 
+def _first_line(exc: BaseException) -> str:
+    """An error's first line, without gloo's advice (the rank it names is what matters here)."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return text.split(". This is typically caused")[0]
+
+
 # ---- rank 0 ------------------------------------------------------------------------------------------
 class RecordingCache:
     """Rank 0's `ModelCache` as the cache manager sees it: every slot reset and checkpoint save or
@@ -299,10 +305,13 @@ class PipelineDriver:
         device = rank_device(config.device, 0)
         if device.type == "cpu":  # the ranks share the cores: OpenMP threads that spin on a taken core stall
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.world_size))
+        self.failure: str | None = None
         try:
             self.group = PipelineGroup.join(0, self.world_size, device, init_method, config.pipeline_timeout_s)
             self.stage = build_stage(config, self.group)
-        except BaseException:
+        except Exception as exc:
+            if self.processes and not isinstance(exc, ValueError):  # not rank 0's own refusal: who went away?
+                self._fail(f"starting the pipeline failed: {_first_line(exc)}")
             self.close()
             raise
         for line in self.stage.summaries:
@@ -315,7 +324,6 @@ class PipelineDriver:
         self.in_flight: deque[_InFlight] = deque()
         self.keys: dict[Request, int] = {}  # requests the last rank mirrors
         self._next_key = 0
-        self.failure: str | None = None
         self.exit_process_on_failure = False  # the server sets it: a dead rank ends the process
         self._results: queue.Queue = queue.Queue()
         self._receiver = threading.Thread(target=self._receive_results, name="pipeline-results", daemon=True)
@@ -351,12 +359,17 @@ class PipelineDriver:
                 process.terminate()
                 process.wait(timeout=5)
         self.processes = []
+        receiver = getattr(self, "_receiver", None)
+        if receiver is not None:
+            receiver.join(timeout=5)  # its receive fails once the last rank is gone
+        if group is not None and not getattr(self, "closed", False):
+            group.close()
         self.closed = True
 
     # ---- steps ----
     @property
     def busy(self) -> set[Request]:
-        return {request for entry in self.in_flight for request in entry.requests.values()}
+        return {chunk.request for entry in self.in_flight for chunk in entry.plan.chunks}
 
     def step(self, scheduler: Scheduler) -> tuple[int, list[tuple[SchedulerOutput, StepResult]]]:
         """Launch batches while fewer than max_in_flight are out, then take back the oldest.
@@ -400,7 +413,7 @@ class PipelineDriver:
         try:
             send = self.group.isend(hidden, 1)
         except Exception as exc:  # noqa: BLE001
-            self._fail(f"sending the hidden state to rank 1 failed: {exc}")
+            self._fail(f"sending the hidden state to rank 1 failed: {_first_line(exc)}")
         self.in_flight.append(_InFlight(plan, requests, send, hidden))
 
     def collect(self) -> tuple[SchedulerOutput, StepResult]:
@@ -409,7 +422,7 @@ class PipelineDriver:
         try:
             entry.send.wait()  # done: the last rank has answered
         except Exception as exc:  # noqa: BLE001
-            self._fail(f"sending the hidden state to rank 1 failed: {exc}")
+            self._fail(f"sending the hidden state to rank 1 failed: {_first_line(exc)}")
         if answer.error is not None:
             self._fail(f"pipeline rank {self.world_size - 1} failed during a step: {answer.error}")
         result = StepResult()
@@ -437,7 +450,7 @@ class PipelineDriver:
             try:
                 self.group.send_object(message, rank)
             except Exception as exc:  # noqa: BLE001
-                self._fail(f"sending a step to rank {rank} failed: {exc}")
+                self._fail(f"sending a step to rank {rank} failed: {_first_line(exc)}")
 
     # ---- waiting, and failures ----
     def _receive_results(self) -> None:
@@ -461,7 +474,7 @@ class PipelineDriver:
                                f"{self.config.pipeline_timeout_s:g} s (pipeline_timeout_s)")
                 continue
             if isinstance(answer, Exception):
-                self._fail(f"lost the connection to pipeline rank {self.world_size - 1}: {answer}")
+                self._fail(f"lost the connection to pipeline rank {self.world_size - 1}: {_first_line(answer)}")
             return answer
 
     def _check_alive(self) -> None:
