@@ -76,6 +76,7 @@ from tierlm.model.pipeline_stage import StageLayout
 logger = logging.getLogger("tierlm")
 
 RESULT_POLL_S = 0.2  # how often rank 0 checks its workers while it waits for a result
+WATCH_INTERVAL_S = 1.0  # how often rank 0 checks its workers between steps
 
 
 # ---- messages ----------------------------------------------------------------------------------------
@@ -306,6 +307,8 @@ class PipelineDriver:
         if device.type == "cpu":  # the ranks share the cores: OpenMP threads that spin on a taken core stall
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.world_size))
         self.failure: str | None = None
+        self.closing = False
+        self._failing = threading.Lock()
         try:
             self.group = PipelineGroup.join(0, self.world_size, device, init_method, config.pipeline_timeout_s)
             self.stage = build_stage(config, self.group)
@@ -328,6 +331,8 @@ class PipelineDriver:
         self._results: queue.Queue = queue.Queue()
         self._receiver = threading.Thread(target=self._receive_results, name="pipeline-results", daemon=True)
         self._receiver.start()
+        if self.processes:
+            threading.Thread(target=self._watch_workers, name="pipeline-watchdog", daemon=True).start()
         atexit.register(self.close)
 
     # ---- start and stop ----
@@ -345,6 +350,7 @@ class PipelineDriver:
 
     def close(self) -> None:
         """Stop the workers (a stop message, then their processes) and leave the groups."""
+        self.closing = True  # the watchdog ignores the exits that follow
         group = getattr(self, "group", None)
         if group is not None and getattr(self, "failure", None) is None and not getattr(self, "closed", False):
             try:
@@ -477,6 +483,18 @@ class PipelineDriver:
                 self._fail(f"lost the connection to pipeline rank {self.world_size - 1}: {_first_line(answer)}")
             return answer
 
+    def _watch_workers(self) -> None:
+        """Between steps too (an idle server): a worker that exits unasked fails the pipeline, and with
+        exit_process_on_failure ends this process, within WATCH_INTERVAL_S."""
+        while not self.closing and self.failure is None:
+            time.sleep(WATCH_INTERVAL_S)
+            for rank, process in enumerate(list(self.processes), start=1):
+                if process.poll() is not None and not self.closing and self.failure is None:
+                    try:
+                        self._fail(f"pipeline rank {rank} {describe_exit(process.returncode)}")
+                    except PipelineError:
+                        return
+
     def _check_alive(self) -> None:
         if self.failure is not None:
             raise PipelineError(self.failure)
@@ -487,6 +505,11 @@ class PipelineDriver:
     def _fail(self, why: str) -> None:
         """Name the rank that went first (a worker that saw another go exits with EXIT_PEER_LOST), stop
         the others, raise."""
+        with self._failing:
+            self._record_failure(why)
+        raise PipelineError(self.failure)
+
+    def _record_failure(self, why: str) -> None:
         if self.failure is None:
             deadline = time.monotonic() + 3.0
             while self.processes and time.monotonic() < deadline and all(p.poll() is None for p in self.processes):
@@ -494,8 +517,8 @@ class PipelineDriver:
             dead = [(rank, p.returncode) for rank, p in enumerate(self.processes, start=1) if p.poll() is not None]
             first = sorted(dead, key=lambda item: item[1] == EXIT_PEER_LOST)  # who saw another go: last
             if first:
-                rank, code = first[0]
-                why = f"pipeline rank {rank} {describe_exit(code)} ({why})"
+                named = f"pipeline rank {first[0][0]} {describe_exit(first[0][1])}"
+                why = why if why.startswith(named) else f"{named} ({why})"
             self.failure = why
             logger.error("%s; stopping the pipeline", why)
             for process in self.processes:
@@ -505,7 +528,6 @@ class PipelineDriver:
                 import signal
 
                 os.kill(os.getpid(), signal.SIGTERM)
-        raise PipelineError(self.failure)
 
     # ---- measurements (bench/pipeline_decode.py) ----
     def worker_stats(self) -> list[dict]:

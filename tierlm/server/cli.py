@@ -167,4 +167,6 @@ def run(args: argparse.Namespace) -> int:
         app, host=args.host, port=args.port, log_level="info", http=http, limit_concurrency=args.limit_concurrency,
         timeout_keep_alive=args.timeout_keep_alive,
     )
+    if engine.pipeline is not None and engine.pipeline.failure is not None:
+        raise CliError(engine.pipeline.failure)
     return 0
