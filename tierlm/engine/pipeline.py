@@ -227,6 +227,13 @@ def agreed_plan(plan, limits: list[tuple[int | None, int]], model_config, layout
                                arena_bytes=arena_bytes(model_config, plan.dtype, arena_rows, layout.layer_ids))
 
 
+def memory_report(stage: Stage) -> dict:
+    """A rank's planned device bytes (weights and cache) beside what its device's allocator holds (CUDA)."""
+    device = stage.cache.device
+    return {"plan_device_bytes": stage.plan.weights_bytes + stage.plan.device_bytes(),
+            "device_memory_allocated": torch.cuda.memory_allocated(device) if device.type == "cuda" else None}
+
+
 def rank_summary(layout: StageLayout, device: str, plan) -> str:
     """One rank's line of the start-up log and of `tierlm plan --pipeline-parallel-size N`."""
     host = f", host pools {plan.host_bytes():,} B" if plan.host_bytes() else ""

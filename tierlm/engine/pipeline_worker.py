@@ -34,7 +34,7 @@ from tierlm.distributed.group import (
     torchrun_rank,
 )
 from tierlm.engine.model_runner import ModelRunner
-from tierlm.engine.pipeline import SampleSpec, Stage, StageResult, StepMessage, build_stage
+from tierlm.engine.pipeline import SampleSpec, Stage, StageResult, StepMessage, build_stage, memory_report
 from tierlm.engine.request import Request
 from tierlm.engine.sampler import Sampler
 
@@ -187,7 +187,8 @@ def run_worker(group: PipelineGroup, stage: Stage, config) -> None:
         if message.kind == "stop":
             return
         if message.kind == "stats":
-            _comm(group.send_object, dict(stats, rank=rank, stall_seconds=stall.total()), 0, CONTROL_TAG)
+            _comm(group.send_object, dict(stats, rank=rank, stall_seconds=stall.total(), **memory_report(stage)),
+                  0, CONTROL_TAG)
             continue
         if message.kind == "echo":
             _echo(group, message, dtype)
