@@ -404,8 +404,7 @@ class PipelineDriver:
     def submit(self, plan: SchedulerOutput) -> None:
         runner = self.runner
         batch, wanted = runner.prepare(plan, device="cpu")
-        self._release_finished()
-        message = StepMessage(batch=batch, cache_ops=self.cache.drain())
+        message = StepMessage(batch=batch, cache_ops=self.cache.drain(), released=self._release_finished())
         requests = {}
         for chunk, first, count in wanted:
             request = chunk.request
@@ -422,7 +421,8 @@ class PipelineDriver:
             message.samples.append(SampleSpec(key, first, count, chunk.start, chunk.num_tokens, chunk.samples, bitmask))
             requests[key] = request
         self._send_all(message)
-        hidden = runner.forward(batch.to(self.stage.cache.device)).contiguous()
+        # a copy: a CUDA graph's output buffer is overwritten by the next replay, maybe before NCCL has read it
+        hidden = runner.forward(batch.to(self.stage.cache.device)).clone()
         try:
             send = self.group.isend(hidden, 1)
         except Exception as exc:  # noqa: BLE001
@@ -452,13 +452,14 @@ class PipelineDriver:
                     request.cumulative_logprob = answer.cumulative_logprob[key]
         return entry.plan, result
 
-    def _release_finished(self) -> None:
-        """Requests that finished (or were aborted) since the last message: the last rank drops them."""
-        done = [request for request in self.keys if request.is_finished and request not in self.busy]
-        self._released = [self.keys.pop(request) for request in done]
+    def _release_finished(self) -> list[int]:
+        """The keys of requests that finished (or were aborted) and are in no batch in flight: the last rank
+        drops its mirrors of them."""
+        busy = self.busy
+        done = [request for request in self.keys if request.is_finished and request not in busy]
+        return [self.keys.pop(request) for request in done]
 
     def _send_all(self, message: StepMessage) -> None:
-        message.released, self._released = getattr(self, "_released", []), []
         for rank in range(1, self.world_size):
             try:
                 self.group.send_object(message, rank)
@@ -547,6 +548,8 @@ class PipelineDriver:
 
     def echo_seconds(self, shape: tuple[int, ...], dtype: torch.dtype, repeats: int = 20) -> float:
         """Round trip of a hidden state of `shape` between ranks 0 and 1, halved: one stage-to-stage copy."""
+        if self.in_flight:
+            raise RuntimeError("echo_seconds between steps only: batches are in flight")
         tensor = torch.zeros(shape, dtype=dtype, device=self.stage.cache.device)
         self.group.send_object(StepMessage(kind="echo", echo_shape=tuple(shape)), 1)
         self.group.send_object(repeats, 1)

@@ -207,7 +207,7 @@ def run_worker(group: PipelineGroup, stage: Stage, config) -> None:
         batch.stage_input = hidden
         began = time.perf_counter()
         if mirror is None:
-            out = runner.forward(batch).contiguous()
+            out = runner.forward(batch).clone()  # not a CUDA graph's output buffer: the next replay reuses it
             if pending_send is not None:
                 _comm(pending_send[0].wait)
             pending_send = (_comm(group.isend, out, rank + 1), out)
