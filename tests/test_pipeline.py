@@ -164,3 +164,31 @@ def test_plan_prints_one_line_per_rank(demo_dir, capsys):
         "layers 0-1 (2) + embedding", "layers 2-2 (1)", "layers 3-3 (1) + lm_head"]
     assert main(["plan", str(demo_dir), "--pipeline-parallel-size", "2", "--pp-layer-partition", "3,2"]) == 2
     assert "sums to 5, but the model has 4 layers" in capsys.readouterr().err
+
+
+def test_scheduler_leaves_batches_in_flight_alone(demo_dir):
+    """Requests of a batch in flight are not scheduled again, nor preempted when blocks run out."""
+    from tierlm.config import ModelConfig
+    from tierlm.engine.cache_manager import CacheManager
+    from tierlm.engine.request import Request
+    from tierlm.engine.scheduler import Scheduler
+    from tierlm.model.model_cache import ModelCache
+
+    cache = ModelCache(ModelConfig.from_pretrained(demo_dir), num_slots=4, num_blocks=7, block_size=16,
+                       dtype=__import__("torch").float32)
+    scheduler = Scheduler(CacheManager(cache, 4), max_num_seqs=4, max_num_batched_tokens=256)
+    requests = [Request(str(i), [1] * 30, SamplingParams(max_tokens=40), frozenset(), 256) for i in range(3)]
+    for request in requests:
+        scheduler.add(request)
+    first = scheduler.schedule(max_requests=2)
+    assert [c.request for c in first.chunks] == requests[:2]
+    second = scheduler.schedule(busy={c.request for c in first.chunks})
+    assert [c.request for c in second.chunks] == [requests[2]]  # 6 of 7 blocks taken now
+    for chunk in first.chunks + second.chunks:
+        chunk.request.num_computed_tokens += chunk.num_tokens
+        chunk.request.output_token_ids.append(5)
+    requests[1].output_token_ids += [5] * 33  # 64 tokens: 2 more blocks, and 1 is free
+    third = scheduler.schedule(busy={requests[0], requests[2]})
+    # the newest running request (2) is in flight: the newest one not in flight is requests[1] itself
+    assert third.chunks == [] and third.preempted == [requests[1]]
+    assert requests[0] in scheduler.running and requests[2] in scheduler.running
