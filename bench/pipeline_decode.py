@@ -90,7 +90,7 @@ def _per_step(before: dict, after: dict) -> dict:
 
 def _memory(engine) -> list[dict]:
     """Per rank: the allocator's bytes (CUDA) beside the plan's weights + cache."""
-    from tierlm.engine.pipeline import memory_report
+    from tierlm.engine.stage_setup import memory_report
 
     if engine.pipeline is None:
         plan, device = engine.cache_plan, engine.cache.device

@@ -301,8 +301,9 @@ class LLMEngine:
         """--pipeline-parallel-size N: this process is rank 0 (scheduler and first stage); the other ranks
         are spawned (or, under torchrun, ranks > 0 serve their stage in `serve_if_worker` and never return)."""
         from tierlm.config import ModelConfig
-        from tierlm.engine.pipeline import PipelineDriver, check_pipeline_config
+        from tierlm.engine.pipeline import PipelineDriver
         from tierlm.engine.pipeline_worker import serve_if_worker
+        from tierlm.engine.stage_setup import check_pipeline_config
 
         config = self.config
         mc = ModelConfig.from_pretrained(model_dir)
@@ -495,7 +496,7 @@ class LLMEngine:
         """Append a sampled token; a failure of this request's own state (its grammar) ends it alone."""
         try:
             request.append_token(token_id)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             logger.exception("request %s could not take token %d", request.request_id, token_id)
             request.finish(RequestStatus.FINISHED_ERROR, f"{type(exc).__name__}: {exc}")
 
@@ -507,7 +508,7 @@ class LLMEngine:
             request = seq.request
             try:
                 self._update_text(seq)
-            except Exception as exc:  # noqa: BLE001 (its detokenizer or stop strings: it fails alone)
+            except Exception as exc:
                 logger.exception("request %s: detokenizing failed", request.request_id)
                 request.finish(RequestStatus.FINISHED_ERROR, f"detokenizing failed: {type(exc).__name__}: {exc}")
             if request.is_finished:

@@ -88,7 +88,7 @@ class ModelRunner:
                     result.sampled[request] = self._sample(request, block[-1])
             except SamplingError as exc:
                 result.failed[request] = str(exc)
-            except Exception as exc:  # noqa: BLE001 (this request's own part: it fails alone)
+            except Exception as exc:
                 logger.exception("sampling request %s failed", request.request_id)
                 result.failed[request] = f"sampling failed: {type(exc).__name__}: {exc}"
         return result

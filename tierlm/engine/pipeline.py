@@ -33,7 +33,6 @@ the worker processes it spawned, so a dead rank ends the step with a `PipelineEr
 from __future__ import annotations
 
 import atexit
-import dataclasses
 import logging
 import math
 import os
@@ -44,7 +43,7 @@ import sys
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -59,198 +58,16 @@ from tierlm.distributed.group import (
     rank_device,
 )
 from tierlm.engine.model_runner import ModelRunner, StepResult
-from tierlm.engine.sampler import Sampler
+from tierlm.engine.pipeline_messages import NewRequest, SampleSpec, StageResult, StepMessage
 from tierlm.engine.request import Request
+from tierlm.engine.sampler import Sampler
 from tierlm.engine.scheduler import Scheduler, SchedulerOutput
-from tierlm.memory.partition import (
-    PartitionError,
-    balanced_partition,
-    check_partition,
-    layouts,
-    parse_partition,
-    rank_loads,
-)
-from tierlm.model.forward_batch import ForwardBatch
-from tierlm.model.pipeline_stage import StageLayout
+from tierlm.engine.stage_setup import build_stage
 
 logger = logging.getLogger("tierlm")
 
 RESULT_POLL_S = 0.2  # how often rank 0 checks its workers while it waits for a result
 WATCH_INTERVAL_S = 1.0  # how often rank 0 checks its workers between steps
-
-
-# ---- messages ----------------------------------------------------------------------------------------
-@dataclass
-class NewRequest:
-    """What the last rank's sampler needs to mirror a request, sent once."""
-
-    key: int
-    request_id: str
-    prompt_token_ids: list[int]
-    params: object
-    eos_token_ids: frozenset[int]
-    max_model_len: int
-    output_token_ids: list[int]
-    has_grammar: bool
-
-
-@dataclass
-class SampleSpec:
-    """One chunk's logits rows for the last rank: rows first .. first+count of the logits."""
-
-    key: int
-    first: int
-    count: int
-    start: int
-    num_tokens: int
-    samples: bool
-    bitmask: torch.Tensor | None = None  # structured output: the tokens allowed next
-
-
-@dataclass
-class StepMessage:
-    kind: str = "step"  # step | stats | echo | stop
-    batch: ForwardBatch | None = None
-    cache_ops: list[tuple[str, tuple]] = field(default_factory=list)
-    new_requests: list[NewRequest] = field(default_factory=list)
-    released: list[int] = field(default_factory=list)
-    samples: list[SampleSpec] = field(default_factory=list)
-    echo_shape: tuple[int, ...] | None = None  # kind "echo": a tensor rank 1 sends straight back
-
-
-@dataclass
-class StageResult:
-    """The last rank's answer to one step, by request key."""
-
-    sampled: dict[int, int] = field(default_factory=dict)
-    failed: dict[int, str] = field(default_factory=dict)
-    logprobs: dict[int, dict] = field(default_factory=dict)
-    cumulative_logprob: dict[int, float] = field(default_factory=dict)
-    prompt_logprobs: dict[int, list] = field(default_factory=dict)
-    error: str | None = None  # the step itself failed on the last rank
-
-
-# ---- the layer split ---------------------------------------------------------------------------------
-def device_capacity(device: torch.device) -> int:
-    """The memory a rank balances its layers against: the device's total memory (equal shares on CPU)."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[1]
-    return 1
-
-
-def pipeline_layouts(config, model_config, dtype: str, capacities: list[int], quantization=None) -> list[StageLayout]:
-    """Every rank's layers: `pp_layer_partition` if given, else balanced by bytes against capacities."""
-    world = len(capacities)
-    counts = parse_partition(config.pp_layer_partition)
-    if counts is not None:
-        check_partition(counts, model_config.num_hidden_layers, world)
-    else:
-        max_model_len = config.max_model_len or model_config.max_position_embeddings
-        per_layer, first, last = rank_loads(model_config, dtype, world, config.max_num_seqs, max_model_len,
-                                            quantization)
-        counts = balanced_partition(per_layer, first, last, capacities)
-    return layouts(model_config, counts)
-
-
-def check_pipeline_config(config, model_config) -> None:
-    """What can be checked before any process starts; errors are ValueErrors for the CLI."""
-    world = config.pipeline_parallel_size
-    if world < 1:
-        raise ValueError(f"--pipeline-parallel-size must be at least 1, got {world}")
-    counts = parse_partition(config.pp_layer_partition)
-    if counts is not None:
-        check_partition(counts, model_config.num_hidden_layers, world)
-    elif model_config.num_hidden_layers < world:
-        raise PartitionError(f"the model has {model_config.num_hidden_layers} layers, fewer than "
-                             f"--pipeline-parallel-size {world}")
-
-
-# ---- one rank's stage, built the same way on every rank ----------------------------------------------
-@dataclass
-class Stage:
-    layout: StageLayout
-    model: torch.nn.Module
-    model_config: object
-    cache: object  # ModelCache
-    plan: object  # CachePlan, with the blocks and checkpoints every rank agreed on
-    static_decode: object | None
-    summaries: list[str]  # one line per rank (rank 0 logs them)
-
-
-def build_stage(config, group: PipelineGroup) -> Stage:
-    """Load this rank's layers, plan its memory, agree on blocks and checkpoints with the other ranks,
-    and allocate its cache. Every rank calls this at start-up (it holds collectives)."""
-    from tierlm.config import ModelConfig
-    from tierlm.engine.llm_engine import engine_cache_plan
-    from tierlm.model.loader import load_model, read_quantization_config, resolve_dtype, resolve_model_path
-    from tierlm.model.model_cache import ModelCache
-
-    model_dir = resolve_model_path(config.model)
-    model_config = ModelConfig.from_pretrained(model_dir)
-    quantization = read_quantization_config(model_dir)
-    dtype_name = str(resolve_dtype(config.dtype, model_config)).removeprefix("torch.")
-    capacities = group.all_gather_object(device_capacity(group.device))
-    chosen = pipeline_layouts(config, model_config, dtype_name, capacities, quantization) if group.rank == 0 else None
-    layout = group.all_gather_object(chosen)[0][group.rank]
-    model, model_config = load_model(model_dir, config.dtype, group.device, stage=layout)
-    plan = engine_cache_plan(config, model_config, dtype_name, str(group.device), 0, stage=layout,
-                             quantization=quantization)
-    plan = agreed_plan(plan, group.all_gather_object(plan_limits(plan)), model_config, layout)
-    dtype = next(model.parameters()).dtype
-    cache = ModelCache(
-        model_config, plan.num_slots, plan.num_blocks, plan.block_size, dtype, group.device,
-        kv_offload=plan.kv_offload, arena_rows=plan.arena_rows, row_cache=config.qsa_row_cache,
-        row_cache_max_batch=config.qsa_row_cache_max_batch, num_host_checkpoints=plan.num_checkpoints,
-        layer_ids=layout.layer_ids,
-    )
-    static_decode = _static_decode(config, model, model_config, cache, layout)
-    summary = rank_summary(layout, str(group.device), plan)
-    if group.device.type == "cuda":
-        summary += f"; device memory allocated {torch.cuda.memory_allocated(group.device):,} B"
-    return Stage(layout, model, model_config, cache, plan, static_decode, group.all_gather_object(summary))
-
-
-def plan_limits(plan) -> tuple[int | None, int]:
-    """What a rank's plan allows: (blocks, or None when it holds no QSA layer; checkpoints)."""
-    return (plan.num_blocks if plan.block_bytes else None), plan.num_checkpoints
-
-
-def agreed_plan(plan, limits: list[tuple[int | None, int]], model_config, layout: StageLayout):
-    """A rank's plan cut to what every rank allows: slots and blocks are numbered by rank 0's cache
-    manager, so every rank holds as many blocks and checkpoint rows as the tightest one."""
-    from tierlm.memory.plan import arena_bytes
-
-    blocks = min((b for b, _ in limits if b is not None), default=plan.num_blocks)
-    checkpoints = min(c for _, c in limits)
-    arena_rows = min(plan.arena_rows, (blocks + 1) * plan.block_size) if plan.kv_offload else 0
-    return dataclasses.replace(plan, num_blocks=blocks, num_checkpoints=checkpoints, arena_rows=arena_rows,
-                               arena_bytes=arena_bytes(model_config, plan.dtype, arena_rows, layout.layer_ids))
-
-
-def memory_report(stage: Stage) -> dict:
-    """A rank's planned device bytes (weights and cache) beside what its device's allocator holds (CUDA)."""
-    device = stage.cache.device
-    return {"plan_device_bytes": stage.plan.weights_bytes + stage.plan.device_bytes(),
-            "device_memory_allocated": torch.cuda.memory_allocated(device) if device.type == "cuda" else None}
-
-
-def rank_summary(layout: StageLayout, device: str, plan) -> str:
-    """One rank's line of the start-up log and of `tierlm plan --pipeline-parallel-size N`."""
-    host = f", host pools {plan.host_bytes():,} B" if plan.host_bytes() else ""
-    return (f"rank {layout.rank} on {device}: {layout.describe()}; weights {plan.weights_bytes:,} B, cache "
-            f"{plan.device_bytes():,} B ({plan.num_blocks:,} blocks, {plan.device_slots} slots){host}")
-
-
-def _static_decode(config, model, model_config, cache, layout: StageLayout):
-    from tierlm.model.static_decode import StaticDecodeRunner
-
-    mode = "cuda_graph" if cache.device.type == "cuda" else ("compile" if config.compile_decode else None)
-    if not mode or config.enforce_eager:
-        return None
-    max_model_len = config.max_model_len or model_config.max_position_embeddings
-    width = None if layout.is_first else model_config.hc_count * model_config.hidden_size
-    return StaticDecodeRunner(model, cache, config.max_num_seqs, math.ceil(max_model_len / cache.block_size), mode,
-                              stage_input_width=width)
 
 
 def _first_line(exc: BaseException) -> str:
@@ -300,7 +117,11 @@ class PipelineDriver:
 
         self.config = config
         self.world_size = config.pipeline_parallel_size
-        self.processes: list = []
+        self.processes: list[subprocess.Popen] = []  # the ranks > 0 this process spawned (none under torchrun)
+        self.failure: str | None = None  # why the pipeline broke (then every step raises it)
+        self.closing = self.closed = False
+        self._failing = threading.Lock()
+        self._receiver: threading.Thread | None = None
         launched = torchrun_rank()
         if launched is not None:
             init_method, (rank, world) = "env://", launched
@@ -313,16 +134,19 @@ class PipelineDriver:
         device = rank_device(config.device, 0)
         if device.type == "cpu":  # the ranks share the cores: OpenMP threads that spin on a taken core stall
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.world_size))
-        self.failure: str | None = None
-        self.closing = False
-        self._failing = threading.Lock()
         try:
             self.group = PipelineGroup.join(0, self.world_size, device, init_method, config.pipeline_timeout_s)
             self.stage = build_stage(config, self.group)
         except Exception as exc:
+            named = None
             if self.processes and not isinstance(exc, ValueError):  # not rank 0's own refusal: who went away?
-                self._fail(f"starting the pipeline failed: {_first_line(exc)}")
+                try:
+                    self._fail(f"starting the pipeline failed: {_first_line(exc)}")
+                except PipelineError as error:
+                    named = error
             self.close()
+            if named is not None:
+                raise named from exc
             raise
         for line in self.stage.summaries:
             logger.info("pipeline %s", line)
@@ -356,26 +180,26 @@ class PipelineDriver:
             self.processes.append(process)
 
     def close(self) -> None:
-        """Stop the workers (a stop message, then their processes) and leave the groups."""
+        """Stop the workers (a stop message, then their processes) and leave the groups; idempotent."""
+        if self.closed:
+            return
         self.closing = True  # the watchdog ignores the exits that follow
-        group = getattr(self, "group", None)
-        if group is not None and getattr(self, "failure", None) is None and not getattr(self, "closed", False):
+        group = getattr(self, "group", None)  # None when joining failed
+        if group is not None and self.failure is None:
             try:
                 for rank in range(1, self.world_size):
                     group.send_object(StepMessage(kind="stop"), rank)
-            except Exception:  # noqa: BLE001 - a rank already gone: its process is ended below
-                pass
+            except Exception as exc:  # noqa: BLE001 - a rank already gone: its process is ended below
+                logger.debug("stopping the pipeline: %s", _first_line(exc))
         for process in self.processes:
             try:
                 process.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 process.terminate()
                 process.wait(timeout=5)
-        self.processes = []
-        receiver = getattr(self, "_receiver", None)
-        if receiver is not None:
-            receiver.join(timeout=5)  # its receive fails once the last rank is gone
-        if group is not None and not getattr(self, "closed", False):
+        if self._receiver is not None:
+            self._receiver.join(timeout=5)  # its receive fails once the last rank is gone
+        if group is not None:
             group.close()
         self.closed = True
 
@@ -496,7 +320,7 @@ class PipelineDriver:
         exit_process_on_failure ends this process, within WATCH_INTERVAL_S."""
         while not self.closing and self.failure is None:
             time.sleep(WATCH_INTERVAL_S)
-            for rank, process in enumerate(list(self.processes), start=1):
+            for rank, process in enumerate(self.processes, start=1):
                 if process.poll() is not None and not self.closing and self.failure is None:
                     try:
                         self._fail(f"pipeline rank {rank} {describe_exit(process.returncode)}")

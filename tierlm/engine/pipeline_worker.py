@@ -34,9 +34,10 @@ from tierlm.distributed.group import (
     torchrun_rank,
 )
 from tierlm.engine.model_runner import ModelRunner
-from tierlm.engine.pipeline import SampleSpec, Stage, StageResult, StepMessage, build_stage, memory_report
+from tierlm.engine.pipeline_messages import SampleSpec, StageResult, StepMessage
 from tierlm.engine.request import Request
 from tierlm.engine.sampler import Sampler
+from tierlm.engine.stage_setup import Stage, build_stage, memory_report
 
 logger = logging.getLogger("tierlm")
 
@@ -178,7 +179,7 @@ def run_worker(group: PipelineGroup, stage: Stage, config) -> None:
         from tierlm.tokenizer import Tokenizer
 
         tokenizer = Tokenizer.from_pretrained(resolve_model_path(config.model))
-        decode = lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False)  # noqa: E731
+        decode = lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False)
     runner = ModelRunner(stage.model, stage.cache, Sampler(config.seed), decode, stage.static_decode)
     mirror = _Mirror() if group.is_last else None
     width, dtype = mc.hc_count * mc.hidden_size, stage.cache.dtype
@@ -217,7 +218,7 @@ def run_worker(group: PipelineGroup, stage: Stage, config) -> None:
         else:
             try:
                 result = mirror.sample(runner, message.samples, runner.forward(batch).float().cpu())
-            except Exception as exc:  # noqa: BLE001 - rank 0 reports it, then this rank exits
+            except Exception as exc:
                 _comm(group.send_object, StageResult(error=f"{type(exc).__name__}: {exc}"), 0, RESULT_TAG,
                       group.result_group)
                 raise

@@ -49,7 +49,7 @@ class ForwardBatch:
             starts.append(starts[-1] + n)
         self.bounds = list(zip(starts[:-1], starts[1:]))
 
-    def to(self, device: torch.device | str) -> "ForwardBatch":
+    def to(self, device: torch.device | str) -> ForwardBatch:
         """The same batch with its tensors on `device` (a pipeline rank's copy of rank 0's batch)."""
         moved = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
         for name, value in moved.items():
@@ -75,7 +75,7 @@ class ForwardBatch:
         block_size: int,
         device: torch.device | str = "cpu",
         logits: str | list[int] = "last",
-    ) -> "ForwardBatch":
+    ) -> ForwardBatch:
         """Assemble the metadata for requests whose next `chunks[i]` tokens are computed now.
 
         logits: "last" (one row per request, its last token), "all" (every packed row) or explicit rows.

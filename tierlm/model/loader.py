@@ -27,9 +27,9 @@ from safetensors import safe_open
 from tierlm.config import ModelConfig
 from tierlm.model.checkpoint_layout import PREFIX, checkpoint_layout, ple_hash_buffers, ple_shard_rows
 from tierlm.model.layers.ple_fp8 import Fp8NgramTable
+from tierlm.model.pipeline_stage import PipelineStage, StageLayout
 from tierlm.model.quantization.base import DENSE, ModulePart, QuantizationError
 from tierlm.model.quantization.config import QuantizationConfig, module_format
-from tierlm.model.pipeline_stage import PipelineStage, StageLayout
 from tierlm.model.qwen4_exp import Qwen4ExpForCausalLM
 
 logger = logging.getLogger(__name__)

@@ -97,7 +97,13 @@ def run(args: argparse.Namespace) -> int:
 def _print_ranks(args, settings, config, dtype: str, ple_mapped: bool) -> int:
     """One line per pipeline rank, then rank 0's plan (each rank plans its layers with its own budget)."""
     from tierlm.engine.llm_engine import engine_cache_plan
-    from tierlm.engine.pipeline import agreed_plan, check_pipeline_config, pipeline_layouts, plan_limits, rank_summary
+    from tierlm.engine.stage_setup import (
+        agreed_plan,
+        check_pipeline_config,
+        pipeline_layouts,
+        plan_limits,
+        rank_summary,
+    )
     from tierlm.memory.plan import CapacityError
     from tierlm.model.loader import read_quantization_config, resolve_model_path
 
