@@ -19,6 +19,7 @@ Results go to bench/results/pipeline_decode_<device>.json.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
@@ -81,6 +82,10 @@ def run(model: str, pp: int, args) -> dict:
         return result
     finally:
         engine.close()
+        del llm, engine
+        gc.collect()  # the next run's budget is the device's free memory: this one's must be gone
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
 
 def _per_step(before: dict, after: dict) -> dict:

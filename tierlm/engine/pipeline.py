@@ -27,7 +27,12 @@ about 1/N of the running requests; a request is in one batch at a time (`Schedul
 TIERLM_PP_MAX_IN_FLIGHT=1 turns this off (one batch at a time).
 
 Failure: every collective has `pipeline_timeout_s`; rank 0 waits for results on a thread and watches
-the worker processes it spawned, so a dead rank ends the step with a `PipelineError` naming it.
+the worker processes it spawned (also between steps), so a dead rank ends the step, or with
+`exit_process_on_failure` the server, with a `PipelineError` naming it. Under torchrun rank 0 cannot
+watch the others' processes: a rank that dies shows as the last rank's connection lost (torchrun names
+the rank that failed).
+
+Start-up (every rank) is `stage_setup.build_stage`. Not supported yet: memory-mapped PLE tables.
 """
 
 from __future__ import annotations
