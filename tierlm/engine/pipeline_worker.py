@@ -101,14 +101,14 @@ class _Mirror:
         self.requests: dict[int, Request] = {}
 
     def update(self, message: StepMessage) -> None:
-        from tierlm.engine.structured_output import BitmaskGrammar
-
         for key in message.released:
             self.requests.pop(key, None)
         for new in message.new_requests:
             request = Request(new.request_id, new.prompt_token_ids, new.params, new.eos_token_ids,
                               new.max_model_len, output_token_ids=list(new.output_token_ids))
             if new.has_grammar:
+                from tierlm.engine.structured_output import BitmaskGrammar  # xgrammar is slow to import
+
                 request.structured_output = BitmaskGrammar(None)
             self.requests[new.key] = request
 
