@@ -465,7 +465,9 @@ class LLMEngine:
         """Schedule, run one forward, sample; outputs of every request that changed this step. With
         pipeline parallelism: launch batches into the pipeline, and take back the oldest one in flight."""
         if self.pipeline is not None:
-            self.last_step_num_tokens, done = self.pipeline.step(self.scheduler)
+            launched, done = self.pipeline.step(self.scheduler)
+            # a step that only took back a batch in flight ran too (0 tells the server nothing could run)
+            self.last_step_num_tokens = launched + sum(plan.num_tokens for plan, _ in done)
         else:
             plan = self.scheduler.schedule()
             self.last_step_num_tokens = plan.num_tokens  # 0: nothing could run (all paused, or no room)
