@@ -63,7 +63,7 @@ from tierlm.distributed.group import (
     rank_device,
 )
 from tierlm.engine.model_runner import ModelRunner, StepResult
-from tierlm.engine.pipeline_messages import NewRequest, SampleSpec, StageResult, StepMessage
+from tierlm.engine.pipeline_messages import BatchArrays, NewRequest, SampleSpec, StageResult, StepMessage
 from tierlm.engine.request import Request
 from tierlm.engine.sampler import Sampler
 from tierlm.engine.scheduler import Scheduler, SchedulerOutput
@@ -233,7 +233,8 @@ class PipelineDriver:
     def submit(self, plan: SchedulerOutput) -> None:
         runner = self.runner
         batch, wanted = runner.prepare(plan, device="cpu")
-        message = StepMessage(batch=batch, cache_ops=self.cache.drain(), released=self._release_finished())
+        message = StepMessage(batch=BatchArrays.of(batch), cache_ops=self.cache.drain(),
+                              released=self._release_finished())
         requests = {}
         for chunk, first, count in wanted:
             request = chunk.request
@@ -247,6 +248,7 @@ class PipelineDriver:
                 ))
             grammar = request.structured_output
             bitmask = grammar.token_bitmask() if grammar is not None and chunk.samples else None
+            bitmask = None if bitmask is None else bitmask.numpy()
             message.samples.append(SampleSpec(key, first, count, chunk.start, chunk.num_tokens, chunk.samples, bitmask))
             requests[key] = request
         self._send_all(message)

@@ -118,7 +118,7 @@ class _Mirror:
             request = self.requests[spec.key]
             request.num_computed_tokens = spec.start
             if request.structured_output is not None:
-                request.structured_output.bitmask = spec.bitmask
+                request.structured_output.bitmask = None if spec.bitmask is None else torch.from_numpy(spec.bitmask)
             before[spec.key] = len(request.prompt_logprobs) if request.prompt_logprobs is not None else 0
             wanted.append((_Chunk(request, spec.start, spec.num_tokens, spec.samples), spec.first, spec.count))
         result = runner.sample(wanted, logits)
@@ -197,15 +197,14 @@ def run_worker(group: PipelineGroup, stage: Stage, config) -> None:
         if message.kind == "echo":
             _echo(group, message, dtype)
             continue
-        batch = message.batch
         began = time.perf_counter()
-        hidden = torch.empty(batch.token_ids.shape[0], width, dtype=dtype, device=device)
+        hidden = torch.empty(message.batch.num_tokens, width, dtype=dtype, device=device)
         receive = _comm(group.irecv, hidden, rank - 1)  # posted before the host work it overlaps
         for name, args in message.cache_ops:
             getattr(stage.cache, name)(*args)
         if mirror is not None:
             mirror.update(message)
-        batch = batch.to(device)
+        batch = message.batch.batch(device)
         stats["host_seconds"] += time.perf_counter() - began
         stall.wait(receive)
         batch.stage_input = hidden
