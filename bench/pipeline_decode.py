@@ -9,7 +9,8 @@ after their prefills and prints decode tok/s side by side with the PP=2 / PP=1 r
 - how much of that the deferred receive hides: per step, rank 1's host work done while its receive was
   posted (builds the batch, replays cache ops) and the time its compute still waited for the hidden
   state after that work (the stream's stall on CUDA, measured with events).
-Results go to bench/results/pipeline_decode_<device>.json.
+Results go to bench/results/pipeline_decode_<device>.json. On CPU the figures only show that the script
+runs: the ranks share the cores (each gets cores / N threads), so PP=1 and PP=2 do not compare.
 
     python bench/pipeline_decode.py --device cuda                  # 2 GPUs: demo-small, bf16
     python bench/pipeline_decode.py --device cuda --model DIR      # any checkpoint folder
