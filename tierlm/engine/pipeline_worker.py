@@ -227,10 +227,8 @@ def run_worker(group: PipelineGroup, stage: Stage, config) -> None:
 
 
 def _echo(group: PipelineGroup, message: StepMessage, dtype: torch.dtype) -> None:
-    """Send a hidden state straight back to rank 0, as many times as it says (transfer measurement)."""
+    """Rank 1: send a hidden state straight back to rank 0, as many times as it says (transfer measurement)."""
     repeats = _comm(group.recv_object, 0)
-    if group.rank != 1:
-        return
     tensor = torch.empty(message.echo_shape, dtype=dtype, device=group.device)
     for _ in range(repeats):
         _comm(group.irecv(tensor, 0).wait)
