@@ -88,7 +88,7 @@ def test_a_nan_row_ends_its_request_alone(llm, monkeypatch):
     greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     expected = [o.outputs[0].token_ids for o in llm.generate(["one", "two", "three"], greedy)]
     runner = llm.engine.runner
-    forward = runner._forward
+    forward = runner.forward
 
     def poisoned(batch):
         logits = forward(batch)
@@ -98,7 +98,7 @@ def test_a_nan_row_ends_its_request_alone(llm, monkeypatch):
         return logits
 
     poisoned.steps = 0
-    monkeypatch.setattr(runner, "_forward", poisoned)
+    monkeypatch.setattr(runner, "forward", poisoned)
     outputs = llm.generate(["one", "two", "three"], greedy)
     assert [o.outputs[0].finish_reason for o in outputs] == ["length", "error", "length"]
     assert "NaN" in outputs[1].outputs[0].stop_reason

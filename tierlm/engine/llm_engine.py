@@ -50,7 +50,7 @@ logger = logging.getLogger("tierlm")
 def engine_cache_plan(
     config: EngineConfig, model_config, dtype: str, device: str, weights_bytes: int,
     host_memory_bytes: int | None = None, ple_mapped: bool = False, layer_ids: tuple[int, ...] | None = None,
-    quantization=None,
+    quantization=None, stage=None,
 ) -> CachePlan:
     """The cache plan for these settings: the engine sizes its pools from it, `tierlm plan` prints it.
 
@@ -58,8 +58,12 @@ def engine_cache_plan(
     engine, which has loaded its weights, passes 0). host_memory_bytes: the host RAM to plan the host
     pools with, instead of this machine's MemAvailable. ple_mapped: the PLE tables are mapped files.
     layer_ids: the layers one pipeline rank holds (default: all). quantization: the checkpoint's
-    `QuantizationConfig` (the weights are reported at their packed size).
+    `QuantizationConfig` (the weights are reported at their packed size). stage: one pipeline rank's
+    `StageLayout` (its layers, and only the weights it holds; its share of the host RAM).
     """
+    ranks_on_host = 1
+    if stage is not None:
+        layer_ids, ranks_on_host = stage.layer_ids, stage.world_size
     if config.qsa_row_cache_rows is not None and config.qsa_row_cache_rows < 1:
         raise CapacityError(f"--qsa-row-cache-rows must be at least 1, got {config.qsa_row_cache_rows}")
     if config.qsa_row_cache_max_batch < 0:
@@ -68,7 +72,7 @@ def engine_cache_plan(
         raise CapacityError("give --checkpoint-host-bytes or --max-state-checkpoints, not both")
     max_model_len = config.max_model_len or model_config.max_position_embeddings
     budget, source = cache_budget(config.kv_cache_memory_bytes, config.gpu_memory_utilization, device, weights_bytes)
-    host, host_source = host_budget(host_memory_bytes, DEFAULT_MARGIN_BYTES)
+    host, host_source = host_budget(host_memory_bytes, DEFAULT_MARGIN_BYTES, ranks_on_host)
     if config.qsa_row_cache_rows is not None:
         arena_rows, arena_source = config.qsa_row_cache_rows, "--qsa-row-cache-rows"
     else:
@@ -93,7 +97,7 @@ def engine_cache_plan(
         device_type=torch.device(device).type, arena_rows=arena_rows, host_available_bytes=host,
         host_source=host_source, arena_source=arena_source, arena_in_budget=config.kv_cache_memory_bytes is None,
         checkpoint_source=checkpoint_source,
-        weights_bytes=sum(weight_bytes(model_config, dtype, quantization, ple_mapped, layer_ids).values()),
+        weights_bytes=sum(weight_bytes(model_config, dtype, quantization, ple_mapped, layer_ids, stage).values()),
         ple_mapped=ple_mapped,
         prefix_caching=caching and checkpoints > 0, layer_ids=layer_ids,
     ))
@@ -154,6 +158,11 @@ class EngineConfig:
     enforce_eager: bool = False  # True: no CUDA graphs (nor compilation) for decode steps
     compile_decode: bool = False  # on CPU, torch.compile the decode step (slow start, ~2x faster steps)
     load_format: str = "auto"  # "dummy": random weights from config.json alone (benchmarks; vLLM's flag)
+    # pipeline parallel: ranks (one process each, layers split between them; engine/pipeline.py) and the
+    # layers of each ("16,17,15"; None: balanced by each rank's memory)
+    pipeline_parallel_size: int = 1
+    pp_layer_partition: str | tuple[int, ...] | None = None
+    pipeline_timeout_s: float = 600.0  # every collective between ranks; a dead rank is seen sooner
 
 
 class _PrefetchListener(RequestListener):
@@ -233,13 +242,17 @@ class _Group:
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        self.pipeline = None  # a PipelineDriver with --pipeline-parallel-size > 1
         model_dir = resolve_model_path(config.model)
         table_dir = find_table_dir(str(model_dir), config.ple_table)
+        self.tokenizer = Tokenizer.from_pretrained(model_dir)
+        if config.pipeline_parallel_size != 1:
+            self._start_pipeline(model_dir, table_dir)
+            return
         self.model, self.model_config = load_model(
             model_dir, config.dtype, config.device, mapped_ple_tables=table_dir is not None,
             load_format=config.load_format,
         )
-        self.tokenizer = Tokenizer.from_pretrained(model_dir)
         mc = self.model_config
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
         dtype = next(self.model.parameters()).dtype
@@ -284,6 +297,44 @@ class LLMEngine:
         self.runner = ModelRunner(
             self.model, self.cache, Sampler(config.seed), self._decode_token, static_decode, self.ngram_store
         )
+        self._finish_init()
+
+    def _start_pipeline(self, model_dir, table_dir) -> None:
+        """--pipeline-parallel-size N: this process is rank 0 (scheduler and first stage); the other ranks
+        are spawned (or, under torchrun, ranks > 0 serve their stage in `serve_if_worker` and never return)."""
+        from tierlm.config import ModelConfig
+        from tierlm.engine.pipeline import PipelineDriver
+        from tierlm.engine.pipeline_worker import serve_if_worker
+        from tierlm.engine.stage_setup import check_pipeline_config
+
+        config = self.config
+        mc = ModelConfig.from_pretrained(model_dir)
+        check_pipeline_config(config, mc)
+        if table_dir is not None and mc.ple_layer_ids:
+            raise ValueError("memory-mapped PLE tables (--ple-table, or <model>/ple_tables) are not supported with "
+                             "--pipeline-parallel-size > 1 yet: serve the tables in memory")
+        serve_if_worker(config)
+        self.pipeline = driver = PipelineDriver(config, self._decode_token)
+        stage = driver.stage
+        self.model, self.model_config, self.cache, self.cache_plan = stage.model, mc, stage.cache, stage.plan
+        self.max_model_len = config.max_model_len or mc.max_position_embeddings
+        for line in self.cache_plan.lines():
+            logger.info("rank 0 %s", line)
+        self.cache_manager = CacheManager(
+            driver.cache, config.max_num_seqs, stage.plan.num_checkpoints, config.enable_prefix_caching
+        )
+        self.ngram_store = self.prefetcher = None
+        self.scheduler = Scheduler(self.cache_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.runner = driver.runner
+        self._finish_init()
+
+    def close(self) -> None:
+        """Stop the pipeline's other ranks (nothing to do without pipeline parallelism)."""
+        if self.pipeline is not None:
+            self.pipeline.close()
+
+    def _finish_init(self) -> None:
+        mc, device = self.model_config, self.cache.device
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(mc.eos_token_ids)
         self._groups: dict[str, _Group] = {}
         self._group_of: dict[Request, str] = {}
@@ -413,15 +464,27 @@ class LLMEngine:
 
     # ---- the step -----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule, run one forward, sample; outputs of every request that changed this step."""
-        plan = self.scheduler.schedule()
-        self.last_step_num_tokens = plan.num_tokens  # 0: nothing could run (all paused, or no room)
-        if not plan.chunks:
-            return []
-        result = self.runner.execute(plan)
+        """Schedule, run one forward, sample; outputs of every request that changed this step. With
+        pipeline parallelism: launch batches into the pipeline, and take back the oldest one in flight."""
+        if self.pipeline is not None:
+            launched, done = self.pipeline.step(self.scheduler)
+            # a step that only took back a batch in flight ran too (0 tells the server nothing could run)
+            self.last_step_num_tokens = launched + sum(plan.num_tokens for plan, _ in done)
+        else:
+            plan = self.scheduler.schedule()
+            self.last_step_num_tokens = plan.num_tokens  # 0: nothing could run (all paused, or no room)
+            done = [(plan, self.runner.execute(plan))] if plan.chunks else []
         changed: dict[str, None] = {}
+        for plan, result in done:
+            self._apply(plan, result, changed)
+        return [self._collect(request_id) for request_id in changed]
+
+    def _apply(self, plan, result, changed: dict[str, None]) -> None:
+        """A step's computed tokens and sampled tokens into its requests."""
         for chunk in plan.chunks:
             request = chunk.request
+            if request.is_finished:  # aborted while its batch was in the pipeline
+                continue
             request.num_computed_tokens += chunk.num_tokens
             self.cache_manager.on_computed(request)
             if request in result.failed:
@@ -431,14 +494,13 @@ class LLMEngine:
             else:
                 continue
             changed[self._group_of[request]] = None
-        return [self._collect(request_id) for request_id in changed]
 
     @staticmethod
     def _append(request: Request, token_id: int) -> None:
         """Append a sampled token; a failure of this request's own state (its grammar) ends it alone."""
         try:
             request.append_token(token_id)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             logger.exception("request %s could not take token %d", request.request_id, token_id)
             request.finish(RequestStatus.FINISHED_ERROR, f"{type(exc).__name__}: {exc}")
 
@@ -450,7 +512,7 @@ class LLMEngine:
             request = seq.request
             try:
                 self._update_text(seq)
-            except Exception as exc:  # noqa: BLE001 (its detokenizer or stop strings: it fails alone)
+            except Exception as exc:
                 logger.exception("request %s: detokenizing failed", request.request_id)
                 request.finish(RequestStatus.FINISHED_ERROR, f"detokenizing failed: {type(exc).__name__}: {exc}")
             if request.is_finished:

@@ -43,6 +43,13 @@ class ModelRunner:
         self.device = cache.device
 
     def execute(self, step: SchedulerOutput) -> StepResult:
+        batch, wanted = self.prepare(step)
+        logits = self.forward(batch).float().cpu()  # always run: the chunk fills the cache even with no rows
+        return self.sample(wanted, logits)
+
+    def prepare(self, step: SchedulerOutput, device=None) -> tuple[ForwardBatch, list[tuple]]:
+        """The step's batch (on `device`, default the cache's), and which of its logits rows each chunk
+        needs: (chunk, first row, count)."""
         rows, row, wanted = [], 0, []  # wanted: (chunk, first logits row, number of rows)
         for chunk in step.chunks:
             request = chunk.request
@@ -61,12 +68,15 @@ class ModelRunner:
             [c.request.state_slot for c in step.chunks],
             [c.request.block_ids for c in step.chunks],
             self.cache.block_size,
-            device=self.device,
+            device=device or self.device,
             logits=rows,
         )
         if self.ngram_store is not None:
             batch.ple_embeddings = self._ple_embeddings(step)
-        logits = self._forward(batch).float().cpu()  # always run: the chunk fills the cache even with no rows
+        return batch, wanted
+
+    def sample(self, wanted: list[tuple], logits: torch.Tensor) -> StepResult:
+        """Sample (and record log-probabilities) from the fp32 CPU logits rows `prepare` asked for."""
         result = StepResult()
         for chunk, first, count in wanted:
             request = chunk.request
@@ -78,7 +88,7 @@ class ModelRunner:
                     result.sampled[request] = self._sample(request, block[-1])
             except SamplingError as exc:
                 result.failed[request] = str(exc)
-            except Exception as exc:  # noqa: BLE001 (this request's own part: it fails alone)
+            except Exception as exc:
                 logger.exception("sampling request %s failed", request.request_id)
                 result.failed[request] = f"sampling failed: {type(exc).__name__}: {exc}"
         return result
@@ -99,7 +109,8 @@ class ModelRunner:
             store.advise_rows([np.concatenate(layer) for layer in zip(*fresh)], merge=False)
         return store.gather([np.concatenate(layer) for layer in zip(*per_chunk)])
 
-    def _forward(self, batch: ForwardBatch) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """The model (or a pipeline stage) on the batch: logits, or the next stage's input."""
         if self.static_decode is not None and self.static_decode.can_run(batch):
             return self.static_decode.run(batch)
         return self.model(batch, self.cache)

@@ -8,6 +8,10 @@ preempted: its memory is freed and it waits again at the front, to be recomputed
 included). A new request starts after its longest cached prefix; prefill chunks stop at the prompt's
 checkpoint boundary so the prefix cache can snapshot the state there. A paused running request keeps
 its memory and is skipped until it is let go on.
+
+With pipeline parallelism several batches are in flight at once: `schedule(busy=...)` leaves out the
+requests of batches not yet back (and never preempts them), and `max_requests` splits the running
+requests between the batches.
 """
 
 from __future__ import annotations
@@ -74,22 +78,27 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, busy: frozenset[Request] | set[Request] = frozenset(), max_requests: int | None = None
+                 ) -> SchedulerOutput:
+        """busy: requests in batches still in flight (left out, never preempted); max_requests: chunks in
+        this batch at most (default max_num_seqs)."""
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
+        room = max_requests or self.max_num_seqs
         index = 0
-        while index < len(self.running) and budget > 0:
+        while index < len(self.running) and budget > 0 and len(out.chunks) < room:
             request = self.running[index]
-            if request.paused:
+            if request.paused or request in busy:
                 index += 1
                 continue
             n = self._chunk(request, request.num_computed_tokens, budget)
-            if not self._reserve(request, n, out):
+            if not self._reserve(request, n, out, busy):
                 break  # the request itself was preempted; nothing after it remains
             out.chunks.append(ScheduledChunk(request, n))
             budget -= n
             index += 1
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
+        while (self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted
+               and len(out.chunks) < room):
             request = self.waiting[0]
             hit = self.cache_manager.match_prefix(request)
             n = self._chunk(request, hit, budget)
@@ -113,10 +122,12 @@ class Scheduler:
             n = boundary - start
         return n
 
-    def _reserve(self, request: Request, n: int, out: SchedulerOutput) -> bool:
-        """Blocks for the request's next n tokens, preempting from the back; False if it was the victim."""
+    def _reserve(self, request: Request, n: int, out: SchedulerOutput, busy) -> bool:
+        """Blocks for the request's next n tokens, preempting from the back (busy requests are skipped);
+        False if it was the victim."""
         while not self.cache_manager.grow(request, request.num_computed_tokens + n):
-            victim = self.running.pop()
+            victim = next(r for r in reversed(self.running) if r not in busy)  # `request` itself is not busy
+            self.running.remove(victim)
             self._preempt(victim)
             out.preempted.append(victim)
             if victim is request:

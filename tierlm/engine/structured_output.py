@@ -54,6 +54,13 @@ class GrammarState:
             xgrammar.apply_token_bitmask_inplace(masked.unsqueeze(0), self._bitmask)
         return masked
 
+    def token_bitmask(self) -> torch.Tensor | None:
+        """The tokens allowed next as a packed int32 bitmask [1, ceil(vocab / 32)] (a copy: what a pipeline
+        rank 0 sends to the last rank, which samples), or None when every token is allowed."""
+        if not self._matcher.fill_next_token_bitmask(self._bitmask):
+            return None
+        return self._bitmask.clone()
+
     def accept(self, token_id: int) -> bool:
         """Advance past a sampled token; False if the grammar does not allow it (the state is unchanged)."""
         return self._matcher.accept_token(token_id)
@@ -62,6 +69,19 @@ class GrammarState:
     def is_terminated(self) -> bool:
         """The output is complete and a stop token was accepted."""
         return self._matcher.is_terminated()
+
+
+class BitmaskGrammar:
+    """A grammar's mask for one step, sent from the process that holds the matcher (`token_bitmask`)."""
+
+    def __init__(self, bitmask: torch.Tensor | None) -> None:
+        self.bitmask = bitmask
+
+    def mask_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        masked = logits.clone()
+        if self.bitmask is not None:
+            xgrammar.apply_token_bitmask_inplace(masked.unsqueeze(0), self.bitmask)
+        return masked
 
 
 class StructuredOutputManager:

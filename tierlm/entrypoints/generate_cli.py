@@ -25,10 +25,15 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--compile-decode", action="store_true", help="CPU: torch.compile the decode step")
     parser.add_argument("--load-format", default="auto", choices=LOAD_FORMATS,
                         help="dummy: random weights from config.json alone, no checkpoint read (benchmarks)")
+    parser.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
+                        help="split the layers over this many processes (one per GPU; gloo ranks on CPU)")
+    parser.add_argument("--pp-layer-partition", default=None,
+                        help="layers per rank, e.g. 16,17,15 (default: balanced by each rank's memory)")
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    from tierlm.distributed.group import PipelineError
     from tierlm.engine.llm_engine import EngineConfig, LLMEngine
     from tierlm.model.loader import ModelNotFoundError
     from tierlm.sampling_params import SamplingParams
@@ -41,6 +46,7 @@ def run(args: argparse.Namespace) -> int:
         engine = LLMEngine(EngineConfig(
             model=args.model, dtype=args.dtype, device=args.device, enforce_eager=args.enforce_eager,
             compile_decode=args.compile_decode, load_format=args.load_format,
+            pipeline_parallel_size=args.pipeline_parallel_size, pp_layer_partition=args.pp_layer_partition,
         ))
         prompt = args.prompt
         if args.chat:
@@ -48,6 +54,16 @@ def run(args: argparse.Namespace) -> int:
         request_id = engine.add_request(prompt, params)
     except (ValueError, ModelNotFoundError) as exc:
         raise CliError(str(exc)) from None
+    try:
+        _stream(engine, request_id)
+    except PipelineError as exc:
+        raise CliError(str(exc)) from None
+    finally:
+        engine.close()
+    return 0
+
+
+def _stream(engine, request_id: str) -> None:
     shown = 0
     while engine.has_unfinished_requests():
         for output in engine.step():
@@ -61,4 +77,3 @@ def run(args: argparse.Namespace) -> int:
                 sys.stdout.write("\n")
                 print(f"[finish_reason={output.outputs[0].finish_reason}, "
                       f"tokens={len(output.outputs[0].token_ids)}]", file=sys.stderr)
-    return 0

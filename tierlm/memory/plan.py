@@ -45,12 +45,12 @@ CHECKPOINT_ALIGN = 8  # a host checkpoint row is padded to this (see model/cache
 
 def weight_bytes(
     config: ModelConfig, dtype: str, quantization=None, ple_mapped: bool = False,
-    layer_ids: tuple[int, ...] | None = None,
+    layer_ids: tuple[int, ...] | None = None, stage=None,
 ) -> dict[str, int]:
     """Bytes of the model's weights in memory per format label (`dense`: the model dtype; int64 hash
     buffers at 8 bytes), the quantized modules counted by their packed runtime tensors; without the PLE
     tables when they are mapped files; with layer_ids only those decoder layers (and every tensor outside
-    the layers)."""
+    the layers); with stage (a pipeline rank's `StageLayout`) only the tensors that rank holds."""
     from tierlm.model.checkpoint_layout import checkpoint_layout, weight_module
     from tierlm.model.quantization.base import DENSE
 
@@ -61,6 +61,8 @@ def weight_bytes(
         parts = spec.name.split(".")
         if (ple_mapped and spec.kind == "ple_table") or (
                 ids is not None and parts[1] == "layers" and int(parts[2]) not in ids):
+            continue
+        if stage is not None and not stage.holds(spec.name):
             continue
         module = weight_module(spec)
         fmt = quantization.format_of(*module) if module and quantization is not None else DENSE
@@ -467,16 +469,18 @@ def cache_budget(
     return int(fraction * available), f"{fraction} of {available:,} B available RAM"
 
 
-def host_budget(host_memory_bytes: int | None, margin_bytes: int) -> tuple[int, str]:
+def host_budget(host_memory_bytes: int | None, margin_bytes: int, ranks_on_host: int = 1) -> tuple[int, str]:
     """(bytes the QSA K/V host pools may take, where it came from): host RAM less a safety margin.
 
     host_memory_bytes stands in for this machine's MemAvailable (to plan another machine). On CPU the
     weights, the cache budget and the host pools all come out of RAM; the pools are checked against
     MemAvailable alone, as `host_pool.allocate_pools` checks them at start-up, before the cache's other
-    tensors exist.
+    tensors exist. ranks_on_host: pipeline ranks sharing this host's RAM; each plans with its share.
     """
     available, source = (
         (available_ram_bytes(), "MemAvailable") if host_memory_bytes is None
         else (host_memory_bytes, "--host-memory-bytes")
     )
+    if ranks_on_host > 1:
+        available, source = available // ranks_on_host, f"{source} / {ranks_on_host} ranks:"
     return available - margin_bytes, f"{source} {available:,} B less a {margin_bytes:,} B margin"

@@ -7,6 +7,7 @@ Each request names its recurrent-state slot and its QSA block table in the `Mode
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -33,6 +34,9 @@ class ForwardBatch:
     # PLE embeddings gathered by the host from memory-mapped tables (the NVMe tier), per PLE index:
     # [N, ple_embed_dim]; None: the PLE layers read their in-memory tables
     ple_embeddings: dict[int, torch.Tensor] | None = None
+    # pipeline parallel: the multi-stream residual [N, hc_count * hidden] from the previous stage (None on
+    # the first stage, which embeds the tokens)
+    stage_input: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         as_long = dict(dtype=torch.int64, device=self.token_ids.device)
@@ -44,6 +48,14 @@ class ForwardBatch:
         for n in self.query_lens:
             starts.append(starts[-1] + n)
         self.bounds = list(zip(starts[:-1], starts[1:]))
+
+    def to(self, device: torch.device | str) -> ForwardBatch:
+        """The same batch with its tensors on `device` (a pipeline rank's copy of rank 0's batch)."""
+        moved = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
+        for name, value in moved.items():
+            if isinstance(value, torch.Tensor):
+                moved[name] = value.to(device, non_blocking=True)
+        return ForwardBatch(**moved)
 
     @property
     def num_requests(self) -> int:
@@ -63,7 +75,7 @@ class ForwardBatch:
         block_size: int,
         device: torch.device | str = "cpu",
         logits: str | list[int] = "last",
-    ) -> "ForwardBatch":
+    ) -> ForwardBatch:
         """Assemble the metadata for requests whose next `chunks[i]` tokens are computed now.
 
         logits: "last" (one row per request, its last token), "all" (every packed row) or explicit rows.

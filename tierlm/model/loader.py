@@ -27,6 +27,7 @@ from safetensors import safe_open
 from tierlm.config import LOAD_FORMATS, ModelConfig
 from tierlm.model.checkpoint_layout import PREFIX, checkpoint_layout, ple_hash_buffers, ple_shard_rows
 from tierlm.model.layers.ple_fp8 import Fp8NgramTable
+from tierlm.model.pipeline_stage import PipelineStage, StageLayout
 from tierlm.model.quantization.base import DENSE, ModulePart, QuantizationError
 from tierlm.model.quantization.config import QuantizationConfig, module_format
 from tierlm.model.qwen4_exp import Qwen4ExpForCausalLM
@@ -183,12 +184,14 @@ def attach_formats(model: Qwen4ExpForCausalLM, quantization: QuantizationConfig 
 
 def load_model(
     model_dir: str | Path, dtype: str | torch.dtype = "auto", device: str | torch.device | None = None,
-    mapped_ple_tables: bool = False, load_format: str = "auto",
-) -> tuple[Qwen4ExpForCausalLM, ModelConfig]:
+    mapped_ple_tables: bool = False, stage: StageLayout | None = None, load_format: str = "auto",
+) -> tuple[Qwen4ExpForCausalLM | PipelineStage, ModelConfig]:
     """mapped_ple_tables: the PLE tables are served from memory-mapped files (`memory/ngram_store.py`),
-    so they are neither allocated nor read here. load_format "dummy" (vLLM's name) reads no weights: every
-    tensor of the layout gets random values drawn on `device` (`model/random_weights.py`, seed 0; on the
-    CPU the very values `tierlm demo-model` writes), so a model of any size runs from its config.json alone."""
+    so they are neither allocated nor read here. stage: one pipeline rank's part (a `PipelineStage`):
+    only the tensors it holds are allocated and read; the whole checkpoint is still checked. load_format
+    "dummy" (vLLM's name) reads no weights: every tensor of the layout gets random values drawn on
+    `device` (`model/random_weights.py`, seed 0; on the CPU the very values `tierlm demo-model` writes),
+    so a model of any size runs from its config.json alone."""
     if load_format not in LOAD_FORMATS:
         raise CheckpointError(f"load_format: unknown {load_format!r}; choose one of {', '.join(LOAD_FORMATS)}")
     model_dir = resolve_model_path(model_dir)
@@ -201,16 +204,25 @@ def load_model(
             raise CheckpointError(
                 f"load_format dummy draws unquantized weights, but {model_dir}/config.json has a quantization_config"
             )
-        return _random_model(config, target_dtype, device, mapped_ple_tables), config
+        model, destination = _materialise(config, None, target_dtype, device, mapped_ple_tables, False, stage)
+        for spec in checkpoint_layout(config):
+            # int64 hash buffers are only checked against the config on load: nothing to draw
+            if spec.kind == "int64" or (mapped_ple_tables and spec.kind == "ple_table"):
+                continue
+            if stage is None or stage.holds(spec.name):
+                destination.fill(spec.name, random_tensor(spec, 0, target_dtype, config.hidden_size, device=device))
+        return model, config
     found = index_tensors(checkpoint_files(model_dir))
     if quantization is not None:
         quantization = quantization.bind_checkpoint(set(found))
     skipped = set(check_layout(config, found, quantization))
     model, destination = _materialise(
-        config, quantization, target_dtype, device, mapped_ple_tables, fp8_ple_tables=has_fp8_ple_tables(found)
+        config, quantization, target_dtype, device, mapped_ple_tables, has_fp8_ple_tables(found), stage
     )
     handles: dict[Path, object] = {}
     for name, (file, name_in_file, _, _) in found.items():
+        if stage is not None and not stage.holds(name):
+            continue
         if name in skipped or (mapped_ple_tables and (_PLE_SHARD.fullmatch(name) or _PLE_SCALE.fullmatch(name))):
             continue
         if file not in handles:
@@ -221,14 +233,17 @@ def load_model(
 
 def _materialise(
     config: ModelConfig, quantization: QuantizationConfig | None, dtype: torch.dtype, device: torch.device,
-    mapped_ple_tables: bool, fp8_ple_tables: bool,
-) -> tuple[Qwen4ExpForCausalLM, _Destinations]:
-    """The model with uninitialised weights in their formats, on `device`, and where each tensor goes."""
+    mapped_ple_tables: bool, fp8_ple_tables: bool, stage: StageLayout | None,
+) -> tuple[Qwen4ExpForCausalLM | PipelineStage, _Destinations]:
+    """The model (or a rank's stage of it) with uninitialised weights in their formats, on `device`, and
+    where each tensor goes."""
     with torch.device("meta"):
         model = Qwen4ExpForCausalLM(config)
         attach_formats(model, quantization)
+        if stage is not None:
+            model = PipelineStage(model, stage)
         model = model.to(dtype)
-    for layer in model.model.layers:
+    for layer in model.model.layers.children():
         if layer.ple is not None and mapped_ple_tables:
             layer.ple.table = None
         elif layer.ple is not None and fp8_ple_tables:  # after .to(): it would cast fp8 too
@@ -237,18 +252,6 @@ def _materialise(
     model = model.to_empty(device=device).requires_grad_(False).eval()
     model.tie_weights()
     return model, _Destinations(model, config)
-
-
-def _random_model(
-    config: ModelConfig, dtype: torch.dtype, device: torch.device, mapped_ple_tables: bool
-) -> Qwen4ExpForCausalLM:
-    model, destination = _materialise(config, None, dtype, device, mapped_ple_tables, fp8_ple_tables=False)
-    for spec in checkpoint_layout(config):
-        # int64 hash buffers are only checked against the config on load: nothing to draw
-        if spec.kind == "int64" or (mapped_ple_tables and spec.kind == "ple_table"):
-            continue
-        destination.fill(spec.name, random_tensor(spec, 0, dtype, config.hidden_size, device=device))
-    return model
 
 
 def read_quantization_config(model_dir: Path) -> QuantizationConfig | None:

@@ -98,11 +98,14 @@ class ModelCache:
         row_cache: bool = True,
         row_cache_max_batch: int = ROW_CACHE_MAX_BATCH,
         num_host_checkpoints: int = 0,
+        layer_ids: tuple[int, ...] | None = None,
     ) -> None:
         """kv_offload: QSA K/V in exactly sized host pools (pinned on CUDA) instead of device memory, with
         a device arena of `arena_rows` rows per layer that stages prefill reads and, at decode, caches
         recently read rows for batches of up to `row_cache_max_batch` requests unless `row_cache` is False
-        (see `qsa_offload`). num_host_checkpoints: rows of the host checkpoint pool (0: none)."""
+        (see `qsa_offload`). num_host_checkpoints: rows of the host checkpoint pool (0: none).
+        layer_ids: the decoder layers whose caches this holds (one pipeline rank's; default all): `layers`
+        has one entry per id, in order."""
         c = config
         if c.has_qsa and block_size % c.indexer_compress_ratio:
             raise ValueError(
@@ -117,7 +120,8 @@ class ModelCache:
         conv_dim = 2 * c.linear_num_key_heads * c.linear_key_head_dim + c.linear_num_value_heads * c.linear_value_head_dim
         alloc = dict(dtype=dtype, device=self.device)
         kv_shape = (num_blocks, block_size, c.num_key_value_heads, c.head_dim)
-        qsa_layers = [i for i, t in enumerate(c.layer_types) if t == "indexed_attention"]
+        layer_ids = tuple(range(c.num_hidden_layers)) if layer_ids is None else tuple(layer_ids)
+        qsa_layers = [i for i in layer_ids if c.layer_types[i] == "indexed_attention"]
         pools = {}
         if kv_offload and qsa_layers:
             pools = allocate_pools(
@@ -125,7 +129,8 @@ class ModelCache:
                 pin=self.device.type == "cuda",
             )
         self.layers: list[LayerCaches] = []
-        for layer_idx, layer_type in enumerate(c.layer_types):
+        for layer_idx in layer_ids:
+            layer_type = c.layer_types[layer_idx]
             caches = LayerCaches()
             if layer_type == "linear_attention":
                 caches.gdn = GDNState(

@@ -70,29 +70,44 @@ class Qwen4ExpTextModel(nn.Module):
 
     def forward(self, batch: ForwardBatch, cache: ModelCache) -> torch.Tensor:
         """Returns the final mixer's output [M, H] for `batch.logits_rows`."""
-        streams = self.embed_tokens(batch.token_ids).repeat(1, self.config.hc_count)
-        c = self.config
-        token_streams = None
-        if c.ple_layer_ids and batch.ple_embeddings is None:
-            token_streams = shifted_token_streams(batch, cache.ngram_context, c.eos_token_id, c.ngram_size)
-        rope = Rope(self.rotary, batch.positions, streams.dtype)
-        for layer, caches in zip(self.layers, cache.layers):
-            streams = layer(streams, batch, caches, rope, token_streams)
-        self._advance_ngram_context(batch, cache)
+        streams = embed_streams(self.embed_tokens, batch, self.config.hc_count)
+        streams = run_decoder_layers(self.layers, streams, batch, cache, self.config, self.rotary)
         mixed, _ = self.hyper_connection_mixer.mix(streams[batch.logits_rows])
         return mixed
 
-    def _advance_ngram_context(self, batch: ForwardBatch, cache: ModelCache) -> None:
-        keep = cache.ngram_context.shape[1]
-        if keep == 0:
-            return
-        if batch.is_decode_only:
-            history = torch.cat([cache.ngram_context.index_select(0, batch.slots), batch.token_ids[:, None]], dim=-1)
-            cache.ngram_context.index_copy_(0, batch.slots, history[:, 1:])
-            return
-        for (start, end), slot in zip(batch.bounds, batch.state_slots):
-            history = torch.cat([cache.ngram_context[slot], batch.token_ids[start:end]])
-            cache.ngram_context[slot] = history[-keep:]
+
+def embed_streams(embed_tokens: Embedding, batch: ForwardBatch, hc_count: int) -> torch.Tensor:
+    """The token embeddings copied into the hc residual streams: [N, hc_count * H]."""
+    return embed_tokens(batch.token_ids).repeat(1, hc_count)
+
+
+def run_decoder_layers(
+    layers, streams: torch.Tensor, batch: ForwardBatch, cache: ModelCache, config: ModelConfig,
+    rotary: RotaryEmbedding,
+) -> torch.Tensor:
+    """The streams through `layers` (whose caches are `cache.layers`, in order); then the requests'
+    n-gram context moves past this batch's tokens."""
+    token_streams = None
+    if config.ple_layer_ids and batch.ple_embeddings is None:
+        token_streams = shifted_token_streams(batch, cache.ngram_context, config.eos_token_id, config.ngram_size)
+    rope = Rope(rotary, batch.positions, streams.dtype)
+    for layer, caches in zip(layers, cache.layers):
+        streams = layer(streams, batch, caches, rope, token_streams)
+    _advance_ngram_context(batch, cache)
+    return streams
+
+
+def _advance_ngram_context(batch: ForwardBatch, cache: ModelCache) -> None:
+    keep = cache.ngram_context.shape[1]
+    if keep == 0:
+        return
+    if batch.is_decode_only:
+        history = torch.cat([cache.ngram_context.index_select(0, batch.slots), batch.token_ids[:, None]], dim=-1)
+        cache.ngram_context.index_copy_(0, batch.slots, history[:, 1:])
+        return
+    for (start, end), slot in zip(batch.bounds, batch.state_slots):
+        history = torch.cat([cache.ngram_context[slot], batch.token_ids[start:end]])
+        cache.ngram_context[slot] = history[-keep:]
 
 
 class Qwen4ExpForCausalLM(nn.Module):

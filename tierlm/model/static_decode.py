@@ -49,12 +49,14 @@ class StaticDecodeRunner:
     def __init__(
         self, model, cache: ModelCache, max_batch: int, max_blocks_per_request: int, mode: str,
         sizes: list[int] | None = None, ple_embedding_dims: dict[int, int] | None = None,
-        widths: list[int] | None = None,
+        widths: list[int] | None = None, stage_input_width: int | None = None,
     ) -> None:
         """sizes: the batch sizes to prepare (default `prepared_sizes(max_batch)`); the largest is max_batch.
         widths: the block-table widths to prepare (default `prepared_widths` from FIRST_WIDTH_TOKENS); the
         largest is max_blocks_per_request.
-        ple_embedding_dims: {PLE index: width} when the host gathers PLE embeddings (mapped tables)."""
+        ple_embedding_dims: {PLE index: width} when the host gathers PLE embeddings (mapped tables).
+        stage_input_width: a pipeline stage after the first: the width of the hidden state it receives
+        (`ForwardBatch.stage_input`), copied into an input buffer like the token ids."""
         if mode not in MODES:
             raise ValueError(f"mode {mode!r}: choose one of {MODES}")
         self.model, self.cache, self.mode = model, cache, mode
@@ -77,6 +79,8 @@ class StaticDecodeRunner:
             index: torch.zeros(max_batch, width, dtype=cache.dtype, device=cache.device)
             for index, width in (ple_embedding_dims or {}).items()
         } or None
+        self.stage_input = None if stage_input_width is None else torch.zeros(
+            max_batch, stage_input_width, dtype=cache.dtype, device=cache.device)
         self._pad(0, max_batch, max_blocks_per_request)
         self.shapes = [(size, width) for size in self.sizes for width in self.widths]
         self.batches = {shape: self._static_batch(*shape) for shape in self.shapes}
@@ -102,6 +106,7 @@ class StaticDecodeRunner:
             logits_rows=self.logits_rows[:size], slots=self.slots[:size], context_lens_tensor=self.context_lens[:size],
             static=True,
             ple_embeddings={i: e[:size] for i, e in self.ple_embeddings.items()} if self.ple_embeddings else None,
+            stage_input=None if self.stage_input is None else self.stage_input[:size],
         )
 
     def _pad(self, start: int, size: int, width: int) -> None:
@@ -109,6 +114,8 @@ class StaticDecodeRunner:
         columns, position 0): what a (size, width) forward reads of them."""
         for buffer in (self.token_ids, self.positions, self.context_lens):
             buffer[start:size].zero_()
+        if self.stage_input is not None:
+            self.stage_input[start:size].zero_()
         self.slots[start:size] = self.cache.scratch_slot
         self.tables_at[width][start:size] = self.cache.scratch_block
         self.slot_mapping[start:size] = self.cache.scratch_block * self.cache.block_size
@@ -156,6 +163,8 @@ class StaticDecodeRunner:
         self.slot_mapping[:n].copy_(batch.slot_mapping)
         for index, buffer in (self.ple_embeddings or {}).items():
             buffer[:n].copy_(batch.ple_embeddings[index])
+        if self.stage_input is not None:
+            self.stage_input[:n].copy_(batch.stage_input)
         self._pad(n, size, width)
         if shape in self.graphs:
             self.graphs[shape].replay()

@@ -26,6 +26,7 @@ ENGINE_FLAGS = (
     "max_state_checkpoints", "ple_table", "ple_prefetch", "qsa_kv_offload", "qsa_row_cache",
     "qsa_row_cache_rows", "qsa_row_cache_max_batch", "checkpoint_host_bytes", "qsa_row_cache_bytes",
     "load_format",
+    "pipeline_parallel_size", "pp_layer_partition",
 )
 
 
@@ -93,7 +94,16 @@ def add_parser(subparsers) -> None:
                         help="torch threads on CPU (default: cores - 1, leaving one to the HTTP side)")
     engine.add_argument("--gpu-memory-utilization", type=float, default=None,
                         help="the cache budget as a fraction of device memory")
+    add_pipeline_flags(engine)
     parser.set_defaults(func=run)
+
+
+def add_pipeline_flags(parser) -> None:
+    """--pipeline-parallel-size and --pp-layer-partition (serve, generate and plan share them)."""
+    parser.add_argument("--pipeline-parallel-size", "-pp", type=int, default=None,
+                        help="split the layers over this many processes (one per GPU; gloo ranks on CPU)")
+    parser.add_argument("--pp-layer-partition", default=None,
+                        help="layers per rank, e.g. 16,17,15 (default: balanced by each rank's memory)")
 
 
 def demo_model_dir() -> Path:
@@ -148,6 +158,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         http = protocol_with_read_timeout(args.request_read_timeout)
         engine = LLMEngine(engine_config(model, args))
+        if engine.pipeline is not None:  # a pipeline rank that dies ends the server
+            engine.pipeline.exit_process_on_failure = True
         limits = {"max_stream_buffer_bytes": args.max_stream_buffer_bytes,
                   "stream_stall_timeout_s": args.stream_stall_timeout}
         async_engine = AsyncEngine(engine, name, **{k: v for k, v in limits.items() if v is not None})
@@ -159,4 +171,6 @@ def run(args: argparse.Namespace) -> int:
         app, host=args.host, port=args.port, log_level="info", http=http, limit_concurrency=args.limit_concurrency,
         timeout_keep_alive=args.timeout_keep_alive,
     )
+    if engine.pipeline is not None and engine.pipeline.failure is not None:
+        raise CliError(engine.pipeline.failure)
     return 0

@@ -7,6 +7,8 @@ K/V pools, the prefix-cache checkpoints and the page cache left for mapped PLE t
 max_model_len requests that fit at once. `--device cuda`
 with --kv-cache-memory-bytes needs no GPU, and --host-memory-bytes stands in for this machine's
 MemAvailable, so a deployment machine (QSA K/V offloaded or not) can be planned from another one.
+With --pipeline-parallel-size N it prints one line per rank (its layers, weights and cache, as the engine
+logs them at start-up, ranks on devices of equal memory), then rank 0's plan.
 """
 
 from __future__ import annotations
@@ -40,6 +42,10 @@ def add_parser(subparsers) -> None:
                         help="the PLE tables as mapped files (default: <model>/ple_tables if present)")
     parser.add_argument("--host-memory-bytes", type=int, default=None,
                         help="host RAM to plan with instead of this machine's MemAvailable")
+    parser.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
+                        help="plan each of this many pipeline ranks (equal devices)")
+    parser.add_argument("--pp-layer-partition", default=None,
+                        help="layers per rank, e.g. 16,17,15 (default: balanced)")
     parser.set_defaults(func=run)
 
 
@@ -66,8 +72,11 @@ def run(args: argparse.Namespace) -> int:
             max_state_checkpoints=args.max_state_checkpoints, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
             gpu_memory_utilization=args.gpu_memory_utilization, qsa_kv_offload=args.qsa_kv_offload,
             qsa_row_cache_rows=args.qsa_row_cache_rows, checkpoint_host_bytes=args.checkpoint_host_bytes,
+            pipeline_parallel_size=args.pipeline_parallel_size, pp_layer_partition=args.pp_layer_partition,
             **({} if args.qsa_row_cache_bytes is None else {"qsa_row_cache_bytes": args.qsa_row_cache_bytes}),
         )
+        if args.pipeline_parallel_size != 1:
+            return _print_ranks(args, settings, config, dtype, ple_mapped)
         quantization = read_quantization_config(model_dir)
         by_format = weight_bytes(config, dtype, quantization, ple_mapped)
         weights = sum(by_format.values())
@@ -83,3 +92,37 @@ def run(args: argparse.Namespace) -> int:
         print(line)
     return 0
 
+
+
+def _print_ranks(args, settings, config, dtype: str, ple_mapped: bool) -> int:
+    """One line per pipeline rank, then rank 0's plan (each rank plans its layers with its own budget)."""
+    from tierlm.engine.llm_engine import engine_cache_plan
+    from tierlm.engine.stage_setup import (
+        agreed_plan,
+        check_pipeline_config,
+        pipeline_layouts,
+        plan_limits,
+        rank_summary,
+    )
+    from tierlm.memory.plan import CapacityError
+    from tierlm.model.loader import read_quantization_config, resolve_model_path
+
+    if ple_mapped:
+        raise CliError("memory-mapped PLE tables are not supported with --pipeline-parallel-size > 1 yet")
+    try:
+        check_pipeline_config(settings, config)
+        quantization = read_quantization_config(resolve_model_path(args.model))
+        ranks = pipeline_layouts(settings, config, dtype, [1] * args.pipeline_parallel_size, quantization)
+        plans = [engine_cache_plan(settings, config, dtype, args.device, 0, args.host_memory_bytes, stage=layout,
+                                   quantization=quantization) for layout in ranks]
+    except (CapacityError, ValueError) as exc:
+        raise CliError(str(exc)) from None
+    limits = [plan_limits(plan) for plan in plans]
+    plans = [agreed_plan(plan, limits, config, layout) for plan, layout in zip(plans, ranks)]
+    weights = sum(plan.weights_bytes for plan in plans)
+    print(f"model: {args.model} ({weights:,} B of weights in {dtype}, over {len(ranks)} pipeline ranks)")
+    for layout, plan in zip(ranks, plans):
+        print(rank_summary(layout, args.device, plan))
+    for line in plans[0].lines():
+        print(f"rank 0 {line}")
+    return 0

@@ -1,0 +1,153 @@
+"""Pipeline parallel decode: PP=1 on one device against PP=2 over two (issue 13's figures).
+
+For each pipeline size it starts the engine on MODEL (default: the `small` demo model, 8 layers in bf16,
+built once into ~/.cache/tierlm/demo-small), then for 1 and 4 streams decodes --tokens tokens per stream
+after their prefills and prints decode tok/s side by side with the PP=2 / PP=1 ratio. For PP=2 also:
+- each rank's device memory (what its allocator holds, CUDA) against its plan (weights + cache);
+- the stage-to-stage copy of one step's hidden state (a [streams, hc * hidden] round trip between ranks
+  0 and 1, halved: `PipelineDriver.echo_seconds`);
+- how much of that the deferred receive hides: per step, rank 1's host work done while its receive was
+  posted (builds the batch, replays cache ops) and the time its compute still waited for the hidden
+  state after that work (the stream's stall on CUDA, measured with events).
+Results go to bench/results/pipeline_decode_<device>.json. On CPU the figures only show that the script
+runs: the ranks share the cores (each gets cores / N threads), so PP=1 and PP=2 do not compare.
+
+    python bench/pipeline_decode.py --device cuda                  # 2 GPUs: demo-small, bf16
+    python bench/pipeline_decode.py --device cuda --model DIR      # any checkpoint folder
+    python bench/pipeline_decode.py --device cpu --small           # the tiny demo model on CPU (gloo ranks)
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+from tierlm import LLM, SamplingParams
+from tierlm.demo_model import build_demo_model
+
+STREAMS = (1, 4)
+
+
+def demo_model(size: str) -> Path:
+    folder = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tierlm" / f"demo-{size}"
+    if not (folder / "config.json").is_file():
+        print(f"building the {size} demo model in {folder} (once)")
+        build_demo_model(folder, size, overwrite=True)
+    return folder
+
+
+def decode_rate(llm: LLM, streams: int, tokens: int) -> dict:
+    """tok/s of the decode steps of `streams` requests (their prefills run first, untimed)."""
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=tokens + 1, ignore_eos=True)
+    requests = [engine.add_request(f"# stream {i}\ndef f(x):", params) for i in range(streams)]
+    generated = dict.fromkeys(requests, 0)
+    while min(generated.values()) < 1:  # every stream has its first token: prefills done
+        for out in engine.step():
+            generated[out.request_id] = len(out.outputs[0].token_ids)
+    start_tokens, start = sum(generated.values()), time.perf_counter()
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            generated[out.request_id] = len(out.outputs[0].token_ids)
+    seconds = time.perf_counter() - start
+    decoded = sum(generated.values()) - start_tokens
+    return {"streams": streams, "tokens": decoded, "seconds": seconds, "tok_s": decoded / seconds}
+
+
+def run(model: str, pp: int, args) -> dict:
+    options = dict(dtype=args.dtype, device=args.device, max_model_len=args.max_model_len, max_num_seqs=4)
+    if args.kv_cache_memory_bytes:
+        options["kv_cache_memory_bytes"] = args.kv_cache_memory_bytes
+    llm = LLM(model, **options, pipeline_parallel_size=pp)
+    engine = llm.engine
+    try:
+        decode_rate(llm, 1, 4)  # warm-up (kernels, graphs)
+        result = {"pp": pp, "rates": []}
+        for streams in STREAMS:
+            before = engine.pipeline.worker_stats() if engine.pipeline else None
+            rate = decode_rate(llm, streams, args.tokens)
+            if engine.pipeline:
+                rate["rank1"] = _per_step(before[0], engine.pipeline.worker_stats()[0])
+                config = engine.model_config
+                shape = (streams, config.hc_count * config.hidden_size)
+                rate["transfer_s"] = engine.pipeline.echo_seconds(shape, engine.cache.dtype)
+            result["rates"].append(rate)
+        result["memory"] = _memory(engine)
+        return result
+    finally:
+        engine.close()
+        del llm, engine
+        gc.collect()  # the next run's budget is the device's free memory: this one's must be gone
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def _per_step(before: dict, after: dict) -> dict:
+    steps = max(after["steps"] - before["steps"], 1)
+    return {key: (after[key] - before[key]) / steps for key in ("host_seconds", "stall_seconds", "forward_seconds")}
+
+
+def _memory(engine) -> list[dict]:
+    """Per rank: the allocator's bytes (CUDA) beside the plan's weights + cache."""
+    from tierlm.engine.stage_setup import memory_report
+
+    if engine.pipeline is None:
+        plan, device = engine.cache_plan, engine.cache.device
+        allocated = torch.cuda.memory_allocated(device) if device.type == "cuda" else None
+        return [{"rank": 0, "plan_device_bytes": plan.weights_bytes + plan.device_bytes(),
+                 "device_memory_allocated": allocated}]
+    ranks = [dict(rank=0, **memory_report(engine.pipeline.stage))]
+    return ranks + [{k: s[k] for k in ("rank", "plan_device_bytes", "device_memory_allocated")}
+                    for s in engine.pipeline.worker_stats()]
+
+
+def report(results: dict[int, dict]) -> None:
+    one, two = results[1], results[2]
+    print(f"\n{'streams':>8} {'PP=1 tok/s':>11} {'PP=2 tok/s':>11} {'PP2/PP1':>8} {'copy ms':>8} "
+          f"{'host ms':>8} {'stall ms':>9} {'hidden':>7}")
+    for a, b in zip(one["rates"], two["rates"]):
+        r1, copy = b["rank1"], b["transfer_s"]
+        hidden = min(r1["host_seconds"], copy) / copy if copy else 0.0
+        print(f"{a['streams']:>8} {a['tok_s']:>11.1f} {b['tok_s']:>11.1f} {b['tok_s'] / a['tok_s']:>8.2f} "
+              f"{copy * 1e3:>8.3f} {r1['host_seconds'] * 1e3:>8.3f} {r1['stall_seconds'] * 1e3:>9.3f} {hidden:>7.0%}")
+    print("  copy: one stage-to-stage hidden state copy; host: rank 1's work per step while its receive was "
+          "posted; stall: what its compute still waited after that; hidden: share of the copy the host work covers")
+    for pp, result in results.items():
+        for rank in result["memory"]:
+            allocated = rank["device_memory_allocated"]
+            measured = "n/a (CPU)" if allocated is None else f"{allocated:,} B ({allocated / rank['plan_device_bytes']:.2f}x)"
+            print(f"PP={pp} rank {rank['rank']}: planned {rank['plan_device_bytes']:,} B, allocated {measured}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--model", default=None, help="a checkpoint folder (default: a demo model)")
+    parser.add_argument("--small", action="store_true", help="the tiny demo model, fp32 (CPU check)")
+    parser.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
+    parser.add_argument("--tokens", type=int, default=None, help="decode tokens per stream (default 128; 16 small)")
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    args = parser.parse_args()
+    args.dtype = args.dtype or ("float32" if args.small or args.device == "cpu" else "bfloat16")
+    args.tokens = args.tokens or (16 if args.small else 128)
+    model = args.model or str(demo_model("tiny" if args.small else "small"))
+    results = {pp: run(model, pp, args) for pp in (1, 2)}
+    report(results)
+    out = Path(__file__).parent / "results" / f"pipeline_decode_{args.device}.json"
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(json.dumps({"model": model, "dtype": args.dtype, "host": platform.node(),
+                               "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+                               "results": results}, indent=2))
+    print(f"\nwritten: {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,194 @@
+"""Pipeline parallelism on CPU (gloo ranks as processes, demo model, fp32): the same tokens and
+log-probabilities as one process, with chunked prefill, preemption, prefix caching, structured output
+and QSA K/V offload; a rank that dies ends generation with an error naming it; the layer split and
+`tierlm plan --pipeline-parallel-size`.
+
+Starting ranks costs seconds on a small machine, so one PP=3 engine serves several tests and one PP=2
+engine is killed at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import pytest
+
+from tierlm import LLM, SamplingParams
+from tierlm.demo_model import build_demo_model
+from tierlm.distributed.group import PipelineError
+from tierlm.memory.partition import PartitionError, balanced_partition, check_partition
+from tierlm.sampling_params import StructuredOutputRequest
+
+# chunked prefill (prompts longer than a step's tokens), prefix caching on
+OPTIONS = dict(dtype="float32", device="cpu", max_model_len=256, max_num_seqs=4, max_num_batched_tokens=24,
+               max_state_checkpoints=4)
+PARTITION = (1, 1, 2)  # the QSA layer (3) on the last rank
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+
+
+@pytest.fixture(scope="module")
+def demo_dir(tmp_path_factory):
+    return build_demo_model(tmp_path_factory.mktemp("demo") / "tiny", "tiny")
+
+
+@pytest.fixture(scope="module")
+def single(demo_dir):
+    return LLM(str(demo_dir), **OPTIONS)
+
+
+@pytest.fixture(scope="module")
+def pp3(demo_dir, single):
+    # a budget that holds one request of max_model_len and a few blocks more: concurrent requests preempt
+    blocks = 256 // single.engine.cache_plan.block_size
+    llm = LLM(str(demo_dir), **OPTIONS, pipeline_parallel_size=3, pp_layer_partition=",".join(map(str, PARTITION)),
+              kv_cache_memory_bytes=_budget_for_blocks(demo_dir, blocks))
+    yield llm
+    llm.engine.close()
+
+
+def _budget_for_blocks(demo_dir, blocks: int) -> int:
+    """--kv-cache-memory-bytes that gives the rank holding the QSA layer (the last) `blocks` blocks."""
+    from tierlm.config import ModelConfig
+    from tierlm.engine.llm_engine import EngineConfig, engine_cache_plan
+    from tierlm.memory.partition import layouts
+
+    config = ModelConfig.from_pretrained(demo_dir)
+    plans = [engine_cache_plan(EngineConfig(str(demo_dir), **OPTIONS), config, "float32", "cpu", 0, stage=layout)
+             for layout in layouts(config, PARTITION)]
+    budget = (blocks + 1) * plans[-1].block_bytes + plans[-1].device_slots * plans[-1].slot_bytes
+    assert all(plan.device_slots * plan.slot_bytes <= budget for plan in plans)  # every rank's slots fit
+    return budget
+
+
+def _logprob_rows(completion):
+    return [sorted((token, entry.logprob, entry.rank) for token, entry in position.items())
+            for position in completion.logprobs]
+
+
+def test_one_request_gives_bit_identical_tokens_and_logprobs(single, pp3):
+    """One request at a time, so every step batches the same rows in both: nothing may differ."""
+    prompt = "def parse(tokens):\n    " * 6  # 4 prefill chunks
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3, prompt_logprobs=2)
+    expected, got = single.generate(prompt, params)[0], pp3.generate(prompt, params)[0]
+    assert got.outputs[0].token_ids == expected.outputs[0].token_ids
+    assert _logprob_rows(got.outputs[0]) == _logprob_rows(expected.outputs[0])
+    assert got.outputs[0].cumulative_logprob == expected.outputs[0].cumulative_logprob
+    assert got.prompt_logprobs == expected.prompt_logprobs
+    assert got.outputs[0].text == expected.outputs[0].text
+
+
+def test_concurrent_requests_with_preemption_match_one_process(single, pp3):
+    """Micro-batches in flight split the requests differently from one process's batches, so fp32
+    sums may round differently in the last bits: tokens equal, log-probabilities within 1e-4."""
+    tokenizer = single.get_tokenizer()
+    prompts = [{"prompt_token_ids": tokenizer.encode(f"# file {i}\n" + "x = 1\n" * (6 + 3 * i))} for i in range(5)]
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=2)
+    expected, got = single.generate(prompts, params), pp3.generate(prompts, params)
+    assert pp3.engine.scheduler.num_preemptions > 0
+    for a, b in zip(got, expected):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for row_a, row_b in zip(_logprob_rows(a.outputs[0]), _logprob_rows(b.outputs[0])):
+            assert max(abs(x[1] - y[1]) for x, y in zip(row_a, row_b)) <= 1e-4
+
+
+def test_prefix_cache_hit_restores_every_ranks_state(single, pp3):
+    prompt = {"prompt_token_ids": single.get_tokenizer().encode("import collections\n" * 12)}
+    expected = single.generate(prompt, GREEDY)[0]
+    first, second = pp3.generate(prompt, GREEDY)[0], pp3.generate(prompt, GREEDY)[0]
+    assert second.num_cached_tokens > 0  # the second skips its prompt's blocks: every rank restored its layers
+    for got in (first, second):
+        assert got.outputs[0].token_ids == expected.outputs[0].token_ids
+        assert _logprob_rows(got.outputs[0]) == _logprob_rows(expected.outputs[0])
+
+
+def test_structured_output_and_seeded_sampling(single, pp3):
+    schema = {"type": "object", "required": ["x"], "properties": {"x": {"type": "integer"}}}
+    constrained = SamplingParams(temperature=0, max_tokens=80,
+                                 structured_output=StructuredOutputRequest(json_schema=json.dumps(schema)))
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=3, max_tokens=10, ignore_eos=True)
+    prompts = ["JSON please:", "def f(x):"]
+    expected = single.generate(prompts, [constrained, seeded])
+    got = pp3.generate(prompts, [constrained, seeded])
+    for a, b in zip(got, expected):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    assert got[0].outputs[0].finish_reason == "stop"
+    assert isinstance(json.loads(got[0].outputs[0].text)["x"], int)
+
+
+def test_qsa_kv_offload_then_a_killed_rank_ends_generation_with_an_error_naming_it(demo_dir, single, pp3):
+    pp3.engine.close()  # one pipeline per process
+    llm = LLM(str(demo_dir), **OPTIONS, pipeline_parallel_size=2, qsa_kv_offload=True, qsa_row_cache_rows=61)
+    engine = llm.engine
+    try:
+        assert engine.cache_plan.kv_offload
+        prompt = "import os\n" * 9  # prefilled in 2 chunks
+        a, b = llm.generate(prompt, GREEDY)[0], single.generate(prompt, GREEDY)[0]
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert _logprob_rows(a.outputs[0]) == _logprob_rows(b.outputs[0])
+        engine.add_request("def f(x):", SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
+        engine.step()
+        os.kill(engine.pipeline.processes[0].pid, signal.SIGKILL)
+        began = time.monotonic()
+        with pytest.raises(PipelineError, match="pipeline rank 1 killed by SIGKILL"):
+            while engine.has_unfinished_requests():
+                engine.step()
+        assert time.monotonic() - began < 30
+    finally:
+        engine.close()
+    assert [process.poll() is not None for process in engine.pipeline.processes] == [True]  # no rank left behind
+
+
+def test_balanced_partition_and_given_partitions():
+    # equal layers: the ends' extra bytes push layers away from the first and last ranks
+    assert balanced_partition([10] * 12, 0, 0, [1, 1, 1]) == (4, 4, 4)
+    assert balanced_partition([10] * 12, 25, 15, [1, 1, 1]) == (3, 5, 4)
+    # a rank with twice the memory takes twice the layers
+    assert balanced_partition([10] * 9, 0, 0, [2, 1]) == (6, 3)
+    check_partition((16, 17, 15), 48, 3)
+    for counts, problem in [((16, 17), "2 entries"), ((16, 17, 14), "sums to 47"), ((48, 0, 0), "at least one")]:
+        with pytest.raises(PartitionError, match=problem):
+            check_partition(counts, 48, 3)
+
+
+def test_plan_prints_one_line_per_rank(demo_dir, capsys):
+    from tierlm.cli import main
+
+    assert main(["plan", str(demo_dir), "--dtype", "float32", "--max-model-len", "256",
+                 "--pipeline-parallel-size", "3", "--pp-layer-partition", "2,1,1"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    ranks = [line for line in lines if line.startswith("rank ") and " on cpu: " in line]
+    assert [line.split(":")[1].split(";")[0].strip() for line in ranks] == [
+        "layers 0-1 (2) + embedding", "layers 2-2 (1)", "layers 3-3 (1) + lm_head"]
+    assert main(["plan", str(demo_dir), "--pipeline-parallel-size", "2", "--pp-layer-partition", "3,2"]) == 2
+    assert "sums to 5, but the model has 4 layers" in capsys.readouterr().err
+
+
+def test_scheduler_leaves_batches_in_flight_alone(demo_dir):
+    """Requests of a batch in flight are not scheduled again, nor preempted when blocks run out."""
+    from tierlm.config import ModelConfig
+    from tierlm.engine.cache_manager import CacheManager
+    from tierlm.engine.request import Request
+    from tierlm.engine.scheduler import Scheduler
+    from tierlm.model.model_cache import ModelCache
+
+    cache = ModelCache(ModelConfig.from_pretrained(demo_dir), num_slots=4, num_blocks=7, block_size=16,
+                       dtype=__import__("torch").float32)
+    scheduler = Scheduler(CacheManager(cache, 4), max_num_seqs=4, max_num_batched_tokens=256)
+    requests = [Request(str(i), [1] * 30, SamplingParams(max_tokens=40), frozenset(), 256) for i in range(3)]
+    for request in requests:
+        scheduler.add(request)
+    first = scheduler.schedule(max_requests=2)
+    assert [c.request for c in first.chunks] == requests[:2]
+    second = scheduler.schedule(busy={c.request for c in first.chunks})
+    assert [c.request for c in second.chunks] == [requests[2]]  # 6 of 7 blocks taken now
+    for chunk in first.chunks + second.chunks:
+        chunk.request.num_computed_tokens += chunk.num_tokens
+        chunk.request.output_token_ids.append(5)
+    requests[1].output_token_ids += [5] * 33  # 64 tokens: 2 more blocks, and 1 is free
+    third = scheduler.schedule(busy={requests[0], requests[2]})
+    # the newest running request (2) is in flight: the newest one not in flight is requests[1] itself
+    assert third.chunks == [] and third.preempted == [requests[1]]
+    assert requests[0] in scheduler.running and requests[2] in scheduler.running

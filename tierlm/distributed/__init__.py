@@ -1,0 +1,1 @@
+"""Processes and their communication for multi-process inference (pipeline parallelism)."""

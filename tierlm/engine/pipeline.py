@@ -1,0 +1,395 @@
+"""Pipeline parallelism: the model's layers split between processes, one scheduler in the first.
+
+Rank 0 is the engine: tokenizer, scheduler, cache manager, text side, and the first stage (embedding
+and the first layers). Every other rank runs `pipeline_worker.run_worker`: it holds its own layers
+(the last rank also the final mixer and lm_head), its own `ModelCache`, cache plan, host pools and
+static decode runner, and follows rank 0's step descriptions. Each step:
+1. rank 0 schedules a batch and sends every rank a `StepMessage`: the batch (`ForwardBatch` on the
+   CPU: token ids, positions, slots, block tables; slot and block numbers are rank 0's cache manager's,
+   the same on every rank), the cache operations rank 0's cache manager made since the last message
+   (reset a slot, save or restore a prefix-cache checkpoint: each rank applies them to its own layers
+   before the forward, so they land between the same two forwards everywhere), and for the last rank
+   what to sample;
+2. rank 0 runs its layers and sends the multi-stream residual [N, hc * hidden] to rank 1, which runs
+   its layers and sends it on; each rank posts its receive of the residual as soon as the step message
+   is in, before its host work (building the batch), so the copy overlaps that work (deferred receive);
+3. the last rank computes the logits, samples and sends back only the token ids and the requested
+   log-probabilities (`StageResult`).
+
+Sampling on the last rank: its sampler keeps a mirror of each request's sampling state (parameters,
+output tokens, seeded generator; `pipeline_worker._Mirror`). Structured output: rank 0's grammar
+matcher gives the allowed-token bitmask of each constrained row, which is sent with the step: vocab/8
+bytes a row (31 KB for a 248k vocabulary) against 4 x vocab (1 MB) to send the fp32 logits row back
+and sample on rank 0.
+
+Micro-batches: up to pipeline_parallel_size batches are in flight (vLLM's virtual engines), each with
+about 1/N of the running requests; a request is in one batch at a time (`Scheduler.schedule(busy=)`).
+TIERLM_PP_MAX_IN_FLIGHT=1 turns this off (one batch at a time).
+
+Failure: every collective has `pipeline_timeout_s`; rank 0 waits for results on a thread and watches
+the worker processes it spawned (also between steps), so a dead rank ends the step, or with
+`exit_process_on_failure` the server, with a `PipelineError` naming it. Under torchrun rank 0 cannot
+watch the others' processes: a rank that dies shows as the last rank's connection lost (torchrun names
+the rank that failed).
+
+Start-up (every rank) is `stage_setup.build_stage`. Not supported yet: memory-mapped PLE tables.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import math
+import os
+import pickle
+import queue
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from tierlm.distributed.group import (
+    CONTROL_TAG,
+    EXIT_PEER_LOST,
+    RESULT_TAG,
+    PipelineError,
+    PipelineGroup,
+    describe_exit,
+    free_tcp_address,
+    rank_device,
+)
+from tierlm.engine.model_runner import ModelRunner, StepResult
+from tierlm.engine.pipeline_messages import BatchArrays, NewRequest, SampleSpec, StageResult, StepMessage
+from tierlm.engine.request import Request
+from tierlm.engine.sampler import Sampler
+from tierlm.engine.scheduler import Scheduler, SchedulerOutput
+from tierlm.engine.stage_setup import build_stage
+
+logger = logging.getLogger("tierlm")
+
+RESULT_POLL_S = 0.2  # how often rank 0 checks its workers while it waits for a result
+WATCH_INTERVAL_S = 1.0  # how often rank 0 checks its workers between steps
+
+
+def _first_line(exc: BaseException) -> str:
+    """An error's first line, without gloo's advice (the rank it names is what matters here)."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return text.split(". This is typically caused")[0]
+
+
+# ---- rank 0 ------------------------------------------------------------------------------------------
+class RecordingCache:
+    """Rank 0's `ModelCache` as the cache manager sees it: every slot reset and checkpoint save or
+    restore runs here and is also recorded, to be replayed by the other ranks on their layers."""
+
+    RECORDED = ("reset_slot", "save_checkpoint", "restore_checkpoint")
+
+    def __init__(self, cache) -> None:
+        self._cache = cache
+        self.ops: list[tuple[str, tuple]] = []
+
+    def __getattr__(self, name):
+        attribute = getattr(self._cache, name)
+        if name in self.RECORDED:
+            def recorded(*args):
+                self.ops.append((name, args))
+                return attribute(*args)
+            return recorded
+        return attribute
+
+    def drain(self) -> list[tuple[str, tuple]]:
+        ops, self.ops = self.ops, []
+        return ops
+
+
+@dataclass
+class _InFlight:
+    plan: SchedulerOutput
+    requests: dict[int, Request]  # by key, the requests whose rows come back
+    send: object  # the hidden state's send to rank 1 (waited for when the result is back)
+    hidden: torch.Tensor  # kept alive until then
+
+
+class PipelineDriver:
+    """Rank 0's side: starts the workers, builds rank 0's stage, and runs steps through the pipeline."""
+
+    def __init__(self, config, tokenizer_decode=None) -> None:
+        from tierlm.distributed.group import torchrun_rank
+
+        self.config = config
+        self.world_size = config.pipeline_parallel_size
+        self.processes: list[subprocess.Popen] = []  # the ranks > 0 this process spawned (none under torchrun)
+        self.failure: str | None = None  # why the pipeline broke (then every step raises it)
+        self.closing = self.closed = False
+        self._failing = threading.Lock()
+        self._receiver: threading.Thread | None = None
+        launched = torchrun_rank()
+        if launched is not None:
+            init_method, (rank, world) = "env://", launched
+            if world != self.world_size:
+                raise ValueError(f"--pipeline-parallel-size {self.world_size} but torchrun started {world} processes")
+            assert rank == 0, "ranks other than 0 run pipeline_worker.run_worker"
+        else:
+            init_method = free_tcp_address()
+            self._spawn_workers(init_method)
+        device = rank_device(config.device, 0)
+        if device.type == "cpu":  # the ranks share the cores: OpenMP threads that spin on a taken core stall
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.world_size))
+        try:
+            self.group = PipelineGroup.join(0, self.world_size, device, init_method, config.pipeline_timeout_s)
+            self.stage = build_stage(config, self.group)
+        except Exception as exc:
+            named = None
+            if self.processes and not isinstance(exc, ValueError):  # not rank 0's own refusal: who went away?
+                try:
+                    self._fail(f"starting the pipeline failed: {_first_line(exc)}")
+                except PipelineError as error:
+                    named = error
+            self.close()
+            if named is not None:
+                raise named from exc
+            raise
+        for line in self.stage.summaries:
+            logger.info("pipeline %s", line)
+        self.runner = ModelRunner(self.stage.model, self.stage.cache, Sampler(config.seed), tokenizer_decode,
+                                  self.stage.static_decode)
+        env = os.environ.get("TIERLM_PP_MAX_IN_FLIGHT")
+        self.max_in_flight = int(env) if env else self.world_size
+        self.cache = RecordingCache(self.stage.cache)
+        self.in_flight: deque[_InFlight] = deque()
+        self.keys: dict[Request, int] = {}  # requests the last rank mirrors
+        self._next_key = 0
+        self.exit_process_on_failure = False  # the server sets it: a dead rank ends the process
+        self._results: queue.Queue = queue.Queue()
+        self._receiver = threading.Thread(target=self._receive_results, name="pipeline-results", daemon=True)
+        self._receiver.start()
+        if self.processes:
+            threading.Thread(target=self._watch_workers, name="pipeline-watchdog", daemon=True).start()
+        atexit.register(self.close)
+
+    # ---- start and stop ----
+    def _spawn_workers(self, init_method: str) -> None:
+        """One `python -m tierlm.engine.pipeline_worker` per rank > 0 (a fresh interpreter: nothing of the
+        caller's main module is imported again), the engine config pickled on its stdin."""
+        for rank in range(1, self.world_size):
+            process = subprocess.Popen(
+                [sys.executable, "-m", "tierlm.engine.pipeline_worker", str(rank), str(self.world_size), init_method],
+                stdin=subprocess.PIPE,
+            )
+            process.stdin.write(pickle.dumps(self.config))
+            process.stdin.close()
+            self.processes.append(process)
+
+    def close(self) -> None:
+        """Stop the workers (a stop message, then their processes) and leave the groups; idempotent."""
+        if self.closed:
+            return
+        self.closing = True  # the watchdog ignores the exits that follow
+        group = getattr(self, "group", None)  # None when joining failed
+        if group is not None and self.failure is None:
+            try:
+                for rank in range(1, self.world_size):
+                    group.send_object(StepMessage(kind="stop"), rank)
+            except Exception as exc:  # noqa: BLE001 - a rank already gone: its process is ended below
+                logger.debug("stopping the pipeline: %s", _first_line(exc))
+        for process in self.processes:
+            try:
+                process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                process.terminate()
+                process.wait(timeout=5)
+        if self._receiver is not None:
+            self._receiver.join(timeout=5)  # its receive fails once the last rank is gone
+        if group is not None:
+            group.close()
+        self.closed = True
+
+    # ---- steps ----
+    @property
+    def busy(self) -> set[Request]:
+        return {chunk.request for entry in self.in_flight for chunk in entry.plan.chunks}
+
+    def step(self, scheduler: Scheduler) -> tuple[int, list[tuple[SchedulerOutput, StepResult]]]:
+        """Launch batches while fewer than max_in_flight are out, then take back the oldest.
+        Returns (tokens launched, [(the plan that came back, its result)])."""
+        self._check_alive()
+        launched = 0
+        while len(self.in_flight) < self.max_in_flight:
+            share = len(scheduler.running) + len(scheduler.waiting)
+            room = max(1, math.ceil(min(share, scheduler.max_num_seqs) / self.max_in_flight))
+            plan = scheduler.schedule(busy=self.busy, max_requests=room)
+            if not plan.chunks:
+                break
+            self.submit(plan)
+            launched += plan.num_tokens
+        if not self.in_flight:
+            return launched, []
+        return launched, [self.collect()]
+
+    def submit(self, plan: SchedulerOutput) -> None:
+        runner = self.runner
+        batch, wanted = runner.prepare(plan, device="cpu")
+        message = StepMessage(batch=BatchArrays.of(batch), cache_ops=self.cache.drain(),
+                              released=self._release_finished())
+        requests = {}
+        for chunk, first, count in wanted:
+            request = chunk.request
+            key = self.keys.get(request)
+            if key is None:
+                key = self.keys[request] = self._next_key
+                self._next_key += 1
+                message.new_requests.append(NewRequest(
+                    key, request.request_id, request.prompt_token_ids, request.params, request.eos_token_ids,
+                    request.max_model_len, list(request.output_token_ids), request.structured_output is not None,
+                ))
+            grammar = request.structured_output
+            bitmask = grammar.token_bitmask() if grammar is not None and chunk.samples else None
+            bitmask = None if bitmask is None else bitmask.numpy()
+            message.samples.append(SampleSpec(key, first, count, chunk.start, chunk.num_tokens, chunk.samples, bitmask))
+            requests[key] = request
+        self._send_all(message)
+        # a copy: a CUDA graph's output buffer is overwritten by the next replay, maybe before NCCL has read it
+        hidden = runner.forward(batch.to(self.stage.cache.device)).clone()
+        try:
+            send = self.group.isend(hidden, 1)
+        except Exception as exc:  # noqa: BLE001
+            self._fail(f"sending the hidden state to rank 1 failed: {_first_line(exc)}")
+        self.in_flight.append(_InFlight(plan, requests, send, hidden))
+
+    def collect(self) -> tuple[SchedulerOutput, StepResult]:
+        entry = self.in_flight.popleft()
+        answer = self._wait_result()
+        try:
+            entry.send.wait()  # done: the last rank has answered
+        except Exception as exc:  # noqa: BLE001
+            self._fail(f"sending the hidden state to rank 1 failed: {_first_line(exc)}")
+        if answer.error is not None:
+            self._fail(f"pipeline rank {self.world_size - 1} failed during a step: {answer.error}")
+        result = StepResult()
+        for key, request in entry.requests.items():
+            if key in answer.failed:
+                result.failed[request] = answer.failed[key]
+                continue
+            if key in answer.prompt_logprobs:
+                request.prompt_logprobs.extend(answer.prompt_logprobs[key])
+            if key in answer.sampled:
+                result.sampled[request] = answer.sampled[key]
+                if key in answer.logprobs:
+                    request.logprobs.append(answer.logprobs[key])
+                    request.cumulative_logprob = answer.cumulative_logprob[key]
+        return entry.plan, result
+
+    def _release_finished(self) -> list[int]:
+        """The keys of requests that finished (or were aborted) and are in no batch in flight: the last rank
+        drops its mirrors of them."""
+        busy = self.busy
+        done = [request for request in self.keys if request.is_finished and request not in busy]
+        return [self.keys.pop(request) for request in done]
+
+    def _send_all(self, message: StepMessage) -> None:
+        for rank in range(1, self.world_size):
+            try:
+                self.group.send_object(message, rank)
+            except Exception as exc:  # noqa: BLE001
+                self._fail(f"sending a step to rank {rank} failed: {_first_line(exc)}")
+
+    # ---- waiting, and failures ----
+    def _receive_results(self) -> None:
+        """The result thread: the last rank's answers, in order, into a queue (an error ends it)."""
+        while True:
+            try:
+                self._results.put(self.group.recv_object(self.world_size - 1, RESULT_TAG, self.group.result_group))
+            except Exception as exc:  # noqa: BLE001
+                self._results.put(exc)
+                return
+
+    def _wait_result(self) -> StageResult:
+        deadline = time.monotonic() + self.config.pipeline_timeout_s
+        while True:
+            try:
+                answer = self._results.get(timeout=RESULT_POLL_S)
+            except queue.Empty:
+                self._check_alive()
+                if time.monotonic() > deadline:
+                    self._fail(f"no result from pipeline rank {self.world_size - 1} in "
+                               f"{self.config.pipeline_timeout_s:g} s (pipeline_timeout_s)")
+                continue
+            if isinstance(answer, Exception):
+                self._fail(f"lost the connection to pipeline rank {self.world_size - 1}: {_first_line(answer)}")
+            return answer
+
+    def _watch_workers(self) -> None:
+        """Between steps too (an idle server): a worker that exits unasked fails the pipeline, and with
+        exit_process_on_failure ends this process, within WATCH_INTERVAL_S."""
+        while not self.closing and self.failure is None:
+            time.sleep(WATCH_INTERVAL_S)
+            for rank, process in enumerate(self.processes, start=1):
+                if process.poll() is not None and not self.closing and self.failure is None:
+                    try:
+                        self._fail(f"pipeline rank {rank} {describe_exit(process.returncode)}")
+                    except PipelineError:
+                        return
+
+    def _check_alive(self) -> None:
+        if self.failure is not None:
+            raise PipelineError(self.failure)
+        for rank, process in enumerate(self.processes, start=1):
+            if process.poll() is not None:
+                self._fail(f"pipeline rank {rank} {describe_exit(process.returncode)}")
+
+    def _fail(self, why: str) -> None:
+        """Name the rank that went first (a worker that saw another go exits with EXIT_PEER_LOST), stop
+        the others, raise."""
+        with self._failing:
+            self._record_failure(why)
+        raise PipelineError(self.failure)
+
+    def _record_failure(self, why: str) -> None:
+        if self.failure is None:
+            deadline = time.monotonic() + 3.0
+            while self.processes and time.monotonic() < deadline and all(p.poll() is None for p in self.processes):
+                time.sleep(0.05)
+            dead = [(rank, p.returncode) for rank, p in enumerate(self.processes, start=1) if p.poll() is not None]
+            first = sorted(dead, key=lambda item: item[1] == EXIT_PEER_LOST)  # who saw another go: last
+            if first:
+                named = f"pipeline rank {first[0][0]} {describe_exit(first[0][1])}"
+                why = why if why.startswith(named) else f"{named} ({why})"
+            self.failure = why
+            logger.error("%s; stopping the pipeline", why)
+            for process in self.processes:
+                if process.poll() is None:
+                    process.terminate()
+            if self.exit_process_on_failure:
+                import signal
+
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    # ---- measurements (bench/pipeline_decode.py) ----
+    def worker_stats(self) -> list[dict]:
+        """Each worker's counters: host work, time waiting for the hidden state, forward, steps."""
+        stats = []
+        for rank in range(1, self.world_size):
+            self.group.send_object(StepMessage(kind="stats"), rank)
+            stats.append(self.group.recv_object(rank, tag=CONTROL_TAG))
+        return stats
+
+    def echo_seconds(self, shape: tuple[int, ...], dtype: torch.dtype, repeats: int = 20) -> float:
+        """Round trip of a hidden state of `shape` between ranks 0 and 1, halved: one stage-to-stage copy."""
+        if self.in_flight:
+            raise RuntimeError("echo_seconds between steps only: batches are in flight")
+        tensor = torch.zeros(shape, dtype=dtype, device=self.stage.cache.device)
+        self.group.send_object(StepMessage(kind="echo", echo_shape=tuple(shape)), 1)
+        self.group.send_object(repeats, 1)
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            self.group.isend(tensor, 1).wait()
+            self.group.irecv(tensor, 1).wait()
+            if tensor.device.type == "cuda":
+                torch.cuda.synchronize(tensor.device)
+            times.append(time.perf_counter() - start)
+        return sorted(times)[len(times) // 2] / 2
