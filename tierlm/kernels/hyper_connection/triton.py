@@ -6,7 +6,7 @@ once per BLOCK_N tokens, by enough programs to read them at the memory's pace):
      streams (each inside one stream), token block): the RMSNorm is linear in x once each stream's rms is
      known, so a program multiplies x * (1 + w_norm) (rounded to the streams' dtype, as the reference
      rounds the normed input) by its weight tile and stores an fp32 partial per slice, plus the slice's
-     sum of squares. The last program to arrive (`arrival_counters`) adds each stream's partials times
+     sum of squares. The last program to arrive (`split_reduce.arrival_counters`) adds each stream's partials times
      its 1/rms and applies the mixer's activations: silu(. / hc) (stored for launch 2) and the
      injection gates 2 sigmoid(. / hc).
   2. `_mix_up_kernel`, programs over (BLOCK_H of the H columns, token block): for each stream s, the
@@ -23,10 +23,9 @@ import torch
 import triton
 import triton.language as tl
 
-from tierlm.kernels.arrival_counters import arrival_counters
 from tierlm.kernels.hyper_connection.naive import check_mix_args
-from tierlm.kernels.moe_router.triton import dot_acc
 from tierlm.kernels.quant_linear.triton import dot_precision, round_to
+from tierlm.kernels.split_reduce import arrival_counters, dot_acc
 
 MAX_TOKENS = 64
 BLOCK_N = 16  # tokens per program: tl.dot's least M

@@ -13,7 +13,7 @@ torch.topk returns (it takes the values above the k-th, then equal ones in index
 the CPU may take any of the tied experts, so `naive` (which calls it) is only defined up to that there.
   naive.py   F.linear, torch.softmax, torch.topk (the reference; what the CPU runs)
   triton.py  one launch for the batch: programs over (expert rows, K splits, token blocks) each store a
-             partial of the logits; the last to arrive (`arrival_counters`) does softmax, top-k,
+             partial of the logits; the last to arrive (`split_reduce.arrival_counters`) does softmax, top-k,
              renormalisation and the gate for its token block
 """
 

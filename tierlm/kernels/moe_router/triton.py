@@ -2,7 +2,7 @@
 
 The router weight ([E + 1, H]: 2.6 MB at E = 512, H = 2560) is read once for up to BLOCK_N tokens, by
 programs over (BLOCK_E rows, one of SPLIT_K slices of H, token block) so that enough of them run to read
-it at the memory's pace. Each stores its fp32 partial logits and counts itself in (`arrival_counters`);
+it at the memory's pace. Each stores its fp32 partial logits and counts itself in (`split_reduce.arrival_counters`);
 the last program of a token block adds the partials, rounds the logits to x's dtype (what F.linear
 returns), and does the softmax (fp32), the top-k (k passes of a row max; an exact tie goes to the lower
 expert id, the set CUDA's torch.topk takes), the renormalisation and the shared gate's sigmoid. No host
@@ -16,26 +16,15 @@ import torch
 import triton
 import triton.language as tl
 
-from tierlm.kernels.arrival_counters import arrival_counters
 from tierlm.kernels.moe_router.naive import check_router_args
 from tierlm.kernels.quant_linear.triton import dot_precision, round_to
+from tierlm.kernels.split_reduce import arrival_counters, dot_acc
 
 MAX_TOKENS = 64
 BLOCK_N = 16  # tokens per program: tl.dot's least M
 BLOCK_E = 16  # weight rows per program
 BLOCK_K = 128
 SPLIT_K = 4  # slices of H: (E + 1) / BLOCK_E * SPLIT_K = 132 programs at the real widths
-
-
-@triton.jit
-def dot_acc(acc, a, b, PRECISION: tl.constexpr):
-    """acc + a @ b^T (fp32). The interpreter's tl.dot multiplies bf16 operands' raw bits (triton 3.9):
-    there the operands are widened first (exact: a product of two bf16 values fits fp32)."""
-    if PRECISION == "interpreter":
-        result = tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), acc, input_precision="ieee")
-    else:
-        result = tl.dot(a, tl.trans(b), acc, input_precision=PRECISION)
-    return result
 
 
 @triton.jit
