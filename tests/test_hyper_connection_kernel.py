@@ -6,7 +6,8 @@ Tolerances. fp32: the kernel sums the same products in another order, and applie
 after the down projection instead of before (the norm is linear once the rms is known): a few fp32 ulps.
 bf16: the fp32 reference on the same (bf16-valued) inputs is the truth, and the kernel may be off by at
 most FACTOR x the reference's own bf16 error plus half a bf16 ulp of the row's largest value (as in
-test_bf16_parity). combine rounds exactly where the reference does: equal bit for bit.
+test_bf16_parity). combine rounds exactly where the reference does: in bf16 equal bit for bit; in fp32
+within one rounding (the compiler may fuse the multiply and the add).
 """
 
 from __future__ import annotations
@@ -74,8 +75,11 @@ def compare(device: str, tokens: int, hc: int, hidden: int, lowrank: int) -> Non
         # the block output a row of a wider buffer (the kernel reads rows in place)
         wide = torch.zeros(tokens, hidden + 8, dtype=dtype)
         wide[:, :hidden] = args[1]
-        got = kernels.combine(args[0].to(device), wide.to(device)[:, :hidden], args[2].to(device))
-        assert torch.equal(got.cpu(), naive.combine(*args))
+        got = kernels.combine(args[0].to(device), wide.to(device)[:, :hidden], args[2].to(device)).cpu()
+        if dtype == torch.bfloat16:
+            assert torch.equal(got, naive.combine(*args))
+        else:
+            torch.testing.assert_close(got, naive.combine(*args), rtol=2**-23, atol=1e-6)
 
 
 def needs_triton():
@@ -89,8 +93,8 @@ def test_kernels_match_reference():
         compare("cuda", **SMALL)
         return
     args = ", ".join(f"{k}={v}" for k, v in SMALL.items())
-    run_interpreted(  # small tiles: several slices per stream, several K and low-rank steps, uneven
-        "import tierlm.kernels.hyper_connection.triton as k; k.BLOCK_K = 16; k.BLOCK_R = 16; k.BLOCK_J = 16\n"
+    run_interpreted(  # small tiles: several slices per stream (the last one part-full), two row blocks
+        "import tierlm.kernels.hyper_connection.triton as k; k.BLOCK_K = 32\n"
         f"import test_hyper_connection_kernel as t; t.compare('cpu', {args})"
     )
 

@@ -28,7 +28,7 @@ def arrival_counters(owner: str, device: torch.device, count: int) -> torch.Tens
         if _capturing(device):
             raise RuntimeError(f"{owner}: its arrival counters must be made before a CUDA graph capture (run the "
                                "forward once eagerly first)")
-        counters = torch.zeros(max(count, 8), dtype=torch.int32, device=device)
+        counters = torch.zeros(max(count, 1024), dtype=torch.int32, device=device)
         _COUNTERS[key] = counters
     return counters
 

@@ -1,13 +1,16 @@
 """The MoE router as one Triton launch (same signature as `naive.route_and_gate`), for decode batches.
 
-The router weight ([E + 1, H]: 2.6 MB at E = 512, H = 2560) is read once for up to BLOCK_N tokens, by
-programs over (BLOCK_E rows, one of SPLIT_K slices of H, token block) so that enough of them run to read
-it at the memory's pace. Each stores its fp32 partial logits and counts itself in (`split_reduce.arrival_counters`);
-the last program of a token block adds the partials, rounds the logits to x's dtype (what F.linear
-returns), and does the softmax (fp32), the top-k (k passes of a row max; an exact tie goes to the lower
-expert id, the set CUDA's torch.topk takes), the renormalisation and the shared gate's sigmoid. No host
-sync, so a CUDA graph captures it. Up to MAX_TOKENS tokens (a weight read per BLOCK_N of them): prefill
-chunks take the reference's GEMM.
+The router weight ([E + 1, H]: 2.6 MB at E = 512, H = 2560) is read once for up to BLOCK_N tokens, one
+[BLOCK_E, BLOCK_K] tile per program (165 programs at the real widths; no loop, so every program's loads
+are in flight at once: a decode GEMV this small is bound by load latency, not by arithmetic). Two levels
+of arrival (`split_reduce.arrival_counters`) finish it in the same launch:
+  1. each program stores its fp32 partial logits; the last of a row block's K slices to arrive adds
+     them into the block's logits;
+  2. the last row block to arrive rounds the logits to x's dtype (what F.linear returns) and does the
+     softmax (fp32), the top-k (k passes of a row max; an exact tie goes to the lower expert id, the set
+     CUDA's torch.topk takes), the renormalisation and the shared gate's sigmoid.
+No host sync, so a CUDA graph captures it. Up to MAX_TOKENS tokens (a weight read per BLOCK_N of them):
+prefill chunks take the reference's GEMM.
 """
 
 from __future__ import annotations
@@ -23,26 +26,23 @@ from tierlm.kernels.split_reduce import arrival_counters, dot_acc
 MAX_TOKENS = 64
 BLOCK_N = 16  # tokens per program: tl.dot's least M
 BLOCK_E = 16  # weight rows per program
-BLOCK_K = 128
-SPLIT_K = 4  # slices of H: (E + 1) / BLOCK_E * SPLIT_K = 132 programs at the real widths
+BLOCK_K = 512  # input columns per program: 33 row blocks x 5 slices at the real widths
+NUM_WARPS = 8
 
 
 @triton.jit
-def _route_token_block(partial_ptr, weights_ptr, ids_ptr, gate_ptr, tokens, t_mask, num_splits,
-                       NUM_EXPERTS: tl.constexpr, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_ALL: tl.constexpr, BLOCK_TOPK: tl.constexpr,
-                       DTYPE: tl.constexpr, PRECISION: tl.constexpr):
-    """The last program of a token block: the partial logits of every split summed, then softmax, top-k,
-    renormalisation and the gate. Partials are read past L1 (.cg): other programs wrote them."""
+def _route_token_block(logits_ptr, weights_ptr, ids_ptr, gate_ptr, tokens, t_mask, NUM_EXPERTS: tl.constexpr,
+                       TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_ALL: tl.constexpr, BLOCK_TOPK: tl.constexpr, DTYPE: tl.constexpr,
+                       PRECISION: tl.constexpr):
+    """Softmax, top-k, renormalisation and the gate of a token block's fp32 logits [token, E + 1] (read
+    past L1, .cg: other programs wrote them)."""
     experts = tl.arange(0, BLOCK_ALL)
     e_mask = experts < NUM_EXPERTS
-    logits = tl.zeros((BLOCK_N, BLOCK_ALL), dtype=tl.float32)
-    gate = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for split in range(num_splits):
-        base = partial_ptr + (tokens.to(tl.int64) * num_splits + split) * (NUM_EXPERTS + 1)
-        logits += tl.load(base[:, None] + experts[None, :], mask=t_mask[:, None] & e_mask[None, :], other=0.0,
-                          cache_modifier=".cg")
-        gate += tl.load(base + NUM_EXPERTS, mask=t_mask, other=0.0, cache_modifier=".cg")
+    rows = tokens.to(tl.int64) * (NUM_EXPERTS + 1)
+    logits = tl.load(logits_ptr + rows[:, None] + experts[None, :], mask=t_mask[:, None] & e_mask[None, :],
+                     other=0.0, cache_modifier=".cg")
+    gate = tl.load(logits_ptr + rows + NUM_EXPERTS, mask=t_mask, other=0.0, cache_modifier=".cg")
     logits = tl.where(e_mask[None, :], round_to(logits, DTYPE, PRECISION).to(tl.float32), float("-inf"))
     shifted = tl.exp(logits - tl.max(logits, axis=1)[:, None])
     probs = shifted / tl.sum(shifted, axis=1)[:, None]
@@ -51,9 +51,7 @@ def _route_token_block(partial_ptr, weights_ptr, ids_ptr, gate_ptr, tokens, t_ma
     chosen = tl.zeros((BLOCK_N, BLOCK_TOPK), dtype=tl.float32)
     chosen_ids = tl.zeros((BLOCK_N, BLOCK_TOPK), dtype=tl.int32)
     for j in tl.static_range(TOP_K):
-        best = tl.max(probs, axis=1)
-        best_id = tl.min(tl.where(probs == best[:, None], experts[None, :], BLOCK_ALL), axis=1)
-        best_id = tl.minimum(best_id, NUM_EXPERTS - 1)  # a NaN row matches nothing: keep ids in range
+        best, best_id = tl.max(probs, axis=1, return_indices=True, return_indices_tie_break_left=True)
         chosen = tl.where(slots[None, :] == j, best[:, None], chosen)
         chosen_ids = tl.where(slots[None, :] == j, best_id[:, None], chosen_ids)
         probs = tl.where(experts[None, :] == best_id[:, None], -2.0, probs)
@@ -68,36 +66,42 @@ def _route_token_block(partial_ptr, weights_ptr, ids_ptr, gate_ptr, tokens, t_ma
 
 
 @triton.jit
-def _router_kernel(x_ptr, w_ptr, partial_ptr, counter_ptr, weights_ptr, ids_ptr, gate_ptr, n_tokens, stride_x,
-                   k_per_split, HIDDEN: tl.constexpr, NUM_EXPERTS: tl.constexpr, TOP_K: tl.constexpr,
+def _router_kernel(x_ptr, w_ptr, partial_ptr, logits_ptr, counter_ptr, weights_ptr, ids_ptr, gate_ptr, n_tokens,
+                   stride_x, HIDDEN: tl.constexpr, NUM_EXPERTS: tl.constexpr, TOP_K: tl.constexpr,
                    RENORMALIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
                    BLOCK_ALL: tl.constexpr, BLOCK_TOPK: tl.constexpr, PRECISION: tl.constexpr):
-    """Program (row block, split, token block): logits of BLOCK_E weight rows over one slice of H for the
-    block's tokens, stored as an fp32 partial [token, split, row]; the last to arrive routes the tokens."""
-    row_block, split, token_block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    num_splits = tl.num_programs(1)
+    """Program (row block, K slice, token block): the [BLOCK_N, BLOCK_E] partial logits of one weight
+    tile. Counters per token block: one per row block (its slices), then one over the row blocks."""
+    row_block, k_slice, token_block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    num_row_blocks, num_slices = tl.num_programs(0), tl.num_programs(1)
     tokens = token_block * BLOCK_N + tl.arange(0, BLOCK_N)
     t_mask = tokens < n_tokens
     rows = row_block * BLOCK_E + tl.arange(0, BLOCK_E)
     r_mask = rows < NUM_EXPERTS + 1
-    acc = tl.zeros((BLOCK_N, BLOCK_E), dtype=tl.float32)
-    k_start = split * k_per_split
-    for k0 in range(k_start, tl.minimum(k_start + k_per_split, HIDDEN), BLOCK_K):
-        columns = k0 + tl.arange(0, BLOCK_K)
-        c_mask = columns < HIDDEN
-        x = tl.load(x_ptr + tokens.to(tl.int64)[:, None] * stride_x + columns[None, :],
-                    mask=t_mask[:, None] & c_mask[None, :], other=0.0)
-        w = tl.load(w_ptr + rows.to(tl.int64)[:, None] * HIDDEN + columns[None, :],
-                    mask=r_mask[:, None] & c_mask[None, :], other=0.0)
-        acc = dot_acc(acc, x, w, PRECISION)
-    partial = partial_ptr + (tokens.to(tl.int64)[:, None] * num_splits + split) * (NUM_EXPERTS + 1) + rows[None, :]
-    tl.store(partial, acc, mask=t_mask[:, None] & r_mask[None, :])
+    columns = k_slice * BLOCK_K + tl.arange(0, BLOCK_K)
+    c_mask = columns < HIDDEN
+    x = tl.load(x_ptr + tokens.to(tl.int64)[:, None] * stride_x + columns[None, :],
+                mask=t_mask[:, None] & c_mask[None, :], other=0.0)
+    w = tl.load(w_ptr + rows.to(tl.int64)[:, None] * HIDDEN + columns[None, :],
+                mask=r_mask[:, None] & c_mask[None, :], other=0.0)
+    acc = dot_acc(tl.zeros((BLOCK_N, BLOCK_E), dtype=tl.float32), x, w, PRECISION)
+    out_mask = t_mask[:, None] & r_mask[None, :]
+    tl.store(partial_ptr + (tokens.to(tl.int64)[:, None] * num_slices + k_slice) * (NUM_EXPERTS + 1) + rows[None, :],
+             acc, mask=out_mask)
+    counters = counter_ptr + token_block * (num_row_blocks + 1)
     tl.debug_barrier()  # every thread's stores are issued before the program counts itself in
-    arrived = tl.atomic_add(counter_ptr + token_block, 1, sem="acq_rel")
-    if arrived == tl.num_programs(0) * num_splits - 1:
-        _route_token_block(partial_ptr, weights_ptr, ids_ptr, gate_ptr, tokens, t_mask, num_splits, NUM_EXPERTS,
-                           TOP_K, RENORMALIZE, BLOCK_N, BLOCK_ALL, BLOCK_TOPK, x_ptr.dtype.element_ty, PRECISION)
-        tl.atomic_xchg(counter_ptr + token_block, 0)  # ready for the next launch
+    if tl.atomic_add(counters + row_block, 1, sem="acq_rel") == num_slices - 1:
+        logits = tl.zeros((BLOCK_N, BLOCK_E), dtype=tl.float32)
+        for s in range(num_slices):
+            logits += tl.load(partial_ptr + (tokens.to(tl.int64)[:, None] * num_slices + s) * (NUM_EXPERTS + 1)
+                              + rows[None, :], mask=out_mask, other=0.0, cache_modifier=".cg")
+        tl.store(logits_ptr + tokens.to(tl.int64)[:, None] * (NUM_EXPERTS + 1) + rows[None, :], logits, mask=out_mask)
+        tl.atomic_xchg(counters + row_block, 0)  # ready for the next launch
+        tl.debug_barrier()
+        if tl.atomic_add(counters + num_row_blocks, 1, sem="acq_rel") == num_row_blocks - 1:
+            _route_token_block(logits_ptr, weights_ptr, ids_ptr, gate_ptr, tokens, t_mask, NUM_EXPERTS, TOP_K,
+                               RENORMALIZE, BLOCK_N, BLOCK_ALL, BLOCK_TOPK, x_ptr.dtype.element_ty, PRECISION)
+            tl.atomic_xchg(counters + num_row_blocks, 0)
 
 
 def route_and_gate(
@@ -109,23 +113,21 @@ def route_and_gate(
     rows = weight.shape[0]
     if n > MAX_TOKENS:
         raise ValueError(f"router kernel: {n} tokens, at most {MAX_TOKENS} (larger batches take the reference)")
-    weights, ids, gate = x.new_empty(n, top_k), torch.empty(n, top_k, dtype=torch.int64, device=x.device), \
-        x.new_empty(n, 1)
+    weights, ids = x.new_empty(n, top_k), torch.empty(n, top_k, dtype=torch.int64, device=x.device)
+    gate = x.new_empty(n, 1)
     if n == 0:
         return weights, ids, gate
     if x.stride(1) != 1:
         x = x.contiguous()
     weight = weight.contiguous()
-    k_per_split = triton.cdiv(triton.cdiv(hidden, SPLIT_K), BLOCK_K) * BLOCK_K
-    splits = triton.cdiv(hidden, k_per_split)
-    token_blocks = triton.cdiv(n, BLOCK_N)
-    partial = torch.empty(n, splits, rows, dtype=torch.float32, device=x.device)
-    counters = arrival_counters("moe_router", x.device, triton.cdiv(MAX_TOKENS, BLOCK_N))
-    grid = (triton.cdiv(rows, BLOCK_E), splits, token_blocks)
-    _router_kernel[grid](
-        x, weight, partial, counters, weights, ids, gate, n, x.stride(0), k_per_split, HIDDEN=hidden,
-        NUM_EXPERTS=rows - 1, TOP_K=top_k, RENORMALIZE=renormalize, BLOCK_N=BLOCK_N, BLOCK_E=BLOCK_E,
-        BLOCK_K=BLOCK_K, BLOCK_ALL=triton.next_power_of_2(rows - 1), BLOCK_TOPK=triton.next_power_of_2(top_k),
-        PRECISION=dot_precision(x), num_warps=4,
+    row_blocks, slices = triton.cdiv(rows, BLOCK_E), triton.cdiv(hidden, BLOCK_K)
+    partial = torch.empty(n, slices, rows, dtype=torch.float32, device=x.device)
+    logits = torch.empty(n, rows, dtype=torch.float32, device=x.device)
+    counters = arrival_counters("moe_router", x.device, triton.cdiv(MAX_TOKENS, BLOCK_N) * (row_blocks + 1))
+    _router_kernel[(row_blocks, slices, triton.cdiv(n, BLOCK_N))](
+        x, weight, partial, logits, counters, weights, ids, gate, n, x.stride(0), HIDDEN=hidden, NUM_EXPERTS=rows - 1,
+        TOP_K=top_k, RENORMALIZE=renormalize, BLOCK_N=BLOCK_N, BLOCK_E=BLOCK_E, BLOCK_K=BLOCK_K,
+        BLOCK_ALL=triton.next_power_of_2(rows - 1), BLOCK_TOPK=triton.next_power_of_2(top_k),
+        PRECISION=dot_precision(x), num_warps=NUM_WARPS,
     )
     return weights, ids, gate
