@@ -25,7 +25,7 @@ from interpreted import run_interpreted
 from tierlm.kernels.moe_router import naive
 
 FACTOR = 2.0
-SMALL = dict(tokens=20, hidden=96, experts=40, top_k=6)  # 2 token blocks, 3 row blocks, H not a tile multiple
+SMALL = dict(tokens=20, hidden=80, experts=40, top_k=6)  # 2 token blocks, 3 row blocks, H not a tile multiple
 REAL = dict(hidden=2560, experts=512, top_k=10)
 
 
