@@ -93,8 +93,8 @@ def test_kernels_match_reference():
         compare("cuda", **SMALL)
         return
     args = ", ".join(f"{k}={v}" for k, v in SMALL.items())
-    run_interpreted(  # small tiles: several slices per stream (the last one part-full), two row blocks
-        "import tierlm.kernels.hyper_connection.triton as k; k.BLOCK_K = 32\n"
+    run_interpreted(  # small tiles: several slices per stream, several K and low-rank steps, uneven
+        "import tierlm.kernels.hyper_connection.triton as k; k.BLOCK_K = 16; k.BLOCK_R = 16\n"
         f"import test_hyper_connection_kernel as t; t.compare('cpu', {args})"
     )
 
