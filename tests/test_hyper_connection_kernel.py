@@ -22,8 +22,8 @@ from tierlm.kernels.hyper_connection import naive
 
 FACTOR = 2.0
 EPS = 1e-6
-SMALL = dict(tokens=20, hc=4, hidden=48, lowrank=24)  # 2 token blocks; tiles of the child cover H and r unevenly
-REAL = dict(hc=4, hidden=2560, lowrank=320)
+SMALL = {"tokens": 20, "hc": 4, "hidden": 48, "lowrank": 24}  # 2 token blocks; tiles of the child cover H and r unevenly
+REAL = {"hc": 4, "hidden": 2560, "lowrank": 320}
 
 
 def inputs(tokens: int, hc: int, hidden: int, lowrank: int, with_inject: bool, seed: int = 0):

@@ -25,8 +25,8 @@ from interpreted import run_interpreted
 from tierlm.kernels.moe_router import naive
 
 FACTOR = 2.0
-SMALL = dict(tokens=20, hidden=80, experts=40, top_k=6)  # 2 token blocks, 3 row blocks, H not a tile multiple
-REAL = dict(hidden=2560, experts=512, top_k=10)
+SMALL = {"tokens": 20, "hidden": 80, "experts": 40, "top_k": 6}  # 2 token blocks, 3 row blocks
+REAL = {"hidden": 2560, "experts": 512, "top_k": 10}
 
 
 def random_inputs(tokens: int, hidden: int, experts: int, dtype: torch.dtype, seed: int = 0, top_k: int = 10):
@@ -152,9 +152,10 @@ def test_kernel_breaks_ties_towards_lower_ids():
 
 def test_reference_is_the_layer_router():
     """SparseMoeBlock.route (what the CPU runs) is the reference, for a dense router weight."""
+    from reference_models import BASE
+
     from tierlm.config import ModelConfig
     from tierlm.model.layers.moe import SparseMoeBlock
-    from reference_models import BASE
 
     config = ModelConfig.from_dict({**BASE, "num_experts": 16, "num_experts_per_tok": 3})
     block = SparseMoeBlock(config)

@@ -184,7 +184,7 @@ def mix(
     slices = hc_count * triton.cdiv(hidden, slice_width)
     split = slices // hc_count
     token_blocks = triton.cdiv(n, BLOCK_N)
-    f32 = dict(dtype=torch.float32, device=streams.device)
+    f32 = {"dtype": torch.float32, "device": streams.device}
     partial, sumsq = torch.empty(n, slices, out_rows, **f32), torch.empty(n, slices, **f32)
     low, rstd = streams.new_empty(n, lowrank), torch.empty(n, hc_count, **f32)
     counters = arrival_counters("hyper_connection", streams.device, triton.cdiv(MAX_TOKENS, BLOCK_N))
