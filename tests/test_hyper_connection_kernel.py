@@ -22,7 +22,8 @@ from tierlm.kernels.hyper_connection import naive
 
 FACTOR = 2.0
 EPS = 1e-6
-SMALL = {"tokens": 20, "hc": 4, "hidden": 48, "lowrank": 24}  # 2 token blocks; tiles of the child cover H and r unevenly
+# 2 token blocks; the interpreted child's tiles cover H and r unevenly
+SMALL = {"tokens": 20, "hc": 4, "hidden": 48, "lowrank": 24}
 REAL = {"hc": 4, "hidden": 2560, "lowrank": 320}
 
 
@@ -43,7 +44,9 @@ def assert_within_reference_error(ours, theirs, reference, what: str) -> None:
     _, exponent = torch.frexp(reference.abs().amax(dim=-1))
     floor = torch.ldexp(torch.ones_like(ours_error), exponent - 8) / 2
     worse = ours_error > FACTOR * their_error + floor
-    assert not worse.any(), f"{what}: kernel off by {ours_error.max().item():.3g}, reference bf16 {their_error.max():.3g}"
+    assert not worse.any(), (
+        f"{what}: kernel off by {ours_error.max().item():.3g}, reference bf16 {their_error.max().item():.3g}"
+    )
 
 
 def compare(device: str, tokens: int, hc: int, hidden: int, lowrank: int) -> None:

@@ -73,7 +73,9 @@ def assert_within_reference_error(ours, theirs, reference, what: str) -> None:
     _, exponent = torch.frexp(reference.abs().amax(dim=-1))
     floor = torch.ldexp(torch.ones_like(ours_error), exponent - 8) / 2
     worse = ours_error > FACTOR * their_error + floor
-    assert not worse.any(), f"{what}: kernel off by {ours_error.max().item():.3g}, reference bf16 {their_error.max():.3g}"
+    assert not worse.any(), (
+        f"{what}: kernel off by {ours_error.max().item():.3g}, reference bf16 {their_error.max().item():.3g}"
+    )
 
 
 def compare(device: str, tokens: int, hidden: int, experts: int, top_k: int, seed: int = 1) -> None:
