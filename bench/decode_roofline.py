@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import time
 from collections import defaultdict
@@ -227,6 +228,8 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--small", action="store_true", help="a shrunk config (CPU check)")
+    parser.add_argument("--tag", default="", help="appended to the results file's name (e.g. an A/B's side: "
+                        "run once as is and once with TIERLM_NO_FUSED_* set)")
     args = parser.parse_args()
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     config = ModelConfig.from_dict(real_width_config(args.layers, args.small))
@@ -236,7 +239,8 @@ def main() -> None:
     bandwidth = copy_bandwidth(device, 2 << 30 if device.type == "cuda" else 64 << 20)
     params = sum(p.numel() for p in model.parameters())
     print(f"{name}: {args.layers} layers {config.layer_types}, {params / 1e9:.2f}B params, {args.dtype}; "
-          f"copy bandwidth {bandwidth / 1e9:.0f} GB/s (read + write)")
+          f"copy bandwidth {bandwidth / 1e9:.0f} GB/s (read + write); "
+          f"switches set: {' '.join(k for k in os.environ if k.startswith('TIERLM_')) or 'none'}")
     results = []
     header = f"{'ctx':>6} {'batch':>5} {'tok/s':>9} {'step ms':>8} {'GB/step':>8} {'roofline':>9} {'kernels':>8} {'host ms':>8}"
     print(header)
@@ -257,8 +261,9 @@ def main() -> None:
         four = next((r for r in results if r["batch"] == 4 and one and r["context"] == one["context"]), None)
         if one and four:
             print(f"batch 4 / batch 1 total tok/s at ctx {one['context']}: {four['tok_s'] / one['tok_s']:.2f}x")
-    out = Path(__file__).parent / "results" / f"decode_roofline_{name}.json"
-    out.write_text(json.dumps({"device": name, "dtype": args.dtype, "layers": args.layers,
+    out = Path(__file__).parent / "results" / f"decode_roofline_{name}{'_' + args.tag if args.tag else ''}.json"
+    switches = {k: v for k, v in os.environ.items() if k.startswith("TIERLM_")}  # kill switches set
+    out.write_text(json.dumps({"device": name, "dtype": args.dtype, "layers": args.layers, "switches": switches,
                                "copy_bandwidth": bandwidth, "results": results}, indent=1))
     print(f"saved {out}")
 

@@ -3,14 +3,22 @@
 `mix` reads all streams into one block input (grouped RMSNorm, low-rank sigmoid mixer, mean over
 streams) and, for a block, per-stream injection gates; `combine` adds the block output to every stream
 with its gate. The final mixer (no injection) feeds lm_head and stands in for the final norm.
+
+On CUDA both run as fused kernels (`kernels/hyper_connection`: mix in two launches for decode batches,
+combine in one for any batch; TIERLM_NO_FUSED_HC=1 turns them off); elsewhere, and for quantized mixer
+weights or prefill batches, mix runs in torch through the layers' quant methods, the same math as
+`kernels/hyper_connection/naive.py`.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tierlm.kernels.hyper_connection import naive
 from tierlm.model.layers.norm import RMSNorm
 from tierlm.model.layers.packed_linear import Linear, PackedLinear
 
@@ -30,6 +38,12 @@ class HyperConnection(nn.Module):
 
     def mix(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """streams [N, hc*H] -> (block input [N, H], injection gates [N, hc] or None)."""
+        down, up = self.down_and_inject.dense_weight(), self.input_mix_weight_up.dense_weight()
+        if fused(streams) and down is not None and up is not None:
+            from tierlm.kernels.hyper_connection import triton as kernels
+
+            if streams.shape[0] <= kernels.MAX_TOKENS:
+                return kernels.mix(streams, self.hc_norm.weight, down, up, self.hc_count, self.hc_norm.eps)
         normed = self.hc_norm(streams)
         projected = self.down_and_inject(normed)
         low = F.silu(projected[0] / self.hc_count)
@@ -42,4 +56,13 @@ class HyperConnection(nn.Module):
     @staticmethod
     def combine(streams: torch.Tensor, block_output: torch.Tensor, inject: torch.Tensor) -> torch.Tensor:
         """streams [N, hc*H] + inject[:, s] * block_output on each stream s."""
-        return streams + (block_output.unsqueeze(-2) * inject.unsqueeze(-1)).flatten(-2)
+        if fused(streams) and all(t.stride(-1) == 1 for t in (streams, block_output, inject)):
+            from tierlm.kernels.hyper_connection import triton as kernels
+
+            return kernels.combine(streams, block_output, inject)
+        return naive.combine(streams, block_output, inject)
+
+
+def fused(streams: torch.Tensor) -> bool:
+    """Whether the fused kernels may run: on CUDA, unless TIERLM_NO_FUSED_HC=1."""
+    return streams.is_cuda and not os.environ.get("TIERLM_NO_FUSED_HC")

@@ -1,6 +1,10 @@
 """Sparse MoE block: softmax router (fp32), top-k, optional renormalisation, SwiGLU experts, and a
 shared expert behind a sigmoid gate.
 
+The router (its E rows and the shared gate's row in one weight) runs as one fused kernel on CUDA for
+decode batches (`kernels/moe_router`: GEMV, softmax, top-k, renormalisation and the gate's sigmoid in one
+launch; TIERLM_NO_FUSED_ROUTER=1 turns it off), else as F.linear and `route` in torch.
+
 Experts are held stacked by a fused-experts method (dense `gate_up_proj` [E, 2I, H] = gate rows then up
 rows, `down_proj` [E, H, I], or packed low-bit stacks; see `quantization.experts`), which also runs them;
 the loader fills them from the per-expert checkpoint tensors.
@@ -8,10 +12,13 @@ the loader fills them from the per-expert checkpoint tensors.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tierlm.kernels.moe_router.naive import route
 from tierlm.model.layers.packed_linear import Linear, PackedLinear
 from tierlm.model.quantization.base import DENSE, ModulePart, WeightFormat
 from tierlm.model.quantization.experts import PROJECTIONS, FusedExpertsMethod
@@ -26,15 +33,6 @@ class SwiGLU(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x)
         return self.down_proj(F.silu(gate) * up)
-
-
-def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Router logits [N, E] -> (weights [N, k] in the logits' dtype, expert ids [N, k]); softmax in fp32."""
-    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-    weights, experts = torch.topk(probs, top_k, dim=-1)
-    if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights.to(logits.dtype), experts
 
 
 class Experts(nn.Module):
@@ -92,7 +90,19 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, static: bool = False) -> torch.Tensor:
         """static: take the sync-free expert form (see `Experts`)."""
+        weights, experts, shared_gate = self.route(x)
+        routed = self.experts(x, weights, experts, static)
+        return routed + shared_gate * self.shared_expert(x)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [N, H] -> (routing weights [N, k], expert ids [N, k], the shared expert's gate [N, 1] after its
+        sigmoid): the fused kernel where it runs (see the module docstring), else the torch reference."""
+        weight = self.router.dense_weight()
+        if x.is_cuda and weight is not None and not os.environ.get("TIERLM_NO_FUSED_ROUTER"):
+            from tierlm.kernels.moe_router.triton import MAX_TOKENS, route_and_gate
+
+            if x.shape[0] <= MAX_TOKENS:
+                return route_and_gate(x, weight, self.top_k, self.renormalize)
         router_logits, shared_gate = self.router(x)
         weights, experts = route(router_logits, self.top_k, self.renormalize)
-        routed = self.experts(x, weights, experts, static)
-        return routed + torch.sigmoid(shared_gate) * self.shared_expert(x)
+        return weights, experts, torch.sigmoid(shared_gate)

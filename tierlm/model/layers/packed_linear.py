@@ -43,6 +43,11 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return self.quant_method.apply(self, x).split(self.part_sizes, dim=-1)
 
+    def dense_weight(self) -> torch.Tensor | None:
+        """The weight [N, K] when it is held unquantized and without a bias (a fused kernel that reads it
+        in place can run then), else None."""
+        return self.weight if self.quant_method.format == DENSE and self.bias is None else None
+
     def checkpoint_modules(self, path: str) -> list[ModulePart]:
         """The checkpoint modules this layer holds (siblings of `path`) and their output rows."""
         parent = path.rsplit(".", 1)[0]

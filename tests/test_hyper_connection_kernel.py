@@ -1,0 +1,195 @@
+"""kernels/hyper_connection: mix (two launches) and combine (one) against the torch reference, under
+TRITON_INTERPRET=1 on CPU at small shapes (compiled on a GPU, where the real widths run too, inside a CUDA
+graph, and the whole model runs with the fused router and hyper-connections against the unfused path).
+
+Tolerances. fp32: the kernel sums the same products in another order, and applies each stream's 1/rms
+after the down projection instead of before (the norm is linear once the rms is known): a few fp32 ulps.
+bf16: the fp32 reference on the same (bf16-valued) inputs is the truth, and the kernel may be off by at
+most FACTOR x the reference's own bf16 error plus half a bf16 ulp of the row's largest value (as in
+test_bf16_parity). combine rounds exactly where the reference does: in bf16 equal bit for bit; in fp32
+within one rounding (the compiler may fuse the multiply and the add).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+from interpreted import run_interpreted
+
+from tierlm.kernels.hyper_connection import naive
+
+FACTOR = 2.0
+EPS = 1e-6
+# 2 token blocks; the interpreted child's tiles cover H and r unevenly
+SMALL = {"tokens": 20, "hc": 4, "hidden": 48, "lowrank": 24}
+REAL = {"hc": 4, "hidden": 2560, "lowrank": 320}
+
+
+def inputs(tokens: int, hc: int, hidden: int, lowrank: int, with_inject: bool, seed: int = 0):
+    """(streams, norm weight, down|inject weight, up weight) in fp32, each stream at its own scale."""
+    gen = torch.Generator().manual_seed(seed)
+    scales = torch.rand(tokens, hc, 1, generator=gen) * 4 + 0.25
+    streams = (torch.randn(tokens, hc, hidden, generator=gen) * scales).flatten(1)
+    norm = torch.randn(hc * hidden, generator=gen) * 0.2
+    down = torch.randn(lowrank + (hc if with_inject else 0), hc * hidden, generator=gen) * (4 / (hc * hidden) ** 0.5)
+    up = torch.randn(hc * hidden, lowrank, generator=gen) * (2 / lowrank**0.5)
+    return streams, norm, down, up
+
+
+def assert_within_reference_error(ours, theirs, reference, what: str) -> None:
+    ours_error = (ours.float() - reference).abs().amax(dim=-1)
+    their_error = (theirs.float() - reference).abs().amax(dim=-1)
+    _, exponent = torch.frexp(reference.abs().amax(dim=-1))
+    floor = torch.ldexp(torch.ones_like(ours_error), exponent - 8) / 2
+    worse = ours_error > FACTOR * their_error + floor
+    assert not worse.any(), (
+        f"{what}: kernel off by {ours_error.max().item():.3g}, reference bf16 {their_error.max().item():.3g}"
+    )
+
+
+def compare(device: str, tokens: int, hc: int, hidden: int, lowrank: int) -> None:
+    from tierlm.kernels.hyper_connection import triton as kernels
+
+    for with_inject in (True, False):
+        streams, norm, down, up = inputs(tokens, hc, hidden, lowrank, with_inject, seed=tokens)
+        expected = naive.mix(streams, norm, down, up, hc, EPS)
+        got = kernels.mix(*(t.to(device) for t in (streams, norm, down, up)), hc, EPS)
+        assert (got[1] is None) == (not with_inject)
+        torch.testing.assert_close(got[0].cpu(), expected[0], rtol=1e-5, atol=1e-5)
+        if with_inject:
+            torch.testing.assert_close(got[1].cpu(), expected[1], rtol=1e-5, atol=1e-6)
+
+        as_bf16 = [t.bfloat16() for t in (streams, norm, down, up)]
+        truth = naive.mix(*(t.float() for t in as_bf16), hc, EPS)
+        theirs = naive.mix(*as_bf16, hc, EPS)
+        got = kernels.mix(*(t.to(device) for t in as_bf16), hc, EPS)
+        assert got[0].dtype == torch.bfloat16
+        assert_within_reference_error(got[0].cpu(), theirs[0], truth[0], "bf16 block input")
+        if with_inject:
+            assert_within_reference_error(got[1].cpu(), theirs[1], truth[1], "bf16 injection gates")
+
+    gen = torch.Generator().manual_seed(1)
+    streams = inputs(tokens, hc, hidden, lowrank, True)[0]
+    block_output, inject = torch.randn(tokens, hidden, generator=gen), torch.rand(tokens, hc, generator=gen) * 2
+    for dtype in (torch.float32, torch.bfloat16):
+        args = [t.to(dtype) for t in (streams, block_output, inject)]
+        # the block output a row of a wider buffer (the kernel reads rows in place)
+        wide = torch.zeros(tokens, hidden + 8, dtype=dtype)
+        wide[:, :hidden] = args[1]
+        got = kernels.combine(args[0].to(device), wide.to(device)[:, :hidden], args[2].to(device)).cpu()
+        if dtype == torch.bfloat16:
+            assert torch.equal(got, naive.combine(*args))
+        else:
+            torch.testing.assert_close(got, naive.combine(*args), rtol=2**-23, atol=1e-6)
+
+
+def needs_triton():
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed")
+
+
+def test_kernels_match_reference():
+    needs_triton()
+    if torch.cuda.is_available():
+        compare("cuda", **SMALL)
+        return
+    args = ", ".join(f"{k}={v}" for k, v in SMALL.items())
+    run_interpreted(  # small tiles: several slices per stream, several K and low-rank steps, uneven
+        "import tierlm.kernels.hyper_connection.triton as k; k.BLOCK_K = 16; k.BLOCK_R = 16\n"
+        f"import test_hyper_connection_kernel as t; t.compare('cpu', {args})"
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_reference_is_the_layer(dtype):
+    """HyperConnection.mix / combine (what the CPU runs) are the reference, for dense weights."""
+    from tierlm.model.layers.hyper_connection import HyperConnection
+
+    hc, hidden, lowrank = 4, 32, 8
+    for with_inject in (True, False):
+        layer = HyperConnection(hidden, hc, lowrank, EPS, with_inject).to(dtype)
+        streams, norm, down, up = (t.to(dtype) for t in inputs(3, hc, hidden, lowrank, with_inject))
+        layer.hc_norm.weight.data.copy_(norm)
+        layer.down_and_inject.weight.data.copy_(down)
+        layer.input_mix_weight_up.weight.data.copy_(up)
+        got, expected = layer.mix(streams), naive.mix(streams, norm, down, up, hc, EPS)
+        assert torch.equal(got[0], expected[0])
+        assert (got[1] is None and expected[1] is None) or torch.equal(got[1], expected[1])
+    block_output, inject = torch.randn(3, hidden).to(dtype), torch.rand(3, hc).to(dtype)
+    assert torch.equal(HyperConnection.combine(streams, block_output, inject),
+                       naive.combine(streams, block_output, inject))
+
+
+def test_bad_shapes_are_named():
+    streams, norm, down, up = inputs(2, 4, 8, 4, True)
+    with pytest.raises(ValueError, match="weights must be"):
+        naive.mix(streams, norm, down[:, :-1], up, 4, EPS)
+    with pytest.raises(ValueError, match="hc = 3"):
+        naive.mix(streams[:, :-1], norm, down, up, 3, EPS)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("tokens", [1, 4, 16, 64])
+def test_kernels_at_real_widths_on_gpu(tokens):
+    compare("cuda", tokens=tokens, **REAL)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_mix_replays_in_a_cuda_graph():
+    from tierlm.kernels.hyper_connection import triton as kernels
+
+    streams, norm, down, up = (t.cuda().bfloat16() for t in inputs(4, **REAL, with_inject=True))
+    kernels.mix(streams, norm, down, up, REAL["hc"], EPS)  # counters made outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = kernels.mix(streams, norm, down, up, REAL["hc"], EPS)
+    for seed in range(3):
+        streams.copy_(inputs(4, **REAL, with_inject=True, seed=10 + seed)[0])
+        graph.replay()
+        eager = kernels.mix(streams, norm, down, up, REAL["hc"], EPS)
+        assert torch.equal(captured[0], eager[0]) and torch.equal(captured[1], eager[1])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_fused_model_matches_unfused_on_gpu(tmp_path, monkeypatch):
+    """The tiny reference model in fp32 on the GPU: a prefill, then decode steps (eager, and replayed from
+    CUDA graphs) give the same logits with the fused router and hyper-connections as without them."""
+    from reference_models import build_reference
+
+    from tierlm.model.forward_batch import ForwardBatch
+    from tierlm.model.loader import load_model
+    from tierlm.model.model_cache import ModelCache
+    from tierlm.model.static_decode import StaticDecodeRunner
+
+    build_reference("hc4_ple", tmp_path)
+    model, config = load_model(tmp_path, dtype="float32", device="cuda")
+    block, width, requests = 8, 16, 3
+    tables = [list(range(i * width, (i + 1) * width)) for i in range(requests)]
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(2, config.vocab_size, (n,), generator=gen).tolist() for n in (21, 5, 12)]
+    steps = [[int(t) for t in torch.randint(2, config.vocab_size, (requests,), generator=gen)] for _ in range(6)]
+
+    def run(fused: bool, mode: str) -> list[torch.Tensor]:
+        for name in ("TIERLM_NO_FUSED_ROUTER", "TIERLM_NO_FUSED_HC"):
+            if fused:
+                monkeypatch.delenv(name, raising=False)
+            else:
+                monkeypatch.setenv(name, "1")
+        cache = ModelCache(config, requests, requests * width, block, torch.float32, "cuda")
+        for slot in range(requests):
+            cache.reset_slot(slot)
+        batch = ForwardBatch.build(prompts, [0] * requests, list(range(requests)), tables, block, device="cuda")
+        logits = [model(batch, cache)]
+        runner = StaticDecodeRunner(model, cache, requests, width, mode)
+        for i, tokens in enumerate(steps):
+            positions = [len(p) + i for p in prompts]
+            batch = ForwardBatch.build([[t] for t in tokens], positions, list(range(requests)), tables, block,
+                                       device="cuda")
+            logits.append(runner.run(batch).clone())
+        return logits
+
+    for mode in ("eager", "cuda_graph"):
+        for fused, unfused in zip(run(True, mode), run(False, mode)):
+            torch.testing.assert_close(fused, unfused, rtol=0, atol=1e-4)

@@ -1,0 +1,221 @@
+"""Hyper-connections' mix and combine as Triton kernels (same signatures as `naive`), for decode batches.
+
+mix, two launches (at the real widths, hc 4 x H 2560, r 320: W_down|inj 6.6 MB and W_up 6.6 MB, each read
+once per BLOCK_N tokens, by enough programs to read them at the memory's pace):
+  1. `_mix_down_kernel`, programs over (BLOCK_J rows of W_down|inj, one of hc * SPLIT slices of the
+     streams (each inside one stream), token block): the RMSNorm is linear in x once each stream's rms is
+     known, so a program multiplies x * (1 + w_norm) (rounded to the streams' dtype, as the reference
+     rounds the normed input) by its weight tile and stores an fp32 partial per slice, plus the slice's
+     sum of squares. The last program to arrive (`split_reduce.arrival_counters`) adds each stream's
+     partials times its 1/rms and applies the mixer's activations: silu(. / hc) (stored for launch 2)
+     and the injection gates 2 sigmoid(. / hc).
+  2. `_mix_up_kernel`, programs over (BLOCK_H of the H columns, token block): for each stream s, the
+     gates sigmoid(W_up[s] . low) of its columns, the normed streams (x / rms * (1 + w)), and the mean
+     over streams of their products.
+combine, one launch (`_combine_kernel`): streams + inject[s] * block_output, the streams read in place.
+Values are rounded to the streams' dtype where the reference rounds them; sums are fp32. No host sync:
+CUDA graphs capture all three. Up to MAX_TOKENS tokens (prefill chunks take the reference's GEMMs).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tierlm.kernels.hyper_connection.naive import check_mix_args
+from tierlm.kernels.quant_linear.triton import dot_precision, round_to
+from tierlm.kernels.split_reduce import arrival_counters, dot_acc
+
+MAX_TOKENS = 64
+BLOCK_N = 16  # tokens per program: tl.dot's least M
+BLOCK_J, BLOCK_K, SPLIT = 16, 128, 2  # launch 1: 21 row blocks x 8 slices = 168 programs at the real widths
+BLOCK_H, BLOCK_R = 16, 64  # launch 2: 160 programs at the real widths; BLOCK_R: low-rank columns per step
+COMBINE_BLOCK = 256
+
+
+@triton.jit
+def _finish_mix_down(partial_ptr, sumsq_ptr, low_ptr, rstd_ptr, inject_ptr, tokens, t_mask, num_slices, eps,
+                     HIDDEN: tl.constexpr, HC: tl.constexpr, SPLIT: tl.constexpr, LOWRANK: tl.constexpr,
+                     OUT_ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_OUT: tl.constexpr, DTYPE: tl.constexpr,
+                     PRECISION: tl.constexpr):
+    """The last program of a token block: each stream's 1/rms (stored for launch 2), the projection as
+    the sum over streams of 1/rms times their partials, then silu(. / hc) -> low, 2 sigmoid(. / hc) -> inject.
+    Partials are read past L1 (.cg): other programs wrote them."""
+    rows = tl.arange(0, BLOCK_OUT)
+    projected = tl.zeros((BLOCK_N, BLOCK_OUT), dtype=tl.float32)
+    token_rows = tokens.to(tl.int64) * num_slices
+    for stream in range(HC):
+        squares = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        partial = tl.zeros((BLOCK_N, BLOCK_OUT), dtype=tl.float32)
+        for part in range(SPLIT):
+            slice_rows = token_rows + stream * SPLIT + part
+            squares += tl.load(sumsq_ptr + slice_rows, mask=t_mask, other=0.0, cache_modifier=".cg")
+            partial += tl.load(partial_ptr + slice_rows[:, None] * OUT_ROWS + rows[None, :],
+                               mask=t_mask[:, None] & (rows < OUT_ROWS)[None, :], other=0.0, cache_modifier=".cg")
+        rstd = 1.0 / tl.sqrt(squares / HIDDEN + eps)
+        tl.store(rstd_ptr + tokens * HC + stream, rstd, mask=t_mask)
+        projected += rstd[:, None] * partial
+    projected = round_to(projected, DTYPE, PRECISION).to(tl.float32)  # the linear's output dtype
+    scaled = round_to(projected / HC, DTYPE, PRECISION).to(tl.float32)
+    low = round_to(scaled * tl.sigmoid(scaled), DTYPE, PRECISION)
+    tl.store(low_ptr + tokens.to(tl.int64)[:, None] * LOWRANK + rows[None, :], low,
+             mask=t_mask[:, None] & (rows < LOWRANK)[None, :])
+    if OUT_ROWS > LOWRANK:
+        inject = 2.0 * round_to(tl.sigmoid(scaled), DTYPE, PRECISION).to(tl.float32)
+        tl.store(inject_ptr + tokens.to(tl.int64)[:, None] * HC + (rows - LOWRANK)[None, :],
+                 round_to(inject, DTYPE, PRECISION),
+                 mask=t_mask[:, None] & ((rows >= LOWRANK) & (rows < OUT_ROWS))[None, :])
+
+
+@triton.jit
+def _mix_down_kernel(x_ptr, stride_x, norm_ptr, w_ptr, partial_ptr, sumsq_ptr, counter_ptr, low_ptr, rstd_ptr,
+                     inject_ptr, n_tokens, slice_width, eps, HIDDEN: tl.constexpr, HC: tl.constexpr,
+                     SPLIT: tl.constexpr, LOWRANK: tl.constexpr, OUT_ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_J: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_OUT: tl.constexpr,
+                     PRECISION: tl.constexpr):
+    """Program (row block, slice, token block): partial [token, slice, row] of W_down|inj times
+    x * (1 + w_norm) over one slice of one stream; row block 0 also stores the slice's sum of squares."""
+    row_block, slice_id, token_block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    num_slices = tl.num_programs(1)
+    dtype = x_ptr.dtype.element_ty
+    tokens = token_block * BLOCK_N + tl.arange(0, BLOCK_N)
+    t_mask = tokens < n_tokens
+    rows = row_block * BLOCK_J + tl.arange(0, BLOCK_J)
+    r_mask = rows < OUT_ROWS
+    stream, part = slice_id // SPLIT, slice_id % SPLIT
+    start = stream * HIDDEN + part * slice_width
+    end = stream * HIDDEN + tl.minimum((part + 1) * slice_width, HIDDEN)
+    acc = tl.zeros((BLOCK_N, BLOCK_J), dtype=tl.float32)
+    squares = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(start, end, BLOCK_K):
+        columns = k0 + tl.arange(0, BLOCK_K)
+        c_mask = columns < end
+        x = tl.load(x_ptr + tokens.to(tl.int64)[:, None] * stride_x + columns[None, :],
+                    mask=t_mask[:, None] & c_mask[None, :], other=0.0).to(tl.float32)
+        squares += x * x
+        scale = 1.0 + tl.load(norm_ptr + columns, mask=c_mask, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + rows.to(tl.int64)[:, None] * (HC * HIDDEN) + columns[None, :],
+                    mask=r_mask[:, None] & c_mask[None, :], other=0.0)
+        acc = dot_acc(acc, round_to(x * scale[None, :], dtype, PRECISION), w, PRECISION)
+    slice_rows = tokens.to(tl.int64) * num_slices + slice_id
+    tl.store(partial_ptr + slice_rows[:, None] * OUT_ROWS + rows[None, :], acc, mask=t_mask[:, None] & r_mask[None, :])
+    if row_block == 0:
+        tl.store(sumsq_ptr + slice_rows, tl.sum(squares, axis=1), mask=t_mask)
+    tl.debug_barrier()  # every thread's stores are issued before the program counts itself in
+    arrived = tl.atomic_add(counter_ptr + token_block, 1, sem="acq_rel")
+    if arrived == tl.num_programs(0) * num_slices - 1:
+        _finish_mix_down(partial_ptr, sumsq_ptr, low_ptr, rstd_ptr, inject_ptr, tokens, t_mask, num_slices, eps,
+                         HIDDEN, HC, SPLIT, LOWRANK, OUT_ROWS, BLOCK_N, BLOCK_OUT, dtype, PRECISION)
+        tl.atomic_xchg(counter_ptr + token_block, 0)  # ready for the next launch
+
+
+@triton.jit
+def _mix_up_kernel(x_ptr, stride_x, norm_ptr, up_ptr, low_ptr, rstd_ptr, out_ptr, n_tokens, HIDDEN: tl.constexpr,
+                   HC: tl.constexpr, LOWRANK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
+                   BLOCK_R: tl.constexpr, PRECISION: tl.constexpr):
+    """Program (column block, token block): block input [tokens, columns] = mean over streams s of
+    sigmoid(W_up[s*H + columns] . low) * normed stream s at those columns."""
+    column_block, token_block = tl.program_id(0), tl.program_id(1)
+    dtype = x_ptr.dtype.element_ty
+    tokens = token_block * BLOCK_N + tl.arange(0, BLOCK_N)
+    t_mask = tokens < n_tokens
+    columns = column_block * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_mask = columns < HIDDEN
+    total = tl.zeros((BLOCK_N, BLOCK_H), dtype=tl.float32)
+    for stream in range(HC):
+        channels = stream * HIDDEN + columns
+        acc = tl.zeros((BLOCK_N, BLOCK_H), dtype=tl.float32)
+        for r0 in range(0, LOWRANK, BLOCK_R):
+            ranks = r0 + tl.arange(0, BLOCK_R)
+            r_mask = ranks < LOWRANK
+            low = tl.load(low_ptr + tokens.to(tl.int64)[:, None] * LOWRANK + ranks[None, :],
+                          mask=t_mask[:, None] & r_mask[None, :], other=0.0)
+            up = tl.load(up_ptr + channels.to(tl.int64)[:, None] * LOWRANK + ranks[None, :],
+                         mask=h_mask[:, None] & r_mask[None, :], other=0.0)
+            acc = dot_acc(acc, low, up, PRECISION)
+        gate = round_to(tl.sigmoid(round_to(acc, dtype, PRECISION).to(tl.float32)), dtype, PRECISION).to(tl.float32)
+        x = tl.load(x_ptr + tokens.to(tl.int64)[:, None] * stride_x + channels[None, :],
+                    mask=t_mask[:, None] & h_mask[None, :], other=0.0).to(tl.float32)
+        rstd = tl.load(rstd_ptr + tokens * HC + stream, mask=t_mask, other=0.0)
+        scale = 1.0 + tl.load(norm_ptr + channels, mask=h_mask, other=0.0).to(tl.float32)
+        normed = round_to(x * rstd[:, None] * scale[None, :], dtype, PRECISION).to(tl.float32)
+        total += round_to(gate * normed, dtype, PRECISION).to(tl.float32)
+    tl.store(out_ptr + tokens.to(tl.int64)[:, None] * HIDDEN + columns[None, :],
+             round_to(total / HC, dtype, PRECISION), mask=t_mask[:, None] & h_mask[None, :])
+
+
+@triton.jit
+def _combine_kernel(x_ptr, stride_x, block_ptr, stride_block, inject_ptr, stride_inject, out_ptr,
+                    HIDDEN: tl.constexpr, HC: tl.constexpr, BLOCK: tl.constexpr, PRECISION: tl.constexpr):
+    """Program (token, column block): every stream's columns + inject[s] * block output there."""
+    token, column_block = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    dtype = out_ptr.dtype.element_ty
+    columns = column_block * BLOCK + tl.arange(0, BLOCK)
+    mask = columns < HIDDEN
+    block_output = tl.load(block_ptr + token * stride_block + columns, mask=mask, other=0.0).to(tl.float32)
+    for stream in range(HC):
+        inject = tl.load(inject_ptr + token * stride_inject + stream).to(tl.float32)
+        x = tl.load(x_ptr + token * stride_x + stream * HIDDEN + columns, mask=mask, other=0.0).to(tl.float32)
+        added = round_to(block_output * inject, dtype, PRECISION).to(tl.float32)
+        tl.store(out_ptr + token * (HC * HIDDEN) + stream * HIDDEN + columns, round_to(x + added, dtype, PRECISION),
+                 mask=mask)
+
+
+def mix(
+    streams: torch.Tensor, norm_weight: torch.Tensor, down_weight: torch.Tensor, up_weight: torch.Tensor,
+    hc_count: int, eps: float,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """As `naive.mix`, for up to MAX_TOKENS tokens, in two launches."""
+    lowrank, with_inject = check_mix_args(streams, norm_weight, down_weight, up_weight, hc_count)
+    n, width = streams.shape
+    hidden, out_rows = width // hc_count, down_weight.shape[0]
+    if n > MAX_TOKENS:
+        raise ValueError(f"hyper-connection kernel: {n} tokens, at most {MAX_TOKENS} (larger batches take the "
+                         "reference)")
+    block_input = streams.new_empty(n, hidden)
+    inject = streams.new_empty(n, hc_count) if with_inject else None
+    if n == 0:
+        return block_input, inject
+    if streams.stride(1) != 1:
+        raise ValueError("hyper-connection kernel: the streams' last dimension must be contiguous")
+    down_weight, up_weight, norm_weight = down_weight.contiguous(), up_weight.contiguous(), norm_weight.contiguous()
+    slice_width = triton.cdiv(triton.cdiv(hidden, SPLIT), BLOCK_K) * BLOCK_K
+    slices = hc_count * triton.cdiv(hidden, slice_width)
+    split = slices // hc_count
+    token_blocks = triton.cdiv(n, BLOCK_N)
+    f32 = {"dtype": torch.float32, "device": streams.device}
+    partial, sumsq = torch.empty(n, slices, out_rows, **f32), torch.empty(n, slices, **f32)
+    low, rstd = streams.new_empty(n, lowrank), torch.empty(n, hc_count, **f32)
+    counters = arrival_counters("hyper_connection", streams.device, triton.cdiv(MAX_TOKENS, BLOCK_N))
+    precision = dot_precision(streams)
+    _mix_down_kernel[(triton.cdiv(out_rows, BLOCK_J), slices, token_blocks)](
+        streams, streams.stride(0), norm_weight, down_weight, partial, sumsq, counters, low, rstd,
+        inject if with_inject else low, n, slice_width, eps, HIDDEN=hidden, HC=hc_count, SPLIT=split,
+        LOWRANK=lowrank, OUT_ROWS=out_rows, BLOCK_N=BLOCK_N, BLOCK_J=BLOCK_J, BLOCK_K=BLOCK_K,
+        BLOCK_OUT=triton.next_power_of_2(out_rows), PRECISION=precision, num_warps=4,
+    )
+    _mix_up_kernel[(triton.cdiv(hidden, BLOCK_H), token_blocks)](
+        streams, streams.stride(0), norm_weight, up_weight, low, rstd, block_input, n, HIDDEN=hidden, HC=hc_count,
+        LOWRANK=lowrank, BLOCK_N=BLOCK_N, BLOCK_H=BLOCK_H, BLOCK_R=BLOCK_R, PRECISION=precision, num_warps=4,
+    )
+    return block_input, inject
+
+
+def combine(streams: torch.Tensor, block_output: torch.Tensor, inject: torch.Tensor) -> torch.Tensor:
+    """As `naive.combine`, in one launch."""
+    n, width = streams.shape
+    hc_count = inject.shape[1]
+    hidden = width // hc_count
+    if block_output.shape != (n, hidden) or inject.shape != (n, hc_count) or width != hc_count * hidden:
+        raise ValueError(f"hyper-connection combine: streams {tuple(streams.shape)}, block output "
+                         f"{tuple(block_output.shape)} and inject {tuple(inject.shape)} do not fit together")
+    if streams.stride(1) != 1 or block_output.stride(1) != 1 or inject.stride(1) != 1:
+        raise ValueError("hyper-connection combine: every input's last dimension must be contiguous")
+    out = torch.empty(n, width, dtype=streams.dtype, device=streams.device)
+    if n:
+        _combine_kernel[(n, triton.cdiv(hidden, COMBINE_BLOCK))](
+            streams, streams.stride(0), block_output, block_output.stride(0), inject, inject.stride(0), out,
+            HIDDEN=hidden, HC=hc_count, BLOCK=COMBINE_BLOCK, PRECISION=dot_precision(streams), num_warps=4,
+        )
+    return out
