@@ -21,6 +21,7 @@ from tierlm.engine.cache_manager import CacheManager
 from tierlm.engine.model_runner import ModelRunner
 from tierlm.engine.request import Request, RequestStatus
 from tierlm.engine.sampler import Sampler
+from tierlm.engine.trace import NoTrace, StepTrace
 from tierlm.engine.scheduler import RequestListener, Scheduler
 from tierlm.memory.host_pool import DEFAULT_MARGIN_BYTES
 from tierlm.memory.ngram_prefetch import PrefetchWorker
@@ -158,6 +159,7 @@ class EngineConfig:
     enforce_eager: bool = False  # True: no CUDA graphs (nor compilation) for decode steps
     compile_decode: bool = False  # on CPU, torch.compile the decode step (slow start, ~2x faster steps)
     load_format: str = "auto"  # "dummy": random weights from config.json alone (benchmarks; vLLM's flag)
+    trace: str | None = None  # a Chrome-trace JSON of every step's host phases and GPU time (engine/trace.py)
     # pipeline parallel: ranks (one process each, layers split between them; engine/pipeline.py) and the
     # layers of each ("16,17,15"; None: balanced by each rank's memory)
     pipeline_parallel_size: int = 1
@@ -329,7 +331,8 @@ class LLMEngine:
         self._finish_init()
 
     def close(self) -> None:
-        """Stop the pipeline's other ranks (nothing to do without pipeline parallelism)."""
+        """Write the trace (if any) and stop the pipeline's other ranks."""
+        self.trace.flush()
         if self.pipeline is not None:
             self.pipeline.close()
 
@@ -340,6 +343,8 @@ class LLMEngine:
         self._group_of: dict[Request, str] = {}
         self._ids = itertools.count()
         self.last_step_num_tokens = 0
+        self.trace = StepTrace(self.config.trace, device) if self.config.trace else NoTrace()
+        self.runner.trace = self.trace
         if device.type == "cuda":
             memory = self._device_memory()
             logger.info("%s memory after start-up: %s allocated, %s reserved, peak %s", device,
@@ -466,18 +471,25 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule, run one forward, sample; outputs of every request that changed this step. With
         pipeline parallelism: launch batches into the pipeline, and take back the oldest one in flight."""
+        trace = self.trace
         if self.pipeline is not None:
-            launched, done = self.pipeline.step(self.scheduler)
+            with trace.phase("pipeline step"):
+                launched, done = self.pipeline.step(self.scheduler)
             # a step that only took back a batch in flight ran too (0 tells the server nothing could run)
             self.last_step_num_tokens = launched + sum(plan.num_tokens for plan, _ in done)
         else:
-            plan = self.scheduler.schedule()
+            with trace.phase("schedule"):
+                plan = self.scheduler.schedule()
             self.last_step_num_tokens = plan.num_tokens  # 0: nothing could run (all paused, or no room)
             done = [(plan, self.runner.execute(plan))] if plan.chunks else []
-        changed: dict[str, None] = {}
-        for plan, result in done:
-            self._apply(plan, result, changed)
-        return [self._collect(request_id) for request_id in changed]
+        with trace.phase("apply, detokenize"):
+            changed: dict[str, None] = {}
+            for plan, result in done:
+                self._apply(plan, result, changed)
+            outputs = [self._collect(request_id) for request_id in changed]
+        if self.last_step_num_tokens:
+            trace.end_step(self.last_step_num_tokens)
+        return outputs
 
     def _apply(self, plan, result, changed: dict[str, None]) -> None:
         """A step's computed tokens and sampled tokens into its requests."""

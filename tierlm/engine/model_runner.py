@@ -18,6 +18,7 @@ import torch
 from tierlm.engine.request import Request
 from tierlm.engine.sampler import Sampler, SamplingError, position_logprobs
 from tierlm.engine.scheduler import SchedulerOutput
+from tierlm.engine.trace import NoTrace
 from tierlm.model.forward_batch import ForwardBatch
 from tierlm.model.model_cache import ModelCache
 
@@ -41,11 +42,18 @@ class ModelRunner:
         self.sampler = sampler
         self.decode_token = decode_token  # token id -> text, for Logprob.decoded_token
         self.device = cache.device
+        self.trace = NoTrace()  # the engine's StepTrace under --trace
 
     def execute(self, step: SchedulerOutput) -> StepResult:
-        batch, wanted = self.prepare(step)
-        logits = self.forward(batch).float().cpu()  # always run: the chunk fills the cache even with no rows
-        return self.sample(wanted, logits)
+        trace = self.trace
+        with trace.phase("prepare batch"):
+            batch, wanted = self.prepare(step)
+        with trace.phase("launch forward"), trace.gpu("forward"):
+            logits = self.forward(batch)  # always run: the chunk fills the cache even with no rows
+        with trace.phase("wait, logits to host"):
+            logits = logits.float().cpu()
+        with trace.phase("sample"):
+            return self.sample(wanted, logits)
 
     def prepare(self, step: SchedulerOutput, device=None) -> tuple[ForwardBatch, list[tuple]]:
         """The step's batch (on `device`, default the cache's), and which of its logits rows each chunk

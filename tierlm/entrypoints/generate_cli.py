@@ -23,6 +23,8 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--device", default=None)
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs / compilation for decode")
     parser.add_argument("--compile-decode", action="store_true", help="CPU: torch.compile the decode step")
+    parser.add_argument("--trace", default=None, metavar="FILE",
+                        help="write a Chrome-trace / Perfetto JSON of every step (host phases, GPU time) to FILE")
     parser.add_argument("--load-format", default="auto", choices=LOAD_FORMATS,
                         help="dummy: random weights from config.json alone, no checkpoint read (benchmarks)")
     parser.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
@@ -45,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
         )
         engine = LLMEngine(EngineConfig(
             model=args.model, dtype=args.dtype, device=args.device, enforce_eager=args.enforce_eager,
-            compile_decode=args.compile_decode, load_format=args.load_format,
+            compile_decode=args.compile_decode, load_format=args.load_format, trace=args.trace,
             pipeline_parallel_size=args.pipeline_parallel_size, pp_layer_partition=args.pp_layer_partition,
         ))
         prompt = args.prompt

@@ -25,7 +25,7 @@ ENGINE_FLAGS = (
     "enable_prefix_caching", "kv_cache_memory_bytes", "gpu_memory_utilization", "compile_decode",
     "max_state_checkpoints", "ple_table", "ple_prefetch", "qsa_kv_offload", "qsa_row_cache",
     "qsa_row_cache_rows", "qsa_row_cache_max_batch", "checkpoint_host_bytes", "qsa_row_cache_bytes",
-    "load_format",
+    "load_format", "trace",
     "pipeline_parallel_size", "pp_layer_partition",
 )
 
@@ -58,6 +58,8 @@ def add_parser(subparsers) -> None:
                          help="connections and requests at once; more get HTTP 503 (default: no limit)")
     engine = parser.add_argument_group("engine (unset: the engine's defaults)")
     engine.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"])
+    engine.add_argument("--trace", default=None, metavar="FILE",
+                        help="write a Chrome-trace / Perfetto JSON of every step (host phases, GPU time) to FILE")
     engine.add_argument("--load-format", default=None, choices=LOAD_FORMATS,
                         help="dummy: random weights from config.json alone, no checkpoint read (benchmarks)")
     engine.add_argument("--device", default=None, help="cuda, cuda:1, cpu (default: cuda if available)")
