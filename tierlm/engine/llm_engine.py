@@ -21,8 +21,8 @@ from tierlm.engine.cache_manager import CacheManager
 from tierlm.engine.model_runner import ModelRunner
 from tierlm.engine.request import Request, RequestStatus
 from tierlm.engine.sampler import Sampler
-from tierlm.engine.trace import NoTrace, StepTrace
 from tierlm.engine.scheduler import RequestListener, Scheduler
+from tierlm.engine.trace import NoTrace, StepTrace
 from tierlm.memory.host_pool import DEFAULT_MARGIN_BYTES
 from tierlm.memory.ngram_prefetch import PrefetchWorker
 from tierlm.memory.ngram_store import NgramStore, find_table_dir
