@@ -88,7 +88,7 @@ def _gate_up_gemv_kernel(
                                stride_sn, H, BITS, GROUP_SIZE, BLOCK_K, EVEN_K, PRECISION)
         up = gemv_accumulate(up, x_ptr, x_rows, one_row, up_w, up_s, k0, offs_n, n_mask, stride_wn, stride_sn, H,
                              BITS, GROUP_SIZE, BLOCK_K, EVEN_K, PRECISION)
-    gate_sum, up_sum = gemv_sum(gate), gemv_sum(up)  # [1, BLOCK_N]
+    gate_sum, up_sum = gemv_sum(gate, BITS), gemv_sum(up, BITS)  # [1, BLOCK_N]
     act = gate_sum / (1.0 + tl.exp(-gate_sum)) * up_sum
     tl.store(out_ptr + pair.to(tl.int64) * stride_op + offs_n[None, :],
              round_to(act, out_ptr.dtype.element_ty, PRECISION), mask=n_mask[None, :])
@@ -128,7 +128,7 @@ def _down_sum_gemv_kernel(
             for k0 in range(0, I, BLOCK_K):
                 acc = gemv_accumulate(acc, act_ptr, x_rows, one_row, w_e, s_e, k0, offs_n, n_mask, stride_wn,
                                       stride_sn, I, BITS, GROUP_SIZE, BLOCK_K, EVEN_K, PRECISION)
-            result += gemv_sum(acc) * routing.to(tl.float32)
+            result += gemv_sum(acc, BITS) * routing.to(tl.float32)
     out_ptrs = out_ptr + (token * tl.cdiv(TOP_K, RANKS) + split) * stride_ot + offs_n[None, :]
     tl.store(out_ptrs, round_to(result, out_ptr.dtype.element_ty, PRECISION), mask=n_mask[None, :])
 

@@ -9,9 +9,10 @@ then rounded to x's dtype: the same rounded weight `naive` builds, so the two di
 order (products accumulate in fp32 here).
   - decode (M <= GEMV_MAX_ROWS), `_gemv_kernel`: no tensor-core dot (it would pad M to 16); each
     product lands in its own fp32 accumulator (`gemv_accumulate`) and the sum over K is taken once at
-    the end (no reduction per tile); packed 4/8-bit weights stay in their [words, values per word]
-    shape and x is loaded in that shape. K is split over several programs when N alone gives too few
-    programs to keep the device's memory system busy; the fp32 partials are summed after.
+    the end (no reduction per tile); packed 4/8-bit weights take one row of x per program and keep
+    every tensor in the packed words' own 2-D shape, so nothing changes threads inside the loop. K is
+    split over several programs when N alone gives too few programs to keep the device's memory system
+    busy; the fp32 partials are summed after.
   - prefill chunks, `_gemm_kernel`: tl.dot tiles (fp32 in IEEE precision, so fp32 results match the
     reference closely).
 `gemv_accumulate` and `accumulate_tile` (with `round_to`) are shared with the fused MoE kernels
@@ -34,6 +35,9 @@ from tierlm.kernels.quant_linear.packing import check_packed
 GEMV_MAX_ROWS = 4  # up to this many rows, the GEMV form (no padding of M to 16 for tensor cores)
 GEMV_BLOCK_N, GEMV_NUM_WARPS = 8, 4  # output columns per program (few: the accumulators are per product)
 GEMV_BLOCK_K = {1: 512, 2: 512, 4: 256}  # input columns per step, by rows per program
+# packed 4/8-bit weights: one row of x per program (the rows of a batch are neighbouring programs, so a
+# weight tile read for one is in L2 for the others), accumulators per word
+PACKED_GEMV_BLOCK_N, PACKED_GEMV_BLOCK_K, PACKED_GEMV_NUM_WARPS = 16, 512, 4
 GEMV_TARGET_PROGRAMS = 528  # decode: split K until about this many programs run (4 per SM on an H200)
 GEMV_MIN_TILES_PER_SPLIT = 2  # ... but give each split at least this many tiles of K
 GEMM_MAX_BLOCK_M = 64
@@ -54,7 +58,10 @@ def launch_config(m: int, n: int, k: int, bits: int | None = None, itemsize: int
     """Tiles for y [m, n] = x [m, k] W^T (W packed in `bits`, or unquantized; x's elements `itemsize`
     bytes): the GEMV form up to GEMV_MAX_ROWS rows, else tl.dot tiles (GEMM_TILES' K is for 2-byte x:
     fp32 takes half as many columns per step, or its pipelined tiles outgrow shared memory)."""
-    if m <= GEMV_MAX_ROWS:
+    if m <= GEMV_MAX_ROWS and bits in (4, 8):
+        block_m, block_n, block_k, use_dot = 1, PACKED_GEMV_BLOCK_N, PACKED_GEMV_BLOCK_K, False
+        warps = PACKED_GEMV_NUM_WARPS
+    elif m <= GEMV_MAX_ROWS:
         block_m = triton.next_power_of_2(m)
         block_n, block_k, use_dot, warps = GEMV_BLOCK_N, GEMV_BLOCK_K[block_m], False, GEMV_NUM_WARPS
     else:
@@ -183,29 +190,41 @@ def load_straddling_values(w_ptr, s_ptr, k0, offs_k, k_mask, rows, stride_wn, st
 @triton.jit
 def gemv_zeros(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BITS: tl.constexpr):
     """The fp32 accumulator of `gemv_accumulate` (the sum over K is taken once, by `gemv_sum`, not per
-    tile): one per packed word for 4 and 8 bits, [BLOCK_M, BLOCK_N, words], else one per product,
-    [BLOCK_M, BLOCK_N, BLOCK_K]."""
+    tile): for 4 and 8 bits one per packed word of the tile, [BLOCK_N, words] (one row of x: BLOCK_M
+    must be 1), else one per product, [BLOCK_M, BLOCK_N, BLOCK_K]."""
     if BITS != 0 and 32 % BITS == 0:
-        acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K // (32 // BITS)), dtype=tl.float32)
+        tl.static_assert(BLOCK_M == 1, "the packed 4/8-bit GEMV takes one row of x per program")
+        acc = tl.zeros((BLOCK_N, BLOCK_K // (32 // BITS)), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
     return acc
 
 
 @triton.jit
-def gemv_sum(acc):
+def gemv_sum(acc, BITS: tl.constexpr):
     """[BLOCK_M, BLOCK_N]: a `gemv_zeros` accumulator summed over K."""
-    return tl.sum(acc, axis=2)
+    if BITS != 0 and 32 % BITS == 0:
+        total = tl.sum(acc, axis=1)[None, :]
+    else:
+        total = tl.sum(acc, axis=2)
+    return total
 
 
 @triton.jit
-def word_field(words, j: tl.constexpr, BITS: tl.constexpr):
-    """Value j of each int32 word (bits [j * BITS, (j + 1) * BITS)) as fp32, the 2^(BITS-1) bias removed,
-    in the words' own shape and layout: the field ORed into the mantissa of 2^23 (the float 2^23 + q,
-    exact) and 2^23 plus the bias subtracted, so no integer-to-float conversion (a quarter-rate
-    instruction) is needed."""
-    field = (words.to(tl.uint32, bitcast=True) >> (j * BITS)) & ((1 << BITS) - 1)
-    return (field | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + (1 << (BITS - 1)))
+def word_value(words, high, j: tl.constexpr, BITS: tl.constexpr):
+    """Value j of each packed word (bits [j * BITS, (j + 1) * BITS) of `words`, uint32) as fp32 with the
+    2^(BITS-1) bias removed, exactly, in the words' own shape and layout, in two instructions: the field
+    masked in place and ORed into the mantissa of the power of two 2^E whose last mantissa bit weighs as
+    the field's lowest bit (the float 2^E + q), then 2^E plus the bias subtracted. No shift and no
+    integer-to-float conversion (a quarter-rate instruction). A field that reaches the exponent (bit 23)
+    is taken from `high` (the words shifted right by 16) instead."""
+    if (j + 1) * BITS <= 23:
+        field = words & (((1 << BITS) - 1) << (j * BITS))
+        power = 23 - j * BITS  # E: the float 2^E has its last mantissa bit at 2^(E - 23) = 2^-(j * BITS)
+    else:
+        field = high & (((1 << BITS) - 1) << (j * BITS - 16))
+        power = 39 - j * BITS
+    return (field | ((127 + power) << 23)).to(tl.float32, bitcast=True) - ((1 << power) + (1 << (BITS - 1)))
 
 
 @triton.jit
@@ -216,12 +235,15 @@ def gemv_accumulate(acc, x_ptr, x_rows, m_mask, w_ptr, s_ptr, k0, offs_n, n_mask
     int64 offsets of each row from x_ptr, masked by m_mask) at columns [k0, k0 + BLOCK_K) times the
     weight tile of rows offs_n, in fp32. No reduction across threads here: the sum over K is taken once
     at the end (`gemv_sum`).
-    4 and 8 bits: each word is loaded once ([BLOCK_N, words]: 16-byte loads) and its values taken out one
-    at a time (`word_field`) in the words' own layout, each multiplied by the x column it belongs to
-    (loaded as [BLOCK_M, words] with a stride of 32 / BITS), so no value changes threads. Each word's
-    products are summed in fp32 and multiplied by the word's group scale (groups hold whole words): the
-    weights are q * scale exactly, not rounded to x's dtype first as `naive` and the GEMM form do (in
-    bf16 a difference well under the output's own rounding; in fp32 at fp32 roundoff).
+    4 and 8 bits (one row of x): every tensor of the loop is 2-D in the packed words' own shape
+    [BLOCK_N, words], so all of them share one register layout and no value moves between threads (a
+    layout conversion costs a trip through shared memory and a barrier). Each word is loaded once
+    (16-byte loads); value j of every word is taken out in place (`word_value`) and multiplied by x's
+    column j of that word (x loaded in the same [BLOCK_N, words] shape, the same address down a column,
+    so a thread loads each once for all its rows); a word's products are summed in fp32 and multiplied by
+    the word's group scale (groups hold whole words): the weights are q * scale exactly, not rounded to
+    x's dtype first as `naive` and the GEMM form do (in bf16 a difference well under the output's own
+    rounding; in fp32 at fp32 roundoff).
     Unquantized and 6 bits: per-product accumulators, 6-bit weights dequantized as `load_weight_rows`."""
     rows = tl.where(n_mask, offs_n, 0)[:, None].to(tl.int64)  # clamped: loads need no row mask
     if BITS != 0 and 32 % BITS == 0:
@@ -231,16 +253,19 @@ def gemv_accumulate(acc, x_ptr, x_rows, m_mask, w_ptr, s_ptr, k0, offs_n, n_mask
         else:
             words = tl.load(w_ptr + rows * stride_wn + offs_w[None, :],
                             mask=(offs_w < tl.cdiv(K * BITS, 32))[None, :], other=0)
+        words = words.to(tl.uint32, bitcast=True)
+        high = words >> 16
+        down_the_rows = tl.zeros_like(rows)  # [BLOCK_N, 1]: x's address is the same for every row
         per_word = tl.zeros(acc.shape, dtype=tl.float32)
         for j in tl.static_range(32 // BITS):
             columns = offs_w * (32 // BITS) + j
-            a = tl.load(x_ptr + x_rows[:, None] + columns[None, :],
+            a = tl.load(x_ptr + x_rows[:, None] + columns[None, :] + down_the_rows,
                         mask=m_mask[:, None] & column_mask(columns, K, EVEN_K)[None, :], other=0.0)
-            per_word += a.to(tl.float32)[:, None, :] * word_field(words, j, BITS)[None, :, :]
+            per_word += a.to(tl.float32) * word_value(words, high, j, BITS)
         first = offs_w[None, :] * (32 // BITS)  # each word's first column: its group
         scale = load_group_scales(s_ptr, rows, first, k0, column_mask(first, K, EVEN_K), stride_sn, GROUP_SIZE,
                                   BLOCK_K)
-        result = acc + per_word * scale[None, :, :]
+        result = acc + per_word * scale
     else:
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = column_mask(offs_k, K, EVEN_K)
@@ -278,10 +303,10 @@ def _gemv_kernel(
     BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """One program: rows [pid_m * BLOCK_M, +BLOCK_M), columns [pid_n * BLOCK_N, +BLOCK_N), input columns
+    """One program: rows [pid(0) * BLOCK_M, +BLOCK_M), columns [pid(1) * BLOCK_N, +BLOCK_N), input columns
     [split * k_per_split, +k_per_split) (a multiple of BLOCK_K), by `gemv_accumulate`. Writes y, or with
     several splits its fp32 partial at y_ptr + split * stride_ys."""
-    pid_n, pid_m, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    pid_m, pid_n, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask, n_mask = offs_m < M, offs_n < N
@@ -292,7 +317,7 @@ def _gemv_kernel(
         acc = gemv_accumulate(acc, x_ptr, x_rows, m_mask, w_ptr, s_ptr, k0, offs_n, n_mask, stride_wn, stride_sn, K,
                               BITS, GROUP_SIZE, BLOCK_K, EVEN_K, PRECISION)
     y_ptrs = y_ptr + split * stride_ys + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
-    tl.store(y_ptrs, round_to(gemv_sum(acc), y_ptr.dtype.element_ty, PRECISION),
+    tl.store(y_ptrs, round_to(gemv_sum(acc, BITS), y_ptr.dtype.element_ty, PRECISION),
              mask=m_mask[:, None] & n_mask[None, :])
 
 
@@ -363,7 +388,7 @@ def quant_linear(x: torch.Tensor, weight_or_packed: torch.Tensor, *, scales: tor
             x2, weight, s_arg, y, m, n, k, x2.stride(0), weight.stride(0), stride_sn, y.stride(0), **common)
         return y.view(out_shape)
     y = torch.empty((cfg.splits, m, n), dtype=torch.float32 if cfg.splits > 1 else x.dtype, device=x.device)
-    _gemv_kernel[(triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m), cfg.splits)](
+    _gemv_kernel[(triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n), cfg.splits)](
         x2, weight, s_arg, y, m, n, k, cfg.k_per_split, x2.stride(0), weight.stride(0), stride_sn, y.stride(1),
         y.stride(0), **common)
     y = y.sum(dim=0).to(x.dtype) if cfg.splits > 1 else y[0]
