@@ -57,10 +57,11 @@ class DecodeTiles(NamedTuple):
 
 
 # Tile sizes, per weight format (bits; 0 unquantized): module constants so a benchmark can sweep them.
-# Chosen on an H200 by bench/moe_decode_kernel.py --sweep for bf16 and INT4 (bench/results/
-# moe_decode_kernel_nvidia_h200.json): the same tiles won for both; INT6 / INT8 not swept (the same)
+# Chosen on an H200 by bench/moe_decode_kernel.py --sweep (bench/results/moe_decode_kernel_nvidia_h200.json)
+# for bf16 (INT6 the same) and INT4 (INT8 the same: the same packed-word GEMV)
 DECODE_MAX_PAIRS = 160  # up to this many (token, expert) pairs (16 tokens of top-10), the GEMV form
-DECODE_TILES = dict.fromkeys((0, 4, 6, 8), DecodeTiles(8, 512, 4, 16, 128, 4, 2))
+DECODE_TILES = {**dict.fromkeys((0, 6), DecodeTiles(8, 512, 4, 16, 128, 4, 2)),
+                **dict.fromkeys((4, 8), DecodeTiles(16, 512, 4, 32, 256, 4, 2))}
 PREFILL_BLOCK_M, PREFILL_BLOCK_N, PREFILL_BLOCK_K, PREFILL_NUM_WARPS = 32, 64, 64, 4
 SUM_BLOCK = 256
 
