@@ -207,6 +207,7 @@ def kernel_table(fn, device: torch.device) -> tuple[int, dict[str, tuple[int, fl
         if device.type == "cuda":
             torch.cuda.synchronize()
     parts: dict[str, list] = defaultdict(lambda: [0, 0.0])
+    seen = set()
 
     def walk(event, part: str) -> None:
         if event.name.startswith("part:"):
@@ -214,12 +215,18 @@ def kernel_table(fn, device: torch.device) -> tuple[int, dict[str, tuple[int, fl
         for kernel in getattr(event, "kernels", []):
             parts[part][0] += 1
             parts[part][1] += kernel.duration / 1e6
+            seen.add(kernel.name)
         for child in event.cpu_children:
             walk(child, part)
 
     for event in prof.events():
         if event.cpu_parent is None and event.device_type == torch.autograd.DeviceType.CPU:
             walk(event, "other (embedding, lm_head, norms, copies)")
+    # kernels no torch op launched (Triton's: named after their function) are in no part: by name
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA and event.name not in seen:
+            parts[f"kernel {event.name[:40]}"][0] += 1
+            parts[f"kernel {event.name[:40]}"][1] += event.device_time / 1e6
     return sum(n for n, _ in parts.values()), {k: (n, t) for k, (n, t) in parts.items()}
 
 

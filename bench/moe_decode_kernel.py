@@ -8,7 +8,8 @@ one run:
     scales, or the bf16 weights, of the distinct experts its tokens selected), and its ratio to the
     copy bandwidth: the kernels (2-3 launches at decode, replayed from a CUDA graph on a GPU), with
     --baseline ROOT also another checkout's kernels (before/after in one run), the torch reference (`naive`: a loop over the hit experts, each dequantized), and for bf16 the
-    model's sync-free path today (`Experts._gathered`: the selected experts copied out, then bmm).
+    model's sync-free torch path (`FusedExpertsMethod._gathered`: the selected experts copied out, then
+    bmm; what a static step took before the fused kernel, and takes with TIERLM_NO_FUSED_MOE=1).
 Each timed call cycles through ROUTINGS different routings, so the weights of one call are not in L2
 for the next (INT4 experts of one token fit in an H200's L2). The kernel's output is checked against
 the reference on every routing (max |diff| relative to max |reference|).
@@ -132,7 +133,8 @@ def measure_batch(run: SimpleNamespace, experts: tuple, label: str, batch: int) 
     """One format at one batch size: kernel (best tiles if sweeping), reference, gathered; checked."""
     from tierlm.kernels.fused_moe import naive
     from tierlm.kernels.fused_moe import triton as kernels
-    from tierlm.model.layers.moe import Experts
+    from tierlm.model.quantization.base import DENSE
+    from tierlm.model.quantization.experts import FusedExpertsMethod
 
     w_gate_up, w_down, kw, per_expert = experts
     shape, device = run.shape, run.device
@@ -179,7 +181,8 @@ def measure_batch(run: SimpleNamespace, experts: tuple, label: str, batch: int) 
     gathered_s = None
     if not kw:  # bf16: the model's static path today, on the same weights (no copy of the stack)
         holder = SimpleNamespace(gate_up_proj=w_gate_up, down_proj=w_down)
-        gathered_s = timed(lambda i: Experts._gathered(holder, x[i], *routes[i]), ROUTINGS, device, run.use_graph)
+        torch_path = FusedExpertsMethod(DENSE)
+        gathered_s = timed(lambda i: torch_path._gathered(holder, x[i], *routes[i]), ROUTINGS, device, run.use_graph)
     diff = 0.0
     for i in range(ROUTINGS):
         ref, out = reference(i).float(), kernel(i).float()

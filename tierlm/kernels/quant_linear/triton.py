@@ -228,6 +228,16 @@ def word_value(words, high, j: tl.constexpr, BITS: tl.constexpr):
 
 
 @triton.jit
+def even_odd(t, N: tl.constexpr, P: tl.constexpr):
+    """[N, P] -> its even and its odd columns, [N, P / 2] each ([N] when P is 2), in registers."""
+    if P == 2:
+        even, odd = tl.split(t)
+    else:
+        even, odd = tl.split(tl.reshape(t, (N, P // 2, 2)))
+    return even, odd
+
+
+@triton.jit
 def gemv_accumulate(acc, x_ptr, x_rows, m_mask, w_ptr, s_ptr, k0, offs_n, n_mask, stride_wn, stride_sn, K,
                     BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
                     PRECISION: tl.constexpr):
@@ -235,15 +245,15 @@ def gemv_accumulate(acc, x_ptr, x_rows, m_mask, w_ptr, s_ptr, k0, offs_n, n_mask
     int64 offsets of each row from x_ptr, masked by m_mask) at columns [k0, k0 + BLOCK_K) times the
     weight tile of rows offs_n, in fp32. No reduction across threads here: the sum over K is taken once
     at the end (`gemv_sum`).
-    4 and 8 bits (one row of x): every tensor of the loop is 2-D in the packed words' own shape
-    [BLOCK_N, words], so all of them share one register layout and no value moves between threads (a
-    layout conversion costs a trip through shared memory and a barrier). Each word is loaded once
-    (16-byte loads); value j of every word is taken out in place (`word_value`) and multiplied by x's
-    column j of that word (x loaded in the same [BLOCK_N, words] shape, the same address down a column,
-    so a thread loads each once for all its rows); a word's products are summed in fp32 and multiplied by
-    the word's group scale (groups hold whole words): the weights are q * scale exactly, not rounded to
-    x's dtype first as `naive` and the GEMM form do (in bf16 a difference well under the output's own
-    rounding; in fp32 at fp32 roundoff).
+    4 and 8 bits (one row of x): the weights stay in the packed words' own shape [BLOCK_N, words] (no
+    value of them moves between threads). Each word is loaded once (16-byte loads); value j of every
+    word is taken out in place (`word_value`) and multiplied by x's column j of that word: x's tile is
+    loaded once as [words, values per word] (contiguous) and split into one [words] vector per j
+    (`even_odd`; one trip through shared memory per tile brings them into the words' layout: x loaded
+    per j instead takes 32 / BITS strided loads per word: many times the weights' own L1 traffic). A
+    word's products are summed in fp32 and multiplied by the word's group scale (groups hold whole
+    words): the weights are q * scale exactly, not rounded to x's dtype first as `naive` and the GEMM
+    form do (in bf16 a difference well under the output's own rounding; in fp32 at fp32 roundoff).
     Unquantized and 6 bits: per-product accumulators, 6-bit weights dequantized as `load_weight_rows`."""
     rows = tl.where(n_mask, offs_n, 0)[:, None].to(tl.int64)  # clamped: loads need no row mask
     if BITS != 0 and 32 % BITS == 0:
@@ -255,13 +265,34 @@ def gemv_accumulate(acc, x_ptr, x_rows, m_mask, w_ptr, s_ptr, k0, offs_n, n_mask
                             mask=(offs_w < tl.cdiv(K * BITS, 32))[None, :], other=0)
         words = words.to(tl.uint32, bitcast=True)
         high = words >> 16
-        down_the_rows = tl.zeros_like(rows)  # [BLOCK_N, 1]: x's address is the same for every row
-        per_word = tl.zeros(acc.shape, dtype=tl.float32)
-        for j in tl.static_range(32 // BITS):
-            columns = offs_w * (32 // BITS) + j
-            a = tl.load(x_ptr + x_rows[:, None] + columns[None, :] + down_the_rows,
-                        mask=m_mask[:, None] & column_mask(columns, K, EVEN_K)[None, :], other=0.0)
-            per_word += a.to(tl.float32) * word_value(words, high, j, BITS)
+        # x's columns of the tile as [words, values per word] (one contiguous load), split into one
+        # [words] vector per position in a word
+        columns = offs_w[:, None] * (32 // BITS) + tl.arange(0, 32 // BITS)[None, :]
+        a = tl.load(x_ptr + x_rows[:, None] + columns, mask=m_mask[:, None] & column_mask(columns, K, EVEN_K),
+                    other=0.0).to(tl.float32)
+        even, odd = even_odd(a, BLOCK_K // (32 // BITS), 32 // BITS)
+        if BITS == 4:
+            even0, even1 = even_odd(even, BLOCK_K // 8, 4)  # positions 0, 4 / 2, 6
+            odd0, odd1 = even_odd(odd, BLOCK_K // 8, 4)  # 1, 5 / 3, 7
+            a0, a4 = even_odd(even0, BLOCK_K // 8, 2)
+            a2, a6 = even_odd(even1, BLOCK_K // 8, 2)
+            a1, a5 = even_odd(odd0, BLOCK_K // 8, 2)
+            a3, a7 = even_odd(odd1, BLOCK_K // 8, 2)
+            per_word = word_value(words, high, 0, BITS) * a0[None, :]
+            per_word += word_value(words, high, 1, BITS) * a1[None, :]
+            per_word += word_value(words, high, 2, BITS) * a2[None, :]
+            per_word += word_value(words, high, 3, BITS) * a3[None, :]
+            per_word += word_value(words, high, 4, BITS) * a4[None, :]
+            per_word += word_value(words, high, 5, BITS) * a5[None, :]
+            per_word += word_value(words, high, 6, BITS) * a6[None, :]
+            per_word += word_value(words, high, 7, BITS) * a7[None, :]
+        else:
+            a0, a2 = even_odd(even, BLOCK_K // 4, 2)
+            a1, a3 = even_odd(odd, BLOCK_K // 4, 2)
+            per_word = word_value(words, high, 0, BITS) * a0[None, :]
+            per_word += word_value(words, high, 1, BITS) * a1[None, :]
+            per_word += word_value(words, high, 2, BITS) * a2[None, :]
+            per_word += word_value(words, high, 3, BITS) * a3[None, :]
         first = offs_w[None, :] * (32 // BITS)  # each word's first column: its group
         scale = load_group_scales(s_ptr, rows, first, k0, column_mask(first, K, EVEN_K), stride_sn, GROUP_SIZE,
                                   BLOCK_K)
