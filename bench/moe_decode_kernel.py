@@ -39,17 +39,18 @@ SMALL = {"hidden": 32, "experts": 8, "top_k": 2, "intermediate": 32, "groups": (
 # --sweep: at the first batch size (later ones keep the tiles chosen there), the decode GEMV tiles of the
 # format (fused_moe.triton.DECODE_TILES), one kernel at a time (gate_up with the down tiles as set, then
 # down with the best gate_up), or the grouped GEMM's tiles. bf16 (8 warps never won on an H200: not
-# swept); packed formats (accumulators per word: 2 to 16 words of a matrix per thread)
+# swept); packed formats (accumulators per word: 2 to 8 words of a matrix per thread; 5 ranks per down
+# program never won on an H200)
 GATE_UP_SWEEP = {
     "bf16": [{"gate_up_block_n": n, "gate_up_block_k": k} for n in (8, 16, 32) for k in (256, 512)],
     "packed": [{"gate_up_block_n": n, "gate_up_block_k": k, "gate_up_warps": w} for n in (8, 16, 32)
-               for k in (256, 512, 1024) for w in (4, 8) if 2 <= n * k // 8 // (32 * w) <= 16],
+               for k in (256, 512, 1024) for w in (4, 8) if 2 <= n * k // 8 // (32 * w) <= 8],
 }
 DOWN_SWEEP = {
     "bf16": [{"down_block_n": n, "down_block_k": k, "down_ranks": r} for n in (16, 32) for k in (128, 256)
              for r in (5, 2)],
     "packed": [{"down_block_n": n, "down_block_k": k, "down_ranks": r} for n in (16, 32) for k in (128, 256, 1024)
-               for r in (5, 2, 1)],
+               for r in (2, 1)],
 }
 GROUPED_SWEEP = [{"PREFILL_BLOCK_M": m, "PREFILL_BLOCK_N": n, "PREFILL_BLOCK_K": k, "PREFILL_NUM_WARPS": w}
                  for m, n, k, w in ((16, 64, 64, 4), (16, 64, 128, 4), (16, 128, 64, 4), (16, 32, 128, 4),

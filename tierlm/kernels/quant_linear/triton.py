@@ -8,14 +8,14 @@ straddles two); shifted and masked, the 2^(bits-1) bias removed, multiplied by i
 then rounded to x's dtype: the same rounded weight `naive` builds, so the two differ only in summation
 order (products accumulate in fp32 here).
   - decode (M <= GEMV_MAX_ROWS), `_gemv_kernel`: no tensor-core dot (it would pad M to 16); each
-    product lands in its own fp32 accumulator (`gemv_accumulate`) and the sum over K is taken once at
+    product lands in its own fp32 accumulator (`gemv_loop`) and the sum over K is taken once at
     the end (no reduction per tile); packed 4/8-bit weights take one row of x per program and keep
     every tensor in the packed words' own 2-D shape, so nothing changes threads inside the loop. K is
     split over several programs when N alone gives too few programs to keep the device's memory system
     busy; the fp32 partials are summed after.
   - prefill chunks, `_gemm_kernel`: tl.dot tiles (fp32 in IEEE precision, so fp32 results match the
     reference closely).
-`gemv_accumulate` and `accumulate_tile` (with `round_to`) are shared with the fused MoE kernels
+`gemv_loop` and `accumulate_tile` (with `round_to`) are shared with the fused MoE kernels
 (kernels/fused_moe). On the CPU the kernels run in Triton's interpreter, which needs two workarounds
 (PRECISION "interpreter": see `round_to` and `accumulate_tile`).
 """
@@ -189,7 +189,7 @@ def load_straddling_values(w_ptr, s_ptr, k0, offs_k, k_mask, rows, stride_wn, st
 
 @triton.jit
 def gemv_zeros(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BITS: tl.constexpr):
-    """The fp32 accumulator of `gemv_accumulate` (the sum over K is taken once, by `gemv_sum`, not per
+    """The fp32 accumulator of `gemv_loop` (the sum over K is taken once, by `gemv_sum`, not per
     tile): for 4 and 8 bits one per packed word of the tile, [BLOCK_N, words] (one row of x: BLOCK_M
     must be 1), else one per product, [BLOCK_M, BLOCK_N, BLOCK_K]."""
     if BITS != 0 and 32 % BITS == 0:
@@ -238,76 +238,113 @@ def even_odd(t, N: tl.constexpr, P: tl.constexpr):
 
 
 @triton.jit
+def gemv_loop(acc, x_ptr, x_rows, m_mask, w_ptr, s_ptr, k_start, k_end, offs_n, n_mask, stride_wn, stride_sn, K,
+              BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+              PRECISION: tl.constexpr):
+    """The GEMV form (a few rows of x; no tensor cores): acc (`gemv_zeros`) + x's rows (x_rows: [BLOCK_M]
+    int64 offsets of each row from x_ptr, masked by m_mask) at input columns [k_start, k_end) (k_start a
+    multiple of BLOCK_K) times the weight rows offs_n, in fp32, tile by tile. No reduction across threads
+    here: the sum over K is taken once at the end (`gemv_sum`).
+    Packed 4 and 8 bits: each tile's words and scales are loaded one tile ahead (`packed_tile`), so they
+    are in flight while the tile before is computed (`packed_gemv_accumulate`): at decode sizes an SM
+    holds few programs, which otherwise wait on each tile's loads. Unquantized and 6 bits:
+    `gemv_accumulate` per tile."""
+    if BITS != 0 and 32 % BITS == 0:
+        rows = tl.where(n_mask, offs_n, 0)[:, None].to(tl.int64)  # clamped: loads need no row mask
+        last = k_start + (k_end - k_start - 1) // BLOCK_K * BLOCK_K  # the last tile (fetched twice at the end)
+        words, scale = packed_tile(w_ptr, s_ptr, k_start, rows, stride_wn, stride_sn, K, BITS, GROUP_SIZE, BLOCK_K,
+                                   EVEN_K)
+        for k0 in range(k_start, k_end, BLOCK_K):
+            next_words, next_scale = packed_tile(w_ptr, s_ptr, tl.minimum(k0 + BLOCK_K, last), rows, stride_wn,
+                                                 stride_sn, K, BITS, GROUP_SIZE, BLOCK_K, EVEN_K)
+            acc = packed_gemv_accumulate(acc, words, scale, x_ptr, x_rows, m_mask, k0, K, BITS, BLOCK_K, EVEN_K)
+            words, scale = next_words, next_scale
+    else:
+        for k0 in range(k_start, k_end, BLOCK_K):
+            acc = gemv_accumulate(acc, x_ptr, x_rows, m_mask, w_ptr, s_ptr, k0, offs_n, n_mask, stride_wn, stride_sn,
+                                  K, BITS, GROUP_SIZE, BLOCK_K, EVEN_K, PRECISION)
+    return acc
+
+
+@triton.jit
+def packed_tile(w_ptr, s_ptr, k0, rows, stride_wn, stride_sn, K, BITS: tl.constexpr, GROUP_SIZE: tl.constexpr,
+                BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """4 and 8 bits: (the packed words [BLOCK_N, BLOCK_K * BITS / 32] as uint32, each word's group scale
+    in fp32, same shape or [BLOCK_N, 1]) of weight rows `rows` ([BLOCK_N, 1] int64, in range) at input
+    columns [k0, k0 + BLOCK_K); words past K are 0. Each word is loaded once (16-byte loads)."""
+    offs_w = k0 // (32 // BITS) + tl.arange(0, BLOCK_K // (32 // BITS))  # k0: a multiple of BLOCK_K
+    offs_w = tl.max_contiguous(tl.multiple_of(offs_w, BLOCK_K // (32 // BITS)), BLOCK_K // (32 // BITS))
+    if EVEN_K:
+        words = tl.load(w_ptr + rows * stride_wn + offs_w[None, :])
+    else:
+        words = tl.load(w_ptr + rows * stride_wn + offs_w[None, :], mask=(offs_w < tl.cdiv(K * BITS, 32))[None, :],
+                        other=0)
+    first = offs_w[None, :] * (32 // BITS)  # each word's first column: its group (groups hold whole words)
+    scale = load_group_scales(s_ptr, rows, first, k0, column_mask(first, K, EVEN_K), stride_sn, GROUP_SIZE, BLOCK_K)
+    return words.to(tl.uint32, bitcast=True), scale
+
+
+@triton.jit
+def packed_gemv_accumulate(acc, words, scale, x_ptr, x_rows, m_mask, k0, K, BITS: tl.constexpr,
+                           BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """4 and 8 bits, one row of x: acc [BLOCK_N, words] + per word, x's columns [k0, k0 + BLOCK_K) times the
+    tile's words (`packed_tile`), in fp32. The weights stay in the packed words' own shape (no value of
+    them moves between threads): value j of every word is taken out in place (`word_value`) and
+    multiplied by x's column j of that word. x's tile is loaded once as [words, values per word]
+    (contiguous) and split into one [words] vector per j (`even_odd`; one trip through shared memory per
+    tile brings them into the words' layout: x loaded per j instead takes 32 / BITS strided loads per
+    word, many times the weights' own L1 traffic). A word's products are summed in fp32 and multiplied by
+    the word's group scale: the weights are q * scale exactly, not rounded to x's dtype first as `naive`
+    and the GEMM form do (in bf16 a difference well under the output's own rounding; in fp32 at fp32
+    roundoff)."""
+    high = words >> 16
+    offs_w = k0 // (32 // BITS) + tl.arange(0, BLOCK_K // (32 // BITS))
+    columns = offs_w[:, None] * (32 // BITS) + tl.arange(0, 32 // BITS)[None, :]
+    a = tl.load(x_ptr + x_rows[:, None] + columns, mask=m_mask[:, None] & column_mask(columns, K, EVEN_K),
+                other=0.0).to(tl.float32)
+    even, odd = even_odd(a, BLOCK_K // (32 // BITS), 32 // BITS)
+    if BITS == 4:
+        even0, even1 = even_odd(even, BLOCK_K // 8, 4)  # positions 0, 4 / 2, 6
+        odd0, odd1 = even_odd(odd, BLOCK_K // 8, 4)  # 1, 5 / 3, 7
+        a0, a4 = even_odd(even0, BLOCK_K // 8, 2)
+        a2, a6 = even_odd(even1, BLOCK_K // 8, 2)
+        a1, a5 = even_odd(odd0, BLOCK_K // 8, 2)
+        a3, a7 = even_odd(odd1, BLOCK_K // 8, 2)
+        per_word = word_value(words, high, 0, BITS) * a0[None, :]
+        per_word += word_value(words, high, 1, BITS) * a1[None, :]
+        per_word += word_value(words, high, 2, BITS) * a2[None, :]
+        per_word += word_value(words, high, 3, BITS) * a3[None, :]
+        per_word += word_value(words, high, 4, BITS) * a4[None, :]
+        per_word += word_value(words, high, 5, BITS) * a5[None, :]
+        per_word += word_value(words, high, 6, BITS) * a6[None, :]
+        per_word += word_value(words, high, 7, BITS) * a7[None, :]
+    else:
+        a0, a2 = even_odd(even, BLOCK_K // 4, 2)
+        a1, a3 = even_odd(odd, BLOCK_K // 4, 2)
+        per_word = word_value(words, high, 0, BITS) * a0[None, :]
+        per_word += word_value(words, high, 1, BITS) * a1[None, :]
+        per_word += word_value(words, high, 2, BITS) * a2[None, :]
+        per_word += word_value(words, high, 3, BITS) * a3[None, :]
+    return acc + per_word * scale
+
+
+@triton.jit
 def gemv_accumulate(acc, x_ptr, x_rows, m_mask, w_ptr, s_ptr, k0, offs_n, n_mask, stride_wn, stride_sn, K,
                     BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
                     PRECISION: tl.constexpr):
-    """The GEMV form (a few rows; no tensor cores): acc (`gemv_zeros`) + x's rows (x_rows: [BLOCK_M]
-    int64 offsets of each row from x_ptr, masked by m_mask) at columns [k0, k0 + BLOCK_K) times the
-    weight tile of rows offs_n, in fp32. No reduction across threads here: the sum over K is taken once
-    at the end (`gemv_sum`).
-    4 and 8 bits (one row of x): the weights stay in the packed words' own shape [BLOCK_N, words] (no
-    value of them moves between threads). Each word is loaded once (16-byte loads); value j of every
-    word is taken out in place (`word_value`) and multiplied by x's column j of that word: x's tile is
-    loaded once as [words, values per word] (contiguous) and split into one [words] vector per j
-    (`even_odd`; one trip through shared memory per tile brings them into the words' layout: x loaded
-    per j instead takes 32 / BITS strided loads per word: many times the weights' own L1 traffic). A
-    word's products are summed in fp32 and multiplied by the word's group scale (groups hold whole
-    words): the weights are q * scale exactly, not rounded to x's dtype first as `naive` and the GEMM
-    form do (in bf16 a difference well under the output's own rounding; in fp32 at fp32 roundoff).
-    Unquantized and 6 bits: per-product accumulators, 6-bit weights dequantized as `load_weight_rows`."""
+    """Unquantized and 6 bits, one tile of `gemv_loop`: acc [BLOCK_M, BLOCK_N, BLOCK_K] + x's rows at
+    columns [k0, k0 + BLOCK_K) times the weight tile of rows offs_n, one fp32 accumulator per product;
+    6-bit weights dequantized as `load_weight_rows`."""
     rows = tl.where(n_mask, offs_n, 0)[:, None].to(tl.int64)  # clamped: loads need no row mask
-    if BITS != 0 and 32 % BITS == 0:
-        offs_w = tl.multiple_of(k0 // (32 // BITS), BLOCK_K // (32 // BITS)) + tl.arange(0, BLOCK_K // (32 // BITS))
-        if EVEN_K:
-            words = tl.load(w_ptr + rows * stride_wn + offs_w[None, :])
-        else:
-            words = tl.load(w_ptr + rows * stride_wn + offs_w[None, :],
-                            mask=(offs_w < tl.cdiv(K * BITS, 32))[None, :], other=0)
-        words = words.to(tl.uint32, bitcast=True)
-        high = words >> 16
-        # x's columns of the tile as [words, values per word] (one contiguous load), split into one
-        # [words] vector per position in a word
-        columns = offs_w[:, None] * (32 // BITS) + tl.arange(0, 32 // BITS)[None, :]
-        a = tl.load(x_ptr + x_rows[:, None] + columns, mask=m_mask[:, None] & column_mask(columns, K, EVEN_K),
-                    other=0.0).to(tl.float32)
-        even, odd = even_odd(a, BLOCK_K // (32 // BITS), 32 // BITS)
-        if BITS == 4:
-            even0, even1 = even_odd(even, BLOCK_K // 8, 4)  # positions 0, 4 / 2, 6
-            odd0, odd1 = even_odd(odd, BLOCK_K // 8, 4)  # 1, 5 / 3, 7
-            a0, a4 = even_odd(even0, BLOCK_K // 8, 2)
-            a2, a6 = even_odd(even1, BLOCK_K // 8, 2)
-            a1, a5 = even_odd(odd0, BLOCK_K // 8, 2)
-            a3, a7 = even_odd(odd1, BLOCK_K // 8, 2)
-            per_word = word_value(words, high, 0, BITS) * a0[None, :]
-            per_word += word_value(words, high, 1, BITS) * a1[None, :]
-            per_word += word_value(words, high, 2, BITS) * a2[None, :]
-            per_word += word_value(words, high, 3, BITS) * a3[None, :]
-            per_word += word_value(words, high, 4, BITS) * a4[None, :]
-            per_word += word_value(words, high, 5, BITS) * a5[None, :]
-            per_word += word_value(words, high, 6, BITS) * a6[None, :]
-            per_word += word_value(words, high, 7, BITS) * a7[None, :]
-        else:
-            a0, a2 = even_odd(even, BLOCK_K // 4, 2)
-            a1, a3 = even_odd(odd, BLOCK_K // 4, 2)
-            per_word = word_value(words, high, 0, BITS) * a0[None, :]
-            per_word += word_value(words, high, 1, BITS) * a1[None, :]
-            per_word += word_value(words, high, 2, BITS) * a2[None, :]
-            per_word += word_value(words, high, 3, BITS) * a3[None, :]
-        first = offs_w[None, :] * (32 // BITS)  # each word's first column: its group
-        scale = load_group_scales(s_ptr, rows, first, k0, column_mask(first, K, EVEN_K), stride_sn, GROUP_SIZE,
-                                  BLOCK_K)
-        result = acc + per_word * scale
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    k_mask = column_mask(offs_k, K, EVEN_K)
+    a = tl.load(x_ptr + x_rows[:, None] + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+    if BITS == 0:
+        w = tl.load(w_ptr + rows * stride_wn + offs_k[None, :], mask=k_mask[None, :], other=0.0)
     else:
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_mask = column_mask(offs_k, K, EVEN_K)
-        a = tl.load(x_ptr + x_rows[:, None] + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        if BITS == 0:
-            w = tl.load(w_ptr + rows * stride_wn + offs_k[None, :], mask=k_mask[None, :], other=0.0)
-        else:
-            w = load_straddling_values(w_ptr, s_ptr, k0, offs_k, k_mask, rows, stride_wn, stride_sn, BITS, GROUP_SIZE,
-                                       BLOCK_K, x_ptr.dtype.element_ty, PRECISION)
-        result = acc + a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
-    return result
+        w = load_straddling_values(w_ptr, s_ptr, k0, offs_k, k_mask, rows, stride_wn, stride_sn, BITS, GROUP_SIZE,
+                                   BLOCK_K, x_ptr.dtype.element_ty, PRECISION)
+    return acc + a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
 
 
 @triton.jit
@@ -335,18 +372,17 @@ def _gemv_kernel(
     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """One program: rows [pid(0) * BLOCK_M, +BLOCK_M), columns [pid(1) * BLOCK_N, +BLOCK_N), input columns
-    [split * k_per_split, +k_per_split) (a multiple of BLOCK_K), by `gemv_accumulate`. Writes y, or with
+    [split * k_per_split, +k_per_split) (a multiple of BLOCK_K), by `gemv_loop`. Writes y, or with
     several splits its fp32 partial at y_ptr + split * stride_ys."""
     pid_m, pid_n, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask, n_mask = offs_m < M, offs_n < N
     x_rows = tl.where(m_mask, offs_m, 0).to(tl.int64) * stride_xm
-    acc = gemv_zeros(BLOCK_M, BLOCK_N, BLOCK_K, BITS)
     k_start = split * k_per_split
-    for k0 in range(k_start, tl.minimum(k_start + k_per_split, K), BLOCK_K):
-        acc = gemv_accumulate(acc, x_ptr, x_rows, m_mask, w_ptr, s_ptr, k0, offs_n, n_mask, stride_wn, stride_sn, K,
-                              BITS, GROUP_SIZE, BLOCK_K, EVEN_K, PRECISION)
+    acc = gemv_loop(gemv_zeros(BLOCK_M, BLOCK_N, BLOCK_K, BITS), x_ptr, x_rows, m_mask, w_ptr, s_ptr, k_start,
+                    tl.minimum(k_start + k_per_split, K), offs_n, n_mask, stride_wn, stride_sn, K, BITS, GROUP_SIZE,
+                    BLOCK_K, EVEN_K, PRECISION)
     y_ptrs = y_ptr + split * stride_ys + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
     tl.store(y_ptrs, round_to(gemv_sum(acc, BITS), y_ptr.dtype.element_ty, PRECISION),
              mask=m_mask[:, None] & n_mask[None, :])
