@@ -183,7 +183,8 @@ def measure_batch(run: SimpleNamespace, experts: tuple, label: str, batch: int) 
     if not kw:  # bf16: the model's static path today, on the same weights (no copy of the stack)
         holder = SimpleNamespace(gate_up_proj=w_gate_up, down_proj=w_down)
         torch_path = FusedExpertsMethod(DENSE)
-        gathered_s = timed(lambda i: torch_path._gathered(holder, x[i], *routes[i]), ROUTINGS, device, run.use_graph)
+        gathered_s = timed(lambda i: torch_path._gathered(holder, x[i], *routes[i]), ROUTINGS, device,
+                           run.use_graph)
     diff = 0.0
     for i in range(ROUTINGS):
         ref, out = reference(i).float(), kernel(i).float()

@@ -29,8 +29,9 @@ from tierlm.kernels.quant_linear import packing
 E, H, I = 8, 96, 64
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 FORMATS = {"unquantized": (None, None), "int4-g32": (4, 32), "int8-g16": (8, 16), "int6-g16": (6, 16)}
-# H is not a whole number of K tiles (masked loads), I is (unmasked): see DECODE_BLOCK_K. (tokens, top-k, routing skewed
-# towards expert 5, a down program's ranks): decode, 6 pairs, each token's top-k sum in the down kernel;
+# H is not a whole number of K tiles (masked loads), I is (unmasked): see DECODE_BLOCK_K.
+# (tokens, top-k, routing skewed towards expert 5, a down program's ranks): decode, 6 pairs, each token's
+# top-k sum in the down kernel;
 # decode-split, 9 pairs, the top-3 over two down programs (2 ranks and 1) and the partials summed after;
 # prefill, 40 pairs in blocks of 16 (expert 5 takes 20 of them: two blocks), taken past DECODE_MAX_PAIRS
 # (lowered to keep shapes tiny)

@@ -62,7 +62,7 @@ class DecodeTiles(NamedTuple):
 # for bf16 (INT6 the same) and INT4 (INT8 the same: the same packed-word GEMV)
 DECODE_MAX_PAIRS = 160  # up to this many (token, expert) pairs (16 tokens of top-10), the GEMV form
 DECODE_TILES = {**dict.fromkeys((0, 6), DecodeTiles(8, 512, 4, 16, 128, 4, 2)),
-                **dict.fromkeys((4, 8), DecodeTiles(8, 512, 4, 32, 256, 4, 1))}
+                **dict.fromkeys((4, 8), DecodeTiles(8, 512, 4, 32, 128, 4, 1))}
 PREFILL_BLOCK_M, PREFILL_BLOCK_N, PREFILL_BLOCK_K, PREFILL_NUM_WARPS = 32, 64, 64, 4
 SUM_BLOCK = 256
 
@@ -86,17 +86,17 @@ def _gate_up_gemv_kernel(
         both = tl.arange(0, 2 * BLOCK_N)
         n = pid_n * BLOCK_N + both % BLOCK_N
         rows = tl.where(both < BLOCK_N, n, I + n)
-        sums = gemv_sum(gemv_loop(gemv_zeros(1, 2 * BLOCK_N, BLOCK_K, BITS), x_ptr, x_rows, one_row, w_e, s_e, 0, H,
-                                  rows, n < I, stride_wn, stride_sn, H, BITS, GROUP_SIZE, BLOCK_K, EVEN_K, PRECISION),
-                        BITS)  # [1, 2 * BLOCK_N]
+        acc = gemv_loop(gemv_zeros(1, 2 * BLOCK_N, BLOCK_K, BITS), x_ptr, x_rows, one_row, w_e, s_e, 0, H, rows,
+                        n < I, stride_wn, stride_sn, H, BITS, GROUP_SIZE, BLOCK_K, EVEN_K, PRECISION, True)
+        sums = gemv_sum(acc, BITS)  # [1, 2 * BLOCK_N]
         gate_sum, up_sum = tl.split(tl.trans(tl.reshape(sums, (2, BLOCK_N))))
         gate_sum, up_sum = gate_sum[None, :], up_sum[None, :]
     else:
         up_w, up_s = w_e + I * stride_wn, s_e + I * stride_sn
         gate = gemv_loop(gemv_zeros(1, BLOCK_N, BLOCK_K, BITS), x_ptr, x_rows, one_row, w_e, s_e, 0, H, offs_n, n_mask,
-                         stride_wn, stride_sn, H, BITS, GROUP_SIZE, BLOCK_K, EVEN_K, PRECISION)
+                         stride_wn, stride_sn, H, BITS, GROUP_SIZE, BLOCK_K, EVEN_K, PRECISION, True)
         up = gemv_loop(gemv_zeros(1, BLOCK_N, BLOCK_K, BITS), x_ptr, x_rows, one_row, up_w, up_s, 0, H, offs_n, n_mask,
-                       stride_wn, stride_sn, H, BITS, GROUP_SIZE, BLOCK_K, EVEN_K, PRECISION)
+                       stride_wn, stride_sn, H, BITS, GROUP_SIZE, BLOCK_K, EVEN_K, PRECISION, True)
         gate_sum, up_sum = gemv_sum(gate, BITS), gemv_sum(up, BITS)  # [1, BLOCK_N]
     act = gate_sum / (1.0 + tl.exp(-gate_sum)) * up_sum
     tl.store(out_ptr + pair.to(tl.int64) * stride_op + offs_n[None, :],
@@ -134,7 +134,8 @@ def _down_sum_gemv_kernel(
             w_e, s_e = w_ptr + expert * stride_we, s_ptr + expert * stride_se
             x_rows = pair * stride_ap + tl.zeros((1,), dtype=tl.int64)
             acc = gemv_loop(gemv_zeros(1, BLOCK_N, BLOCK_K, BITS), act_ptr, x_rows, one_row, w_e, s_e, 0, I, offs_n,
-                            n_mask, stride_wn, stride_sn, I, BITS, GROUP_SIZE, BLOCK_K, EVEN_K, PRECISION)
+                            n_mask, stride_wn, stride_sn, I, BITS, GROUP_SIZE, BLOCK_K, EVEN_K, PRECISION,
+                            True)
             result += gemv_sum(acc, BITS) * routing.to(tl.float32)
     out_ptrs = out_ptr + (token * tl.cdiv(TOP_K, RANKS) + split) * stride_ot + offs_n[None, :]
     tl.store(out_ptrs, round_to(result, out_ptr.dtype.element_ty, PRECISION), mask=n_mask[None, :])
