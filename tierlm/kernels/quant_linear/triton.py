@@ -36,7 +36,8 @@ GEMV_MAX_ROWS = 4  # up to this many rows, the GEMV form (no padding of M to 16 
 GEMV_BLOCK_N, GEMV_NUM_WARPS = 8, 4  # output columns per program (few: the accumulators are per product)
 GEMV_BLOCK_K = {1: 512, 2: 512, 4: 256}  # input columns per step, by rows per program
 # packed 4/8-bit weights: one row of x per program (the rows of a batch are neighbouring programs, so a
-# weight tile read for one is in L2 for the others), accumulators per word
+# weight tile read for one is in L2 for the others), accumulators per word; these tiles were measured on
+# an H200 (bench/results/quant_linear_kernel_nvidia_h200.json) but not swept yet (PACKED_GEMV_SWEEP)
 PACKED_GEMV_BLOCK_N, PACKED_GEMV_BLOCK_K, PACKED_GEMV_NUM_WARPS = 16, 512, 4
 GEMV_TARGET_PROGRAMS = 528  # decode: split K until about this many programs run (4 per SM on an H200)
 GEMV_MIN_TILES_PER_SPLIT = 2  # ... but give each split at least this many tiles of K
