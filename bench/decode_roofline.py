@@ -14,7 +14,15 @@ time from one profiled step of the same fixed-shape batch run eagerly.
 The PLE table is shrunk (n-gram vocab 100,000 rows per head instead of 20,000,000): a step reads 16 rows
 of it per token either way. Results go to bench/results/decode_roofline_<device>.json.
 
+`--quantize int4-mixed` (or another `tierlm quantize` scheme) also quantizes the same random model in
+memory after the bf16 run, each module in the format the scheme's quantization_config gives it (INT4
+routed experts, INT6 shared expert, INT8 per-channel embedding, lm_head and hyper-connection
+projections), round-to-nearest (`kernels/quant_linear/packing.quantize`; `tierlm quantize` adds a clip
+search, which changes values, not bytes or speed), runs the same measurements and prints both side by
+side with their tok/s ratio (results: decode_roofline_<device>_<scheme>.json).
+
     python bench/decode_roofline.py --device cuda                 # 4 layers, contexts 512 and 8192, batches 1/4/16
+    python bench/decode_roofline.py --device cuda --quantize int4-mixed --contexts 512 --batches 1
     python bench/decode_roofline.py --device cpu --small          # a shrunk config, to check the script runs
 """
 
@@ -76,6 +84,41 @@ def build_model(config: ModelConfig, dtype: torch.dtype, device: torch.device) -
     return model
 
 
+def quantize_in_memory(model: Qwen4ExpForCausalLM, scheme: str, group_size: int) -> dict[str, int]:
+    """Re-hold every weight the scheme quantizes in its packed format, in place, from the model's own
+    weights (round-to-nearest, symmetric, per the scheme's groups); returns {format label: modules}."""
+    from tierlm.kernels.quant_linear.packing import quantize
+    from tierlm.model.quantization.base import DENSE
+    from tierlm.model.quantization.config import QuantizationConfig, module_format
+    from tierlm.tools.quantize import scheme_config
+
+    rules = QuantizationConfig.from_config_json({"quantization_config": scheme_config(scheme, group_size, [])})
+    counts: dict[str, int] = defaultdict(int)
+    for path, module in list(model.named_modules()):
+        if not hasattr(module, "checkpoint_modules"):
+            continue
+        kind = "embedding" if module.kind == "embedding" else "linear"
+        fmt = module_format(rules, [part.name for part in module.checkpoint_modules(path)], kind, path)
+        if fmt == DENSE:
+            continue
+        dense = {name: param for name, param in module.named_parameters(recurse=False)
+                 if name in ("weight", "gate_up_proj", "down_proj")}
+        dtype, device = next(iter(dense.values())).dtype, next(iter(dense.values())).device
+        with torch.device(device):
+            module.set_format(fmt)
+        module.to(dtype)  # the new scales (packed words stay int32)
+        for name, weight in dense.items():
+            prefix = "" if name == "weight" else name.removesuffix("_proj") + "_"  # experts: gate_up_, down_
+            packed_param, scale_param = (getattr(module, prefix + t) for t in ("weight_packed", "weight_scale"))
+            step = 16 if weight.dim() == 3 else 16384  # experts, or rows, per chunk: bounded temporaries
+            for start in range(0, weight.shape[0], step):
+                packed, scales = quantize(weight[start:start + step], fmt.bits, fmt.group_size or weight.shape[-1])
+                packed_param[start:start + step] = packed
+                scale_param[start:start + step] = scales
+        counts[fmt.label] += 1
+    return dict(counts)
+
+
 def copy_bandwidth(device: torch.device, nbytes: int) -> float:
     """Bytes per second moved by a device copy (read + write), best of 10."""
     src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
@@ -108,8 +151,8 @@ def step_bytes(model: Qwen4ExpForCausalLM, config: ModelConfig, batch: int, cont
         size = param.numel() * param.element_size()
         if ".experts." in name:
             experts_total += size
-        elif "embed_tokens" in name:
-            total += batch * c.hidden_size * param.element_size()
+        elif "embed_tokens" in name:  # one row per token (of each of its tensors: packed words, scales)
+            total += batch * (param.numel() // param.shape[0]) * param.element_size()
         elif ".ple." in name and param.dim() == 2 and param.shape[1] * c.num_ngram_heads == c.ple_embed_dim:
             tables += batch * c.num_ngram_heads * param.shape[1] * param.element_size()
         else:
@@ -165,6 +208,7 @@ def kernel_table(fn, device: torch.device) -> tuple[int, dict[str, tuple[int, fl
         if device.type == "cuda":
             torch.cuda.synchronize()
     parts: dict[str, list] = defaultdict(lambda: [0, 0.0])
+    seen = set()
 
     def walk(event, part: str) -> None:
         if event.name.startswith("part:"):
@@ -172,12 +216,18 @@ def kernel_table(fn, device: torch.device) -> tuple[int, dict[str, tuple[int, fl
         for kernel in getattr(event, "kernels", []):
             parts[part][0] += 1
             parts[part][1] += kernel.duration / 1e6
+            seen.add(kernel.name)
         for child in event.cpu_children:
             walk(child, part)
 
     for event in prof.events():
         if event.cpu_parent is None and event.device_type == torch.autograd.DeviceType.CPU:
             walk(event, "other (embedding, lm_head, norms, copies)")
+    # kernels no torch op launched (Triton's: named after their function) are in no part: by name
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA and event.name not in seen:
+            parts[f"kernel {event.name[:40]}"][0] += 1
+            parts[f"kernel {event.name[:40]}"][1] += event.device_time / 1e6
     return sum(n for n, _ in parts.values()), {k: (n, t) for k, (n, t) in parts.items()}
 
 
@@ -219,31 +269,11 @@ def measure(model, config, dtype, device, batch: int, context: int, steps: int) 
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--contexts", type=int, nargs="+", default=[512, 8192])
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
-    parser.add_argument("--steps", type=int, default=50)
-    parser.add_argument("--small", action="store_true", help="a shrunk config (CPU check)")
-    parser.add_argument("--tag", default="", help="appended to the results file's name (e.g. an A/B's side: "
-                        "run once as is and once with TIERLM_NO_FUSED_* set)")
-    args = parser.parse_args()
-    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
-    config = ModelConfig.from_dict(real_width_config(args.layers, args.small))
-    model = build_model(config, dtype, device)
-    name = torch.cuda.get_device_name(device).replace(" ", "-").lower() if device.type == "cuda" else (
-        f"cpu-{platform.machine()}")
-    bandwidth = copy_bandwidth(device, 2 << 30 if device.type == "cuda" else 64 << 20)
-    params = sum(p.numel() for p in model.parameters())
-    print(f"{name}: {args.layers} layers {config.layer_types}, {params / 1e9:.2f}B params, {args.dtype}; "
-          f"copy bandwidth {bandwidth / 1e9:.0f} GB/s (read + write); "
-          f"switches set: {' '.join(k for k in os.environ if k.startswith('TIERLM_')) or 'none'}")
+def run_all(model, config, dtype, device, args, bandwidth: float) -> list[dict]:
+    """Every (context, batch) of args, printed as one table."""
     results = []
-    header = f"{'ctx':>6} {'batch':>5} {'tok/s':>9} {'step ms':>8} {'GB/step':>8} {'roofline':>9} {'kernels':>8} {'host ms':>8}"
-    print(header)
+    print(f"{'ctx':>6} {'batch':>5} {'tok/s':>9} {'step ms':>8} {'GB/step':>8} {'roofline':>9} {'kernels':>8} "
+          f"{'host ms':>8}")
     for context in args.contexts:
         for batch in args.batches:
             r = measure(model, config, dtype, device, batch, context, args.steps)
@@ -256,15 +286,64 @@ def main() -> None:
     total = sum(t for _, t in first["parts"].values()) or 1.0
     for part, (n, t) in sorted(first["parts"].items(), key=lambda kv: -kv[1][1]):
         print(f"  {part:<44} {n:>5} kernels {1e3 * t:>8.3f} ms {100 * t / total:>5.1f}%")
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--contexts", type=int, nargs="+", default=[512, 8192])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--small", action="store_true", help="a shrunk config (CPU check)")
+    parser.add_argument("--quantize", default=None, metavar="SCHEME",
+                        help="also run the same model quantized in memory with this `tierlm quantize` scheme "
+                             "(int4-mixed, int8, int4) and print the two side by side")
+    parser.add_argument("--group-size", type=int, default=32, help="--quantize's group size (INT4/INT6)")
+    parser.add_argument("--tag", default="", help="appended to the results file's name (e.g. an A/B's side: "
+                        "run once as is and once with TIERLM_NO_FUSED_* set)")
+    args = parser.parse_args()
+    if args.quantize is not None:
+        from tierlm.tools.quantize import SCHEMES
+
+        if args.quantize not in SCHEMES:
+            parser.error(f"--quantize: unknown scheme {args.quantize!r}; choose one of {', '.join(SCHEMES)}")
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    config = ModelConfig.from_dict(real_width_config(args.layers, args.small))
+    model = build_model(config, dtype, device)
+    name = torch.cuda.get_device_name(device).replace(" ", "-").lower() if device.type == "cuda" else (
+        f"cpu-{platform.machine()}")
+    bandwidth = copy_bandwidth(device, 2 << 30 if device.type == "cuda" else 64 << 20)
+    params = sum(p.numel() for p in model.parameters())
+    switches = {k: v for k, v in os.environ.items() if k.startswith("TIERLM_")}  # kill switches set
+    print(f"{name}: {args.layers} layers {config.layer_types}, {params / 1e9:.2f}B params, {args.dtype}; "
+          f"copy bandwidth {bandwidth / 1e9:.0f} GB/s (read + write); switches set: {' '.join(switches) or 'none'}")
+    results = run_all(model, config, dtype, device, args, bandwidth)
     if len(results) > 1:
         one = next((r for r in results if r["batch"] == 1), None)
         four = next((r for r in results if r["batch"] == 4 and one and r["context"] == one["context"]), None)
         if one and four:
             print(f"batch 4 / batch 1 total tok/s at ctx {one['context']}: {four['tok_s'] / one['tok_s']:.2f}x")
-    out = Path(__file__).parent / "results" / f"decode_roofline_{name}{'_' + args.tag if args.tag else ''}.json"
-    switches = {k: v for k, v in os.environ.items() if k.startswith("TIERLM_")}  # kill switches set
-    out.write_text(json.dumps({"device": name, "dtype": args.dtype, "layers": args.layers, "switches": switches,
-                               "copy_bandwidth": bandwidth, "results": results}, indent=1))
+    report = {"device": name, "dtype": args.dtype, "layers": args.layers, "switches": switches,
+              "copy_bandwidth": bandwidth, "results": results}
+    tag = f"_{args.tag}" if args.tag else ""
+    out = Path(__file__).parent / "results" / f"decode_roofline_{name}{tag}.json"
+    if args.quantize is not None:
+        formats = quantize_in_memory(model, args.quantize, args.group_size)
+        print(f"\n{args.quantize} (group {args.group_size}, in memory, round-to-nearest): modules per format {formats}")
+        quantized = run_all(model, config, dtype, device, args, bandwidth)
+        print(f"\n{'ctx':>6} {'batch':>5} {args.dtype + ' tok/s':>16} {args.quantize + ' tok/s':>18} {'ratio':>7} "
+              f"{'GB/step':>8} {'->':>3} {'GB/step':>8}")
+        for base, quant in zip(results, quantized, strict=True):
+            quant["tok_s_ratio"] = quant["tok_s"] / base["tok_s"]
+            print(f"{base['context']:>6} {base['batch']:>5} {base['tok_s']:>16.1f} {quant['tok_s']:>18.1f} "
+                  f"{quant['tok_s_ratio']:>6.2f}x {base['bytes_per_step'] / 1e9:>8.3f} {'':>3} "
+                  f"{quant['bytes_per_step'] / 1e9:>8.3f}")
+        report.update(quantize=args.quantize, group_size=args.group_size, formats=formats, quantized=quantized)
+        out = out.with_name(f"decode_roofline_{name}_{args.quantize}{tag}.json")
+    out.write_text(json.dumps(report, indent=1))
     print(f"saved {out}")
 
 

@@ -8,7 +8,8 @@ one run:
     scales, or the bf16 weights, of the distinct experts its tokens selected), and its ratio to the
     copy bandwidth: the kernels (2-3 launches at decode, replayed from a CUDA graph on a GPU), with
     --baseline ROOT also another checkout's kernels (before/after in one run), the torch reference (`naive`: a loop over the hit experts, each dequantized), and for bf16 the
-    model's sync-free path today (`Experts._gathered`: the selected experts copied out, then bmm).
+    model's sync-free torch path (`FusedExpertsMethod._gathered`: the selected experts copied out, then
+    bmm; what a static step took before the fused kernel, and takes with TIERLM_NO_FUSED_MOE=1).
 Each timed call cycles through ROUTINGS different routings, so the weights of one call are not in L2
 for the next (INT4 experts of one token fit in an H200's L2). The kernel's output is checked against
 the reference on every routing (max |diff| relative to max |reference|).
@@ -37,10 +38,20 @@ TARGET = {"hidden": 2560, "experts": 512, "top_k": 10, "intermediate": 640, "gro
 SMALL = {"hidden": 32, "experts": 8, "top_k": 2, "intermediate": 32, "groups": (16, 32)}
 # --sweep: at the first batch size (later ones keep the tiles chosen there), the decode GEMV tiles of the
 # format (fused_moe.triton.DECODE_TILES), one kernel at a time (gate_up with the down tiles as set, then
-# down with the best gate_up), or the grouped GEMM's tiles. (8 warps never won on an H200: not swept.)
-GATE_UP_SWEEP = [{"gate_up_block_n": n, "gate_up_block_k": k} for n in (8, 16, 32) for k in (256, 512)]
-DOWN_SWEEP = [{"down_block_n": n, "down_block_k": k, "down_ranks": r} for n in (16, 32) for k in (128, 256)
-              for r in (5, 2)]
+# down with the best gate_up), or the grouped GEMM's tiles. bf16 (8 warps never won on an H200: not
+# swept); packed formats (accumulators per word: 2 to 8 words of a matrix per thread; 5 ranks per down
+# program never won on an H200)
+GATE_UP_SWEEP = {
+    "bf16": [{"gate_up_block_n": n, "gate_up_block_k": k} for n in (8, 16, 32) for k in (256, 512)],
+    "packed": [{"gate_up_block_n": n, "gate_up_block_k": k, "gate_up_warps": w} for n in (8, 16, 32)
+               for k in (256, 512, 1024) for w in (4, 8) if 2 <= n * k // 8 // (32 * w) <= 8],
+}
+DOWN_SWEEP = {
+    "bf16": [{"down_block_n": n, "down_block_k": k, "down_ranks": r} for n in (16, 32) for k in (128, 256)
+             for r in (5, 2)],
+    "packed": [{"down_block_n": n, "down_block_k": k, "down_ranks": r} for n in (16, 32) for k in (128, 256, 1024)
+               for r in (2, 1)],
+}
 GROUPED_SWEEP = [{"PREFILL_BLOCK_M": m, "PREFILL_BLOCK_N": n, "PREFILL_BLOCK_K": k, "PREFILL_NUM_WARPS": w}
                  for m, n, k, w in ((16, 64, 64, 4), (16, 64, 128, 4), (16, 128, 64, 4), (16, 32, 128, 4),
                                     (16, 64, 128, 8), (32, 64, 64, 4), (16, 128, 128, 8), (16, 32, 64, 2))]
@@ -123,7 +134,8 @@ def measure_batch(run: SimpleNamespace, experts: tuple, label: str, batch: int) 
     """One format at one batch size: kernel (best tiles if sweeping), reference, gathered; checked."""
     from tierlm.kernels.fused_moe import naive
     from tierlm.kernels.fused_moe import triton as kernels
-    from tierlm.model.layers.moe import Experts
+    from tierlm.model.quantization.base import DENSE
+    from tierlm.model.quantization.experts import FusedExpertsMethod
 
     w_gate_up, w_down, kw, per_expert = experts
     shape, device = run.shape, run.device
@@ -150,7 +162,8 @@ def measure_batch(run: SimpleNamespace, experts: tuple, label: str, batch: int) 
                 setattr(kernels, name, value)
 
     if run.sweep is not None and (not run.sweep or label in run.sweep) and batch == run.sweep_batch:
-        for stage in (GATE_UP_SWEEP, DOWN_SWEEP) if decode else (GROUPED_SWEEP,):
+        family = "bf16" if bits == 0 else "packed"
+        for stage in (GATE_UP_SWEEP[family], DOWN_SWEEP[family]) if decode else (GROUPED_SWEEP,):
             best = None
             for candidate in stage:
                 apply(candidate)
@@ -169,7 +182,9 @@ def measure_batch(run: SimpleNamespace, experts: tuple, label: str, batch: int) 
     gathered_s = None
     if not kw:  # bf16: the model's static path today, on the same weights (no copy of the stack)
         holder = SimpleNamespace(gate_up_proj=w_gate_up, down_proj=w_down)
-        gathered_s = timed(lambda i: Experts._gathered(holder, x[i], *routes[i]), ROUTINGS, device, run.use_graph)
+        torch_path = FusedExpertsMethod(DENSE)
+        gathered_s = timed(lambda i: torch_path._gathered(holder, x[i], *routes[i]), ROUTINGS, device,
+                           run.use_graph)
     diff = 0.0
     for i in range(ROUTINGS):
         ref, out = reference(i).float(), kernel(i).float()

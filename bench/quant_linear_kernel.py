@@ -35,11 +35,14 @@ import torch
 TARGET = {"shapes": [(10240, 2560), (248320, 2560), (2560, 6144)], "l2_bytes": 256 << 20}
 SMALL = {"shapes": [(40, 256), (24, 512)], "l2_bytes": 1 << 20}
 FORMATS = {"bf16": (None, None), "int8": (8, None), "int4-g128": (4, 128)}  # (bits, group; None: per channel)
-# --sweep: the GEMV tiles (batches up to GEMV_MAX_ROWS), then the K split, or the GEMM tiles of the
-# format (larger batches); each candidate timed on every shape, the one with the best mean fraction of the
-# copy bandwidth kept (module constants of quant_linear.triton)
+# --sweep: the GEMV tiles (batches up to GEMV_MAX_ROWS; the packed 4/8-bit GEMV has its own), then the K
+# split, or the GEMM tiles of the format (larger batches); each candidate timed on every shape, the one
+# with the best mean fraction of the copy bandwidth kept (module constants of quant_linear.triton)
 GEMV_SWEEP = [{"GEMV_BLOCK_N": n, "GEMV_BLOCK_K": {1: k, 2: k, 4: k // 2}, "GEMV_NUM_WARPS": w}
               for n in (4, 8, 16) for k in (256, 512, 1024) for w in (4, 8) if w == 4 or k == 1024]
+PACKED_GEMV_SWEEP = [{"PACKED_GEMV_BLOCK_N": n, "PACKED_GEMV_BLOCK_K": k, "PACKED_GEMV_NUM_WARPS": w}
+                     for n in (8, 16, 32) for k in (256, 512, 1024) for w in (4, 8)
+                     if 2 <= n * k // 8 // (32 * w) <= 16]  # 4-bit words per thread (8-bit: twice as many)
 SPLIT_SWEEP = [{"GEMV_TARGET_PROGRAMS": t, "GEMV_MIN_TILES_PER_SPLIT": m} for t in (264, 528, 1056) for m in (2, 4)]
 GEMM_SWEEP = [(64, 64, 4), (32, 128, 4), (64, 128, 4), (128, 64, 4), (32, 64, 2), (64, 128, 8)]  # N, K, warps
 
@@ -179,7 +182,8 @@ def measure(args, device: torch.device) -> dict:
                 tiles = {}
                 bits = FORMATS[fmt][0] or 0
                 gemm = [{"GEMM_TILES": {**kernels.GEMM_TILES, bits: tiles}} for tiles in GEMM_SWEEP]
-                for stage in (GEMV_SWEEP, SPLIT_SWEEP) if gemv else (gemm,):
+                gemv_sweep = PACKED_GEMV_SWEEP if bits in (4, 8) else GEMV_SWEEP
+                for stage in (gemv_sweep, SPLIT_SWEEP) if gemv else (gemm,):
                     tiles.update(sweep(run, fmt, batch, stage, weights_of))
                 chosen[f"{fmt}-b{batch}"] = tiles
             for n, k in shapes:

@@ -29,13 +29,17 @@ from tierlm.kernels.quant_linear import packing
 E, H, I = 8, 96, 64
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 FORMATS = {"unquantized": (None, None), "int4-g32": (4, 32), "int8-g16": (8, 16), "int6-g16": (6, 16)}
-# H is not a whole number of K tiles (masked loads), I is (unmasked). (tokens, top-k, routing skewed
-# towards expert 5, a down program's ranks): decode, 6 pairs, each token's top-k sum in the down kernel;
+# H is not a whole number of K tiles (masked loads), I is (unmasked): see DECODE_BLOCK_K.
+# (tokens, top-k, routing skewed towards expert 5, a down program's ranks): decode, 6 pairs, each token's
+# top-k sum in the down kernel;
 # decode-split, 9 pairs, the top-3 over two down programs (2 ranks and 1) and the partials summed after;
 # prefill, 40 pairs in blocks of 16 (expert 5 takes 20 of them: two blocks), taken past DECODE_MAX_PAIRS
 # (lowered to keep shapes tiny)
 PATHS = {"decode": (3, 2, False, 2), "decode-split": (3, 3, False, 2), "prefill": (20, 2, True, 2)}
 DECODE_MAX_PAIRS, PREFILL_BLOCK_M = 16, 16
+# decode K tiles smaller than the kernels' own: gate_up's H in two tiles (the second part-full), down's I
+# in two whole ones, so each GEMV runs over several tiles (each loaded while the one before computes)
+DECODE_BLOCK_K = {"gate_up_block_k": 64, "down_block_k": 32}
 CASES = {f"{d}-{f}-{p}": (DTYPES[d], FORMATS[f], PATHS[p]) for d in DTYPES for f in FORMATS for p in PATHS
          if p != "decode-split" or f in ("unquantized", "int4-g32")}  # (the split is format-independent)
 
@@ -105,7 +109,8 @@ def run_kernel_cases(names: list[str]) -> dict[str, str | None]:
             args, kwargs, exact = make_case(name)
             ids = args[4]
             ranks = CASES[name][2][3]
-            kernels.DECODE_TILES = {bits: tiles._replace(down_ranks=ranks) for bits, tiles in saved[2].items()}
+            kernels.DECODE_TILES = {bits: tiles._replace(down_ranks=ranks, **DECODE_BLOCK_K)
+                                    for bits, tiles in saved[2].items()}
             if (ids.numel() <= DECODE_MAX_PAIRS) == name.endswith("prefill"):
                 results[name] = f"{ids.numel()} pairs do not take the path of {name}"
                 continue

@@ -1,6 +1,7 @@
 """The quant methods hand the loaded runtime tensors to the fused Triton kernels in the layout those read:
-the kernel path of a loaded pack-quantized linear layer and MoE layer against the torch reference path
-of the same layer (the kernels' own accuracy against their reference is tests/test_*_kernel.py's).
+the kernel path of a loaded pack-quantized linear layer and MoE layer, and of an unquantized MoE layer,
+against the torch reference path of the same layer (the kernels' own accuracy against their reference is
+tests/test_*_kernel.py's); which path a layer takes (the kernel on CUDA, unless switched off).
 
 Without a GPU the kernels run in Triton's interpreter (TRITON_INTERPRET=1 before triton is first
 imported), in a child process. fp32: the two paths differ only in the order of fp32 sums (K <= 64 here),
@@ -9,7 +10,10 @@ so 1e-5 of the output's magnitude bounds them; a wrong bit, group, scale or expe
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
+import torch
 from interpreted import interpreted_json
 from reference_models import build_reference
 
@@ -21,8 +25,19 @@ from tierlm.model.loader import load_model
 from tierlm.model.quantization.base import runtime_view
 
 results = {}
-int4, int8 = sys.argv[1], sys.argv[2]
+base, int4, int8 = sys.argv[1], sys.argv[2], sys.argv[3]
 gen = torch.Generator().manual_seed(0)
+model, config = load_model(base, dtype="float32", device="cpu")
+experts = model.model.layers[0].mlp.experts
+method = experts.quant_method
+x = torch.randn(3, config.hidden_size, generator=gen)
+ids = torch.stack([torch.randperm(config.num_experts, generator=gen)[:2] for _ in range(3)])
+weights = torch.rand(3, 2, generator=gen)
+reference = experts(x, weights, ids)  # CPU: no kernel, the torch reference
+kernel = method.format.experts_kernel(x, method._stack(experts, "gate_up"), method._stack(experts, "down"),
+                                      weights, ids)
+results["dense experts"] = [(kernel - reference).abs().max().item(), reference.abs().max().item()]
+
 model, config = load_model(int4, dtype="float32", device="cpu")
 experts = model.model.layers[0].mlp.experts
 method = experts.quant_method
@@ -51,10 +66,52 @@ def kernel_results(tmp_path_factory):
     build_reference("hc4_ple", base)
     int4 = quantize_checkpoint(base, tmp_path_factory.mktemp("int4"), "int4", 32)
     int8 = quantize_checkpoint(base, tmp_path_factory.mktemp("int8"), "int8", 32)
-    return interpreted_json(CHILD, str(int4), str(int8))
+    return interpreted_json(CHILD, str(base), str(int4), str(int8))
 
 
-@pytest.mark.parametrize("layer", ["experts", "lm_head", "o_proj"])
+@pytest.mark.parametrize("layer", ["experts", "dense experts", "lm_head", "o_proj"])
 def test_kernel_path_equals_reference_path(kernel_results, layer):
     difference, magnitude = kernel_results[layer]
     assert magnitude > 0 and difference <= 1e-5 * magnitude
+
+
+def test_dense_experts_take_the_kernel_on_cuda_only_unless_switched_off(monkeypatch):
+    """CPU: the torch path (no kernel). CUDA: the fused kernel, unless TIERLM_NO_FUSED_MOE=1 (checked before
+    anything touches the tensors, so a stand-in for a CUDA tensor shows it)."""
+    from tierlm.model.quantization.base import DENSE
+
+    monkeypatch.delenv("TIERLM_NO_FUSED_MOE", raising=False)
+    assert DENSE.kernel_experts(torch.zeros(1, 4), {}, {}, None, None) is None
+    monkeypatch.setenv("TIERLM_NO_FUSED_MOE", "1")
+    assert DENSE.kernel_experts(SimpleNamespace(is_cuda=True), {}, {}, None, None) is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dense_experts_on_cuda_run_the_fused_kernel(monkeypatch, dtype):
+    """On CUDA an unquantized `Experts` layer returns exactly the fused kernel's output (decode and prefill
+    sizes), and with TIERLM_NO_FUSED_MOE=1 exactly the torch path's (in fp32 the two within 1e-5)."""
+    from tierlm.kernels.fused_moe import triton as fused
+    from tierlm.model.layers.moe import Experts
+    from tierlm.model.quantization.base import DenseFormat
+
+    gen = torch.Generator().manual_seed(0)
+    experts = Experts(16, 128, 64).to(dtype)
+    with torch.no_grad():
+        experts.gate_up_proj.copy_(torch.randn(16, 128, 128, generator=gen) * 128**-0.5)
+        experts.down_proj.copy_(torch.randn(16, 128, 64, generator=gen) * 64**-0.5)
+    experts = experts.cuda()
+    for tokens in (2, 40):  # 4 pairs: the decode GEMVs; 80 pairs: the grouped GEMM
+        x = torch.randn(tokens, 128, generator=gen).to(dtype).cuda()
+        weights = torch.rand(tokens, 2, generator=gen).to(dtype).cuda()
+        ids = torch.stack([torch.randperm(16, generator=gen)[:2] for _ in range(tokens)]).cuda()
+        monkeypatch.delenv("TIERLM_NO_FUSED_MOE", raising=False)
+        out = experts(x, weights, ids)
+        assert torch.equal(out, fused.fused_moe(x, experts.gate_up_proj, experts.down_proj, weights, ids))
+        with monkeypatch.context() as patch:
+            patch.setattr(DenseFormat, "kernel_experts", lambda self, *args: None)
+            torch_path = experts(x, weights, ids)
+        monkeypatch.setenv("TIERLM_NO_FUSED_MOE", "1")
+        assert torch.equal(experts(x, weights, ids), torch_path)
+        if dtype == torch.float32:
+            assert (out - torch_path).abs().max() <= 1e-5 * torch_path.abs().max()

@@ -32,7 +32,8 @@ FORMATS = [("unquantized", None, None), ("int4-g32", 4, 32), ("int8-g64", 8, 64)
 # groups smaller than a tile), 3 rows in a [3, 1] batch (no split, one scale per tile), 20 rows (tl.dot);
 # N never a multiple of the tile
 SHAPES = [("decode-split", (1,), 320, 40, 1), ("decode", (3, 1), 192, 40, 4), ("prefill", (20,), 192, 72, 4)]
-GEMV_BLOCK_K = {1: 256, 2: 128, 4: 64}  # smaller than the kernel's own, so these small K take several tiles
+# smaller than the kernel's own, so these small K take several tiles
+GEMV_BLOCK_K, PACKED_GEMV_BLOCK_K = {1: 256, 2: 128, 4: 64}, 128
 CASES = {f"{d}-{f[0]}-{s[0]}": (DTYPES[d], f, s) for d in DTYPES for f in FORMATS for s in SHAPES}
 
 
@@ -74,8 +75,8 @@ def run_kernel_cases(names: list[str]) -> dict[str, str | None]:
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     results = {}
-    saved = kernels.GEMV_MIN_TILES_PER_SPLIT, kernels.GEMV_BLOCK_K
-    kernels.GEMV_BLOCK_K = GEMV_BLOCK_K
+    saved = kernels.GEMV_MIN_TILES_PER_SPLIT, kernels.GEMV_BLOCK_K, kernels.PACKED_GEMV_BLOCK_K
+    kernels.GEMV_BLOCK_K, kernels.PACKED_GEMV_BLOCK_K = GEMV_BLOCK_K, PACKED_GEMV_BLOCK_K
     try:
         for name in names:
             x, weight, kwargs, exact, min_tiles = make_case(name)
@@ -90,7 +91,7 @@ def run_kernel_cases(names: list[str]) -> dict[str, str | None]:
             out = kernels.quant_linear(x.to(device), weight.to(device), **on_device).cpu()
             results[name] = within_tolerance(out, reference, *exact)
     finally:
-        kernels.GEMV_MIN_TILES_PER_SPLIT, kernels.GEMV_BLOCK_K = saved
+        kernels.GEMV_MIN_TILES_PER_SPLIT, kernels.GEMV_BLOCK_K, kernels.PACKED_GEMV_BLOCK_K = saved
     return results
 
 

@@ -4,10 +4,11 @@ variant (unquantized, or packed INT4 / INT6 / INT8 with group scales: `quant_lin
 Every launch reads the selected experts' weights in place (no copy of an expert's weights is ever made),
 and no launch needs a host sync, so a decode step can be captured in a CUDA graph. Two forms:
   - decode (up to DECODE_MAX_PAIRS (token, expert) pairs): GEMVs, one pair per program row (no tl.dot
-    padding M to 16), each product in its own fp32 accumulator summed once at the end
-    (`quant_linear.triton.gemv_accumulate`). Two launches, with no sort or gather before them:
+    padding M to 16), each product (packed: each word) in its own fp32 accumulator summed once at the
+    end (`quant_linear.triton.gemv_loop`). Two launches, with no sort or gather before them:
       1. `_gate_up_gemv_kernel`: program (n block, pair) computes silu(x W_gate^T) * (x W_up^T) for
-         `gate_up_block_n` of the expert's I columns, stored in x's dtype as `naive` rounds it;
+         `gate_up_block_n` of the expert's I columns (packed: the gate and up rows as one tile), stored
+         in x's dtype as `naive` rounds it;
       2. `_down_sum_gemv_kernel`: program (n block, token, split) ranks the token's k experts by id in
          registers and, in ascending id (the reference's order), adds routing weight x (act W_down^T)
          over `down_ranks` of them in fp32; when that is all k it rounds the token's output once (the
@@ -37,7 +38,7 @@ from tierlm.kernels.quant_linear.triton import (
     check_whole_word_groups,
     column_mask,
     dot_precision,
-    gemv_accumulate,
+    gemv_loop,
     gemv_sum,
     gemv_zeros,
     round_to,
@@ -57,10 +58,11 @@ class DecodeTiles(NamedTuple):
 
 
 # Tile sizes, per weight format (bits; 0 unquantized): module constants so a benchmark can sweep them.
-# Chosen on an H200 by bench/moe_decode_kernel.py --sweep for bf16 and INT4 (bench/results/
-# moe_decode_kernel_nvidia_h200.json): the same tiles won for both; INT6 / INT8 not swept (the same)
+# Chosen on an H200 by bench/moe_decode_kernel.py --sweep (bench/results/moe_decode_kernel_nvidia_h200.json)
+# for bf16 (INT6 the same) and INT4 (INT8 the same: the same packed-word GEMV)
 DECODE_MAX_PAIRS = 160  # up to this many (token, expert) pairs (16 tokens of top-10), the GEMV form
-DECODE_TILES = dict.fromkeys((0, 4, 6, 8), DecodeTiles(8, 512, 4, 16, 128, 4, 2))
+DECODE_TILES = {**dict.fromkeys((0, 6), DecodeTiles(8, 512, 4, 16, 128, 4, 2)),
+                **dict.fromkeys((4, 8), DecodeTiles(8, 512, 4, 32, 128, 4, 1))}
 PREFILL_BLOCK_M, PREFILL_BLOCK_N, PREFILL_BLOCK_K, PREFILL_NUM_WARPS = 32, 64, 64, 4
 SUM_BLOCK = 256
 
@@ -79,16 +81,23 @@ def _gate_up_gemv_kernel(
     one_row = tl.full((1,), 1, tl.int1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < I
-    gate_w, gate_s = w_ptr + expert * stride_we, s_ptr + expert * stride_se
-    up_w, up_s = gate_w + I * stride_wn, gate_s + I * stride_sn
-    gate = gemv_zeros(1, BLOCK_N, BLOCK_K, BITS)
-    up = gemv_zeros(1, BLOCK_N, BLOCK_K, BITS)
-    for k0 in range(0, H, BLOCK_K):
-        gate = gemv_accumulate(gate, x_ptr, x_rows, one_row, gate_w, gate_s, k0, offs_n, n_mask, stride_wn,
-                               stride_sn, H, BITS, GROUP_SIZE, BLOCK_K, EVEN_K, PRECISION)
-        up = gemv_accumulate(up, x_ptr, x_rows, one_row, up_w, up_s, k0, offs_n, n_mask, stride_wn, stride_sn, H,
-                             BITS, GROUP_SIZE, BLOCK_K, EVEN_K, PRECISION)
-    gate_sum, up_sum = gemv_sum(gate), gemv_sum(up)  # [1, BLOCK_N]
+    w_e, s_e = w_ptr + expert * stride_we, s_ptr + expert * stride_se
+    if BITS != 0 and 32 % BITS == 0:  # packed: the gate rows and the up rows as one tile of 2 * BLOCK_N rows
+        both = tl.arange(0, 2 * BLOCK_N)
+        n = pid_n * BLOCK_N + both % BLOCK_N
+        rows = tl.where(both < BLOCK_N, n, I + n)
+        acc = gemv_loop(gemv_zeros(1, 2 * BLOCK_N, BLOCK_K, BITS), x_ptr, x_rows, one_row, w_e, s_e, 0, H, rows,
+                        n < I, stride_wn, stride_sn, H, BITS, GROUP_SIZE, BLOCK_K, EVEN_K, PRECISION, True)
+        sums = gemv_sum(acc, BITS)  # [1, 2 * BLOCK_N]
+        gate_sum, up_sum = tl.split(tl.trans(tl.reshape(sums, (2, BLOCK_N))))
+        gate_sum, up_sum = gate_sum[None, :], up_sum[None, :]
+    else:
+        up_w, up_s = w_e + I * stride_wn, s_e + I * stride_sn
+        gate = gemv_loop(gemv_zeros(1, BLOCK_N, BLOCK_K, BITS), x_ptr, x_rows, one_row, w_e, s_e, 0, H, offs_n, n_mask,
+                         stride_wn, stride_sn, H, BITS, GROUP_SIZE, BLOCK_K, EVEN_K, PRECISION, True)
+        up = gemv_loop(gemv_zeros(1, BLOCK_N, BLOCK_K, BITS), x_ptr, x_rows, one_row, up_w, up_s, 0, H, offs_n, n_mask,
+                       stride_wn, stride_sn, H, BITS, GROUP_SIZE, BLOCK_K, EVEN_K, PRECISION, True)
+        gate_sum, up_sum = gemv_sum(gate, BITS), gemv_sum(up, BITS)  # [1, BLOCK_N]
     act = gate_sum / (1.0 + tl.exp(-gate_sum)) * up_sum
     tl.store(out_ptr + pair.to(tl.int64) * stride_op + offs_n[None, :],
              round_to(act, out_ptr.dtype.element_ty, PRECISION), mask=n_mask[None, :])
@@ -124,11 +133,10 @@ def _down_sum_gemv_kernel(
             routing = round_to(tl.load(routing_ptr + pair).to(tl.float32), act_ptr.dtype.element_ty, PRECISION)
             w_e, s_e = w_ptr + expert * stride_we, s_ptr + expert * stride_se
             x_rows = pair * stride_ap + tl.zeros((1,), dtype=tl.int64)
-            acc = gemv_zeros(1, BLOCK_N, BLOCK_K, BITS)
-            for k0 in range(0, I, BLOCK_K):
-                acc = gemv_accumulate(acc, act_ptr, x_rows, one_row, w_e, s_e, k0, offs_n, n_mask, stride_wn,
-                                      stride_sn, I, BITS, GROUP_SIZE, BLOCK_K, EVEN_K, PRECISION)
-            result += gemv_sum(acc) * routing.to(tl.float32)
+            acc = gemv_loop(gemv_zeros(1, BLOCK_N, BLOCK_K, BITS), act_ptr, x_rows, one_row, w_e, s_e, 0, I, offs_n,
+                            n_mask, stride_wn, stride_sn, I, BITS, GROUP_SIZE, BLOCK_K, EVEN_K, PRECISION,
+                            True)
+            result += gemv_sum(acc, BITS) * routing.to(tl.float32)
     out_ptrs = out_ptr + (token * tl.cdiv(TOP_K, RANKS) + split) * stride_ot + offs_n[None, :]
     tl.store(out_ptrs, round_to(result, out_ptr.dtype.element_ty, PRECISION), mask=n_mask[None, :])
 

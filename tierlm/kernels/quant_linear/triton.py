@@ -8,13 +8,14 @@ straddles two); shifted and masked, the 2^(bits-1) bias removed, multiplied by i
 then rounded to x's dtype: the same rounded weight `naive` builds, so the two differ only in summation
 order (products accumulate in fp32 here).
   - decode (M <= GEMV_MAX_ROWS), `_gemv_kernel`: no tensor-core dot (it would pad M to 16); each
-    product lands in its own fp32 accumulator (`gemv_accumulate`) and the sum over K is taken once at
-    the end (no reduction per tile); packed 4/8-bit weights stay in their [words, values per word]
-    shape and x is loaded in that shape. K is split over several programs when N alone gives too few
-    programs to keep the device's memory system busy; the fp32 partials are summed after.
+    product lands in its own fp32 accumulator (`gemv_loop`) and the sum over K is taken once at
+    the end (no reduction per tile); packed 4/8-bit weights take one row of x per program and keep
+    every tensor in the packed words' own 2-D shape, so nothing changes threads inside the loop. K is
+    split over several programs when N alone gives too few programs to keep the device's memory system
+    busy; the fp32 partials are summed after.
   - prefill chunks, `_gemm_kernel`: tl.dot tiles (fp32 in IEEE precision, so fp32 results match the
     reference closely).
-`gemv_accumulate` and `accumulate_tile` (with `round_to`) are shared with the fused MoE kernels
+`gemv_loop` and `accumulate_tile` (with `round_to`) are shared with the fused MoE kernels
 (kernels/fused_moe). On the CPU the kernels run in Triton's interpreter, which needs two workarounds
 (PRECISION "interpreter": see `round_to` and `accumulate_tile`).
 """
@@ -34,6 +35,10 @@ from tierlm.kernels.quant_linear.packing import check_packed
 GEMV_MAX_ROWS = 4  # up to this many rows, the GEMV form (no padding of M to 16 for tensor cores)
 GEMV_BLOCK_N, GEMV_NUM_WARPS = 8, 4  # output columns per program (few: the accumulators are per product)
 GEMV_BLOCK_K = {1: 512, 2: 512, 4: 256}  # input columns per step, by rows per program
+# packed 4/8-bit weights: one row of x per program (the rows of a batch are neighbouring programs, so a
+# weight tile read for one is in L2 for the others), accumulators per word; these tiles were measured on
+# an H200 (bench/results/quant_linear_kernel_nvidia_h200.json) but not swept yet (PACKED_GEMV_SWEEP)
+PACKED_GEMV_BLOCK_N, PACKED_GEMV_BLOCK_K, PACKED_GEMV_NUM_WARPS = 16, 512, 4
 GEMV_TARGET_PROGRAMS = 528  # decode: split K until about this many programs run (4 per SM on an H200)
 GEMV_MIN_TILES_PER_SPLIT = 2  # ... but give each split at least this many tiles of K
 GEMM_MAX_BLOCK_M = 64
@@ -54,7 +59,10 @@ def launch_config(m: int, n: int, k: int, bits: int | None = None, itemsize: int
     """Tiles for y [m, n] = x [m, k] W^T (W packed in `bits`, or unquantized; x's elements `itemsize`
     bytes): the GEMV form up to GEMV_MAX_ROWS rows, else tl.dot tiles (GEMM_TILES' K is for 2-byte x:
     fp32 takes half as many columns per step, or its pipelined tiles outgrow shared memory)."""
-    if m <= GEMV_MAX_ROWS:
+    if m <= GEMV_MAX_ROWS and bits in (4, 8):
+        block_m, block_n, block_k, use_dot = 1, PACKED_GEMV_BLOCK_N, PACKED_GEMV_BLOCK_K, False
+        warps = PACKED_GEMV_NUM_WARPS
+    elif m <= GEMV_MAX_ROWS:
         block_m = triton.next_power_of_2(m)
         block_n, block_k, use_dot, warps = GEMV_BLOCK_N, GEMV_BLOCK_K[block_m], False, GEMV_NUM_WARPS
     else:
@@ -182,76 +190,170 @@ def load_straddling_values(w_ptr, s_ptr, k0, offs_k, k_mask, rows, stride_wn, st
 
 @triton.jit
 def gemv_zeros(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BITS: tl.constexpr):
-    """The fp32 accumulator of `gemv_accumulate` (the sum over K is taken once, by `gemv_sum`, not per
-    tile): one per packed word for 4 and 8 bits, [BLOCK_M, BLOCK_N, words], else one per product,
-    [BLOCK_M, BLOCK_N, BLOCK_K]."""
+    """The fp32 accumulator of `gemv_loop` (the sum over K is taken once, by `gemv_sum`, not per
+    tile): for 4 and 8 bits one per packed word of the tile, [BLOCK_N, words] (one row of x: BLOCK_M
+    must be 1), else one per product, [BLOCK_M, BLOCK_N, BLOCK_K]."""
     if BITS != 0 and 32 % BITS == 0:
-        acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K // (32 // BITS)), dtype=tl.float32)
+        tl.static_assert(BLOCK_M == 1, "the packed 4/8-bit GEMV takes one row of x per program")
+        acc = tl.zeros((BLOCK_N, BLOCK_K // (32 // BITS)), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
     return acc
 
 
 @triton.jit
-def gemv_sum(acc):
+def gemv_sum(acc, BITS: tl.constexpr):
     """[BLOCK_M, BLOCK_N]: a `gemv_zeros` accumulator summed over K."""
-    return tl.sum(acc, axis=2)
+    if BITS != 0 and 32 % BITS == 0:
+        total = tl.sum(acc, axis=1)[None, :]
+    else:
+        total = tl.sum(acc, axis=2)
+    return total
 
 
 @triton.jit
-def word_field(words, j: tl.constexpr, BITS: tl.constexpr):
-    """Value j of each int32 word (bits [j * BITS, (j + 1) * BITS)) as fp32, the 2^(BITS-1) bias removed,
-    in the words' own shape and layout: the field ORed into the mantissa of 2^23 (the float 2^23 + q,
-    exact) and 2^23 plus the bias subtracted, so no integer-to-float conversion (a quarter-rate
-    instruction) is needed."""
-    field = (words.to(tl.uint32, bitcast=True) >> (j * BITS)) & ((1 << BITS) - 1)
-    return (field | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + (1 << (BITS - 1)))
+def word_value(words, high, j: tl.constexpr, BITS: tl.constexpr):
+    """Value j of each packed word (bits [j * BITS, (j + 1) * BITS) of `words`, uint32) as fp32 with the
+    2^(BITS-1) bias removed, exactly, in the words' own shape and layout, in two instructions: the field
+    masked in place and ORed into the mantissa of the power of two 2^E whose last mantissa bit weighs as
+    the field's lowest bit (the float 2^E + q), then 2^E plus the bias subtracted. No shift and no
+    integer-to-float conversion (a quarter-rate instruction). A field that reaches the exponent (bit 23)
+    is taken from `high` (the words shifted right by 16) instead."""
+    if (j + 1) * BITS <= 23:
+        field = words & (((1 << BITS) - 1) << (j * BITS))
+        power = 23 - j * BITS  # E: the float 2^E has its last mantissa bit at 2^(E - 23) = 2^-(j * BITS)
+    else:
+        field = high & (((1 << BITS) - 1) << (j * BITS - 16))
+        power = 39 - j * BITS
+    return (field | ((127 + power) << 23)).to(tl.float32, bitcast=True) - ((1 << power) + (1 << (BITS - 1)))
+
+
+@triton.jit
+def even_odd(t, N: tl.constexpr, P: tl.constexpr):
+    """[N, P] -> its even and its odd columns, [N, P / 2] each ([N] when P is 2), in registers."""
+    if P == 2:
+        even, odd = tl.split(t)
+    else:
+        even, odd = tl.split(tl.reshape(t, (N, P // 2, 2)))
+    return even, odd
+
+
+@triton.jit
+def gemv_loop(acc, x_ptr, x_rows, m_mask, w_ptr, s_ptr, k_start, k_end, offs_n, n_mask, stride_wn, stride_sn, K,
+              BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+              PRECISION: tl.constexpr, PREFETCH: tl.constexpr):
+    """The GEMV form (a few rows of x; no tensor cores): acc (`gemv_zeros`) + x's rows (x_rows: [BLOCK_M]
+    int64 offsets of each row from x_ptr, masked by m_mask) at input columns [k_start, k_end) (k_start a
+    multiple of BLOCK_K) times the weight rows offs_n, in fp32, tile by tile. No reduction across threads
+    here: the sum over K is taken once at the end (`gemv_sum`).
+    Packed 4 and 8 bits: `packed_tile` loads a tile's words and scales, `packed_gemv_accumulate` computes
+    it; with PREFETCH each tile is loaded one tile ahead, in flight while the tile before is computed
+    (more registers; on an H200, in two runs, the fused MoE's decode measured no worse with it, the INT8
+    lm_head GEMV 83% of the copy bandwidth without it and 74% with it: quant_linear leaves it off).
+    Unquantized and 6 bits: `gemv_accumulate` per tile."""
+    if BITS != 0 and 32 % BITS == 0 and not PREFETCH:
+        rows = tl.where(n_mask, offs_n, 0)[:, None].to(tl.int64)  # clamped: loads need no row mask
+        for k0 in range(k_start, k_end, BLOCK_K):
+            words, scale = packed_tile(w_ptr, s_ptr, k0, rows, stride_wn, stride_sn, K, BITS, GROUP_SIZE,
+                                       BLOCK_K, EVEN_K)
+            acc = packed_gemv_accumulate(acc, words, scale, x_ptr, x_rows, m_mask, k0, K, BITS, BLOCK_K,
+                                         EVEN_K)
+    elif BITS != 0 and 32 % BITS == 0:
+        rows = tl.where(n_mask, offs_n, 0)[:, None].to(tl.int64)  # clamped: loads need no row mask
+        last = k_start + (k_end - k_start - 1) // BLOCK_K * BLOCK_K  # the last tile (fetched twice at the end)
+        words, scale = packed_tile(w_ptr, s_ptr, k_start, rows, stride_wn, stride_sn, K, BITS, GROUP_SIZE, BLOCK_K,
+                                   EVEN_K)
+        for k0 in range(k_start, k_end, BLOCK_K):
+            next_words, next_scale = packed_tile(w_ptr, s_ptr, tl.minimum(k0 + BLOCK_K, last), rows, stride_wn,
+                                                 stride_sn, K, BITS, GROUP_SIZE, BLOCK_K, EVEN_K)
+            acc = packed_gemv_accumulate(acc, words, scale, x_ptr, x_rows, m_mask, k0, K, BITS, BLOCK_K, EVEN_K)
+            words, scale = next_words, next_scale
+    else:
+        for k0 in range(k_start, k_end, BLOCK_K):
+            acc = gemv_accumulate(acc, x_ptr, x_rows, m_mask, w_ptr, s_ptr, k0, offs_n, n_mask, stride_wn, stride_sn,
+                                  K, BITS, GROUP_SIZE, BLOCK_K, EVEN_K, PRECISION)
+    return acc
+
+
+@triton.jit
+def packed_tile(w_ptr, s_ptr, k0, rows, stride_wn, stride_sn, K, BITS: tl.constexpr, GROUP_SIZE: tl.constexpr,
+                BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """4 and 8 bits: (the packed words [BLOCK_N, BLOCK_K * BITS / 32] as uint32, each word's group scale
+    in fp32, same shape or [BLOCK_N, 1]) of weight rows `rows` ([BLOCK_N, 1] int64, in range) at input
+    columns [k0, k0 + BLOCK_K); words past K are 0. Each word is loaded once (16-byte loads)."""
+    offs_w = k0 // (32 // BITS) + tl.arange(0, BLOCK_K // (32 // BITS))  # k0: a multiple of BLOCK_K
+    offs_w = tl.max_contiguous(tl.multiple_of(offs_w, BLOCK_K // (32 // BITS)), BLOCK_K // (32 // BITS))
+    if EVEN_K:
+        words = tl.load(w_ptr + rows * stride_wn + offs_w[None, :])
+    else:
+        words = tl.load(w_ptr + rows * stride_wn + offs_w[None, :], mask=(offs_w < tl.cdiv(K * BITS, 32))[None, :],
+                        other=0)
+    first = offs_w[None, :] * (32 // BITS)  # each word's first column: its group (groups hold whole words)
+    scale = load_group_scales(s_ptr, rows, first, k0, column_mask(first, K, EVEN_K), stride_sn, GROUP_SIZE, BLOCK_K)
+    return words.to(tl.uint32, bitcast=True), scale
+
+
+@triton.jit
+def packed_gemv_accumulate(acc, words, scale, x_ptr, x_rows, m_mask, k0, K, BITS: tl.constexpr,
+                           BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """4 and 8 bits, one row of x: acc [BLOCK_N, words] + per word, x's columns [k0, k0 + BLOCK_K) times the
+    tile's words (`packed_tile`), in fp32. The weights stay in the packed words' own shape (no value of
+    them moves between threads): value j of every word is taken out in place (`word_value`) and
+    multiplied by x's column j of that word. x's tile is loaded once as [words, values per word]
+    (contiguous) and split into one [words] vector per j (`even_odd`; one trip through shared memory per
+    tile brings them into the words' layout: x loaded per j instead takes 32 / BITS strided loads per
+    word, many times the weights' own L1 traffic). A word's products are summed in fp32 and multiplied by
+    the word's group scale: the weights are q * scale exactly, not rounded to x's dtype first as `naive`
+    and the GEMM form do (in bf16 a difference well under the output's own rounding; in fp32 at fp32
+    roundoff)."""
+    high = words >> 16
+    offs_w = k0 // (32 // BITS) + tl.arange(0, BLOCK_K // (32 // BITS))
+    columns = offs_w[:, None] * (32 // BITS) + tl.arange(0, 32 // BITS)[None, :]
+    a = tl.load(x_ptr + x_rows[:, None] + columns, mask=m_mask[:, None] & column_mask(columns, K, EVEN_K),
+                other=0.0).to(tl.float32)
+    even, odd = even_odd(a, BLOCK_K // (32 // BITS), 32 // BITS)
+    if BITS == 4:
+        even0, even1 = even_odd(even, BLOCK_K // 8, 4)  # positions 0, 4 / 2, 6
+        odd0, odd1 = even_odd(odd, BLOCK_K // 8, 4)  # 1, 5 / 3, 7
+        a0, a4 = even_odd(even0, BLOCK_K // 8, 2)
+        a2, a6 = even_odd(even1, BLOCK_K // 8, 2)
+        a1, a5 = even_odd(odd0, BLOCK_K // 8, 2)
+        a3, a7 = even_odd(odd1, BLOCK_K // 8, 2)
+        per_word = word_value(words, high, 0, BITS) * a0[None, :]
+        per_word += word_value(words, high, 1, BITS) * a1[None, :]
+        per_word += word_value(words, high, 2, BITS) * a2[None, :]
+        per_word += word_value(words, high, 3, BITS) * a3[None, :]
+        per_word += word_value(words, high, 4, BITS) * a4[None, :]
+        per_word += word_value(words, high, 5, BITS) * a5[None, :]
+        per_word += word_value(words, high, 6, BITS) * a6[None, :]
+        per_word += word_value(words, high, 7, BITS) * a7[None, :]
+    else:
+        a0, a2 = even_odd(even, BLOCK_K // 4, 2)
+        a1, a3 = even_odd(odd, BLOCK_K // 4, 2)
+        per_word = word_value(words, high, 0, BITS) * a0[None, :]
+        per_word += word_value(words, high, 1, BITS) * a1[None, :]
+        per_word += word_value(words, high, 2, BITS) * a2[None, :]
+        per_word += word_value(words, high, 3, BITS) * a3[None, :]
+    return acc + per_word * scale
 
 
 @triton.jit
 def gemv_accumulate(acc, x_ptr, x_rows, m_mask, w_ptr, s_ptr, k0, offs_n, n_mask, stride_wn, stride_sn, K,
                     BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
                     PRECISION: tl.constexpr):
-    """The GEMV form (a few rows; no tensor cores): acc (`gemv_zeros`) + x's rows (x_rows: [BLOCK_M]
-    int64 offsets of each row from x_ptr, masked by m_mask) at columns [k0, k0 + BLOCK_K) times the
-    weight tile of rows offs_n, in fp32. No reduction across threads here: the sum over K is taken once
-    at the end (`gemv_sum`).
-    4 and 8 bits: each word is loaded once ([BLOCK_N, words]: 16-byte loads) and its values taken out one
-    at a time (`word_field`) in the words' own layout, each multiplied by the x column it belongs to
-    (loaded as [BLOCK_M, words] with a stride of 32 / BITS), so no value changes threads. Each word's
-    products are summed in fp32 and multiplied by the word's group scale (groups hold whole words): the
-    weights are q * scale exactly, not rounded to x's dtype first as `naive` and the GEMM form do (in
-    bf16 a difference well under the output's own rounding; in fp32 at fp32 roundoff).
-    Unquantized and 6 bits: per-product accumulators, 6-bit weights dequantized as `load_weight_rows`."""
+    """Unquantized and 6 bits, one tile of `gemv_loop`: acc [BLOCK_M, BLOCK_N, BLOCK_K] + x's rows at
+    columns [k0, k0 + BLOCK_K) times the weight tile of rows offs_n, one fp32 accumulator per product;
+    6-bit weights dequantized as `load_weight_rows`."""
     rows = tl.where(n_mask, offs_n, 0)[:, None].to(tl.int64)  # clamped: loads need no row mask
-    if BITS != 0 and 32 % BITS == 0:
-        offs_w = tl.multiple_of(k0 // (32 // BITS), BLOCK_K // (32 // BITS)) + tl.arange(0, BLOCK_K // (32 // BITS))
-        if EVEN_K:
-            words = tl.load(w_ptr + rows * stride_wn + offs_w[None, :])
-        else:
-            words = tl.load(w_ptr + rows * stride_wn + offs_w[None, :],
-                            mask=(offs_w < tl.cdiv(K * BITS, 32))[None, :], other=0)
-        per_word = tl.zeros(acc.shape, dtype=tl.float32)
-        for j in tl.static_range(32 // BITS):
-            columns = offs_w * (32 // BITS) + j
-            a = tl.load(x_ptr + x_rows[:, None] + columns[None, :],
-                        mask=m_mask[:, None] & column_mask(columns, K, EVEN_K)[None, :], other=0.0)
-            per_word += a.to(tl.float32)[:, None, :] * word_field(words, j, BITS)[None, :, :]
-        first = offs_w[None, :] * (32 // BITS)  # each word's first column: its group
-        scale = load_group_scales(s_ptr, rows, first, k0, column_mask(first, K, EVEN_K), stride_sn, GROUP_SIZE,
-                                  BLOCK_K)
-        result = acc + per_word * scale[None, :, :]
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    k_mask = column_mask(offs_k, K, EVEN_K)
+    a = tl.load(x_ptr + x_rows[:, None] + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+    if BITS == 0:
+        w = tl.load(w_ptr + rows * stride_wn + offs_k[None, :], mask=k_mask[None, :], other=0.0)
     else:
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_mask = column_mask(offs_k, K, EVEN_K)
-        a = tl.load(x_ptr + x_rows[:, None] + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        if BITS == 0:
-            w = tl.load(w_ptr + rows * stride_wn + offs_k[None, :], mask=k_mask[None, :], other=0.0)
-        else:
-            w = load_straddling_values(w_ptr, s_ptr, k0, offs_k, k_mask, rows, stride_wn, stride_sn, BITS, GROUP_SIZE,
-                                       BLOCK_K, x_ptr.dtype.element_ty, PRECISION)
-        result = acc + a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
-    return result
+        w = load_straddling_values(w_ptr, s_ptr, k0, offs_k, k_mask, rows, stride_wn, stride_sn, BITS, GROUP_SIZE,
+                                   BLOCK_K, x_ptr.dtype.element_ty, PRECISION)
+    return acc + a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
 
 
 @triton.jit
@@ -278,21 +380,20 @@ def _gemv_kernel(
     BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """One program: rows [pid_m * BLOCK_M, +BLOCK_M), columns [pid_n * BLOCK_N, +BLOCK_N), input columns
-    [split * k_per_split, +k_per_split) (a multiple of BLOCK_K), by `gemv_accumulate`. Writes y, or with
+    """One program: rows [pid(0) * BLOCK_M, +BLOCK_M), columns [pid(1) * BLOCK_N, +BLOCK_N), input columns
+    [split * k_per_split, +k_per_split) (a multiple of BLOCK_K), by `gemv_loop`. Writes y, or with
     several splits its fp32 partial at y_ptr + split * stride_ys."""
-    pid_n, pid_m, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    pid_m, pid_n, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask, n_mask = offs_m < M, offs_n < N
     x_rows = tl.where(m_mask, offs_m, 0).to(tl.int64) * stride_xm
-    acc = gemv_zeros(BLOCK_M, BLOCK_N, BLOCK_K, BITS)
     k_start = split * k_per_split
-    for k0 in range(k_start, tl.minimum(k_start + k_per_split, K), BLOCK_K):
-        acc = gemv_accumulate(acc, x_ptr, x_rows, m_mask, w_ptr, s_ptr, k0, offs_n, n_mask, stride_wn, stride_sn, K,
-                              BITS, GROUP_SIZE, BLOCK_K, EVEN_K, PRECISION)
+    acc = gemv_loop(gemv_zeros(BLOCK_M, BLOCK_N, BLOCK_K, BITS), x_ptr, x_rows, m_mask, w_ptr, s_ptr, k_start,
+                    tl.minimum(k_start + k_per_split, K), offs_n, n_mask, stride_wn, stride_sn, K, BITS, GROUP_SIZE,
+                    BLOCK_K, EVEN_K, PRECISION, PREFETCH=False)
     y_ptrs = y_ptr + split * stride_ys + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
-    tl.store(y_ptrs, round_to(gemv_sum(acc), y_ptr.dtype.element_ty, PRECISION),
+    tl.store(y_ptrs, round_to(gemv_sum(acc, BITS), y_ptr.dtype.element_ty, PRECISION),
              mask=m_mask[:, None] & n_mask[None, :])
 
 
@@ -363,7 +464,7 @@ def quant_linear(x: torch.Tensor, weight_or_packed: torch.Tensor, *, scales: tor
             x2, weight, s_arg, y, m, n, k, x2.stride(0), weight.stride(0), stride_sn, y.stride(0), **common)
         return y.view(out_shape)
     y = torch.empty((cfg.splits, m, n), dtype=torch.float32 if cfg.splits > 1 else x.dtype, device=x.device)
-    _gemv_kernel[(triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m), cfg.splits)](
+    _gemv_kernel[(triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n), cfg.splits)](
         x2, weight, s_arg, y, m, n, k, cfg.k_per_split, x2.stride(0), weight.stride(0), stride_sn, y.stride(1),
         y.stride(0), **common)
     y = y.sum(dim=0).to(x.dtype) if cfg.splits > 1 else y[0]

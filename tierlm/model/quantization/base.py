@@ -17,11 +17,13 @@ The quantized `apply` runs the format's fused kernel where there is one (`kernel
 `tierlm/kernels/fused_moe`, which read the same runtime tensors, [N, ceil(K * bits / 32)] int32 words and
 [N, K / group] scales, [E, ...] for stacked experts; TIERLM_QUANT_KERNELS=0 turns them off). Elsewhere
 it is the torch reference: it dequantizes one layer's weight (one expert's, in the MoE) on the fly,
-inside the op, and drops it after; nothing keeps a dequantized copy.
+inside the op, and drops it after; nothing keeps a dequantized copy. Unquantized experts on CUDA run the
+same fused MoE kernel (TIERLM_NO_FUSED_MOE=1: the torch path); unquantized linear layers are F.linear.
 """
 
 from __future__ import annotations
 
+import os
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -135,6 +137,19 @@ class DenseFormat(WeightFormat):
 
     def dequantize(self, tensors, in_features):
         return tensors["weight"].float()
+
+    def kernel_experts(self, x, gate_up, down, weights, experts):
+        """On CUDA the fused MoE kernel (`tierlm/kernels/fused_moe`) over the stacked experts, read in
+        place (TIERLM_NO_FUSED_MOE=1: the torch path instead); elsewhere None (the torch path)."""
+        if not x.is_cuda or os.environ.get("TIERLM_NO_FUSED_MOE", "0") not in ("", "0"):
+            return None
+        return self.experts_kernel(x, gate_up, down, weights, experts)
+
+    def experts_kernel(self, x, gate_up, down, weights, experts):
+        """The fused Triton MoE over the stacked unquantized experts (any device Triton runs on)."""
+        from tierlm.kernels.fused_moe.triton import fused_moe
+
+        return fused_moe(x, gate_up["weight"], down["weight"], weights, experts)
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, DenseFormat)

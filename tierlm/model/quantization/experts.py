@@ -10,8 +10,8 @@ that give the same result (grouped by expert for prefill, a per-pair loop for a 
 one gathered batched product for a static (captured or compiled) step, which has no host sync). A
 quantized expert is dequantized when the loop reaches it (the gathered form dequantizes the gathered
 experts' weights), never the whole stack. Where the format has a fused kernel (`kernel_experts`:
-`pack-quantized` with group scales on CUDA, `tierlm/kernels/fused_moe`) that runs instead, reading the
-same stacked tensors in place.
+unquantized, or `pack-quantized` with group scales, on CUDA: `tierlm/kernels/fused_moe`) that runs
+instead, reading the same stacked tensors in place.
 """
 
 from __future__ import annotations
@@ -64,12 +64,10 @@ class FusedExpertsMethod:
         """x [N, H], routing weights and expert ids [N, k] -> sum_k w_k * expert_k(x) [N, H].
         static: the sync-free gathered form (captured or compiled decode steps); the fused kernel, where the
         format has one, is sync-free in both cases."""
-        if self.format != DENSE:
-            y = self.format.kernel_experts(
-                x, self._stack(layer, "gate_up"), self._stack(layer, "down"), weights, experts
-            )
-            if y is not None:
-                return y
+        gate_up, down = self._stack(layer, "gate_up"), self._stack(layer, "down")
+        y = self.format.kernel_experts(x, gate_up, down, weights, experts)
+        if y is not None:
+            return y
         if static:
             return self._gathered(layer, x, weights, experts)
         if experts.numel() <= self.SMALL_BATCH_PAIRS:
