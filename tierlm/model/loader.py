@@ -204,7 +204,9 @@ def load_model(
             raise CheckpointError(
                 f"load_format dummy draws unquantized weights, but {model_dir}/config.json has a quantization_config"
             )
-        model, destination = _materialise(config, None, target_dtype, device, mapped_ple_tables, False, stage)
+        model, destination = _materialise(
+            _on_meta(config, None, target_dtype, stage), config, device, mapped_ple_tables, False
+        )
         for spec in checkpoint_layout(config):
             # int64 hash buffers are only checked against the config on load: nothing to draw
             if spec.kind == "int64" or (mapped_ple_tables and spec.kind == "ple_table"):
@@ -215,10 +217,9 @@ def load_model(
     found = index_tensors(checkpoint_files(model_dir))
     if quantization is not None:
         quantization = quantization.bind_checkpoint(set(found))
+    model = _on_meta(config, quantization, target_dtype, stage)  # each layer's format is checked here first
     skipped = set(check_layout(config, found, quantization))
-    model, destination = _materialise(
-        config, quantization, target_dtype, device, mapped_ple_tables, has_fp8_ple_tables(found), stage
-    )
+    model, destination = _materialise(model, config, device, mapped_ple_tables, has_fp8_ple_tables(found))
     handles: dict[Path, object] = {}
     for name, (file, name_in_file, _, _) in found.items():
         if stage is not None and not stage.holds(name):
@@ -231,18 +232,23 @@ def load_model(
     return model, config
 
 
-def _materialise(
-    config: ModelConfig, quantization: QuantizationConfig | None, dtype: torch.dtype, device: torch.device,
-    mapped_ple_tables: bool, fp8_ple_tables: bool, stage: StageLayout | None,
-) -> tuple[Qwen4ExpForCausalLM | PipelineStage, _Destinations]:
-    """The model (or a rank's stage of it) with uninitialised weights in their formats, on `device`, and
-    where each tensor goes."""
+def _on_meta(
+    config: ModelConfig, quantization: QuantizationConfig | None, dtype: torch.dtype, stage: StageLayout | None
+) -> Qwen4ExpForCausalLM | PipelineStage:
+    """The model (or a rank's stage of it) on the meta device, each layer with its weight format."""
     with torch.device("meta"):
         model = Qwen4ExpForCausalLM(config)
         attach_formats(model, quantization)
         if stage is not None:
             model = PipelineStage(model, stage)
-        model = model.to(dtype)
+        return model.to(dtype)
+
+
+def _materialise(
+    model: Qwen4ExpForCausalLM | PipelineStage, config: ModelConfig, device: torch.device, mapped_ple_tables: bool,
+    fp8_ple_tables: bool,
+) -> tuple[Qwen4ExpForCausalLM | PipelineStage, _Destinations]:
+    """A meta model's uninitialised weights allocated on `device`, and where each tensor goes."""
     for layer in model.model.layers.children():
         if layer.ple is not None and mapped_ple_tables:
             layer.ple.table = None
