@@ -4,14 +4,16 @@ There is no transformers MTP, so the reference here is the math of vLLM's `Qwen4
 written out plainly (`reference_draft`): norms, projections and the unit-weight combine by hand, the draft's
 QSA decoder layer and final mixer run by transformers' own modules (a one-layer reference model whose
 layer and mixer become `mtp.layers.0` and `mtp.hyper_connection_mixer`), the target's lm_head. The target
-is the parity tests' transformers checkpoint, and its pre-final-mixer streams (what the draft reads) are
-checked against transformers' too. Then: drafting a sequence in chunks and single steps gives the logits of
-drafting it at once (the draft layer's caches), and loading (skipped unless asked, errors, shared head,
-VLM names, the demo model's head, a quantized head).
+is a transformers checkpoint of the fact sheet's config, and its pre-final-mixer streams (what the draft
+reads) are checked against transformers' too. fp32 within the parity tests' tolerance; bf16 within twice
+the reference's own bf16 error (the bf16 parity tests' rule). Then: drafting a sequence in chunks and
+single steps gives the logits of drafting it at once (the draft layer's caches), and loading (skipped
+unless asked, errors, shared head, VLM names, the demo model's head, a quantized head).
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import shutil
 from pathlib import Path
@@ -20,10 +22,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 from reference_models import BASE, BLOCK_SIZE, BLOCKS_PER_REQUEST, build_reference, prompt_ids
+from test_bf16_parity import ChoiceRecorder, ReferenceChoices, assert_clear_margins, assert_within_reference_error
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from tierlm.demo_model import build_demo_model
+from tierlm.cli import main as cli_main
 from tierlm.model.forward_batch import ForwardBatch
 from tierlm.model.loader import CheckpointError, load_model
 from tierlm.model.model_cache import ModelCache
@@ -31,8 +34,13 @@ from tierlm.tools.quantize import quantize_checkpoint
 
 TOLERANCE = 1e-4  # fp32, as the target's parity tests
 LENGTH = 40  # draft rows per request (> budget + R - 1 = 11: the indexer's selection matters)
+# the parity tests' fact-sheet config with every expert active: no routing choice for bf16 to flip (the
+# MoE top-k has its own tests), and every expert's weights count
+TARGET = {**BASE, "num_experts_per_tok": BASE["num_experts"]}
 # the draft's decoder layer: the target's dims, one QSA layer, no PLE
-DRAFT_LAYER = {**BASE, "num_hidden_layers": 1, "layer_types": ["indexed_attention"], "ple_layer_ids": None}
+DRAFT_LAYER = {**TARGET, "num_hidden_layers": 1, "layer_types": ["indexed_attention"], "ple_layer_ids": None}
+# inputs whose indexer choices have clear margins in bf16 (see the bf16 test)
+SEED = 20
 
 
 def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -54,7 +62,7 @@ def checkpoint(tmp_path_factory):
     """(folder, target reference, draft-layer reference, the mtp.* input weights): the parity tests'
     transformers checkpoint plus an MTP head in `mtp.safetensors` and mtp_num_hidden_layers 1."""
     folder = tmp_path_factory.mktemp("mtp_target")
-    target = build_reference("hc4_ple", folder)
+    target = build_reference(TARGET, folder)
     draft_folder = tmp_path_factory.mktemp("mtp_draft_layer")
     draft = build_reference(DRAFT_LAYER, draft_folder, seed=1)
     weights = mtp_input_weights(BASE["hidden_size"], BASE["hc_count"], seed=2)
@@ -79,15 +87,20 @@ def reference_streams(target, ids: torch.Tensor) -> torch.Tensor:
 
 def reference_draft(target, draft, weights, next_ids: torch.Tensor, hidden: torch.Tensor, head=None):
     """vLLM's MTP math over one whole sequence from position 0: next_ids [T] (row t: token t+1), hidden
-    [T, hc*H] -> (logits [T, V], output streams [T, hc*H])."""
+    [T, hc*H] -> (logits [T, V], output streams [T, hc*H]), in hidden's dtype (norms in fp32, as vLLM's)."""
     cfg = target.config
     h, hc, eps = cfg.hidden_size, cfg.hc_count, cfg.rms_norm_eps
+    w = {name: tensor.to(hidden.dtype) for name, tensor in weights.items()}
+
+    def norm(x, weight):
+        return gemma_rms_norm(x.float(), weight.float(), eps).to(x.dtype)
+
     with torch.no_grad():
-        e = gemma_rms_norm(target.model.embed_tokens(next_ids), weights["mtp.pre_fc_norm_embedding.weight"], eps)
-        e = F.linear(e, weights["mtp.fc_embedding.weight"])
+        e = F.linear(norm(target.model.embed_tokens(next_ids), w["mtp.pre_fc_norm_embedding.weight"]),
+                     w["mtp.fc_embedding.weight"])
         # one norm over all hc*H values (not per stream), then fc_hidden on each stream
-        u = gemma_rms_norm(hidden, weights["mtp.pre_fc_norm_hidden.weight"], eps)
-        u = F.linear(u.unflatten(-1, (hc, h)), weights["mtp.fc_hidden.weight"])
+        u = norm(hidden, w["mtp.pre_fc_norm_hidden.weight"])
+        u = F.linear(u.unflatten(-1, (hc, h)), w["mtp.fc_hidden.weight"])
         streams = (u + e[:, None, :]).flatten(-2)[None]  # the embedding added to every stream, weight 1
         t = next_ids.shape[0]
         positions = torch.arange(t).view(1, 1, t).expand(3, 1, t)
@@ -95,7 +108,7 @@ def reference_draft(target, draft, weights, next_ids: torch.Tensor, hidden: torc
         causal = torch.ones(t, t, dtype=torch.bool).tril()[None, None]
         out = draft.model.layers[0](streams, position_embeddings=rope, attention_mask=causal)
         mixed = draft.model.hyper_connection_mixer(out)
-        logits = F.linear(mixed, head) if head is not None else target.lm_head(mixed)
+        logits = F.linear(mixed, head.to(mixed.dtype)) if head is not None else target.lm_head(mixed)
     return logits[0], out[0]
 
 
@@ -103,9 +116,9 @@ class DraftRunner:
     """Drives the target (`forward_with_streams`) or the draft head over requests with their own slots and
     block tables, chunk by chunk, at the same positions (row t of a draft chunk: token t+1, hidden t)."""
 
-    def __init__(self, model, config, num_requests: int) -> None:
+    def __init__(self, model, config, num_requests: int, dtype: torch.dtype = torch.float32) -> None:
         self.model = model
-        self.cache = ModelCache(config, num_requests, num_requests * BLOCKS_PER_REQUEST, BLOCK_SIZE, torch.float32,
+        self.cache = ModelCache(config, num_requests, num_requests * BLOCKS_PER_REQUEST, BLOCK_SIZE, dtype,
                                 num_draft_layers=config.num_mtp_layers)
         self.tables = [list(range(i * BLOCKS_PER_REQUEST, (i + 1) * BLOCKS_PER_REQUEST)) for i in range(num_requests)]
         self.positions = {"target": [0] * num_requests, "draft": [0] * num_requests}
@@ -142,7 +155,7 @@ def loaded(checkpoint):
 def sequences(checkpoint, loaded):
     """Two requests' ids [2, LENGTH + 1] and transformers' target streams at their first LENGTH [2, LENGTH,
     hc*H]: draft row t reads token t+1 and streams t."""
-    ids = prompt_ids(loaded[1], 2, LENGTH + 1, seed=1)
+    ids = prompt_ids(loaded[1], 2, LENGTH + 1, seed=SEED)
     return ids, reference_streams(checkpoint[1], ids[:, :LENGTH])
 
 
@@ -209,6 +222,32 @@ def test_later_draft_steps_read_the_previous_step_streams(checkpoint, loaded, se
     rows = torch.cat([ids[1 : LENGTH + 1], torch.tensor([proposed])])
     expected, _ = reference_draft(target, draft, weights, rows, torch.cat([hidden, prefill[1][-1:]]))
     assert (logits[0] - expected[-1]).abs().max().item() <= TOLERANCE
+
+
+def test_draft_bf16_within_the_reference_bf16_error(checkpoint, loaded, sequences, monkeypatch):
+    """In bf16 the draft stays as close to the fp32 reference as the reference's own bf16 run does (the
+    bf16 parity tests' rule), its top-k choices (indexer blocks, experts) clear of near-ties."""
+    folder, target, draft, weights = checkpoint
+    ids, hidden = sequences[0][0, 1:], sequences[1][0]
+    recorder = ChoiceRecorder(monkeypatch)
+    fp32_model, config = loaded
+    bf16_model, _ = load_model(folder, dtype="bfloat16", device="cpu", load_mtp=True)
+    fp32_logits, fp32_streams = DraftRunner(fp32_model, config, 1).draft({0: (ids.tolist(), hidden)})[0]
+    fp32_choices = recorder.take()
+    bf16_logits, bf16_streams = DraftRunner(bf16_model, config, 1, torch.bfloat16).draft(
+        {0: (ids.tolist(), hidden.bfloat16())})[0]
+    assert assert_clear_margins(fp32_choices, recorder.take()) > 0
+    draft_fp32, draft_bf16 = copy.deepcopy(draft), copy.deepcopy(draft).bfloat16()  # copies: hooks stay local
+    fp32_reference_choices, bf16_reference_choices = ReferenceChoices(draft_fp32), ReferenceChoices(draft_bf16)
+    reference_logits, reference_streams_ = reference_draft(target, draft_fp32, weights, ids, hidden)
+    their_logits, their_streams = reference_draft(copy.deepcopy(target).bfloat16(), draft_bf16, weights, ids,
+                                                  hidden.bfloat16())
+    # the reference's bf16 run chooses as its fp32 run does
+    for fp32_choice, bf16_choice in zip(fp32_reference_choices.choices, bf16_reference_choices.choices, strict=True):
+        assert torch.equal(fp32_choice, bf16_choice)
+    assert (fp32_logits - reference_logits).abs().max().item() <= TOLERANCE
+    assert_within_reference_error(bf16_logits, their_logits, reference_logits, "draft logits")
+    assert_within_reference_error(bf16_streams, their_streams, reference_streams_, "draft streams")
 
 
 def _edited_copy(folder: Path, out: Path, edit) -> Path:
@@ -286,7 +325,8 @@ def test_vlm_names_load_the_same_head(checkpoint, loaded, tmp_path):
 def test_demo_model_with_a_head_and_quantized(tmp_path):
     """`demo-model --mtp` writes a head the loader takes; `quantize` carries the head and quantizes its
     experts like the target's."""
-    with_head = build_demo_model(tmp_path / "mtp", "tiny", mtp=True)
+    with_head = tmp_path / "mtp"
+    assert cli_main(["demo-model", str(with_head), "--mtp"]) == 0
     assert json.loads((with_head / "config.json").read_text())["mtp_num_hidden_layers"] == 1
     model, config = load_model(with_head, device="cpu", load_mtp=True)
     quantized_dir = quantize_checkpoint(with_head, tmp_path / "int4", "int4", clip_search=False)
