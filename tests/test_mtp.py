@@ -59,8 +59,8 @@ def mtp_input_weights(hidden: int, hc: int, seed: int) -> dict[str, torch.Tensor
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    """(folder, target reference, draft-layer reference, the mtp.* input weights): the parity tests'
-    transformers checkpoint plus an MTP head in `mtp.safetensors` and mtp_num_hidden_layers 1."""
+    """(folder, target reference, draft-layer reference, the mtp.* input weights): a TARGET checkpoint
+    written by transformers, plus an MTP head in `mtp.safetensors` and mtp_num_hidden_layers 1."""
     folder = tmp_path_factory.mktemp("mtp_target")
     target = build_reference(TARGET, folder)
     draft_folder = tmp_path_factory.mktemp("mtp_draft_layer")
@@ -323,12 +323,18 @@ def test_vlm_names_load_the_same_head(checkpoint, loaded, tmp_path):
 
 
 def test_demo_model_with_a_head_and_quantized(tmp_path):
-    """`demo-model --mtp` writes a head the loader takes; `quantize` carries the head and quantizes its
-    experts like the target's."""
+    """`demo-model --mtp` writes a head the loader takes (and `--load-format dummy` draws); `quantize`
+    carries the head and quantizes its experts like the target's."""
     with_head = tmp_path / "mtp"
     assert cli_main(["demo-model", str(with_head), "--mtp"]) == 0
     assert json.loads((with_head / "config.json").read_text())["mtp_num_hidden_layers"] == 1
     model, config = load_model(with_head, device="cpu", load_mtp=True)
+    # --load-format dummy draws, on the CPU, the very values demo-model writes: the head's too
+    dummy, _ = load_model(with_head, device="cpu", load_mtp=True, load_format="dummy")
+    params = dict(model.named_parameters())
+    assert any(name.startswith("mtp.") for name in params)
+    for name, param in dummy.named_parameters():
+        assert torch.equal(param, params[name]), name
     quantized_dir = quantize_checkpoint(with_head, tmp_path / "int4", "int4", clip_search=False)
     quantized, _ = load_model(quantized_dir, device="cpu", load_mtp=True)
     assert quantized.mtp.layers[0].mlp.experts.quant_method.format.bits == 4
