@@ -20,7 +20,8 @@ Randomness: each sampled request draws, from its own generator when it has one, 
 of its drafts, then one exponential per vocabulary entry; the final token is the argmax of
 residual / exponential (an exponential race: a draw proportional to the residual). A seeded request thus
 gets the same tokens whatever else is in the batch. Requests without a generator draw from the sampler's
-shared one, batched. Greedy requests draw nothing.
+shared one, batched. Greedy requests draw nothing. Draws happen on each generator's device (a request's
+generator is a CPU one) and move to the probabilities' device.
 """
 
 from __future__ import annotations
@@ -109,21 +110,21 @@ def _draws(
     generators: list[torch.Generator | None], num_drafts: list[int], k_max: int, vocab: int,
     shared: torch.Generator, device: torch.device,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Uniforms [S, K] (a request's first n used) and exponentials [S, V] (fp64) for the sampled requests,
-    each drawn from its own generator in that order; the rest from `shared`, batched."""
-    count = len(generators)
-    uniforms = torch.zeros(count, k_max, dtype=torch.float64, device=device)
-    exponentials = torch.empty(count, vocab, dtype=torch.float64, device=device)
+    """Uniforms [S, K] (a request's first n used) and exponentials [S, V] (fp64, on `device`) for the sampled
+    requests, each drawn on its generator's device from its own generator, in that order; the rest from
+    `shared`, batched."""
+    f64 = torch.float64
+    uniforms = torch.zeros(len(generators), k_max, dtype=f64, device=device)
+    exponentials = torch.empty(len(generators), vocab, dtype=f64, device=device)
     unseeded = [j for j, g in enumerate(generators) if g is None]
     if unseeded:
         rows = torch.tensor(unseeded, device=device)
-        uniforms[rows] = torch.rand(len(unseeded), k_max, dtype=torch.float64, device=device, generator=shared)
-        exponentials[rows] = torch.empty(len(unseeded), vocab, dtype=torch.float64, device=device).exponential_(
-            generator=shared
-        )
+        at = dict(dtype=f64, device=shared.device)
+        uniforms[rows] = torch.rand(len(unseeded), k_max, **at, generator=shared).to(device)
+        exponentials[rows] = torch.empty(len(unseeded), vocab, **at).exponential_(generator=shared).to(device)
     for j, g in enumerate(generators):
         if g is not None:
-            n = num_drafts[j]
-            uniforms[j, :n] = torch.rand(n, dtype=torch.float64, device=device, generator=g)
-            exponentials[j] = torch.empty(vocab, dtype=torch.float64, device=device).exponential_(generator=g)
+            n, at = num_drafts[j], dict(dtype=f64, device=g.device)
+            uniforms[j, :n] = torch.rand(n, **at, generator=g).to(device)
+            exponentials[j] = torch.empty(vocab, **at).exponential_(generator=g).to(device)
     return uniforms, exponentials
