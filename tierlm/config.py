@@ -76,6 +76,9 @@ class ModelConfig:
     indexer_budget: int | None = None
     indexer_compress_ratio: int | None = None
     output_gate_type: str | None = None
+    # decoder layers of the MTP draft head (`mtp_num_hidden_layers`, or `num_nextn_predict_layers`); None:
+    # the config does not say (a checkpoint's `mtp.*` tensors then make one layer, as vLLM assumes)
+    mtp_num_hidden_layers: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     pad_token_id: int | None = None
@@ -108,6 +111,11 @@ class ModelConfig:
     @property
     def has_qsa(self) -> bool:
         return self.indexer_n_heads is not None
+
+    @property
+    def num_mtp_layers(self) -> int:
+        """Decoder layers of the MTP draft head, for a checkpoint that has one (vLLM's default: 1)."""
+        return 1 if self.mtp_num_hidden_layers is None else self.mtp_num_hidden_layers
 
     def ple_index(self, layer_idx: int) -> int | None:
         """0-based position of decoder layer `layer_idx` (0-based) among the PLE layers, or None."""
@@ -178,6 +186,11 @@ class ModelConfig:
         eos = text.get("eos_token_id")
         values["eos_token_ids"] = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         values.pop("eos_token_id", None)
+        mtp_key = "mtp_num_hidden_layers" if "mtp_num_hidden_layers" in text else "num_nextn_predict_layers"
+        mtp_layers = text.get(mtp_key)
+        if mtp_layers is not None and (isinstance(mtp_layers, bool) or not isinstance(mtp_layers, int)):
+            raise ConfigError(f"{mtp_key}: must be an integer, got {mtp_layers!r}")
+        values["mtp_num_hidden_layers"] = mtp_layers
         values["torch_dtype"] = str(text.get("dtype") or text.get("torch_dtype") or "float32")
         config = cls(**values)
         config.validate()
@@ -220,6 +233,8 @@ class ModelConfig:
                 f"num_attention_heads: {self.num_attention_heads} must be a multiple of "
                 f"num_key_value_heads={self.num_key_value_heads}"
             )
+        if self.mtp_num_hidden_layers is not None and self.mtp_num_hidden_layers < 0:
+            raise ConfigError(f"mtp_num_hidden_layers: must be >= 0, got {self.mtp_num_hidden_layers}")
         self._validate_qsa()
         self._validate_ple()
 

@@ -18,6 +18,8 @@ Choices worth knowing:
   an lm_head scaled so next-token distributions are neither flat nor one-hot, Gemma-style norms near 0,
   non-zero PLE convolutions (transformers zero-initialises them) so that path is exercised. Each tensor
   has its own generator, seeded from (seed, tensor name).
+- `--mtp` adds an MTP draft head (`mtp.*`, one QSA layer, `mtp_num_hidden_layers: 1` in config.json),
+  random like the rest; without it the files are exactly those of a build before the option existed.
 - Bigger n-gram tables (`--ngram-vocab-base`, `--heads-per-ngram`, `--ple-embed-dim`) for NVMe and
   page-cache benchmarks: the table is then split into shards of at most `MAX_PLE_SHARD_BYTES`, and each
   shard is generated (from its own generator), written and freed before the next, so the build's memory
@@ -186,6 +188,8 @@ _COMMON_FIELDS = {
 # table shard it then writes: each shard is generated, written and freed on its own.
 PLE_OVERRIDES = ("ngram_vocab_size_base", "heads_per_ngram", "ple_embed_dim")
 MAX_PLE_SHARD_BYTES = 64 << 20
+# decoder layers of the MTP draft head `--mtp` writes (vLLM's default when a config does not say)
+DEMO_MTP_LAYERS = 1
 
 
 # ---- tokenizer --------------------------------------------------------------------------------------
@@ -265,12 +269,13 @@ def _tokenizer_config(ids: dict[str, int], max_length: int) -> dict[str, Any]:
 
 
 def demo_config(
-    size: str, vocab_size: int, eos_token_id: int, ple_overrides: dict[str, int] | None = None
+    size: str, vocab_size: int, eos_token_id: int, ple_overrides: dict[str, int] | None = None, mtp: bool = False
 ) -> dict[str, Any]:
     """The config.json dict of a demo model (flat text fields, as `save_pretrained` writes them).
 
     `ple_overrides` replaces any of `PLE_OVERRIDES` (a bigger n-gram table); `split_ngram_parts` then
-    grows so that no table shard exceeds `MAX_PLE_SHARD_BYTES`.
+    grows so that no table shard exceeds `MAX_PLE_SHARD_BYTES`. mtp: the model has an MTP draft head of
+    `DEMO_MTP_LAYERS` layers.
     """
     spec = SIZES[size]
     padded_vocab = math.ceil(vocab_size / 64) * 64
@@ -287,6 +292,8 @@ def demo_config(
         table_bytes = fields["ngram_vocab_size_base"] * fields["ple_embed_dim"] * item_size
         parts = math.ceil(table_bytes / MAX_PLE_SHARD_BYTES)
         fields["split_ngram_parts"] = max(fields["split_ngram_parts"], parts)
+    if mtp:
+        fields["mtp_num_hidden_layers"] = DEMO_MTP_LAYERS
     config = {
         "architectures": ["Qwen4ExpForCausalLM"],
         "model_type": "qwen4_exp_text",
@@ -344,6 +351,7 @@ def build_demo_model(
     ple_overrides: dict[str, int] | None = None,
     quantize: str | None = None,
     group_size: int = 32,
+    mtp: bool = False,
 ) -> Path:
     """Write the demo checkpoint of `size` into `out_dir` and return that folder.
 
@@ -352,7 +360,8 @@ def build_demo_model(
     is refused unless `overwrite`; only those files are replaced, anything else in the folder is kept.
     `ple_overrides` (see `demo_config`) makes the n-gram tables bigger, e.g. multi-GB for benchmarks.
     `quantize` (a `tierlm quantize` scheme, e.g. int4-mixed) writes the quantized checkpoint instead: the
-    dense one is built in a hidden folder beside `out_dir` and quantized from there.
+    dense one is built in a hidden folder beside `out_dir` and quantized from there. `mtp` adds an MTP
+    draft head (`mtp.*`).
     """
     if quantize is not None:
         from tierlm.tools.quantize import quantize_checkpoint
@@ -363,7 +372,9 @@ def build_demo_model(
         out.parent.mkdir(parents=True, exist_ok=True)
         dense = Path(tempfile.mkdtemp(prefix=f".{out.name}.dense-", dir=out.parent))
         try:
-            build_demo_model(dense, size, seed, overwrite=True, progress=progress, ple_overrides=ple_overrides)
+            build_demo_model(
+                dense, size, seed, overwrite=True, progress=progress, ple_overrides=ple_overrides, mtp=mtp
+            )
             return quantize_checkpoint(dense, out, quantize, group_size, overwrite=True, progress=progress)
         finally:
             shutil.rmtree(dense, ignore_errors=True)
@@ -374,7 +385,7 @@ def build_demo_model(
     from tokenizers import Tokenizer
 
     from tierlm.config import ModelConfig
-    from tierlm.model.checkpoint_layout import checkpoint_layout, ple_hash_buffers
+    from tierlm.model.checkpoint_layout import MTPLayout, checkpoint_layout, ple_hash_buffers
     from tierlm.model.random_weights import random_tensor
 
     if size not in SIZES:
@@ -393,11 +404,11 @@ def build_demo_model(
     tokenizer = Tokenizer.from_str(tokenizer_json)
     ids = {token: tokenizer.token_to_id(token) for token in SPECIAL_TOKENS}
     vocab = tokenizer.get_vocab_size(with_added_tokens=True)
-    raw_config = demo_config(size, vocab, ids[IM_END], ple_overrides)
+    raw_config = demo_config(size, vocab, ids[IM_END], ple_overrides, mtp)
     config = ModelConfig.from_dict(raw_config)  # refuse to write a config the reference would reject
 
     dtype = getattr(torch, spec.dtype)
-    layout = checkpoint_layout(config)
+    layout = checkpoint_layout(config, mtp=MTPLayout(config.num_mtp_layers) if mtp else None)
     buffers = {
         f"model.layers.{layer_id - 1}.ple.ple_embedding.": ple_hash_buffers(config, k)
         for k, layer_id in enumerate(config.ple_layer_ids)
@@ -466,7 +477,7 @@ def _run(args: argparse.Namespace) -> int:
     try:
         out = build_demo_model(
             args.out_dir, args.size, args.seed, overwrite=args.force, progress=True, ple_overrides=overrides,
-            quantize=args.quantize, group_size=args.group_size,
+            quantize=args.quantize, group_size=args.group_size, mtp=args.mtp,
         )
     except FileExistsError:
         raise CliError(
@@ -507,6 +518,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--seed", type=int, default=0, help="weight seed; the same seed gives identical files"
     )
     parser.add_argument("--force", action="store_true", help="replace checkpoint files already in DIR")
+    parser.add_argument(
+        "--mtp", action="store_true",
+        help=f"also write an MTP draft head (mtp.*: {DEMO_MTP_LAYERS} QSA layer, vLLM's speculative 'mtp' method)",
+    )
     from tierlm.tools.quantize import SCHEMES as QUANTIZE_SCHEMES
 
     parser.add_argument(

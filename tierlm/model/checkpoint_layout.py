@@ -6,6 +6,9 @@ prefix that `Qwen4ExpForCausalLM` uses; the VLM checkpoint's `model.language_mod
 the loader. Experts are per-expert tensors on disk; PLE tables are split into `shard_{j}` parts exactly as
 `torch.chunk(table, split_ngram_parts)` splits them.
 
+A checkpoint may carry an MTP draft head (`mtp.*`, vLLM's names; transformers ignores it): it is part of
+the layout only when asked for (`MTPLayout`), since the target model alone never reads it.
+
 An fp8 PLE table (vLLM's format) adds its `ngram_embedding.weight_scale`. With a quantization config, each
 linear or embedding weight whose module is quantized is replaced by
 its format's tensors (e.g. `weight_packed` int32, `weight_scale`, `weight_shape`).
@@ -22,6 +25,8 @@ from tierlm.model.quantization.base import DENSE, QuantizationError
 from tierlm.model.quantization.config import QuantizationConfig
 
 PREFIX = "model."
+MTP_PREFIX = "mtp."
+MTP_SHARED_HEAD = "mtp.shared_head.head.weight"
 PLE_FP8 = "float8_e4m3fn"
 
 
@@ -35,6 +40,15 @@ class TensorSpec:
     # int32 | int64 (integer tensors of quantized modules), float8_e4m3fn (an fp8 PLE table) or float32 (its
     # scale); None: as the kind says
     dtype: str | None = None
+
+
+@dataclass(frozen=True)
+class MTPLayout:
+    """The MTP draft head a checkpoint carries: its decoder layers (`mtp.layers.{k}`) and whether it has
+    its own lm_head (`mtp.shared_head.head`) instead of the target's."""
+
+    num_layers: int = 1
+    shared_head: bool = False
 
 
 def ple_shard_rows(rows: int, parts: int) -> list[int]:
@@ -151,11 +165,14 @@ def ple_hash_buffers(c: ModelConfig, ple_index: int) -> dict[str, list[int]]:
 
 
 def checkpoint_layout(
-    c: ModelConfig, quantization: QuantizationConfig | None = None, ple_fp8: bool = False
+    c: ModelConfig, quantization: QuantizationConfig | None = None, ple_fp8: bool = False,
+    mtp: MTPLayout | None = None,
 ) -> list[TensorSpec]:
     """Every tensor of a `Qwen4ExpForCausalLM` checkpoint, in module order. ple_fp8: the PLE tables are
-    float8 e4m3 with one global scale each."""
+    float8 e4m3 with one global scale each; mtp: the MTP draft head's tensors too (after the target's)."""
     specs = _dense_layout(c, ple_fp8)
+    if mtp is not None:
+        specs += _mtp(c, mtp)
     return specs if quantization is None else [q for spec in specs for q in _stored(spec, quantization)]
 
 
@@ -186,6 +203,35 @@ def _stored(spec: TensorSpec, quantization: QuantizationConfig) -> list[TensorSp
     ]
 
 
+def _decoder_layer(prefix: str, c: ModelConfig, layer_type: str) -> list[TensorSpec]:
+    """A decoder layer's hyper-connections, token mixer and MoE (PLE, where a layer has it, comes first)."""
+    specs = _hyper_connection(f"{prefix}.attn_hyper_connection", c, with_inject=True)
+    if layer_type == "linear_attention":
+        specs += _gated_deltanet(f"{prefix}.linear_attn", c)
+    else:
+        specs += _qsa_attention(f"{prefix}.self_attn", c)
+    specs += _hyper_connection(f"{prefix}.mlp_hyper_connection", c, with_inject=True)
+    return specs + _moe(f"{prefix}.mlp", c)
+
+
+def _mtp(c: ModelConfig, mtp: MTPLayout) -> list[TensorSpec]:
+    """The draft head (vLLM's `Qwen4ExpMultiTokenPredictor`): input projections and norms, QSA decoder
+    layers without PLE, its own final mixer, and maybe its own lm_head."""
+    h, p = c.hidden_size, MTP_PREFIX
+    specs = [
+        TensorSpec(f"{p}fc_embedding.weight", (h, h)),
+        TensorSpec(f"{p}fc_hidden.weight", (h, h)),
+        TensorSpec(f"{p}pre_fc_norm_embedding.weight", (h,), "norm"),
+        TensorSpec(f"{p}pre_fc_norm_hidden.weight", (c.hc_count * h,), "norm"),
+    ]
+    for k in range(mtp.num_layers):
+        specs += _decoder_layer(f"{p}layers.{k}", c, "indexed_attention")
+    specs += _hyper_connection(f"{p}hyper_connection_mixer", c, with_inject=False)
+    if mtp.shared_head:
+        specs.append(TensorSpec(MTP_SHARED_HEAD, (c.vocab_size, h)))
+    return specs
+
+
 def _dense_layout(c: ModelConfig, ple_fp8: bool) -> list[TensorSpec]:
     specs = [TensorSpec(f"{PREFIX}embed_tokens.weight", (c.vocab_size, c.hidden_size))]
     for layer in range(c.num_hidden_layers):
@@ -193,13 +239,7 @@ def _dense_layout(c: ModelConfig, ple_fp8: bool) -> list[TensorSpec]:
         ple_index = c.ple_index(layer)
         if ple_index is not None:
             specs += _ple(f"{p}.ple", c, ple_index, ple_fp8)
-        specs += _hyper_connection(f"{p}.attn_hyper_connection", c, with_inject=True)
-        if c.layer_types[layer] == "linear_attention":
-            specs += _gated_deltanet(f"{p}.linear_attn", c)
-        else:
-            specs += _qsa_attention(f"{p}.self_attn", c)
-        specs += _hyper_connection(f"{p}.mlp_hyper_connection", c, with_inject=True)
-        specs += _moe(f"{p}.mlp", c)
+        specs += _decoder_layer(p, c, c.layer_types[layer])
     specs += _hyper_connection(f"{PREFIX}hyper_connection_mixer", c, with_inject=False)
     if not c.tie_word_embeddings:
         specs.append(TensorSpec("lm_head.weight", (c.vocab_size, c.hidden_size)))

@@ -8,6 +8,10 @@ table), so no second full copy of the weights is ever held. The checkpoint is ch
 name and the expected shape; unknown tensors of known modules (e.g. activation scales) are skipped with
 one log line.
 
+The MTP draft head (`mtp.*`) is skipped unless the caller asks for it (`load_mtp`): then it is checked
+against the layout and loaded like the rest (`model.mtp`), quantized modules included. Its tensors may
+also come as `model.mtp.*` or `model.language_model.mtp.*`; they are read as `mtp.*`.
+
 Quantized checkpoints: the `quantization_config` in config.json gives each checkpoint module a weight
 format (`tierlm.model.quantization`); each layer gets the quant method of its modules before the model is
 materialised, so packed weights are allocated packed and copied in packed (only small zero points are
@@ -25,7 +29,15 @@ import torch
 from safetensors import safe_open
 
 from tierlm.config import LOAD_FORMATS, ModelConfig
-from tierlm.model.checkpoint_layout import PREFIX, checkpoint_layout, ple_hash_buffers, ple_shard_rows
+from tierlm.model.checkpoint_layout import (
+    MTP_PREFIX,
+    MTP_SHARED_HEAD,
+    PREFIX,
+    MTPLayout,
+    checkpoint_layout,
+    ple_hash_buffers,
+    ple_shard_rows,
+)
 from tierlm.model.layers.ple_fp8 import Fp8NgramTable
 from tierlm.model.pipeline_stage import PipelineStage, StageLayout
 from tierlm.model.quantization.base import DENSE, ModulePart, QuantizationError
@@ -36,10 +48,12 @@ from tierlm.model.random_weights import random_tensor
 logger = logging.getLogger(__name__)
 
 VLM_PREFIX = "model.language_model."
-# tensors of parts tierlm builds elsewhere (vision tower, MTP draft head): not part of the text model
-IGNORED_PREFIXES = ("model.visual.", "mtp.")
+# tensors of parts tierlm does not build (the vision tower)
+IGNORED_PREFIXES = ("model.visual.",)
 # tensors of known parts that inference does not use (skipped with the unknown tensors of known modules)
-UNUSED_PREFIXES = ("model.hyper_connection_mixer.block_inject_weight.",)
+UNUSED_PREFIXES = (
+    "model.hyper_connection_mixer.block_inject_weight.", "mtp.hyper_connection_mixer.block_inject_weight.",
+)
 DTYPE_TAGS = {"int32": "I32", "int64": "I64", "float8_e4m3fn": "F8_E4M3", "float32": "F32"}
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -101,22 +115,26 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def _canonical(name: str) -> str | None:
-    """The `model.`-prefixed name of a text-model tensor, or None for parts loaded elsewhere."""
+def _canonical(name: str, with_mtp: bool) -> str | None:
+    """The `model.`-prefixed name of a text-model tensor (`mtp.` for the draft head's), or None for parts
+    not loaded (the draft head's too, unless with_mtp)."""
     if name.startswith(VLM_PREFIX):
         name = PREFIX + name[len(VLM_PREFIX) :]
-    if name.startswith(IGNORED_PREFIXES):
+    if name.startswith(PREFIX + MTP_PREFIX):
+        name = name[len(PREFIX) :]
+    if name.startswith(IGNORED_PREFIXES) or (name.startswith(MTP_PREFIX) and not with_mtp):
         return None
     return name
 
 
-def index_tensors(files: list[Path]) -> dict[str, tuple[Path, str, tuple[int, ...], str]]:
-    """canonical name -> (file, name in file, shape, safetensors dtype tag), reading headers only."""
+def index_tensors(files: list[Path], with_mtp: bool = False) -> dict[str, tuple[Path, str, tuple[int, ...], str]]:
+    """canonical name -> (file, name in file, shape, safetensors dtype tag), reading headers only;
+    with_mtp: the MTP draft head's tensors too."""
     found = {}
     for file in files:
         with safe_open(file, framework="pt") as f:
             for name in f.keys():
-                canonical = _canonical(name)
+                canonical = _canonical(name, with_mtp)
                 if canonical is not None:
                     view = f.get_slice(name)
                     found[canonical] = (file, name, tuple(view.get_shape()), view.get_dtype())
@@ -128,12 +146,23 @@ def has_fp8_ple_tables(found: dict) -> bool:
     return any(info[3] == "F8_E4M3" for name, info in found.items() if _PLE_SHARD.fullmatch(name))
 
 
-def check_layout(config: ModelConfig, found: dict, quantization: QuantizationConfig | None) -> list[str]:
-    """Check names, shapes and integer dtypes against the layout; returns the tensors to skip: unknown
-    tensors of known modules (scales of activation quantization, hash statistics, ...), which vLLM ignores
-    too. A tensor of a module the config does not have is an error."""
+def mtp_layout(config: ModelConfig, found: dict) -> MTPLayout | None:
+    """The MTP draft head of an index made `with_mtp` (None when it has no `mtp.*` tensors): the config's
+    layer count (vLLM's default 1), and a head of its own if `mtp.shared_head.head` is there."""
+    if not any(name.startswith(MTP_PREFIX) for name in found):
+        return None
+    shared_head = any(name.startswith(MTP_SHARED_HEAD.removesuffix("weight")) for name in found)
+    return MTPLayout(config.num_mtp_layers, shared_head)
+
+
+def check_layout(
+    config: ModelConfig, found: dict, quantization: QuantizationConfig | None, mtp: MTPLayout | None = None
+) -> list[str]:
+    """Check names, shapes and integer dtypes against the layout (with the MTP draft head `mtp`, if given);
+    returns the tensors to skip: unknown tensors of known modules (scales of activation quantization, hash
+    statistics, ...), which vLLM ignores too. A tensor of a module the config does not have is an error."""
     try:
-        layout = checkpoint_layout(config, quantization, has_fp8_ple_tables(found))
+        layout = checkpoint_layout(config, quantization, has_fp8_ple_tables(found), mtp)
     except QuantizationError as exc:
         raise CheckpointError(str(exc)) from None
     expected = {spec.name: spec for spec in layout}
@@ -185,15 +214,20 @@ def attach_formats(model: Qwen4ExpForCausalLM, quantization: QuantizationConfig 
 def load_model(
     model_dir: str | Path, dtype: str | torch.dtype = "auto", device: str | torch.device | None = None,
     mapped_ple_tables: bool = False, stage: StageLayout | None = None, load_format: str = "auto",
+    load_mtp: bool = False,
 ) -> tuple[Qwen4ExpForCausalLM | PipelineStage, ModelConfig]:
     """mapped_ple_tables: the PLE tables are served from memory-mapped files (`memory/ngram_store.py`),
     so they are neither allocated nor read here. stage: one pipeline rank's part (a `PipelineStage`):
     only the tensors it holds are allocated and read; the whole checkpoint is still checked. load_format
     "dummy" (vLLM's name) reads no weights: every tensor of the layout gets random values drawn on
     `device` (`model/random_weights.py`, seed 0; on the CPU the very values `tierlm demo-model` writes),
-    so a model of any size runs from its config.json alone."""
+    so a model of any size runs from its config.json alone. load_mtp: load the checkpoint's MTP draft head
+    too (`model.mtp`); a checkpoint without one is an error (with "dummy": a random head of the config's
+    mtp_num_hidden_layers layers)."""
     if load_format not in LOAD_FORMATS:
         raise CheckpointError(f"load_format: unknown {load_format!r}; choose one of {', '.join(LOAD_FORMATS)}")
+    if load_mtp and stage is not None:
+        raise CheckpointError("load_mtp: the MTP draft head is not supported with pipeline parallelism yet")
     model_dir = resolve_model_path(model_dir)
     config = ModelConfig.from_pretrained(model_dir)
     target_dtype = resolve_dtype(dtype, config)
@@ -204,21 +238,23 @@ def load_model(
             raise CheckpointError(
                 f"load_format dummy draws unquantized weights, but {model_dir}/config.json has a quantization_config"
             )
+        mtp = _checked_mtp(config, MTPLayout(config.num_mtp_layers), model_dir) if load_mtp else None
         model, destination = _materialise(
-            _on_meta(config, None, target_dtype, stage), config, device, mapped_ple_tables, False
+            _on_meta(config, None, target_dtype, stage, mtp), config, device, mapped_ple_tables, False
         )
-        for spec in checkpoint_layout(config):
+        for spec in checkpoint_layout(config, mtp=mtp):
             # int64 hash buffers are only checked against the config on load: nothing to draw
             if spec.kind == "int64" or (mapped_ple_tables and spec.kind == "ple_table"):
                 continue
             if stage is None or stage.holds(spec.name):
                 destination.fill(spec.name, random_tensor(spec, 0, target_dtype, config.hidden_size, device=device))
         return model, config
-    found = index_tensors(checkpoint_files(model_dir))
+    found = index_tensors(checkpoint_files(model_dir), with_mtp=load_mtp)
+    mtp = _checked_mtp(config, mtp_layout(config, found), model_dir) if load_mtp else None
     if quantization is not None:
         quantization = quantization.bind_checkpoint(set(found))
-    model = _on_meta(config, quantization, target_dtype, stage)  # each layer's format is checked here first
-    skipped = set(check_layout(config, found, quantization))
+    model = _on_meta(config, quantization, target_dtype, stage, mtp)  # each layer's format is checked here first
+    skipped = set(check_layout(config, found, quantization, mtp))
     model, destination = _materialise(model, config, device, mapped_ple_tables, has_fp8_ple_tables(found))
     handles: dict[Path, object] = {}
     for name, (file, name_in_file, _, _) in found.items():
@@ -232,12 +268,26 @@ def load_model(
     return model, config
 
 
+def _checked_mtp(config: ModelConfig, mtp: MTPLayout | None, model_dir: Path) -> MTPLayout:
+    """The draft head to load, or a CheckpointError saying why there is none."""
+    if mtp is None:
+        raise CheckpointError(f"load_mtp: {model_dir} has no MTP draft head (no mtp.* tensors)")
+    if mtp.num_layers < 1:
+        raise CheckpointError(f"load_mtp: {model_dir}/config.json says mtp_num_hidden_layers 0 (no draft head)")
+    if not config.has_qsa:
+        raise CheckpointError("load_mtp: the MTP draft head's layers are QSA layers, but the config has no indexer_* "
+                              "fields")
+    return mtp
+
+
 def _on_meta(
-    config: ModelConfig, quantization: QuantizationConfig | None, dtype: torch.dtype, stage: StageLayout | None
+    config: ModelConfig, quantization: QuantizationConfig | None, dtype: torch.dtype, stage: StageLayout | None,
+    mtp: MTPLayout | None = None,
 ) -> Qwen4ExpForCausalLM | PipelineStage:
-    """The model (or a rank's stage of it) on the meta device, each layer with its weight format."""
+    """The model (or a rank's stage of it; with the MTP head `mtp`) on the meta device, each layer with its
+    weight format."""
     with torch.device("meta"):
-        model = Qwen4ExpForCausalLM(config)
+        model = Qwen4ExpForCausalLM(config, mtp)
         attach_formats(model, quantization)
         if stage is not None:
             model = PipelineStage(model, stage)

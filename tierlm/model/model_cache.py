@@ -7,6 +7,9 @@ Each decoder layer gets a `LayerCaches` of the typed caches its kind needs (`mod
   group; paged, one compressed key per complete group of R tokens). block_size must be a multiple of R;
 - a PLE layer also a `PLEState`, per slot the short-conv history (last (Kp-1)*ngram_size values);
 and the model one `NgramContextState` (last ngram_size-1 token ids, EOS at a request's start).
+An MTP draft head's layers (`draft_layers`) get QSA caches of their own, paged with the same block ids
+and slots as the target's (a draft row has its target row's position); their indexer rings are slot
+states like the others, so prefix-cache checkpoints carry them.
 The layers see only their own caches; who owns which slot or block is the engine's business.
 
 Slots are for running requests. Prefix-cache checkpoints (copies of a slot at a block boundary) live in
@@ -99,14 +102,18 @@ class ModelCache:
         row_cache_max_batch: int = ROW_CACHE_MAX_BATCH,
         num_host_checkpoints: int = 0,
         layer_ids: tuple[int, ...] | None = None,
+        num_draft_layers: int = 0,
     ) -> None:
         """kv_offload: QSA K/V in exactly sized host pools (pinned on CUDA) instead of device memory, with
         a device arena of `arena_rows` rows per layer that stages prefill reads and, at decode, caches
         recently read rows for batches of up to `row_cache_max_batch` requests unless `row_cache` is False
         (see `qsa_offload`). num_host_checkpoints: rows of the host checkpoint pool (0: none).
         layer_ids: the decoder layers whose caches this holds (one pipeline rank's; default all): `layers`
-        has one entry per id, in order."""
+        has one entry per id, in order. num_draft_layers: the MTP draft head's layers (`draft_layers`; 0:
+        no draft head)."""
         c = config
+        if num_draft_layers and not c.has_qsa:
+            raise ValueError("MTP draft layers are QSA layers: the config needs the indexer_* fields")
         if c.has_qsa and block_size % c.indexer_compress_ratio:
             raise ValueError(
                 f"block_size {block_size} must be a multiple of indexer_compress_ratio {c.indexer_compress_ratio}"
@@ -121,43 +128,51 @@ class ModelCache:
         alloc = dict(dtype=dtype, device=self.device)
         kv_shape = (num_blocks, block_size, c.num_key_value_heads, c.head_dim)
         layer_ids = tuple(range(c.num_hidden_layers)) if layer_ids is None else tuple(layer_ids)
-        qsa_layers = [i for i in layer_ids if c.layer_types[i] == "indexed_attention"]
+        draft_names = [f"mtp{k}" for k in range(num_draft_layers)]
+        qsa_names = [f"layer{i}" for i in layer_ids if c.layer_types[i] == "indexed_attention"] + draft_names
         pools = {}
-        if kv_offload and qsa_layers:
+        if kv_offload and qsa_names:
             pools = allocate_pools(
-                {f"layer{i}.{kind}": (kv_shape, dtype) for i in qsa_layers for kind in ("keys", "values")},
+                {f"{name}.{kind}": (kv_shape, dtype) for name in qsa_names for kind in ("keys", "values")},
                 pin=self.device.type == "cuda",
             )
+
+        def qsa_caches(name: str) -> LayerCaches:
+            if pools:
+                kv = OffloadedKV(pools[f"{name}.keys"], pools[f"{name}.values"], arena_rows, self.device, row_cache,
+                                 row_cache_max_batch)
+            else:
+                kv = QSADeviceKV(torch.zeros(kv_shape, **alloc), torch.zeros(kv_shape, **alloc))
+            ratio = c.indexer_compress_ratio
+            indexer = QSAIndexerState(
+                torch.zeros(num_slots, ratio, c.indexer_head_dim, **alloc),
+                torch.zeros(num_blocks, block_size // ratio, c.indexer_head_dim, **alloc),
+                block_size, self.scratch_block,
+            )
+            return LayerCaches(kv=kv, indexer=indexer)
+
         self.layers: list[LayerCaches] = []
         for layer_idx in layer_ids:
             layer_type = c.layer_types[layer_idx]
-            caches = LayerCaches()
             if layer_type == "linear_attention":
-                caches.gdn = GDNState(
+                caches = LayerCaches(gdn=GDNState(
                     torch.zeros(num_slots, conv_dim, c.linear_conv_kernel_dim - 1, **alloc),
                     torch.zeros(num_slots, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim,
                                 dtype=torch.float32, device=self.device),
-                )
-            elif pools:
-                keys, values = pools[f"layer{layer_idx}.keys"], pools[f"layer{layer_idx}.values"]
-                caches.kv = OffloadedKV(keys, values, arena_rows, self.device, row_cache, row_cache_max_batch)
+                ))
             else:
-                caches.kv = QSADeviceKV(torch.zeros(kv_shape, **alloc), torch.zeros(kv_shape, **alloc))
-            if layer_type == "indexed_attention":
-                ratio = c.indexer_compress_ratio
-                caches.indexer = QSAIndexerState(
-                    torch.zeros(num_slots, ratio, c.indexer_head_dim, **alloc),
-                    torch.zeros(num_blocks, block_size // ratio, c.indexer_head_dim, **alloc),
-                    block_size, self.scratch_block,
-                )
+                caches = qsa_caches(f"layer{layer_idx}")
             if c.ple_index(layer_idx) is not None:
                 history = (c.ple_conv_kernel_size - 1) * c.ngram_size
                 caches.ple = PLEState(torch.zeros(num_slots, c.hc_count * c.hidden_size, history, **alloc))
             self.layers.append(caches)
+        # the MTP draft head's layers: QSA caches of their own, paged and slotted like the target's
+        self.draft_layers: list[LayerCaches] = [qsa_caches(name) for name in draft_names]
         eos = c.eos_token_id if c.eos_token_id is not None else 0
         self.ngram_context = torch.full((num_slots, max(c.ngram_size - 1, 0)), eos, dtype=torch.int64, device=self.device)
         self.slot_states: list[SlotState] = [
-            state for caches in self.layers for state in (caches.gdn, caches.ple, caches.indexer) if state is not None
+            state for caches in self.layers + self.draft_layers for state in (caches.gdn, caches.ple, caches.indexer)
+            if state is not None
         ] + [NgramContextState(self.ngram_context, c.eos_token_id)]
         self.checkpoints = HostCheckpoints(
             self.slot_states, num_host_checkpoints, self.device, self.staging_slot

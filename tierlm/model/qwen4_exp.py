@@ -4,6 +4,10 @@ Module names mirror the checkpoint (`model.layers.{i}.linear_attn...`), so loadi
 A forward takes a `ForwardBatch` (packed varlen tokens of several requests at different positions) and
 the `ModelCache` whose slots and blocks the batch names, updates that state in place, and returns the
 logits of `batch.logits_rows`.
+
+With an MTP draft head (`model/mtp.py`, built when the loader is asked for it) the model also serves
+speculative decoding: `forward_with_streams` returns, beside the logits, every row's multi-stream state
+before the final mixer (the draft's input), and `draft` runs the head.
 """
 
 from __future__ import annotations
@@ -12,48 +16,16 @@ import torch
 from torch import nn
 
 from tierlm.config import ModelConfig
+from tierlm.model.checkpoint_layout import MTPLayout
 from tierlm.model.forward_batch import ForwardBatch
+from tierlm.model.layers.decoder_layer import DecoderLayer
 from tierlm.model.layers.embedding import Embedding
-from tierlm.model.layers.gated_deltanet import GatedDeltaNet
 from tierlm.model.layers.hyper_connection import HyperConnection
-from tierlm.model.layers.moe import SparseMoeBlock
 from tierlm.model.layers.packed_linear import Linear
-from tierlm.model.layers.ple import PLELayer, shifted_token_streams
-from tierlm.model.layers.qsa_attention import QSAAttention
+from tierlm.model.layers.ple import shifted_token_streams
 from tierlm.model.layers.rotary import Rope, RotaryEmbedding
-from tierlm.model.model_cache import LayerCaches, ModelCache
-
-
-class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
-        super().__init__()
-        c = config
-        self.layer_type = c.layer_types[layer_idx]
-        ple_index = c.ple_index(layer_idx)
-        self.ple = PLELayer(c, ple_index) if ple_index is not None else None
-        hc = dict(hidden_size=c.hidden_size, hc_count=c.hc_count, lowrank=c.hc_lowrank, eps=c.rms_norm_eps)
-        self.attn_hyper_connection = HyperConnection(**hc, with_inject=True)
-        if self.layer_type == "linear_attention":
-            self.linear_attn = GatedDeltaNet(c)
-        else:
-            self.self_attn = QSAAttention(c)
-        self.mlp_hyper_connection = HyperConnection(**hc, with_inject=True)
-        self.mlp = SparseMoeBlock(c)
-
-    def forward(
-        self, streams: torch.Tensor, batch: ForwardBatch, caches: LayerCaches, rope: Rope,
-        token_streams: torch.Tensor | None,
-    ) -> torch.Tensor:
-        if self.ple is not None:
-            streams = streams + self.ple(streams, batch, caches.ple, token_streams)
-        x, inject = self.attn_hyper_connection.mix(streams)
-        if self.layer_type == "linear_attention":
-            out = self.linear_attn(x, batch, caches.gdn)
-        else:
-            out = self.self_attn(x, batch, caches.kv, caches.indexer, rope)
-        streams = HyperConnection.combine(streams, out, inject)
-        x, inject = self.mlp_hyper_connection.mix(streams)
-        return HyperConnection.combine(streams, self.mlp(x, batch.static), inject)
+from tierlm.model.model_cache import ModelCache
+from tierlm.model.mtp import MultiTokenPredictor
 
 
 class Qwen4ExpTextModel(nn.Module):
@@ -62,7 +34,9 @@ class Qwen4ExpTextModel(nn.Module):
         c = config
         self.config = c
         self.embed_tokens = Embedding(c.vocab_size, c.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(c, i) for i in range(c.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(c, c.layer_types[i], c.ple_index(i)) for i in range(c.num_hidden_layers)
+        )
         self.hyper_connection_mixer = HyperConnection(
             c.hidden_size, c.hc_count, c.hc_lowrank, c.rms_norm_eps, with_inject=False
         )
@@ -70,10 +44,16 @@ class Qwen4ExpTextModel(nn.Module):
 
     def forward(self, batch: ForwardBatch, cache: ModelCache) -> torch.Tensor:
         """Returns the final mixer's output [M, H] for `batch.logits_rows`."""
+        return self.mix(self.run_layers(batch, cache)[batch.logits_rows])
+
+    def mix(self, streams: torch.Tensor) -> torch.Tensor:
+        """The final mixer: streams [M, hc*H] -> [M, H] (lm_head's input)."""
+        return self.hyper_connection_mixer.mix(streams)[0]
+
+    def run_layers(self, batch: ForwardBatch, cache: ModelCache) -> torch.Tensor:
+        """Every row's streams [N, hc*H] after the last decoder layer (the caches updated)."""
         streams = embed_streams(self.embed_tokens, batch, self.config.hc_count)
-        streams = run_decoder_layers(self.layers, streams, batch, cache, self.config, self.rotary)
-        mixed, _ = self.hyper_connection_mixer.mix(streams[batch.logits_rows])
-        return mixed
+        return run_decoder_layers(self.layers, streams, batch, cache, self.config, self.rotary)
 
 
 def embed_streams(embed_tokens: Embedding, batch: ForwardBatch, hc_count: int) -> torch.Tensor:
@@ -111,11 +91,13 @@ def _advance_ngram_context(batch: ForwardBatch, cache: ModelCache) -> None:
 
 
 class Qwen4ExpForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, mtp: MTPLayout | None = None) -> None:
+        """mtp: build the checkpoint's MTP draft head too (`self.mtp`; None: the target model alone)."""
         super().__init__()
         self.config = config
         self.model = Qwen4ExpTextModel(config)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.mtp = MultiTokenPredictor(config, mtp) if mtp is not None else None
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -127,3 +109,28 @@ class Qwen4ExpForCausalLM(nn.Module):
     def forward(self, batch: ForwardBatch, cache: ModelCache) -> torch.Tensor:
         """Logits [M, vocab] for `batch.logits_rows`."""
         return self.lm_head(self.model(batch, cache))
+
+    @torch.no_grad()
+    def forward_with_streams(self, batch: ForwardBatch, cache: ModelCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """The forward, also returning every row's streams before the final mixer [N, hc*H]: at row t, the
+        hidden state the draft head reads (with token t+1) to propose token t+2."""
+        streams = self.model.run_layers(batch, cache)
+        return self.lm_head(self.model.mix(streams[batch.logits_rows])), streams
+
+    @torch.no_grad()
+    def draft(
+        self, batch: ForwardBatch, hidden_streams: torch.Tensor, cache: ModelCache, step: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One draft-head forward; the draft layer's caches (`cache.draft_layers`) updated in place.
+
+        batch: rows at the target's positions, each row's token the one AFTER its position (row t holds
+        token t+1); hidden_streams [N, hc*H]: the target's `forward_with_streams` streams of those rows,
+        or at a later draft step the streams the previous step returned. Returns the draft logits [M, V]
+        and the output streams [M, hc*H] of `batch.logits_rows` (the next step's hidden input)."""
+        if self.mtp is None:
+            raise RuntimeError("this model was loaded without its MTP draft head (load_model(..., load_mtp=True))")
+        embeddings = self.model.embed_tokens(batch.token_ids)
+        rope = Rope(self.model.rotary, batch.positions, embeddings.dtype)
+        streams = self.mtp(embeddings, hidden_streams, batch, cache.draft_layers, rope, step)[batch.logits_rows]
+        mixed = self.mtp.hyper_connection_mixer.mix(streams)[0]
+        return self.mtp.head(self.lm_head)(mixed), streams

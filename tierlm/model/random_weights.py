@@ -2,7 +2,8 @@
 
 Each tensor is drawn from its own generator, seeded from (seed, tensor name), by the `TensorSpec` kind:
 - weights: normal with std 1/sqrt(fan_in) (a residual stream of RMS ~1 stays so); embeddings std 1;
-  `lm_head` std LM_HEAD_GAIN/sqrt(hidden), so next-token distributions are neither flat nor one-hot;
+  `lm_head` (and an MTP head's own) std LM_HEAD_GAIN/sqrt(hidden), so next-token distributions are
+  neither flat nor one-hot;
 - Gemma-style norms (1 + w): small noise around 0; biases zero; `A_log` the log of U(1, 16);
 - PLE tables standard normal (their convolutions are non-zero, so that path is exercised);
 - int64 hash buffers: the values the config's hash gives (passed in).
@@ -17,7 +18,7 @@ import math
 
 import torch
 
-from tierlm.model.checkpoint_layout import TensorSpec
+from tierlm.model.checkpoint_layout import MTP_SHARED_HEAD, TensorSpec
 
 NORM_STD = 0.05  # Gemma-style norm weights: 1 + w, w small
 EMBED_STD = 1.0
@@ -59,7 +60,7 @@ def random_tensor(
     elif spec.kind == "weight":
         if spec.name.endswith("embed_tokens.weight"):
             std = EMBED_STD
-        elif spec.name == "lm_head.weight":
+        elif spec.name in ("lm_head.weight", MTP_SHARED_HEAD):
             std = LM_HEAD_GAIN / math.sqrt(hidden_size)
         else:
             std = 1.0 / math.sqrt(math.prod(shape[1:]))

@@ -12,6 +12,8 @@ Schemes (the module names the config groups target are tierlm's checkpoint names
   injection gate stored with the down projection: they run as one matrix), bf16 for the rest;
 - `int8`: every linear and the embedding INT8 per-channel except the router (gate + shared-expert gate);
 - `int4`: INT4 routed experts only.
+An MTP draft head (`mtp.*`) is carried along and quantized by the same rules (its experts, shared expert
+and hyper-connections match the same patterns).
 `--ignore PATTERN` (a module name or `re:<regex>`, repeatable) keeps more modules unquantized.
 
 Output: config.json with a `quantization_config` as llm-compressor writes it (quant_method
@@ -148,7 +150,7 @@ def quantize_checkpoint(
 
     from tierlm.config import ModelConfig
     from tierlm.model.checkpoint_layout import checkpoint_layout, weight_module
-    from tierlm.model.loader import attach_formats, check_layout, checkpoint_files, index_tensors
+    from tierlm.model.loader import attach_formats, check_layout, checkpoint_files, index_tensors, mtp_layout
     from tierlm.model.quantization.base import DENSE
     from tierlm.model.quantization.config import QuantizationConfig
     from tierlm.model.qwen4_exp import Qwen4ExpForCausalLM
@@ -164,13 +166,14 @@ def quantize_checkpoint(
         raise ValueError("--out must differ from MODEL")
     if out.is_dir() and any(out.iterdir()) and not overwrite:
         raise FileExistsError(f"{out} is not empty")
-    found = index_tensors(checkpoint_files(model_dir))
-    check_layout(config, found, None)
-    checkpoint_layout(config, quantization)  # every quantized module's groups fit its width
+    found = index_tensors(checkpoint_files(model_dir), with_mtp=True)
+    mtp = mtp_layout(config, found)
+    check_layout(config, found, None, mtp)
+    checkpoint_layout(config, quantization, mtp=mtp)  # every quantized module's groups fit its width
     with torch.device("meta"):
-        attach_formats(Qwen4ExpForCausalLM(config), quantization)  # packed modules agree on a format
+        attach_formats(Qwen4ExpForCausalLM(config, mtp), quantization)  # packed modules agree on a format
 
-    layout = checkpoint_layout(config)
+    layout = checkpoint_layout(config, mtp=mtp)
     out.mkdir(parents=True, exist_ok=True)
     for stale in [*out.glob("*.safetensors"), out / "model.safetensors.index.json"]:
         stale.unlink(missing_ok=True)  # an overwritten checkpoint keeps no shard of the old one

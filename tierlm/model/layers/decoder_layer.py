@@ -1,0 +1,56 @@
+"""One Qwen4-Exp decoder layer: [PLE] -> hyper-connection mix -> GDN or QSA -> combine -> mix -> MoE -> combine.
+
+There are no pre-layer norms: the hyper-connections' mixes normalise. The target model stacks these
+(`model/qwen4_exp.py`); the MTP draft head runs QSA ones without PLE (`model/mtp.py`). A layer reads and
+writes only the caches it is handed (`LayerCaches`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tierlm.config import ModelConfig
+from tierlm.model.forward_batch import ForwardBatch
+from tierlm.model.layers.gated_deltanet import GatedDeltaNet
+from tierlm.model.layers.hyper_connection import HyperConnection
+from tierlm.model.layers.moe import SparseMoeBlock
+from tierlm.model.layers.ple import PLELayer
+from tierlm.model.layers.qsa_attention import QSAAttention
+from tierlm.model.layers.rotary import Rope
+from tierlm.model.model_cache import LayerCaches
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_type: str, ple_index: int | None = None) -> None:
+        """layer_type: linear_attention (GDN) or indexed_attention (QSA); ple_index: this layer's position
+        among the PLE layers, or None for a layer without PLE."""
+        super().__init__()
+        c = config
+        self.layer_type = layer_type
+        self.ple = PLELayer(c, ple_index) if ple_index is not None else None
+        hc = dict(hidden_size=c.hidden_size, hc_count=c.hc_count, lowrank=c.hc_lowrank, eps=c.rms_norm_eps)
+        self.attn_hyper_connection = HyperConnection(**hc, with_inject=True)
+        if self.layer_type == "linear_attention":
+            self.linear_attn = GatedDeltaNet(c)
+        else:
+            self.self_attn = QSAAttention(c)
+        self.mlp_hyper_connection = HyperConnection(**hc, with_inject=True)
+        self.mlp = SparseMoeBlock(c)
+
+    def forward(
+        self, streams: torch.Tensor, batch: ForwardBatch, caches: LayerCaches, rope: Rope,
+        token_streams: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """streams [N, hc*H] -> [N, hc*H]; token_streams: the PLE layers' n-gram ids (None without PLE, or
+        when the host gathered the PLE embeddings)."""
+        if self.ple is not None:
+            streams = streams + self.ple(streams, batch, caches.ple, token_streams)
+        x, inject = self.attn_hyper_connection.mix(streams)
+        if self.layer_type == "linear_attention":
+            out = self.linear_attn(x, batch, caches.gdn)
+        else:
+            out = self.self_attn(x, batch, caches.kv, caches.indexer, rope)
+        streams = HyperConnection.combine(streams, out, inject)
+        x, inject = self.mlp_hyper_connection.mix(streams)
+        return HyperConnection.combine(streams, self.mlp(x, batch.static), inject)

@@ -1,0 +1,70 @@
+"""The MTP draft head (`mtp.*`; vLLM's `Qwen4ExpMultiTokenPredictor`, transformers has none): from the
+target's state at position t and token t+1, a distribution for token t+2.
+
+Inputs at position t: token t+1 and the target's multi-stream hidden state at t, taken before its final
+mixer ([hc*H]; at later draft steps, the previous draft step's output streams instead):
+- e = fc_embedding(pre_fc_norm_embedding(embed(token))) [H], with the target's embedding table;
+- u = fc_hidden on each stream of pre_fc_norm_hidden(h), that norm over the whole hc*H vector (not one
+  per stream: vLLM's GemmaRMSNorm(hc*H)); fc_hidden [H, H] is shared by the streams;
+- streams = u + e on every stream (a hyper-connection combine with unit weight), then a QSA decoder layer
+  without PLE (`DecoderLayer`, with its own K/V and indexer caches: `ModelCache.draft_layers`);
+- its own final mixer, then the target's lm_head unless the checkpoint has `mtp.shared_head.head`
+  (`Qwen4ExpForCausalLM.draft` does this last part and picks the head).
+A draft row at position t takes the target's position t (rotary angle, K/V row, indexer group), so the
+draft layer's caches are paged with the same block tables and slots as the target's. They hold nothing
+that is not addressed by position, so a rejected draft needs no undo: the next forward at that position
+overwrites it. With several layers, draft step k runs layer k % n, as vLLM's module does.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tierlm.config import ModelConfig
+from tierlm.model.checkpoint_layout import MTPLayout
+from tierlm.model.forward_batch import ForwardBatch
+from tierlm.model.layers.decoder_layer import DecoderLayer
+from tierlm.model.layers.hyper_connection import HyperConnection
+from tierlm.model.layers.norm import RMSNorm
+from tierlm.model.layers.packed_linear import Linear
+from tierlm.model.layers.rotary import Rope
+from tierlm.model.model_cache import LayerCaches
+
+
+class MultiTokenPredictor(nn.Module):
+    def __init__(self, config: ModelConfig, layout: MTPLayout) -> None:
+        super().__init__()
+        c = config
+        if not c.has_qsa:
+            raise ValueError("the MTP draft head's layers are QSA layers: the config needs the indexer_* fields")
+        if layout.num_layers < 1:
+            raise ValueError(f"an MTP draft head needs at least one layer, got {layout.num_layers}")
+        h = c.hidden_size
+        self.hc_count, self.hidden_size = c.hc_count, h
+        self.fc_embedding = Linear(h, h)
+        self.fc_hidden = Linear(h, h)
+        self.pre_fc_norm_embedding = RMSNorm(h, c.rms_norm_eps)
+        self.pre_fc_norm_hidden = RMSNorm(c.hc_count * h, c.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(c, "indexed_attention") for _ in range(layout.num_layers))
+        self.hyper_connection_mixer = HyperConnection(h, c.hc_count, c.hc_lowrank, c.rms_norm_eps, with_inject=False)
+        # checkpoint name mtp.shared_head.head.weight
+        self.shared_head = nn.ModuleDict({"head": Linear(h, c.vocab_size)}) if layout.shared_head else None
+
+    def forward(
+        self, embeddings: torch.Tensor, hidden_streams: torch.Tensor, batch: ForwardBatch,
+        caches: list[LayerCaches], rope: Rope, step: int = 0,
+    ) -> torch.Tensor:
+        """embeddings [N, H] of each row's next token; hidden_streams [N, hc*H] -> the draft layer's output
+        streams [N, hc*H] (before the draft's final mixer). step: the draft step (picks the layer)."""
+        n = embeddings.shape[0]
+        e = self.fc_embedding(self.pre_fc_norm_embedding(embeddings))
+        u = self.pre_fc_norm_hidden(hidden_streams).reshape(n * self.hc_count, self.hidden_size)
+        u = self.fc_hidden(u).reshape(n, self.hc_count, self.hidden_size)
+        streams = (u + e[:, None, :]).flatten(1)
+        index = step % len(self.layers)
+        return self.layers[index](streams, batch, caches[index], rope, None)
+
+    def head(self, target_lm_head: Linear) -> Linear:
+        """The lm_head the draft's logits come from."""
+        return self.shared_head["head"] if self.shared_head is not None else target_lm_head
