@@ -229,6 +229,6 @@ def test_triton_kernels_equal_the_reference():
         compare_row_moves("cuda")
         return
     script = ("import torch, test_qsa_row_cache as t; t.compare_row_moves('cpu')\n"
-              "t.compare_triton_with_reference(steps=30, dtype=torch.bfloat16, split=8)\n"
-              "t.compare_triton_with_reference(steps=10, dtype=torch.float32, split=1)")
+              "t.compare_triton_with_reference(steps=16, dtype=torch.bfloat16, split=8)\n"
+              "t.compare_triton_with_reference(steps=6, dtype=torch.float32, split=1)")
     run_interpreted(script)

@@ -32,9 +32,13 @@ def model_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
     flags = [str(model_dir), "--dtype", "float32", "--device", "cpu", "--served-model-name", MODEL,
-             "--max-model-len", "4200", "--max-num-seqs", "5", "--request-read-timeout", str(READ_TIMEOUT_S)]
+             "--max-model-len", "4200", "--max-num-seqs", "5", "--request-read-timeout", str(READ_TIMEOUT_S),
+             "--max-stream-buffer-bytes", str(STREAM_BUFFER_BYTES)]
     with serving(flags, tmp_path_factory.mktemp("log") / "server.log") as process:
         yield {"url": process.url, "port": process.port, "pid": process.pid}
+
+
+STREAM_BUFFER_BYTES = 256 << 10  # an unread stream pauses sooner than at the 4 MiB default: a shorter test
 
 
 def _rss_bytes(pid: int) -> int:
