@@ -147,8 +147,8 @@ def test_missing_chat_template(tmp_path):
         ([{"role": "user"}], r"messages\[0\]: 'content' is missing"),
         ([{"role": "user", "content": ["text"]}], r"messages\[0\]"),
         (
-            [{"role": "tool", "content": "x"}],
-            "Only system, user and assistant",
+            [{"role": "robot", "content": "x"}],
+            "Only system, user, assistant and tool",
         ),  # the template's raise_exception
     ],
 )

@@ -10,9 +10,10 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import Request
 from pydantic import BaseModel
@@ -28,7 +29,11 @@ from tierlm.server.async_engine import (
     RequestStream,
 )
 from tierlm.server.protocol import ApiError, ResponseFormat, SamplingRequest, UsageInfo
+from tierlm.server.reasoning_parser import Qwen3ReasoningParser
+from tierlm.server.tool_parsers import ToolParser
 from tierlm.tokenizer import Tokenizer
+
+_T = TypeVar("_T")
 
 logger = logging.getLogger("tierlm.server")
 
@@ -42,6 +47,15 @@ class ServingContext:
     tokenizer: Tokenizer
     model_name: str
     max_model_len: int
+    text_pool: ThreadPoolExecutor  # chat templates, tokenization and grammar compilation: off the event loop
+    tool_parser: type[ToolParser] | None = None  # --tool-call-parser
+    auto_tool_choice: bool = False  # --enable-auto-tool-choice
+    reasoning_parser: type[Qwen3ReasoningParser] | None = None  # --reasoning-parser
+    max_n: int = 16  # --max-n
+
+    async def off_loop(self, work: Callable[..., _T], *args: Any) -> _T:
+        """Run CPU-heavy request preparation on the text pool; the event loop serves others meanwhile."""
+        return await asyncio.get_running_loop().run_in_executor(self.text_pool, work, *args)
 
 
 class ClientDisconnected(Exception):
@@ -51,10 +65,13 @@ class ClientDisconnected(Exception):
 # ---- checks and parameters ------------------------------------------------------------------------------
 
 
-def check_model(request: SamplingRequest, ctx: ServingContext) -> None:
+def check_request(request: SamplingRequest, ctx: ServingContext) -> None:
+    """The model it names, and the server's limits."""
     if request.model is not None and request.model != ctx.model_name:
         raise ApiError(404, f"the model {request.model!r} does not exist here (this server serves {ctx.model_name!r})",
                        "model")
+    if request.n > ctx.max_n:
+        raise ApiError(400, f"n={request.n} is more than this server allows (--max-n {ctx.max_n})", "n")
 
 
 def check_room(num_prompt_tokens: int, max_tokens: int | None, ctx: ServingContext, param: str) -> None:
@@ -71,7 +88,8 @@ def check_room(num_prompt_tokens: int, max_tokens: int | None, ctx: ServingConte
 
 
 def sampling_params(
-    request: SamplingRequest, *, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None
+    request: SamplingRequest, *, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None,
+    structured_output: StructuredOutputRequest | None,
 ) -> SamplingParams:
     try:
         return SamplingParams(
@@ -80,19 +98,33 @@ def sampling_params(
             stop_token_ids=request.stop_token_ids, ignore_eos=request.ignore_eos, logprobs=logprobs,
             prompt_logprobs=prompt_logprobs, skip_special_tokens=request.skip_special_tokens,
             include_stop_str_in_output=request.include_stop_str_in_output,
-            structured_output=_structured_output(request.response_format),
+            presence_penalty=request.presence_penalty, frequency_penalty=request.frequency_penalty,
+            repetition_penalty=request.repetition_penalty, min_p=request.min_p, bad_words=request.bad_words,
+            allowed_token_ids=request.allowed_token_ids,
+            logit_bias={int(k): v for k, v in request.logit_bias.items()} if request.logit_bias else None,
+            structured_output=structured_output,
         )
     except ValueError as exc:  # the message starts with the parameter's name
         name = str(exc).split(" ", 1)[0]
         raise ApiError(400, str(exc), name if name in type(request).model_fields else None) from None
 
 
-def _structured_output(response_format: ResponseFormat | None) -> StructuredOutputRequest | None:
+def response_format_request(response_format: ResponseFormat | None) -> StructuredOutputRequest | None:
     if response_format is None or response_format.type == "text":
         return None
     if response_format.type == "json_object":
         return StructuredOutputRequest(json_object=True)
     return StructuredOutputRequest(json_schema=json.dumps(response_format.json_schema.schema_))
+
+
+async def compile_grammar(ctx: ServingContext, structured: StructuredOutputRequest | None, param: str) -> None:
+    """Compile a request's grammar on the text pool (the engine thread then finds it compiled)."""
+    if structured is None:
+        return
+    try:
+        await ctx.off_loop(ctx.engine.engine.structured_outputs.compile, structured)
+    except ValueError as exc:  # InvalidSchemaError
+        raise ApiError(400, str(exc), param) from None
 
 
 async def submit(
