@@ -82,6 +82,12 @@ def test_hermes_reads_other_key_orders_at_the_end_and_cut_calls_at_finish():
     assert calls == [("get_weather", '{"ci')]  # cut by max_tokens: what was written
 
 
+def test_hermes_streams_nested_arguments_without_the_closing_brace():
+    text = '<tool_call>\n{"name": "get_weather", "arguments": {"where": {"city": "Oslo"}, "days": [1]}}\n</tool_call>'
+    content, calls, deltas = run(TOOL_PARSERS["hermes"](TOOLS), list(text))
+    assert content == "" and calls == [("get_weather", '{"where": {"city": "Oslo"}, "days": [1]}')]
+
+
 def test_qwen3_coder_keeps_values_that_do_not_fit_their_type_as_text():
     text = "<tool_call>\n<function=get_weather>\n<parameter=days>\nsoon\n</parameter>\n</function>\n</tool_call>"
     _, calls, _ = run(TOOL_PARSERS["qwen3_coder"](TOOLS), [text])
@@ -108,19 +114,21 @@ def test_reasoning_split_whole_and_streamed(prompt, output, expected):
         assert split_reasoning(prompt, splits(output, seed)) == expected
 
 
-@pytest.mark.parametrize("name", sorted(TOOL_PARSERS))
-@pytest.mark.parametrize("parallel", [False, True])
-def test_structural_tag_accepts_the_format_and_nothing_else(name, parallel, tmp_path_factory):
-    xgrammar = pytest.importorskip("xgrammar")
+@pytest.fixture(scope="module")
+def manager(tmp_path_factory):
     from tierlm.demo_model import build_demo_model
     from tierlm.engine.structured_output import StructuredOutputManager
     from tierlm.tokenizer import Tokenizer
 
-    folder = tmp_path_factory.getbasetemp() / "tool_parsers_demo"
-    if not (folder / "config.json").is_file():
-        build_demo_model(folder, "tiny")
-    tokenizer = Tokenizer.from_pretrained(folder)
-    manager = StructuredOutputManager(tokenizer, tokenizer.vocab_size, list(tokenizer.eos_token_ids))
+    tokenizer = Tokenizer.from_pretrained(build_demo_model(tmp_path_factory.mktemp("demo") / "tiny", "tiny"))
+    return StructuredOutputManager(tokenizer, tokenizer.vocab_size, list(tokenizer.eos_token_ids))
+
+
+@pytest.mark.parametrize("name", sorted(TOOL_PARSERS))
+@pytest.mark.parametrize("parallel", [False, True])
+def test_structural_tag_accepts_the_format_and_nothing_else(name, parallel, manager):
+    import xgrammar
+
     compiled = manager._compile("structural_tag", TOOL_PARSERS[name].structural_tag(TOOLS, parallel))
     calls = TEXTS[name].removeprefix("Let me check.\n")
     one_call = calls[: calls.index("</tool_call>") + len("</tool_call>")]

@@ -182,6 +182,7 @@ class _Sequence:
     detokenizer: object
     text: str = ""
     detokenized: int = 0  # output tokens already fed to the detokenizer
+    stop_scanned: int = 0  # characters of text already searched for stop strings
     # with RequestOutputKind.DELTA: characters and tokens already reported
     sent_chars: int = 0
     sent_tokens: int = 0
@@ -486,13 +487,15 @@ class LLMEngine:
         stops = request.params.stop_strings
         if not stops or (request.is_finished and isinstance(request.stop_reason, str)):
             return
-        for stop in stops:
-            at = seq.text.find(stop)
-            if at != -1:
-                end = at + len(stop) if request.params.include_stop_str_in_output else at
-                seq.text = seq.text[:end]
-                request.finish(RequestStatus.FINISHED_STOPPED, stop)
-                return
+        # only the new text, and the tail before it that a stop string could still end in, is scanned
+        start = max(0, seq.stop_scanned - max(len(stop) for stop in stops) + 1)
+        seq.stop_scanned = len(seq.text)
+        found = [(at, stop) for stop in stops if (at := seq.text.find(stop, start)) != -1]
+        if found:
+            at, stop = min(found)  # the earliest match cuts the text
+            end = at + len(stop) if request.params.include_stop_str_in_output else at
+            seq.text = seq.text[:end]
+            request.finish(RequestStatus.FINISHED_STOPPED, stop)
 
     def _decode_token(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)

@@ -22,6 +22,8 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--device", default=None)
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs / compilation for decode")
     parser.add_argument("--compile-decode", action="store_true", help="CPU: torch.compile the decode step")
+    parser.add_argument("--cpu-threads", type=int, default=None,
+                        help="torch threads on CPU (default: torch's own, one per core)")
     parser.set_defaults(func=run)
 
 
@@ -30,6 +32,12 @@ def run(args: argparse.Namespace) -> int:
     from tierlm.model.loader import ModelNotFoundError
     from tierlm.sampling_params import SamplingParams
 
+    if args.cpu_threads is not None:
+        if args.cpu_threads < 1:
+            raise CliError(f"--cpu-threads must be at least 1, got {args.cpu_threads}")
+        import torch
+
+        torch.set_num_threads(args.cpu_threads)
     try:
         params = SamplingParams(
             max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,

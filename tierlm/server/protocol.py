@@ -1,7 +1,8 @@
 """The OpenAI wire shapes the server reads and writes, as pydantic models, and its error type.
 
-Requests accept OpenAI's fields plus vLLM's sampling extras (`top_k`, `min_tokens`, `ignore_eos`, ...);
-unknown fields are ignored, as vLLM does. Types are strict where OpenAI's schema is: a boolean is
+Requests accept OpenAI's fields plus vLLM's sampling extras (`top_k`, `min_tokens`, `ignore_eos`,
+`repetition_penalty`, ...); unknown fields are ignored, as vLLM does, except the OpenAI / vLLM fields
+tierlm does not implement (`UNSUPPORTED_FIELDS`), which are refused when set to anything but "unused". Types are strict where OpenAI's schema is: a boolean is
 `true`/`false`, an integer is a JSON integer, token ids are integers (no "3", 3.0 or true), and numbers
 are finite (no NaN or Infinity literals). Numeric fields carry OpenAI's ranges (temperature [0, 2],
 top_p (0, 1], n [1, 128], logprobs [0, 20], seed a 64-bit integer), so they are refused with a 400 and
