@@ -194,28 +194,49 @@ class Sampler:
 
     def _draw(self, raw: torch.Tensor, logits: torch.Tensor, requests: list[Request]):
         """(token per row, status per row): greedy rows take the argmax, the rest a scaled, cut draw."""
-        device = logits.device
+        device, vocab = logits.device, logits.shape[1]
         top = logits.max(dim=-1).values
         status = torch.where(torch.isnan(raw).any(dim=-1), _NAN, torch.where(top == float("-inf"), _MASKED, _OK))
         greedy_tokens = logits.argmax(dim=-1)
         temperature = torch.tensor([r.params.temperature for r in requests], device=device)
         greedy = (temperature < MIN_TEMPERATURE) | (top == float("inf")) | (status != _OK)
         sampling = [i for i, r in enumerate(requests) if r.params.temperature >= MIN_TEMPERATURE]
-        if not sampling:
-            return greedy_tokens, status
-        index = torch.tensor(sampling, device=device)
-        part = logits[index]
-        part = (part - part.max(dim=-1, keepdim=True).values) / temperature[index, None]  # every entry <= 0
-        probs = _cut(part, [requests[i].params for i in sampling])
-        noise = torch.empty_like(probs)
-        shared = self._shared_generator(device)
-        for k, i in enumerate(sampling):
-            generator = requests[i].device_generator(device) or shared
-            noise[k].exponential_(generator=generator)
-        drawn = (probs / noise).argmax(dim=-1)
         tokens = greedy_tokens.clone()
-        tokens[index] = drawn
+        # a row with top-k draws among its k best (no sort of the vocabulary), the others over all of it;
+        # each row's draw depends on its own values only, whatever else is in the batch
+        with_k = [i for i in sampling if 0 < requests[i].params.top_k < vocab]
+        without_k = [i for i in sampling if not 0 < requests[i].params.top_k < vocab]
+        for rows, draw in ((with_k, self._draw_top_k), (without_k, self._draw_all)):
+            if rows:
+                index = torch.tensor(rows, device=device)
+                part = logits[index]
+                part = (part - part.max(dim=-1, keepdim=True).values) / temperature[index, None]  # entries <= 0
+                tokens[index] = draw(part, [requests[i] for i in rows])
         return torch.where(greedy, greedy_tokens, tokens), status
+
+    def _draw_top_k(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        device = logits.device
+        k = torch.tensor([r.params.top_k for r in requests], device=device)
+        values, ids = logits.topk(int(k.max()), dim=-1)  # sorted, best first
+        values = values.masked_fill(torch.arange(values.shape[1], device=device) >= k[:, None], float("-inf"))
+        probs = _top_p_min_p(torch.softmax(values, dim=-1), requests)
+        noise = torch.ones_like(probs)
+        for row, request in enumerate(requests):
+            noise[row, : request.params.top_k].exponential_(generator=self._generator(request, device))
+        return ids.gather(1, (probs / noise).argmax(dim=-1, keepdim=True))[:, 0]
+
+    def _draw_all(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        device = logits.device
+        probs = torch.softmax(logits, dim=-1)
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        probs = torch.zeros_like(probs).scatter_(1, order, _top_p_min_p(sorted_probs, requests))
+        noise = torch.empty_like(probs)
+        for row, request in enumerate(requests):
+            noise[row].exponential_(generator=self._generator(request, device))
+        return (probs / noise).argmax(dim=-1)
+
+    def _generator(self, request: Request, device: torch.device) -> torch.Generator:
+        return request.device_generator(device) or self._shared_generator(device)
 
     @staticmethod
     def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, wanted: list[int], top: int):
@@ -227,25 +248,20 @@ class Sampler:
         return chosen[:, 0], ranks, values, ids
 
 
-def _cut(logits: torch.Tensor, params: list) -> torch.Tensor:
-    """Scaled logits rows (max 0) -> the distributions to draw from: top-k, then top-p, then min-p."""
-    device = logits.device
-    top_k = torch.tensor([p.top_k if 0 < p.top_k < logits.shape[1] else 0 for p in params], device=device)
-    top_p = torch.tensor([p.top_p for p in params], device=device)
-    min_p = torch.tensor([p.min_p for p in params], device=device)
-    if bool((top_k > 0).any()):
-        kth = logits.sort(dim=-1, descending=True).values.gather(1, (top_k - 1).clamp(min=0)[:, None])
-        logits = torch.where((top_k[:, None] > 0) & (logits < kth), float("-inf"), logits)
-    probs = torch.softmax(logits, dim=-1)
+def _top_p_min_p(sorted_probs: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """Rows of probabilities sorted best first, cut by each request's top-p, then min-p (not renormalized:
+    the draw only compares them)."""
+    device = sorted_probs.device
+    top_p = torch.tensor([r.params.top_p for r in requests], device=device)
+    min_p = torch.tensor([r.params.min_p for r in requests], device=device)
     if bool((top_p < 1).any()):
-        sorted_probs, order = probs.sort(dim=-1, descending=True)
         # keep the smallest prefix whose mass reaches top_p; the most likely token always stays
         drop = sorted_probs.cumsum(dim=-1) - sorted_probs >= top_p[:, None]
         drop[:, 0] = False
-        probs = torch.zeros_like(probs).scatter_(1, order, sorted_probs.masked_fill(drop, 0.0))
+        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
     if bool((min_p > 0).any()):
-        probs = probs.masked_fill(probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
-    return probs
+        sorted_probs = sorted_probs.masked_fill(sorted_probs < min_p[:, None] * sorted_probs[:, :1], 0.0)
+    return sorted_probs
 
 
 def _entries(token_id: int, top: int, chosen: float, rank: int, values: list[float], ids: list[int],
