@@ -295,7 +295,9 @@ class Tokenizer:
         `add_special_tokens` applies the tokenizer's post-processor (e.g. a BOS), as transformers does by
         default; pass False for a rendered chat prompt, which already holds its special tokens.
         """
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch releases the GIL while it works (encode holds it: a 1 MB prompt would stall every
+        # other thread, the server's event loop included, for a second or more)
+        return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)

@@ -39,7 +39,7 @@ from tierlm.server.protocol import (
     unsupported_field,
 )
 from tierlm.server.reasoning_parser import REASONING_PARSERS
-from tierlm.server.serving import ClientDisconnected, ServingContext
+from tierlm.server.serving import ClientDisconnected, ServingContext, trim_heap
 from tierlm.server.tool_parsers import TOOL_PARSERS
 
 logger = logging.getLogger("tierlm.server")
@@ -49,6 +49,7 @@ _Body = TypeVar("_Body", bound=BaseModel)
 
 
 DEFAULT_MAX_REQUEST_BYTES = 8 << 20
+TRIM_AFTER_BYTES = 256 << 10  # after a request body this large, freed heap memory goes back to the OS
 TEXT_THREADS = 2  # the text pool: chat templates, tokenization, grammar compilation
 
 
@@ -160,12 +161,12 @@ def build_app(
     @v1.post("/completions", openapi_extra=_request_body(CompletionRequest), responses=_RESPONSES)
     async def completions(request: Request) -> Response:
         body = await _parse(request, CompletionRequest, max_request_bytes)
-        return await _unless_gone(create_completion(body, ctx, request))
+        return await _unless_gone(create_completion(body, ctx, request), request, ctx)
 
     @v1.post("/chat/completions", openapi_extra=_request_body(ChatCompletionRequest), responses=_RESPONSES)
     async def chat_completions(request: Request) -> Response:
         body = await _parse(request, ChatCompletionRequest, max_request_bytes)
-        return await _unless_gone(create_chat_completion(body, ctx, request))
+        return await _unless_gone(create_chat_completion(body, ctx, request), request, ctx)
 
     app.include_router(v1)
     _publish_request_schemas(app, [CompletionRequest, ChatCompletionRequest])
@@ -220,8 +221,10 @@ async def _read_body(request: Request, limit: int) -> bytes:
 
 
 async def _parse(request: Request, model: type[_Body], limit: int) -> _Body:
+    raw = await _read_body(request, limit)
+    request.state.body_bytes = len(raw)
     try:
-        data = json.loads(await _read_body(request, limit))
+        data = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
     if not isinstance(data, dict):
@@ -239,8 +242,13 @@ async def _parse(request: Request, model: type[_Body], limit: int) -> _Body:
         raise ApiError(400, "invalid request: " + "; ".join(problems[:3]), param) from None
 
 
-async def _unless_gone(handler) -> Response:
+async def _unless_gone(handler, request: Request, ctx: ServingContext) -> Response:
     try:
         return await handler
     except ClientDisconnected:
         return Response(status_code=CLIENT_CLOSED)
+    finally:
+        if getattr(request.state, "body_bytes", 0) > TRIM_AFTER_BYTES:
+            # a big prompt's text, its tokenizer encoding and its parse were freed by the text pool's
+            # threads, into malloc arenas glibc keeps: give them back (RSS returns to where it was)
+            await ctx.off_loop(trim_heap)

@@ -8,6 +8,8 @@ Choice indexes follow vLLM: prompt i's completion j is choice `i * n + j`. A req
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import ctypes.util
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -34,6 +36,15 @@ from tierlm.server.tool_parsers import ToolParser
 from tierlm.tokenizer import Tokenizer
 
 _T = TypeVar("_T")
+_LIBC = ctypes.CDLL(ctypes.util.find_library("c") or None)
+_MALLOC_TRIM = getattr(_LIBC, "malloc_trim", None)  # glibc only
+
+
+def trim_heap() -> None:
+    """Return the heap memory freed since the last trim to the OS (glibc keeps freed memory in each
+    thread's arena); a no-op without glibc."""
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
 
 logger = logging.getLogger("tierlm.server")
 
