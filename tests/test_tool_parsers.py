@@ -84,7 +84,7 @@ def test_hermes_reads_other_key_orders_at_the_end_and_cut_calls_at_finish():
 
 def test_hermes_streams_nested_arguments_without_the_closing_brace():
     text = '<tool_call>\n{"name": "get_weather", "arguments": {"where": {"city": "Oslo"}, "days": [1]}}\n</tool_call>'
-    content, calls, deltas = run(TOOL_PARSERS["hermes"](TOOLS), list(text))
+    content, calls, _ = run(TOOL_PARSERS["hermes"](TOOLS), list(text))
     assert content == "" and calls == [("get_weather", '{"where": {"city": "Oslo"}, "days": [1]}')]
 
 

@@ -140,10 +140,9 @@ class SamplingParams:
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
     def token_ids_used(self) -> list[tuple[str, int]]:
-        """(parameter, token id) of every id the parameters name (the engine checks them against the vocab)."""
+        """(parameter, token id) of the ids that steer sampling (the engine checks them against the vocab)."""
         named = [("logit_bias", t) for t in self.logit_bias or {}]
-        named += [("allowed_token_ids", t) for t in self.allowed_token_ids or ()]
-        return named + [("stop_token_ids", t) for t in self.stop_token_ids]
+        return named + [("allowed_token_ids", t) for t in self.allowed_token_ids or ()]
 
     def with_defaults(self, temperature: float | None, top_p: float | None, top_k: int | None) -> "SamplingParams":
         """A copy whose unset temperature / top_p / top_k take the model's defaults."""

@@ -124,7 +124,7 @@ class Sampler:
         """One token per row of `logits` [rows, vocab] (row i is requests[i]'s), on the logits' device."""
         raw = logits.float()
         logits = raw.clone()
-        rows, vocab = logits.shape
+        vocab = logits.shape[1]
         device = logits.device
         failed: dict[int, str] = {}
         ban_rows, ban_ids, bias_rows, bias_ids, bias_values, allowed_rows = [], [], [], [], [], []

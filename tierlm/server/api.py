@@ -13,17 +13,15 @@ import importlib.metadata
 import json
 import logging
 import secrets
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from typing import TypeVar
-
-from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import APIRouter, Depends, FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
-
 
 from tierlm.server.async_engine import AsyncEngine, EngineDeadError, EngineRequestError
 from tierlm.server.chat import create_chat_completion

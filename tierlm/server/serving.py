@@ -1,5 +1,7 @@
 """What the completions and chat handlers share: request checks, `SamplingParams` from an OpenAI request,
-submitting to the engine with errors mapped to HTTP, per-choice deltas of a running job, SSE framing.
+the text pool (chat templates, tokenization and grammar compilation run there, off the event loop, and
+heap memory they freed is trimmed after big bodies), submitting to the engine with errors mapped to
+HTTP, per-choice deltas of a running job, SSE framing.
 
 Choice indexes follow vLLM: prompt i's completion j is choice `i * n + j`. A request with `max_tokens: 0`
 (the prompt scored, nothing generated) runs with one token that is dropped from the answer.
@@ -35,18 +37,10 @@ from tierlm.server.reasoning_parser import Qwen3ReasoningParser
 from tierlm.server.tool_parsers import ToolParser
 from tierlm.tokenizer import Tokenizer
 
-_T = TypeVar("_T")
-_LIBC = ctypes.CDLL(ctypes.util.find_library("c") or None)
-_MALLOC_TRIM = getattr(_LIBC, "malloc_trim", None)  # glibc only
-
-
-def trim_heap() -> None:
-    """Return the heap memory freed since the last trim to the OS (glibc keeps freed memory in each
-    thread's arena); a no-op without glibc."""
-    if _MALLOC_TRIM is not None:
-        _MALLOC_TRIM(0)
-
 logger = logging.getLogger("tierlm.server")
+
+_T = TypeVar("_T")
+_MALLOC_TRIM = getattr(ctypes.CDLL(ctypes.util.find_library("c") or None), "malloc_trim", None)  # glibc only
 
 SSE_DONE = "data: [DONE]\n\n"
 MIN_LOGPROB = -9999.0  # JSON has no -inf; vLLM reports this floor instead
@@ -67,6 +61,13 @@ class ServingContext:
     async def off_loop(self, work: Callable[..., _T], *args: Any) -> _T:
         """Run CPU-heavy request preparation on the text pool; the event loop serves others meanwhile."""
         return await asyncio.get_running_loop().run_in_executor(self.text_pool, work, *args)
+
+
+def trim_heap() -> None:
+    """Return the heap memory freed since the last trim to the OS (glibc keeps what threads free in their
+    arenas); a no-op without glibc."""
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
 
 
 class ClientDisconnected(Exception):
