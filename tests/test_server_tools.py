@@ -159,6 +159,8 @@ def test_routes_limits_and_errors_in_openai_shape(server, client):
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("gpt-17")
     assert httpx.get(f"{url}/version").json()["version"]
+    schemas = httpx.get(f"{url}/openapi.json").json()["components"]["schemas"]
+    assert {"tools", "tool_choice", "logit_bias"} <= set(schemas["ChatCompletionRequest"]["properties"])
     cases = [(httpx.get(f"{url}/v1/nothing"), 404), (httpx.get(f"{url}/v1/chat/completions"), 405),
              (httpx.post(f"{url}/v1/completions", content=b"x" * (MAX_REQUEST_BYTES + 1)), 413)]
     for response, status in cases:

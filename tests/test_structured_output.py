@@ -127,6 +127,18 @@ def _request(params: SamplingParams, state) -> Request:
     return Request("r", [5, 6], params, frozenset([2]), 256, structured_output=state)
 
 
+def test_a_grammar_row_anywhere_in_the_batch_gets_its_own_mask(llm, manager):
+    tokenizer = llm.get_tokenizer()
+    params = SamplingParams(temperature=0, max_tokens=10).with_defaults(None, None, None)
+    plain = _request(params, None)
+    constrained = _request(params, manager.new_state(schema_request(SCHEMAS[2])))
+    logits = torch.zeros(3, manager.vocab_size)
+    logits[:, tokenizer.encode("x")[0]] = 100.0  # the model's favourite is not JSON
+    tokens = [s.token_id for s in Sampler(0).sample(logits, [plain, plain, constrained], str)]
+    assert tokens[:2] == [tokenizer.encode("x")[0]] * 2
+    assert tokenizer.decode([tokens[2]]).startswith("[")
+
+
 def test_greedy_sampling_obeys_the_mask(llm, manager):
     tokenizer = llm.get_tokenizer()
     params = SamplingParams(temperature=0, max_tokens=10).with_defaults(None, None, None)

@@ -166,8 +166,10 @@ class Sampler:
         if grammar_rows:
             import xgrammar
 
-            bitmask = torch.stack(masks).to(device, non_blocking=True)
-            xgrammar.apply_token_bitmask_inplace(logits, bitmask, indices=grammar_rows)
+            # xgrammar reads row i's mask from bitmask[i]: one row per logits row, the others unused
+            bitmask = torch.full((len(requests), masks[0].shape[0]), -1, dtype=masks[0].dtype)
+            bitmask[grammar_rows] = torch.stack(masks)
+            xgrammar.apply_token_bitmask_inplace(logits, bitmask.to(device), indices=grammar_rows)
         tokens, status = self._draw(raw, logits, requests)
         wanted = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
         top = max((requests[i].params.logprobs for i in wanted), default=0)
