@@ -90,8 +90,8 @@ def test_a_tool_round_trip_reaches_the_template(server, client):
 
 
 def test_reasoning_is_split_whole_and_streamed(client):
-    kwargs = dict(model=MODEL, messages=ASK, max_tokens=30, temperature=1.0, seed=1,
-                  logit_bias={"4": 4.0}, extra_body={"chat_template_kwargs": THINKING})  # 4: </think>
+    kwargs = dict(model=MODEL, messages=ASK, max_tokens=30, temperature=1.0, seed=1, logit_bias={"4": 3.0},
+                  extra_body={"chat_template_kwargs": THINKING, "top_k": 0})  # 4: </think>, 10th here
     message = client.chat.completions.create(**kwargs).choices[0].message
     reasoning = message.model_extra["reasoning_content"]
     assert reasoning and message.content and "</think>" not in reasoning
@@ -99,16 +99,16 @@ def test_reasoning_is_split_whole_and_streamed(client):
     assert "".join(d.model_extra.get("reasoning_content") or "" for d in chunks) == reasoning
     assert "".join(d.content or "" for d in chunks) == message.content
     closed = client.chat.completions.create(**{**kwargs, "extra_body": {"chat_template_kwargs": {
-        "enable_thinking": False}}}).choices[0].message
+        "enable_thinking": False}, "top_k": 0}}).choices[0].message
     assert closed.model_extra.get("reasoning_content") is None and closed.content
 
 
 def test_json_schema_applies_after_the_reasoning(client):
     schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
     message = client.chat.completions.create(
-        model=MODEL, messages=ASK, max_tokens=150, temperature=1.0, seed=1, logit_bias={"4": 4.0},
+        model=MODEL, messages=ASK, max_tokens=150, temperature=1.0, seed=1, logit_bias={"4": 3.0},
         response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": schema}},
-        extra_body={"chat_template_kwargs": THINKING},
+        extra_body={"chat_template_kwargs": THINKING, "top_k": 0},
     ).choices[0].message
     assert message.model_extra["reasoning_content"].strip()  # free text first
     jsonschema.validate(json.loads(message.content), schema)
