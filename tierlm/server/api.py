@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import logging
+import os
 import secrets
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
@@ -48,7 +49,9 @@ _Body = TypeVar("_Body", bound=BaseModel)
 
 DEFAULT_MAX_REQUEST_BYTES = 8 << 20
 TRIM_AFTER_BYTES = 256 << 10  # after a request body this large, freed heap memory goes back to the OS
-TEXT_THREADS = 2  # the text pool: chat templates, tokenization, grammar compilation
+# the text pool (chat templates, tokenization, grammar compilation): half the cores, so that huge prompts
+# being tokenized leave the event loop and the engine thread a core
+TEXT_THREADS = max(1, min(4, (os.cpu_count() or 2) // 2))
 
 
 def build_app(

@@ -56,6 +56,7 @@ from tierlm.server.serving import (
     compile_grammar,
     decoded,
     deltas,
+    encode_prompt,
     response_format_request,
     sampling_params,
     sse_events,
@@ -74,7 +75,7 @@ async def create_chat_completion(
         raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
     tools = [tool.model_dump(exclude_none=True) for tool in request.tools] if request.tools else None
     choice = _tool_choice(request, ctx, tools)
-    text, token_ids = await ctx.off_loop(_render, ctx.tokenizer, request, tools)
+    text, token_ids = await ctx.off_loop(_render, ctx, request, tools)
     prompts = [EnginePrompt(token_ids, text)]
     max_param = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
     max_tokens = getattr(request, max_param)
@@ -136,16 +137,16 @@ def _tool_choice(request: ChatCompletionRequest, ctx: ServingContext, tools: lis
     return choice
 
 
-def _render(tokenizer: Tokenizer, request: ChatCompletionRequest, tools: list | None) -> tuple[str, list[int]]:
+def _render(ctx: ServingContext, request: ChatCompletionRequest, tools: list | None) -> tuple[str, list[int]]:
     messages = [_template_message(message.model_dump(exclude_none=True)) for message in request.messages]
     try:
-        text = tokenizer.apply_chat_template(
+        text = ctx.tokenizer.apply_chat_template(
             messages, add_generation_prompt=True, tools=tools, template_kwargs=request.chat_template_kwargs
         )
     except ValueError as exc:  # ChatTemplateError: no template, a message it refuses, ...
         param = "chat_template_kwargs" if str(exc).startswith("chat_template_kwargs") else "messages"
         raise ApiError(400, str(exc), param) from None
-    return text, tokenizer.encode(text, add_special_tokens=False)
+    return text, encode_prompt(ctx, text, "messages", add_special_tokens=False)
 
 
 def _template_message(message: dict[str, Any]) -> dict[str, Any]:

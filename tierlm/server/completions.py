@@ -33,6 +33,7 @@ from tierlm.server.serving import (
     compile_grammar,
     decoded,
     deltas,
+    encode_prompt,
     response_format_request,
     sampling_params,
     sse_events,
@@ -48,7 +49,7 @@ async def create_completion(
     request: CompletionRequest, ctx: ServingContext, http_request: Request
 ) -> Response:
     check_request(request, ctx)
-    prompts = await ctx.off_loop(_prompts, request.prompt, ctx.tokenizer)
+    prompts = await ctx.off_loop(_prompts, request.prompt, ctx)
     keep_output = request.max_tokens != 0
     max_tokens = request.max_tokens if keep_output else 1  # score the prompt: run one token, drop it
     for prompt in prompts:
@@ -78,11 +79,12 @@ async def create_completion(
     return Response(response.model_dump_json(), media_type="application/json")
 
 
-def _prompts(prompt: str | list, tokenizer: Tokenizer) -> list[EnginePrompt]:
+def _prompts(prompt: str | list, ctx: ServingContext) -> list[EnginePrompt]:
     if isinstance(prompt, str) or isinstance(prompt[0], int):
         prompt = [prompt]
     return [
-        EnginePrompt(tokenizer.encode(p), p) if isinstance(p, str) else EnginePrompt(list(p)) for p in prompt
+        EnginePrompt(encode_prompt(ctx, p, "prompt"), p) if isinstance(p, str) else EnginePrompt(list(p))
+        for p in prompt
     ]
 
 

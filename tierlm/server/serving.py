@@ -86,6 +86,15 @@ def check_request(request: SamplingRequest, ctx: ServingContext) -> None:
         raise ApiError(400, f"n={request.n} is more than this server allows (--max-n {ctx.max_n})", "n")
 
 
+def encode_prompt(ctx: ServingContext, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
+    """A prompt's ids; a prompt that cannot fit the context is refused here, before its ids are listed."""
+    ids, count = ctx.tokenizer.encode_within(text, ctx.max_model_len - 1, add_special_tokens)
+    if ids is None:
+        raise ApiError(400, f"prompt has {count} tokens, but max_model_len is {ctx.max_model_len} (the prompt "
+                       "plus at least one generated token must fit)", param)
+    return ids
+
+
 def check_room(num_prompt_tokens: int, max_tokens: int | None, ctx: ServingContext, param: str) -> None:
     """A prompt that fits must leave room for `max_tokens` (a prompt that does not fit is the engine's)."""
     if max_tokens is None or num_prompt_tokens >= ctx.max_model_len:
