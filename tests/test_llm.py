@@ -75,6 +75,12 @@ def test_stop_strings_and_stop_token_ids(llm):
     out = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=12, stop=[stop], ignore_eos=True))[0]
     assert out.outputs[0].text == full.text[: full.text.index(stop)]
     assert out.outputs[0].stop_reason == stop
+    # of several stop strings the earliest match cuts (the later one is listed first), kept when asked
+    early, late = full.text[5:9], full.text[len(full.text) // 2 : len(full.text) // 2 + 4]
+    params = SamplingParams(temperature=0, max_tokens=12, stop=[late, early], include_stop_str_in_output=True,
+                            ignore_eos=True)
+    out = llm.generate(PROMPTS[0], params)[0].outputs[0]
+    assert out.text == full.text[: full.text.index(early) + 4] and out.stop_reason == early
 
 
 def test_eos_ends_unless_ignored_and_min_tokens(llm):
@@ -150,3 +156,27 @@ def test_prompt_errors(llm):
         llm.generate({"prompt_token_ids": [10**7]}, GREEDY)
     # the engine still serves afterwards
     assert len(llm.generate(PROMPTS[0], GREEDY)[0].outputs[0].token_ids) == 12
+
+
+def test_a_batch_shows_progress_unless_use_tqdm_is_false(llm, capsys):
+    params = SamplingParams(temperature=0, max_tokens=2)
+    llm.generate(PROMPTS[:2], params)
+    assert "Processed prompts" in capsys.readouterr().err
+    llm.generate(PROMPTS[:2], params, use_tqdm=False)
+    llm.chat([{"role": "user", "content": "hi"}], params)  # one prompt: no bar
+    assert "Processed prompts" not in capsys.readouterr().err
+
+
+def test_generate_cli_cpu_threads(demo_dir, capsys):
+    import torch
+
+    from tierlm.cli import main
+
+    before = torch.get_num_threads()
+    try:
+        assert main(["generate", str(demo_dir), "--prompt", "x", "--max-tokens", "2", "--cpu-threads", "1"]) == 0
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+    assert main(["generate", str(demo_dir), "--prompt", "x", "--cpu-threads", "0"]) != 0
+    assert "--cpu-threads must be at least 1" in capsys.readouterr().err

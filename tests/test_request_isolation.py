@@ -27,6 +27,14 @@ def _request(params: SamplingParams) -> Request:
     return Request("r", [1, 2], params.with_defaults(None, None, None), frozenset({0}), 1024)
 
 
+def sample_row(sampler: Sampler, row: torch.Tensor, request: Request) -> int:
+    """One row through the batched sampler: its token, or its failure raised as SamplingError."""
+    outcome = sampler.sample(row[None], [request], str)[0]
+    if outcome.error is not None:
+        raise SamplingError(outcome.error)
+    return outcome.token_id
+
+
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     temperature=st.one_of(st.none(), st.sampled_from(EDGES), st.floats(allow_nan=True, allow_infinity=True)),
@@ -49,7 +57,7 @@ def test_no_sampling_parameter_makes_the_sampler_raise(temperature, top_p, top_k
         return
     row = torch.tensor(logits, dtype=torch.float32)
     try:
-        token = Sampler(0).sample(row, request)
+        token = sample_row(Sampler(0), row, request)
     except SamplingError:
         banned = {0} if min_tokens > 0 else set()  # EOS is masked before min_tokens
         allowed = [v for i, v in enumerate(row.tolist()) if i not in banned]
@@ -63,18 +71,18 @@ def test_no_sampling_parameter_makes_the_sampler_raise(temperature, top_p, top_k
 def test_tiny_temperatures_and_top_p_are_greedy_and_huge_ones_are_finite():
     row = torch.tensor([1.0, 3.0, 2.0, -1e30, 3.4e38 / 2])
     for temperature in (1e-39, 5e-324, MIN_TEMPERATURE / 10):
-        assert Sampler().sample(row, _request(SamplingParams(temperature=temperature))) == 4
+        assert sample_row(Sampler(), row, _request(SamplingParams(temperature=temperature))) == 4
     for top_p in (1e-46, 5e-324):  # below the smallest fp32: top-p still keeps the most likely token
         params = SamplingParams(temperature=1.0, top_p=top_p, seed=3)
-        assert {Sampler().sample(row, _request(params)) for _ in range(5)} == {4}
+        assert {sample_row(Sampler(), row, _request(params)) for _ in range(5)} == {4}
     flat = torch.zeros(8)
-    draws = {Sampler(i).sample(flat, _request(SamplingParams(temperature=100.0))) for i in range(64)}
+    draws = {sample_row(Sampler(i), flat, _request(SamplingParams(temperature=100.0))) for i in range(64)}
     assert len(draws) > 4  # a huge temperature still samples a proper distribution
 
 
 def test_nan_logits_are_a_sampling_error():
     with pytest.raises(SamplingError, match="NaN"):
-        Sampler().sample(torch.tensor([0.0, math.nan, 1.0]), _request(SamplingParams(temperature=0)))
+        sample_row(Sampler(), torch.tensor([0.0, math.nan, 1.0]), _request(SamplingParams(temperature=0)))
 
 
 @pytest.fixture(scope="module")
@@ -111,10 +119,10 @@ def test_a_grammar_that_fails_ends_its_request_alone(llm, monkeypatch):
     from tierlm.engine.structured_output import GrammarState
     from tierlm.sampling_params import StructuredOutputRequest
 
-    def broken(self, logits):
+    def broken(self):
         raise RuntimeError("matcher state corrupted")
 
-    monkeypatch.setattr(GrammarState, "mask_logits", broken)
+    monkeypatch.setattr(GrammarState, "token_bitmask", broken)
     json_params = SamplingParams(temperature=0, max_tokens=4, structured_output=StructuredOutputRequest(
         json_object=True))
     plain = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)

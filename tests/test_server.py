@@ -351,6 +351,8 @@ BAD_REQUESTS = {
     "reserved_template_kwarg": ("/v1/chat/completions", {**CHAT, "chat_template_kwargs": {"messages": []}},
                                 "chat_template_kwargs", "cannot be set there"),
     "token_outside_vocab": ("/v1/completions", {"prompt": [1, 10**9]}, "prompt", "vocabulary"),
+    "tools_without_auto_tool_choice": ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function", "function": {
+        "name": "f"}}]}, "tool_choice", "--enable-auto-tool-choice"),
     "unknown_role": ("/v1/chat/completions", {
         **CHAT, "messages": [{"role": "robot", "content": "x"}]}, "messages", "'robot'"),
 }

@@ -8,6 +8,7 @@ import json
 import jsonschema
 import pytest
 import torch
+import xgrammar
 
 from tierlm import LLM, SamplingParams
 from tierlm.demo_model import build_demo_model
@@ -88,7 +89,7 @@ def test_request_validation():
         StructuredOutputRequest()
     with pytest.raises(ValueError, match="exactly one"):
         StructuredOutputRequest(json_schema="{}", json_object=True)
-    with pytest.raises(ValueError, match="JSON string"):
+    with pytest.raises(ValueError, match="JSON text"):
         StructuredOutputRequest(json_schema={"type": "object"})
     with pytest.raises(ValueError, match="structured_output"):
         SamplingParams(structured_output="json")
@@ -99,8 +100,9 @@ def test_mask_covers_padded_vocabulary_and_special_tokens(llm):
     padded = tokenizer.vocab_size + 64
     manager = StructuredOutputManager(tokenizer, padded, [0, 2])
     state = manager.new_state(StructuredOutputRequest(json_object=True))
-    masked = state.mask_logits(torch.zeros(padded))
-    allowed = torch.isfinite(masked).nonzero().flatten().tolist()
+    masked = torch.zeros(1, padded)
+    xgrammar.apply_token_bitmask_inplace(masked, state.token_bitmask()[None])
+    allowed = torch.isfinite(masked[0]).nonzero().flatten().tolist()
     assert allowed and all(tokenizer.decode([t]).startswith("{") for t in allowed)
     assert not any(t >= tokenizer.vocab_size or t in tokenizer.special_token_ids for t in allowed)
 
@@ -125,13 +127,25 @@ def _request(params: SamplingParams, state) -> Request:
     return Request("r", [5, 6], params, frozenset([2]), 256, structured_output=state)
 
 
+def test_a_grammar_row_anywhere_in_the_batch_gets_its_own_mask(llm, manager):
+    tokenizer = llm.get_tokenizer()
+    params = SamplingParams(temperature=0, max_tokens=10).with_defaults(None, None, None)
+    plain = _request(params, None)
+    constrained = _request(params, manager.new_state(schema_request(SCHEMAS[2])))
+    logits = torch.zeros(3, manager.vocab_size)
+    logits[:, tokenizer.encode("x")[0]] = 100.0  # the model's favourite is not JSON
+    tokens = [s.token_id for s in Sampler(0).sample(logits, [plain, plain, constrained], str)]
+    assert tokens[:2] == [tokenizer.encode("x")[0]] * 2
+    assert tokenizer.decode([tokens[2]]).startswith("[")
+
+
 def test_greedy_sampling_obeys_the_mask(llm, manager):
     tokenizer = llm.get_tokenizer()
     params = SamplingParams(temperature=0, max_tokens=10).with_defaults(None, None, None)
     request = _request(params, manager.new_state(schema_request(SCHEMAS[2])))
     logits = torch.zeros(manager.vocab_size)
     logits[tokenizer.encode("x")[0]] = 100.0  # the model's favourite is not JSON
-    token = Sampler(0).sample(logits, request)
+    token = Sampler(0).sample(logits[None], [request], str)[0].token_id
     assert tokenizer.decode([token]).startswith("[")
     assert logits[tokenizer.encode("x")[0]] == 100.0  # the runner's row is left as it was (logprobs read it)
 

@@ -147,8 +147,8 @@ def test_missing_chat_template(tmp_path):
         ([{"role": "user"}], r"messages\[0\]: 'content' is missing"),
         ([{"role": "user", "content": ["text"]}], r"messages\[0\]"),
         (
-            [{"role": "tool", "content": "x"}],
-            "Only system, user and assistant",
+            [{"role": "robot", "content": "x"}],
+            "Only system, user, assistant and tool",
         ),  # the template's raise_exception
     ],
 )
@@ -276,3 +276,9 @@ def test_streaming_with_prompt_context(tok):
     streamed = "".join(detok.push(i) for i in generated) + detok.flush()
     assert streamed == tok.decode(prompt + generated)[len(tok.decode(prompt)) :]
     assert detok.text == streamed
+
+
+def test_encode_within_lists_ids_only_up_to_the_limit(tok):
+    ids = tok.encode("def f(x): return x + 1")
+    assert tok.encode_within("def f(x): return x + 1", len(ids)) == (ids, len(ids))
+    assert tok.encode_within("def f(x): return x + 1", len(ids) - 1) == (None, len(ids))

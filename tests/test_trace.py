@@ -7,7 +7,7 @@ import json
 from tierlm import LLM, SamplingParams
 from tierlm.demo_model import build_demo_model
 
-PHASES = ["schedule", "prepare batch", "launch forward", "wait, logits to host", "sample", "apply, detokenize"]
+PHASES = ["schedule", "prepare batch", "launch forward", "sample", "apply, detokenize"]
 
 
 def test_trace_has_every_step_and_its_phases_in_order(tmp_path):

@@ -45,23 +45,56 @@ from typing import Any
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 ENDOFTEXT, IM_START, IM_END = SPECIAL_TOKENS
 
+# Plain text tokens as Qwen's tokenizers have them: added (one id each) but not special, so decoded text
+# keeps them and the reasoning / tool-call parsers see them.
+TAG_TOKENS = ("<think>", "</think>", "<tool_call>", "</tool_call>")
+
+# ChatML, with Qwen's conventions for tools and thinking: the tools listed as JSON lines in the system
+# turn, an assistant's calls as `<tool_call>{"name": ..., "arguments": ...}</tool_call>` blocks, tool
+# results as `<tool_response>` blocks in a user turn, and `enable_thinking` (when given) opening a
+# `<think>` block after the generation prompt (true) or closing an empty one (false).
 CHATML_TEMPLATE = (
-    "{%- for message in messages %}\n"
-    "{%- if message['role'] not in ['system', 'user', 'assistant'] %}\n"
-    "{{- raise_exception('Only system, user and assistant roles are supported, got ' + message['role']) }}\n"
+    "{%- macro text(content) %}\n"
+    "{%- if content is string %}{{- content }}\n"
+    "{%- elif content is not none %}\n"
+    "{%- for part in content %}{%- if part['type'] == 'text' %}{{- part['text'] }}{%- endif %}{%- endfor %}\n"
     "{%- endif %}\n"
-    "{{- '<|im_start|>' + message['role'] + '\\n' }}\n"
-    "{%- if message['content'] is string %}\n"
-    "{{- message['content'] }}\n"
-    "{%- elif message['content'] is not none %}\n"
-    "{%- for part in message['content'] %}\n"
-    "{%- if part['type'] == 'text' %}{{- part['text'] }}{%- endif %}\n"
+    "{%- endmacro %}\n"
+    "{%- set skip_first = tools and messages[0]['role'] == 'system' %}\n"
+    "{%- if tools %}\n"
+    "{{- '<|im_start|>system\\n' }}\n"
+    "{%- if skip_first %}{{- text(messages[0]['content']) + '\\n\\n' }}{%- endif %}\n"
+    "{{- '# Tools\\n\\nThese functions are available, one JSON signature per line:\\n<tools>' }}\n"
+    "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}\n"
+    "{{- '\\n</tools>\\n\\nTo call functions, answer with one block per call:\\n<tool_call>\\n'"
+    " + '{\"name\": <name>, \"arguments\": <arguments as a JSON object>}\\n</tool_call><|im_end|>\\n' }}\n"
+    "{%- endif %}\n"
+    "{%- for message in messages %}\n"
+    "{%- set role = message['role'] %}\n"
+    "{%- if role not in ['system', 'user', 'assistant', 'tool'] %}\n"
+    "{{- raise_exception('Only system, user, assistant and tool roles are supported, got ' + role) }}\n"
+    "{%- endif %}\n"
+    "{%- if role == 'tool' %}\n"
+    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}\n"
+    "{{- '\\n<tool_response>\\n' + text(message['content']) + '\\n</tool_response>' }}\n"
+    "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}\n"
+    "{%- elif not (loop.first and skip_first) %}\n"
+    "{{- '<|im_start|>' + role + '\\n' + text(message['content']) }}\n"
+    "{%- if role == 'assistant' and message['tool_calls'] %}\n"
+    "{%- for call in message['tool_calls'] %}\n"
+    "{%- set function = call['function'] if call['function'] is defined else call %}\n"
+    "{%- set arguments = function['arguments'] %}\n"
+    "{%- if not loop.first or message['content'] %}{{- '\\n' }}{%- endif %}\n"
+    "{{- '<tool_call>\\n{\"name\": \"' + function['name'] + '\", \"arguments\": ' }}\n"
+    "{{- (arguments if arguments is string else arguments | tojson) + '}\\n</tool_call>' }}\n"
     "{%- endfor %}\n"
     "{%- endif %}\n"
     "{{- '<|im_end|>\\n' }}\n"
+    "{%- endif %}\n"
     "{%- endfor %}\n"
     "{%- if add_generation_prompt %}\n"
     "{{- '<|im_start|>assistant\\n' }}\n"
+    "{%- if enable_thinking is defined %}{{- '<think>\\n' if enable_thinking else '<think>\\n\\n</think>\\n\\n' }}{%- endif %}\n"
     "{%- endif %}\n"
 )
 
@@ -216,7 +249,8 @@ def _corpus_texts(files: list[Path]) -> Iterator[str]:
 
 @lru_cache(maxsize=4)
 def train_tokenizer(vocab_size: int, corpus_bytes: int, show_progress: bool = False) -> str:
-    """A byte-level BPE tokenizer (as tokenizer.json text) with the ChatML special tokens at ids 0, 1, 2.
+    """A byte-level BPE tokenizer (as tokenizer.json text) with the ChatML special tokens at ids 0, 1, 2 and
+    the (not special) tag tokens `<think>`, `</think>`, `<tool_call>`, `</tool_call>` at 3-6.
 
     Byte-level pre-tokenizer and decoder with the full 256-byte initial alphabet: every string round-trips.
     Deterministic for a given file list (cached per process: the tests build several models).
@@ -229,13 +263,16 @@ def train_tokenizer(vocab_size: int, corpus_bytes: int, show_progress: bool = Fa
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
         min_frequency=2,
-        special_tokens=list(SPECIAL_TOKENS),
+        special_tokens=list(SPECIAL_TOKENS + TAG_TOKENS),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=show_progress,
     )
     files = corpus_files(corpus_bytes)
     tokenizer.train_from_iterator(_corpus_texts(files), trainer=trainer, length=len(files))
-    return tokenizer.to_str(pretty=True)
+    raw = json.loads(tokenizer.to_str())
+    for added in raw["added_tokens"]:
+        added["special"] = added["content"] in SPECIAL_TOKENS  # the tag tokens are plain text
+    return json.dumps(raw, indent=2, ensure_ascii=False)
 
 
 def _tokenizer_config(ids: dict[str, int], max_length: int) -> dict[str, Any]:
@@ -246,9 +283,9 @@ def _tokenizer_config(ids: dict[str, int], max_length: int) -> dict[str, Any]:
             "normalized": False,
             "rstrip": False,
             "single_word": False,
-            "special": True,
+            "special": token in SPECIAL_TOKENS,
         }
-        for token in SPECIAL_TOKENS
+        for token in SPECIAL_TOKENS + TAG_TOKENS
     }
     return {
         "added_tokens_decoder": added,
@@ -402,7 +439,7 @@ def build_demo_model(
     show_trainer = progress and sys.stdout.isatty()
     tokenizer_json = train_tokenizer(spec.tokenizer_vocab, spec.corpus_bytes, show_progress=show_trainer)
     tokenizer = Tokenizer.from_str(tokenizer_json)
-    ids = {token: tokenizer.token_to_id(token) for token in SPECIAL_TOKENS}
+    ids = {token: tokenizer.token_to_id(token) for token in SPECIAL_TOKENS + TAG_TOKENS}
     vocab = tokenizer.get_vocab_size(with_added_tokens=True)
     raw_config = demo_config(size, vocab, ids[IM_END], ple_overrides, mtp)
     config = ModelConfig.from_dict(raw_config)  # refuse to write a config the reference would reject

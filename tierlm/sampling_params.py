@@ -23,17 +23,34 @@ class RequestOutputKind(enum.Enum):
 
 @dataclass(frozen=True)
 class StructuredOutputRequest:
-    """Constrain output to JSON: any object (`json_object`) or one valid under `json_schema` (its text)."""
+    """Constrain output: to any JSON object (`json_object`), to JSON valid under `json_schema` (its text), or
+    to an xgrammar `structural_tag` (its JSON text: the server's tool calls in a parser's format).
+
+    With `reasoning_end_token_id` (and the prompt having opened a reasoning block) the constraint starts
+    only after the reasoning: from the token after that end token.
+    """
 
     json_schema: str | None = None
     json_object: bool = False
+    structural_tag: str | None = None
+    reasoning_end_token_id: int | None = None
 
     def __post_init__(self) -> None:
-        if (self.json_schema is None) != self.json_object:
-            raise ValueError("structured_output must set exactly one of json_schema and json_object")
-        if self.json_schema is not None and not isinstance(self.json_schema, str):
-            kind = type(self.json_schema).__name__
-            raise ValueError(f"structured_output json_schema must be the schema as a JSON string, got {kind}")
+        if (self.json_schema is not None) + self.json_object + (self.structural_tag is not None) != 1:
+            raise ValueError("structured_output must set exactly one of json_schema, json_object and structural_tag")
+        for name in ("json_schema", "structural_tag"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise ValueError(f"structured_output {name} must be JSON text, got {type(value).__name__}")
+
+    @property
+    def grammar_key(self) -> tuple[str, str]:
+        """What the compiled grammar depends on (not the reasoning fields): (kind, text)."""
+        if self.json_object:
+            return "json_object", ""
+        if self.structural_tag is not None:
+            return "structural_tag", self.structural_tag
+        return "json_schema", self.json_schema
 
 
 @dataclass
@@ -52,6 +69,13 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    presence_penalty: float = 0.0  # subtracted from a token's logit once it is in the output
+    frequency_penalty: float = 0.0  # subtracted per occurrence in the output
+    repetition_penalty: float = 1.0  # tokens of the prompt or output: positive logits / it, negative * it
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit
+    min_p: float = 0.0  # drop tokens less likely than min_p x the most likely one
+    bad_words: list[str] | None = None  # words never generated (as tokens, with and without a leading space)
+    allowed_token_ids: list[int] | None = None  # only these may be sampled
     structured_output: StructuredOutputRequest | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     stop_strings: list[str] = field(init=False, repr=False)
@@ -94,6 +118,31 @@ class SamplingParams:
         structured = self.structured_output
         if structured is not None and not isinstance(structured, StructuredOutputRequest):
             fail("structured_output", "must be a StructuredOutputRequest")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                fail(name, "must be in [-2, 2]")
+        if not 0 < self.repetition_penalty <= 10:
+            fail("repetition_penalty", "must be in (0, 10]")
+        if not 0 <= self.min_p <= 1:
+            fail("min_p", "must be in [0, 1]")
+        bias = self.logit_bias or {}
+        if not isinstance(bias, dict) or any(
+                not isinstance(t, int) or t < 0 or not -100 <= v <= 100 for t, v in bias.items()):
+            fail("logit_bias", "must map token ids to values in [-100, 100]")
+        if self.allowed_token_ids is not None and (
+                not self.allowed_token_ids or any(not isinstance(t, int) or t < 0 for t in self.allowed_token_ids)):
+            fail("allowed_token_ids", "must be a non-empty list of token ids")
+        if self.bad_words is not None and any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
+            fail("bad_words", "must be a list of non-empty strings")
+
+    @property
+    def has_penalties(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
+    def token_ids_used(self) -> list[tuple[str, int]]:
+        """(parameter, token id) of the ids that steer sampling (the engine checks them against the vocab)."""
+        named = [("logit_bias", t) for t in self.logit_bias or {}]
+        return named + [("allowed_token_ids", t) for t in self.allowed_token_ids or ()]
 
     def with_defaults(self, temperature: float | None, top_p: float | None, top_k: int | None) -> "SamplingParams":
         """A copy whose unset temperature / top_p / top_k take the model's defaults."""

@@ -295,7 +295,18 @@ class Tokenizer:
         `add_special_tokens` applies the tokenizer's post-processor (e.g. a BOS), as transformers does by
         default; pass False for a rendered chat prompt, which already holds its special tokens.
         """
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        return self._encoding(text, add_special_tokens).ids
+
+    def encode_within(self, text: str, limit: int, add_special_tokens: bool = True) -> tuple[list[int] | None, int]:
+        """(ids, count) of `text`, or (None, count) when it has more than `limit` tokens: the ids of a text
+        too long to use are never made into a Python list (millions of ints for a huge prompt)."""
+        encoding = self._encoding(text, add_special_tokens)
+        return (encoding.ids if len(encoding) <= limit else None), len(encoding)
+
+    def _encoding(self, text: str, add_special_tokens: bool):
+        # encode_batch releases the GIL while it works (encode holds it: a 1 MB prompt would stall every
+        # other thread, the server's event loop included, for a second or more)
+        return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0]
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)

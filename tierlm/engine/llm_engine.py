@@ -194,6 +194,7 @@ class _Sequence:
     detokenizer: object
     text: str = ""
     detokenized: int = 0  # output tokens already fed to the detokenizer
+    stop_scanned: int = 0  # characters of text already searched for stop strings
     # with RequestOutputKind.DELTA: characters and tokens already reported
     sent_chars: int = 0
     sent_tokens: int = 0
@@ -366,9 +367,14 @@ class LLMEngine:
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         self.check_prompt(token_ids)
         params = params.with_defaults(*self.default_params())
+        for name, token_id in params.token_ids_used():
+            if token_id >= self.model_config.vocab_size:
+                raise ValueError(f"{name}: token id {token_id} is outside the vocabulary [0, {self.model_config.vocab_size})")
+        bad_words = [self.tokenizer.encode(prefix + word, add_special_tokens=False)
+                     for word in params.bad_words or () for prefix in ("", " ")]
         grammars = [None] * params.n  # a matcher per sequence; a bad schema raises before anything is queued
         if params.structured_output is not None:
-            grammars = [self._structured_outputs.new_state(params.structured_output) for _ in range(params.n)]
+            grammars = [self.structured_outputs.new_state(params.structured_output) for _ in range(params.n)]
         sequences = []
         for index in range(params.n):
             # sequence i draws from seed + i (wrapped into 64 bits)
@@ -378,7 +384,7 @@ class LLMEngine:
             request = Request(
                 f"{request_id}-{index}" if params.n > 1 else request_id, token_ids, seq_params,
                 self.eos_token_ids, self.max_model_len,
-                structured_output=grammars[index],
+                structured_output=grammars[index], bad_words_token_ids=bad_words,
             )
             detok = self.tokenizer.detokenizer(token_ids, skip_special_tokens=params.skip_special_tokens)
             sequences.append(_Sequence(request, index, detok))
@@ -388,8 +394,9 @@ class LLMEngine:
         return request_id
 
     @functools.cached_property
-    def _structured_outputs(self):
-        """Compiles `SamplingParams.structured_output`; built on first use (xgrammar is slow to import)."""
+    def structured_outputs(self):
+        """Compiles `SamplingParams.structured_output`; built on first use (xgrammar is slow to import; the
+        server builds it at start-up, before it serves)."""
         from tierlm.engine.structured_output import StructuredOutputManager
 
         return StructuredOutputManager(self.tokenizer, self.model_config.vocab_size, sorted(self.eos_token_ids))
@@ -556,13 +563,15 @@ class LLMEngine:
         stops = request.params.stop_strings
         if not stops or (request.is_finished and isinstance(request.stop_reason, str)):
             return
-        for stop in stops:
-            at = seq.text.find(stop)
-            if at != -1:
-                end = at + len(stop) if request.params.include_stop_str_in_output else at
-                seq.text = seq.text[:end]
-                request.finish(RequestStatus.FINISHED_STOPPED, stop)
-                return
+        # only the new text, and the tail before it that a stop string could still end in, is scanned
+        start = max(0, seq.stop_scanned - max(len(stop) for stop in stops) + 1)
+        seq.stop_scanned = len(seq.text)
+        found = [(at, stop) for stop in stops if (at := seq.text.find(stop, start)) != -1]
+        if found:
+            at, stop = min(found)  # the earliest match cuts the text
+            end = at + len(stop) if request.params.include_stop_str_in_output else at
+            seq.text = seq.text[:end]
+            request.finish(RequestStatus.FINISHED_STOPPED, stop)
 
     def _decode_token(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)

@@ -4,7 +4,8 @@ Takes the scheduler's plain `SchedulerOutput`, returns a `StepResult`: {request:
 chunks that reach their request's last token, and {request: why} for requests whose own part of the step
 failed (their logits row, sampling parameters or grammar): those end alone, the rest of the batch goes
 on. Logits are computed only for rows that need them: the last row of each sampling chunk, plus every
-prompt row of requests that asked for prompt log-probabilities.
+prompt row of requests that asked for prompt log-probabilities. The sampling rows stay on the device and
+are sampled together (`Sampler.sample`); only prompt log-probability rows are copied to the host whole.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import numpy as np
 import torch
 
 from tierlm.engine.request import Request
-from tierlm.engine.sampler import Sampler, SamplingError, position_logprobs
+from tierlm.engine.sampler import Sampler, position_logprobs
 from tierlm.engine.scheduler import SchedulerOutput
 from tierlm.engine.trace import NoTrace
 from tierlm.model.forward_batch import ForwardBatch
@@ -50,8 +51,6 @@ class ModelRunner:
             batch, wanted = self.prepare(step)
         with trace.phase("launch forward"), trace.gpu("forward"):
             logits = self.forward(batch)  # always run: the chunk fills the cache even with no rows
-        with trace.phase("wait, logits to host"):
-            logits = logits.float().cpu()
         with trace.phase("sample"):
             return self.sample(wanted, logits)
 
@@ -84,21 +83,33 @@ class ModelRunner:
         return batch, wanted
 
     def sample(self, wanted: list[tuple], logits: torch.Tensor) -> StepResult:
-        """Sample (and record log-probabilities) from the fp32 CPU logits rows `prepare` asked for."""
+        """Sample (and record log-probabilities) from the logits rows `prepare` asked for, on their device
+        (only the sampled ids and requested log-probabilities come back to the host)."""
         result = StepResult()
+        samplers: list[tuple[Request, int]] = []  # (request, its sampling row of `logits`)
         for chunk, first, count in wanted:
             request = chunk.request
-            block = logits[first : first + count]
             try:
                 if request.prompt_logprobs is not None and chunk.start < request.num_prompt_tokens - 1:
+                    block = logits[first : first + count].float().cpu()
                     self._record_prompt_logprobs(request, chunk.start, block)
-                if chunk.samples:
-                    result.sampled[request] = self._sample(request, block[-1])
-            except SamplingError as exc:
-                result.failed[request] = str(exc)
-            except Exception as exc:
-                logger.exception("sampling request %s failed", request.request_id)
-                result.failed[request] = f"sampling failed: {type(exc).__name__}: {exc}"
+            except Exception as exc:  # noqa: BLE001 (this request's own part: it fails alone)
+                logger.exception("prompt logprobs of request %s failed", request.request_id)
+                result.failed[request] = f"prompt logprobs failed: {type(exc).__name__}: {exc}"
+                continue
+            if chunk.samples:
+                samplers.append((request, first + count - 1))
+        if samplers:
+            requests = [request for request, _ in samplers]
+            rows = logits[torch.tensor([row for _, row in samplers], device=logits.device)]
+            for request, outcome in zip(requests, self.sampler.sample(rows, requests, self.decode_token), strict=True):
+                if outcome.error is not None:
+                    result.failed[request] = outcome.error
+                    continue
+                result.sampled[request] = outcome.token_id
+                if request.logprobs is not None:
+                    request.logprobs.append(outcome.logprobs)
+                    request.cumulative_logprob += outcome.logprobs[outcome.token_id].logprob
         return result
 
     def _ple_embeddings(self, step: SchedulerOutput) -> dict[int, torch.Tensor]:
@@ -131,12 +142,3 @@ class ModelRunner:
             if target < request.num_prompt_tokens and len(request.prompt_logprobs) == target:
                 token = request.prompt_token_ids[target]
                 request.prompt_logprobs.append(position_logprobs(logprobs[offset], token, top, self.decode_token))
-
-    def _sample(self, request, row: torch.Tensor) -> int:
-        token = self.sampler.sample(row, request)
-        if request.logprobs is not None:
-            logprobs = torch.log_softmax(row, dim=-1)
-            entry = position_logprobs(logprobs, token, request.params.logprobs, self.decode_token)
-            request.logprobs.append(entry)
-            request.cumulative_logprob += entry[token].logprob
-        return token

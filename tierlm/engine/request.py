@@ -52,7 +52,8 @@ class Request:
     decode_checkpoint: bytes | None = None  # the block hash of its latest decode-time state checkpoint
     num_cached_tokens: int = 0  # tokens the prefix cache supplied at its (latest) admission
     # sampling state
-    generator: torch.Generator | None = None
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)  # SamplingParams.bad_words, encoded
+    generator: torch.Generator | None = None  # a seeded request's own, on the logits' device
     logprobs: list[PositionLogprobs] | None = None
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     cumulative_logprob: float = 0.0
@@ -61,12 +62,18 @@ class Request:
     structured_output: GrammarState | None = None  # the grammar matcher of a structured-output request
 
     def __post_init__(self) -> None:
-        if self.params.seed is not None:
-            self.generator = torch.Generator().manual_seed(self.params.seed)
         if self.params.logprobs is not None:
             self.logprobs = []
         if self.params.prompt_logprobs is not None:
             self.prompt_logprobs = [None]
+
+    def device_generator(self, device: torch.device) -> torch.Generator | None:
+        """A seeded request's generator on `device` (made on first use); None for an unseeded one."""
+        if self.params.seed is None:
+            return None
+        if self.generator is None or self.generator.device != device:
+            self.generator = torch.Generator(device=device).manual_seed(self.params.seed)
+        return self.generator
 
     @property
     def num_tokens(self) -> int:

@@ -1,36 +1,59 @@
-"""Turn one request's logits row into its next token, and report log-probabilities.
+"""Turn the logits rows of a step's sampling requests into their next tokens, on the logits' device, in
+one batched pass, and report log-probabilities.
 
-Plain torch, one row at a time (a handful of requests per step): a structured-output request's grammar
-mask, else min_tokens masking of EOS and stop ids (the grammar alone decides where JSON ends), greedy at
-temperature 0, else temperature, top-k, top-p and a draw from the request's own generator (seeded
-requests are reproducible whatever else is in the batch). Log-probabilities are those of the raw model
-distribution, as vLLM reports by default.
+The pass, every row at once (per-row values as tensors): penalties on the request's own tokens
+(repetition on prompt and output, vLLM's rule: positive logits divided, negative multiplied; frequency
+and presence on the output, OpenAI's rule), `logit_bias`, bans (`allowed_token_ids`, `bad_words`, EOS and
+stop ids before `min_tokens`), the grammar's token bitmask (xgrammar's `apply_token_bitmask_inplace`),
+then greedy rows take the argmax and the others are scaled by their temperature and cut by top-k,
+top-p and min-p before a draw. Token counts for the penalties are built each step from the requests'
+ids. A draw is an exponential race (argmax of p / E, E ~ Exp(1)): the shared generator for unseeded
+rows, each seeded request's own generator (on the logits' device) for its row, so a seeded request is
+reproducible whatever else is in the batch. Only the sampled ids, a status per row and the requested
+log-probabilities (those of the raw model distribution, as vLLM reports by default) come back to the
+host.
 
 Numerics, whatever the parameters (each limit is documented in the README):
 - a temperature below `MIN_TEMPERATURE` samples greedily (dividing by a subnormal overflows fp32);
 - the row's maximum is subtracted before dividing by the temperature, so no scaled logit is above 0 and
-  none can overflow;
+  none can overflow; a row whose maximum is +inf takes that token;
 - top-p always keeps the most likely token (a top_p below the smallest fp32 would otherwise drop all);
-- a row with NaN, or with every token masked, is this request's failure: `SamplingError`, which ends
-  this request alone (the engine finishes it with reason "error"), never the batch.
+- a row with NaN, or with every token masked, is this request's failure (`SamplingError`'s message),
+  which ends this request alone (the engine finishes it with reason "error"), never the batch; so is a
+  request whose own preparation (its grammar) raises.
 """
 
 from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
 
 import torch
 
 from tierlm.engine.request import Request
 from tierlm.outputs import Logprob, PositionLogprobs
 
+logger = logging.getLogger("tierlm")
+
 MIN_TEMPERATURE = 1e-5  # below this a temperature samples greedily (as vLLM's _SAMPLING_EPS)
+_OK, _NAN, _MASKED = 0, 1, 2
 
 
 class SamplingError(RuntimeError):
     """This request's row cannot be sampled (NaN logits, no allowed token); the message says why."""
 
 
+@dataclass
+class Sampled:
+    """One row's outcome: its token and log-probabilities, or why it failed."""
+
+    token_id: int | None = None
+    logprobs: PositionLogprobs | None = None
+    error: str | None = None
+
+
 def position_logprobs(logprobs: torch.Tensor, token_id: int, top: int, decode) -> PositionLogprobs:
-    """{token_id: its Logprob, then the `top` most likely tokens}; ranks are 1-based."""
+    """{token_id: its Logprob, then the `top` most likely tokens}; ranks are 1-based (a host row)."""
     chosen = logprobs[token_id]
     entries = {token_id: Logprob(float(chosen), int((logprobs > chosen).sum()) + 1, decode(token_id))}
     if top:
@@ -40,44 +63,212 @@ def position_logprobs(logprobs: torch.Tensor, token_id: int, top: int, decode) -
     return entries
 
 
-def scaled_probabilities(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
-    """fp32 logits row (at least one finite entry) -> the distribution to draw from, never NaN or inf."""
-    logits = (logits - logits.max()) / temperature  # every entry <= 0: exp cannot overflow
-    if 0 < top_k < logits.shape[0]:
-        kth = torch.topk(logits, top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    if top_p < 1.0:
-        sorted_probs, order = probs.sort(descending=True)
-        # keep the smallest prefix whose mass reaches top_p; the most likely token always stays
-        drop = sorted_probs.cumsum(0) - sorted_probs >= top_p
-        drop[0] = False
-        sorted_probs[drop] = 0.0
-        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-    return probs
+def apply_penalties(logits: torch.Tensor, requests: list[Request], rows: list[int]) -> None:
+    """Repetition, frequency and presence penalties of `rows`, in place (counts built from their ids)."""
+    device, vocab = logits.device, logits.shape[1]
+    output_rows, output_ids, seen_rows, seen_ids = [], [], [], []
+    for row in rows:
+        request = requests[row]
+        ids = [t for t in request.output_token_ids if t < vocab]
+        output_rows += [row] * len(ids)
+        output_ids += ids
+        if request.params.repetition_penalty != 1.0:
+            prompt = [t for t in request.prompt_token_ids if t < vocab]
+            seen_rows += [row] * (len(prompt) + len(ids))
+            seen_ids += prompt + ids
+    index = torch.tensor(rows, device=device)
+    if seen_ids:
+        seen = torch.zeros_like(logits, dtype=torch.bool)
+        seen[torch.tensor(seen_rows, device=device), torch.tensor(seen_ids, device=device)] = True
+        penalty = torch.tensor([requests[r].params.repetition_penalty for r in rows], device=device)[:, None]
+        part = logits[index]
+        scaled = torch.where(part > 0, part / penalty, part * penalty)
+        logits[index] = torch.where(seen[index], scaled, part)
+    if output_ids:
+        counts = torch.zeros_like(logits)
+        counts.index_put_((torch.tensor(output_rows, device=device), torch.tensor(output_ids, device=device)),
+                          torch.ones(len(output_ids), device=device), accumulate=True)
+        frequency = torch.tensor([requests[r].params.frequency_penalty for r in rows], device=device)[:, None]
+        presence = torch.tensor([requests[r].params.presence_penalty for r in rows], device=device)[:, None]
+        part = counts[index]
+        logits[index] -= frequency * part + presence * (part > 0)
+
+
+def banned_tokens(request: Request, vocab: int) -> list[int]:
+    """Ids this request may not sample next: bad words that would complete, and EOS / stop ids before
+    min_tokens (a grammar alone decides where its output ends)."""
+    params = request.params
+    banned = []
+    output = request.output_token_ids
+    for word in request.bad_words_token_ids:
+        if len(word) == 1 or output[len(output) - len(word) + 1 :] == word[:-1]:
+            banned.append(word[-1])
+    if request.structured_output is None and len(output) < params.min_tokens:
+        banned += params.stop_token_ids
+        if not params.ignore_eos:
+            banned += request.eos_token_ids
+    return [t for t in banned if t < vocab]
 
 
 class Sampler:
     def __init__(self, seed: int = 0) -> None:
-        self.generator = torch.Generator().manual_seed(seed)
+        self.seed = seed
+        self._generators: dict[torch.device, torch.Generator] = {}
 
-    def sample(self, logits: torch.Tensor, request: Request) -> int:
-        params = request.params
-        logits = logits.float()
-        if torch.isnan(logits).any():
-            raise SamplingError("the model's logits for this request contain NaN")
-        if request.structured_output is not None:
-            logits = request.structured_output.mask_logits(logits)
-        elif len(request.output_token_ids) < params.min_tokens:
-            banned = set(params.stop_token_ids) | (set() if params.ignore_eos else set(request.eos_token_ids))
-            if banned:
-                logits = logits.clone()
-                logits[[t for t in banned if t < logits.shape[0]]] = float("-inf")
-        top = logits.max()
-        if top == float("-inf"):
-            raise SamplingError("no token is allowed next (every logit is masked or -inf)")
-        if params.temperature < MIN_TEMPERATURE or top == float("inf"):  # an infinite logit takes all the mass
-            return int(torch.argmax(logits))
-        probs = scaled_probabilities(logits, params.temperature, params.top_k or 0, params.top_p)
-        generator = request.generator or self.generator
-        return int(torch.multinomial(probs, 1, generator=generator))
+    def _shared_generator(self, device: torch.device) -> torch.Generator:
+        if device not in self._generators:
+            self._generators[device] = torch.Generator(device=device).manual_seed(self.seed)
+        return self._generators[device]
+
+    def sample(self, logits: torch.Tensor, requests: list[Request], decode) -> list[Sampled]:
+        """One token per row of `logits` [rows, vocab] (row i is requests[i]'s), on the logits' device."""
+        raw = logits.float()
+        logits = raw.clone()
+        vocab = logits.shape[1]
+        device = logits.device
+        failed: dict[int, str] = {}
+        ban_rows, ban_ids, bias_rows, bias_ids, bias_values, allowed_rows = [], [], [], [], [], []
+        grammar_rows, masks = [], []
+        for i, request in enumerate(requests):
+            params = request.params
+            try:
+                for token_id, value in (params.logit_bias or {}).items():
+                    bias_rows.append(i)
+                    bias_ids.append(token_id)
+                    bias_values.append(value)
+                banned = banned_tokens(request, vocab)
+                ban_rows += [i] * len(banned)
+                ban_ids += banned
+                if params.allowed_token_ids:
+                    allowed_rows.append(i)
+                if request.structured_output is not None:
+                    mask = request.structured_output.token_bitmask()
+                    if mask is not None:
+                        grammar_rows.append(i)
+                        masks.append(mask)
+            except Exception as exc:  # noqa: BLE001 (this request's own state: it fails alone)
+                logger.exception("preparing request %s for sampling failed", request.request_id)
+                failed[i] = f"sampling failed: {type(exc).__name__}: {exc}"
+        penalized = [i for i, r in enumerate(requests) if i not in failed and r.params.has_penalties]
+        if penalized:
+            apply_penalties(logits, requests, penalized)
+        if bias_ids:
+            logits.index_put_((torch.tensor(bias_rows, device=device), torch.tensor(bias_ids, device=device)),
+                              torch.tensor(bias_values, device=device), accumulate=True)
+        if allowed_rows:
+            keep = torch.zeros(len(allowed_rows), vocab, dtype=torch.bool, device=device)
+            for k, i in enumerate(allowed_rows):
+                keep[k, torch.tensor(requests[i].params.allowed_token_ids, device=device)] = True
+            index = torch.tensor(allowed_rows, device=device)
+            logits[index] = logits[index].masked_fill(~keep, float("-inf"))
+        if ban_ids:
+            logits[torch.tensor(ban_rows, device=device), torch.tensor(ban_ids, device=device)] = float("-inf")
+        if grammar_rows:
+            import xgrammar
+
+            # xgrammar reads row i's mask from bitmask[i]: one row per logits row, the others unused
+            bitmask = torch.full((len(requests), masks[0].shape[0]), -1, dtype=masks[0].dtype)
+            bitmask[grammar_rows] = torch.stack(masks)
+            xgrammar.apply_token_bitmask_inplace(logits, bitmask.to(device), indices=grammar_rows)
+        tokens, status = self._draw(raw, logits, requests)
+        wanted = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
+        top = max((requests[i].params.logprobs for i in wanted), default=0)
+        if wanted:
+            chosen_lp, ranks, top_lp, top_ids = self._logprobs(raw, tokens, wanted, top)
+        results = [Sampled() for _ in requests]
+        host = torch.stack([tokens, status]).tolist()
+        for i, (token_id, state) in enumerate(zip(*host, strict=True)):
+            if i in failed:
+                results[i].error = failed[i]
+            elif state == _NAN:
+                results[i].error = "the model's logits for this request contain NaN"
+            elif state == _MASKED:
+                results[i].error = "no token is allowed next (every logit is masked or -inf)"
+            else:
+                results[i].token_id = token_id
+        if wanted:
+            lp_host = (chosen_lp.tolist(), ranks.tolist(), top_lp.tolist(), top_ids.tolist())
+            for k, i in enumerate(wanted):
+                if results[i].error is None:
+                    results[i].logprobs = _entries(results[i].token_id, requests[i].params.logprobs,
+                                                   *(column[k] for column in lp_host), decode)
+        return results
+
+    def _draw(self, raw: torch.Tensor, logits: torch.Tensor, requests: list[Request]):
+        """(token per row, status per row): greedy rows take the argmax, the rest a scaled, cut draw."""
+        device, vocab = logits.device, logits.shape[1]
+        top = logits.max(dim=-1).values
+        status = torch.where(torch.isnan(raw).any(dim=-1), _NAN, torch.where(top == float("-inf"), _MASKED, _OK))
+        greedy_tokens = logits.argmax(dim=-1)
+        temperature = torch.tensor([r.params.temperature for r in requests], device=device)
+        greedy = (temperature < MIN_TEMPERATURE) | (top == float("inf")) | (status != _OK)
+        sampling = [i for i, r in enumerate(requests) if r.params.temperature >= MIN_TEMPERATURE]
+        tokens = greedy_tokens.clone()
+        # a row with top-k draws among its k best (no sort of the vocabulary), the others over all of it;
+        # each row's draw depends on its own values only, whatever else is in the batch
+        with_k = [i for i in sampling if 0 < requests[i].params.top_k < vocab]
+        without_k = [i for i in sampling if not 0 < requests[i].params.top_k < vocab]
+        for rows, draw in ((with_k, self._draw_top_k), (without_k, self._draw_all)):
+            if rows:
+                index = torch.tensor(rows, device=device)
+                part = logits[index]
+                part = (part - part.max(dim=-1, keepdim=True).values) / temperature[index, None]  # entries <= 0
+                tokens[index] = draw(part, [requests[i] for i in rows])
+        return torch.where(greedy, greedy_tokens, tokens), status
+
+    def _draw_top_k(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        device = logits.device
+        k = torch.tensor([r.params.top_k for r in requests], device=device)
+        values, ids = logits.topk(int(k.max()), dim=-1)  # sorted, best first
+        values = values.masked_fill(torch.arange(values.shape[1], device=device) >= k[:, None], float("-inf"))
+        probs = _top_p_min_p(torch.softmax(values, dim=-1), requests)
+        noise = torch.ones_like(probs)
+        for row, request in enumerate(requests):
+            noise[row, : request.params.top_k].exponential_(generator=self._generator(request, device))
+        return ids.gather(1, (probs / noise).argmax(dim=-1, keepdim=True))[:, 0]
+
+    def _draw_all(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        device = logits.device
+        probs = torch.softmax(logits, dim=-1)
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        probs = torch.zeros_like(probs).scatter_(1, order, _top_p_min_p(sorted_probs, requests))
+        noise = torch.empty_like(probs)
+        for row, request in enumerate(requests):
+            noise[row].exponential_(generator=self._generator(request, device))
+        return (probs / noise).argmax(dim=-1)
+
+    def _generator(self, request: Request, device: torch.device) -> torch.Generator:
+        return request.device_generator(device) or self._shared_generator(device)
+
+    @staticmethod
+    def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, wanted: list[int], top: int):
+        index = torch.tensor(wanted, device=raw.device)
+        logprobs = torch.log_softmax(raw[index], dim=-1)
+        chosen = logprobs.gather(1, tokens[index, None].clamp(0, raw.shape[1] - 1))
+        ranks = (logprobs > chosen).sum(dim=-1) + 1
+        values, ids = logprobs.topk(top, dim=-1) if top else (logprobs[:, :0], tokens[index, None][:, :0])
+        return chosen[:, 0], ranks, values, ids
+
+
+def _top_p_min_p(sorted_probs: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """Rows of probabilities sorted best first, cut by each request's top-p, then min-p (not renormalized:
+    the draw only compares them)."""
+    device = sorted_probs.device
+    top_p = torch.tensor([r.params.top_p for r in requests], device=device)
+    min_p = torch.tensor([r.params.min_p for r in requests], device=device)
+    if bool((top_p < 1).any()):
+        # keep the smallest prefix whose mass reaches top_p; the most likely token always stays
+        drop = sorted_probs.cumsum(dim=-1) - sorted_probs >= top_p[:, None]
+        drop[:, 0] = False
+        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+    if bool((min_p > 0).any()):
+        sorted_probs = sorted_probs.masked_fill(sorted_probs < min_p[:, None] * sorted_probs[:, :1], 0.0)
+    return sorted_probs
+
+
+def _entries(token_id: int, top: int, chosen: float, rank: int, values: list[float], ids: list[int],
+             decode) -> PositionLogprobs:
+    entries = {token_id: Logprob(chosen, rank, decode(token_id))}
+    for position, (value, tid) in enumerate(zip(values[:top], ids[:top]), start=1):
+        entries.setdefault(tid, Logprob(value, position, decode(tid)))
+    return entries

@@ -1,18 +1,22 @@
-"""Grammar-constrained decoding: JSON output that parses (and matches a JSON schema), through xgrammar.
+"""Grammar-constrained decoding: JSON output that parses (and matches a JSON schema), or tool calls in a
+tool parser's format (an xgrammar structural tag), through xgrammar; optionally only after reasoning.
 
 Owns the model's `xgrammar.TokenizerInfo` (built from tokenizer.json, sized to the model's vocab_size,
 the engine's EOS ids as the stop tokens), schema checking (JSON syntax, then the JSON Schema
 meta-schema, then what xgrammar can compile: each failure is a `ValueError` naming the problem), the
 compiled grammars (cached by schema text) and each request's
-`GrammarState` (the matcher, its token bitmask). It does not sample (the `Sampler` asks the state for the
-mask) nor decide when a request ends (`Request.append_token` advances the state and stops on termination).
+`GrammarState` (the matcher, its token bitmask). It does not sample (the `Sampler` asks the state for its
+token bitmask) nor decide when a request ends (`Request.append_token` advances the state and stops on termination).
 
 Output is compact JSON (xgrammar's `any_whitespace=False`: ", " and ": " separators, no free whitespace),
 so a model cannot stall in whitespace; user schemas are compiled in xgrammar's strict mode (no properties
 or items beyond those the schema names), `json_object` as a non-strict `{"type": "object"}`.
 Special tokens, padded ids and tokens holding a raw control character (U+0000-U+001F) are kept out of
-every grammar: JSON never allows such a character (strings escape it; our whitespace is spaces), but
-xgrammar 0.2's rule for length-bounded strings (`maxLength`) would let one in. A known gap left open:
+every JSON grammar: JSON never allows such a character (strings escape it; our whitespace is spaces),
+but xgrammar 0.2's rule for length-bounded strings (`maxLength`) would let one in. Structural tags (tool
+calls) are compiled against a vocabulary that also has the tokens whose control characters are line
+whitespace (newline, tab, carriage return: the formats' separators); the known gap there: a JSON string
+with `maxLength` inside a tool call may hold such a raw character. A known gap left open:
 xgrammar accepts UTF-8-encoded surrogates (U+D800-U+DFFF) inside strings, which Python decodes as three
 U+FFFD characters.
 """
@@ -31,6 +35,7 @@ from tierlm.tokenizer import Tokenizer
 
 _ANY_OBJECT = '{"type": "object"}'
 _CONTROL = re.compile("[\x00-\x1f]")
+_LINE_WHITESPACE = {"\n", "\r", "\t"}
 _XGRAMMAR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")  # "[12:09:50] /project/cpp/file.cc:123: "
 
 
@@ -41,47 +46,51 @@ class InvalidSchemaError(ValueError):
 
 
 class GrammarState:
-    """One request's position in its grammar: which tokens may come next, and whether it is complete."""
+    """One request's position in its grammar: which tokens may come next, and whether it is complete.
 
-    def __init__(self, compiled: xgrammar.CompiledGrammar, vocab_size: int) -> None:
+    A request that reasons first (`StructuredOutputRequest.reasoning_end_token_id`: its prompt opened a
+    reasoning block) is unconstrained until the reasoning ends (phase "open"), then constrained ("grammar").
+    """
+
+    def __init__(
+        self, compiled: xgrammar.CompiledGrammar, vocab_size: int, request: StructuredOutputRequest | None = None
+    ) -> None:
         self._matcher = xgrammar.GrammarMatcher(compiled)
         self._bitmask = xgrammar.allocate_token_bitmask(1, vocab_size)
-
-    def mask_logits(self, logits: torch.Tensor) -> torch.Tensor:
-        """A copy of a float32 CPU logits row with every token the grammar forbids next set to -inf."""
-        masked = logits.clone()
-        if self._matcher.fill_next_token_bitmask(self._bitmask):
-            xgrammar.apply_token_bitmask_inplace(masked.unsqueeze(0), self._bitmask)
-        return masked
+        self._end = request.reasoning_end_token_id if request is not None else None
+        self.phase = "grammar" if self._end is None else "open"
 
     def token_bitmask(self) -> torch.Tensor | None:
-        """The tokens allowed next as a packed int32 bitmask [1, ceil(vocab / 32)] (a copy: what a pipeline
-        rank 0 sends to the last rank, which samples), or None when every token is allowed."""
-        if not self._matcher.fill_next_token_bitmask(self._bitmask):
+        """The tokens allowed next as xgrammar's int32 bitmask row (a fresh CPU tensor: also what a pipeline's
+        rank 0 sends to the last rank, which samples), or None when any token may come (reasoning is open,
+        or the grammar allows everything)."""
+        if self.phase == "open" or not self._matcher.fill_next_token_bitmask(self._bitmask):
             return None
-        return self._bitmask.clone()
+        return self._bitmask[0].clone()
 
     def accept(self, token_id: int) -> bool:
         """Advance past a sampled token; False if the grammar does not allow it (the state is unchanged)."""
+        if self.phase == "open":
+            if token_id == self._end:
+                self.phase = "grammar"
+            return True
         return self._matcher.accept_token(token_id)
 
     @property
     def is_terminated(self) -> bool:
         """The output is complete and a stop token was accepted."""
-        return self._matcher.is_terminated()
+        return self.phase == "grammar" and self._matcher.is_terminated()
 
 
 class BitmaskGrammar:
-    """A grammar's mask for one step, sent from the process that holds the matcher (`token_bitmask`)."""
+    """A grammar's mask for one step, sent from the process that holds the matcher (`token_bitmask`): what
+    a pipeline's last rank samples with."""
 
     def __init__(self, bitmask: torch.Tensor | None) -> None:
         self.bitmask = bitmask
 
-    def mask_logits(self, logits: torch.Tensor) -> torch.Tensor:
-        masked = logits.clone()
-        if self.bitmask is not None:
-            xgrammar.apply_token_bitmask_inplace(masked.unsqueeze(0), self.bitmask)
-        return masked
+    def token_bitmask(self) -> torch.Tensor | None:
+        return self.bitmask
 
 
 class StructuredOutputManager:
@@ -91,33 +100,54 @@ class StructuredOutputManager:
         # byte-level / byte-fallback / raw, and add_prefix_space, read from tokenizer.json as xgrammar's
         # own `TokenizerInfo.from_huggingface` does for a fast tokenizer
         metadata = xgrammar.TokenizerInfo._detect_metadata_from_hf(tokenizer.backend.to_str())
-        encoded_vocab = [""] * vocab_size  # "" marks an id no grammar uses
         vocab = tokenizer.backend.get_vocab(with_added_tokens=True)
         tokens = {i: token for token, i in vocab.items() if i < vocab_size}
         ids = sorted(tokens)
         texts = tokenizer.backend.decode_batch([[i] for i in ids], skip_special_tokens=False)
+        json_vocab = [""] * vocab_size  # "" marks an id no grammar uses
+        tag_vocab = [""] * vocab_size
         for token_id, text in zip(ids, texts, strict=True):
-            if token_id not in tokenizer.special_token_ids and not _CONTROL.search(text):
-                encoded_vocab[token_id] = tokens[token_id]
-        info = xgrammar.TokenizerInfo(
-            encoded_vocab, metadata["vocab_type"], vocab_size=vocab_size,
-            stop_token_ids=sorted(stop_token_ids), add_prefix_space=metadata["add_prefix_space"],
-        )
+            if token_id in tokenizer.special_token_ids:
+                continue
+            control = set(_CONTROL.findall(text))
+            if not control:
+                json_vocab[token_id] = tokens[token_id]
+            if control <= _LINE_WHITESPACE:
+                tag_vocab[token_id] = tokens[token_id]
+
+        def compiler(encoded_vocab: list[str]) -> xgrammar.GrammarCompiler:
+            info = xgrammar.TokenizerInfo(
+                encoded_vocab, metadata["vocab_type"], vocab_size=vocab_size,
+                stop_token_ids=sorted(stop_token_ids), add_prefix_space=metadata["add_prefix_space"],
+            )
+            return xgrammar.GrammarCompiler(info, cache_enabled=False)
+
+        self._compiler = compiler(json_vocab)
+        self._tag_compiler = compiler(tag_vocab)  # tool-call formats put newlines between their parts
         self.vocab_size = vocab_size
-        self._compiler = xgrammar.GrammarCompiler(info, cache_enabled=False)
-        # compiled grammars by (schema text, json_object)
+        # compiled grammars by StructuredOutputRequest.grammar_key; thread-safe (the server compiles off
+        # the engine thread, `compile`, and the engine's `new_state` then finds the grammar here)
         self._compile = functools.lru_cache(maxsize=256)(self._compile_uncached)
+
+    def compile(self, request: StructuredOutputRequest) -> None:
+        """Compile `request`'s grammar into the cache (raises InvalidSchemaError for a bad schema)."""
+        self._compile(*request.grammar_key)
 
     def new_state(self, request: StructuredOutputRequest) -> GrammarState:
         """A fresh matcher for `request` (raises InvalidSchemaError for a bad schema)."""
-        return GrammarState(self._compile(request.json_schema, request.json_object), self.vocab_size)
+        return GrammarState(self._compile(*request.grammar_key), self.vocab_size, request)
 
-    def _compile_uncached(self, json_schema: str | None, json_object: bool) -> xgrammar.CompiledGrammar:
-        if json_object:
+    def _compile_uncached(self, kind: str, text: str) -> xgrammar.CompiledGrammar:
+        if kind == "json_object":
             return self._compiler.compile_json_schema(_ANY_OBJECT, any_whitespace=False, strict_mode=False)
-        check_json_schema(json_schema)
+        if kind == "structural_tag":
+            try:
+                return self._tag_compiler.compile_structural_tag(text)
+            except (RuntimeError, ValueError) as exc:
+                raise InvalidSchemaError(f"json_schema of a tool is not supported: {_xgrammar_message(exc)}") from None
+        check_json_schema(text)
         try:
-            return self._compiler.compile_json_schema(json_schema, any_whitespace=False)
+            return self._compiler.compile_json_schema(text, any_whitespace=False)
         except RuntimeError as exc:
             raise InvalidSchemaError(f"json_schema is not supported: {_xgrammar_message(exc)}") from None
 

@@ -31,6 +31,8 @@ def add_parser(subparsers) -> None:
                         help="split the layers over this many processes (one per GPU; gloo ranks on CPU)")
     parser.add_argument("--pp-layer-partition", default=None,
                         help="layers per rank, e.g. 16,17,15 (default: balanced by each rank's memory)")
+    parser.add_argument("--cpu-threads", type=int, default=None,
+                        help="torch threads on CPU (default: torch's own, one per core)")
     parser.set_defaults(func=run)
 
 
@@ -40,6 +42,12 @@ def run(args: argparse.Namespace) -> int:
     from tierlm.model.loader import ModelNotFoundError
     from tierlm.sampling_params import SamplingParams
 
+    if args.cpu_threads is not None:
+        if args.cpu_threads < 1:
+            raise CliError(f"--cpu-threads must be at least 1, got {args.cpu_threads}")
+        import torch
+
+        torch.set_num_threads(args.cpu_threads)
     try:
         params = SamplingParams(
             max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from tqdm import tqdm
+
 from tierlm.engine.llm_engine import EngineConfig, LLMEngine
 from tierlm.outputs import RequestOutput
 from tierlm.sampling_params import SamplingParams
@@ -29,8 +31,10 @@ class LLM:
         self,
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Prompts are strings or {"prompt_token_ids": [...]}; a list is one batch, run together."""
+        """Prompts are strings or {"prompt_token_ids": [...]}; a list is one batch, run together. With
+        `use_tqdm` a batch of more than one prompt shows a progress bar (finished prompts) on stderr."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         if sampling_params is None:
@@ -49,7 +53,7 @@ class LLM:
             for request_id in ids:  # a batch is accepted whole or not at all
                 self.engine.abort_request(request_id)
             raise
-        return self._run(ids)
+        return self._run(ids, use_tqdm and len(ids) > 1)
 
     def chat(
         self,
@@ -57,24 +61,31 @@ class LLM:
         sampling_params: SamplingParams | None = None,
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
+        use_tqdm: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
-        """One conversation (a list of messages) or a batch of them, rendered with the chat template."""
+        """One conversation (a list of messages) or a batch of them, rendered with the chat template (and
+        `tools`, OpenAI-shaped, for the template to list)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tokenizer = self.engine.tokenizer
         prompts = []
         for conversation in conversations:
             text = tokenizer.apply_chat_template(
-                conversation, add_generation_prompt=add_generation_prompt, template_kwargs=chat_template_kwargs
+                conversation, add_generation_prompt=add_generation_prompt, tools=tools,
+                template_kwargs=chat_template_kwargs,
             )
             prompts.append({"prompt_token_ids": tokenizer.encode(text, add_special_tokens=False), "prompt": text})
-        return self.generate(prompts, sampling_params)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
-    def _run(self, request_ids: list[str]) -> list[RequestOutput]:
+    def _run(self, request_ids: list[str], progress: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}
-        while self.engine.has_unfinished_requests():
-            for output in self.engine.step():
-                if output.finished:
-                    finished[output.request_id] = output
+        bar = tqdm(total=len(request_ids), desc="Processed prompts", unit="prompt", disable=not progress)
+        with bar:
+            while self.engine.has_unfinished_requests():
+                for output in self.engine.step():
+                    if output.finished:
+                        finished[output.request_id] = output
+                        bar.update(1)
         return [finished[i] for i in request_ids]
 
 

@@ -18,6 +18,8 @@ from pathlib import Path
 
 from tierlm.cli import CliError
 from tierlm.config import LOAD_FORMATS
+from tierlm.server.reasoning_parser import REASONING_PARSERS
+from tierlm.server.tool_parsers import TOOL_PARSERS
 
 # flag destination -> EngineConfig field (the same name)
 ENGINE_FLAGS = (
@@ -43,7 +45,19 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--served-model-name", default=None, help="the name clients use (default: folder)")
     parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    chat = parser.add_argument_group("tools and reasoning (chat completions)")
+    chat.add_argument("--enable-auto-tool-choice", action="store_true",
+                      help="tool_choice 'auto': read tool calls out of the model's text (needs --tool-call-parser)")
+    chat.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                      help="the model's tool-call format: hermes (<tool_call>{json}</tool_call>) or qwen3_coder "
+                      "(<tool_call><function=...><parameter=...>); also the format forced for tool_choice "
+                      "'required' or a named function (default there: hermes)")
+    chat.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+                      help="split <think>...</think> into reasoning_content; grammars apply after it")
     clients = parser.add_argument_group("clients (what one client may cost the others)")
+    clients.add_argument("--max-n", type=int, default=16, help="choices one request may ask for (n), at most")
+    clients.add_argument("--max-request-bytes", type=int, default=8 << 20,
+                         help="request bodies larger than this are refused with 413 (default 8 MiB)")
     clients.add_argument("--max-stream-buffer-bytes", type=int, default=None,
                          help="output a stream's client has not read, at most (estimated bytes); past it the "
                          "request is paused until the client reads half of it (default 4 MiB)")
@@ -167,7 +181,14 @@ def run(args: argparse.Namespace) -> int:
         async_engine = AsyncEngine(engine, name, **{k: v for k, v in limits.items() if v is not None})
     except (ValueError, ModelNotFoundError) as exc:
         raise CliError(str(exc)) from None
-    app = build_app(async_engine, name, args.api_key)
+    try:
+        app = build_app(
+            async_engine, name, args.api_key, tool_parser=args.tool_call_parser,
+            auto_tool_choice=args.enable_auto_tool_choice, reasoning_parser=args.reasoning_parser,
+            max_n=args.max_n, max_request_bytes=args.max_request_bytes,
+        )
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
     print(f"tierlm serve: {model} as {name!r} on http://{args.host}:{args.port}/v1", file=sys.stderr)
     uvicorn.run(
         app, host=args.host, port=args.port, log_level="info", http=http, limit_concurrency=args.limit_concurrency,

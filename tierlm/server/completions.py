@@ -1,10 +1,10 @@
 """POST /v1/completions: OpenAI's legacy completions, streaming or not.
 
 Prompts may be a string, a list of strings, a list of token ids or a list of such lists (one engine
-request each). Log-probabilities use the legacy shape (tokens / token_logprobs / top_logprobs /
-text_offset). `echo: true` puts the prompt in front of the answer, and with `logprobs` the prompt's
-tokens with their log-probabilities (the first one None), as lm-eval-harness's `local-completions`
-scores text, `max_tokens: 0` included.
+request each, tokenized off the event loop). Log-probabilities use the legacy shape (tokens /
+token_logprobs / top_logprobs / text_offset). `echo: true` puts the prompt in front of the answer, and
+with `logprobs` the prompt's tokens with their log-probabilities (the first one None), as
+lm-eval-harness's `local-completions` scores text, `max_tokens: 0` included.
 """
 
 from __future__ import annotations
@@ -26,12 +26,15 @@ from tierlm.server.protocol import (
 from tierlm.server.serving import (
     ChoiceDelta,
     ServingContext,
-    check_model,
+    check_request,
     check_room,
     clamp,
     collect,
+    compile_grammar,
     decoded,
     deltas,
+    encode_prompt,
+    response_format_request,
     sampling_params,
     sse_events,
     submit,
@@ -45,15 +48,17 @@ _Pair = tuple[int, PositionLogprobs | None]  # a token and its log-probabilities
 async def create_completion(
     request: CompletionRequest, ctx: ServingContext, http_request: Request
 ) -> Response:
-    check_model(request, ctx)
-    prompts = _prompts(request.prompt, ctx.tokenizer)
+    check_request(request, ctx)
+    prompts = await ctx.off_loop(_prompts, request.prompt, ctx)
     keep_output = request.max_tokens != 0
     max_tokens = request.max_tokens if keep_output else 1  # score the prompt: run one token, drop it
     for prompt in prompts:
         check_room(len(prompt.token_ids), max_tokens, ctx, "max_tokens")
+    structured = response_format_request(request.response_format)
+    await compile_grammar(ctx, structured, "response_format")
     params = sampling_params(
         request, max_tokens=max_tokens, logprobs=request.logprobs,
-        prompt_logprobs=request.logprobs if request.echo else None,
+        prompt_logprobs=request.logprobs if request.echo else None, structured_output=structured,
     )
     request_id = f"cmpl-{uuid.uuid4().hex}"
     stream = await submit(ctx, request_id, prompts, params, "prompt")
@@ -74,11 +79,12 @@ async def create_completion(
     return Response(response.model_dump_json(), media_type="application/json")
 
 
-def _prompts(prompt: str | list, tokenizer: Tokenizer) -> list[EnginePrompt]:
+def _prompts(prompt: str | list, ctx: ServingContext) -> list[EnginePrompt]:
     if isinstance(prompt, str) or isinstance(prompt[0], int):
         prompt = [prompt]
     return [
-        EnginePrompt(tokenizer.encode(p), p) if isinstance(p, str) else EnginePrompt(list(p)) for p in prompt
+        EnginePrompt(encode_prompt(ctx, p, "prompt"), p) if isinstance(p, str) else EnginePrompt(list(p))
+        for p in prompt
     ]
 
 

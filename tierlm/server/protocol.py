@@ -1,7 +1,8 @@
 """The OpenAI wire shapes the server reads and writes, as pydantic models, and its error type.
 
-Requests accept OpenAI's fields plus vLLM's sampling extras (`top_k`, `min_tokens`, `ignore_eos`, ...);
-unknown fields are ignored, as vLLM does. Types are strict where OpenAI's schema is: a boolean is
+Requests accept OpenAI's fields plus vLLM's sampling extras (`top_k`, `min_tokens`, `ignore_eos`,
+`repetition_penalty`, ...); unknown fields are ignored, as vLLM does, except the OpenAI / vLLM fields
+tierlm does not implement (`UNSUPPORTED_FIELDS`), which are refused when set to anything but "unused". Types are strict where OpenAI's schema is: a boolean is
 `true`/`false`, an integer is a JSON integer, token ids are integers (no "3", 3.0 or true), and numbers
 are finite (no NaN or Infinity literals). Numeric fields carry OpenAI's ranges (temperature [0, 2],
 top_p (0, 1], n [1, 128], logprobs [0, 20], seed a 64-bit integer), so they are refused with a 400 and
@@ -14,12 +15,13 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_serializer
 
 # ---- errors -------------------------------------------------------------------------------------------
 
 ERROR_TYPES = {
-    400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 500: "InternalServerError",
+    400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "MethodNotAllowedError",
+    413: "RequestTooLargeError", 422: "UnprocessableEntityError", 500: "InternalServerError",
     503: "ServiceUnavailableError",
 }
 
@@ -41,6 +43,32 @@ class ApiError(Exception):
 
 
 # ---- requests -----------------------------------------------------------------------------------------
+
+# OpenAI and vLLM request fields tierlm does not implement, with the value that means "not used": any
+# other value is refused with a 400 naming the field (a client that sets one would be silently misled).
+UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
+    "best_of": (None, 1), "suffix": (None, ""), "use_beam_search": (None, False), "length_penalty": (None, 1.0),
+    "early_stopping": (None, False), "truncate_prompt_tokens": (None,), "prompt_logprobs": (None,),
+    "spaces_between_special_tokens": (None, True), "guided_json": (None,), "guided_regex": (None,),
+    "guided_choice": (None,), "guided_grammar": (None,), "guided_decoding_backend": (None,),
+    "structured_outputs": (None,), "logits_processors": (None,), "return_tokens_as_token_ids": (None, False),
+    "priority": (None, 0), "reasoning_effort": (None,), "functions": (None,), "function_call": (None,),
+    "audio": (None,), "prediction": (None,), "web_search_options": (None,), "continue_final_message": (None, False),
+    "chat_template": (None,), "documents": (None,), "mm_processor_kwargs": (None,), "verbosity": (None,),
+}
+CHAT_ONLY_UNSUPPORTED = {"echo": (None, False), "add_generation_prompt": (None, True),
+                         "modalities": (None, ["text"])}
+
+
+def unsupported_field(data: dict[str, Any], chat: bool) -> str | None:
+    """The first field of a request body that asks for something tierlm does not do, or None."""
+    fields = {**UNSUPPORTED_FIELDS, **(CHAT_ONLY_UNSUPPORTED if chat else {})}
+    for name, unused in fields.items():
+        if name in data and not any(data[name] == value and type(data[name]) is type(value) for value in unused
+                                    if value is not None) and data[name] is not None:
+            return name
+    return None
+
 
 
 class _Request(BaseModel):
@@ -97,6 +125,14 @@ class SamplingRequest(_Request):
     stream: bool = False
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = None
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    repetition_penalty: float = Field(1.0, gt=0, le=10)
+    logit_bias: dict[Annotated[str, Field(pattern=r"^\d+$")], Annotated[float, Field(ge=-100, le=100)]] | None = None
+    min_p: float = Field(0.0, ge=0, le=1)
+    bad_words: list[NonEmptyText] | None = None
+    allowed_token_ids: Annotated[list[TokenId], Field(min_length=1)] | None = None
+    user: str | None = None  # accepted and not used
 
     @property
     def include_usage(self) -> bool:
@@ -145,6 +181,18 @@ class _Message(_Request):
 class TurnMessage(_Message):
     role: Literal["system", "developer", "user", "tool"]
     content: str | list[TextPart]
+    tool_call_id: str | None = None  # a tool result: the call it answers
+
+
+class CalledFunction(_Request):
+    name: str
+    arguments: str  # JSON text, as the model's answer gave it
+
+
+class AssistantToolCall(_Request):
+    id: str
+    type: Literal["function"]
+    function: CalledFunction
 
 
 class AssistantMessage(_Message):
@@ -152,13 +200,42 @@ class AssistantMessage(_Message):
 
     role: Literal["assistant"]
     content: str | list[TextPart] | None = None
+    tool_calls: list[AssistantToolCall] | None = None
+    reasoning_content: str | None = None
 
 
 ChatMessage = Annotated[TurnMessage | AssistantMessage, Field(discriminator="role")]
 
 
+FunctionName = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")]
+
+
+class FunctionDefinition(_Request):
+    name: FunctionName
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(_Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Request):
+    name: FunctionName
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
@@ -232,9 +309,22 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob]
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):
@@ -254,9 +344,33 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo
 
 
-class ChatDelta(BaseModel):
+class _OmitNone(BaseModel):
+    """Fields left None are left out (OpenAI's stream deltas carry only what changed)."""
+
+    @model_serializer(mode="wrap")
+    def _omit_none(self, handler):
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class DeltaFunctionCall(_OmitNone):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(_OmitNone):
+    """A call's first delta has its id, type and name; later ones fragments of its arguments."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
+class ChatDelta(_OmitNone):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(BaseModel):

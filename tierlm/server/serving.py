@@ -1,5 +1,7 @@
 """What the completions and chat handlers share: request checks, `SamplingParams` from an OpenAI request,
-submitting to the engine with errors mapped to HTTP, per-choice deltas of a running job, SSE framing.
+the text pool (chat templates, tokenization and grammar compilation run there, off the event loop, and
+heap memory they freed is trimmed after big bodies), submitting to the engine with errors mapped to
+HTTP, per-choice deltas of a running job, SSE framing.
 
 Choice indexes follow vLLM: prompt i's completion j is choice `i * n + j`. A request with `max_tokens: 0`
 (the prompt scored, nothing generated) runs with one token that is dropped from the answer.
@@ -8,11 +10,14 @@ Choice indexes follow vLLM: prompt i's completion j is choice `i * n + j`. A req
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import ctypes.util
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import Request
 from pydantic import BaseModel
@@ -28,9 +33,14 @@ from tierlm.server.async_engine import (
     RequestStream,
 )
 from tierlm.server.protocol import ApiError, ResponseFormat, SamplingRequest, UsageInfo
+from tierlm.server.reasoning_parser import Qwen3ReasoningParser
+from tierlm.server.tool_parsers import ToolParser
 from tierlm.tokenizer import Tokenizer
 
 logger = logging.getLogger("tierlm.server")
+
+_T = TypeVar("_T")
+_MALLOC_TRIM = getattr(ctypes.CDLL(ctypes.util.find_library("c") or None), "malloc_trim", None)  # glibc only
 
 SSE_DONE = "data: [DONE]\n\n"
 MIN_LOGPROB = -9999.0  # JSON has no -inf; vLLM reports this floor instead
@@ -42,6 +52,22 @@ class ServingContext:
     tokenizer: Tokenizer
     model_name: str
     max_model_len: int
+    text_pool: ThreadPoolExecutor  # chat templates, tokenization and grammar compilation: off the event loop
+    tool_parser: type[ToolParser] | None = None  # --tool-call-parser
+    auto_tool_choice: bool = False  # --enable-auto-tool-choice
+    reasoning_parser: type[Qwen3ReasoningParser] | None = None  # --reasoning-parser
+    max_n: int = 16  # --max-n
+
+    async def off_loop(self, work: Callable[..., _T], *args: Any) -> _T:
+        """Run CPU-heavy request preparation on the text pool; the event loop serves others meanwhile."""
+        return await asyncio.get_running_loop().run_in_executor(self.text_pool, work, *args)
+
+
+def trim_heap() -> None:
+    """Return the heap memory freed since the last trim to the OS (glibc keeps what threads free in their
+    arenas); a no-op without glibc."""
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
 
 
 class ClientDisconnected(Exception):
@@ -51,10 +77,22 @@ class ClientDisconnected(Exception):
 # ---- checks and parameters ------------------------------------------------------------------------------
 
 
-def check_model(request: SamplingRequest, ctx: ServingContext) -> None:
+def check_request(request: SamplingRequest, ctx: ServingContext) -> None:
+    """The model it names, and the server's limits."""
     if request.model is not None and request.model != ctx.model_name:
         raise ApiError(404, f"the model {request.model!r} does not exist here (this server serves {ctx.model_name!r})",
                        "model")
+    if request.n > ctx.max_n:
+        raise ApiError(400, f"n={request.n} is more than this server allows (--max-n {ctx.max_n})", "n")
+
+
+def encode_prompt(ctx: ServingContext, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
+    """A prompt's ids; a prompt that cannot fit the context is refused here, before its ids are listed."""
+    ids, count = ctx.tokenizer.encode_within(text, ctx.max_model_len - 1, add_special_tokens)
+    if ids is None:
+        raise ApiError(400, f"prompt has {count} tokens, but max_model_len is {ctx.max_model_len} (the prompt "
+                       "plus at least one generated token must fit)", param)
+    return ids
 
 
 def check_room(num_prompt_tokens: int, max_tokens: int | None, ctx: ServingContext, param: str) -> None:
@@ -71,7 +109,8 @@ def check_room(num_prompt_tokens: int, max_tokens: int | None, ctx: ServingConte
 
 
 def sampling_params(
-    request: SamplingRequest, *, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None
+    request: SamplingRequest, *, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None,
+    structured_output: StructuredOutputRequest | None,
 ) -> SamplingParams:
     try:
         return SamplingParams(
@@ -80,19 +119,33 @@ def sampling_params(
             stop_token_ids=request.stop_token_ids, ignore_eos=request.ignore_eos, logprobs=logprobs,
             prompt_logprobs=prompt_logprobs, skip_special_tokens=request.skip_special_tokens,
             include_stop_str_in_output=request.include_stop_str_in_output,
-            structured_output=_structured_output(request.response_format),
+            presence_penalty=request.presence_penalty, frequency_penalty=request.frequency_penalty,
+            repetition_penalty=request.repetition_penalty, min_p=request.min_p, bad_words=request.bad_words,
+            allowed_token_ids=request.allowed_token_ids,
+            logit_bias={int(k): v for k, v in request.logit_bias.items()} if request.logit_bias else None,
+            structured_output=structured_output,
         )
     except ValueError as exc:  # the message starts with the parameter's name
         name = str(exc).split(" ", 1)[0]
         raise ApiError(400, str(exc), name if name in type(request).model_fields else None) from None
 
 
-def _structured_output(response_format: ResponseFormat | None) -> StructuredOutputRequest | None:
+def response_format_request(response_format: ResponseFormat | None) -> StructuredOutputRequest | None:
     if response_format is None or response_format.type == "text":
         return None
     if response_format.type == "json_object":
         return StructuredOutputRequest(json_object=True)
     return StructuredOutputRequest(json_schema=json.dumps(response_format.json_schema.schema_))
+
+
+async def compile_grammar(ctx: ServingContext, structured: StructuredOutputRequest | None, param: str) -> None:
+    """Compile a request's grammar on the text pool (the engine thread then finds it compiled)."""
+    if structured is None:
+        return
+    try:
+        await ctx.off_loop(ctx.engine.engine.structured_outputs.compile, structured)
+    except ValueError as exc:  # InvalidSchemaError
+        raise ApiError(400, str(exc), param) from None
 
 
 async def submit(
