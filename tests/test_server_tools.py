@@ -166,3 +166,28 @@ def test_routes_limits_and_errors_in_openai_shape(server, client):
     for response, status in cases:
         assert response.status_code == status
         assert response.json()["error"]["code"] == status and response.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(("body", "rendered"), [
+    ({"tools": [CLOCK]}, '"auto"|True'),
+    ({"tools": [CLOCK], "tool_choice": "required", "parallel_tool_calls": False}, '"required"|False'),
+    ({"tools": [CLOCK], "tool_choice": {"type": "function", "function": {"name": "get_time"}}},
+     '{"function": {"name": "get_time"}, "type": "function"}|True'),
+    ({}, '"none"|True'),
+    ({"tools": [CLOCK], "chat_template_kwargs": {"tool_choice": "mine"}}, '"mine"|True'),  # the kwargs win
+])
+def test_tool_choice_and_parallel_tool_calls_reach_the_template(body, rendered):
+    from types import SimpleNamespace
+
+    import tokenizers
+
+    from tierlm.server.chat import _render, _tool_choice
+    from tierlm.server.protocol import ChatCompletionRequest
+
+    backend = tokenizers.Tokenizer(tokenizers.models.WordLevel({"[UNK]": 0}, unk_token="[UNK]"))
+    template = "{{ tool_choice | tojson(sort_keys=True) }}|{{ parallel_tool_calls }}"
+    ctx = SimpleNamespace(tokenizer=Tokenizer(backend, chat_template=template), max_model_len=64,
+                          auto_tool_choice=True)
+    request = ChatCompletionRequest.model_validate({"model": MODEL, "messages": ASK, **body})
+    tools = [t.model_dump(exclude_none=True) for t in request.tools] if request.tools else None
+    assert _render(ctx, request, tools, _tool_choice(request, ctx, tools))[0] == rendered

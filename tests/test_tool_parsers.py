@@ -142,3 +142,19 @@ def test_structural_tag_accepts_the_format_and_nothing_else(name, parallel, mana
     assert not accepts("Let me check.\n" + one_call)  # no free text
     assert not accepts(one_call.replace("get_weather", "get_wether"))  # only the tools given
     assert not accepts("")  # at least one call
+
+
+@pytest.mark.parametrize("name", sorted(TOOL_PARSERS))
+def test_max_calls_keeps_the_first_call_and_drops_later_blocks_whole(name):
+    """parallel_tool_calls: false under "auto": the second call is neither a call nor content, at any split."""
+    text = TEXTS[name] + "\nDone."
+    first_name, first_arguments = EXPECTED[name][0]
+    for pieces in [[text], list(text), *(splits(text, seed) for seed in range(10))]:
+        content, calls, _ = run(TOOL_PARSERS[name](TOOLS, max_calls=1), pieces)
+        assert content == "Let me check.\nDone."
+        [(call_name, arguments)] = calls
+        assert call_name == first_name and json.loads(arguments) == first_arguments
+    # a second block left open at the end is dropped too
+    open_second = TEXTS[name][: TEXTS[name].rindex("</tool_call>")]
+    content, calls, _ = run(TOOL_PARSERS[name](TOOLS, max_calls=1), [open_second])
+    assert content == "Let me check.\n" and len(calls) == 1
