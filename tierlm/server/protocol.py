@@ -3,10 +3,11 @@
 Requests accept OpenAI's fields plus vLLM's sampling extras (`top_k`, `min_tokens`, `ignore_eos`,
 `repetition_penalty`, ...); unknown fields are ignored, as vLLM does, except the OpenAI / vLLM fields
 tierlm does not implement (`UNSUPPORTED_FIELDS`), which are refused when set to anything but "unused". Types are strict where OpenAI's schema is: a boolean is
-`true`/`false`, an integer is a JSON integer, token ids are integers (no "3", 3.0 or true), and numbers
+`true`/`false`, an integer is a JSON integer, token ids are integers (no "3", 3.5 or true), and numbers
 are finite (no NaN or Infinity literals). Numeric fields carry OpenAI's ranges (temperature [0, 2],
 top_p (0, 1], n [1, 128], logprobs [0, 20], seed a 64-bit integer), so they are refused with a 400 and
-are in the OpenAPI schema; `SamplingParams` checks the combinations. Responses carry only what tierlm
+are in the OpenAPI schema; `SamplingParams` checks the combinations. An integer written with a zero
+fraction (`3.0`) is that integer, as JSON Schema reads it (so every schema-valid body is read as meant). Responses carry only what tierlm
 fills in.
 """
 
@@ -15,7 +16,7 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_serializer
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag, model_serializer
 
 # ---- errors -------------------------------------------------------------------------------------------
 
@@ -75,9 +76,15 @@ class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
 
-TokenId = Annotated[int, Field(ge=0)]
+def _integral(value: Any) -> Any:
+    """3.0 -> 3 (JSON Schema's "integer" includes numbers with a zero fraction); anything else as given."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+Integer = Annotated[int, BeforeValidator(_integral)]  # a strict integer, 3.0 included
+TokenId = Annotated[Integer, Field(ge=0)]
 NonEmptyText = Annotated[str, Field(min_length=1)]
-Seed = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
+Seed = Annotated[Integer, Field(ge=-(2**63), le=2**63 - 1)]
 
 
 class StreamOptions(_Request):
@@ -111,11 +118,11 @@ class SamplingRequest(_Request):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model: str | None = None
-    n: int = Field(1, ge=1, le=128)
+    n: Integer = Field(1, ge=1, le=128)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=-1)
-    min_tokens: int = Field(0, ge=0)
+    top_k: Integer | None = Field(None, ge=-1)
+    min_tokens: Integer = Field(0, ge=0)
     seed: Seed | None = None
     stop: NonEmptyText | list[NonEmptyText] | None = None
     stop_token_ids: list[TokenId] | None = None
@@ -164,9 +171,9 @@ Prompt = Annotated[
 
 class CompletionRequest(SamplingRequest):
     prompt: Prompt
-    max_tokens: int | None = Field(16, ge=0)
+    max_tokens: Integer | None = Field(16, ge=0)
     echo: bool = False
-    logprobs: int | None = Field(None, ge=0, le=20)
+    logprobs: Integer | None = Field(None, ge=0, le=20)
 
 
 class TextPart(_Request):
@@ -236,10 +243,10 @@ class ChatCompletionRequest(SamplingRequest):
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: Integer | None = Field(None, ge=1)
+    max_completion_tokens: Integer | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: Integer | None = Field(None, ge=0, le=20)
     chat_template_kwargs: dict[str, Any] | None = None
 
 
