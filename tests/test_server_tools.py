@@ -164,6 +164,9 @@ def test_routes_limits_and_errors_in_openai_shape(server, client):
     assert httpx.get(f"{url}/version").json()["version"]
     schemas = httpx.get(f"{url}/openapi.json").json()["components"]["schemas"]
     assert {"tools", "tool_choice", "logit_bias"} <= set(schemas["ChatCompletionRequest"]["properties"])
+    # the schema allows only what this server serves: n up to --max-n 4, top_logprobs only with logprobs
+    assert [schemas[m]["properties"]["n"]["maximum"] for m in ("CompletionRequest", "ChatCompletionRequest")] == [4, 4]
+    assert schemas["ChatCompletionRequest"]["then"]["properties"]["logprobs"] == {"const": True}
     cases = [(httpx.get(f"{url}/v1/nothing"), 404), (httpx.get(f"{url}/v1/chat/completions"), 405),
              (httpx.post(f"{url}/v1/completions", content=b"x" * (MAX_REQUEST_BYTES + 1)), 413)]
     for response, status in cases:

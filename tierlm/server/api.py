@@ -170,7 +170,7 @@ def build_app(
         return await _unless_gone(create_chat_completion(body, ctx, request), request, ctx)
 
     app.include_router(v1)
-    _publish_request_schemas(app, [CompletionRequest, ChatCompletionRequest])
+    _publish_request_schemas(app, [CompletionRequest, ChatCompletionRequest], max_n)
     return app
 
 
@@ -188,8 +188,9 @@ def _request_body(model: type[BaseModel]) -> dict:
         "schema": {"$ref": _COMPONENTS.format(model=model.__name__)}}}}}
 
 
-def _publish_request_schemas(app: FastAPI, models: list[type[BaseModel]]) -> None:
-    """Put the request models (and the models they use) into the app's OpenAPI components."""
+def _publish_request_schemas(app: FastAPI, models: list[type[BaseModel]], max_n: int) -> None:
+    """Put the request models (and the models they use) into the app's OpenAPI components, with this
+    server's own limits (`n` at most --max-n), so that every body the schema allows is served."""
     default = app.openapi
 
     def openapi() -> dict:
@@ -199,6 +200,8 @@ def _publish_request_schemas(app: FastAPI, models: list[type[BaseModel]]) -> Non
             for model in models:
                 body = model.model_json_schema(ref_template=_COMPONENTS)
                 components.update(body.pop("$defs", {}))
+                n = body["properties"]["n"]
+                n["maximum"] = min(n["maximum"], max_n)
                 components[model.__name__] = body
         return app.openapi_schema
 

@@ -238,7 +238,16 @@ class NamedToolChoice(_Request):
     function: NamedFunction
 
 
+# OpenAI's rule, in the schema too: top_logprobs (any value) needs logprobs: true
+_TOP_LOGPROBS_NEED_LOGPROBS = {
+    "if": {"properties": {"top_logprobs": {"type": "integer"}}, "required": ["top_logprobs"]},
+    "then": {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]},
+}
+
+
 class ChatCompletionRequest(SamplingRequest):
+    model_config = ConfigDict(json_schema_extra=_TOP_LOGPROBS_NEED_LOGPROBS)
+
     messages: list[ChatMessage] = Field(min_length=1)
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
