@@ -158,3 +158,22 @@ def test_max_calls_keeps_the_first_call_and_drops_later_blocks_whole(name):
     open_second = TEXTS[name][: TEXTS[name].rindex("</tool_call>")]
     content, calls, _ = run(TOOL_PARSERS[name](TOOLS, max_calls=1), [open_second])
     assert content == "Let me check.\n" and len(calls) == 1
+
+
+def test_hermes_length_bounded_strings_take_no_raw_control_character(manager):
+    """The tool-call vocabulary has newline and tab tokens; a maxLength string must still be JSON."""
+    import xgrammar
+
+    note = {"type": "function", "function": {"name": "note", "parameters": {
+        "type": "object", "properties": {"text": {"type": "string", "minLength": 1, "maxLength": 4}},
+        "required": ["text"]}}}
+    compiled = manager._compile("structural_tag", TOOL_PARSERS["hermes"].structural_tag([note], False))
+
+    def accepts(value: str) -> bool:
+        matcher = xgrammar.GrammarMatcher(compiled)
+        call = f'<tool_call>\n{{"name": "note", "arguments": {{"text": "{value}"}}}}\n</tool_call>'
+        return matcher.accept_string(call) and matcher.is_completed()
+
+    assert accepts("ab") and accepts("abcd") and accepts("é")
+    assert not accepts("") and not accepts("abcde")  # the bounds hold
+    assert not accepts("a\nb") and not accepts("a\tb")  # not JSON
