@@ -177,3 +177,20 @@ def test_hermes_length_bounded_strings_take_no_raw_control_character(manager):
     assert accepts("ab") and accepts("abcd") and accepts("é")
     assert not accepts("") and not accepts("abcde")  # the bounds hold
     assert not accepts("a\nb") and not accepts("a\tb")  # not JSON
+
+
+@pytest.mark.parametrize("name", sorted(TOOL_PARSERS))
+def test_an_array_without_items_holds_any_json_values(name, manager):
+    import xgrammar
+
+    tool = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"xs": {"type": "array"}}, "required": ["xs"]}}}
+    compiled = manager._compile("structural_tag", TOOL_PARSERS[name].structural_tag([tool], False))
+    for value in ('[1, "a", {"b": null}]', "[]"):
+        call = {"hermes": f'<tool_call>\n{{"name": "f", "arguments": {{"xs": {value}}}}}\n</tool_call>',
+                "qwen3_coder": f"<tool_call>\n<function=f>\n<parameter=xs>\n{value}\n</parameter>\n</function>\n"
+                               "</tool_call>"}[name]
+        matcher = xgrammar.GrammarMatcher(compiled)
+        assert matcher.accept_string(call) and matcher.is_completed()
+        [(_, arguments)] = run(TOOL_PARSERS[name]([tool]), [call])[1]
+        assert json.loads(arguments) == {"xs": json.loads(value)}
