@@ -81,10 +81,15 @@ def _integral(value: Any) -> Any:
     return int(value) if isinstance(value, float) and value.is_integer() else value
 
 
-Integer = Annotated[int, BeforeValidator(_integral)]  # a strict integer, 3.0 included
-TokenId = Annotated[Integer, Field(ge=0)]
+def integer(ge: int | None = None, le: int | None = None) -> Any:
+    """The type of an integer field within [ge, le]: strict, 3.0 read as 3 (the bounds before the
+    conversion, so that they reach the JSON schema as minimum / maximum)."""
+    return Annotated[int, Field(ge=ge, le=le), BeforeValidator(_integral)]
+
+
+TokenId = integer(ge=0)
 NonEmptyText = Annotated[str, Field(min_length=1)]
-Seed = Annotated[Integer, Field(ge=-(2**63), le=2**63 - 1)]
+Seed = integer(ge=-(2**63), le=2**63 - 1)
 
 
 class StreamOptions(_Request):
@@ -118,11 +123,11 @@ class SamplingRequest(_Request):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model: str | None = None
-    n: Integer = Field(1, ge=1, le=128)
+    n: integer(ge=1, le=128) = 1
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    top_k: Integer | None = Field(None, ge=-1)
-    min_tokens: Integer = Field(0, ge=0)
+    top_k: integer(ge=-1) | None = None
+    min_tokens: integer(ge=0) = 0
     seed: Seed | None = None
     stop: NonEmptyText | list[NonEmptyText] | None = None
     stop_token_ids: list[TokenId] | None = None
@@ -171,9 +176,9 @@ Prompt = Annotated[
 
 class CompletionRequest(SamplingRequest):
     prompt: Prompt
-    max_tokens: Integer | None = Field(16, ge=0)
+    max_tokens: integer(ge=0) | None = 16
     echo: bool = False
-    logprobs: Integer | None = Field(None, ge=0, le=20)
+    logprobs: integer(ge=0, le=20) | None = None
 
 
 class TextPart(_Request):
@@ -252,10 +257,10 @@ class ChatCompletionRequest(SamplingRequest):
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
-    max_tokens: Integer | None = Field(None, ge=1)
-    max_completion_tokens: Integer | None = Field(None, ge=1)
+    max_tokens: integer(ge=1) | None = None
+    max_completion_tokens: integer(ge=1) | None = None
     logprobs: bool = False
-    top_logprobs: Integer | None = Field(None, ge=0, le=20)
+    top_logprobs: integer(ge=0, le=20) | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
 
