@@ -164,9 +164,15 @@ def test_routes_limits_and_errors_in_openai_shape(server, client):
     assert httpx.get(f"{url}/version").json()["version"]
     schemas = httpx.get(f"{url}/openapi.json").json()["components"]["schemas"]
     assert {"tools", "tool_choice", "logit_bias"} <= set(schemas["ChatCompletionRequest"]["properties"])
-    # the schema allows only what this server serves: n up to --max-n 4, top_logprobs only with logprobs
+    # the schema allows only what this server serves: n up to --max-n 4, token ids in the vocabulary,
+    # top_logprobs only with logprobs, tool_choice required / named only with tools
     assert [schemas[m]["properties"]["n"]["maximum"] for m in ("CompletionRequest", "ChatCompletionRequest")] == [4, 4]
-    assert schemas["ChatCompletionRequest"]["then"]["properties"]["logprobs"] == {"const": True}
+    vocab = Tokenizer.from_pretrained(server["model_dir"]).vocab_size
+    assert schemas["CompletionRequest"]["properties"]["prompt"]["oneOf"][2]["items"] == {
+        "type": "integer", "minimum": 0, "maximum": vocab - 1}
+    assert "x-tierlm-token-id" not in json.dumps(schemas)
+    rules = schemas["ChatCompletionRequest"]["allOf"]
+    assert [rule["then"]["required"] for rule in rules] == [["logprobs"], ["tools"]]  # auto tool choice is on
     cases = [(httpx.get(f"{url}/v1/nothing"), 404), (httpx.get(f"{url}/v1/chat/completions"), 405),
              (httpx.post(f"{url}/v1/completions", content=b"x" * (MAX_REQUEST_BYTES + 1)), 413)]
     for response, status in cases:

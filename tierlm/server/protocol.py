@@ -87,7 +87,9 @@ def integer(ge: int | None = None, le: int | None = None) -> Any:
     return Annotated[int, Field(ge=ge, le=le), BeforeValidator(_integral)]
 
 
-TokenId = integer(ge=0)
+# a token id; the server's schema adds the vocabulary's end as its maximum (TOKEN_ID_MARK marks where)
+TOKEN_ID_MARK = "x-tierlm-token-id"
+TokenId = Annotated[int, Field(ge=0, json_schema_extra={TOKEN_ID_MARK: True}), BeforeValidator(_integral)]
 NonEmptyText = Annotated[str, Field(min_length=1)]
 Seed = integer(ge=-(2**63), le=2**63 - 1)
 
@@ -243,15 +245,20 @@ class NamedToolChoice(_Request):
     function: NamedFunction
 
 
-# OpenAI's rule, in the schema too: top_logprobs (any value) needs logprobs: true
-_TOP_LOGPROBS_NEED_LOGPROBS = {
-    "if": {"properties": {"top_logprobs": {"type": "integer"}}, "required": ["top_logprobs"]},
-    "then": {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]},
-}
+# OpenAI's rules between fields, in the schema too: top_logprobs (any value) needs logprobs: true;
+# tool_choice "required" or a named function needs tools (a named one must also be among them: that, the
+# schema cannot say)
+CHAT_FIELD_RULES = [
+    {"if": {"properties": {"top_logprobs": {"type": "integer"}}, "required": ["top_logprobs"]},
+     "then": {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]}},
+    {"if": {"properties": {"tool_choice": {"anyOf": [{"const": "required"}, {"type": "object"}]}},
+            "required": ["tool_choice"]},
+     "then": {"properties": {"tools": {"type": "array", "minItems": 1}}, "required": ["tools"]}},
+]
 
 
 class ChatCompletionRequest(SamplingRequest):
-    model_config = ConfigDict(json_schema_extra=_TOP_LOGPROBS_NEED_LOGPROBS)
+    model_config = ConfigDict(json_schema_extra={"allOf": CHAT_FIELD_RULES})
 
     messages: list[ChatMessage] = Field(min_length=1)
     tools: list[ChatTool] | None = None
