@@ -171,6 +171,7 @@ def test_routes_limits_and_errors_in_openai_shape(server, client):
     assert schemas["CompletionRequest"]["properties"]["prompt"]["oneOf"][2]["items"] == {
         "type": "integer", "minimum": 0, "maximum": vocab - 1}
     assert "x-tierlm-token-id" not in json.dumps(schemas)
+    assert schemas["ChatCompletionRequest"]["properties"]["max_tokens"]["anyOf"][0]["maximum"] == 1023  # --max-model-len
     rules = schemas["ChatCompletionRequest"]["allOf"]
     assert [rule["then"]["required"] for rule in rules] == [["logprobs"], ["tools"]]  # auto tool choice is on
     cases = [(httpx.get(f"{url}/v1/nothing"), 404), (httpx.get(f"{url}/v1/chat/completions"), 405),

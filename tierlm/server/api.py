@@ -173,7 +173,7 @@ def build_app(
 
     app.include_router(v1)
     _publish_request_schemas(app, [CompletionRequest, ChatCompletionRequest], ServedLimits(
-        max_n, engine.engine.model_config.vocab_size, auto_tool_choice))
+        max_n, engine.engine.model_config.vocab_size, ctx.max_model_len, auto_tool_choice))
     return app
 
 
@@ -197,6 +197,7 @@ class ServedLimits:
 
     max_n: int  # --max-n
     vocab_size: int  # token ids below it
+    max_model_len: int  # max_tokens below it (the prompt takes at least one position)
     auto_tool_choice: bool  # without it, tools need tool_choice "none", "required" or a named function
 
 
@@ -214,10 +215,11 @@ def _with_limits(schema: Any, limits: ServedLimits) -> Any:
 
 def _publish_request_schemas(app: FastAPI, models: list[type[BaseModel]], limits: ServedLimits) -> None:
     """Put the request models (and the models they use) into the app's OpenAPI components, with this
-    server's own limits (`n` at most --max-n, token ids in the vocabulary, tools without
+    server's own limits (`n` at most --max-n, token ids in the vocabulary, max_tokens below
+    --max-model-len, tools without
     --enable-auto-tool-choice only with a tool_choice), so that every body the schema allows is served
-    (but for what a schema cannot say: a prompt longer than the context, max_tokens past it, a named
-    function not among the tools)."""
+    (but for what a schema cannot say: a prompt longer than the context, max_tokens past what the
+    prompt leaves, a named function not among the tools)."""
     default = app.openapi
 
     def openapi() -> dict:
@@ -229,6 +231,10 @@ def _publish_request_schemas(app: FastAPI, models: list[type[BaseModel]], limits
                 components.update(body.pop("$defs", {}))
                 n = body["properties"]["n"]
                 n["maximum"] = min(n["maximum"], limits.max_n)
+                for name in ("max_tokens", "max_completion_tokens"):
+                    for form in body["properties"].get(name, {}).get("anyOf", ()):
+                        if form["type"] == "integer":
+                            form["maximum"] = limits.max_model_len - 1
                 if model is ChatCompletionRequest and not limits.auto_tool_choice:
                     body["allOf"].append({
                         "if": {"properties": {"tools": {"type": "array", "minItems": 1}}, "required": ["tools"]},
