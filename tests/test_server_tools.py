@@ -171,6 +171,8 @@ def test_routes_limits_and_errors_in_openai_shape(server, client):
     assert schemas["CompletionRequest"]["properties"]["prompt"]["oneOf"][2]["items"] == {
         "type": "integer", "minimum": 0, "maximum": vocab - 1}
     assert "x-tierlm-token-id" not in json.dumps(schemas)
+    assert "maximum" not in schemas["CompletionRequest"]["properties"]["stop_token_ids"]["anyOf"][0]["items"]
+    assert schemas["CompletionRequest"]["properties"]["logit_bias"]["anyOf"][0]["additionalProperties"] is False
     assert schemas["ChatCompletionRequest"]["properties"]["max_tokens"]["anyOf"][0]["maximum"] == 1023  # --max-model-len
     rules = schemas["ChatCompletionRequest"]["allOf"]
     assert [rule["then"]["required"] for rule in rules] == [["logprobs"], ["tools"]]  # auto tool choice is on

@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag, model_serializer
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag, WithJsonSchema, model_serializer
 
 # ---- errors -------------------------------------------------------------------------------------------
 
@@ -90,7 +90,14 @@ def integer(ge: int | None = None, le: int | None = None) -> Any:
 # a token id; the server's schema adds the vocabulary's end as its maximum (TOKEN_ID_MARK marks where)
 TOKEN_ID_MARK = "x-tierlm-token-id"
 TokenId = Annotated[int, Field(ge=0, json_schema_extra={TOKEN_ID_MARK: True}), BeforeValidator(_integral)]
+StopTokenId = integer(ge=0)  # any id (no vocabulary bound): one that never comes never stops
 NonEmptyText = Annotated[str, Field(min_length=1)]
+# {token id (decimal text): bias}; no other keys (in the schema too: additionalProperties false)
+LogitBias = Annotated[
+    dict[Annotated[str, Field(pattern=r"^\d+$")], Annotated[float, Field(ge=-100, le=100)]],
+    WithJsonSchema({"type": "object", "additionalProperties": False, "patternProperties": {
+        r"^\d+$": {"type": "number", "minimum": -100, "maximum": 100}}}),
+]
 Seed = integer(ge=-(2**63), le=2**63 - 1)
 
 
@@ -132,7 +139,7 @@ class SamplingRequest(_Request):
     min_tokens: integer(ge=0) = 0
     seed: Seed | None = None
     stop: NonEmptyText | list[NonEmptyText] | None = None
-    stop_token_ids: list[TokenId] | None = None
+    stop_token_ids: list[StopTokenId] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -142,7 +149,7 @@ class SamplingRequest(_Request):
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     repetition_penalty: float = Field(1.0, gt=0, le=10)
-    logit_bias: dict[Annotated[str, Field(pattern=r"^\d+$")], Annotated[float, Field(ge=-100, le=100)]] | None = None
+    logit_bias: LogitBias | None = None
     min_p: float = Field(0.0, ge=0, le=1)
     bad_words: list[NonEmptyText] | None = None
     allowed_token_ids: Annotated[list[TokenId], Field(min_length=1)] | None = None
