@@ -216,10 +216,10 @@ def _with_limits(schema: Any, limits: ServedLimits) -> Any:
 def _publish_request_schemas(app: FastAPI, models: list[type[BaseModel]], limits: ServedLimits) -> None:
     """Put the request models (and the models they use) into the app's OpenAPI components, with this
     server's own limits (`n` at most --max-n, token ids in the vocabulary, max_tokens below
-    --max-model-len, tools without
-    --enable-auto-tool-choice only with a tool_choice), so that every body the schema allows is served
-    (but for what a schema cannot say: a prompt longer than the context, max_tokens past what the
-    prompt leaves, a named function not among the tools)."""
+    --max-model-len, tools without --enable-auto-tool-choice only with a tool_choice), so that every
+    body the schema allows is served, but for what a schema cannot say (a prompt longer than the
+    context, max_tokens past what the prompt leaves, min_tokens above max_tokens, a named function
+    not among the tools: 400s)."""
     default = app.openapi
 
     def openapi() -> dict:
