@@ -1,12 +1,12 @@
 """POST /v1/chat/completions: messages through the model's chat template, streaming or not, with tools and
 reasoning.
 
-The conversation is rendered with `add_generation_prompt=True`, the request's `tools`, `tool_choice`
-(as served: "none", "auto", "required" or the named-function object) and `parallel_tool_calls` as
-template variables (as transformers' apply_chat_template passes extra kwargs), then any
-`chat_template_kwargs` (which win over those two, as in vLLM), and encoded with
-`add_special_tokens=False`, as `LLM.chat` does (on the text pool, off the event loop). An assistant turn's tool-call arguments reach the template as objects when they
-are JSON objects (templates write them with `tojson`). Log-probabilities use the chat shape
+The conversation is rendered with `add_generation_prompt=True`, the request's `tools`, `tool_choice` (as
+served: "none", "auto", "required" or the named-function object) and `parallel_tool_calls` as template
+variables (as transformers' apply_chat_template passes extra kwargs), then any `chat_template_kwargs` (which
+win over those two, as in vLLM), and encoded with `add_special_tokens=False`, as `LLM.chat` does (on the
+text pool, off the event loop). An assistant turn's tool-call arguments reach the template as objects when
+they are JSON objects (templates write them with `tojson`). Log-probabilities use the chat shape
 (`logprobs.content[i]` with `top_logprobs`); `max_completion_tokens` wins over `max_tokens`, and with
 neither the answer may run to the end of the context, as in vLLM.
 
@@ -14,11 +14,11 @@ Tools (vLLM's rules): `tool_choice` defaults to "auto" with tools, "none" withou
 `--enable-auto-tool-choice` and `--tool-call-parser`: the parser reads calls out of free text. "required"
 and a named function are enforced with a grammar (a structural tag in the parser's format, `hermes` when
 none is configured), so even a random model answers with a valid call. A finished answer with calls has
-finish_reason "tool_calls" (a named function: "stop", as OpenAI). `parallel_tool_calls: false` means
-at most one call: "required" stops its grammar after the first call (a named function is always one
-call), and "auto" keeps the first call the parser reads (later `<tool_call>` blocks are dropped from the
-answer; the generation is not cut short, so content after the call survives). With
-`--reasoning-parser`, the reasoning goes to `reasoning_content`; when the prompt opened the reasoning block (e.g. `enable_thinking`), a grammar
+finish_reason "tool_calls" (a named function: "stop", as OpenAI). `parallel_tool_calls: false` means at most
+one call: "required" stops its grammar after the first call (a named function is always one call), and
+"auto" keeps the first call the parser reads (later `<tool_call>` blocks are dropped from the answer; the
+generation is not cut short, so content after the call survives). With `--reasoning-parser`, the reasoning
+goes to `reasoning_content`; when the prompt opened the reasoning block (e.g. `enable_thinking`), a grammar
 (tools or response_format) applies only after it ends; otherwise from the first token.
 """
 
