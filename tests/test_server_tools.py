@@ -3,7 +3,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
+from pathlib import Path
 
 import httpx
 import jsonschema
@@ -33,7 +36,7 @@ def server(tmp_path_factory):
              "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3", "--max-n", "4",
              "--max-request-bytes", str(MAX_REQUEST_BYTES)]
     with serving(flags, tmp_path_factory.mktemp("log") / "server.log") as process:
-        yield {"url": process.url, "model_dir": folder}
+        yield {"url": process.url, "model_dir": folder, "pid": process.pid}
 
 
 @pytest.fixture(scope="module")
@@ -161,8 +164,114 @@ def test_routes_limits_and_errors_in_openai_shape(server, client):
     assert httpx.get(f"{url}/version").json()["version"]
     schemas = httpx.get(f"{url}/openapi.json").json()["components"]["schemas"]
     assert {"tools", "tool_choice", "logit_bias"} <= set(schemas["ChatCompletionRequest"]["properties"])
+    # the schema allows only what this server serves: n up to --max-n 4, token ids in the vocabulary,
+    # top_logprobs only with logprobs, tool_choice required / named only with tools
+    assert [schemas[m]["properties"]["n"]["maximum"] for m in ("CompletionRequest", "ChatCompletionRequest")] == [4, 4]
+    vocab = Tokenizer.from_pretrained(server["model_dir"]).vocab_size
+    assert schemas["CompletionRequest"]["properties"]["prompt"]["oneOf"][2]["items"] == {
+        "type": "integer", "minimum": 0, "maximum": vocab - 1}
+    assert "x-tierlm-token-id" not in json.dumps(schemas)
+    assert "maximum" not in schemas["CompletionRequest"]["properties"]["stop_token_ids"]["anyOf"][0]["items"]
+    assert schemas["CompletionRequest"]["properties"]["logit_bias"]["anyOf"][0]["additionalProperties"] is False
+    assert schemas["ChatCompletionRequest"]["properties"]["max_tokens"]["anyOf"][0]["maximum"] == 1023  # --max-model-len
+    rules = schemas["ChatCompletionRequest"]["allOf"]
+    assert [rule["then"]["required"] for rule in rules] == [["logprobs"], ["tools"]]  # auto tool choice is on
     cases = [(httpx.get(f"{url}/v1/nothing"), 404), (httpx.get(f"{url}/v1/chat/completions"), 405),
              (httpx.post(f"{url}/v1/completions", content=b"x" * (MAX_REQUEST_BYTES + 1)), 413)]
     for response, status in cases:
         assert response.status_code == status
         assert response.json()["error"]["code"] == status and response.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(("body", "rendered"), [
+    ({"tools": [CLOCK]}, '"auto"|True'),
+    ({"tools": [CLOCK], "tool_choice": "required", "parallel_tool_calls": False}, '"required"|False'),
+    ({"tools": [CLOCK], "tool_choice": {"type": "function", "function": {"name": "get_time"}}},
+     '{"function": {"name": "get_time"}, "type": "function"}|True'),
+    ({}, '"none"|True'),
+    ({"tools": [CLOCK], "chat_template_kwargs": {"tool_choice": "mine"}}, '"mine"|True'),  # the kwargs win
+])
+def test_tool_choice_and_parallel_tool_calls_reach_the_template(body, rendered):
+    from types import SimpleNamespace
+
+    import tokenizers
+
+    from tierlm.server.chat import _render, _tool_choice
+    from tierlm.server.protocol import ChatCompletionRequest
+
+    backend = tokenizers.Tokenizer(tokenizers.models.WordLevel({"[UNK]": 0}, unk_token="[UNK]"))
+    template = "{{ tool_choice | tojson(sort_keys=True) }}|{{ parallel_tool_calls }}"
+    ctx = SimpleNamespace(tokenizer=Tokenizer(backend, chat_template=template), max_model_len=64,
+                          auto_tool_choice=True)
+    request = ChatCompletionRequest.model_validate({"model": MODEL, "messages": ASK, **body})
+    tools = [t.model_dump(exclude_none=True) for t in request.tools] if request.tools else None
+    assert _render(ctx, request, tools, _tool_choice(request, ctx, tools))[0] == rendered
+
+
+def _rss_bytes(pid: int) -> int:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return next(int(line.split()[1]) * 1024 for line in status.splitlines() if line.startswith("VmRSS:"))
+
+
+def _metric(url: str, *names: str) -> float:
+    """The sum of these metrics over their labels, from /metrics."""
+    lines = httpx.get(f"{url}/metrics", timeout=10).text.splitlines()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(tuple(n + "{" for n in names)))
+
+
+def test_short_load_leaves_health_answering_and_the_engine_empty(server):
+    """bench/server_load.py scaled down: 6 streams (3 cut after 1-2 chunks) and bodies near
+    --max-request-bytes at once; every /health answers 200 (each within 10 s: the machine may be loaded),
+    every uncut stream ends with [DONE], and afterwards the engine holds no request (the cut ones, long, were
+    aborted: they never finish) and RSS has not run off."""
+    url = server["url"]
+    rss_before = _rss_bytes(server["pid"])
+    finished_before = _metric(url, "tierlm:request_success_total")
+
+    async def stream(client: httpx.AsyncClient, cut_after: int | None) -> bool:
+        max_tokens = 12 if cut_after is None else 900
+        body = {"model": MODEL, "messages": ASK, "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+        chunks = 0
+        async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+            async for line in response.aiter_lines():
+                if line == "data: [DONE]":
+                    return True
+                chunks += line.startswith("data: ")
+                if cut_after is not None and chunks >= cut_after:
+                    return True  # leaving the block closes the connection mid-stream
+        return False
+
+    async def big(client: httpx.AsyncClient, size: int) -> int:
+        prompt = "word " * (size // 5)
+        body = json.dumps({"model": MODEL, "prompt": prompt, "max_tokens": 1}).encode()
+        return (await client.post("/v1/completions", content=body + b" " * (size - len(body)))).status_code
+
+    async def load() -> tuple[list[int], list[bool], list[int]]:
+        health: list[int] = []
+        done = asyncio.Event()
+
+        async def probe(client: httpx.AsyncClient) -> None:
+            while not done.is_set():
+                health.append((await client.get("/health", timeout=10)).status_code)
+                await asyncio.sleep(0.05)
+
+        async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+            probing = asyncio.create_task(probe(client))
+            cuts = [None, 1, None, 2, None, 1]
+            results = await asyncio.gather(*(stream(client, cut) for cut in cuts),
+                                           big(client, MAX_REQUEST_BYTES - 512), big(client, MAX_REQUEST_BYTES + 1))
+            done.set()
+            await probing
+        return health, [ok for ok, cut in zip(results[:6], cuts, strict=True) if cut is None], list(results[6:])
+
+    health, uncut, big_statuses = asyncio.run(load())
+    assert health and set(health) == {200}
+    assert uncut == [True, True, True]
+    assert big_statuses == [400, 413]  # too long for the context (tokenized off the loop); over the body limit
+    in_engine = ("tierlm:num_requests_running", "tierlm:num_requests_waiting")
+    deadline = time.monotonic() + 60  # the cut streams' aborts reach the engine thread
+    while _metric(url, *in_engine) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _metric(url, *in_engine) == 0
+    assert _metric(url, "tierlm:request_success_total") - finished_before == len(uncut)
+    assert _rss_bytes(server["pid"]) < rss_before * 1.5 + (256 << 20)

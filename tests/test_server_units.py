@@ -272,3 +272,27 @@ def test_a_busy_engine_is_not_asked_for_stats_after_every_step():
         assert fake.steps == 200 and fake.stats_calls < 20
 
     run(scenario)
+
+
+def test_integers_with_a_zero_fraction_are_integers_and_nothing_else_is():
+    """JSON Schema's "integer" includes 3.0 (schemathesis sends such bodies); 3.5, "3" and true stay refused."""
+    from pydantic import ValidationError
+
+    from tierlm.server.protocol import ChatCompletionRequest, CompletionRequest
+
+    request = CompletionRequest.model_validate(
+        {"prompt": [[1.0, 2]], "n": 2.0, "seed": -3.0, "max_tokens": 4.0, "stop_token_ids": [7.0]})
+    assert (request.prompt, request.n, request.seed, request.max_tokens, request.stop_token_ids) == (
+        [[1, 2]], 2, -3, 4, [7])
+    assert isinstance(request.n, int) and isinstance(request.prompt[0][0], int)
+    chat = ChatCompletionRequest.model_validate(
+        {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 8.0, "top_logprobs": 2.0})
+    assert (chat.max_completion_tokens, chat.top_logprobs) == (8, 2)
+    for body in ({"prompt": [1.5]}, {"prompt": "x", "n": "2"}, {"prompt": [True]}, {"prompt": "x", "n": 3.5},
+                 {"prompt": "x", "seed": 2.0**64}):
+        with pytest.raises(ValidationError):
+            CompletionRequest.model_validate(body)
+    # the bounds stay in the JSON schema as JSON Schema's keywords
+    schema = CompletionRequest.model_json_schema()["properties"]
+    assert (schema["n"]["minimum"], schema["n"]["maximum"]) == (1, 128)
+    assert schema["prompt"]["oneOf"][2]["items"]["minimum"] == 0

@@ -142,3 +142,55 @@ def test_structural_tag_accepts_the_format_and_nothing_else(name, parallel, mana
     assert not accepts("Let me check.\n" + one_call)  # no free text
     assert not accepts(one_call.replace("get_weather", "get_wether"))  # only the tools given
     assert not accepts("")  # at least one call
+
+
+@pytest.mark.parametrize("name", sorted(TOOL_PARSERS))
+def test_max_calls_keeps_the_first_call_and_drops_later_blocks_whole(name):
+    """parallel_tool_calls: false under "auto": the second call is neither a call nor content, at any split."""
+    text = TEXTS[name] + "\nDone."
+    first_name, first_arguments = EXPECTED[name][0]
+    for pieces in [[text], list(text), *(splits(text, seed) for seed in range(10))]:
+        content, calls, _ = run(TOOL_PARSERS[name](TOOLS, max_calls=1), pieces)
+        assert content == "Let me check.\nDone."
+        [(call_name, arguments)] = calls
+        assert call_name == first_name and json.loads(arguments) == first_arguments
+    # a second block left open at the end is dropped too
+    open_second = TEXTS[name][: TEXTS[name].rindex("</tool_call>")]
+    content, calls, _ = run(TOOL_PARSERS[name](TOOLS, max_calls=1), [open_second])
+    assert content == "Let me check.\n" and len(calls) == 1
+
+
+def test_hermes_length_bounded_strings_take_no_raw_control_character(manager):
+    """The tool-call vocabulary has newline and tab tokens; a maxLength string must still be JSON."""
+    import xgrammar
+
+    note = {"type": "function", "function": {"name": "note", "parameters": {
+        "type": "object", "properties": {"text": {"type": "string", "minLength": 1, "maxLength": 4}},
+        "required": ["text"]}}}
+    compiled = manager._compile("structural_tag", TOOL_PARSERS["hermes"].structural_tag([note], False))
+
+    def accepts(value: str) -> bool:
+        matcher = xgrammar.GrammarMatcher(compiled)
+        call = f'<tool_call>\n{{"name": "note", "arguments": {{"text": "{value}"}}}}\n</tool_call>'
+        return matcher.accept_string(call) and matcher.is_completed()
+
+    assert accepts("ab") and accepts("abcd") and accepts("é")
+    assert not accepts("") and not accepts("abcde")  # the bounds hold
+    assert not accepts("a\nb") and not accepts("a\tb")  # not JSON
+
+
+@pytest.mark.parametrize("name", sorted(TOOL_PARSERS))
+def test_an_array_without_items_holds_any_json_values(name, manager):
+    import xgrammar
+
+    tool = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"xs": {"type": "array"}}, "required": ["xs"]}}}
+    compiled = manager._compile("structural_tag", TOOL_PARSERS[name].structural_tag([tool], False))
+    for value in ('[1, "a", {"b": null}]', "[]"):
+        call = {"hermes": f'<tool_call>\n{{"name": "f", "arguments": {{"xs": {value}}}}}\n</tool_call>',
+                "qwen3_coder": f"<tool_call>\n<function=f>\n<parameter=xs>\n{value}\n</parameter>\n</function>\n"
+                               "</tool_call>"}[name]
+        matcher = xgrammar.GrammarMatcher(compiled)
+        assert matcher.accept_string(call) and matcher.is_completed()
+        [(_, arguments)] = run(TOOL_PARSERS[name]([tool]), [call])[1]
+        assert json.loads(arguments) == {"xs": json.loads(value)}

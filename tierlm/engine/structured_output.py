@@ -15,8 +15,11 @@ Special tokens, padded ids and tokens holding a raw control character (U+0000-U+
 every JSON grammar: JSON never allows such a character (strings escape it; our whitespace is spaces),
 but xgrammar 0.2's rule for length-bounded strings (`maxLength`) would let one in. Structural tags (tool
 calls) are compiled against a vocabulary that also has the tokens whose control characters are line
-whitespace (newline, tab, carriage return: the formats' separators); the known gap there: a JSON string
-with `maxLength` inside a tool call may hold such a raw character. A known gap left open:
+whitespace (newline, tab, carriage return: the formats' separators); so a JSON tool call's schema goes
+through `bounded_strings_as_patterns` first: a length-bounded string becomes a pattern of characters that
+need no escape (xgrammar's patterns never allow a control character; nor, today, any escape, so such a
+string cannot hold a quote, a backslash or a newline); a qwen_xml tool call's, through `arrays_with_items`
+(an array without `items` holds any values, not none). A known gap left open:
 xgrammar accepts UTF-8-encoded surrogates (U+D800-U+DFFF) inside strings, which Python decodes as three
 U+FFFD characters.
 """
@@ -26,6 +29,8 @@ from __future__ import annotations
 import functools
 import json
 import re
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import xgrammar
@@ -150,6 +155,44 @@ class StructuredOutputManager:
             return self._compiler.compile_json_schema(text, any_whitespace=False)
         except RuntimeError as exc:
             raise InvalidSchemaError(f"json_schema is not supported: {_xgrammar_message(exc)}") from None
+
+
+_NOT_SCHEMAS = frozenset({"enum", "const", "default", "examples"})  # keywords whose values are data
+
+
+def _rewritten(schema: Any, rewrite: Callable[[dict[str, Any]], None]) -> Any:
+    """A copy of `schema` with `rewrite` applied (in place) to each of its (sub)schema objects."""
+    if isinstance(schema, list):
+        return [_rewritten(item, rewrite) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {key: value if key in _NOT_SCHEMAS else _rewritten(value, rewrite) for key, value in schema.items()}
+    rewrite(out)
+    return out
+
+
+def _bounded_string_as_pattern(schema: dict[str, Any]) -> None:
+    bounded = "minLength" in schema or "maxLength" in schema
+    if schema.get("type") == "string" and bounded and not {"pattern", "format", "enum", "const"} & schema.keys():
+        low, high = schema.pop("minLength", 0), schema.pop("maxLength", "")
+        schema["pattern"] = rf'^[^"\\\x00-\x1f]{{{low},{high}}}$'
+
+
+def bounded_strings_as_patterns(schema: Any) -> Any:
+    """`schema` with every `{"type": "string", "minLength"/"maxLength": ...}` (and no pattern or format of
+    its own) written as a `pattern` of that many characters needing no escape; the rest unchanged."""
+    return _rewritten(schema, _bounded_string_as_pattern)
+
+
+def _array_of_anything(schema: dict[str, Any]) -> None:
+    if schema.get("type") == "array" and "items" not in schema and "prefixItems" not in schema:
+        schema["items"] = {}
+
+
+def arrays_with_items(schema: Any) -> Any:
+    """`schema` with `"items": {}` on every array that names no items: JSON Schema's meaning (any JSON
+    values), which xgrammar's qwen_xml style would otherwise read as "only the empty array"."""
+    return _rewritten(schema, _array_of_anything)
 
 
 def check_json_schema(text: str) -> None:

@@ -16,7 +16,8 @@ import os
 import secrets
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from typing import TypeVar
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from fastapi import APIRouter, Depends, FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
@@ -30,6 +31,7 @@ from tierlm.server.completions import create_completion
 from tierlm.server.metrics import CONTENT_TYPE
 from tierlm.server.protocol import (
     ERROR_TYPES,
+    TOKEN_ID_MARK,
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
@@ -170,7 +172,8 @@ def build_app(
         return await _unless_gone(create_chat_completion(body, ctx, request), request, ctx)
 
     app.include_router(v1)
-    _publish_request_schemas(app, [CompletionRequest, ChatCompletionRequest])
+    _publish_request_schemas(app, [CompletionRequest, ChatCompletionRequest], ServedLimits(
+        max_n, engine.engine.model_config.vocab_size, ctx.max_model_len, auto_tool_choice))
     return app
 
 
@@ -188,8 +191,35 @@ def _request_body(model: type[BaseModel]) -> dict:
         "schema": {"$ref": _COMPONENTS.format(model=model.__name__)}}}}}
 
 
-def _publish_request_schemas(app: FastAPI, models: list[type[BaseModel]]) -> None:
-    """Put the request models (and the models they use) into the app's OpenAPI components."""
+@dataclass(frozen=True)
+class ServedLimits:
+    """What this server accepts beyond the request models' own ranges."""
+
+    max_n: int  # --max-n
+    vocab_size: int  # token ids below it
+    max_model_len: int  # max_tokens below it (the prompt takes at least one position)
+    auto_tool_choice: bool  # without it, tools need tool_choice "none", "required" or a named function
+
+
+def _with_limits(schema: Any, limits: ServedLimits) -> Any:
+    """A request schema with this server's limits: token ids (marked) below the vocabulary's size."""
+    if isinstance(schema, list):
+        return [_with_limits(item, limits) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {key: _with_limits(value, limits) for key, value in schema.items()}
+    if out.pop(TOKEN_ID_MARK, False):
+        out["maximum"] = limits.vocab_size - 1
+    return out
+
+
+def _publish_request_schemas(app: FastAPI, models: list[type[BaseModel]], limits: ServedLimits) -> None:
+    """Put the request models (and the models they use) into the app's OpenAPI components, with this
+    server's own limits (`n` at most --max-n, token ids in the vocabulary, max_tokens below
+    --max-model-len, tools without --enable-auto-tool-choice only with a tool_choice), so that every
+    body the schema allows is served, but for what a schema cannot say (a prompt longer than the
+    context, max_tokens past what the prompt leaves, min_tokens above max_tokens, a named function
+    not among the tools: 400s)."""
     default = app.openapi
 
     def openapi() -> dict:
@@ -197,8 +227,21 @@ def _publish_request_schemas(app: FastAPI, models: list[type[BaseModel]]) -> Non
             schema = default()  # built once and kept in app.openapi_schema
             components = schema.setdefault("components", {}).setdefault("schemas", {})
             for model in models:
-                body = model.model_json_schema(ref_template=_COMPONENTS)
+                body = _with_limits(model.model_json_schema(ref_template=_COMPONENTS), limits)
                 components.update(body.pop("$defs", {}))
+                n = body["properties"]["n"]
+                n["maximum"] = min(n["maximum"], limits.max_n)
+                for name in ("max_tokens", "max_completion_tokens"):
+                    for form in body["properties"].get(name, {}).get("anyOf", ()):
+                        if form["type"] == "integer":
+                            form["maximum"] = limits.max_model_len - 1
+                if model is ChatCompletionRequest and not limits.auto_tool_choice:
+                    body["allOf"].append({
+                        "if": {"properties": {"tools": {"type": "array", "minItems": 1}}, "required": ["tools"]},
+                        "then": {"properties": {"tool_choice": {"anyOf": [{"enum": ["none", "required"]},
+                                                                          {"type": "object"}]}},
+                                 "required": ["tool_choice"]},
+                    })
                 components[model.__name__] = body
         return app.openapi_schema
 

@@ -1,10 +1,12 @@
 """POST /v1/chat/completions: messages through the model's chat template, streaming or not, with tools and
 reasoning.
 
-The conversation is rendered with `add_generation_prompt=True`, the request's `tools` and any
-`chat_template_kwargs`, and encoded with `add_special_tokens=False`, as `LLM.chat` does (on the text pool,
-off the event loop). An assistant turn's tool-call arguments reach the template as objects when they
-are JSON objects (templates write them with `tojson`). Log-probabilities use the chat shape
+The conversation is rendered with `add_generation_prompt=True`, the request's `tools`, `tool_choice` (as
+served: "none", "auto", "required" or the named-function object) and `parallel_tool_calls` as template
+variables (as transformers' apply_chat_template passes extra kwargs), then any `chat_template_kwargs` (which
+win over those two, as in vLLM), and encoded with `add_special_tokens=False`, as `LLM.chat` does (on the
+text pool, off the event loop). An assistant turn's tool-call arguments reach the template as objects when
+they are JSON objects (templates write them with `tojson`). Log-probabilities use the chat shape
 (`logprobs.content[i]` with `top_logprobs`); `max_completion_tokens` wins over `max_tokens`, and with
 neither the answer may run to the end of the context, as in vLLM.
 
@@ -12,7 +14,10 @@ Tools (vLLM's rules): `tool_choice` defaults to "auto" with tools, "none" withou
 `--enable-auto-tool-choice` and `--tool-call-parser`: the parser reads calls out of free text. "required"
 and a named function are enforced with a grammar (a structural tag in the parser's format, `hermes` when
 none is configured), so even a random model answers with a valid call. A finished answer with calls has
-finish_reason "tool_calls" (a named function: "stop", as OpenAI). With `--reasoning-parser`, the reasoning
+finish_reason "tool_calls" (a named function: "stop", as OpenAI). `parallel_tool_calls: false` means at most
+one call: "required" stops its grammar after the first call (a named function is always one call), and
+"auto" keeps the first call the parser reads (later `<tool_call>` blocks are dropped from the answer; the
+generation is not cut short, so content after the call survives). With `--reasoning-parser`, the reasoning
 goes to `reasoning_content`; when the prompt opened the reasoning block (e.g. `enable_thinking`), a grammar
 (tools or response_format) applies only after it ends; otherwise from the first token.
 """
@@ -75,7 +80,7 @@ async def create_chat_completion(
         raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
     tools = [tool.model_dump(exclude_none=True) for tool in request.tools] if request.tools else None
     choice = _tool_choice(request, ctx, tools)
-    text, token_ids = await ctx.off_loop(_render, ctx, request, tools)
+    text, token_ids = await ctx.off_loop(_render, ctx, request, tools, choice)
     prompts = [EnginePrompt(token_ids, text)]
     max_param = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
     max_tokens = getattr(request, max_param)
@@ -92,8 +97,10 @@ async def create_chat_completion(
 
     def parser() -> ChatOutputParser:
         reasoning = ctx.reasoning_parser(text) if ctx.reasoning_parser else None
-        parse_tools = choice != "none" and tools is not None
-        return ChatOutputParser(reasoning, (ctx.tool_parser or TOOL_PARSERS["hermes"])(tools) if parse_tools else None)
+        if choice == "none" or tools is None:
+            return ChatOutputParser(reasoning, None)
+        max_calls = None if request.parallel_tool_calls else 1
+        return ChatOutputParser(reasoning, (ctx.tool_parser or TOOL_PARSERS["hermes"])(tools, max_calls))
 
     if request.stream:
         chunks = _chunks(request, ctx, request_id, prompts, deltas(stream, request.n, True), parser, choice)
@@ -137,11 +144,16 @@ def _tool_choice(request: ChatCompletionRequest, ctx: ServingContext, tools: lis
     return choice
 
 
-def _render(ctx: ServingContext, request: ChatCompletionRequest, tools: list | None) -> tuple[str, list[int]]:
+def _render(
+    ctx: ServingContext, request: ChatCompletionRequest, tools: list | None, choice: str
+) -> tuple[str, list[int]]:
     messages = [_template_message(message.model_dump(exclude_none=True)) for message in request.messages]
+    served_choice = request.tool_choice.model_dump() if isinstance(request.tool_choice, NamedToolChoice) else choice
+    template_kwargs = {"tool_choice": served_choice, "parallel_tool_calls": request.parallel_tool_calls,
+                       **(request.chat_template_kwargs or {})}
     try:
         text = ctx.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tools=tools, template_kwargs=request.chat_template_kwargs
+            messages, add_generation_prompt=True, tools=tools, template_kwargs=template_kwargs
         )
     except ValueError as exc:  # ChatTemplateError: no template, a message it refuses, ...
         param = "chat_template_kwargs" if str(exc).startswith("chat_template_kwargs") else "messages"

@@ -3,10 +3,11 @@
 Requests accept OpenAI's fields plus vLLM's sampling extras (`top_k`, `min_tokens`, `ignore_eos`,
 `repetition_penalty`, ...); unknown fields are ignored, as vLLM does, except the OpenAI / vLLM fields
 tierlm does not implement (`UNSUPPORTED_FIELDS`), which are refused when set to anything but "unused". Types are strict where OpenAI's schema is: a boolean is
-`true`/`false`, an integer is a JSON integer, token ids are integers (no "3", 3.0 or true), and numbers
+`true`/`false`, an integer is a JSON integer, token ids are integers (no "3", 3.5 or true), and numbers
 are finite (no NaN or Infinity literals). Numeric fields carry OpenAI's ranges (temperature [0, 2],
 top_p (0, 1], n [1, 128], logprobs [0, 20], seed a 64-bit integer), so they are refused with a 400 and
-are in the OpenAPI schema; `SamplingParams` checks the combinations. Responses carry only what tierlm
+are in the OpenAPI schema; `SamplingParams` checks the combinations. An integer written with a zero
+fraction (`3.0`) is that integer, as JSON Schema reads it (so every schema-valid body is read as meant). Responses carry only what tierlm
 fills in.
 """
 
@@ -15,7 +16,16 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_serializer
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    WithJsonSchema,
+    model_serializer,
+)
 
 # ---- errors -------------------------------------------------------------------------------------------
 
@@ -75,9 +85,29 @@ class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
 
-TokenId = Annotated[int, Field(ge=0)]
+def _integral(value: Any) -> Any:
+    """3.0 -> 3 (JSON Schema's "integer" includes numbers with a zero fraction); anything else as given."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def integer(ge: int | None = None, le: int | None = None) -> Any:
+    """The type of an integer field within [ge, le]: strict, 3.0 read as 3 (the bounds before the
+    conversion, so that they reach the JSON schema as minimum / maximum)."""
+    return Annotated[int, Field(ge=ge, le=le), BeforeValidator(_integral)]
+
+
+# a token id; the server's schema adds the vocabulary's end as its maximum (TOKEN_ID_MARK marks where)
+TOKEN_ID_MARK = "x-tierlm-token-id"
+TokenId = Annotated[int, Field(ge=0, json_schema_extra={TOKEN_ID_MARK: True}), BeforeValidator(_integral)]
+StopTokenId = integer(ge=0)  # any id (no vocabulary bound): one that never comes never stops
 NonEmptyText = Annotated[str, Field(min_length=1)]
-Seed = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
+# {token id (decimal text): bias}; no other keys (in the schema too: additionalProperties false)
+LogitBias = Annotated[
+    dict[Annotated[str, Field(pattern=r"^\d+$")], Annotated[float, Field(ge=-100, le=100)]],
+    WithJsonSchema({"type": "object", "additionalProperties": False, "patternProperties": {
+        r"^\d+$": {"type": "number", "minimum": -100, "maximum": 100}}}),
+]
+Seed = integer(ge=-(2**63), le=2**63 - 1)
 
 
 class StreamOptions(_Request):
@@ -111,14 +141,14 @@ class SamplingRequest(_Request):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model: str | None = None
-    n: int = Field(1, ge=1, le=128)
+    n: integer(ge=1, le=128) = 1
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=-1)
-    min_tokens: int = Field(0, ge=0)
+    top_k: integer(ge=-1) | None = None
+    min_tokens: integer(ge=0) = 0
     seed: Seed | None = None
     stop: NonEmptyText | list[NonEmptyText] | None = None
-    stop_token_ids: list[TokenId] | None = None
+    stop_token_ids: list[StopTokenId] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -128,7 +158,7 @@ class SamplingRequest(_Request):
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     repetition_penalty: float = Field(1.0, gt=0, le=10)
-    logit_bias: dict[Annotated[str, Field(pattern=r"^\d+$")], Annotated[float, Field(ge=-100, le=100)]] | None = None
+    logit_bias: LogitBias | None = None
     min_p: float = Field(0.0, ge=0, le=1)
     bad_words: list[NonEmptyText] | None = None
     allowed_token_ids: Annotated[list[TokenId], Field(min_length=1)] | None = None
@@ -164,9 +194,9 @@ Prompt = Annotated[
 
 class CompletionRequest(SamplingRequest):
     prompt: Prompt
-    max_tokens: int | None = Field(16, ge=0)
+    max_tokens: integer(ge=0) | None = 16
     echo: bool = False
-    logprobs: int | None = Field(None, ge=0, le=20)
+    logprobs: integer(ge=0, le=20) | None = None
 
 
 class TextPart(_Request):
@@ -231,15 +261,29 @@ class NamedToolChoice(_Request):
     function: NamedFunction
 
 
+# OpenAI's rules between fields, in the schema too: top_logprobs (any value) needs logprobs: true;
+# tool_choice "required" or a named function needs tools (a named one must also be among them: that, the
+# schema cannot say)
+CHAT_FIELD_RULES = [
+    {"if": {"properties": {"top_logprobs": {"type": "integer"}}, "required": ["top_logprobs"]},
+     "then": {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]}},
+    {"if": {"properties": {"tool_choice": {"anyOf": [{"const": "required"}, {"type": "object"}]}},
+            "required": ["tool_choice"]},
+     "then": {"properties": {"tools": {"type": "array", "minItems": 1}}, "required": ["tools"]}},
+]
+
+
 class ChatCompletionRequest(SamplingRequest):
+    model_config = ConfigDict(json_schema_extra={"allOf": CHAT_FIELD_RULES})
+
     messages: list[ChatMessage] = Field(min_length=1)
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: integer(ge=1) | None = None
+    max_completion_tokens: integer(ge=1) | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: integer(ge=0, le=20) | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
 

@@ -6,6 +6,8 @@ returns a `ParsedDelta` (new content, and tool-call deltas in OpenAI's streaming
 delta has its name, later ones fragments of its arguments). A non-streamed answer is the same calls
 joined, so streamed and whole answers always agree. Text that may still become a tag is held back until
 it is decided. A block whose call cannot be read (no name) is given back as content, tags included.
+`max_calls=1` (the request's `parallel_tool_calls: false` under tool_choice "auto") keeps the first call:
+every `<tool_call>` block after it is dropped whole (neither a call nor content); the text around it stays.
 
 A subclass knows its format: `read_block(body, final)` gives (name, arguments so far) of a block's body
 (None while its name is not known); the arguments of a longer body must extend those of a shorter one.
@@ -61,14 +63,16 @@ def parameter_schemas(tools: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 class ToolParser(ABC):
     name: ClassVar[str]
 
-    def __init__(self, tools: list[dict[str, Any]]) -> None:
+    def __init__(self, tools: list[dict[str, Any]], max_calls: int | None = None) -> None:
         self.schemas = parameter_schemas(tools)
+        self.max_calls = max_calls
         self._buffer = ""
         self._in_block = False
         self._calls = 0  # calls started so far
         self._started = False  # the open block's call has been announced
         self._sent = 0  # characters of the open call's arguments already sent
         self._after_call = False  # whitespace here separates calls: it is not content
+        self._dropping = False  # the open block comes after max_calls calls: it is dropped
 
     @abstractmethod
     def read_block(self, body: str, final: bool) -> tuple[str, str] | None:
@@ -94,7 +98,6 @@ class ToolParser(ABC):
         out = ParsedDelta()
         while True:
             if not self._in_block:
-                at = self._buffer.find(START)
                 if self._after_call:
                     self._buffer = self._buffer.lstrip()
                     self._after_call = not self._buffer
@@ -107,8 +110,16 @@ class ToolParser(ABC):
                 out.content += self._buffer[:at]
                 self._buffer = self._buffer[at + len(START) :]
                 self._in_block, self._started, self._sent = True, False, 0
+                self._dropping = self.max_calls is not None and self._calls >= self.max_calls
             else:
                 at = self._buffer.find(END)
+                if self._dropping:
+                    if at == -1:
+                        self._buffer = self._buffer[len(self._buffer) - held_back(self._buffer, END) :]
+                        return out
+                    self._buffer = self._buffer[at + len(END) :]
+                    self._in_block, self._after_call = False, True
+                    continue
                 if at == -1:
                     body = self._buffer[: len(self._buffer) - held_back(self._buffer, END)]
                     self._progress(body, False, out)
@@ -119,9 +130,9 @@ class ToolParser(ABC):
     def finish(self) -> ParsedDelta:
         """The end of the text: held-back content, and the last call if its block was left open."""
         out = ParsedDelta()
-        if self._in_block:
+        if self._in_block and not self._dropping:
             self._close(self._buffer, out, START + self._buffer)
-        else:
+        elif not self._in_block:
             out.content = self._buffer
         self._buffer = ""
         return out

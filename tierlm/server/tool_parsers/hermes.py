@@ -11,6 +11,7 @@ import json
 import re
 from typing import Any
 
+from tierlm.engine.structured_output import bounded_strings_as_patterns
 from tierlm.server.tool_parsers.base import ToolParser
 
 _HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*')
@@ -43,6 +44,8 @@ class HermesToolParser(ToolParser):
     def call_tag(cls, name: str, parameters: dict[str, Any]) -> dict[str, Any]:
         return {
             "type": "tag", "begin": f'<tool_call>\n{{"name": {json.dumps(name)}, "arguments": ',
-            "content": {"type": "json_schema", "json_schema": parameters, "max_whitespace_cnt": 1},
+            # the tag's vocabulary has newline tokens: length-bounded strings must not take one raw
+            "content": {"type": "json_schema", "json_schema": bounded_strings_as_patterns(parameters),
+                        "max_whitespace_cnt": 1},
             "end": "}\n</tool_call>",
         }

@@ -20,6 +20,7 @@ import json
 import re
 from typing import Any
 
+from tierlm.engine.structured_output import arrays_with_items
 from tierlm.server.tool_parsers.base import ToolParser
 
 _FUNCTION = re.compile(r"\s*<function=([^>\n]+)>")
@@ -47,7 +48,7 @@ class Qwen3CoderToolParser(ToolParser):
     def call_tag(cls, name: str, parameters: dict[str, Any]) -> dict[str, Any]:
         return {
             "type": "tag", "begin": f"<tool_call>\n<function={name}>\n",
-            "content": {"type": "json_schema", "json_schema": parameters, "style": "qwen_xml"},
+            "content": {"type": "json_schema", "json_schema": arrays_with_items(parameters), "style": "qwen_xml"},
             "end": "</function>\n</tool_call>",
         }
 
