@@ -1,0 +1,134 @@
+"""MTP speculative decoding in the engine (engine/speculative.py): greedy output with drafts is exactly the
+output without them, whether the drafts are rejected (the demo model's random draft head: the rollback
+path) or accepted (drafts from an oracle that knows the greedy continuation, some of them wrong: the accept
+path, partial runs, and stops and max_tokens inside an accepted run); bad configurations are refused.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tierlm.demo_model import build_demo_model
+from tierlm.engine.llm_engine import EngineConfig, LLMEngine
+from tierlm.engine.speculative import SpeculativeConfig, SpeculativeRunner
+from tierlm.sampling_params import SamplingParams
+
+PROMPTS = ["Hello there, how are you", "The quick brown fox jumps over the lazy dog and"]
+MAX_TOKENS = 12
+
+
+def spec(k: int) -> str:
+    return json.dumps({"method": "mtp", "num_speculative_tokens": k})
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    return build_demo_model(tmp_path_factory.mktemp("spec") / "demo", "tiny", mtp=True)
+
+
+def engine(folder, speculative_config=None, **options) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=str(folder), dtype="float32", device="cpu", kv_cache_memory_bytes=32 << 20,
+                                  max_num_seqs=2, speculative_config=speculative_config, **options))
+
+
+def generate(llm: LLMEngine, params: list[SamplingParams], after_step=None) -> list[list[int]]:
+    ids = [llm.add_request(prompt, p) for prompt, p in zip(PROMPTS, params)]
+    done = {}
+    while llm.has_unfinished_requests():
+        for output in llm.step():
+            if output.finished:
+                done[output.request_id] = output.outputs[0]
+        if after_step is not None:
+            after_step(llm)
+    return [done[i] for i in ids]
+
+
+def greedy(max_tokens: int = MAX_TOKENS, **fields) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, **fields)
+
+
+@pytest.fixture(scope="module")
+def reference(demo) -> list[list[int]]:
+    """Greedy tokens of both prompts without speculation (batched together)."""
+    return [out.token_ids for out in generate(engine(demo), [greedy(), greedy()])]
+
+
+def test_rejected_drafts_roll_back_exactly(demo, reference):
+    """The demo's random draft head is (nearly) never right: every step restores and recomputes."""
+    llm = engine(demo, spec(1))
+    assert isinstance(llm.runner, SpeculativeRunner)
+    got = generate(llm, [greedy(), greedy()])
+    assert [out.token_ids for out in got] == reference
+    stats = llm.stats()
+    assert stats.num_draft_tokens > 0 and stats.num_drafts > 0
+    assert stats.num_accepted_tokens <= stats.num_draft_tokens
+
+
+class Oracle:
+    """After each step, replaces every running request's drafts with its greedy continuation (known from
+    the reference), the draft at position `wrong` of every second step made wrong."""
+
+    def __init__(self, continuations: dict[str, list[int]], k: int, wrong: int) -> None:
+        self.continuations, self.k, self.wrong, self.steps = continuations, k, wrong, 0
+
+    def __call__(self, llm: LLMEngine) -> None:
+        self.steps += 1
+        for request in llm.scheduler.running:
+            truth = self.continuations[request.request_id]
+            drafts = list(truth[len(request.output_token_ids) :][: self.k])
+            if self.steps % 2 and len(drafts) > self.wrong:
+                drafts[self.wrong] = (drafts[self.wrong] + 1) % llm.model_config.vocab_size
+            if drafts:
+                request.draft_token_ids = drafts
+
+
+def test_accepted_drafts_give_the_same_tokens(demo, reference):
+    llm = engine(demo, spec(3))
+    oracle = Oracle({"0": reference[0], "1": reference[1]}, 3, wrong=1)
+    got = generate(llm, [greedy(), greedy()], oracle)
+    assert [out.token_ids for out in got] == reference
+    stats = llm.stats()
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens  # both paths ran
+    # accepted drafts save steps: fewer than one step per token after the prompt
+    assert oracle.steps < 1 + MAX_TOKENS
+
+
+def test_stops_inside_an_accepted_run(demo, reference):
+    """max_tokens and a stop token id falling inside a run of accepted drafts end the request there."""
+    stop_id = reference[1][4]
+    expected_stop = reference[1][: reference[1].index(stop_id) + 1]
+    llm = engine(demo, spec(3))
+    oracle = Oracle({"0": reference[0], "1": reference[1]}, 3, wrong=2)
+    got = generate(llm, [greedy(max_tokens=5), greedy(stop_token_ids=[stop_id])], oracle)
+    assert got[0].token_ids == reference[0][:5] and got[0].finish_reason == "length"
+    assert got[1].token_ids == expected_stop and got[1].finish_reason == "stop"
+    assert llm.stats().num_accepted_tokens > 0
+
+
+def test_other_requests_decode_without_drafts(demo, reference):
+    """A request with a logit processor (here logprobs) decodes one token per step beside a speculating one."""
+    llm = engine(demo, spec(2))
+    got = generate(llm, [greedy(logprobs=1), greedy()])
+    assert [out.token_ids for out in got] == reference
+    assert len(got[0].logprobs) == MAX_TOKENS
+
+
+@pytest.mark.parametrize("value, message", [
+    ('{"method": "eagle", "num_speculative_tokens": 1}', "method must be one of"),
+    ('{"method": "mtp", "num_speculative_tokens": 0}', "num_speculative_tokens must be an integer >= 1"),
+    ('{"method": "mtp", "num_speculative_tokens": 1, "draft_model": "x"}', "unsupported field"),
+    ("mtp", "not JSON"),
+])
+def test_bad_configs_are_named(value, message):
+    with pytest.raises(ValueError, match=message):
+        SpeculativeConfig.parse(value)
+
+
+def test_refused_without_a_draft_head_or_with_pipeline_parallel(demo, tmp_path):
+    plain = build_demo_model(tmp_path / "plain", "tiny")
+    with pytest.raises(ValueError, match="has no MTP draft head"):
+        engine(plain, spec(1))
+    with pytest.raises(ValueError, match="pipeline-parallel-size"):
+        engine(demo, spec(1), pipeline_parallel_size=2)

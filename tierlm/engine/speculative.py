@@ -1,0 +1,256 @@
+"""MTP speculative decoding in the step loop: the draft head proposes, one target forward verifies, rejected
+positions are rolled back exactly.
+
+`--speculative-config '{"method": "mtp", "num_speculative_tokens": K}'` (vLLM's flag). Each step:
+- The scheduler gives a decoding request that has drafts a chunk of its last token plus its K drafts
+  (`ScheduledChunk.draft_token_ids`), and reserves blocks for K more positions past them (the draft head
+  writes its own K/V there while proposing).
+- Before the forward, the request's whole slot state (GDN conv/recurrent, PLE conv, n-gram context, the
+  indexer rings) is copied into a spare slot: the recurrent states are not addressed by position, so a
+  rejected draft would leave them advanced past it.
+- One target forward (`forward_with_streams`) over the step's chunks; the 1+K rows of a verify chunk are
+  checked by `rejection_sample` (greedy: accept while the draft is the argmax; the first mismatch's argmax,
+  or the bonus row's, follows).
+- Rollback (recompute): a request that rejected a draft gets its snapshot back and its accepted rows (the
+  last token and the accepted drafts) run again as a small prefill chunk; that rewrites the recurrent
+  states exactly to the accepted position. The QSA K/V and indexer keys are addressed by position: what the
+  rejected rows wrote is overwritten by the next forward there, and never read before (attention sees
+  positions before its own only). Chosen over keeping a state per speculative position (K+1 slots per
+  request of 115 MB each in the target model) because it is exact and simple; its cost is one more forward
+  of the rejecting requests' accepted rows.
+- Drafting: the head runs on every row the target kept (prefill chunks too, so its caches cover every
+  position), row t with token t+1 and the target's streams at t; the last row of a chunk that sampled
+  proposes draft 1 (argmax), then K-1 single-row steps feed the head its own output streams.
+Which requests speculate: greedy ones with nothing else that shapes their logits (no penalties, biases,
+bans, allowed ids, min_tokens, log-probabilities, grammar); the others decode one token per step in the
+same batches, unchanged. The forward is always eager (no CUDA graphs for the verify shapes yet).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from tierlm.engine.model_runner import ModelRunner, StepResult
+from tierlm.engine.rejection_sampler import rejection_sample
+from tierlm.engine.request import Request
+from tierlm.engine.scheduler import ScheduledChunk, SchedulerOutput
+from tierlm.model.forward_batch import ForwardBatch
+from tierlm.model.model_cache import ModelCache
+
+logger = logging.getLogger("tierlm")
+
+METHODS = ("mtp",)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str
+    num_speculative_tokens: int
+
+    @classmethod
+    def parse(cls, value: str | dict | None) -> SpeculativeConfig | None:
+        """vLLM's `--speculative-config` (a JSON object, or a dict from Python) -> the config; None: off."""
+        if value is None:
+            return None
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"--speculative-config: not JSON ({exc}): {value!r}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"--speculative-config: expected a JSON object, got {value!r}")
+        unknown = sorted(set(value) - {"method", "num_speculative_tokens"})
+        if unknown:
+            raise ValueError(f"--speculative-config: unsupported field(s) {unknown} (supported: method, "
+                             "num_speculative_tokens)")
+        method = value.get("method")
+        if method not in METHODS:
+            raise ValueError(f"--speculative-config: method must be one of {list(METHODS)}, got {method!r}")
+        k = value.get("num_speculative_tokens")
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"--speculative-config: num_speculative_tokens must be an integer >= 1, got {k!r}")
+        return cls(method, k)
+
+
+def speculates(request: Request) -> bool:
+    """Whether the request decodes with drafts: greedy, and nothing but the argmax picks its token."""
+    p = request.params
+    return (
+        p.temperature == 0 and p.logprobs is None and p.prompt_logprobs is None and p.min_tokens == 0
+        and p.presence_penalty == 0 and p.frequency_penalty == 0 and p.repetition_penalty == 1
+        and not p.logit_bias and not p.bad_words and p.allowed_token_ids is None and p.structured_output is None
+    )
+
+
+@dataclass
+class _Kept:
+    """One chunk after verification: the rows whose state stays, and what the draft head reads there."""
+
+    chunk: ScheduledChunk
+    tokens: list[int]  # the kept rows' tokens (the chunk's, then the accepted drafts)
+    streams: torch.Tensor  # the target's streams at those rows [rows, hc*H]
+    next_token: int | None  # the token after the last kept row (None: the request failed this step)
+    proposes: bool  # the chunk sampled: its last row proposes the next drafts
+
+
+class SpeculativeRunner:
+    """A `ModelRunner` step with drafts: the engine calls `execute` as it would the runner's."""
+
+    def __init__(self, runner: ModelRunner, config: SpeculativeConfig, spare_slot_base: int, seed: int = 0) -> None:
+        """spare_slot_base: slot s's snapshot goes to slot spare_slot_base + s (the cache has those)."""
+        self.runner = runner
+        self.model, self.cache = runner.model, runner.cache
+        self.config = config
+        self.k = config.num_speculative_tokens
+        self.spare_slot_base = spare_slot_base
+        self.generator = torch.Generator(device=self.cache.device).manual_seed(seed)
+        self.num_drafts = 0  # verify chunks (requests that carried drafts into a step), total
+        self.num_draft_tokens = 0  # drafts verified, total
+        self.num_accepted_tokens = 0  # of which accepted, total
+
+    @property
+    def trace(self):
+        return self.runner.trace
+
+    @trace.setter
+    def trace(self, value) -> None:
+        self.runner.trace = value
+
+    def execute(self, step: SchedulerOutput) -> StepResult:
+        runner, cache = self.runner, self.cache
+        with self.trace.phase("prepare batch"):
+            batch, wanted = runner.prepare(step)
+        verify = [w for w in wanted if w[0].draft_token_ids]
+        for chunk, _, _ in verify:
+            self._copy_slot(chunk.request.state_slot, self._spare(chunk.request))
+        with self.trace.phase("launch forward"), self.trace.gpu("forward"):
+            logits, streams = self.model.forward_with_streams(batch, cache)
+        with self.trace.phase("sample"):
+            result = runner.sample([w for w in wanted if not w[0].draft_token_ids], logits)
+            accepted = self._verify(verify, logits, result)
+        with self.trace.phase("rollback, draft"):
+            kept = self._rollback_and_keep(step, batch, streams, accepted, result)
+            self._propose(kept)
+        return result
+
+    # ---- verification -------------------------------------------------------------------------------
+    def _verify(self, verify: list[tuple], logits: torch.Tensor, result: StepResult) -> dict[ScheduledChunk, int]:
+        """Accept drafts of the verify chunks into `result`; returns chunk -> number of drafts accepted."""
+        if not verify:
+            return {}
+        k_max = max(len(chunk.draft_token_ids) for chunk, _, _ in verify)
+        vocab = logits.shape[1]
+        scores = torch.zeros(len(verify), k_max + 1, vocab, dtype=torch.float32, device=logits.device)
+        drafts = torch.zeros(len(verify), k_max, dtype=torch.int64)
+        for i, (chunk, first, count) in enumerate(verify):
+            scores[i, :count] = logits[first : first + count].float()
+            drafts[i, : count - 1] = torch.tensor(chunk.draft_token_ids)
+        counts = [len(chunk.draft_token_ids) for chunk, _, _ in verify]
+        outputs = rejection_sample(scores, drafts, None, counts, [True] * len(verify), [None] * len(verify),
+                                   self.generator)
+        accepted = {}
+        for (chunk, _, _), tokens in zip(verify, outputs, strict=True):
+            accepted[chunk] = len(tokens) - 1
+            result.accepted[chunk.request] = tokens[:-1]
+            result.sampled[chunk.request] = tokens[-1]
+        self.num_drafts += len(verify)
+        self.num_draft_tokens += sum(counts)
+        self.num_accepted_tokens += sum(accepted.values())
+        return accepted
+
+    def _rollback_and_keep(
+        self, step: SchedulerOutput, batch: ForwardBatch, streams: torch.Tensor,
+        accepted: dict[ScheduledChunk, int], result: StepResult,
+    ) -> list[_Kept]:
+        """Restore and recompute the requests that rejected a draft; every speculating chunk's kept rows."""
+        kept, redo, row = [], [], 0
+        for chunk in step.chunks:
+            request = chunk.request
+            tokens = request.token_slice(chunk.start, chunk.start + chunk.num_tokens) + chunk.draft_token_ids
+            width = len(tokens)
+            if speculates(request) and request not in result.failed:
+                n = chunk.num_tokens + accepted.get(chunk, 0)
+                if chunk.samples:
+                    next_token, proposes = result.sampled.get(request), True
+                else:
+                    next_token, proposes = request.token_slice(chunk.start + n, chunk.start + n + 1)[0], False
+                kept.append(_Kept(chunk, tokens[:n], streams[row : row + n], next_token, proposes))
+                if n < width:
+                    redo.append(kept[-1])
+            row += width
+        if redo:
+            for item in redo:
+                request = item.chunk.request
+                self._copy_slot(self._spare(request), request.state_slot)
+            again = ForwardBatch.build(
+                [item.tokens for item in redo], [item.chunk.start for item in redo],
+                [item.chunk.request.state_slot for item in redo], [item.chunk.request.block_ids for item in redo],
+                self.cache.block_size, device=self.cache.device,
+            )
+            _, new_streams = self.model.forward_with_streams(again, self.cache)
+            for item, (start, end) in zip(redo, again.bounds, strict=True):
+                item.streams = new_streams[start:end]
+        return [item for item in kept if item.next_token is not None]
+
+    # ---- drafting -----------------------------------------------------------------------------------
+    def _propose(self, kept: list[_Kept]) -> None:
+        """Run the draft head over every kept row (its caches); the proposing chunks' next K drafts."""
+        if not kept:
+            return
+        rows, last_rows, row = [], [], 0
+        for item in kept:
+            rows.append(item.tokens[1:] + [item.next_token])
+            row += len(item.tokens)
+            if item.proposes:
+                last_rows.append(row - 1)
+        block_size = self.cache.block_size
+        batch = ForwardBatch.build(
+            rows, [item.chunk.start for item in kept], [item.chunk.request.state_slot for item in kept],
+            [item.chunk.request.block_ids for item in kept], block_size, device=self.cache.device, logits=last_rows,
+        )
+        hidden = torch.cat([item.streams for item in kept])
+        logits, out_streams = self.model.draft(batch, hidden, self.cache, 0)
+        proposers = [item for item in kept if item.proposes]
+        if not proposers:
+            return
+        drafts = [[token] for token in logits.argmax(dim=-1).tolist()]
+        # draft step s (1..K-1) reads draft s and writes the head's K/V at position start + len(tokens) + s - 1;
+        # a request stops drafting where its blocks end (the scheduler reserves K positions past the chunk)
+        positions = [item.chunk.start + len(item.tokens) for item in proposers]
+        active = list(range(len(proposers)))  # the proposers still drafting; out_streams' rows, in order
+        for s in range(1, self.k):
+            live = [j for j, i in enumerate(active)
+                    if positions[i] + s - 1 < len(proposers[i].chunk.request.block_ids) * block_size]
+            if not live:
+                break
+            if len(live) < len(active):
+                out_streams = out_streams.index_select(0, torch.tensor(live, device=out_streams.device))
+                active = [active[j] for j in live]
+            step_batch = ForwardBatch.build(
+                [[drafts[i][-1]] for i in active], [positions[i] + s - 1 for i in active],
+                [proposers[i].chunk.request.state_slot for i in active],
+                [proposers[i].chunk.request.block_ids for i in active], block_size, device=self.cache.device,
+            )
+            logits, out_streams = self.model.draft(step_batch, out_streams, self.cache, s)
+            for i, token in zip(active, logits.argmax(dim=-1).tolist(), strict=True):
+                drafts[i].append(token)
+        for item, tokens in zip(proposers, drafts, strict=True):
+            item.chunk.request.draft_token_ids = tokens
+
+    # ---- slots --------------------------------------------------------------------------------------
+    def _spare(self, request: Request) -> int:
+        return self.spare_slot_base + request.state_slot
+
+    def _copy_slot(self, source: int, target: int) -> None:
+        for state in self.cache.slot_states:
+            state.copy_slot(source, target)
+
+
+def spare_slots_needed(config: SpeculativeConfig | None, max_num_seqs: int) -> int:
+    """Extra cache slots the rollback snapshots take (one per running request)."""
+    return max_num_seqs if config is not None else 0
+
