@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from tierlm.demo_model import build_demo_model
 from tierlm.engine.llm_engine import EngineConfig, LLMEngine
@@ -132,3 +133,37 @@ def test_refused_without_a_draft_head_or_with_pipeline_parallel(demo, tmp_path):
         engine(plain, spec(1))
     with pytest.raises(ValueError, match="pipeline-parallel-size"):
         engine(demo, spec(1), pipeline_parallel_size=2)
+
+
+def sampled(seed: int | None) -> SamplingParams:
+    return SamplingParams(temperature=0.9, top_p=0.95, top_k=50, max_tokens=MAX_TOKENS, seed=seed)
+
+
+def test_seeded_sampling_is_reproducible_with_drafts(demo, reference):
+    """A seeded request draws its drafts and its verification from its own generator: the same seed gives
+    the same tokens, beside a greedy request that still gives exactly the greedy tokens."""
+    runs = [generate(engine(demo, spec(2)), [sampled(seed), greedy()]) for seed in (7, 7, 8)]
+    assert runs[0][0].token_ids == runs[1][0].token_ids
+    assert runs[0][0].token_ids != runs[2][0].token_ids
+    assert all(run[1].token_ids == reference[1] for run in runs)
+    assert all(len(run[0].token_ids) == MAX_TOKENS for run in runs)
+
+
+def test_sampling_probs_is_what_the_sampler_draws_from():
+    """The target distribution speculative decoding verifies against (`sampling_probs`) is the one the
+    sampler draws from without drafts: chi-square of 20000 sampler draws over a small vocabulary."""
+    from tierlm.engine.request import Request
+    from tierlm.engine.sampler import Sampler, sampling_probs
+
+    logits = torch.tensor([2.0, 1.5, 1.0, 0.7, 0.2, -1.0, -3.0, 0.9])
+    for params in (SamplingParams(temperature=0.7, top_k=5, top_p=0.9, min_p=0.05),
+                   SamplingParams(temperature=1.3, top_k=-1, top_p=0.8, min_p=0.0)):
+        request = Request("r", [1], params, frozenset(), 100)
+        expected = sampling_probs(logits[None], [request])[0]
+        draws = 20000
+        tokens = [s.token_id for s in Sampler(seed=3).sample(logits.repeat(draws, 1), [request] * draws, str)]
+        counts = torch.bincount(torch.tensor(tokens), minlength=logits.shape[0]).double()
+        support = expected > 0
+        assert counts[~support].sum() == 0  # nothing outside the cut
+        chi2 = ((counts[support] - draws * expected[support]) ** 2 / (draws * expected[support])).sum().item()
+        assert chi2 < 30, (chi2, counts, expected)  # df <= 7: p < 1e-4

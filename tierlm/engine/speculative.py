@@ -10,7 +10,8 @@ positions are rolled back exactly.
   rejected draft would leave them advanced past it.
 - One target forward (`forward_with_streams`) over the step's chunks; the 1+K rows of a verify chunk are
   checked by `rejection_sample` (greedy: accept while the draft is the argmax; the first mismatch's argmax,
-  or the bonus row's, follows).
+  or the bonus row's, follows; sampled: the target's distribution as `Sampler` draws from it,
+  `sampling_probs`, against the draft's, so the output follows the target distribution exactly).
 - Rollback (recompute): a request that rejected a draft gets its snapshot back and its accepted rows (the
   last token and the accepted drafts) run again as a small prefill chunk; that rewrites the recurrent
   states exactly to the accepted position. The QSA K/V and indexer keys are addressed by position: what the
@@ -20,10 +21,14 @@ positions are rolled back exactly.
   of the rejecting requests' accepted rows.
 - Drafting: the head runs on every row the target kept (prefill chunks too, so its caches cover every
   position), row t with token t+1 and the target's streams at t; the last row of a chunk that sampled
-  proposes draft 1 (argmax), then K-1 single-row steps feed the head its own output streams.
-Which requests speculate: greedy ones with nothing else that shapes their logits (no penalties, biases,
-bans, allowed ids, min_tokens, log-probabilities, grammar); the others decode one token per step in the
-same batches, unchanged. The forward is always eager (no CUDA graphs for the verify shapes yet).
+  proposes draft 1, then K-1 single-row steps feed the head its own output streams. A greedy request's
+  draft is the argmax; a sampled one's a draw from the draft logits under the request's temperature,
+  top-k/p and min-p, from the request's own generator (a seeded request is reproducible), its
+  distribution kept for verification (`Request.draft_probs`).
+Which requests speculate: those with nothing but temperature, top-k/p and min-p shaping their
+distribution (no penalties, biases, bans, allowed ids, min_tokens, log-probabilities, grammar); the
+others decode one token per step in the same batches, unchanged. The forward is always eager (no CUDA
+graphs for the verify shapes yet).
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ import torch
 from tierlm.engine.model_runner import ModelRunner, StepResult
 from tierlm.engine.rejection_sampler import rejection_sample
 from tierlm.engine.request import Request
+from tierlm.engine.sampler import MIN_TEMPERATURE, sampling_probs
 from tierlm.engine.scheduler import ScheduledChunk, SchedulerOutput
 from tierlm.model.forward_batch import ForwardBatch
 from tierlm.model.model_cache import ModelCache
@@ -76,11 +82,16 @@ class SpeculativeConfig:
         return cls(method, k)
 
 
+def is_greedy(request: Request) -> bool:
+    return request.params.temperature < MIN_TEMPERATURE
+
+
 def speculates(request: Request) -> bool:
-    """Whether the request decodes with drafts: greedy, and nothing but the argmax picks its token."""
+    """Whether the request decodes with drafts: nothing but its temperature, top-k, top-p and min-p shape
+    the distribution it samples from (greedy: the argmax)."""
     p = request.params
     return (
-        p.temperature == 0 and p.logprobs is None and p.prompt_logprobs is None and p.min_tokens == 0
+        p.logprobs is None and p.prompt_logprobs is None and p.min_tokens == 0
         and p.presence_penalty == 0 and p.frequency_penalty == 0 and p.repetition_penalty == 1
         and not p.logit_bias and not p.bad_words and p.allowed_token_ids is None and p.structured_output is None
     )
@@ -143,15 +154,25 @@ class SpeculativeRunner:
         if not verify:
             return {}
         k_max = max(len(chunk.draft_token_ids) for chunk, _, _ in verify)
-        vocab = logits.shape[1]
-        scores = torch.zeros(len(verify), k_max + 1, vocab, dtype=torch.float32, device=logits.device)
+        vocab, device = logits.shape[1], logits.device
+        scores = torch.zeros(len(verify), k_max + 1, vocab, dtype=torch.float32, device=device)
         drafts = torch.zeros(len(verify), k_max, dtype=torch.int64)
+        greedy = [is_greedy(chunk.request) for chunk, _, _ in verify]
+        draft_probs = None
+        if not all(greedy):
+            draft_probs = torch.zeros(len(verify), k_max, vocab, dtype=torch.float32, device=device)
         for i, (chunk, first, count) in enumerate(verify):
-            scores[i, :count] = logits[first : first + count].float()
+            rows = logits[first : first + count]
+            request = chunk.request
+            # greedy: any scores with the argmax do; sampled: the distribution the request samples from
+            scores[i, :count] = rows.float() if greedy[i] else sampling_probs(rows, [request] * count)
             drafts[i, : count - 1] = torch.tensor(chunk.draft_token_ids)
+            if not greedy[i]:
+                draft_probs[i, : count - 1] = request.draft_probs[: count - 1]
         counts = [len(chunk.draft_token_ids) for chunk, _, _ in verify]
-        outputs = rejection_sample(scores, drafts, None, counts, [True] * len(verify), [None] * len(verify),
-                                   self.generator)
+        generators = [None if greedy[i] else chunk.request.device_generator(device)
+                      for i, (chunk, _, _) in enumerate(verify)]
+        outputs = rejection_sample(scores, drafts, draft_probs, counts, greedy, generators, self.generator)
         accepted = {}
         for (chunk, _, _), tokens in zip(verify, outputs, strict=True):
             accepted[chunk] = len(tokens) - 1
@@ -217,7 +238,10 @@ class SpeculativeRunner:
         proposers = [item for item in kept if item.proposes]
         if not proposers:
             return
-        drafts = [[token] for token in logits.argmax(dim=-1).tolist()]
+        requests = [item.chunk.request for item in proposers]
+        first, probs = self._pick(logits, requests)
+        drafts = [[token] for token in first]
+        draft_probs = [[row] for row in probs]
         # draft step s (1..K-1) reads draft s and writes the head's K/V at position start + len(tokens) + s - 1;
         # a request stops drafting where its blocks end (the scheduler reserves K positions past the chunk)
         positions = [item.chunk.start + len(item.tokens) for item in proposers]
@@ -230,16 +254,38 @@ class SpeculativeRunner:
             if len(live) < len(active):
                 out_streams = out_streams.index_select(0, torch.tensor(live, device=out_streams.device))
                 active = [active[j] for j in live]
+                requests = [requests[j] for j in live]
             step_batch = ForwardBatch.build(
                 [[drafts[i][-1]] for i in active], [positions[i] + s - 1 for i in active],
                 [proposers[i].chunk.request.state_slot for i in active],
                 [proposers[i].chunk.request.block_ids for i in active], block_size, device=self.cache.device,
             )
             logits, out_streams = self.model.draft(step_batch, out_streams, self.cache, s)
-            for i, token in zip(active, logits.argmax(dim=-1).tolist(), strict=True):
+            tokens, probs = self._pick(logits, requests)
+            for i, token, row in zip(active, tokens, probs, strict=True):
                 drafts[i].append(token)
-        for item, tokens in zip(proposers, drafts, strict=True):
+                draft_probs[i].append(row)
+        for item, tokens, rows in zip(proposers, drafts, draft_probs, strict=True):
             item.chunk.request.draft_token_ids = tokens
+            item.chunk.request.draft_probs = None if rows[0] is None else torch.stack(rows)
+
+    def _pick(self, logits: torch.Tensor, requests: list[Request]) -> tuple[list[int], list[torch.Tensor | None]]:
+        """Each row's draft: the argmax for a greedy request; for a sampled one a draw from the draft's
+        distribution q (the request's temperature, top-k/p, min-p), from its own generator, with q kept for
+        verification."""
+        tokens = logits.argmax(dim=-1)
+        probs: list[torch.Tensor | None] = [None] * len(requests)
+        sampled = [i for i, request in enumerate(requests) if not is_greedy(request)]
+        if sampled:
+            device = logits.device
+            q = sampling_probs(logits[torch.tensor(sampled, device=device)], [requests[i] for i in sampled])
+            for row, i in enumerate(sampled):
+                generator = requests[i].device_generator(device) or self.generator
+                noise = torch.empty(q.shape[1], dtype=torch.float32, device=generator.device)
+                noise = noise.exponential_(generator=generator).to(device)
+                tokens[i] = (q[row] / noise).argmax()  # an exponential race: a draw from q
+                probs[i] = q[row]
+        return tokens.tolist(), probs
 
     # ---- slots --------------------------------------------------------------------------------------
     def _spare(self, request: Request) -> int:
