@@ -30,8 +30,9 @@ def demo(tmp_path_factory):
 
 
 def engine(folder, speculative_config=None, **options) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=str(folder), dtype="float32", device="cpu", kv_cache_memory_bytes=32 << 20,
-                                  max_num_seqs=2, speculative_config=speculative_config, **options))
+    options = {"kv_cache_memory_bytes": 32 << 20, "max_num_seqs": 2, **options}
+    return LLMEngine(EngineConfig(model=str(folder), dtype="float32", device="cpu",
+                                  speculative_config=speculative_config, **options))
 
 
 def generate(llm: LLMEngine, params: list[SamplingParams], after_step=None) -> list[list[int]]:
@@ -167,3 +168,36 @@ def test_sampling_probs_is_what_the_sampler_draws_from():
         assert counts[~support].sum() == 0  # nothing outside the cut
         chi2 = ((counts[support] - draws * expected[support]) ** 2 / (draws * expected[support])).sum().item()
         assert chi2 < 30, (chi2, counts, expected)  # df <= 7: p < 1e-4
+
+
+def test_prefix_cache_hits_and_preemption_keep_the_tokens(demo):
+    """A prompt resent hits its checkpoint (the draft layer's rings are part of it, its K/V of the blocks);
+    under a budget that forces preemption, recomputed requests speculate again: the greedy tokens stay."""
+    roomy = engine(demo, max_model_len=256, max_num_seqs=4, enable_prefix_caching=False)
+    plan = roomy.cache_plan
+    blocks = 256 // plan.block_size + 6
+    budget = (blocks + 1) * plan.block_bytes + 5 * plan.slot_bytes
+    tight = engine(demo, spec(2), max_model_len=256, max_num_seqs=4, kv_cache_memory_bytes=budget,
+                   max_state_checkpoints=2)
+    tokenizer = roomy.tokenizer
+    prompts = [tokenizer.encode(f"# file {i}\n" + "x = 1\n" * (5 + 3 * i)) for i in range(4)]
+    prompts.append(prompts[3])  # a hit on request 3's prompt checkpoint
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+
+    def run(llm, after_step=None):
+        ids = [llm.add_request(p, params) for p in prompts]
+        done = {}
+        while llm.has_unfinished_requests():
+            done.update({o.request_id: o for o in llm.step() if o.finished})
+            if after_step is not None:
+                after_step(llm)
+        return [done[i] for i in ids]
+
+    expected = run(roomy)
+    # drafts from the greedy continuation, some wrong: long accepted runs cross blocks and checkpoints
+    oracle = Oracle({str(i): o.outputs[0].token_ids for i, o in enumerate(expected)}, 2, wrong=1)
+    got = run(tight, oracle)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
+    assert tight.scheduler.num_preemptions > 0
+    stats = tight.stats()
+    assert stats.prefix_cache_hits > 0 and 0 < stats.num_accepted_tokens < stats.num_draft_tokens
