@@ -201,3 +201,14 @@ def test_prefix_cache_hits_and_preemption_keep_the_tokens(demo):
     assert tight.scheduler.num_preemptions > 0
     stats = tight.stats()
     assert stats.prefix_cache_hits > 0 and 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+
+
+def test_generate_cli_takes_the_flag(demo, capsys):
+    from tierlm.cli import main as cli_main
+
+    args = ["generate", str(demo), "--prompt", PROMPTS[0], "--max-tokens", str(MAX_TOKENS), "--temperature", "0",
+            "--dtype", "float32", "--device", "cpu"]
+    assert cli_main(args + ["--speculative-config", spec(2)]) == 0
+    assert f"tokens={MAX_TOKENS}" in capsys.readouterr().err
+    assert cli_main(args + ["--speculative-config", '{"method": "mtp"}']) == 2
+    assert "num_speculative_tokens must be an integer >= 1" in capsys.readouterr().err
