@@ -174,9 +174,9 @@ def test_prefix_cache_hits_and_preemption_keep_the_tokens(demo):
     """A prompt resent hits its checkpoint (the draft layer's rings are part of it, its K/V of the blocks);
     under a budget that forces preemption, recomputed requests speculate again: the greedy tokens stay."""
     roomy = engine(demo, max_model_len=256, max_num_seqs=4, enable_prefix_caching=False)
-    plan = roomy.cache_plan
-    blocks = 256 // plan.block_size + 6
-    budget = (blocks + 1) * plan.block_bytes + 5 * plan.slot_bytes
+    plan = engine(demo, spec(2), max_model_len=256, max_num_seqs=4, max_state_checkpoints=2).cache_plan
+    blocks = 256 // plan.block_size + 6  # room for one request of max_model_len and a little
+    budget = (blocks + 1) * plan.block_bytes + plan.device_slots * plan.slot_bytes
     tight = engine(demo, spec(2), max_model_len=256, max_num_seqs=4, kv_cache_memory_bytes=budget,
                    max_state_checkpoints=2)
     tokenizer = roomy.tokenizer
@@ -198,7 +198,7 @@ def test_prefix_cache_hits_and_preemption_keep_the_tokens(demo):
     oracle = Oracle({str(i): o.outputs[0].token_ids for i, o in enumerate(expected)}, 2, wrong=1)
     got = run(tight, oracle)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
-    assert tight.scheduler.num_preemptions > 0
+    assert tight.cache_plan.num_blocks == blocks and tight.scheduler.num_preemptions > 0
     stats = tight.stats()
     assert stats.prefix_cache_hits > 0 and 0 < stats.num_accepted_tokens < stats.num_draft_tokens
 
@@ -212,3 +212,19 @@ def test_generate_cli_takes_the_flag(demo, capsys):
     assert f"tokens={MAX_TOKENS}" in capsys.readouterr().err
     assert cli_main(args + ["--speculative-config", '{"method": "mtp"}']) == 2
     assert "num_speculative_tokens must be an integer >= 1" in capsys.readouterr().err
+
+
+def test_the_plan_counts_the_draft_layers_and_snapshot_slots(demo):
+    """The draft head's caches and the snapshot slots come out of the cache budget: each cache kind's own
+    sizes add up to the plan's."""
+    llm = engine(demo, spec(2), max_state_checkpoints=3)
+    plain = engine(demo, max_state_checkpoints=3)
+    plan, cache = llm.cache_plan, llm.cache
+    assert plan.num_draft_layers == len(cache.draft_layers) == 1 and plan.spare_slots == 2
+    layers = cache.layers + cache.draft_layers
+    assert plan.block_bytes == sum(c.indexer.block_bytes + c.kv.block_bytes for c in layers if c.kv)
+    assert plan.slot_bytes == cache.slot_bytes > plain.cache_plan.slot_bytes
+    assert cache.num_slots == plan.num_slots + plan.spare_slots and plan.device_slots == plain.cache_plan.device_slots + 2
+    assert cache.checkpoints.nbytes == plan.host_checkpoint_bytes()
+    assert plan.used_bytes() <= plan.budget_bytes and plan.num_blocks < plain.cache_plan.num_blocks
+    assert any("2 speculative snapshots" in line for line in plan.lines())

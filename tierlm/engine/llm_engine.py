@@ -64,6 +64,7 @@ def engine_cache_plan(
     `StageLayout` (its layers, and only the weights it holds; its share of the host RAM).
     """
     ranks_on_host = 1
+    speculative = SpeculativeConfig.parse(config.speculative_config)
     if stage is not None:
         layer_ids, ranks_on_host = stage.layer_ids, stage.world_size
     if config.qsa_row_cache_rows is not None and config.qsa_row_cache_rows < 1:
@@ -102,6 +103,8 @@ def engine_cache_plan(
         weights_bytes=sum(weight_bytes(model_config, dtype, quantization, ple_mapped, layer_ids, stage).values()),
         ple_mapped=ple_mapped,
         prefix_caching=caching and checkpoints > 0, layer_ids=layer_ids,
+        num_draft_layers=model_config.num_mtp_layers if speculative is not None else 0,
+        spare_slots=spare_slots_needed(speculative, config.max_num_seqs),
     ))
 
 
@@ -283,11 +286,11 @@ class LLMEngine:
             logger.info(line)
         plan = self.cache_plan
         self.cache = ModelCache(
-            mc, plan.num_slots + spare_slots_needed(speculative, config.max_num_seqs), plan.num_blocks,
+            mc, plan.num_slots + plan.spare_slots, plan.num_blocks,
             plan.block_size, dtype, device, kv_offload=plan.kv_offload,
             arena_rows=plan.arena_rows, row_cache=config.qsa_row_cache,
             row_cache_max_batch=config.qsa_row_cache_max_batch, num_host_checkpoints=plan.num_checkpoints,
-            num_draft_layers=mc.num_mtp_layers if speculative is not None else 0,
+            num_draft_layers=plan.num_draft_layers,
         )
         if plan.kv_offload:
             logger.info("QSA K/V in host pools (%s)", f"row cache of {plan.arena_rows:,} rows per layer for decode "

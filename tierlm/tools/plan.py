@@ -73,6 +73,7 @@ def run(args: argparse.Namespace) -> int:
             gpu_memory_utilization=args.gpu_memory_utilization, qsa_kv_offload=args.qsa_kv_offload,
             qsa_row_cache_rows=args.qsa_row_cache_rows, checkpoint_host_bytes=args.checkpoint_host_bytes,
             pipeline_parallel_size=args.pipeline_parallel_size, pp_layer_partition=args.pp_layer_partition,
+            speculative_config=args.speculative_config,
             **({} if args.qsa_row_cache_bytes is None else {"qsa_row_cache_bytes": args.qsa_row_cache_bytes}),
         )
         if args.pipeline_parallel_size != 1:
