@@ -326,8 +326,8 @@ class LLMEngine:
         )
         if speculative is not None:
             self.runner = SpeculativeRunner(self.runner, speculative, plan.num_slots, config.seed)
-            logger.info("speculative decoding: %s, %d draft tokens per step (%d MTP layer(s)); greedy requests "
-                        "without logit processors speculate, the others decode one token per step",
+            logger.info("speculative decoding: %s, %d draft tokens per step (%d MTP layer(s)); requests with "
+                        "penalties, biases, bans, min_tokens, logprobs or a grammar decode one token per step",
                         speculative.method, k, mc.num_mtp_layers)
         self._finish_init()
 

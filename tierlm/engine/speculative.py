@@ -45,7 +45,6 @@ from tierlm.engine.request import Request
 from tierlm.engine.sampler import MIN_TEMPERATURE, sampling_probs
 from tierlm.engine.scheduler import ScheduledChunk, SchedulerOutput
 from tierlm.model.forward_batch import ForwardBatch
-from tierlm.model.model_cache import ModelCache
 
 logger = logging.getLogger("tierlm")
 
@@ -68,7 +67,7 @@ class SpeculativeConfig:
             except json.JSONDecodeError as exc:
                 raise ValueError(f"--speculative-config: not JSON ({exc}): {value!r}") from None
         if not isinstance(value, dict):
-            raise ValueError(f"--speculative-config: expected a JSON object, got {value!r}")
+            raise ValueError(f"--speculative-config: expected a JSON object, got {value!r}")  # noqa: TRY004 (bad input)
         unknown = sorted(set(value) - {"method", "num_speculative_tokens"})
         if unknown:
             raise ValueError(f"--speculative-config: unsupported field(s) {unknown} (supported: method, "
@@ -144,7 +143,7 @@ class SpeculativeRunner:
             result = runner.sample([w for w in wanted if not w[0].draft_token_ids], logits)
             accepted = self._verify(verify, logits, result)
         with self.trace.phase("rollback, draft"):
-            kept = self._rollback_and_keep(step, batch, streams, accepted, result)
+            kept = self._rollback_and_keep(step, streams, accepted, result)
             self._propose(kept)
         return result
 
@@ -184,8 +183,7 @@ class SpeculativeRunner:
         return accepted
 
     def _rollback_and_keep(
-        self, step: SchedulerOutput, batch: ForwardBatch, streams: torch.Tensor,
-        accepted: dict[ScheduledChunk, int], result: StepResult,
+        self, step: SchedulerOutput, streams: torch.Tensor, accepted: dict[ScheduledChunk, int], result: StepResult,
     ) -> list[_Kept]:
         """Restore and recompute the requests that rejected a draft; every speculating chunk's kept rows."""
         kept, redo, row = [], [], 0
