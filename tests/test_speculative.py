@@ -24,6 +24,16 @@ def spec(k: int) -> str:
     return json.dumps({"method": "mtp", "num_speculative_tokens": k})
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One torch thread: these tiny multi-row forwards run no faster on two, and much slower when other
+    processes hold the cores (threads spinning for each other)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
     return build_demo_model(tmp_path_factory.mktemp("spec") / "demo", "tiny", mtp=True)
@@ -228,3 +238,16 @@ def test_the_plan_counts_the_draft_layers_and_snapshot_slots(demo):
     assert cache.checkpoints.nbytes == plan.host_checkpoint_bytes()
     assert plan.used_bytes() <= plan.budget_bytes and plan.num_blocks < plain.cache_plan.num_blocks
     assert any("2 speculative snapshots" in line for line in plan.lines())
+
+
+def test_llm_and_serve_take_the_config(demo, reference):
+    """`LLM(speculative_config=...)` takes vLLM's dict; `tierlm serve --speculative-config` reaches EngineConfig."""
+    from tierlm.cli import build_parser
+    from tierlm.entrypoints.llm import LLM
+    from tierlm.server.cli import engine_config
+
+    llm = LLM(str(demo), dtype="float32", device="cpu", kv_cache_memory_bytes=32 << 20, max_num_seqs=2,
+              speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    assert llm.generate(PROMPTS[0], greedy())[0].outputs[0].token_ids == reference[0]
+    argv = ["serve", "m", "--speculative-config", spec(3)]
+    assert engine_config("m", build_parser(argv).parse_args(argv)).speculative_config == spec(3)
