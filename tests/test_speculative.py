@@ -251,3 +251,13 @@ def test_llm_and_serve_take_the_config(demo, reference):
     assert llm.generate(PROMPTS[0], greedy())[0].outputs[0].token_ids == reference[0]
     argv = ["serve", "m", "--speculative-config", spec(3)]
     assert engine_config("m", build_parser(argv).parse_args(argv)).speculative_config == spec(3)
+
+
+def test_drafts_stop_at_max_model_len(demo):
+    """Near max_model_len a request verifies only the drafts that can still fit, and ends there."""
+    expected = [o.token_ids for o in generate(engine(demo, max_model_len=32), [greedy(100), greedy(100)])]
+    llm = engine(demo, spec(3), max_model_len=32)
+    oracle = Oracle({"0": expected[0], "1": expected[1]}, 3, wrong=2)
+    got = generate(llm, [greedy(100), greedy(100)], oracle)
+    assert [o.token_ids for o in got] == expected
+    assert all(o.finish_reason == "length" for o in got) and llm.stats().num_accepted_tokens > 0
