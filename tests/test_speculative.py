@@ -261,3 +261,16 @@ def test_drafts_stop_at_max_model_len(demo):
     got = generate(llm, [greedy(100), greedy(100)], oracle)
     assert [o.token_ids for o in got] == expected
     assert all(o.finish_reason == "length" for o in got) and llm.stats().num_accepted_tokens > 0
+
+
+def test_acceptance_is_logged(demo, reference, monkeypatch, caplog):
+    from tierlm.engine import speculative
+
+    monkeypatch.setattr(speculative, "LOG_INTERVAL_S", 0.0)
+    llm = engine(demo, spec(3))
+    with caplog.at_level("INFO", logger="tierlm"):
+        generate(llm, [greedy(), greedy()], Oracle({"0": reference[0], "1": reference[1]}, 3, wrong=1))
+    lines = [r.getMessage() for r in caplog.records if "drafts accepted" in r.getMessage()]
+    assert lines and all("tokens per verify step" in line for line in lines)
+    stats = llm.stats()
+    assert stats.num_accepted_tokens == sum(int(line.split()[2]) for line in lines)

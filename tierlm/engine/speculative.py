@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -49,6 +50,7 @@ from tierlm.model.forward_batch import ForwardBatch
 logger = logging.getLogger("tierlm")
 
 METHODS = ("mtp",)
+LOG_INTERVAL_S = 30.0  # the acceptance log line, at most this often
 
 
 @dataclass(frozen=True)
@@ -121,6 +123,7 @@ class SpeculativeRunner:
         self.num_drafts = 0  # verify chunks (requests that carried drafts into a step), total
         self.num_draft_tokens = 0  # drafts verified, total
         self.num_accepted_tokens = 0  # of which accepted, total
+        self._logged_at, self._logged = time.monotonic(), (0, 0, 0)
 
     @property
     def trace(self):
@@ -180,7 +183,19 @@ class SpeculativeRunner:
         self.num_drafts += len(verify)
         self.num_draft_tokens += sum(counts)
         self.num_accepted_tokens += sum(accepted.values())
+        self._log_acceptance()
         return accepted
+
+    def _log_acceptance(self) -> None:
+        """Since the last line: drafts accepted, and tokens per verify step (vLLM's acceptance length)."""
+        if time.monotonic() - self._logged_at < LOG_INTERVAL_S:
+            return
+        verifies, drafted, accepted = (now - then for now, then in zip(
+            (self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens), self._logged, strict=True))
+        logger.info("speculative decoding: %d of %d drafts accepted (%.1f%%), %.2f tokens per verify step",
+                    accepted, drafted, 100 * accepted / max(drafted, 1), (accepted + verifies) / max(verifies, 1))
+        self._logged_at = time.monotonic()
+        self._logged = (self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens)
 
     def _rollback_and_keep(
         self, step: SchedulerOutput, streams: torch.Tensor, accepted: dict[ScheduledChunk, int], result: StepResult,
