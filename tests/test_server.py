@@ -405,6 +405,8 @@ METRIC_NAMES = [
     "tierlm:num_requests_waiting", "tierlm:kv_cache_usage_perc", "tierlm:prefix_cache_queries_total",
     "tierlm:prefix_cache_hits_total", "tierlm:device_memory_allocated_bytes", "tierlm:device_memory_peak_bytes",
     "tierlm:num_streams_throttled", "tierlm:streams_ended_stalled_total",
+    "tierlm:spec_decode_num_drafts_total", "tierlm:spec_decode_num_draft_tokens_total",
+    "tierlm:spec_decode_num_accepted_tokens_total",
 ]
 
 

@@ -22,6 +22,7 @@ from tierlm.engine.model_runner import ModelRunner
 from tierlm.engine.request import Request, RequestStatus
 from tierlm.engine.sampler import Sampler
 from tierlm.engine.scheduler import RequestListener, Scheduler
+from tierlm.engine.speculative import SpeculativeConfig, SpeculativeRunner, spare_slots_needed
 from tierlm.engine.trace import NoTrace, StepTrace
 from tierlm.memory.host_pool import DEFAULT_MARGIN_BYTES
 from tierlm.memory.ngram_prefetch import PrefetchWorker
@@ -63,6 +64,7 @@ def engine_cache_plan(
     `StageLayout` (its layers, and only the weights it holds; its share of the host RAM).
     """
     ranks_on_host = 1
+    speculative = SpeculativeConfig.parse(config.speculative_config)
     if stage is not None:
         layer_ids, ranks_on_host = stage.layer_ids, stage.world_size
     if config.qsa_row_cache_rows is not None and config.qsa_row_cache_rows < 1:
@@ -101,6 +103,8 @@ def engine_cache_plan(
         weights_bytes=sum(weight_bytes(model_config, dtype, quantization, ple_mapped, layer_ids, stage).values()),
         ple_mapped=ple_mapped,
         prefix_caching=caching and checkpoints > 0, layer_ids=layer_ids,
+        num_draft_layers=model_config.num_mtp_layers if speculative is not None else 0,
+        spare_slots=spare_slots_needed(speculative, config.max_num_seqs),
     ))
 
 
@@ -128,6 +132,10 @@ class EngineStats:
     device_memory_allocated: int = 0
     device_memory_reserved: int = 0
     device_memory_peak: int = 0
+    # speculative decoding, totals: steps a request verified drafts in, drafts verified, drafts accepted
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -165,6 +173,8 @@ class EngineConfig:
     pipeline_parallel_size: int = 1
     pp_layer_partition: str | tuple[int, ...] | None = None
     pipeline_timeout_s: float = 600.0  # every collective between ranks; a dead rank is seen sooner
+    # MTP speculative decoding (vLLM's flag): '{"method": "mtp", "num_speculative_tokens": K}' (or a dict)
+    speculative_config: str | dict | None = None
 
 
 class _PrefetchListener(RequestListener):
@@ -249,12 +259,19 @@ class LLMEngine:
         model_dir = resolve_model_path(config.model)
         table_dir = find_table_dir(str(model_dir), config.ple_table)
         self.tokenizer = Tokenizer.from_pretrained(model_dir)
+        speculative = SpeculativeConfig.parse(config.speculative_config)
+        if speculative is not None:
+            if config.pipeline_parallel_size != 1:
+                raise ValueError("--speculative-config is not supported with --pipeline-parallel-size > 1 yet")
+            if table_dir is not None:
+                raise ValueError("--speculative-config is not supported with memory-mapped PLE tables "
+                                 "(--ple-table, or <model>/ple_tables) yet: serve the tables in memory")
         if config.pipeline_parallel_size != 1:
             self._start_pipeline(model_dir, table_dir)
             return
         self.model, self.model_config = load_model(
             model_dir, config.dtype, config.device, mapped_ple_tables=table_dir is not None,
-            load_format=config.load_format,
+            load_format=config.load_format, load_mtp=speculative is not None,
         )
         mc = self.model_config
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
@@ -269,9 +286,11 @@ class LLMEngine:
             logger.info(line)
         plan = self.cache_plan
         self.cache = ModelCache(
-            mc, plan.num_slots, plan.num_blocks, plan.block_size, dtype, device, kv_offload=plan.kv_offload,
+            mc, plan.num_slots + plan.spare_slots, plan.num_blocks,
+            plan.block_size, dtype, device, kv_offload=plan.kv_offload,
             arena_rows=plan.arena_rows, row_cache=config.qsa_row_cache,
             row_cache_max_batch=config.qsa_row_cache_max_batch, num_host_checkpoints=plan.num_checkpoints,
+            num_draft_layers=plan.num_draft_layers,
         )
         if plan.kv_offload:
             logger.info("QSA K/V in host pools (%s)", f"row cache of {plan.arena_rows:,} rows per layer for decode "
@@ -286,11 +305,16 @@ class LLMEngine:
             if config.ple_prefetch and not os.environ.get("TIERLM_NO_PLE_PREFETCH"):
                 self.prefetcher = PrefetchWorker(self.ngram_store)
         listener = _PrefetchListener(self.prefetcher) if self.prefetcher else None
-        self.scheduler = Scheduler(self.cache_manager, config.max_num_seqs, config.max_num_batched_tokens, listener)
+        k = speculative.num_speculative_tokens if speculative is not None else 0
+        self.scheduler = Scheduler(self.cache_manager, config.max_num_seqs, config.max_num_batched_tokens, listener,
+                                   num_speculative_tokens=k)
         block_size = plan.block_size
         static_decode = None
         mode = "cuda_graph" if device.type == "cuda" else ("compile" if config.compile_decode else None)
-        if mode and not config.enforce_eager:
+        if mode and not config.enforce_eager and speculative is not None:
+            logger.info("speculative decoding runs eagerly: no %s for the verify shapes yet",
+                        "CUDA graphs" if mode == "cuda_graph" else "compiled decode steps")
+        elif mode and not config.enforce_eager:
             max_blocks = math.ceil(self.max_model_len / block_size)
             ple_dims = {t.ple_index: t.rows.shape[1] * mc.num_ngram_heads for t in self.ngram_store.tables} if (
                 self.ngram_store) else None
@@ -300,6 +324,11 @@ class LLMEngine:
         self.runner = ModelRunner(
             self.model, self.cache, Sampler(config.seed), self._decode_token, static_decode, self.ngram_store
         )
+        if speculative is not None:
+            self.runner = SpeculativeRunner(self.runner, speculative, plan.num_slots, config.seed)
+            logger.info("speculative decoding: %s, %d draft tokens per step (%d MTP layer(s)); requests with "
+                        "penalties, biases, bans, min_tokens, logprobs or a grammar decode one token per step",
+                        speculative.method, k, mc.num_mtp_layers)
         self._finish_init()
 
     def _start_pipeline(self, model_dir, table_dir) -> None:
@@ -443,8 +472,15 @@ class LLMEngine:
             kv_cache_usage=used / total if manager.uses_blocks and total else 0.0,
             num_preemptions=self.scheduler.num_preemptions,
             prefix_cache_queries=manager.queried_tokens, prefix_cache_hits=manager.hit_tokens,
-            **self._ple_stats(), **self._row_cache_stats(), **self._device_memory(),
+            **self._ple_stats(), **self._row_cache_stats(), **self._device_memory(), **self._speculative_stats(),
         )
+
+    def _speculative_stats(self) -> dict:
+        runner = self.runner
+        if not isinstance(runner, SpeculativeRunner):
+            return {}
+        return dict(num_drafts=runner.num_drafts, num_draft_tokens=runner.num_draft_tokens,
+                    num_accepted_tokens=runner.num_accepted_tokens)
 
     def _device_memory(self) -> dict:
         if self.cache.device.type != "cuda":
@@ -504,8 +540,14 @@ class LLMEngine:
             request = chunk.request
             if request.is_finished:  # aborted while its batch was in the pipeline
                 continue
-            request.num_computed_tokens += chunk.num_tokens
+            # accepted drafts (speculative decoding) are tokens first, then computed with the chunk
+            appended = self._append_accepted(request, result.accepted.get(request, ()))
+            request.num_computed_tokens = min(request.num_computed_tokens + chunk.num_tokens + appended,
+                                              request.num_tokens)
             self.cache_manager.on_computed(request)
+            if appended and request.is_finished:  # a stop inside the accepted drafts
+                changed[self._group_of[request]] = None
+                continue
             if request in result.failed:
                 request.finish(RequestStatus.FINISHED_ERROR, result.failed[request])
             elif request in result.sampled:
@@ -513,6 +555,16 @@ class LLMEngine:
             else:
                 continue
             changed[self._group_of[request]] = None
+
+    def _append_accepted(self, request: Request, tokens) -> int:
+        """Append accepted drafts until one finishes the request (EOS, a stop id, max_tokens); how many."""
+        appended = 0
+        for token in tokens:
+            if request.is_finished:
+                break
+            self._append(request, token)
+            appended += 1
+        return appended
 
     @staticmethod
     def _append(request: Request, token_id: int) -> None:

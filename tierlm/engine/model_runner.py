@@ -29,6 +29,8 @@ logger = logging.getLogger("tierlm")
 @dataclass
 class StepResult:
     sampled: dict[Request, int] = field(default_factory=dict)
+    # speculative decoding: the drafts a request accepted, which come before its sampled token
+    accepted: dict[Request, list[int]] = field(default_factory=dict)
     failed: dict[Request, str] = field(default_factory=dict)  # request -> why its part of the step failed
 
 
@@ -56,7 +58,7 @@ class ModelRunner:
 
     def prepare(self, step: SchedulerOutput, device=None) -> tuple[ForwardBatch, list[tuple]]:
         """The step's batch (on `device`, default the cache's), and which of its logits rows each chunk
-        needs: (chunk, first row, count)."""
+        needs: (chunk, first row, count). A chunk's draft tokens (speculative decoding) follow its tokens."""
         rows, row, wanted = [], 0, []  # wanted: (chunk, first logits row, number of rows)
         for chunk in step.chunks:
             request = chunk.request
@@ -66,11 +68,13 @@ class ModelRunner:
                 wanted.append((chunk, len(rows), count))
                 rows.extend(range(row, row + count))
             elif chunk.samples:
-                wanted.append((chunk, len(rows), 1))
-                rows.append(row + chunk.num_tokens - 1)
-            row += chunk.num_tokens
+                # with drafts (speculative decoding): the last token's row and every draft's
+                count = 1 + len(chunk.draft_token_ids)
+                wanted.append((chunk, len(rows), count))
+                rows.extend(range(row + chunk.num_tokens - 1, row + chunk.num_tokens - 1 + count))
+            row += chunk.num_tokens + len(chunk.draft_token_ids)
         batch = ForwardBatch.build(
-            [c.request.token_slice(c.start, c.start + c.num_tokens) for c in step.chunks],
+            [c.request.token_slice(c.start, c.start + c.num_tokens) + c.draft_token_ids for c in step.chunks],
             [c.start for c in step.chunks],
             [c.request.state_slot for c in step.chunks],
             [c.request.block_ids for c in step.chunks],

@@ -60,6 +60,8 @@ class Request:
     num_preemptions: int = 0
     paused: bool = False  # held back from scheduling (its client has not read its earlier outputs)
     structured_output: GrammarState | None = None  # the grammar matcher of a structured-output request
+    draft_token_ids: list[int] = field(default_factory=list)  # speculative decoding: proposed next tokens
+    draft_probs: torch.Tensor | None = None  # [K, V], the distributions they were drawn from (None: greedy)
 
     def __post_init__(self) -> None:
         if self.params.logprobs is not None:

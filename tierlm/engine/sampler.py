@@ -250,6 +250,24 @@ class Sampler:
         return chosen[:, 0], ranks, values, ids
 
 
+def sampling_probs(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """The normalized fp32 distribution [R, V] that `Sampler` draws row i from for requests[i] (temperature,
+    top-k, top-p, min-p; no penalties, biases, bans or grammar: speculative decoding, its one user, takes
+    only requests without those). A top-k row keeps every token tied with its k-th best."""
+    device, vocab = logits.device, logits.shape[1]
+    temperature = torch.tensor([max(r.params.temperature, MIN_TEMPERATURE) for r in requests], device=device)
+    x = logits.float()
+    x = (x - x.max(dim=-1, keepdim=True).values) / temperature[:, None]
+    k = torch.tensor([r.params.top_k if 0 < r.params.top_k < vocab else vocab for r in requests], device=device)
+    if bool((k < vocab).any()):
+        values = x.topk(int(k.max()), dim=-1).values
+        x = x.masked_fill(x < values.gather(1, (k - 1).clamp(max=values.shape[1] - 1)[:, None]), float("-inf"))
+    probs = torch.softmax(x, dim=-1)
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    probs = torch.zeros_like(probs).scatter_(1, order, _top_p_min_p(sorted_probs, requests))
+    return probs / probs.sum(dim=-1, keepdim=True)
+
+
 def _top_p_min_p(sorted_probs: torch.Tensor, requests: list[Request]) -> torch.Tensor:
     """Rows of probabilities sorted best first, cut by each request's top-p, then min-p (not renormalized:
     the draw only compares them)."""

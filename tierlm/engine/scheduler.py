@@ -23,10 +23,12 @@ from tierlm.engine.cache_manager import CacheManager
 from tierlm.engine.request import Request, RequestStatus
 
 
-@dataclass
+@dataclass(eq=False)
 class ScheduledChunk:
     request: Request
     num_tokens: int
+    # speculative decoding: drafts verified after the request's last token (not counted in num_tokens)
+    draft_token_ids: list[int] = field(default_factory=list)
 
     @property
     def start(self) -> int:
@@ -45,7 +47,7 @@ class SchedulerOutput:
 
     @property
     def num_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.chunks)
+        return sum(c.num_tokens + len(c.draft_token_ids) for c in self.chunks)
 
 
 class RequestListener:
@@ -62,8 +64,11 @@ class RequestListener:
 class Scheduler:
     def __init__(
         self, cache_manager: CacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-        listener: RequestListener | None = None,
+        listener: RequestListener | None = None, num_speculative_tokens: int = 0,
     ) -> None:
+        """num_speculative_tokens: K of speculative decoding (0: off): a decoding request's drafts ride with
+        its last token, and a chunk that samples reserves blocks for K positions past it (the draft head's)."""
+        self.num_speculative_tokens = num_speculative_tokens
         self.listener = listener or RequestListener()
         self.cache_manager = cache_manager
         self.max_num_seqs = max_num_seqs
@@ -92,10 +97,11 @@ class Scheduler:
                 index += 1
                 continue
             n = self._chunk(request, request.num_computed_tokens, budget)
-            if not self._reserve(request, n, out, busy):
+            drafts = self._drafts(request, n, budget)
+            if not self._reserve(request, n + len(drafts) + self._lookahead(request, n), out, busy):
                 break  # the request itself was preempted; nothing after it remains
-            out.chunks.append(ScheduledChunk(request, n))
-            budget -= n
+            out.chunks.append(ScheduledChunk(request, n, drafts))
+            budget -= n + len(drafts)
             index += 1
         while (self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted
                and len(out.chunks) < room):
@@ -107,6 +113,7 @@ class Scheduler:
             self.waiting.popleft()
             self.cache_manager.admit(request, hit)
             self.cache_manager.grow(request, hit + n)
+            self.cache_manager.grow(request, hit + n + self._lookahead(request, n))  # best effort
             request.status = RequestStatus.RUNNING
             self.listener.admitted(request)
             self.running.append(request)
@@ -121,6 +128,22 @@ class Scheduler:
         if start < boundary < start + n:
             n = boundary - start
         return n
+
+    def _drafts(self, request: Request, n: int, budget: int) -> list[int]:
+        """A decoding request's drafts to verify this step: as many as the budget, max_tokens and
+        max_model_len leave room for (accepted drafts and one more token must fit)."""
+        if not request.draft_token_ids or n != 1 or request.num_computed_tokens != request.num_tokens - 1:
+            return []
+        room = min(budget - 1, request.max_model_len - request.num_tokens - 1)
+        if request.params.max_tokens is not None:
+            room = min(room, request.params.max_tokens - len(request.output_token_ids) - 1)
+        return request.draft_token_ids[: max(room, 0)]
+
+    def _lookahead(self, request: Request, n: int) -> int:
+        """Positions past a sampling chunk that the draft head writes while proposing (within max_model_len)."""
+        if not self.num_speculative_tokens or request.num_computed_tokens + n != request.num_tokens:
+            return 0
+        return max(0, min(self.num_speculative_tokens, request.max_model_len - request.num_tokens - 1))
 
     def _reserve(self, request: Request, n: int, out: SchedulerOutput, busy) -> bool:
         """Blocks for the request's next n tokens, preempting from the back (busy requests are skipped);
@@ -138,6 +161,7 @@ class Scheduler:
         self.cache_manager.free(request)
         self.listener.released(request)
         request.num_computed_tokens = 0
+        request.draft_token_ids = []
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
         self.num_preemptions += 1

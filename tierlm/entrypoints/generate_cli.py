@@ -33,6 +33,9 @@ def add_parser(subparsers) -> None:
                         help="layers per rank, e.g. 16,17,15 (default: balanced by each rank's memory)")
     parser.add_argument("--cpu-threads", type=int, default=None,
                         help="torch threads on CPU (default: torch's own, one per core)")
+    parser.add_argument("--speculative-config", default=None, metavar="JSON",
+                        help='MTP speculative decoding with the checkpoint\'s draft head, e.g. '
+                        '\'{"method": "mtp", "num_speculative_tokens": 2}\' (greedy requests; runs eagerly)')
     parser.set_defaults(func=run)
 
 
@@ -57,6 +60,7 @@ def run(args: argparse.Namespace) -> int:
             model=args.model, dtype=args.dtype, device=args.device, enforce_eager=args.enforce_eager,
             compile_decode=args.compile_decode, load_format=args.load_format, trace=args.trace,
             pipeline_parallel_size=args.pipeline_parallel_size, pp_layer_partition=args.pp_layer_partition,
+            speculative_config=args.speculative_config,
         ))
         prompt = args.prompt
         if args.chat:

@@ -219,6 +219,10 @@ class CachePlan:
     prefix_caching: bool
     staging_slots: int  # 1 on CUDA with checkpoints: the slot saves pass through (model/cache/host_checkpoints)
     layer_ids: tuple[int, ...] | None  # one pipeline rank's layers; None: all
+    # speculative decoding: the MTP draft head's QSA layers (counted in block_bytes and slot_bytes) and the
+    # spare slots the rollback snapshots take (one per running request)
+    num_draft_layers: int = 0
+    spare_slots: int = 0
 
     @property
     def num_slots(self) -> int:
@@ -227,8 +231,8 @@ class CachePlan:
 
     @property
     def device_slots(self) -> int:
-        """Every slot in device memory: running, scratch, staging."""
-        return self.num_slots + 1 + self.staging_slots
+        """Every slot in device memory: running, scratch, staging, speculative snapshots."""
+        return self.num_slots + 1 + self.staging_slots + self.spare_slots
 
     @property
     def tokens(self) -> int:
@@ -281,6 +285,9 @@ class CachePlan:
         out.append(f"device: cache budget {self.budget_bytes:,} B ({self.budget_source}); weights "
                    f"{self.weights_bytes:,} B{mapped}")
         staging = ", +1 checkpoint staging" if self.staging_slots else ""
+        staging += f", +{self.spare_slots} speculative snapshots" if self.spare_slots else ""
+        if self.num_draft_layers:
+            out.append(f"  MTP draft head: {self.num_draft_layers} QSA layer(s), in the block and slot sizes below")
         out.append(f"  state slots: {self.max_num_seqs} running (+1 scratch{staging}) x {self.slot_bytes:,} B = "
                    f"{self.device_slots * self.slot_bytes:,} B")
         if self.block_bytes:
@@ -341,6 +348,8 @@ class CacheSettings:
     ple_mapped: bool = False
     prefix_caching: bool = True
     layer_ids: tuple[int, ...] | None = None
+    num_draft_layers: int = 0  # speculative decoding: the MTP draft head's QSA layers
+    spare_slots: int = 0  # speculative decoding: slots for the rollback snapshots
 
 
 def plan_cache(config: ModelConfig, dtype: str, settings: CacheSettings) -> CachePlan:
@@ -385,10 +394,16 @@ def _split(config: ModelConfig, dtype: str, s: CacheSettings, kv_offload: bool, 
     kv_offload = kv_offload and config.has_qsa
     kv_block, index_block = kv_block_bytes(config, dtype, s.block_size, ids), index_block_bytes(
         config, dtype, s.block_size, ids)
-    one_block, host_block = (index_block, kv_block) if kv_offload else (kv_block + index_block, 0)
-    arenas = arena_bytes(config, dtype, s.arena_rows, ids) if kv_offload else 0
     one_slot = slot_bytes(config, dtype, ids)
     one_checkpoint = checkpoint_bytes(config, dtype, ids)
+    if s.num_draft_layers:  # each draft layer: one QSA layer's K/V, indexer keys and ring (no PLE)
+        draft_kv, draft_index, draft_ring = _one_qsa_layer(config, dtype, s.block_size)
+        kv_block += s.num_draft_layers * draft_kv
+        index_block += s.num_draft_layers * draft_index
+        one_slot += s.num_draft_layers * draft_ring
+        one_checkpoint = -(-one_slot // CHECKPOINT_ALIGN) * CHECKPOINT_ALIGN  # a checkpoint carries the rings
+    one_block, host_block = (index_block, kv_block) if kv_offload else (kv_block + index_block, 0)
+    arenas = _arenas(config, dtype, s.arena_rows, ids, s.num_draft_layers) if kv_offload else 0
     checkpoints_host = s.num_checkpoints * one_checkpoint
     if checkpoints_host and checkpoints_host > s.host_available_bytes:
         raise CapacityError(
@@ -398,7 +413,7 @@ def _split(config: ModelConfig, dtype: str, s: CacheSettings, kv_offload: bool, 
         )
     per_request_blocks = math.ceil(s.max_model_len / s.block_size)
     staging = int(s.device_type == "cuda" and s.num_checkpoints > 0)
-    num_slots = s.max_num_seqs + 1 + staging
+    num_slots = s.max_num_seqs + 1 + staging + s.spare_slots
     held = f"{num_slots} state slots of {one_slot:,} B" + (
         f" and QSA arenas of {arenas:,} B" if arenas and s.arena_in_budget else "")
     free = s.budget_bytes - num_slots * one_slot - (arenas if s.arena_in_budget else 0)
@@ -426,7 +441,7 @@ def _split(config: ModelConfig, dtype: str, s: CacheSettings, kv_offload: bool, 
         if free < 0:
             raise CapacityError(f"the cache budget of {s.budget_bytes:,} B ({s.budget_source}) cannot hold {held}")
     arena_rows = min(s.arena_rows, (num_blocks + 1) * s.block_size) if kv_offload else 0  # no more than the pool
-    arenas = arena_bytes(config, dtype, arena_rows, ids)
+    arenas = _arenas(config, dtype, arena_rows, ids, s.num_draft_layers)
     return CachePlan(
         dtype=dtype, block_size=s.block_size, budget_bytes=s.budget_bytes, budget_source=s.budget_source,
         max_model_len=s.max_model_len, max_num_seqs=s.max_num_seqs, num_blocks=num_blocks,
@@ -438,7 +453,24 @@ def _split(config: ModelConfig, dtype: str, s: CacheSettings, kv_offload: bool, 
         arena_in_budget=s.arena_in_budget,
         weights_bytes=s.weights_bytes, ple_table_bytes=ple_table_bytes(config, dtype, ids), ple_mapped=s.ple_mapped,
         prefix_caching=s.prefix_caching, staging_slots=staging, layer_ids=ids,
+        num_draft_layers=s.num_draft_layers, spare_slots=s.spare_slots,
     )
+
+
+def _arenas(config: ModelConfig, dtype: str, arena_rows: int, ids, num_draft_layers: int) -> int:
+    """The offload arenas of the target's QSA layers and of the draft head's (one each)."""
+    return arena_bytes(config, dtype, arena_rows, ids) + num_draft_layers * arena_rows * arena_row_bytes(config, dtype)
+
+
+def _one_qsa_layer(config: ModelConfig, dtype: str, block_size: int) -> tuple[int, int, int]:
+    """(K/V bytes per block, indexer-key bytes per block, ring bytes per slot) of one QSA layer (an MTP
+    draft layer's caches)."""
+    if not config.has_qsa:
+        raise CapacityError("an MTP draft head's layers are QSA layers: the config needs the indexer_* fields")
+    layer = (config.layer_types.index("indexed_attention"),)
+    ring = sum(lb.per_request for lb in layer_bytes(config, dtype, layer) if lb.layer_type == "indexed_attention")
+    return (kv_block_bytes(config, dtype, block_size, layer), index_block_bytes(config, dtype, block_size, layer),
+            ring)
 
 
 def cache_budget(

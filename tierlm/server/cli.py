@@ -28,7 +28,7 @@ ENGINE_FLAGS = (
     "max_state_checkpoints", "ple_table", "ple_prefetch", "qsa_kv_offload", "qsa_row_cache",
     "qsa_row_cache_rows", "qsa_row_cache_max_batch", "checkpoint_host_bytes", "qsa_row_cache_bytes",
     "load_format", "trace",
-    "pipeline_parallel_size", "pp_layer_partition",
+    "pipeline_parallel_size", "pp_layer_partition", "speculative_config",
 )
 
 
@@ -111,7 +111,15 @@ def add_parser(subparsers) -> None:
     engine.add_argument("--gpu-memory-utilization", type=float, default=None,
                         help="the cache budget as a fraction of device memory")
     add_pipeline_flags(engine)
+    add_speculative_flag(engine)
     parser.set_defaults(func=run)
+
+
+def add_speculative_flag(parser) -> None:
+    """--speculative-config (serve and generate share it)."""
+    parser.add_argument("--speculative-config", default=None, metavar="JSON",
+                        help='MTP speculative decoding with the checkpoint\'s draft head, e.g. '
+                        '\'{"method": "mtp", "num_speculative_tokens": 2}\' (greedy requests; runs eagerly)')
 
 
 def add_pipeline_flags(parser) -> None:

@@ -126,6 +126,11 @@ class _EngineStatsCollector(Collector):
              stats.device_memory_reserved),
             (gauge, "tierlm:device_memory_peak_bytes", "The most device memory tensors have held since start.",
              stats.device_memory_peak),
+            # speculative decoding (vLLM's names; zeros without --speculative-config)
+            (counter, "tierlm:spec_decode_num_drafts", "Verify steps of requests that carried drafts.",
+             stats.num_drafts),
+            (counter, "tierlm:spec_decode_num_draft_tokens", "Draft tokens verified.", stats.num_draft_tokens),
+            (counter, "tierlm:spec_decode_num_accepted_tokens", "Draft tokens accepted.", stats.num_accepted_tokens),
             (gauge, "tierlm:qsa_row_cache_hit_rate", "Share of decode K/V row reads served by the row cache, "
              "since start (0 before any).", _share(stats.qsa_row_cache_hits, stats.qsa_row_cache_misses)),
         ]

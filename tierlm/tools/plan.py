@@ -46,6 +46,8 @@ def add_parser(subparsers) -> None:
                         help="plan each of this many pipeline ranks (equal devices)")
     parser.add_argument("--pp-layer-partition", default=None,
                         help="layers per rank, e.g. 16,17,15 (default: balanced)")
+    parser.add_argument("--speculative-config", default=None, metavar="JSON",
+                        help="plan MTP speculative decoding's caches too (the draft head's layers, snapshot slots)")
     parser.set_defaults(func=run)
 
 
@@ -73,6 +75,7 @@ def run(args: argparse.Namespace) -> int:
             gpu_memory_utilization=args.gpu_memory_utilization, qsa_kv_offload=args.qsa_kv_offload,
             qsa_row_cache_rows=args.qsa_row_cache_rows, checkpoint_host_bytes=args.checkpoint_host_bytes,
             pipeline_parallel_size=args.pipeline_parallel_size, pp_layer_partition=args.pp_layer_partition,
+            speculative_config=args.speculative_config,
             **({} if args.qsa_row_cache_bytes is None else {"qsa_row_cache_bytes": args.qsa_row_cache_bytes}),
         )
         if args.pipeline_parallel_size != 1:

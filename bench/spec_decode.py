@@ -1,0 +1,87 @@
+"""One greedy stream with MTP speculative decoding vs without, side by side as a ratio.
+
+A demo model with an MTP head (built if missing, or --model DIR with `mtp.*` tensors), one prompt, --tokens
+greedy tokens. Columns: without drafts (CUDA graphs on GPU, as the engine runs by default; and eager),
+with the model's own draft head (random weights: acceptance near zero, so this is the rollback's cost),
+and with oracle drafts (the known greedy continuation: every draft accepted, the ceiling of the speed-up).
+Every column must give the same tokens; the script says so and exits non-zero otherwise.
+
+    python bench/spec_decode.py                          # CPU
+    python bench/spec_decode.py --device cuda --size small --tokens 256 -k 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from tierlm.demo_model import build_demo_model
+from tierlm.engine.llm_engine import EngineConfig, LLMEngine
+from tierlm.sampling_params import SamplingParams
+
+PROMPT = "The history of the city begins with a small settlement on the river, where"
+
+
+def run(args, speculative: bool, eager: bool, oracle: list[int] | None = None) -> tuple[list[int], float, object]:
+    config = {"method": "mtp", "num_speculative_tokens": args.k} if speculative else None
+    engine = LLMEngine(EngineConfig(model=str(args.model), dtype=args.dtype, device=args.device, max_num_seqs=1,
+                                    max_model_len=args.max_model_len, enforce_eager=eager,
+                                    speculative_config=config))
+    params = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
+    engine.add_request(PROMPT, params)
+    engine.step()  # the prefill (and first token) outside the timing
+    start = time.perf_counter()
+    out = None
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            out = output
+        if oracle is not None:
+            for request in engine.scheduler.running:
+                request.draft_token_ids = oracle[len(request.output_token_ids) :][: args.k]
+    if args.device.startswith("cuda"):
+        import torch
+
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    return out.outputs[0].token_ids, seconds, engine.stats()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="a checkpoint with mtp.* tensors (default: a demo model)")
+    parser.add_argument("--size", default="tiny", help="demo model size when --model is not given")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("-k", type=int, default=1, help="num_speculative_tokens")
+    args = parser.parse_args()
+    if args.model is None:
+        args.model = Path(f"/tmp/tierlm-bench-demo-{args.size}-mtp")
+        if not (args.model / "config.json").is_file():
+            build_demo_model(args.model, args.size, mtp=True, overwrite=True)
+    base, base_s, _ = run(args, speculative=False, eager=False)
+    eager, eager_s, _ = run(args, speculative=False, eager=True)
+    own, own_s, own_stats = run(args, speculative=True, eager=True)
+    oracle, oracle_s, oracle_stats = run(args, speculative=True, eager=True, oracle=base)
+    n = len(base) - 1  # tokens timed (the first came with the prefill)
+    rows = [("no drafts (default: graphs on GPU)", base_s, None), ("no drafts, eager", eager_s, None),
+            ("MTP head (own drafts)", own_s, own_stats), ("oracle drafts (all accepted)", oracle_s, oracle_stats)]
+    print(f"{args.model}, {args.device}, K={args.k}, {n} tokens timed")
+    for name, seconds, stats in rows:
+        accept = ""
+        if stats is not None and stats.num_draft_tokens:
+            accept = (f", accepted {stats.num_accepted_tokens}/{stats.num_draft_tokens} drafts, "
+                      f"{(stats.num_accepted_tokens + stats.num_drafts) / stats.num_drafts:.2f} tokens/verify")
+        print(f"  {name:38s} {1000 * seconds / n:8.2f} ms/token  x{base_s / seconds:5.2f} vs default{accept}")
+    same = base == eager == own == oracle
+    print("tokens identical in every column:", same)
+    print(json.dumps({"base_ms": 1000 * base_s / n, "own_ms": 1000 * own_s / n, "oracle_ms": 1000 * oracle_s / n}))
+    return 0 if same else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,276 @@
+"""MTP speculative decoding in the engine (engine/speculative.py): greedy output with drafts is exactly the
+output without them, whether the drafts are rejected (the demo model's random draft head: the rollback
+path) or accepted (drafts from an oracle that knows the greedy continuation, some of them wrong: the accept
+path, partial runs, and stops and max_tokens inside an accepted run); bad configurations are refused.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tierlm.demo_model import build_demo_model
+from tierlm.engine.llm_engine import EngineConfig, LLMEngine
+from tierlm.engine.speculative import SpeculativeConfig, SpeculativeRunner
+from tierlm.sampling_params import SamplingParams
+
+PROMPTS = ["Hello there, how are you", "The quick brown fox jumps over the lazy dog and"]
+MAX_TOKENS = 12
+
+
+def spec(k: int) -> str:
+    return json.dumps({"method": "mtp", "num_speculative_tokens": k})
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One torch thread: these tiny multi-row forwards run no faster on two, and much slower when other
+    processes hold the cores (threads spinning for each other)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    return build_demo_model(tmp_path_factory.mktemp("spec") / "demo", "tiny", mtp=True)
+
+
+def engine(folder, speculative_config=None, **options) -> LLMEngine:
+    options = {"kv_cache_memory_bytes": 32 << 20, "max_num_seqs": 2, **options}
+    return LLMEngine(EngineConfig(model=str(folder), dtype="float32", device="cpu",
+                                  speculative_config=speculative_config, **options))
+
+
+def generate(llm: LLMEngine, params: list[SamplingParams], after_step=None) -> list[list[int]]:
+    ids = [llm.add_request(prompt, p) for prompt, p in zip(PROMPTS, params)]
+    done = {}
+    while llm.has_unfinished_requests():
+        for output in llm.step():
+            if output.finished:
+                done[output.request_id] = output.outputs[0]
+        if after_step is not None:
+            after_step(llm)
+    return [done[i] for i in ids]
+
+
+def greedy(max_tokens: int = MAX_TOKENS, **fields) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, **fields)
+
+
+@pytest.fixture(scope="module")
+def reference(demo) -> list[list[int]]:
+    """Greedy tokens of both prompts without speculation (batched together)."""
+    return [out.token_ids for out in generate(engine(demo), [greedy(), greedy()])]
+
+
+def test_rejected_drafts_roll_back_exactly(demo, reference):
+    """The demo's random draft head is (nearly) never right: every step restores and recomputes."""
+    llm = engine(demo, spec(1))
+    assert isinstance(llm.runner, SpeculativeRunner)
+    got = generate(llm, [greedy(), greedy()])
+    assert [out.token_ids for out in got] == reference
+    stats = llm.stats()
+    assert stats.num_draft_tokens > 0 and stats.num_drafts > 0
+    assert stats.num_accepted_tokens <= stats.num_draft_tokens
+
+
+class Oracle:
+    """After each step, replaces every running request's drafts with its greedy continuation (known from
+    the reference), the draft at position `wrong` of every second step made wrong."""
+
+    def __init__(self, continuations: dict[str, list[int]], k: int, wrong: int) -> None:
+        self.continuations, self.k, self.wrong, self.steps = continuations, k, wrong, 0
+
+    def __call__(self, llm: LLMEngine) -> None:
+        self.steps += 1
+        for request in llm.scheduler.running:
+            truth = self.continuations[request.request_id]
+            drafts = list(truth[len(request.output_token_ids) :][: self.k])
+            if self.steps % 2 and len(drafts) > self.wrong:
+                drafts[self.wrong] = (drafts[self.wrong] + 1) % llm.model_config.vocab_size
+            if drafts:
+                request.draft_token_ids = drafts
+
+
+def test_accepted_drafts_give_the_same_tokens(demo, reference):
+    llm = engine(demo, spec(3))
+    oracle = Oracle({"0": reference[0], "1": reference[1]}, 3, wrong=1)
+    got = generate(llm, [greedy(), greedy()], oracle)
+    assert [out.token_ids for out in got] == reference
+    stats = llm.stats()
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens  # both paths ran
+    # accepted drafts save steps: fewer than one step per token after the prompt
+    assert oracle.steps < 1 + MAX_TOKENS
+
+
+def test_stops_inside_an_accepted_run(demo, reference):
+    """max_tokens and a stop token id falling inside a run of accepted drafts end the request there."""
+    stop_id = reference[1][4]
+    expected_stop = reference[1][: reference[1].index(stop_id) + 1]
+    llm = engine(demo, spec(3))
+    oracle = Oracle({"0": reference[0], "1": reference[1]}, 3, wrong=2)
+    got = generate(llm, [greedy(max_tokens=5), greedy(stop_token_ids=[stop_id])], oracle)
+    assert got[0].token_ids == reference[0][:5] and got[0].finish_reason == "length"
+    assert got[1].token_ids == expected_stop and got[1].finish_reason == "stop"
+    assert llm.stats().num_accepted_tokens > 0
+
+
+def test_other_requests_decode_without_drafts(demo, reference):
+    """A request with a logit processor (here logprobs) decodes one token per step beside a speculating one."""
+    llm = engine(demo, spec(2))
+    got = generate(llm, [greedy(logprobs=1), greedy()])
+    assert [out.token_ids for out in got] == reference
+    assert len(got[0].logprobs) == MAX_TOKENS
+
+
+@pytest.mark.parametrize("value, message", [
+    ('{"method": "eagle", "num_speculative_tokens": 1}', "method must be one of"),
+    ('{"method": "mtp", "num_speculative_tokens": 0}', "num_speculative_tokens must be an integer >= 1"),
+    ('{"method": "mtp", "num_speculative_tokens": 1, "draft_model": "x"}', "unsupported field"),
+    ("mtp", "not JSON"),
+])
+def test_bad_configs_are_named(value, message):
+    with pytest.raises(ValueError, match=message):
+        SpeculativeConfig.parse(value)
+
+
+def test_refused_without_a_draft_head_or_with_pipeline_parallel(demo, tmp_path):
+    plain = build_demo_model(tmp_path / "plain", "tiny")
+    with pytest.raises(ValueError, match="has no MTP draft head"):
+        engine(plain, spec(1))
+    with pytest.raises(ValueError, match="pipeline-parallel-size"):
+        engine(demo, spec(1), pipeline_parallel_size=2)
+
+
+def sampled(seed: int | None) -> SamplingParams:
+    return SamplingParams(temperature=0.9, top_p=0.95, top_k=50, max_tokens=MAX_TOKENS, seed=seed)
+
+
+def test_seeded_sampling_is_reproducible_with_drafts(demo, reference):
+    """A seeded request draws its drafts and its verification from its own generator: the same seed gives
+    the same tokens, beside a greedy request that still gives exactly the greedy tokens."""
+    runs = [generate(engine(demo, spec(2)), [sampled(seed), greedy()]) for seed in (7, 7, 8)]
+    assert runs[0][0].token_ids == runs[1][0].token_ids
+    assert runs[0][0].token_ids != runs[2][0].token_ids
+    assert all(run[1].token_ids == reference[1] for run in runs)
+    assert all(len(run[0].token_ids) == MAX_TOKENS for run in runs)
+
+
+def test_sampling_probs_is_what_the_sampler_draws_from():
+    """The target distribution speculative decoding verifies against (`sampling_probs`) is the one the
+    sampler draws from without drafts: chi-square of 20000 sampler draws over a small vocabulary."""
+    from tierlm.engine.request import Request
+    from tierlm.engine.sampler import Sampler, sampling_probs
+
+    logits = torch.tensor([2.0, 1.5, 1.0, 0.7, 0.2, -1.0, -3.0, 0.9])
+    for params in (SamplingParams(temperature=0.7, top_k=5, top_p=0.9, min_p=0.05),
+                   SamplingParams(temperature=1.3, top_k=-1, top_p=0.8, min_p=0.0)):
+        request = Request("r", [1], params, frozenset(), 100)
+        expected = sampling_probs(logits[None], [request])[0]
+        draws = 20000
+        tokens = [s.token_id for s in Sampler(seed=3).sample(logits.repeat(draws, 1), [request] * draws, str)]
+        counts = torch.bincount(torch.tensor(tokens), minlength=logits.shape[0]).double()
+        support = expected > 0
+        assert counts[~support].sum() == 0  # nothing outside the cut
+        chi2 = ((counts[support] - draws * expected[support]) ** 2 / (draws * expected[support])).sum().item()
+        assert chi2 < 30, (chi2, counts, expected)  # df <= 7: p < 1e-4
+
+
+def test_prefix_cache_hits_and_preemption_keep_the_tokens(demo):
+    """A prompt resent hits its checkpoint (the draft layer's rings are part of it, its K/V of the blocks);
+    under a budget that forces preemption, recomputed requests speculate again: the greedy tokens stay."""
+    roomy = engine(demo, max_model_len=256, max_num_seqs=4, enable_prefix_caching=False)
+    plan = engine(demo, spec(2), max_model_len=256, max_num_seqs=4, max_state_checkpoints=2).cache_plan
+    blocks = 256 // plan.block_size + 6  # room for one request of max_model_len and a little
+    budget = (blocks + 1) * plan.block_bytes + plan.device_slots * plan.slot_bytes
+    tight = engine(demo, spec(2), max_model_len=256, max_num_seqs=4, kv_cache_memory_bytes=budget,
+                   max_state_checkpoints=2)
+    tokenizer = roomy.tokenizer
+    prompts = [tokenizer.encode(f"# file {i}\n" + "x = 1\n" * (5 + 3 * i)) for i in range(4)]
+    prompts.append(prompts[3])  # a hit on request 3's prompt checkpoint
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+
+    def run(llm, after_step=None):
+        ids = [llm.add_request(p, params) for p in prompts]
+        done = {}
+        while llm.has_unfinished_requests():
+            done.update({o.request_id: o for o in llm.step() if o.finished})
+            if after_step is not None:
+                after_step(llm)
+        return [done[i] for i in ids]
+
+    expected = run(roomy)
+    # drafts from the greedy continuation, some wrong: long accepted runs cross blocks and checkpoints
+    oracle = Oracle({str(i): o.outputs[0].token_ids for i, o in enumerate(expected)}, 2, wrong=1)
+    got = run(tight, oracle)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
+    assert tight.cache_plan.num_blocks == blocks and tight.scheduler.num_preemptions > 0
+    stats = tight.stats()
+    assert stats.prefix_cache_hits > 0 and 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+
+
+def test_generate_cli_takes_the_flag(demo, capsys):
+    from tierlm.cli import main as cli_main
+
+    args = ["generate", str(demo), "--prompt", PROMPTS[0], "--max-tokens", str(MAX_TOKENS), "--temperature", "0",
+            "--dtype", "float32", "--device", "cpu"]
+    assert cli_main(args + ["--speculative-config", spec(2)]) == 0
+    assert f"tokens={MAX_TOKENS}" in capsys.readouterr().err
+    assert cli_main(args + ["--speculative-config", '{"method": "mtp"}']) == 2
+    assert "num_speculative_tokens must be an integer >= 1" in capsys.readouterr().err
+
+
+def test_the_plan_counts_the_draft_layers_and_snapshot_slots(demo):
+    """The draft head's caches and the snapshot slots come out of the cache budget: each cache kind's own
+    sizes add up to the plan's."""
+    llm = engine(demo, spec(2), max_state_checkpoints=3)
+    plain = engine(demo, max_state_checkpoints=3)
+    plan, cache = llm.cache_plan, llm.cache
+    assert plan.num_draft_layers == len(cache.draft_layers) == 1 and plan.spare_slots == 2
+    layers = cache.layers + cache.draft_layers
+    assert plan.block_bytes == sum(c.indexer.block_bytes + c.kv.block_bytes for c in layers if c.kv)
+    assert plan.slot_bytes == cache.slot_bytes > plain.cache_plan.slot_bytes
+    assert cache.num_slots == plan.num_slots + plan.spare_slots and plan.device_slots == plain.cache_plan.device_slots + 2
+    assert cache.checkpoints.nbytes == plan.host_checkpoint_bytes()
+    assert plan.used_bytes() <= plan.budget_bytes and plan.num_blocks < plain.cache_plan.num_blocks
+    assert any("2 speculative snapshots" in line for line in plan.lines())
+
+
+def test_llm_and_serve_take_the_config(demo, reference):
+    """`LLM(speculative_config=...)` takes vLLM's dict; `tierlm serve --speculative-config` reaches EngineConfig."""
+    from tierlm.cli import build_parser
+    from tierlm.entrypoints.llm import LLM
+    from tierlm.server.cli import engine_config
+
+    llm = LLM(str(demo), dtype="float32", device="cpu", kv_cache_memory_bytes=32 << 20, max_num_seqs=2,
+              speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    assert llm.generate(PROMPTS[0], greedy())[0].outputs[0].token_ids == reference[0]
+    argv = ["serve", "m", "--speculative-config", spec(3)]
+    assert engine_config("m", build_parser(argv).parse_args(argv)).speculative_config == spec(3)
+
+
+def test_drafts_stop_at_max_model_len(demo):
+    """Near max_model_len a request verifies only the drafts that can still fit, and ends there."""
+    expected = [o.token_ids for o in generate(engine(demo, max_model_len=32), [greedy(100), greedy(100)])]
+    llm = engine(demo, spec(3), max_model_len=32)
+    oracle = Oracle({"0": expected[0], "1": expected[1]}, 3, wrong=2)
+    got = generate(llm, [greedy(100), greedy(100)], oracle)
+    assert [o.token_ids for o in got] == expected
+    assert all(o.finish_reason == "length" for o in got) and llm.stats().num_accepted_tokens > 0
+
+
+def test_acceptance_is_logged(demo, reference, monkeypatch, caplog):
+    from tierlm.engine import speculative
+
+    monkeypatch.setattr(speculative, "LOG_INTERVAL_S", 0.0)
+    llm = engine(demo, spec(3))
+    with caplog.at_level("INFO", logger="tierlm"):
+        generate(llm, [greedy(), greedy()], Oracle({"0": reference[0], "1": reference[1]}, 3, wrong=1))
+    lines = [r.getMessage() for r in caplog.records if "drafts accepted" in r.getMessage()]
+    assert lines and all("tokens per verify step" in line for line in lines)
+    stats = llm.stats()
+    assert stats.num_accepted_tokens == sum(int(line.split()[2]) for line in lines)

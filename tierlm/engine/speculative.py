@@ -1,0 +1,315 @@
+"""MTP speculative decoding in the step loop: the draft head proposes, one target forward verifies, rejected
+positions are rolled back exactly.
+
+`--speculative-config '{"method": "mtp", "num_speculative_tokens": K}'` (vLLM's flag). Each step:
+- The scheduler gives a decoding request that has drafts a chunk of its last token plus its K drafts
+  (`ScheduledChunk.draft_token_ids`), and reserves blocks for K more positions past them (the draft head
+  writes its own K/V there while proposing).
+- Before the forward, the request's whole slot state (GDN conv/recurrent, PLE conv, n-gram context, the
+  indexer rings) is copied into a spare slot: the recurrent states are not addressed by position, so a
+  rejected draft would leave them advanced past it.
+- One target forward (`forward_with_streams`) over the step's chunks; the 1+K rows of a verify chunk are
+  checked by `rejection_sample` (greedy: accept while the draft is the argmax; the first mismatch's argmax,
+  or the bonus row's, follows; sampled: the target's distribution as `Sampler` draws from it,
+  `sampling_probs`, against the draft's, so the output follows the target distribution exactly).
+- Rollback (recompute): a request that rejected a draft gets its snapshot back and its accepted rows (the
+  last token and the accepted drafts) run again as a small prefill chunk; that rewrites the recurrent
+  states exactly to the accepted position. The QSA K/V and indexer keys are addressed by position: what the
+  rejected rows wrote is overwritten by the next forward there, and never read before (attention sees
+  positions before its own only). Chosen over keeping a state per speculative position (K+1 slots per
+  request of 115 MB each in the target model) because it is exact and simple; its cost is one more forward
+  of the rejecting requests' accepted rows.
+- Drafting: the head runs on every row the target kept (prefill chunks too, so its caches cover every
+  position), row t with token t+1 and the target's streams at t; the last row of a chunk that sampled
+  proposes draft 1, then K-1 single-row steps feed the head its own output streams. A greedy request's
+  draft is the argmax; a sampled one's a draw from the draft logits under the request's temperature,
+  top-k/p and min-p, from the request's own generator (a seeded request is reproducible), its
+  distribution kept for verification (`Request.draft_probs`).
+Which requests speculate: those with nothing but temperature, top-k/p and min-p shaping their
+distribution (no penalties, biases, bans, allowed ids, min_tokens, log-probabilities, grammar); the
+others decode one token per step in the same batches, unchanged. The forward is always eager (no CUDA
+graphs for the verify shapes yet).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from tierlm.engine.model_runner import ModelRunner, StepResult
+from tierlm.engine.rejection_sampler import rejection_sample
+from tierlm.engine.request import Request
+from tierlm.engine.sampler import MIN_TEMPERATURE, sampling_probs
+from tierlm.engine.scheduler import ScheduledChunk, SchedulerOutput
+from tierlm.model.forward_batch import ForwardBatch
+
+logger = logging.getLogger("tierlm")
+
+METHODS = ("mtp",)
+LOG_INTERVAL_S = 30.0  # the acceptance log line, at most this often
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str
+    num_speculative_tokens: int
+
+    @classmethod
+    def parse(cls, value: str | dict | None) -> SpeculativeConfig | None:
+        """vLLM's `--speculative-config` (a JSON object, or a dict from Python) -> the config; None: off."""
+        if value is None:
+            return None
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"--speculative-config: not JSON ({exc}): {value!r}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"--speculative-config: expected a JSON object, got {value!r}")  # noqa: TRY004 (bad input)
+        unknown = sorted(set(value) - {"method", "num_speculative_tokens"})
+        if unknown:
+            raise ValueError(f"--speculative-config: unsupported field(s) {unknown} (supported: method, "
+                             "num_speculative_tokens)")
+        method = value.get("method")
+        if method not in METHODS:
+            raise ValueError(f"--speculative-config: method must be one of {list(METHODS)}, got {method!r}")
+        k = value.get("num_speculative_tokens")
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"--speculative-config: num_speculative_tokens must be an integer >= 1, got {k!r}")
+        return cls(method, k)
+
+
+def is_greedy(request: Request) -> bool:
+    return request.params.temperature < MIN_TEMPERATURE
+
+
+def speculates(request: Request) -> bool:
+    """Whether the request decodes with drafts: nothing but its temperature, top-k, top-p and min-p shape
+    the distribution it samples from (greedy: the argmax)."""
+    p = request.params
+    return (
+        p.logprobs is None and p.prompt_logprobs is None and p.min_tokens == 0
+        and p.presence_penalty == 0 and p.frequency_penalty == 0 and p.repetition_penalty == 1
+        and not p.logit_bias and not p.bad_words and p.allowed_token_ids is None and p.structured_output is None
+    )
+
+
+@dataclass
+class _Kept:
+    """One chunk after verification: the rows whose state stays, and what the draft head reads there."""
+
+    chunk: ScheduledChunk
+    tokens: list[int]  # the kept rows' tokens (the chunk's, then the accepted drafts)
+    streams: torch.Tensor  # the target's streams at those rows [rows, hc*H]
+    next_token: int | None  # the token after the last kept row (None: the request failed this step)
+    proposes: bool  # the chunk sampled: its last row proposes the next drafts
+
+
+class SpeculativeRunner:
+    """A `ModelRunner` step with drafts: the engine calls `execute` as it would the runner's."""
+
+    def __init__(self, runner: ModelRunner, config: SpeculativeConfig, spare_slot_base: int, seed: int = 0) -> None:
+        """spare_slot_base: slot s's snapshot goes to slot spare_slot_base + s (the cache has those)."""
+        self.runner = runner
+        self.model, self.cache = runner.model, runner.cache
+        self.config = config
+        self.k = config.num_speculative_tokens
+        self.spare_slot_base = spare_slot_base
+        self.generator = torch.Generator(device=self.cache.device).manual_seed(seed)
+        self.num_drafts = 0  # verify chunks (requests that carried drafts into a step), total
+        self.num_draft_tokens = 0  # drafts verified, total
+        self.num_accepted_tokens = 0  # of which accepted, total
+        self._logged_at, self._logged = time.monotonic(), (0, 0, 0)
+
+    @property
+    def trace(self):
+        return self.runner.trace
+
+    @trace.setter
+    def trace(self, value) -> None:
+        self.runner.trace = value
+
+    def execute(self, step: SchedulerOutput) -> StepResult:
+        runner, cache = self.runner, self.cache
+        with self.trace.phase("prepare batch"):
+            batch, wanted = runner.prepare(step)
+        verify = [w for w in wanted if w[0].draft_token_ids]
+        for chunk, _, _ in verify:
+            self._copy_slot(chunk.request.state_slot, self._spare(chunk.request))
+        with self.trace.phase("launch forward"), self.trace.gpu("forward"):
+            logits, streams = self.model.forward_with_streams(batch, cache)
+        with self.trace.phase("sample"):
+            result = runner.sample([w for w in wanted if not w[0].draft_token_ids], logits)
+            accepted = self._verify(verify, logits, result)
+        with self.trace.phase("rollback, draft"):
+            kept = self._rollback_and_keep(step, streams, accepted, result)
+            self._propose(kept)
+        return result
+
+    # ---- verification -------------------------------------------------------------------------------
+    def _verify(self, verify: list[tuple], logits: torch.Tensor, result: StepResult) -> dict[ScheduledChunk, int]:
+        """Accept drafts of the verify chunks into `result`; returns chunk -> number of drafts accepted."""
+        if not verify:
+            return {}
+        k_max = max(len(chunk.draft_token_ids) for chunk, _, _ in verify)
+        vocab, device = logits.shape[1], logits.device
+        scores = torch.zeros(len(verify), k_max + 1, vocab, dtype=torch.float32, device=device)
+        drafts = torch.zeros(len(verify), k_max, dtype=torch.int64)
+        greedy = [is_greedy(chunk.request) for chunk, _, _ in verify]
+        draft_probs = None
+        if not all(greedy):
+            draft_probs = torch.zeros(len(verify), k_max, vocab, dtype=torch.float32, device=device)
+        for i, (chunk, first, count) in enumerate(verify):
+            rows = logits[first : first + count]
+            request = chunk.request
+            # greedy: any scores with the argmax do; sampled: the distribution the request samples from
+            scores[i, :count] = rows.float() if greedy[i] else sampling_probs(rows, [request] * count)
+            drafts[i, : count - 1] = torch.tensor(chunk.draft_token_ids)
+            if not greedy[i]:
+                draft_probs[i, : count - 1] = request.draft_probs[: count - 1]
+        counts = [len(chunk.draft_token_ids) for chunk, _, _ in verify]
+        generators = [None if greedy[i] else chunk.request.device_generator(device)
+                      for i, (chunk, _, _) in enumerate(verify)]
+        outputs = rejection_sample(scores, drafts, draft_probs, counts, greedy, generators, self.generator)
+        accepted = {}
+        for (chunk, _, _), tokens in zip(verify, outputs, strict=True):
+            accepted[chunk] = len(tokens) - 1
+            result.accepted[chunk.request] = tokens[:-1]
+            result.sampled[chunk.request] = tokens[-1]
+        self.num_drafts += len(verify)
+        self.num_draft_tokens += sum(counts)
+        self.num_accepted_tokens += sum(accepted.values())
+        self._log_acceptance()
+        return accepted
+
+    def _log_acceptance(self) -> None:
+        """Since the last line: drafts accepted, and tokens per verify step (vLLM's acceptance length)."""
+        if time.monotonic() - self._logged_at < LOG_INTERVAL_S:
+            return
+        verifies, drafted, accepted = (now - then for now, then in zip(
+            (self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens), self._logged, strict=True))
+        logger.info("speculative decoding: %d of %d drafts accepted (%.1f%%), %.2f tokens per verify step",
+                    accepted, drafted, 100 * accepted / max(drafted, 1), (accepted + verifies) / max(verifies, 1))
+        self._logged_at = time.monotonic()
+        self._logged = (self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens)
+
+    def _rollback_and_keep(
+        self, step: SchedulerOutput, streams: torch.Tensor, accepted: dict[ScheduledChunk, int], result: StepResult,
+    ) -> list[_Kept]:
+        """Restore and recompute the requests that rejected a draft; every speculating chunk's kept rows."""
+        kept, redo, row = [], [], 0
+        for chunk in step.chunks:
+            request = chunk.request
+            tokens = request.token_slice(chunk.start, chunk.start + chunk.num_tokens) + chunk.draft_token_ids
+            width = len(tokens)
+            if speculates(request) and request not in result.failed:
+                n = chunk.num_tokens + accepted.get(chunk, 0)
+                if chunk.samples:
+                    next_token, proposes = result.sampled.get(request), True
+                else:
+                    next_token, proposes = request.token_slice(chunk.start + n, chunk.start + n + 1)[0], False
+                kept.append(_Kept(chunk, tokens[:n], streams[row : row + n], next_token, proposes))
+                if n < width:
+                    redo.append(kept[-1])
+            row += width
+        if redo:
+            for item in redo:
+                request = item.chunk.request
+                self._copy_slot(self._spare(request), request.state_slot)
+            again = ForwardBatch.build(
+                [item.tokens for item in redo], [item.chunk.start for item in redo],
+                [item.chunk.request.state_slot for item in redo], [item.chunk.request.block_ids for item in redo],
+                self.cache.block_size, device=self.cache.device,
+            )
+            _, new_streams = self.model.forward_with_streams(again, self.cache)
+            for item, (start, end) in zip(redo, again.bounds, strict=True):
+                item.streams = new_streams[start:end]
+        return [item for item in kept if item.next_token is not None]
+
+    # ---- drafting -----------------------------------------------------------------------------------
+    def _propose(self, kept: list[_Kept]) -> None:
+        """Run the draft head over every kept row (its caches); the proposing chunks' next K drafts."""
+        if not kept:
+            return
+        rows, last_rows, row = [], [], 0
+        for item in kept:
+            rows.append(item.tokens[1:] + [item.next_token])
+            row += len(item.tokens)
+            if item.proposes:
+                last_rows.append(row - 1)
+        block_size = self.cache.block_size
+        batch = ForwardBatch.build(
+            rows, [item.chunk.start for item in kept], [item.chunk.request.state_slot for item in kept],
+            [item.chunk.request.block_ids for item in kept], block_size, device=self.cache.device, logits=last_rows,
+        )
+        hidden = torch.cat([item.streams for item in kept])
+        logits, out_streams = self.model.draft(batch, hidden, self.cache, 0)
+        proposers = [item for item in kept if item.proposes]
+        if not proposers:
+            return
+        requests = [item.chunk.request for item in proposers]
+        first, probs = self._pick(logits, requests)
+        drafts = [[token] for token in first]
+        draft_probs = [[row] for row in probs]
+        # draft step s (1..K-1) reads draft s and writes the head's K/V at position start + len(tokens) + s - 1;
+        # a request stops drafting where its blocks end (the scheduler reserves K positions past the chunk)
+        positions = [item.chunk.start + len(item.tokens) for item in proposers]
+        active = list(range(len(proposers)))  # the proposers still drafting; out_streams' rows, in order
+        for s in range(1, self.k):
+            live = [j for j, i in enumerate(active)
+                    if positions[i] + s - 1 < len(proposers[i].chunk.request.block_ids) * block_size]
+            if not live:
+                break
+            if len(live) < len(active):
+                out_streams = out_streams.index_select(0, torch.tensor(live, device=out_streams.device))
+                active = [active[j] for j in live]
+                requests = [requests[j] for j in live]
+            step_batch = ForwardBatch.build(
+                [[drafts[i][-1]] for i in active], [positions[i] + s - 1 for i in active],
+                [proposers[i].chunk.request.state_slot for i in active],
+                [proposers[i].chunk.request.block_ids for i in active], block_size, device=self.cache.device,
+            )
+            logits, out_streams = self.model.draft(step_batch, out_streams, self.cache, s)
+            tokens, probs = self._pick(logits, requests)
+            for i, token, row in zip(active, tokens, probs, strict=True):
+                drafts[i].append(token)
+                draft_probs[i].append(row)
+        for item, tokens, rows in zip(proposers, drafts, draft_probs, strict=True):
+            item.chunk.request.draft_token_ids = tokens
+            item.chunk.request.draft_probs = None if rows[0] is None else torch.stack(rows)
+
+    def _pick(self, logits: torch.Tensor, requests: list[Request]) -> tuple[list[int], list[torch.Tensor | None]]:
+        """Each row's draft: the argmax for a greedy request; for a sampled one a draw from the draft's
+        distribution q (the request's temperature, top-k/p, min-p), from its own generator, with q kept for
+        verification."""
+        tokens = logits.argmax(dim=-1)
+        probs: list[torch.Tensor | None] = [None] * len(requests)
+        sampled = [i for i, request in enumerate(requests) if not is_greedy(request)]
+        if sampled:
+            device = logits.device
+            q = sampling_probs(logits[torch.tensor(sampled, device=device)], [requests[i] for i in sampled])
+            for row, i in enumerate(sampled):
+                generator = requests[i].device_generator(device) or self.generator
+                noise = torch.empty(q.shape[1], dtype=torch.float32, device=generator.device)
+                noise = noise.exponential_(generator=generator).to(device)
+                tokens[i] = (q[row] / noise).argmax()  # an exponential race: a draw from q
+                probs[i] = q[row]
+        return tokens.tolist(), probs
+
+    # ---- slots --------------------------------------------------------------------------------------
+    def _spare(self, request: Request) -> int:
+        return self.spare_slot_base + request.state_slot
+
+    def _copy_slot(self, source: int, target: int) -> None:
+        for state in self.cache.slot_states:
+            state.copy_slot(source, target)
+
+
+def spare_slots_needed(config: SpeculativeConfig | None, max_num_seqs: int) -> int:
+    """Extra cache slots the rollback snapshots take (one per running request)."""
+    return max_num_seqs if config is not None else 0
+
