@@ -7,6 +7,7 @@ path, partial runs, and stops and max_tokens inside an accepted run); bad config
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -274,3 +275,27 @@ def test_acceptance_is_logged(demo, reference, monkeypatch, caplog):
     assert lines and all("tokens per verify step" in line for line in lines)
     stats = llm.stats()
     assert stats.num_accepted_tokens == sum(int(line.split()[2]) for line in lines)
+
+
+def test_the_planned_weights_include_the_draft_head(demo, capsys):
+    """`tierlm plan --speculative-config` counts the draft head's weights (the checkpoint's, from its
+    headers): exactly the mtp.* tensors' bytes more than the plan without drafts."""
+    import re
+
+    from safetensors import safe_open
+
+    from tierlm.cli import main as cli_main
+
+    def planned_weights(*flags: str) -> int:
+        assert cli_main(["plan", str(demo), "--kv-cache-memory-bytes", str(32 << 20), *flags]) == 0
+        return int(re.search(r"\(([\d,]+) B of weights", capsys.readouterr().out).group(1).replace(",", ""))
+
+    item = {"F32": 4, "BF16": 2, "I64": 8}
+    head = 0
+    for file in demo.glob("*.safetensors"):
+        with safe_open(file, framework="pt") as f:
+            for name in (n for n in f.keys() if n.startswith("mtp.")):
+                view = f.get_slice(name)
+                head += math.prod(view.get_shape()) * item[view.get_dtype()]
+    assert head > 0
+    assert planned_weights("--speculative-config", spec(2)) - planned_weights() == head

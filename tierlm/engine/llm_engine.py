@@ -39,6 +39,7 @@ from tierlm.memory.plan import (
     plan_cache,
     weight_bytes,
 )
+from tierlm.model.checkpoint_layout import MTPLayout
 from tierlm.model.loader import load_model, read_quantization_config, resolve_model_path
 from tierlm.model.model_cache import ModelCache
 from tierlm.model.static_decode import StaticDecodeRunner
@@ -52,7 +53,7 @@ logger = logging.getLogger("tierlm")
 def engine_cache_plan(
     config: EngineConfig, model_config, dtype: str, device: str, weights_bytes: int,
     host_memory_bytes: int | None = None, ple_mapped: bool = False, layer_ids: tuple[int, ...] | None = None,
-    quantization=None, stage=None,
+    quantization=None, stage=None, mtp=None,
 ) -> CachePlan:
     """The cache plan for these settings: the engine sizes its pools from it, `tierlm plan` prints it.
 
@@ -61,10 +62,14 @@ def engine_cache_plan(
     pools with, instead of this machine's MemAvailable. ple_mapped: the PLE tables are mapped files.
     layer_ids: the layers one pipeline rank holds (default: all). quantization: the checkpoint's
     `QuantizationConfig` (the weights are reported at their packed size). stage: one pipeline rank's
-    `StageLayout` (its layers, and only the weights it holds; its share of the host RAM).
+    `StageLayout` (its layers, and only the weights it holds; its share of the host RAM). mtp: the MTP
+    draft head's `MTPLayout`, counted in the weights under --speculative-config (default: the config's
+    layers, with the target's lm_head).
     """
     ranks_on_host = 1
     speculative = SpeculativeConfig.parse(config.speculative_config)
+    if speculative is not None and mtp is None:
+        mtp = MTPLayout(model_config.num_mtp_layers)
     if stage is not None:
         layer_ids, ranks_on_host = stage.layer_ids, stage.world_size
     if config.qsa_row_cache_rows is not None and config.qsa_row_cache_rows < 1:
@@ -100,7 +105,9 @@ def engine_cache_plan(
         device_type=torch.device(device).type, arena_rows=arena_rows, host_available_bytes=host,
         host_source=host_source, arena_source=arena_source, arena_in_budget=config.kv_cache_memory_bytes is None,
         checkpoint_source=checkpoint_source,
-        weights_bytes=sum(weight_bytes(model_config, dtype, quantization, ple_mapped, layer_ids, stage).values()),
+        weights_bytes=sum(weight_bytes(
+            model_config, dtype, quantization, ple_mapped, layer_ids, stage, mtp if speculative else None
+        ).values()),
         ple_mapped=ple_mapped,
         prefix_caching=caching and checkpoints > 0, layer_ids=layer_ids,
         num_draft_layers=model_config.num_mtp_layers if speculative is not None else 0,
@@ -281,6 +288,8 @@ class LLMEngine:
             config, mc, str(dtype).removeprefix("torch."), str(device), 0,
             ple_mapped=table_dir is not None and bool(mc.ple_layer_ids),
             quantization=read_quantization_config(model_dir),
+            mtp=None if getattr(self.model, "mtp", None) is None else MTPLayout(
+                len(self.model.mtp.layers), self.model.mtp.shared_head is not None),
         )
         for line in self.cache_plan.lines():
             logger.info(line)

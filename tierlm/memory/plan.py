@@ -45,22 +45,23 @@ CHECKPOINT_ALIGN = 8  # a host checkpoint row is padded to this (see model/cache
 
 def weight_bytes(
     config: ModelConfig, dtype: str, quantization=None, ple_mapped: bool = False,
-    layer_ids: tuple[int, ...] | None = None, stage=None,
+    layer_ids: tuple[int, ...] | None = None, stage=None, mtp=None,
 ) -> dict[str, int]:
     """Bytes of the model's weights in memory per format label (`dense`: the model dtype; int64 hash
     buffers at 8 bytes), the quantized modules counted by their packed runtime tensors; without the PLE
     tables when they are mapped files; with layer_ids only those decoder layers (and every tensor outside
-    the layers); with stage (a pipeline rank's `StageLayout`) only the tensors that rank holds."""
+    the layers); with stage (a pipeline rank's `StageLayout`) only the tensors that rank holds; with mtp
+    (an `MTPLayout`: speculative decoding loads the draft head) the draft head's too."""
     from tierlm.model.checkpoint_layout import checkpoint_layout, weight_module
     from tierlm.model.quantization.base import DENSE
 
     totals: dict[str, int] = {}
     ids = None if layer_ids is None else set(layer_ids)
     ple_fp8 = config.extra.get("ple_embedding_dtype") == "float8_e4m3fn"  # vLLM's config field
-    for spec in checkpoint_layout(config, ple_fp8=ple_fp8):
+    for spec in checkpoint_layout(config, ple_fp8=ple_fp8, mtp=mtp):
         parts = spec.name.split(".")
         if (ple_mapped and spec.kind == "ple_table") or (
-                ids is not None and parts[1] == "layers" and int(parts[2]) not in ids):
+                ids is not None and parts[:2] == ["model", "layers"] and int(parts[2]) not in ids):
             continue
         if stage is not None and not stage.holds(spec.name):
             continue
