@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
@@ -55,7 +57,7 @@ def test_whole_and_chunked_equal_torch(ngram_size, vocab, ple_index):
     edges = [0, 0, 1, 2, 3, 40, 41, 44, 45, 57, 58, 58, 299, 300]
     context, pieces = start, []
     torch_context, torch_pieces = start, []
-    for begin, end in zip(edges[:-1], edges[1:], strict=True):
+    for begin, end in itertools.pairwise(edges):
         chunk = ids[begin:end]
         pieces.append(ngram_rows_np(spec, context, chunk))
         torch_pieces.append(_torch_rows(spec, torch_context, chunk))

@@ -8,6 +8,7 @@ Each request names its recurrent-state slot and its QSA block table in the `Mode
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -47,7 +48,7 @@ class ForwardBatch:
         starts = [0]
         for n in self.query_lens:
             starts.append(starts[-1] + n)
-        self.bounds = list(zip(starts[:-1], starts[1:]))
+        self.bounds = list(itertools.pairwise(starts))
 
     def to(self, device: torch.device | str) -> ForwardBatch:
         """The same batch with its tensors on `device` (a pipeline rank's copy of rank 0's batch)."""

@@ -13,6 +13,7 @@ It owns this measurement only; the engine's read path lives in `tierlm.memory`.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import mmap
 import os
@@ -166,7 +167,7 @@ def find_stalls(starts: np.ndarray, ends: np.ndarray, p50_s: float) -> list[Stal
     bounds = np.searchsorted(which[order], np.arange(windows + 1))
     stalled = [
         lo == hi or np.median(latency[order[lo:hi]]) > threshold
-        for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)
+        for lo, hi in itertools.pairwise(bounds)
     ]
     stalls, w = [], 0
     while w < windows:
