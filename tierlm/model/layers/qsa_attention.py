@@ -132,12 +132,11 @@ class QSAIndexer(nn.Module):
         """Token positions [M, S] each query attends to and their validity [M, S], S = budget + R - 1:
         the tokens of its top blocks (ties to the lower block), then its open tail [nb*R, p]."""
         # -inf (unseen) blocks rank after every visible one: one top-k serves queries of any position
-        return chosen_positions(self.top_keys(scores), positions, self.ratio)
+        return chosen_positions(self.top_keys(ranking_keys(scores)), positions, self.ratio)
 
-    def top_keys(self, ranked: torch.Tensor) -> torch.Tensor:
-        """The ranking keys [M, K] of each query's top blocks, highest first, from its scores [M, G] (or
-        their ranking keys, int64); K = min(budget / R, G). top-k, no full sort."""
-        keys = ranked if ranked.dtype == torch.int64 else ranking_keys(ranked)
+    def top_keys(self, keys: torch.Tensor) -> torch.Tensor:
+        """The ranking keys [M, K] of each query's top blocks, highest first, from the ranking keys [M, G]
+        of its blocks; K = min(budget / R, G). top-k, no full sort."""
         return torch.topk(keys, min(self.block_topk, keys.shape[1]), dim=-1).values
 
     # ---- decode: one token per request, static shapes, no host sync ------------------------------------
