@@ -38,6 +38,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+from device_timing import copy_bandwidth
 
 from tierlm.config import ModelConfig
 from tierlm.model.forward_batch import ForwardBatch
@@ -119,15 +120,6 @@ def quantize_in_memory(model: Qwen4ExpForCausalLM, scheme: str, group_size: int)
     return dict(counts)
 
 
-def copy_bandwidth(device: torch.device, nbytes: int) -> float:
-    """Bytes per second moved by a device copy (read + write), best of 10."""
-    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
-    dst = torch.empty_like(src)
-    best = float("inf")
-    for _ in range(12):
-        seconds = gpu_time(lambda: dst.copy_(src), device)
-        best = min(best, seconds)
-    return 2 * src.numel() * src.element_size() / best
 
 
 def gpu_time(fn, device: torch.device) -> float:

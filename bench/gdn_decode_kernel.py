@@ -26,11 +26,11 @@ import json
 import math
 import os
 import platform
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import torch
+from device_timing import copy_bandwidth, timed
 
 from tierlm.kernels.gated_delta_rule import decode_triton
 from tierlm.kernels.gated_delta_rule.decode import gated_delta_decode
@@ -43,47 +43,8 @@ SMALL = {"hk": 2, "hv": 6, "dk": 16, "dv": 16, "kc": 4, "hidden": 32}
 COLD_BYTES = 256 << 20  # state bytes each timed round cycles through (> an H200's 50 MB L2)
 
 
-def timed(fn, calls: int, device: torch.device) -> float:
-    """Seconds per call of fn(i), i in range(calls): replayed from one CUDA graph, best of 5 (CPU: once)."""
-    if device.type != "cuda":
-        fn(0)
-        start = time.perf_counter()
-        for i in range(calls):
-            fn(i)
-        return (time.perf_counter() - start) / calls
-    for i in range(calls):  # warm-up: compilation, allocator
-        fn(i)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            fn(i)
-    best = float("inf")
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) / 1000)
-    return best / calls
 
 
-def copy_bandwidth(device: torch.device, nbytes: int) -> float:
-    """Bytes per second of a large copy (read + written), best of 12 (as bench/decode_roofline.py)."""
-    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device).normal_()
-    dst = torch.empty_like(src)
-    if device.type != "cuda":
-        return 2 * nbytes / timed(lambda i: dst.copy_(src), 1, device)
-    best = float("inf")
-    for _ in range(12):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        dst.copy_(src)
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) / 1000)
-    return 2 * nbytes / best
 
 
 def real_layer(shape: dict, dtype: torch.dtype, device: torch.device) -> GatedDeltaNet:

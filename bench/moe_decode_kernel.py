@@ -27,11 +27,11 @@ import argparse
 import json
 import os
 import re
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import torch
+from device_timing import copy_bandwidth, timed
 
 ROUTINGS = 8  # (2 on the CPU, where the interpreter takes seconds per call)
 TARGET = {"hidden": 2560, "experts": 512, "top_k": 10, "intermediate": 640, "groups": (32, 128)}
@@ -57,44 +57,8 @@ GROUPED_SWEEP = [{"PREFILL_BLOCK_M": m, "PREFILL_BLOCK_N": n, "PREFILL_BLOCK_K":
                                     (16, 64, 128, 8), (32, 64, 64, 4), (16, 128, 128, 8), (16, 32, 64, 2))]
 
 
-def timed(fn, calls: int, device: torch.device, use_graph: bool) -> float:
-    """Seconds per call of fn(i) for i in range(calls) (one call per routing), best of 5 rounds (CPU: one)."""
-    if device.type != "cuda":
-        fn(0)  # warm-up
-        start = time.perf_counter()
-        for i in range(calls):
-            fn(i)
-        return (time.perf_counter() - start) / calls
-    for i in range(calls):  # warm-up: compilation, allocator
-        fn(i)
-    torch.cuda.synchronize()
-    graph = None
-    if use_graph:
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for i in range(calls):
-                fn(i)
-    best = float("inf")
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        if graph is not None:
-            graph.replay()
-        else:
-            for i in range(calls):
-                fn(i)
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) / 1000)
-    return best / calls
 
 
-def copy_bandwidth(device: torch.device, nbytes: int) -> float:
-    """Bytes per second of a large copy, counting the bytes read and the bytes written."""
-    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device).normal_()
-    dst = torch.empty_like(src)
-    seconds = timed(lambda i: dst.copy_(src), 1, device, use_graph=False)
-    return 2 * nbytes / seconds
 
 
 def make_experts(shape: dict, fmt: str, group: int | None, device: torch.device, gen: torch.Generator):

@@ -31,6 +31,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
+from device_timing import copy_bandwidth, timed
 
 TARGET = {"shapes": [(10240, 2560), (248320, 2560), (2560, 6144)], "l2_bytes": 256 << 20}
 SMALL = {"shapes": [(40, 256), (24, 512)], "l2_bytes": 1 << 20}
@@ -47,50 +48,8 @@ SPLIT_SWEEP = [{"GEMV_TARGET_PROGRAMS": t, "GEMV_MIN_TILES_PER_SPLIT": m} for t 
 GEMM_SWEEP = [(64, 64, 4), (32, 128, 4), (64, 128, 4), (128, 64, 4), (32, 64, 2), (64, 128, 8)]  # N, K, warps
 
 
-def timed(fn, calls: int, device: torch.device) -> float:
-    """Seconds per call of fn(i) for i in range(calls), replayed from a CUDA graph, best of 5 (CPU: one pass)."""
-    import time
-
-    for i in range(calls):  # warm-up: compilation, allocator
-        fn(i)
-    if device.type != "cuda":
-        start = time.perf_counter()
-        for i in range(calls):
-            fn(i)
-        return (time.perf_counter() - start) / calls
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            fn(i)
-    best = float("inf")
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) / 1000)
-    return best / calls
 
 
-def copy_bandwidth(device: torch.device, nbytes: int) -> float:
-    """Bytes per second of a large copy, counting the bytes read and the bytes written."""
-    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device).normal_()
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    if device.type == "cuda":  # timed eagerly: a graph replays a copy as a memcpy node, slower than the kernel
-        torch.cuda.synchronize()
-        best = float("inf")
-        for _ in range(5):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            dst.copy_(src)
-            end.record()
-            end.synchronize()
-            best = min(best, start.elapsed_time(end) / 1000)
-        return 2 * nbytes / best
-    return 2 * nbytes / timed(lambda i: dst.copy_(src), 1, device)
 
 
 def make_weights(n: int, k: int, fmt: str, copies: int, device: torch.device, gen: torch.Generator):

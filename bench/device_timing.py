@@ -1,0 +1,62 @@
+"""Timing helpers the kernel benches share (imported as a sibling module: run the benches as scripts).
+
+`timed`: seconds per call of fn(i), i in range(calls), replayed from one CUDA graph (or eagerly), best of 5
+rounds; on a CPU one plain pass after a warm-up call. `copy_bandwidth`: the device's copy bandwidth, the
+bytes read plus the bytes written of a large eager copy per second, best of 12 (a graph replays a copy as
+a memcpy node, slower than the copy kernel).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+
+def timed(fn, calls: int, device: torch.device, use_graph: bool = True) -> float:
+    if device.type != "cuda":
+        fn(0)  # warm-up
+        start = time.perf_counter()
+        for i in range(calls):
+            fn(i)
+        return (time.perf_counter() - start) / calls
+    for i in range(calls):  # warm-up: compilation, allocator
+        fn(i)
+    torch.cuda.synchronize()
+    graph = None
+    if use_graph:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for i in range(calls):
+                fn(i)
+    best = float("inf")
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        if graph is not None:
+            graph.replay()
+        else:
+            for i in range(calls):
+                fn(i)
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1000)
+    return best / calls
+
+
+def copy_bandwidth(device: torch.device, nbytes: int) -> float:
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device).normal_()
+    dst = torch.empty_like(src)
+    if device.type != "cuda":
+        return 2 * nbytes / timed(lambda i: dst.copy_(src), 1, device)
+    dst.copy_(src)
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(12):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1000)
+    return 2 * nbytes / best
