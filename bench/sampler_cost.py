@@ -4,12 +4,17 @@ Rows of --vocab logits (random, on --device) for --batch requests that each gene
 tokens; three columns, each the sampler's whole pass (host preparation, device math, the copy back):
 greedy (argmax only), temperature + top-p + top-k, and the issue-14 worst case: a json_schema grammar,
 presence / frequency / repetition penalties and a logit_bias on every row. The vocabulary is the demo
-tokenizer's, padded to --vocab (xgrammar sees a real tokenizer; padded ids are never allowed). With
---decode-step-ms (the model's own decode step at this batch, e.g. from bench/decode_roofline.py) the
-last column is printed as a fraction of the step (the issue's target: at most 5%).
+tokenizer's, padded to --vocab (xgrammar sees a real tokenizer; padded ids are never allowed).
 
-    python bench/sampler_cost.py                                  # CPU, tiny shapes
-    python bench/sampler_cost.py --device cuda --vocab 248320 --batch 16 --decode-step-ms 30
+The decode step it is compared with is measured in the same run (`--step-layers`, on a GPU): the real-width
+stack of `decode_roofline.py` (random weights, CUDA graphs, context 512) decoding a batch of --batch at
+4 and at 8 layers; the per-layer cost (their difference / 4) extrapolates to the target model's 48 layers
+(12 QSA : 36 GDN, as in the 4-layer stack). The last column is printed as a fraction of both the measured
+4-layer step and the 48-layer step (the issue's target: at most 5% of the model's decode step). Results go
+to bench/results/sampler_cost_<device>.json.
+
+    python bench/sampler_cost.py                                              # CPU, tiny shapes
+    python bench/sampler_cost.py --device cuda --vocab 248320 --batch 16 --step-layers
 """
 
 from __future__ import annotations
@@ -21,7 +26,9 @@ import time
 from pathlib import Path
 
 import torch
+from decode_roofline import build_model, device_label, measure, real_width_config
 
+from tierlm.config import ModelConfig
 from tierlm.demo_model import build_demo_model
 from tierlm.engine.request import Request
 from tierlm.engine.sampler import Sampler
@@ -56,7 +63,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--output-tokens", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--decode-step-ms", type=float, default=None)
+    parser.add_argument("--step-layers", action="store_true",
+                        help="also measure the real-width decode step at 4 and 8 layers (a GPU run)")
+    parser.add_argument("--target-layers", type=int, default=48, help="the depth the step extrapolates to")
     parser.add_argument("--cpu-threads", type=int, default=1, help="torch threads (1: no OpenMP spin on a busy host)")
     args = parser.parse_args()
     torch.set_num_threads(args.cpu_threads)
@@ -91,12 +100,36 @@ def main() -> None:
     results = {name: timed(lambda rows=rows: sampler.sample(logits, rows, str), args.repeats, device)
                for name, rows in columns.items()}
     base = results["greedy"]
+    steps = decode_steps(args, device) if args.step_layers else {}
+    report = {"device": device_label(device), "batch": args.batch, "vocab": args.vocab, "sampler_ms": results,
+              "decode_step_ms": steps}
     print(f"sampler, {args.batch} rows x {args.vocab} vocab on {device} ({args.output_tokens} output tokens each)")
     for name, ms in results.items():
         line = f"  {name:<22} {ms:8.3f} ms   {ms / base:5.2f}x greedy"
-        if args.decode_step_ms:
-            line += f"   {100 * ms / args.decode_step_ms:5.2f}% of a {args.decode_step_ms:g} ms decode step"
+        for label, step in steps.items():
+            line += f"   {100 * ms / step:5.2f}% of {label}"
         print(line)
+    if steps:
+        print("decode steps (ms): " + ", ".join(f"{label} {step:.3f}" for label, step in steps.items()))
+    out = Path(__file__).parent / "results" / f"sampler_cost_{report['device']}.json"
+    out.write_text(json.dumps(report, indent=1))
+    print(f"saved {out}")
+
+
+def decode_steps(args, device: torch.device) -> dict[str, float]:
+    """The real-width stack's decode step at --batch (CUDA graphs, context 512) at 4 and 8 layers, and the
+    step at --target-layers from the per-layer difference: {label: ms}."""
+    measured = {}
+    for layers in (4, 8):
+        config = ModelConfig.from_dict(real_width_config(layers, small=device.type != "cuda"))
+        model = build_model(config, torch.bfloat16, device)
+        measured[layers] = measure(model, config, torch.bfloat16, device, args.batch, 512, 30)["step_ms"]
+        del model
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    per_layer = (measured[8] - measured[4]) / 4
+    return {"the 4-layer step": measured[4], "the 8-layer step": measured[8],
+            f"a {args.target_layers}-layer step": measured[4] + per_layer * (args.target_layers - 4)}
 
 
 if __name__ == "__main__":

@@ -43,7 +43,8 @@ def test_serving_mixed_requests_takes_no_new_device_memory(demo_dir):
     torch.cuda.synchronize()
     before = torch.cuda.memory_stats()
     stats = llm.engine.stats()
-    assert 0 < stats.device_memory_allocated <= stats.device_memory_peak <= stats.device_memory_reserved
+    # (the peak may exceed what is reserved now: start-up frees its cached segments once warm)
+    assert 0 < stats.device_memory_allocated <= min(stats.device_memory_peak, stats.device_memory_reserved)
     outputs = llm.generate(*mixed_requests(100, seed=1, max_prompt=900))
     assert len(outputs) == 100
     torch.cuda.synchronize()
