@@ -47,14 +47,14 @@ def device_name(device: str) -> str:
     return f"cpu-{platform.machine()}"
 
 
-def model_dir(folder: Path, small: bool, max_len: int) -> Path:
-    """config.json of the real-width stack beside the demo tokenizer's files (the weights are drawn)."""
+def model_dir(folder: Path, small: bool, max_len: int, layers: int = 4) -> Path:
+    """config.json of the real-width stack (`layers` layers) beside the demo tokenizer's files (the weights are drawn)."""
     demo = ROOT / "models" / "demo-tiny"
     if not (demo / "config.json").exists():
         build_demo_model(demo, "tiny")
     for name in TOKENIZER_FILES:
         shutil.copy(demo / name, folder / name)
-    config = real_width_config(4, small) | {
+    config = real_width_config(layers, small) | {
         "architectures": ["Qwen4ExpForCausalLM"], "model_type": "qwen4_exp_text", "dtype": "bfloat16",
         "max_position_embeddings": max_len,
     }

@@ -14,6 +14,7 @@ runs: the ranks share the cores (each gets cores / N threads), so PP=1 and PP=2 
 
     python bench/pipeline_decode.py --device cuda                  # 2 GPUs: demo-small, bf16
     python bench/pipeline_decode.py --device cuda --model DIR      # any checkpoint folder
+    python bench/pipeline_decode.py --device cuda --real-width 8   # decode_roofline's real-width stack, 8 layers
     python bench/pipeline_decode.py --device cpu --small           # the tiny demo model on CPU (gloo ranks)
 """
 
@@ -27,7 +28,10 @@ import platform
 import time
 from pathlib import Path
 
+import tempfile
+
 import torch
+from long_context_resident import model_dir
 
 from tierlm import LLM, SamplingParams
 from tierlm.demo_model import build_demo_model
@@ -63,6 +67,8 @@ def decode_rate(llm: LLM, streams: int, tokens: int) -> dict:
 
 def run(model: str, pp: int, args) -> dict:
     options = dict(dtype=args.dtype, device=args.device, max_model_len=args.max_model_len, max_num_seqs=4)
+    if args.real_width:
+        options["load_format"] = "dummy"  # random weights drawn at load: nothing written to disk
     if args.kv_cache_memory_bytes:
         options["kv_cache_memory_bytes"] = args.kv_cache_memory_bytes
     llm = LLM(model, **options, pipeline_parallel_size=pp)
@@ -135,13 +141,20 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=None, help="decode tokens per stream (default 128; 16 small)")
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    parser.add_argument("--real-width", type=int, default=None, metavar="LAYERS",
+                        help="the real-width stack of decode_roofline.py with this many layers (random weights)")
     args = parser.parse_args()
     args.dtype = args.dtype or ("float32" if args.small or args.device == "cpu" else "bfloat16")
     args.tokens = args.tokens or (16 if args.small else 128)
-    model = args.model or str(demo_model("tiny" if args.small else "small"))
-    results = {pp: run(model, pp, args) for pp in (1, 2)}
+    with tempfile.TemporaryDirectory() as folder:
+        if args.real_width:
+            model = str(model_dir(Path(folder), args.small, args.max_model_len, args.real_width))
+        else:
+            model = args.model or str(demo_model("tiny" if args.small else "small"))
+        results = {pp: run(model, pp, args) for pp in (1, 2)}
     report(results)
-    out = Path(__file__).parent / "results" / f"pipeline_decode_{args.device}.json"
+    tag = f"_real{args.real_width}" if args.real_width else ""
+    out = Path(__file__).parent / "results" / f"pipeline_decode_{args.device}{tag}.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps({"model": model, "dtype": args.dtype, "host": platform.node(),
                                "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
