@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from tierlm.engine.request import Request
@@ -64,34 +65,42 @@ def position_logprobs(logprobs: torch.Tensor, token_id: int, top: int, decode) -
 
 
 def apply_penalties(logits: torch.Tensor, requests: list[Request], rows: list[int]) -> None:
-    """Repetition, frequency and presence penalties of `rows`, in place (counts built from their ids)."""
+    """Repetition, frequency and presence penalties of `rows`, in place. Token counts are built on the
+    logits' device from one flat index per kind (row * vocab + token id, made with numpy on the host: one
+    copy each, not a Python list per token)."""
     device, vocab = logits.device, logits.shape[1]
-    output_rows, output_ids, seen_rows, seen_ids = [], [], [], []
-    for row in rows:
-        request = requests[row]
-        ids = [t for t in request.output_token_ids if t < vocab]
-        output_rows += [row] * len(ids)
-        output_ids += ids
-        if request.params.repetition_penalty != 1.0:
-            prompt = [t for t in request.prompt_token_ids if t < vocab]
-            seen_rows += [row] * (len(prompt) + len(ids))
-            seen_ids += prompt + ids
+    outputs = [_ids_below(requests[r].output_token_ids, vocab) for r in rows]
     index = torch.tensor(rows, device=device)
-    if seen_ids:
-        seen = torch.zeros_like(logits, dtype=torch.bool)
-        seen[torch.tensor(seen_rows, device=device), torch.tensor(seen_ids, device=device)] = True
-        penalty = torch.tensor([requests[r].params.repetition_penalty for r in rows], device=device)[:, None]
-        part = logits[index]
-        scaled = torch.where(part > 0, part / penalty, part * penalty)
-        logits[index] = torch.where(seen[index], scaled, part)
-    if output_ids:
-        counts = torch.zeros_like(logits)
-        counts.index_put_((torch.tensor(output_rows, device=device), torch.tensor(output_ids, device=device)),
-                          torch.ones(len(output_ids), device=device), accumulate=True)
-        frequency = torch.tensor([requests[r].params.frequency_penalty for r in rows], device=device)[:, None]
-        presence = torch.tensor([requests[r].params.presence_penalty for r in rows], device=device)[:, None]
-        part = counts[index]
-        logits[index] -= frequency * part + presence * (part > 0)
+    part = logits[index]
+    params = [requests[r].params for r in rows]
+    if any(p.repetition_penalty != 1.0 for p in params):
+        seen = [np.concatenate([_ids_below(requests[r].prompt_token_ids, vocab), out])
+                if requests[r].params.repetition_penalty != 1.0 else out[:0] for r, out in zip(rows, outputs)]
+        mask = torch.zeros(len(rows) * vocab, dtype=torch.bool, device=device)
+        mask[_flat_index(seen, vocab, device)] = True
+        penalty = torch.tensor([p.repetition_penalty for p in params], device=device)[:, None]
+        part = torch.where(mask.view(len(rows), vocab), torch.where(part > 0, part / penalty, part * penalty), part)
+    if any(len(out) for out in outputs) and any(p.frequency_penalty or p.presence_penalty for p in params):
+        counts = torch.zeros(len(rows) * vocab, dtype=part.dtype, device=device)
+        flat = _flat_index(outputs, vocab, device)
+        counts.index_add_(0, flat, torch.ones(flat.shape[0], dtype=part.dtype, device=device))
+        counts = counts.view(len(rows), vocab)
+        frequency = torch.tensor([p.frequency_penalty for p in params], device=device)[:, None]
+        presence = torch.tensor([p.presence_penalty for p in params], device=device)[:, None]
+        part = part - (frequency * counts + presence * (counts > 0))
+    logits[index] = part
+
+
+def _ids_below(ids: list[int], vocab: int) -> np.ndarray:
+    """`ids` as an int64 array, without those at or above `vocab` (never in the logits)."""
+    array = np.asarray(ids, dtype=np.int64)
+    return array[array < vocab]
+
+
+def _flat_index(ids_per_row: list[np.ndarray], vocab: int, device: torch.device) -> torch.Tensor:
+    """row * vocab + id for every id of every row, as one tensor on `device`."""
+    offsets = [ids + k * vocab for k, ids in enumerate(ids_per_row)]
+    return torch.from_numpy(np.concatenate(offsets)).to(device, non_blocking=True)
 
 
 def banned_tokens(request: Request, vocab: int) -> list[int]:
