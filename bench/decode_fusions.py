@@ -9,6 +9,12 @@ form reaches on its weights; then what a decode step of the 4-layer benchmark mo
 (4 routers, 8 mixes and 8 combines, 1 final mix). Results: bench/results/decode_fusions_<device>.json.
 
     python bench/decode_fusions.py
+    python bench/decode_fusions.py --sweep-hc     # also: the hc mix kernels' tiles and warps, each checked
+
+`--sweep-hc` times `HyperConnection.mix` (with injection) for each candidate of the mix kernels' module
+constants (launch 1: BLOCK_J rows x BLOCK_K columns, SPLIT slices per stream, warps; launch 2: BLOCK_H
+columns x BLOCK_R low-rank columns, warps), checks each against the torch form (max |difference| of the
+block input), and prints the fastest correct one per batch (results: decode_fusions_hc_sweep_<device>.json).
 """
 
 from __future__ import annotations
@@ -99,6 +105,55 @@ def kernels_per_call(fn) -> int:
     return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
 
 
+# (BLOCK_J, BLOCK_K, SPLIT, DOWN_WARPS) x (BLOCK_H, BLOCK_R, UP_WARPS); the first of each is the default
+DOWN_CANDIDATES = [(16, 128, 2, 4), (16, 128, 5, 4), (16, 256, 10, 4), (32, 256, 10, 4), (16, 128, 20, 4),
+                   (32, 128, 10, 4), (16, 256, 5, 8), (64, 128, 10, 8)]
+UP_CANDIDATES = [(16, 64, 4), (16, 128, 4), (16, 512, 4), (8, 512, 4), (32, 512, 8), (8, 128, 4)]
+
+
+def sweep_hc(device, dtype, batches: list[int], reps: int) -> list[dict]:
+    """Every launch-1 candidate with the default launch 2, then every launch-2 candidate with the best
+    launch 1 (per batch): us per mix call and max |difference| from the torch form."""
+    import tierlm.kernels.hyper_connection.triton as kernels
+
+    names_down, names_up = ("BLOCK_J", "BLOCK_K", "SPLIT", "DOWN_WARPS"), ("BLOCK_H", "BLOCK_R", "UP_WARPS")
+    defaults = [getattr(kernels, n) for n in names_down + names_up]
+    rows = []
+    print("\nhc mix sweep (us per call; diff: max |fused - torch| of the block input)")
+    for batch in batches:
+        set_fused(False)
+        fn, _ = ops(device, dtype, batch)["hc mix"]
+        expected = fn()[0].float()
+        set_fused(True)
+
+        def trial(down, up) -> dict:
+            for name, value in zip(names_down + names_up, down + up):
+                setattr(kernels, name, value)
+            try:
+                diff = (fn()[0].float() - expected).abs().max().item()
+                us = 1e6 * per_call_seconds(fn, reps)
+            except Exception as exc:  # noqa: BLE001 (a candidate the compiler refuses: reported, skipped)
+                return {"batch": batch, "down": down, "up": up, "error": f"{type(exc).__name__}: {exc}"[:200]}
+            return {"batch": batch, "down": down, "up": up, "us": us, "diff": diff}
+
+        results = [trial(down, UP_CANDIDATES[0]) for down in DOWN_CANDIDATES]
+        tolerance = 4 * max(results[0].get("diff", 0.0), 1e-2)  # the default's own distance, with room
+        good = [r for r in results if "us" in r and r["diff"] <= tolerance]
+        best_down = min(good, key=lambda r: r["us"])["down"]
+        results += [trial(best_down, up) for up in UP_CANDIDATES[1:]]
+        for r in results:
+            state = f"{r['us']:8.1f} us  diff {r['diff']:.3g}" if "us" in r else r["error"]
+            print(f"  batch {batch:>2}  down {r['down']}  up {r['up']}  {state}")
+        good = [r for r in results if "us" in r and r["diff"] <= tolerance]
+        best = min(good, key=lambda r: r["us"])
+        print(f"  batch {batch:>2} best: down {best['down']} up {best['up']} {best['us']:.1f} us "
+              f"(default {results[0]['us']:.1f} us)")
+        rows += results
+    for name, value in zip(names_down + names_up, defaults):
+        setattr(kernels, name, value)
+    return rows
+
+
 def set_fused(fused: bool) -> None:
     for name in SWITCHES:
         if fused:
@@ -111,11 +166,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--reps", type=int, default=50, help="calls per captured graph")
+    parser.add_argument("--sweep-hc", action="store_true", help="only the hc mix tile sweep (see above)")
     args = parser.parse_args()
     device, dtype = torch.device("cuda"), torch.bfloat16
     name = torch.cuda.get_device_name(device).replace(" ", "-").lower()
     print(f"{name}: bf16, hidden {HIDDEN}, {EXPERTS} experts top-{TOP_K}, hc {HC} x lowrank {LOWRANK}; "
           "us per call replayed from CUDA graphs")
+    if args.sweep_hc:
+        rows = sweep_hc(device, dtype, args.batches, args.reps)
+        out = Path(__file__).parent / "results" / f"decode_fusions_hc_sweep_{name}.json"
+        out.write_text(json.dumps({"device": name, "dtype": "bfloat16", "rows": rows}, indent=1))
+        print(f"saved {out}")
+        return
     print(f"{'op':<27} {'batch':>5} {'torch us':>9} {'fused us':>9} {'speedup':>8} {'kernels':>9} {'fused TB/s':>10}")
     rows = []
     for batch in args.batches:

@@ -31,6 +31,7 @@ MAX_TOKENS = 64
 BLOCK_N = 16  # tokens per program: tl.dot's least M
 BLOCK_J, BLOCK_K, SPLIT = 16, 128, 2  # launch 1: 21 row blocks x 8 slices = 168 programs at the real widths
 BLOCK_H, BLOCK_R = 16, 64  # launch 2: 160 programs at the real widths; BLOCK_R: low-rank columns per step
+DOWN_WARPS, UP_WARPS = 4, 4  # (bench/decode_fusions.py --sweep-hc times other tiles and warps)
 COMBINE_BLOCK = 256
 
 
@@ -193,11 +194,11 @@ def mix(
         streams, streams.stride(0), norm_weight, down_weight, partial, sumsq, counters, low, rstd,
         inject if with_inject else low, n, slice_width, eps, HIDDEN=hidden, HC=hc_count, SPLIT=split,
         LOWRANK=lowrank, OUT_ROWS=out_rows, BLOCK_N=BLOCK_N, BLOCK_J=BLOCK_J, BLOCK_K=BLOCK_K,
-        BLOCK_OUT=triton.next_power_of_2(out_rows), PRECISION=precision, num_warps=4,
+        BLOCK_OUT=triton.next_power_of_2(out_rows), PRECISION=precision, num_warps=DOWN_WARPS,
     )
     _mix_up_kernel[(triton.cdiv(hidden, BLOCK_H), token_blocks)](
         streams, streams.stride(0), norm_weight, up_weight, low, rstd, block_input, n, HIDDEN=hidden, HC=hc_count,
-        LOWRANK=lowrank, BLOCK_N=BLOCK_N, BLOCK_H=BLOCK_H, BLOCK_R=BLOCK_R, PRECISION=precision, num_warps=4,
+        LOWRANK=lowrank, BLOCK_N=BLOCK_N, BLOCK_H=BLOCK_H, BLOCK_R=BLOCK_R, PRECISION=precision, num_warps=UP_WARPS,
     )
     return block_input, inject
 
