@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import shutil
 import sys
 import sysconfig
@@ -506,6 +507,25 @@ def build_demo_model(
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return out
+
+
+# ---- the default model ------------------------------------------------------------------------------
+
+# the small code model `tierlm train-demo` trained, committed with the package (when it is)
+TRAINED_DEFAULT_DIR = Path(__file__).parent / "default_model"
+
+
+def default_model_dir(trained: Path = TRAINED_DEFAULT_DIR) -> Path:
+    """What `tierlm serve` serves without a model: the trained default when `trained` holds one, else the
+    tiny random demo checkpoint in the user's cache folder ($XDG_CACHE_HOME or ~/.cache), built there if
+    missing."""
+    if (trained / "config.json").is_file():
+        return trained
+    folder = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tierlm" / "demo-tiny"
+    if not (folder / "config.json").is_file():
+        print(f"tierlm: building the random demo model in {folder} (once)", file=sys.stderr)
+        build_demo_model(folder, "tiny", overwrite=True)
+    return folder
 
 
 # ---- command line -----------------------------------------------------------------------------------

@@ -131,10 +131,23 @@ def collect_corpus(
             corpus.train.append(text)
             corpus.train_paths.append(relative)
             train_size += size
-    if not corpus.train or not corpus.heldout:
+    if (max_train_bytes > 0 and not corpus.train) or not corpus.heldout:
         raise RuntimeError(f"too few Python sources under {[str(r) for r in (roots or source_roots())]}: "
                            f"{len(corpus.train)} training and {len(corpus.heldout)} held-out files")
     return corpus
+
+
+def read_files(relative_paths: list[str], roots: list[Path]) -> tuple[list[str], list[str]]:
+    """(texts, paths) of the listed files (paths relative to a root, e.g. a run's held-out files) that this
+    machine has under the first root holding them, as the corpus reads them; missing ones are skipped."""
+    texts, found = [], []
+    for relative in relative_paths:
+        path = next((root / relative for root in roots if (root / relative).is_file()), None)
+        text = _read(path) if path is not None else None
+        if text is not None:
+            texts.append(text)
+            found.append(relative)
+    return texts, found
 
 
 def token_stream(tokenizer, texts: list[str], separator: int, batch_files: int = 512) -> np.ndarray:

@@ -227,7 +227,8 @@ def run_training(
         python_version=sys.version.split()[0],
     )
 
-    corpus = collect_corpus(recipe.max_train_bytes, recipe.max_heldout_bytes, roots=source_roots(recipe.stdlib_only))
+    roots = source_roots(recipe.stdlib_only)
+    corpus = collect_corpus(recipe.max_train_bytes, recipe.max_heldout_bytes, roots=roots)
     run.seconds["corpus"] = time.monotonic() - start
     log(f"corpus: {len(corpus.train)} training files ({corpus.train_bytes / 1e6:.1f} MB), "
         f"{len(corpus.heldout)} held out ({corpus.heldout_bytes / 1e6:.1f} MB)")
@@ -244,7 +245,8 @@ def run_training(
         "train_files": len(corpus.train), "train_bytes": corpus.train_bytes, "train_tokens": len(train_stream),
         "heldout_files": len(corpus.heldout), "heldout_bytes": corpus.heldout_bytes,
         "heldout_tokens": len(heldout_stream), "tokenizer_bytes": sum(len(t.encode()) for t in tokenizer_texts),
-        "vocab_size": tokenizer.get_vocab_size(),
+        "vocab_size": tokenizer.get_vocab_size(), "roots": [str(root) for root in roots],
+        "heldout_paths": corpus.heldout_paths,
     }
     log(f"tokens: {len(train_stream):,} training, {len(heldout_stream):,} held out "
         f"({corpus.train_bytes / max(1, len(train_stream)):.2f} bytes per token)")
