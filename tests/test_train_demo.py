@@ -26,7 +26,7 @@ from tierlm.model.forward_batch import ForwardBatch
 from tierlm.model.loader import load_model
 from tierlm.model.model_cache import ModelCache
 from tierlm.sampling_params import StructuredOutputRequest
-from tierlm.tools.train_demo.batched_forward import forward
+from tierlm.tools.train_demo.batched_forward import forward, indexer_distillation
 from tierlm.tools.train_demo.corpus import collect_corpus, is_heldout, read_files
 from tierlm.tools.train_demo.export import write_checkpoint
 from tierlm.tools.train_demo.recipe import RECIPES, model_config
@@ -69,29 +69,53 @@ def test_training_forward_equals_the_engine_prefill(dummy):
     ids = prompt_ids(config, WINDOWS, LENGTH, seed=3)  # EOS planted: the PLE context resets too
     expected, expected_draft = engine_prefill(model, config, ids)
     with torch.no_grad():
-        logits, draft = forward(model, ids, with_draft=True)
-    assert (logits - expected).abs().max().item() <= TOLERANCE
-    assert (draft - expected_draft).abs().max().item() <= TOLERANCE
-    without, none = forward(model, ids)
-    assert none is None and torch.equal(without, logits)
+        out = forward(model, ids, with_draft=True)
+        alone = forward(model, ids)
+    assert (out.logits - expected).abs().max().item() <= TOLERANCE
+    assert (out.draft_logits - expected_draft).abs().max().item() <= TOLERANCE
+    assert alone.draft_logits is None and alone.indexer_loss is None and torch.equal(alone.logits, out.logits)
 
 
-def test_gradients_reach_every_weight_but_the_indexers(dummy):
+def test_gradients_reach_every_weight_and_the_indexers_only_through_their_loss(dummy):
     model, config = dummy
     ids = prompt_ids(config, 2, LENGTH, seed=4)
-    for param in model.parameters():
-        param.requires_grad_(True)
+    indexers = {name for name, _ in model.named_parameters() if ".indexer." in name}
+
+    def silent_after(objective) -> set[str]:
+        model.zero_grad(set_to_none=True)
+        out = forward(model, ids[:, :-1], with_draft=True, train_indexers=True)
+        objective(out).backward()
+        return {name for name, p in model.named_parameters() if p.grad is None or not p.grad.abs().sum() > 0}
+
+    def language_model(out):
+        loss = F.cross_entropy(out.logits.flatten(0, 1), ids[:, 1:].flatten())
+        return loss + F.cross_entropy(out.draft_logits.flatten(0, 1), ids[:, 2:].flatten())
+
+    model.requires_grad_(True)
     try:
-        logits, draft = forward(model, ids[:, :-1], with_draft=True)
-        loss = F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
-        (loss + F.cross_entropy(draft.flatten(0, 1), ids[:, 2:].flatten())).backward()
-        silent = {name for name, p in model.named_parameters() if p.grad is None or not p.grad.abs().sum() > 0}
+        # top-k passes no gradient: the language-model losses reach every weight but the indexers' ...
+        assert silent_after(language_model) == indexers and indexers
+        # ... and the distillation loss reaches the indexers' alone (the target and their input are detached)
+        assert silent_after(lambda out: out.indexer_loss) == {n for n, _ in model.named_parameters()} - indexers
     finally:
         model.requires_grad_(False)
         model.zero_grad(set_to_none=True)
-    # top-k passes no gradient: the indexers keep their initial weights (documented in batched_forward)
-    assert silent == {name for name, _ in model.named_parameters() if ".indexer." in name}
-    assert silent
+
+
+def test_indexer_distillation_is_zero_when_the_indexer_agrees_with_attention():
+    """KL(p || softmax(scores)) over the visible blocks: 0 when the scores are log p (up to a constant),
+    positive otherwise; queries that see no complete block do not count."""
+    torch.manual_seed(0)
+    batch, heads, length, dim, ratio = 2, 2, 12, 8, 4
+    q, k = torch.randn(batch, heads, length, dim), torch.randn(batch, heads, length, dim)
+    causal = torch.ones(length, length, dtype=torch.bool).tril()
+    probs = (q @ k.transpose(-1, -2) / dim**0.5).masked_fill(~causal, float("-inf")).softmax(-1).mean(1)
+    mass = probs.unflatten(-1, (length // ratio, ratio)).sum(-1)  # [B, T, G]
+    visible = torch.arange(length // ratio) < ((torch.arange(length) + 1) // ratio)[:, None]
+    agreeing = (mass.log() + 3.0).masked_fill(~visible, float("-inf"))
+    assert indexer_distillation(agreeing, q, k, ratio, dim**-0.5).abs().item() < 1e-5
+    flat = torch.zeros_like(mass).masked_fill(~visible, float("-inf"))
+    assert indexer_distillation(flat, q, k, ratio, dim**-0.5).item() > 1e-3
 
 
 def test_export_loads_back_into_the_same_model(tmp_path):
@@ -101,9 +125,8 @@ def test_export_loads_back_into_the_same_model(tmp_path):
     loaded, _ = load_model(tmp_path, dtype="float32", device="cpu", load_mtp=True)
     ids = torch.randint(7, 512, (2, 30), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        expected, expected_draft = forward(model, ids, with_draft=True)
-        got, got_draft = forward(loaded, ids, with_draft=True)
-    assert torch.equal(got, expected) and torch.equal(got_draft, expected_draft)
+        expected, got = forward(model, ids, with_draft=True), forward(loaded, ids, with_draft=True)
+    assert torch.equal(got.logits, expected.logits) and torch.equal(got.draft_logits, expected.draft_logits)
 
 
 def test_corpus_split_dedupe_and_caps(tmp_path):
@@ -187,7 +210,7 @@ needs_default = pytest.mark.skipif(not (TRAINED_DEFAULT_DIR / "config.json").exi
 
 @pytest.fixture(scope="module")
 def default_llm():
-    return LLM(str(TRAINED_DEFAULT_DIR), device="cpu", max_model_len=1024)
+    return LLM(str(TRAINED_DEFAULT_DIR), dtype="float32", device="cpu", max_model_len=1024)
 
 
 def complete_function(text: str) -> ast.FunctionDef | None:
@@ -209,8 +232,8 @@ def test_default_model_writes_a_fibonacci_body_python_parses(default_llm):
     prompt = "def fibonacci(n):"
     out = default_llm.generate([prompt], SamplingParams(temperature=0, max_tokens=96), use_tqdm=False)[0]
     text = out.outputs[0].text
-    first_line = next(line for line in text.split("\n")[1:] if line.strip())
-    assert first_line.startswith((" ", "\t")), text  # the body is indented under the def
+    body = [line for line in text.split("\n")[1:] if line.strip()]  # after the rest of the def line
+    assert body and body[0].startswith((" ", "\t")), text  # the body is indented under the def
     function = complete_function(prompt + text)
     assert function is not None and function.name == "fibonacci", text
 

@@ -32,6 +32,7 @@ def _run(args: argparse.Namespace) -> int:
     recipe = RECIPES[args.size].with_overrides(
         batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
         max_train_bytes=None if args.max_train_mb is None else int(args.max_train_mb * 1e6),
+        eval_tokens=args.eval_tokens,
     )
     if recipe.seq_len <= recipe.text_config["indexer_budget"]:
         raise CliError(f"--seq-len {recipe.seq_len} must exceed the QSA budget "
@@ -82,5 +83,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--lr", type=_positive(float), default=None, help="peak learning rate (recipe's)")
     parser.add_argument("--max-train-mb", type=_positive(float), default=None,
                         help="cap on the training files' size in MB (recipe's)")
+    parser.add_argument("--eval-tokens", type=_positive(int), default=None,
+                        help="held-out tokens per perplexity measurement (recipe's)")
     parser.add_argument("--force", action="store_true", help="replace checkpoints already in the folders")
     parser.set_defaults(func=_run)

@@ -9,8 +9,9 @@ same math, batched over the windows:
   in fp32 with autocast off (as the engine's rule runs);
 - QSA: each query's indexer scores over the complete blocks it sees, its top blocks taken as the engine
   takes them (`ranking_keys`: ties to the lower block), and attention (SDPA) under a [T, T] mask of the
-  chosen blocks' tokens and the query's open tail. Top-k passes no gradient: the indexer's weights are not
-  trained by the language-model loss (they keep their initial values);
+  chosen blocks' tokens and the query's open tail. Top-k passes no gradient, so the language-model loss
+  does not train the indexer: `indexer_distillation` does when asked (KL from the dense attention's mass per
+  block to a softmax of the indexer's scores, the indexer's input detached);
 - PLE: n-gram rows from an EOS history (a request's start), the layer's gate, its dilated conv over a zero
   history;
 - the MTP draft head at every position t < T - 1, from the target's streams at t and token t + 1.
@@ -25,6 +26,7 @@ import math
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -69,8 +71,12 @@ def torch_paths() -> Iterator[None]:
 class Windows:
     """What every layer of one forward shares: B windows of T tokens at positions 0..T-1."""
 
-    def __init__(self, model: Qwen4ExpForCausalLM, ids: torch.Tensor, dtype: torch.dtype) -> None:
+    def __init__(
+        self, model: Qwen4ExpForCausalLM, ids: torch.Tensor, dtype: torch.dtype, indexer_losses: list | None = None
+    ) -> None:
+        """indexer_losses: a list the QSA layers append their indexer's distillation loss to (None: none)."""
         self.batch, self.length = ids.shape
+        self.indexer_losses = indexer_losses
         config = model.config
         positions = torch.arange(self.length, device=ids.device)
         self.rotary = model.model.rotary
@@ -110,29 +116,60 @@ def gated_deltanet(layer: GatedDeltaNet, x: torch.Tensor, w: Windows) -> torch.T
     return layer.out_proj(layer.norm(core, z).flatten(-2))
 
 
-@torch.no_grad()
-def selection_mask(indexer: QSAIndexer, x: torch.Tensor, w: Windows) -> torch.Tensor:
-    """[B, T, T] bool: the keys each query attends to (its top blocks' tokens and its open tail)."""
-    r, t = indexer.ratio, w.length
-    q_rows, raw_keys = indexer.project(x, w.cos, w.sin)
+def indexer_scores(indexer: QSAIndexer, x: torch.Tensor, w: Windows) -> torch.Tensor:
+    """Each query's fp32 block scores [B, T, G] (G = T // R complete blocks; blocks it cannot see yet
+    -inf), as the engine scores them. x is detached: the indexer's training moves only the indexer."""
+    r = indexer.ratio
+    q_rows, raw_keys = indexer.project(x.detach(), w.cos, w.sin)
     q, raw_keys = w.sequences(q_rows), w.sequences(raw_keys)  # [B, T, ih, id], [B, T, id]
-    groups = t // r
-    mask_tail = _open_tail(w.positions, r)  # [T, T]
+    groups = w.length // r
     if groups == 0:
-        return mask_tail.expand(w.batch, t, t)
+        return q.new_zeros(w.batch, w.length, 0, dtype=torch.float32)
     cos, sin = w.rotary.cos_sin(torch.arange(groups, device=x.device) * r, w.dtype)
     pooled = raw_keys[:, : groups * r].reshape(w.batch * groups, r, -1)
-    block_keys = indexer.compress(pooled, cos.repeat(w.batch, 1), sin.repeat(w.batch, 1)).unflatten(0, (w.batch, groups))
+    block_keys = indexer.compress(pooled, cos.repeat(w.batch, 1), sin.repeat(w.batch, 1))
+    block_keys = block_keys.unflatten(0, (w.batch, groups))
     with torch.autocast(x.device.type, enabled=False):  # fp32 scores, as the engine's
         products = torch.matmul(q.float(), block_keys.float()[:, None].transpose(-1, -2))  # [B, T, ih, G]
     scores = torch.relu(products).sum(dim=2) / math.sqrt(indexer.head_dim)
     visible = torch.arange(groups, device=x.device) < ((w.positions + 1) // r)[:, None]  # [T, G]
-    scores = scores.masked_fill(~visible, float("-inf"))
-    top = torch.topk(ranking_keys(scores), min(indexer.block_topk, groups), dim=-1).values  # [B, T, K]
-    chosen = torch.zeros(w.batch, t, groups, dtype=torch.bool, device=x.device)
+    return scores.masked_fill(~visible, float("-inf"))
+
+
+@torch.no_grad()
+def selection_mask(scores: torch.Tensor, indexer: QSAIndexer, w: Windows) -> torch.Tensor:
+    """[B, T, T] bool from the block scores [B, T, G]: the keys each query attends to (its top blocks'
+    tokens, ties to the lower block as the engine breaks them, and its open tail)."""
+    r, t, groups = indexer.ratio, w.length, scores.shape[-1]
+    mask_tail = _open_tail(w.positions, r)  # [T, T]
+    if groups == 0:
+        return mask_tail.expand(w.batch, t, t)
+    top = torch.topk(ranking_keys(scores.detach()), min(indexer.block_topk, groups), dim=-1).values  # [B, T, K]
+    chosen = torch.zeros(w.batch, t, groups, dtype=torch.bool, device=scores.device)
     chosen.scatter_(-1, block_of_key(top), top >= 0)
     chosen_tokens = F.pad(chosen.repeat_interleave(r, dim=-1), (0, t - groups * r))  # [B, T, T]
     return chosen_tokens | mask_tail
+
+
+def indexer_distillation(scores: torch.Tensor, q: torch.Tensor, k: torch.Tensor, ratio: int, scale: float
+                         ) -> torch.Tensor:
+    """KL(attention's block distribution || the indexer's), averaged over the queries that see a block:
+    the target is dense causal attention (q, k [B, heads, T, hd], no gradient), averaged over heads and
+    summed over each visible complete block's tokens, renormalised; the indexer's is a softmax of its
+    scores over the same blocks (DeepSeek-V3.2's lightning-indexer objective, on compressed blocks)."""
+    length, groups = scores.shape[1:]
+    with torch.no_grad(), torch.autocast(q.device.type, enabled=False):
+        logits = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+        causal = torch.ones(length, length, dtype=torch.bool, device=q.device).tril()
+        probs = logits.masked_fill(~causal, float("-inf")).softmax(-1).mean(1)  # [B, T, T]
+        mass = probs[..., : groups * ratio].unflatten(-1, (groups, ratio)).sum(-1)  # [B, T, G]
+        visible = torch.isfinite(scores)
+        mass = mass.masked_fill(~visible, 0.0)
+        target = mass / mass.sum(-1, keepdim=True).clamp_min(1e-9)
+    rows = visible.any(-1)  # queries past the first block
+    log_q = scores.masked_fill(~visible, -1e9).log_softmax(-1)
+    kl = torch.where(visible, target * (target.clamp_min(1e-9).log() - log_q), 0.0).sum(-1)
+    return kl[rows].mean() if rows.any() else scores.new_zeros(())
 
 
 def _open_tail(positions: torch.Tensor, ratio: int) -> torch.Tensor:
@@ -151,8 +188,12 @@ def qsa_attention(layer: QSAAttention, x: torch.Tensor, w: Windows) -> torch.Ten
     v = v.reshape(n, layer.num_kv_heads, layer.head_dim)
     repeat = layer.num_heads // layer.num_kv_heads  # query head j reads KV head j // repeat
     k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
-    mask = selection_mask(layer.indexer, x, w)
+    with torch.set_grad_enabled(torch.is_grad_enabled() and w.indexer_losses is not None):
+        scores = indexer_scores(layer.indexer, x, w)
+    mask = selection_mask(scores, layer.indexer, w)
     q, k, v = (w.sequences(t).transpose(1, 2) for t in (q, k, v.to(q.dtype)))  # [B, heads, T, hd]
+    if w.indexer_losses is not None:
+        w.indexer_losses.append(indexer_distillation(scores, q, k, layer.indexer.ratio, layer.scale))
     with sdpa_kernel(MASKED_SDPA_BACKENDS):
         out = F.scaled_dot_product_attention(q, k.to(q.dtype), v, attn_mask=mask[:, None], scale=layer.scale)
     out = out.transpose(1, 2).flatten(0, 1).reshape(n, -1)
@@ -181,25 +222,34 @@ def decoder_layer(layer: DecoderLayer, streams: torch.Tensor, w: Windows) -> tor
     return HyperConnection.combine(streams, layer.mlp(x), inject)
 
 
-def forward(
-    model: Qwen4ExpForCausalLM, ids: torch.Tensor, with_draft: bool = False
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """ids [B, T] -> (logits [B, T, V] for the next token, and with_draft the MTP head's logits
-    [B, T-1, V] for the token after next: row t reads token t+1; else None)."""
+class Output(NamedTuple):
+    logits: torch.Tensor  # [B, T, V]: the next token's
+    draft_logits: torch.Tensor | None  # [B, T-1, V]: the MTP head's, for the token after next (row t reads
+    # token t+1); None unless asked for
+    indexer_loss: torch.Tensor | None  # the mean of the QSA layers' `indexer_distillation`; None unless asked
+
+
+def forward(model: Qwen4ExpForCausalLM, ids: torch.Tensor, with_draft: bool = False,
+            train_indexers: bool = False) -> Output:
+    """ids [B, T] -> `Output`. with_draft: run the MTP head too; train_indexers: also the indexers'
+    distillation loss (the only gradient their weights get)."""
     dtype = torch.get_autocast_dtype(ids.device.type) if torch.is_autocast_enabled(ids.device.type) else None
+    losses = [] if train_indexers else None
     with torch_paths():
         inner = model.model
         streams = inner.embed_tokens(ids.flatten()).repeat(1, model.config.hc_count)
-        w = Windows(model, ids, dtype or streams.dtype)
+        w = Windows(model, ids, dtype or streams.dtype, losses)
         for layer in inner.layers:
             streams = decoder_layer(layer, streams, w)
         logits = model.lm_head(inner.mix(streams)).unflatten(0, (w.batch, w.length))
-        if not with_draft or model.mtp is None:
-            return logits, None
-        mtp = model.mtp
-        hidden = w.sequences(streams)[:, :-1].flatten(0, 1)
-        embeddings = inner.embed_tokens(ids[:, 1:].flatten())
-        draft_windows = Windows(model, ids[:, 1:], w.dtype)  # positions 0..T-2, as the target's rows
-        draft = decoder_layer(mtp.layers[0], mtp.layer_input(embeddings, hidden), draft_windows)
-        draft_logits = mtp.head(model.lm_head)(mtp.hyper_connection_mixer.mix(draft)[0])
-        return logits, draft_logits.unflatten(0, (w.batch, w.length - 1))
+        draft_logits = None
+        if with_draft and model.mtp is not None:
+            mtp = model.mtp
+            hidden = w.sequences(streams)[:, :-1].flatten(0, 1)
+            embeddings = inner.embed_tokens(ids[:, 1:].flatten())
+            draft_windows = Windows(model, ids[:, 1:], w.dtype, losses)  # positions 0..T-2, as the target's rows
+            draft = decoder_layer(mtp.layers[0], mtp.layer_input(embeddings, hidden), draft_windows)
+            draft_logits = mtp.head(model.lm_head)(mtp.hyper_connection_mixer.mix(draft)[0])
+            draft_logits = draft_logits.unflatten(0, (w.batch, w.length - 1))
+    indexer_loss = torch.stack(losses).mean() if losses else None
+    return Output(logits, draft_logits, indexer_loss)

@@ -25,6 +25,7 @@ class Recipe:
     tokenizer_bytes: int  # the first training files' bytes the BPE tokenizer learns from
     eval_tokens: int  # held-out tokens per perplexity measurement
     mtp_loss_weight: float  # the MTP head's next-next-token loss, added to the main loss
+    indexer_loss_weight: float = 1.0  # the QSA indexers' distillation loss (it reaches their weights alone)
     weight_decay: float = 0.1
     doc_start_fraction: float = 0.25  # windows that start at a file's beginning, the rest anywhere
     stdlib_only: bool = False  # the corpus from the standard library alone (quick to list)

@@ -175,7 +175,7 @@ def heldout_loss(
     with torch.no_grad(), torch.autocast(windows.device.type, torch.bfloat16, enabled=autocast):
         for start in range(0, len(windows), batch_size):
             chunk = windows[start : start + batch_size]
-            logits, _ = forward(model, chunk[:, :-1])
+            logits = forward(model, chunk[:, :-1]).logits
             loss = F.cross_entropy(logits.float().flatten(0, 1), chunk[:, 1:].flatten(), reduction="sum")
             total += loss.item()
             count += chunk[:, 1:].numel()
@@ -267,12 +267,13 @@ def run_training(
         log(f"step {step}: held-out loss {loss:.3f}, perplexity {math.exp(loss):.1f}")
         return time.monotonic() - began
 
-    eval_seconds = evaluate(0)
+    eval_seconds = evaluate(0)  # the first forward's warm-up included: an upper bound
+    eval_in_steps = evaluation.numel() / tokens_per_step / 2  # a forward costs about a third of a step
     run.seconds["prepare"] = time.monotonic() - start
     plan = _Plan(max_steps)
     train_began = time.monotonic()
     write_seconds = WRITE_SECONDS_GUESS
-    step, window_loss, window_mtp, window_steps = 0, 0.0, 0.0, 0
+    step, window, window_steps = 0, torch.zeros(3, device=device), 0  # summed losses: main, MTP, indexers'
     model.train()
     while True:
         if plan.total is not None and step >= plan.total:
@@ -287,25 +288,30 @@ def run_training(
             group["lr"] = lr
         ids = batches.next()
         with torch.autocast(device.type, torch.bfloat16, enabled=autocast):
-            logits, draft = forward(model, ids[:, :-1], with_draft=recipe.mtp_loss_weight > 0)
-            loss = F.cross_entropy(logits.float().flatten(0, 1), ids[:, 1:].flatten())
-            mtp_loss = loss.new_zeros(())
-            if draft is not None:
-                mtp_loss = F.cross_entropy(draft.float().flatten(0, 1), ids[:, 2:].flatten())
+            out = forward(model, ids[:, :-1], with_draft=recipe.mtp_loss_weight > 0,
+                          train_indexers=recipe.indexer_loss_weight > 0)
+            loss = F.cross_entropy(out.logits.float().flatten(0, 1), ids[:, 1:].flatten())
+            mtp_loss = indexer_loss = loss.new_zeros(())
+            if out.draft_logits is not None:
+                mtp_loss = F.cross_entropy(out.draft_logits.float().flatten(0, 1), ids[:, 2:].flatten())
+            if out.indexer_loss is not None:
+                indexer_loss = out.indexer_loss
         optimizer.zero_grad(set_to_none=True)
-        (loss + recipe.mtp_loss_weight * mtp_loss).backward()
+        (loss + recipe.mtp_loss_weight * mtp_loss + recipe.indexer_loss_weight * indexer_loss).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         step += 1
-        window_loss += loss.item()
-        window_mtp += mtp_loss.item()
+        window += torch.stack([loss, mtp_loss, indexer_loss]).detach()
         window_steps += 1
         if step % LOG_EVERY == 0 or step == plan.total:
-            run.train_loss.append({"step": step, "tokens": step * tokens_per_step, "loss": window_loss / window_steps,
-                                   "mtp_loss": window_mtp / window_steps, "lr": lr})
-            window_loss, window_mtp, window_steps = 0.0, 0.0, 0
+            means = (window / window_steps).tolist()
+            run.train_loss.append({"step": step, "tokens": step * tokens_per_step, "loss": means[0],
+                                   "mtp_loss": means[1], "indexer_kl": means[2], "lr": lr})
+            window, window_steps = torch.zeros(3, device=device), 0
         if plan.total is None:
-            plan.observe(step, time.monotonic(), deadline, eval_seconds, write_seconds, log)
+            if device.type == "cuda":
+                torch.cuda.synchronize()  # time whole steps
+            plan.observe(step, time.monotonic(), deadline, eval_in_steps, write_seconds, log)
             continue
         if not run.early and step >= plan.early_step:
             eval_seconds = evaluate(step)
@@ -351,9 +357,11 @@ class _Plan:
         self.early_step = max(1, round(EARLY_FRACTION * self.total))
         self.eval_steps = {round(self.total * k / EVALUATIONS) for k in range(1, EVALUATIONS)}
 
-    def observe(self, step: int, now: float, deadline: float, eval_seconds: float, write_seconds: float, log) -> None:
+    def observe(self, step: int, now: float, deadline: float, eval_in_steps: float, write_seconds: float,
+                log) -> None:
         """Called after every step while the total is open: times steps CALIBRATION_WARMUP..CALIBRATION_STEPS,
-        then fixes the total so that the remaining steps, the evaluations and the writes fit the budget."""
+        then fixes the total so that the remaining steps, the evaluations (each costing `eval_in_steps`
+        steps) and the writes fit the budget."""
         if step == CALIBRATION_WARMUP:
             self._timed_from = (step, now)
         if step < CALIBRATION_STEPS or self._timed_from is None:
@@ -361,7 +369,7 @@ class _Plan:
         first, began = self._timed_from
         step_seconds = (now - began) / (step - first)
         evaluations = EVALUATIONS + 2  # the spread ones, the 5% one and the final one
-        left = deadline - now - evaluations * eval_seconds - 2 * write_seconds
+        left = deadline - now - evaluations * eval_in_steps * step_seconds - 2 * write_seconds
         self._set(step + max(0, int(SPEED_MARGIN * left / step_seconds)))
         log(f"{step_seconds * 1000:.0f} ms per step: {self.total} steps fit the budget")
 
