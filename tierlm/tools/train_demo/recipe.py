@@ -61,8 +61,8 @@ _COMMON = {
 }
 
 RECIPES: dict[str, Recipe] = {
-    # 10.8 M parameters (21.6 MB bf16; 4.1 M in the routed experts): 4 GDN layers (PLE on layer 2) + 2 QSA layers + an MTP QSA layer;
-    # QSA keeps 16 blocks of 8 (budget 128) of the 64 blocks a 512-token window has
+    # 10.8 M parameters (21.6 MB bf16; 4.1 M in the routed experts): 4 GDN layers (PLE on layer 2), 2 QSA
+    # layers and an MTP QSA layer; QSA keeps 16 blocks of 8 (budget 128) of the 64 a 512-token window has
     "code": Recipe(
         text_config={
             **_COMMON,
