@@ -51,6 +51,7 @@ WRITE_SECONDS_GUESS = 5.0  # one checkpoint's writing, before one was timed
 EVALUATIONS = 10  # held-out measurements spread over the run (plus the initial, 5% and final ones)
 EARLY_FRACTION = 0.05
 LOG_EVERY = 10  # steps per point of the training-loss history
+MAX_SKIPPED_STEPS = 50  # updates skipped for non-finite gradients before training stops (and still saves)
 # projections whose output adds to the residual streams: their init is scaled down with depth
 RESIDUAL_OUTPUTS = ("out_proj", "o_proj", "down_proj")
 
@@ -75,6 +76,7 @@ class RunLog:
     early: dict[str, float] = field(default_factory=dict)  # the 5% checkpoint: step, perplexity
     final: dict[str, float] = field(default_factory=dict)
     stopped_by: str = ""
+    skipped_steps: int = 0  # updates skipped for non-finite gradients
 
 
 def device_name(device: torch.device) -> str:
@@ -298,7 +300,13 @@ def run_training(
                 indexer_loss = out.indexer_loss
         optimizer.zero_grad(set_to_none=True)
         (loss + recipe.mtp_loss_weight * mtp_loss + recipe.indexer_loss_weight * indexer_loss).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        if not torch.isfinite(norm):  # a bad batch must not end a one-shot run: skip its update
+            run.skipped_steps += 1
+            if run.skipped_steps > MAX_SKIPPED_STEPS:
+                run.stopped_by = "non-finite gradients"
+                break
+            continue
         optimizer.step()
         step += 1
         window += torch.stack([loss, mtp_loss, indexer_loss]).detach()
