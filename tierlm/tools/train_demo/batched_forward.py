@@ -4,9 +4,11 @@ The engine's forward serves requests: packed varlen rows, state in cache slots u
 autograd. Training wants B windows of equal length, each starting at position 0 with empty state (as a
 new request does), and gradients. This module runs the same modules, with the same parameters and the
 same math, batched over the windows:
-- hyper-connections, the MoE block, projections and norms: the modules' own torch paths on rows [B*T, ...];
+- hyper-connections, the router, projections and norms: the modules' own torch paths on rows [B*T, ...];
+  the routed experts all run on every row, weighted by the routing weights (0 off the row's top-k), which
+  gives the routed sum without a per-expert loop of host syncs (`sparse_moe`);
 - Gated DeltaNet: the causal conv over a zero history, then `chunk_gated_delta_rule` from a zero state,
-  in fp32 with autocast off (as the engine's rule runs);
+  in fp32 with autocast off (as the engine's rule runs), in chunks of `GDN_CHUNK`;
 - QSA: each query's indexer scores over the complete blocks it sees, its top blocks taken as the engine
   takes them (`ranking_keys`: ties to the lower block), and attention (SDPA) under a [T, T] mask of the
   chosen blocks' tokens and the query's open tail. Top-k passes no gradient, so the language-model loss
@@ -38,6 +40,7 @@ from tierlm.kernels.qsa_block_scores.naive import block_of_key, ranking_keys
 from tierlm.model.layers.decoder_layer import DecoderLayer
 from tierlm.model.layers.gated_deltanet import GatedDeltaNet
 from tierlm.model.layers.hyper_connection import HyperConnection
+from tierlm.model.layers.moe import SparseMoeBlock
 from tierlm.model.layers.ple import PLELayer
 from tierlm.model.layers.qsa_attention import QSAAttention, QSAIndexer
 from tierlm.model.ngram_hash import ngram_context
@@ -48,6 +51,9 @@ TORCH_PATH_SWITCHES = (
     "TIERLM_NO_FUSED_HC", "TIERLM_NO_FUSED_ROUTER", "TIERLM_NO_FUSED_MOE", "TIERLM_NO_FUSED_NORM_ROPE",
 )
 
+# the gated delta rule's chunk length here: half the engine's chunk loop (fewer, larger products); the
+# decays within a chunk stay <= 1, so longer chunks cannot overflow
+GDN_CHUNK = 128
 # the attention kernels that take an arbitrary boolean mask (and its backward)
 MASKED_SDPA_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
@@ -111,7 +117,8 @@ def gated_deltanet(layer: GatedDeltaNet, x: torch.Tensor, w: Windows) -> torch.T
     q, k, v = layer.heads(conv)
     state = torch.zeros(w.batch, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim, device=x.device)
     with torch.autocast(x.device.type, enabled=False):
-        core, _ = chunk_gated_delta_rule(q, k, v.float(), w.sequences(g), w.sequences(beta.float()), state)
+        core, _ = chunk_gated_delta_rule(q, k, v.float(), w.sequences(g), w.sequences(beta.float()), state,
+                                         chunk_size=GDN_CHUNK)
     core = core.flatten(0, 1).to(x.dtype)  # [B*T, nv, dv]
     return layer.out_proj(layer.norm(core, z).flatten(-2))
 
@@ -169,7 +176,7 @@ def indexer_distillation(scores: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     rows = visible.any(-1)  # queries past the first block
     log_q = scores.masked_fill(~visible, -1e9).log_softmax(-1)
     kl = torch.where(visible, target * (target.clamp_min(1e-9).log() - log_q), 0.0).sum(-1)
-    return kl[rows].mean() if rows.any() else scores.new_zeros(())
+    return (kl * rows).sum() / rows.sum().clamp_min(1)  # no host sync
 
 
 def _open_tail(positions: torch.Tensor, ratio: int) -> torch.Tensor:
@@ -219,7 +226,20 @@ def decoder_layer(layer: DecoderLayer, streams: torch.Tensor, w: Windows) -> tor
         out = qsa_attention(layer.self_attn, x, w)
     streams = HyperConnection.combine(streams, out, inject)
     x, inject = layer.mlp_hyper_connection.mix(streams)
-    return HyperConnection.combine(streams, layer.mlp(x), inject)
+    return HyperConnection.combine(streams, sparse_moe(layer.mlp, x), inject)
+
+
+def sparse_moe(block: SparseMoeBlock, x: torch.Tensor) -> torch.Tensor:
+    """The MoE block on x [N, H] with every expert run on every row and weighted by the routing weights
+    (zero for the experts a row does not route to): the routed sum of the engine's, without its per-expert
+    loop and the host syncs each expert's row selection costs. Cheap while experts are few and small."""
+    weights, experts, shared_gate = block.route(x)
+    dense = torch.zeros(x.shape[0], block.experts.num_experts, dtype=weights.dtype, device=x.device)
+    dense = dense.scatter(1, experts, weights)  # [N, E]
+    gate, up = torch.einsum("nh,eih->eni", x, block.experts.gate_up_proj).chunk(2, dim=-1)  # [E, N, I] each
+    outputs = torch.einsum("eni,ehi->enh", F.silu(gate) * up, block.experts.down_proj)  # [E, N, H]
+    routed = torch.einsum("ne,enh->nh", dense.to(outputs.dtype), outputs)
+    return routed.to(x.dtype) + shared_gate * block.shared_expert(x)
 
 
 class Output(NamedTuple):

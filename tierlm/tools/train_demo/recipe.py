@@ -97,7 +97,7 @@ RECIPES: dict[str, Recipe] = {
         },
         vocab_size=8192,
         seq_len=512,
-        batch_size=64,
+        batch_size=128,
         lr=2e-3,
         warmup_steps=100,
         max_train_bytes=160_000_000,
