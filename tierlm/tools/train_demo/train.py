@@ -341,7 +341,7 @@ def run_training(
     run.seconds["total"] = time.monotonic() - start
     (out_dir / "train_log.json").write_text(json.dumps(asdict(run), indent=1) + "\n")
     plot_losses(run.train_loss, run.heldout, out_dir / "loss.png", f"{run.model['parameters']['total'] / 1e6:.1f} M "
-                f"parameters, {run.tokens_seen / 1e6:.0f} M tokens, {run.device}")
+                f"parameters, {run.tokens_seen / 1e6:.1f} M tokens, {run.device}")
     log(f"done: {step} steps, {run.tokens_seen:,} tokens in {run.seconds['train']:.0f} s of training "
         f"({run.seconds['total']:.0f} s in all); held-out perplexity {run.heldout[0]['perplexity']:.1f} at start, "
         f"{run.early['perplexity']:.1f} at step {run.early['step']}, {run.final['perplexity']:.1f} at the end")
