@@ -2,7 +2,6 @@
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-DEMO_MODEL ?= models/demo-tiny
 
 .PHONY: env serve test clean
 
@@ -16,11 +15,9 @@ $(VENV)/.installed: pyproject.toml
 
 env: $(VENV)/.installed
 
-$(DEMO_MODEL)/config.json: | env
-	$(VENV)/bin/tierlm demo-model $(DEMO_MODEL) --size tiny
-
-serve: env $(DEMO_MODEL)/config.json
-	$(VENV)/bin/tierlm serve $(DEMO_MODEL) --host 127.0.0.1 --port 8000
+# No MODEL: the embedded trained code model (tierlm/default_model), or the random tiny demo where it is absent.
+serve: env
+	$(VENV)/bin/tierlm serve --host 127.0.0.1 --port 8000
 
 test: env
 	$(PY) -m pytest -q

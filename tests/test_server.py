@@ -1,7 +1,8 @@
 """`tierlm serve` as a subprocess on the demo model, driven by the official openai client and httpx.
 
-One server per module (started without MODEL, so it also builds the demo model into its cache folder,
-here a tmp dir); the offline `LLM` on the same folder is the reference for greedy outputs.
+One server per module, on the random tiny demo model built into a tmp dir (`tierlm serve` without MODEL
+serves the trained default instead: tests/test_train_demo.py); the offline `LLM` on the same folder is the
+reference for greedy outputs.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import pytest
 from serve_process import serving
 
 from tierlm import LLM, SamplingParams
+from tierlm.demo_model import build_demo_model
 
 API_KEY = "sk-tierlm-test"
 MODEL = "demo-tiny"
@@ -29,10 +31,11 @@ GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     cache = tmp_path_factory.mktemp("cache")
-    flags = ["--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "4", "--dtype", "float32", "--device", "cpu",
-             "--api-key", API_KEY]
-    with serving(flags, cache / "server.log", env={"XDG_CACHE_HOME": str(cache)}) as process:
-        yield {"url": process.url, "model_dir": cache / "tierlm" / "demo-tiny"}
+    folder = build_demo_model(cache / MODEL, "tiny")
+    flags = [str(folder), "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "4", "--dtype", "float32",
+             "--device", "cpu", "--api-key", API_KEY]
+    with serving(flags, cache / "server.log") as process:
+        yield {"url": process.url, "model_dir": folder}
 
 
 @pytest.fixture(scope="module")

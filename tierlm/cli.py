@@ -23,6 +23,7 @@ SUBCOMMANDS = {
     "simulate-cache": "tierlm.tools.simulate_cache",
     "quantize": "tierlm.tools.quantize",
     "eval": "tierlm.tools.eval_kld",
+    "train-demo": "tierlm.tools.train_demo",
 }
 
 

@@ -31,12 +31,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import shutil
 import sys
 import sysconfig
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -255,6 +256,12 @@ def train_tokenizer(vocab_size: int, corpus_bytes: int, show_progress: bool = Fa
     Byte-level pre-tokenizer and decoder with the full 256-byte initial alphabet: every string round-trips.
     Deterministic for a given file list (cached per process: the tests build several models).
     """
+    files = corpus_files(corpus_bytes)
+    return bpe_tokenizer_json(_corpus_texts(files), len(files), vocab_size, show_progress)
+
+
+def bpe_tokenizer_json(texts: Iterable[str], count: int, vocab_size: int, show_progress: bool = False) -> str:
+    """`train_tokenizer`'s tokenizer learnt from `count` texts (the trained demo model's corpus uses it too)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tokenizer = Tokenizer(models.BPE())
@@ -267,15 +274,14 @@ def train_tokenizer(vocab_size: int, corpus_bytes: int, show_progress: bool = Fa
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=show_progress,
     )
-    files = corpus_files(corpus_bytes)
-    tokenizer.train_from_iterator(_corpus_texts(files), trainer=trainer, length=len(files))
+    tokenizer.train_from_iterator(texts, trainer=trainer, length=count)
     raw = json.loads(tokenizer.to_str())
     for added in raw["added_tokens"]:
         added["special"] = added["content"] in SPECIAL_TOKENS  # the tag tokens are plain text
     return json.dumps(raw, indent=2, ensure_ascii=False)
 
 
-def _tokenizer_config(ids: dict[str, int], max_length: int) -> dict[str, Any]:
+def tokenizer_config(ids: dict[str, int], max_length: int) -> dict[str, Any]:
     added = {
         str(ids[token]): {
             "content": token,
@@ -460,7 +466,7 @@ def build_demo_model(
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
     try:
         (staging / "tokenizer.json").write_text(tokenizer_json, encoding="utf-8")
-        _write_json(staging / "tokenizer_config.json", _tokenizer_config(ids, config.max_position_embeddings))
+        _write_json(staging / "tokenizer_config.json", tokenizer_config(ids, config.max_position_embeddings))
         _write_json(
             staging / "generation_config.json",
             {"do_sample": True, "eos_token_id": [ids[IM_END], ids[ENDOFTEXT]], **GENERATION_DEFAULTS},
@@ -501,6 +507,25 @@ def build_demo_model(
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return out
+
+
+# ---- the default model ------------------------------------------------------------------------------
+
+# the small code model `tierlm train-demo` trained, committed with the package (when it is)
+TRAINED_DEFAULT_DIR = Path(__file__).parent / "default_model"
+
+
+def default_model_dir(trained: Path = TRAINED_DEFAULT_DIR) -> Path:
+    """What `tierlm serve` serves without a model: the trained default when `trained` holds one, else the
+    tiny random demo checkpoint in the user's cache folder ($XDG_CACHE_HOME or ~/.cache), built there if
+    missing."""
+    if (trained / "config.json").is_file():
+        return trained
+    folder = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tierlm" / "demo-tiny"
+    if not (folder / "config.json").is_file():
+        print(f"tierlm: building the random demo model in {folder} (once)", file=sys.stderr)
+        build_demo_model(folder, "tiny", overwrite=True)
+    return folder
 
 
 # ---- command line -----------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""`tierlm generate MODEL --prompt TEXT`: one completion, streamed to the terminal as it is produced."""
+"""`tierlm generate [MODEL] --prompt TEXT`: one completion, streamed to the terminal as it is produced.
+Without MODEL: the embedded default model, as `tierlm serve` (`demo_model.default_model_dir`)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from tierlm.config import LOAD_FORMATS
 
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser("generate", help="complete one prompt, streaming the text")
-    parser.add_argument("model", help="a local checkpoint folder (e.g. from `tierlm demo-model`)")
+    parser.add_argument("model", nargs="?", default=None,
+                        help="a local checkpoint folder (default: the embedded trained code model)")
     parser.add_argument("--prompt", required=True)
     parser.add_argument("--chat", action="store_true", help="send the prompt as a user message (chat template)")
     parser.add_argument("--max-tokens", type=int, default=128)
@@ -40,6 +42,7 @@ def add_parser(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from tierlm.demo_model import default_model_dir
     from tierlm.distributed.group import PipelineError
     from tierlm.engine.llm_engine import EngineConfig, LLMEngine
     from tierlm.model.loader import ModelNotFoundError
@@ -51,13 +54,14 @@ def run(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(args.cpu_threads)
+    model = args.model or str(default_model_dir())
     try:
         params = SamplingParams(
             max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
             seed=args.seed,
         )
         engine = LLMEngine(EngineConfig(
-            model=args.model, dtype=args.dtype, device=args.device, enforce_eager=args.enforce_eager,
+            model=model, dtype=args.dtype, device=args.device, enforce_eager=args.enforce_eager,
             compile_decode=args.compile_decode, load_format=args.load_format, trace=args.trace,
             pipeline_parallel_size=args.pipeline_parallel_size, pp_layer_partition=args.pp_layer_partition,
             speculative_config=args.speculative_config,

@@ -57,13 +57,17 @@ class MultiTokenPredictor(nn.Module):
     ) -> torch.Tensor:
         """embeddings [N, H] of each row's next token; hidden_streams [N, hc*H] -> the draft layer's output
         streams [N, hc*H] (before the draft's final mixer). step: the draft step (picks the layer)."""
+        index = step % len(self.layers)
+        return self.layers[index](self.layer_input(embeddings, hidden_streams), batch, caches[index], rope, None)
+
+    def layer_input(self, embeddings: torch.Tensor, hidden_streams: torch.Tensor) -> torch.Tensor:
+        """The draft layer's input streams [N, hc*H]: fc_hidden of the normed hidden streams plus the
+        projected embedding on every stream."""
         n = embeddings.shape[0]
         e = self.fc_embedding(self.pre_fc_norm_embedding(embeddings))
         u = self.pre_fc_norm_hidden(hidden_streams).reshape(n * self.hc_count, self.hidden_size)
         u = self.fc_hidden(u).reshape(n, self.hc_count, self.hidden_size)
-        streams = (u + e[:, None, :]).flatten(1)
-        index = step % len(self.layers)
-        return self.layers[index](streams, batch, caches[index], rope, None)
+        return (u + e[:, None, :]).flatten(1)
 
     def head(self, target_lm_head: Linear) -> Linear:
         """The lm_head the draft's logits come from."""

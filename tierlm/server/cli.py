@@ -1,7 +1,8 @@
 """`tierlm serve [MODEL]`: the OpenAI-compatible server (FastAPI on uvicorn), with vLLM's flag names.
 
-Without MODEL it serves the tiny demo model, built on first use into `$XDG_CACHE_HOME/tierlm/demo-tiny`
-(`~/.cache/tierlm/demo-tiny`). The served name is MODEL's folder name unless `--served-model-name`.
+Without MODEL it serves the embedded default (`demo_model.default_model_dir`): the small trained code
+model committed in `tierlm/default_model`, or where that is absent the tiny random demo model, built on
+first use into `$XDG_CACHE_HOME/tierlm/demo-tiny` (`~/.cache/tierlm/demo-tiny`). The served name is MODEL's folder name unless `--served-model-name`.
 Engine flags left unset keep `EngineConfig`'s defaults; a flag whose field this engine's `EngineConfig`
 lacks is reported and ignored. Unlike vLLM the default host is 127.0.0.1: pass `--host 0.0.0.0` to listen
 on every interface.
@@ -39,7 +40,7 @@ def add_parser(subparsers) -> None:
     )
     parser.add_argument(
         "model", nargs="?", default=None,
-        help="a checkpoint folder or Hugging Face repo id (default: the demo model, built on first use)",
+        help="a checkpoint folder or Hugging Face repo id (default: the embedded trained code model)",
     )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
@@ -130,17 +131,6 @@ def add_pipeline_flags(parser) -> None:
                         help="layers per rank, e.g. 16,17,15 (default: balanced by each rank's memory)")
 
 
-def demo_model_dir() -> Path:
-    """The default model: the tiny demo checkpoint in the user's cache folder, built there if missing."""
-    from tierlm.demo_model import build_demo_model
-
-    folder = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tierlm" / "demo-tiny"
-    if not (folder / "config.json").is_file():
-        print(f"tierlm serve: building the demo model in {folder} (once)", file=sys.stderr)
-        build_demo_model(folder, "tiny", overwrite=True)
-    return folder
-
-
 def engine_config(model: str, args: argparse.Namespace):
     """EngineConfig from the flags that were given and that this EngineConfig has."""
     from tierlm.engine.llm_engine import EngineConfig
@@ -173,7 +163,9 @@ def run(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     set_cpu_threads(args.cpu_threads)
-    model = args.model or str(demo_model_dir())
+    from tierlm.demo_model import default_model_dir
+
+    model = args.model or str(default_model_dir())
     name = args.served_model_name or (Path(model).name if Path(model).expanduser().is_dir() else model)
     if args.limit_concurrency is not None and args.limit_concurrency < 1:
         raise CliError(f"--limit-concurrency must be at least 1, got {args.limit_concurrency}")

@@ -95,7 +95,7 @@ class GatedDeltaNet(nn.Module):
             window = torch.cat([state.conv[slot], mixed[start:end].T], dim=-1).unsqueeze(0)
             state.conv[slot] = window[0, :, -(self.kernel - 1) :]
             conv = F.silu(causal_depthwise_conv(window, weight)).transpose(1, 2)  # [1, T, C]
-            q, k, v = self._heads(conv)
+            q, k, v = self.heads(conv)
             rule = chunk_gated_delta_rule if end - start > 1 else recurrent_gated_delta_rule
             out, final = rule(
                 q, k, v, g[start:end].unsqueeze(0), beta[start:end].unsqueeze(0),
@@ -114,7 +114,7 @@ class GatedDeltaNet(nn.Module):
             window = torch.cat([state.conv[slot], mixed[start:end].T], dim=-1).unsqueeze(0)
             state.conv[slot] = window[0, :, -(self.kernel - 1) :]
             conv[start:end] = F.silu(causal_depthwise_conv(window, weight))[0].T
-        q, k, v = self._heads(conv, repeat_keys=False)
+        q, k, v = self.heads(conv, repeat_keys=False)
         cu_seqlens = torch.tensor([0, *(end for _, end in batch.bounds)], dtype=torch.int32, device=mixed.device)
         return triton_chunk_gated_delta_rule_varlen(q, k, v, g, beta, cu_seqlens, state.recurrent, batch.slots)
 
@@ -130,7 +130,7 @@ class GatedDeltaNet(nn.Module):
             state.recurrent, batch.slots, self.norm.eps, self.gate_activation,
         )
 
-    def _heads(self, conv: torch.Tensor, repeat_keys: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def heads(self, conv: torch.Tensor, repeat_keys: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """conv [..., C] -> q, k [..., nv, dk] (normalised, q scaled; nk heads if not repeat_keys), v [..., nv, dv]."""
         q, k, v = torch.split(conv, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = q.unflatten(-1, (self.num_k_heads, self.head_k_dim))

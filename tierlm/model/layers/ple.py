@@ -75,13 +75,18 @@ class PLELayer(nn.Module):
             emb = batch.ple_embeddings[self.ple_index].to(streams.dtype)
         else:
             emb = self.table.gather(self.hasher.rows(token_streams)).to(streams.dtype)
+        gated = self.gated_values(streams, emb)
+        return gated + F.silu(self._short_conv(self.norm_conv(gated), batch, state))
+
+    def gated_values(self, streams: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
+        """streams [..., hc*H] and their n-gram embeddings [..., D] -> each stream's gated value [..., hc*H]
+        (before the short conv)."""
         key, value = self.key_value_proj(emb)
         key = self.norm_key(key).unflatten(-1, (self.hc_count, self.hidden_size))
         query = self.norm_query(streams).unflatten(-1, (self.hc_count, self.hidden_size))
         dot = (key * query).sum(dim=-1, keepdim=True) / math.sqrt(self.hidden_size)
         gate = dot.abs().clamp_min(1e-6).sqrt() * dot.sign()
-        gated = (torch.sigmoid(gate) * value.unsqueeze(-2)).flatten(-2)  # [N, hc*H]
-        return gated + F.silu(self._short_conv(self.norm_conv(gated), batch, state))
+        return (torch.sigmoid(gate) * value.unsqueeze(-2)).flatten(-2)
 
     def _short_conv(self, conv_in: torch.Tensor, batch: ForwardBatch, state: PLEState) -> torch.Tensor:
         """Dilated causal conv over each request's history of conv_in [N, hc*H]; updates the history."""
