@@ -141,6 +141,16 @@ class _Mirror:
         return out
 
 
+# where a worker's host time goes, summed over steps (`PipelineDriver.worker_stats`): waiting for the
+# next step's message; host work while the hidden state's receive is posted (cache ops, the batch); on
+# CPU the wait for the hidden state; launching the layers (CPU: running them) and sending the result on;
+# the last rank: sampling (on CUDA this waits for the layers) and sending the ids to rank 0. Beside
+# them (on CUDA, the stream's time): stall_seconds (waiting for the hidden state after the host work),
+# layers_seconds (the layers), and static_steps (forwards replayed from the static decode runner)
+WORKER_PHASES = ("idle_seconds", "host_seconds", "receive_wait_seconds", "forward_seconds", "sample_seconds",
+                 "send_seconds")
+
+
 def run_worker(group: PipelineGroup, stage: Stage, config) -> None:
     rank, device = group.rank, group.device
     mc = stage.model_config
@@ -215,16 +225,6 @@ def run_worker(group: PipelineGroup, stage: Stage, config) -> None:
             _comm(group.send_object, result, 0, RESULT_TAG, group.result_group)
             lap("send_seconds")
         stats["steps"] += 1
-
-
-# where a worker's host time goes, summed over steps (`PipelineDriver.worker_stats`): waiting for the
-# next step's message; host work while the hidden state's receive is posted (cache ops, the batch); on
-# CPU the wait for the hidden state; launching the layers (CPU: running them) and sending the result on;
-# the last rank: sampling (on CUDA this waits for the layers) and sending the ids to rank 0. Beside
-# them (on CUDA, the stream's time): stall_seconds (waiting for the hidden state after the host work),
-# layers_seconds (the layers), and static_steps (forwards replayed from the static decode runner)
-WORKER_PHASES = ("idle_seconds", "host_seconds", "receive_wait_seconds", "forward_seconds", "sample_seconds",
-                 "send_seconds")
 
 
 def _echo(group: PipelineGroup, message: StepMessage, dtype: torch.dtype) -> None:
