@@ -8,7 +8,12 @@ after their prefills and prints decode tok/s side by side with the PP=2 / PP=1 r
   0 and 1, halved: `PipelineDriver.echo_seconds`);
 - how much of that the deferred receive hides: per step, rank 1's host work done while its receive was
   posted (builds the batch, replays cache ops) and the time its compute still waited for the hidden
-  state after that work (the stream's stall on CUDA, measured with events).
+  state after that work (the stream's stall on CUDA, measured with events);
+- where each rank's time goes per micro-batch step (`PipelineDriver.timing`, the workers' phases): rank 0
+  schedules, prepares the step, sends it, runs its layers and waits for the answer (the rest of its step
+  is the engine's own work: applying tokens, detokenizing); rank 1 waits for the message, does its host
+  work, launches its layers, samples (on CUDA waiting for its layers) and sends the ids back; on CUDA
+  also its stream's time in the layers, and how many steps ran from CUDA graphs on each rank.
 Results go to bench/results/pipeline_decode_<device>.json. On CPU the figures only show that the script
 runs: the ranks share the cores (each gets cores / N threads), so PP=1 and PP=2 do not compare.
 
@@ -21,6 +26,7 @@ runs: the ranks share the cores (each gets cores / N threads), so PP=1 and PP=2 
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import os
@@ -47,8 +53,9 @@ def demo_model(size: str) -> Path:
     return folder
 
 
-def decode_rate(llm: LLM, streams: int, tokens: int) -> dict:
-    """tok/s of the decode steps of `streams` requests (their prefills run first, untimed)."""
+def decode_rate(llm: LLM, streams: int, tokens: int, snapshot=dict) -> dict:
+    """tok/s of the decode steps of `streams` requests (their prefills run first, untimed); snapshot()
+    is read when the timed steps start and when they end (returned as "before" and "after")."""
     engine = llm.engine
     params = SamplingParams(temperature=0, max_tokens=tokens + 1, ignore_eos=True)
     requests = [engine.add_request(f"# stream {i}\ndef f(x):", params) for i in range(streams)]
@@ -56,13 +63,16 @@ def decode_rate(llm: LLM, streams: int, tokens: int) -> dict:
     while min(generated.values()) < 1:  # every stream has its first token: prefills done
         for out in engine.step():
             generated[out.request_id] = len(out.outputs[0].token_ids)
-    start_tokens, start = sum(generated.values()), time.perf_counter()
+    before = snapshot()
+    start_tokens, start, steps = sum(generated.values()), time.perf_counter(), 0
     while engine.has_unfinished_requests():
+        steps += 1
         for out in engine.step():
             generated[out.request_id] = len(out.outputs[0].token_ids)
     seconds = time.perf_counter() - start
     decoded = sum(generated.values()) - start_tokens
-    return {"streams": streams, "tokens": decoded, "seconds": seconds, "tok_s": decoded / seconds}
+    return {"streams": streams, "tokens": decoded, "seconds": seconds, "tok_s": decoded / seconds, "steps": steps,
+            "before": before, "after": snapshot()}
 
 
 def run(model: str, pp: int, args) -> dict:
@@ -77,10 +87,12 @@ def run(model: str, pp: int, args) -> dict:
         decode_rate(llm, 1, 4)  # warm-up (kernels, graphs)
         result = {"pp": pp, "rates": []}
         for streams in STREAMS:
-            before = engine.pipeline.worker_stats() if engine.pipeline else None
-            rate = decode_rate(llm, streams, args.tokens)
+            rate = decode_rate(llm, streams, args.tokens, functools.partial(_counters, engine))
+            before, after = rate.pop("before"), rate.pop("after")
+            rate["static_steps"] = after["static_steps"] - before["static_steps"]
             if engine.pipeline:
-                rate["rank1"] = _per_step(before[0], engine.pipeline.worker_stats()[0])
+                rate["rank0"] = _per_step(before["rank0"], after["rank0"])
+                rate["rank1"] = _per_step(before["rank1"], after["rank1"])
                 config = engine.model_config
                 shape = (streams, config.hc_count * config.hidden_size)
                 rate["transfer_s"] = engine.pipeline.echo_seconds(shape, engine.cache.dtype)
@@ -95,9 +107,21 @@ def run(model: str, pp: int, args) -> dict:
             torch.cuda.empty_cache()
 
 
+def _counters(engine) -> dict:
+    """The counters the phase table is made of: steps run from the static decode runner (rank 0); with
+    a pipeline, rank 0's phases and rank 1's."""
+    counters = {"static_steps": engine.runner.static_steps}
+    if engine.pipeline:
+        counters |= {"rank0": engine.pipeline.timing, "rank1": engine.pipeline.worker_stats()[0]}
+    return counters
+
+
 def _per_step(before: dict, after: dict) -> dict:
+    """Each phase's seconds per step between two readings of a rank's counters, and the steps."""
     steps = max(after["steps"] - before["steps"], 1)
-    return {key: (after[key] - before[key]) / steps for key in ("host_seconds", "stall_seconds", "forward_seconds")}
+    per_step = {key: (after[key] - before[key]) / steps for key in after if key.endswith("_seconds")}
+    return per_step | {"steps": after["steps"] - before["steps"],
+                       "static_steps": after.get("static_steps", 0) - before.get("static_steps", 0)}
 
 
 def _memory(engine) -> list[dict]:
@@ -125,11 +149,37 @@ def report(results: dict[int, dict]) -> None:
               f"{copy * 1e3:>8.3f} {r1['host_seconds'] * 1e3:>8.3f} {r1['stall_seconds'] * 1e3:>9.3f} {hidden:>7.0%}")
     print("  copy: one stage-to-stage hidden state copy; host: rank 1's work per step while its receive was "
           "posted; stall: what its compute still waited after that; hidden: share of the copy the host work covers")
+    print("\nPP=2, where a micro-batch step's time goes (ms per step; host phases, then the device streams):")
+    for a, b in zip(one["rates"], two["rates"]):
+        print(_phases(a, b))
     for pp, result in results.items():
         for rank in result["memory"]:
             allocated = rank["device_memory_allocated"]
             measured = "n/a (CPU)" if allocated is None else f"{allocated:,} B ({allocated / rank['plan_device_bytes']:.2f}x)"
             print(f"PP={pp} rank {rank['rank']}: planned {rank['plan_device_bytes']:,} B, allocated {measured}")
+
+
+def _phases(one: dict, two: dict) -> str:
+    """One stream count's phase lines: rank 0's host phases (the rest of its step is the engine's own work:
+    applying tokens, detokenizing), rank 1's, and both ranks' stream time."""
+    r0, r1 = two["rank0"], two["rank1"]
+    steps = max(two["steps"], 1)
+    host0 = sum(r0[k] for k in r0 if k.endswith("_seconds") and k != "layers_seconds") * r0["steps"]
+
+    def ms(row: dict, key: str) -> str:
+        return f"{row.get(key, 0.0) * 1e3:.3f}"
+
+    return (f"  {two['streams']} streams: step {two['seconds'] / steps * 1e3:.3f} (PP=1: "
+            f"{one['seconds'] / max(one['steps'], 1) * 1e3:.3f} per step of all streams)\n"
+            f"    rank 0: schedule {ms(r0, 'schedule_seconds')}, prepare {ms(r0, 'prepare_seconds')}, send "
+            f"{ms(r0, 'send_seconds')}, own layers {ms(r0, 'forward_seconds')}, wait for answer "
+            f"{ms(r0, 'wait_seconds')}, engine rest {(two['seconds'] - host0) / steps * 1e3:.3f}\n"
+            f"    rank 1: wait for message {ms(r1, 'idle_seconds')}, host {ms(r1, 'host_seconds')}, receive wait "
+            f"{ms(r1, 'receive_wait_seconds')}, launch layers {ms(r1, 'forward_seconds')}, sample "
+            f"{ms(r1, 'sample_seconds')}, send ids {ms(r1, 'send_seconds')}\n"
+            f"    streams: rank 0 layers {ms(r0, 'layers_seconds')}; rank 1 stall {ms(r1, 'stall_seconds')}, layers "
+            f"{ms(r1, 'layers_seconds')}; steps from graphs: rank 0 {r0['static_steps']}/{r0['steps']}, rank 1 "
+            f"{r1['static_steps']}/{r1['steps']} (PP=1 {one['static_steps']}/{one['steps']})")
 
 
 def main() -> None:

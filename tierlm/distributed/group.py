@@ -3,8 +3,14 @@
 What this module owns: starting the ranks (spawned by rank 0 with torch.multiprocessing's spawn
 context, or started by torchrun: RANK / WORLD_SIZE / LOCAL_RANK in the environment), joining them in
 process groups with a timeout on every collective, and moving data between ranks:
-- `send_object` / `recv_object`: a pickled object as one length frame and one payload frame over the
-  gloo group (step descriptions from rank 0, sampled tokens back to it);
+- `send_object` / `post_object` / `recv_object` / `Inbox`: a pickled object over the gloo group (step
+  descriptions from rank 0, sampled tokens back to it) as one fixed-size frame (its length, then the
+  payload; a payload longer than the frame sends the rest as a second frame on a tag of its own). A gloo
+  send waits until the receiver has posted its receive, so a rank that receives a flow of messages keeps
+  an `Inbox`: `depth` frame receives always posted, so a message costs one hop (not a length frame, the
+  receiver's round trip, then the payload) and the sender never waits for the receiver to finish what it
+  is doing (rank 0 sends the next micro-batch while the last rank samples the previous one); rank 0 also
+  only starts its sends (`post_object`) and waits for them when the step's answer is back;
 - `isend` / `irecv`: a tensor over the device group (NCCL on CUDA, the same gloo group on CPU): the
   hidden state between stages.
 Each flow has its own tag, so flows between the same two ranks never match each other's frames; the
@@ -23,12 +29,18 @@ import os
 import pickle
 import signal
 import socket
+from collections import deque
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 STEP_TAG, HIDDEN_TAG, RESULT_TAG, CONTROL_TAG = 1, 2, 3, 4
+REST_TAG_OFFSET = 16  # a message's second frame (the payload past its first frame) goes on tag + this
+# a message's first frame: 8 bytes of payload length, then the payload's first bytes; a decode step's
+# description fits in one up to a few thousand blocks of context in all (block tables are most of it)
+FRAME_BYTES = 32 * 1024
+_HEAD_BYTES = FRAME_BYTES - 8
 EXIT_PEER_LOST = 3  # a worker's exit status when another rank went away first
 
 
@@ -92,18 +104,28 @@ class PipelineGroup:
         return self.rank == self.world_size - 1
 
     def send_object(self, obj, dst: int, tag: int = STEP_TAG, group=None) -> None:
-        payload = torch.frombuffer(bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)), dtype=torch.uint8)
+        for work in self.post_object(obj, dst, tag, group):
+            work.wait()
+
+    def post_object(self, obj, dst: int, tag: int = STEP_TAG, group=None) -> list:
+        """Start sending a message and return its sends (each holds its buffer): the caller waits for
+        them later, so a long message's second frame never holds it up until the receiver reads the first."""
         group = group or self.cpu_group
-        dist.send(torch.tensor([payload.numel()], dtype=torch.int64), dst, group=group, tag=tag)
-        dist.send(payload, dst, group=group, tag=tag)
+        frame, rest = _frames(obj)
+        works = [dist.isend(frame, dst, group=group, tag=tag)]
+        if rest is not None:
+            works.append(dist.isend(rest, dst, group=group, tag=tag + REST_TAG_OFFSET))
+        return works
 
     def recv_object(self, src: int, tag: int = STEP_TAG, group=None):
+        """One message, its frame received now (for a flow of messages use an `inbox`)."""
         group = group or self.cpu_group
-        length = torch.empty(1, dtype=torch.int64)
-        dist.recv(length, src, group=group, tag=tag)
-        payload = torch.empty(int(length), dtype=torch.uint8)
-        dist.recv(payload, src, group=group, tag=tag)
-        return pickle.loads(payload.numpy().tobytes())
+        frame = torch.empty(FRAME_BYTES, dtype=torch.uint8)
+        dist.recv(frame, src, group=group, tag=tag)
+        return _parse(frame, lambda rest: dist.recv(rest, src, group=group, tag=tag + REST_TAG_OFFSET))
+
+    def inbox(self, src: int, tag: int = STEP_TAG, group=None, depth: int = 2) -> Inbox:
+        return Inbox(group or self.cpu_group, src, tag, depth)
 
     def isend(self, tensor: torch.Tensor, dst: int):
         return dist.isend(tensor.contiguous(), dst, group=self.device_group, tag=HIDDEN_TAG)
@@ -119,6 +141,54 @@ class PipelineGroup:
     def close(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+class Inbox:
+    """The messages one rank sends this one on one tag, with `depth` frame receives always posted (in
+    order: gloo matches a source's messages on a tag to its posted receives first in, first out). Every
+    call of `get` waits for the oldest, reads it and posts its frame's receive again. One thread uses it."""
+
+    def __init__(self, group, src: int, tag: int, depth: int) -> None:
+        self.group, self.src, self.tag = group, src, tag
+        self._posted: deque = deque()
+        for _ in range(max(1, depth)):
+            self._post(torch.empty(FRAME_BYTES, dtype=torch.uint8))
+
+    def _post(self, frame: torch.Tensor) -> None:
+        self._posted.append((frame, dist.irecv(frame, self.src, group=self.group, tag=self.tag)))
+
+    def get(self):
+        """The next message (waits up to the group's timeout)."""
+        frame, work = self._posted.popleft()
+        work.wait()
+        rest_tag = self.tag + REST_TAG_OFFSET
+        message = _parse(frame, lambda rest: dist.recv(rest, self.src, group=self.group, tag=rest_tag))
+        self._post(frame)  # after the parse: the frame is overwritten by the message after next
+        return message
+
+
+def _frames(obj) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A message's first frame (FRAME_BYTES: the payload's length, then its first bytes) and the rest of
+    the payload (None when it fits the frame)."""
+    payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    frame = bytearray(FRAME_BYTES)
+    frame[:8] = len(payload).to_bytes(8, "little")
+    frame[8 : 8 + min(len(payload), _HEAD_BYTES)] = payload[:_HEAD_BYTES]
+    rest = None
+    if len(payload) > _HEAD_BYTES:
+        rest = torch.frombuffer(bytearray(payload[_HEAD_BYTES:]), dtype=torch.uint8)
+    return torch.frombuffer(frame, dtype=torch.uint8), rest
+
+
+def _parse(frame: torch.Tensor, receive_rest):
+    """The object in a received frame; receive_rest(tensor) fills in the payload past the frame."""
+    view = frame.numpy()
+    length = int.from_bytes(view[:8].tobytes(), "little")
+    if length <= _HEAD_BYTES:
+        return pickle.loads(view[8 : 8 + length])
+    rest = torch.empty(length - _HEAD_BYTES, dtype=torch.uint8)
+    receive_rest(rest)
+    return pickle.loads(view[8:].tobytes() + rest.numpy().tobytes())
 
 
 def describe_exit(exitcode: int | None) -> str:

@@ -46,6 +46,7 @@ class ModelRunner:
         self.decode_token = decode_token  # token id -> text, for Logprob.decoded_token
         self.device = cache.device
         self.trace = NoTrace()  # the engine's StepTrace under --trace
+        self.static_steps = 0  # forwards run by static_decode (a pipeline's measurements read it)
 
     def execute(self, step: SchedulerOutput) -> StepResult:
         trace = self.trace
@@ -135,6 +136,7 @@ class ModelRunner:
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """The model (or a pipeline stage) on the batch: logits, or the next stage's input."""
         if self.static_decode is not None and self.static_decode.can_run(batch):
+            self.static_steps += 1
             return self.static_decode.run(batch)
         return self.model(batch, self.cache)
 

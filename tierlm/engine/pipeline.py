@@ -13,8 +13,12 @@ static decode runner, and follows rank 0's step descriptions. Each step:
 2. rank 0 runs its layers and sends the multi-stream residual [N, hc * hidden] to rank 1, which runs
    its layers and sends it on; each rank posts its receive of the residual as soon as the step message
    is in, before its host work (building the batch), so the copy overlaps that work (deferred receive);
-3. the last rank computes the logits, samples and sends back only the token ids and the requested
-   log-probabilities (`StageResult`).
+3. the last rank computes the logits, samples them on its device (as one process does) and sends back
+   only the token ids and the requested log-probabilities (`StageResult`).
+Every rank keeps its receives of these messages posted ahead (`distributed.group.Inbox`): a gloo send
+waits for the receiver's receive, so without them rank 0 could not send the next micro-batch's step
+while the last rank still works on the previous one. `timing` (rank 0) and `worker_stats` (the others)
+say where each rank's time goes, phase by phase (bench/pipeline_decode.py prints them).
 
 Sampling on the last rank: its sampler keeps a mirror of each request's sampling state (parameters,
 output tokens, seeded generator; `pipeline_worker._Mirror`). Structured output: rank 0's grammar
@@ -68,11 +72,16 @@ from tierlm.engine.request import Request
 from tierlm.engine.sampler import Sampler
 from tierlm.engine.scheduler import Scheduler, SchedulerOutput
 from tierlm.engine.stage_setup import build_stage
+from tierlm.engine.stream_clock import StreamClock
 
 logger = logging.getLogger("tierlm")
 
 RESULT_POLL_S = 0.2  # how often rank 0 checks its workers while it waits for a result
 WATCH_INTERVAL_S = 1.0  # how often rank 0 checks its workers between steps
+# where rank 0's pipeline time goes on the host, summed over steps (`timing`): scheduling; building the
+# batch and the step message; pickling and sending it to every rank; its own layers (copy the batch to
+# the device, launch them, send the hidden state on); waiting for the last rank's answer
+DRIVER_PHASES = ("schedule_seconds", "prepare_seconds", "send_seconds", "forward_seconds", "wait_seconds")
 
 
 def _first_line(exc: BaseException) -> str:
@@ -112,6 +121,7 @@ class _InFlight:
     requests: dict[int, Request]  # by key, the requests whose rows come back
     send: object  # the hidden state's send to rank 1 (waited for when the result is back)
     hidden: torch.Tensor  # kept alive until then
+    message_sends: list  # the step message's sends to every rank (likewise)
 
 
 class PipelineDriver:
@@ -164,7 +174,12 @@ class PipelineDriver:
         self.keys: dict[Request, int] = {}  # requests the last rank mirrors
         self._next_key = 0
         self.exit_process_on_failure = False  # the server sets it: a dead rank ends the process
+        self._timing = dict.fromkeys(DRIVER_PHASES, 0.0) | {"steps": 0}
+        self._layers = StreamClock(self.stage.cache.device)
         self._results: queue.Queue = queue.Queue()
+        # posted before any step is sent: the last rank's answers never wait for this process
+        self._result_inbox = self.group.inbox(self.world_size - 1, RESULT_TAG, self.group.result_group,
+                                              depth=self.world_size)
         self._receiver = threading.Thread(target=self._receive_results, name="pipeline-results", daemon=True)
         self._receiver.start()
         if self.processes:
@@ -219,9 +234,11 @@ class PipelineDriver:
         self._check_alive()
         launched = 0
         while len(self.in_flight) < self.max_in_flight:
+            began = time.perf_counter()
             share = len(scheduler.running) + len(scheduler.waiting)
             room = max(1, math.ceil(min(share, scheduler.max_num_seqs) / self.max_in_flight))
             plan = scheduler.schedule(busy=self.busy, max_requests=room)
+            self._timing["schedule_seconds"] += time.perf_counter() - began
             if not plan.chunks:
                 break
             self.submit(plan)
@@ -231,7 +248,7 @@ class PipelineDriver:
         return launched, [self.collect()]
 
     def submit(self, plan: SchedulerOutput) -> None:
-        runner = self.runner
+        runner, began = self.runner, time.perf_counter()
         batch, wanted = runner.prepare(plan, device="cpu")
         message = StepMessage(batch=BatchArrays.of(batch), cache_ops=self.cache.drain(),
                               released=self._release_finished())
@@ -251,22 +268,35 @@ class PipelineDriver:
             bitmask = None if bitmask is None else bitmask.numpy()
             message.samples.append(SampleSpec(key, first, count, chunk.start, chunk.num_tokens, chunk.samples, bitmask))
             requests[key] = request
-        self._send_all(message)
+        sent = time.perf_counter()
+        message_sends = self._send_all(message)
+        launched = time.perf_counter()
         # a copy: a CUDA graph's output buffer is overwritten by the next replay, maybe before NCCL has read it
-        hidden = runner.forward(batch.to(self.stage.cache.device)).clone()
+        batch = batch.to(self.stage.cache.device)
+        with self._layers.timed():
+            hidden = runner.forward(batch).clone()
         try:
             send = self.group.isend(hidden, 1)
         except Exception as exc:  # noqa: BLE001
             self._fail(f"sending the hidden state to rank 1 failed: {_first_line(exc)}")
-        self.in_flight.append(_InFlight(plan, requests, send, hidden))
+        self.in_flight.append(_InFlight(plan, requests, send, hidden, message_sends))
+        timing, done = self._timing, time.perf_counter()
+        timing["prepare_seconds"] += sent - began
+        timing["send_seconds"] += launched - sent
+        timing["forward_seconds"] += done - launched
+        timing["steps"] += 1
 
     def collect(self) -> tuple[SchedulerOutput, StepResult]:
         entry = self.in_flight.popleft()
+        began = time.perf_counter()
         answer = self._wait_result()
         try:
+            for work in entry.message_sends:  # done: every rank has received its step
+                work.wait()
             entry.send.wait()  # done: the last rank has answered
         except Exception as exc:  # noqa: BLE001
-            self._fail(f"sending the hidden state to rank 1 failed: {_first_line(exc)}")
+            self._fail(f"sending a step or its hidden state failed: {_first_line(exc)}")
+        self._timing["wait_seconds"] += time.perf_counter() - began
         if answer.error is not None:
             self._fail(f"pipeline rank {self.world_size - 1} failed during a step: {answer.error}")
         result = StepResult()
@@ -290,19 +320,22 @@ class PipelineDriver:
         done = [request for request in self.keys if request.is_finished and request not in busy]
         return [self.keys.pop(request) for request in done]
 
-    def _send_all(self, message: StepMessage) -> None:
+    def _send_all(self, message: StepMessage) -> list:
+        """Start sending a step to every other rank; the sends are waited for when its answer is back."""
+        sends = []
         for rank in range(1, self.world_size):
             try:
-                self.group.send_object(message, rank)
+                sends += self.group.post_object(message, rank)
             except Exception as exc:  # noqa: BLE001
                 self._fail(f"sending a step to rank {rank} failed: {_first_line(exc)}")
+        return sends
 
     # ---- waiting, and failures ----
     def _receive_results(self) -> None:
         """The result thread: the last rank's answers, in order, into a queue (an error ends it)."""
         while True:
             try:
-                self._results.put(self.group.recv_object(self.world_size - 1, RESULT_TAG, self.group.result_group))
+                self._results.put(self._result_inbox.get())
             except Exception as exc:  # noqa: BLE001
                 self._results.put(exc)
                 return
@@ -369,6 +402,12 @@ class PipelineDriver:
                 os.kill(os.getpid(), signal.SIGTERM)
 
     # ---- measurements (bench/pipeline_decode.py) ----
+    @property
+    def timing(self) -> dict:
+        """Rank 0's seconds per phase (DRIVER_PHASES) summed over its steps, its stream's time in its
+        layers (layers_seconds: syncs on CUDA), the steps, and how many ran from the static decode runner."""
+        return dict(self._timing, layers_seconds=self._layers.total(), static_steps=self.runner.static_steps)
+
     def worker_stats(self) -> list[dict]:
         """Each worker's counters: host work, time waiting for the hidden state, forward, steps."""
         stats = []
@@ -382,8 +421,7 @@ class PipelineDriver:
         if self.in_flight:
             raise RuntimeError("echo_seconds between steps only: batches are in flight")
         tensor = torch.zeros(shape, dtype=dtype, device=self.stage.cache.device)
-        self.group.send_object(StepMessage(kind="echo", echo_shape=tuple(shape)), 1)
-        self.group.send_object(repeats, 1)
+        self.group.send_object(StepMessage(kind="echo", echo_shape=tuple(shape), echo_repeats=repeats), 1)
         times = []
         for _ in range(repeats):
             start = time.perf_counter()

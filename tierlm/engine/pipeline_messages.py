@@ -75,7 +75,8 @@ class StepMessage:
     new_requests: list[NewRequest] = field(default_factory=list)
     released: list[int] = field(default_factory=list)
     samples: list[SampleSpec] = field(default_factory=list)
-    echo_shape: tuple[int, ...] | None = None  # kind "echo": a tensor rank 1 sends straight back
+    echo_shape: tuple[int, ...] | None = None  # kind "echo": a tensor rank 1 sends straight back,
+    echo_repeats: int = 0  # this many times
 
 
 @dataclass

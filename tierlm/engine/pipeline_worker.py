@@ -6,8 +6,10 @@ rank's layers; move the batch to the device; wait for the hidden state; run the 
 result on (the last rank: sample, and send the tokens and log-probabilities to rank 0).
 
 The last rank samples with the engine's own `ModelRunner.sample` on mirrors of the requests (`_Mirror`:
-parameters, output tokens, seeded generator), so sampling is the code PP=1 runs. Structured-output rows
-come with rank 0's grammar bitmask.
+parameters, output tokens, seeded generator), on its device, so sampling is the code PP=1 runs: the same
+ops on the same values and generators, and only the ids and log-probabilities come to the host.
+Structured-output rows come with rank 0's grammar bitmask. Messages from rank 0 arrive in an `Inbox`
+(receives always posted), so rank 0 can send the next micro-batch while this rank works.
 
 Exit status: 0 when rank 0 says stop (or on Ctrl-C), EXIT_PEER_LOST when another rank went away first
 (a send or receive failed), 1 when this rank failed itself (its error is printed, and the last rank
@@ -38,6 +40,7 @@ from tierlm.engine.pipeline_messages import SampleSpec, StageResult, StepMessage
 from tierlm.engine.request import Request
 from tierlm.engine.sampler import Sampler
 from tierlm.engine.stage_setup import Stage, build_stage, memory_report
+from tierlm.engine.stream_clock import StreamClock
 
 logger = logging.getLogger("tierlm")
 
@@ -138,36 +141,14 @@ class _Mirror:
         return out
 
 
-class _StallClock:
-    """Time this rank's compute waited for the hidden state after its host work: host time on CPU; on
-    CUDA the stream's stall (events around the wait, read when asked)."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-        self.events: list[tuple] = []
-        self.seconds = 0.0
-
-    def wait(self, work) -> None:
-        if self.cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            _comm(work.wait)
-            end.record()
-            self.events.append((start, end))
-            while self.events and self.events[0][1].query():  # fold the finished ones: the list stays short
-                done_start, done_end = self.events.pop(0)
-                self.seconds += done_start.elapsed_time(done_end) / 1e3
-            return
-        began = time.perf_counter()
-        _comm(work.wait)
-        self.seconds += time.perf_counter() - began
-
-    def total(self) -> float:
-        if self.events:
-            torch.cuda.synchronize()
-            self.seconds += sum(start.elapsed_time(end) for start, end in self.events) / 1e3
-            self.events = []
-        return self.seconds
+# where a worker's host time goes, summed over steps (`PipelineDriver.worker_stats`): waiting for the
+# next step's message; host work while the hidden state's receive is posted (cache ops, the batch); on
+# CPU the wait for the hidden state; launching the layers (CPU: running them) and sending the result on;
+# the last rank: sampling (on CUDA this waits for the layers) and sending the ids to rank 0. Beside
+# them (on CUDA, the stream's time): stall_seconds (waiting for the hidden state after the host work),
+# layers_seconds (the layers), and static_steps (forwards replayed from the static decode runner)
+WORKER_PHASES = ("idle_seconds", "host_seconds", "receive_wait_seconds", "forward_seconds", "sample_seconds",
+                 "send_seconds")
 
 
 def run_worker(group: PipelineGroup, stage: Stage, config) -> None:
@@ -183,21 +164,33 @@ def run_worker(group: PipelineGroup, stage: Stage, config) -> None:
     runner = ModelRunner(stage.model, stage.cache, Sampler(config.seed), decode, stage.static_decode)
     mirror = _Mirror() if group.is_last else None
     width, dtype = mc.hc_count * mc.hidden_size, stage.cache.dtype
-    stall = _StallClock(device)
-    stats = {"steps": 0, "host_seconds": 0.0, "forward_seconds": 0.0}
+    stall, layers = StreamClock(device), StreamClock(device)
+    # rank 0 sends up to world_size steps ahead of the last rank: each finds its receive posted
+    inbox = group.inbox(0, depth=group.world_size)
+    stats = dict.fromkeys(WORKER_PHASES, 0.0) | {"steps": 0}
     pending_send = None
+    clock = time.perf_counter()
+
+    def lap(phase: str) -> None:
+        nonlocal clock
+        now = time.perf_counter()
+        stats[phase] += now - clock
+        clock = now
+
     while True:
-        message: StepMessage = _comm(group.recv_object, 0)
+        message: StepMessage = _comm(inbox.get)
         if message.kind == "stop":
             return
         if message.kind == "stats":
-            _comm(group.send_object, dict(stats, rank=rank, stall_seconds=stall.total(), **memory_report(stage)),
-                  0, CONTROL_TAG)
+            _comm(group.send_object, dict(stats, rank=rank, stall_seconds=stall.total(), layers_seconds=layers.total(),
+                                          static_steps=runner.static_steps, **memory_report(stage)), 0, CONTROL_TAG)
+            clock = time.perf_counter()
             continue
         if message.kind == "echo":
             _echo(group, message, dtype)
+            clock = time.perf_counter()
             continue
-        began = time.perf_counter()
+        lap("idle_seconds")
         hidden = torch.empty(message.batch.num_tokens, width, dtype=dtype, device=device)
         receive = _comm(group.irecv, hidden, rank - 1)  # posted before the host work it overlaps
         for name, args in message.cache_ops:
@@ -205,32 +198,39 @@ def run_worker(group: PipelineGroup, stage: Stage, config) -> None:
         if mirror is not None:
             mirror.update(message)
         batch = message.batch.batch(device)
-        stats["host_seconds"] += time.perf_counter() - began
-        stall.wait(receive)
+        lap("host_seconds")
+        with stall.timed():
+            _comm(receive.wait)
         batch.stage_input = hidden
-        began = time.perf_counter()
+        lap("receive_wait_seconds")
         if mirror is None:
-            out = runner.forward(batch).clone()  # not a CUDA graph's output buffer: the next replay reuses it
+            with layers.timed():
+                out = runner.forward(batch).clone()  # not a CUDA graph's output buffer: the next replay reuses it
             if pending_send is not None:
                 _comm(pending_send[0].wait)
             pending_send = (_comm(group.isend, out, rank + 1), out)
+            lap("forward_seconds")
         else:
             try:
-                result = mirror.sample(runner, message.samples, runner.forward(batch).float().cpu())
+                with layers.timed():
+                    logits = runner.forward(batch)
+                lap("forward_seconds")
+                # on the device, as one process samples: only the ids and log-probabilities come back
+                result = mirror.sample(runner, message.samples, logits)
+                lap("sample_seconds")
             except Exception as exc:
                 _comm(group.send_object, StageResult(error=f"{type(exc).__name__}: {exc}"), 0, RESULT_TAG,
                       group.result_group)
                 raise
             _comm(group.send_object, result, 0, RESULT_TAG, group.result_group)
-        stats["forward_seconds"] += time.perf_counter() - began
+            lap("send_seconds")
         stats["steps"] += 1
 
 
 def _echo(group: PipelineGroup, message: StepMessage, dtype: torch.dtype) -> None:
     """Rank 1: send a hidden state straight back to rank 0, as many times as it says (transfer measurement)."""
-    repeats = _comm(group.recv_object, 0)
     tensor = torch.empty(message.echo_shape, dtype=dtype, device=group.device)
-    for _ in range(repeats):
+    for _ in range(message.echo_repeats):
         _comm(group.irecv(tensor, 0).wait)
         _comm(group.isend(tensor, 0).wait)
 

@@ -1,0 +1,85 @@
+"""The pipeline's control messages between two gloo processes (`distributed/group.py`): an `Inbox` keeps
+its receives posted, so the sender's one-frame messages complete while the receiver is busy elsewhere;
+`post_object` returns before the receiver reads; messages longer than a frame arrive whole and in order.
+
+A sender that had to wait for the receiver here would wait for a message the receiver only sends after
+reading, so a regression shows as the group's timeout (an error), not as a slow test.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch.multiprocessing as mp
+
+from tierlm.distributed.group import FRAME_BYTES, PipelineGroup, free_tcp_address
+
+TIMEOUT_S = 30.0
+GO_TAG = 9  # the receiver's "now I read" to the sender
+
+
+def _messages() -> list:
+    big = np.arange(3 * FRAME_BYTES // 8, dtype=np.int64)  # three frames' worth: a second frame
+    return [{"n": 0}, {"n": 1, "array": big}, {"n": 2, "text": "x" * 10}, {"n": 3}]
+
+
+def _rank(rank: int, address: str, failures) -> None:
+    import torch
+
+    group = None
+    try:
+        group = PipelineGroup.join(rank, 2, torch.device("cpu"), address, TIMEOUT_S)
+        if rank == 1:
+            inbox = group.inbox(0, depth=len(_messages()))
+            group.recv_object(0, tag=GO_TAG)  # rank 0 sent every message before this, unread so far
+            got = [inbox.get() for _ in _messages()]
+            expected = _messages()
+            assert [m["n"] for m in got] == [m["n"] for m in expected]
+            assert np.array_equal(got[1]["array"], expected[1]["array"]) and got[2]["text"] == expected[2]["text"]
+            group.send_object("read", 0, tag=GO_TAG)
+        else:
+            messages = _messages()
+            group.send_object(messages[0], 1)  # a one-frame message completes: rank 1's inbox has receives posted
+            # a longer one's second frame is received only once rank 1 reads its first: started, not waited for
+            posted = [work for message in messages[1:] for work in group.post_object(message, 1)]
+            group.send_object("go", 1, tag=GO_TAG)
+            assert group.recv_object(1, tag=GO_TAG) == "read"
+            for work in posted:
+                work.wait()
+    except BaseException as exc:  # noqa: BLE001 - reported to the test
+        failures.put(f"rank {rank}: {type(exc).__name__}: {exc}")
+    finally:
+        if group is not None:
+            group.close()
+
+
+def test_inbox_takes_messages_while_the_receiver_is_busy_whole_and_in_order():
+    context = mp.get_context("spawn")
+    failures = context.Queue()
+    address = free_tcp_address()
+    processes = [context.Process(target=_rank, args=(rank, address, failures)) for rank in (0, 1)]
+    for process in processes:
+        process.start()
+    for process in processes:
+        process.join(timeout=2 * TIMEOUT_S)
+    problems = [failures.get() for _ in range(failures.qsize())] if not failures.empty() else []
+    assert not problems, problems
+    assert [process.exitcode for process in processes] == [0, 0]
+
+
+@pytest.mark.parametrize("size", [0, 100, FRAME_BYTES - 8 - 64, FRAME_BYTES, 5 * FRAME_BYTES])
+def test_frames_hold_any_payload(size):
+    from tierlm.distributed.group import _frames, _parse
+
+    message = b"\x07" * size
+    frame, rest = _frames(message)
+    assert frame.numel() == FRAME_BYTES
+    received = []
+
+    def receive_rest(tensor):
+        assert rest is not None and tensor.numel() == rest.numel()
+        tensor.copy_(rest)
+        received.append(tensor.numel())
+
+    assert _parse(frame, receive_rest) == message
+    assert bool(received) == (rest is not None)
