@@ -225,20 +225,20 @@ def test_generate_cli_takes_the_flag(demo, capsys):
     assert "num_speculative_tokens must be an integer >= 1" in capsys.readouterr().err
 
 
-def test_the_plan_counts_the_draft_layers_and_snapshot_slots(demo):
-    """The draft head's caches and the snapshot slots come out of the cache budget: each cache kind's own
-    sizes add up to the plan's."""
+def test_the_plan_counts_the_draft_layers_and_per_position_slots(demo):
+    """The draft head's caches and the per-position state slots (K per running request) come out of the
+    cache budget: each cache kind's own sizes add up to the plan's."""
     llm = engine(demo, spec(2), max_state_checkpoints=3)
     plain = engine(demo, max_state_checkpoints=3)
     plan, cache = llm.cache_plan, llm.cache
-    assert plan.num_draft_layers == len(cache.draft_layers) == 1 and plan.spare_slots == 2
+    assert plan.num_draft_layers == len(cache.draft_layers) == 1 and plan.spare_slots == 2 * 2
     layers = cache.layers + cache.draft_layers
     assert plan.block_bytes == sum(c.indexer.block_bytes + c.kv.block_bytes for c in layers if c.kv)
     assert plan.slot_bytes == cache.slot_bytes > plain.cache_plan.slot_bytes
-    assert cache.num_slots == plan.num_slots + plan.spare_slots and plan.device_slots == plain.cache_plan.device_slots + 2
+    assert cache.num_slots == plan.num_slots + plan.spare_slots and plan.device_slots == plain.cache_plan.device_slots + 4
     assert cache.checkpoints.nbytes == plan.host_checkpoint_bytes()
     assert plan.used_bytes() <= plan.budget_bytes and plan.num_blocks < plain.cache_plan.num_blocks
-    assert any("2 speculative snapshots" in line for line in plan.lines())
+    assert any("4 speculative per-position states" in line for line in plan.lines())
 
 
 def test_llm_and_serve_take_the_config(demo, reference):

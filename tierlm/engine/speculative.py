@@ -33,6 +33,7 @@ graphs for the verify shapes yet).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -112,13 +113,13 @@ class _Kept:
 class SpeculativeRunner:
     """A `ModelRunner` step with drafts: the engine calls `execute` as it would the runner's."""
 
-    def __init__(self, runner: ModelRunner, config: SpeculativeConfig, spare_slot_base: int, seed: int = 0) -> None:
-        """spare_slot_base: slot s's snapshot goes to slot spare_slot_base + s (the cache has those)."""
+    def __init__(self, runner: ModelRunner, config: SpeculativeConfig, position_slot_base: int, seed: int = 0) -> None:
+        """position_slot_base: slot s's K position slots are position_slot_base + s K + j (the cache has those)."""
         self.runner = runner
         self.model, self.cache = runner.model, runner.cache
         self.config = config
         self.k = config.num_speculative_tokens
-        self.spare_slot_base = spare_slot_base
+        self.position_slot_base = position_slot_base
         self.generator = torch.Generator(device=self.cache.device).manual_seed(seed)
         self.num_drafts = 0  # verify chunks (requests that carried drafts into a step), total
         self.num_draft_tokens = 0  # drafts verified, total
@@ -134,20 +135,21 @@ class SpeculativeRunner:
         self.runner.trace = value
 
     def execute(self, step: SchedulerOutput) -> StepResult:
-        runner, cache = self.runner, self.cache
+        runner = self.runner
         with self.trace.phase("prepare batch"):
             batch, wanted = runner.prepare(step)
+            batch = dataclasses.replace(batch, position_slots=[
+                [self._position_slot(chunk.request, j) for j in range(len(chunk.draft_token_ids))]
+                for chunk in step.chunks])
         verify = [w for w in wanted if w[0].draft_token_ids]
-        for chunk, _, _ in verify:
-            self._copy_slot(chunk.request.state_slot, self._spare(chunk.request))
         with self.trace.phase("launch forward"), self.trace.gpu("forward"):
-            logits, streams = self.model.forward_with_streams(batch, cache)
+            logits, streams = self.model.forward_with_streams(batch, self.cache)
         with self.trace.phase("sample"):
             result = runner.sample([w for w in wanted if not w[0].draft_token_ids], logits)
             accepted = self._verify(verify, logits, result)
-        with self.trace.phase("rollback, draft"):
-            kept = self._rollback_and_keep(step, streams, accepted, result)
-            self._propose(kept)
+        with self.trace.phase("roll back, draft"):
+            self._roll_back(verify, accepted)
+            self._propose(self._kept(step, streams, accepted, result))
         return result
 
     # ---- verification -------------------------------------------------------------------------------
@@ -197,38 +199,40 @@ class SpeculativeRunner:
         self._logged_at = time.monotonic()
         self._logged = (self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens)
 
-    def _rollback_and_keep(
+    def _roll_back(self, verify: list[tuple], accepted: dict[ScheduledChunk, int]) -> None:
+        """A request that rejected a draft gets the state its forward kept after its last accepted row (the
+        position slots `execute` gave the batch) copied into its slot; K/V and indexer keys need nothing."""
+        sources, targets = [], []
+        for chunk, _, _ in verify:
+            kept = accepted[chunk]
+            if kept < len(chunk.draft_token_ids):
+                sources.append(self._position_slot(chunk.request, kept))
+                targets.append(chunk.request.state_slot)
+        if sources:
+            device = self.cache.device
+            sources, targets = (torch.tensor(x, dtype=torch.int64, device=device) for x in (sources, targets))
+            for state in self.cache.target_slot_states:
+                state.copy_slots(sources, targets)
+
+    def _kept(
         self, step: SchedulerOutput, streams: torch.Tensor, accepted: dict[ScheduledChunk, int], result: StepResult,
     ) -> list[_Kept]:
-        """Restore and recompute the requests that rejected a draft; every speculating chunk's kept rows."""
-        kept, redo, row = [], [], 0
+        """Every speculating chunk's kept rows (its tokens and the accepted drafts) and their streams."""
+        kept, row = [], 0
         for chunk in step.chunks:
             request = chunk.request
-            tokens = request.token_slice(chunk.start, chunk.start + chunk.num_tokens) + chunk.draft_token_ids
-            width = len(tokens)
             if speculates(request) and request not in result.failed:
                 n = chunk.num_tokens + accepted.get(chunk, 0)
                 if chunk.samples:
                     next_token, proposes = result.sampled.get(request), True
                 else:
                     next_token, proposes = request.token_slice(chunk.start + n, chunk.start + n + 1)[0], False
-                kept.append(_Kept(chunk, tokens[:n], streams[row : row + n], next_token, proposes))
-                if n < width:
-                    redo.append(kept[-1])
-            row += width
-        if redo:
-            for item in redo:
-                request = item.chunk.request
-                self._copy_slot(self._spare(request), request.state_slot)
-            again = ForwardBatch.build(
-                [item.tokens for item in redo], [item.chunk.start for item in redo],
-                [item.chunk.request.state_slot for item in redo], [item.chunk.request.block_ids for item in redo],
-                self.cache.block_size, device=self.cache.device,
-            )
-            _, new_streams = self.model.forward_with_streams(again, self.cache)
-            for item, (start, end) in zip(redo, again.bounds, strict=True):
-                item.streams = new_streams[start:end]
-        return [item for item in kept if item.next_token is not None]
+                tokens = request.token_slice(chunk.start, chunk.start + chunk.num_tokens) + chunk.draft_token_ids[
+                    : n - chunk.num_tokens]
+                if next_token is not None:
+                    kept.append(_Kept(chunk, tokens, streams[row : row + n], next_token, proposes))
+            row += chunk.num_tokens + len(chunk.draft_token_ids)
+        return kept
 
     # ---- drafting -----------------------------------------------------------------------------------
     def _propose(self, kept: list[_Kept]) -> None:
@@ -259,6 +263,14 @@ class SpeculativeRunner:
         # a request stops drafting where its blocks end (the scheduler reserves K positions past the chunk)
         positions = [item.chunk.start + len(item.tokens) for item in proposers]
         active = list(range(len(proposers)))  # the proposers still drafting; out_streams' rows, in order
+        # the draft steps advance the head's indexer rings past the kept rows, which the next step's draft
+        # pass starts from: they work on a copy in the request's first position slot
+        step_slots = [self._position_slot(request, 0) for request in requests]
+        if self.k > 1:
+            device = self.cache.device
+            for state in self.cache.draft_slot_states:
+                state.copy_slots(torch.tensor([r.state_slot for r in requests], device=device),
+                                 torch.tensor(step_slots, device=device))
         for s in range(1, self.k):
             live = [j for j, i in enumerate(active)
                     if positions[i] + s - 1 < len(proposers[i].chunk.request.block_ids) * block_size]
@@ -270,7 +282,7 @@ class SpeculativeRunner:
                 requests = [requests[j] for j in live]
             step_batch = ForwardBatch.build(
                 [[drafts[i][-1]] for i in active], [positions[i] + s - 1 for i in active],
-                [proposers[i].chunk.request.state_slot for i in active],
+                [step_slots[i] for i in active],
                 [proposers[i].chunk.request.block_ids for i in active], block_size, device=self.cache.device,
             )
             logits, out_streams = self.model.draft(step_batch, out_streams, self.cache, s)
@@ -301,15 +313,11 @@ class SpeculativeRunner:
         return tokens.tolist(), probs
 
     # ---- slots --------------------------------------------------------------------------------------
-    def _spare(self, request: Request) -> int:
-        return self.spare_slot_base + request.state_slot
-
-    def _copy_slot(self, source: int, target: int) -> None:
-        for state in self.cache.slot_states:
-            state.copy_slot(source, target)
+    def _position_slot(self, request: Request, j: int) -> int:
+        """The slot that keeps the request's state after row j of its verify chunk (j < K)."""
+        return self.position_slot_base + request.state_slot * self.k + j
 
 
 def spare_slots_needed(config: SpeculativeConfig | None, max_num_seqs: int) -> int:
-    """Extra cache slots the rollback snapshots take (one per running request)."""
-    return max_num_seqs if config is not None else 0
-
+    """Extra cache slots for the per-position states of verification (K per running request)."""
+    return config.num_speculative_tokens * max_num_seqs if config is not None else 0

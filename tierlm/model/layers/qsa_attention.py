@@ -102,13 +102,18 @@ class QSAIndexer(nn.Module):
 
     def store_block_keys(
         self, raw_keys: torch.Tensor, context_len: int, slot: int, block_table: torch.Tensor,
-        state: QSAIndexerState, rope: Rope,
+        state: QSAIndexerState, rope: Rope, position_slots: list[int] = (),
     ) -> None:
-        """Complete the blocks this chunk closes, write their keys, keep the open block's raw keys."""
+        """Complete the blocks this chunk closes, write their keys, keep the open block's raw keys.
+        position_slots (speculative verification): slots that receive the ring after each row but the last."""
         r = self.ratio
         carried = context_len % r
+        pending = torch.cat([state.ring[slot, :carried], raw_keys])  # from position context_len - carried
+        for t, target in enumerate(position_slots):
+            seen = carried + t + 1  # pending rows up to row t; the open group is the last `seen % r` of them
+            if seen % r:
+                state.ring[target, : seen % r] = pending[seen - seen % r : seen]
         first_block = context_len // r
-        pending = torch.cat([state.ring[slot, :carried], raw_keys])
         complete = pending.shape[0] // r
         if complete:
             starts = torch.arange(first_block, first_block + complete, device=raw_keys.device) * r
@@ -252,7 +257,8 @@ class QSAAttention(nn.Module):
         for i, (start, end) in enumerate(batch.bounds):
             table, ctx = batch.block_tables[i], batch.context_lens[i]
             self.indexer.store_block_keys(
-                raw_keys[start:end], ctx, batch.state_slots[i], table, state, rope
+                raw_keys[start:end], ctx, batch.state_slots[i], table, state, rope,
+                batch.position_slots[i] if batch.position_slots else (),
             )
             block_keys = gather_rows(state.keys, table, (ctx + end - start) // r, bs // r)
             tables = torch.where(table < 0, state.scratch_block, table)
