@@ -8,6 +8,7 @@ Each request names its recurrent-state slot and its QSA block table in the `Mode
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 from dataclasses import dataclass, field
 
@@ -73,6 +74,21 @@ class ForwardBatch:
             if isinstance(value, torch.Tensor):
                 moved[name] = value.to(device, non_blocking=True)
         return ForwardBatch(**moved)
+
+    @functools.cached_property
+    def verify_rows(self) -> ForwardBatch:
+        """A verification batch's rows as one-token requests (row t of request i at its position, with its
+        block table and its slot verify_slots[i, t]): what the QSA layers' decode path runs on."""
+        width = self.verify_slots.shape[1]
+        return ForwardBatch(
+            token_ids=self.token_ids, positions=self.positions,
+            context_lens=[context + t for context in self.context_lens for t in range(width)],
+            query_lens=[1] * self.token_ids.shape[0],
+            state_slots=[s for after, own in zip(self.position_slots, self.state_slots) for s in (*after, own)],
+            block_tables=self.block_tables.repeat_interleave(width, dim=0), slot_mapping=self.slot_mapping,
+            logits_rows=self.logits_rows, slots=self.verify_slots.flatten(), context_lens_tensor=self.positions,
+            static=self.static,
+        )
 
     @property
     def num_requests(self) -> int:

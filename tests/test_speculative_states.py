@@ -1,0 +1,83 @@
+"""Speculative verification keeps the state after every verified row (`ForwardBatch.position_slots`): the
+slot given for row t must hold what decoding the rows one at a time leaves after row t, for every
+per-request state of the target (GDN conv window and recurrent state, PLE conv history, n-gram context,
+QSA indexer ring and the block keys the rows close), and the verify rows' logits must be the decode
+steps'. Both forms: every request of the batch verifying the same number of rows (the layers' multi-token
+decode forms, `verify_slots`), and a verify request beside a plain decode (request by request).
+The verified rows cross a compression group and a block boundary (R = 4, block 16: positions 13..16).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tierlm.demo_model import build_demo_model
+from tierlm.model.cache import QSAIndexerState
+from tierlm.model.forward_batch import ForwardBatch
+from tierlm.model.loader import load_model
+from tierlm.model.model_cache import ModelCache
+
+BLOCK, PROMPT_LEN, ROWS = 16, 13, 4
+
+
+@pytest.fixture(scope="module")
+def loaded(tmp_path_factory):
+    return load_model(build_demo_model(tmp_path_factory.mktemp("states") / "demo", "tiny"), dtype="float32",
+                      device="cpu")
+
+
+def slot_states(cache: ModelCache, slot: int, seen: int) -> list[torch.Tensor]:
+    """Every target state of a slot after `seen` tokens; of an indexer ring only its open group's entries
+    (the rest is stale by design)."""
+    out = []
+    for state in cache.target_slot_states:
+        for pool in state.slot_pools:
+            if isinstance(state, QSAIndexerState):
+                out.append(pool[slot, : seen % pool.shape[1]].clone())
+            else:
+                out.append(pool[slot].clone())
+    return out
+
+
+def block_key(cache: ModelCache, block: int, group: int) -> list[torch.Tensor]:
+    return [c.indexer.keys[block, group].clone() for c in cache.layers if c.indexer is not None]
+
+
+@pytest.mark.parametrize("beside", [False, True], ids=["uniform", "beside_a_decode"])
+def test_position_slots_hold_what_decoding_row_by_row_leaves(loaded, beside):
+    model, config = loaded
+    cache = ModelCache(config, num_slots=8, num_blocks=6, block_size=BLOCK, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(0)
+    prompt, other = (torch.randint(3, config.vocab_size, (n,), generator=gen).tolist() for n in (PROMPT_LEN, 5))
+    rows = torch.randint(3, config.vocab_size, (ROWS,), generator=gen).tolist()
+    # the verifying request: slot 0, blocks 0-1; its reference decoded row by row: slot 1, blocks 2-3
+    for slot, blocks in ((0, [0, 1]), (1, [2, 3])):
+        model(ForwardBatch.build([prompt], [0], [slot], [blocks], BLOCK), cache)
+    expected_logits, expected = [], []
+    for t, token in enumerate(rows):
+        expected_logits.append(model(ForwardBatch.build([[token]], [PROMPT_LEN + t], [1], [[2, 3]], BLOCK), cache)[0])
+        expected.append(slot_states(cache, 1, PROMPT_LEN + t + 1))
+    position_slots = [4, 5, 6]
+    chunks, contexts, slots, tables, after = [rows], [PROMPT_LEN], [0], [[0, 1]], [position_slots]
+    if beside:  # a request decoding one token in the same batch (slot 2, block 4)
+        model(ForwardBatch.build([other], [0], [2], [[4]], BLOCK), cache)
+        chunks, contexts, slots, tables, after = [rows, [7]], [PROMPT_LEN, 5], [0, 2], [[0, 1], [4]], [*after, []]
+    batch = ForwardBatch.build(chunks, contexts, slots, tables, BLOCK, logits="all", position_slots=after)
+    assert (batch.verify_slots is None) == beside
+    logits = model(batch, cache)
+
+    torch.testing.assert_close(logits[:ROWS], torch.stack(expected_logits))
+    for t, slot in enumerate([*position_slots, 0]):
+        got = slot_states(cache, slot, PROMPT_LEN + t + 1)
+        assert len(got) == len(expected[t])
+        for ours, theirs in zip(got, expected[t], strict=True):
+            torch.testing.assert_close(ours, theirs)
+    # position 15 closed compression group 3 of the first block, in the verify's block 0 and the reference's 2
+    for ours, theirs in zip(block_key(cache, 0, 3), block_key(cache, 2, 3), strict=True):
+        torch.testing.assert_close(ours, theirs)
+
+
+def test_position_slots_are_checked():
+    with pytest.raises(ValueError, match="position_slots"):
+        ForwardBatch.build([[1, 2, 3]], [0], [0], [[0]], BLOCK, position_slots=[[4]])
