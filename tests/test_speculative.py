@@ -108,6 +108,26 @@ def test_accepted_drafts_give_the_same_tokens(demo, reference):
     assert oracle.steps < 1 + MAX_TOKENS
 
 
+@pytest.mark.parametrize("k", [1, 3])
+def test_fixed_shape_verify_steps_give_the_same_tokens(demo, reference, k):
+    """The verification steps through a `StaticDecodeRunner` of 1 + K rows per request (what CUDA graphs
+    replay; mode "eager" runs the same padded fixed-shape batches on CPU): max_num_seqs 3 pads the two
+    requests to the prepared size, and a block-table width wider than theirs. Rejected and accepted drafts."""
+    from tierlm.model.static_decode import StaticDecodeRunner
+
+    llm = engine(demo, spec(k), max_num_seqs=3)
+    static = StaticDecodeRunner(llm.runner.model, llm.cache, 3, 8, "eager", sizes=[3], widths=[8],
+                                rows_per_request=1 + k)
+    runs = []
+    run = static.run
+    static.run = lambda batch: runs.append(batch.num_requests) or run(batch)
+    llm.runner.static_verify = static
+    oracle = Oracle({"0": reference[0], "1": reference[1]}, k, wrong=0)
+    got = generate(llm, [greedy(), greedy()], oracle)
+    assert [out.token_ids for out in got] == reference
+    assert 2 in runs and 0 < llm.stats().num_accepted_tokens < llm.stats().num_draft_tokens
+
+
 def test_stops_inside_an_accepted_run(demo, reference):
     """max_tokens and a stop token id falling inside a run of accepted drafts end the request there."""
     stop_id = reference[1][4]

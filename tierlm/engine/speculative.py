@@ -5,30 +5,36 @@ positions are rolled back exactly.
 - The scheduler gives a decoding request that has drafts a chunk of its last token plus its K drafts
   (`ScheduledChunk.draft_token_ids`), and reserves blocks for K more positions past them (the draft head
   writes its own K/V there while proposing).
-- Before the forward, the request's whole slot state (GDN conv/recurrent, PLE conv, n-gram context, the
-  indexer rings) is copied into a spare slot: the recurrent states are not addressed by position, so a
-  rejected draft would leave them advanced past it.
-- One target forward (`forward_with_streams`) over the step's chunks; the 1+K rows of a verify chunk are
+- Per-position states (as vLLM / SGLang do for hybrid models): a verify chunk's batch names, for its rows
+  but the last, K "position slots" of the request (`ForwardBatch.position_slots`); the layers with
+  per-request state (GDN conv window and recurrent state, PLE conv history, n-gram context, QSA indexer
+  ring) write the state after each row there, the state after the last row going to the request's slot
+  as always. The recurrent states are not addressed by position: this is what makes a rejection cheap.
+- One target forward (`forward_with_streams`) over the step's chunks (replayed from a CUDA graph when
+  every request verifies K drafts: `StaticDecodeRunner` with 1+K rows per request); the 1+K rows of a verify chunk are
   checked by `rejection_sample` (greedy: accept while the draft is the argmax; the first mismatch's argmax,
   or the bonus row's, follows; sampled: the target's distribution as `Sampler` draws from it,
   `sampling_probs`, against the draft's, so the output follows the target distribution exactly).
-- Rollback (recompute): a request that rejected a draft gets its snapshot back and its accepted rows (the
-  last token and the accepted drafts) run again as a small prefill chunk; that rewrites the recurrent
-  states exactly to the accepted position. The QSA K/V and indexer keys are addressed by position: what the
-  rejected rows wrote is overwritten by the next forward there, and never read before (attention sees
-  positions before its own only). Chosen over keeping a state per speculative position (K+1 slots per
-  request of 115 MB each in the target model) because it is exact and simple; its cost is one more forward
-  of the rejecting requests' accepted rows.
+- Roll back: a request that rejected a draft gets the position slot of its last accepted row copied into
+  its slot (one slot copy per rejecting request, batched; no recompute, no snapshot beforehand). The QSA
+  K/V and indexer keys are addressed by position: what the rejected rows wrote is overwritten by the next
+  forward there, and never read before (attention sees positions before its own only; a block key is
+  rewritten when its block closes again, before any query can see it). The cost is memory: K more slots
+  per running request (the plan counts them; ~115 MB each in the target model). Measured before on CPU
+  (bench/spec_decode.py, demo tiny, K=1, nothing accepted): snapshot + recompute ran at 0.43x of no MTP.
 - Drafting: the head runs on every row the target kept (prefill chunks too, so its caches cover every
   position), row t with token t+1 and the target's streams at t; the last row of a chunk that sampled
   proposes draft 1, then K-1 single-row steps feed the head its own output streams. A greedy request's
   draft is the argmax; a sampled one's a draw from the draft logits under the request's temperature,
   top-k/p and min-p, from the request's own generator (a seeded request is reproducible), its
-  distribution kept for verification (`Request.draft_probs`).
+  distribution kept for verification (`Request.draft_probs`). The K-1 single-row steps work on a copy of
+  the head's indexer rings in the request's first position slot, so the next step's draft pass starts
+  from the rings after the kept rows.
 Which requests speculate: those with nothing but temperature, top-k/p and min-p shaping their
 distribution (no penalties, biases, bans, allowed ids, min_tokens, log-probabilities, grammar); the
-others decode one token per step in the same batches, unchanged. The forward is always eager (no CUDA
-graphs for the verify shapes yet).
+others decode one token per step in the same batches, unchanged. Steps that mix widths (a prefill chunk,
+a request with fewer drafts or none) run eagerly, the layers then keeping the per-position states request
+by request; the draft head always runs eagerly.
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ from tierlm.engine.request import Request
 from tierlm.engine.sampler import MIN_TEMPERATURE, sampling_probs
 from tierlm.engine.scheduler import ScheduledChunk, SchedulerOutput
 from tierlm.model.forward_batch import ForwardBatch
+from tierlm.model.static_decode import StaticDecodeRunner
 
 logger = logging.getLogger("tierlm")
 
@@ -113,13 +120,19 @@ class _Kept:
 class SpeculativeRunner:
     """A `ModelRunner` step with drafts: the engine calls `execute` as it would the runner's."""
 
-    def __init__(self, runner: ModelRunner, config: SpeculativeConfig, position_slot_base: int, seed: int = 0) -> None:
-        """position_slot_base: slot s's K position slots are position_slot_base + s K + j (the cache has those)."""
+    def __init__(
+        self, runner: ModelRunner, config: SpeculativeConfig, position_slot_base: int, seed: int = 0,
+        static_verify: StaticDecodeRunner | None = None,
+    ) -> None:
+        """position_slot_base: slot s's K position slots are position_slot_base + s K + j (the cache has those).
+        static_verify: a `StaticDecodeRunner` of 1 + K rows per request (CUDA graphs) for the steps where
+        every request verifies K drafts; None: every forward eager."""
         self.runner = runner
         self.model, self.cache = runner.model, runner.cache
         self.config = config
         self.k = config.num_speculative_tokens
         self.position_slot_base = position_slot_base
+        self.static_verify = static_verify
         self.generator = torch.Generator(device=self.cache.device).manual_seed(seed)
         self.num_drafts = 0  # verify chunks (requests that carried drafts into a step), total
         self.num_draft_tokens = 0  # drafts verified, total
@@ -143,7 +156,10 @@ class SpeculativeRunner:
                 for chunk in step.chunks])
         verify = [w for w in wanted if w[0].draft_token_ids]
         with self.trace.phase("launch forward"), self.trace.gpu("forward"):
-            logits, streams = self.model.forward_with_streams(batch, self.cache)
+            if self.static_verify is not None and self.static_verify.can_run(batch):
+                logits, streams = self.static_verify.run(batch)
+            else:
+                logits, streams = self.model.forward_with_streams(batch, self.cache)
         with self.trace.phase("sample"):
             result = runner.sample([w for w in wanted if not w[0].draft_token_ids], logits)
             accepted = self._verify(verify, logits, result)

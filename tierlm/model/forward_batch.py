@@ -8,7 +8,6 @@ Each request names its recurrent-state slot and its QSA block table in the `Mode
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
 from dataclasses import dataclass, field
 
@@ -45,8 +44,9 @@ class ForwardBatch:
     # rejecting a draft costs copying one of them into the request's slot: no snapshot, no recompute
     position_slots: list[list[int]] | None = None
     # when every request verifies the same number T of rows: [B, T], its position slots then its own slot
-    # (the multi-token decode forms of the layers read this)
-    verify_slots: torch.Tensor | None = field(init=False, default=None)
+    # (the multi-token decode forms of the layers read this); made from position_slots, or given by a
+    # static batch (a CUDA graph's input buffer)
+    verify_slots: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         as_long = dict(dtype=torch.int64, device=self.token_ids.device)
@@ -63,7 +63,8 @@ class ForwardBatch:
                     slots and len(slots) != n - 1 for slots, n in zip(self.position_slots, self.query_lens)):
                 raise ValueError("position_slots: one list per request, empty or one slot per row but the last")
             width = self.query_lens[0] if self.query_lens else 0
-            if width > 1 and all(n == width and slots for slots, n in zip(self.position_slots, self.query_lens)):
+            uniform = all(n == width and slots for slots, n in zip(self.position_slots, self.query_lens))
+            if self.verify_slots is None and width > 1 and uniform:
                 self.verify_slots = torch.tensor(
                     [[*slots, own] for slots, own in zip(self.position_slots, self.state_slots)], **as_long)
 
@@ -75,10 +76,10 @@ class ForwardBatch:
                 moved[name] = value.to(device, non_blocking=True)
         return ForwardBatch(**moved)
 
-    @functools.cached_property
     def verify_rows(self) -> ForwardBatch:
         """A verification batch's rows as one-token requests (row t of request i at its position, with its
-        block table and its slot verify_slots[i, t]): what the QSA layers' decode path runs on."""
+        block table and its slot verify_slots[i, t]): what the QSA layers' decode path runs on. Made anew
+        by each call (a static batch's buffers change between its forwards)."""
         width = self.verify_slots.shape[1]
         return ForwardBatch(
             token_ids=self.token_ids, positions=self.positions,

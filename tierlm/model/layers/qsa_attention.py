@@ -280,7 +280,7 @@ class QSAAttention(nn.Module):
             return self._decode(q, gate, index_q, raw_keys, batch, kv, state, rope)
         if batch.verify_slots is not None:  # every row as a decode query (their K/V are all written above)
             self.indexer.store_block_keys_verify(raw_keys, batch, state, rope)
-            selection = self.indexer.select_decode(index_q, batch.verify_rows, state)
+            selection = self.indexer.select_decode(index_q, batch.verify_rows(), state)
             out = kv.decode_attention(q, selection.rows, selection.valid, self.scale)
             return self.o_proj(out.flatten(1) * torch.sigmoid(gate))
         out = torch.empty(n, self.num_heads, self.head_dim, dtype=x.dtype, device=x.device)
