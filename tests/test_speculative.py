@@ -112,20 +112,23 @@ def test_accepted_drafts_give_the_same_tokens(demo, reference):
 def test_fixed_shape_verify_steps_give_the_same_tokens(demo, reference, k):
     """The verification steps through a `StaticDecodeRunner` of 1 + K rows per request (what CUDA graphs
     replay; mode "eager" runs the same padded fixed-shape batches on CPU): max_num_seqs 3 pads the two
-    requests to the prepared size, and a block-table width wider than theirs. Rejected and accepted drafts."""
+    requests to the prepared size, and a block-table width wider than theirs. Rejected and accepted drafts.
+    The draft head's one-row-per-request forwards likewise."""
     from tierlm.model.static_decode import StaticDecodeRunner
 
     llm = engine(demo, spec(k), max_num_seqs=3)
     static = StaticDecodeRunner(llm.runner.model, llm.cache, 3, 8, "eager", sizes=[3], widths=[8],
                                 rows_per_request=1 + k)
-    runs = []
-    run = static.run
+    drafts = StaticDecodeRunner(llm.runner.model, llm.cache, 3, 8, "eager", sizes=[3], widths=[8], draft_layer=0)
+    runs, draft_runs = [], []
+    run, draft = static.run, drafts.run
     static.run = lambda batch: runs.append(batch.num_requests) or run(batch)
-    llm.runner.static_verify = static
+    drafts.run = lambda batch, hidden: draft_runs.append(batch.num_requests) or draft(batch, hidden)
+    llm.runner.static_verify, llm.runner.static_drafts = static, [drafts]
     oracle = Oracle({"0": reference[0], "1": reference[1]}, k, wrong=0)
     got = generate(llm, [greedy(), greedy()], oracle)
     assert [out.token_ids for out in got] == reference
-    assert 2 in runs and 0 < llm.stats().num_accepted_tokens < llm.stats().num_draft_tokens
+    assert 2 in runs and 2 in draft_runs and 0 < llm.stats().num_accepted_tokens < llm.stats().num_draft_tokens
 
 
 def test_stops_inside_an_accepted_run(demo, reference):

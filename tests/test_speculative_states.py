@@ -5,9 +5,13 @@ QSA indexer ring and the block keys the rows close), and the verify rows' logits
 steps'. Both forms: every request of the batch verifying the same number of rows (the layers' multi-token
 decode forms, `verify_slots`), and a verify request beside a plain decode (request by request).
 The verified rows cross a compression group and a block boundary (R = 4, block 16: positions 13..16).
+The fixed-shape forms (`StaticDecodeRunner`: verification steps of 1 + K rows per request, the draft head's
+one-row steps; padded to a larger prepared size, as CUDA graphs replay them) equal the eager forwards.
 """
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
@@ -17,14 +21,19 @@ from tierlm.model.cache import QSAIndexerState
 from tierlm.model.forward_batch import ForwardBatch
 from tierlm.model.loader import load_model
 from tierlm.model.model_cache import ModelCache
+from tierlm.model.static_decode import StaticDecodeRunner
 
 BLOCK, PROMPT_LEN, ROWS = 16, 13, 4
 
 
 @pytest.fixture(scope="module")
-def loaded(tmp_path_factory):
-    return load_model(build_demo_model(tmp_path_factory.mktemp("states") / "demo", "tiny"), dtype="float32",
-                      device="cpu")
+def demo(tmp_path_factory):
+    return build_demo_model(tmp_path_factory.mktemp("states") / "demo", "tiny", mtp=True)
+
+
+@pytest.fixture(scope="module")
+def loaded(demo):
+    return load_model(demo, dtype="float32", device="cpu")
 
 
 def slot_states(cache: ModelCache, slot: int, seen: int) -> list[torch.Tensor]:
@@ -81,3 +90,51 @@ def test_position_slots_hold_what_decoding_row_by_row_leaves(loaded, beside):
 def test_position_slots_are_checked():
     with pytest.raises(ValueError, match="position_slots"):
         ForwardBatch.build([[1, 2, 3]], [0], [0], [[0]], BLOCK, position_slots=[[4]])
+
+
+@pytest.mark.parametrize("device, mode", [
+    ("cpu", "eager"),
+    pytest.param("cuda", "cuda_graph", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")),
+])
+def test_fixed_shape_verify_and_draft_steps_equal_the_eager_ones(demo, device, mode):
+    """Two requests verifying 1 + K rows each, then a draft step, at a prepared size of 3 and a wider
+    block table: the same logits and streams, and the same state in every real slot and block."""
+    k = 2
+    model, config = load_model(demo, dtype="float32", device=device, load_mtp=True)
+    cache = ModelCache(config, num_slots=2 + 2 * k, num_blocks=4, block_size=BLOCK, dtype=torch.float32, device=device,
+                       num_draft_layers=1)
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, config.vocab_size, (n,), generator=gen).tolist() for n in (PROMPT_LEN, 6)]
+    tables = [[0, 1], [2, 3]]
+    model(ForwardBatch.build(prompts, [0, 0], [0, 1], tables, BLOCK, device=device), cache)
+    static_cache = copy.deepcopy(cache)
+    shapes = dict(sizes=[3], widths=[4])
+    verify = StaticDecodeRunner(model, static_cache, 3, 4, mode, rows_per_request=1 + k, **shapes)
+    draft = StaticDecodeRunner(model, static_cache, 3, 4, mode, draft_layer=0, **shapes)
+
+    rows = torch.randint(3, config.vocab_size, (2, 1 + k), generator=gen).tolist()
+    batch = ForwardBatch.build(rows, [len(p) for p in prompts], [0, 1], tables, BLOCK, device=device, logits="all",
+                               position_slots=[[2, 3], [4, 5]])
+    assert verify.can_run(batch) and not draft.can_run(batch)
+    logits, streams = model.forward_with_streams(batch, cache)
+    static_logits, static_streams = verify.run(batch)
+    torch.testing.assert_close(static_logits, logits)
+    torch.testing.assert_close(static_streams, streams)
+
+    # the draft step after a rejection: row 0 of each request, with the token after it
+    step = ForwardBatch.build([[r[1]] for r in rows], [len(p) for p in prompts], [0, 1], tables, BLOCK, device=device)
+    assert draft.can_run(step) and not verify.can_run(step)
+    hidden = streams[:: 1 + k]
+    for ours, theirs in zip(draft.run(step, hidden), model.draft(step, hidden, cache, 0), strict=True):
+        torch.testing.assert_close(ours, theirs)
+    real_blocks = 4
+    torch.testing.assert_close(static_cache.ngram_context[: 2 + 2 * k], cache.ngram_context[: 2 + 2 * k])
+    for ours, theirs in zip(static_cache.layers + static_cache.draft_layers, cache.layers + cache.draft_layers,
+                            strict=True):
+        for pool, static_pool in ((theirs.gdn_conv, ours.gdn_conv), (theirs.gdn_recurrent, ours.gdn_recurrent),
+                                  (theirs.ple_conv, ours.ple_conv), (theirs.index_ring, ours.index_ring)):
+            if pool is not None:
+                torch.testing.assert_close(static_pool[: 2 + 2 * k], pool[: 2 + 2 * k])
+        if theirs.kv is not None:
+            torch.testing.assert_close(ours.key_cache[:real_blocks], theirs.key_cache[:real_blocks])
+            torch.testing.assert_close(ours.index_keys[:real_blocks], theirs.index_keys[:real_blocks])

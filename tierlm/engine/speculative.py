@@ -11,7 +11,8 @@ positions are rolled back exactly.
   ring) write the state after each row there, the state after the last row going to the request's slot
   as always. The recurrent states are not addressed by position: this is what makes a rejection cheap.
 - One target forward (`forward_with_streams`) over the step's chunks (replayed from a CUDA graph when
-  every request verifies K drafts: `StaticDecodeRunner` with 1+K rows per request); the 1+K rows of a verify chunk are
+  every request verifies K drafts: `StaticDecodeRunner` with 1+K rows per request); the 1+K rows of a
+  verify chunk are
   checked by `rejection_sample` (greedy: accept while the draft is the argmax; the first mismatch's argmax,
   or the bonus row's, follows; sampled: the target's distribution as `Sampler` draws from it,
   `sampling_probs`, against the draft's, so the output follows the target distribution exactly).
@@ -34,7 +35,7 @@ Which requests speculate: those with nothing but temperature, top-k/p and min-p 
 distribution (no penalties, biases, bans, allowed ids, min_tokens, log-probabilities, grammar); the
 others decode one token per step in the same batches, unchanged. Steps that mix widths (a prefill chunk,
 a request with fewer drafts or none) run eagerly, the layers then keeping the per-position states request
-by request; the draft head always runs eagerly.
+by request. The draft head's forwards of one row per request replay CUDA graphs too (`static_drafts`).
 """
 
 from __future__ import annotations
@@ -122,17 +123,19 @@ class SpeculativeRunner:
 
     def __init__(
         self, runner: ModelRunner, config: SpeculativeConfig, position_slot_base: int, seed: int = 0,
-        static_verify: StaticDecodeRunner | None = None,
+        static_verify: StaticDecodeRunner | None = None, static_drafts: list[StaticDecodeRunner] | None = None,
     ) -> None:
         """position_slot_base: slot s's K position slots are position_slot_base + s K + j (the cache has those).
         static_verify: a `StaticDecodeRunner` of 1 + K rows per request (CUDA graphs) for the steps where
-        every request verifies K drafts; None: every forward eager."""
+        every request verifies K drafts; None: every forward eager. static_drafts: one per MTP layer, the
+        draft head's one-row-per-request forwards at fixed shapes (the K-1 draft steps, and the pass over
+        the kept rows when each request kept one)."""
         self.runner = runner
         self.model, self.cache = runner.model, runner.cache
         self.config = config
         self.k = config.num_speculative_tokens
         self.position_slot_base = position_slot_base
-        self.static_verify = static_verify
+        self.static_verify, self.static_drafts = static_verify, static_drafts
         self.generator = torch.Generator(device=self.cache.device).manual_seed(seed)
         self.num_drafts = 0  # verify chunks (requests that carried drafts into a step), total
         self.num_draft_tokens = 0  # drafts verified, total
@@ -267,7 +270,7 @@ class SpeculativeRunner:
             [item.chunk.request.block_ids for item in kept], block_size, device=self.cache.device, logits=last_rows,
         )
         hidden = torch.cat([item.streams for item in kept])
-        logits, out_streams = self.model.draft(batch, hidden, self.cache, 0)
+        logits, out_streams = self._draft(batch, hidden, 0)
         proposers = [item for item in kept if item.proposes]
         if not proposers:
             return
@@ -301,7 +304,7 @@ class SpeculativeRunner:
                 [step_slots[i] for i in active],
                 [proposers[i].chunk.request.block_ids for i in active], block_size, device=self.cache.device,
             )
-            logits, out_streams = self.model.draft(step_batch, out_streams, self.cache, s)
+            logits, out_streams = self._draft(step_batch, out_streams, s)
             tokens, probs = self._pick(logits, requests)
             for i, token, row in zip(active, tokens, probs, strict=True):
                 drafts[i].append(token)
@@ -309,6 +312,14 @@ class SpeculativeRunner:
         for item, tokens, rows in zip(proposers, drafts, draft_probs, strict=True):
             item.chunk.request.draft_token_ids = tokens
             item.chunk.request.draft_probs = None if rows[0] is None else torch.stack(rows)
+
+    def _draft(self, batch: ForwardBatch, hidden: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One draft-head forward: replayed at a fixed shape where one is prepared, else eager."""
+        if self.static_drafts:
+            runner = self.static_drafts[step % len(self.static_drafts)]
+            if runner.can_run(batch):
+                return runner.run(batch, hidden)
+        return self.model.draft(batch, hidden, self.cache, step)
 
     def _pick(self, logits: torch.Tensor, requests: list[Request]) -> tuple[list[int], list[torch.Tensor | None]]:
         """Each row's draft: the argmax for a greedy request; for a sampled one a draw from the draft's

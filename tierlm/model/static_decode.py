@@ -17,7 +17,9 @@ tested without a GPU.
 Speculative decoding's verification steps have fixed shapes too: with rows_per_request T = 1 + K, a runner
 prepares batches of T rows per request (the last token and K drafts, `ForwardBatch.verify_slots` naming
 the slots that keep the state after each row), and its forwards return every row's logits and streams
-(`forward_with_streams`, what the draft head reads).
+(`forward_with_streams`, what the draft head reads). And the MTP draft head's one-row-per-request steps
+(`draft_layer`): the hidden streams it reads come in through an input buffer too, and the draft logits
+and output streams come back.
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ class StaticDecodeRunner:
         self, model, cache: ModelCache, max_batch: int, max_blocks_per_request: int, mode: str,
         sizes: list[int] | None = None, ple_embedding_dims: dict[int, int] | None = None,
         widths: list[int] | None = None, stage_input_width: int | None = None, rows_per_request: int = 1,
+        draft_layer: int | None = None,
     ) -> None:
         """sizes: the batch sizes to prepare (default `prepared_sizes(max_batch)`); the largest is max_batch.
         widths: the block-table widths to prepare (default `prepared_widths` from FIRST_WIDTH_TOKENS); the
@@ -63,7 +66,9 @@ class StaticDecodeRunner:
         stage_input_width: a pipeline stage after the first: the width of the hidden state it receives
         (`ForwardBatch.stage_input`), copied into an input buffer like the token ids.
         rows_per_request: T > 1 prepares speculative verification steps of T rows per request instead of
-        decode steps (see the module docstring)."""
+        decode steps (see the module docstring).
+        draft_layer: prepares steps of the MTP draft head (`model.draft` at a draft step running that layer)
+        instead: one row per request, `run` takes the hidden streams."""
         if mode not in MODES:
             raise ValueError(f"mode {mode!r}: choose one of {MODES}")
         self.model, self.cache, self.mode = model, cache, mode
@@ -90,12 +95,18 @@ class StaticDecodeRunner:
         } or None
         self.stage_input = None if stage_input_width is None else torch.zeros(
             max_rows, stage_input_width, dtype=cache.dtype, device=cache.device)
+        self.hidden = None if draft_layer is None else torch.zeros(
+            max_rows, cache.config.hc_count * cache.config.hidden_size, dtype=cache.dtype, device=cache.device)
         self._pad(0, max_batch, max_blocks_per_request)
         self.shapes = [(size, width) for size in self.sizes for width in self.widths]
         self.batches = {shape: self._static_batch(*shape) for shape in self.shapes}
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int, int], torch.Tensor | tuple[torch.Tensor, torch.Tensor]] = {}
-        self.step = model if rows_per_request == 1 else model.forward_with_streams  # what a shape runs
+        self.draft_layer = draft_layer
+        if draft_layer is not None:
+            self.step = self._draft_step
+        else:
+            self.step = model if rows_per_request == 1 else model.forward_with_streams  # what a shape runs
         self.forward = self.step
         if mode == "compile":
             # one compiled graph per prepared shape; shapes never change for a given (size, width)
@@ -107,6 +118,9 @@ class StaticDecodeRunner:
         elif mode == "cuda_graph":
             self._capture()
         cache.reset_row_cache_counters()  # the warm-up and capture forwards served no request
+
+    def _draft_step(self, batch: ForwardBatch, cache: ModelCache) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.model.draft(batch, self.hidden[: batch.token_ids.shape[0]], cache, self.draft_layer)
 
     def _static_batch(self, size: int, width: int) -> ForwardBatch:
         rows, per_request, scratch = size * self.rows_per_request, self.rows_per_request, self.cache.scratch_slot
@@ -129,8 +143,9 @@ class StaticDecodeRunner:
         for buffer in (self.token_ids, self.positions):
             buffer[rows].zero_()
         self.context_lens[start:size].zero_()
-        if self.stage_input is not None:
-            self.stage_input[rows].zero_()
+        for buffer in (self.stage_input, self.hidden):
+            if buffer is not None:
+                buffer[rows].zero_()
         self.slots[start:size] = self.cache.scratch_slot
         if self.verify_slots is not None:
             self.verify_slots[start:size] = self.cache.scratch_slot
@@ -170,9 +185,12 @@ class StaticDecodeRunner:
         size = next(s for s in self.sizes if s >= batch.num_requests)
         return size, next(w for w in self.widths if w >= batch.block_tables.shape[1])
 
-    def run(self, batch: ForwardBatch) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Logits [B, vocab] of a decode-only batch; of a verification batch, every row's logits and streams
-        (valid until the next call)."""
+    def run(
+        self, batch: ForwardBatch, hidden: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Logits [B, vocab] of a decode-only batch; of a verification batch, every row's logits and streams;
+        of a draft step (hidden: its input streams), the draft logits and output streams (valid until the
+        next call)."""
         n, rows = batch.num_requests, batch.token_ids.shape[0]
         size, width = shape = self.shape_for(batch)
         self.token_ids[:rows].copy_(batch.token_ids)
@@ -189,10 +207,12 @@ class StaticDecodeRunner:
             buffer[:rows].copy_(batch.ple_embeddings[index])
         if self.stage_input is not None:
             self.stage_input[:rows].copy_(batch.stage_input)
+        if self.hidden is not None:
+            self.hidden[:rows].copy_(hidden)
         self._pad(n, size, width)
         if shape in self.graphs:
             self.graphs[shape].replay()
             out = self.outputs[shape]
         else:
             out = self.forward(self.batches[shape], self.cache)
-        return out[:rows] if self.rows_per_request == 1 else (out[0][:rows], out[1][:rows])
+        return (out[0][:rows], out[1][:rows]) if isinstance(out, tuple) else out[:rows]
