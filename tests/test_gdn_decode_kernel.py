@@ -362,3 +362,9 @@ def test_verify_kernel_matches_the_reference(case):
         return
     run_interpreted(f"import test_gdn_decode_kernel as t; t.round_bf16_like_the_gpu(); "
                     f"t.compare_verify(t.VERIFY[{case!r}], 'cpu', {gate!r})")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="real widths need a GPU")
+@pytest.mark.parametrize("requests, width", [(1, 2), (4, 4)])
+def test_verify_kernel_at_real_widths_on_gpu(requests, width):
+    compare_verify((*REAL_WIDTHS, requests, width), "cuda")

@@ -258,7 +258,8 @@ def test_the_plan_counts_the_draft_layers_and_per_position_slots(demo):
     layers = cache.layers + cache.draft_layers
     assert plan.block_bytes == sum(c.indexer.block_bytes + c.kv.block_bytes for c in layers if c.kv)
     assert plan.slot_bytes == cache.slot_bytes > plain.cache_plan.slot_bytes
-    assert cache.num_slots == plan.num_slots + plan.spare_slots and plan.device_slots == plain.cache_plan.device_slots + 4
+    assert cache.num_slots == plan.num_slots + plan.spare_slots
+    assert plan.device_slots == plain.cache_plan.device_slots + 4
     assert cache.checkpoints.nbytes == plan.host_checkpoint_bytes()
     assert plan.used_bytes() <= plan.budget_bytes and plan.num_blocks < plain.cache_plan.num_blocks
     assert any("4 speculative per-position states" in line for line in plan.lines())

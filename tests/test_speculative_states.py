@@ -108,7 +108,7 @@ def test_fixed_shape_verify_and_draft_steps_equal_the_eager_ones(demo, device, m
     tables = [[0, 1], [2, 3]]
     model(ForwardBatch.build(prompts, [0, 0], [0, 1], tables, BLOCK, device=device), cache)
     static_cache = copy.deepcopy(cache)
-    shapes = dict(sizes=[3], widths=[4])
+    shapes = {"sizes": [3], "widths": [4]}
     verify = StaticDecodeRunner(model, static_cache, 3, 4, mode, rows_per_request=1 + k, **shapes)
     draft = StaticDecodeRunner(model, static_cache, 3, 4, mode, draft_layer=0, **shapes)
 

@@ -171,7 +171,8 @@ class ModelCache:
         eos = c.eos_token_id if c.eos_token_id is not None else 0
         self.ngram_context = torch.full((num_slots, max(c.ngram_size - 1, 0)), eos, dtype=torch.int64, device=self.device)
         def states(layers: list[LayerCaches]) -> list[SlotState]:
-            return [state for caches in layers for state in (caches.gdn, caches.ple, caches.indexer) if state is not None]
+            kinds = ((caches.gdn, caches.ple, caches.indexer) for caches in layers)
+            return [state for states_of_layer in kinds for state in states_of_layer if state is not None]
 
         # what a target forward writes per slot (speculative verification keeps these per position), and
         # what the draft head's layers do

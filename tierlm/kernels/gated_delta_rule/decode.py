@@ -106,7 +106,7 @@ def gated_delta_verify(
     state_slots = slots[:, None]. Static shapes, no host sync. -> [B*T, Hv*Dv]."""
     num_key_heads, num_value_heads, head_k_dim, head_v_dim = decode_head_counts(mixed, state_pool)
     requests, width = state_slots.shape
-    n, channels = mixed.shape
+    channels = mixed.shape[1]
     kernel, key_dim = conv_weight.shape[-1], num_key_heads * head_k_dim
     window = torch.cat([conv_pool.index_select(0, slots), mixed.view(requests, width, channels).transpose(1, 2)],
                        dim=-1)  # [B, C, Kc-1+T]

@@ -82,7 +82,7 @@ def _decode_kernel(mixed, mixed_stride, z, z_stride, b, b_stride, a, a_stride, w
     decay_rate = -tl.exp(tl.load(A_log + head).to(tl.float32))
     bias = tl.load(dt_bias + head).to(tl.float32)
     model_dtype = out.dtype.element_ty
-    for t in range(T):
+    for t in tl.static_range(T):  # unrolled: T = 1 is the plain decode step
         row = request * T + t
         target = tl.load(state_slots + row).to(tl.int64)  # the slot that keeps the state after this row
         q = _short_conv(mixed_rows, mixed_stride, t, conv_slot, conv_slot, weight, key_head * DK + dk, k_inside,
@@ -129,7 +129,7 @@ def _key_window_kernel(mixed, mixed_stride, weight, conv_pool, slots, state_slot
     slot_stride = (2 * HK * DK + HV * DV) * (KC - 1)
     conv_slot = conv_pool + tl.load(slots + request).to(tl.int64) * slot_stride
     dk = tl.arange(0, BK)
-    for t in range(T):
+    for t in tl.static_range(T):  # unrolled: T = 1 is the plain decode step
         target = tl.load(state_slots + request * T + t).to(tl.int64)
         _short_conv(mixed + request * T * mixed_stride, mixed_stride, t, conv_slot, conv_pool + target * slot_stride,
                     weight, (which * HK + key_head) * DK + dk, dk < DK, KC, KP, True)
