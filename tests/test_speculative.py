@@ -113,22 +113,27 @@ def test_fixed_shape_verify_steps_give_the_same_tokens(demo, reference, k):
     """The verification steps through a `StaticDecodeRunner` of 1 + K rows per request (what CUDA graphs
     replay; mode "eager" runs the same padded fixed-shape batches on CPU): max_num_seqs 3 pads the two
     requests to the prepared size, and a block-table width wider than theirs. Rejected and accepted drafts.
-    The draft head's one-row-per-request forwards likewise."""
+    The draft head's forwards likewise (one row per request: steps, and passes after a rejection; 1 + K:
+    passes after full acceptance)."""
     from tierlm.model.static_decode import StaticDecodeRunner
 
     llm = engine(demo, spec(k), max_num_seqs=3)
     static = StaticDecodeRunner(llm.runner.model, llm.cache, 3, 8, "eager", sizes=[3], widths=[8],
                                 rows_per_request=1 + k)
-    drafts = StaticDecodeRunner(llm.runner.model, llm.cache, 3, 8, "eager", sizes=[3], widths=[8], draft_layer=0)
-    runs, draft_runs = [], []
-    run, draft = static.run, drafts.run
-    static.run = lambda batch: runs.append(batch.num_requests) or run(batch)
-    drafts.run = lambda batch, hidden: draft_runs.append(batch.num_requests) or draft(batch, hidden)
-    llm.runner.static_verify, llm.runner.static_drafts = static, [drafts]
+    runs = []
+    static.run = lambda batch, run=static.run: runs.append(batch.token_ids.shape[0]) or run(batch)
+    drafts = {}
+    for rows in (1, 1 + k):
+        drafts[0, rows] = StaticDecodeRunner(llm.runner.model, llm.cache, 3, 8, "eager", sizes=[3], widths=[8],
+                                             draft_layer=0, rows_per_request=rows)
+        drafts[0, rows].run = lambda batch, hidden, run=drafts[0, rows].run: (
+            runs.append(("draft", batch.token_ids.shape[0])) or run(batch, hidden))
+    llm.runner.static_verify, llm.runner.static_drafts = static, drafts
     oracle = Oracle({"0": reference[0], "1": reference[1]}, k, wrong=0)
     got = generate(llm, [greedy(), greedy()], oracle)
     assert [out.token_ids for out in got] == reference
-    assert 2 in runs and 2 in draft_runs and 0 < llm.stats().num_accepted_tokens < llm.stats().num_draft_tokens
+    assert {2 * (1 + k), ("draft", 2), ("draft", 2 * (1 + k))} <= set(runs)
+    assert 0 < llm.stats().num_accepted_tokens < llm.stats().num_draft_tokens
 
 
 def test_stops_inside_an_accepted_run(demo, reference):

@@ -97,8 +97,10 @@ def test_position_slots_are_checked():
     pytest.param("cuda", "cuda_graph", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")),
 ])
 def test_fixed_shape_verify_and_draft_steps_equal_the_eager_ones(demo, device, mode):
-    """Two requests verifying 1 + K rows each, then a draft step, at a prepared size of 3 and a wider
-    block table: the same logits and streams, and the same state in every real slot and block."""
+    """Two requests verifying 1 + K rows each, the draft head's pass over those rows (as after a full
+    acceptance: verification-shaped, its logits at each request's last row) and a draft step, at a prepared
+    size of 3 and a wider block table, against the eager forwards (the pass: a plain batch): the same
+    logits and streams, and the same state in every real slot and block (the head's rings: the requests')."""
     k = 2
     model, config = load_model(demo, dtype="float32", device=device, load_mtp=True)
     cache = ModelCache(config, num_slots=2 + 2 * k, num_blocks=4, block_size=BLOCK, dtype=torch.float32, device=device,
@@ -111,6 +113,7 @@ def test_fixed_shape_verify_and_draft_steps_equal_the_eager_ones(demo, device, m
     shapes = {"sizes": [3], "widths": [4]}
     verify = StaticDecodeRunner(model, static_cache, 3, 4, mode, rows_per_request=1 + k, **shapes)
     draft = StaticDecodeRunner(model, static_cache, 3, 4, mode, draft_layer=0, **shapes)
+    draft_pass = StaticDecodeRunner(model, static_cache, 3, 4, mode, draft_layer=0, rows_per_request=1 + k, **shapes)
 
     rows = torch.randint(3, config.vocab_size, (2, 1 + k), generator=gen).tolist()
     batch = ForwardBatch.build(rows, [len(p) for p in prompts], [0, 1], tables, BLOCK, device=device, logits="all",
@@ -121,20 +124,45 @@ def test_fixed_shape_verify_and_draft_steps_equal_the_eager_ones(demo, device, m
     torch.testing.assert_close(static_logits, logits)
     torch.testing.assert_close(static_streams, streams)
 
-    # the draft step after a rejection: row 0 of each request, with the token after it
-    step = ForwardBatch.build([[r[1]] for r in rows], [len(p) for p in prompts], [0, 1], tables, BLOCK, device=device)
+    # the draft pass over every row (row t with token t+1; the last with a next token), then a draft step
+    # after the pass's last row
+    following = torch.randint(3, config.vocab_size, (2,), generator=gen).tolist()
+    pass_rows = [[*r[1:], token] for r, token in zip(rows, following)]
+    contexts = [len(p) for p in prompts]
+    plain = ForwardBatch.build(pass_rows, contexts, [0, 1], tables, BLOCK, device=device, logits="all")
+    shaped = ForwardBatch.build(pass_rows, contexts, [0, 1], tables, BLOCK, device=device, logits="all",
+                                position_slots=[[2, 3], [4, 5]])
+    assert draft_pass.can_run(shaped) and not draft_pass.can_run(plain)
+    for ours, theirs in zip(draft_pass.run(shaped, streams), model.draft(plain, streams, cache, 0), strict=True):
+        torch.testing.assert_close(ours[k :: 1 + k], theirs[k :: 1 + k])  # each request's last row
+    step = ForwardBatch.build([[r[0]] for r in rows], [c + 1 + k for c in contexts], [0, 1], tables, BLOCK,
+                              device=device)
     assert draft.can_run(step) and not verify.can_run(step)
-    hidden = streams[:: 1 + k]
+    hidden = streams[k :: 1 + k]
     for ours, theirs in zip(draft.run(step, hidden), model.draft(step, hidden, cache, 0), strict=True):
         torch.testing.assert_close(ours, theirs)
-    real_blocks = 4
-    torch.testing.assert_close(static_cache.ngram_context[: 2 + 2 * k], cache.ngram_context[: 2 + 2 * k])
+    real_blocks, slots = 4, 2 + 2 * k
+    torch.testing.assert_close(static_cache.ngram_context[:slots], cache.ngram_context[:slots])
+    # tokens seen by each slot's rings: the target's after the verify (own slots, then the position slots),
+    # the draft head's (own slots) after the pass and the step; only their open groups' entries count
+    target_seen = {0: contexts[0] + 1 + k, 1: contexts[1] + 1 + k, 2: contexts[0] + 1, 3: contexts[0] + 2,
+                   4: contexts[1] + 1, 5: contexts[1] + 2}
+    draft_seen = {0: contexts[0] + 2 + k, 1: contexts[1] + 2 + k}
+    for ours, theirs in zip(static_cache.layers, cache.layers, strict=True):
+        for pool, static_pool in ((theirs.gdn_conv, ours.gdn_conv), (theirs.gdn_recurrent, ours.gdn_recurrent),
+                                  (theirs.ple_conv, ours.ple_conv)):
+            if pool is not None:
+                torch.testing.assert_close(static_pool[:slots], pool[:slots])
+    for layers, static_layers, seen in ((cache.layers, static_cache.layers, target_seen),
+                                        (cache.draft_layers, static_cache.draft_layers, draft_seen)):
+        for theirs, ours in zip(layers, static_layers, strict=True):
+            if theirs.index_ring is None:
+                continue
+            for slot, count in seen.items():
+                entries = count % theirs.index_ring.shape[1]
+                torch.testing.assert_close(ours.index_ring[slot, :entries], theirs.index_ring[slot, :entries])
     for ours, theirs in zip(static_cache.layers + static_cache.draft_layers, cache.layers + cache.draft_layers,
                             strict=True):
-        for pool, static_pool in ((theirs.gdn_conv, ours.gdn_conv), (theirs.gdn_recurrent, ours.gdn_recurrent),
-                                  (theirs.ple_conv, ours.ple_conv), (theirs.index_ring, ours.index_ring)):
-            if pool is not None:
-                torch.testing.assert_close(static_pool[: 2 + 2 * k], pool[: 2 + 2 * k])
         if theirs.kv is not None:
             torch.testing.assert_close(ours.key_cache[:real_blocks], theirs.key_cache[:real_blocks])
             torch.testing.assert_close(ours.index_keys[:real_blocks], theirs.index_keys[:real_blocks])

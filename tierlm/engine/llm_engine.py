@@ -329,9 +329,10 @@ class LLMEngine:
                 self.model, self.cache, config.max_num_seqs, max_blocks, mode, ple_embedding_dims=ple_dims,
                 rows_per_request=1 + k,
             )
-            if speculative is not None:  # and the draft head's one-row steps, per MTP layer
-                static_drafts = [StaticDecodeRunner(self.model, self.cache, config.max_num_seqs, max_blocks, mode,
-                                                    draft_layer=i) for i in range(len(self.model.mtp.layers))]
+            if speculative is not None:  # and the draft head's, per MTP layer, at 1 and 1 + K rows per request
+                static_drafts = {(i, rows): StaticDecodeRunner(
+                    self.model, self.cache, config.max_num_seqs, max_blocks, mode, draft_layer=i,
+                    rows_per_request=rows) for i in range(len(self.model.mtp.layers)) for rows in (1, 1 + k)}
         self.runner = ModelRunner(
             self.model, self.cache, Sampler(config.seed), self._decode_token,
             static_decode if speculative is None else None, self.ngram_store,

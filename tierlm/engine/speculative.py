@@ -35,7 +35,10 @@ Which requests speculate: those with nothing but temperature, top-k/p and min-p 
 distribution (no penalties, biases, bans, allowed ids, min_tokens, log-probabilities, grammar); the
 others decode one token per step in the same batches, unchanged. Steps that mix widths (a prefill chunk,
 a request with fewer drafts or none) run eagerly, the layers then keeping the per-position states request
-by request. The draft head's forwards of one row per request replay CUDA graphs too (`static_drafts`).
+by request. The draft head's forwards replay CUDA graphs too (`static_drafts`) where every request has
+one row (the K-1 draft steps; the pass over the kept rows when no draft was accepted) or 1+K rows (the
+pass when every draft was accepted: it then runs as a verification-shaped batch, the head's indexer
+rings kept per row like the target's, and its logits taken at each request's last row).
 """
 
 from __future__ import annotations
@@ -123,19 +126,20 @@ class SpeculativeRunner:
 
     def __init__(
         self, runner: ModelRunner, config: SpeculativeConfig, position_slot_base: int, seed: int = 0,
-        static_verify: StaticDecodeRunner | None = None, static_drafts: list[StaticDecodeRunner] | None = None,
+        static_verify: StaticDecodeRunner | None = None,
+        static_drafts: dict[tuple[int, int], StaticDecodeRunner] | None = None,
     ) -> None:
         """position_slot_base: slot s's K position slots are position_slot_base + s K + j (the cache has those).
         static_verify: a `StaticDecodeRunner` of 1 + K rows per request (CUDA graphs) for the steps where
-        every request verifies K drafts; None: every forward eager. static_drafts: one per MTP layer, the
-        draft head's one-row-per-request forwards at fixed shapes (the K-1 draft steps, and the pass over
-        the kept rows when each request kept one)."""
+        every request verifies K drafts; None: every forward eager. static_drafts: (MTP layer, rows per
+        request) -> a `StaticDecodeRunner` of the draft head's forwards at fixed shapes (rows per request 1
+        and 1+K; see the module docstring)."""
         self.runner = runner
         self.model, self.cache = runner.model, runner.cache
         self.config = config
         self.k = config.num_speculative_tokens
         self.position_slot_base = position_slot_base
-        self.static_verify, self.static_drafts = static_verify, static_drafts
+        self.static_verify, self.static_drafts = static_verify, static_drafts or {}
         self.generator = torch.Generator(device=self.cache.device).manual_seed(seed)
         self.num_drafts = 0  # verify chunks (requests that carried drafts into a step), total
         self.num_draft_tokens = 0  # drafts verified, total
@@ -265,12 +269,22 @@ class SpeculativeRunner:
             if item.proposes:
                 last_rows.append(row - 1)
         block_size = self.cache.block_size
+        # every request kept all 1+K rows and proposes: a verification-shaped batch, if one is prepared
+        width = len(kept[0].tokens)
+        shaped = (width > 1 and (0, width) in self.static_drafts
+                  and all(len(item.tokens) == width and item.proposes for item in kept))
         batch = ForwardBatch.build(
             rows, [item.chunk.start for item in kept], [item.chunk.request.state_slot for item in kept],
-            [item.chunk.request.block_ids for item in kept], block_size, device=self.cache.device, logits=last_rows,
+            [item.chunk.request.block_ids for item in kept], block_size, device=self.cache.device,
+            logits="all" if shaped else last_rows,
+            position_slots=[[self._position_slot(item.chunk.request, j) for j in range(width - 1)] for item in kept]
+            if shaped else None,
         )
         hidden = torch.cat([item.streams for item in kept])
         logits, out_streams = self._draft(batch, hidden, 0)
+        if shaped:
+            last = torch.tensor(last_rows, device=logits.device)
+            logits, out_streams = logits[last], out_streams[last]
         proposers = [item for item in kept if item.proposes]
         if not proposers:
             return
@@ -315,10 +329,10 @@ class SpeculativeRunner:
 
     def _draft(self, batch: ForwardBatch, hidden: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One draft-head forward: replayed at a fixed shape where one is prepared, else eager."""
-        if self.static_drafts:
-            runner = self.static_drafts[step % len(self.static_drafts)]
-            if runner.can_run(batch):
-                return runner.run(batch, hidden)
+        width = 1 if batch.verify_slots is None else batch.verify_slots.shape[1]
+        runner = self.static_drafts.get((step % len(self.model.mtp.layers), width))
+        if runner is not None and runner.can_run(batch):
+            return runner.run(batch, hidden)
         return self.model.draft(batch, hidden, self.cache, step)
 
     def _pick(self, logits: torch.Tensor, requests: list[Request]) -> tuple[list[int], list[torch.Tensor | None]]:
