@@ -12,17 +12,17 @@ positions are rolled back exactly.
   as always. The recurrent states are not addressed by position: this is what makes a rejection cheap.
 - One target forward (`forward_with_streams`) over the step's chunks (replayed from a CUDA graph when
   every request verifies K drafts: `StaticDecodeRunner` with 1+K rows per request); the 1+K rows of a
-  verify chunk are
-  checked by `rejection_sample` (greedy: accept while the draft is the argmax; the first mismatch's argmax,
-  or the bonus row's, follows; sampled: the target's distribution as `Sampler` draws from it,
-  `sampling_probs`, against the draft's, so the output follows the target distribution exactly).
+  verify chunk are checked by `rejection_sample` (greedy: accept while the draft is the argmax; the first
+  mismatch's argmax, or the bonus row's, follows; sampled: the target's distribution as `Sampler` draws
+  from it, `sampling_probs`, against the draft's, so the output follows the target distribution exactly).
 - Roll back: a request that rejected a draft gets the position slot of its last accepted row copied into
   its slot (one slot copy per rejecting request, batched; no recompute, no snapshot beforehand). The QSA
   K/V and indexer keys are addressed by position: what the rejected rows wrote is overwritten by the next
   forward there, and never read before (attention sees positions before its own only; a block key is
   rewritten when its block closes again, before any query can see it). The cost is memory: K more slots
-  per running request (the plan counts them; ~115 MB each in the target model). Measured before on CPU
-  (bench/spec_decode.py, demo tiny, K=1, nothing accepted): snapshot + recompute ran at 0.43x of no MTP.
+  per running request (the plan counts them; ~115 MB each in the target model). On CPU (bench/spec_decode.py,
+  demo tiny, one thread, nothing accepted) the snapshot + recompute this replaced cost 36-38 ms/token where
+  this costs 23 ms (no MTP: 15 ms); K=3: 47-52 vs 36-43 ms.
 - Drafting: the head runs on every row the target kept (prefill chunks too, so its caches cover every
   position), row t with token t+1 and the target's streams at t; the last row of a chunk that sampled
   proposes draft 1, then K-1 single-row steps feed the head its own output streams. A greedy request's
