@@ -158,10 +158,11 @@ class SpeculativeRunner:
         runner = self.runner
         with self.trace.phase("prepare batch"):
             batch, wanted = runner.prepare(step)
-            batch = dataclasses.replace(batch, position_slots=[
-                [self._position_slot(chunk.request, j) for j in range(len(chunk.draft_token_ids))]
-                for chunk in step.chunks])
-        verify = [w for w in wanted if w[0].draft_token_ids]
+            verify = [w for w in wanted if w[0].draft_token_ids]
+            if verify:
+                batch = dataclasses.replace(batch, position_slots=[
+                    [self._position_slot(chunk.request, j) for j in range(len(chunk.draft_token_ids))]
+                    for chunk in step.chunks])
         with self.trace.phase("launch forward"), self.trace.gpu("forward"):
             if self.static_verify is not None and self.static_verify.can_run(batch):
                 logits, streams = self.static_verify.run(batch)

@@ -92,7 +92,7 @@ class GatedDeltaNet(nn.Module):
     def _chunks(self, mixed, beta, g, batch: ForwardBatch, state: GDNState) -> torch.Tensor:
         """Any batch: each request's chunk through the conv and the chunked (or per-token) rule."""
         weight = self.conv1d.weight.squeeze(1)
-        if triton_prefill_applies(mixed) and not batch.position_slots:
+        if triton_prefill_applies(mixed) and not any(batch.position_slots or ()):
             return self._chunks_triton(mixed, beta, g, batch, state, weight)
         core = torch.empty(mixed.shape[0], self.num_v_heads, self.head_v_dim, device=mixed.device)
         position_slots = batch.position_slots or [[]] * batch.num_requests
