@@ -276,3 +276,95 @@ def test_kernel_refuses_bad_inputs():
         kernel(**{**inputs, "mixed": inputs["mixed"][:, 1:]})
     with pytest.raises(ValueError, match="z must be"):
         kernel(**{**inputs, "z": inputs["z"][:, 1:]})
+
+
+# ---- speculative verification: T rows per request, the state after each kept in its own slot ----------
+VERIFY = {"k1": (2, 6, 16, 24, 4, 3, 2), "k3_sigmoid": (2, 2, 32, 16, 4, 2, 4)}  # ..., requests, rows per request
+
+
+def verify_workload(hk, hv, dk, dv, kc, requests, width, dtype, device, gate="silu"):
+    """`workload` with requests x width rows; slots 0..B-1 are the requests', then B*(width-1) position
+    slots, then two untouched slots."""
+    inputs = workload(hk, hv, dk, dv, kc, requests * width, 0, dtype, device, seed=1, gate=gate)
+    gen = torch.Generator().manual_seed(2)
+    total = requests * width + 2
+    inputs["conv_pool"] = torch.randn(total, inputs["conv_pool"].shape[1], kc - 1, generator=gen).to(dtype).to(device)
+    inputs["state_pool"] = (torch.randn(total, hv, dk, dv, generator=gen) * 0.3).to(device)
+    inputs["slots"] = torch.arange(requests, device=device)
+    after = requests + torch.arange(requests * (width - 1), device=device).view(requests, width - 1)
+    inputs["state_slots"] = torch.cat([after, inputs["slots"][:, None]], dim=1)
+    return inputs
+
+
+def sequential_decode(inputs: dict) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """The reference's one-token decode over each row in turn: (outputs [B*T, Hv*Dv], per row t the
+    (conv, state) rows of every request after it)."""
+    from tierlm.kernels.gated_delta_rule.decode import gated_delta_decode
+
+    requests, width = inputs["state_slots"].shape
+    conv_pool, state_pool = inputs["conv_pool"].clone(), inputs["state_pool"].clone()
+    step = {k: v for k, v in inputs.items() if k != "state_slots"}
+    outs, after = [], []
+    for t in range(width):
+        rows = torch.arange(requests, device=conv_pool.device) * width + t
+        rows_in = {k: inputs[k][rows] for k in ("mixed", "z", "b", "a")}
+        outs.append(gated_delta_decode(**{**step, **rows_in, "conv_pool": conv_pool, "state_pool": state_pool}))
+        after.append((conv_pool[inputs["slots"]].clone(), state_pool[inputs["slots"]].clone()))
+    return torch.stack(outs, dim=1).flatten(0, 1), after
+
+
+def test_verify_reference_is_decode_row_after_row():
+    """gated_delta_verify over T rows = T one-token decode steps: the same outputs, and slot state_slots[:, t]
+    holds the conv window and state the decode had after row t (fp32 and bf16: the same roundings)."""
+    from tierlm.kernels.gated_delta_rule.decode import gated_delta_verify
+
+    for dtype in (torch.float32, torch.bfloat16):
+        inputs = verify_workload(*VERIFY["k3_sigmoid"], dtype, "cpu", gate="sigmoid")
+        out, conv, state = run(gated_delta_verify, inputs)
+        expected, after = sequential_decode(inputs)
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+        for t, (conv_t, state_t) in enumerate(after):
+            assert torch.equal(conv[inputs["state_slots"][:, t]], conv_t)
+            torch.testing.assert_close(state[inputs["state_slots"][:, t]], state_t, rtol=1e-5, atol=1e-6)
+        assert torch.equal(conv[-2:], inputs["conv_pool"][-2:]) and torch.equal(state[-2:], inputs["state_pool"][-2:])
+
+
+def compare_verify(shape: tuple, device: str, gate: str = "silu") -> None:
+    """triton_gated_delta_verify against gated_delta_verify: fp32 to summation order; bf16 within FACTOR x
+    the reference's own bf16 error (itself within 2x transformers': tests/test_bf16_parity.py) against the
+    reference in fp32 on the same values, per request and row, for the output and every kept state."""
+    from tierlm.kernels.gated_delta_rule.decode import gated_delta_verify
+    from tierlm.kernels.gated_delta_rule.decode_triton import triton_gated_delta_verify as kernel
+
+    inputs = verify_workload(*shape, torch.float32, device, gate=gate)
+    out_ref, conv_ref, state_ref = run(gated_delta_verify, inputs)
+    out, conv, state = run(kernel, inputs)
+    assert torch.equal(conv, conv_ref)  # copies, every slot (the last two untouched)
+    assert rel_rms(out, out_ref) < 1e-5 and rel_rms(state, state_ref) < 1e-5
+    assert torch.equal(state[-2:], inputs["state_pool"][-2:])
+
+    inputs = verify_workload(*shape, torch.bfloat16, device, gate=gate)
+    as_fp32 = {k: v.float() if torch.is_tensor(v) and v.is_floating_point() else v for k, v in inputs.items()}
+    truth, theirs, ours = run(gated_delta_verify, as_fp32), run(gated_delta_verify, inputs), run(kernel, inputs)
+    assert ours[0].dtype == torch.bfloat16 and torch.equal(ours[1], theirs[1])
+    assert_within_transformers_error(ours[0], theirs[0], truth[0], "bf16 output")
+    kept = inputs["state_slots"].flatten()
+    assert_within_transformers_error(ours[2][kept], theirs[2][kept], truth[2][kept], "bf16 states")
+
+
+@pytest.mark.parametrize("case", sorted(VERIFY))
+def test_verify_kernel_matches_the_reference(case):
+    if not triton_available():
+        pytest.skip("triton is not installed")
+    gate = "sigmoid" if "sigmoid" in case else "silu"
+    if torch.cuda.is_available():
+        compare_verify(VERIFY[case], "cuda", gate)
+        return
+    run_interpreted(f"import test_gdn_decode_kernel as t; t.round_bf16_like_the_gpu(); "
+                    f"t.compare_verify(t.VERIFY[{case!r}], 'cpu', {gate!r})")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="real widths need a GPU")
+@pytest.mark.parametrize("requests, width", [(1, 2), (4, 4)])
+def test_verify_kernel_at_real_widths_on_gpu(requests, width):
+    compare_verify((*REAL_WIDTHS, requests, width), "cuda")

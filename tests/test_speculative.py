@@ -108,6 +108,34 @@ def test_accepted_drafts_give_the_same_tokens(demo, reference):
     assert oracle.steps < 1 + MAX_TOKENS
 
 
+@pytest.mark.parametrize("k", [1, 3])
+def test_fixed_shape_verify_steps_give_the_same_tokens(demo, reference, k):
+    """The verification steps through a `StaticDecodeRunner` of 1 + K rows per request (what CUDA graphs
+    replay; mode "eager" runs the same padded fixed-shape batches on CPU): max_num_seqs 3 pads the two
+    requests to the prepared size, and a block-table width wider than theirs. Rejected and accepted drafts.
+    The draft head's forwards likewise (one row per request: steps, and passes after a rejection; 1 + K:
+    passes after full acceptance)."""
+    from tierlm.model.static_decode import StaticDecodeRunner
+
+    llm = engine(demo, spec(k), max_num_seqs=3)
+    static = StaticDecodeRunner(llm.runner.model, llm.cache, 3, 8, "eager", sizes=[3], widths=[8],
+                                rows_per_request=1 + k)
+    runs = []
+    static.run = lambda batch, run=static.run: runs.append(batch.token_ids.shape[0]) or run(batch)
+    drafts = {}
+    for rows in (1, 1 + k):
+        drafts[0, rows] = StaticDecodeRunner(llm.runner.model, llm.cache, 3, 8, "eager", sizes=[3], widths=[8],
+                                             draft_layer=0, rows_per_request=rows)
+        drafts[0, rows].run = lambda batch, hidden, run=drafts[0, rows].run: (
+            runs.append(("draft", batch.token_ids.shape[0])) or run(batch, hidden))
+    llm.runner.static_verify, llm.runner.static_drafts = static, drafts
+    oracle = Oracle({"0": reference[0], "1": reference[1]}, k, wrong=0)
+    got = generate(llm, [greedy(), greedy()], oracle)
+    assert [out.token_ids for out in got] == reference
+    assert {2 * (1 + k), ("draft", 2), ("draft", 2 * (1 + k))} <= set(runs)
+    assert 0 < llm.stats().num_accepted_tokens < llm.stats().num_draft_tokens
+
+
 def test_stops_inside_an_accepted_run(demo, reference):
     """max_tokens and a stop token id falling inside a run of accepted drafts end the request there."""
     stop_id = reference[1][4]
@@ -225,20 +253,21 @@ def test_generate_cli_takes_the_flag(demo, capsys):
     assert "num_speculative_tokens must be an integer >= 1" in capsys.readouterr().err
 
 
-def test_the_plan_counts_the_draft_layers_and_snapshot_slots(demo):
-    """The draft head's caches and the snapshot slots come out of the cache budget: each cache kind's own
-    sizes add up to the plan's."""
+def test_the_plan_counts_the_draft_layers_and_per_position_slots(demo):
+    """The draft head's caches and the per-position state slots (K per running request) come out of the
+    cache budget: each cache kind's own sizes add up to the plan's."""
     llm = engine(demo, spec(2), max_state_checkpoints=3)
     plain = engine(demo, max_state_checkpoints=3)
     plan, cache = llm.cache_plan, llm.cache
-    assert plan.num_draft_layers == len(cache.draft_layers) == 1 and plan.spare_slots == 2
+    assert plan.num_draft_layers == len(cache.draft_layers) == 1 and plan.spare_slots == 2 * 2
     layers = cache.layers + cache.draft_layers
     assert plan.block_bytes == sum(c.indexer.block_bytes + c.kv.block_bytes for c in layers if c.kv)
     assert plan.slot_bytes == cache.slot_bytes > plain.cache_plan.slot_bytes
-    assert cache.num_slots == plan.num_slots + plan.spare_slots and plan.device_slots == plain.cache_plan.device_slots + 2
+    assert cache.num_slots == plan.num_slots + plan.spare_slots
+    assert plan.device_slots == plain.cache_plan.device_slots + 4
     assert cache.checkpoints.nbytes == plan.host_checkpoint_bytes()
     assert plan.used_bytes() <= plan.budget_bytes and plan.num_blocks < plain.cache_plan.num_blocks
-    assert any("2 speculative snapshots" in line for line in plan.lines())
+    assert any("4 speculative per-position states" in line for line in plan.lines())
 
 
 def test_llm_and_serve_take_the_config(demo, reference):

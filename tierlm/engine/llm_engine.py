@@ -318,23 +318,28 @@ class LLMEngine:
         self.scheduler = Scheduler(self.cache_manager, config.max_num_seqs, config.max_num_batched_tokens, listener,
                                    num_speculative_tokens=k)
         block_size = plan.block_size
-        static_decode = None
+        static_decode, static_drafts = None, None
         mode = "cuda_graph" if device.type == "cuda" else ("compile" if config.compile_decode else None)
-        if mode and not config.enforce_eager and speculative is not None:
-            logger.info("speculative decoding runs eagerly: no %s for the verify shapes yet",
-                        "CUDA graphs" if mode == "cuda_graph" else "compiled decode steps")
-        elif mode and not config.enforce_eager:
+        if mode and not config.enforce_eager:
             max_blocks = math.ceil(self.max_model_len / block_size)
             ple_dims = {t.ple_index: t.rows.shape[1] * mc.num_ngram_heads for t in self.ngram_store.tables} if (
                 self.ngram_store) else None
+            # speculative decoding: the verification steps (1 + K rows per request) are the fixed shapes
             static_decode = StaticDecodeRunner(
-                self.model, self.cache, config.max_num_seqs, max_blocks, mode, ple_embedding_dims=ple_dims
+                self.model, self.cache, config.max_num_seqs, max_blocks, mode, ple_embedding_dims=ple_dims,
+                rows_per_request=1 + k,
             )
+            if speculative is not None:  # and the draft head's, per MTP layer, at 1 and 1 + K rows per request
+                static_drafts = {(i, rows): StaticDecodeRunner(
+                    self.model, self.cache, config.max_num_seqs, max_blocks, mode, draft_layer=i,
+                    rows_per_request=rows) for i in range(len(self.model.mtp.layers)) for rows in (1, 1 + k)}
         self.runner = ModelRunner(
-            self.model, self.cache, Sampler(config.seed), self._decode_token, static_decode, self.ngram_store
+            self.model, self.cache, Sampler(config.seed), self._decode_token,
+            static_decode if speculative is None else None, self.ngram_store,
         )
         if speculative is not None:
-            self.runner = SpeculativeRunner(self.runner, speculative, plan.num_slots, config.seed)
+            self.runner = SpeculativeRunner(self.runner, speculative, plan.num_slots, config.seed, static_decode,
+                                            static_drafts)
             logger.info("speculative decoding: %s, %d draft tokens per step (%d MTP layer(s)); requests with "
                         "penalties, biases, bans, min_tokens, logprobs or a grammar decode one token per step",
                         speculative.method, k, mc.num_mtp_layers)

@@ -5,34 +5,45 @@ positions are rolled back exactly.
 - The scheduler gives a decoding request that has drafts a chunk of its last token plus its K drafts
   (`ScheduledChunk.draft_token_ids`), and reserves blocks for K more positions past them (the draft head
   writes its own K/V there while proposing).
-- Before the forward, the request's whole slot state (GDN conv/recurrent, PLE conv, n-gram context, the
-  indexer rings) is copied into a spare slot: the recurrent states are not addressed by position, so a
-  rejected draft would leave them advanced past it.
-- One target forward (`forward_with_streams`) over the step's chunks; the 1+K rows of a verify chunk are
-  checked by `rejection_sample` (greedy: accept while the draft is the argmax; the first mismatch's argmax,
-  or the bonus row's, follows; sampled: the target's distribution as `Sampler` draws from it,
-  `sampling_probs`, against the draft's, so the output follows the target distribution exactly).
-- Rollback (recompute): a request that rejected a draft gets its snapshot back and its accepted rows (the
-  last token and the accepted drafts) run again as a small prefill chunk; that rewrites the recurrent
-  states exactly to the accepted position. The QSA K/V and indexer keys are addressed by position: what the
-  rejected rows wrote is overwritten by the next forward there, and never read before (attention sees
-  positions before its own only). Chosen over keeping a state per speculative position (K+1 slots per
-  request of 115 MB each in the target model) because it is exact and simple; its cost is one more forward
-  of the rejecting requests' accepted rows.
+- Per-position states (as vLLM / SGLang do for hybrid models): a verify chunk's batch names, for its rows
+  but the last, K "position slots" of the request (`ForwardBatch.position_slots`); the layers with
+  per-request state (GDN conv window and recurrent state, PLE conv history, n-gram context, QSA indexer
+  ring) write the state after each row there, the state after the last row going to the request's slot
+  as always. The recurrent states are not addressed by position: this is what makes a rejection cheap.
+- One target forward (`forward_with_streams`) over the step's chunks (replayed from a CUDA graph when
+  every request verifies K drafts: `StaticDecodeRunner` with 1+K rows per request); the 1+K rows of a
+  verify chunk are checked by `rejection_sample` (greedy: accept while the draft is the argmax; the first
+  mismatch's argmax, or the bonus row's, follows; sampled: the target's distribution as `Sampler` draws
+  from it, `sampling_probs`, against the draft's, so the output follows the target distribution exactly).
+- Roll back: a request that rejected a draft gets the position slot of its last accepted row copied into
+  its slot (one slot copy per rejecting request, batched; no recompute, no snapshot beforehand). The QSA
+  K/V and indexer keys are addressed by position: what the rejected rows wrote is overwritten by the next
+  forward there, and never read before (attention sees positions before its own only; a block key is
+  rewritten when its block closes again, before any query can see it). The cost is memory: K more slots
+  per running request (the plan counts them; ~115 MB each in the target model). On CPU (bench/spec_decode.py,
+  demo tiny, one thread, nothing accepted) the snapshot + recompute this replaced cost 36-38 ms/token where
+  this costs 23 ms (no MTP: 15 ms); K=3: 47-52 vs 36-43 ms.
 - Drafting: the head runs on every row the target kept (prefill chunks too, so its caches cover every
   position), row t with token t+1 and the target's streams at t; the last row of a chunk that sampled
   proposes draft 1, then K-1 single-row steps feed the head its own output streams. A greedy request's
   draft is the argmax; a sampled one's a draw from the draft logits under the request's temperature,
   top-k/p and min-p, from the request's own generator (a seeded request is reproducible), its
-  distribution kept for verification (`Request.draft_probs`).
+  distribution kept for verification (`Request.draft_probs`). The K-1 single-row steps work on a copy of
+  the head's indexer rings in the request's first position slot, so the next step's draft pass starts
+  from the rings after the kept rows.
 Which requests speculate: those with nothing but temperature, top-k/p and min-p shaping their
 distribution (no penalties, biases, bans, allowed ids, min_tokens, log-probabilities, grammar); the
-others decode one token per step in the same batches, unchanged. The forward is always eager (no CUDA
-graphs for the verify shapes yet).
+others decode one token per step in the same batches, unchanged. Steps that mix widths (a prefill chunk,
+a request with fewer drafts or none) run eagerly, the layers then keeping the per-position states request
+by request. The draft head's forwards replay CUDA graphs too (`static_drafts`) where every request has
+one row (the K-1 draft steps; the pass over the kept rows when no draft was accepted) or 1+K rows (the
+pass when every draft was accepted: it then runs as a verification-shaped batch, the head's indexer
+rings kept per row like the target's, and its logits taken at each request's last row).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -46,6 +57,7 @@ from tierlm.engine.request import Request
 from tierlm.engine.sampler import MIN_TEMPERATURE, sampling_probs
 from tierlm.engine.scheduler import ScheduledChunk, SchedulerOutput
 from tierlm.model.forward_batch import ForwardBatch
+from tierlm.model.static_decode import StaticDecodeRunner
 
 logger = logging.getLogger("tierlm")
 
@@ -112,13 +124,22 @@ class _Kept:
 class SpeculativeRunner:
     """A `ModelRunner` step with drafts: the engine calls `execute` as it would the runner's."""
 
-    def __init__(self, runner: ModelRunner, config: SpeculativeConfig, spare_slot_base: int, seed: int = 0) -> None:
-        """spare_slot_base: slot s's snapshot goes to slot spare_slot_base + s (the cache has those)."""
+    def __init__(
+        self, runner: ModelRunner, config: SpeculativeConfig, position_slot_base: int, seed: int = 0,
+        static_verify: StaticDecodeRunner | None = None,
+        static_drafts: dict[tuple[int, int], StaticDecodeRunner] | None = None,
+    ) -> None:
+        """position_slot_base: slot s's K position slots are position_slot_base + s K + j (the cache has those).
+        static_verify: a `StaticDecodeRunner` of 1 + K rows per request (CUDA graphs) for the steps where
+        every request verifies K drafts; None: every forward eager. static_drafts: (MTP layer, rows per
+        request) -> a `StaticDecodeRunner` of the draft head's forwards at fixed shapes (rows per request 1
+        and 1+K; see the module docstring)."""
         self.runner = runner
         self.model, self.cache = runner.model, runner.cache
         self.config = config
         self.k = config.num_speculative_tokens
-        self.spare_slot_base = spare_slot_base
+        self.position_slot_base = position_slot_base
+        self.static_verify, self.static_drafts = static_verify, static_drafts or {}
         self.generator = torch.Generator(device=self.cache.device).manual_seed(seed)
         self.num_drafts = 0  # verify chunks (requests that carried drafts into a step), total
         self.num_draft_tokens = 0  # drafts verified, total
@@ -134,20 +155,25 @@ class SpeculativeRunner:
         self.runner.trace = value
 
     def execute(self, step: SchedulerOutput) -> StepResult:
-        runner, cache = self.runner, self.cache
+        runner = self.runner
         with self.trace.phase("prepare batch"):
             batch, wanted = runner.prepare(step)
-        verify = [w for w in wanted if w[0].draft_token_ids]
-        for chunk, _, _ in verify:
-            self._copy_slot(chunk.request.state_slot, self._spare(chunk.request))
+            verify = [w for w in wanted if w[0].draft_token_ids]
+            if verify:
+                batch = dataclasses.replace(batch, position_slots=[
+                    [self._position_slot(chunk.request, j) for j in range(len(chunk.draft_token_ids))]
+                    for chunk in step.chunks])
         with self.trace.phase("launch forward"), self.trace.gpu("forward"):
-            logits, streams = self.model.forward_with_streams(batch, cache)
+            if self.static_verify is not None and self.static_verify.can_run(batch):
+                logits, streams = self.static_verify.run(batch)
+            else:
+                logits, streams = self.model.forward_with_streams(batch, self.cache)
         with self.trace.phase("sample"):
             result = runner.sample([w for w in wanted if not w[0].draft_token_ids], logits)
             accepted = self._verify(verify, logits, result)
-        with self.trace.phase("rollback, draft"):
-            kept = self._rollback_and_keep(step, streams, accepted, result)
-            self._propose(kept)
+        with self.trace.phase("roll back, draft"):
+            self._roll_back(verify, accepted)
+            self._propose(self._kept(step, streams, accepted, result))
         return result
 
     # ---- verification -------------------------------------------------------------------------------
@@ -197,38 +223,40 @@ class SpeculativeRunner:
         self._logged_at = time.monotonic()
         self._logged = (self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens)
 
-    def _rollback_and_keep(
+    def _roll_back(self, verify: list[tuple], accepted: dict[ScheduledChunk, int]) -> None:
+        """A request that rejected a draft gets the state its forward kept after its last accepted row (the
+        position slots `execute` gave the batch) copied into its slot; K/V and indexer keys need nothing."""
+        sources, targets = [], []
+        for chunk, _, _ in verify:
+            kept = accepted[chunk]
+            if kept < len(chunk.draft_token_ids):
+                sources.append(self._position_slot(chunk.request, kept))
+                targets.append(chunk.request.state_slot)
+        if sources:
+            device = self.cache.device
+            sources, targets = (torch.tensor(x, dtype=torch.int64, device=device) for x in (sources, targets))
+            for state in self.cache.target_slot_states:
+                state.copy_slots(sources, targets)
+
+    def _kept(
         self, step: SchedulerOutput, streams: torch.Tensor, accepted: dict[ScheduledChunk, int], result: StepResult,
     ) -> list[_Kept]:
-        """Restore and recompute the requests that rejected a draft; every speculating chunk's kept rows."""
-        kept, redo, row = [], [], 0
+        """Every speculating chunk's kept rows (its tokens and the accepted drafts) and their streams."""
+        kept, row = [], 0
         for chunk in step.chunks:
             request = chunk.request
-            tokens = request.token_slice(chunk.start, chunk.start + chunk.num_tokens) + chunk.draft_token_ids
-            width = len(tokens)
             if speculates(request) and request not in result.failed:
                 n = chunk.num_tokens + accepted.get(chunk, 0)
                 if chunk.samples:
                     next_token, proposes = result.sampled.get(request), True
                 else:
                     next_token, proposes = request.token_slice(chunk.start + n, chunk.start + n + 1)[0], False
-                kept.append(_Kept(chunk, tokens[:n], streams[row : row + n], next_token, proposes))
-                if n < width:
-                    redo.append(kept[-1])
-            row += width
-        if redo:
-            for item in redo:
-                request = item.chunk.request
-                self._copy_slot(self._spare(request), request.state_slot)
-            again = ForwardBatch.build(
-                [item.tokens for item in redo], [item.chunk.start for item in redo],
-                [item.chunk.request.state_slot for item in redo], [item.chunk.request.block_ids for item in redo],
-                self.cache.block_size, device=self.cache.device,
-            )
-            _, new_streams = self.model.forward_with_streams(again, self.cache)
-            for item, (start, end) in zip(redo, again.bounds, strict=True):
-                item.streams = new_streams[start:end]
-        return [item for item in kept if item.next_token is not None]
+                tokens = request.token_slice(chunk.start, chunk.start + chunk.num_tokens) + chunk.draft_token_ids[
+                    : n - chunk.num_tokens]
+                if next_token is not None:
+                    kept.append(_Kept(chunk, tokens, streams[row : row + n], next_token, proposes))
+            row += chunk.num_tokens + len(chunk.draft_token_ids)
+        return kept
 
     # ---- drafting -----------------------------------------------------------------------------------
     def _propose(self, kept: list[_Kept]) -> None:
@@ -242,12 +270,22 @@ class SpeculativeRunner:
             if item.proposes:
                 last_rows.append(row - 1)
         block_size = self.cache.block_size
+        # every request kept all 1+K rows and proposes: a verification-shaped batch, if one is prepared
+        width = len(kept[0].tokens)
+        shaped = (width > 1 and (0, width) in self.static_drafts
+                  and all(len(item.tokens) == width and item.proposes for item in kept))
         batch = ForwardBatch.build(
             rows, [item.chunk.start for item in kept], [item.chunk.request.state_slot for item in kept],
-            [item.chunk.request.block_ids for item in kept], block_size, device=self.cache.device, logits=last_rows,
+            [item.chunk.request.block_ids for item in kept], block_size, device=self.cache.device,
+            logits="all" if shaped else last_rows,
+            position_slots=[[self._position_slot(item.chunk.request, j) for j in range(width - 1)] for item in kept]
+            if shaped else None,
         )
         hidden = torch.cat([item.streams for item in kept])
-        logits, out_streams = self.model.draft(batch, hidden, self.cache, 0)
+        logits, out_streams = self._draft(batch, hidden, 0)
+        if shaped:
+            last = torch.tensor(last_rows, device=logits.device)
+            logits, out_streams = logits[last], out_streams[last]
         proposers = [item for item in kept if item.proposes]
         if not proposers:
             return
@@ -259,6 +297,14 @@ class SpeculativeRunner:
         # a request stops drafting where its blocks end (the scheduler reserves K positions past the chunk)
         positions = [item.chunk.start + len(item.tokens) for item in proposers]
         active = list(range(len(proposers)))  # the proposers still drafting; out_streams' rows, in order
+        # the draft steps advance the head's indexer rings past the kept rows, which the next step's draft
+        # pass starts from: they work on a copy in the request's first position slot
+        step_slots = [self._position_slot(request, 0) for request in requests]
+        if self.k > 1:
+            device = self.cache.device
+            for state in self.cache.draft_slot_states:
+                state.copy_slots(torch.tensor([r.state_slot for r in requests], device=device),
+                                 torch.tensor(step_slots, device=device))
         for s in range(1, self.k):
             live = [j for j, i in enumerate(active)
                     if positions[i] + s - 1 < len(proposers[i].chunk.request.block_ids) * block_size]
@@ -270,10 +316,10 @@ class SpeculativeRunner:
                 requests = [requests[j] for j in live]
             step_batch = ForwardBatch.build(
                 [[drafts[i][-1]] for i in active], [positions[i] + s - 1 for i in active],
-                [proposers[i].chunk.request.state_slot for i in active],
+                [step_slots[i] for i in active],
                 [proposers[i].chunk.request.block_ids for i in active], block_size, device=self.cache.device,
             )
-            logits, out_streams = self.model.draft(step_batch, out_streams, self.cache, s)
+            logits, out_streams = self._draft(step_batch, out_streams, s)
             tokens, probs = self._pick(logits, requests)
             for i, token, row in zip(active, tokens, probs, strict=True):
                 drafts[i].append(token)
@@ -281,6 +327,14 @@ class SpeculativeRunner:
         for item, tokens, rows in zip(proposers, drafts, draft_probs, strict=True):
             item.chunk.request.draft_token_ids = tokens
             item.chunk.request.draft_probs = None if rows[0] is None else torch.stack(rows)
+
+    def _draft(self, batch: ForwardBatch, hidden: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One draft-head forward: replayed at a fixed shape where one is prepared, else eager."""
+        width = 1 if batch.verify_slots is None else batch.verify_slots.shape[1]
+        runner = self.static_drafts.get((step % len(self.model.mtp.layers), width))
+        if runner is not None and runner.can_run(batch):
+            return runner.run(batch, hidden)
+        return self.model.draft(batch, hidden, self.cache, step)
 
     def _pick(self, logits: torch.Tensor, requests: list[Request]) -> tuple[list[int], list[torch.Tensor | None]]:
         """Each row's draft: the argmax for a greedy request; for a sampled one a draw from the draft's
@@ -301,15 +355,11 @@ class SpeculativeRunner:
         return tokens.tolist(), probs
 
     # ---- slots --------------------------------------------------------------------------------------
-    def _spare(self, request: Request) -> int:
-        return self.spare_slot_base + request.state_slot
-
-    def _copy_slot(self, source: int, target: int) -> None:
-        for state in self.cache.slot_states:
-            state.copy_slot(source, target)
+    def _position_slot(self, request: Request, j: int) -> int:
+        """The slot that keeps the request's state after row j of its verify chunk (j < K)."""
+        return self.position_slot_base + request.state_slot * self.k + j
 
 
 def spare_slots_needed(config: SpeculativeConfig | None, max_num_seqs: int) -> int:
-    """Extra cache slots the rollback snapshots take (one per running request)."""
-    return max_num_seqs if config is not None else 0
-
+    """Extra cache slots for the per-position states of verification (K per running request)."""
+    return config.num_speculative_tokens * max_num_seqs if config is not None else 0

@@ -221,7 +221,8 @@ class CachePlan:
     staging_slots: int  # 1 on CUDA with checkpoints: the slot saves pass through (model/cache/host_checkpoints)
     layer_ids: tuple[int, ...] | None  # one pipeline rank's layers; None: all
     # speculative decoding: the MTP draft head's QSA layers (counted in block_bytes and slot_bytes) and the
-    # spare slots the rollback snapshots take (one per running request)
+    # spare slots for verification's per-position states (K per running request: the state after each
+    # verified row but the last, one of which becomes the request's when a draft is rejected)
     num_draft_layers: int = 0
     spare_slots: int = 0
 
@@ -232,7 +233,7 @@ class CachePlan:
 
     @property
     def device_slots(self) -> int:
-        """Every slot in device memory: running, scratch, staging, speculative snapshots."""
+        """Every slot in device memory: running, scratch, staging, speculative per-position states."""
         return self.num_slots + 1 + self.staging_slots + self.spare_slots
 
     @property
@@ -286,7 +287,7 @@ class CachePlan:
         out.append(f"device: cache budget {self.budget_bytes:,} B ({self.budget_source}); weights "
                    f"{self.weights_bytes:,} B{mapped}")
         staging = ", +1 checkpoint staging" if self.staging_slots else ""
-        staging += f", +{self.spare_slots} speculative snapshots" if self.spare_slots else ""
+        staging += f", +{self.spare_slots} speculative per-position states" if self.spare_slots else ""
         if self.num_draft_layers:
             out.append(f"  MTP draft head: {self.num_draft_layers} QSA layer(s), in the block and slot sizes below")
         out.append(f"  state slots: {self.max_num_seqs} running (+1 scratch{staging}) x {self.slot_bytes:,} B = "
@@ -350,7 +351,7 @@ class CacheSettings:
     prefix_caching: bool = True
     layer_ids: tuple[int, ...] | None = None
     num_draft_layers: int = 0  # speculative decoding: the MTP draft head's QSA layers
-    spare_slots: int = 0  # speculative decoding: slots for the rollback snapshots
+    spare_slots: int = 0  # speculative decoding: slots for the per-position states (K per running request)
 
 
 def plan_cache(config: ModelConfig, dtype: str, settings: CacheSettings) -> CachePlan:

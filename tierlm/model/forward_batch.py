@@ -38,6 +38,15 @@ class ForwardBatch:
     # pipeline parallel: the multi-stream residual [N, hc_count * hidden] from the previous stage (None on
     # the first stage, which embeds the tokens)
     stage_input: torch.Tensor | None = None
+    # speculative verification: per request, the slots that receive its state after each of its rows but
+    # the last (whose state goes to its own slot, as always); [] for a request without drafts. The layers
+    # with per-request state (GDN, PLE, n-gram context, indexer ring) write these per-position states, so
+    # rejecting a draft costs copying one of them into the request's slot: no snapshot, no recompute
+    position_slots: list[list[int]] | None = None
+    # when every request verifies the same number T of rows: [B, T], its position slots then its own slot
+    # (the multi-token decode forms of the layers read this); made from position_slots, or given by a
+    # static batch (a CUDA graph's input buffer)
+    verify_slots: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         as_long = dict(dtype=torch.int64, device=self.token_ids.device)
@@ -49,6 +58,15 @@ class ForwardBatch:
         for n in self.query_lens:
             starts.append(starts[-1] + n)
         self.bounds = list(itertools.pairwise(starts))
+        if self.position_slots is not None:
+            if len(self.position_slots) != len(self.query_lens) or any(
+                    slots and len(slots) != n - 1 for slots, n in zip(self.position_slots, self.query_lens)):
+                raise ValueError("position_slots: one list per request, empty or one slot per row but the last")
+            width = self.query_lens[0] if self.query_lens else 0
+            uniform = all(n == width and slots for slots, n in zip(self.position_slots, self.query_lens))
+            if self.verify_slots is None and width > 1 and uniform:
+                self.verify_slots = torch.tensor(
+                    [[*slots, own] for slots, own in zip(self.position_slots, self.state_slots)], **as_long)
 
     def to(self, device: torch.device | str) -> ForwardBatch:
         """The same batch with its tensors on `device` (a pipeline rank's copy of rank 0's batch)."""
@@ -57,6 +75,21 @@ class ForwardBatch:
             if isinstance(value, torch.Tensor):
                 moved[name] = value.to(device, non_blocking=True)
         return ForwardBatch(**moved)
+
+    def verify_rows(self) -> ForwardBatch:
+        """A verification batch's rows as one-token requests (row t of request i at its position, with its
+        block table and its slot verify_slots[i, t]): what the QSA layers' decode path runs on. Made anew
+        by each call (a static batch's buffers change between its forwards)."""
+        width = self.verify_slots.shape[1]
+        return ForwardBatch(
+            token_ids=self.token_ids, positions=self.positions,
+            context_lens=[context + t for context in self.context_lens for t in range(width)],
+            query_lens=[1] * self.token_ids.shape[0],
+            state_slots=[s for after, own in zip(self.position_slots, self.state_slots) for s in (*after, own)],
+            block_tables=self.block_tables.repeat_interleave(width, dim=0), slot_mapping=self.slot_mapping,
+            logits_rows=self.logits_rows, slots=self.verify_slots.flatten(), context_lens_tensor=self.positions,
+            static=self.static,
+        )
 
     @property
     def num_requests(self) -> int:
@@ -76,10 +109,12 @@ class ForwardBatch:
         block_size: int,
         device: torch.device | str = "cpu",
         logits: str | list[int] = "last",
+        position_slots: list[list[int]] | None = None,
     ) -> ForwardBatch:
         """Assemble the metadata for requests whose next `chunks[i]` tokens are computed now.
 
         logits: "last" (one row per request, its last token), "all" (every packed row) or explicit rows.
+        position_slots: speculative verification's per-position state slots (see the field).
         """
         positions, slots, last_rows = [], [], []
         row = 0
@@ -106,4 +141,5 @@ class ForwardBatch:
             block_tables=torch.tensor(padded, **as_long).reshape(len(chunks), width),
             slot_mapping=torch.tensor(slots, **as_long),
             logits_rows=torch.tensor(logits_rows, **as_long),
+            position_slots=position_slots,
         )

@@ -170,10 +170,16 @@ class ModelCache:
         self.draft_layers: list[LayerCaches] = [qsa_caches(name) for name in draft_names]
         eos = c.eos_token_id if c.eos_token_id is not None else 0
         self.ngram_context = torch.full((num_slots, max(c.ngram_size - 1, 0)), eos, dtype=torch.int64, device=self.device)
-        self.slot_states: list[SlotState] = [
-            state for caches in self.layers + self.draft_layers for state in (caches.gdn, caches.ple, caches.indexer)
-            if state is not None
-        ] + [NgramContextState(self.ngram_context, c.eos_token_id)]
+        def states(layers: list[LayerCaches]) -> list[SlotState]:
+            kinds = ((caches.gdn, caches.ple, caches.indexer) for caches in layers)
+            return [state for states_of_layer in kinds for state in states_of_layer if state is not None]
+
+        # what a target forward writes per slot (speculative verification keeps these per position), and
+        # what the draft head's layers do
+        self.target_slot_states: list[SlotState] = [
+            *states(self.layers), NgramContextState(self.ngram_context, c.eos_token_id)]
+        self.draft_slot_states: list[SlotState] = states(self.draft_layers)
+        self.slot_states: list[SlotState] = self.target_slot_states + self.draft_slot_states
         self.checkpoints = HostCheckpoints(
             self.slot_states, num_host_checkpoints, self.device, self.staging_slot
         ) if num_host_checkpoints else None

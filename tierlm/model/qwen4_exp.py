@@ -66,7 +66,7 @@ def run_decoder_layers(
     rotary: RotaryEmbedding,
 ) -> torch.Tensor:
     """The streams through `layers` (whose caches are `cache.layers`, in order); then the requests'
-    n-gram context moves past this batch's tokens."""
+    n-gram context moves past this batch's tokens (and a verification batch keeps it after each row)."""
     token_streams = None
     if config.ple_layer_ids and batch.ple_embeddings is None:
         token_streams = shifted_token_streams(batch, cache.ngram_context, config.eos_token_id, config.ngram_size)
@@ -81,12 +81,17 @@ def _advance_ngram_context(batch: ForwardBatch, cache: ModelCache) -> None:
     keep = cache.ngram_context.shape[1]
     if keep == 0:
         return
-    if batch.is_decode_only:
-        history = torch.cat([cache.ngram_context.index_select(0, batch.slots), batch.token_ids[:, None]], dim=-1)
-        cache.ngram_context.index_copy_(0, batch.slots, history[:, 1:])
+    if batch.is_decode_only or batch.verify_slots is not None:  # T rows per request (decode: 1)
+        targets = batch.slots[:, None] if batch.verify_slots is None else batch.verify_slots
+        tokens = batch.token_ids.view(batch.num_requests, -1)
+        history = torch.cat([cache.ngram_context.index_select(0, batch.slots), tokens], dim=-1)  # [B, keep+T]
+        cache.ngram_context.index_copy_(0, targets.flatten(), history.unfold(-1, keep, 1)[:, 1:].flatten(0, 1))
         return
-    for (start, end), slot in zip(batch.bounds, batch.state_slots):
+    position_slots = batch.position_slots or [[]] * batch.num_requests
+    for (start, end), slot, after in zip(batch.bounds, batch.state_slots, position_slots):
         history = torch.cat([cache.ngram_context[slot], batch.token_ids[start:end]])
+        for t, target in enumerate(after):  # speculative verification: the context after each row
+            cache.ngram_context[target] = history[t + 1 : t + 1 + keep]
         cache.ngram_context[slot] = history[-keep:]
 
 

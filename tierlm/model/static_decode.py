@@ -13,6 +13,13 @@ double from one covering FIRST_WIDTH_TOKENS up to max_model_len, so what a step 
 QSA indexer scores every compressed key of the table) follows the batch's context, not max_model_len.
 Mode "eager" runs the same padded batches without capture or compilation: that is how the padding is
 tested without a GPU.
+
+Speculative decoding's verification steps have fixed shapes too: with rows_per_request T = 1 + K, a runner
+prepares batches of T rows per request (the last token and K drafts, `ForwardBatch.verify_slots` naming
+the slots that keep the state after each row), and its forwards return every row's logits and streams
+(`forward_with_streams`, what the draft head reads). And the MTP draft head's one-row-per-request steps
+(`draft_layer`): the hidden streams it reads come in through an input buffer too, and the draft logits
+and output streams come back.
 """
 
 from __future__ import annotations
@@ -49,14 +56,19 @@ class StaticDecodeRunner:
     def __init__(
         self, model, cache: ModelCache, max_batch: int, max_blocks_per_request: int, mode: str,
         sizes: list[int] | None = None, ple_embedding_dims: dict[int, int] | None = None,
-        widths: list[int] | None = None, stage_input_width: int | None = None,
+        widths: list[int] | None = None, stage_input_width: int | None = None, rows_per_request: int = 1,
+        draft_layer: int | None = None,
     ) -> None:
         """sizes: the batch sizes to prepare (default `prepared_sizes(max_batch)`); the largest is max_batch.
         widths: the block-table widths to prepare (default `prepared_widths` from FIRST_WIDTH_TOKENS); the
         largest is max_blocks_per_request.
         ple_embedding_dims: {PLE index: width} when the host gathers PLE embeddings (mapped tables).
         stage_input_width: a pipeline stage after the first: the width of the hidden state it receives
-        (`ForwardBatch.stage_input`), copied into an input buffer like the token ids."""
+        (`ForwardBatch.stage_input`), copied into an input buffer like the token ids.
+        rows_per_request: T > 1 prepares speculative verification steps of T rows per request instead of
+        decode steps (see the module docstring).
+        draft_layer: prepares steps of the MTP draft head (`model.draft` at a draft step running that layer)
+        instead: one row per request, `run` takes the hidden streams."""
         if mode not in MODES:
             raise ValueError(f"mode {mode!r}: choose one of {MODES}")
         self.model, self.cache, self.mode = model, cache, mode
@@ -64,32 +76,41 @@ class StaticDecodeRunner:
         first = math.ceil(FIRST_WIDTH_TOKENS / cache.block_size)
         widths = widths or prepared_widths(max_blocks_per_request, first)
         self.widths = sorted({w for w in widths if w < max_blocks_per_request} | {max_blocks_per_request})
-        self.max_batch = max_batch
+        self.max_batch, self.rows_per_request = max_batch, rows_per_request
         as_long = dict(dtype=torch.int64, device=cache.device)
+        max_rows = max_batch * rows_per_request
         # the input buffers every prepared forward reads (a narrower width reads the first columns)
-        self.token_ids = torch.zeros(max_batch, **as_long)
-        self.positions = torch.zeros(max_batch, **as_long)
+        self.token_ids = torch.zeros(max_rows, **as_long)
+        self.positions = torch.zeros(max_rows, **as_long)
         self.context_lens = torch.zeros(max_batch, **as_long)
         self.slots = torch.zeros(max_batch, **as_long)
+        self.verify_slots = torch.zeros(max_batch, rows_per_request, **as_long) if rows_per_request > 1 else None
         self.block_tables = torch.zeros(max_batch, max_blocks_per_request, **as_long)
         self.tables_at = {width: self.block_tables[:, :width] for width in self.widths}  # the columns a width reads
-        self.slot_mapping = torch.zeros(max_batch, **as_long)
-        self.logits_rows = torch.arange(max_batch, **as_long)
+        self.slot_mapping = torch.zeros(max_rows, **as_long)
+        self.logits_rows = torch.arange(max_rows, **as_long)
         self.ple_embeddings = {
-            index: torch.zeros(max_batch, width, dtype=cache.dtype, device=cache.device)
+            index: torch.zeros(max_rows, width, dtype=cache.dtype, device=cache.device)
             for index, width in (ple_embedding_dims or {}).items()
         } or None
         self.stage_input = None if stage_input_width is None else torch.zeros(
-            max_batch, stage_input_width, dtype=cache.dtype, device=cache.device)
+            max_rows, stage_input_width, dtype=cache.dtype, device=cache.device)
+        self.hidden = None if draft_layer is None else torch.zeros(
+            max_rows, cache.config.hc_count * cache.config.hidden_size, dtype=cache.dtype, device=cache.device)
         self._pad(0, max_batch, max_blocks_per_request)
         self.shapes = [(size, width) for size in self.sizes for width in self.widths]
         self.batches = {shape: self._static_batch(*shape) for shape in self.shapes}
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
-        self.forward = model
+        self.outputs: dict[tuple[int, int], torch.Tensor | tuple[torch.Tensor, torch.Tensor]] = {}
+        self.draft_layer = draft_layer
+        if draft_layer is not None:
+            self.step = self._draft_step
+        else:
+            self.step = model if rows_per_request == 1 else model.forward_with_streams  # what a shape runs
+        self.forward = self.step
         if mode == "compile":
             # one compiled graph per prepared shape; shapes never change for a given (size, width)
-            self.forward = torch.compile(model, dynamic=False)
+            self.forward = torch.compile(self.step, dynamic=False)
             # each shape is a recompile of the same code: let all of them be compiled, not run eagerly
             with torch._dynamo.config.patch(recompile_limit=max(8, len(self.shapes))):
                 for shape in self.shapes:
@@ -98,27 +119,38 @@ class StaticDecodeRunner:
             self._capture()
         cache.reset_row_cache_counters()  # the warm-up and capture forwards served no request
 
+    def _draft_step(self, batch: ForwardBatch, cache: ModelCache) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.model.draft(batch, self.hidden[: batch.token_ids.shape[0]], cache, self.draft_layer)
+
     def _static_batch(self, size: int, width: int) -> ForwardBatch:
+        rows, per_request, scratch = size * self.rows_per_request, self.rows_per_request, self.cache.scratch_slot
         return ForwardBatch(
-            token_ids=self.token_ids[:size], positions=self.positions[:size], context_lens=[0] * size,
-            query_lens=[1] * size, state_slots=[self.cache.scratch_slot] * size,
-            block_tables=self.tables_at[width][:size], slot_mapping=self.slot_mapping[:size],
-            logits_rows=self.logits_rows[:size], slots=self.slots[:size], context_lens_tensor=self.context_lens[:size],
+            token_ids=self.token_ids[:rows], positions=self.positions[:rows], context_lens=[0] * size,
+            query_lens=[per_request] * size, state_slots=[scratch] * size,
+            block_tables=self.tables_at[width][:size], slot_mapping=self.slot_mapping[:rows],
+            logits_rows=self.logits_rows[:rows], slots=self.slots[:size], context_lens_tensor=self.context_lens[:size],
             static=True,
-            ple_embeddings={i: e[:size] for i, e in self.ple_embeddings.items()} if self.ple_embeddings else None,
-            stage_input=None if self.stage_input is None else self.stage_input[:size],
+            ple_embeddings={i: e[:rows] for i, e in self.ple_embeddings.items()} if self.ple_embeddings else None,
+            stage_input=None if self.stage_input is None else self.stage_input[:rows],
+            position_slots=[[scratch] * (per_request - 1)] * size if per_request > 1 else None,
+            verify_slots=None if self.verify_slots is None else self.verify_slots[:size],
         )
 
     def _pad(self, start: int, size: int, width: int) -> None:
-        """Rows start:size become harmless padding (scratch slot, scratch block in the first `width`
+        """Requests start:size become harmless padding (scratch slot, scratch block in the first `width`
         columns, position 0): what a (size, width) forward reads of them."""
-        for buffer in (self.token_ids, self.positions, self.context_lens):
-            buffer[start:size].zero_()
-        if self.stage_input is not None:
-            self.stage_input[start:size].zero_()
+        rows = slice(start * self.rows_per_request, size * self.rows_per_request)
+        for buffer in (self.token_ids, self.positions):
+            buffer[rows].zero_()
+        self.context_lens[start:size].zero_()
+        for buffer in (self.stage_input, self.hidden):
+            if buffer is not None:
+                buffer[rows].zero_()
         self.slots[start:size] = self.cache.scratch_slot
+        if self.verify_slots is not None:
+            self.verify_slots[start:size] = self.cache.scratch_slot
         self.tables_at[width][start:size] = self.cache.scratch_block
-        self.slot_mapping[start:size] = self.cache.scratch_block * self.cache.block_size
+        self.slot_mapping[rows] = self.cache.scratch_block * self.cache.block_size
 
     def _capture(self) -> None:
         pool = None
@@ -128,20 +160,24 @@ class StaticDecodeRunner:
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
                 for _ in range(2):  # warm up lazily built tensors and kernels outside the capture
-                    self.model(batch, self.cache)
+                    self.step(batch, self.cache)
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self.outputs[shape] = self.model(batch, self.cache)
+                self.outputs[shape] = self.step(batch, self.cache)
             pool = graph.pool()
             self.graphs[shape] = graph
 
     def can_run(self, batch: ForwardBatch) -> bool:
+        if self.rows_per_request == 1:
+            shaped = batch.is_decode_only
+        else:  # a verification batch of this width, every row's logits wanted
+            shaped = batch.verify_slots is not None and batch.verify_slots.shape[1] == self.rows_per_request
         return (
-            batch.is_decode_only
+            shaped
             and batch.num_requests <= self.max_batch
             and batch.block_tables.shape[1] <= self.block_tables.shape[1]
-            and batch.logits_rows.shape[0] == batch.num_requests
+            and batch.logits_rows.shape[0] == batch.token_ids.shape[0]
         )
 
     def shape_for(self, batch: ForwardBatch) -> tuple[int, int]:
@@ -149,24 +185,34 @@ class StaticDecodeRunner:
         size = next(s for s in self.sizes if s >= batch.num_requests)
         return size, next(w for w in self.widths if w >= batch.block_tables.shape[1])
 
-    def run(self, batch: ForwardBatch) -> torch.Tensor:
-        """Logits [B, vocab] of a decode-only batch (valid until the next call)."""
-        n = batch.num_requests
+    def run(
+        self, batch: ForwardBatch, hidden: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Logits [B, vocab] of a decode-only batch; of a verification batch, every row's logits and streams;
+        of a draft step (hidden: its input streams), the draft logits and output streams (valid until the
+        next call)."""
+        n, rows = batch.num_requests, batch.token_ids.shape[0]
         size, width = shape = self.shape_for(batch)
-        self.token_ids[:n].copy_(batch.token_ids)
-        self.positions[:n].copy_(batch.positions)
+        self.token_ids[:rows].copy_(batch.token_ids)
+        self.positions[:rows].copy_(batch.positions)
         self.context_lens[:n].copy_(batch.context_lens_tensor)
         self.slots[:n].copy_(batch.slots)
+        if self.verify_slots is not None:
+            self.verify_slots[:n].copy_(batch.verify_slots)
         used, tables = batch.block_tables.shape[1], self.tables_at[width]
         tables[:n, :used].copy_(batch.block_tables)
         tables[:n, used:] = -1
-        self.slot_mapping[:n].copy_(batch.slot_mapping)
+        self.slot_mapping[:rows].copy_(batch.slot_mapping)
         for index, buffer in (self.ple_embeddings or {}).items():
-            buffer[:n].copy_(batch.ple_embeddings[index])
+            buffer[:rows].copy_(batch.ple_embeddings[index])
         if self.stage_input is not None:
-            self.stage_input[:n].copy_(batch.stage_input)
+            self.stage_input[:rows].copy_(batch.stage_input)
+        if self.hidden is not None:
+            self.hidden[:rows].copy_(hidden)
         self._pad(n, size, width)
         if shape in self.graphs:
             self.graphs[shape].replay()
-            return self.outputs[shape][:n]
-        return self.forward(self.batches[shape], self.cache)[:n]
+            out = self.outputs[shape]
+        else:
+            out = self.forward(self.batches[shape], self.cache)
+        return (out[0][:rows], out[1][:rows]) if isinstance(out, tuple) else out[:rows]

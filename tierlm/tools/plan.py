@@ -48,7 +48,8 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--pp-layer-partition", default=None,
                         help="layers per rank, e.g. 16,17,15 (default: balanced)")
     parser.add_argument("--speculative-config", default=None, metavar="JSON",
-                        help="plan MTP speculative decoding's caches too (the draft head's layers, snapshot slots)")
+                        help="plan MTP speculative decoding's caches too (the draft head's layers, the "
+                        "per-position state slots)")
     parser.set_defaults(func=run)
 
 

@@ -33,6 +33,11 @@ class SlotState:
         for pool in self.slot_pools:
             pool[target].copy_(pool[source])
 
+    def copy_slots(self, sources: torch.Tensor, targets: torch.Tensor) -> None:
+        """Slot sources[i] into slot targets[i] for every i (tensors on the pools' device; no slot both)."""
+        for pool in self.slot_pools:
+            pool.index_copy_(0, targets, pool.index_select(0, sources))
+
     def save_slot(self, slot: int, host: list[torch.Tensor], non_blocking: bool = False) -> None:
         """Copy the slot into host tensors shaped as one slot of each pool (`slot_pools` order)."""
         for pool, out in zip(self.slot_pools, host, strict=True):

@@ -5,7 +5,10 @@ in the slot between calls), silu, split, beta = sigmoid(b), log decay g = -exp(A
 l2-normalised q and k (q scaled by dk^-1/2), then the gated delta rule (`kernels/gated_delta_rule`) and a
 gated RMS norm. Multi-token chunks use the chunked form; single-token decodes of all requests in the
 batch run together, everything between in_proj and out_proj in one step (`gated_delta_rule.decode`).
-Both start from and write back the slot's state. On CUDA a prefill batch's rule runs as one Triton
+Both start from and write back the slot's state. A speculative verification batch (`batch.position_slots`)
+also keeps the state after each of a request's rows in the slot given for it: when every request verifies
+T rows, through the decode step's multi-token form (`gated_delta_verify`, the same kernels on CUDA);
+otherwise request by request, row by row. On CUDA a prefill batch's rule runs as one Triton
 launch over all its requests (`chunk_triton`; TIERLM_NO_TRITON_GDN_PREFILL=1 turns it off), and a decode
 step as two Triton launches (`decode_triton`; TIERLM_NO_FUSED_GDN_DECODE=1 turns it off); on CPU
 request by request, and the decode step, in torch.
@@ -22,6 +25,7 @@ from torch import nn
 from tierlm.kernels.gated_delta_rule import (
     chunk_gated_delta_rule,
     gated_delta_decode,
+    gated_delta_verify,
     recurrent_gated_delta_rule,
 )
 from tierlm.model.cache import GDNState
@@ -77,7 +81,7 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, state: GDNState) -> torch.Tensor:
         mixed, z, b, a = self.in_proj(x)  # mixed: [N, C]
-        if batch.is_decode_only:
+        if batch.is_decode_only or batch.verify_slots is not None:
             return self.out_proj(self._decode(mixed, z, b, a, batch, state))
         z = z.unflatten(-1, (self.num_v_heads, self.head_v_dim))
         beta = torch.sigmoid(b)
@@ -88,19 +92,27 @@ class GatedDeltaNet(nn.Module):
     def _chunks(self, mixed, beta, g, batch: ForwardBatch, state: GDNState) -> torch.Tensor:
         """Any batch: each request's chunk through the conv and the chunked (or per-token) rule."""
         weight = self.conv1d.weight.squeeze(1)
-        if triton_prefill_applies(mixed):
+        if triton_prefill_applies(mixed) and not any(batch.position_slots or ()):
             return self._chunks_triton(mixed, beta, g, batch, state, weight)
         core = torch.empty(mixed.shape[0], self.num_v_heads, self.head_v_dim, device=mixed.device)
-        for (start, end), slot in zip(batch.bounds, batch.state_slots):
+        position_slots = batch.position_slots or [[]] * batch.num_requests
+        for (start, end), slot, after in zip(batch.bounds, batch.state_slots, position_slots):
             window = torch.cat([state.conv[slot], mixed[start:end].T], dim=-1).unsqueeze(0)
+            for t, target in enumerate(after):  # speculative verification: the window after each row
+                state.conv[target] = window[0, :, t + 1 : t + self.kernel]
             state.conv[slot] = window[0, :, -(self.kernel - 1) :]
             conv = F.silu(causal_depthwise_conv(window, weight)).transpose(1, 2)  # [1, T, C]
             q, k, v = self.heads(conv)
+            g_, beta_, initial = g[start:end].unsqueeze(0), beta[start:end].unsqueeze(0), state.recurrent[slot][None]
+            if after:  # row by row, the state after each row kept
+                for t, target in enumerate([*after, slot]):
+                    out, initial = recurrent_gated_delta_rule(q[:, t : t + 1], k[:, t : t + 1], v[:, t : t + 1],
+                                                              g_[:, t : t + 1], beta_[:, t : t + 1], initial)
+                    state.recurrent[target] = initial[0]
+                    core[start + t] = out[0, 0]
+                continue
             rule = chunk_gated_delta_rule if end - start > 1 else recurrent_gated_delta_rule
-            out, final = rule(
-                q, k, v, g[start:end].unsqueeze(0), beta[start:end].unsqueeze(0),
-                state.recurrent[slot].unsqueeze(0),
-            )
+            out, final = rule(q, k, v, g_, beta_, initial)
             state.recurrent[slot] = final[0]
             core[start:end] = out[0]
         return core
@@ -119,16 +131,23 @@ class GatedDeltaNet(nn.Module):
         return triton_chunk_gated_delta_rule_varlen(q, k, v, g, beta, cu_seqlens, state.recurrent, batch.slots)
 
     def _decode(self, mixed, z, b, a, batch: ForwardBatch, state: GDNState) -> torch.Tensor:
-        """One token per request, all requests at once, from the in_proj outputs to out_proj's input
-        [B, nv*dv]: static shapes, no host sync (CUDA-graph safe)."""
-        if fused_decode_applies(mixed):
+        """One token per request, or T per request of a speculative verification batch (the state after
+        each row into `batch.verify_slots`), all requests at once, from the in_proj outputs to out_proj's
+        input [N, nv*dv]: static shapes, no host sync (CUDA-graph safe)."""
+        weights = (self.conv1d.weight.squeeze(1), self.A_log, self.dt_bias, self.norm.weight, state.conv,
+                   state.recurrent, batch.slots)
+        fused = fused_decode_applies(mixed)
+        if batch.verify_slots is not None:
+            if fused:
+                from tierlm.kernels.gated_delta_rule.decode_triton import triton_gated_delta_verify as verify
+            else:
+                verify = gated_delta_verify
+            return verify(mixed, z, b, a, *weights, batch.verify_slots, self.norm.eps, self.gate_activation)
+        if fused:
             from tierlm.kernels.gated_delta_rule.decode_triton import triton_gated_delta_decode as step
         else:
             step = gated_delta_decode
-        return step(
-            mixed, z, b, a, self.conv1d.weight.squeeze(1), self.A_log, self.dt_bias, self.norm.weight, state.conv,
-            state.recurrent, batch.slots, self.norm.eps, self.gate_activation,
-        )
+        return step(mixed, z, b, a, *weights, self.norm.eps, self.gate_activation)
 
     def heads(self, conv: torch.Tensor, repeat_keys: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """conv [..., C] -> q, k [..., nv, dk] (normalised, q scaled; nk heads if not repeat_keys), v [..., nv, dv]."""

@@ -3,7 +3,8 @@
 Per token: the rows chosen by `ngram_hash` are concatenated (emb [D]); key = norm_key(key_proj(emb))
 per stream, value = value_proj(emb); each stream's gate is sigmoid(signed sqrt(<key_s, norm_query(h)_s>
 / sqrt(H))); gv_s = gate_s * value. The output gv + silu(dilated causal conv(norm_conv(gv))) is added to
-the streams. The conv history and the token context live in the request's state slot.
+the streams. The conv history and the token context live in the request's state slot (a speculative
+verification batch also keeps the history after each of a request's rows: `ForwardBatch.position_slots`).
 
 Where table rows come from: the in-memory table here (`NgramTable`), or, when the tables are memory-mapped
 files (`memory/ngram_store.py`, the NVMe tier), embeddings the host gathered into `batch.ple_embeddings`.
@@ -28,9 +29,10 @@ from tierlm.model.ngram_hash import NgramHasher, NgramHashSpec, ngram_context
 def shifted_token_streams(batch: ForwardBatch, context: torch.Tensor, eos: int, ngram_size: int) -> torch.Tensor:
     """The n-gram context of every packed token, [ngram_size, N] (see `ngram_hash.ngram_context`);
     context [S, ngram_size-1] holds each slot's last ids. The same for every PLE layer: computed once."""
-    if batch.is_decode_only:
-        history = torch.cat([context.index_select(0, batch.slots), batch.token_ids[:, None]], dim=-1)  # [B, P+1]
-        return ngram_context(history, eos, ngram_size)[..., 0]
+    if batch.is_decode_only or batch.verify_slots is not None:  # T rows per request (decode: 1)
+        tokens = batch.token_ids.view(batch.num_requests, -1)
+        history = torch.cat([context.index_select(0, batch.slots), tokens], dim=-1)  # [B, P+T]
+        return ngram_context(history, eos, ngram_size).flatten(1)
     return torch.cat([
         ngram_context(torch.cat([context[slot], batch.token_ids[start:end]]), eos, ngram_size)
         for (start, end), slot in zip(batch.bounds, batch.state_slots)
@@ -95,9 +97,19 @@ class PLELayer(nn.Module):
             window = torch.cat([state.conv.index_select(0, batch.slots), conv_in.unsqueeze(-1)], dim=-1)
             state.conv.index_copy_(0, batch.slots, window[..., 1:])
             return causal_depthwise_conv(window, weight, self.ngram_size)[..., 0]
+        if batch.verify_slots is not None:  # T rows per request, the history after each kept
+            requests, width = batch.verify_slots.shape
+            window = torch.cat([state.conv.index_select(0, batch.slots),
+                                conv_in.view(requests, width, -1).transpose(1, 2)], dim=-1)  # [B, C, P+T]
+            after = window.unfold(-1, self.history, 1)[:, :, 1:]  # [B, C, T, P]
+            state.conv.index_copy_(0, batch.verify_slots.flatten(), after.transpose(1, 2).flatten(0, 1))
+            return causal_depthwise_conv(window, weight, self.ngram_size).transpose(1, 2).flatten(0, 1)
         conv_out = torch.empty_like(conv_in)
-        for (start, end), slot in zip(batch.bounds, batch.state_slots):
+        position_slots = batch.position_slots or [[]] * batch.num_requests
+        for (start, end), slot, after in zip(batch.bounds, batch.state_slots, position_slots):
             window = torch.cat([state.conv[slot], conv_in[start:end].T], dim=-1)
+            for t, target in enumerate(after):  # speculative verification: the history after each row
+                state.conv[target] = window[:, t + 1 : t + 1 + self.history]
             state.conv[slot] = window[:, -self.history :]
             conv_out[start:end] = causal_depthwise_conv(window.unsqueeze(0), weight, self.ngram_size)[0].T
         return conv_out

@@ -102,13 +102,18 @@ class QSAIndexer(nn.Module):
 
     def store_block_keys(
         self, raw_keys: torch.Tensor, context_len: int, slot: int, block_table: torch.Tensor,
-        state: QSAIndexerState, rope: Rope,
+        state: QSAIndexerState, rope: Rope, position_slots: list[int] = (),
     ) -> None:
-        """Complete the blocks this chunk closes, write their keys, keep the open block's raw keys."""
+        """Complete the blocks this chunk closes, write their keys, keep the open block's raw keys.
+        position_slots (speculative verification): slots that receive the ring after each row but the last."""
         r = self.ratio
         carried = context_len % r
+        pending = torch.cat([state.ring[slot, :carried], raw_keys])  # from position context_len - carried
+        for t, target in enumerate(position_slots):
+            seen = carried + t + 1  # pending rows up to row t; the open group is the last `seen % r` of them
+            if seen % r:
+                state.ring[target, : seen % r] = pending[seen - seen % r : seen]
         first_block = context_len // r
-        pending = torch.cat([state.ring[slot, :carried], raw_keys])
         complete = pending.shape[0] // r
         if complete:
             starts = torch.arange(first_block, first_block + complete, device=raw_keys.device) * r
@@ -159,6 +164,32 @@ class QSAIndexer(nn.Module):
         row = block * (bs // r) + (starts % bs) // r
         row = torch.where(offset == r - 1, row, state.scratch_block * (bs // r))
         state.keys.view(-1, self.head_dim)[row] = keys
+
+    def store_block_keys_verify(
+        self, raw_keys: torch.Tensor, batch: ForwardBatch, state: QSAIndexerState, rope: Rope
+    ) -> None:
+        """`store_block_key_decode` for a verification batch's T rows per request: the ring after each row
+        (its open group's raw keys: from the request's ring, then from its rows) goes to that row's slot
+        (`batch.verify_slots`), and a row that closes a block writes the block's key. Static shapes."""
+        r, bs = self.ratio, state.block_size
+        requests, width = batch.verify_slots.shape
+        context = batch.context_lens_tensor[:, None, None]  # [B, 1, 1]
+        source = torch.cat([state.ring[batch.slots], raw_keys.view(requests, width, -1)], dim=1)  # [B, R+T, id]
+        positions = batch.positions.view(requests, width)
+        offset = positions % r
+        starts = positions - offset  # [B, T]: the first position of each row's open group
+        held = starts[..., None] + torch.arange(r, device=raw_keys.device)  # [B, T, R]: positions of its entries
+        # an entry before the context is in the ring (at its offset), the others are rows of this batch;
+        # entries past the row's position are never read (clamped into range)
+        index = torch.where(held < context, held % r, r + held - context).clamp_(max=r + width - 1)
+        rings = source.gather(1, index.view(requests, width * r, 1).expand(-1, -1, source.shape[-1]))
+        rings = rings.view(requests * width, r, -1)
+        state.ring.index_copy_(0, batch.verify_slots.flatten(), rings)
+        cos, sin = rope.at(starts.flatten())
+        keys = self.compress(rings, cos, sin)
+        block = batch.block_tables.gather(1, starts // bs)  # [B, T]
+        row = torch.where(offset == r - 1, block * (bs // r) + (starts % bs) // r, state.scratch_block * (bs // r))
+        state.keys.view(-1, self.head_dim)[row.flatten()] = keys
 
     def select_decode(self, q: torch.Tensor, batch: ForwardBatch, state: QSAIndexerState) -> "Selection":
         """The K/V rows each request's query attends to: its top blocks' tokens and its open tail.
@@ -247,12 +278,18 @@ class QSAAttention(nn.Module):
         index_q, raw_keys = self.indexer.project(x, cos, sin)
         if batch.is_decode_only:
             return self._decode(q, gate, index_q, raw_keys, batch, kv, state, rope)
+        if batch.verify_slots is not None:  # every row as a decode query (their K/V are all written above)
+            self.indexer.store_block_keys_verify(raw_keys, batch, state, rope)
+            selection = self.indexer.select_decode(index_q, batch.verify_rows(), state)
+            out = kv.decode_attention(q, selection.rows, selection.valid, self.scale)
+            return self.o_proj(out.flatten(1) * torch.sigmoid(gate))
         out = torch.empty(n, self.num_heads, self.head_dim, dtype=x.dtype, device=x.device)
         r, bs = self.indexer.ratio, state.block_size
         for i, (start, end) in enumerate(batch.bounds):
             table, ctx = batch.block_tables[i], batch.context_lens[i]
             self.indexer.store_block_keys(
-                raw_keys[start:end], ctx, batch.state_slots[i], table, state, rope
+                raw_keys[start:end], ctx, batch.state_slots[i], table, state, rope,
+                batch.position_slots[i] if batch.position_slots else (),
             )
             block_keys = gather_rows(state.keys, table, (ctx + end - start) // r, bs // r)
             tables = torch.where(table < 0, state.scratch_block, table)
