@@ -16,8 +16,9 @@ What makes it fast (each measured against the older packed GEMV in bench/moe_dec
   - the down launch folds each expert's routing weight into its scales, so one reduction over threads
     ends a program, not one per expert.
 Launches: (split copy), `_packed_gate_up_kernel` over (pair, block of I), `_packed_down_kernel` over
-(block of H, token, group of `down_ranks` experts); with fewer than top-k experts per down program the fp32
-partials are added by the caller (`fused_moe.triton._sum_chunks`). Tiles: `PackedDecodeTiles`.
+(block of H, token, group of `down_ranks` experts); with fewer than top-k experts per down program the
+last program to finish a token's columns adds the groups' fp32 partials in the same launch (arrival
+counters: `kernels/split_reduce`). Tiles: `PackedDecodeTiles`.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import triton
 import triton.language as tl
 
 from tierlm.kernels.quant_linear.triton import dot_precision, round_to, word_value
+from tierlm.kernels.split_reduce import arrival_counters
 
 
 class PackedDecodeTiles(NamedTuple):
@@ -149,17 +151,19 @@ def _packed_gate_up_kernel(
 
 @triton.jit
 def _packed_down_kernel(
-    act_ptr, w_ptr, s_ptr, routing_ptr, ids_ptr, out_ptr, stride_ap, stride_we, stride_wn, stride_se, stride_sn,
-    stride_ot, one_bits,
+    act_ptr, w_ptr, s_ptr, routing_ptr, ids_ptr, out_ptr, partial_ptr, counter_ptr, stride_ap, stride_we, stride_wn,
+    stride_se, stride_sn, one_bits,
     H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, SLOTS: tl.constexpr, RANKS: tl.constexpr,
     BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
     DTYPE: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """One program: token pid(1), columns [pid(0) * BLOCK_N, +BLOCK_N) of H, the token's experts of ranks
-    [pid(2) * RANKS, +RANKS) (those below TOP_K) in ascending id (SLOTS: TOP_K rounded up to a power of 2).
-    out[token * splits + pid(2), h] = sum over those experts of routing x (act[pair] W_down[e, h]) in fp32
-    (each expert's routing weight, rounded to x's dtype, folded into its scales); rounded to out's dtype
-    (one split: the token's output) or stored in fp32."""
+    [pid(2) * RANKS, +RANKS) (those below TOP_K) in ascending id (SLOTS: TOP_K rounded up to a power of 2):
+    the sum over those experts of routing x (act[pair] W_down[e, h]) in fp32 (each expert's routing
+    weight, rounded to x's dtype, folded into its scales). With one split that is out[token], rounded to
+    out's dtype; with several it is stored in fp32 at partial[token * splits + pid(2)], and the token's
+    last program to arrive for these columns (`split_reduce` arrival counters, one per token and column
+    block) adds the splits' partials in order and rounds out[token] once."""
     VALUES: tl.constexpr = 32 // BITS
     pid_n, token, split = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
     slots = tl.arange(0, SLOTS)
@@ -179,8 +183,21 @@ def _packed_down_kernel(
                             pair * stride_ap, stride_wn, stride_sn, one_bits, I // VALUES, BITS, GROUP_SIZE, BLOCK_W, True,
                             routing)
     result = tl.sum(acc, axis=1)
-    out_ptrs = out_ptr + (token * tl.cdiv(TOP_K, RANKS) + split) * stride_ot + offs_n
-    tl.store(out_ptrs, round_to(result, out_ptr.dtype.element_ty, PRECISION), mask=offs_n < H)
+    SPLITS: tl.constexpr = (TOP_K + RANKS - 1) // RANKS
+    n_mask = offs_n < H
+    if SPLITS == 1:
+        tl.store(out_ptr + token * H + offs_n, round_to(result, out_ptr.dtype.element_ty, PRECISION), mask=n_mask)
+    else:
+        tl.store(partial_ptr + (token * SPLITS + split) * H + offs_n, result, mask=n_mask)
+        counter = counter_ptr + token * tl.num_programs(0) + pid_n
+        tl.debug_barrier()  # every thread's stores are issued before the program counts itself in
+        if tl.atomic_add(counter, 1, sem="acq_rel") == SPLITS - 1:
+            total = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            for s in tl.static_range(SPLITS):
+                total += tl.load(partial_ptr + (token * SPLITS + s) * H + offs_n, mask=n_mask, other=0.0,
+                                 cache_modifier=".cg")
+            tl.store(out_ptr + token * H + offs_n, round_to(total, out_ptr.dtype.element_ty, PRECISION), mask=n_mask)
+            tl.atomic_xchg(counter, 0)  # ready for the next launch
 
 
 FLOAT_ONE_BITS = 0x3F800000  # `word_value`'s one_bits, passed at run time (see there)
@@ -188,10 +205,9 @@ DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp
 
 
 def packed_decode(x: torch.Tensor, weights: tuple, topk_weights: torch.Tensor, topk_ids: torch.Tensor, bits: int,
-                  group: int, inter: int, tiles: PackedDecodeTiles) -> tuple[torch.Tensor, int]:
-    """The two launches (three with the split copy) for x [T, H]; weights (w_gate_up, gate_up_scales,
-    w_down, down_scales) packed in `bits` (4 or 8), contiguous. Returns (out, splits): with one split out
-    is [T, H] in x's dtype, the result; else [T * splits, H] fp32 partials to be summed per token."""
+                  group: int, inter: int, tiles: PackedDecodeTiles) -> torch.Tensor:
+    """The two launches (three with the split copy) for x [T, H] (contiguous); weights (w_gate_up,
+    gate_up_scales, w_down, down_scales) packed in `bits` (4 or 8), contiguous. Returns [T, H] in x's dtype."""
     w_gate_up, gate_up_scales, w_down, down_scales = weights
     (t, h), top_k = x.shape, topk_ids.shape[1]
     values = 32 // bits
@@ -215,15 +231,18 @@ def packed_decode(x: torch.Tensor, weights: tuple, topk_weights: torch.Tensor, t
         GROUP_SIZE=group, BLOCK_N=tiles.gate_up_block_n, BLOCK_W=tiles.gate_up_block_w, SPLIT_X=tiles.split_x,
         DTYPE=dtype, PRECISION=precision, num_warps=tiles.gate_up_warps,
     )
+    out = torch.empty_like(x)
+    n_blocks = triton.cdiv(h, tiles.down_block_n)
     if splits == 1:
-        out = torch.empty_like(x)
+        partial = counters = out  # (unused)
     else:
-        out = workspace[x_numel + act_numel:].view(t * splits, h)
-    _packed_down_kernel[(triton.cdiv(h, tiles.down_block_n), t, splits)](
-        act, w_down, down_scales, topk_weights, topk_ids, out, act.stride(0), w_down.stride(0), w_down.stride(1),
-        down_scales.stride(0), down_scales.stride(1), out.stride(0), FLOAT_ONE_BITS, H=h, I=inter, TOP_K=top_k,
+        partial = workspace[x_numel + act_numel:]
+        counters = arrival_counters("fused_moe_packed_down", x.device, t * n_blocks)
+    _packed_down_kernel[(n_blocks, t, splits)](
+        act, w_down, down_scales, topk_weights, topk_ids, out, partial, counters, act.stride(0), w_down.stride(0),
+        w_down.stride(1), down_scales.stride(0), down_scales.stride(1), FLOAT_ONE_BITS, H=h, I=inter, TOP_K=top_k,
         SLOTS=triton.next_power_of_2(top_k), RANKS=ranks, BITS=bits, GROUP_SIZE=group,
         BLOCK_N=tiles.down_block_n, BLOCK_W=tiles.down_block_w, DTYPE=dtype, PRECISION=precision,
         num_warps=tiles.down_warps,
     )
-    return out, splits
+    return out

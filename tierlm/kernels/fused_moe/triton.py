@@ -4,11 +4,11 @@ variant (unquantized, or packed INT4 / INT6 / INT8 with group scales: `quant_lin
 Every launch reads the selected experts' weights in place (no copy of an expert's weights is ever made),
 and no launch needs a host sync, so a decode step can be captured in a CUDA graph. Two forms:
   - decode (up to DECODE_MAX_PAIRS (token, expert) pairs): GEMVs, one pair per program row (no tl.dot
-    padding M to 16), each product (packed: each word) in its own fp32 accumulator summed once at the
-    end (`quant_linear.triton.gemv_loop`). Two launches, with no sort or gather before them:
+    padding M to 16). Experts packed in 4 or 8 bits take `packed_decode` (its own pair of kernels, x
+    read in a split layout); unquantized and INT6 ones two launches here, each product in its own fp32
+    accumulator summed once at the end (`quant_linear.triton.gemv_loop`), with no sort or gather first:
       1. `_gate_up_gemv_kernel`: program (n block, pair) computes silu(x W_gate^T) * (x W_up^T) for
-         `gate_up_block_n` of the expert's I columns (packed: the gate and up rows as one tile), stored
-         in x's dtype as `naive` rounds it;
+         `gate_up_block_n` of the expert's I columns, stored in x's dtype as `naive` rounds it;
       2. `_down_sum_gemv_kernel`: program (n block, token, split) ranks the token's k experts by id in
          registers and, in ascending id (the reference's order), adds routing weight x (act W_down^T)
          over `down_ranks` of them in fp32; when that is all k it rounds the token's output once (the
@@ -257,12 +257,11 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, to
 
 
 def _decode(x, weights, topk_weights, topk_ids, bits: int, group: int, inter: int) -> torch.Tensor:
-    """The GEMV form: two launches (three when a down program takes fewer than top-k experts; packed
-    4/8-bit experts: `packed_decode`), no sort."""
+    """The GEMV form: two launches (three when a down program takes fewer than top-k experts), no sort;
+    packed 4/8-bit experts: `packed_decode`."""
     tiles = DECODE_TILES[bits]
     if bits in (4, 8):
-        out, splits = packed_decode(x, weights, topk_weights, topk_ids, bits, group, inter, tiles)
-        return out if splits == 1 else _sum_chunks(out, x, splits)
+        return packed_decode(x, weights, topk_weights, topk_ids, bits, group, inter, tiles)
     w_gate_up, gate_up_scales, w_down, down_scales = weights
     (t, h), top_k = x.shape, topk_ids.shape[1]
     precision = dot_precision(x)
