@@ -49,21 +49,22 @@ GATE_UP_SWEEP = [{"gate_up_block_n": n, "gate_up_block_k": k} for n in (8, 16, 3
 DOWN_SWEEP = [{"down_block_n": n, "down_block_k": k, "down_ranks": r} for n in (16, 32) for k in (128, 256)
               for r in (5, 2)]
 # --packed-sweep: whole launch shapes of the INT4 decode form (fused_moe.packed_decode.PackedDecodeTiles:
-# gate_up rows x words, warps; down rows x words, warps, experts per program; x split first or gathered).
-# Checked by compiling for sm_90 (triton 3.9): 47-96 registers, no spills, no barrier in any loop
+# gate_up rows x words, warps; down rows x words, warps, experts per program; x split first or gathered;
+# K tiles unrolled or looped). Checked by compiling for sm_90 (triton 3.9): no spills, no barrier in any
+# loop; 47-96 registers looped, up to 255 unrolled (fewer programs per SM, more loads in flight each)
 PACKED_CANDIDATES = [
-    (8, 32, 4, 32, 16, 4, 1, True),
-    (16, 32, 4, 32, 16, 4, 1, True),
-    (8, 64, 4, 32, 16, 4, 1, True),
-    (8, 64, 4, 64, 16, 4, 1, True),
-    (16, 64, 8, 64, 16, 8, 1, True),
-    (32, 32, 8, 64, 16, 4, 1, True),
-    (8, 64, 4, 32, 32, 4, 1, True),
-    (8, 64, 4, 64, 16, 4, 2, True),
-    (8, 64, 4, 64, 16, 4, 10, True),
-    (32, 32, 8, 32, 16, 4, 1, False),
-    (16, 64, 8, 64, 16, 8, 1, False),
-    (16, 64, 4, 64, 16, 4, 5, False),
+    (8, 32, 4, 32, 16, 4, 1, True, False),
+    (8, 64, 4, 32, 16, 4, 1, True, False),
+    (8, 64, 4, 64, 16, 4, 1, True, False),
+    (16, 64, 8, 64, 16, 8, 1, True, False),
+    (32, 32, 8, 64, 16, 4, 1, True, False),
+    (8, 64, 4, 32, 32, 4, 1, True, False),
+    (8, 64, 4, 64, 16, 4, 2, True, False),
+    (8, 64, 4, 64, 16, 4, 10, True, False),
+    (8, 64, 4, 32, 16, 4, 1, True, True),
+    (16, 64, 8, 32, 16, 4, 1, True, True),
+    (32, 32, 8, 32, 16, 4, 1, False, False),
+    (16, 64, 8, 64, 16, 8, 1, False, True),
 ]
 # the INT4 decode kernel's % of copy bandwidth before packed_decode (H200, bench/results/moe_decode_kernel_nvidia_h200.txt)
 RECORDED = {("int4-g32", 1): 0.234, ("int4-g32", 4): 0.320, ("int4-g32", 16): 0.322,
@@ -232,16 +233,16 @@ def sweep_packed(run: SimpleNamespace, experts: tuple, label: str, batches: list
             cells["best", batch] = f"   #{best[2]:<5}"
     kernels.DECODE_TILES[bits] = saved
     print(f"{label}: % of copy bandwidth per launch shape and batch ('!': output off the reference by > 5%)")
-    print(f"{'#':>3}  {'gate_up n x w, warps':<22}{'down n x w, warps, ranks':<26}{'x':<9}"
+    print(f"{'#':>3}  {'gate_up n x w, warps':<22}{'down n x w, warps, ranks':<26}{'x':<9}{'K tiles':<9}"
           + "".join(f"{'b' + str(b):>9}" for b in batches))
     for number, c in enumerate(PACKED_CANDIDATES):
         print(f"{number:>3}  {f'{c[0]} x {c[1]}, {c[2]}':<22}{f'{c[3]} x {c[4]}, {c[5]}, {c[6]}':<26}"
-              f"{'split' if c[7] else 'gathered':<9}" + "".join(f"{cells[number, b]:>9}" for b in batches))
+              f"{'split' if c[7] else 'gathered':<9}{'unrolled' if c[8] else 'loop':<9}" + "".join(f"{cells[number, b]:>9}" for b in batches))
     for name, values in (("recorded INT4 kernel (before)", [f"{RECORDED.get((label, b), float('nan')):>8.1%} "
                                                              for b in batches]),
                          ("bf16 kernel, this run", [f"{run.bf16_share.get(b, float('nan')):>8.1%} " for b in batches]),
                          ("best", [cells.get(("best", b), "     none") for b in batches])):
-        print(f"     {name:<55}" + "".join(f"{v:>9}" for v in values))
+        print(f"     {name:<64}" + "".join(f"{v:>9}" for v in values))
     return results
 
 

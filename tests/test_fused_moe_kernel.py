@@ -44,8 +44,11 @@ DECODE_BLOCK_K = {"gate_up_block_k": 64, "down_block_k": 32}
 PACKED_BLOCK_W = {4: {"gate_up_block_w": 8, "down_block_w": 4}, 8: {"gate_up_block_w": 16, "down_block_w": 8}}
 CASES = {f"{d}-{f}-{p}": (DTYPES[d], FORMATS[f], PATHS[p]) for d in DTYPES for f in FORMATS for p in PATHS
          if p != "decode-split" or f in ("unquantized", "int4-g32")}  # (the split is format-independent)
-# packed decode with x gathered in place instead of split first (`PackedDecodeTiles.split_x`)
+# packed decode with x gathered in place instead of split first, and with its K tiles unrolled instead of
+# looped (`PackedDecodeTiles.split_x`, `.unroll`)
 CASES.update({f"{d}-int4-g32-decode-gathered-x": (DTYPES[d], FORMATS["int4-g32"], PATHS["decode"]) for d in DTYPES})
+CASES.update({f"{d}-int4-g32-decode-split-unrolled": (DTYPES[d], FORMATS["int4-g32"], PATHS["decode-split"])
+              for d in DTYPES})
 
 
 def route(tokens: int, top_k: int, skewed: bool, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -115,8 +118,9 @@ def run_kernel_cases(names: list[str]) -> dict[str, str | None]:
             ranks = CASES[name][2][3]
             kernels.DECODE_TILES = {bits: tiles._replace(down_ranks=ranks, **PACKED_BLOCK_W.get(bits, DECODE_BLOCK_K))
                                     for bits, tiles in saved[2].items()}
-            if name.endswith("gathered-x"):
-                kernels.DECODE_TILES[4] = kernels.DECODE_TILES[4]._replace(split_x=False)
+            if name.endswith(("gathered-x", "unrolled")):
+                kernels.DECODE_TILES[4] = kernels.DECODE_TILES[4]._replace(split_x=not name.endswith("gathered-x"),
+                                                                           unroll=name.endswith("unrolled"))
             if (ids.numel() <= DECODE_MAX_PAIRS) == name.endswith("prefill"):
                 results[name] = f"{ids.numel()} pairs do not take the path of {name}"
                 continue

@@ -43,6 +43,7 @@ class PackedDecodeTiles(NamedTuple):
     down_warps: int
     down_ranks: int  # of a token's top-k experts per down program (fewer: fp32 partials summed after)
     split_x: bool  # x read split (one copy launch first) or gathered in place
+    unroll: bool  # each program's K tiles unrolled (all loads issued up front, as registers allow) or a loop
 
 
 @triton.jit
@@ -105,19 +106,30 @@ def _load_tile(w_ptr, s_ptr, rows, w0, WORDS: tl.constexpr, stride_wn, stride_sn
 
 @triton.jit
 def _rows_dot(acc, w_ptr, s_ptr, rows, x_ptr, x_row, stride_wn, stride_sn, one_bits, WORDS: tl.constexpr,
-              BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, BLOCK_W: tl.constexpr, SPLIT_X: tl.constexpr, SCALE_BY):
+              BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, BLOCK_W: tl.constexpr, SPLIT_X: tl.constexpr,
+              UNROLL: tl.constexpr, SCALE_BY):
     """acc [R, BLOCK_W] + per word, over all of the rows' WORDS words, x's row (at x_ptr + x_row) times the
     weight rows `rows` ([R, 1] int64, in range), each word's sum times its group scale times SCALE_BY.
-    Each tile's words are loaded one tile ahead (the last one twice)."""
+    UNROLL: the tiles unrolled (the compiler issues every tile's loads before the first is computed, as
+    registers allow: the most bytes in flight); else a loop, each tile loaded one tile ahead (the last
+    one twice)."""
     EVEN_W: tl.constexpr = WORDS % BLOCK_W == 0
-    LAST: tl.constexpr = (WORDS - 1) // BLOCK_W * BLOCK_W
-    words, scale = _load_tile(w_ptr, s_ptr, rows, 0, WORDS, stride_wn, stride_sn, BITS, GROUP_SIZE, BLOCK_W, EVEN_W)
-    for w0 in range(0, WORDS, BLOCK_W):
-        next_words, next_scale = _load_tile(w_ptr, s_ptr, rows, tl.minimum(w0 + BLOCK_W, LAST), WORDS, stride_wn,
-                                            stride_sn, BITS, GROUP_SIZE, BLOCK_W, EVEN_W)
-        offs_w = w0 + tl.arange(0, BLOCK_W)
-        acc += _tile_dot(words, x_ptr, x_row, offs_w, one_bits, WORDS, BITS, SPLIT_X, EVEN_W) * (scale * SCALE_BY)
-        words, scale = next_words, next_scale
+    if UNROLL:
+        for w0 in tl.static_range(0, WORDS, BLOCK_W):
+            words, scale = _load_tile(w_ptr, s_ptr, rows, w0, WORDS, stride_wn, stride_sn, BITS, GROUP_SIZE, BLOCK_W,
+                                      EVEN_W)
+            offs_w = w0 + tl.arange(0, BLOCK_W)
+            acc += _tile_dot(words, x_ptr, x_row, offs_w, one_bits, WORDS, BITS, SPLIT_X, EVEN_W) * (scale * SCALE_BY)
+    else:
+        LAST: tl.constexpr = (WORDS - 1) // BLOCK_W * BLOCK_W
+        words, scale = _load_tile(w_ptr, s_ptr, rows, 0, WORDS, stride_wn, stride_sn, BITS, GROUP_SIZE, BLOCK_W,
+                                  EVEN_W)
+        for w0 in range(0, WORDS, BLOCK_W):
+            next_words, next_scale = _load_tile(w_ptr, s_ptr, rows, tl.minimum(w0 + BLOCK_W, LAST), WORDS, stride_wn,
+                                                stride_sn, BITS, GROUP_SIZE, BLOCK_W, EVEN_W)
+            offs_w = w0 + tl.arange(0, BLOCK_W)
+            acc += _tile_dot(words, x_ptr, x_row, offs_w, one_bits, WORDS, BITS, SPLIT_X, EVEN_W) * (scale * SCALE_BY)
+            words, scale = next_words, next_scale
     return acc
 
 
@@ -125,7 +137,7 @@ def _rows_dot(acc, w_ptr, s_ptr, rows, x_ptr, x_row, stride_wn, stride_sn, one_b
 def _packed_gate_up_kernel(
     x_ptr, w_ptr, s_ptr, act_ptr, ids_ptr, stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_ap, one_bits,
     H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, BITS: tl.constexpr, GROUP_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, SPLIT_X: tl.constexpr, DTYPE: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, SPLIT_X: tl.constexpr, UNROLL: tl.constexpr, DTYPE: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     """One program: pair pid(0) (token pair // TOP_K, expert ids[pair]), columns [pid(1) * BLOCK_N, +BLOCK_N)
@@ -140,7 +152,7 @@ def _packed_gate_up_kernel(
     rows = tl.where(n < I, tl.where(both < BLOCK_N, n, I + n), 0)[:, None].to(tl.int64)  # clamped: no row mask
     acc = _rows_dot(tl.zeros((2 * BLOCK_N, BLOCK_W), dtype=tl.float32), w_ptr + expert * stride_we,
                     s_ptr + expert * stride_se, rows, x_ptr, (pair // TOP_K).to(tl.int64) * stride_xt, stride_wn,
-                    stride_sn, one_bits, H // VALUES, BITS, GROUP_SIZE, BLOCK_W, SPLIT_X, 1.0)
+                    stride_sn, one_bits, H // VALUES, BITS, GROUP_SIZE, BLOCK_W, SPLIT_X, UNROLL, 1.0)
     sums = tl.sum(acc, axis=1)  # [2 * BLOCK_N]
     gate, up = tl.split(tl.trans(tl.reshape(sums, (2, BLOCK_N))))
     act = _round_as(gate / (1.0 + tl.exp(-gate)) * up, DTYPE, PRECISION)
@@ -155,7 +167,7 @@ def _packed_down_kernel(
     stride_se, stride_sn, one_bits,
     H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, SLOTS: tl.constexpr, RANKS: tl.constexpr,
     BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
-    DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+    UNROLL: tl.constexpr, DTYPE: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """One program: token pid(1), columns [pid(0) * BLOCK_N, +BLOCK_N) of H, the token's experts of ranks
     [pid(2) * RANKS, +RANKS) (those below TOP_K) in ascending id (SLOTS: TOP_K rounded up to a power of 2):
@@ -181,7 +193,7 @@ def _packed_down_kernel(
             routing = _round_as(tl.load(routing_ptr + pair).to(tl.float32), DTYPE, PRECISION)
             acc = _rows_dot(acc, w_ptr + expert * stride_we, s_ptr + expert * stride_se, rows, act_ptr,
                             pair * stride_ap, stride_wn, stride_sn, one_bits, I // VALUES, BITS, GROUP_SIZE, BLOCK_W, True,
-                            routing)
+                            UNROLL, routing)
     result = tl.sum(acc, axis=1)
     SPLITS: tl.constexpr = (TOP_K + RANKS - 1) // RANKS
     n_mask = offs_n < H
@@ -229,7 +241,7 @@ def packed_decode(x: torch.Tensor, weights: tuple, topk_weights: torch.Tensor, t
         x_in, w_gate_up, gate_up_scales, act, topk_ids, x_in.stride(0), w_gate_up.stride(0), w_gate_up.stride(1),
         gate_up_scales.stride(0), gate_up_scales.stride(1), act.stride(0), FLOAT_ONE_BITS, H=h, I=inter, TOP_K=top_k, BITS=bits,
         GROUP_SIZE=group, BLOCK_N=tiles.gate_up_block_n, BLOCK_W=tiles.gate_up_block_w, SPLIT_X=tiles.split_x,
-        DTYPE=dtype, PRECISION=precision, num_warps=tiles.gate_up_warps,
+        UNROLL=tiles.unroll, DTYPE=dtype, PRECISION=precision, num_warps=tiles.gate_up_warps,
     )
     out = torch.empty_like(x)
     n_blocks = triton.cdiv(h, tiles.down_block_n)
@@ -242,7 +254,7 @@ def packed_decode(x: torch.Tensor, weights: tuple, topk_weights: torch.Tensor, t
         act, w_down, down_scales, topk_weights, topk_ids, out, partial, counters, act.stride(0), w_down.stride(0),
         w_down.stride(1), down_scales.stride(0), down_scales.stride(1), FLOAT_ONE_BITS, H=h, I=inter, TOP_K=top_k,
         SLOTS=triton.next_power_of_2(top_k), RANKS=ranks, BITS=bits, GROUP_SIZE=group,
-        BLOCK_N=tiles.down_block_n, BLOCK_W=tiles.down_block_w, DTYPE=dtype, PRECISION=precision,
+        BLOCK_N=tiles.down_block_n, BLOCK_W=tiles.down_block_w, UNROLL=tiles.unroll, DTYPE=dtype, PRECISION=precision,
         num_warps=tiles.down_warps,
     )
     return out

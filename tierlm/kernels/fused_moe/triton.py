@@ -64,7 +64,7 @@ class DecodeTiles(NamedTuple):
 DECODE_MAX_PAIRS = 160  # up to this many (token, expert) pairs (16 tokens of top-10), the GEMV form
 # (4 and 8 bits: `packed_decode`, first guesses checked only by compiling for sm_90: to be swept on an H200)
 DECODE_TILES = {**dict.fromkeys((0, 6), DecodeTiles(8, 512, 4, 16, 128, 4, 2)),
-                **dict.fromkeys((4, 8), PackedDecodeTiles(8, 32, 4, 32, 16, 4, 1, True))}
+                **dict.fromkeys((4, 8), PackedDecodeTiles(8, 64, 4, 32, 16, 4, 1, True, False))}
 PREFILL_BLOCK_M, PREFILL_BLOCK_N, PREFILL_BLOCK_K, PREFILL_NUM_WARPS = 32, 64, 64, 4
 SUM_BLOCK = 256
 
