@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tierlm.kernels.quant_linear.triton import dot_precision, round_to, word_value
+from tierlm.kernels.quant_linear.triton import FLOAT_ONE_BITS, dot_precision, round_to, word_value
 from tierlm.kernels.split_reduce import arrival_counters
 
 
@@ -212,14 +212,15 @@ def _packed_down_kernel(
             tl.atomic_xchg(counter, 0)  # ready for the next launch
 
 
-FLOAT_ONE_BITS = 0x3F800000  # `word_value`'s one_bits, passed at run time (see there)
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 
 def packed_decode(x: torch.Tensor, weights: tuple, topk_weights: torch.Tensor, topk_ids: torch.Tensor, bits: int,
-                  group: int, inter: int, tiles: PackedDecodeTiles) -> torch.Tensor:
+                  group: int, inter: int, tiles: PackedDecodeTiles, max_tokens: int) -> torch.Tensor:
     """The two launches (three with the split copy) for x [T, H] (contiguous); weights (w_gate_up,
-    gate_up_scales, w_down, down_scales) packed in `bits` (4 or 8), contiguous. Returns [T, H] in x's dtype."""
+    gate_up_scales, w_down, down_scales) packed in `bits` (4 or 8), contiguous. Returns [T, H] in x's dtype.
+    max_tokens: the most tokens a call can bring (the arrival counters are made for that many once, so a
+    captured graph never sees them remade)."""
     w_gate_up, gate_up_scales, w_down, down_scales = weights
     (t, h), top_k = x.shape, topk_ids.shape[1]
     values = 32 // bits
@@ -239,9 +240,9 @@ def packed_decode(x: torch.Tensor, weights: tuple, topk_weights: torch.Tensor, t
     act = workspace[x_numel:x_numel + act_numel].view(t * top_k, inter)
     _packed_gate_up_kernel[(t * top_k, triton.cdiv(inter, tiles.gate_up_block_n))](
         x_in, w_gate_up, gate_up_scales, act, topk_ids, x_in.stride(0), w_gate_up.stride(0), w_gate_up.stride(1),
-        gate_up_scales.stride(0), gate_up_scales.stride(1), act.stride(0), FLOAT_ONE_BITS, H=h, I=inter, TOP_K=top_k, BITS=bits,
-        GROUP_SIZE=group, BLOCK_N=tiles.gate_up_block_n, BLOCK_W=tiles.gate_up_block_w, SPLIT_X=tiles.split_x,
-        UNROLL=tiles.unroll, DTYPE=dtype, PRECISION=precision, num_warps=tiles.gate_up_warps,
+        gate_up_scales.stride(0), gate_up_scales.stride(1), act.stride(0), FLOAT_ONE_BITS.value, H=h, I=inter,
+        TOP_K=top_k, BITS=bits, GROUP_SIZE=group, BLOCK_N=tiles.gate_up_block_n, BLOCK_W=tiles.gate_up_block_w,
+        SPLIT_X=tiles.split_x, UNROLL=tiles.unroll, DTYPE=dtype, PRECISION=precision, num_warps=tiles.gate_up_warps,
     )
     out = torch.empty_like(x)
     n_blocks = triton.cdiv(h, tiles.down_block_n)
@@ -249,10 +250,10 @@ def packed_decode(x: torch.Tensor, weights: tuple, topk_weights: torch.Tensor, t
         partial = counters = out  # (unused)
     else:
         partial = workspace[x_numel + act_numel:]
-        counters = arrival_counters("fused_moe_packed_down", x.device, t * n_blocks)
+        counters = arrival_counters("fused_moe_packed_down", x.device, max(t, max_tokens) * n_blocks)
     _packed_down_kernel[(n_blocks, t, splits)](
         act, w_down, down_scales, topk_weights, topk_ids, out, partial, counters, act.stride(0), w_down.stride(0),
-        w_down.stride(1), down_scales.stride(0), down_scales.stride(1), FLOAT_ONE_BITS, H=h, I=inter, TOP_K=top_k,
+        w_down.stride(1), down_scales.stride(0), down_scales.stride(1), FLOAT_ONE_BITS.value, H=h, I=inter, TOP_K=top_k,
         SLOTS=triton.next_power_of_2(top_k), RANKS=ranks, BITS=bits, GROUP_SIZE=group,
         BLOCK_N=tiles.down_block_n, BLOCK_W=tiles.down_block_w, UNROLL=tiles.unroll, DTYPE=dtype, PRECISION=precision,
         num_warps=tiles.down_warps,

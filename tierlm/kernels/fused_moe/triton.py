@@ -261,7 +261,8 @@ def _decode(x, weights, topk_weights, topk_ids, bits: int, group: int, inter: in
     packed 4/8-bit experts: `packed_decode`."""
     tiles = DECODE_TILES[bits]
     if bits in (4, 8):
-        return packed_decode(x, weights, topk_weights, topk_ids, bits, group, inter, tiles)
+        return packed_decode(x, weights, topk_weights, topk_ids, bits, group, inter, tiles,
+                             max_tokens=DECODE_MAX_PAIRS // topk_ids.shape[1])
     w_gate_up, gate_up_scales, w_down, down_scales = weights
     (t, h), top_k = x.shape, topk_ids.shape[1]
     precision = dot_precision(x)

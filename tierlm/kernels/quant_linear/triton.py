@@ -43,6 +43,7 @@ GEMV_TARGET_PROGRAMS = 528  # decode: split K until about this many programs run
 GEMV_MIN_TILES_PER_SPLIT = 2  # ... but give each split at least this many tiles of K
 GEMM_MAX_BLOCK_M = 64
 GEMM_TILES = {0: (32, 128, 4), 4: (128, 64, 4), 6: (128, 64, 4), 8: (128, 64, 4)}  # bits: BLOCK_N, BLOCK_K, warps
+FLOAT_ONE_BITS = tl.constexpr(0x3F800000)  # the bits of 1.0f (`word_value`)
 
 
 class LaunchConfig(NamedTuple):
@@ -212,15 +213,15 @@ def gemv_sum(acc, BITS: tl.constexpr):
 
 
 @triton.jit
-def word_value(words, high, j: tl.constexpr, BITS: tl.constexpr, one_bits=0x3F800000):
+def word_value(words, high, j: tl.constexpr, BITS: tl.constexpr, one_bits):
     """Value j of each packed word (bits [j * BITS, (j + 1) * BITS) of `words`, uint32) as fp32 with the
     2^(BITS-1) bias removed, exactly, in the words' own shape and layout, in two instructions: the field
     masked in place and ORed into the mantissa of the power of two 2^E whose last mantissa bit weighs as
     the field's lowest bit (the float 2^E + q), then 2^E plus the bias subtracted. No shift and no
     integer-to-float conversion (a quarter-rate instruction). A field that reaches the exponent (bit 23)
-    is taken from `high` (the words shifted right by 16) instead. one_bits: the bits of 1.0f; a kernel
-    that passes them at run time keeps each field's exponent in a register (as a constant, ptxas
-    rematerialises it with a move before every use: one more instruction per value)."""
+    is taken from `high` (the words shifted right by 16) instead. one_bits: the bits of 1.0f
+    (FLOAT_ONE_BITS); a kernel that passes them at run time keeps each field's exponent in a register (as
+    a constant, ptxas rematerialises it with a move before every use: one more instruction per value)."""
     if (j + 1) * BITS <= 23:
         field = words & (((1 << BITS) - 1) << (j * BITS))
         power = 23 - j * BITS  # E: the float 2^E has its last mantissa bit at 2^(E - 23) = 2^-(j * BITS)
@@ -309,21 +310,21 @@ def packed_gemv_accumulate(acc, words, scale, x_ptr, x_rows, m_mask, k0, K, BITS
         a2, a6 = even_odd(even1, BLOCK_K // 8, 2)
         a1, a5 = even_odd(odd0, BLOCK_K // 8, 2)
         a3, a7 = even_odd(odd1, BLOCK_K // 8, 2)
-        per_word = word_value(words, high, 0, BITS) * a0[None, :]
-        per_word += word_value(words, high, 1, BITS) * a1[None, :]
-        per_word += word_value(words, high, 2, BITS) * a2[None, :]
-        per_word += word_value(words, high, 3, BITS) * a3[None, :]
-        per_word += word_value(words, high, 4, BITS) * a4[None, :]
-        per_word += word_value(words, high, 5, BITS) * a5[None, :]
-        per_word += word_value(words, high, 6, BITS) * a6[None, :]
-        per_word += word_value(words, high, 7, BITS) * a7[None, :]
+        per_word = word_value(words, high, 0, BITS, FLOAT_ONE_BITS) * a0[None, :]
+        per_word += word_value(words, high, 1, BITS, FLOAT_ONE_BITS) * a1[None, :]
+        per_word += word_value(words, high, 2, BITS, FLOAT_ONE_BITS) * a2[None, :]
+        per_word += word_value(words, high, 3, BITS, FLOAT_ONE_BITS) * a3[None, :]
+        per_word += word_value(words, high, 4, BITS, FLOAT_ONE_BITS) * a4[None, :]
+        per_word += word_value(words, high, 5, BITS, FLOAT_ONE_BITS) * a5[None, :]
+        per_word += word_value(words, high, 6, BITS, FLOAT_ONE_BITS) * a6[None, :]
+        per_word += word_value(words, high, 7, BITS, FLOAT_ONE_BITS) * a7[None, :]
     else:
         a0, a2 = even_odd(even, BLOCK_K // 4, 2)
         a1, a3 = even_odd(odd, BLOCK_K // 4, 2)
-        per_word = word_value(words, high, 0, BITS) * a0[None, :]
-        per_word += word_value(words, high, 1, BITS) * a1[None, :]
-        per_word += word_value(words, high, 2, BITS) * a2[None, :]
-        per_word += word_value(words, high, 3, BITS) * a3[None, :]
+        per_word = word_value(words, high, 0, BITS, FLOAT_ONE_BITS) * a0[None, :]
+        per_word += word_value(words, high, 1, BITS, FLOAT_ONE_BITS) * a1[None, :]
+        per_word += word_value(words, high, 2, BITS, FLOAT_ONE_BITS) * a2[None, :]
+        per_word += word_value(words, high, 3, BITS, FLOAT_ONE_BITS) * a3[None, :]
     return acc + per_word * scale
 
 
