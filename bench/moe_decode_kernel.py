@@ -22,7 +22,7 @@ the reference on every routing (max |diff| relative to max |reference|).
 The packed sweep times each of PACKED_CANDIDATES (the INT4 decode form's tiles, `packed_decode`) at every
 batch size and group, prints their % of the copy bandwidth side by side with bf16 and with the INT4 kernel's
 recorded figures (RECORDED: an H200 run before `packed_decode`), picks the best per batch size and measures
-the rows with it.
+the rows with it; the candidates are compiled first by --compile-workers processes (Triton's disk cache).
 Results go to bench/results/moe_decode_kernel_<device>.json.
 """
 
@@ -195,6 +195,39 @@ def measure_batch(run: SimpleNamespace, experts: tuple, label: str, batch: int) 
     return row
 
 
+def _compile_packed(task: tuple) -> None:
+    """One PACKED_CANDIDATES shape at one group size run once (in a worker process, on a stack of a few
+    experts of the target's width: the compiled kernels are the same and land in Triton's disk cache)."""
+    group, candidate, shape, device = task
+    from tierlm.kernels.fused_moe import triton as kernels
+    from tierlm.kernels.fused_moe.packed_decode import PackedDecodeTiles
+    from tierlm.kernels.quant_linear.packing import packed_width
+
+    experts, h, inter, top_k = max(16, shape["top_k"]), shape["hidden"], shape["intermediate"], shape["top_k"]
+    words = [torch.zeros(experts, n, packed_width(k, 4), dtype=torch.int32, device=device) for n, k in
+             ((2 * inter, h), (h, inter))]
+    scales = tuple(torch.ones(experts, n, k // group, dtype=torch.bfloat16, device=device) for n, k in
+                   ((2 * inter, h), (h, inter)))
+    x = torch.ones(1, h, dtype=torch.bfloat16, device=device)
+    ids = torch.arange(top_k, device=device)[None, :]
+    kernels.DECODE_TILES[4] = PackedDecodeTiles(*candidate)
+    routing = torch.full((1, top_k), 1 / top_k, dtype=torch.bfloat16, device=device)
+    kernels.fused_moe(x, *words, routing, ids, format="int4", scales=scales, group_size=group)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def precompile_packed(shape: dict, workers: int, device: torch.device) -> None:
+    """--packed-sweep on CUDA: compile every candidate at every group in parallel processes first (each
+    shape compiles two kernels per group: serially most of the sweep's time)."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    tasks = [(group, candidate, shape, device) for group in shape["groups"] for candidate in PACKED_CANDIDATES]
+    with ProcessPoolExecutor(min(workers, len(tasks)), mp_context=multiprocessing.get_context("spawn")) as pool:
+        list(pool.map(_compile_packed, tasks))
+
+
 def sweep_packed(run: SimpleNamespace, experts: tuple, label: str, batches: list[int]) -> list[dict]:
     """--packed-sweep: every PACKED_CANDIDATES launch shape at every batch size, one format; prints their
     % of the copy bandwidth side by side (a shape whose output is off the reference by more than 5% is
@@ -262,6 +295,8 @@ def measure(args, device: torch.device) -> dict:
         from kernel_baseline import load_baseline
 
         run.baseline = load_baseline(args.baseline, "fused_moe")
+    if args.packed_sweep and device.type == "cuda" and args.compile_workers > 1:
+        precompile_packed(shape, args.compile_workers, device)
     print(f"device: {name}; copy bandwidth {copy / 1e9:.1f} GB/s (read + write)")
     print(f"shapes: {shape}; each call one of {ROUTINGS} routings; GB/s on the distinct experts' weight bytes")
     print(f"{'format':>10}{'batch':>6}{'path':>8}{'experts':>8}{'MB/call':>9}{'kernel us':>11}{'GB/s':>8}"
@@ -294,6 +329,8 @@ def main() -> None:
                         help="also sweep the tile sizes (best one kept and reported), of these formats (none named: all)")
     parser.add_argument("--packed-sweep", action="store_true",
                         help="time PACKED_CANDIDATES for INT4 at every batch size, side by side; rows use the best")
+    parser.add_argument("--compile-workers", type=int, default=min(16, os.cpu_count() or 1),
+                        help="--packed-sweep on CUDA: processes compiling the candidates first (1: none)")
     parser.add_argument("--no-reference", action="store_true",
                         help="skip timing the torch reference (outputs are still checked against it)")
     parser.add_argument("--baseline", type=Path, default=None, metavar="ROOT",
