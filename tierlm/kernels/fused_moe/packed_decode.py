@@ -1,18 +1,19 @@
 """The decode form of `fused_moe` (a few tokens) for experts packed in 4 or 8 bits (`quant_linear.packing`):
-two GEMV launches that read the selected experts' words in place, built so that INT4 weights stream at
-memory speed rather than at the speed of their unpacking.
-
-What makes it fast (each measured against the older packed GEMV in bench/moe_decode_kernel.py):
+two GEMV launches that read the selected experts' words in place, built so that INT4 weights can stream
+at memory speed rather than at the speed of their unpacking. What it is built on (checked in the sm_90
+SASS that triton 3.9 compiles; timed on a GPU by bench/moe_decode_kernel.py --packed-sweep):
   - x is read in its *split* layout, x_split[t, j, w] = x[t, w * values_per_word + j] in fp32 (one copy
     launch for the tokens; the down launch reads `act`, which gate_up writes split already). Value j of
     every word of a tile then meets x_split[t, j, words] loaded as one [BLOCK_W] vector, which Triton
     loads straight into the layout the words are in: no shared memory, no barrier, no layout conversion
-    in the loop (the older form split x in registers and went through shared memory 8 times a tile).
-    split_x=False reads x as it is, each value gathered (more load instructions, one launch fewer).
+    in the loop (the older packed GEMV split x in registers, through shared memory, 8 barriers a tile).
+    split_x=False reads x as it is, each value gathered (more load instructions, one launch fewer);
   - the words are a [rows, BLOCK_W] tile, 16-byte loads (4 consecutive words per thread), each tile
-    loaded while the one before is computed;
+    loaded while the one before is computed, or (unroll) every tile's loads issued up front;
   - a value costs 3 instructions: its field masked into a float's mantissa, the bias subtracted (both in
-    `quant_linear.triton.word_value`), one FMA with x; a word's sum is then scaled once;
+    `quant_linear.triton.word_value`), one FMA with x; a word's sum is then scaled once (so the weights
+    are q * scale exactly, not rounded to x's dtype first as `naive` does: as the older packed GEMV);
+    with loads and addresses about 3.9 a value at gate_up 8 x 64 words (the older form: 5.6);
   - the down launch folds each expert's routing weight into its scales, so one reduction over threads
     ends a program, not one per expert.
 Launches: (split copy), `_packed_gate_up_kernel` over (pair, block of I), `_packed_down_kernel` over
@@ -20,7 +21,6 @@ Launches: (split copy), `_packed_gate_up_kernel` over (pair, block of I), `_pack
 last program to finish a token's columns adds the groups' fp32 partials in the same launch (arrival
 counters: `kernels/split_reduce`). Tiles: `PackedDecodeTiles`.
 """
-
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -41,7 +41,7 @@ class PackedDecodeTiles(NamedTuple):
     down_block_n: int  # of the H output columns per down program
     down_block_w: int
     down_warps: int
-    down_ranks: int  # of a token's top-k experts per down program (fewer: fp32 partials summed after)
+    down_ranks: int  # of a token's top-k experts per down program (fewer: fp32 partials, summed by the last)
     split_x: bool  # x read split (one copy launch first) or gathered in place
     unroll: bool  # each program's K tiles unrolled (all loads issued up front, as registers allow) or a loop
 

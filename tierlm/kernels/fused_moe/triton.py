@@ -242,7 +242,7 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, to
     checked here (that would cost a host sync)."""
     bits, inter, group = check_moe_args(x, w_gate_up, w_down, topk_weights, topk_ids, format, scales, group_size)
     check_whole_word_groups(bits, group)
-    t, h = x.shape
+    t = x.shape[0]
     top_k = topk_ids.shape[1]
     num_pairs = t * top_k
     if num_pairs == 0:
