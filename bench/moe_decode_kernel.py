@@ -18,6 +18,11 @@ the reference on every routing (max |diff| relative to max |reference|).
     python bench/moe_decode_kernel.py --sweep         # CUDA, also sweeps the tile sizes (best reported)
     python bench/moe_decode_kernel.py --baseline ../main   # CUDA, before (../main's kernels) and after
     python bench/moe_decode_kernel.py --small         # CPU: Triton's interpreter, tiny shapes
+    python bench/moe_decode_kernel.py --packed-sweep --no-reference   # CUDA: PACKED_CANDIDATES for INT4
+The packed sweep times each of PACKED_CANDIDATES (the INT4 decode form's tiles, `packed_decode`) at every
+batch size and group, prints their % of the copy bandwidth side by side with bf16 and with the INT4 kernel's
+recorded figures (RECORDED: an H200 run before `packed_decode`), picks the best per batch size and measures
+the rows with it; the candidates are compiled first by --compile-workers processes (Triton's disk cache).
 Results go to bench/results/moe_decode_kernel_<device>.json.
 """
 
@@ -37,21 +42,33 @@ ROUTINGS = 8  # (2 on the CPU, where the interpreter takes seconds per call)
 TARGET = {"hidden": 2560, "experts": 512, "top_k": 10, "intermediate": 640, "groups": (32, 128)}
 SMALL = {"hidden": 32, "experts": 8, "top_k": 2, "intermediate": 32, "groups": (16, 32)}
 # --sweep: at the first batch size (later ones keep the tiles chosen there), the decode GEMV tiles of the
-# format (fused_moe.triton.DECODE_TILES), one kernel at a time (gate_up with the down tiles as set, then
-# down with the best gate_up), or the grouped GEMM's tiles. bf16 (8 warps never won on an H200: not
-# swept); packed formats (accumulators per word: 2 to 8 words of a matrix per thread; 5 ranks per down
-# program never won on an H200)
-GATE_UP_SWEEP = {
-    "bf16": [{"gate_up_block_n": n, "gate_up_block_k": k} for n in (8, 16, 32) for k in (256, 512)],
-    "packed": [{"gate_up_block_n": n, "gate_up_block_k": k, "gate_up_warps": w} for n in (8, 16, 32)
-               for k in (256, 512, 1024) for w in (4, 8) if 2 <= n * k // 8 // (32 * w) <= 8],
-}
-DOWN_SWEEP = {
-    "bf16": [{"down_block_n": n, "down_block_k": k, "down_ranks": r} for n in (16, 32) for k in (128, 256)
-             for r in (5, 2)],
-    "packed": [{"down_block_n": n, "down_block_k": k, "down_ranks": r} for n in (16, 32) for k in (128, 256, 1024)
-               for r in (2, 1)],
-}
+# unquantized format (fused_moe.triton.DECODE_TILES), one kernel at a time (gate_up with the down tiles as
+# set, then down with the best gate_up), or the grouped GEMM's tiles (8 warps never won on an H200: not
+# swept). Packed formats: --packed-sweep
+GATE_UP_SWEEP = [{"gate_up_block_n": n, "gate_up_block_k": k} for n in (8, 16, 32) for k in (256, 512)]
+DOWN_SWEEP = [{"down_block_n": n, "down_block_k": k, "down_ranks": r} for n in (16, 32) for k in (128, 256)
+              for r in (5, 2)]
+# --packed-sweep: whole launch shapes of the INT4 decode form (fused_moe.packed_decode.PackedDecodeTiles:
+# gate_up rows x words, warps; down rows x words, warps, experts per program; x split first or gathered;
+# K tiles unrolled or looped). Checked by compiling for sm_90 (triton 3.9): no spills, no barrier in any
+# loop; 47-96 registers looped, up to 255 unrolled (fewer programs per SM, more loads in flight each)
+PACKED_CANDIDATES = [
+    (8, 32, 4, 32, 16, 4, 1, True, False),
+    (8, 64, 4, 32, 16, 4, 1, True, False),
+    (8, 64, 4, 64, 16, 4, 1, True, False),
+    (16, 64, 8, 64, 16, 8, 1, True, False),
+    (32, 32, 8, 64, 16, 4, 1, True, False),
+    (8, 64, 4, 32, 32, 4, 1, True, False),
+    (8, 64, 4, 64, 16, 4, 2, True, False),
+    (8, 64, 4, 64, 16, 4, 10, True, False),
+    (8, 64, 4, 32, 16, 4, 1, True, True),
+    (16, 64, 8, 32, 16, 4, 1, True, True),
+    (32, 32, 8, 32, 16, 4, 1, False, False),
+    (16, 64, 8, 64, 16, 8, 1, False, True),
+]
+# the INT4 decode kernel's % of copy bandwidth before packed_decode (H200, bench/results/moe_decode_kernel_nvidia_h200.txt)
+RECORDED = {("int4-g32", 1): 0.234, ("int4-g32", 4): 0.320, ("int4-g32", 16): 0.322,
+            ("int4-g128", 1): 0.237, ("int4-g128", 4): 0.334, ("int4-g128", 16): 0.348}
 GROUPED_SWEEP = [{"PREFILL_BLOCK_M": m, "PREFILL_BLOCK_N": n, "PREFILL_BLOCK_K": k, "PREFILL_NUM_WARPS": w}
                  for m, n, k, w in ((16, 64, 64, 4), (16, 64, 128, 4), (16, 128, 64, 4), (16, 32, 128, 4),
                                     (16, 64, 128, 8), (32, 64, 64, 4), (16, 128, 128, 8), (16, 32, 64, 2))]
@@ -125,9 +142,11 @@ def measure_batch(run: SimpleNamespace, experts: tuple, label: str, batch: int) 
             for name, value in candidate.items():
                 setattr(kernels, name, value)
 
-    if run.sweep is not None and (not run.sweep or label in run.sweep) and batch == run.sweep_batch:
-        family = "bf16" if bits == 0 else "packed"
-        for stage in (GATE_UP_SWEEP[family], DOWN_SWEEP[family]) if decode else (GROUPED_SWEEP,):
+    if run.packed_best is not None and (label, batch) in run.packed_best:
+        kernels.DECODE_TILES[bits] = run.packed_best[label, batch]
+    elif (run.sweep is not None and (not run.sweep or label in run.sweep) and batch == run.sweep_batch
+          and not (decode and bits in (4, 8))):
+        for stage in (GATE_UP_SWEEP, DOWN_SWEEP) if decode else (GROUPED_SWEEP,):
             best = None
             for candidate in stage:
                 apply(candidate)
@@ -176,6 +195,90 @@ def measure_batch(run: SimpleNamespace, experts: tuple, label: str, batch: int) 
     return row
 
 
+def _compile_packed(task: tuple) -> None:
+    """One PACKED_CANDIDATES shape at one group size run once (in a worker process, on a stack of a few
+    experts of the target's width: the compiled kernels are the same and land in Triton's disk cache)."""
+    group, candidate, shape, device = task
+    from tierlm.kernels.fused_moe import triton as kernels
+    from tierlm.kernels.fused_moe.packed_decode import PackedDecodeTiles
+    from tierlm.kernels.quant_linear.packing import packed_width
+
+    experts, h, inter, top_k = max(16, shape["top_k"]), shape["hidden"], shape["intermediate"], shape["top_k"]
+    words = [torch.zeros(experts, n, packed_width(k, 4), dtype=torch.int32, device=device) for n, k in
+             ((2 * inter, h), (h, inter))]
+    scales = tuple(torch.ones(experts, n, k // group, dtype=torch.bfloat16, device=device) for n, k in
+                   ((2 * inter, h), (h, inter)))
+    x = torch.ones(1, h, dtype=torch.bfloat16, device=device)
+    ids = torch.arange(top_k, device=device)[None, :]
+    kernels.DECODE_TILES[4] = PackedDecodeTiles(*candidate)
+    routing = torch.full((1, top_k), 1 / top_k, dtype=torch.bfloat16, device=device)
+    kernels.fused_moe(x, *words, routing, ids, format="int4", scales=scales, group_size=group)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def precompile_packed(shape: dict, workers: int, device: torch.device) -> None:
+    """--packed-sweep on CUDA: compile every candidate at every group in parallel processes first (each
+    shape compiles two kernels per group: serially most of the sweep's time)."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    tasks = [(group, candidate, shape, device) for group in shape["groups"] for candidate in PACKED_CANDIDATES]
+    with ProcessPoolExecutor(min(workers, len(tasks)), mp_context=multiprocessing.get_context("spawn")) as pool:
+        list(pool.map(_compile_packed, tasks))
+
+
+def sweep_packed(run: SimpleNamespace, experts: tuple, label: str, batches: list[int]) -> list[dict]:
+    """--packed-sweep: every PACKED_CANDIDATES launch shape at every batch size, one format; prints their
+    % of the copy bandwidth side by side (a shape whose output is off the reference by more than 5% is
+    marked and never chosen), sets run.packed_best[label, batch]; returns the measurements."""
+    from tierlm.kernels.fused_moe import naive
+    from tierlm.kernels.fused_moe import triton as kernels
+    from tierlm.kernels.fused_moe.packed_decode import PackedDecodeTiles
+
+    w_gate_up, w_down, kw, per_expert = experts
+    shape, device = run.shape, run.device
+    bits = int(kw["format"][3:])
+    saved = kernels.DECODE_TILES[bits]
+    cells, results = {}, []
+    for batch in batches:
+        x = [torch.randn(batch, shape["hidden"], generator=run.gen, device=device).to(torch.bfloat16)
+             for _ in range(ROUTINGS)]
+        routes = routings(batch, shape, device, run.gen)
+        nbytes = sum(torch.unique(ids).numel() for _, ids in routes) / ROUTINGS * per_expert
+        reference = naive.fused_moe(x[0], w_gate_up, w_down, *routes[0], **kw).float()
+        best = None
+        for number, candidate in enumerate(PACKED_CANDIDATES):
+            tiles = PackedDecodeTiles(*candidate)
+            kernels.DECODE_TILES[bits] = tiles
+            out = kernels.fused_moe(x[0], w_gate_up, w_down, *routes[0], **kw).float()
+            diff = ((out - reference).abs().max() / reference.abs().max().clamp_min(1e-30)).item()
+            seconds = timed(lambda i, x=x, routes=routes: kernels.fused_moe(x[i], w_gate_up, w_down, *routes[i], **kw),
+                            ROUTINGS, device, run.use_graph)
+            share = nbytes / seconds / run.copy
+            cells[number, batch] = f"{share:>7.1%}{'!' if diff > 0.05 else ' '}"
+            results.append({"format": label, "batch": batch, "tiles": tiles._asdict(), "us": seconds * 1e6,
+                            "vs_copy": share, "max_rel_diff": diff})
+            if diff <= 0.05 and (best is None or seconds < best[0]):
+                best = (seconds, tiles, number)
+        if best is not None:
+            run.packed_best[label, batch] = best[1]
+            cells["best", batch] = f"   #{best[2]:<5}"
+    kernels.DECODE_TILES[bits] = saved
+    print(f"{label}: % of copy bandwidth per launch shape and batch ('!': output off the reference by > 5%)")
+    print(f"{'#':>3}  {'gate_up n x w, warps':<22}{'down n x w, warps, ranks':<26}{'x':<9}{'K tiles':<9}"
+          + "".join(f"{'b' + str(b):>9}" for b in batches))
+    for number, c in enumerate(PACKED_CANDIDATES):
+        print(f"{number:>3}  {f'{c[0]} x {c[1]}, {c[2]}':<22}{f'{c[3]} x {c[4]}, {c[5]}, {c[6]}':<26}"
+              f"{'split' if c[7] else 'gathered':<9}{'unrolled' if c[8] else 'loop':<9}" + "".join(f"{cells[number, b]:>9}" for b in batches))
+    for name, values in (("recorded INT4 kernel (before)", [f"{RECORDED.get((label, b), float('nan')):>8.1%} "
+                                                             for b in batches]),
+                         ("bf16 kernel, this run", [f"{run.bf16_share.get(b, float('nan')):>8.1%} " for b in batches]),
+                         ("best", [cells.get(("best", b), "     none") for b in batches])):
+        print(f"     {name:<64}" + "".join(f"{v:>9}" for v in values))
+    return results
+
+
 def measure(args, device: torch.device) -> dict:
     global ROUTINGS
     shape = SMALL if args.small else TARGET
@@ -186,29 +289,36 @@ def measure(args, device: torch.device) -> dict:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (Triton interpreter)"
     use_graph = device.type == "cuda" and not args.no_graph
     run = SimpleNamespace(shape=shape, device=device, gen=gen, copy=copy, use_graph=use_graph, sweep=args.sweep,
-                          no_reference=args.no_reference, baseline=None, sweep_batch=args.batches[0])
+                          no_reference=args.no_reference, baseline=None, sweep_batch=args.batches[0],
+                          packed_best={} if args.packed_sweep else None, bf16_share={})
     if args.baseline is not None:
         from kernel_baseline import load_baseline
 
         run.baseline = load_baseline(args.baseline, "fused_moe")
+    if args.packed_sweep and device.type == "cuda" and args.compile_workers > 1:
+        precompile_packed(shape, args.compile_workers, device)
     print(f"device: {name}; copy bandwidth {copy / 1e9:.1f} GB/s (read + write)")
     print(f"shapes: {shape}; each call one of {ROUTINGS} routings; GB/s on the distinct experts' weight bytes")
     print(f"{'format':>10}{'batch':>6}{'path':>8}{'experts':>8}{'MB/call':>9}{'kernel us':>11}{'GB/s':>8}"
           f"{'of copy':>8}{'before us':>11}{'of copy':>8}{'speed-up':>9}{'ref us':>10}{'ref/kern':>9}{'gathered us':>12}{'gath/kern':>10}{'max rel diff':>13}")
-    rows = []
+    rows, sweeps = [], []
     for fmt, group in (("bf16", None), *(("int4", g) for g in shape["groups"])):
         if args.formats and (fmt if group is None else f"{fmt}-g{group}") not in args.formats:
             continue
         w_gate_up, w_down, scales, per_expert = make_experts(shape, fmt, group, device, gen)
         kw = {} if scales is None else {"format": "int4", "scales": scales, "group_size": group}
         label = fmt if group is None else f"{fmt}-g{group}"
+        if args.packed_sweep and fmt == "int4":
+            sweeps += sweep_packed(run, (w_gate_up, w_down, kw, per_expert), label, args.batches)
         rows += [measure_batch(run, (w_gate_up, w_down, kw, per_expert), label, batch) for batch in args.batches]
+        if fmt == "bf16":
+            run.bf16_share = {row["batch"]: row["kernel_vs_copy"] for row in rows}
         w_gate_up = w_down = scales = kw = None  # free this format's experts before the next one's
     from tierlm.kernels.fused_moe import triton as kernels
 
     return {"device": name, "copy_bandwidth_GBps": copy / 1e9, "shapes": shape, "routings_per_timing": ROUTINGS,
             "cuda_graph": use_graph, "torch": torch.__version__, "decode_max_pairs": kernels.DECODE_MAX_PAIRS,
-            "grouped_block_m": kernels.PREFILL_BLOCK_M, "rows": rows}
+            "grouped_block_m": kernels.PREFILL_BLOCK_M, "rows": rows, "packed_sweep": sweeps}
 
 
 def main() -> None:
@@ -217,6 +327,10 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--sweep", nargs="*", default=None, metavar="FORMAT",
                         help="also sweep the tile sizes (best one kept and reported), of these formats (none named: all)")
+    parser.add_argument("--packed-sweep", action="store_true",
+                        help="time PACKED_CANDIDATES for INT4 at every batch size, side by side; rows use the best")
+    parser.add_argument("--compile-workers", type=int, default=min(16, os.cpu_count() or 1),
+                        help="--packed-sweep on CUDA: processes compiling the candidates first (1: none)")
     parser.add_argument("--no-reference", action="store_true",
                         help="skip timing the torch reference (outputs are still checked against it)")
     parser.add_argument("--baseline", type=Path, default=None, metavar="ROOT",

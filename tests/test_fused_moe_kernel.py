@@ -38,10 +38,17 @@ FORMATS = {"unquantized": (None, None), "int4-g32": (4, 32), "int8-g16": (8, 16)
 PATHS = {"decode": (3, 2, False, 2), "decode-split": (3, 3, False, 2), "prefill": (20, 2, True, 2)}
 DECODE_MAX_PAIRS, PREFILL_BLOCK_M = 16, 16
 # decode K tiles smaller than the kernels' own: gate_up's H in two tiles (the second part-full), down's I
-# in two whole ones, so each GEMV runs over several tiles (each loaded while the one before computes)
+# in two whole ones, so each GEMV runs over several tiles (each loaded while the one before computes);
+# packed 4/8-bit experts (`packed_decode`) take theirs in words
 DECODE_BLOCK_K = {"gate_up_block_k": 64, "down_block_k": 32}
+PACKED_BLOCK_W = {4: {"gate_up_block_w": 8, "down_block_w": 4}, 8: {"gate_up_block_w": 16, "down_block_w": 8}}
 CASES = {f"{d}-{f}-{p}": (DTYPES[d], FORMATS[f], PATHS[p]) for d in DTYPES for f in FORMATS for p in PATHS
          if p != "decode-split" or f in ("unquantized", "int4-g32")}  # (the split is format-independent)
+# packed decode with x gathered in place instead of split first, and with its K tiles unrolled instead of
+# looped (`PackedDecodeTiles.split_x`, `.unroll`)
+CASES.update({f"{d}-int4-g32-decode-gathered-x": (DTYPES[d], FORMATS["int4-g32"], PATHS["decode"]) for d in DTYPES})
+CASES.update({f"{d}-int4-g32-decode-split-unrolled": (DTYPES[d], FORMATS["int4-g32"], PATHS["decode-split"])
+              for d in DTYPES})
 
 
 def route(tokens: int, top_k: int, skewed: bool, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -109,8 +116,11 @@ def run_kernel_cases(names: list[str]) -> dict[str, str | None]:
             args, kwargs, exact = make_case(name)
             ids = args[4]
             ranks = CASES[name][2][3]
-            kernels.DECODE_TILES = {bits: tiles._replace(down_ranks=ranks, **DECODE_BLOCK_K)
+            kernels.DECODE_TILES = {bits: tiles._replace(down_ranks=ranks, **PACKED_BLOCK_W.get(bits, DECODE_BLOCK_K))
                                     for bits, tiles in saved[2].items()}
+            if name.endswith(("gathered-x", "unrolled")):
+                kernels.DECODE_TILES[4] = kernels.DECODE_TILES[4]._replace(split_x=not name.endswith("gathered-x"),
+                                                                           unroll=name.endswith("unrolled"))
             if (ids.numel() <= DECODE_MAX_PAIRS) == name.endswith("prefill"):
                 results[name] = f"{ids.numel()} pairs do not take the path of {name}"
                 continue

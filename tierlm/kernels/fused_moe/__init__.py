@@ -11,6 +11,8 @@ holds them (w_gate_up [E, 2I, H]: gate rows then up rows; w_down [E, H, I]); pac
   triton.py  gate_up + SiLU-and-mul, down + routing weight, and the top-k sum: three launches for the
              batch, the weights read in place; decode pairs one per block, prefill pairs sorted by expert
              into padded blocks (align_pairs_to_blocks) for a grouped GEMM
+  packed_decode.py  the decode form for experts packed in 4 or 8 bits: x and the activations read in
+             a split layout (value j of every word beside x's column of it), 3 instructions a value
 """
 
 from tierlm.kernels.fused_moe.naive import fused_moe

@@ -4,11 +4,11 @@ variant (unquantized, or packed INT4 / INT6 / INT8 with group scales: `quant_lin
 Every launch reads the selected experts' weights in place (no copy of an expert's weights is ever made),
 and no launch needs a host sync, so a decode step can be captured in a CUDA graph. Two forms:
   - decode (up to DECODE_MAX_PAIRS (token, expert) pairs): GEMVs, one pair per program row (no tl.dot
-    padding M to 16), each product (packed: each word) in its own fp32 accumulator summed once at the
-    end (`quant_linear.triton.gemv_loop`). Two launches, with no sort or gather before them:
+    padding M to 16). Experts packed in 4 or 8 bits take `packed_decode` (its own pair of kernels, x
+    read in a split layout); unquantized and INT6 ones two launches here, each product in its own fp32
+    accumulator summed once at the end (`quant_linear.triton.gemv_loop`), with no sort or gather first:
       1. `_gate_up_gemv_kernel`: program (n block, pair) computes silu(x W_gate^T) * (x W_up^T) for
-         `gate_up_block_n` of the expert's I columns (packed: the gate and up rows as one tile), stored
-         in x's dtype as `naive` rounds it;
+         `gate_up_block_n` of the expert's I columns, stored in x's dtype as `naive` rounds it;
       2. `_down_sum_gemv_kernel`: program (n block, token, split) ranks the token's k experts by id in
          registers and, in ascending id (the reference's order), adds routing weight x (act W_down^T)
          over `down_ranks` of them in fp32; when that is all k it rounds the token's output once (the
@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from tierlm.kernels.fused_moe.naive import check_moe_args
+from tierlm.kernels.fused_moe.packed_decode import PackedDecodeTiles, packed_decode
 from tierlm.kernels.quant_linear.triton import (
     accumulate_tile,
     check_whole_word_groups,
@@ -61,8 +62,9 @@ class DecodeTiles(NamedTuple):
 # Chosen on an H200 by bench/moe_decode_kernel.py --sweep (bench/results/moe_decode_kernel_nvidia_h200.json)
 # for bf16 (INT6 the same) and INT4 (INT8 the same: the same packed-word GEMV)
 DECODE_MAX_PAIRS = 160  # up to this many (token, expert) pairs (16 tokens of top-10), the GEMV form
+# (4 and 8 bits: `packed_decode`, first guesses checked only by compiling for sm_90: to be swept on an H200)
 DECODE_TILES = {**dict.fromkeys((0, 6), DecodeTiles(8, 512, 4, 16, 128, 4, 2)),
-                **dict.fromkeys((4, 8), DecodeTiles(8, 512, 4, 32, 128, 4, 1))}
+                **dict.fromkeys((4, 8), PackedDecodeTiles(8, 64, 4, 32, 16, 4, 1, True, False))}
 PREFILL_BLOCK_M, PREFILL_BLOCK_N, PREFILL_BLOCK_K, PREFILL_NUM_WARPS = 32, 64, 64, 4
 SUM_BLOCK = 256
 
@@ -82,22 +84,12 @@ def _gate_up_gemv_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < I
     w_e, s_e = w_ptr + expert * stride_we, s_ptr + expert * stride_se
-    if BITS != 0 and 32 % BITS == 0:  # packed: the gate rows and the up rows as one tile of 2 * BLOCK_N rows
-        both = tl.arange(0, 2 * BLOCK_N)
-        n = pid_n * BLOCK_N + both % BLOCK_N
-        rows = tl.where(both < BLOCK_N, n, I + n)
-        acc = gemv_loop(gemv_zeros(1, 2 * BLOCK_N, BLOCK_K, BITS), x_ptr, x_rows, one_row, w_e, s_e, 0, H, rows,
-                        n < I, stride_wn, stride_sn, H, BITS, GROUP_SIZE, BLOCK_K, EVEN_K, PRECISION, True)
-        sums = gemv_sum(acc, BITS)  # [1, 2 * BLOCK_N]
-        gate_sum, up_sum = tl.split(tl.trans(tl.reshape(sums, (2, BLOCK_N))))
-        gate_sum, up_sum = gate_sum[None, :], up_sum[None, :]
-    else:
-        up_w, up_s = w_e + I * stride_wn, s_e + I * stride_sn
-        gate = gemv_loop(gemv_zeros(1, BLOCK_N, BLOCK_K, BITS), x_ptr, x_rows, one_row, w_e, s_e, 0, H, offs_n, n_mask,
-                         stride_wn, stride_sn, H, BITS, GROUP_SIZE, BLOCK_K, EVEN_K, PRECISION, True)
-        up = gemv_loop(gemv_zeros(1, BLOCK_N, BLOCK_K, BITS), x_ptr, x_rows, one_row, up_w, up_s, 0, H, offs_n, n_mask,
-                       stride_wn, stride_sn, H, BITS, GROUP_SIZE, BLOCK_K, EVEN_K, PRECISION, True)
-        gate_sum, up_sum = gemv_sum(gate, BITS), gemv_sum(up, BITS)  # [1, BLOCK_N]
+    up_w, up_s = w_e + I * stride_wn, s_e + I * stride_sn
+    gate = gemv_loop(gemv_zeros(1, BLOCK_N, BLOCK_K, BITS), x_ptr, x_rows, one_row, w_e, s_e, 0, H, offs_n, n_mask,
+                     stride_wn, stride_sn, H, BITS, GROUP_SIZE, BLOCK_K, EVEN_K, PRECISION)
+    up = gemv_loop(gemv_zeros(1, BLOCK_N, BLOCK_K, BITS), x_ptr, x_rows, one_row, up_w, up_s, 0, H, offs_n, n_mask,
+                   stride_wn, stride_sn, H, BITS, GROUP_SIZE, BLOCK_K, EVEN_K, PRECISION)
+    gate_sum, up_sum = gemv_sum(gate, BITS), gemv_sum(up, BITS)  # [1, BLOCK_N]
     act = gate_sum / (1.0 + tl.exp(-gate_sum)) * up_sum
     tl.store(out_ptr + pair.to(tl.int64) * stride_op + offs_n[None, :],
              round_to(act, out_ptr.dtype.element_ty, PRECISION), mask=n_mask[None, :])
@@ -134,8 +126,7 @@ def _down_sum_gemv_kernel(
             w_e, s_e = w_ptr + expert * stride_we, s_ptr + expert * stride_se
             x_rows = pair * stride_ap + tl.zeros((1,), dtype=tl.int64)
             acc = gemv_loop(gemv_zeros(1, BLOCK_N, BLOCK_K, BITS), act_ptr, x_rows, one_row, w_e, s_e, 0, I, offs_n,
-                            n_mask, stride_wn, stride_sn, I, BITS, GROUP_SIZE, BLOCK_K, EVEN_K, PRECISION,
-                            True)
+                            n_mask, stride_wn, stride_sn, I, BITS, GROUP_SIZE, BLOCK_K, EVEN_K, PRECISION)
             result += gemv_sum(acc, BITS) * routing.to(tl.float32)
     out_ptrs = out_ptr + (token * tl.cdiv(TOP_K, RANKS) + split) * stride_ot + offs_n[None, :]
     tl.store(out_ptrs, round_to(result, out_ptr.dtype.element_ty, PRECISION), mask=n_mask[None, :])
@@ -251,7 +242,7 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, to
     checked here (that would cost a host sync)."""
     bits, inter, group = check_moe_args(x, w_gate_up, w_down, topk_weights, topk_ids, format, scales, group_size)
     check_whole_word_groups(bits, group)
-    t, h = x.shape
+    t = x.shape[0]
     top_k = topk_ids.shape[1]
     num_pairs = t * top_k
     if num_pairs == 0:
@@ -266,10 +257,14 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, to
 
 
 def _decode(x, weights, topk_weights, topk_ids, bits: int, group: int, inter: int) -> torch.Tensor:
-    """The GEMV form: two launches (three when a down program takes fewer than top-k experts), no sort."""
+    """The GEMV form: two launches (three when a down program takes fewer than top-k experts), no sort;
+    packed 4/8-bit experts: `packed_decode`."""
+    tiles = DECODE_TILES[bits]
+    if bits in (4, 8):
+        return packed_decode(x, weights, topk_weights, topk_ids, bits, group, inter, tiles,
+                             max_tokens=DECODE_MAX_PAIRS // topk_ids.shape[1])
     w_gate_up, gate_up_scales, w_down, down_scales = weights
     (t, h), top_k = x.shape, topk_ids.shape[1]
-    tiles = DECODE_TILES[bits]
     precision = dot_precision(x)
     gate_up_k = min(tiles.gate_up_block_k, triton.next_power_of_2(h))
     down_k = min(tiles.down_block_k, triton.next_power_of_2(inter))

@@ -15,7 +15,7 @@ order (products accumulate in fp32 here).
     busy; the fp32 partials are summed after.
   - prefill chunks, `_gemm_kernel`: tl.dot tiles (fp32 in IEEE precision, so fp32 results match the
     reference closely).
-`gemv_loop` and `accumulate_tile` (with `round_to`) are shared with the fused MoE kernels
+`gemv_loop`, `accumulate_tile`, `word_value` and `round_to` are shared with the fused MoE kernels
 (kernels/fused_moe). On the CPU the kernels run in Triton's interpreter, which needs two workarounds
 (PRECISION "interpreter": see `round_to` and `accumulate_tile`).
 """
@@ -43,6 +43,7 @@ GEMV_TARGET_PROGRAMS = 528  # decode: split K until about this many programs run
 GEMV_MIN_TILES_PER_SPLIT = 2  # ... but give each split at least this many tiles of K
 GEMM_MAX_BLOCK_M = 64
 GEMM_TILES = {0: (32, 128, 4), 4: (128, 64, 4), 6: (128, 64, 4), 8: (128, 64, 4)}  # bits: BLOCK_N, BLOCK_K, warps
+FLOAT_ONE_BITS = tl.constexpr(0x3F800000)  # the bits of 1.0f (`word_value`)
 
 
 class LaunchConfig(NamedTuple):
@@ -212,20 +213,22 @@ def gemv_sum(acc, BITS: tl.constexpr):
 
 
 @triton.jit
-def word_value(words, high, j: tl.constexpr, BITS: tl.constexpr):
+def word_value(words, high, j: tl.constexpr, BITS: tl.constexpr, one_bits):
     """Value j of each packed word (bits [j * BITS, (j + 1) * BITS) of `words`, uint32) as fp32 with the
     2^(BITS-1) bias removed, exactly, in the words' own shape and layout, in two instructions: the field
     masked in place and ORed into the mantissa of the power of two 2^E whose last mantissa bit weighs as
     the field's lowest bit (the float 2^E + q), then 2^E plus the bias subtracted. No shift and no
     integer-to-float conversion (a quarter-rate instruction). A field that reaches the exponent (bit 23)
-    is taken from `high` (the words shifted right by 16) instead."""
+    is taken from `high` (the words shifted right by 16) instead. one_bits: the bits of 1.0f
+    (FLOAT_ONE_BITS); a kernel that passes them at run time keeps each field's exponent in a register (as
+    a constant, ptxas rematerialises it with a move before every use: one more instruction per value)."""
     if (j + 1) * BITS <= 23:
         field = words & (((1 << BITS) - 1) << (j * BITS))
         power = 23 - j * BITS  # E: the float 2^E has its last mantissa bit at 2^(E - 23) = 2^-(j * BITS)
     else:
         field = high & (((1 << BITS) - 1) << (j * BITS - 16))
         power = 39 - j * BITS
-    return (field | ((127 + power) << 23)).to(tl.float32, bitcast=True) - ((1 << power) + (1 << (BITS - 1)))
+    return (field | (one_bits + (power << 23))).to(tl.float32, bitcast=True) - ((1 << power) + (1 << (BITS - 1)))
 
 
 @triton.jit
@@ -241,33 +244,21 @@ def even_odd(t, N: tl.constexpr, P: tl.constexpr):
 @triton.jit
 def gemv_loop(acc, x_ptr, x_rows, m_mask, w_ptr, s_ptr, k_start, k_end, offs_n, n_mask, stride_wn, stride_sn, K,
               BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-              PRECISION: tl.constexpr, PREFETCH: tl.constexpr):
+              PRECISION: tl.constexpr):
     """The GEMV form (a few rows of x; no tensor cores): acc (`gemv_zeros`) + x's rows (x_rows: [BLOCK_M]
     int64 offsets of each row from x_ptr, masked by m_mask) at input columns [k_start, k_end) (k_start a
     multiple of BLOCK_K) times the weight rows offs_n, in fp32, tile by tile. No reduction across threads
     here: the sum over K is taken once at the end (`gemv_sum`).
     Packed 4 and 8 bits: `packed_tile` loads a tile's words and scales, `packed_gemv_accumulate` computes
-    it; with PREFETCH each tile is loaded one tile ahead, in flight while the tile before is computed
-    (more registers; on an H200, in two runs, the fused MoE's decode measured no worse with it, the INT8
-    lm_head GEMV 83% of the copy bandwidth without it and 74% with it: quant_linear leaves it off).
-    Unquantized and 6 bits: `gemv_accumulate` per tile."""
-    if BITS != 0 and 32 % BITS == 0 and not PREFETCH:
+    it (loading each tile one tile ahead measured no better on an H200: the INT8 lm_head GEMV 83% of the
+    copy bandwidth without it, 74% with it). Unquantized and 6 bits: `gemv_accumulate` per tile."""
+    if BITS != 0 and 32 % BITS == 0:
         rows = tl.where(n_mask, offs_n, 0)[:, None].to(tl.int64)  # clamped: loads need no row mask
         for k0 in range(k_start, k_end, BLOCK_K):
             words, scale = packed_tile(w_ptr, s_ptr, k0, rows, stride_wn, stride_sn, K, BITS, GROUP_SIZE,
                                        BLOCK_K, EVEN_K)
             acc = packed_gemv_accumulate(acc, words, scale, x_ptr, x_rows, m_mask, k0, K, BITS, BLOCK_K,
                                          EVEN_K)
-    elif BITS != 0 and 32 % BITS == 0:
-        rows = tl.where(n_mask, offs_n, 0)[:, None].to(tl.int64)  # clamped: loads need no row mask
-        last = k_start + (k_end - k_start - 1) // BLOCK_K * BLOCK_K  # the last tile (fetched twice at the end)
-        words, scale = packed_tile(w_ptr, s_ptr, k_start, rows, stride_wn, stride_sn, K, BITS, GROUP_SIZE, BLOCK_K,
-                                   EVEN_K)
-        for k0 in range(k_start, k_end, BLOCK_K):
-            next_words, next_scale = packed_tile(w_ptr, s_ptr, tl.minimum(k0 + BLOCK_K, last), rows, stride_wn,
-                                                 stride_sn, K, BITS, GROUP_SIZE, BLOCK_K, EVEN_K)
-            acc = packed_gemv_accumulate(acc, words, scale, x_ptr, x_rows, m_mask, k0, K, BITS, BLOCK_K, EVEN_K)
-            words, scale = next_words, next_scale
     else:
         for k0 in range(k_start, k_end, BLOCK_K):
             acc = gemv_accumulate(acc, x_ptr, x_rows, m_mask, w_ptr, s_ptr, k0, offs_n, n_mask, stride_wn, stride_sn,
@@ -319,21 +310,21 @@ def packed_gemv_accumulate(acc, words, scale, x_ptr, x_rows, m_mask, k0, K, BITS
         a2, a6 = even_odd(even1, BLOCK_K // 8, 2)
         a1, a5 = even_odd(odd0, BLOCK_K // 8, 2)
         a3, a7 = even_odd(odd1, BLOCK_K // 8, 2)
-        per_word = word_value(words, high, 0, BITS) * a0[None, :]
-        per_word += word_value(words, high, 1, BITS) * a1[None, :]
-        per_word += word_value(words, high, 2, BITS) * a2[None, :]
-        per_word += word_value(words, high, 3, BITS) * a3[None, :]
-        per_word += word_value(words, high, 4, BITS) * a4[None, :]
-        per_word += word_value(words, high, 5, BITS) * a5[None, :]
-        per_word += word_value(words, high, 6, BITS) * a6[None, :]
-        per_word += word_value(words, high, 7, BITS) * a7[None, :]
+        per_word = word_value(words, high, 0, BITS, FLOAT_ONE_BITS) * a0[None, :]
+        per_word += word_value(words, high, 1, BITS, FLOAT_ONE_BITS) * a1[None, :]
+        per_word += word_value(words, high, 2, BITS, FLOAT_ONE_BITS) * a2[None, :]
+        per_word += word_value(words, high, 3, BITS, FLOAT_ONE_BITS) * a3[None, :]
+        per_word += word_value(words, high, 4, BITS, FLOAT_ONE_BITS) * a4[None, :]
+        per_word += word_value(words, high, 5, BITS, FLOAT_ONE_BITS) * a5[None, :]
+        per_word += word_value(words, high, 6, BITS, FLOAT_ONE_BITS) * a6[None, :]
+        per_word += word_value(words, high, 7, BITS, FLOAT_ONE_BITS) * a7[None, :]
     else:
         a0, a2 = even_odd(even, BLOCK_K // 4, 2)
         a1, a3 = even_odd(odd, BLOCK_K // 4, 2)
-        per_word = word_value(words, high, 0, BITS) * a0[None, :]
-        per_word += word_value(words, high, 1, BITS) * a1[None, :]
-        per_word += word_value(words, high, 2, BITS) * a2[None, :]
-        per_word += word_value(words, high, 3, BITS) * a3[None, :]
+        per_word = word_value(words, high, 0, BITS, FLOAT_ONE_BITS) * a0[None, :]
+        per_word += word_value(words, high, 1, BITS, FLOAT_ONE_BITS) * a1[None, :]
+        per_word += word_value(words, high, 2, BITS, FLOAT_ONE_BITS) * a2[None, :]
+        per_word += word_value(words, high, 3, BITS, FLOAT_ONE_BITS) * a3[None, :]
     return acc + per_word * scale
 
 
@@ -391,7 +382,7 @@ def _gemv_kernel(
     k_start = split * k_per_split
     acc = gemv_loop(gemv_zeros(BLOCK_M, BLOCK_N, BLOCK_K, BITS), x_ptr, x_rows, m_mask, w_ptr, s_ptr, k_start,
                     tl.minimum(k_start + k_per_split, K), offs_n, n_mask, stride_wn, stride_sn, K, BITS, GROUP_SIZE,
-                    BLOCK_K, EVEN_K, PRECISION, PREFETCH=False)
+                    BLOCK_K, EVEN_K, PRECISION)
     y_ptrs = y_ptr + split * stride_ys + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
     tl.store(y_ptrs, round_to(gemv_sum(acc, BITS), y_ptr.dtype.element_ty, PRECISION),
              mask=m_mask[:, None] & n_mask[None, :])
