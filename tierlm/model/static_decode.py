@@ -13,6 +13,15 @@ double from one covering FIRST_WIDTH_TOKENS up to max_model_len, so what a step 
 QSA indexer scores every compressed key of the table) follows the batch's context, not max_model_len.
 Mode "eager" runs the same padded batches without capture or compilation: that is how the padding is
 tested without a GPU.
+
+Inputs come two ways. `run(batch)` copies a built `ForwardBatch`'s device tensors into the buffers (the
+pipeline stages use it). `run_decode(...)` takes the engine's host lists and writes them straight into
+the buffers: each step fills a pinned host staging buffer (ids, positions, context lengths, slots, K/V
+rows, token sources, and the block-table entries that changed since the last step: a host mirror
+remembers which request's block list each row holds and how much of it is on the device) and sends it
+in one host-to-device copy; the changed table entries are scattered from there. A row's token source
+>= 0 takes its input id from the previous step's sampled ids on the device (overlap scheduling: the host
+launches a step before it has read the ids of the one before); the ids are resolved inside the graph.
 """
 
 from __future__ import annotations
@@ -66,14 +75,17 @@ class StaticDecodeRunner:
         self.widths = sorted({w for w in widths if w < max_blocks_per_request} | {max_blocks_per_request})
         self.max_batch = max_batch
         as_long = dict(dtype=torch.int64, device=cache.device)
-        # the input buffers every prepared forward reads (a narrower width reads the first columns)
-        self.token_ids = torch.zeros(max_batch, **as_long)
-        self.positions = torch.zeros(max_batch, **as_long)
-        self.context_lens = torch.zeros(max_batch, **as_long)
-        self.slots = torch.zeros(max_batch, **as_long)
+        # the input buffers every prepared forward reads (a narrower width reads the first columns); the
+        # per-row vectors and the table updates are views of one buffer, what `run_decode` copies into
+        m = max_batch
+        self.inputs = torch.zeros(NUM_ROW_INPUTS * m + 2 * m * max_blocks_per_request, **as_long)
+        self.input_ids, self.positions, self.context_lens, self.slots, self.slot_mapping, self.token_sources = (
+            self.inputs[i * m : (i + 1) * m] for i in range(NUM_ROW_INPUTS))
+        self.token_ids = torch.zeros(m, **as_long)  # what the model reads: input ids, sources resolved
+        self.previous_tokens = torch.zeros(m, **as_long)  # the previous step's sampled ids (token sources)
         self.block_tables = torch.zeros(max_batch, max_blocks_per_request, **as_long)
         self.tables_at = {width: self.block_tables[:, :width] for width in self.widths}  # the columns a width reads
-        self.slot_mapping = torch.zeros(max_batch, **as_long)
+        self._staging = _Staging(self.inputs.numel(), cache.device)
         self.logits_rows = torch.arange(max_batch, **as_long)
         self.ple_embeddings = {
             index: torch.zeros(max_batch, width, dtype=cache.dtype, device=cache.device)
@@ -96,6 +108,7 @@ class StaticDecodeRunner:
                     self.forward(self.batches[shape], cache)
         elif mode == "cuda_graph":
             self._capture()
+        self._reset_tables()
         cache.reset_row_cache_counters()  # the warm-up and capture forwards served no request
 
     def _static_batch(self, size: int, width: int) -> ForwardBatch:
@@ -112,8 +125,9 @@ class StaticDecodeRunner:
     def _pad(self, start: int, size: int, width: int) -> None:
         """Rows start:size become harmless padding (scratch slot, scratch block in the first `width`
         columns, position 0): what a (size, width) forward reads of them."""
-        for buffer in (self.token_ids, self.positions, self.context_lens):
+        for buffer in (self.input_ids, self.positions, self.context_lens):
             buffer[start:size].zero_()
+        self.token_sources[start:size] = -1
         if self.stage_input is not None:
             self.stage_input[start:size].zero_()
         self.slots[start:size] = self.cache.scratch_slot
@@ -128,10 +142,12 @@ class StaticDecodeRunner:
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
                 for _ in range(2):  # warm up lazily built tensors and kernels outside the capture
+                    self._resolve_tokens()
                     self.model(batch, self.cache)
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
+                self._resolve_tokens()
                 self.outputs[shape] = self.model(batch, self.cache)
             pool = graph.pool()
             self.graphs[shape] = graph
@@ -153,7 +169,8 @@ class StaticDecodeRunner:
         """Logits [B, vocab] of a decode-only batch (valid until the next call)."""
         n = batch.num_requests
         size, width = shape = self.shape_for(batch)
-        self.token_ids[:n].copy_(batch.token_ids)
+        self.input_ids[:n].copy_(batch.token_ids)
+        self.token_sources[:n] = -1
         self.positions[:n].copy_(batch.positions)
         self.context_lens[:n].copy_(batch.context_lens_tensor)
         self.slots[:n].copy_(batch.slots)
@@ -166,7 +183,120 @@ class StaticDecodeRunner:
         if self.stage_input is not None:
             self.stage_input[:n].copy_(batch.stage_input)
         self._pad(n, size, width)
+        self._forget_tables()
+        return self._forward(shape)[:n]
+
+    def run_decode(
+        self, token_ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]],
+        token_sources: list[int] | None = None, previous_tokens: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Logits [B, vocab] of B decode rows given as host lists (valid until the next call): row i
+        computes token_ids[i] at positions[i] of the request in state slot slots[i] whose block list is
+        tables[i] (the request's own list object: rows remember it, so a grown list sends only its new
+        entries). token_sources[i] >= 0: row i's input is previous_tokens[token_sources[i]] instead."""
+        n, m, block_size = len(token_ids), self.max_batch, self.cache.block_size
+        if n > m:
+            raise ValueError(f"{n} decode rows > the {m} this runner was prepared for")
+        longest = max(len(t) for t in tables)
+        if longest > self.block_tables.shape[1]:
+            raise ValueError(f"a block table of {longest} blocks > the {self.block_tables.shape[1]} prepared")
+        size = next(s for s in self.sizes if s >= n)
+        shape = size, next(w for w in self.widths if w >= longest)
+        stage = self._staging.next()
+        stage[: NUM_ROW_INPUTS * m].fill(0)
+        stage[0:n] = token_ids
+        stage[m : m + n] = positions
+        stage[2 * m : 2 * m + n] = positions  # a decode row's context is every token before it
+        stage[3 * m : 3 * m + n] = slots
+        stage[3 * m + n : 4 * m] = self.cache.scratch_slot
+        stage[4 * m : 4 * m + n] = [t[p // block_size] * block_size + p % block_size
+                                    for t, p in zip(tables, positions, strict=True)]
+        stage[4 * m + n : 5 * m] = self.cache.scratch_block * block_size
+        stage[5 * m : 6 * m] = -1
+        if token_sources is not None:
+            stage[5 * m : 5 * m + n] = token_sources
+        columns, values = self._table_updates(tables, size)
+        changed = len(columns)
+        updates = NUM_ROW_INPUTS * m
+        stage[updates : updates + changed] = columns
+        stage[updates + changed : updates + 2 * changed] = values
+        self._staging.send(self.inputs, updates + 2 * changed)
+        if changed:
+            self.block_tables.view(-1).index_copy_(
+                0, self.inputs[updates : updates + changed], self.inputs[updates + changed : updates + 2 * changed])
+        if previous_tokens is not None:
+            self.previous_tokens[: previous_tokens.shape[0]].copy_(previous_tokens)
+        return self._forward(shape)[:n]
+
+    def _forward(self, shape: tuple[int, int]) -> torch.Tensor:
         if shape in self.graphs:
             self.graphs[shape].replay()
-            return self.outputs[shape][:n]
-        return self.forward(self.batches[shape], self.cache)[:n]
+            return self.outputs[shape]
+        self._resolve_tokens()
+        return self.forward(self.batches[shape], self.cache)
+
+    def _resolve_tokens(self) -> None:
+        """Each row's input id: the host's, or (token source >= 0) the previous step's sampled id."""
+        sources = self.token_sources
+        torch.where(sources >= 0, self.previous_tokens[sources.clamp(min=0)], self.input_ids, out=self.token_ids)
+
+    # ---- the host mirror of the block tables (run_decode) ---------------------------------------------
+    def _reset_tables(self) -> None:
+        """Every row padding: the scratch block in column 0, -1 after (a padding row's context is empty)."""
+        self.block_tables.fill_(-1)
+        self.block_tables[:, 0] = self.cache.scratch_block
+        self._row_lists: list[list[int] | None] = [None] * self.max_batch  # the block list each row holds
+        self._row_lens = [1] * self.max_batch  # entries of each row before its -1s (also: sent of its list)
+
+    def _forget_tables(self) -> None:
+        """`run` wrote the table directly: the next `run_decode` rewrites every row it uses, whole."""
+        self._row_lists = [None] * self.max_batch
+        self._row_lens = [self.block_tables.shape[1]] * self.max_batch
+
+    def _table_updates(self, tables: list[list[int]], size: int) -> tuple[list[int], list[int]]:
+        """(flat index, block id) of the entries rows 0:size need changed: the new blocks of a row whose
+        list grew, a whole row where the list is another one (and -1 over what is left of the old one)."""
+        columns, values, width = [], [], self.block_tables.shape[1]
+        scratch = [self.cache.scratch_block]
+        for row in range(size):
+            wanted = tables[row] if row < len(tables) else None
+            held, sent = self._row_lists[row], self._row_lens[row]
+            blocks = scratch if wanted is None else wanted
+            if held is wanted and (wanted is not None or sent == 1):  # the same list, or padding already
+                start = sent
+            else:
+                start = 0
+                columns += range(row * width + len(blocks), row * width + max(sent, len(blocks)))
+                values += [-1] * max(0, sent - len(blocks))
+            columns += range(row * width + start, row * width + len(blocks))
+            values += blocks[start:]
+            self._row_lists[row], self._row_lens[row] = wanted, len(blocks)
+        return columns, values
+
+
+NUM_ROW_INPUTS = 6  # input ids, positions, context lengths, slots, K/V rows, token sources
+
+
+class _Staging:
+    """Two host staging buffers, used in turn (pinned on CUDA): one is filled while the copy from the
+    other may still be queued; a buffer is reused only once its last copy has run."""
+
+    def __init__(self, numel: int, device: torch.device) -> None:
+        cuda = device.type == "cuda"
+        self.buffers = [torch.zeros(numel, dtype=torch.int64, pin_memory=cuda) for _ in range(2)]
+        self.arrays = [b.numpy() for b in self.buffers]
+        self.copied = [torch.cuda.Event() if cuda else None for _ in range(2)]
+        self.turn = 0
+
+    def next(self):
+        """The buffer to fill now (a numpy view), once its previous copy has run."""
+        self.turn ^= 1
+        if self.copied[self.turn] is not None:
+            self.copied[self.turn].synchronize()
+        return self.arrays[self.turn]
+
+    def send(self, target: torch.Tensor, count: int) -> None:
+        """The first `count` entries of the buffer just filled into target's (one host-to-device copy)."""
+        target[:count].copy_(self.buffers[self.turn][:count], non_blocking=True)
+        if self.copied[self.turn] is not None:
+            self.copied[self.turn].record()
