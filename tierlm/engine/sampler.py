@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from tierlm.engine.request import Request
+from tierlm.model.forward_batch import on_device
 from tierlm.outputs import Logprob, PositionLogprobs
 
 logger = logging.getLogger("tierlm")
@@ -123,15 +124,6 @@ class PendingSample:
     host_ids: torch.Tensor  # [2, rows] ids and statuses, on the host
     host_logprobs: tuple[torch.Tensor, ...]  # chosen, ranks, top values, top ids of the `wanted` rows
     ready: torch.cuda.Event | None  # recorded after the copies (None on CPU: they are done)
-
-
-def on_device(values: list, device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
-    """A host list as a tensor on `device`; on CUDA through pinned memory without waiting for the stream
-    (a plain `torch.tensor(..., device=cuda)` waits for every queued kernel, which would stall overlap)."""
-    host = torch.tensor(values, dtype=dtype)
-    if device.type != "cuda":
-        return host
-    return host.pin_memory().to(device, non_blocking=True)
 
 
 def _to_host(tensor: torch.Tensor) -> torch.Tensor:
