@@ -489,7 +489,8 @@ class LLMEngine:
             seq.request.paused = paused
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """Requests waiting or running, or a launched step not read back yet."""
+        return self.scheduler.has_unfinished() or self._in_flight is not None
 
     def stats(self) -> EngineStats:
         manager = self.cache_manager
@@ -592,10 +593,13 @@ class LLMEngine:
             for chunk, sampled in zip(plan.chunks, samples, strict=True):
                 request = chunk.request
                 request.num_computed_tokens += chunk.num_tokens
-                if sampled and request in launched.row_of and not self._last_token(request):
+                last = sampled and request in launched.row_of and self._last_token(request)
+                if sampled and request in launched.row_of and not last:
                     request.add_placeholder()
                     launched.placeholders.add(request)
                 self.cache_manager.on_computed(request, request.num_known_tokens)
+                if last:  # its memory goes back now, before the next schedule, as after a serial step
+                    self.scheduler.finish(request)
         return launched
 
     @staticmethod
@@ -607,7 +611,7 @@ class LLMEngine:
     @staticmethod
     def _last_token(request: Request) -> bool:
         """The token being sampled now certainly finishes the request (max_tokens, max_model_len): the
-        next step has nothing to compute for it."""
+        next step has nothing to compute for it, and it leaves the scheduler at launch."""
         n_out = len(request.output_token_ids) + 1
         max_tokens = request.params.max_tokens
         return (max_tokens is not None and n_out >= max_tokens) or request.num_prompt_tokens + n_out >= request.max_model_len

@@ -10,8 +10,8 @@ checkpoint boundary so the prefix cache can snapshot the state there. A paused r
 its memory and is skipped until it is let go on.
 
 With overlap scheduling a request whose sampled token is still on the device counts it already (a
-placeholder id, see engine/request.py), so it is scheduled like any decode; one whose last step will
-certainly finish it (max_tokens) gets no placeholder and has nothing to compute: it is skipped.
+placeholder id, see engine/request.py), so it is scheduled like any decode; one with nothing to compute
+(its step failed at launch; the engine ends it when it reads that step back) is skipped.
 
 With pipeline parallelism several batches are in flight at once: `schedule(busy=...)` leaves out the
 requests of batches not yet back (and never preempts them), and `max_requests` splits the running
