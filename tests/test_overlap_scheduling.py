@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 
 from tierlm.demo_model import build_demo_model
 from tierlm.engine.llm_engine import EngineConfig, LLMEngine
@@ -17,6 +18,15 @@ from tierlm.sampling_params import SamplingParams
 
 OPTIONS = dict(dtype="float32", device="cpu", max_model_len=256, max_num_seqs=4, max_num_batched_tokens=32)
 LONG = "def parse(tokens):\n    return [t for t in tokens if t]\n" * 2  # > one block: a prefix-cache hit later
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Small batches: one torch thread (two spin against each other on a busy two-core host: 10x slower)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
@@ -167,3 +177,21 @@ def test_switches(demo_dir, monkeypatch):
     monkeypatch.setenv("TIERLM_NO_ASYNC_SCHEDULING", "1")
     engine = LLMEngine(EngineConfig(str(demo_dir), **OPTIONS))
     assert not engine.overlap
+
+
+def test_decode_checkpoints_saved_in_flight_are_hit_with_the_right_state(demo_dir):
+    """A decode-time checkpoint is copied right after the step reaching its boundary, before that block's
+    last id is known, and keyed when it is: a prompt that continues the output hits it, with the same
+    cached tokens and the same continuation as serial."""
+    results = {}
+    for overlap in (False, True):
+        engine = make_engine(demo_dir, overlap, static=True)
+        first = run_script(engine, {0: [("first", LONG, greedy(max_tokens=24))]})["first"]
+        prompt = engine.tokenizer.encode(LONG) + first.outputs[0].token_ids + [5, 6]
+        before = engine.cache_manager.hit_tokens
+        second = run_script(engine, {0: [("second", prompt, greedy(max_tokens=8, logprobs=1))]})["second"]
+        results[overlap] = (engine.cache_manager.hit_tokens - before, outcome(first), outcome(second))
+        assert not any(r.pending_checkpoint for r in engine.scheduler.running)
+    hits = results[False][0]
+    assert hits > len(engine.tokenizer.encode(LONG))  # past the prompt: a decode checkpoint
+    assert results[True] == results[False]
