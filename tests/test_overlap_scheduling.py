@@ -35,9 +35,14 @@ def demo_dir(tmp_path_factory):
 
 
 def make_engine(demo_dir, overlap: bool, static: bool, eos: frozenset[int] = frozenset(), **options) -> LLMEngine:
-    engine = LLMEngine(EngineConfig(str(demo_dir), **{**OPTIONS, **options}, async_scheduling=overlap))
+    """static: decode steps through the StaticDecodeRunner's host-list path (CUDA: the engine's own CUDA
+    graphs; CPU: the same runner run eagerly)."""
+    options = {**OPTIONS, **options}
+    if options["device"] == "cuda" and not static:
+        options["enforce_eager"] = True
+    engine = LLMEngine(EngineConfig(str(demo_dir), **options, async_scheduling=overlap))
     assert engine.overlap is overlap
-    if static:  # the host-list path of the CUDA graphs, eagerly (no graphs on CPU)
+    if static and options["device"] == "cpu":
         engine.runner.static_decode = StaticDecodeRunner(
             engine.model, engine.cache, engine.config.max_num_seqs,
             math.ceil(engine.max_model_len / engine.cache.block_size), "eager")
@@ -98,10 +103,11 @@ def stops(demo_dir):
     return stop_id, stop_text, eos
 
 
-def run_both(demo_dir, static: bool, arrivals: dict, eos: frozenset[int] = frozenset()) -> tuple[dict, dict]:
+def run_both(demo_dir, static: bool, arrivals: dict, eos: frozenset[int] = frozenset(), **options
+             ) -> tuple[dict, dict]:
     runs = {}
     for overlap in (False, True):
-        engine = make_engine(demo_dir, overlap, static, eos=eos)
+        engine = make_engine(demo_dir, overlap, static, eos=eos, **options)
         runs[overlap] = run_script(engine, arrivals)
         assert engine.cache_manager.hit_tokens > 0  # "prefix-hit" started after cached blocks
         assert not engine.has_unfinished_requests()
@@ -140,6 +146,15 @@ def test_overlap_gives_the_serial_tokens_around_stops(demo_dir, stops, static):
             assert [[(t, r) for t, _, r in p] for p in c_got[5]] == [[(t, r) for t, _, r in p] for p in c_expected[5]]
             values = [(a[1], b[1]) for p, q in zip(c_got[5], c_expected[5]) for a, b in zip(p, q)]
             assert max(abs(a - b) for a, b in values) <= 1e-5, request_id
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("static", [False, True], ids=["eager", "cuda_graph"])
+def test_overlap_on_the_gpu_is_bit_identical_when_requests_end_on_max_tokens(demo_dir, static):
+    """On CUDA the next step really is queued behind the one running: the same outputs, bit for bit."""
+    serial, overlapped = run_both(demo_dir, static, script(), device="cuda")
+    for request_id in serial:
+        assert outcome(overlapped[request_id]) == outcome(serial[request_id]), request_id
 
 
 def test_overlap_under_preemption_gives_the_serial_outputs(demo_dir):

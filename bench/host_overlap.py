@@ -1,0 +1,114 @@
+"""Host time between decode steps, overlap scheduling off vs on, side by side (from the engine's --trace).
+
+For each batch size: B greedy requests decode --steps tokens each through the whole engine (scheduler,
+runner, sampler, detokenizer), once with --no-async-scheduling and once with overlap; the step trace of
+each run gives, over the decode steps after --warmup:
+- step ms: wall time from one step's end to the next's;
+- host ms: the part of a step the host is busy, not waiting for the device (CPU: the step minus the
+  forward and the sampler, which run inline there; CUDA: the step minus the wait for the sampled ids);
+- gap ms (CUDA): device time from the end of one forward (graph replay) to the start of the next,
+  measured with CUDA events: sampling, the input copy and any time the device waited for the host (the
+  issue's target: at most 0.1 ms). On CPU the forward runs inline, so overlap cannot hide the host time
+  there; its host ms says how much a device would have to hide.
+
+    python bench/host_overlap.py                                   # CPU, the tiny demo model
+    python bench/host_overlap.py --device cuda --demo small --batch 1 16 --steps 256
+    python bench/host_overlap.py --device cuda --model DIR --dtype bfloat16 --batch 1 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import json
+import statistics
+import tempfile
+from pathlib import Path
+
+import torch
+
+from tierlm.demo_model import build_demo_model
+from tierlm.engine.llm_engine import EngineConfig, LLMEngine
+from tierlm.sampling_params import SamplingParams
+
+
+def run(args, model: str, batch: int, overlap: bool, trace_path: Path) -> dict[str, float]:
+    engine = LLMEngine(EngineConfig(
+        model=model, dtype=args.dtype, device=args.device, max_num_seqs=batch, max_model_len=args.max_model_len,
+        max_num_batched_tokens=max(256, batch * args.prompt_tokens), trace=str(trace_path),
+        async_scheduling=overlap, load_format=args.load_format,
+    ))
+    assert engine.overlap is overlap
+    params = SamplingParams(temperature=0, max_tokens=args.warmup + args.steps + 1, ignore_eos=True)
+    vocab = engine.model_config.vocab_size
+    for i in range(batch):
+        prompt = [(7 + 31 * i + 17 * j) % (vocab - 2) + 1 for j in range(args.prompt_tokens)]
+        engine.add_request(prompt, params)
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.close()
+    atexit.unregister(engine.trace.flush)  # written; its folder is gone at exit
+    return summarize(json.loads(trace_path.read_text())["traceEvents"], batch, args.warmup,
+                     cuda=engine.cache.device.type == "cuda")
+
+
+def summarize(events: list[dict], batch: int, warmup: int, cuda: bool) -> dict[str, float]:
+    """Medians over the decode steps (every request decoding one token) after the first `warmup`."""
+    marks = sorted((e for e in events if e["name"] == "step"), key=lambda e: e["ts"])
+    decode = [m["args"]["step"] for m in marks if m["args"]["tokens"] == batch][warmup:]
+    end_of = {m["args"]["step"]: m["ts"] for m in marks}
+    per_step: dict[int, dict[str, float]] = {}
+    for event in events:
+        if event["ph"] == "X":
+            phases = per_step.setdefault(event["args"]["step"], {})
+            phases[event["name"]] = phases.get(event["name"], 0.0) + event["dur"]
+    rows = []
+    for step in decode:
+        if step - 1 not in end_of:
+            continue
+        wall = end_of[step] - end_of[step - 1]
+        phases = per_step.get(step, {})
+        device = phases.get("read sampled ids", 0.0) if cuda else (
+            phases.get("launch forward", 0.0) + phases.get("sample", 0.0))
+        forward = phases.get("forward") if cuda else phases.get("launch forward")
+        rows.append((wall, wall - device, phases.get("between forwards"), forward))
+    median = lambda values: statistics.median(values) / 1000 if values else float("nan")  # noqa: E731
+    return dict(step=median([r[0] for r in rows]), host=median([r[1] for r in rows]),
+                gap=median([r[2] for r in rows if r[2] is not None]),
+                forward=median([r[3] for r in rows if r[3] is not None]), steps=len(rows))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--model", default=None, help="a checkpoint folder (default: a demo model, --demo)")
+    parser.add_argument("--demo", default="tiny", choices=["tiny", "small"], help="the demo model to build")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--load-format", default="auto")
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--steps", type=int, default=48, help="decode steps measured")
+    parser.add_argument("--warmup", type=int, default=8, help="decode steps left out first")
+    parser.add_argument("--prompt-tokens", type=int, default=16)
+    parser.add_argument("--max-model-len", type=int, default=1024)
+    parser.add_argument("--cpu-threads", type=int, default=1, help="torch threads (1: no OpenMP spin on a busy host)")
+    args = parser.parse_args()
+    torch.set_num_threads(args.cpu_threads)
+    with tempfile.TemporaryDirectory() as scratch:
+        scratch = Path(scratch)
+        model = args.model or str(build_demo_model(scratch / args.demo, args.demo))
+        device = args.device if args.device != "cuda" else torch.cuda.get_device_name()
+        print(f"# host time between decode steps: {args.model or 'demo ' + args.demo}, {device}, "
+              f"{args.steps} steps after {args.warmup}; medians in ms (gap: CUDA only)")
+        print(f"{'batch':>5} | {'step off':>8} {'step on':>8} {'ratio':>6} | {'host off':>8} {'host on':>8} | "
+              f"{'gap off':>8} {'gap on':>8} {'ratio':>6} | {'forward':>8}")
+        for batch in args.batch:
+            off = run(args, model, batch, False, scratch / f"off-{batch}.json")
+            on = run(args, model, batch, True, scratch / f"on-{batch}.json")
+            print(f"{batch:>5} | {off['step']:8.3f} {on['step']:8.3f} {off['step'] / on['step']:5.2f}x | "
+                  f"{off['host']:8.3f} {on['host']:8.3f} | {off['gap']:8.3f} {on['gap']:8.3f} "
+                  f"{off['gap'] / on['gap'] if on['gap'] == on['gap'] and on['gap'] else float('nan'):5.2f}x | "
+                  f"{on['forward']:8.3f}")
+
+
+if __name__ == "__main__":
+    main()
