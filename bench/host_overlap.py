@@ -36,7 +36,7 @@ def run(args, model: str, batch: int, overlap: bool, trace_path: Path) -> dict[s
     engine = LLMEngine(EngineConfig(
         model=model, dtype=args.dtype, device=args.device, max_num_seqs=batch, max_model_len=args.max_model_len,
         max_num_batched_tokens=max(256, batch * args.prompt_tokens), trace=str(trace_path),
-        async_scheduling=overlap, load_format=args.load_format,
+        async_scheduling=overlap, load_format=args.load_format, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
     ))
     assert engine.overlap is overlap
     params = SamplingParams(temperature=0, max_tokens=args.warmup + args.steps + 1, ignore_eos=True)
@@ -72,10 +72,12 @@ def summarize(events: list[dict], batch: int, warmup: int, cuda: bool) -> dict[s
             phases.get("launch forward", 0.0) + phases.get("sample", 0.0))
         forward = phases.get("forward") if cuda else phases.get("launch forward")
         rows.append((wall, wall - device, phases.get("between forwards"), forward))
-    median = lambda values: statistics.median(values) / 1000 if values else float("nan")  # noqa: E731
-    return dict(step=median([r[0] for r in rows]), host=median([r[1] for r in rows]),
-                gap=median([r[2] for r in rows if r[2] is not None]),
-                forward=median([r[3] for r in rows if r[3] is not None]), steps=len(rows))
+    def median_ms(values: list) -> float:
+        values = [v for v in values if v is not None]
+        return statistics.median(values) / 1000 if values else float("nan")
+
+    return {"step": median_ms([r[0] for r in rows]), "host": median_ms([r[1] for r in rows]),
+            "gap": median_ms([r[2] for r in rows]), "forward": median_ms([r[3] for r in rows]), "steps": len(rows)}
 
 
 def main() -> None:
@@ -90,6 +92,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=8, help="decode steps left out first")
     parser.add_argument("--prompt-tokens", type=int, default=16)
     parser.add_argument("--max-model-len", type=int, default=1024)
+    parser.add_argument("--kv-cache-memory-bytes", type=int, default=512 << 20, help="the cache budget (small: fast start)")
     parser.add_argument("--cpu-threads", type=int, default=1, help="torch threads (1: no OpenMP spin on a busy host)")
     args = parser.parse_args()
     torch.set_num_threads(args.cpu_threads)

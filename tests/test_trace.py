@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tierlm import LLM, SamplingParams
 from tierlm.demo_model import build_demo_model
-
-import pytest
 
 PHASES = ["schedule", "prepare batch", "launch forward", "sample", "read sampled ids", "apply, detokenize"]
 
