@@ -12,6 +12,7 @@ each run gives, over the decode steps after --warmup:
   there; its host ms says how much a device would have to hide.
 
     python bench/host_overlap.py                                   # CPU, the tiny demo model
+    python bench/host_overlap.py --static-eager                    # CPU, through the graphs' input path
     python bench/host_overlap.py --device cuda --demo small --batch 1 16 --steps 256
     python bench/host_overlap.py --device cuda --model DIR --dtype bfloat16 --batch 1 16
 """
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import json
+import math
 import statistics
 import tempfile
 from pathlib import Path
@@ -29,6 +31,7 @@ import torch
 
 from tierlm.demo_model import build_demo_model
 from tierlm.engine.llm_engine import EngineConfig, LLMEngine
+from tierlm.model.static_decode import StaticDecodeRunner
 from tierlm.sampling_params import SamplingParams
 
 
@@ -39,6 +42,9 @@ def run(args, model: str, batch: int, overlap: bool, trace_path: Path) -> dict[s
         async_scheduling=overlap, load_format=args.load_format, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
     ))
     assert engine.overlap is overlap
+    if args.static_eager and engine.runner.static_decode is None:  # CPU: the graphs' host-list path, eagerly
+        engine.runner.static_decode = StaticDecodeRunner(
+            engine.model, engine.cache, batch, math.ceil(engine.max_model_len / engine.cache.block_size), "eager")
     params = SamplingParams(temperature=0, max_tokens=args.warmup + args.steps + 1, ignore_eos=True)
     vocab = engine.model_config.vocab_size
     for i in range(batch):
@@ -62,12 +68,14 @@ def summarize(events: list[dict], batch: int, warmup: int, cuda: bool) -> dict[s
         if event["ph"] == "X":
             phases = per_step.setdefault(event["args"]["step"], {})
             phases[event["name"]] = phases.get(event["name"], 0.0) + event["dur"]
-    rows = []
+    rows, phase_times = [], {}
     for step in decode:
         if step - 1 not in end_of:
             continue
         wall = end_of[step] - end_of[step - 1]
         phases = per_step.get(step, {})
+        for name, duration in phases.items():
+            phase_times.setdefault(name, []).append(duration)
         device = phases.get("read sampled ids", 0.0) if cuda else (
             phases.get("launch forward", 0.0) + phases.get("sample", 0.0))
         forward = phases.get("forward") if cuda else phases.get("launch forward")
@@ -77,7 +85,8 @@ def summarize(events: list[dict], batch: int, warmup: int, cuda: bool) -> dict[s
         return statistics.median(values) / 1000 if values else float("nan")
 
     return {"step": median_ms([r[0] for r in rows]), "host": median_ms([r[1] for r in rows]),
-            "gap": median_ms([r[2] for r in rows]), "forward": median_ms([r[3] for r in rows]), "steps": len(rows)}
+            "gap": median_ms([r[2] for r in rows]), "forward": median_ms([r[3] for r in rows]), "steps": len(rows),
+            "phases": {name: median_ms(times) for name, times in phase_times.items()}}
 
 
 def main() -> None:
@@ -93,6 +102,10 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=16)
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=512 << 20, help="the cache budget (small: fast start)")
+    parser.add_argument("--static-eager", action="store_true",
+                        help="CPU: decode steps through the StaticDecodeRunner's host-list path (what CUDA "
+                        "graphs take), run eagerly, instead of the plain forward")
+    parser.add_argument("--phases", action="store_true", help="also each host phase's median, off and on")
     parser.add_argument("--cpu-threads", type=int, default=1, help="torch threads (1: no OpenMP spin on a busy host)")
     args = parser.parse_args()
     torch.set_num_threads(args.cpu_threads)
@@ -100,7 +113,8 @@ def main() -> None:
         scratch = Path(scratch)
         model = args.model or str(build_demo_model(scratch / args.demo, args.demo))
         device = args.device if args.device != "cuda" else torch.cuda.get_device_name()
-        print(f"# host time between decode steps: {args.model or 'demo ' + args.demo}, {device}, "
+        path = " (static runner, eager)" if args.static_eager and args.device == "cpu" else ""
+        print(f"# host time between decode steps: {args.model or 'demo ' + args.demo}, {device}{path}, "
               f"{args.steps} steps after {args.warmup}; medians in ms (gap: CUDA only)")
         print(f"{'batch':>5} | {'step off':>8} {'step on':>8} {'ratio':>6} | {'host off':>8} {'host on':>8} | "
               f"{'gap off':>8} {'gap on':>8} {'ratio':>6} | {'forward':>8}")
@@ -111,6 +125,9 @@ def main() -> None:
                   f"{off['host']:8.3f} {on['host']:8.3f} | {off['gap']:8.3f} {on['gap']:8.3f} "
                   f"{off['gap'] / on['gap'] if on['gap'] == on['gap'] and on['gap'] else float('nan'):5.2f}x | "
                   f"{on['forward']:8.3f}")
+            if args.phases:
+                for name in dict.fromkeys([*off["phases"], *on["phases"]]):
+                    print(f"{'':>5} | {name:>26}: off {off['phases'].get(name, 0):8.3f}  on {on['phases'].get(name, 0):8.3f}")
 
 
 if __name__ == "__main__":

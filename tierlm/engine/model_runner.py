@@ -75,19 +75,19 @@ class ModelRunner:
         trace = self.trace
         sources = self._placeholder_sources(step, previous)
         with trace.phase("prepare batch"):
-            direct = self._fits_static(step)
-            if not direct:
+            if self._fits_static(step):  # host lists straight into the graph's buffers
+                staged = self._stage_static(step, sources, previous)
+                wanted = [(chunk, row, 1) for row, chunk in enumerate(step.chunks)]
+            else:
+                staged = None
                 batch, wanted = self.prepare(step)
                 if sources:
                     rows, taken = zip(*sources.items())
                     batch.token_ids[on_device(list(rows), batch.token_ids.device)] = (
                         previous.pending.tokens[on_device(list(taken), batch.token_ids.device)])
         with trace.phase("launch forward"), trace.gpu("forward"):
-            if direct:
-                logits, wanted = self._run_static(step, sources, previous), [
-                    (chunk, row, 1) for row, chunk in enumerate(step.chunks)]
-            else:
-                logits = self.forward(batch)  # always run: the chunk fills the cache even with no rows
+            # always run: a chunk fills the cache even with no logits rows
+            logits = self.static_decode.replay(*staged) if staged else self.forward(batch)
         with trace.phase("sample"):
             return self._launch_sampling(step, wanted, logits)
 
@@ -131,10 +131,10 @@ class ModelRunner:
         return (runner is not None and self.ngram_store is None and 0 < len(step.chunks) <= runner.max_batch
                 and all(c.num_tokens == 1 and not c.draft_token_ids and c.samples for c in step.chunks))
 
-    def _run_static(self, step: SchedulerOutput, sources: dict[int, int], previous: LaunchedStep | None):
+    def _stage_static(self, step: SchedulerOutput, sources: dict[int, int], previous: LaunchedStep | None):
         chunks: list[ScheduledChunk] = step.chunks
         positions = [c.start for c in chunks]
-        return self.static_decode.run_decode(
+        return self.static_decode.stage_decode(
             [c.request.token_slice(p, p + 1)[0] for c, p in zip(chunks, positions, strict=True)], positions,
             [c.request.state_slot for c in chunks], [c.request.block_ids for c in chunks],
             [sources.get(row, -1) for row in range(len(chunks))] if sources else None,

@@ -194,6 +194,17 @@ class StaticDecodeRunner:
         computes token_ids[i] at positions[i] of the request in state slot slots[i] whose block list is
         tables[i] (the request's own list object: rows remember it, so a grown list sends only its new
         entries). token_sources[i] >= 0: row i's input is previous_tokens[token_sources[i]] instead."""
+        return self.replay(*self.stage_decode(token_ids, positions, slots, tables, token_sources, previous_tokens))
+
+    def replay(self, shape: tuple[int, int], num_rows: int) -> torch.Tensor:
+        """The forward at a prepared shape on what `stage_decode` staged: logits of its rows."""
+        return self._forward(shape)[:num_rows]
+
+    def stage_decode(
+        self, token_ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]],
+        token_sources: list[int] | None = None, previous_tokens: torch.Tensor | None = None,
+    ) -> tuple[tuple[int, int], int]:
+        """`run_decode`'s inputs into the buffers (queued on the device); the shape to replay, the rows."""
         n, m, block_size = len(token_ids), self.max_batch, self.cache.block_size
         if n > m:
             raise ValueError(f"{n} decode rows > the {m} this runner was prepared for")
@@ -226,7 +237,7 @@ class StaticDecodeRunner:
                 0, self.inputs[updates : updates + changed], self.inputs[updates + changed : updates + 2 * changed])
         if previous_tokens is not None:
             self.previous_tokens[: previous_tokens.shape[0]].copy_(previous_tokens)
-        return self._forward(shape)[:n]
+        return shape, n
 
     def _forward(self, shape: tuple[int, int]) -> torch.Tensor:
         if shape in self.graphs:
