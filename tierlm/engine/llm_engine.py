@@ -564,17 +564,20 @@ class LLMEngine:
         launched = self._launch(plan, previous) if plan.chunks else None
         # 0 tells the server nothing could run; reading back a step in flight is work too
         self.last_step_num_tokens = plan.num_tokens or (previous.num_tokens if previous else 0)
-        reads = []  # (what to read back, how to apply it), oldest first
+        reads = []  # (what to read back, its plan if it was read at once), oldest first
         if previous is not None:
-            reads.append((previous, self._apply_launched))
+            reads.append((previous, None))
         if launched is not None and launched is not self._in_flight:
-            reads.append((launched, lambda _, result, changed: self._apply(plan, result, changed)))
+            reads.append((launched, plan))
         outputs = []
-        for index, (step, apply) in enumerate(reads):
+        for index, (step, serial_plan) in enumerate(reads):
             with trace.phase("read sampled ids"):
                 result = step if isinstance(step, StepResult) else self.runner.finish(step)
             with trace.phase("apply, detokenize"):
-                apply(step, result, changed)
+                if serial_plan is None:
+                    self._apply_launched(step, result, changed)
+                else:
+                    self._apply(serial_plan, result, changed)
                 if index == len(reads) - 1:
                     outputs = [self._collect(request_id) for request_id in changed]
         if self.last_step_num_tokens:
@@ -614,7 +617,8 @@ class LLMEngine:
         next step has nothing to compute for it, and it leaves the scheduler at launch."""
         n_out = len(request.output_token_ids) + 1
         max_tokens = request.params.max_tokens
-        return (max_tokens is not None and n_out >= max_tokens) or request.num_prompt_tokens + n_out >= request.max_model_len
+        return ((max_tokens is not None and n_out >= max_tokens)
+                or request.num_prompt_tokens + n_out >= request.max_model_len)
 
     def _apply_launched(self, launched: LaunchedStep, result: StepResult, changed: dict[str, None]) -> None:
         """A step left in flight, read back: fill its placeholders (computed counts moved on at launch)."""
@@ -623,7 +627,6 @@ class LLMEngine:
                 continue
             if request in result.failed:
                 request.finish(RequestStatus.FINISHED_ERROR, result.failed[request])
-                request.drop_placeholders()
             else:
                 fill = request.fill_placeholder if request in launched.placeholders else request.append_token
                 self._append(request, result.sampled[request], fill)
@@ -675,7 +678,6 @@ class LLMEngine:
         except Exception as exc:
             logger.exception("request %s could not take token %d", request.request_id, token_id)
             request.finish(RequestStatus.FINISHED_ERROR, f"{type(exc).__name__}: {exc}")
-            request.drop_placeholders()
 
     def _collect(self, request_id: str) -> RequestOutput:
         group = self._groups[request_id]

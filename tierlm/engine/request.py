@@ -135,21 +135,14 @@ class Request:
         self.num_placeholders += 1
 
     def fill_placeholder(self, token_id: int) -> None:
-        """The oldest placeholder's sampled id, then the checks of `append_token`; a request that this token
-        finishes drops the later placeholders (their steps' tokens are discarded)."""
+        """The oldest placeholder's sampled id, then the checks of `append_token` (a request that this
+        token finishes drops the later placeholders: `finish`)."""
         if not self.num_placeholders:
             raise RuntimeError(f"request {self.request_id}: no placeholder to fill")
         index = len(self.output_token_ids) - self.num_placeholders
         self.output_token_ids[index] = token_id
         self.num_placeholders -= 1
         self._took(token_id, index + 1)
-        if self.is_finished:
-            self.drop_placeholders()
-
-    def drop_placeholders(self) -> None:
-        """Forget the tokens still on the device (the request finished, or its step failed)."""
-        del self.output_token_ids[len(self.output_token_ids) - self.num_placeholders :]
-        self.num_placeholders = 0
 
     def _took(self, token_id: int, n_out: int | None = None) -> None:
         """Stop checks after output token number n_out (default: the last) was sampled as token_id."""
@@ -174,5 +167,8 @@ class Request:
             self.finish(RequestStatus.FINISHED_LENGTH)
 
     def finish(self, status: RequestStatus, stop_reason: int | str | None = None) -> None:
+        """End the request; tokens still on the device (placeholders) are discarded."""
         self.status = status
         self.stop_reason = stop_reason
+        del self.output_token_ids[len(self.output_token_ids) - self.num_placeholders :]
+        self.num_placeholders = 0
