@@ -159,9 +159,8 @@ class Sampler:
         """Queue the pass on the logits' device and the copy of its results to the host, without waiting
         for either (nothing here reads a device value back); `collect` reads them."""
         raw = logits.float()
-        logits = raw.clone()
-        vocab = logits.shape[1]
-        device = logits.device
+        vocab = raw.shape[1]
+        device = raw.device
         failed: dict[int, str] = {}
         ban_rows, ban_ids, bias_rows, bias_ids, bias_values, allowed_rows = [], [], [], [], [], []
         grammar_rows, masks = [], []
@@ -186,6 +185,8 @@ class Sampler:
                 logger.exception("preparing request %s for sampling failed", request.request_id)
                 failed[i] = f"sampling failed: {type(exc).__name__}: {exc}"
         penalized = [i for i, r in enumerate(requests) if i not in failed and r.params.has_penalties]
+        # the rows are changed in place only when something changes them (raw stays for log-probabilities)
+        logits = raw.clone() if penalized or bias_ids or allowed_rows or ban_ids or grammar_rows else raw
         if penalized:
             apply_penalties(logits, requests, penalized)
         if bias_ids:
