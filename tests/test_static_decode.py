@@ -73,21 +73,26 @@ def test_captured_graphs_match_plain_decode_on_gpu(tmp_path):
     assert sorted(runner.graphs) == [(1, WIDTH), (2, WIDTH), (4, WIDTH), (8, WIDTH)]
 
 
-def test_run_decode_from_host_lists_matches_plain_decode(tmp_path):
+@pytest.mark.parametrize("device,mode", [
+    ("cpu", "eager"),
+    pytest.param("cuda", "cuda_graph", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")),
+])
+def test_run_decode_from_host_lists_matches_plain_decode(tmp_path, device, mode):
     """`run_decode` (host lists into the buffers, one staging copy, block tables sent as they change, ids
     taken from the device by token source) gives the plain decode's logits while rows change requests,
     block lists grow and a batch shrinks to padding."""
     build_reference("hc4_ple", tmp_path)
-    model, config = load_model(tmp_path, dtype="float32", device="cpu")
-    cache = ModelCache(config, REQUESTS + 1, REQUESTS * WIDTH, BLOCK_SIZE, torch.float32, "cpu")
+    model, config = load_model(tmp_path, dtype="float32", device=device)
+    cache = ModelCache(config, REQUESTS + 1, REQUESTS * WIDTH, BLOCK_SIZE, torch.float32, device)
     full_tables = [list(range(i * WIDTH, (i + 1) * WIDTH)) for i in range(REQUESTS)]
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(2, config.vocab_size, (n,), generator=gen).tolist() for n in (30, 7, 19, 15, 3)]
     for slot in range(REQUESTS):
         cache.reset_slot(slot)
-    model(ForwardBatch.build(prompts, [0] * REQUESTS, list(range(REQUESTS)), full_tables, BLOCK_SIZE), cache)
+    model(ForwardBatch.build(prompts, [0] * REQUESTS, list(range(REQUESTS)), full_tables, BLOCK_SIZE, device=device),
+          cache)
     static_cache = copy.deepcopy(cache)
-    runner = StaticDecodeRunner(model, static_cache, 4, WIDTH, "eager", widths=[2, 4, WIDTH])
+    runner = StaticDecodeRunner(model, static_cache, 4, WIDTH, mode, widths=[2, 4, WIDTH])
     positions = [len(p) for p in prompts]
     # each request's own growing block list (what the engine hands over: the same list object every step)
     lists = [full_tables[r][: positions[r] // BLOCK_SIZE + 1] for r in range(REQUESTS)]
@@ -96,12 +101,12 @@ def test_run_decode_from_host_lists_matches_plain_decode(tmp_path):
         for r in active:
             while len(lists[r]) <= positions[r] // BLOCK_SIZE:
                 lists[r].append(full_tables[r][len(lists[r])])
-        previous = torch.randint(2, config.vocab_size, (4,), generator=gen)
+        previous = torch.randint(2, config.vocab_size, (4,), generator=gen).to(device)
         sources = [(i + step) % 4 if (r + step) % 2 else -1 for i, r in enumerate(active)]
         host_ids = [int(torch.randint(2, config.vocab_size, (1,), generator=gen)) for _ in active]
         ids = [int(previous[s]) if s >= 0 else t for s, t in zip(sources, host_ids)]
         batch = ForwardBatch.build([[t] for t in ids], [positions[r] for r in active], active,
-                                   [lists[r] for r in active], BLOCK_SIZE)
+                                   [lists[r] for r in active], BLOCK_SIZE, device=device)
         plain = model(batch, cache)
         direct = runner.run_decode([-1 if s >= 0 else t for s, t in zip(sources, host_ids)],
                                    [positions[r] for r in active], active, [lists[r] for r in active],
