@@ -587,7 +587,7 @@ class LLMEngine:
     def _launch(self, plan, previous: LaunchedStep | None) -> LaunchedStep | StepResult:
         """Run the plan: left in flight (`self._in_flight`) when overlap allows, else a launched step to
         read back at once (or, from a runner that only executes, its result)."""
-        if not isinstance(self.runner, ModelRunner):
+        if type(self.runner) is not ModelRunner:  # the speculative runner only executes
             return self.runner.execute(plan)
         samples = [chunk.samples for chunk in plan.chunks]  # before the computed counts move on
         launched = self.runner.launch(plan, previous)
