@@ -6,6 +6,12 @@ failed (their logits row, sampling parameters or grammar): those end alone, the 
 on. Logits are computed only for rows that need them: the last row of each sampling chunk, plus every
 prompt row of requests that asked for prompt log-probabilities. The sampling rows stay on the device and
 are sampled together (`Sampler.sample`); only prompt log-probability rows are copied to the host whole.
+
+`execute` is `finish(launch(step))`. `launch` queues the step's forward and sampling without reading a
+device value back; `finish` waits for the sampled ids. Between the two the engine may schedule and launch
+the next step (overlap scheduling): an input that is still a placeholder (engine/request.py) is the
+previous launched step's sampled id for that request, taken on the device. A decode-only step that fits
+the `StaticDecodeRunner` goes to it as host lists (`stage_decode`, then `replay`), without a `ForwardBatch`.
 """
 
 from __future__ import annotations
@@ -73,8 +79,8 @@ class ModelRunner:
         """Queue the step's forward and sampling. previous: the step launched before, whose sampled ids
         this one's placeholder inputs are (required when the step has any)."""
         trace = self.trace
-        sources = self._placeholder_sources(step, previous)
         with trace.phase("prepare batch"):
+            sources = self._placeholder_sources(step, previous)
             if self._fits_static(step):  # host lists straight into the graph's buffers
                 staged = self._stage_static(step, sources, previous)
                 wanted = [(chunk, row, 1) for row, chunk in enumerate(step.chunks)]
