@@ -71,3 +71,50 @@ def test_compiled_static_batches_match_plain_decode_on_cpu(tmp_path):
 def test_captured_graphs_match_plain_decode_on_gpu(tmp_path):
     runner = compare_with_plain_decode(tmp_path, "cuda", "cuda_graph", steps=300, max_batch=8)
     assert sorted(runner.graphs) == [(1, WIDTH), (2, WIDTH), (4, WIDTH), (8, WIDTH)]
+
+
+@pytest.mark.parametrize("device,mode", [
+    ("cpu", "eager"),
+    pytest.param("cuda", "cuda_graph", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")),
+])
+def test_run_decode_from_host_lists_matches_plain_decode(tmp_path, device, mode):
+    """`run_decode` (host lists into the buffers, one staging copy, block tables sent as they change, ids
+    taken from the device by token source) gives the plain decode's logits while rows change requests,
+    block lists grow and a batch shrinks to padding."""
+    build_reference("hc4_ple", tmp_path)
+    model, config = load_model(tmp_path, dtype="float32", device=device)
+    cache = ModelCache(config, REQUESTS + 1, REQUESTS * WIDTH, BLOCK_SIZE, torch.float32, device)
+    full_tables = [list(range(i * WIDTH, (i + 1) * WIDTH)) for i in range(REQUESTS)]
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(2, config.vocab_size, (n,), generator=gen).tolist() for n in (30, 7, 19, 15, 3)]
+    for slot in range(REQUESTS):
+        cache.reset_slot(slot)
+    model(ForwardBatch.build(prompts, [0] * REQUESTS, list(range(REQUESTS)), full_tables, BLOCK_SIZE, device=device),
+          cache)
+    static_cache = copy.deepcopy(cache)
+    runner = StaticDecodeRunner(model, static_cache, 4, WIDTH, mode, widths=[2, 4, WIDTH])
+    positions = [len(p) for p in prompts]
+    # each request's own growing block list (what the engine hands over: the same list object every step)
+    lists = [full_tables[r][: positions[r] // BLOCK_SIZE + 1] for r in range(REQUESTS)]
+    for step in range(24):
+        active = [r for r in range(REQUESTS) if (step * 3 + r) % 5 != 0][: 4 - step % 3]  # rows change owners
+        for r in active:
+            while len(lists[r]) <= positions[r] // BLOCK_SIZE:
+                lists[r].append(full_tables[r][len(lists[r])])
+        previous = torch.randint(2, config.vocab_size, (4,), generator=gen).to(device)
+        sources = [(i + step) % 4 if (r + step) % 2 else -1 for i, r in enumerate(active)]
+        host_ids = [int(torch.randint(2, config.vocab_size, (1,), generator=gen)) for _ in active]
+        ids = [int(previous[s]) if s >= 0 else t for s, t in zip(sources, host_ids)]
+        batch = ForwardBatch.build([[t] for t in ids], [positions[r] for r in active], active,
+                                   [lists[r] for r in active], BLOCK_SIZE, device=device)
+        plain = model(batch, cache)
+        direct = runner.run_decode([-1 if s >= 0 else t for s, t in zip(sources, host_ids)],
+                                   [positions[r] for r in active], active, [lists[r] for r in active],
+                                   sources, previous)
+        assert torch.allclose(plain, direct, atol=1e-4, rtol=0), step
+        # the device table holds each active row's list, then -1
+        width = runner.block_tables.shape[1]
+        for row, r in enumerate(active):
+            assert runner.block_tables[row].tolist() == lists[r] + [-1] * (width - len(lists[r])), (step, row)
+        for r in active:
+            positions[r] += 1

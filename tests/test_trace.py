@@ -4,16 +4,22 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tierlm import LLM, SamplingParams
 from tierlm.demo_model import build_demo_model
 
-PHASES = ["schedule", "prepare batch", "launch forward", "sample", "apply, detokenize"]
+PHASES = ["schedule", "prepare batch", "launch forward", "sample", "read sampled ids", "apply, detokenize"]
 
 
-def test_trace_has_every_step_and_its_phases_in_order(tmp_path):
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
+def test_trace_has_every_step_and_its_phases_in_order(tmp_path, overlap):
+    """Serial: every step's phases, in order. Overlap scheduling: a step launches its forward before it
+    reads back the step before (the last step only reads back)."""
     model = build_demo_model(tmp_path / "tiny", "tiny")
     path = tmp_path / "trace" / "steps.json"
-    llm = LLM(str(model), device="cpu", max_model_len=256, max_num_batched_tokens=32, trace=str(path))
+    llm = LLM(str(model), device="cpu", max_model_len=256, max_num_batched_tokens=32, trace=str(path),
+              async_scheduling=overlap)
     prompts = ["def parse(tokens):\n" * 6, "import os\n"]
     llm.generate(prompts, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
     llm.engine.close()
@@ -30,8 +36,18 @@ def test_trace_has_every_step_and_its_phases_in_order(tmp_path):
             assert event["dur"] >= 0 and event["tid"] == "host"
             by_step.setdefault(event["args"]["step"], []).append(event)
     assert sorted(by_step) == list(range(steps))
+    launched_before_read = 0
     for step, phases in by_step.items():
-        assert [e["name"] for e in sorted(phases, key=lambda e: e["ts"])] == PHASES, step
+        names = [e["name"] for e in sorted(phases, key=lambda e: e["ts"])]
+        if not overlap:
+            assert names == PHASES, step
+            continue
+        assert names[0] == "schedule" and set(names) <= set(PHASES), (step, names)
+        if "launch forward" in names and "read sampled ids" in names:
+            assert names.index("launch forward") < names.index("read sampled ids"), (step, names)
+            launched_before_read += 1
+    if overlap:
+        assert launched_before_read >= 5  # every decode step but the first ran behind the one before
         ends = [e["ts"] + e["dur"] for e in sorted(phases, key=lambda e: e["ts"])]
         starts = [e["ts"] for e in sorted(phases, key=lambda e: e["ts"])]
         assert all(end <= next_start + 1e-3 for end, next_start in zip(ends, starts[1:]))  # no overlap

@@ -15,6 +15,12 @@ of the block it ends, and copied back into the slot of a request that hits it. A
 run of cached blocks that ends at a block with a checkpoint. Blocks and checkpoints are evicted
 least-recently-used; a cached block is reusable only while ref count is 0 or it is shared read-only
 (full blocks are never written again).
+
+Under overlap scheduling a step is launched before the ids sampled by the step before it are known, so
+a block may be computed before its tokens can be hashed: blocks are registered only as far as the ids
+are known (`on_computed(num_known=...)`, then `on_tokens_known`), and a decode checkpoint is still copied
+right after the step that reaches its boundary (in stream order, so it holds exactly that state) into a
+reserved host row, which is keyed by its block's hash once that hash is known.
 """
 
 from __future__ import annotations
@@ -150,12 +156,58 @@ class CacheManager:
         return (request.num_prompt_tokens - 1) // self.block_size * self.block_size
 
     # ---- after each step ----------------------------------------------------------------------------
-    def on_computed(self, request: Request) -> None:
-        """Register the request's newly full blocks; checkpoint at the boundaries of the policy above."""
+    def on_computed(self, request: Request, num_known: int | None = None) -> None:
+        """Right after a step that advanced the request's computed count was queued: register its newly
+        full blocks, checkpoint at the boundaries of the policy above. num_known: tokens whose ids the host
+        has (overlap scheduling; default: all computed ones): blocks past them wait for `on_tokens_known`."""
         if not self.prefix_caching:
             return
         computed = request.num_computed_tokens
-        full = computed // self.block_size
+        known = computed if num_known is None else min(computed, num_known)
+        self._register(request, known // self.block_size)
+        if computed % self.block_size or computed == 0:
+            return
+        at_prompt_boundary = computed == self.prompt_checkpoint_at(request)
+        if at_prompt_boundary or computed > request.num_prompt_tokens:
+            if not at_prompt_boundary and request.decode_checkpoint is not None:
+                self._drop_checkpoint(request.decode_checkpoint)
+                request.decode_checkpoint = None
+            if computed > known:  # the block's ids are not all known: save now, key it later
+                row = self._take_row()
+                if row is not None:
+                    self.cache.save_checkpoint(request.state_slot, row)
+                    self._release_pending(request)
+                    request.pending_checkpoint = (computed, row)
+                return
+            digest = request.block_hashes[computed // self.block_size - 1]
+            if self._checkpoint(request, digest) and not at_prompt_boundary:
+                request.decode_checkpoint = digest
+
+    def on_tokens_known(self, request: Request) -> None:
+        """Overlap scheduling: more of the request's ids are known; register the blocks they complete and
+        key a checkpoint saved before its block's ids were known."""
+        if not self.prefix_caching or request.state_slot is None:
+            return
+        known = min(request.num_computed_tokens, request.num_known_tokens)
+        self._register(request, known // self.block_size)
+        pending = request.pending_checkpoint
+        if pending is None or pending[0] > known:
+            return
+        boundary, row = pending
+        request.pending_checkpoint = None
+        digest = request.block_hashes[boundary // self.block_size - 1]
+        if digest not in self.block_of_hash or digest in self.checkpoints:  # never hit, or one exists already
+            self.free_checkpoints.append(row)
+            return
+        self.checkpoints[digest] = row
+        if request.decode_checkpoint is not None:
+            self._drop_checkpoint(request.decode_checkpoint)
+        request.decode_checkpoint = digest
+
+    def _register(self, request: Request, full: int) -> None:
+        """Make the request's first `full` blocks findable (those not registered yet)."""
+        if full <= request.num_registered_blocks:
+            return
         hashes = self._hashes(request, full)
         # only the blocks that became full since the last call: this runs every decode step
         for index in range(request.num_registered_blocks, full):
@@ -164,15 +216,19 @@ class CacheManager:
                 self.hash_of_block[block] = hashes[index]
                 self.block_of_hash[hashes[index]] = block
         request.num_registered_blocks = full
-        if computed % self.block_size or computed == 0:
-            return
-        at_prompt_boundary = computed == self.prompt_checkpoint_at(request)
-        if at_prompt_boundary or computed > request.num_prompt_tokens:
-            if not at_prompt_boundary and request.decode_checkpoint is not None:
-                self._drop_checkpoint(request.decode_checkpoint)
-            digest = hashes[full - 1]
-            if self._checkpoint(request, digest) and not at_prompt_boundary:
-                request.decode_checkpoint = digest
+
+    def _take_row(self) -> int | None:
+        """A host checkpoint row: a free one, else the least recently used checkpoint's (None: no rows)."""
+        if self.free_checkpoints:
+            return self.free_checkpoints.pop()
+        if self.checkpoints:
+            return self.checkpoints.popitem(last=False)[1]
+        return None
+
+    def _release_pending(self, request: Request) -> None:
+        if request.pending_checkpoint is not None:
+            self.free_checkpoints.append(request.pending_checkpoint[1])
+            request.pending_checkpoint = None
 
     def _checkpoint(self, request: Request, digest: bytes) -> bool:
         """Copy the request's state into a checkpoint for the block `digest` ends; False if none was made."""
@@ -181,11 +237,8 @@ class CacheManager:
         if digest in self.checkpoints:
             self.checkpoints.move_to_end(digest)
             return False
-        if self.free_checkpoints:
-            row = self.free_checkpoints.pop()
-        elif self.checkpoints:
-            _, row = self.checkpoints.popitem(last=False)  # the least recently used
-        else:
+        row = self._take_row()
+        if row is None:
             return False
         self.cache.save_checkpoint(request.state_slot, row)
         self.checkpoints[digest] = row
@@ -221,3 +274,4 @@ class CacheManager:
         request.block_ids = []
         request.num_registered_blocks = 0
         request.decode_checkpoint = None
+        self._release_pending(request)

@@ -3,6 +3,18 @@
 Owns the model, its cache pools, the scheduler, the runner and the text side (prompt encoding,
 incremental detokenization, stop strings). A request with `n > 1` becomes n sequences that share a
 request id and report together. Both the offline `LLM` and the server drive this class.
+
+Overlap scheduling (`async_scheduling`, vLLM's name; on by default, TIERLM_NO_ASYNC_SCHEDULING=1 or
+--no-async-scheduling turns it off): a step's forward and sampling are launched, and its results are read
+only in the next `step()`, after the next step was scheduled and launched behind it, so the device never
+waits for the host's bookkeeping. At launch each sampling request counts its coming token as a
+placeholder (engine/request.py) and its computed count moves on; the next step takes those ids on the
+device. Reading a step back fills the placeholders, applies stop conditions (a request that finished has
+one more token computed by the step already launched, which is discarded), detokenizes and streams. A
+step keeps its results synchronous when a sampling request needs its own ids on the host to sample the
+next token (a grammar, penalties, bad_words); speculative decoding, pipeline parallelism and memory-mapped
+PLE tables (rows gathered on the host from the ids) turn overlap off. Greedy and seeded outputs are the
+same either way (tests/test_overlap_scheduling.py).
 """
 
 from __future__ import annotations
@@ -18,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from tierlm.engine.cache_manager import CacheManager
-from tierlm.engine.model_runner import ModelRunner
+from tierlm.engine.model_runner import LaunchedStep, ModelRunner, StepResult
 from tierlm.engine.request import Request, RequestStatus
 from tierlm.engine.sampler import Sampler
 from tierlm.engine.scheduler import RequestListener, Scheduler
@@ -182,6 +194,9 @@ class EngineConfig:
     pipeline_timeout_s: float = 600.0  # every collective between ranks; a dead rank is seen sooner
     # MTP speculative decoding (vLLM's flag): '{"method": "mtp", "num_speculative_tokens": K}' (or a dict)
     speculative_config: str | dict | None = None
+    # overlap scheduling (vLLM's --async-scheduling): launch the next step before reading this one's ids
+    # (see the module docstring); TIERLM_NO_ASYNC_SCHEDULING=1 turns it off too
+    async_scheduling: bool = True
 
 
 class _PrefetchListener(RequestListener):
@@ -224,7 +239,7 @@ class _Sequence:
         """
         request = self.request
         finished = request.is_finished
-        text, token_ids, logprobs = self.text, request.output_token_ids, request.logprobs
+        text, token_ids, logprobs = self.text, request.known_output_token_ids, request.logprobs
         if delta:
             end = len(text) if finished else max(self.sent_chars, len(text) - holdback)
             text, self.sent_chars = text[self.sent_chars : end], end
@@ -389,6 +404,10 @@ class LLMEngine:
         self.last_step_num_tokens = 0
         self.trace = StepTrace(self.config.trace, device) if self.config.trace else NoTrace()
         self.runner.trace = self.trace
+        self.overlap = (self.config.async_scheduling and not os.environ.get("TIERLM_NO_ASYNC_SCHEDULING")
+                        and self.pipeline is None and type(self.runner) is ModelRunner
+                        and self.runner.ngram_store is None)
+        self._in_flight: LaunchedStep | None = None  # overlap: the launched step not read back yet
         if device.type == "cuda":
             memory = self._device_memory()
             logger.info("%s memory after start-up: %s allocated, %s reserved, peak %s", device,
@@ -475,7 +494,8 @@ class LLMEngine:
             seq.request.paused = paused
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """Requests waiting or running, or a launched step not read back yet."""
+        return self.scheduler.has_unfinished() or self._in_flight is not None
 
     def stats(self) -> EngineStats:
         manager = self.cache_manager
@@ -527,26 +547,100 @@ class LLMEngine:
     # ---- the step -----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedule, run one forward, sample; outputs of every request that changed this step. With
-        pipeline parallelism: launch batches into the pipeline, and take back the oldest one in flight."""
+        pipeline parallelism: launch batches into the pipeline, and take back the oldest one in flight.
+        With overlap scheduling: launch this step, then read back the step launched before it."""
         trace = self.trace
+        changed: dict[str, None] = {}
         if self.pipeline is not None:
             with trace.phase("pipeline step"):
                 launched, done = self.pipeline.step(self.scheduler)
             # a step that only took back a batch in flight ran too (0 tells the server nothing could run)
             self.last_step_num_tokens = launched + sum(plan.num_tokens for plan, _ in done)
-        else:
-            with trace.phase("schedule"):
-                plan = self.scheduler.schedule()
-            self.last_step_num_tokens = plan.num_tokens  # 0: nothing could run (all paused, or no room)
-            done = [(plan, self.runner.execute(plan))] if plan.chunks else []
-        with trace.phase("apply, detokenize"):
-            changed: dict[str, None] = {}
-            for plan, result in done:
-                self._apply(plan, result, changed)
-            outputs = [self._collect(request_id) for request_id in changed]
+            with trace.phase("apply, detokenize"):
+                for plan, result in done:
+                    self._apply(plan, result, changed)
+                outputs = [self._collect(request_id) for request_id in changed]
+            if self.last_step_num_tokens:
+                trace.end_step(self.last_step_num_tokens)
+            return outputs
+        with trace.phase("schedule"):
+            plan = self.scheduler.schedule()
+        previous, self._in_flight = self._in_flight, None
+        launched = self._launch(plan, previous) if plan.chunks else None
+        # 0 tells the server nothing could run; reading back a step in flight is work too
+        self.last_step_num_tokens = plan.num_tokens or (previous.num_tokens if previous else 0)
+        reads = []  # (what to read back, its plan if it was read at once), oldest first
+        if previous is not None:
+            reads.append((previous, None))
+        if launched is not None and launched is not self._in_flight:
+            reads.append((launched, plan))
+        outputs = []
+        for index, (step, serial_plan) in enumerate(reads):
+            with trace.phase("read sampled ids"):
+                result = step if isinstance(step, StepResult) else self.runner.finish(step)
+            with trace.phase("apply, detokenize"):
+                if serial_plan is None:
+                    self._apply_launched(step, result, changed)
+                else:
+                    self._apply(serial_plan, result, changed)
+                if index == len(reads) - 1:
+                    outputs = [self._collect(request_id) for request_id in changed]
         if self.last_step_num_tokens:
-            trace.end_step(self.last_step_num_tokens)
+            trace.end_step(plan.num_tokens)
         return outputs
+
+    def _launch(self, plan, previous: LaunchedStep | None) -> LaunchedStep | StepResult:
+        """Run the plan: left in flight (`self._in_flight`) when overlap allows, else a launched step to
+        read back at once (or, from a runner that only executes, its result)."""
+        if type(self.runner) is not ModelRunner:  # the speculative runner only executes
+            return self.runner.execute(plan)
+        samples = [chunk.samples for chunk in plan.chunks]  # before the computed counts move on
+        launched = self.runner.launch(plan, previous)
+        if self.overlap and all(self._overlaps(request) for request in launched.sampling):
+            self._in_flight = launched
+            for chunk, sampled in zip(plan.chunks, samples, strict=True):
+                request = chunk.request
+                request.num_computed_tokens += chunk.num_tokens
+                last = sampled and request in launched.row_of and self._last_token(request)
+                if sampled and request in launched.row_of and not last:
+                    request.add_placeholder()
+                    launched.placeholders.add(request)
+                self.cache_manager.on_computed(request, request.num_known_tokens)
+                if last:  # its memory goes back now, before the next schedule, as after a serial step
+                    self.scheduler.finish(request)
+        return launched
+
+    @staticmethod
+    def _overlaps(request: Request) -> bool:
+        """Whether the request samples its next token without its previous one's id on the host."""
+        return (request.structured_output is None and not request.params.has_penalties
+                and not request.bad_words_token_ids)
+
+    @staticmethod
+    def _last_token(request: Request) -> bool:
+        """The token being sampled now certainly finishes the request (max_tokens, max_model_len): the
+        next step has nothing to compute for it, and it leaves the scheduler at launch."""
+        n_out = len(request.output_token_ids) + 1
+        max_tokens = request.params.max_tokens
+        return ((max_tokens is not None and n_out >= max_tokens)
+                or request.num_prompt_tokens + n_out >= request.max_model_len)
+
+    def _apply_launched(self, launched: LaunchedStep, result: StepResult, changed: dict[str, None]) -> None:
+        """A step left in flight, read back: fill its placeholders (computed counts moved on at launch)."""
+        for request in launched.sampling:
+            if request.is_finished:  # finished by the step before, or aborted: this token is discarded
+                continue
+            if request in result.failed:
+                request.finish(RequestStatus.FINISHED_ERROR, result.failed[request])
+            else:
+                fill = request.fill_placeholder if request in launched.placeholders else request.append_token
+                self._append(request, result.sampled[request], fill)
+                self.cache_manager.on_tokens_known(request)
+            changed[self._group_of[request]] = None
+        for request in result.failed:  # failed at launch (prompt log-probabilities): not sampling rows
+            if request not in launched.row_of and not request.is_finished:
+                request.finish(RequestStatus.FINISHED_ERROR, result.failed[request])
+                changed[self._group_of[request]] = None
 
     def _apply(self, plan, result, changed: dict[str, None]) -> None:
         """A step's computed tokens and sampled tokens into its requests."""
@@ -581,10 +675,11 @@ class LLMEngine:
         return appended
 
     @staticmethod
-    def _append(request: Request, token_id: int) -> None:
-        """Append a sampled token; a failure of this request's own state (its grammar) ends it alone."""
+    def _append(request: Request, token_id: int, take=None) -> None:
+        """Append a sampled token (or `take` it: fill a placeholder); a failure of this request's own state
+        (its grammar) ends it alone."""
         try:
-            request.append_token(token_id)
+            (take or request.append_token)(token_id)
         except Exception as exc:
             logger.exception("request %s could not take token %d", request.request_id, token_id)
             request.finish(RequestStatus.FINISHED_ERROR, f"{type(exc).__name__}: {exc}")
@@ -621,9 +716,10 @@ class LLMEngine:
     def _update_text(self, seq: _Sequence) -> None:
         """Detokenize the new tokens, then apply stop strings (which may finish the request)."""
         request = seq.request
-        for token in request.output_token_ids[seq.detokenized :]:
+        known = request.known_output_token_ids
+        for token in known[seq.detokenized :]:
             seq.text += seq.detokenizer.push(token)
-        seq.detokenized = len(request.output_token_ids)
+        seq.detokenized = len(known)
         if request.is_finished and request.status != RequestStatus.FINISHED_ABORTED:
             seq.text += seq.detokenizer.flush()
         stops = request.params.stop_strings

@@ -6,6 +6,12 @@ failed (their logits row, sampling parameters or grammar): those end alone, the 
 on. Logits are computed only for rows that need them: the last row of each sampling chunk, plus every
 prompt row of requests that asked for prompt log-probabilities. The sampling rows stay on the device and
 are sampled together (`Sampler.sample`); only prompt log-probability rows are copied to the host whole.
+
+`execute` is `finish(launch(step))`. `launch` queues the step's forward and sampling without reading a
+device value back; `finish` waits for the sampled ids. Between the two the engine may schedule and launch
+the next step (overlap scheduling): an input that is still a placeholder (engine/request.py) is the
+previous launched step's sampled id for that request, taken on the device. A decode-only step that fits
+the `StaticDecodeRunner` goes to it as host lists (`stage_decode`, then `replay`), without a `ForwardBatch`.
 """
 
 from __future__ import annotations
@@ -17,10 +23,10 @@ import numpy as np
 import torch
 
 from tierlm.engine.request import Request
-from tierlm.engine.sampler import Sampler, position_logprobs
-from tierlm.engine.scheduler import SchedulerOutput
+from tierlm.engine.sampler import PendingSample, Sampler, position_logprobs
+from tierlm.engine.scheduler import ScheduledChunk, SchedulerOutput
 from tierlm.engine.trace import NoTrace
-from tierlm.model.forward_batch import ForwardBatch
+from tierlm.model.forward_batch import ForwardBatch, on_device
 from tierlm.model.model_cache import ModelCache
 
 logger = logging.getLogger("tierlm")
@@ -32,6 +38,25 @@ class StepResult:
     # speculative decoding: the drafts a request accepted, which come before its sampled token
     accepted: dict[Request, list[int]] = field(default_factory=dict)
     failed: dict[Request, str] = field(default_factory=dict)  # request -> why its part of the step failed
+
+
+@dataclass(eq=False)
+class LaunchedStep:
+    """A step whose forward and sampling are queued on the device; `ModelRunner.finish` reads it back."""
+
+    step: SchedulerOutput
+    sampling: list[Request]  # the requests of its sampling rows, in row order
+    pending: PendingSample | None  # None: no row sampled
+    result: StepResult  # what is known at launch: requests whose prompt log-probabilities failed
+    # overlap scheduling: the requests that count this step's token as a placeholder (the engine's)
+    placeholders: set[Request] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        self.row_of = {request: row for row, request in enumerate(self.sampling)}
+
+    @property
+    def num_tokens(self) -> int:
+        return self.step.num_tokens
 
 
 class ModelRunner:
@@ -49,13 +74,79 @@ class ModelRunner:
         self.static_steps = 0  # forwards run by static_decode (a pipeline's measurements read it)
 
     def execute(self, step: SchedulerOutput) -> StepResult:
+        return self.finish(self.launch(step))
+
+    def launch(self, step: SchedulerOutput, previous: LaunchedStep | None = None) -> LaunchedStep:
+        """Queue the step's forward and sampling. previous: the step launched before, whose sampled ids
+        this one's placeholder inputs are (required when the step has any)."""
         trace = self.trace
         with trace.phase("prepare batch"):
-            batch, wanted = self.prepare(step)
+            sources = self._placeholder_sources(step, previous)
+            if self._fits_static(step):  # host lists straight into the graph's buffers
+                staged = self._stage_static(step, sources, previous)
+                wanted = [(chunk, row, 1) for row, chunk in enumerate(step.chunks)]
+            else:
+                staged = None
+                batch, wanted = self.prepare(step)
+                if sources:
+                    rows, taken = zip(*sources.items())
+                    batch.token_ids[on_device(list(rows), batch.token_ids.device)] = (
+                        previous.pending.tokens[on_device(list(taken), batch.token_ids.device)])
         with trace.phase("launch forward"), trace.gpu("forward"):
-            logits = self.forward(batch)  # always run: the chunk fills the cache even with no rows
+            # always run: a chunk fills the cache even with no logits rows
+            logits = self.static_decode.replay(*staged) if staged else self.forward(batch)
         with trace.phase("sample"):
-            return self.sample(wanted, logits)
+            return self._launch_sampling(step, wanted, logits)
+
+    def finish(self, launched: LaunchedStep) -> StepResult:
+        """The launched step's sampled tokens and log-probabilities (waits for their copy to the host)."""
+        result = launched.result
+        if launched.pending is None:
+            return result
+        outcomes = self.sampler.collect(launched.pending, self.decode_token)
+        for request, outcome in zip(launched.sampling, outcomes, strict=True):
+            if request.is_finished:  # aborted, or (overlap) finished by the step before: discarded
+                continue
+            if outcome.error is not None:
+                result.failed[request] = outcome.error
+                continue
+            result.sampled[request] = outcome.token_id
+            if request.logprobs is not None:
+                request.logprobs.append(outcome.logprobs)
+                request.cumulative_logprob += outcome.logprobs[outcome.token_id].logprob
+        return result
+
+    @staticmethod
+    def _placeholder_sources(step: SchedulerOutput, previous: LaunchedStep | None) -> dict[int, int]:
+        """{packed row of a placeholder input: its row in `previous`'s sampled ids}. A request has at most
+        one unknown input, its last token, sampled by the step launched just before."""
+        sources, row = {}, 0
+        for chunk in step.chunks:
+            request = chunk.request
+            end = chunk.start + chunk.num_tokens
+            if end > request.num_known_tokens:
+                if previous is None or request not in previous.row_of or end - request.num_known_tokens != 1:
+                    raise RuntimeError(f"request {request.request_id}: inputs up to {end} scheduled, but only "
+                                       f"{request.num_known_tokens} are known and the step before did not sample it")
+                sources[row + chunk.num_tokens - 1] = previous.row_of[request]
+            row += chunk.num_tokens + len(chunk.draft_token_ids)
+        return sources
+
+    def _fits_static(self, step: SchedulerOutput) -> bool:
+        """A decode-only step (one sampling token per request) the static runner takes as host lists."""
+        runner = self.static_decode
+        return (runner is not None and self.ngram_store is None and 0 < len(step.chunks) <= runner.max_batch
+                and all(c.num_tokens == 1 and not c.draft_token_ids and c.samples for c in step.chunks))
+
+    def _stage_static(self, step: SchedulerOutput, sources: dict[int, int], previous: LaunchedStep | None):
+        chunks: list[ScheduledChunk] = step.chunks
+        positions = [c.start for c in chunks]
+        return self.static_decode.stage_decode(
+            [c.request.token_slice(p, p + 1)[0] for c, p in zip(chunks, positions, strict=True)], positions,
+            [c.request.state_slot for c in chunks], [c.request.block_ids for c in chunks],
+            [sources.get(row, -1) for row in range(len(chunks))] if sources else None,
+            previous.pending.tokens if sources else None,
+        )
 
     def prepare(self, step: SchedulerOutput, device=None) -> tuple[ForwardBatch, list[tuple]]:
         """The step's batch (on `device`, default the cache's), and which of its logits rows each chunk
@@ -90,6 +181,10 @@ class ModelRunner:
     def sample(self, wanted: list[tuple], logits: torch.Tensor) -> StepResult:
         """Sample (and record log-probabilities) from the logits rows `prepare` asked for, on their device
         (only the sampled ids and requested log-probabilities come back to the host)."""
+        return self.finish(self._launch_sampling(None, wanted, logits))
+
+    def _launch_sampling(self, step, wanted: list[tuple], logits: torch.Tensor) -> LaunchedStep:
+        """Prompt log-probabilities (read back now), then the sampling rows' pass queued."""
         result = StepResult()
         samplers: list[tuple[Request, int]] = []  # (request, its sampling row of `logits`)
         for chunk, first, count in wanted:
@@ -104,18 +199,14 @@ class ModelRunner:
                 continue
             if chunk.samples:
                 samplers.append((request, first + count - 1))
+        requests = [request for request, _ in samplers]
+        pending = None
         if samplers:
-            requests = [request for request, _ in samplers]
-            rows = logits[torch.tensor([row for _, row in samplers], device=logits.device)]
-            for request, outcome in zip(requests, self.sampler.sample(rows, requests, self.decode_token), strict=True):
-                if outcome.error is not None:
-                    result.failed[request] = outcome.error
-                    continue
-                result.sampled[request] = outcome.token_id
-                if request.logprobs is not None:
-                    request.logprobs.append(outcome.logprobs)
-                    request.cumulative_logprob += outcome.logprobs[outcome.token_id].logprob
-        return result
+            picked = [row for _, row in samplers]
+            rows = logits[: len(picked)] if picked == list(range(len(picked))) else logits[
+                on_device(picked, logits.device)]
+            pending = self.sampler.launch(rows, requests)
+        return LaunchedStep(step, requests, pending, result)
 
     def _ple_embeddings(self, step: SchedulerOutput) -> dict[int, torch.Tensor]:
         """Gather this step's PLE rows from the mapped tables; advise freshly sampled tokens' pages first."""

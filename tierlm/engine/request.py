@@ -3,6 +3,11 @@
 There is no prefill or decode phase: a step computes the next tokens up to a budget; when computed
 equals total, the step's logits sample one more token. Prefix hits, chunked prefill and preemption
 (computed reset to zero) are all changes to that one counter.
+
+With overlap scheduling (engine/llm_engine.py) a token sampled by a step still running on the device is
+counted at once as a `PLACEHOLDER` output id, so the next step can be scheduled around it (its input id
+is taken from the device); the host fills it in when it reads that step's ids. Only the outputs before
+the placeholders (`known_output_token_ids`) are text, logprobs or prefix-cache hashes.
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ from tierlm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from tierlm.engine.structured_output import GrammarState
+
+PLACEHOLDER = -1  # an output id sampled by a step whose ids the host has not read yet
 
 
 class RequestStatus(enum.Enum):
@@ -62,6 +69,10 @@ class Request:
     structured_output: GrammarState | None = None  # the grammar matcher of a structured-output request
     draft_token_ids: list[int] = field(default_factory=list)  # speculative decoding: proposed next tokens
     draft_probs: torch.Tensor | None = None  # [K, V], the distributions they were drawn from (None: greedy)
+    num_placeholders: int = 0  # trailing output ids still on the device (overlap scheduling)
+    # overlap scheduling: a decode checkpoint saved (in stream order) before the ids of its block were
+    # known: (the block boundary it was taken at, its host row); the cache manager keys it later
+    pending_checkpoint: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         if self.params.logprobs is not None:
@@ -82,6 +93,18 @@ class Request:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
+    def num_known_tokens(self) -> int:
+        """Prompt and output tokens whose ids the host has (all but the placeholders)."""
+        return self.num_tokens - self.num_placeholders
+
+    @property
+    def known_output_token_ids(self) -> list[int]:
+        """The output ids without the trailing placeholders (the list itself when there are none)."""
+        if not self.num_placeholders:
+            return self.output_token_ids
+        return self.output_token_ids[: len(self.output_token_ids) - self.num_placeholders]
+
+    @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 
@@ -100,7 +123,29 @@ class Request:
 
     def append_token(self, token_id: int) -> None:
         """Record a sampled token and decide whether the request is done."""
+        if self.num_placeholders:
+            raise RuntimeError(f"request {self.request_id}: a token appended behind {self.num_placeholders} "
+                               "placeholder(s); fill them first")
         self.output_token_ids.append(token_id)
+        self._took(token_id)
+
+    def add_placeholder(self) -> None:
+        """Count a token being sampled on the device (its id is filled in by `fill_placeholder`)."""
+        self.output_token_ids.append(PLACEHOLDER)
+        self.num_placeholders += 1
+
+    def fill_placeholder(self, token_id: int) -> None:
+        """The oldest placeholder's sampled id, then the checks of `append_token` (a request that this
+        token finishes drops the later placeholders: `finish`)."""
+        if not self.num_placeholders:
+            raise RuntimeError(f"request {self.request_id}: no placeholder to fill")
+        index = len(self.output_token_ids) - self.num_placeholders
+        self.output_token_ids[index] = token_id
+        self.num_placeholders -= 1
+        self._took(token_id, index + 1)
+
+    def _took(self, token_id: int, n_out: int | None = None) -> None:
+        """Stop checks after output token number n_out (default: the last) was sampled as token_id."""
         if self.structured_output is not None:
             if not self.structured_output.accept(token_id):  # not expected: the sampler masks the rest
                 self.finish(RequestStatus.FINISHED_ERROR, "structured output: the grammar rejected the token")
@@ -108,7 +153,7 @@ class Request:
             if self.structured_output.is_terminated:  # the JSON is complete and a stop token followed
                 self.finish(RequestStatus.FINISHED_STOPPED)
                 return
-        n_out = len(self.output_token_ids)
+        n_out = len(self.output_token_ids) if n_out is None else n_out
         if n_out >= self.params.min_tokens:
             if token_id in self.params.stop_token_ids:
                 self.finish(RequestStatus.FINISHED_STOPPED, token_id)
@@ -118,9 +163,12 @@ class Request:
                 return
         if self.params.max_tokens is not None and n_out >= self.params.max_tokens:
             self.finish(RequestStatus.FINISHED_LENGTH)
-        elif self.num_tokens >= self.max_model_len:
+        elif self.num_prompt_tokens + n_out >= self.max_model_len:
             self.finish(RequestStatus.FINISHED_LENGTH)
 
     def finish(self, status: RequestStatus, stop_reason: int | str | None = None) -> None:
+        """End the request; tokens still on the device (placeholders) are discarded."""
         self.status = status
         self.stop_reason = stop_reason
+        del self.output_token_ids[len(self.output_token_ids) - self.num_placeholders :]
+        self.num_placeholders = 0

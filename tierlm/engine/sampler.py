@@ -11,7 +11,9 @@ ids. A draw is an exponential race (argmax of p / E, E ~ Exp(1)): the shared gen
 rows, each seeded request's own generator (on the logits' device) for its row, so a seeded request is
 reproducible whatever else is in the batch. Only the sampled ids, a status per row and the requested
 log-probabilities (those of the raw model distribution, as vLLM reports by default) come back to the
-host.
+host. `launch` queues the pass and those copies without reading any device value (per-row parameters
+go up through pinned memory), so the host can go on while the device samples; `collect` waits for the
+copies and builds the outcomes (`sample` does both).
 
 Numerics, whatever the parameters (each limit is documented in the README):
 - a temperature below `MIN_TEMPERATURE` samples greedily (dividing by a subnormal overflows fp32);
@@ -32,6 +34,7 @@ import numpy as np
 import torch
 
 from tierlm.engine.request import Request
+from tierlm.model.forward_batch import on_device
 from tierlm.outputs import Logprob, PositionLogprobs
 
 logger = logging.getLogger("tierlm")
@@ -119,6 +122,34 @@ def banned_tokens(request: Request, vocab: int) -> list[int]:
     return [t for t in banned if t < vocab]
 
 
+@dataclass
+class PendingSample:
+    """A launched sampling pass: its device results, and their host copies (ready once `ready` is)."""
+
+    requests: list[Request]
+    failed: dict[int, str]  # row -> why its preparation failed
+    wanted: list[int]  # rows that report log-probabilities
+    tokens: torch.Tensor  # [rows] the sampled ids on the device (what a next step can take as input)
+    host_ids: torch.Tensor  # [2, rows] ids and statuses, on the host
+    host_logprobs: tuple[torch.Tensor, ...]  # chosen, ranks, top values, top ids of the `wanted` rows
+    ready: torch.cuda.Event | None  # recorded after the copies (None on CPU: they are done)
+
+
+def _to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy on the host, queued (pinned, non-blocking) on CUDA; read it after the pass's event."""
+    if tensor.device.type != "cuda":
+        return tensor
+    return torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True).copy_(tensor, non_blocking=True)
+
+
+def _ready_event(device: torch.device) -> torch.cuda.Event | None:
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record()
+    return event
+
+
 class Sampler:
     def __init__(self, seed: int = 0) -> None:
         self.seed = seed
@@ -131,10 +162,14 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, requests: list[Request], decode) -> list[Sampled]:
         """One token per row of `logits` [rows, vocab] (row i is requests[i]'s), on the logits' device."""
+        return self.collect(self.launch(logits, requests), decode)
+
+    def launch(self, logits: torch.Tensor, requests: list[Request]) -> PendingSample:
+        """Queue the pass on the logits' device and the copy of its results to the host, without waiting
+        for either (nothing here reads a device value back); `collect` reads them."""
         raw = logits.float()
-        logits = raw.clone()
-        vocab = logits.shape[1]
-        device = logits.device
+        vocab = raw.shape[1]
+        device = raw.device
         failed: dict[int, str] = {}
         ban_rows, ban_ids, bias_rows, bias_ids, bias_values, allowed_rows = [], [], [], [], [], []
         grammar_rows, masks = [], []
@@ -159,19 +194,21 @@ class Sampler:
                 logger.exception("preparing request %s for sampling failed", request.request_id)
                 failed[i] = f"sampling failed: {type(exc).__name__}: {exc}"
         penalized = [i for i, r in enumerate(requests) if i not in failed and r.params.has_penalties]
+        # the rows are changed in place only when something changes them (raw stays for log-probabilities)
+        logits = raw.clone() if penalized or bias_ids or allowed_rows or ban_ids or grammar_rows else raw
         if penalized:
             apply_penalties(logits, requests, penalized)
         if bias_ids:
-            logits.index_put_((torch.tensor(bias_rows, device=device), torch.tensor(bias_ids, device=device)),
-                              torch.tensor(bias_values, device=device), accumulate=True)
+            logits.index_put_((on_device(bias_rows, device), on_device(bias_ids, device)),
+                              on_device(bias_values, device, torch.float32), accumulate=True)
         if allowed_rows:
             keep = torch.zeros(len(allowed_rows), vocab, dtype=torch.bool, device=device)
             for k, i in enumerate(allowed_rows):
-                keep[k, torch.tensor(requests[i].params.allowed_token_ids, device=device)] = True
-            index = torch.tensor(allowed_rows, device=device)
+                keep[k, on_device(requests[i].params.allowed_token_ids, device)] = True
+            index = on_device(allowed_rows, device)
             logits[index] = logits[index].masked_fill(~keep, float("-inf"))
         if ban_ids:
-            logits[torch.tensor(ban_rows, device=device), torch.tensor(ban_ids, device=device)] = float("-inf")
+            logits[on_device(ban_rows, device), on_device(ban_ids, device)] = float("-inf")
         if grammar_rows:
             import xgrammar
 
@@ -182,11 +219,17 @@ class Sampler:
         tokens, status = self._draw(raw, logits, requests)
         wanted = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
         top = max((requests[i].params.logprobs for i in wanted), default=0)
-        if wanted:
-            chosen_lp, ranks, top_lp, top_ids = self._logprobs(raw, tokens, wanted, top)
+        logprobs = self._logprobs(raw, tokens, wanted, top) if wanted else ()
+        return PendingSample(requests, failed, wanted, tokens, _to_host(torch.stack([tokens, status])),
+                             tuple(_to_host(t) for t in logprobs), _ready_event(device))
+
+    def collect(self, pending: PendingSample, decode) -> list[Sampled]:
+        """The outcomes of a launched pass (waits for its copy to the host)."""
+        if pending.ready is not None:
+            pending.ready.synchronize()
+        requests, failed, wanted = pending.requests, pending.failed, pending.wanted
         results = [Sampled() for _ in requests]
-        host = torch.stack([tokens, status]).tolist()
-        for i, (token_id, state) in enumerate(zip(*host, strict=True)):
+        for i, (token_id, state) in enumerate(zip(*pending.host_ids.tolist(), strict=True)):
             if i in failed:
                 results[i].error = failed[i]
             elif state == _NAN:
@@ -196,7 +239,7 @@ class Sampler:
             else:
                 results[i].token_id = token_id
         if wanted:
-            lp_host = (chosen_lp.tolist(), ranks.tolist(), top_lp.tolist(), top_ids.tolist())
+            lp_host = [column.tolist() for column in pending.host_logprobs]
             for k, i in enumerate(wanted):
                 if results[i].error is None:
                     results[i].logprobs = _entries(results[i].token_id, requests[i].params.logprobs,
@@ -209,7 +252,7 @@ class Sampler:
         top = logits.max(dim=-1).values
         status = torch.where(torch.isnan(raw).any(dim=-1), _NAN, torch.where(top == float("-inf"), _MASKED, _OK))
         greedy_tokens = logits.argmax(dim=-1)
-        temperature = torch.tensor([r.params.temperature for r in requests], device=device)
+        temperature = on_device([r.params.temperature for r in requests], device, torch.float32)
         greedy = (temperature < MIN_TEMPERATURE) | (top == float("inf")) | (status != _OK)
         sampling = [i for i, r in enumerate(requests) if r.params.temperature >= MIN_TEMPERATURE]
         tokens = greedy_tokens.clone()
@@ -219,7 +262,7 @@ class Sampler:
         without_k = [i for i in sampling if not 0 < requests[i].params.top_k < vocab]
         for rows, draw in ((with_k, self._draw_top_k), (without_k, self._draw_all)):
             if rows:
-                index = torch.tensor(rows, device=device)
+                index = on_device(rows, device)
                 part = logits[index]
                 part = (part - part.max(dim=-1, keepdim=True).values) / temperature[index, None]  # entries <= 0
                 tokens[index] = draw(part, [requests[i] for i in rows])
@@ -227,8 +270,8 @@ class Sampler:
 
     def _draw_top_k(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         device = logits.device
-        k = torch.tensor([r.params.top_k for r in requests], device=device)
-        values, ids = logits.topk(int(k.max()), dim=-1)  # sorted, best first
+        k = on_device([r.params.top_k for r in requests], device)
+        values, ids = logits.topk(max(r.params.top_k for r in requests), dim=-1)  # sorted, best first
         values = values.masked_fill(torch.arange(values.shape[1], device=device) >= k[:, None], float("-inf"))
         probs = _top_p_min_p(torch.softmax(values, dim=-1), requests)
         noise = torch.ones_like(probs)
@@ -251,7 +294,7 @@ class Sampler:
 
     @staticmethod
     def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, wanted: list[int], top: int):
-        index = torch.tensor(wanted, device=raw.device)
+        index = on_device(wanted, raw.device)
         logprobs = torch.log_softmax(raw[index], dim=-1)
         chosen = logprobs.gather(1, tokens[index, None].clamp(0, raw.shape[1] - 1))
         ranks = (logprobs > chosen).sum(dim=-1) + 1
@@ -281,14 +324,14 @@ def _top_p_min_p(sorted_probs: torch.Tensor, requests: list[Request]) -> torch.T
     """Rows of probabilities sorted best first, cut by each request's top-p, then min-p (not renormalized:
     the draw only compares them)."""
     device = sorted_probs.device
-    top_p = torch.tensor([r.params.top_p for r in requests], device=device)
-    min_p = torch.tensor([r.params.min_p for r in requests], device=device)
-    if bool((top_p < 1).any()):
+    if any(r.params.top_p < 1 for r in requests):
+        top_p = on_device([r.params.top_p for r in requests], device, torch.float32)
         # keep the smallest prefix whose mass reaches top_p; the most likely token always stays
         drop = sorted_probs.cumsum(dim=-1) - sorted_probs >= top_p[:, None]
         drop[:, 0] = False
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-    if bool((min_p > 0).any()):
+    if any(r.params.min_p > 0 for r in requests):
+        min_p = on_device([r.params.min_p for r in requests], device, torch.float32)
         sorted_probs = sorted_probs.masked_fill(sorted_probs < min_p[:, None] * sorted_probs[:, :1], 0.0)
     return sorted_probs
 

@@ -9,6 +9,10 @@ included). A new request starts after its longest cached prefix; prefill chunks 
 checkpoint boundary so the prefix cache can snapshot the state there. A paused running request keeps
 its memory and is skipped until it is let go on.
 
+With overlap scheduling a request whose sampled token is still on the device counts it already (a
+placeholder id, see engine/request.py), so it is scheduled like any decode; one with nothing to compute
+(its step failed at launch; the engine ends it when it reads that step back) is skipped.
+
 With pipeline parallelism several batches are in flight at once: `schedule(busy=...)` leaves out the
 requests of batches not yet back (and never preempts them), and `max_requests` splits the running
 requests between the batches.
@@ -93,7 +97,7 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0 and len(out.chunks) < room:
             request = self.running[index]
-            if request.paused or request in busy:
+            if request.paused or request in busy or request.num_computed_tokens >= request.num_tokens:
                 index += 1
                 continue
             n = self._chunk(request, request.num_computed_tokens, budget)

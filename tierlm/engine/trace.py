@@ -5,7 +5,9 @@ Host phases (schedule, prepare the batch, launch the forward, wait for and copy 
 apply the results) are complete events ("ph": "X") on the "host" track, timed with the monotonic clock in
 ns and written in us, each with its step number. On CUDA the forward's GPU time, from two CUDA events
 around it (the graph replay or the eager forward), goes on the "gpu" track, starting where the host
-launched it (the events give a duration, not the device clock). Events are resolved without a sync as
+launched it (the events give a duration, not the device clock), and so does "between forwards": the device
+time from the end of one forward to the start of the next (sampling, input copies, and any time the
+device waited for the host: what overlap scheduling hides). Events are resolved without a sync as
 they complete; the file is rewritten every FLUSH_STEPS steps and at exit, so a crash loses little.
 """
 
@@ -32,6 +34,7 @@ class StepTrace:
         self.step = 0
         self.events: list[dict] = []
         self._pending: list[tuple[torch.cuda.Event, torch.cuda.Event, float, int, str]] = []
+        self._last_ended: torch.cuda.Event | None = None  # the end of the last forward
         atexit.register(self.flush)
 
     def _us(self, ns: int) -> float:
@@ -57,10 +60,13 @@ class StepTrace:
         began, ended = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         launched = self._us(time.monotonic_ns())
         began.record()
+        if self._last_ended is not None:
+            self._pending.append((self._last_ended, began, launched, self.step, f"between {name}s"))
         try:
             yield
         finally:
             ended.record()
+            self._last_ended = ended
             self._pending.append((began, ended, launched, self.step, name))
 
     def end_step(self, num_tokens: int) -> None:

@@ -25,6 +25,8 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--device", default=None)
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs / compilation for decode")
     parser.add_argument("--compile-decode", action="store_true", help="CPU: torch.compile the decode step")
+    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                        help="overlap scheduling: launch the next decode step before reading this one's ids")
     parser.add_argument("--trace", default=None, metavar="FILE",
                         help="write a Chrome-trace / Perfetto JSON of every step (host phases, GPU time) to FILE")
     parser.add_argument("--load-format", default="auto", choices=LOAD_FORMATS,
@@ -64,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
             model=model, dtype=args.dtype, device=args.device, enforce_eager=args.enforce_eager,
             compile_decode=args.compile_decode, load_format=args.load_format, trace=args.trace,
             pipeline_parallel_size=args.pipeline_parallel_size, pp_layer_partition=args.pp_layer_partition,
-            speculative_config=args.speculative_config,
+            speculative_config=args.speculative_config, async_scheduling=args.async_scheduling,
         ))
         prompt = args.prompt
         if args.chat:

@@ -3,6 +3,7 @@
 Requests are packed without padding (varlen): tokens of request i occupy rows cu_seqlens[i]:cu_seqlens[i+1].
 Each request names its recurrent-state slot and its QSA block table in the `ModelCache` pools; the caller
 (the engine) owns the allocation, the model only reads and writes the slots and blocks it is given.
+Host lists reach the device through `on_device`, which never waits for the kernels already queued.
 """
 
 from __future__ import annotations
@@ -12,6 +13,15 @@ import itertools
 from dataclasses import dataclass, field
 
 import torch
+
+
+def on_device(values: list, device: torch.device | str, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """A host list as a tensor on `device`; on CUDA through pinned memory without waiting for the stream
+    (a plain `torch.tensor(..., device=cuda)` waits for every queued kernel, which would stall overlap)."""
+    host = torch.tensor(values, dtype=dtype)
+    if torch.device(device).type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 @dataclass
@@ -49,11 +59,11 @@ class ForwardBatch:
     verify_slots: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
-        as_long = dict(dtype=torch.int64, device=self.token_ids.device)
+        device = self.token_ids.device
         if self.slots is None:
-            self.slots = torch.tensor(self.state_slots, **as_long)
+            self.slots = on_device(self.state_slots, device)
         if self.context_lens_tensor is None:
-            self.context_lens_tensor = torch.tensor(self.context_lens, **as_long)
+            self.context_lens_tensor = on_device(self.context_lens, device)
         starts = [0]
         for n in self.query_lens:
             starts.append(starts[-1] + n)
@@ -131,15 +141,14 @@ class ForwardBatch:
             logits_rows = logits
         else:
             logits_rows = list(range(total)) if logits == "all" else last_rows
-        as_long = dict(dtype=torch.int64, device=device)
         return cls(
-            token_ids=torch.tensor([t for c in chunks for t in c], **as_long),
-            positions=torch.tensor(positions, **as_long),
+            token_ids=on_device([t for c in chunks for t in c], device),
+            positions=on_device(positions, device),
             context_lens=list(context_lens),
             query_lens=[len(c) for c in chunks],
             state_slots=list(state_slots),
-            block_tables=torch.tensor(padded, **as_long).reshape(len(chunks), width),
-            slot_mapping=torch.tensor(slots, **as_long),
-            logits_rows=torch.tensor(logits_rows, **as_long),
+            block_tables=on_device(padded, device).reshape(len(chunks), width),
+            slot_mapping=on_device(slots, device),
+            logits_rows=on_device(logits_rows, device),
             position_slots=position_slots,
         )

@@ -20,6 +20,16 @@ the slots that keep the state after each row), and its forwards return every row
 (`forward_with_streams`, what the draft head reads). And the MTP draft head's one-row-per-request steps
 (`draft_layer`): the hidden streams it reads come in through an input buffer too, and the draft logits
 and output streams come back.
+
+Inputs come two ways. `run(batch)` copies a built `ForwardBatch`'s device tensors into the buffers (the
+pipeline stages and the speculative runners use it). `run_decode(...)` (plain decode, one row per request)
+takes the engine's host lists and writes them straight into the buffers: each step fills a pinned host
+staging buffer (ids, positions, context lengths, slots, K/V rows, token sources, and the block-table
+entries that changed since the last step: a host mirror remembers which request's block list each row
+holds and how much of it is on the device) and sends it in one host-to-device copy; the changed table
+entries are scattered from there. A row's token source >= 0 takes its input id from the previous step's
+sampled ids on the device (overlap scheduling: the host launches a step before it has read the ids of the
+one before); the ids are resolved inside the graph.
 """
 
 from __future__ import annotations
@@ -79,15 +89,19 @@ class StaticDecodeRunner:
         self.max_batch, self.rows_per_request = max_batch, rows_per_request
         as_long = dict(dtype=torch.int64, device=cache.device)
         max_rows = max_batch * rows_per_request
-        # the input buffers every prepared forward reads (a narrower width reads the first columns)
-        self.token_ids = torch.zeros(max_rows, **as_long)
-        self.positions = torch.zeros(max_rows, **as_long)
-        self.context_lens = torch.zeros(max_batch, **as_long)
-        self.slots = torch.zeros(max_batch, **as_long)
+        # the input buffers every prepared forward reads (a narrower width reads the first columns); the
+        # per-row vectors and the table updates are views of one buffer, what `run_decode` copies into
+        # (each vector has max_rows entries; context lengths and slots use the first max_batch)
+        m = self.row_capacity = max_rows
+        self.inputs = torch.zeros(NUM_ROW_INPUTS * m + 2 * max_batch * max_blocks_per_request, **as_long)
+        self.input_ids, self.positions, self.context_lens, self.slots, self.slot_mapping, self.token_sources = (
+            self.inputs[i * m : (i + 1) * m] for i in range(NUM_ROW_INPUTS))
+        self.token_ids = torch.zeros(m, **as_long)  # what the model reads: input ids, sources resolved
+        self.previous_tokens = torch.zeros(m, **as_long)  # the previous step's sampled ids (token sources)
         self.verify_slots = torch.zeros(max_batch, rows_per_request, **as_long) if rows_per_request > 1 else None
         self.block_tables = torch.zeros(max_batch, max_blocks_per_request, **as_long)
         self.tables_at = {width: self.block_tables[:, :width] for width in self.widths}  # the columns a width reads
-        self.slot_mapping = torch.zeros(max_rows, **as_long)
+        self._staging = _Staging(self.inputs.numel(), cache.device)
         self.logits_rows = torch.arange(max_rows, **as_long)
         self.ple_embeddings = {
             index: torch.zeros(max_rows, width, dtype=cache.dtype, device=cache.device)
@@ -117,6 +131,7 @@ class StaticDecodeRunner:
                     self.forward(self.batches[shape], cache)
         elif mode == "cuda_graph":
             self._capture()
+        self._reset_tables()
         cache.reset_row_cache_counters()  # the warm-up and capture forwards served no request
 
     def _draft_step(self, batch: ForwardBatch, cache: ModelCache) -> tuple[torch.Tensor, torch.Tensor]:
@@ -140,9 +155,10 @@ class StaticDecodeRunner:
         """Requests start:size become harmless padding (scratch slot, scratch block in the first `width`
         columns, position 0): what a (size, width) forward reads of them."""
         rows = slice(start * self.rows_per_request, size * self.rows_per_request)
-        for buffer in (self.token_ids, self.positions):
+        for buffer in (self.input_ids, self.positions):
             buffer[rows].zero_()
         self.context_lens[start:size].zero_()
+        self.token_sources[rows] = -1
         for buffer in (self.stage_input, self.hidden):
             if buffer is not None:
                 buffer[rows].zero_()
@@ -160,10 +176,12 @@ class StaticDecodeRunner:
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
                 for _ in range(2):  # warm up lazily built tensors and kernels outside the capture
+                    self._resolve_tokens()
                     self.step(batch, self.cache)
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
+                self._resolve_tokens()
                 self.outputs[shape] = self.step(batch, self.cache)
             pool = graph.pool()
             self.graphs[shape] = graph
@@ -193,7 +211,8 @@ class StaticDecodeRunner:
         next call)."""
         n, rows = batch.num_requests, batch.token_ids.shape[0]
         size, width = shape = self.shape_for(batch)
-        self.token_ids[:rows].copy_(batch.token_ids)
+        self.input_ids[:rows].copy_(batch.token_ids)
+        self.token_sources[:rows] = -1
         self.positions[:rows].copy_(batch.positions)
         self.context_lens[:n].copy_(batch.context_lens_tensor)
         self.slots[:n].copy_(batch.slots)
@@ -210,9 +229,68 @@ class StaticDecodeRunner:
         if self.hidden is not None:
             self.hidden[:rows].copy_(hidden)
         self._pad(n, size, width)
+        self._forget_tables()
+        out = self._forward(shape)
+        return (out[0][:rows], out[1][:rows]) if isinstance(out, tuple) else out[:rows]
+
+    def run_decode(
+        self, token_ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]],
+        token_sources: list[int] | None = None, previous_tokens: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Logits [B, vocab] of B decode rows given as host lists (valid until the next call): row i
+        computes token_ids[i] at positions[i] of the request in state slot slots[i] whose block list is
+        tables[i] (the request's own list object: rows remember it, so a grown list sends only its new
+        entries). token_sources[i] >= 0: row i's input is previous_tokens[token_sources[i]] instead."""
+        return self.replay(*self.stage_decode(token_ids, positions, slots, tables, token_sources, previous_tokens))
+
+    def replay(self, shape: tuple[int, int], num_rows: int) -> torch.Tensor:
+        """The forward at a prepared shape on what `stage_decode` staged: logits of its rows."""
+        return self._forward(shape)[:num_rows]
+
+    def stage_decode(
+        self, token_ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]],
+        token_sources: list[int] | None = None, previous_tokens: torch.Tensor | None = None,
+    ) -> tuple[tuple[int, int], int]:
+        """`run_decode`'s inputs into the buffers (queued on the device); the shape to replay, the rows."""
+        n, m, block_size = len(token_ids), self.row_capacity, self.cache.block_size
+        if self.rows_per_request != 1 or self.hidden is not None:
+            raise ValueError("run_decode takes plain decode rows: this runner prepares verification or draft steps")
+        if n > self.max_batch:
+            raise ValueError(f"{n} decode rows > the {self.max_batch} this runner was prepared for")
+        longest = max(len(t) for t in tables)
+        if longest > self.block_tables.shape[1]:
+            raise ValueError(f"a block table of {longest} blocks > the {self.block_tables.shape[1]} prepared")
+        size = next(s for s in self.sizes if s >= n)
+        shape = size, next(w for w in self.widths if w >= longest)
+        stage = self._staging.next()
+        stage[: NUM_ROW_INPUTS * m].fill(0)
+        stage[0:n] = token_ids
+        stage[m : m + n] = positions
+        stage[2 * m : 2 * m + n] = positions  # a decode row's context is every token before it
+        stage[3 * m : 3 * m + n] = slots
+        stage[3 * m + n : 4 * m] = self.cache.scratch_slot
+        stage[4 * m : 4 * m + n] = [t[p // block_size] * block_size + p % block_size
+                                    for t, p in zip(tables, positions, strict=True)]
+        stage[4 * m + n : 5 * m] = self.cache.scratch_block * block_size
+        stage[5 * m : 6 * m] = -1
+        if token_sources is not None:
+            stage[5 * m : 5 * m + n] = token_sources
+        columns, values = self._table_updates(tables, size)
+        changed = len(columns)
+        updates = NUM_ROW_INPUTS * m
+        stage[updates : updates + changed] = columns
+        stage[updates + changed : updates + 2 * changed] = values
+        self._staging.send(self.inputs, updates + 2 * changed)
+        if changed:
+            self.block_tables.view(-1).index_copy_(
+                0, self.inputs[updates : updates + changed], self.inputs[updates + changed : updates + 2 * changed])
+        if previous_tokens is not None:
+            self.previous_tokens[: previous_tokens.shape[0]].copy_(previous_tokens)
+        return shape, n
+
+    def _forward(self, shape: tuple[int, int]) -> torch.Tensor:
         if shape in self.graphs:
             self.graphs[shape].replay()
-            out = self.outputs[shape]
-        else:
-            out = self.forward(self.batches[shape], self.cache)
-        return (out[0][:rows], out[1][:rows]) if isinstance(out, tuple) else out[:rows]
+            return self.outputs[shape]
+        self._resolve_tokens()
+        return self.forward(self.batches[shape], self.cache)

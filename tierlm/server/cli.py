@@ -29,7 +29,7 @@ ENGINE_FLAGS = (
     "max_state_checkpoints", "ple_table", "ple_prefetch", "qsa_kv_offload", "qsa_row_cache",
     "qsa_row_cache_rows", "qsa_row_cache_max_batch", "checkpoint_host_bytes", "qsa_row_cache_bytes",
     "load_format", "trace",
-    "pipeline_parallel_size", "pp_layer_partition", "speculative_config",
+    "pipeline_parallel_size", "pp_layer_partition", "speculative_config", "async_scheduling",
 )
 
 
@@ -90,6 +90,7 @@ def add_parser(subparsers) -> None:
                         help="prefix-cache recurrent-state checkpoints (default: 2 x max-num-seqs)")
     engine.add_argument("--checkpoint-host-bytes", type=int, default=None,
                         help="host RAM (pinned) for prefix-cache checkpoints, LRU (instead of --max-state-checkpoints)")
+    add_async_scheduling_flag(engine)
     engine.add_argument("--compile-decode", action="store_true", default=None,
                         help="CPU: torch.compile the decode step (slow start, faster steps)")
     engine.add_argument("--ple-table", default=None,
@@ -114,6 +115,13 @@ def add_parser(subparsers) -> None:
     add_pipeline_flags(engine)
     add_speculative_flag(engine)
     parser.set_defaults(func=run)
+
+
+def add_async_scheduling_flag(parser) -> None:
+    """--async-scheduling / --no-async-scheduling (serve and generate share it)."""
+    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                        help="overlap scheduling: launch the next decode step before reading this one's ids "
+                        "(default on; off for speculative decoding, pipeline parallel, mapped PLE tables)")
 
 
 def add_speculative_flag(parser) -> None:
