@@ -31,10 +31,9 @@ import gc
 import json
 import os
 import platform
+import tempfile
 import time
 from pathlib import Path
-
-import tempfile
 
 import torch
 from long_context_resident import model_dir

@@ -75,8 +75,8 @@ class ForwardBatch:
             width = self.query_lens[0] if self.query_lens else 0
             uniform = all(n == width and slots for slots, n in zip(self.position_slots, self.query_lens))
             if self.verify_slots is None and width > 1 and uniform:
-                self.verify_slots = torch.tensor(
-                    [[*slots, own] for slots, own in zip(self.position_slots, self.state_slots)], **as_long)
+                self.verify_slots = on_device(
+                    [[*slots, own] for slots, own in zip(self.position_slots, self.state_slots)], device)
 
     def to(self, device: torch.device | str) -> ForwardBatch:
         """The same batch with its tensors on `device` (a pipeline rank's copy of rank 0's batch)."""

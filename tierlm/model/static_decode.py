@@ -294,3 +294,69 @@ class StaticDecodeRunner:
             return self.outputs[shape]
         self._resolve_tokens()
         return self.forward(self.batches[shape], self.cache)
+
+    def _resolve_tokens(self) -> None:
+        """Each row's input id: the host's, or (token source >= 0) the previous step's sampled id."""
+        sources = self.token_sources
+        torch.where(sources >= 0, self.previous_tokens[sources.clamp(min=0)], self.input_ids, out=self.token_ids)
+
+    # ---- the host mirror of the block tables (run_decode) ---------------------------------------------
+    def _reset_tables(self) -> None:
+        """Every row padding: the scratch block in column 0, -1 after (a padding row's context is empty)."""
+        self.block_tables.fill_(-1)
+        self.block_tables[:, 0] = self.cache.scratch_block
+        self._row_lists: list[list[int] | None] = [None] * self.max_batch  # the block list each row holds
+        self._row_lens = [1] * self.max_batch  # entries of each row before its -1s (also: sent of its list)
+
+    def _forget_tables(self) -> None:
+        """`run` wrote the table directly: the next `run_decode` rewrites every row it uses, whole."""
+        self._row_lists = [None] * self.max_batch
+        self._row_lens = [self.block_tables.shape[1]] * self.max_batch
+
+    def _table_updates(self, tables: list[list[int]], size: int) -> tuple[list[int], list[int]]:
+        """(flat index, block id) of the entries rows 0:size need changed: the new blocks of a row whose
+        list grew, a whole row where the list is another one (and -1 over what is left of the old one)."""
+        columns, values, width = [], [], self.block_tables.shape[1]
+        scratch = [self.cache.scratch_block]
+        for row in range(size):
+            wanted = tables[row] if row < len(tables) else None
+            held, sent = self._row_lists[row], self._row_lens[row]
+            blocks = scratch if wanted is None else wanted
+            if held is wanted and (wanted is not None or sent == 1):  # the same list, or padding already
+                start = sent
+            else:
+                start = 0
+                columns += range(row * width + len(blocks), row * width + max(sent, len(blocks)))
+                values += [-1] * max(0, sent - len(blocks))
+            columns += range(row * width + start, row * width + len(blocks))
+            values += blocks[start:]
+            self._row_lists[row], self._row_lens[row] = wanted, len(blocks)
+        return columns, values
+
+
+NUM_ROW_INPUTS = 6  # input ids, positions, context lengths, slots, K/V rows, token sources
+
+
+class _Staging:
+    """Two host staging buffers, used in turn (pinned on CUDA): one is filled while the copy from the
+    other may still be queued; a buffer is reused only once its last copy has run."""
+
+    def __init__(self, numel: int, device: torch.device) -> None:
+        cuda = device.type == "cuda"
+        self.buffers = [torch.zeros(numel, dtype=torch.int64, pin_memory=cuda) for _ in range(2)]
+        self.arrays = [b.numpy() for b in self.buffers]
+        self.copied = [torch.cuda.Event() if cuda else None for _ in range(2)]
+        self.turn = 0
+
+    def next(self):
+        """The buffer to fill now (a numpy view), once its previous copy has run."""
+        self.turn ^= 1
+        if self.copied[self.turn] is not None:
+            self.copied[self.turn].synchronize()
+        return self.arrays[self.turn]
+
+    def send(self, target: torch.Tensor, count: int) -> None:
+        """The first `count` entries of the buffer just filled into target's (one host-to-device copy)."""
+        target[:count].copy_(self.buffers[self.turn][:count], non_blocking=True)
+        if self.copied[self.turn] is not None:
+            self.copied[self.turn].record()
