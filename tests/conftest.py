@@ -16,10 +16,28 @@ import sys
 import threading
 
 import pytest
+from interpreted import start_early, stop_unused
+
+
+def pytest_collection_finish(session):
+    """Start the interpreter children of the selected tests their modules name in INTERPRETED_EARLY
+    ({test function: (script, *argv)}), on CPU only (a GPU runs those tests directly)."""
+    import importlib.util
+
+    import torch
+
+    if torch.cuda.is_available() or importlib.util.find_spec("triton") is None:
+        return
+    for item in session.items:
+        early = getattr(getattr(item, "module", None), "INTERPRETED_EARLY", {})
+        child = early.get(getattr(item, "originalname", item.name))
+        if child is not None:
+            start_early(*child)
 
 
 @pytest.hookimpl(trylast=True)
 def pytest_unconfigure(config):
+    stop_unused()
     alive = [t.name for t in threading.enumerate() if t is not threading.main_thread()]
     if os.environ.get("TIERLM_TEST_THREADS"):
         print(f"\nthreads alive at the end of the session: {alive}", file=sys.stderr)

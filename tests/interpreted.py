@@ -3,6 +3,11 @@
 TRITON_INTERPRET=1 must be set before triton is first imported, so the test process (which may have
 imported it already) cannot switch; each kernel test hands its comparison to a child instead. The timeout
 is generous: the interpreter is slow, and slower still on a loaded machine.
+
+The longest children start when collection ends (`start_early`, called by conftest for the tests a
+module names in INTERPRETED_EARLY), so they run on the machine's other core while the suite goes on;
+`run_interpreted` then collects the child already under way. Children nobody collected are killed at the
+end of the session (`stop_unused`).
 """
 
 from __future__ import annotations
@@ -11,22 +16,53 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 CHILD_TIMEOUT_S = 1200
+# one thread each: a child runs beside the suite, and spinning OpenMP pools of several processes on two
+# cores slow everything down many times over
+CHILD_ENV = {"TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+_started: dict[tuple[str, tuple[str, ...]], tuple[subprocess.Popen, object, object]] = {}
+
+
+def _spawn(script: str, argv: tuple[str, ...]):
+    out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")  # files: a chatty child never blocks
+    process = subprocess.Popen(
+        [sys.executable, "-c", script, *argv], cwd=Path(__file__).parent, env={**os.environ, **CHILD_ENV},
+        stdout=out, stderr=err, text=True,
+    )
+    return process, out, err
+
+
+def start_early(script: str, *argv: str) -> None:
+    """Start the child `run_interpreted(script, *argv)` will collect (once)."""
+    if (script, argv) not in _started:
+        _started[script, argv] = _spawn(script, argv)
 
 
 def run_interpreted(script: str, *argv: str) -> str:
     """Run `script` (Python source, run in tests/) with TRITON_INTERPRET=1; fails the test with the child's
     stderr unless it exits 0; returns its stdout."""
-    done = subprocess.run(
-        [sys.executable, "-c", script, *argv], cwd=Path(__file__).parent, env={**os.environ, "TRITON_INTERPRET": "1"},
-        capture_output=True, text=True, timeout=CHILD_TIMEOUT_S, check=False,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    return done.stdout
+    process, out, err = _started.pop((script, argv), None) or _spawn(script, argv)
+    try:
+        process.wait(timeout=CHILD_TIMEOUT_S)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    out.seek(0)
+    err.seek(0)
+    assert process.returncode == 0, err.read()[-4000:]
+    return out.read()
 
 
 def interpreted_json(script: str, *argv: str):
     """`run_interpreted`, the last line of the child's output read as JSON."""
     return json.loads(run_interpreted(script, *argv).strip().splitlines()[-1])
+
+
+def stop_unused() -> None:
+    for process, _, _ in _started.values():
+        process.kill()
+    _started.clear()

@@ -228,7 +228,12 @@ def test_triton_kernels_equal_the_reference():
             compare_triton_with_reference(steps=2000, dtype=dtype, split=split)
         compare_row_moves("cuda")
         return
-    script = ("import torch, test_qsa_row_cache as t; t.compare_row_moves('cpu')\n"
-              "t.compare_triton_with_reference(steps=16, dtype=torch.bfloat16, split=8)\n"
-              "t.compare_triton_with_reference(steps=6, dtype=torch.float32, split=1)")
-    run_interpreted(script)
+    run_interpreted(*INTERPRETED_EARLY["test_triton_kernels_equal_the_reference"])
+
+
+INTERPRETED_EARLY = {  # (a long child: started when collection ends, see tests/interpreted.py)
+    "test_triton_kernels_equal_the_reference": (
+        "import torch, test_qsa_row_cache as t; t.compare_row_moves('cpu')\n"
+        "t.compare_triton_with_reference(steps=16, dtype=torch.bfloat16, split=8)\n"
+        "t.compare_triton_with_reference(steps=6, dtype=torch.float32, split=1)",),
+}
