@@ -73,7 +73,7 @@ def apply_penalties(logits: torch.Tensor, requests: list[Request], rows: list[in
     copy each, not a Python list per token)."""
     device, vocab = logits.device, logits.shape[1]
     outputs = [_ids_below(requests[r].output_token_ids, vocab) for r in rows]
-    index = torch.tensor(rows, device=device)
+    index = on_device(rows, device)
     part = logits[index]
     params = [requests[r].params for r in rows]
     if any(p.repetition_penalty != 1.0 for p in params):
@@ -81,15 +81,15 @@ def apply_penalties(logits: torch.Tensor, requests: list[Request], rows: list[in
                 if requests[r].params.repetition_penalty != 1.0 else out[:0] for r, out in zip(rows, outputs)]
         mask = torch.zeros(len(rows) * vocab, dtype=torch.bool, device=device)
         mask[_flat_index(seen, vocab, device)] = True
-        penalty = torch.tensor([p.repetition_penalty for p in params], device=device)[:, None]
+        penalty = on_device([p.repetition_penalty for p in params], device, torch.float32)[:, None]
         part = torch.where(mask.view(len(rows), vocab), torch.where(part > 0, part / penalty, part * penalty), part)
     if any(len(out) for out in outputs) and any(p.frequency_penalty or p.presence_penalty for p in params):
         counts = torch.zeros(len(rows) * vocab, dtype=part.dtype, device=device)
         flat = _flat_index(outputs, vocab, device)
         counts.index_add_(0, flat, torch.ones(flat.shape[0], dtype=part.dtype, device=device))
         counts = counts.view(len(rows), vocab)
-        frequency = torch.tensor([p.frequency_penalty for p in params], device=device)[:, None]
-        presence = torch.tensor([p.presence_penalty for p in params], device=device)[:, None]
+        frequency = on_device([p.frequency_penalty for p in params], device, torch.float32)[:, None]
+        presence = on_device([p.presence_penalty for p in params], device, torch.float32)[:, None]
         part = part - (frequency * counts + presence * (counts > 0))
     logits[index] = part
 
@@ -103,7 +103,8 @@ def _ids_below(ids: list[int], vocab: int) -> np.ndarray:
 def _flat_index(ids_per_row: list[np.ndarray], vocab: int, device: torch.device) -> torch.Tensor:
     """row * vocab + id for every id of every row, as one tensor on `device`."""
     offsets = [ids + k * vocab for k, ids in enumerate(ids_per_row)]
-    return torch.from_numpy(np.concatenate(offsets)).to(device, non_blocking=True)
+    host = torch.from_numpy(np.concatenate(offsets))
+    return host.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" else host
 
 
 def banned_tokens(request: Request, vocab: int) -> list[int]:
