@@ -20,8 +20,9 @@ from interpreted import start_early, stop_unused
 
 
 def pytest_collection_finish(session):
-    """Start the interpreter children of the selected tests their modules name in INTERPRETED_EARLY
-    ({test function: (script, *argv)}), on CPU only (a GPU runs those tests directly)."""
+    """Queue the interpreter children of the selected tests their modules name in INTERPRETED_EARLY
+    ({test function: (script, *argv), or a function of the test's parameters giving them}), on CPU only
+    (a GPU runs those tests directly)."""
     import importlib.util
 
     import torch
@@ -31,6 +32,8 @@ def pytest_collection_finish(session):
     for item in session.items:
         early = getattr(getattr(item, "module", None), "INTERPRETED_EARLY", {})
         child = early.get(getattr(item, "originalname", item.name))
+        if callable(child):
+            child = child(**getattr(getattr(item, "callspec", None), "params", {}))
         if child is not None:
             start_early(*child)
 

@@ -4,10 +4,10 @@ TRITON_INTERPRET=1 must be set before triton is first imported, so the test proc
 imported it already) cannot switch; each kernel test hands its comparison to a child instead. The timeout
 is generous: the interpreter is slow, and slower still on a loaded machine.
 
-The longest children start when collection ends (`start_early`, called by conftest for the tests a
-module names in INTERPRETED_EARLY), so they run on the machine's other core while the suite goes on;
-`run_interpreted` then collects the child already under way. Children nobody collected are killed at the
-end of the session (`stop_unused`).
+The long children are queued when collection ends (`start_early`, called by conftest for the tests a
+module names in INTERPRETED_EARLY) and run one at a time, in collection order, on the machine's other
+core while the suite goes on; `run_interpreted` collects a child already under way (or starts a queued
+one at once). Children nobody collected are killed at the end of the session (`stop_unused`).
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
 
 CHILD_TIMEOUT_S = 1200
@@ -25,6 +27,8 @@ CHILD_TIMEOUT_S = 1200
 CHILD_ENV = {"TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 _started: dict[tuple[str, tuple[str, ...]], tuple[subprocess.Popen, object, object]] = {}
+_queued: list[tuple[str, tuple[str, ...]]] = []
+_lock = threading.Lock()
 
 
 def _spawn(script: str, argv: tuple[str, ...]):
@@ -37,15 +41,36 @@ def _spawn(script: str, argv: tuple[str, ...]):
 
 
 def start_early(script: str, *argv: str) -> None:
-    """Start the child `run_interpreted(script, *argv)` will collect (once)."""
-    if (script, argv) not in _started:
-        _started[script, argv] = _spawn(script, argv)
+    """Queue the child `run_interpreted(script, *argv)` will collect (once); the queue runs one at a time."""
+    with _lock:
+        first = not _queued
+        if (script, argv) not in _started and (script, argv) not in _queued:
+            _queued.append((script, argv))
+    if first:
+        threading.Thread(target=_run_queue, name="interpreter children", daemon=True).start()
+
+
+def _run_queue() -> None:
+    running = None
+    while True:
+        with _lock:
+            if running is None or running.poll() is not None:
+                if not _queued:
+                    return
+                key = _queued.pop(0)
+                _started[key] = _spawn(*key)
+                running = _started[key][0]
+        time.sleep(0.2)
 
 
 def run_interpreted(script: str, *argv: str) -> str:
     """Run `script` (Python source, run in tests/) with TRITON_INTERPRET=1; fails the test with the child's
     stderr unless it exits 0; returns its stdout."""
-    process, out, err = _started.pop((script, argv), None) or _spawn(script, argv)
+    with _lock:
+        if (script, argv) in _queued:
+            _queued.remove((script, argv))
+        child = _started.pop((script, argv), None) or _spawn(script, argv)
+    process, out, err = child
     try:
         process.wait(timeout=CHILD_TIMEOUT_S)
     finally:
@@ -63,6 +88,8 @@ def interpreted_json(script: str, *argv: str):
 
 
 def stop_unused() -> None:
-    for process, _, _ in _started.values():
-        process.kill()
-    _started.clear()
+    with _lock:
+        _queued.clear()
+        for process, _, _ in _started.values():
+            process.kill()
+        _started.clear()
