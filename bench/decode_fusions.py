@@ -126,7 +126,7 @@ def sweep_hc(device, dtype, batches: list[int], reps: int) -> list[dict]:
         expected = fn()[0].float()
         set_fused(True)
 
-        def trial(down, up) -> dict:
+        def trial(down, up, fn=fn, expected=expected, batch=batch) -> dict:
             for name, value in zip(names_down + names_up, down + up):
                 setattr(kernels, name, value)
             try:

@@ -32,7 +32,8 @@ _lock = threading.Lock()
 
 
 def _spawn(script: str, argv: tuple[str, ...]):
-    out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")  # files: a chatty child never blocks
+    # files, not pipes: a chatty child never blocks; the collector closes them
+    out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")  # noqa: SIM115
     process = subprocess.Popen(
         [sys.executable, "-c", script, *argv], cwd=Path(__file__).parent, env={**os.environ, **CHILD_ENV},
         stdout=out, stderr=err, text=True,
@@ -76,10 +77,12 @@ def run_interpreted(script: str, *argv: str) -> str:
     finally:
         if process.poll() is None:
             process.kill()
-    out.seek(0)
-    err.seek(0)
-    assert process.returncode == 0, err.read()[-4000:]
-    return out.read()
+    with out, err:
+        out.seek(0)
+        err.seek(0)
+        stdout, stderr = out.read(), err.read()
+    assert process.returncode == 0, stderr[-4000:]
+    return stdout
 
 
 def interpreted_json(script: str, *argv: str):
@@ -90,6 +93,8 @@ def interpreted_json(script: str, *argv: str):
 def stop_unused() -> None:
     with _lock:
         _queued.clear()
-        for process, _, _ in _started.values():
+        for process, out, err in _started.values():
             process.kill()
+            out.close()
+            err.close()
         _started.clear()

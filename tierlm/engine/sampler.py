@@ -102,9 +102,7 @@ def _ids_below(ids: list[int], vocab: int) -> np.ndarray:
 
 def _flat_index(ids_per_row: list[np.ndarray], vocab: int, device: torch.device) -> torch.Tensor:
     """row * vocab + id for every id of every row, as one tensor on `device`."""
-    offsets = [ids + k * vocab for k, ids in enumerate(ids_per_row)]
-    host = torch.from_numpy(np.concatenate(offsets))
-    return host.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" else host
+    return on_device(np.concatenate([ids + k * vocab for k, ids in enumerate(ids_per_row)]), device)
 
 
 def banned_tokens(request: Request, vocab: int) -> list[int]:

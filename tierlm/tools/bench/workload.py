@@ -34,25 +34,33 @@ DEFAULT_STATE_FILE = Path.home() / ".cache" / "tierlm" / "bench_state.json"
 
 # Common English words; the generator strings them together. Enough of them that two prompts never
 # share a long run of words by chance, short enough to read like (meaningless) prose.
-WORDS = (
-    "the of and to in is that for it as was with be by on not he this are or his from at which "
-    "but have an they you were her she there been one all we their has would when if so no will "
-    "can more about said what out up them into than other could time only new some these two may "
-    "first then do any like my now over such our man me even most made after also did many before "
-    "must through back years where much your way well down should because each just those people "
-    "how too little state good very make world still own see men work long get here between both "
-    "life being under never day same another know while last might us great old year off come "
-    "since against go came right used take three states himself few house use during without again "
-    "place around however home small found thought went say part once general high upon school every "
-    "does got united left number course war until always away something fact though water less public "
-    "put think almost hand enough far took head yet government system better set told nothing night "
-    "end why called eyes find going look asked later knew point next program city business give "
-    "group toward young days let room president side social present given several order national "
-    "possible rather second face per among form important often things looked early white case john "
-    "become large big need four within felt along children saw best church ever least power development "
-    "light thing seemed family interest want members mind country area others done turned although "
-    "open problem river garden engine memory kernel tensor cache window signal bridge harbor forest"
-).split()
+WORDS = [
+    "the", "of", "and", "to", "in", "is", "that", "for", "it", "as", "was", "with", "be", "by", "on", "not",
+    "he", "this", "are", "or", "his", "from", "at", "which", "but", "have", "an", "they", "you", "were",
+    "her", "she", "there", "been", "one", "all", "we", "their", "has", "would", "when", "if", "so", "no",
+    "will", "can", "more", "about", "said", "what", "out", "up", "them", "into", "than", "other", "could",
+    "time", "only", "new", "some", "these", "two", "may", "first", "then", "do", "any", "like", "my", "now",
+    "over", "such", "our", "man", "me", "even", "most", "made", "after", "also", "did", "many", "before",
+    "must", "through", "back", "years", "where", "much", "your", "way", "well", "down", "should", "because",
+    "each", "just", "those", "people", "how", "too", "little", "state", "good", "very", "make", "world",
+    "still", "own", "see", "men", "work", "long", "get", "here", "between", "both", "life", "being",
+    "under", "never", "day", "same", "another", "know", "while", "last", "might", "us", "great", "old",
+    "year", "off", "come", "since", "against", "go", "came", "right", "used", "take", "three", "states",
+    "himself", "few", "house", "use", "during", "without", "again", "place", "around", "however", "home",
+    "small", "found", "thought", "went", "say", "part", "once", "general", "high", "upon", "school",
+    "every", "does", "got", "united", "left", "number", "course", "war", "until", "always", "away",
+    "something", "fact", "though", "water", "less", "public", "put", "think", "almost", "hand", "enough",
+    "far", "took", "head", "yet", "government", "system", "better", "set", "told", "nothing", "night",
+    "end", "why", "called", "eyes", "find", "going", "look", "asked", "later", "knew", "point", "next",
+    "program", "city", "business", "give", "group", "toward", "young", "days", "let", "room", "president",
+    "side", "social", "present", "given", "several", "order", "national", "possible", "rather", "second",
+    "face", "per", "among", "form", "important", "often", "things", "looked", "early", "white", "case",
+    "john", "become", "large", "big", "need", "four", "within", "felt", "along", "children", "saw", "best",
+    "church", "ever", "least", "power", "development", "light", "thing", "seemed", "family", "interest",
+    "want", "members", "mind", "country", "area", "others", "done", "turned", "although", "open", "problem",
+    "river", "garden", "engine", "memory", "kernel", "tensor", "cache", "window", "signal", "bridge",
+    "harbor", "forest",
+]
 
 
 class TokenCounter:
