@@ -116,8 +116,8 @@ def sweep_hc(device, dtype, batches: list[int], reps: int) -> list[dict]:
     launch 1 (per batch): us per mix call and max |difference| from the torch form."""
     import tierlm.kernels.hyper_connection.triton as kernels
 
-    names_down, names_up = ("BLOCK_J", "BLOCK_K", "SPLIT", "DOWN_WARPS"), ("BLOCK_H", "BLOCK_R", "UP_WARPS")
-    defaults = [getattr(kernels, n) for n in names_down + names_up]
+    names_up = ("BLOCK_H", "BLOCK_R", "UP_WARPS")
+    defaults = kernels.DOWN_TILES, [getattr(kernels, n) for n in names_up]
     rows = []
     print("\nhc mix sweep (us per call; diff: max |fused - torch| of the block input)")
     for batch in batches:
@@ -127,7 +127,8 @@ def sweep_hc(device, dtype, batches: list[int], reps: int) -> list[dict]:
         set_fused(True)
 
         def trial(down, up, fn=fn, expected=expected, batch=batch) -> dict:
-            for name, value in zip(names_down + names_up, down + up):
+            kernels.DOWN_TILES = ((kernels.MAX_TOKENS, down),)
+            for name, value in zip(names_up, up):
                 setattr(kernels, name, value)
             try:
                 diff = (fn()[0].float() - expected).abs().max().item()
@@ -149,7 +150,8 @@ def sweep_hc(device, dtype, batches: list[int], reps: int) -> list[dict]:
         print(f"  batch {batch:>2} best: down {best['down']} up {best['up']} {best['us']:.1f} us "
               f"(default {results[0]['us']:.1f} us)")
         rows += results
-    for name, value in zip(names_down + names_up, defaults):
+    kernels.DOWN_TILES = defaults[0]
+    for name, value in zip(names_up, defaults[1]):
         setattr(kernels, name, value)
     return rows
 

@@ -97,9 +97,11 @@ def test_kernels_match_reference():
         compare("cuda", **SMALL)
         return
     args = ", ".join(f"{k}={v}" for k, v in SMALL.items())
-    run_interpreted(  # small tiles: several slices per stream, several K and low-rank steps, uneven
-        "import tierlm.kernels.hyper_connection.triton as k; k.BLOCK_K = 16; k.BLOCK_R = 16\n"
-        f"import test_hyper_connection_kernel as t; t.compare('cpu', {args})"
+    run_interpreted(  # small tiles: several slices per stream, several K and low-rank steps, uneven; one
+        # token through its own tiles
+        "import tierlm.kernels.hyper_connection.triton as k; k.BLOCK_R = 16\n"
+        "k.DOWN_TILES = ((1, (32, 16, 3, 4)), (k.MAX_TOKENS, (16, 16, 2, 4)))\n"
+        f"import test_hyper_connection_kernel as t; t.compare('cpu', {args}); t.compare('cpu', **dict(t.SMALL, tokens=1))"
     )
 
 

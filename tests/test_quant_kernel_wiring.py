@@ -19,45 +19,40 @@ from reference_models import build_reference
 
 from tierlm.tools.quantize import quantize_checkpoint
 
-CHILD = r"""
-import json, sys, torch
-from tierlm.model.loader import load_model
-from tierlm.model.quantization.base import runtime_view
 
-results = {}
-base, int4, int8 = sys.argv[1], sys.argv[2], sys.argv[3]
-gen = torch.Generator().manual_seed(0)
-model, config = load_model(base, dtype="float32", device="cpu")
-experts = model.model.layers[0].mlp.experts
-method = experts.quant_method
-x = torch.randn(3, config.hidden_size, generator=gen)
-ids = torch.stack([torch.randperm(config.num_experts, generator=gen)[:2] for _ in range(3)])
-weights = torch.rand(3, 2, generator=gen)
-reference = experts(x, weights, ids)  # CPU: no kernel, the torch reference
-kernel = method.format.experts_kernel(x, method._stack(experts, "gate_up"), method._stack(experts, "down"),
-                                      weights, ids)
-results["dense experts"] = [(kernel - reference).abs().max().item(), reference.abs().max().item()]
+def kernel_vs_reference(base: str, int4: str, int8: str, device: str) -> dict[str, list[float]]:
+    """{layer: [max |kernel path - reference path|, max |reference|]}; the reference runs on the CPU, the
+    kernel on `device` (CPU: through the interpreter)."""
+    from tierlm.model.loader import load_model
+    from tierlm.model.quantization.base import runtime_view
 
-model, config = load_model(int4, dtype="float32", device="cpu")
-experts = model.model.layers[0].mlp.experts
-method = experts.quant_method
-x = torch.randn(3, config.hidden_size, generator=gen)
-ids = torch.stack([torch.randperm(config.num_experts, generator=gen)[:2] for _ in range(3)])
-weights = torch.rand(3, 2, generator=gen)
-reference = experts(x, weights, ids)  # CPU: no kernel, the torch reference
-kernel = method.format.experts_kernel(x, method._stack(experts, "gate_up"), method._stack(experts, "down"),
-                                      weights, ids)
-results["experts"] = [(kernel - reference).abs().max().item(), reference.abs().max().item()]
+    def on(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {name: t.to(device) for name, t in tensors.items()}
 
-model, config = load_model(int8, dtype="float32", device="cpu")
-for name, layer in (("lm_head", model.lm_head), ("o_proj", model.model.layers[3].self_attn.o_proj)):
-    fmt = layer.quant_method.format
-    x = torch.randn(2, layer.in_features, generator=gen)
-    reference = layer(x)
-    kernel = fmt.linear_kernel(x, runtime_view(layer, fmt), layer.in_features)
-    results[name] = [(kernel - reference).abs().max().item(), reference.abs().max().item()]
-print(json.dumps(results))
-"""
+    results = {}
+    gen = torch.Generator().manual_seed(0)
+    for name, folder in (("dense experts", base), ("experts", int4)):
+        model, config = load_model(folder, dtype="float32", device="cpu")
+        experts = model.model.layers[0].mlp.experts
+        method = experts.quant_method
+        x = torch.randn(3, config.hidden_size, generator=gen)
+        ids = torch.stack([torch.randperm(config.num_experts, generator=gen)[:2] for _ in range(3)])
+        weights = torch.rand(3, 2, generator=gen)
+        reference = experts(x, weights, ids)  # CPU: no kernel, the torch reference
+        kernel = method.format.experts_kernel(x.to(device), on(method._stack(experts, "gate_up")),
+                                              on(method._stack(experts, "down")), weights.to(device), ids.to(device))
+        results[name] = [(kernel.cpu() - reference).abs().max().item(), reference.abs().max().item()]
+    model, config = load_model(int8, dtype="float32", device="cpu")
+    for name, layer in (("lm_head", model.lm_head), ("o_proj", model.model.layers[3].self_attn.o_proj)):
+        fmt = layer.quant_method.format
+        x = torch.randn(2, layer.in_features, generator=gen)
+        reference = layer(x)
+        kernel = fmt.linear_kernel(x.to(device), on(runtime_view(layer, fmt)), layer.in_features)
+        results[name] = [(kernel.cpu() - reference).abs().max().item(), reference.abs().max().item()]
+    return results
+
+
+CHILD = "import json, sys, test_quant_kernel_wiring as t; print(json.dumps(t.kernel_vs_reference(*sys.argv[1:], 'cpu')))"
 
 
 @pytest.fixture(scope="module")
@@ -66,6 +61,8 @@ def kernel_results(tmp_path_factory):
     build_reference("hc4_ple", base)
     int4 = quantize_checkpoint(base, tmp_path_factory.mktemp("int4"), "int4", 32)
     int8 = quantize_checkpoint(base, tmp_path_factory.mktemp("int8"), "int8", 32)
+    if torch.cuda.is_available():
+        return kernel_vs_reference(str(base), str(int4), str(int8), "cuda")
     return interpreted_json(CHILD, str(base), str(int4), str(int8))
 
 

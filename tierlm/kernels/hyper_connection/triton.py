@@ -29,9 +29,13 @@ from tierlm.kernels.split_reduce import arrival_counters, dot_acc
 
 MAX_TOKENS = 64
 BLOCK_N = 16  # tokens per program: tl.dot's least M
-BLOCK_J, BLOCK_K, SPLIT = 16, 128, 2  # launch 1: 21 row blocks x 8 slices = 168 programs at the real widths
+# launch 1's tiles by batch, the first entry whose token bound covers it: (BLOCK_J rows of W_down|inj,
+# BLOCK_K columns per step, SPLIT slices per stream, warps). H200, real widths (bench/decode_fusions.py
+# --sweep-hc): one token 21.3 us with its own tiles (440 programs) vs 30.2 us with the batch tiles (168
+# programs), which stay best from 4 tokens (34.6 vs 36.0 us at 4, 33.7 vs 42.4 at 16)
+DOWN_TILES = ((1, (32, 256, 10, 4)), (MAX_TOKENS, (16, 128, 2, 4)))
 BLOCK_H, BLOCK_R = 16, 64  # launch 2: 160 programs at the real widths; BLOCK_R: low-rank columns per step
-DOWN_WARPS, UP_WARPS = 4, 4  # (bench/decode_fusions.py --sweep-hc times other tiles and warps)
+UP_WARPS = 4
 COMBINE_BLOCK = 256
 
 
@@ -181,7 +185,8 @@ def mix(
     if streams.stride(1) != 1:
         raise ValueError("hyper-connection kernel: the streams' last dimension must be contiguous")
     down_weight, up_weight, norm_weight = down_weight.contiguous(), up_weight.contiguous(), norm_weight.contiguous()
-    slice_width = triton.cdiv(triton.cdiv(hidden, SPLIT), BLOCK_K) * BLOCK_K
+    block_j, block_k, split_goal, down_warps = next(tiles for bound, tiles in DOWN_TILES if n <= bound)
+    slice_width = triton.cdiv(triton.cdiv(hidden, split_goal), block_k) * block_k
     slices = hc_count * triton.cdiv(hidden, slice_width)
     split = slices // hc_count
     token_blocks = triton.cdiv(n, BLOCK_N)
@@ -190,11 +195,11 @@ def mix(
     low, rstd = streams.new_empty(n, lowrank), torch.empty(n, hc_count, **f32)
     counters = arrival_counters("hyper_connection", streams.device, triton.cdiv(MAX_TOKENS, BLOCK_N))
     precision = dot_precision(streams)
-    _mix_down_kernel[(triton.cdiv(out_rows, BLOCK_J), slices, token_blocks)](
+    _mix_down_kernel[(triton.cdiv(out_rows, block_j), slices, token_blocks)](
         streams, streams.stride(0), norm_weight, down_weight, partial, sumsq, counters, low, rstd,
         inject if with_inject else low, n, slice_width, eps, HIDDEN=hidden, HC=hc_count, SPLIT=split,
-        LOWRANK=lowrank, OUT_ROWS=out_rows, BLOCK_N=BLOCK_N, BLOCK_J=BLOCK_J, BLOCK_K=BLOCK_K,
-        BLOCK_OUT=triton.next_power_of_2(out_rows), PRECISION=precision, num_warps=DOWN_WARPS,
+        LOWRANK=lowrank, OUT_ROWS=out_rows, BLOCK_N=BLOCK_N, BLOCK_J=block_j, BLOCK_K=block_k,
+        BLOCK_OUT=triton.next_power_of_2(out_rows), PRECISION=precision, num_warps=down_warps,
     )
     _mix_up_kernel[(triton.cdiv(hidden, BLOCK_H), token_blocks)](
         streams, streams.stride(0), norm_weight, up_weight, low, rstd, block_input, n, HIDDEN=hidden, HC=hc_count,
