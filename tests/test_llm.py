@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -123,16 +124,24 @@ def test_sampled_logprobs(llm):
 
 
 def test_generation_config_defaults_apply_when_unset(llm):
-    """Unset temperature / top_p / top_k take generation_config.json's values; set ones are kept."""
+    """Unset temperature / top_p / top_k / repetition_penalty take generation_config.json's values; set ones
+    are kept."""
+    engine = llm.engine
     defaults = llm.get_tokenizer().generation_defaults
     assert defaults.temperature is not None and defaults.top_k is not None  # the demo model ships them
-    engine = llm.engine
-    unset = engine.add_request(PROMPTS[0], SamplingParams(max_tokens=1))
-    explicit = engine.add_request(PROMPTS[0], SamplingParams(max_tokens=1, temperature=0.3, top_p=0.5, top_k=3))
+    saved = engine.tokenizer.generation_defaults
+    engine.tokenizer.generation_defaults = dataclasses.replace(defaults, repetition_penalty=1.07)
+    try:
+        unset = engine.add_request(PROMPTS[0], SamplingParams(max_tokens=1))
+        explicit = engine.add_request(PROMPTS[0], SamplingParams(max_tokens=1, temperature=0.3, top_p=0.5, top_k=3,
+                                                                 repetition_penalty=1.0))
+    finally:
+        engine.tokenizer.generation_defaults = saved
     queued = {r.request_id: r.params for r in engine.scheduler.waiting}
-    assert (queued[unset].temperature, queued[unset].top_p, queued[unset].top_k) == (
-        defaults.temperature, defaults.top_p, defaults.top_k)
-    assert (queued[explicit].temperature, queued[explicit].top_p, queued[explicit].top_k) == (0.3, 0.5, 3)
+    assert (queued[unset].temperature, queued[unset].top_p, queued[unset].top_k, queued[unset].repetition_penalty) == (
+        defaults.temperature, defaults.top_p, defaults.top_k, 1.07)
+    assert (queued[explicit].temperature, queued[explicit].top_p, queued[explicit].top_k,
+            queued[explicit].repetition_penalty) == (0.3, 0.5, 3, 1.0)
     for request_id in (unset, explicit):
         engine.abort_request(request_id)
     assert not engine.has_unfinished_requests()

@@ -57,6 +57,7 @@ def chat_dir(tmp_path_factory) -> Path:
             "top_p": 0.95,
             "top_k": 40,
             "max_new_tokens": 128,
+            "repetition_penalty": 1.05,
             "do_sample": True,
         },
     )
@@ -190,7 +191,7 @@ def test_template_is_sandboxed(tmp_path):
 
 def test_generation_defaults_and_eos_union(tok):
     assert tok.generation_defaults == GenerationDefaults(
-        temperature=0.6, top_p=0.95, top_k=40, max_new_tokens=128
+        temperature=0.6, top_p=0.95, top_k=40, max_new_tokens=128, repetition_penalty=1.05
     )
     # config.json [5, im_end], then generation_config im_start, then the tokenizer's eos (already present)
     assert tok.eos_token_ids == (5, IM_END, IM_START)

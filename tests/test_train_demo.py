@@ -230,7 +230,7 @@ def complete_function(text: str) -> ast.FunctionDef | None:
 @needs_default
 def test_default_model_writes_a_fibonacci_body_python_parses(default_llm):
     prompt = "def fibonacci(n):"
-    out = default_llm.generate([prompt], SamplingParams(temperature=0, max_tokens=96), use_tqdm=False)[0]
+    out = default_llm.generate([prompt], SamplingParams(temperature=0, max_tokens=256), use_tqdm=False)[0]
     text = out.outputs[0].text
     body = [line for line in text.split("\n")[1:] if line.strip()]  # after the rest of the def line
     assert body and body[0].startswith((" ", "\t")), text  # the body is indented under the def

@@ -71,7 +71,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     presence_penalty: float = 0.0  # subtracted from a token's logit once it is in the output
     frequency_penalty: float = 0.0  # subtracted per occurrence in the output
-    repetition_penalty: float = 1.0  # tokens of the prompt or output: positive logits / it, negative * it
+    # tokens of the prompt or output: positive logits / it, negative * it (unset: the model's
+    # generation_config, else 1.0)
+    repetition_penalty: float | None = None
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit
     min_p: float = 0.0  # drop tokens less likely than min_p x the most likely one
     bad_words: list[str] | None = None  # words never generated (as tokens, with and without a leading space)
@@ -121,7 +123,7 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2 <= getattr(self, name) <= 2:
                 fail(name, "must be in [-2, 2]")
-        if not 0 < self.repetition_penalty <= 10:
+        if self.repetition_penalty is not None and not 0 < self.repetition_penalty <= 10:
             fail("repetition_penalty", "must be in (0, 10]")
         if not 0 <= self.min_p <= 1:
             fail("min_p", "must be in [0, 1]")
@@ -137,18 +139,24 @@ class SamplingParams:
 
     @property
     def has_penalties(self) -> bool:
-        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty not in (None, 1.0))
 
     def token_ids_used(self) -> list[tuple[str, int]]:
         """(parameter, token id) of the ids that steer sampling (the engine checks them against the vocab)."""
         named = [("logit_bias", t) for t in self.logit_bias or {}]
         return named + [("allowed_token_ids", t) for t in self.allowed_token_ids or ()]
 
-    def with_defaults(self, temperature: float | None, top_p: float | None, top_k: int | None) -> "SamplingParams":
-        """A copy whose unset temperature / top_p / top_k take the model's defaults."""
+    def with_defaults(
+        self, temperature: float | None, top_p: float | None, top_k: int | None,
+        repetition_penalty: float | None = None,
+    ) -> "SamplingParams":
+        """A copy whose unset temperature / top_p / top_k / repetition_penalty take the model's defaults (its
+        generation_config, as vLLM applies it), else the neutral values."""
         return dataclasses.replace(
             self,
             temperature=self.temperature if self.temperature is not None else (1.0 if temperature is None else temperature),
             top_p=self.top_p if self.top_p is not None else (1.0 if top_p is None else top_p),
             top_k=self.top_k if self.top_k is not None else (0 if top_k is None else top_k),
+            repetition_penalty=self.repetition_penalty if self.repetition_penalty is not None else (
+                1.0 if repetition_penalty is None else repetition_penalty),
         )

@@ -56,6 +56,7 @@ class GenerationDefaults:
     top_p: float | None = None
     top_k: int | None = None
     max_new_tokens: int | None = None
+    repetition_penalty: float | None = None
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any]) -> GenerationDefaults:
@@ -68,6 +69,7 @@ class GenerationDefaults:
             top_p=pick("top_p", float),
             top_k=pick("top_k", int),
             max_new_tokens=pick("max_new_tokens", int),
+            repetition_penalty=pick("repetition_penalty", float),
         )
 
     @classmethod

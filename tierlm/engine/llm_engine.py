@@ -415,9 +415,9 @@ class LLMEngine:
                                                         "device_memory_peak")))
 
     # ---- requests -----------------------------------------------------------------------------------
-    def default_params(self) -> tuple[float | None, float | None, int | None]:
+    def default_params(self) -> tuple[float | None, float | None, int | None, float | None]:
         d = self.tokenizer.generation_defaults
-        return d.temperature, d.top_p, d.top_k
+        return d.temperature, d.top_p, d.top_k, d.repetition_penalty
 
     def add_request(
         self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,

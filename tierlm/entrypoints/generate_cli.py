@@ -20,6 +20,7 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--temperature", type=float, default=None, help="default: the model's generation_config")
     parser.add_argument("--top-p", type=float, default=None)
     parser.add_argument("--top-k", type=int, default=None)
+    parser.add_argument("--repetition-penalty", type=float, default=None, help="default: the model's generation_config")
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--device", default=None)
@@ -59,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
     model = args.model or str(default_model_dir())
     try:
         params = SamplingParams(
-            max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+            max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, repetition_penalty=args.repetition_penalty,
             seed=args.seed,
         )
         engine = LLMEngine(EngineConfig(

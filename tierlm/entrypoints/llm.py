@@ -24,8 +24,8 @@ class LLM:
         return self.engine.tokenizer
 
     def get_default_sampling_params(self) -> SamplingParams:
-        temperature, top_p, top_k = self.engine.default_params()
-        return SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)
+        temperature, top_p, top_k, repetition_penalty = self.engine.default_params()
+        return SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, repetition_penalty=repetition_penalty)
 
     def generate(
         self,

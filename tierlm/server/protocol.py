@@ -157,7 +157,7 @@ class SamplingRequest(_Request):
     response_format: ResponseFormat | None = None
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
-    repetition_penalty: float = Field(1.0, gt=0, le=10)
+    repetition_penalty: float | None = Field(None, gt=0, le=10)  # unset: the model's generation_config
     logit_bias: LogitBias | None = None
     min_p: float = Field(0.0, ge=0, le=1)
     bad_words: list[NonEmptyText] | None = None

@@ -29,6 +29,11 @@ from tierlm.model.qwen4_exp import Qwen4ExpForCausalLM
 
 WEIGHTS_FILE = "model.safetensors"
 
+# the trained model's default (applied to requests that leave it unset, as vLLM applies generation_config):
+# a 10.8 M-parameter model decoding greedily repeats itself inside docstrings ("further further ..."); with
+# 1.05 greedy `def fibonacci(n):` closes its docstring and writes a body (checked in tests/test_train_demo.py)
+REPETITION_PENALTY = 1.05
+
 
 def checkpoint_tensors(model: Qwen4ExpForCausalLM, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Every tensor of the model's checkpoint layout (its MTP head's too, if it has one): name -> CPU tensor,
@@ -83,6 +88,7 @@ def write_checkpoint(
         "tokenizer_config.json": tokenizer_config(ids, raw_config["max_position_embeddings"]),
         "generation_config.json": {
             "do_sample": True, "eos_token_id": [ids[IM_END], ids[ENDOFTEXT]], **GENERATION_DEFAULTS,
+            "repetition_penalty": REPETITION_PENALTY,
         },
         "config.json": {**raw_config, "dtype": str(dtype).removeprefix("torch.")},  # last: the folder is complete
     }
