@@ -22,7 +22,7 @@ from tierlm.model.layers.decoder_layer import DecoderLayer
 from tierlm.model.layers.embedding import Embedding
 from tierlm.model.layers.hyper_connection import HyperConnection
 from tierlm.model.layers.packed_linear import Linear
-from tierlm.model.layers.ple import shifted_token_streams
+from tierlm.model.layers.ple import NgramIds
 from tierlm.model.layers.rotary import Rope, RotaryEmbedding
 from tierlm.model.model_cache import ModelCache
 from tierlm.model.mtp import MultiTokenPredictor
@@ -67,12 +67,12 @@ def run_decoder_layers(
 ) -> torch.Tensor:
     """The streams through `layers` (whose caches are `cache.layers`, in order); then the requests'
     n-gram context moves past this batch's tokens (and a verification batch keeps it after each row)."""
-    token_streams = None
+    ngram_ids = None
     if config.ple_layer_ids and batch.ple_embeddings is None:
-        token_streams = shifted_token_streams(batch, cache.ngram_context, config.eos_token_id, config.ngram_size)
+        ngram_ids = NgramIds(batch, cache.ngram_context, config.eos_token_id, config.ngram_size)
     rope = Rope(rotary, batch.positions, streams.dtype)
     for layer, caches in zip(layers, cache.layers):
-        streams = layer(streams, batch, caches, rope, token_streams)
+        streams = layer(streams, batch, caches, rope, ngram_ids)
     _advance_ngram_context(batch, cache)
     return streams
 
