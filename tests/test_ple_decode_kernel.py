@@ -24,6 +24,7 @@ FACTOR = 2.0
 EPS = 1e-6
 EOS = 1
 # 3 channel blocks per stream (BLOCK_C 16 in the child), 2 stats steps (BLOCK_STATS 32)
+REAL = {"hc": 4, "hidden": 2560, "kernel": 4, "dilation": 3, "heads_per_ngram": 8, "dim": 160}
 SMALL = {"requests": 3, "hc": 2, "hidden": 40, "kernel": 4, "dilation": 3, "heads_per_ngram": 2, "dim": 12}
 
 
@@ -175,3 +176,39 @@ def test_bad_arguments_are_named():
         context, slots, tokens, table, multipliers, sizes, offsets = embedding_inputs(2, 2, 4)
         naive.decode_embeddings(context, slots, tokens, table, None, multipliers[:2], sizes, offsets, 2, EOS,
                                 torch.float32)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("requests", [1, 4, 16])
+def test_kernels_at_real_widths_on_gpu(requests):
+    compare("cuda", requests=requests, **REAL)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_kernels_replay_in_a_cuda_graph():
+    """Replays of captured launches write the same embeddings, output and history as eager launches."""
+    from tierlm.kernels.ple import triton as kernels
+
+    hc, hidden, kernel, dilation = REAL["hc"], REAL["hidden"], REAL["kernel"], REAL["dilation"]
+    context, slots, tokens, table, multipliers, sizes, offsets = (
+        t.cuda() for t in embedding_inputs(4, REAL["heads_per_ngram"], REAL["dim"]))
+    *residual, state, res_slots = (t.cuda() for t in residual_inputs(4, hc, hidden, kernel, dilation, torch.bfloat16))
+    hash_args = (multipliers, sizes, offsets, REAL["heads_per_ngram"], EOS, torch.bfloat16)
+
+    def step(history):
+        emb = kernels.decode_embeddings(context, slots, tokens, table, None, *hash_args)
+        return emb, kernels.decode_residual(*residual, history, res_slots, EPS, dilation)
+
+    step(state.clone())  # compiled outside the capture
+    graph_state = state.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step(graph_state)
+    for seed in range(3):
+        tokens.copy_(torch.randint(2, 500, tokens.shape, generator=torch.Generator().manual_seed(seed)))
+        residual[0].normal_()
+        eager_state = graph_state.clone()
+        graph.replay()
+        eager = step(eager_state)
+        assert torch.equal(captured[0], eager[0]) and torch.equal(captured[1], eager[1])
+        assert torch.equal(graph_state, eager_state)
