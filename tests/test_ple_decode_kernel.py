@@ -1,8 +1,9 @@
-"""kernels/ple: PLE's decode step (n-gram hash + row gather; gate, norms, short conv and residual add)
+"""kernels/ple: PLE's decode step (n-gram hash + row gather; gate, norms, short conv and residual add; the
+context moved on)
 against the torch reference, under TRITON_INTERPRET=1 on CPU at small shapes (compiled on a GPU, where the
 real widths run too); and the reference against the layer's own torch path.
 
-Tolerances. Embeddings: integer hashing and a row copy (an fp8 row decoded exactly, times the scale in
+Tolerances. Embeddings and context: integer hashing and moves and a row copy (an fp8 row decoded exactly, times the scale in
 fp32), so equal bit for bit in every dtype. Residual, fp32: the kernel sums the norms' and the dot's
 products in another order and gets norm_conv's rms as gate^2 * mean(value^2): a few fp32 ulps. bf16: as in
 test_bf16_parity, the fp32 reference on the same (bf16-valued) inputs is the truth; the kernel may be off
@@ -91,6 +92,11 @@ def compare(device: str, requests: int, hc: int, hidden: int, kernel: int, dilat
         expected = naive.decode_embeddings(*args)
         got = kernels.decode_embeddings(*(t.to(device) if isinstance(t, torch.Tensor) else t for t in args))
         assert got.dtype == dtype and torch.equal(got.cpu(), expected), f"embeddings from a {stored.dtype} table"
+
+    got_context, expected_context = context.clone().to(device), context.clone()
+    kernels.advance_context(got_context, slots.to(device), tokens.to(device))
+    naive.advance_context(expected_context, slots, tokens)
+    assert torch.equal(got_context.cpu(), expected_context), "advanced context"
 
     for dtype in (torch.float32, torch.bfloat16):
         args = residual_inputs(requests, hc, hidden, kernel, dilation, dtype)

@@ -12,13 +12,16 @@ Signatures (every form):
       dilation) -> streams + the PLE output, the conv history of each request's slot moved on by one:
       each stream's gate sigmoid(signed sqrt(<norm_key(key)_s, norm_query(streams)_s> / sqrt(H))), gv = gate * value,
       out = gv + silu(dilated causal conv over the history and norm_conv(gv)) (Gemma RMS norms per stream).
+  advance_context(context [S, P] int64, slots [B], tokens [B]) -> None: each request's context moved past
+      its new token, in place (once per forward, after every PLE layer read it).
   naive.py   plain torch, rounded where the layer's torch path rounds (the reference)
   triton.py  CUDA: decode_embeddings in one launch (a program per request and head: hash, row, gather);
              decode_residual in one (a program per request, stream and channel block: the stream's norms and
              gate from its whole row, then the block's conv, history update and residual add); no host
-             syncs and fixed shapes, so a CUDA graph captures them
+             syncs and fixed shapes, so a CUDA graph captures them; advance_context in one (a
+             program per request)
 """
 
-from tierlm.kernels.ple.naive import decode_embeddings, decode_residual
+from tierlm.kernels.ple.naive import advance_context, decode_embeddings, decode_residual
 
-__all__ = ["decode_embeddings", "decode_residual"]
+__all__ = ["advance_context", "decode_embeddings", "decode_residual"]

@@ -32,6 +32,12 @@ def decode_embeddings(
     return gathered.flatten(1).to(dtype)
 
 
+def advance_context(context: torch.Tensor, slots: torch.Tensor, tokens: torch.Tensor) -> None:
+    check_context_args(context, slots, tokens)
+    history = torch.cat([context.index_select(0, slots), tokens.view(-1, 1).to(context.dtype)], dim=-1)
+    context.index_copy_(0, slots, history[:, 1:])
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, group: int) -> torch.Tensor:
     """Gemma RMS norm over groups of `group` (the layer's `RMSNorm(group_size=H)`)."""
     xf = x.float().unflatten(-1, (-1, group))
@@ -58,10 +64,14 @@ def decode_residual(
     return streams + (gated + torch.nn.functional.silu(conv))
 
 
-def check_embedding_args(context, slots, tokens, table, multipliers, sizes, offsets, heads_per_ngram) -> None:
+def check_context_args(context, slots, tokens) -> None:
     if context.dim() != 2 or slots.dim() != 1 or tokens.shape != slots.shape:
-        raise ValueError(f"PLE embeddings: context {tuple(context.shape)} must be [S, P], slots {tuple(slots.shape)} "
+        raise ValueError(f"PLE context: context {tuple(context.shape)} must be [S, P], slots {tuple(slots.shape)} "
                          f"and tokens {tuple(tokens.shape)} both [B]")
+
+
+def check_embedding_args(context, slots, tokens, table, multipliers, sizes, offsets, heads_per_ngram) -> None:
+    check_context_args(context, slots, tokens)
     ngram_size = context.shape[1] + 1
     heads = (ngram_size - 1) * heads_per_ngram
     if multipliers.numel() != ngram_size or sizes.numel() != heads or offsets.numel() != heads:

@@ -1,5 +1,7 @@
 """PLE's decode step as two Triton launches (same signatures as `naive`); CUDA graphs capture both.
 
+`advance_context`: a program per request moves its context row by one and appends the token.
+
 `decode_embeddings`: a program per (request, head) reads the request's context ids through its slot, applies
 the EOS rule, hashes its n-gram order (int64 products and XOR, wrapping as the reference's) and copies its table row to the embeddings; an fp8 table is read as bytes and decoded exactly on the
 bits (e4m3fn), times the scale in fp32.
@@ -20,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tierlm.kernels.ple.naive import check_embedding_args, check_residual_args
+from tierlm.kernels.ple.naive import check_context_args, check_embedding_args, check_residual_args
 from tierlm.kernels.quant_linear.triton import dot_precision, round_to
 
 BLOCK_C = 128  # channels per residual program: 80 programs at the real widths, batch 1
@@ -177,3 +179,23 @@ def decode_residual(
         num_warps=RESIDUAL_WARPS,
     )
     return out
+
+
+@triton.jit
+def _advance_context_kernel(context_ptr, slots_ptr, tokens_ptr, CONTEXT: tl.constexpr, BLOCK: tl.constexpr):
+    request = tl.program_id(0)
+    row = context_ptr + tl.load(slots_ptr + request).to(tl.int64) * CONTEXT
+    i = tl.arange(0, BLOCK)
+    newer = tl.load(row + i + 1, mask=i < CONTEXT - 1)
+    newer = tl.where(i == CONTEXT - 1, tl.load(tokens_ptr + request).to(newer.dtype), newer)
+    tl.debug_barrier()  # every read of the row is done before any of it is overwritten
+    tl.store(row + i, newer, mask=i < CONTEXT)
+
+
+def advance_context(context: torch.Tensor, slots: torch.Tensor, tokens: torch.Tensor) -> None:
+    check_context_args(context, slots, tokens)
+    if not context.is_contiguous():
+        raise ValueError("PLE context kernel: the context must be contiguous (it is updated in place)")
+    if slots.shape[0] and context.shape[1]:
+        _advance_context_kernel[(slots.shape[0],)](context, slots, tokens, CONTEXT=context.shape[1],
+                                                  BLOCK=triton.next_power_of_2(context.shape[1]), num_warps=1)
