@@ -56,7 +56,7 @@ def _partial_logits_kernel(x_ptr, w_ptr, partial_ptr, n_tokens, stride_x, HIDDEN
 
 
 @triton.jit
-def _route_kernel(partial_ptr, weights_ptr, ids_ptr, gate_ptr, num_slices, NUM_EXPERTS: tl.constexpr,
+def _route_kernel(partial_ptr, weights_ptr, ids_ptr, gate_ptr, SLICES: tl.constexpr, NUM_EXPERTS: tl.constexpr,
                   TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_ALL: tl.constexpr, BLOCK_TOPK: tl.constexpr,
                   PRECISION: tl.constexpr):
     """Program per token: its logits from the slices' partials, then softmax, top-k, renormalisation, gate."""
@@ -67,8 +67,8 @@ def _route_kernel(partial_ptr, weights_ptr, ids_ptr, gate_ptr, num_slices, NUM_E
     logits = tl.zeros((BLOCK_ALL,), dtype=tl.float32)
     one = tl.arange(0, 1)
     gate = tl.zeros((1,), dtype=tl.float32)
-    for s in range(num_slices):
-        row = partial_ptr + (token * num_slices + s) * (NUM_EXPERTS + 1)
+    for s in tl.static_range(SLICES):  # unrolled: every slice's loads in flight at once
+        row = partial_ptr + (token * SLICES + s) * (NUM_EXPERTS + 1)
         logits += tl.load(row + experts, mask=e_mask, other=0.0)
         gate += tl.load(row + NUM_EXPERTS + one)
     logits = tl.where(e_mask, round_to(logits, DTYPE, PRECISION).to(tl.float32), float("-inf"))
@@ -116,7 +116,7 @@ def route_and_gate(
         BLOCK_K=BLOCK_K, PRECISION=precision, num_warps=GEMV_WARPS,
     )
     _route_kernel[(n,)](
-        partial, weights, ids, gate, slices, NUM_EXPERTS=rows - 1, TOP_K=top_k, RENORMALIZE=renormalize,
+        partial, weights, ids, gate, SLICES=slices, NUM_EXPERTS=rows - 1, TOP_K=top_k, RENORMALIZE=renormalize,
         BLOCK_ALL=triton.next_power_of_2(rows - 1), BLOCK_TOPK=triton.next_power_of_2(top_k), PRECISION=precision,
         num_warps=ROUTE_WARPS,
     )

@@ -1,19 +1,21 @@
-"""PLE's decode step as two Triton launches (same signatures as `naive`); CUDA graphs capture both.
+"""PLE's decode step as three small Triton launches (same signatures as `naive`); CUDA graphs capture them.
 
-`advance_context`: a program per request moves its context row by one and appends the token.
+`decode_embeddings`: a program per (request, head) reads the request's context ids through its slot,
+applies the EOS rule, hashes its n-gram order (int64 products and XOR, wrapping as the reference's) and
+copies its table row to the embeddings; an fp8 table is read as bytes and decoded exactly on the bits
+(e4m3fn), times the scale in fp32.
 
-`decode_embeddings`: a program per (request, head) reads the request's context ids through its slot, applies
-the EOS rule, hashes its n-gram order (int64 products and XOR, wrapping as the reference's) and copies its table row to the embeddings; an fp8 table is read as bytes and decoded exactly on the
-bits (e4m3fn), times the scale in fp32.
-
-`decode_residual`: a program per (request, stream, BLOCK_C channels). It first sums, over its stream's whole
-row of H (in BLOCK_STATS steps, read from L2 by each of the stream's programs), key^2, query^2, the product
-of the normed key and query and value^2: the two RMS norms, the dot, the gate and norm_conv's rms
+`decode_residual`: a program per (request, stream, BLOCK_C channels). It issues its channels' loads
+(value, streams, the history, the conv taps) first, then sums over its stream's whole row of H (in
+BLOCK_STATS steps, unrolled; read from L2 by each of the stream's programs) key^2, query^2, the product
+of the normed key and query, and value^2: the two RMS norms, the dot, the gate and norm_conv's rms
 (gate^2 * mean(value^2)) follow from those four sums without a second pass. Then, on its own channels:
 gv, norm_conv, the K dilated taps of the history and the new value, the history moved on by one (a
-barrier between its reads and its writes), silu, and streams + (gv + silu(conv)), rounded to the streams'
-dtype at the reference's rounding points where a value is stored or meets another (the norms' and the
-dot's sums are fp32 here: bf16 results are closer to the fp32 truth than the reference's own).
+barrier between its reads and its writes), silu, and streams + (gv + silu(conv)), rounded to the
+streams' dtype at the reference's rounding points where a value is stored or meets another (the norms'
+and the dot's sums are fp32 here: bf16 results are closer to the fp32 truth than the reference's own).
+
+`advance_context`: a program per request moves its context row by one and appends the token.
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ def _embeddings_kernel(context_ptr, slots_ptr, tokens_ptr, table_ptr, scale_ptr,
         previous = tl.load(context_ptr + slot * CONTEXT + (CONTEXT - shift)).to(tl.int64)
         seen_eos = seen_eos | (previous == EOS)
         term = tl.where(seen_eos, EOS, previous) * tl.load(multipliers_ptr + shift)
-        mixed = tl.where(shift < order, mixed ^ term, mixed)
+        mixed = tl.where(order > shift, mixed ^ term, mixed)
     size = tl.load(sizes_ptr + head)
     row = mixed % size  # C's remainder; out-of-vocabulary ids may wrap mixed below 0: the floor mod is then + size
     row = tl.where(row < 0, row + size, row) + tl.load(offsets_ptr + head)
@@ -92,32 +94,49 @@ def decode_embeddings(
 @triton.jit
 def _residual_kernel(streams_ptr, key_ptr, value_ptr, norm_key_ptr, norm_query_ptr, norm_conv_ptr, conv_weight_ptr,
                      state_ptr, slots_ptr, out_ptr, stride_streams, stride_key, stride_value, stride_state, eps,
-                     inv_sqrt_hidden, HIDDEN: tl.constexpr, HC: tl.constexpr, KERNEL: tl.constexpr, DILATION: tl.constexpr, HISTORY: tl.constexpr,
-                     BLOCK_C: tl.constexpr, BLOCK_STATS: tl.constexpr, BLOCK_HISTORY: tl.constexpr,
-                     PRECISION: tl.constexpr):
+                     inv_sqrt_hidden, HIDDEN: tl.constexpr, HC: tl.constexpr, KERNEL: tl.constexpr,
+                     DILATION: tl.constexpr, HISTORY: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_STATS: tl.constexpr,
+                     BLOCK_HISTORY: tl.constexpr, PRECISION: tl.constexpr):
     request, stream, block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     DTYPE = out_ptr.dtype.element_ty
     request64 = request.to(tl.int64)
     streams_row = streams_ptr + request64 * stride_streams + stream * HIDDEN
     key_row = key_ptr + request64 * stride_key + stream * HIDDEN
     value_row = value_ptr + request64 * stride_value
-    # the stream's four sums over its whole row
+    # this program's channels: everything they read, first (in flight while the sums below are made)
+    j = block * BLOCK_C + tl.arange(0, BLOCK_C)
+    inside = j < HIDDEN
+    channels = stream * HIDDEN + j
+    value = tl.load(value_row + j, mask=inside, other=0.0).to(tl.float32)
+    residual = tl.load(streams_row + j, mask=inside, other=0.0).to(tl.float32)
+    conv_scale = 1.0 + tl.load(norm_conv_ptr + channels, mask=inside, other=0.0).to(tl.float32)
+    slot = tl.load(slots_ptr + request).to(tl.int64)
+    past = tl.arange(0, BLOCK_HISTORY)
+    history = state_ptr + slot * stride_state + channels[:, None] * HISTORY + past[None, :]
+    in_history = inside[:, None] & (past < HISTORY)[None, :]
+    old = tl.load(history, mask=in_history, other=0.0).to(tl.float32)
+    moved = tl.load(history + 1, mask=inside[:, None] & (past < HISTORY - 1)[None, :], other=0.0)
+    is_tap = in_history & (past % DILATION == 0)[None, :]
+    tap_weight = tl.load(conv_weight_ptr + channels[:, None] * KERNEL + (past // DILATION)[None, :], mask=is_tap,
+                         other=0.0).to(tl.float32)
+    newest_weight = tl.load(conv_weight_ptr + channels * KERNEL + KERNEL - 1, mask=inside, other=0.0).to(tl.float32)
+    # the stream's four sums over its whole row (unrolled: every step's loads in flight at once)
     key_sq = tl.zeros((BLOCK_STATS,), dtype=tl.float32)
     query_sq = tl.zeros((BLOCK_STATS,), dtype=tl.float32)
     key_query = tl.zeros((BLOCK_STATS,), dtype=tl.float32)
     value_sq = tl.zeros((BLOCK_STATS,), dtype=tl.float32)
-    for start in range(0, HIDDEN, BLOCK_STATS):
-        j = start + tl.arange(0, BLOCK_STATS)
-        inside = j < HIDDEN
-        key = tl.load(key_row + j, mask=inside, other=0.0).to(tl.float32)
-        query = tl.load(streams_row + j, mask=inside, other=0.0).to(tl.float32)
-        value = tl.load(value_row + j, mask=inside, other=0.0).to(tl.float32)
-        key_scale = 1.0 + tl.load(norm_key_ptr + stream * HIDDEN + j, mask=inside, other=0.0).to(tl.float32)
-        query_scale = 1.0 + tl.load(norm_query_ptr + stream * HIDDEN + j, mask=inside, other=0.0).to(tl.float32)
+    for start in tl.static_range(0, HIDDEN, BLOCK_STATS):
+        k = start + tl.arange(0, BLOCK_STATS)
+        k_inside = k < HIDDEN
+        key = tl.load(key_row + k, mask=k_inside, other=0.0).to(tl.float32)
+        query = tl.load(streams_row + k, mask=k_inside, other=0.0).to(tl.float32)
+        row_value = tl.load(value_row + k, mask=k_inside, other=0.0).to(tl.float32)
+        key_scale = 1.0 + tl.load(norm_key_ptr + stream * HIDDEN + k, mask=k_inside, other=0.0).to(tl.float32)
+        query_scale = 1.0 + tl.load(norm_query_ptr + stream * HIDDEN + k, mask=k_inside, other=0.0).to(tl.float32)
         key_sq += key * key
         query_sq += query * query
         key_query += (key * key_scale) * (query * query_scale)
-        value_sq += value * value
+        value_sq += row_value * row_value
     key_rms = tl.rsqrt(tl.sum(key_sq) / HIDDEN + eps)
     query_rms = tl.rsqrt(tl.sum(query_sq) / HIDDEN + eps)
     dot = key_rms * query_rms * tl.sum(key_query) * inv_sqrt_hidden
@@ -125,32 +144,16 @@ def _residual_kernel(streams_ptr, key_ptr, value_ptr, norm_key_ptr, norm_query_p
     gate = tl.sigmoid(sign * tl.sqrt(tl.maximum(tl.abs(dot), 1e-6)))
     gate = round_to(gate, DTYPE, PRECISION).to(tl.float32)
     conv_rms = tl.rsqrt(gate * gate * tl.sum(value_sq) / HIDDEN + eps)
-    # this program's channels
-    j = block * BLOCK_C + tl.arange(0, BLOCK_C)
-    inside = j < HIDDEN
-    channels = stream * HIDDEN + j
-    value = tl.load(value_row + j, mask=inside, other=0.0).to(tl.float32)
+    # gv, norm_conv, the conv over the history and the new value, the history moved on, the residual
     gated = round_to(gate * value, DTYPE, PRECISION).to(tl.float32)
-    conv_scale = 1.0 + tl.load(norm_conv_ptr + channels, mask=inside, other=0.0).to(tl.float32)
     conv_in = round_to(gated * conv_rms * conv_scale, DTYPE, PRECISION).to(tl.float32)
-    slot = tl.load(slots_ptr + request).to(tl.int64)
-    past = tl.arange(0, BLOCK_HISTORY)
-    history = state_ptr + slot * stride_state + channels[:, None] * HISTORY + past[None, :]
-    in_history = inside[:, None] & (past < HISTORY)[None, :]
-    old = tl.load(history, mask=in_history, other=0.0).to(tl.float32)
-    is_tap = in_history & (past % DILATION == 0)[None, :]
-    tap_weight = tl.load(conv_weight_ptr + channels[:, None] * KERNEL + (past // DILATION)[None, :], mask=is_tap,
-                         other=0.0).to(tl.float32)
-    newest_weight = tl.load(conv_weight_ptr + channels * KERNEL + KERNEL - 1, mask=inside, other=0.0).to(tl.float32)
     conv = tl.sum(old * tap_weight, axis=1) + conv_in * newest_weight
-    moved = tl.load(history + 1, mask=inside[:, None] & (past < HISTORY - 1)[None, :], other=0.0)
     moved = tl.where((past == HISTORY - 1)[None, :], conv_in.to(moved.dtype)[:, None], moved)
     tl.debug_barrier()  # every read of the history is done before any of it is overwritten
     tl.store(history, moved, mask=in_history)
     conv = round_to(conv, DTYPE, PRECISION).to(tl.float32)
     activated = round_to(conv * tl.sigmoid(conv), DTYPE, PRECISION).to(tl.float32)
     ple = round_to(gated + activated, DTYPE, PRECISION).to(tl.float32)
-    residual = tl.load(streams_row + j, mask=inside, other=0.0).to(tl.float32)
     tl.store(out_ptr + request64 * HC * HIDDEN + channels, round_to(residual + ple, DTYPE, PRECISION), mask=inside)
 
 
