@@ -10,7 +10,8 @@ Where table rows come from: the in-memory table here (`NgramTable`), or, when th
 files (`memory/ngram_store.py`, the NVMe tier), embeddings the host gathered into `batch.ple_embeddings`.
 
 A decode batch on CUDA takes `kernels/ple`'s two launches around the key/value projection (the hash and
-gather; then gate, norms, conv, history and the residual add); TIERLM_NO_FUSED_PLE=1 turns them off.
+gather; then gate, norms, conv, history and the residual add), and `model/qwen4_exp.py` moves the n-gram
+context on with a third; TIERLM_NO_FUSED_PLE=1 turns them off.
 """
 
 from __future__ import annotations
@@ -58,9 +59,9 @@ class NgramIds:
         return self._streams
 
 
-def fused_decode_applies(streams: torch.Tensor, batch: ForwardBatch) -> bool:
-    """A decode batch on CUDA takes `kernels/ple.triton`, unless TIERLM_NO_FUSED_PLE=1."""
-    return streams.is_cuda and batch.is_decode_only and not os.environ.get("TIERLM_NO_FUSED_PLE")
+def fused_decode_applies(x: torch.Tensor, batch: ForwardBatch) -> bool:
+    """A decode batch on CUDA (x: a tensor it runs on) takes `kernels/ple.triton`, unless TIERLM_NO_FUSED_PLE=1."""
+    return x.is_cuda and batch.is_decode_only and not os.environ.get("TIERLM_NO_FUSED_PLE")
 
 
 class NgramTable(nn.Module):
