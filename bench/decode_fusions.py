@@ -1,15 +1,23 @@
-"""The decode fusions of issue 12 items 2 and 3 at the real widths, torch vs fused kernels, side by side.
+"""The decode fusions of issue 12 items 2, 3 and 6 at the real widths, torch vs fused kernels, side by side.
 
-Times the MoE router (`SparseMoeBlock.route`: 512 experts top-10 + the shared gate over hidden 2560) and
-the hyper-connections (`HyperConnection.mix` with and without injection gates, `HyperConnection.combine`:
-4 streams of 2560, low rank 320) per call at batch 1, 4 and 16, in bf16, each call replayed from a CUDA
-graph (as a decode step runs them), with TIERLM_NO_FUSED_ROUTER / TIERLM_NO_FUSED_HC set (torch) and
-unset (fused); prints microseconds per call, the ratio, kernels per call, and the bandwidth the fused
-form reaches on its weights; then what a decode step of the 4-layer benchmark model spends on them
-(4 routers, 8 mixes and 8 combines, 1 final mix). Results: bench/results/decode_fusions_<device>.json.
+Times the MoE router (`SparseMoeBlock.route`: 512 experts top-10 + the shared gate over hidden 2560), the
+hyper-connections (`HyperConnection.mix` with and without injection gates, `HyperConnection.combine`:
+4 streams of 2560, low rank 320) and the PLE layer's decode step (`PLELayer.forward`: n-gram hash and
+gather of 16 rows of 160, the key/value projection 2560 -> 12800, gate, norms, dilated conv, history,
+residual add; the projection is the same GEMV in both forms) per call at batch 1, 4 and 16, in bf16, each
+call replayed from a CUDA graph (as a decode step runs them), with TIERLM_NO_FUSED_ROUTER /
+TIERLM_NO_FUSED_HC / TIERLM_NO_FUSED_PLE set (torch) and unset (fused); prints microseconds per call, the
+ratio, kernels per call, and the bandwidth the fused form reaches on its weights; then what a decode step
+of the 4-layer benchmark model spends on them (4 routers, 8 mixes and 8 combines, 1 final mix, 1 PLE
+layer). Results: bench/results/decode_fusions_<device>.json.
 
     python bench/decode_fusions.py
     python bench/decode_fusions.py --sweep-hc     # also: the hc mix kernels' tiles and warps, each checked
+    python bench/decode_fusions.py --sweep-router # the router kernels' K slice and warps, each checked
+
+`--sweep-router` times `SparseMoeBlock.route` for each candidate (BLOCK_K, GEMV_WARPS, ROUTE_WARPS) of
+`kernels/moe_router.triton`, checks the expert ids equal the torch form's and the weights' max |difference|,
+and prints the fastest correct one per batch (results: decode_fusions_router_sweep_<device>.json).
 
 `--sweep-hc` times `HyperConnection.mix` (with injection) for each candidate of the mix kernels' module
 constants (launch 1: BLOCK_J rows x BLOCK_K columns, SPLIT slices per stream, warps; launch 2: BLOCK_H
@@ -22,17 +30,22 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from functools import lru_cache
 from pathlib import Path
 
 import torch
+from decode_roofline import real_width_config
 
 from tierlm.config import ModelConfig
+from tierlm.model.cache import PLEState
+from tierlm.model.forward_batch import ForwardBatch
 from tierlm.model.layers.hyper_connection import HyperConnection
 from tierlm.model.layers.moe import SparseMoeBlock
+from tierlm.model.layers.ple import NgramIds, PLELayer
 
 HIDDEN, HC, LOWRANK, EXPERTS, TOP_K = 2560, 4, 320, 512, 10
-SWITCHES = ("TIERLM_NO_FUSED_ROUTER", "TIERLM_NO_FUSED_HC")
-STEP_CALLS = {"router": 4, "hc mix": 8, "hc mix (final, no inject)": 1, "hc combine": 8}  # 4 layers
+SWITCHES = ("TIERLM_NO_FUSED_ROUTER", "TIERLM_NO_FUSED_HC", "TIERLM_NO_FUSED_PLE")
+STEP_CALLS = {"router": 4, "hc mix": 8, "hc mix (final, no inject)": 1, "hc combine": 8, "ple": 1}  # 4 layers
 
 
 def random_module(module: torch.nn.Module, device, dtype) -> torch.nn.Module:
@@ -56,6 +69,35 @@ def router_block(device, dtype) -> SparseMoeBlock:
     return block
 
 
+@lru_cache(maxsize=1)
+def ple_layer(device, dtype) -> tuple[ModelConfig, PLELayer]:
+    """decode_roofline's PLE layer (its n-gram table shrunk to 100,000 rows per head), random weights."""
+    config = ModelConfig.from_dict(real_width_config(4, small=False))
+    with torch.device("meta"):
+        layer = PLELayer(config, 0)
+    return config, random_module(layer, device, dtype)
+
+
+def ple_call(device, dtype, batch: int):
+    """(one decode step of the PLE layer for `batch` requests, the bytes it reads: the projection and rows)."""
+    config, layer = ple_layer(device, dtype)
+    gen = torch.Generator(device=device).manual_seed(batch)
+    tokens = torch.randint(2, config.vocab_size, (batch,), generator=gen, device=device).tolist()
+    forward_batch = ForwardBatch.build([[t] for t in tokens], [0] * batch, list(range(batch)), [[0]] * batch, 16,
+                                       device=device)
+    context = torch.randint(2, config.vocab_size, (batch, config.ngram_size - 1), generator=gen, device=device)
+    width = config.hc_count * config.hidden_size
+    streams = torch.randn(batch, width, generator=gen, device=device).to(dtype)
+    state = PLEState(torch.zeros(batch, width, layer.history, dtype=dtype, device=device))
+
+    def call():
+        ids = NgramIds(forward_batch, context, config.eos_token_id, config.ngram_size)
+        return layer(streams, forward_batch, state, ids)
+
+    rows = batch * config.num_ngram_heads * config.ngram_head_dim * dtype.itemsize
+    return call, layer.key_value_proj.weight.numel() * dtype.itemsize + rows
+
+
 def ops(device, dtype, batch: int) -> dict:
     """name -> (callable, weight bytes it reads)."""
     gen = torch.Generator(device=device).manual_seed(batch)
@@ -75,6 +117,7 @@ def ops(device, dtype, batch: int) -> dict:
         "hc mix": (lambda: hc.mix(streams), nbytes(hc)),
         "hc mix (final, no inject)": (lambda: final.mix(streams), nbytes(final)),
         "hc combine": (lambda: HyperConnection.combine(streams, x, inject), 0),
+        "ple": ple_call(device, dtype, batch),
     }
 
 
@@ -156,6 +199,51 @@ def sweep_hc(device, dtype, batches: list[int], reps: int) -> list[dict]:
     return rows
 
 
+# (BLOCK_K, GEMV_WARPS, ROUTE_WARPS); the first is the default
+ROUTER_CANDIDATES = [(512, 8, 1), (512, 4, 1), (256, 4, 1), (256, 8, 1), (1024, 8, 1), (512, 8, 2), (512, 8, 4),
+                     (256, 4, 2), (128, 4, 1)]
+
+
+def sweep_router(device, dtype, batches: list[int], reps: int) -> list[dict]:
+    """Every router candidate per batch: us per route call, whether the ids equal the torch form's, and the
+    weights' max |difference|."""
+    import tierlm.kernels.moe_router.triton as kernels
+
+    names = ("BLOCK_K", "GEMV_WARPS", "ROUTE_WARPS")
+    defaults = [getattr(kernels, n) for n in names]
+    rows = []
+    print("\nrouter sweep (us per call; ids: equal to torch's; diff: max |fused - torch| of the weights)")
+    for batch in batches:
+        set_fused(False)
+        fn, _ = ops(device, dtype, batch)["router"]
+        expected = fn()
+        set_fused(True)
+        results = []
+        for candidate in ROUTER_CANDIDATES:
+            for name, value in zip(names, candidate):
+                setattr(kernels, name, value)
+            try:
+                got = fn()
+                row = {"batch": batch, "candidate": candidate, "ids_equal": bool(torch.equal(got[1], expected[1])),
+                       "diff": (got[0].float() - expected[0].float()).abs().max().item(),
+                       "us": 1e6 * per_call_seconds(fn, reps)}
+            except Exception as exc:  # noqa: BLE001 (a candidate the compiler refuses: reported, skipped)
+                row = {"batch": batch, "candidate": candidate, "error": f"{type(exc).__name__}: {exc}"[:200]}
+            results.append(row)
+            state = (f"{row['us']:8.1f} us  ids {'equal' if row['ids_equal'] else 'DIFFER'}  diff {row['diff']:.3g}"
+                     if "us" in row else row["error"])
+            print(f"  batch {batch:>2}  (BLOCK_K, GEMV_WARPS, ROUTE_WARPS) {candidate}  {state}")
+        good = [r for r in results if "us" in r and r["ids_equal"]]
+        if good:
+            best = min(good, key=lambda r: r["us"])
+            print(f"  batch {batch:>2} best: {best['candidate']} {best['us']:.1f} us (default "
+                  f"{results[0].get('us', float('nan')):.1f} us)")
+        rows += results
+    for name, value in zip(names, defaults):
+        setattr(kernels, name, value)
+    return rows
+
+
 def set_fused(fused: bool) -> None:
     for name in SWITCHES:
         if fused:
@@ -169,14 +257,16 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--reps", type=int, default=50, help="calls per captured graph")
     parser.add_argument("--sweep-hc", action="store_true", help="only the hc mix tile sweep (see above)")
+    parser.add_argument("--sweep-router", action="store_true", help="only the router kernels' sweep (see above)")
     args = parser.parse_args()
     device, dtype = torch.device("cuda"), torch.bfloat16
     name = torch.cuda.get_device_name(device).replace(" ", "-").lower()
     print(f"{name}: bf16, hidden {HIDDEN}, {EXPERTS} experts top-{TOP_K}, hc {HC} x lowrank {LOWRANK}; "
           "us per call replayed from CUDA graphs")
-    if args.sweep_hc:
-        rows = sweep_hc(device, dtype, args.batches, args.reps)
-        out = Path(__file__).parent / "results" / f"decode_fusions_hc_sweep_{name}.json"
+    if args.sweep_hc or args.sweep_router:
+        kind = "hc" if args.sweep_hc else "router"
+        rows = (sweep_hc if args.sweep_hc else sweep_router)(device, dtype, args.batches, args.reps)
+        out = Path(__file__).parent / "results" / f"decode_fusions_{kind}_sweep_{name}.json"
         out.write_text(json.dumps({"device": name, "dtype": "bfloat16", "rows": rows}, indent=1))
         print(f"saved {out}")
         return
@@ -198,7 +288,7 @@ def main() -> None:
             print(f"{op:<27} {batch:>5} {row['torch_us']:>9.1f} {row['fused_us']:>9.1f} "
                   f"{row['torch_us'] / row['fused_us']:>7.2f}x {row['torch_kernels']:>4} ->{row['fused_kernels']:>2} "
                   f"{bandwidth:>10.2f}")
-    print("\nper decode step of the 4-layer benchmark model (4 routers, 8 mixes, 1 final mix, 8 combines):")
+    print("\nper decode step of the 4-layer benchmark model (4 routers, 8 mixes, 1 final mix, 8 combines, 1 PLE):")
     for batch in args.batches:
         torch_us = sum(r["torch_us"] * STEP_CALLS[r["op"]] for r in rows if r["batch"] == batch)
         fused_us = sum(r["fused_us"] * STEP_CALLS[r["op"]] for r in rows if r["batch"] == batch)

@@ -158,7 +158,7 @@ def test_mix_replays_in_a_cuda_graph():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_fused_model_matches_unfused_on_gpu(tmp_path, monkeypatch):
     """The tiny reference model in fp32 on the GPU: a prefill, then decode steps (eager, and replayed from
-    CUDA graphs) give the same logits with the fused router and hyper-connections as without them."""
+    CUDA graphs) give the same logits with the fused router, hyper-connections and PLE as without them."""
     from reference_models import build_reference
 
     from tierlm.model.forward_batch import ForwardBatch
@@ -175,7 +175,7 @@ def test_fused_model_matches_unfused_on_gpu(tmp_path, monkeypatch):
     steps = [[int(t) for t in torch.randint(2, config.vocab_size, (requests,), generator=gen)] for _ in range(6)]
 
     def run(fused: bool, mode: str) -> list[torch.Tensor]:
-        for name in ("TIERLM_NO_FUSED_ROUTER", "TIERLM_NO_FUSED_HC"):
+        for name in ("TIERLM_NO_FUSED_ROUTER", "TIERLM_NO_FUSED_HC", "TIERLM_NO_FUSED_PLE"):
             if fused:
                 monkeypatch.delenv(name, raising=False)
             else:

@@ -1,4 +1,4 @@
-"""kernels/moe_router: the one-launch router (GEMV, softmax, top-k, renormalisation, shared gate) against
+"""kernels/moe_router: the two-launch router (GEMV; softmax, top-k, renormalisation, shared gate) against
 the torch reference, under TRITON_INTERPRET=1 on CPU at small shapes (compiled on a GPU, where the real
 widths run too, and the kernel runs inside a CUDA graph).
 
@@ -184,14 +184,13 @@ def test_kernel_at_real_widths_on_gpu(tokens):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_kernel_replays_in_a_cuda_graph():
-    """The arrival counters are left at zero by every launch, so replays of a captured launch (and
-    launches after them) route as an eager launch does."""
+    """Replays of the captured launches (and launches after them) route as eager launches do."""
     from tierlm.kernels.moe_router.triton import route_and_gate
 
     x, weight = random_inputs(4, REAL["hidden"], REAL["experts"], torch.bfloat16)
     x, weight = x.cuda(), weight.cuda()
     static_x = x.clone()
-    route_and_gate(static_x, weight, REAL["top_k"], True)  # counters made outside the capture
+    route_and_gate(static_x, weight, REAL["top_k"], True)  # compiled outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         captured = route_and_gate(static_x, weight, REAL["top_k"], True)

@@ -1,5 +1,5 @@
 """Shared by the decode kernels that split a small batch's reduction over many programs (kernels/moe_router,
-kernels/hyper_connection): arrival counters, and `dot_acc`.
+kernels/hyper_connection, kernels/fused_moe): arrival counters, and `dot_acc`.
 
 Arrival counters. A kernel that splits a small reduction over many programs (to read its weights at
 full bandwidth) and then needs the whole result (a top-k over all experts, a norm over all streams) can

@@ -119,16 +119,20 @@ class NgramHasher:
         self.spec = spec
         self._tensors: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
-    def rows(self, context: torch.Tensor) -> torch.Tensor:
-        """Row ids [..., T, num_heads] for shifted streams `context` [ngram_size, ..., T] (int64)."""
-        if context.device not in self._tensors:
-            as_long = dict(dtype=torch.int64, device=context.device)
-            self._tensors[context.device] = (
+    def constants(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(multipliers [ngram_size], head sizes [heads], head offsets [heads]) as int64 tensors on device."""
+        if device not in self._tensors:
+            as_long = dict(dtype=torch.int64, device=device)
+            self._tensors[device] = (
                 torch.tensor(self.spec.multipliers, **as_long),
                 torch.tensor(self.spec.head_sizes, **as_long),
                 torch.tensor(self.spec.head_offsets, **as_long),
             )
-        mults, sizes, offsets = self._tensors[context.device]
+        return self._tensors[device]
+
+    def rows(self, context: torch.Tensor) -> torch.Tensor:
+        """Row ids [..., T, num_heads] for shifted streams `context` [ngram_size, ..., T] (int64)."""
+        mults, sizes, offsets = self.constants(context.device)
         mixed = context[0] * mults[0]
         per_order = []
         for n in range(2, self.spec.ngram_size + 1):

@@ -16,13 +16,14 @@ import torch
 from torch import nn
 
 from tierlm.config import ModelConfig
+from tierlm.kernels.ple.naive import advance_context
 from tierlm.model.checkpoint_layout import MTPLayout
 from tierlm.model.forward_batch import ForwardBatch
 from tierlm.model.layers.decoder_layer import DecoderLayer
 from tierlm.model.layers.embedding import Embedding
 from tierlm.model.layers.hyper_connection import HyperConnection
 from tierlm.model.layers.packed_linear import Linear
-from tierlm.model.layers.ple import shifted_token_streams
+from tierlm.model.layers.ple import NgramIds, fused_decode_applies
 from tierlm.model.layers.rotary import Rope, RotaryEmbedding
 from tierlm.model.model_cache import ModelCache
 from tierlm.model.mtp import MultiTokenPredictor
@@ -67,12 +68,12 @@ def run_decoder_layers(
 ) -> torch.Tensor:
     """The streams through `layers` (whose caches are `cache.layers`, in order); then the requests'
     n-gram context moves past this batch's tokens (and a verification batch keeps it after each row)."""
-    token_streams = None
+    ngram_ids = None
     if config.ple_layer_ids and batch.ple_embeddings is None:
-        token_streams = shifted_token_streams(batch, cache.ngram_context, config.eos_token_id, config.ngram_size)
+        ngram_ids = NgramIds(batch, cache.ngram_context, config.eos_token_id, config.ngram_size)
     rope = Rope(rotary, batch.positions, streams.dtype)
     for layer, caches in zip(layers, cache.layers):
-        streams = layer(streams, batch, caches, rope, token_streams)
+        streams = layer(streams, batch, caches, rope, ngram_ids)
     _advance_ngram_context(batch, cache)
     return streams
 
@@ -81,11 +82,17 @@ def _advance_ngram_context(batch: ForwardBatch, cache: ModelCache) -> None:
     keep = cache.ngram_context.shape[1]
     if keep == 0:
         return
-    if batch.is_decode_only or batch.verify_slots is not None:  # T rows per request (decode: 1)
-        targets = batch.slots[:, None] if batch.verify_slots is None else batch.verify_slots
+    if batch.verify_slots is None and batch.is_decode_only:
+        advance = advance_context
+        if fused_decode_applies(cache.ngram_context, batch):
+            from tierlm.kernels.ple.triton import advance_context as advance
+        advance(cache.ngram_context, batch.slots, batch.token_ids)
+        return
+    if batch.verify_slots is not None:  # T rows per request, the context after each kept
         tokens = batch.token_ids.view(batch.num_requests, -1)
         history = torch.cat([cache.ngram_context.index_select(0, batch.slots), tokens], dim=-1)  # [B, keep+T]
-        cache.ngram_context.index_copy_(0, targets.flatten(), history.unfold(-1, keep, 1)[:, 1:].flatten(0, 1))
+        cache.ngram_context.index_copy_(0, batch.verify_slots.flatten(),
+                                        history.unfold(-1, keep, 1)[:, 1:].flatten(0, 1))
         return
     position_slots = batch.position_slots or [[]] * batch.num_requests
     for (start, end), slot, after in zip(batch.bounds, batch.state_slots, position_slots):

@@ -12,9 +12,9 @@ Ties: an exact tie at the k-th place is broken towards the lower expert id, whic
 torch.topk returns (it takes the values above the k-th, then equal ones in index order); torch.topk on
 the CPU may take any of the tied experts, so `naive` (which calls it) is only defined up to that there.
   naive.py   F.linear, torch.softmax, torch.topk (the reference; what the CPU runs)
-  triton.py  one launch for the batch: programs over (expert rows, K splits, token blocks) each store a
-             partial of the logits; the last to arrive (`split_reduce.arrival_counters`) does softmax, top-k,
-             renormalisation and the gate for its token block
+  triton.py  two launches for the batch: programs over (expert rows, K splits, token blocks) each store a
+             partial of the logits; then a one-warp program per token sums them and does softmax, top-k,
+             renormalisation and the gate
 """
 
 from tierlm.kernels.moe_router.naive import route, route_and_gate

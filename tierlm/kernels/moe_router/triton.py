@@ -1,16 +1,18 @@
-"""The MoE router as one Triton launch (same signature as `naive.route_and_gate`), for decode batches.
+"""The MoE router as two Triton launches (same signature as `naive.route_and_gate`), for decode batches.
 
-The router weight ([E + 1, H]: 2.6 MB at E = 512, H = 2560) is read once for up to BLOCK_N tokens, one
-[BLOCK_E, BLOCK_K] tile per program (165 programs at the real widths; no loop, so every program's loads
-are in flight at once: a decode GEMV this small is bound by load latency, not by arithmetic). Two levels
-of arrival (`split_reduce.arrival_counters`) finish it in the same launch:
-  1. each program stores its fp32 partial logits; the last of a row block's K slices to arrive adds
-     them into the block's logits;
-  2. the last row block to arrive rounds the logits to x's dtype (what F.linear returns) and does the
-     softmax (fp32), the top-k (k passes of a row max; an exact tie goes to the lower expert id, the set
-     CUDA's torch.topk takes), the renormalisation and the shared gate's sigmoid.
-No host sync, so a CUDA graph captures it. Up to MAX_TOKENS tokens (a weight read per BLOCK_N of them):
-prefill chunks take the reference's GEMM.
+1. Split-K GEMV: the router weight ([E + 1, H]: 2.6 MB at E = 512, H = 2560) is read once for up to BLOCK_N
+   tokens, one [BLOCK_E, BLOCK_K] tile per program (165 programs at the real widths; no loop, so every
+   program's loads are in flight at once: a decode GEMV this small is bound by load latency, not by
+   arithmetic); each program stores its fp32 partial logits. No atomics, no counters.
+2. A program per token, one warp (ROUTE_WARPS): the sum of its K slices' partials, the logits rounded to
+   x's dtype (what F.linear returns), the softmax (fp32), the top-k (k passes of a row max; an exact tie
+   goes to the lower expert id, the set CUDA's torch.topk takes), the renormalisation and the shared gate's
+   sigmoid. One warp holds a token's 512 probabilities in registers, so each of the k maxima is a warp
+   shuffle, not a round trip through shared memory between warps, and the tokens of a batch run in
+   parallel (the one-launch form before did this for a block of 16 tokens in one 8-warp program, behind
+   two levels of arrival counters: ~16 us per call on an H200 at batch 1).
+No host sync and fixed shapes, so a CUDA graph captures both. Up to MAX_TOKENS tokens (a weight read per
+BLOCK_N of them): prefill chunks take the reference's GEMM.
 """
 
 from __future__ import annotations
@@ -21,63 +23,27 @@ import triton.language as tl
 
 from tierlm.kernels.moe_router.naive import check_router_args
 from tierlm.kernels.quant_linear.triton import dot_precision, round_to
-from tierlm.kernels.split_reduce import arrival_counters, dot_acc
+from tierlm.kernels.split_reduce import dot_acc
 
 MAX_TOKENS = 64
-BLOCK_N = 16  # tokens per program: tl.dot's least M
-BLOCK_E = 16  # weight rows per program
-BLOCK_K = 512  # input columns per program: 33 row blocks x 5 slices at the real widths
-NUM_WARPS = 8
+BLOCK_N = 16  # tokens per GEMV program: tl.dot's least M
+BLOCK_E = 16  # weight rows per GEMV program
+BLOCK_K = 512  # input columns per GEMV program: 33 row blocks x 5 slices at the real widths
+GEMV_WARPS = 8
+ROUTE_WARPS = 1
 
 
 @triton.jit
-def _route_token_block(logits_ptr, weights_ptr, ids_ptr, gate_ptr, tokens, t_mask, NUM_EXPERTS: tl.constexpr,
-                       TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_ALL: tl.constexpr, BLOCK_TOPK: tl.constexpr, DTYPE: tl.constexpr,
-                       PRECISION: tl.constexpr):
-    """Softmax, top-k, renormalisation and the gate of a token block's fp32 logits [token, E + 1] (read
-    past L1, .cg: other programs wrote them)."""
-    experts = tl.arange(0, BLOCK_ALL)
-    e_mask = experts < NUM_EXPERTS
-    rows = tokens.to(tl.int64) * (NUM_EXPERTS + 1)
-    logits = tl.load(logits_ptr + rows[:, None] + experts[None, :], mask=t_mask[:, None] & e_mask[None, :],
-                     other=0.0, cache_modifier=".cg")
-    gate = tl.load(logits_ptr + rows + NUM_EXPERTS, mask=t_mask, other=0.0, cache_modifier=".cg")
-    logits = tl.where(e_mask[None, :], round_to(logits, DTYPE, PRECISION).to(tl.float32), float("-inf"))
-    shifted = tl.exp(logits - tl.max(logits, axis=1)[:, None])
-    probs = shifted / tl.sum(shifted, axis=1)[:, None]
-    probs = tl.where(e_mask[None, :], probs, -1.0)  # below every probability: never chosen
-    slots = tl.arange(0, BLOCK_TOPK)
-    chosen = tl.zeros((BLOCK_N, BLOCK_TOPK), dtype=tl.float32)
-    chosen_ids = tl.zeros((BLOCK_N, BLOCK_TOPK), dtype=tl.int32)
-    for j in tl.static_range(TOP_K):
-        best, best_id = tl.max(probs, axis=1, return_indices=True, return_indices_tie_break_left=True)
-        chosen = tl.where(slots[None, :] == j, best[:, None], chosen)
-        chosen_ids = tl.where(slots[None, :] == j, best_id[:, None], chosen_ids)
-        probs = tl.where(experts[None, :] == best_id[:, None], -2.0, probs)
-    if RENORMALIZE:
-        chosen = chosen / tl.sum(chosen, axis=1)[:, None]  # the unused slots hold 0
-    out = tokens.to(tl.int64)[:, None] * TOP_K + slots[None, :]
-    out_mask = t_mask[:, None] & (slots < TOP_K)[None, :]
-    tl.store(weights_ptr + out, round_to(chosen, DTYPE, PRECISION), mask=out_mask)
-    tl.store(ids_ptr + out, chosen_ids.to(tl.int64), mask=out_mask)
-    gate = tl.sigmoid(round_to(gate, DTYPE, PRECISION).to(tl.float32))
-    tl.store(gate_ptr + tokens, round_to(gate, DTYPE, PRECISION), mask=t_mask)
-
-
-@triton.jit
-def _router_kernel(x_ptr, w_ptr, partial_ptr, logits_ptr, counter_ptr, weights_ptr, ids_ptr, gate_ptr, n_tokens,
-                   stride_x, HIDDEN: tl.constexpr, NUM_EXPERTS: tl.constexpr, TOP_K: tl.constexpr,
-                   RENORMALIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
-                   BLOCK_ALL: tl.constexpr, BLOCK_TOPK: tl.constexpr, PRECISION: tl.constexpr):
-    """Program (row block, K slice, token block): the [BLOCK_N, BLOCK_E] partial logits of one weight
-    tile. Counters per token block: one per row block (its slices), then one over the row blocks."""
+def _partial_logits_kernel(x_ptr, w_ptr, partial_ptr, n_tokens, stride_x, HIDDEN: tl.constexpr, ROWS: tl.constexpr,
+                           BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+                           PRECISION: tl.constexpr):
+    """Program (row block, K slice, token block): partial[token, slice, rows] of one weight tile."""
     row_block, k_slice, token_block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    num_row_blocks, num_slices = tl.num_programs(0), tl.num_programs(1)
+    num_slices = tl.num_programs(1)
     tokens = token_block * BLOCK_N + tl.arange(0, BLOCK_N)
     t_mask = tokens < n_tokens
     rows = row_block * BLOCK_E + tl.arange(0, BLOCK_E)
-    r_mask = rows < NUM_EXPERTS + 1
+    r_mask = rows < ROWS
     columns = k_slice * BLOCK_K + tl.arange(0, BLOCK_K)
     c_mask = columns < HIDDEN
     x = tl.load(x_ptr + tokens.to(tl.int64)[:, None] * stride_x + columns[None, :],
@@ -85,29 +51,51 @@ def _router_kernel(x_ptr, w_ptr, partial_ptr, logits_ptr, counter_ptr, weights_p
     w = tl.load(w_ptr + rows.to(tl.int64)[:, None] * HIDDEN + columns[None, :],
                 mask=r_mask[:, None] & c_mask[None, :], other=0.0)
     acc = dot_acc(tl.zeros((BLOCK_N, BLOCK_E), dtype=tl.float32), x, w, PRECISION)
-    out_mask = t_mask[:, None] & r_mask[None, :]
-    tl.store(partial_ptr + (tokens.to(tl.int64)[:, None] * num_slices + k_slice) * (NUM_EXPERTS + 1) + rows[None, :],
-             acc, mask=out_mask)
-    counters = counter_ptr + token_block * (num_row_blocks + 1)
-    tl.debug_barrier()  # every thread's stores are issued before the program counts itself in
-    if tl.atomic_add(counters + row_block, 1, sem="acq_rel") == num_slices - 1:
-        logits = tl.zeros((BLOCK_N, BLOCK_E), dtype=tl.float32)
-        for s in range(num_slices):
-            logits += tl.load(partial_ptr + (tokens.to(tl.int64)[:, None] * num_slices + s) * (NUM_EXPERTS + 1)
-                              + rows[None, :], mask=out_mask, other=0.0, cache_modifier=".cg")
-        tl.store(logits_ptr + tokens.to(tl.int64)[:, None] * (NUM_EXPERTS + 1) + rows[None, :], logits, mask=out_mask)
-        tl.atomic_xchg(counters + row_block, 0)  # ready for the next launch
-        tl.debug_barrier()
-        if tl.atomic_add(counters + num_row_blocks, 1, sem="acq_rel") == num_row_blocks - 1:
-            _route_token_block(logits_ptr, weights_ptr, ids_ptr, gate_ptr, tokens, t_mask, NUM_EXPERTS, TOP_K,
-                               RENORMALIZE, BLOCK_N, BLOCK_ALL, BLOCK_TOPK, x_ptr.dtype.element_ty, PRECISION)
-            tl.atomic_xchg(counters + num_row_blocks, 0)
+    tl.store(partial_ptr + (tokens.to(tl.int64)[:, None] * num_slices + k_slice) * ROWS + rows[None, :], acc,
+             mask=t_mask[:, None] & r_mask[None, :])
+
+
+@triton.jit
+def _route_kernel(partial_ptr, weights_ptr, ids_ptr, gate_ptr, SLICES: tl.constexpr, NUM_EXPERTS: tl.constexpr,
+                  TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_ALL: tl.constexpr, BLOCK_TOPK: tl.constexpr,
+                  PRECISION: tl.constexpr):
+    """Program per token: its logits from the slices' partials, then softmax, top-k, renormalisation, gate."""
+    DTYPE = weights_ptr.dtype.element_ty  # x's
+    token = tl.program_id(0).to(tl.int64)
+    experts = tl.arange(0, BLOCK_ALL)
+    e_mask = experts < NUM_EXPERTS
+    logits = tl.zeros((BLOCK_ALL,), dtype=tl.float32)
+    one = tl.arange(0, 1)
+    gate = tl.zeros((1,), dtype=tl.float32)
+    for s in tl.static_range(SLICES):  # unrolled: every slice's loads in flight at once
+        row = partial_ptr + (token * SLICES + s) * (NUM_EXPERTS + 1)
+        logits += tl.load(row + experts, mask=e_mask, other=0.0)
+        gate += tl.load(row + NUM_EXPERTS + one)
+    logits = tl.where(e_mask, round_to(logits, DTYPE, PRECISION).to(tl.float32), float("-inf"))
+    shifted = tl.exp(logits - tl.max(logits, axis=0))
+    probs = shifted / tl.sum(shifted, axis=0)
+    probs = tl.where(e_mask, probs, -1.0)  # below every probability: never chosen
+    slots = tl.arange(0, BLOCK_TOPK)
+    chosen = tl.zeros((BLOCK_TOPK,), dtype=tl.float32)
+    chosen_ids = tl.zeros((BLOCK_TOPK,), dtype=tl.int32)
+    for j in tl.static_range(TOP_K):
+        best, best_id = tl.max(probs, axis=0, return_indices=True, return_indices_tie_break_left=True)
+        chosen = tl.where(slots == j, best, chosen)
+        chosen_ids = tl.where(slots == j, best_id, chosen_ids)
+        probs = tl.where(experts == best_id, -2.0, probs)
+    if RENORMALIZE:
+        chosen = chosen / tl.sum(chosen, axis=0)  # the unused slots hold 0
+    out = token * TOP_K + slots
+    tl.store(weights_ptr + out, round_to(chosen, DTYPE, PRECISION), mask=slots < TOP_K)
+    tl.store(ids_ptr + out, chosen_ids.to(tl.int64), mask=slots < TOP_K)
+    gate = tl.sigmoid(round_to(gate, DTYPE, PRECISION).to(tl.float32))
+    tl.store(gate_ptr + token + one, round_to(gate, DTYPE, PRECISION))
 
 
 def route_and_gate(
     x: torch.Tensor, weight: torch.Tensor, top_k: int, renormalize: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """As `naive.route_and_gate`, for up to MAX_TOKENS tokens, in one launch."""
+    """As `naive.route_and_gate`, for up to MAX_TOKENS tokens, in two launches."""
     check_router_args(x, weight, top_k)
     n, hidden = x.shape
     rows = weight.shape[0]
@@ -120,14 +108,16 @@ def route_and_gate(
     if x.stride(1) != 1:
         x = x.contiguous()
     weight = weight.contiguous()
-    row_blocks, slices = triton.cdiv(rows, BLOCK_E), triton.cdiv(hidden, BLOCK_K)
+    slices = triton.cdiv(hidden, BLOCK_K)
     partial = torch.empty(n, slices, rows, dtype=torch.float32, device=x.device)
-    logits = torch.empty(n, rows, dtype=torch.float32, device=x.device)
-    counters = arrival_counters("moe_router", x.device, triton.cdiv(MAX_TOKENS, BLOCK_N) * (row_blocks + 1))
-    _router_kernel[(row_blocks, slices, triton.cdiv(n, BLOCK_N))](
-        x, weight, partial, logits, counters, weights, ids, gate, n, x.stride(0), HIDDEN=hidden, NUM_EXPERTS=rows - 1,
-        TOP_K=top_k, RENORMALIZE=renormalize, BLOCK_N=BLOCK_N, BLOCK_E=BLOCK_E, BLOCK_K=BLOCK_K,
-        BLOCK_ALL=triton.next_power_of_2(rows - 1), BLOCK_TOPK=triton.next_power_of_2(top_k),
-        PRECISION=dot_precision(x), num_warps=NUM_WARPS,
+    precision = dot_precision(x)
+    _partial_logits_kernel[(triton.cdiv(rows, BLOCK_E), slices, triton.cdiv(n, BLOCK_N))](
+        x, weight, partial, n, x.stride(0), HIDDEN=hidden, ROWS=rows, BLOCK_N=BLOCK_N, BLOCK_E=BLOCK_E,
+        BLOCK_K=BLOCK_K, PRECISION=precision, num_warps=GEMV_WARPS,
+    )
+    _route_kernel[(n,)](
+        partial, weights, ids, gate, SLICES=slices, NUM_EXPERTS=rows - 1, TOP_K=top_k, RENORMALIZE=renormalize,
+        BLOCK_ALL=triton.next_power_of_2(rows - 1), BLOCK_TOPK=triton.next_power_of_2(top_k), PRECISION=precision,
+        num_warps=ROUTE_WARPS,
     )
     return weights, ids, gate

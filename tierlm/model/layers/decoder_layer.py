@@ -15,7 +15,7 @@ from tierlm.model.forward_batch import ForwardBatch
 from tierlm.model.layers.gated_deltanet import GatedDeltaNet
 from tierlm.model.layers.hyper_connection import HyperConnection
 from tierlm.model.layers.moe import SparseMoeBlock
-from tierlm.model.layers.ple import PLELayer
+from tierlm.model.layers.ple import NgramIds, PLELayer
 from tierlm.model.layers.qsa_attention import QSAAttention
 from tierlm.model.layers.rotary import Rope
 from tierlm.model.model_cache import LayerCaches
@@ -40,12 +40,12 @@ class DecoderLayer(nn.Module):
 
     def forward(
         self, streams: torch.Tensor, batch: ForwardBatch, caches: LayerCaches, rope: Rope,
-        token_streams: torch.Tensor | None,
+        ngram_ids: NgramIds | None,
     ) -> torch.Tensor:
-        """streams [N, hc*H] -> [N, hc*H]; token_streams: the PLE layers' n-gram ids (None without PLE, or
+        """streams [N, hc*H] -> [N, hc*H]; ngram_ids: the PLE layers' n-gram ids (None without PLE, or
         when the host gathered the PLE embeddings)."""
         if self.ple is not None:
-            streams = streams + self.ple(streams, batch, caches.ple, token_streams)
+            streams = self.ple(streams, batch, caches.ple, ngram_ids)
         x, inject = self.attn_hyper_connection.mix(streams)
         if self.layer_type == "linear_attention":
             out = self.linear_attn(x, batch, caches.gdn)

@@ -1,9 +1,9 @@
 """Sparse MoE block: softmax router (fp32), top-k, optional renormalisation, SwiGLU experts, and a
 shared expert behind a sigmoid gate.
 
-The router (its E rows and the shared gate's row in one weight) runs as one fused kernel on CUDA for
-decode batches (`kernels/moe_router`: GEMV, softmax, top-k, renormalisation and the gate's sigmoid in one
-launch; TIERLM_NO_FUSED_ROUTER=1 turns it off), else as F.linear and `route` in torch.
+The router (its E rows and the shared gate's row in one weight) runs as fused kernels on CUDA for
+decode batches (`kernels/moe_router`: a split-K GEMV, then softmax, top-k, renormalisation and the gate's
+sigmoid per token; TIERLM_NO_FUSED_ROUTER=1 turns them off), else as F.linear and `route` in torch.
 
 Experts are held stacked by a fused-experts method (dense `gate_up_proj` [E, 2I, H] = gate rows then up
 rows, `down_proj` [E, H, I], or packed low-bit stacks; see `quantization.experts`), which also runs them;

@@ -8,11 +8,16 @@ verification batch also keeps the history after each of a request's rows: `Forwa
 
 Where table rows come from: the in-memory table here (`NgramTable`), or, when the tables are memory-mapped
 files (`memory/ngram_store.py`, the NVMe tier), embeddings the host gathered into `batch.ple_embeddings`.
+
+A decode batch on CUDA takes `kernels/ple`'s two launches around the key/value projection (the hash and
+gather; then gate, norms, conv, history and the residual add), and `model/qwen4_exp.py` moves the n-gram
+context on with a third; TIERLM_NO_FUSED_PLE=1 turns them off.
 """
 
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +44,26 @@ def shifted_token_streams(batch: ForwardBatch, context: torch.Tensor, eos: int, 
     ], dim=-1)
 
 
+class NgramIds:
+    """A forward's n-gram ids, shared by its PLE layers: the requests' last ids (`ModelCache.ngram_context`,
+    [S, ngram_size-1], which the fused decode kernel hashes from) and, made on first use, the batch's
+    `shifted_token_streams` (what the torch path hashes)."""
+
+    def __init__(self, batch: ForwardBatch, context: torch.Tensor, eos: int, ngram_size: int) -> None:
+        self.batch, self.context, self.eos, self.ngram_size = batch, context, eos, ngram_size
+        self._streams: torch.Tensor | None = None
+
+    def streams(self) -> torch.Tensor:
+        if self._streams is None:
+            self._streams = shifted_token_streams(self.batch, self.context, self.eos, self.ngram_size)
+        return self._streams
+
+
+def fused_decode_applies(x: torch.Tensor, batch: ForwardBatch) -> bool:
+    """A decode batch on CUDA (x: a tensor it runs on) takes `kernels/ple.triton`, unless TIERLM_NO_FUSED_PLE=1."""
+    return x.is_cuda and batch.is_decode_only and not os.environ.get("TIERLM_NO_FUSED_PLE")
+
+
 class NgramTable(nn.Module):
     """The table as one in-memory tensor [rows, dE] (checkpoint shards are concatenated on load)."""
 
@@ -49,6 +74,10 @@ class NgramTable(nn.Module):
     def gather(self, rows: torch.Tensor) -> torch.Tensor:
         """rows [T, heads] -> embeddings [T, heads * dE]."""
         return F.embedding(rows, self.weight).flatten(-2)
+
+    def stored(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(the table as stored, its scale): what `kernels/ple.decode_embeddings` reads."""
+        return self.weight, None
 
 
 class PLELayer(nn.Module):
@@ -69,16 +98,31 @@ class PLELayer(nn.Module):
         self.history = (c.ple_conv_kernel_size - 1) * c.ngram_size
 
     def forward(
-        self, streams: torch.Tensor, batch: ForwardBatch, state: PLEState, token_streams: torch.Tensor | None
+        self, streams: torch.Tensor, batch: ForwardBatch, state: PLEState, ngram_ids: NgramIds | None
     ) -> torch.Tensor:
-        """token_streams: `shifted_token_streams` of the batch (shared by every PLE layer), or None when the
-        host gathered the embeddings (`batch.ple_embeddings`)."""
+        """streams [N, hc*H] -> streams with the PLE output added. ngram_ids: the batch's (shared by every PLE
+        layer), or None when the host gathered the embeddings (`batch.ple_embeddings`)."""
+        fused = fused_decode_applies(streams, batch)
         if batch.ple_embeddings is not None:
             emb = batch.ple_embeddings[self.ple_index].to(streams.dtype)
+        elif fused:
+            from tierlm.kernels.ple.triton import decode_embeddings
+
+            table, scale = self.table.stored()
+            emb = decode_embeddings(ngram_ids.context, batch.slots, batch.token_ids, table, scale,
+                                    *self.hasher.constants(streams.device), self.spec.heads_per_ngram,
+                                    self.spec.eos_token_id, streams.dtype)
         else:
-            emb = self.table.gather(self.hasher.rows(token_streams)).to(streams.dtype)
+            emb = self.table.gather(self.hasher.rows(ngram_ids.streams())).to(streams.dtype)
+        if fused:
+            from tierlm.kernels.ple.triton import decode_residual
+
+            key, value = self.key_value_proj(emb)
+            return decode_residual(streams, key, value, self.norm_key.weight, self.norm_query.weight,
+                                   self.norm_conv.weight, self.conv1d.weight.squeeze(1), state.conv, batch.slots,
+                                   self.norm_key.eps, self.ngram_size)
         gated = self.gated_values(streams, emb)
-        return gated + F.silu(self._short_conv(self.norm_conv(gated), batch, state))
+        return streams + (gated + F.silu(self._short_conv(self.norm_conv(gated), batch, state)))
 
     def gated_values(self, streams: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
         """streams [..., hc*H] and their n-gram embeddings [..., D] -> each stream's gated value [..., hc*H]

@@ -22,3 +22,7 @@ class Fp8NgramTable(nn.Module):
         # gathered as bytes: indexing kernels do not cover float8 on every device
         stored = self.weight.view(torch.uint8)[rows].view(FP8)
         return (stored.float() * self.scale).flatten(-2)
+
+    def stored(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the fp8 table, its scale): what `kernels/ple.decode_embeddings` reads."""
+        return self.weight, self.scale
