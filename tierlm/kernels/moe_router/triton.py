@@ -29,7 +29,7 @@ MAX_TOKENS = 64
 BLOCK_N = 16  # tokens per GEMV program: tl.dot's least M
 BLOCK_E = 16  # weight rows per GEMV program
 BLOCK_K = 512  # input columns per GEMV program: 33 row blocks x 5 slices at the real widths
-GEMV_WARPS = 8
+GEMV_WARPS = 4  # H200 (bench/decode_fusions.py --sweep-router): 6.4 us at batch 1 vs 7.4 with 8 warps
 ROUTE_WARPS = 1
 
 
