@@ -10,7 +10,10 @@ continuation: all accepted). Every fixed-shape forward goes through a `StaticDec
 - syncs/step: reads of a device value by the host (`.item()`, `.tolist()`, `.cpu()`: on CPU these are
   counted where the speculative runner and sampler make them, as `_local_scalar_dense` and copies to host);
 - host ms/step: the step's wall time minus the time inside the fixed-shape forwards (what the host spends
-  on Python and on the ops around the graphs; on a GPU these run before, between and after the replays).
+  on Python and on the ops around the graphs; on a GPU these run before, between and after the replays);
+- idle ms/step (drafting columns): from the step's last device read to the next step's first replay, the
+  host time a GPU would sit idle (a drafting step runs serially: no overlap scheduling; without drafts,
+  overlap scheduling hides it, see bench/host_overlap.py).
 Per verify step for the drafting columns (a verify step yields 1..K+1 tokens).
 
     python bench/spec_host_cost.py                 # demo tiny, K=1
@@ -68,7 +71,7 @@ def static_runners(engine: LLMEngine, k: int) -> None:
     runner.static_rollback = StaticSlotCopy(cache.target_slot_states, 1, cache.scratch_slot, cache.device, "eager")
 
 
-def watch_forwards(counter: OpCounter, timing: list[float], replays: list[int]) -> None:
+def watch_forwards(counter: OpCounter, timing: list[float], replays: list[int], marks: list) -> None:
     """Every StaticDecodeRunner forward and StaticSlotCopy: one replay, its ops not counted, its time kept
     apart."""
     original = StaticDecodeRunner._forward
@@ -87,6 +90,7 @@ def watch_forwards(counter: OpCounter, timing: list[float], replays: list[int]) 
     def forward(self, shape):
         counter.counting = False
         start = time.perf_counter()
+        marks.append(("replay", start))
         try:
             return original(self, shape)
         finally:
@@ -100,7 +104,9 @@ def watch_forwards(counter: OpCounter, timing: list[float], replays: list[int]) 
     def counted_tolist(self):
         if counter.counting:
             counter.ops["tolist"] += 1
-        return tolist(self)
+        values = tolist(self)
+        marks.append(("read", time.perf_counter()))
+        return values
 
     torch.Tensor.tolist = counted_tolist
 
@@ -113,14 +119,16 @@ def run(args, model: Path, k: int, oracle: list[int] | None) -> dict:
     static_runners(engine, k)
     engine.add_request(PROMPT, SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True))
     engine.step()  # prefill
-    counter, forward_s, replays = OpCounter(), [], []
-    watch_forwards(counter, forward_s, replays)
+    counter, forward_s, replays, marks = OpCounter(), [], [], []
+    watch_forwards(counter, forward_s, replays, marks)
     steps, out = [], None
     with counter:
         while engine.has_unfinished_requests():
             counter.ops.clear()
             forward_s.clear()
             replays.clear()
+            last_read = next((t for kind, t in reversed(marks) if kind == "read"), None)
+            marks.clear()
             start = time.perf_counter()
             for output in engine.step():
                 out = output
@@ -130,7 +138,9 @@ def run(args, model: Path, k: int, oracle: list[int] | None) -> dict:
                     request.draft_token_ids = oracle[len(request.output_token_ids):][:k]
             ops = sum(counter.ops.values())
             syncs = sum(n for name, n in counter.ops.items() if name in SYNC_OPS)
-            steps.append((ops + len(replays), len(replays), syncs, wall - sum(forward_s), dict(counter.ops)))
+            first_replay = next((t for kind, t in marks if kind == "replay"), None)
+            idle = first_replay - last_read if last_read is not None and first_replay is not None else float("nan")
+            steps.append((ops + len(replays), len(replays), syncs, wall - sum(forward_s), dict(counter.ops), idle))
     steps = steps[args.warmup:-1]  # the first steps (lazy set-up) and the last (a partial one)
     ops_total = Counter()
     for step in steps:
@@ -139,6 +149,7 @@ def run(args, model: Path, k: int, oracle: list[int] | None) -> dict:
         "tokens": out.outputs[0].token_ids, "steps": len(steps),
         "launches": statistics.median(s[0] for s in steps), "replays": statistics.median(s[1] for s in steps),
         "syncs": statistics.median(s[2] for s in steps), "host_ms": 1000 * statistics.median(s[3] for s in steps),
+        "idle_ms": 1000 * statistics.median(s[5] for s in steps) if k else float("nan"),
         "ops": {name: n / len(steps) for name, n in ops_total.most_common()},
         "stats": engine.stats(),
     }
@@ -160,12 +171,12 @@ def main() -> None:
         own = run(args, model, args.k, None)
         oracle = run(args, model, args.k, base["tokens"])
     print(f"# demo {args.size}, CPU, K={args.k}: per step medians (a drafting step verifies K drafts)")
-    print(f"{'':34s} {'launches':>9} {'replays':>8} {'syncs':>6} {'host ms':>8} {'tokens/step':>12}")
+    print(f"{'':34s} {'launches':>9} {'replays':>8} {'syncs':>6} {'host ms':>8} {'idle ms':>8} {'tokens/step':>12}")
     for name, row in (("no drafts", base), ("own drafts (rejected)", own), ("oracle drafts (accepted)", oracle)):
         stats = row["stats"]
         per_step = (stats.num_accepted_tokens + stats.num_drafts) / stats.num_drafts if stats.num_drafts else 1.0
         print(f"{name:34s} {row['launches']:9.0f} {row['replays']:8.0f} {row['syncs']:6.0f} {row['host_ms']:8.3f} "
-              f"{per_step:12.2f}")
+              f"{row['idle_ms']:8.3f} {per_step:12.2f}")
         if args.ops:
             print("    " + ", ".join(f"{op.removeprefix('aten::')} {n:.1f}" for op, n in row["ops"].items()))
     same = base["tokens"] == own["tokens"] == oracle["tokens"]

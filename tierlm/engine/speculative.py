@@ -31,6 +31,12 @@ positions are rolled back exactly.
   distribution kept for verification (`Request.draft_probs`). The K-1 single-row steps work on a copy of
   the head's indexer rings in the request's first position slot, so the next step's draft pass starts
   from the rings after the kept rows.
+- On the device: a step where every request is greedy and verifies K drafts, with every forward prepared
+  at a fixed shape (the common case under CUDA graphs), takes no host decision until its end
+  (`_greedy_step`): acceptance, the draft head's pass (always over all 1+K rows, its rings restored to
+  the accepted row's on the device) and its K-1 steps are queued behind the verify replay, and the host
+  reads one small tensor (accepted counts, tokens, next drafts) per step instead of one per phase; the
+  target's rollback is then one `StaticSlotCopy` replay. Same tokens as the general path (tests pin it).
 Which requests speculate: those with nothing but temperature, top-k/p and min-p shaping their
 distribution (no penalties, biases, bans, allowed ids, min_tokens, log-probabilities, grammar); the
 others decode one token per step in the same batches, unchanged. Steps that mix widths (a prefill chunk,

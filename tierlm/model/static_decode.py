@@ -117,6 +117,7 @@ class StaticDecodeRunner:
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int, int], torch.Tensor | tuple[torch.Tensor, torch.Tensor]] = {}
         self.draft_layer = draft_layer
+        self.takes_decode_lists = rows_per_request == 1 and draft_layer is None  # `stage_decode` serves it
         if draft_layer is not None:
             self.step = self._draft_step
         else:
@@ -154,6 +155,8 @@ class StaticDecodeRunner:
     def _pad(self, start: int, size: int, width: int) -> None:
         """Requests start:size become harmless padding (scratch slot, scratch block in the first `width`
         columns, position 0): what a (size, width) forward reads of them."""
+        if start >= size:
+            return
         rows = slice(start * self.rows_per_request, size * self.rows_per_request)
         for buffer in (self.input_ids, self.positions):
             buffer[rows].zero_()
@@ -212,7 +215,8 @@ class StaticDecodeRunner:
         n, rows = batch.num_requests, batch.token_ids.shape[0]
         size, width = shape = self.shape_for(batch)
         self.input_ids[:rows].copy_(batch.token_ids)
-        self.token_sources[:rows] = -1
+        if self.takes_decode_lists:  # only `stage_decode` sets token sources
+            self.token_sources[:rows] = -1
         self.positions[:rows].copy_(batch.positions)
         self.context_lens[:n].copy_(batch.context_lens_tensor)
         self.slots[:n].copy_(batch.slots)
@@ -253,7 +257,7 @@ class StaticDecodeRunner:
     ) -> tuple[tuple[int, int], int]:
         """`run_decode`'s inputs into the buffers (queued on the device); the shape to replay, the rows."""
         n, m, block_size = len(token_ids), self.row_capacity, self.cache.block_size
-        if self.rows_per_request != 1 or self.hidden is not None:
+        if not self.takes_decode_lists:
             raise ValueError("run_decode takes plain decode rows: this runner prepares verification or draft steps")
         if n > self.max_batch:
             raise ValueError(f"{n} decode rows > the {self.max_batch} this runner was prepared for")
