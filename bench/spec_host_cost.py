@@ -79,9 +79,11 @@ def watch_forwards(counter: OpCounter, timing: list[float], replays: list[int], 
 
     def slot_copy(self, size):
         counter.counting = False
+        start = time.perf_counter()
         try:
             return original_copy(self, size)
         finally:
+            timing.append(time.perf_counter() - start)
             replays.append(1)
             counter.counting = True
 

@@ -167,6 +167,8 @@ class SpeculativeRunner:
 
     def execute(self, step: SchedulerOutput) -> StepResult:
         runner = self.runner
+        if self._on_device(step):
+            return self._greedy_step(step)
         with self.trace.phase("prepare batch"):
             batch, wanted = runner.prepare(step)
             verify = [w for w in wanted if w[0].draft_token_ids]
@@ -174,8 +176,6 @@ class SpeculativeRunner:
                 batch = dataclasses.replace(batch, position_slots=[
                     [self._position_slot(chunk.request, j) for j in range(len(chunk.draft_token_ids))]
                     for chunk in step.chunks])
-        if self._on_device(step, batch):
-            return self._greedy_step(step, batch)
         with self.trace.phase("launch forward"), self.trace.gpu("forward"):
             if self.static_verify is not None and self.static_verify.can_run(batch):
                 logits, streams = self.static_verify.run(batch)
@@ -190,21 +190,23 @@ class SpeculativeRunner:
         return result
 
     # ---- the greedy step on the device ------------------------------------------------------------------
-    def _on_device(self, step: SchedulerOutput, batch: ForwardBatch) -> bool:
+    def _on_device(self, step: SchedulerOutput) -> bool:
         """Whether the step runs as `_greedy_step`: every request greedy and verifying K drafts, and every
         forward of the step prepared at a fixed shape."""
-        k, layers = self.k, len(self.model.mtp.layers)
+        k, layers, verify = self.k, len(self.model.mtp.layers), self.static_verify
         return (
-            self.static_verify is not None and self.static_verify.can_run(batch)
+            verify is not None and self.runner.ngram_store is None and 0 < len(step.chunks) <= verify.max_batch
             and (0, 1 + k) in self.static_drafts and all((s % layers, 1) in self.static_drafts for s in range(1, k))
             and all(len(chunk.draft_token_ids) == k and chunk.num_tokens == 1 and chunk.samples
+                    and len(chunk.request.block_ids) <= verify.block_tables.shape[1]
                     and speculates(chunk.request) and is_greedy(chunk.request) for chunk in step.chunks)
         )
 
-    def _greedy_step(self, step: SchedulerOutput, batch: ForwardBatch) -> StepResult:
+    def _greedy_step(self, step: SchedulerOutput) -> StepResult:
         """Verify, accept, draft and roll back with the host reading one tensor, at the end.
 
-        The same tokens as `execute`'s general path, with every decision taken on the device: the accepted
+        The inputs go to the verify graph's buffers in one copy (`StaticDecodeRunner.stage_verify`). Then
+        the same tokens as `execute`'s general path, with every decision taken on the device: the accepted
         count a of each request (drafts matching the argmax), its token after them, then the draft head's
         pass over all 1+K rows (row j reads draft j+1 while j < a, the final token at row a; rows past a are
         overwritten by later forwards at those positions before anything reads them, as rejected verify
@@ -212,10 +214,18 @@ class SpeculativeRunner:
         The draft head's indexer rings after row a are restored on the device (a self-copy where a = K);
         the target's states, which only the next forward reads, are rolled back by the host once it knows
         a (one graph replay for the requests that rejected a draft)."""
-        k, n, width = self.k, batch.num_requests, 1 + self.k
+        k, chunks, width = self.k, step.chunks, 1 + self.k
+        n = len(chunks)
+        with self.trace.phase("prepare batch"):
+            shape, batch = self.static_verify.stage_verify(
+                [chunk.request.token_slice(chunk.start, chunk.start + 1) + chunk.draft_token_ids for chunk in chunks],
+                [chunk.start for chunk in chunks], [chunk.request.state_slot for chunk in chunks],
+                [[*(self._position_slot(chunk.request, j) for j in range(k)), chunk.request.state_slot]
+                 for chunk in chunks],
+                [chunk.request.block_ids for chunk in chunks])
         with self.trace.phase("launch forward"), self.trace.gpu("forward"):
-            logits, streams = self.static_verify.run(batch)
-        with self.trace.phase("accept, draft"):
+            logits, streams = self.static_verify.replay(shape, n * width)
+        with self.trace.phase("accept, draft"), self.trace.gpu("accept, draft"):
             best = logits.view(n, width, -1).argmax(dim=-1)  # [n, 1+K]
             inputs = batch.token_ids.view(n, width)  # the last token, then the drafts
             drafts = inputs[:, 1:]
