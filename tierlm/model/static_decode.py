@@ -29,7 +29,8 @@ entries that changed since the last step: a host mirror remembers which request'
 holds and how much of it is on the device) and sends it in one host-to-device copy; the changed table
 entries are scattered from there. A row's token source >= 0 takes its input id from the previous step's
 sampled ids on the device (overlap scheduling: the host launches a step before it has read the ids of the
-one before); the ids are resolved inside the graph.
+one before); the ids are resolved inside the graph. `stage_verify` does the same for a verification step
+(T rows per request and their row-state slots), returning the batch its buffers hold.
 """
 
 from __future__ import annotations
