@@ -84,6 +84,7 @@ def watch_forwards(counter: OpCounter, timing: list[float], replays: list[int], 
             return original_copy(self, size)
         finally:
             timing.append(time.perf_counter() - start)
+            marks.append(("copy", timing[-1]))
             replays.append(1)
             counter.counting = True
 
@@ -129,7 +130,10 @@ def run(args, model: Path, k: int, oracle: list[int] | None) -> dict:
             counter.ops.clear()
             forward_s.clear()
             replays.clear()
-            last_read = next((t for kind, t in reversed(marks) if kind == "read"), None)
+            read_at = max((i for i, (kind, _) in enumerate(marks) if kind == "read"), default=None)
+            last_read = None if read_at is None else marks[read_at][1]
+            # the slot copies after the read: a replay on a GPU, their CPU compute is not host time
+            copies_after_read = 0.0 if read_at is None else sum(d for kind, d in marks[read_at:] if kind == "copy")
             marks.clear()
             start = time.perf_counter()
             for output in engine.step():
@@ -141,7 +145,8 @@ def run(args, model: Path, k: int, oracle: list[int] | None) -> dict:
             ops = sum(counter.ops.values())
             syncs = sum(n for name, n in counter.ops.items() if name in SYNC_OPS)
             first_replay = next((t for kind, t in marks if kind == "replay"), None)
-            idle = first_replay - last_read if last_read is not None and first_replay is not None else float("nan")
+            idle = (first_replay - last_read - copies_after_read
+                    if last_read is not None and first_replay is not None else float("nan"))
             steps.append((ops + len(replays), len(replays), syncs, wall - sum(forward_s), dict(counter.ops), idle))
     steps = steps[args.warmup:-1]  # the first steps (lazy set-up) and the last (a partial one)
     ops_total = Counter()

@@ -92,7 +92,6 @@ class StaticDecodeRunner:
         max_rows = max_batch * rows_per_request
         # the input buffers every prepared forward reads (a narrower width reads the first columns); the
         # per-row vectors and the table updates are views of one buffer, what `run_decode` copies into
-        # (each vector has max_rows entries; context lengths and slots use the first max_batch)
         # (each vector has max_rows entries; context lengths and slots use the first max_batch); verification
         # steps' row-state slots [max_batch, T] follow them (`stage_verify` sends those too)
         m = self.row_capacity = max_rows
@@ -264,7 +263,7 @@ class StaticDecodeRunner:
         token_sources: list[int] | None = None, previous_tokens: torch.Tensor | None = None,
     ) -> tuple[tuple[int, int], int]:
         """`run_decode`'s inputs into the buffers (queued on the device); the shape to replay, the rows."""
-        n, m, block_size = len(token_ids), self.row_capacity, self.cache.block_size
+        n, m = len(token_ids), self.row_capacity
         if not self.takes_decode_lists:
             raise ValueError("run_decode takes plain decode rows: this runner prepares verification or draft steps")
         if n > self.max_batch:
@@ -292,7 +291,7 @@ class StaticDecodeRunner:
         state after each row going to verify_slots[i] (its position slots, then slots[i]), its block list
         tables[i]. Returns the shape to `replay` and the batch the buffers hold (its tensors are views of
         them: valid until the next call; `can_run` takes it)."""
-        n, width, block_size = len(token_ids), self.rows_per_request, self.cache.block_size
+        n, width = len(token_ids), self.rows_per_request
         if self.verify_slots is None or self.draft_layer is not None:
             raise ValueError("stage_verify takes verification steps: this runner prepares decode or draft steps")
         if n > self.max_batch or any(len(t) != width for t in token_ids) or any(len(v) != width for v in verify_slots):
