@@ -7,8 +7,8 @@ continuation: all accepted). Every fixed-shape forward goes through a `StaticDec
 - launches/step: the ops run outside those forwards (each a kernel launch, or a host-side tensor op, on a
   GPU) plus one per fixed-shape forward (a graph replay); views and metadata ops are not counted;
 - replays/step: the fixed-shape forwards, and the rollback's fixed-size slot copies (`StaticSlotCopy`);
-- syncs/step: reads of a device value by the host (`.item()`, `.tolist()`, `.cpu()`: on CPU these are
-  counted where the speculative runner and sampler make them, as `_local_scalar_dense` and copies to host);
+- syncs/step: reads of a device value by the host, counted as `.tolist()` calls and `.item()`s
+  (`_local_scalar_dense`);
 - host ms/step: the step's wall time minus the time inside the fixed-shape forwards (what the host spends
   on Python and on the ops around the graphs; on a GPU these run before, between and after the replays);
 - idle ms/step (drafting columns): from the step's last device read to the next step's first replay, the
