@@ -13,13 +13,23 @@ tokens (the script exits non-zero otherwise); other dtypes: differences are repo
 
     python bench/spec_decode.py                          # CPU
     python bench/spec_decode.py --device cuda --size small --tokens 256 -k 1
+    python bench/spec_decode.py --device cuda --size small --tokens 256 -k 1 --phases   # + where a step's time goes
+
+--phases: each column runs under the engine's --trace and prints, per step, the medians of its host phases
+and (CUDA) of its device spans: "forward" (the verify or decode replay), "accept, draft" (the greedy
+drafting step's work queued after it) and "between forwards" (device time from the end of the last span
+before a forward to its start: the time the device waited for the host).
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
+import shutil
+import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -35,9 +45,12 @@ PROMPT = "The history of the city begins with a small settlement on the river, w
 
 def run(args, speculative: bool, eager: bool, oracle: list[int] | None = None) -> tuple[list[int], float, object]:
     config = {"method": "mtp", "num_speculative_tokens": args.k} if speculative else None
+    trace = None
+    if args.phases:
+        trace = Path(tempfile.mkdtemp(prefix="spec-trace-")) / "trace.json"
     engine = LLMEngine(EngineConfig(model=str(args.model), dtype=args.dtype, device=args.device, max_num_seqs=1,
                                     max_model_len=args.max_model_len, enforce_eager=eager,
-                                    speculative_config=config))
+                                    speculative_config=config, trace=str(trace) if trace else None))
     args.resolved_dtype = engine.cache.dtype
     params = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
     engine.add_request(PROMPT, params)
@@ -53,7 +66,26 @@ def run(args, speculative: bool, eager: bool, oracle: list[int] | None = None) -
     if args.device.startswith("cuda"):
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
+    if trace is not None:
+        engine.close()
+        atexit.unregister(engine.trace.flush)
+        print_phases(("drafts, " if speculative else "no drafts, ") + ("eager" if eager else "default")
+                     + (", oracle" if oracle is not None else ""), trace)
+        shutil.rmtree(trace.parent)
     return out.outputs[0].token_ids, seconds, engine.stats()
+
+
+def print_phases(name: str, trace: Path) -> None:
+    """Median ms per step of each host phase and device span in the trace (the prefill step left out)."""
+    events = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("ph") == "X"
+              and e["args"].get("step", 0) > 1]
+    spans: dict[tuple[str, str], dict[int, float]] = {}
+    for event in events:
+        per_step = spans.setdefault((event["tid"], event["name"]), {})
+        per_step[event["args"]["step"]] = per_step.get(event["args"]["step"], 0.0) + event["dur"] / 1000
+    print(f"  {name}: median ms per step")
+    for (track, phase), per_step in spans.items():
+        print(f"    {track:4s} {phase:28s} {statistics.median(per_step.values()):8.3f}")
 
 
 def main() -> int:
@@ -65,6 +97,7 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("-k", type=int, default=1, help="num_speculative_tokens")
+    parser.add_argument("--phases", action="store_true", help="per column, where a step's time goes (see above)")
     args = parser.parse_args()
     if args.model is None:
         args.model = Path(f"/tmp/tierlm-bench-demo-{args.size}-mtp")

@@ -113,15 +113,17 @@ def test_fixed_shape_verify_steps_give_the_same_tokens(demo, reference, k):
     """The verification steps through a `StaticDecodeRunner` of 1 + K rows per request (what CUDA graphs
     replay; mode "eager" runs the same padded fixed-shape batches on CPU): max_num_seqs 3 pads the two
     requests to the prepared size, and a block-table width wider than theirs. Rejected and accepted drafts.
-    The draft head's forwards likewise (one row per request: steps, and passes after a rejection; 1 + K:
-    passes after full acceptance)."""
+    The draft head's forwards likewise (1 + K rows per request: its pass over the verified rows; one row:
+    its steps), and the rollback's fixed-size slot copies."""
     from tierlm.model.static_decode import StaticDecodeRunner
+    from tierlm.model.static_slot_copy import StaticSlotCopy
 
     llm = engine(demo, spec(k), max_num_seqs=3)
     static = StaticDecodeRunner(llm.runner.model, llm.cache, 3, 8, "eager", sizes=[3], widths=[8],
                                 rows_per_request=1 + k)
     runs = []
     static.run = lambda batch, run=static.run: runs.append(batch.token_ids.shape[0]) or run(batch)
+    static.replay = lambda shape, rows, replay=static.replay: runs.append(rows) or replay(shape, rows)
     drafts = {}
     for rows in (1, 1 + k):
         drafts[0, rows] = StaticDecodeRunner(llm.runner.model, llm.cache, 3, 8, "eager", sizes=[3], widths=[8],
@@ -129,10 +131,15 @@ def test_fixed_shape_verify_steps_give_the_same_tokens(demo, reference, k):
         drafts[0, rows].run = lambda batch, hidden, run=drafts[0, rows].run: (
             runs.append(("draft", batch.token_ids.shape[0])) or run(batch, hidden))
     llm.runner.static_verify, llm.runner.static_drafts = static, drafts
+    rollback = llm.runner.static_rollback = StaticSlotCopy(llm.cache.target_slot_states, 3, llm.cache.scratch_slot,
+                                                            llm.cache.device, "eager")
+    rollback.copy = lambda sources, targets, copy=rollback.copy: runs.append("roll back") or copy(sources, targets)
     oracle = Oracle({"0": reference[0], "1": reference[1]}, k, wrong=0)
     got = generate(llm, [greedy(), greedy()], oracle)
     assert [out.token_ids for out in got] == reference
-    assert {2 * (1 + k), ("draft", 2), ("draft", 2 * (1 + k))} <= set(runs)
+    # greedy steps verifying K drafts each run on the device (`_greedy_step`): the head's pass always has
+    # 1 + K rows; its one-row steps propose drafts 2..K
+    assert {2 * (1 + k), ("draft", 2 * (1 + k)), "roll back"} | ({("draft", 2)} if k > 1 else set()) <= set(runs)
     assert 0 < llm.stats().num_accepted_tokens < llm.stats().num_draft_tokens
 
 

@@ -109,7 +109,7 @@ def test_fixed_shape_verify_and_draft_steps_equal_the_eager_ones(demo, device, m
     prompts = [torch.randint(3, config.vocab_size, (n,), generator=gen).tolist() for n in (PROMPT_LEN, 6)]
     tables = [[0, 1], [2, 3]]
     model(ForwardBatch.build(prompts, [0, 0], [0, 1], tables, BLOCK, device=device), cache)
-    static_cache = copy.deepcopy(cache)
+    static_cache, staged_cache = copy.deepcopy(cache), copy.deepcopy(cache)
     shapes = {"sizes": [3], "widths": [4]}
     verify = StaticDecodeRunner(model, static_cache, 3, 4, mode, rows_per_request=1 + k, **shapes)
     draft = StaticDecodeRunner(model, static_cache, 3, 4, mode, draft_layer=0, **shapes)
@@ -123,6 +123,12 @@ def test_fixed_shape_verify_and_draft_steps_equal_the_eager_ones(demo, device, m
     static_logits, static_streams = verify.run(batch)
     torch.testing.assert_close(static_logits, logits)
     torch.testing.assert_close(static_streams, streams)
+    # the same verify staged from host lists (one copy into the buffers), on a third copy of the cache
+    staged = StaticDecodeRunner(model, staged_cache, 3, 4, mode, rows_per_request=1 + k, **shapes)
+    shape, staged_batch = staged.stage_verify(rows, [len(p) for p in prompts], [0, 1], [[2, 3, 0], [4, 5, 1]], tables)
+    assert staged.can_run(staged_batch) and staged_batch.verify_slots.tolist() == [[2, 3, 0], [4, 5, 1]]
+    for ours, theirs in zip(staged.replay(shape, 2 * (1 + k)), (logits, streams), strict=True):
+        torch.testing.assert_close(ours, theirs)
 
     # the draft pass over every row (row t with token t+1; the last with a next token), then a draft step
     # after the pass's last row
@@ -148,11 +154,14 @@ def test_fixed_shape_verify_and_draft_steps_equal_the_eager_ones(demo, device, m
     target_seen = {0: contexts[0] + 1 + k, 1: contexts[1] + 1 + k, 2: contexts[0] + 1, 3: contexts[0] + 2,
                    4: contexts[1] + 1, 5: contexts[1] + 2}
     draft_seen = {0: contexts[0] + 2 + k, 1: contexts[1] + 2 + k}
-    for ours, theirs in zip(static_cache.layers, cache.layers, strict=True):
-        for pool, static_pool in ((theirs.gdn_conv, ours.gdn_conv), (theirs.gdn_recurrent, ours.gdn_recurrent),
-                                  (theirs.ple_conv, ours.ple_conv)):
+    torch.testing.assert_close(staged_cache.ngram_context[:slots], cache.ngram_context[:slots])
+    for ours, staged_layer, theirs in zip(static_cache.layers, staged_cache.layers, cache.layers, strict=True):
+        for pool, static_pool, staged_pool in ((theirs.gdn_conv, ours.gdn_conv, staged_layer.gdn_conv),
+                                               (theirs.gdn_recurrent, ours.gdn_recurrent, staged_layer.gdn_recurrent),
+                                               (theirs.ple_conv, ours.ple_conv, staged_layer.ple_conv)):
             if pool is not None:
                 torch.testing.assert_close(static_pool[:slots], pool[:slots])
+                torch.testing.assert_close(staged_pool[:slots], pool[:slots])
     for layers, static_layers, seen in ((cache.layers, static_cache.layers, target_seen),
                                         (cache.draft_layers, static_cache.draft_layers, draft_seen)):
         for theirs, ours in zip(layers, static_layers, strict=True):

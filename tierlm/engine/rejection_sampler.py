@@ -102,8 +102,9 @@ def rejection_sample(
             residual = torch.where(residual.sum(dim=1, keepdim=True) > 0, residual, dist)
             dist = torch.where(rejected[:, None], residual, dist)
         final[rows] = (dist / exponentials).argmax(dim=1)
-    out_drafts, out_counts, out_final = drafts.tolist(), num_accepted.tolist(), final.tolist()
-    return [out_drafts[i][: out_counts[i]] + [out_final[i]] for i in range(batch)]
+    # one read back: each request's count, final token, drafts
+    rows = torch.cat([num_accepted[:, None], final[:, None], drafts], dim=1).tolist()
+    return [row[2 : 2 + row[0]] + [row[1]] for row in rows]
 
 
 def _draws(

@@ -29,7 +29,8 @@ entries that changed since the last step: a host mirror remembers which request'
 holds and how much of it is on the device) and sends it in one host-to-device copy; the changed table
 entries are scattered from there. A row's token source >= 0 takes its input id from the previous step's
 sampled ids on the device (overlap scheduling: the host launches a step before it has read the ids of the
-one before); the ids are resolved inside the graph.
+one before); the ids are resolved inside the graph. `stage_verify` does the same for a verification step
+(T rows per request and their row-state slots), returning the batch its buffers hold.
 """
 
 from __future__ import annotations
@@ -91,14 +92,18 @@ class StaticDecodeRunner:
         max_rows = max_batch * rows_per_request
         # the input buffers every prepared forward reads (a narrower width reads the first columns); the
         # per-row vectors and the table updates are views of one buffer, what `run_decode` copies into
-        # (each vector has max_rows entries; context lengths and slots use the first max_batch)
+        # (each vector has max_rows entries; context lengths and slots use the first max_batch); verification
+        # steps' row-state slots [max_batch, T] follow them (`stage_verify` sends those too)
         m = self.row_capacity = max_rows
-        self.inputs = torch.zeros(NUM_ROW_INPUTS * m + 2 * max_batch * max_blocks_per_request, **as_long)
+        verifies = rows_per_request > 1
+        self._updates_at = (NUM_ROW_INPUTS + verifies) * m  # where the block-table updates start
+        self.inputs = torch.zeros(self._updates_at + 2 * max_batch * max_blocks_per_request, **as_long)
         self.input_ids, self.positions, self.context_lens, self.slots, self.slot_mapping, self.token_sources = (
             self.inputs[i * m : (i + 1) * m] for i in range(NUM_ROW_INPUTS))
         self.token_ids = torch.zeros(m, **as_long)  # what the model reads: input ids, sources resolved
         self.previous_tokens = torch.zeros(m, **as_long)  # the previous step's sampled ids (token sources)
-        self.verify_slots = torch.zeros(max_batch, rows_per_request, **as_long) if rows_per_request > 1 else None
+        self.verify_slots = self.inputs[NUM_ROW_INPUTS * m : self._updates_at].view(
+            max_batch, rows_per_request) if verifies else None
         self.block_tables = torch.zeros(max_batch, max_blocks_per_request, **as_long)
         self.tables_at = {width: self.block_tables[:, :width] for width in self.widths}  # the columns a width reads
         self._staging = _Staging(self.inputs.numel(), cache.device)
@@ -117,6 +122,7 @@ class StaticDecodeRunner:
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int, int], torch.Tensor | tuple[torch.Tensor, torch.Tensor]] = {}
         self.draft_layer = draft_layer
+        self.takes_decode_lists = rows_per_request == 1 and draft_layer is None  # `stage_decode` serves it
         if draft_layer is not None:
             self.step = self._draft_step
         else:
@@ -154,6 +160,8 @@ class StaticDecodeRunner:
     def _pad(self, start: int, size: int, width: int) -> None:
         """Requests start:size become harmless padding (scratch slot, scratch block in the first `width`
         columns, position 0): what a (size, width) forward reads of them."""
+        if start >= size:
+            return
         rows = slice(start * self.rows_per_request, size * self.rows_per_request)
         for buffer in (self.input_ids, self.positions):
             buffer[rows].zero_()
@@ -212,7 +220,8 @@ class StaticDecodeRunner:
         n, rows = batch.num_requests, batch.token_ids.shape[0]
         size, width = shape = self.shape_for(batch)
         self.input_ids[:rows].copy_(batch.token_ids)
-        self.token_sources[:rows] = -1
+        if self.takes_decode_lists:  # only `stage_decode` sets token sources
+            self.token_sources[:rows] = -1
         self.positions[:rows].copy_(batch.positions)
         self.context_lens[:n].copy_(batch.context_lens_tensor)
         self.slots[:n].copy_(batch.slots)
@@ -243,17 +252,19 @@ class StaticDecodeRunner:
         entries). token_sources[i] >= 0: row i's input is previous_tokens[token_sources[i]] instead."""
         return self.replay(*self.stage_decode(token_ids, positions, slots, tables, token_sources, previous_tokens))
 
-    def replay(self, shape: tuple[int, int], num_rows: int) -> torch.Tensor:
-        """The forward at a prepared shape on what `stage_decode` staged: logits of its rows."""
-        return self._forward(shape)[:num_rows]
+    def replay(self, shape: tuple[int, int], num_rows: int) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The forward at a prepared shape on what `stage_decode` (logits of its rows) or `stage_verify`
+        (logits and streams of its rows) staged."""
+        out = self._forward(shape)
+        return (out[0][:num_rows], out[1][:num_rows]) if isinstance(out, tuple) else out[:num_rows]
 
     def stage_decode(
         self, token_ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]],
         token_sources: list[int] | None = None, previous_tokens: torch.Tensor | None = None,
     ) -> tuple[tuple[int, int], int]:
         """`run_decode`'s inputs into the buffers (queued on the device); the shape to replay, the rows."""
-        n, m, block_size = len(token_ids), self.row_capacity, self.cache.block_size
-        if self.rows_per_request != 1 or self.hidden is not None:
+        n, m = len(token_ids), self.row_capacity
+        if not self.takes_decode_lists:
             raise ValueError("run_decode takes plain decode rows: this runner prepares verification or draft steps")
         if n > self.max_batch:
             raise ValueError(f"{n} decode rows > the {self.max_batch} this runner was prepared for")
@@ -263,30 +274,78 @@ class StaticDecodeRunner:
         size = next(s for s in self.sizes if s >= n)
         shape = size, next(w for w in self.widths if w >= longest)
         stage = self._staging.next()
-        stage[: NUM_ROW_INPUTS * m].fill(0)
-        stage[0:n] = token_ids
-        stage[m : m + n] = positions
-        stage[2 * m : 2 * m + n] = positions  # a decode row's context is every token before it
-        stage[3 * m : 3 * m + n] = slots
-        stage[3 * m + n : 4 * m] = self.cache.scratch_slot
-        stage[4 * m : 4 * m + n] = [t[p // block_size] * block_size + p % block_size
-                                    for t, p in zip(tables, positions, strict=True)]
-        stage[4 * m + n : 5 * m] = self.cache.scratch_block * block_size
-        stage[5 * m : 6 * m] = -1
+        self._stage_rows(stage, token_ids, positions, positions, slots, tables)  # context: every token before
         if token_sources is not None:
             stage[5 * m : 5 * m + n] = token_sources
+        self._send(stage, tables, size)
+        if previous_tokens is not None:
+            self.previous_tokens[: previous_tokens.shape[0]].copy_(previous_tokens)
+        return shape, n
+
+    def stage_verify(
+        self, token_ids: list[list[int]], starts: list[int], slots: list[int], verify_slots: list[list[int]],
+        tables: list[list[int]],
+    ) -> tuple[tuple[int, int], ForwardBatch]:
+        """A verification step's inputs into the buffers with one host-to-device copy (as `stage_decode`):
+        request i computes its T tokens token_ids[i] from position starts[i], in state slot slots[i], the
+        state after each row going to verify_slots[i] (its position slots, then slots[i]), its block list
+        tables[i]. Returns the shape to `replay` and the batch the buffers hold (its tensors are views of
+        them: valid until the next call; `can_run` takes it)."""
+        n, width = len(token_ids), self.rows_per_request
+        if self.verify_slots is None or self.draft_layer is not None:
+            raise ValueError("stage_verify takes verification steps: this runner prepares decode or draft steps")
+        if n > self.max_batch or any(len(t) != width for t in token_ids) or any(len(v) != width for v in verify_slots):
+            raise ValueError(f"stage_verify: at most {self.max_batch} requests of {width} tokens and row slots each")
+        longest = max(len(t) for t in tables)
+        if longest > self.block_tables.shape[1]:
+            raise ValueError(f"a block table of {longest} blocks > the {self.block_tables.shape[1]} prepared")
+        size = next(s for s in self.sizes if s >= n)
+        shape = size, next(w for w in self.widths if w >= longest)
+        rows = n * width
+        positions = [start + t for start in starts for t in range(width)]
+        row_tables = [table for table in tables for _ in range(width)]
+        stage = self._staging.next()
+        self._stage_rows(stage, [t for request in token_ids for t in request], positions, starts, slots, row_tables)
+        at = NUM_ROW_INPUTS * self.row_capacity
+        stage[at : at + rows] = [slot for request in verify_slots for slot in request]
+        stage[at + rows : self._updates_at] = self.cache.scratch_slot
+        self._send(stage, tables, size)
+        batch = ForwardBatch(
+            token_ids=self.input_ids[:rows], positions=self.positions[:rows], context_lens=list(starts),
+            query_lens=[width] * n, state_slots=list(slots), block_tables=self.block_tables[:n, :longest],
+            slot_mapping=self.slot_mapping[:rows], logits_rows=self.logits_rows[:rows], slots=self.slots[:n],
+            context_lens_tensor=self.context_lens[:n], position_slots=[v[:-1] for v in verify_slots],
+            verify_slots=self.verify_slots[:n],
+        )
+        return shape, batch
+
+    def _stage_rows(self, stage, token_ids: list[int], positions: list[int], context_lens: list[int],
+                    slots: list[int], row_tables: list[list[int]]) -> None:
+        """The per-row vectors into a staging buffer: rows past the given ones (and requests past the given
+        ones) as padding (scratch slot, scratch block), every token source -1."""
+        m, rows, n, block_size = self.row_capacity, len(token_ids), len(slots), self.cache.block_size
+        stage[: NUM_ROW_INPUTS * m].fill(0)
+        stage[0:rows] = token_ids
+        stage[m : m + rows] = positions
+        stage[2 * m : 2 * m + n] = context_lens
+        stage[3 * m : 3 * m + n] = slots
+        stage[3 * m + n : 4 * m] = self.cache.scratch_slot
+        stage[4 * m : 4 * m + rows] = [t[p // block_size] * block_size + p % block_size
+                                       for t, p in zip(row_tables, positions, strict=True)]
+        stage[4 * m + rows : 5 * m] = self.cache.scratch_block * block_size
+        stage[5 * m : 6 * m] = -1
+
+    def _send(self, stage, tables: list[list[int]], size: int) -> None:
+        """The staged vectors and the block-table entries rows 0:size need changed to the device (one copy),
+        the entries scattered into the table there."""
         columns, values = self._table_updates(tables, size)
-        changed = len(columns)
-        updates = NUM_ROW_INPUTS * m
+        changed, updates = len(columns), self._updates_at
         stage[updates : updates + changed] = columns
         stage[updates + changed : updates + 2 * changed] = values
         self._staging.send(self.inputs, updates + 2 * changed)
         if changed:
             self.block_tables.view(-1).index_copy_(
                 0, self.inputs[updates : updates + changed], self.inputs[updates + changed : updates + 2 * changed])
-        if previous_tokens is not None:
-            self.previous_tokens[: previous_tokens.shape[0]].copy_(previous_tokens)
-        return shape, n
 
     def _forward(self, shape: tuple[int, int]) -> torch.Tensor:
         if shape in self.graphs:
