@@ -79,6 +79,14 @@ class ModelRunner:
     def launch(self, step: SchedulerOutput, previous: LaunchedStep | None = None) -> LaunchedStep:
         """Queue the step's forward and sampling. previous: the step launched before, whose sampled ids
         this one's placeholder inputs are (required when the step has any)."""
+        logits, wanted, _ = self.run_forward(step, previous)
+        with self.trace.phase("sample"):
+            return self._launch_sampling(step, wanted, logits)
+
+    def run_forward(self, step: SchedulerOutput, previous: LaunchedStep | None = None):
+        """Queue the step's forward (the model, or a pipeline stage): (its output, which logits rows each
+        chunk wants: (chunk, first row, count), the batch's input ids on the device with the placeholders
+        taken from `previous`'s sampled ids)."""
         trace = self.trace
         with trace.phase("prepare batch"):
             sources = self._placeholder_sources(step, previous)
@@ -94,9 +102,10 @@ class ModelRunner:
                         previous.pending.tokens[on_device(list(taken), batch.token_ids.device)])
         with trace.phase("launch forward"), trace.gpu("forward"):
             # always run: a chunk fills the cache even with no logits rows
-            logits = self.static_decode.replay(*staged) if staged else self.forward(batch)
-        with trace.phase("sample"):
-            return self._launch_sampling(step, wanted, logits)
+            if staged:
+                self.static_steps += 1
+                return self.static_decode.replay(*staged), wanted, self.static_decode.token_ids[: staged[1]]
+            return self.forward(batch), wanted, batch.token_ids
 
     def finish(self, launched: LaunchedStep) -> StepResult:
         """The launched step's sampled tokens and log-probabilities (waits for their copy to the host)."""

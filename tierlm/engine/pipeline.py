@@ -52,7 +52,7 @@ import sys
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -66,8 +66,17 @@ from tierlm.distributed.group import (
     free_tcp_address,
     rank_device,
 )
-from tierlm.engine.model_runner import ModelRunner, StepResult
-from tierlm.engine.pipeline_messages import BatchArrays, NewRequest, SampleSpec, StageResult, StepMessage
+from tierlm.engine.model_runner import LaunchedStep, ModelRunner, StepResult
+from tierlm.engine.pipeline_messages import (
+    BatchArrays,
+    DecodeRows,
+    NewRequest,
+    SampleSpec,
+    StageResult,
+    StepMessage,
+    pack_stage_output,
+    sampled_ids_buffer,
+)
 from tierlm.engine.request import Request
 from tierlm.engine.sampler import Sampler
 from tierlm.engine.scheduler import Scheduler, SchedulerOutput
@@ -116,12 +125,22 @@ class RecordingCache:
 
 
 @dataclass
-class _InFlight:
-    plan: SchedulerOutput
-    requests: dict[int, Request]  # by key, the requests whose rows come back
-    send: object  # the hidden state's send to rank 1 (waited for when the result is back)
-    hidden: torch.Tensor  # kept alive until then
-    message_sends: list  # the step message's sends to every rank (likewise)
+class _SampledOnDevice:
+    """A step's sampled ids as rank 0 receives them from the last rank, on its device (row k: the k-th
+    sampling chunk's): what the next step's placeholder inputs are taken from (`ModelRunner`'s
+    `previous.pending.tokens`)."""
+
+    tokens: torch.Tensor
+
+
+@dataclass(eq=False)
+class PipelineStep(LaunchedStep):
+    """A step in the pipeline as rank 0 sees it: launched on every rank, its answer not read yet."""
+
+    requests: dict[int, Request] = field(default_factory=dict)  # by key, the requests whose rows come back
+    sends: list = field(default_factory=list)  # the step message's sends and the stage output's
+    output: torch.Tensor | None = None  # the packed stage output being sent, kept alive until then
+    ids_receive: object = None  # the sampled ids' receive (None once waited for)
 
 
 class PipelineDriver:
@@ -170,7 +189,7 @@ class PipelineDriver:
         env = os.environ.get("TIERLM_PP_MAX_IN_FLIGHT")
         self.max_in_flight = int(env) if env else self.world_size
         self.cache = RecordingCache(self.stage.cache)
-        self.in_flight: deque[_InFlight] = deque()
+        self.in_flight: deque[PipelineStep] = deque()  # launched, oldest first
         self.keys: dict[Request, int] = {}  # requests the last rank mirrors
         self._next_key = 0
         self.exit_process_on_failure = False  # the server sets it: a dead rank ends the process
@@ -226,11 +245,11 @@ class PipelineDriver:
     # ---- steps ----
     @property
     def busy(self) -> set[Request]:
-        return {chunk.request for entry in self.in_flight for chunk in entry.plan.chunks}
+        return {chunk.request for entry in self.in_flight for chunk in entry.step.chunks}
 
     def step(self, scheduler: Scheduler) -> tuple[int, list[tuple[SchedulerOutput, StepResult]]]:
-        """Launch batches while fewer than max_in_flight are out, then take back the oldest.
-        Returns (tokens launched, [(the plan that came back, its result)])."""
+        """Micro-batches (without overlap scheduling): launch batches while fewer than max_in_flight are
+        out, then take back the oldest. Returns (tokens launched, [(the plan that came back, its result)])."""
         self._check_alive()
         launched = 0
         while len(self.in_flight) < self.max_in_flight:
@@ -241,18 +260,31 @@ class PipelineDriver:
             self._timing["schedule_seconds"] += time.perf_counter() - began
             if not plan.chunks:
                 break
-            self.submit(plan)
+            self.launch(plan)
             launched += plan.num_tokens
         if not self.in_flight:
             return launched, []
-        return launched, [self.collect()]
+        oldest = self.in_flight[0]
+        return launched, [(oldest.step, self.finish(oldest))]
 
-    def submit(self, plan: SchedulerOutput) -> None:
+    def launch(self, plan: SchedulerOutput, previous: PipelineStep | None = None) -> PipelineStep:
+        """Send every rank the step, queue this rank's layers and the send of their output, and post the
+        receive of its sampled ids; nothing here waits for the device. previous: the step launched before,
+        whose sampled ids (on this device) this one's placeholder inputs are (overlap scheduling)."""
+        self._check_alive()
         runner, began = self.runner, time.perf_counter()
-        batch, wanted = runner.prepare(plan, device="cpu")
-        message = StepMessage(batch=BatchArrays.of(batch), cache_ops=self.cache.drain(),
-                              released=self._release_finished())
-        requests = {}
+        if previous is not None:
+            self._wait_ids(previous)
+        message = StepMessage(cache_ops=self.cache.drain(), released=self._release_finished())
+        if runner._fits_static(plan):  # every rank runs it from its static runner, given host lists
+            chunks = plan.chunks
+            message.decode = DecodeRows([c.start for c in chunks], [c.request.state_slot for c in chunks],
+                                        [c.request.block_ids for c in chunks])
+            wanted = [(chunk, row, 1) for row, chunk in enumerate(chunks)]
+        else:
+            batch, wanted = runner.prepare(plan, device="cpu")
+            message.batch = BatchArrays.of(batch)
+        requests, sampling = {}, []
         for chunk, first, count in wanted:
             request = chunk.request
             key = self.keys.get(request)
@@ -261,46 +293,59 @@ class PipelineDriver:
                 self._next_key += 1
                 message.new_requests.append(NewRequest(
                     key, request.request_id, request.prompt_token_ids, request.params, request.eos_token_ids,
-                    request.max_model_len, list(request.output_token_ids), request.structured_output is not None,
+                    request.max_model_len, list(request.known_output_token_ids), request.structured_output is not None,
                 ))
             grammar = request.structured_output
             bitmask = grammar.token_bitmask() if grammar is not None and chunk.samples else None
             bitmask = None if bitmask is None else bitmask.numpy()
             message.samples.append(SampleSpec(key, first, count, chunk.start, chunk.num_tokens, chunk.samples, bitmask))
             requests[key] = request
+            if chunk.samples:
+                sampling.append(request)
         sent = time.perf_counter()
-        message_sends = self._send_all(message)
+        sends = self._send_all(message)
         launched = time.perf_counter()
-        # a copy: a CUDA graph's output buffer is overwritten by the next replay, maybe before NCCL has read it
-        batch = batch.to(self.stage.cache.device)
         with self._layers.timed():
-            hidden = runner.forward(batch).clone()
+            hidden, _, token_ids = runner.run_forward(plan, previous)
+            # the ids go with the hidden state: placeholders resolved on this device reach every rank
+            output = pack_stage_output(hidden, token_ids)
+        ids = sampled_ids_buffer(self.config.max_num_seqs, self.stage.cache.device)
         try:
-            send = self.group.isend(hidden, 1)
+            sends.append(self.group.isend(output, 1))
+            receive = self.group.recv_ids(ids)
         except Exception as exc:  # noqa: BLE001
             self._fail(f"sending the hidden state to rank 1 failed: {_first_line(exc)}")
-        self.in_flight.append(_InFlight(plan, requests, send, hidden, message_sends))
+        entry = PipelineStep(plan, sampling, _SampledOnDevice(ids), StepResult(), requests=requests, sends=sends,
+                             output=output, ids_receive=receive)
+        self.in_flight.append(entry)
         timing, done = self._timing, time.perf_counter()
         timing["prepare_seconds"] += sent - began
         timing["send_seconds"] += launched - sent
         timing["forward_seconds"] += done - launched
         timing["steps"] += 1
+        return entry
 
-    def collect(self) -> tuple[SchedulerOutput, StepResult]:
-        entry = self.in_flight.popleft()
+    def finish(self, entry: PipelineStep) -> StepResult:
+        """The step's sampled tokens and log-probabilities (waits for the last rank's answer, which comes
+        in order: `entry` is the oldest step in flight). Requests finished meanwhile are left out."""
+        if not self.in_flight or self.in_flight[0] is not entry:
+            raise RuntimeError("pipeline steps are read back in the order they were launched")
+        self.in_flight.popleft()
         began = time.perf_counter()
         answer = self._wait_result()
         try:
-            for work in entry.message_sends:  # done: every rank has received its step
+            for work in entry.sends:  # done: every rank has received its step
                 work.wait()
-            entry.send.wait()  # done: the last rank has answered
         except Exception as exc:  # noqa: BLE001
             self._fail(f"sending a step or its hidden state failed: {_first_line(exc)}")
+        self._wait_ids(entry)
         self._timing["wait_seconds"] += time.perf_counter() - began
         if answer.error is not None:
             self._fail(f"pipeline rank {self.world_size - 1} failed during a step: {answer.error}")
         result = StepResult()
         for key, request in entry.requests.items():
+            if request.is_finished:  # aborted, or (overlap) finished by the step before: discarded
+                continue
             if key in answer.failed:
                 result.failed[request] = answer.failed[key]
                 continue
@@ -311,7 +356,17 @@ class PipelineDriver:
                 if key in answer.logprobs:
                     request.logprobs.append(answer.logprobs[key])
                     request.cumulative_logprob = answer.cumulative_logprob[key]
-        return entry.plan, result
+        return result
+
+    def _wait_ids(self, entry: PipelineStep) -> None:
+        """The step's sampled ids on this device (on CUDA the stream waits, not the host)."""
+        if entry.ids_receive is None:
+            return
+        try:
+            entry.ids_receive.wait()
+        except Exception as exc:  # noqa: BLE001
+            self._fail(f"lost the connection to pipeline rank {self.world_size - 1}: {_first_line(exc)}")
+        entry.ids_receive = None
 
     def _release_finished(self) -> list[int]:
         """The keys of requests that finished (or were aborted) and are in no batch in flight: the last rank

@@ -35,12 +35,21 @@ from tierlm.distributed.group import (
     rank_device,
     torchrun_rank,
 )
-from tierlm.engine.model_runner import ModelRunner
-from tierlm.engine.pipeline_messages import SampleSpec, StageResult, StepMessage
+from tierlm.engine.model_runner import LaunchedStep, ModelRunner
+from tierlm.engine.pipeline_messages import (
+    SampleSpec,
+    StageResult,
+    StepMessage,
+    pack_stage_output,
+    sampled_ids_buffer,
+    stage_buffer,
+    unpack_stage_input,
+)
 from tierlm.engine.request import Request
 from tierlm.engine.sampler import Sampler
 from tierlm.engine.stage_setup import Stage, build_stage, memory_report
 from tierlm.engine.stream_clock import StreamClock
+from tierlm.model.forward_batch import on_device
 
 logger = logging.getLogger("tierlm")
 
@@ -115,21 +124,41 @@ class _Mirror:
                 request.structured_output = BitmaskGrammar(None)
             self.requests[new.key] = request
 
-    def sample(self, runner: ModelRunner, specs: list[SampleSpec], logits: torch.Tensor) -> StageResult:
-        wanted, before = [], {}
+    def launch(self, runner: ModelRunner, specs: list[SampleSpec], logits: torch.Tensor) -> LaunchedStep:
+        """Queue the sampling of the step's rows on the device (as one process does: `ModelRunner`)."""
+        wanted = []
         for spec in specs:
             request = self.requests[spec.key]
             request.num_computed_tokens = spec.start
             if request.structured_output is not None:
                 request.structured_output.bitmask = None if spec.bitmask is None else torch.from_numpy(spec.bitmask)
-            before[spec.key] = len(request.prompt_logprobs) if request.prompt_logprobs is not None else 0
             wanted.append((_Chunk(request, spec.start, spec.num_tokens, spec.samples), spec.first, spec.count))
-        result = runner.sample(wanted, logits)
+        self._logprobs_before = {spec.key: len(self.requests[spec.key].prompt_logprobs or ()) for spec in specs}
+        return runner._launch_sampling(None, wanted, logits)
+
+    def sampled_ids(self, specs: list[SampleSpec], launched: LaunchedStep, out: torch.Tensor) -> torch.Tensor:
+        """The launched step's sampled ids into `out`, row k the k-th sampling spec's (what rank 0 counts on;
+        a request whose prompt log-probabilities failed has no sampling row, its row stays 0)."""
+        if launched.pending is None:
+            return out
+        sampling = [self.requests[spec.key] for spec in specs if spec.samples]
+        tokens = launched.pending.tokens
+        if launched.sampling == sampling:
+            out[: len(sampling)].copy_(tokens)
+        else:
+            index = {request: k for k, request in enumerate(sampling)}
+            out[on_device([index[r] for r in launched.sampling], out.device)] = tokens
+        return out
+
+    def finish(self, runner: ModelRunner, specs: list[SampleSpec], launched: LaunchedStep) -> StageResult:
+        """The launched sampling read back (waits for its ids) as the answer to rank 0."""
+        result = runner.finish(launched)
         out = StageResult()
         for spec in specs:
             key, request = spec.key, self.requests[spec.key]
-            if request.prompt_logprobs is not None and len(request.prompt_logprobs) > before[key]:
-                out.prompt_logprobs[key] = request.prompt_logprobs[before[key]:]
+            before = self._logprobs_before[key]
+            if request.prompt_logprobs is not None and len(request.prompt_logprobs) > before:
+                out.prompt_logprobs[key] = request.prompt_logprobs[before:]
             if request in result.failed:
                 out.failed[key] = result.failed[request]
             elif request in result.sampled:
@@ -168,7 +197,7 @@ def run_worker(group: PipelineGroup, stage: Stage, config) -> None:
     # rank 0 sends up to world_size steps ahead of the last rank: each finds its receive posted
     inbox = group.inbox(0, depth=group.world_size)
     stats = dict.fromkeys(WORKER_PHASES, 0.0) | {"steps": 0}
-    pending_send = None
+    sending: list = []  # the previous step's sends and their buffers (waited for before the next ones)
     clock = time.perf_counter()
 
     def lap(phase: str) -> None:
@@ -176,6 +205,12 @@ def run_worker(group: PipelineGroup, stage: Stage, config) -> None:
         now = time.perf_counter()
         stats[phase] += now - clock
         clock = now
+
+    def send(*works_and_buffers) -> None:
+        nonlocal sending
+        for work in sending[::2]:
+            _comm(work.wait)
+        sending = list(works_and_buffers)
 
     while True:
         message: StepMessage = _comm(inbox.get)
@@ -191,33 +226,38 @@ def run_worker(group: PipelineGroup, stage: Stage, config) -> None:
             clock = time.perf_counter()
             continue
         lap("idle_seconds")
-        hidden = torch.empty(message.batch.num_tokens, width, dtype=dtype, device=device)
-        receive = _comm(group.irecv, hidden, rank - 1)  # posted before the host work it overlaps
+        rows = (message.decode or message.batch).num_tokens
+        received = stage_buffer(rows, width, dtype, device)
+        receive = _comm(group.irecv, received, rank - 1)  # posted before the host work it overlaps
         for name, args in message.cache_ops:
             getattr(stage.cache, name)(*args)
         if mirror is not None:
             mirror.update(message)
-        batch = message.batch.batch(device)
+        batch = None if message.batch is None else message.batch.batch(device)
         lap("host_seconds")
         with stall.timed():
             _comm(receive.wait)
-        batch.stage_input = hidden
+        hidden, token_ids = unpack_stage_input(received, rows, width, dtype)
         lap("receive_wait_seconds")
         if mirror is None:
             with layers.timed():
-                out = runner.forward(batch).clone()  # not a CUDA graph's output buffer: the next replay reuses it
-            if pending_send is not None:
-                _comm(pending_send[0].wait)
-            pending_send = (_comm(group.isend, out, rank + 1), out)
+                out = pack_stage_output(_run_layers(runner, message, batch, hidden, token_ids), token_ids)
+            send(_comm(group.isend, out, rank + 1), out)
             lap("forward_seconds")
         else:
             try:
                 with layers.timed():
-                    logits = runner.forward(batch)
+                    logits = _run_layers(runner, message, batch, hidden, token_ids)
                 lap("forward_seconds")
-                # on the device, as one process samples: only the ids and log-probabilities come back
-                result = mirror.sample(runner, message.samples, logits)
+                # on the device, as one process samples; the ids go to rank 0's device at once (its next
+                # step may take them as input), then to its host with the log-probabilities
+                launched = mirror.launch(runner, message.samples, logits)
+                ids = mirror.sampled_ids(message.samples, launched, sampled_ids_buffer(config.max_num_seqs, device))
+                send(_comm(group.send_ids, ids), ids)
+                result = mirror.finish(runner, message.samples, launched)
                 lap("sample_seconds")
+            except _PeerLost:
+                raise
             except Exception as exc:
                 _comm(group.send_object, StageResult(error=f"{type(exc).__name__}: {exc}"), 0, RESULT_TAG,
                       group.result_group)
@@ -225,6 +265,21 @@ def run_worker(group: PipelineGroup, stage: Stage, config) -> None:
             _comm(group.send_object, result, 0, RESULT_TAG, group.result_group)
             lap("send_seconds")
         stats["steps"] += 1
+
+
+def _run_layers(runner: ModelRunner, message: StepMessage, batch, hidden: torch.Tensor,
+                token_ids: torch.Tensor) -> torch.Tensor:
+    """This rank's layers on the step: a decode step (`DecodeRows`) from the static runner, given host
+    lists, the input ids and hidden state from the previous stage's buffer; else the batch."""
+    rows = message.decode
+    if rows is None:
+        batch.token_ids, batch.stage_input = token_ids, hidden
+        return runner.forward(batch)
+    static, n = runner.static_decode, rows.num_tokens
+    static.stage_input[:n].copy_(hidden)
+    staged = static.stage_decode([0] * n, rows.positions, rows.slots, rows.tables, list(range(n)), token_ids)
+    runner.static_steps += 1
+    return static.replay(*staged)
 
 
 def _echo(group: PipelineGroup, message: StepMessage, dtype: torch.dtype) -> None:

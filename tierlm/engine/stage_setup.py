@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -142,6 +143,8 @@ def _static_decode(config, model, model_config, cache, layout: StageLayout):
     from tierlm.model.static_decode import StaticDecodeRunner
 
     mode = "cuda_graph" if cache.device.type == "cuda" else ("compile" if config.compile_decode else None)
+    if mode is None and os.environ.get("TIERLM_STATIC_DECODE_EAGER"):  # tests: the static path's inputs on CPU
+        mode = "eager"
     if not mode or config.enforce_eager:
         return None
     max_model_len = config.max_model_len or model_config.max_position_embeddings
