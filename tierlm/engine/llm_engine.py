@@ -57,7 +57,7 @@ from tierlm.memory.plan import (
 from tierlm.model.checkpoint_layout import MTPLayout
 from tierlm.model.loader import load_model, read_quantization_config, resolve_model_path
 from tierlm.model.model_cache import ModelCache
-from tierlm.model.static_decode import StaticDecodeRunner
+from tierlm.model.static_decode import StaticDecodeRunner, runner_mode
 from tierlm.outputs import CompletionOutput, RequestOutput
 from tierlm.sampling_params import RequestOutputKind, SamplingParams
 from tierlm.tokenizer import Tokenizer
@@ -337,8 +337,8 @@ class LLMEngine:
                                    num_speculative_tokens=k)
         block_size = plan.block_size
         static_decode, static_drafts = None, None
-        mode = "cuda_graph" if device.type == "cuda" else ("compile" if config.compile_decode else None)
-        if mode and not config.enforce_eager:
+        mode = runner_mode(device, config.compile_decode, config.enforce_eager)
+        if mode:
             max_blocks = math.ceil(self.max_model_len / block_size)
             ple_dims = {t.ple_index: t.rows.shape[1] * mc.num_ngram_heads for t in self.ngram_store.tables} if (
                 self.ngram_store) else None

@@ -3,22 +3,30 @@
 Rank 0 is the engine: tokenizer, scheduler, cache manager, text side, and the first stage (embedding
 and the first layers). Every other rank runs `pipeline_worker.run_worker`: it holds its own layers
 (the last rank also the final mixer and lm_head), its own `ModelCache`, cache plan, host pools and
-static decode runner, and follows rank 0's step descriptions. Each step:
-1. rank 0 schedules a batch and sends every rank a `StepMessage`: the batch (`ForwardBatch` on the
-   CPU: token ids, positions, slots, block tables; slot and block numbers are rank 0's cache manager's,
-   the same on every rank), the cache operations rank 0's cache manager made since the last message
+static decode runner, and follows rank 0's step descriptions. Each step (`launch`, then `finish`):
+1. rank 0 schedules a batch and sends every rank a `StepMessage`: the batch (a decode step that fits the
+   static decode runners as host lists, `DecodeRows`, which every rank writes into its runner's buffers
+   in one copy; else a `ForwardBatch` on the CPU); slot and block numbers are rank 0's cache manager's,
+   the same on every rank; the cache operations rank 0's cache manager made since the last message
    (reset a slot, save or restore a prefix-cache checkpoint: each rank applies them to its own layers
    before the forward, so they land between the same two forwards everywhere), and for the last rank
    what to sample;
-2. rank 0 runs its layers and sends the multi-stream residual [N, hc * hidden] to rank 1, which runs
-   its layers and sends it on; each rank posts its receive of the residual as soon as the step message
-   is in, before its host work (building the batch), so the copy overlaps that work (deferred receive);
-3. the last rank computes the logits, samples them on its device (as one process does) and sends back
-   only the token ids and the requested log-probabilities (`StageResult`).
-Every rank keeps its receives of these messages posted ahead (`distributed.group.Inbox`): a gloo send
-waits for the receiver's receive, so without them rank 0 could not send the next micro-batch's step
-while the last rank still works on the previous one. `timing` (rank 0) and `worker_stats` (the others)
-say where each rank's time goes, phase by phase (bench/pipeline_decode.py prints them).
+2. rank 0 runs its layers and sends the multi-stream residual [N, hc * hidden], packed on its device with
+   the batch's input ids, to rank 1, which runs its layers (its input ids from that buffer) and sends it
+   on; each rank posts its receive as soon as the step message is in, before its host work, so the copy
+   overlaps that work (deferred receive);
+3. the last rank computes the logits, samples them on its device (as one process does), sends the
+   sampled ids straight to rank 0's device (`PipelineGroup.send_ids`), then the ids and the requested
+   log-probabilities to its host (`StageResult`).
+Overlap scheduling (the engine's, on by default): rank 0 launches step t+1 before it has read step t's
+answer; the inputs of t+1 that t samples (placeholders) are taken on rank 0's device from the ids the
+last rank sent there, and reach the other ranks with the hidden state. So no host sits between the
+ranks' devices: with one stream a token costs the two stages' layers, the sampling and two small copies,
+while the hosts prepare the next step. Without overlap, micro-batches are in flight instead (below).
+Every rank keeps its receives of the messages posted ahead (`distributed.group.Inbox`): a gloo send
+waits for the receiver's receive, so without them rank 0 could not send the next step while the last
+rank still works on the previous one. `timing` (rank 0) and `worker_stats` (the others) say where each
+rank's time goes, phase by phase (bench/pipeline_decode.py prints them).
 
 Sampling on the last rank: its sampler keeps a mirror of each request's sampling state (parameters,
 output tokens, seeded generator; `pipeline_worker._Mirror`). Structured output: rank 0's grammar
@@ -26,9 +34,9 @@ matcher gives the allowed-token bitmask of each constrained row, which is sent w
 bytes a row (31 KB for a 248k vocabulary) against 4 x vocab (1 MB) to send the fp32 logits row back
 and sample on rank 0.
 
-Micro-batches: up to pipeline_parallel_size batches are in flight (vLLM's virtual engines), each with
-about 1/N of the running requests; a request is in one batch at a time (`Scheduler.schedule(busy=)`).
-TIERLM_PP_MAX_IN_FLIGHT=1 turns this off (one batch at a time).
+Micro-batches (`step`, when overlap scheduling is off): up to pipeline_parallel_size batches are in
+flight (vLLM's virtual engines), each with about 1/N of the running requests; a request is in one batch
+at a time (`Scheduler.schedule(busy=)`). TIERLM_PP_MAX_IN_FLIGHT=1 turns this off (one batch at a time).
 
 Failure: every collective has `pipeline_timeout_s`; rank 0 waits for results on a thread and watches
 the worker processes it spawned (also between steps), so a dead rank ends the step, or with
@@ -87,10 +95,14 @@ logger = logging.getLogger("tierlm")
 
 RESULT_POLL_S = 0.2  # how often rank 0 checks its workers while it waits for a result
 WATCH_INTERVAL_S = 1.0  # how often rank 0 checks its workers between steps
-# where rank 0's pipeline time goes on the host, summed over steps (`timing`): scheduling; building the
-# batch and the step message; pickling and sending it to every rank; its own layers (copy the batch to
-# the device, launch them, send the hidden state on); waiting for the last rank's answer
-DRIVER_PHASES = ("schedule_seconds", "prepare_seconds", "send_seconds", "forward_seconds", "wait_seconds")
+# where rank 0's pipeline time goes on the host, summed over steps (`timing`): scheduling (micro-batches;
+# with overlap scheduling the engine schedules); waiting for the previous step's sampled ids (with
+# overlap: on CUDA only the stream waits, on CPU the host); building the step message; pickling and
+# sending it to every rank; its own layers (inputs into the static runner's buffers or the batch to the
+# device, the layers launched, their output and ids packed and sent on, the ids' receive posted);
+# waiting for the last rank's answer
+DRIVER_PHASES = ("schedule_seconds", "ids_wait_seconds", "prepare_seconds", "send_seconds", "forward_seconds",
+                 "wait_seconds")
 
 
 def _first_line(exc: BaseException) -> str:
@@ -272,9 +284,10 @@ class PipelineDriver:
         receive of its sampled ids; nothing here waits for the device. previous: the step launched before,
         whose sampled ids (on this device) this one's placeholder inputs are (overlap scheduling)."""
         self._check_alive()
-        runner, began = self.runner, time.perf_counter()
+        runner, waited = self.runner, time.perf_counter()
         if previous is not None:
             self._wait_ids(previous)
+        began = time.perf_counter()
         message = StepMessage(cache_ops=self.cache.drain(), released=self._release_finished())
         if runner._fits_static(plan):  # every rank runs it from its static runner, given host lists
             chunks = plan.chunks
@@ -319,6 +332,7 @@ class PipelineDriver:
                              output=output, ids_receive=receive)
         self.in_flight.append(entry)
         timing, done = self._timing, time.perf_counter()
+        timing["ids_wait_seconds"] += began - waited
         timing["prepare_seconds"] += sent - began
         timing["send_seconds"] += launched - sent
         timing["forward_seconds"] += done - launched

@@ -1,11 +1,14 @@
 """A pipeline rank other than 0: its stage, run on rank 0's step descriptions (see `engine/pipeline.py`).
 
-The loop: receive a `StepMessage` from rank 0; post the receive of the previous stage's hidden state at
-once (deferred receive: the copy overlaps what follows); replay rank 0's cache operations on this
-rank's layers; move the batch to the device; wait for the hidden state; run the layers; send the
-result on (the last rank: sample, and send the tokens and log-probabilities to rank 0).
+The loop: receive a `StepMessage` from rank 0; post the receive of the previous stage's output (hidden
+state and input ids in one device buffer) at once (deferred receive: the copy overlaps what follows);
+replay rank 0's cache operations on this rank's layers; move the batch to the device (a decode step:
+its host lists into the static runner's buffers, the input ids taken from the received buffer on the
+device); wait for the receive (on CUDA only the stream waits); run the layers; send the output on. The
+last rank samples, sends the sampled ids to rank 0's device (its next step may already wait for them
+there), then the tokens and log-probabilities to rank 0's host.
 
-The last rank samples with the engine's own `ModelRunner.sample` on mirrors of the requests (`_Mirror`:
+The last rank samples with the engine's own `ModelRunner` sampling on mirrors of the requests (`_Mirror`:
 parameters, output tokens, seeded generator), on its device, so sampling is the code PP=1 runs: the same
 ops on the same values and generators, and only the ids and log-probabilities come to the host.
 Structured-output rows come with rank 0's grammar bitmask. Messages from rank 0 arrive in an `Inbox`
