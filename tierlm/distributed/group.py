@@ -172,6 +172,10 @@ class Inbox:
     def _post(self, frame: torch.Tensor) -> None:
         self._posted.append((frame, dist.irecv(frame, self.src, group=self.group, tag=self.tag)))
 
+    def ready(self) -> bool:
+        """Whether the next message's frame is in (`get` then returns without waiting for the sender)."""
+        return self._posted[0][1].is_completed()
+
     def get(self):
         """The next message (waits up to the group's timeout)."""
         frame, work = self._posted.popleft()
