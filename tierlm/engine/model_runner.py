@@ -90,7 +90,7 @@ class ModelRunner:
         trace = self.trace
         with trace.phase("prepare batch"):
             sources = self._placeholder_sources(step, previous)
-            if self._fits_static(step):  # host lists straight into the graph's buffers
+            if self.fits_static(step):  # host lists straight into the graph's buffers
                 staged = self._stage_static(step, sources, previous)
                 wanted = [(chunk, row, 1) for row, chunk in enumerate(step.chunks)]
             else:
@@ -141,7 +141,7 @@ class ModelRunner:
             row += chunk.num_tokens + len(chunk.draft_token_ids)
         return sources
 
-    def _fits_static(self, step: SchedulerOutput) -> bool:
+    def fits_static(self, step: SchedulerOutput) -> bool:
         """A decode-only step (one sampling token per request) the static runner takes as host lists."""
         runner = self.static_decode
         return (runner is not None and self.ngram_store is None and 0 < len(step.chunks) <= runner.max_batch
@@ -190,7 +190,12 @@ class ModelRunner:
     def sample(self, wanted: list[tuple], logits: torch.Tensor) -> StepResult:
         """Sample (and record log-probabilities) from the logits rows `prepare` asked for, on their device
         (only the sampled ids and requested log-probabilities come back to the host)."""
-        return self.finish(self._launch_sampling(None, wanted, logits))
+        return self.finish(self.launch_sampling(wanted, logits))
+
+    def launch_sampling(self, wanted: list[tuple], logits: torch.Tensor) -> LaunchedStep:
+        """`sample` without the read back: queued, for `finish` to read (a pipeline's last rank launches
+        the next step first)."""
+        return self._launch_sampling(None, wanted, logits)
 
     def _launch_sampling(self, step, wanted: list[tuple], logits: torch.Tensor) -> LaunchedStep:
         """Prompt log-probabilities (read back now), then the sampling rows' pass queued."""

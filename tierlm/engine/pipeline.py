@@ -289,7 +289,7 @@ class PipelineDriver:
             self._wait_ids(previous)
         began = time.perf_counter()
         message = StepMessage(cache_ops=self.cache.drain(), released=self._release_finished())
-        if runner._fits_static(plan):  # every rank runs it from its static runner, given host lists
+        if runner.fits_static(plan):  # every rank runs it from its static runner, given host lists
             chunks = plan.chunks
             message.decode = DecodeRows([c.start for c in chunks], [c.request.state_slot for c in chunks],
                                         [c.request.block_ids for c in chunks])

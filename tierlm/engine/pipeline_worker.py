@@ -138,7 +138,7 @@ class _Mirror:
                 request.structured_output.bitmask = None if spec.bitmask is None else torch.from_numpy(spec.bitmask)
             before[spec.key] = len(request.prompt_logprobs) if request.prompt_logprobs is not None else 0
             wanted.append((_Chunk(request, spec.start, spec.num_tokens, spec.samples), spec.first, spec.count))
-        launched = runner._launch_sampling(None, wanted, logits)
+        launched = runner.launch_sampling(wanted, logits)
         # each sampled id counts from now on, filled in when read back: a step launched before then sees
         # the output length one process sees (min_tokens), as the engine's placeholders do
         rows = {}
