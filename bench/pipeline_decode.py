@@ -63,20 +63,20 @@ def decode_rate(llm: LLM, streams: int, tokens: int, snapshot=dict) -> dict:
     engine = llm.engine
     params = SamplingParams(temperature=0, max_tokens=tokens + 1, ignore_eos=True)
     requests = [engine.add_request(f"# stream {i}\ndef f(x):", params) for i in range(streams)]
-    generated = dict.fromkeys(requests, 0)
-    while min(generated.values()) < 1:  # every stream has its first token: prefills done
+    token_ids = {request: [] for request in requests}
+    while min(map(len, token_ids.values())) < 1:  # every stream has its first token: prefills done
         for out in engine.step():
-            generated[out.request_id] = len(out.outputs[0].token_ids)
+            token_ids[out.request_id] = list(out.outputs[0].token_ids)
     before = snapshot()
-    start_tokens, start, steps = sum(generated.values()), time.perf_counter(), 0
+    start_tokens, start, steps = sum(map(len, token_ids.values())), time.perf_counter(), 0
     while engine.has_unfinished_requests():
         steps += 1
         for out in engine.step():
-            generated[out.request_id] = len(out.outputs[0].token_ids)
+            token_ids[out.request_id] = list(out.outputs[0].token_ids)
     seconds = time.perf_counter() - start
-    decoded = sum(generated.values()) - start_tokens
+    decoded = sum(map(len, token_ids.values())) - start_tokens
     return {"streams": streams, "tokens": decoded, "seconds": seconds, "tok_s": decoded / seconds, "steps": steps,
-            "before": before, "after": snapshot()}
+            "token_ids": list(token_ids.values()), "before": before, "after": snapshot()}
 
 
 def run(model: str, pp: int, args) -> dict:
@@ -146,14 +146,17 @@ def _memory(engine) -> list[dict]:
 def report(results: dict[int, dict]) -> None:
     one, two = results[1], results[2]
     print(f"\n{'streams':>8} {'PP=1 tok/s':>11} {'PP=2 tok/s':>11} {'PP2/PP1':>8} {'copy ms':>8} "
-          f"{'host ms':>8} {'stall ms':>9} {'hidden':>7}")
+          f"{'host ms':>8} {'stall ms':>9} {'hidden':>7} {'tokens':>7}")
     for a, b in zip(one["rates"], two["rates"]):
         r1, copy = b["rank1"], b["transfer_s"]
         hidden = min(r1["host_seconds"], copy) / copy if copy else 0.0
+        same = "same" if b["same_tokens_as_pp1"] else "differ"
         print(f"{a['streams']:>8} {a['tok_s']:>11.1f} {b['tok_s']:>11.1f} {b['tok_s'] / a['tok_s']:>8.2f} "
-              f"{copy * 1e3:>8.3f} {r1['host_seconds'] * 1e3:>8.3f} {r1['stall_seconds'] * 1e3:>9.3f} {hidden:>7.0%}")
+              f"{copy * 1e3:>8.3f} {r1['host_seconds'] * 1e3:>8.3f} {r1['stall_seconds'] * 1e3:>9.3f} {hidden:>7.0%} "
+              f"{same:>7}")
     print("  copy: one stage-to-stage hidden state copy; host: rank 1's work per step while its receive was "
-          "posted; stall: what its compute still waited after that; hidden: share of the copy the host work covers")
+          "posted; stall: what its compute still waited after that; hidden: share of the copy the host work covers; "
+          "tokens: PP=2's greedy tokens against PP=1's (micro-batches change the batch shapes, so bf16 may differ)")
     print("\nPP=2, where a pipeline step's time goes (ms per step; host phases, then the device streams):")
     for a, b in zip(one["rates"], two["rates"]):
         print(_phases(a, b))
@@ -210,6 +213,8 @@ def main() -> None:
         else:
             model = args.model or str(demo_model("tiny" if args.small else "small"))
         results = {pp: run(model, pp, args) for pp in (1, 2)}
+    for a, b in zip(results[1]["rates"], results[2]["rates"]):
+        b["same_tokens_as_pp1"] = a.pop("token_ids") == b.pop("token_ids")
     report(results)
     tag = (f"_real{args.real_width}" if args.real_width else "") + ("" if args.async_scheduling else "_serial")
     out = Path(__file__).parent / "results" / f"pipeline_decode_{args.device}{tag}.json"
