@@ -9,11 +9,15 @@ after their prefills and prints decode tok/s side by side with the PP=2 / PP=1 r
 - how much of that the deferred receive hides: per step, rank 1's host work done while its receive was
   posted (builds the batch, replays cache ops) and the time its compute still waited for the hidden
   state after that work (the stream's stall on CUDA, measured with events);
-- where each rank's time goes per micro-batch step (`PipelineDriver.timing`, the workers' phases): rank 0
-  schedules, prepares the step, sends it, runs its layers and waits for the answer (the rest of its step
-  is the engine's own work: applying tokens, detokenizing); rank 1 waits for the message, does its host
-  work, launches its layers, samples (on CUDA waiting for its layers) and sends the ids back; on CUDA
-  also its stream's time in the layers, and how many steps ran from CUDA graphs on each rank.
+- where each rank's time goes per pipeline step (`PipelineDriver.timing`, the workers' phases): rank 0
+  schedules (micro-batches only), waits for the previous step's sampled ids (overlap scheduling: on CUDA
+  a stream wait, on CPU the host's), prepares the step, sends it, runs its layers and waits for the answer
+  (the rest of its step is the engine's own work: scheduling with overlap, applying tokens,
+  detokenizing); rank 1 waits for the message, does its host work, launches its layers, samples (on CUDA
+  waiting for its layers; the ids go to rank 0's device first) and sends the answer back; on CUDA also its
+  stream's time in the layers, and how many steps ran from the static decode runners on each rank.
+With overlap scheduling (the default) a step is one batch of every stream, launched before the host has
+read the previous step's ids; --no-async-scheduling runs micro-batches instead (up to 2 in flight).
 Results go to bench/results/pipeline_decode_<device>.json. On CPU the figures only show that the script
 runs: the ranks share the cores (each gets cores / N threads), so PP=1 and PP=2 do not compare.
 
@@ -21,6 +25,7 @@ runs: the ranks share the cores (each gets cores / N threads), so PP=1 and PP=2 
     python bench/pipeline_decode.py --device cuda --model DIR      # any checkpoint folder
     python bench/pipeline_decode.py --device cuda --real-width 8   # decode_roofline's real-width stack, 8 layers
     python bench/pipeline_decode.py --device cpu --small           # the tiny demo model on CPU (gloo ranks)
+    python bench/pipeline_decode.py --device cuda --no-async-scheduling   # micro-batches, no overlap
 """
 
 from __future__ import annotations
@@ -58,24 +63,25 @@ def decode_rate(llm: LLM, streams: int, tokens: int, snapshot=dict) -> dict:
     engine = llm.engine
     params = SamplingParams(temperature=0, max_tokens=tokens + 1, ignore_eos=True)
     requests = [engine.add_request(f"# stream {i}\ndef f(x):", params) for i in range(streams)]
-    generated = dict.fromkeys(requests, 0)
-    while min(generated.values()) < 1:  # every stream has its first token: prefills done
+    token_ids = {request: [] for request in requests}
+    while min(map(len, token_ids.values())) < 1:  # every stream has its first token: prefills done
         for out in engine.step():
-            generated[out.request_id] = len(out.outputs[0].token_ids)
+            token_ids[out.request_id] = list(out.outputs[0].token_ids)
     before = snapshot()
-    start_tokens, start, steps = sum(generated.values()), time.perf_counter(), 0
+    start_tokens, start, steps = sum(map(len, token_ids.values())), time.perf_counter(), 0
     while engine.has_unfinished_requests():
         steps += 1
         for out in engine.step():
-            generated[out.request_id] = len(out.outputs[0].token_ids)
+            token_ids[out.request_id] = list(out.outputs[0].token_ids)
     seconds = time.perf_counter() - start
-    decoded = sum(generated.values()) - start_tokens
+    decoded = sum(map(len, token_ids.values())) - start_tokens
     return {"streams": streams, "tokens": decoded, "seconds": seconds, "tok_s": decoded / seconds, "steps": steps,
-            "before": before, "after": snapshot()}
+            "token_ids": list(token_ids.values()), "before": before, "after": snapshot()}
 
 
 def run(model: str, pp: int, args) -> dict:
-    options = dict(dtype=args.dtype, device=args.device, max_model_len=args.max_model_len, max_num_seqs=4)
+    options = dict(dtype=args.dtype, device=args.device, max_model_len=args.max_model_len, max_num_seqs=4,
+                   async_scheduling=args.async_scheduling)
     if args.real_width:
         options["load_format"] = "dummy"  # random weights drawn at load: nothing written to disk
     if args.kv_cache_memory_bytes:
@@ -140,15 +146,18 @@ def _memory(engine) -> list[dict]:
 def report(results: dict[int, dict]) -> None:
     one, two = results[1], results[2]
     print(f"\n{'streams':>8} {'PP=1 tok/s':>11} {'PP=2 tok/s':>11} {'PP2/PP1':>8} {'copy ms':>8} "
-          f"{'host ms':>8} {'stall ms':>9} {'hidden':>7}")
+          f"{'host ms':>8} {'stall ms':>9} {'hidden':>7} {'tokens':>7}")
     for a, b in zip(one["rates"], two["rates"]):
         r1, copy = b["rank1"], b["transfer_s"]
         hidden = min(r1["host_seconds"], copy) / copy if copy else 0.0
+        same = "same" if b["same_tokens_as_pp1"] else "differ"
         print(f"{a['streams']:>8} {a['tok_s']:>11.1f} {b['tok_s']:>11.1f} {b['tok_s'] / a['tok_s']:>8.2f} "
-              f"{copy * 1e3:>8.3f} {r1['host_seconds'] * 1e3:>8.3f} {r1['stall_seconds'] * 1e3:>9.3f} {hidden:>7.0%}")
+              f"{copy * 1e3:>8.3f} {r1['host_seconds'] * 1e3:>8.3f} {r1['stall_seconds'] * 1e3:>9.3f} {hidden:>7.0%} "
+              f"{same:>7}")
     print("  copy: one stage-to-stage hidden state copy; host: rank 1's work per step while its receive was "
-          "posted; stall: what its compute still waited after that; hidden: share of the copy the host work covers")
-    print("\nPP=2, where a micro-batch step's time goes (ms per step; host phases, then the device streams):")
+          "posted; stall: what its compute still waited after that; hidden: share of the copy the host work covers; "
+          "tokens: PP=2's greedy tokens against PP=1's (micro-batches change the batch shapes, so bf16 may differ)")
+    print("\nPP=2, where a pipeline step's time goes (ms per step; host phases, then the device streams):")
     for a, b in zip(one["rates"], two["rates"]):
         print(_phases(a, b))
     for pp, result in results.items():
@@ -170,12 +179,13 @@ def _phases(one: dict, two: dict) -> str:
 
     return (f"  {two['streams']} streams: step {two['seconds'] / steps * 1e3:.3f} (PP=1: "
             f"{one['seconds'] / max(one['steps'], 1) * 1e3:.3f} per step of all streams)\n"
-            f"    rank 0: schedule {ms(r0, 'schedule_seconds')}, prepare {ms(r0, 'prepare_seconds')}, send "
+            f"    rank 0: schedule {ms(r0, 'schedule_seconds')}, ids wait {ms(r0, 'ids_wait_seconds')}, prepare "
+            f"{ms(r0, 'prepare_seconds')}, send "
             f"{ms(r0, 'send_seconds')}, own layers {ms(r0, 'forward_seconds')}, wait for answer "
             f"{ms(r0, 'wait_seconds')}, engine rest {(two['seconds'] - host0) / steps * 1e3:.3f}\n"
             f"    rank 1: wait for message {ms(r1, 'idle_seconds')}, host {ms(r1, 'host_seconds')}, receive wait "
             f"{ms(r1, 'receive_wait_seconds')}, launch layers {ms(r1, 'forward_seconds')}, sample "
-            f"{ms(r1, 'sample_seconds')}, send ids {ms(r1, 'send_seconds')}\n"
+            f"{ms(r1, 'sample_seconds')}, send answer {ms(r1, 'send_seconds')}\n"
             f"    streams: rank 0 layers {ms(r0, 'layers_seconds')}; rank 1 stall {ms(r1, 'stall_seconds')}, layers "
             f"{ms(r1, 'layers_seconds')}; steps from graphs: rank 0 {r0['static_steps']}/{r0['steps']}, rank 1 "
             f"{r1['static_steps']}/{r1['steps']} (PP=1 {one['static_steps']}/{one['steps']})")
@@ -192,6 +202,8 @@ def main() -> None:
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     parser.add_argument("--real-width", type=int, default=None, metavar="LAYERS",
                         help="the real-width stack of decode_roofline.py with this many layers (random weights)")
+    parser.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
+                        help="no overlap scheduling (PP=1 serial steps; PP=2 micro-batches in flight)")
     args = parser.parse_args()
     args.dtype = args.dtype or ("float32" if args.small or args.device == "cpu" else "bfloat16")
     args.tokens = args.tokens or (16 if args.small else 128)
@@ -201,8 +213,10 @@ def main() -> None:
         else:
             model = args.model or str(demo_model("tiny" if args.small else "small"))
         results = {pp: run(model, pp, args) for pp in (1, 2)}
+    for a, b in zip(results[1]["rates"], results[2]["rates"]):
+        b["same_tokens_as_pp1"] = a.pop("token_ids") == b.pop("token_ids")
     report(results)
-    tag = f"_real{args.real_width}" if args.real_width else ""
+    tag = (f"_real{args.real_width}" if args.real_width else "") + ("" if args.async_scheduling else "_serial")
     out = Path(__file__).parent / "results" / f"pipeline_decode_{args.device}{tag}.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps({"model": model, "dtype": args.dtype, "host": platform.node(),

@@ -34,6 +34,15 @@ def demo_dir(tmp_path_factory):
     return build_demo_model(tmp_path_factory.mktemp("demo") / "tiny", "tiny")
 
 
+@pytest.fixture(scope="module", autouse=True)
+def static_decode_eager():
+    """Decode steps through the static runners on every rank and in one process alike (eager on CPU): the
+    pipeline's decode steps go to them as host lists, with their input ids from the device."""
+    os.environ["TIERLM_STATIC_DECODE_EAGER"] = "1"
+    yield
+    del os.environ["TIERLM_STATIC_DECODE_EAGER"]
+
+
 @pytest.fixture(scope="module")
 def single(demo_dir):
     return LLM(str(demo_dir), **OPTIONS)
@@ -45,6 +54,7 @@ def pp3(demo_dir, single):
     blocks = 256 // single.engine.cache_plan.block_size
     llm = LLM(str(demo_dir), **OPTIONS, pipeline_parallel_size=3, pp_layer_partition=",".join(map(str, PARTITION)),
               kv_cache_memory_bytes=_budget_for_blocks(demo_dir, blocks))
+    assert llm.engine.overlap and llm.engine.runner.static_decode is not None
     yield llm
     llm.engine.close()
 
@@ -80,14 +90,21 @@ def test_one_request_gives_bit_identical_tokens_and_logprobs(single, pp3):
     assert got.outputs[0].text == expected.outputs[0].text
 
 
-def test_concurrent_requests_with_preemption_match_one_process(single, pp3):
-    """Micro-batches in flight split the requests differently from one process's batches, so fp32
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "micro-batches"])
+def test_concurrent_requests_with_preemption_match_one_process(single, pp3, overlap):
+    """With overlap scheduling the next step takes the last rank's ids on rank 0's device; without it,
+    micro-batches in flight split the requests differently from one process's batches. Either way fp32
     sums may round differently in the last bits: tokens equal, log-probabilities within 1e-4."""
     tokenizer = single.get_tokenizer()
     prompts = [{"prompt_token_ids": tokenizer.encode(f"# file {i}\n" + "x = 1\n" * (6 + 3 * i))} for i in range(5)]
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=2)
-    expected, got = single.generate(prompts, params), pp3.generate(prompts, params)
-    assert pp3.engine.scheduler.num_preemptions > 0
+    preempted = pp3.engine.scheduler.num_preemptions
+    pp3.engine.overlap = overlap  # between steps: nothing in flight
+    try:
+        expected, got = single.generate(prompts, params), pp3.generate(prompts, params)
+    finally:
+        pp3.engine.overlap = True
+    assert pp3.engine.scheduler.num_preemptions > preempted
     for a, b in zip(got, expected):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         for row_a, row_b in zip(_logprob_rows(a.outputs[0]), _logprob_rows(b.outputs[0])):

@@ -1,6 +1,7 @@
 """The pipeline's control messages between two gloo processes (`distributed/group.py`): an `Inbox` keeps
 its receives posted, so the sender's one-frame messages complete while the receiver is busy elsewhere;
 `post_object` returns before the receiver reads; messages longer than a frame arrive whole and in order.
+A stage's output and its input ids packed in one buffer come back whole (any width, any dtype).
 
 A sender that had to wait for the receiver here would wait for a message the receiver only sends after
 reading, so a regression shows as the group's timeout (an error), not as a slow test.
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 import torch.multiprocessing as mp
 
 from tierlm.distributed.group import FRAME_BYTES, PipelineGroup, free_tcp_address
@@ -24,7 +26,6 @@ def _messages() -> list:
 
 
 def _rank(rank: int, address: str, failures) -> None:
-    import torch
 
     group = None
     try:
@@ -83,3 +84,16 @@ def test_frames_hold_any_payload(size):
 
     assert _parse(frame, receive_rest) == message
     assert bool(received) == (rest is not None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_stage_output_and_ids_share_one_buffer(dtype):
+    from tierlm.engine.pipeline_messages import pack_stage_output, stage_buffer, unpack_stage_input
+
+    hidden = torch.randn(3, 5, dtype=dtype)  # 30 bytes of bf16: the ids start at the next 8-byte boundary
+    ids = torch.tensor([7, -1, 2**40])
+    packed = pack_stage_output(hidden, ids)
+    assert packed.dtype == torch.uint8 and packed.shape == stage_buffer(3, 5, dtype, packed.device).shape
+    received = torch.empty_like(packed).copy_(packed)  # what the next stage's receive fills
+    got_hidden, got_ids = unpack_stage_input(received, 3, 5, dtype)
+    assert torch.equal(got_hidden, hidden) and torch.equal(got_ids, ids)

@@ -11,8 +11,12 @@ process groups with a timeout on every collective, and moving data between ranks
   receiver's round trip, then the payload) and the sender never waits for the receiver to finish what it
   is doing (rank 0 sends the next micro-batch while the last rank samples the previous one); rank 0 also
   only starts its sends (`post_object`) and waits for them when the step's answer is back;
-- `isend` / `irecv`: a tensor over the device group (NCCL on CUDA, the same gloo group on CPU): the
-  hidden state between stages.
+- `isend` / `irecv`: a tensor over the device group (NCCL on CUDA, the same gloo group on CPU): each
+  stage's output (hidden state and token ids) to the next, straight from device memory;
+- `send_ids` / `recv_ids`: the last rank's sampled ids to rank 0 over a device group of their own (NCCL on
+  CUDA: a communicator and stream of their own), so rank 0's next step can take them as input on its
+  device before its host has read them; one direction per communicator, so no send waits behind a
+  receive of the other direction.
 Each flow has its own tag, so flows between the same two ranks never match each other's frames; the
 results from the last rank to rank 0 have a group of their own, so rank 0 can wait for them on a thread
 while its main thread sends. It does not know what the messages mean (`engine/pipeline.py` does).
@@ -35,7 +39,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-STEP_TAG, HIDDEN_TAG, RESULT_TAG, CONTROL_TAG = 1, 2, 3, 4
+STEP_TAG, HIDDEN_TAG, RESULT_TAG, CONTROL_TAG, TOKEN_TAG = 1, 2, 3, 4, 5
 REST_TAG_OFFSET = 16  # a message's second frame (the payload past its first frame) goes on tag + this
 # a message's first frame: 8 bytes of payload length, then the payload's first bytes; a decode step's
 # description fits in one up to a few thousand blocks of context in all (block tables are most of it)
@@ -84,6 +88,7 @@ class PipelineGroup:
     cpu_group: object  # gloo: messages
     device_group: object  # NCCL on CUDA, else the gloo group: hidden states
     result_group: object  # gloo, ranks 0 and last: results
+    token_group: object  # NCCL on CUDA, else gloo; ranks 0 and last: sampled ids, last to 0 only
 
     @classmethod
     def join(cls, rank: int, world_size: int, device: torch.device, init_method: str, timeout_s: float):
@@ -97,7 +102,8 @@ class PipelineGroup:
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timeout)
         cpu_group = dist.new_group(backend="gloo", timeout=timeout) if backend == "nccl" else dist.group.WORLD
         result_group = dist.new_group([0, world_size - 1], backend="gloo", timeout=timeout)
-        return cls(rank, world_size, device, cpu_group, dist.group.WORLD, result_group)
+        token_group = dist.new_group([0, world_size - 1], backend=backend, timeout=timeout)
+        return cls(rank, world_size, device, cpu_group, dist.group.WORLD, result_group, token_group)
 
     @property
     def is_last(self) -> bool:
@@ -133,6 +139,15 @@ class PipelineGroup:
     def irecv(self, tensor: torch.Tensor, src: int):
         return dist.irecv(tensor, src, group=self.device_group, tag=HIDDEN_TAG)
 
+    def send_ids(self, tensor: torch.Tensor):
+        """The last rank: a step's sampled ids (a device tensor) to rank 0, started."""
+        return dist.isend(tensor, 0, group=self.token_group, tag=TOKEN_TAG)
+
+    def recv_ids(self, tensor: torch.Tensor):
+        """Rank 0: the next step's sampled ids from the last rank, posted (on CUDA `wait()` only makes the
+        current stream wait for them)."""
+        return dist.irecv(tensor, self.world_size - 1, group=self.token_group, tag=TOKEN_TAG)
+
     def all_gather_object(self, obj) -> list:
         gathered = [None] * self.world_size
         dist.all_gather_object(gathered, obj, group=self.cpu_group)
@@ -156,6 +171,10 @@ class Inbox:
 
     def _post(self, frame: torch.Tensor) -> None:
         self._posted.append((frame, dist.irecv(frame, self.src, group=self.group, tag=self.tag)))
+
+    def ready(self) -> bool:
+        """Whether the next message's frame is in (`get` then returns without waiting for the sender)."""
+        return self._posted[0][1].is_completed()
 
     def get(self):
         """The next message (waits up to the group's timeout)."""

@@ -12,9 +12,12 @@ placeholder (engine/request.py) and its computed count moves on; the next step t
 device. Reading a step back fills the placeholders, applies stop conditions (a request that finished has
 one more token computed by the step already launched, which is discarded), detokenizes and streams. A
 step keeps its results synchronous when a sampling request needs its own ids on the host to sample the
-next token (a grammar, penalties, bad_words); speculative decoding, pipeline parallelism and memory-mapped
-PLE tables (rows gathered on the host from the ids) turn overlap off. Greedy and seeded outputs are the
-same either way (tests/test_overlap_scheduling.py).
+next token (a grammar, penalties, bad_words); speculative decoding and memory-mapped PLE tables (rows
+gathered on the host from the ids) turn overlap off. With pipeline parallelism the steps are launched
+into the pipeline (`PipelineDriver.launch` / `finish`: the last rank sends its sampled ids to rank 0's
+device, where the next step takes them), one batch of every running request at a time; without overlap
+the pipeline keeps micro-batches in flight instead (`PipelineDriver.step`). Greedy and seeded outputs are
+the same either way (tests/test_overlap_scheduling.py, tests/test_pipeline.py).
 """
 
 from __future__ import annotations
@@ -54,7 +57,7 @@ from tierlm.memory.plan import (
 from tierlm.model.checkpoint_layout import MTPLayout
 from tierlm.model.loader import load_model, read_quantization_config, resolve_model_path
 from tierlm.model.model_cache import ModelCache
-from tierlm.model.static_decode import StaticDecodeRunner
+from tierlm.model.static_decode import StaticDecodeRunner, runner_mode
 from tierlm.outputs import CompletionOutput, RequestOutput
 from tierlm.sampling_params import RequestOutputKind, SamplingParams
 from tierlm.tokenizer import Tokenizer
@@ -334,8 +337,8 @@ class LLMEngine:
                                    num_speculative_tokens=k)
         block_size = plan.block_size
         static_decode, static_drafts = None, None
-        mode = "cuda_graph" if device.type == "cuda" else ("compile" if config.compile_decode else None)
-        if mode and not config.enforce_eager:
+        mode = runner_mode(device, config.compile_decode, config.enforce_eager)
+        if mode:
             max_blocks = math.ceil(self.max_model_len / block_size)
             ple_dims = {t.ple_index: t.rows.shape[1] * mc.num_ngram_heads for t in self.ngram_store.tables} if (
                 self.ngram_store) else None
@@ -405,7 +408,7 @@ class LLMEngine:
         self.trace = StepTrace(self.config.trace, device) if self.config.trace else NoTrace()
         self.runner.trace = self.trace
         self.overlap = (self.config.async_scheduling and not os.environ.get("TIERLM_NO_ASYNC_SCHEDULING")
-                        and self.pipeline is None and type(self.runner) is ModelRunner
+                        and type(self.runner) is ModelRunner
                         and self.runner.ngram_store is None)
         self._in_flight: LaunchedStep | None = None  # overlap: the launched step not read back yet
         if device.type == "cuda":
@@ -551,7 +554,7 @@ class LLMEngine:
         With overlap scheduling: launch this step, then read back the step launched before it."""
         trace = self.trace
         changed: dict[str, None] = {}
-        if self.pipeline is not None:
+        if self.pipeline is not None and not self.overlap:
             with trace.phase("pipeline step"):
                 launched, done = self.pipeline.step(self.scheduler)
             # a step that only took back a batch in flight ran too (0 tells the server nothing could run)
@@ -577,7 +580,7 @@ class LLMEngine:
         outputs = []
         for index, (step, serial_plan) in enumerate(reads):
             with trace.phase("read sampled ids"):
-                result = step if isinstance(step, StepResult) else self.runner.finish(step)
+                result = step if isinstance(step, StepResult) else (self.pipeline or self.runner).finish(step)
             with trace.phase("apply, detokenize"):
                 if serial_plan is None:
                     self._apply_launched(step, result, changed)
@@ -595,7 +598,7 @@ class LLMEngine:
         if type(self.runner) is not ModelRunner:  # the speculative runner only executes
             return self.runner.execute(plan)
         samples = [chunk.samples for chunk in plan.chunks]  # before the computed counts move on
-        launched = self.runner.launch(plan, previous)
+        launched = (self.pipeline or self.runner).launch(plan, previous)
         if self.overlap and all(self._overlaps(request) for request in launched.sampling):
             self._in_flight = launched
             for chunk, sampled in zip(plan.chunks, samples, strict=True):

@@ -79,10 +79,18 @@ class ModelRunner:
     def launch(self, step: SchedulerOutput, previous: LaunchedStep | None = None) -> LaunchedStep:
         """Queue the step's forward and sampling. previous: the step launched before, whose sampled ids
         this one's placeholder inputs are (required when the step has any)."""
+        logits, wanted, _ = self.run_forward(step, previous)
+        with self.trace.phase("sample"):
+            return self._launch_sampling(step, wanted, logits)
+
+    def run_forward(self, step: SchedulerOutput, previous: LaunchedStep | None = None):
+        """Queue the step's forward (the model, or a pipeline stage): (its output, which logits rows each
+        chunk wants: (chunk, first row, count), the batch's input ids on the device with the placeholders
+        taken from `previous`'s sampled ids)."""
         trace = self.trace
         with trace.phase("prepare batch"):
             sources = self._placeholder_sources(step, previous)
-            if self._fits_static(step):  # host lists straight into the graph's buffers
+            if self.fits_static(step):  # host lists straight into the graph's buffers
                 staged = self._stage_static(step, sources, previous)
                 wanted = [(chunk, row, 1) for row, chunk in enumerate(step.chunks)]
             else:
@@ -94,9 +102,10 @@ class ModelRunner:
                         previous.pending.tokens[on_device(list(taken), batch.token_ids.device)])
         with trace.phase("launch forward"), trace.gpu("forward"):
             # always run: a chunk fills the cache even with no logits rows
-            logits = self.static_decode.replay(*staged) if staged else self.forward(batch)
-        with trace.phase("sample"):
-            return self._launch_sampling(step, wanted, logits)
+            if staged:
+                self.static_steps += 1
+                return self.static_decode.replay(*staged), wanted, self.static_decode.token_ids[: staged[1]]
+            return self.forward(batch), wanted, batch.token_ids
 
     def finish(self, launched: LaunchedStep) -> StepResult:
         """The launched step's sampled tokens and log-probabilities (waits for their copy to the host)."""
@@ -132,7 +141,7 @@ class ModelRunner:
             row += chunk.num_tokens + len(chunk.draft_token_ids)
         return sources
 
-    def _fits_static(self, step: SchedulerOutput) -> bool:
+    def fits_static(self, step: SchedulerOutput) -> bool:
         """A decode-only step (one sampling token per request) the static runner takes as host lists."""
         runner = self.static_decode
         return (runner is not None and self.ngram_store is None and 0 < len(step.chunks) <= runner.max_batch
@@ -181,7 +190,12 @@ class ModelRunner:
     def sample(self, wanted: list[tuple], logits: torch.Tensor) -> StepResult:
         """Sample (and record log-probabilities) from the logits rows `prepare` asked for, on their device
         (only the sampled ids and requested log-probabilities come back to the host)."""
-        return self.finish(self._launch_sampling(None, wanted, logits))
+        return self.finish(self.launch_sampling(wanted, logits))
+
+    def launch_sampling(self, wanted: list[tuple], logits: torch.Tensor) -> LaunchedStep:
+        """`sample` without the read back: queued, for `finish` to read (a pipeline's last rank launches
+        the next step first)."""
+        return self._launch_sampling(None, wanted, logits)
 
     def _launch_sampling(self, step, wanted: list[tuple], logits: torch.Tensor) -> LaunchedStep:
         """Prompt log-probabilities (read back now), then the sampling rows' pass queued."""

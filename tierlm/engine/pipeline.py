@@ -3,22 +3,30 @@
 Rank 0 is the engine: tokenizer, scheduler, cache manager, text side, and the first stage (embedding
 and the first layers). Every other rank runs `pipeline_worker.run_worker`: it holds its own layers
 (the last rank also the final mixer and lm_head), its own `ModelCache`, cache plan, host pools and
-static decode runner, and follows rank 0's step descriptions. Each step:
-1. rank 0 schedules a batch and sends every rank a `StepMessage`: the batch (`ForwardBatch` on the
-   CPU: token ids, positions, slots, block tables; slot and block numbers are rank 0's cache manager's,
-   the same on every rank), the cache operations rank 0's cache manager made since the last message
+static decode runner, and follows rank 0's step descriptions. Each step (`launch`, then `finish`):
+1. rank 0 schedules a batch and sends every rank a `StepMessage`: the batch (a decode step that fits the
+   static decode runners as host lists, `DecodeRows`, which every rank writes into its runner's buffers
+   in one copy; else a `ForwardBatch` on the CPU); slot and block numbers are rank 0's cache manager's,
+   the same on every rank; the cache operations rank 0's cache manager made since the last message
    (reset a slot, save or restore a prefix-cache checkpoint: each rank applies them to its own layers
    before the forward, so they land between the same two forwards everywhere), and for the last rank
    what to sample;
-2. rank 0 runs its layers and sends the multi-stream residual [N, hc * hidden] to rank 1, which runs
-   its layers and sends it on; each rank posts its receive of the residual as soon as the step message
-   is in, before its host work (building the batch), so the copy overlaps that work (deferred receive);
-3. the last rank computes the logits, samples them on its device (as one process does) and sends back
-   only the token ids and the requested log-probabilities (`StageResult`).
-Every rank keeps its receives of these messages posted ahead (`distributed.group.Inbox`): a gloo send
-waits for the receiver's receive, so without them rank 0 could not send the next micro-batch's step
-while the last rank still works on the previous one. `timing` (rank 0) and `worker_stats` (the others)
-say where each rank's time goes, phase by phase (bench/pipeline_decode.py prints them).
+2. rank 0 runs its layers and sends the multi-stream residual [N, hc * hidden], packed on its device with
+   the batch's input ids, to rank 1, which runs its layers (its input ids from that buffer) and sends it
+   on; each rank posts its receive as soon as the step message is in, before its host work, so the copy
+   overlaps that work (deferred receive);
+3. the last rank computes the logits, samples them on its device (as one process does), sends the
+   sampled ids straight to rank 0's device (`PipelineGroup.send_ids`), then the ids and the requested
+   log-probabilities to its host (`StageResult`).
+Overlap scheduling (the engine's, on by default): rank 0 launches step t+1 before it has read step t's
+answer; the inputs of t+1 that t samples (placeholders) are taken on rank 0's device from the ids the
+last rank sent there, and reach the other ranks with the hidden state. So no host sits between the
+ranks' devices: with one stream a token costs the two stages' layers, the sampling and two small copies,
+while the hosts prepare the next step. Without overlap, micro-batches are in flight instead (below).
+Every rank keeps its receives of the messages posted ahead (`distributed.group.Inbox`): a gloo send
+waits for the receiver's receive, so without them rank 0 could not send the next step while the last
+rank still works on the previous one. `timing` (rank 0) and `worker_stats` (the others) say where each
+rank's time goes, phase by phase (bench/pipeline_decode.py prints them).
 
 Sampling on the last rank: its sampler keeps a mirror of each request's sampling state (parameters,
 output tokens, seeded generator; `pipeline_worker._Mirror`). Structured output: rank 0's grammar
@@ -26,9 +34,9 @@ matcher gives the allowed-token bitmask of each constrained row, which is sent w
 bytes a row (31 KB for a 248k vocabulary) against 4 x vocab (1 MB) to send the fp32 logits row back
 and sample on rank 0.
 
-Micro-batches: up to pipeline_parallel_size batches are in flight (vLLM's virtual engines), each with
-about 1/N of the running requests; a request is in one batch at a time (`Scheduler.schedule(busy=)`).
-TIERLM_PP_MAX_IN_FLIGHT=1 turns this off (one batch at a time).
+Micro-batches (`step`, when overlap scheduling is off): up to pipeline_parallel_size batches are in
+flight (vLLM's virtual engines), each with about 1/N of the running requests; a request is in one batch
+at a time (`Scheduler.schedule(busy=)`). TIERLM_PP_MAX_IN_FLIGHT=1 turns this off (one batch at a time).
 
 Failure: every collective has `pipeline_timeout_s`; rank 0 waits for results on a thread and watches
 the worker processes it spawned (also between steps), so a dead rank ends the step, or with
@@ -52,7 +60,7 @@ import sys
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -66,8 +74,17 @@ from tierlm.distributed.group import (
     free_tcp_address,
     rank_device,
 )
-from tierlm.engine.model_runner import ModelRunner, StepResult
-from tierlm.engine.pipeline_messages import BatchArrays, NewRequest, SampleSpec, StageResult, StepMessage
+from tierlm.engine.model_runner import LaunchedStep, ModelRunner, StepResult
+from tierlm.engine.pipeline_messages import (
+    BatchArrays,
+    DecodeRows,
+    NewRequest,
+    SampleSpec,
+    StageResult,
+    StepMessage,
+    pack_stage_output,
+    sampled_ids_buffer,
+)
 from tierlm.engine.request import Request
 from tierlm.engine.sampler import Sampler
 from tierlm.engine.scheduler import Scheduler, SchedulerOutput
@@ -78,10 +95,14 @@ logger = logging.getLogger("tierlm")
 
 RESULT_POLL_S = 0.2  # how often rank 0 checks its workers while it waits for a result
 WATCH_INTERVAL_S = 1.0  # how often rank 0 checks its workers between steps
-# where rank 0's pipeline time goes on the host, summed over steps (`timing`): scheduling; building the
-# batch and the step message; pickling and sending it to every rank; its own layers (copy the batch to
-# the device, launch them, send the hidden state on); waiting for the last rank's answer
-DRIVER_PHASES = ("schedule_seconds", "prepare_seconds", "send_seconds", "forward_seconds", "wait_seconds")
+# where rank 0's pipeline time goes on the host, summed over steps (`timing`): scheduling (micro-batches;
+# with overlap scheduling the engine schedules); waiting for the previous step's sampled ids (with
+# overlap: on CUDA only the stream waits, on CPU the host); building the step message; pickling and
+# sending it to every rank; its own layers (inputs into the static runner's buffers or the batch to the
+# device, the layers launched, their output and ids packed and sent on, the ids' receive posted);
+# waiting for the last rank's answer
+DRIVER_PHASES = ("schedule_seconds", "ids_wait_seconds", "prepare_seconds", "send_seconds", "forward_seconds",
+                 "wait_seconds")
 
 
 def _first_line(exc: BaseException) -> str:
@@ -116,12 +137,22 @@ class RecordingCache:
 
 
 @dataclass
-class _InFlight:
-    plan: SchedulerOutput
-    requests: dict[int, Request]  # by key, the requests whose rows come back
-    send: object  # the hidden state's send to rank 1 (waited for when the result is back)
-    hidden: torch.Tensor  # kept alive until then
-    message_sends: list  # the step message's sends to every rank (likewise)
+class _SampledOnDevice:
+    """A step's sampled ids as rank 0 receives them from the last rank, on its device (row k: the k-th
+    sampling chunk's): what the next step's placeholder inputs are taken from (`ModelRunner`'s
+    `previous.pending.tokens`)."""
+
+    tokens: torch.Tensor
+
+
+@dataclass(eq=False)
+class PipelineStep(LaunchedStep):
+    """A step in the pipeline as rank 0 sees it: launched on every rank, its answer not read yet."""
+
+    requests: dict[int, Request] = field(default_factory=dict)  # by key, the requests whose rows come back
+    sends: list = field(default_factory=list)  # the step message's sends and the stage output's
+    output: torch.Tensor | None = None  # the packed stage output being sent, kept alive until then
+    ids_receive: object = None  # the sampled ids' receive (None once waited for)
 
 
 class PipelineDriver:
@@ -170,7 +201,7 @@ class PipelineDriver:
         env = os.environ.get("TIERLM_PP_MAX_IN_FLIGHT")
         self.max_in_flight = int(env) if env else self.world_size
         self.cache = RecordingCache(self.stage.cache)
-        self.in_flight: deque[_InFlight] = deque()
+        self.in_flight: deque[PipelineStep] = deque()  # launched, oldest first
         self.keys: dict[Request, int] = {}  # requests the last rank mirrors
         self._next_key = 0
         self.exit_process_on_failure = False  # the server sets it: a dead rank ends the process
@@ -226,11 +257,11 @@ class PipelineDriver:
     # ---- steps ----
     @property
     def busy(self) -> set[Request]:
-        return {chunk.request for entry in self.in_flight for chunk in entry.plan.chunks}
+        return {chunk.request for entry in self.in_flight for chunk in entry.step.chunks}
 
     def step(self, scheduler: Scheduler) -> tuple[int, list[tuple[SchedulerOutput, StepResult]]]:
-        """Launch batches while fewer than max_in_flight are out, then take back the oldest.
-        Returns (tokens launched, [(the plan that came back, its result)])."""
+        """Micro-batches (without overlap scheduling): launch batches while fewer than max_in_flight are
+        out, then take back the oldest. Returns (tokens launched, [(the plan that came back, its result)])."""
         self._check_alive()
         launched = 0
         while len(self.in_flight) < self.max_in_flight:
@@ -241,18 +272,32 @@ class PipelineDriver:
             self._timing["schedule_seconds"] += time.perf_counter() - began
             if not plan.chunks:
                 break
-            self.submit(plan)
+            self.launch(plan)
             launched += plan.num_tokens
         if not self.in_flight:
             return launched, []
-        return launched, [self.collect()]
+        oldest = self.in_flight[0]
+        return launched, [(oldest.step, self.finish(oldest))]
 
-    def submit(self, plan: SchedulerOutput) -> None:
-        runner, began = self.runner, time.perf_counter()
-        batch, wanted = runner.prepare(plan, device="cpu")
-        message = StepMessage(batch=BatchArrays.of(batch), cache_ops=self.cache.drain(),
-                              released=self._release_finished())
-        requests = {}
+    def launch(self, plan: SchedulerOutput, previous: PipelineStep | None = None) -> PipelineStep:
+        """Send every rank the step, queue this rank's layers and the send of their output, and post the
+        receive of its sampled ids; nothing here waits for the device. previous: the step launched before,
+        whose sampled ids (on this device) this one's placeholder inputs are (overlap scheduling)."""
+        self._check_alive()
+        runner, waited = self.runner, time.perf_counter()
+        if previous is not None:
+            self._wait_ids(previous)
+        began = time.perf_counter()
+        message = StepMessage(cache_ops=self.cache.drain(), released=self._release_finished())
+        if runner.fits_static(plan):  # every rank runs it from its static runner, given host lists
+            chunks = plan.chunks
+            message.decode = DecodeRows([c.start for c in chunks], [c.request.state_slot for c in chunks],
+                                        [c.request.block_ids for c in chunks])
+            wanted = [(chunk, row, 1) for row, chunk in enumerate(chunks)]
+        else:
+            batch, wanted = runner.prepare(plan, device="cpu")
+            message.batch = BatchArrays.of(batch)
+        requests, sampling = {}, []
         for chunk, first, count in wanted:
             request = chunk.request
             key = self.keys.get(request)
@@ -261,46 +306,60 @@ class PipelineDriver:
                 self._next_key += 1
                 message.new_requests.append(NewRequest(
                     key, request.request_id, request.prompt_token_ids, request.params, request.eos_token_ids,
-                    request.max_model_len, list(request.output_token_ids), request.structured_output is not None,
+                    request.max_model_len, list(request.known_output_token_ids), request.structured_output is not None,
                 ))
             grammar = request.structured_output
             bitmask = grammar.token_bitmask() if grammar is not None and chunk.samples else None
             bitmask = None if bitmask is None else bitmask.numpy()
             message.samples.append(SampleSpec(key, first, count, chunk.start, chunk.num_tokens, chunk.samples, bitmask))
             requests[key] = request
+            if chunk.samples:
+                sampling.append(request)
         sent = time.perf_counter()
-        message_sends = self._send_all(message)
+        sends = self._send_all(message)
         launched = time.perf_counter()
-        # a copy: a CUDA graph's output buffer is overwritten by the next replay, maybe before NCCL has read it
-        batch = batch.to(self.stage.cache.device)
         with self._layers.timed():
-            hidden = runner.forward(batch).clone()
+            hidden, _, token_ids = runner.run_forward(plan, previous)
+            # the ids go with the hidden state: placeholders resolved on this device reach every rank
+            output = pack_stage_output(hidden, token_ids)
+        ids = sampled_ids_buffer(self.config.max_num_seqs, self.stage.cache.device)
         try:
-            send = self.group.isend(hidden, 1)
+            sends.append(self.group.isend(output, 1))
+            receive = self.group.recv_ids(ids)
         except Exception as exc:  # noqa: BLE001
             self._fail(f"sending the hidden state to rank 1 failed: {_first_line(exc)}")
-        self.in_flight.append(_InFlight(plan, requests, send, hidden, message_sends))
+        entry = PipelineStep(plan, sampling, _SampledOnDevice(ids), StepResult(), requests=requests, sends=sends,
+                             output=output, ids_receive=receive)
+        self.in_flight.append(entry)
         timing, done = self._timing, time.perf_counter()
+        timing["ids_wait_seconds"] += began - waited
         timing["prepare_seconds"] += sent - began
         timing["send_seconds"] += launched - sent
         timing["forward_seconds"] += done - launched
         timing["steps"] += 1
+        return entry
 
-    def collect(self) -> tuple[SchedulerOutput, StepResult]:
-        entry = self.in_flight.popleft()
+    def finish(self, entry: PipelineStep) -> StepResult:
+        """The step's sampled tokens and log-probabilities (waits for the last rank's answer, which comes
+        in order: `entry` is the oldest step in flight). Requests finished meanwhile are left out."""
+        if not self.in_flight or self.in_flight[0] is not entry:
+            raise RuntimeError("pipeline steps are read back in the order they were launched")
+        self.in_flight.popleft()
         began = time.perf_counter()
         answer = self._wait_result()
         try:
-            for work in entry.message_sends:  # done: every rank has received its step
+            for work in entry.sends:  # done: every rank has received its step
                 work.wait()
-            entry.send.wait()  # done: the last rank has answered
         except Exception as exc:  # noqa: BLE001
             self._fail(f"sending a step or its hidden state failed: {_first_line(exc)}")
+        self._wait_ids(entry)
         self._timing["wait_seconds"] += time.perf_counter() - began
         if answer.error is not None:
             self._fail(f"pipeline rank {self.world_size - 1} failed during a step: {answer.error}")
         result = StepResult()
         for key, request in entry.requests.items():
+            if request.is_finished:  # aborted, or (overlap) finished by the step before: discarded
+                continue
             if key in answer.failed:
                 result.failed[request] = answer.failed[key]
                 continue
@@ -311,7 +370,17 @@ class PipelineDriver:
                 if key in answer.logprobs:
                     request.logprobs.append(answer.logprobs[key])
                     request.cumulative_logprob = answer.cumulative_logprob[key]
-        return entry.plan, result
+        return result
+
+    def _wait_ids(self, entry: PipelineStep) -> None:
+        """The step's sampled ids on this device (on CUDA the stream waits, not the host)."""
+        if entry.ids_receive is None:
+            return
+        try:
+            entry.ids_receive.wait()
+        except Exception as exc:  # noqa: BLE001
+            self._fail(f"lost the connection to pipeline rank {self.world_size - 1}: {_first_line(exc)}")
+        entry.ids_receive = None
 
     def _release_finished(self) -> list[int]:
         """The keys of requests that finished (or were aborted) and are in no batch in flight: the last rank

@@ -6,7 +6,14 @@ gives each request the first time its rows are sampled (`NewRequest` then carrie
 sampler mirrors), and takes back when the request is done (`StepMessage.released`).
 
 Messages are pickled; tensors travel as numpy arrays (`BatchArrays`, the bitmask), which pickle as raw
-bytes: a pickled torch tensor costs milliseconds to write and read, a numpy array microseconds.
+bytes: a pickled torch tensor costs milliseconds to write and read, a numpy array microseconds. A decode
+step that fits the static decode runners travels as `DecodeRows` (host lists, what
+`StaticDecodeRunner.stage_decode` takes) instead of a whole batch.
+
+What crosses ranks on the device (never through the host): each stage's output, packed with the batch's
+token ids as one buffer (`pack_stage_output` / `unpack_stage_input`: the stages after the first take
+their input ids from it, so an id sampled on the device reaches every rank without the host), and the
+last rank's sampled ids back to rank 0 (`sampled_ids_buffer`, one fixed size for every step).
 """
 
 from __future__ import annotations
@@ -41,6 +48,54 @@ class BatchArrays:
 
 
 @dataclass
+class DecodeRows:
+    """A decode-only step as host lists, one row per request: positions, state slots, block lists (the
+    input ids come with the hidden state)."""
+
+    positions: list[int]
+    slots: list[int]
+    tables: list[list[int]]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.positions)
+
+
+def _ids_offset(num_tokens: int, width: int, dtype: torch.dtype) -> int:
+    """Where the ids start in a packed stage output: after the hidden state, 8-byte aligned."""
+    return -(-num_tokens * width * dtype.itemsize // 8) * 8
+
+
+def stage_buffer(num_tokens: int, width: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An empty buffer for a packed stage output of `num_tokens` rows (what the next stage receives)."""
+    return torch.empty(_ids_offset(num_tokens, width, dtype) + 8 * num_tokens, dtype=torch.uint8, device=device)
+
+
+def pack_stage_output(hidden: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """One buffer holding a stage's output [N, width] and the batch's input ids [N] (copies queued on the
+    device: the result owns its bytes, so a CUDA graph's output buffer may be reused at once)."""
+    rows, width = hidden.shape
+    buffer = stage_buffer(rows, width, hidden.dtype, hidden.device)
+    hidden_out, ids_out = unpack_stage_input(buffer, rows, width, hidden.dtype)
+    hidden_out.copy_(hidden)
+    ids_out.copy_(token_ids)
+    return buffer
+
+
+def unpack_stage_input(buffer: torch.Tensor, num_tokens: int, width: int,
+                       dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Views of a packed stage output: the hidden state [N, width] and the input ids [N] (int64)."""
+    offset = _ids_offset(num_tokens, width, dtype)
+    hidden = buffer[: num_tokens * width * dtype.itemsize].view(dtype).view(num_tokens, width)
+    return hidden, buffer[offset : offset + 8 * num_tokens].view(torch.int64)
+
+
+def sampled_ids_buffer(max_rows: int, device: torch.device) -> torch.Tensor:
+    """The last rank's sampled ids of one step, row k the k-th sampling chunk's (zeros past them)."""
+    return torch.zeros(max_rows, dtype=torch.int64, device=device)
+
+
+@dataclass
 class NewRequest:
     """What the last rank's sampler needs to mirror a request, sent once."""
 
@@ -71,6 +126,7 @@ class SampleSpec:
 class StepMessage:
     kind: str = "step"  # step | stats | echo | stop
     batch: BatchArrays | None = None
+    decode: DecodeRows | None = None  # instead of `batch`: a decode step the static runners take
     cache_ops: list[tuple[str, tuple]] = field(default_factory=list)
     new_requests: list[NewRequest] = field(default_factory=list)
     released: list[int] = field(default_factory=list)

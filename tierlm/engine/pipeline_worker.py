@@ -1,11 +1,14 @@
 """A pipeline rank other than 0: its stage, run on rank 0's step descriptions (see `engine/pipeline.py`).
 
-The loop: receive a `StepMessage` from rank 0; post the receive of the previous stage's hidden state at
-once (deferred receive: the copy overlaps what follows); replay rank 0's cache operations on this
-rank's layers; move the batch to the device; wait for the hidden state; run the layers; send the
-result on (the last rank: sample, and send the tokens and log-probabilities to rank 0).
+The loop: receive a `StepMessage` from rank 0; post the receive of the previous stage's output (hidden
+state and input ids in one device buffer) at once (deferred receive: the copy overlaps what follows);
+replay rank 0's cache operations on this rank's layers; move the batch to the device (a decode step:
+its host lists into the static runner's buffers, the input ids taken from the received buffer on the
+device); wait for the receive (on CUDA only the stream waits); run the layers; send the output on. The
+last rank samples, sends the sampled ids to rank 0's device (its next step may already wait for them
+there), then the tokens and log-probabilities to rank 0's host.
 
-The last rank samples with the engine's own `ModelRunner.sample` on mirrors of the requests (`_Mirror`:
+The last rank samples with the engine's own `ModelRunner` sampling on mirrors of the requests (`_Mirror`:
 parameters, output tokens, seeded generator), on its device, so sampling is the code PP=1 runs: the same
 ops on the same values and generators, and only the ids and log-probabilities come to the host.
 Structured-output rows come with rank 0's grammar bitmask. Messages from rank 0 arrive in an `Inbox`
@@ -35,12 +38,21 @@ from tierlm.distributed.group import (
     rank_device,
     torchrun_rank,
 )
-from tierlm.engine.model_runner import ModelRunner
-from tierlm.engine.pipeline_messages import SampleSpec, StageResult, StepMessage
-from tierlm.engine.request import Request
+from tierlm.engine.model_runner import LaunchedStep, ModelRunner
+from tierlm.engine.pipeline_messages import (
+    SampleSpec,
+    StageResult,
+    StepMessage,
+    pack_stage_output,
+    sampled_ids_buffer,
+    stage_buffer,
+    unpack_stage_input,
+)
+from tierlm.engine.request import PLACEHOLDER, Request
 from tierlm.engine.sampler import Sampler
 from tierlm.engine.stage_setup import Stage, build_stage, memory_report
 from tierlm.engine.stream_clock import StreamClock
+from tierlm.model.forward_batch import on_device
 
 logger = logging.getLogger("tierlm")
 
@@ -115,7 +127,9 @@ class _Mirror:
                 request.structured_output = BitmaskGrammar(None)
             self.requests[new.key] = request
 
-    def sample(self, runner: ModelRunner, specs: list[SampleSpec], logits: torch.Tensor) -> StageResult:
+    def launch(self, runner: ModelRunner, specs: list[SampleSpec], logits: torch.Tensor) -> _Sampling:
+        """Queue the sampling of the step's rows on the device (as one process does: `ModelRunner`); prompt
+        log-probabilities are read at once."""
         wanted, before = [], {}
         for spec in specs:
             request = self.requests[spec.key]
@@ -124,27 +138,67 @@ class _Mirror:
                 request.structured_output.bitmask = None if spec.bitmask is None else torch.from_numpy(spec.bitmask)
             before[spec.key] = len(request.prompt_logprobs) if request.prompt_logprobs is not None else 0
             wanted.append((_Chunk(request, spec.start, spec.num_tokens, spec.samples), spec.first, spec.count))
-        result = runner.sample(wanted, logits)
-        out = StageResult()
+        launched = runner.launch_sampling(wanted, logits)
+        # each sampled id counts from now on, filled in when read back: a step launched before then sees
+        # the output length one process sees (min_tokens), as the engine's placeholders do
+        rows = {}
+        for request in launched.sampling:
+            rows[request] = len(request.output_token_ids)
+            request.output_token_ids.append(PLACEHOLDER)
+        prompt_logprobs = {}
         for spec in specs:
+            request = self.requests[spec.key]
+            if request.prompt_logprobs is not None and len(request.prompt_logprobs) > before[spec.key]:
+                prompt_logprobs[spec.key] = request.prompt_logprobs[before[spec.key]:]
+        return _Sampling(specs, launched, rows, prompt_logprobs)
+
+    def sampled_ids(self, sampling: _Sampling, out: torch.Tensor) -> torch.Tensor:
+        """The launched step's sampled ids into `out`, row k the k-th sampling spec's (what rank 0 counts on;
+        a request whose prompt log-probabilities failed has no sampling row, its row stays 0)."""
+        launched = sampling.launched
+        if launched.pending is None:
+            return out
+        requests = [self.requests[spec.key] for spec in sampling.specs if spec.samples]
+        tokens = launched.pending.tokens
+        if launched.sampling == requests:
+            out[: len(requests)].copy_(tokens)
+        else:
+            index = {request: k for k, request in enumerate(requests)}
+            out[on_device([index[r] for r in launched.sampling], out.device)] = tokens
+        return out
+
+    def finish(self, runner: ModelRunner, sampling: _Sampling) -> StageResult:
+        """The launched sampling read back (waits for its ids) as the answer to rank 0."""
+        result = runner.finish(sampling.launched)
+        out = StageResult(prompt_logprobs=sampling.prompt_logprobs)
+        for spec in sampling.specs:
             key, request = spec.key, self.requests[spec.key]
-            if request.prompt_logprobs is not None and len(request.prompt_logprobs) > before[key]:
-                out.prompt_logprobs[key] = request.prompt_logprobs[before[key]:]
             if request in result.failed:
                 out.failed[key] = result.failed[request]
             elif request in result.sampled:
                 token = out.sampled[key] = result.sampled[request]
-                request.output_token_ids.append(token)
+                request.output_token_ids[sampling.rows[request]] = token
                 if request.logprobs is not None:
                     out.logprobs[key] = request.logprobs[-1]
                     out.cumulative_logprob[key] = request.cumulative_logprob
         return out
 
 
+@dataclass
+class _Sampling:
+    """A step's sampling on the last rank, launched on the device and not read back yet."""
+
+    specs: list[SampleSpec]
+    launched: LaunchedStep
+    rows: dict[Request, int]  # each sampling request's place in its output ids (a placeholder until read)
+    prompt_logprobs: dict[int, list]
+
+
 # where a worker's host time goes, summed over steps (`PipelineDriver.worker_stats`): waiting for the
 # next step's message; host work while the hidden state's receive is posted (cache ops, the batch); on
 # CPU the wait for the hidden state; launching the layers (CPU: running them) and sending the result on;
-# the last rank: sampling (on CUDA this waits for the layers) and sending the ids to rank 0. Beside
+# the last rank: launching the sampling and the ids' send to rank 0's device, then reading the ids back
+# (on CUDA this waits for the layers and the sampling) and sending the answer to rank 0's host. Beside
 # them (on CUDA, the stream's time): stall_seconds (waiting for the hidden state after the host work),
 # layers_seconds (the layers), and static_steps (forwards replayed from the static decode runner)
 WORKER_PHASES = ("idle_seconds", "host_seconds", "receive_wait_seconds", "forward_seconds", "sample_seconds",
@@ -152,6 +206,9 @@ WORKER_PHASES = ("idle_seconds", "host_seconds", "receive_wait_seconds", "forwar
 
 
 def run_worker(group: PipelineGroup, stage: Stage, config) -> None:
+    """Follow rank 0's messages until it says stop. The last rank reads a step's sampled ids back only
+    once it has launched the next step, when that step's message is already in: its host prepares the
+    next step while its device samples this one."""
     rank, device = group.rank, group.device
     mc = stage.model_config
     decode = None
@@ -168,7 +225,8 @@ def run_worker(group: PipelineGroup, stage: Stage, config) -> None:
     # rank 0 sends up to world_size steps ahead of the last rank: each finds its receive posted
     inbox = group.inbox(0, depth=group.world_size)
     stats = dict.fromkeys(WORKER_PHASES, 0.0) | {"steps": 0}
-    pending_send = None
+    sending: list = []  # the previous step's sends and their buffers (waited for before the next ones)
+    unread: _Sampling | None = None  # the last rank: a step whose sampling is launched, not read back yet
     clock = time.perf_counter()
 
     def lap(phase: str) -> None:
@@ -177,8 +235,29 @@ def run_worker(group: PipelineGroup, stage: Stage, config) -> None:
         stats[phase] += now - clock
         clock = now
 
+    def send(*works_and_buffers) -> None:
+        nonlocal sending
+        for work in sending[::2]:
+            _comm(work.wait)
+        sending = list(works_and_buffers)
+
+    def answer() -> None:
+        """Read the unread step's ids back and send rank 0 its answer."""
+        nonlocal unread
+        sampling, unread = unread, None
+        try:
+            result = mirror.finish(runner, sampling)
+        except Exception as exc:
+            _comm(group.send_object, StageResult(error=f"{type(exc).__name__}: {exc}"), 0, RESULT_TAG,
+                  group.result_group)
+            raise
+        _comm(group.send_object, result, 0, RESULT_TAG, group.result_group)
+        lap("send_seconds")
+
     while True:
         message: StepMessage = _comm(inbox.get)
+        if unread is not None and message.kind != "step":
+            answer()
         if message.kind == "stop":
             return
         if message.kind == "stats":
@@ -191,40 +270,63 @@ def run_worker(group: PipelineGroup, stage: Stage, config) -> None:
             clock = time.perf_counter()
             continue
         lap("idle_seconds")
-        hidden = torch.empty(message.batch.num_tokens, width, dtype=dtype, device=device)
-        receive = _comm(group.irecv, hidden, rank - 1)  # posted before the host work it overlaps
+        rows = (message.decode or message.batch).num_tokens
+        received = stage_buffer(rows, width, dtype, device)
+        receive = _comm(group.irecv, received, rank - 1)  # posted before the host work it overlaps
         for name, args in message.cache_ops:
             getattr(stage.cache, name)(*args)
         if mirror is not None:
             mirror.update(message)
-        batch = message.batch.batch(device)
+        batch = None if message.batch is None else message.batch.batch(device)
         lap("host_seconds")
         with stall.timed():
             _comm(receive.wait)
-        batch.stage_input = hidden
+        hidden, token_ids = unpack_stage_input(received, rows, width, dtype)
         lap("receive_wait_seconds")
         if mirror is None:
             with layers.timed():
-                out = runner.forward(batch).clone()  # not a CUDA graph's output buffer: the next replay reuses it
-            if pending_send is not None:
-                _comm(pending_send[0].wait)
-            pending_send = (_comm(group.isend, out, rank + 1), out)
+                out = pack_stage_output(_run_layers(runner, message, batch, hidden, token_ids), token_ids)
+            send(_comm(group.isend, out, rank + 1), out)
             lap("forward_seconds")
-        else:
-            try:
-                with layers.timed():
-                    logits = runner.forward(batch)
-                lap("forward_seconds")
-                # on the device, as one process samples: only the ids and log-probabilities come back
-                result = mirror.sample(runner, message.samples, logits)
-                lap("sample_seconds")
-            except Exception as exc:
-                _comm(group.send_object, StageResult(error=f"{type(exc).__name__}: {exc}"), 0, RESULT_TAG,
-                      group.result_group)
-                raise
-            _comm(group.send_object, result, 0, RESULT_TAG, group.result_group)
-            lap("send_seconds")
+            stats["steps"] += 1
+            continue
+        try:
+            with layers.timed():
+                logits = _run_layers(runner, message, batch, hidden, token_ids)
+            lap("forward_seconds")
+            # on the device, as one process samples; the ids go to rank 0's device at once (its next step
+            # may already wait for them there), to its host with the log-probabilities when read back
+            sampling = mirror.launch(runner, message.samples, logits)
+            ids = mirror.sampled_ids(sampling, sampled_ids_buffer(config.max_num_seqs, device))
+            send(_comm(group.send_ids, ids), ids)
+            lap("sample_seconds")
+        except _PeerLost:
+            raise
+        except Exception as exc:
+            _comm(group.send_object, StageResult(error=f"{type(exc).__name__}: {exc}"), 0, RESULT_TAG,
+                  group.result_group)
+            raise
+        if unread is not None:  # the step before, launched ahead of this one: its answer first
+            answer()
+        unread = sampling
         stats["steps"] += 1
+        if not inbox.ready():  # no next step to launch first: read this one back now
+            answer()
+
+
+def _run_layers(runner: ModelRunner, message: StepMessage, batch, hidden: torch.Tensor,
+                token_ids: torch.Tensor) -> torch.Tensor:
+    """This rank's layers on the step: a decode step (`DecodeRows`) from the static runner, given host
+    lists, the input ids and hidden state from the previous stage's buffer; else the batch."""
+    rows = message.decode
+    if rows is None:
+        batch.token_ids, batch.stage_input = token_ids, hidden
+        return runner.forward(batch)
+    static, n = runner.static_decode, rows.num_tokens
+    static.stage_input[:n].copy_(hidden)
+    staged = static.stage_decode([0] * n, rows.positions, rows.slots, rows.tables, list(range(n)), token_ids)
+    runner.static_steps += 1
+    return static.replay(*staged)
 
 
 def _echo(group: PipelineGroup, message: StepMessage, dtype: torch.dtype) -> None:

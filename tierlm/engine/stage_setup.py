@@ -139,10 +139,10 @@ def rank_summary(layout: StageLayout, device: str, plan) -> str:
 
 
 def _static_decode(config, model, model_config, cache, layout: StageLayout):
-    from tierlm.model.static_decode import StaticDecodeRunner
+    from tierlm.model.static_decode import StaticDecodeRunner, runner_mode
 
-    mode = "cuda_graph" if cache.device.type == "cuda" else ("compile" if config.compile_decode else None)
-    if not mode or config.enforce_eager:
+    mode = runner_mode(cache.device, config.compile_decode, config.enforce_eager)
+    if mode is None:
         return None
     max_model_len = config.max_model_len or model_config.max_position_embeddings
     width = None if layout.is_first else model_config.hc_count * model_config.hidden_size

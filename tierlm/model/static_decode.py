@@ -36,6 +36,7 @@ one before); the ids are resolved inside the graph. `stage_verify` does the same
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 
@@ -46,6 +47,19 @@ MODES = ("cuda_graph", "compile", "eager")
 # the narrowest prepared block table, in tokens: scoring this many tokens' compressed keys costs little
 # beside the rest of a decode step, and fewer widths mean fewer graphs
 FIRST_WIDTH_TOKENS = 4096
+
+
+def runner_mode(device: torch.device, compile_decode: bool, enforce_eager: bool) -> str | None:
+    """The mode an engine's static runner takes on `device` (None: every step eager): CUDA graphs on CUDA,
+    torch.compile on CPU when asked. TIERLM_STATIC_DECODE_EAGER=1 makes it "eager" on CPU: the padded
+    static batches and their inputs tested without a GPU (or a compile)."""
+    if enforce_eager:
+        return None
+    if device.type == "cuda":
+        return "cuda_graph"
+    if compile_decode:
+        return "compile"
+    return "eager" if os.environ.get("TIERLM_STATIC_DECODE_EAGER") else None
 
 
 def prepared_sizes(max_batch: int) -> list[int]:
