@@ -26,6 +26,7 @@ from tierlm.model.layers.ple import shifted_token_streams
 from tierlm.model.layers.rotary import Rope, RotaryEmbedding
 from tierlm.model.model_cache import ModelCache
 from tierlm.model.mtp import MultiTokenPredictor
+from tierlm.model.vision.tower import VisionTower
 
 
 class Qwen4ExpTextModel(nn.Module):
@@ -103,6 +104,8 @@ class Qwen4ExpForCausalLM(nn.Module):
         self.model = Qwen4ExpTextModel(config)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.mtp = MultiTokenPredictor(config, mtp) if mtp is not None else None
+        # the vision tower of a VLM config (checkpoint `model.visual.*`); None: a text-only model
+        self.visual = VisionTower(config.vision) if config.vision is not None else None
         self.tie_weights()
 
     def tie_weights(self) -> None:
