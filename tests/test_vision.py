@@ -57,3 +57,81 @@ def test_tower_rejects_patches_that_do_not_fit_the_grids():
     tower = VisionTower(VisionConfig.from_dict(TINY_VISION, {}))
     with pytest.raises(ValueError, match=r"patches: expected \[8, 24\]"):
         tower(torch.zeros(9, 24), [(1, 2, 4)])
+
+
+# ---- the whole model: an image in the prompt -------------------------------------------------------
+IMAGE, START, END = 500, 501, 502  # token ids of the tiny vocabulary (512)
+PROMPT_GRID = (1, 4, 6)  # 6 merged features: a 2 x 3 grid, so text resumes 3 positions after the image
+
+
+@pytest.fixture(scope="module")
+def vlm(tmp_path_factory):
+    """A tiny transformers VLM (text: the fact sheet's config; vision: TINY_VISION) saved as a checkpoint;
+    (reference model, its folder)."""
+    from reference_models import BASE
+    from transformers import Qwen4ExpConfig, Qwen4ExpForConditionalGeneration
+
+    torch.manual_seed(0)
+    config = Qwen4ExpConfig(
+        text_config=dict(BASE), vision_config=dict(TINY_VISION), image_token_id=IMAGE, video_token_id=503,
+        vision_start_token_id=START, vision_end_token_id=END,
+    )
+    model = Qwen4ExpForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(0.05 * torch.randn_like(param))
+    folder = tmp_path_factory.mktemp("vlm")
+    model.save_pretrained(folder)
+    return model, folder
+
+
+def image_prompt(text_after: int) -> list[int]:
+    """Text, <vision_start>, the image's placeholders, <vision_end>, text: 13 + 8 + text_after tokens."""
+    gen = torch.Generator().manual_seed(3)
+    before, after = torch.randint(4, IMAGE, (13,), generator=gen), torch.randint(4, IMAGE, (text_after,), generator=gen)
+    before[5] = 1  # an EOS: the PLE n-gram context restarts
+    return [*before.tolist(), START, *[IMAGE] * (PROMPT_GRID[1] * PROMPT_GRID[2] // 4), END, *after.tolist()]
+
+
+def test_model_with_an_image_matches_reference_fp32(vlm):
+    """Logits of every row of a prompt with one image, prefilled in chunks (the second starting inside the
+    image, in the middle of an indexer group) and then decoded a token at a time past the prompt; against
+    transformers' one forward over the whole sequence."""
+    from reference_models import BLOCK_SIZE
+
+    from tierlm.model.forward_batch import ForwardBatch
+    from tierlm.model.loader import load_model
+    from tierlm.model.model_cache import ModelCache
+    from tierlm.model.vision.mrope import MropePositions
+
+    reference, folder = vlm
+    ids = image_prompt(text_after=19)  # 40 tokens
+    prompt_len = 30
+    c = reference.config.vision_config
+    patches = torch.randn(PROMPT_GRID[0] * PROMPT_GRID[1] * PROMPT_GRID[2], 3 * 2 * 2 * 2,
+                          generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        expected = reference(
+            input_ids=torch.tensor([ids]), pixel_values=patches, image_grid_thw=torch.tensor([PROMPT_GRID]),
+            mm_token_type_ids=torch.tensor([[int(t == IMAGE) for t in ids]]), use_cache=False,
+        ).logits[0]
+
+    model, config = load_model(folder, dtype="float32", device="cpu")
+    features = model.encode_images(patches, [PROMPT_GRID])
+    mrope = MropePositions.of_prompt(ids[:prompt_len], IMAGE, [PROMPT_GRID], c.spatial_merge_size)
+    cache = ModelCache(config, 1, 8, BLOCK_SIZE, torch.float32)
+    cache.reset_slot(0)
+    image_rows = [i for i, t in enumerate(ids) if t == IMAGE]
+    logits = []
+    chunks = [(0, 16), (16, prompt_len)] + [(p, p + 1) for p in range(prompt_len, len(ids))]
+    for start, end in chunks:
+        rows = [i for i in image_rows if start <= i < end]
+        batch = ForwardBatch.build(
+            [ids[start:end]], [start], [0], [list(range(8))], BLOCK_SIZE, logits="all", mrope=[mrope],
+            compress_ratio=config.indexer_compress_ratio,
+        )
+        if rows:
+            batch.image_features = features[rows[0] - image_rows[0] : rows[-1] - image_rows[0] + 1]
+            batch.image_rows = torch.tensor([i - start for i in rows])
+        logits.append(model(batch, cache))
+    torch.testing.assert_close(torch.cat(logits), expected, rtol=0, atol=1e-4)
