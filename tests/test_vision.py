@@ -41,7 +41,8 @@ def test_tower_matches_reference_fp32_and_bf16():
     reference = reference_tower()
     tower = tierlm_tower(reference)
     c = tower.config
-    patches = torch.randn(sum(t * h * w for t, h, w in GRIDS), c.patch_values, generator=torch.Generator().manual_seed(1))
+    patches = torch.randn(sum(t * h * w for t, h, w in GRIDS), c.patch_values,
+                          generator=torch.Generator().manual_seed(1))
     grid_thw = torch.tensor(GRIDS)
     with torch.no_grad():
         expected = reference(patches, grid_thw=grid_thw).pooler_output
@@ -135,3 +136,67 @@ def test_model_with_an_image_matches_reference_fp32(vlm):
             batch.image_rows = torch.tensor([i - start for i in rows])
         logits.append(model(batch, cache))
     torch.testing.assert_close(torch.cat(logits), expected, rtol=0, atol=1e-4)
+
+
+# ---- image processing and prompt expansion ---------------------------------------------------------
+def test_image_processor_matches_transformers():
+    """Patches and grids of transformers' Qwen2-VL image processor (PIL backend, Qwen4-Exp's) for an image
+    shrunk to max_pixels and a palette image grown to min_pixels, with a checkpoint's preprocessor config."""
+    import json
+
+    import numpy as np
+    from PIL import Image
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from tierlm.multimodal.image_processor import ImageProcessor
+
+    rng = np.random.default_rng(0)
+    large = Image.fromarray(rng.integers(0, 256, (70, 45, 3), dtype=np.uint8))
+    small = Image.fromarray(rng.integers(0, 256, (9, 13, 3), dtype=np.uint8)).convert("P")
+    settings = {"size": {"shortest_edge": 400, "longest_edge": 1200}, "image_mean": [0.5, 0.4, 0.3],
+                "image_std": [0.2, 0.3, 0.25]}
+    theirs = Qwen2VLImageProcessorPil(patch_size=2, temporal_patch_size=2, merge_size=2, **settings)
+    vision = VisionConfig.from_dict(TINY_VISION, {})
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as folder:
+        (Path(folder) / "preprocessor_config.json").write_text(json.dumps(settings))
+        ours = ImageProcessor.for_model(folder, vision)
+    for image in (large, small):
+        expected = theirs(images=[image], return_tensors="pt")
+        got = ours(image)
+        assert list(got.grid) == expected["image_grid_thw"][0].tolist()
+        assert torch.equal(got.patches, expected["pixel_values"])
+    assert ours(large).grid[1] * ours(large).grid[2] * 4 <= 1200 < large.width * large.height
+    assert ours(small).grid[1] * ours(small).grid[2] * 4 >= 400 > small.width * small.height
+
+
+def test_image_processor_rejects_bad_input():
+    from tierlm.multimodal.image_processor import ImageError, ImageProcessor
+
+    processor = ImageProcessor.for_model("/nonexistent", processor_vision(), {"min_pixels": 16, "max_pixels": 64})
+    assert (processor.min_pixels, processor.max_pixels) == (16, 64)
+    with pytest.raises(ImageError, match="could not be decoded"):
+        processor.decode(b"not an image")
+    with pytest.raises(ValueError, match="mm_processor_kwargs: unknown key 'fps'"):
+        ImageProcessor.for_model("/nonexistent", processor_vision(), {"fps": 2})
+
+
+def processor_vision() -> VisionConfig:
+    return VisionConfig.from_dict(TINY_VISION, {"image_token_id": IMAGE, "vision_start_token_id": START,
+                                                "vision_end_token_id": END})
+
+
+def test_prompt_expansion():
+    from tierlm.multimodal.prompt import expand_image_tokens
+
+    vision = processor_vision()
+    ids = [7, START, IMAGE, END, 8, START, IMAGE, END]
+    assert expand_image_tokens(ids, vision, [2, 3]) == [7, START, IMAGE, IMAGE, END, 8, START, IMAGE, IMAGE, IMAGE, END]
+    with pytest.raises(ValueError, match="more image markers than the 1 images given"):
+        expand_image_tokens(ids, vision, [1])
+    with pytest.raises(ValueError, match="3 images given, but the prompt has 2 image markers"):
+        expand_image_tokens(ids, vision, [1, 1, 1])
+    with pytest.raises(ValueError, match="outside <vision_start>"):
+        expand_image_tokens([7, IMAGE], vision, [])

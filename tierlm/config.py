@@ -68,7 +68,7 @@ class VisionConfig:
         return self.in_channels * self.temporal_patch_size * self.patch_size**2
 
     @classmethod
-    def from_dict(cls, vision: dict[str, Any], top: dict[str, Any]) -> "VisionConfig":
+    def from_dict(cls, vision: dict[str, Any], top: dict[str, Any]) -> VisionConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         values = {k: v for k, v in vision.items() if k in known}
         if "num_attention_heads" in vision and "num_heads" not in vision:
@@ -90,7 +90,8 @@ class VisionConfig:
 
     def validate(self) -> None:
         if self.hidden_act != "gelu_pytorch_tanh":
-            raise ConfigError(f"vision_config.hidden_act: only 'gelu_pytorch_tanh' is supported, got {self.hidden_act!r}")
+            raise ConfigError(
+                f"vision_config.hidden_act: only 'gelu_pytorch_tanh' is supported, got {self.hidden_act!r}")
         if self.hidden_size % self.num_heads or self.head_dim % 4:
             raise ConfigError(
                 f"vision_config.num_heads: hidden_size {self.hidden_size} / num_heads {self.num_heads} must be a "

@@ -188,7 +188,8 @@ def _vision(v: VisionConfig) -> list[TensorSpec]:
     kernel = (v.temporal_patch_size, v.patch_size, v.patch_size)
 
     def linear(name: str, out_features: int, in_features: int) -> list[TensorSpec]:
-        return [TensorSpec(f"{name}.weight", (out_features, in_features)), TensorSpec(f"{name}.bias", (out_features,), "bias")]
+        return [TensorSpec(f"{name}.weight", (out_features, in_features)),
+                TensorSpec(f"{name}.bias", (out_features,), "bias")]
 
     def layer_norm(name: str, width: int) -> list[TensorSpec]:
         return [TensorSpec(f"{name}.weight", (width,), "ones"), TensorSpec(f"{name}.bias", (width,), "bias")]
@@ -201,10 +202,10 @@ def _vision(v: VisionConfig) -> list[TensorSpec]:
     for i in range(v.depth):
         b = f"{p}blocks.{i}"
         specs += layer_norm(f"{b}.norm1", d) + linear(f"{b}.attn.qkv", 3 * d, d) + linear(f"{b}.attn.proj", d, d)
-        specs += layer_norm(f"{b}.norm2", d)
-        specs += linear(f"{b}.mlp.linear_fc1", v.intermediate_size, d) + linear(f"{b}.mlp.linear_fc2", d, v.intermediate_size)
-    specs += layer_norm(f"{p}merger.norm", d)
-    return specs + linear(f"{p}merger.linear_fc1", merged, merged) + linear(f"{p}merger.linear_fc2", v.out_hidden_size, merged)
+        specs += layer_norm(f"{b}.norm2", d) + linear(f"{b}.mlp.linear_fc1", v.intermediate_size, d)
+        specs += linear(f"{b}.mlp.linear_fc2", d, v.intermediate_size)
+    specs += layer_norm(f"{p}merger.norm", d) + linear(f"{p}merger.linear_fc1", merged, merged)
+    return specs + linear(f"{p}merger.linear_fc2", v.out_hidden_size, merged)
 
 
 def weight_module(spec: TensorSpec) -> tuple[str, str] | None:
