@@ -200,3 +200,68 @@ def test_prompt_expansion():
         expand_image_tokens(ids, vision, [1, 1, 1])
     with pytest.raises(ValueError, match="outside <vision_start>"):
         expand_image_tokens([7, IMAGE], vision, [])
+
+
+# ---- chat image_url parts ------------------------------------------------------------------------
+def chat_with_images(*urls: str):
+    from tierlm.server.protocol import ChatCompletionRequest
+
+    parts = [{"type": "image_url", "image_url": {"url": url}} for url in urls]
+    return ChatCompletionRequest.model_validate({"messages": [
+        {"role": "system", "content": "be brief"}, {"role": "user", "content": [*parts, {"type": "text", "text": "hi"}]}]})
+
+
+def png_data_url(width: int, height: int) -> str:
+    import base64
+    import io
+
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.new("RGB", (width, height), (200, 30, 90)).save(out, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()
+
+
+@pytest.mark.parametrize("urls,param,words", [
+    (["http://example.com/cat.png"], "messages[1].content[0]", "only data: URLs"),
+    (["data:image/png,rawbytes"], "messages[1].content[0]", "data:image/<type>;base64"),
+    (["data:text/plain;base64,aGk="], "messages[1].content[0]", "data:image/<type>;base64"),
+    (["data:image/png;base64,@@@"], "messages[1].content[0]", "not valid base64"),
+    (["data:image/png;base64,aGVsbG8="], "messages[1].content[0]", "could not be decoded"),
+    (["data:image/png;base64,aGk="] * 3, "messages[1].content[2]", "at most 2 (--limit-mm-per-prompt)"),
+])
+def test_chat_images_refused_with_a_400_naming_the_part(urls, param, words):
+    from tierlm.server.images import ImageInputs, load_images
+    from tierlm.server.protocol import ApiError
+
+    inputs = ImageInputs.for_model("/nonexistent", processor_vision(), '{"image": 2}')
+    with pytest.raises(ApiError) as caught:
+        load_images(inputs, "m", chat_with_images(*urls))
+    assert caught.value.status == 400 and caught.value.param == param and words in caught.value.message
+    with pytest.raises(ApiError, match="model 'm' has no vision tower"):
+        load_images(None, "m", chat_with_images(*urls))
+
+
+def test_chat_images_decoded_and_prompt_expanded():
+    from tierlm.server.images import ImageInputs, expand_prompt, load_images
+    from tierlm.server.protocol import ApiError
+
+    inputs = ImageInputs.for_model("/nonexistent", processor_vision(), None, '{"min_pixels": 16, "max_pixels": 64}')
+    images = load_images(inputs, "m", chat_with_images(png_data_url(30, 12), png_data_url(5, 5)))
+    # 30 x 12 shrunk to 12 x 4 pixels (<= 64), 5 x 5 rounded to 4 x 4; sides multiples of patch x merge = 4
+    assert [image.grid for image in images] == [(1, 2, 6), (1, 2, 2)]
+    assert expand_prompt([7, START, IMAGE, END, START, IMAGE, END], inputs, images) == [
+        7, START, *[IMAGE] * 3, END, START, IMAGE, END]
+    with pytest.raises(ApiError, match="image markers do not fit the images"):
+        expand_prompt([7], inputs, images)
+
+
+def test_image_flags_are_checked():
+    from tierlm.server.images import ImageInputs
+
+    for limit, words in [("4", "expected a JSON object"), ('{"video": 1}', "images only"), ('{"image": -1}', ">= 0")]:
+        with pytest.raises(ValueError, match=words):
+            ImageInputs.for_model("/nonexistent", processor_vision(), limit)
+    with pytest.raises(ValueError, match="--mm-processor-kwargs: mm_processor_kwargs: unknown key 'fps'"):
+        ImageInputs.for_model("/nonexistent", processor_vision(), None, '{"fps": 1}')
+    assert ImageInputs.for_model("/nonexistent", None, '{"image": 1}') is None
