@@ -265,3 +265,35 @@ def test_image_flags_are_checked():
     with pytest.raises(ValueError, match="--mm-processor-kwargs: mm_processor_kwargs: unknown key 'fps'"):
         ImageInputs.for_model("/nonexistent", processor_vision(), None, '{"fps": 1}')
     assert ImageInputs.for_model("/nonexistent", None, '{"image": 1}') is None
+
+
+def test_demo_model_with_a_vision_tower(tmp_path):
+    """`tierlm demo-model --vision`: transformers loads the VLM checkpoint whole, its vision tower gives
+    tierlm's features for a processed image, and the chat template marks an image with the marker ids."""
+    import numpy as np
+    from PIL import Image
+    from transformers import Qwen4ExpForConditionalGeneration
+
+    from tierlm.demo_model import build_demo_model
+    from tierlm.model.loader import load_model
+    from tierlm.multimodal.image_processor import ImageProcessor
+    from tierlm.multimodal.prompt import image_marker
+    from tierlm.tokenizer import Tokenizer
+
+    folder = build_demo_model(tmp_path / "vlm", "tiny", vision=True)
+    reference, info = Qwen4ExpForConditionalGeneration.from_pretrained(folder, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    model, config = load_model(folder, dtype="float32", device="cpu")
+    image = ImageProcessor.for_model(folder, config.vision)(
+        Image.fromarray(np.random.default_rng(0).integers(0, 256, (40, 90, 3), dtype=np.uint8)))
+    assert image.grid == (1, 4, 6)  # 40 x 90 grown to 64 x 96 pixels (>= 64 x 64, sides multiples of 32)
+    with torch.no_grad():
+        expected = reference.eval().model.get_image_features(image.patches, torch.tensor([image.grid])).pooler_output[0]
+    torch.testing.assert_close(model.encode_images(image.patches, [image.grid]), expected, rtol=0, atol=1e-5)
+    tokenizer = Tokenizer.from_pretrained(folder)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:"}}, {"type": "text", "text": "hi"}]}],
+        add_generation_prompt=True)
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    marker = image_marker(config.vision)
+    assert [ids[i : i + 3] for i in range(len(ids) - 2)].count(marker) == 1
