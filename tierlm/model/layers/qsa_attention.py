@@ -159,7 +159,7 @@ class QSAIndexer(nn.Module):
         offset = context % r
         state.ring[batch.slots, offset] = raw_keys
         starts = context - offset  # first position of the open block
-        cos, sin = rope.at(starts, torch.arange(starts.shape[0], device=starts.device))
+        cos, sin = rope.at(starts)
         keys = self.compress(state.ring[batch.slots], cos, sin)
         block = batch.block_tables.gather(1, (starts // bs)[:, None]).squeeze(1)
         row = block * (bs // r) + (starts % bs) // r
@@ -186,8 +186,7 @@ class QSAIndexer(nn.Module):
         rings = source.gather(1, index.view(requests, width * r, 1).expand(-1, -1, source.shape[-1]))
         rings = rings.view(requests * width, r, -1)
         state.ring.index_copy_(0, batch.verify_slots.flatten(), rings)
-        requests_of_rows = torch.arange(requests, device=starts.device).repeat_interleave(width)
-        cos, sin = rope.at(starts.flatten(), requests_of_rows)
+        cos, sin = rope.at(starts.flatten(), rows_per_request=width)
         keys = self.compress(rings, cos, sin)
         block = batch.block_tables.gather(1, starts // bs)  # [B, T]
         row = torch.where(offset == r - 1, block * (bs // r) + (starts % bs) // r, state.scratch_block * (bs // r))

@@ -61,13 +61,18 @@ class Rope:
             starts = [start for start, _ in batch.bounds]
             self.first_rows = torch.tensor(starts, dtype=torch.int64).to(batch.positions.device)
 
-    def at(self, positions: torch.Tensor, requests: torch.Tensor | int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin at token indices `positions` [K] of requests `requests` (one per index, or one for all)."""
+    def at(
+        self, positions: torch.Tensor, request: int | None = None, rows_per_request: int = 1
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin at token indices `positions` [K]: all of batch request `request`, or (None) the first
+        `rows_per_request` of them request 0's, the next request 1's, and so on."""
         batch = self.batch
         if batch.mrope_positions is None:
             return self.rotary.cos_sin(positions, self.dtype)
-        if isinstance(requests, int):
-            requests = torch.full_like(positions, requests)
+        if request is None:
+            requests = torch.arange(positions.shape[0], device=positions.device) // rows_per_request
+        else:
+            requests = torch.full_like(positions, request)
         context = batch.context_lens_tensor[requests]
         rows = (self.first_rows[requests] + positions - context).clamp(0, batch.mrope_positions.shape[1] - 1)
         in_batch = (positions >= context)[None, :]
