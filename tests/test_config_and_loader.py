@@ -26,8 +26,15 @@ def test_derivations_follow_the_reference():
 
 
 def test_vlm_config_reads_text_config():
-    raw = {"architectures": ["Qwen4ExpForConditionalGeneration"], "text_config": dict(BASE), "vision_config": {}}
-    assert ModelConfig.from_dict(raw).hidden_size == BASE["hidden_size"]
+    raw = {"architectures": ["Qwen4ExpForConditionalGeneration"], "text_config": dict(BASE),
+           "vision_config": {"out_hidden_size": BASE["hidden_size"]}, "image_token_id": 500,
+           "vision_start_token_id": 501, "vision_end_token_id": 502}
+    config = ModelConfig.from_dict(raw)
+    assert config.hidden_size == BASE["hidden_size"]
+    assert (config.vision.depth, config.vision.image_token_id, config.vision.vision_end_token_id) == (27, 500, 502)
+    with pytest.raises(ConfigError, match="vision_config.out_hidden_size: .* must equal hidden_size=64"):
+        ModelConfig.from_dict({**raw, "vision_config": {}})
+    assert ModelConfig.from_dict({**raw, "vision_config": None}).vision is None
 
 
 @pytest.mark.parametrize(

@@ -356,6 +356,9 @@ BAD_REQUESTS = {
     "token_outside_vocab": ("/v1/completions", {"prompt": [1, 10**9]}, "prompt", "vocabulary"),
     "tools_without_auto_tool_choice": ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function", "function": {
         "name": "f"}}]}, "tool_choice", "--enable-auto-tool-choice"),
+    "image_without_vision_tower": ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]}, "messages[0].content[0]",
+        "has no vision tower"),
     "unknown_role": ("/v1/chat/completions", {
         **CHAT, "messages": [{"role": "robot", "content": "x"}]}, "messages", "'robot'"),
 }

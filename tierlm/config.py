@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,80 @@ QSA_FIELDS = ("indexer_n_heads", "indexer_kv_heads", "indexer_head_dim", "indexe
 
 class ConfigError(ValueError):
     """A config.json that tierlm (and the reference) cannot run; the message names the field and rule."""
+
+
+@dataclass(frozen=True)
+class VisionConfig:
+    """The vision tower (`vision_config`, transformers' `Qwen4ExpVisionConfig`) and the prompt's image
+    token ids (top-level fields of the VLM config). Defaults are the reference's."""
+
+    depth: int = 27
+    hidden_size: int = 1152
+    hidden_act: str = "gelu_pytorch_tanh"
+    intermediate_size: int = 4304
+    num_heads: int = 16
+    in_channels: int = 3
+    patch_size: int = 16
+    spatial_merge_size: int = 2
+    temporal_patch_size: int = 2
+    out_hidden_size: int = 3584
+    num_position_embeddings: int = 2304
+    rope_theta: float = 10000.0
+    image_token_id: int = 248056
+    vision_start_token_id: int = 248053
+    vision_end_token_id: int = 248054
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def position_grid_side(self) -> int:
+        """Side of the square learned position table (num_position_embeddings = side^2)."""
+        return math.isqrt(self.num_position_embeddings)
+
+    @property
+    def patch_values(self) -> int:
+        """Values of one flattened patch: channels x temporal x patch x patch."""
+        return self.in_channels * self.temporal_patch_size * self.patch_size**2
+
+    @classmethod
+    def from_dict(cls, vision: dict[str, Any], top: dict[str, Any]) -> VisionConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        values = {k: v for k, v in vision.items() if k in known}
+        if "num_attention_heads" in vision and "num_heads" not in vision:
+            values["num_heads"] = vision["num_attention_heads"]
+        rope = vision.get("rope_parameters") or {}
+        values["rope_theta"] = float(rope.get("rope_theta", cls.rope_theta))
+        for key in ("image_token_id", "vision_start_token_id", "vision_end_token_id"):
+            if key in top:
+                values[key] = int(top[key])
+        for key in ("patch_size", "temporal_patch_size"):
+            if isinstance(values.get(key), (list, tuple)):
+                sizes = set(values[key])
+                if len(sizes) != 1:
+                    raise ConfigError(f"vision_config.{key}: only square sizes are supported, got {values[key]}")
+                values[key] = sizes.pop()
+        config = cls(**values)
+        config.validate()
+        return config
+
+    def validate(self) -> None:
+        if self.hidden_act != "gelu_pytorch_tanh":
+            raise ConfigError(
+                f"vision_config.hidden_act: only 'gelu_pytorch_tanh' is supported, got {self.hidden_act!r}")
+        if self.hidden_size % self.num_heads or self.head_dim % 4:
+            raise ConfigError(
+                f"vision_config.num_heads: hidden_size {self.hidden_size} / num_heads {self.num_heads} must be a "
+                "whole head dim divisible by 4 (2-D rotary: half the dims per axis, rotate-half in each)"
+            )
+        if self.position_grid_side**2 != self.num_position_embeddings:
+            raise ConfigError(
+                f"vision_config.num_position_embeddings: must be a square (the learned position grid), "
+                f"got {self.num_position_embeddings}"
+            )
+        if min(self.depth, self.patch_size, self.temporal_patch_size, self.spatial_merge_size) <= 0:
+            raise ConfigError("vision_config: depth, patch_size, temporal_patch_size, spatial_merge_size must be > 0")
 
 
 @dataclass(frozen=True)
@@ -79,6 +154,11 @@ class ModelConfig:
     # decoder layers of the MTP draft head (`mtp_num_hidden_layers`, or `num_nextn_predict_layers`); None:
     # the config does not say (a checkpoint's `mtp.*` tensors then make one layer, as vLLM assumes)
     mtp_num_hidden_layers: int | None = None
+    # interleaved M-RoPE: how many rotary frequencies take the H and W positions (the rest take T); only
+    # positions of image tokens differ per axis, text rows are plain 1-D RoPE
+    mrope_section: tuple[int, int, int] = (11, 11, 10)
+    # the vision tower (a VLM config with a `vision_config`); None: a text-only model
+    vision: VisionConfig | None = None
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     pad_token_id: int | None = None
@@ -138,7 +218,10 @@ class ModelConfig:
         for key in ("eos_token_id", "bos_token_id", "pad_token_id", "tie_word_embeddings", "torch_dtype", "dtype"):
             if key not in text and key in raw:
                 text[key] = raw[key]
-        return cls._from_text_fields(text, architecture)
+        vision = None
+        if raw.get("vision_config") is not None:
+            vision = VisionConfig.from_dict(raw["vision_config"], raw)
+        return cls._from_text_fields(text, architecture, vision)
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path) -> "ModelConfig":
@@ -152,10 +235,12 @@ class ModelConfig:
         return cls.from_dict(raw)
 
     @classmethod
-    def _from_text_fields(cls, text: dict[str, Any], architecture: str) -> "ModelConfig":
+    def _from_text_fields(cls, text: dict[str, Any], architecture: str, vision: VisionConfig | None) -> "ModelConfig":
         known = {f.name for f in dataclasses.fields(cls)}
-        values: dict[str, Any] = {k: v for k, v in text.items() if k in known and k not in ("extra", "layer_types")}
+        derived = ("extra", "layer_types", "vision", "mrope_section")
+        values: dict[str, Any] = {k: v for k, v in text.items() if k in known and k not in derived}
         values["architecture"] = architecture
+        values["vision"] = vision
         values["extra"] = {k: v for k, v in text.items() if k not in known}
 
         num_layers = int(text.get("num_hidden_layers", cls.num_hidden_layers))
@@ -179,6 +264,7 @@ class ModelConfig:
         values["partial_rotary_factor"] = float(
             rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 1.0))
         )
+        values["mrope_section"] = tuple(int(n) for n in rope.get("mrope_section", cls.mrope_section))
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in ("default", "mrope"):
             raise ConfigError(f"rope_parameters.rope_type: {rope_type!r} is not supported (only 'default')")
@@ -237,6 +323,22 @@ class ModelConfig:
             raise ConfigError(f"mtp_num_hidden_layers: must be >= 0, got {self.mtp_num_hidden_layers}")
         self._validate_qsa()
         self._validate_ple()
+        self._validate_vision()
+
+    def _validate_vision(self) -> None:
+        if len(self.mrope_section) != 3:
+            raise ConfigError(f"rope_parameters.mrope_section: three counts (T, H, W), got {list(self.mrope_section)}")
+        v = self.vision
+        if v is None:
+            return
+        if v.out_hidden_size != self.hidden_size:
+            raise ConfigError(
+                f"vision_config.out_hidden_size: the merger's output ({v.out_hidden_size}) replaces token "
+                f"embeddings, so it must equal hidden_size={self.hidden_size}"
+            )
+        for key in ("image_token_id", "vision_start_token_id", "vision_end_token_id"):
+            if not 0 <= getattr(v, key) < self.vocab_size:
+                raise ConfigError(f"{key}: {getattr(v, key)} is not a token id of the vocabulary ({self.vocab_size})")
 
     def _validate_qsa(self) -> None:
         qsa = {name: getattr(self, name) for name in QSA_FIELDS}

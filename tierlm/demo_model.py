@@ -50,6 +50,20 @@ ENDOFTEXT, IM_START, IM_END = SPECIAL_TOKENS
 # keeps them and the reasoning / tool-call parsers see them.
 TAG_TOKENS = ("<think>", "</think>", "<tool_call>", "</tool_call>")
 
+# With --vision: Qwen's image marker tokens, appended to the trained vocabulary (so every other id stays)
+VISION_TOKENS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>")
+# the demo's vision tower (`vision_config`; out_hidden_size is the text model's width) and image processor
+DEMO_VISION = {
+    "depth": 2, "hidden_size": 64, "num_heads": 4, "intermediate_size": 128, "patch_size": 16,
+    "temporal_patch_size": 2, "spatial_merge_size": 2, "num_position_embeddings": 64,
+    "hidden_act": "gelu_pytorch_tanh", "in_channels": 3,
+}
+DEMO_PREPROCESSOR = {
+    "size": {"shortest_edge": 64 * 64, "longest_edge": 512 * 512}, "image_mean": [0.5, 0.5, 0.5],
+    "image_std": [0.5, 0.5, 0.5], "patch_size": 16, "temporal_patch_size": 2, "merge_size": 2,
+    "image_processor_type": "Qwen2VLImageProcessor",
+}
+
 # ChatML, with Qwen's conventions for tools and thinking: the tools listed as JSON lines in the system
 # turn, an assistant's calls as `<tool_call>{"name": ..., "arguments": ...}</tool_call>` blocks, tool
 # results as `<tool_response>` blocks in a user turn, and `enable_thinking` (when given) opening a
@@ -58,7 +72,9 @@ CHATML_TEMPLATE = (
     "{%- macro text(content) %}\n"
     "{%- if content is string %}{{- content }}\n"
     "{%- elif content is not none %}\n"
-    "{%- for part in content %}{%- if part['type'] == 'text' %}{{- part['text'] }}{%- endif %}{%- endfor %}\n"
+    "{%- for part in content %}{%- if part['type'] == 'text' %}{{- part['text'] }}\n"
+    "{%- elif part['type'] in ['image', 'image_url'] %}{{- '<|vision_start|><|image_pad|><|vision_end|>' }}\n"
+    "{%- endif %}{%- endfor %}\n"
     "{%- endif %}\n"
     "{%- endmacro %}\n"
     "{%- set skip_first = tools and messages[0]['role'] == 'system' %}\n"
@@ -289,9 +305,9 @@ def tokenizer_config(ids: dict[str, int], max_length: int) -> dict[str, Any]:
             "normalized": False,
             "rstrip": False,
             "single_word": False,
-            "special": token in SPECIAL_TOKENS,
+            "special": token in SPECIAL_TOKENS + VISION_TOKENS,
         }
-        for token in SPECIAL_TOKENS + TAG_TOKENS
+        for token in ids
     }
     return {
         "added_tokens_decoder": added,
@@ -350,6 +366,31 @@ def demo_config(
     return dict(sorted(config.items()))
 
 
+def vision_demo_config(text: dict[str, Any], ids: dict[str, int]) -> dict[str, Any]:
+    """A demo config.json made a VLM's: the text fields under text_config, DEMO_VISION as vision_config
+    (its output as wide as the text model), the image marker ids."""
+    text_config = {k: v for k, v in text.items() if k != "architectures"}
+    text_config["model_type"] = "qwen4_exp_text"
+    start, image, end = (ids[token] for token in VISION_TOKENS)
+    return {
+        "architectures": ["Qwen4ExpForConditionalGeneration"], "model_type": "qwen4_exp",
+        "text_config": text_config,
+        "vision_config": {**DEMO_VISION, "model_type": "qwen4_exp_vision", "out_hidden_size": text["hidden_size"]},
+        "image_token_id": image, "video_token_id": image, "vision_start_token_id": start, "vision_end_token_id": end,
+        "tie_word_embeddings": text.get("tie_word_embeddings", False), "dtype": text["dtype"],
+    }
+
+
+VLM_TEXT_PREFIX = "model.language_model."
+
+
+def _stored_name(name: str, vision: bool) -> str:
+    """A layout name as a VLM checkpoint stores it (the text model under `model.language_model.`)."""
+    if vision and name.startswith("model.") and not name.startswith("model.visual."):
+        return VLM_TEXT_PREFIX + name[len("model.") :]
+    return name
+
+
 # ---- weights ----------------------------------------------------------------------------------------
 
 
@@ -371,6 +412,7 @@ OWNED_FILES = (
     "generation_config.json",
     "tokenizer.json",
     "tokenizer_config.json",
+    "preprocessor_config.json",
     "model.safetensors",
     "model.safetensors.index.json",
 )
@@ -395,6 +437,7 @@ def build_demo_model(
     quantize: str | None = None,
     group_size: int = 32,
     mtp: bool = False,
+    vision: bool = False,
 ) -> Path:
     """Write the demo checkpoint of `size` into `out_dir` and return that folder.
 
@@ -404,8 +447,12 @@ def build_demo_model(
     `ple_overrides` (see `demo_config`) makes the n-gram tables bigger, e.g. multi-GB for benchmarks.
     `quantize` (a `tierlm quantize` scheme, e.g. int4-mixed) writes the quantized checkpoint instead: the
     dense one is built in a hidden folder beside `out_dir` and quantized from there. `mtp` adds an MTP
-    draft head (`mtp.*`).
+    draft head (`mtp.*`). `vision` makes it a VLM (Qwen4ExpForConditionalGeneration): a small vision tower
+    (`DEMO_VISION`, `model.visual.*`), the text model under `model.language_model.`, the image marker tokens
+    appended to the vocabulary, and a preprocessor_config.json.
     """
+    if vision and quantize is not None:
+        raise ValueError("vision: a quantized demo model with a vision tower is not supported")
     if quantize is not None:
         from tierlm.tools.quantize import quantize_checkpoint
 
@@ -445,9 +492,16 @@ def build_demo_model(
     show_trainer = progress and sys.stdout.isatty()
     tokenizer_json = train_tokenizer(spec.tokenizer_vocab, spec.corpus_bytes, show_progress=show_trainer)
     tokenizer = Tokenizer.from_str(tokenizer_json)
-    ids = {token: tokenizer.token_to_id(token) for token in SPECIAL_TOKENS + TAG_TOKENS}
+    if vision:
+        from tokenizers import AddedToken
+
+        tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in VISION_TOKENS])
+        tokenizer_json = json.dumps(json.loads(tokenizer.to_str()), indent=2, ensure_ascii=False)
+    ids = {token: tokenizer.token_to_id(token) for token in SPECIAL_TOKENS + TAG_TOKENS + VISION_TOKENS * vision}
     vocab = tokenizer.get_vocab_size(with_added_tokens=True)
     raw_config = demo_config(size, vocab, ids[IM_END], ple_overrides, mtp)
+    if vision:
+        raw_config = vision_demo_config(raw_config, ids)
     config = ModelConfig.from_dict(raw_config)  # refuse to write a config the reference would reject
 
     dtype = getattr(torch, spec.dtype)
@@ -467,6 +521,8 @@ def build_demo_model(
     try:
         (staging / "tokenizer.json").write_text(tokenizer_json, encoding="utf-8")
         _write_json(staging / "tokenizer_config.json", tokenizer_config(ids, config.max_position_embeddings))
+        if vision:
+            _write_json(staging / "preprocessor_config.json", DEMO_PREPROCESSOR)
         _write_json(
             staging / "generation_config.json",
             {"do_sample": True, "eos_token_id": [ids[IM_END], ids[ENDOFTEXT]], **GENERATION_DEFAULTS},
@@ -481,7 +537,7 @@ def build_demo_model(
                         continue
                     prefix, leaf = tensor_spec.name.rsplit(".", 1)
                     hash_buffer = buffers[prefix + "."][leaf] if tensor_spec.kind == "int64" else None
-                    tensors[tensor_spec.name] = random_tensor(
+                    tensors[_stored_name(tensor_spec.name, vision)] = random_tensor(
                         tensor_spec, seed, dtype, config.hidden_size, hash_buffer
                     )
                     bar.advance(task)
@@ -489,8 +545,8 @@ def build_demo_model(
         index = {
             "metadata": {"total_size": sum(nbytes)},
             "weight_map": {
-                t.name: shard_names[s]
-                for t, s in sorted(zip(layout, shard_of, strict=True), key=lambda x: x[0].name)
+                _stored_name(t.name, vision): shard_names[s]
+                for t, s in sorted(zip(layout, shard_of, strict=True), key=lambda x: _stored_name(x[0].name, vision))
             },
         }
         _write_json(staging / "model.safetensors.index.json", index)
@@ -539,7 +595,7 @@ def _run(args: argparse.Namespace) -> int:
     try:
         out = build_demo_model(
             args.out_dir, args.size, args.seed, overwrite=args.force, progress=True, ple_overrides=overrides,
-            quantize=args.quantize, group_size=args.group_size, mtp=args.mtp,
+            quantize=args.quantize, group_size=args.group_size, mtp=args.mtp, vision=args.vision,
         )
     except FileExistsError:
         raise CliError(
@@ -583,6 +639,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--mtp", action="store_true",
         help=f"also write an MTP draft head (mtp.*: {DEMO_MTP_LAYERS} QSA layer, vLLM's speculative 'mtp' method)",
+    )
+    parser.add_argument(
+        "--vision", action="store_true",
+        help="a VLM: also write a small vision tower (model.visual.*), the image marker tokens and a "
+        "preprocessor_config.json",
     )
     from tierlm.tools.quantize import SCHEMES as QUANTIZE_SCHEMES
 

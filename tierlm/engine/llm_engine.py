@@ -281,7 +281,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.pipeline = None  # a PipelineDriver with --pipeline-parallel-size > 1
-        model_dir = resolve_model_path(config.model)
+        self.model_dir = model_dir = resolve_model_path(config.model)
         table_dir = find_table_dir(str(model_dir), config.ple_table)
         self.tokenizer = Tokenizer.from_pretrained(model_dir)
         speculative = SpeculativeConfig.parse(config.speculative_config)

@@ -52,7 +52,7 @@ def weight_bytes(
     tables when they are mapped files; with layer_ids only those decoder layers (and every tensor outside
     the layers); with stage (a pipeline rank's `StageLayout`) only the tensors that rank holds; with mtp
     (an `MTPLayout`: speculative decoding loads the draft head) the draft head's too."""
-    from tierlm.model.checkpoint_layout import checkpoint_layout, weight_module
+    from tierlm.model.checkpoint_layout import VISION_PREFIX, checkpoint_layout, weight_module
     from tierlm.model.quantization.base import DENSE
 
     totals: dict[str, int] = {}
@@ -66,7 +66,8 @@ def weight_bytes(
         if stage is not None and not stage.holds(spec.name):
             continue
         module = weight_module(spec)
-        fmt = quantization.format_of(*module) if module and quantization is not None else DENSE
+        quantized = module and quantization is not None and not spec.name.startswith(VISION_PREFIX)  # ViT: dense
+        fmt = quantization.format_of(*module) if quantized else DENSE
         if fmt == DENSE:
             item = SPEC_DTYPE_BYTES[spec.dtype] if spec.dtype else 8 if spec.kind == "int64" else ITEM_BYTES[dtype]
             nbytes = math.prod(spec.shape) * item

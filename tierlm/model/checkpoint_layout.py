@@ -6,6 +6,9 @@ prefix that `Qwen4ExpForCausalLM` uses; the VLM checkpoint's `model.language_mod
 the loader. Experts are per-expert tensors on disk; PLE tables are split into `shard_{j}` parts exactly as
 `torch.chunk(table, split_ngram_parts)` splits them.
 
+A VLM config (one with a `vision_config`) adds the vision tower's `model.visual.*` tensors, always dense
+(the weight formats of `quantization` cover the text model only).
+
 A checkpoint may carry an MTP draft head (`mtp.*`, vLLM's names; transformers ignores it): it is part of
 the layout only when asked for (`MTPLayout`), since the target model alone never reads it.
 
@@ -19,12 +22,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from tierlm.config import ModelConfig
+from tierlm.config import ModelConfig, VisionConfig
 from tierlm.model.ngram_hash import NgramHashSpec
 from tierlm.model.quantization.base import DENSE, QuantizationError
 from tierlm.model.quantization.config import QuantizationConfig
 
 PREFIX = "model."
+VISION_PREFIX = "model.visual."
 MTP_PREFIX = "mtp."
 MTP_SHARED_HEAD = "mtp.shared_head.head.weight"
 PLE_FP8 = "float8_e4m3fn"
@@ -173,7 +177,35 @@ def checkpoint_layout(
     specs = _dense_layout(c, ple_fp8)
     if mtp is not None:
         specs += _mtp(c, mtp)
-    return specs if quantization is None else [q for spec in specs for q in _stored(spec, quantization)]
+    if quantization is not None:
+        specs = [q for spec in specs for q in _stored(spec, quantization)]
+    return specs + (_vision(c.vision) if c.vision is not None else [])
+
+
+def _vision(v: VisionConfig) -> list[TensorSpec]:
+    """The vision tower (`model/vision/tower.py`): patch embed, position table, pre-LN blocks, merger."""
+    p, d, merged = VISION_PREFIX, v.hidden_size, v.hidden_size * v.spatial_merge_size**2
+    kernel = (v.temporal_patch_size, v.patch_size, v.patch_size)
+
+    def linear(name: str, out_features: int, in_features: int) -> list[TensorSpec]:
+        return [TensorSpec(f"{name}.weight", (out_features, in_features)),
+                TensorSpec(f"{name}.bias", (out_features,), "bias")]
+
+    def layer_norm(name: str, width: int) -> list[TensorSpec]:
+        return [TensorSpec(f"{name}.weight", (width,), "ones"), TensorSpec(f"{name}.bias", (width,), "bias")]
+
+    specs = [
+        TensorSpec(f"{p}patch_embed.proj.weight", (d, v.in_channels, *kernel)),
+        TensorSpec(f"{p}patch_embed.proj.bias", (d,), "bias"),
+        TensorSpec(f"{p}pos_embed.weight", (v.num_position_embeddings, d)),
+    ]
+    for i in range(v.depth):
+        b = f"{p}blocks.{i}"
+        specs += layer_norm(f"{b}.norm1", d) + linear(f"{b}.attn.qkv", 3 * d, d) + linear(f"{b}.attn.proj", d, d)
+        specs += layer_norm(f"{b}.norm2", d) + linear(f"{b}.mlp.linear_fc1", v.intermediate_size, d)
+        specs += linear(f"{b}.mlp.linear_fc2", d, v.intermediate_size)
+    specs += layer_norm(f"{p}merger.norm", d) + linear(f"{p}merger.linear_fc1", merged, merged)
+    return specs + linear(f"{p}merger.linear_fc2", v.out_hidden_size, merged)
 
 
 def weight_module(spec: TensorSpec) -> tuple[str, str] | None:

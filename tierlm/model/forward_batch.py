@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tierlm.model.vision.mrope import MropePositions
+
 
 def on_device(values: list, device: torch.device | str, dtype: torch.dtype = torch.int64) -> torch.Tensor:
     """A host list as a tensor on `device`; on CUDA through pinned memory without waiting for the stream
@@ -57,8 +59,21 @@ class ForwardBatch:
     # (the multi-token decode forms of the layers read this); made from position_slots, or given by a
     # static batch (a CUDA graph's input buffer)
     verify_slots: torch.Tensor | None = None
+    # images in a prompt (a VLM): the (t, h, w) M-RoPE position of every row [3, N], and of each request's
+    # first token of the indexer group open when the forward begins (token context_len - context_len % R)
+    # [3, B] (`model/vision/mrope.py` makes both); None: every row's rotary position is its position
+    mrope_positions: torch.Tensor | None = None
+    mrope_group_starts: torch.Tensor | None = None
+    # the vision tower's features [K, H] that replace the embeddings of packed rows image_rows [K] (image
+    # placeholder tokens, whose ids still feed the PLE n-gram hash)
+    image_features: torch.Tensor | None = None
+    image_rows: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
+        if (self.mrope_positions is None) != (self.mrope_group_starts is None):
+            raise ValueError("mrope_positions and mrope_group_starts: give both or neither")
+        if (self.image_features is None) != (self.image_rows is None):
+            raise ValueError("image_features and image_rows: give both or neither")
         device = self.token_ids.device
         if self.slots is None:
             self.slots = on_device(self.state_slots, device)
@@ -120,11 +135,15 @@ class ForwardBatch:
         device: torch.device | str = "cpu",
         logits: str | list[int] = "last",
         position_slots: list[list[int]] | None = None,
+        mrope: list[MropePositions | None] | None = None,
+        compress_ratio: int = 1,
     ) -> ForwardBatch:
         """Assemble the metadata for requests whose next `chunks[i]` tokens are computed now.
 
         logits: "last" (one row per request, its last token), "all" (every packed row) or explicit rows.
         position_slots: speculative verification's per-position state slots (see the field).
+        mrope: per request, the M-RoPE positions of a prompt with images (None: a text request); with
+        compress_ratio (the QSA indexer's R) they give `mrope_positions` and `mrope_group_starts`.
         """
         positions, slots, last_rows = [], [], []
         row = 0
@@ -151,4 +170,19 @@ class ForwardBatch:
             slot_mapping=on_device(slots, device),
             logits_rows=on_device(logits_rows, device),
             position_slots=position_slots,
+            **(_mrope_fields(mrope, chunks, context_lens, compress_ratio, device) if mrope else {}),
         )
+
+
+def _mrope_fields(
+    mrope: list[MropePositions | None], chunks: list[list[int]], context_lens: list[int], ratio: int, device
+) -> dict[str, torch.Tensor]:
+    rows, group_starts = [], []
+    for layout, chunk, context in zip(mrope, chunks, context_lens):
+        layout = layout or MropePositions.text()
+        rows.append(layout.span(context, context + len(chunk)))
+        group_starts.append(layout.span(context - context % ratio, context - context % ratio + 1))
+    return {
+        "mrope_positions": torch.cat(rows, dim=1).to(device),
+        "mrope_group_starts": torch.cat(group_starts, dim=1).to(device),
+    }

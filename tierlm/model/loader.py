@@ -8,6 +8,9 @@ table), so no second full copy of the weights is ever held. The checkpoint is ch
 name and the expected shape; unknown tensors of known modules (e.g. activation scales) are skipped with
 one log line.
 
+A VLM config (with a `vision_config`) loads the vision tower's `model.visual.*` tensors into the model's
+`visual` (checked against the layout like the rest); without one they are skipped.
+
 The MTP draft head (`mtp.*`) is skipped unless the caller asks for it (`load_mtp`): then it is checked
 against the layout and loaded like the rest (`model.mtp`), quantized modules included. Its tensors may
 also come as `model.mtp.*` or `model.language_model.mtp.*`; they are read as `mtp.*`.
@@ -33,6 +36,7 @@ from tierlm.model.checkpoint_layout import (
     MTP_PREFIX,
     MTP_SHARED_HEAD,
     PREFIX,
+    VISION_PREFIX,
     MTPLayout,
     checkpoint_layout,
     ple_hash_buffers,
@@ -48,8 +52,6 @@ from tierlm.model.random_weights import random_tensor
 logger = logging.getLogger(__name__)
 
 VLM_PREFIX = "model.language_model."
-# tensors of parts tierlm does not build (the vision tower)
-IGNORED_PREFIXES = ("model.visual.",)
 # tensors of known parts that inference does not use (skipped with the unknown tensors of known modules)
 UNUSED_PREFIXES = (
     "model.hyper_connection_mixer.block_inject_weight.", "mtp.hyper_connection_mixer.block_inject_weight.",
@@ -115,26 +117,29 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def _canonical(name: str, with_mtp: bool) -> str | None:
-    """The `model.`-prefixed name of a text-model tensor (`mtp.` for the draft head's), or None for parts
-    not loaded (the draft head's too, unless with_mtp)."""
+def _canonical(name: str, with_mtp: bool, with_vision: bool) -> str | None:
+    """The `model.`-prefixed name of a text-model tensor (`mtp.` for the draft head's, `model.visual.` for
+    the vision tower's), or None for parts not loaded (the draft head's unless with_mtp, the vision tower's
+    unless with_vision)."""
     if name.startswith(VLM_PREFIX):
         name = PREFIX + name[len(VLM_PREFIX) :]
     if name.startswith(PREFIX + MTP_PREFIX):
         name = name[len(PREFIX) :]
-    if name.startswith(IGNORED_PREFIXES) or (name.startswith(MTP_PREFIX) and not with_mtp):
+    if (name.startswith(VISION_PREFIX) and not with_vision) or (name.startswith(MTP_PREFIX) and not with_mtp):
         return None
     return name
 
 
-def index_tensors(files: list[Path], with_mtp: bool = False) -> dict[str, tuple[Path, str, tuple[int, ...], str]]:
+def index_tensors(
+    files: list[Path], with_mtp: bool = False, with_vision: bool = False
+) -> dict[str, tuple[Path, str, tuple[int, ...], str]]:
     """canonical name -> (file, name in file, shape, safetensors dtype tag), reading headers only;
-    with_mtp: the MTP draft head's tensors too."""
+    with_mtp: the MTP draft head's tensors too; with_vision: the vision tower's (a VLM config's)."""
     found = {}
     for file in files:
         with safe_open(file, framework="pt") as f:
             for name in f.keys():
-                canonical = _canonical(name, with_mtp)
+                canonical = _canonical(name, with_mtp, with_vision)
                 if canonical is not None:
                     view = f.get_slice(name)
                     found[canonical] = (file, name, tuple(view.get_shape()), view.get_dtype())
@@ -249,7 +254,7 @@ def load_model(
             if stage is None or stage.holds(spec.name):
                 destination.fill(spec.name, random_tensor(spec, 0, target_dtype, config.hidden_size, device=device))
         return model, config
-    found = index_tensors(checkpoint_files(model_dir), with_mtp=load_mtp)
+    found = index_tensors(checkpoint_files(model_dir), with_mtp=load_mtp, with_vision=config.vision is not None)
     mtp = _checked_mtp(config, mtp_layout(config, found), model_dir) if load_mtp else None
     if quantization is not None:
         quantization = quantization.bind_checkpoint(set(found))
@@ -361,6 +366,8 @@ class _Destinations:
             expected = ple_hash_buffers(self.config, self.config.ple_index(int(m.group(1))))[m.group(2)]
             if tensor.tolist() != expected:
                 raise CheckpointError(f"tensor {name} is {tensor.tolist()}, but the config's hash gives {expected}")
+        elif name.startswith(VISION_PREFIX):  # the tower is the model's `visual`
+            self.params[name[len(PREFIX) :]].copy_(tensor)
         else:
             self.params[name].copy_(tensor)
 

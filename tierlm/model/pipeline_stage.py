@@ -52,7 +52,7 @@ class StageLayout:
         parts = name.split(".")
         if name.startswith("model.layers."):
             return int(parts[2]) in self.layer_ids
-        if name.startswith("model.embed_tokens."):
+        if name.startswith(("model.embed_tokens.", "model.visual.")):
             return self.has_embedding
         if name.startswith(("model.hyper_connection_mixer.", "lm_head.")):
             return self.is_last
@@ -87,6 +87,8 @@ class PipelineStage(nn.Module):
         self.config = full.config
         self.layout = layout
         self.model = _StageTextModel(full, layout)
+        if layout.has_embedding and full.visual is not None:
+            self.visual = full.visual
         if layout.is_last:
             self.lm_head = full.lm_head
 

@@ -5,6 +5,10 @@ A forward takes a `ForwardBatch` (packed varlen tokens of several requests at di
 the `ModelCache` whose slots and blocks the batch names, updates that state in place, and returns the
 logits of `batch.logits_rows`.
 
+A VLM config adds the vision tower (`visual`, `model/vision/`): `encode_images` turns an image's patches
+into features, which a forward takes in place of the image placeholders' embeddings
+(`ForwardBatch.image_features`), with the prompt's M-RoPE positions (`ForwardBatch.mrope_positions`).
+
 With an MTP draft head (`model/mtp.py`, built when the loader is asked for it) the model also serves
 speculative decoding: `forward_with_streams` returns, beside the logits, every row's multi-stream state
 before the final mixer (the draft's input), and `draft` runs the head.
@@ -27,6 +31,7 @@ from tierlm.model.layers.ple import NgramIds, fused_decode_applies
 from tierlm.model.layers.rotary import Rope, RotaryEmbedding
 from tierlm.model.model_cache import ModelCache
 from tierlm.model.mtp import MultiTokenPredictor
+from tierlm.model.vision.tower import VisionTower
 
 
 class Qwen4ExpTextModel(nn.Module):
@@ -41,7 +46,7 @@ class Qwen4ExpTextModel(nn.Module):
         self.hyper_connection_mixer = HyperConnection(
             c.hidden_size, c.hc_count, c.hc_lowrank, c.rms_norm_eps, with_inject=False
         )
-        self.rotary = RotaryEmbedding(c.rotary_dim, c.rope_theta)
+        self.rotary = RotaryEmbedding(c.rotary_dim, c.rope_theta, c.mrope_section)
 
     def forward(self, batch: ForwardBatch, cache: ModelCache) -> torch.Tensor:
         """Returns the final mixer's output [M, H] for `batch.logits_rows`."""
@@ -58,8 +63,12 @@ class Qwen4ExpTextModel(nn.Module):
 
 
 def embed_streams(embed_tokens: Embedding, batch: ForwardBatch, hc_count: int) -> torch.Tensor:
-    """The token embeddings copied into the hc residual streams: [N, hc_count * H]."""
-    return embed_tokens(batch.token_ids).repeat(1, hc_count)
+    """The token embeddings (image placeholders' rows replaced by the batch's image features) copied into
+    the hc residual streams: [N, hc_count * H]."""
+    embeddings = embed_tokens(batch.token_ids)
+    if batch.image_features is not None:
+        embeddings = embeddings.index_copy(0, batch.image_rows, batch.image_features.to(embeddings.dtype))
+    return embeddings.repeat(1, hc_count)
 
 
 def run_decoder_layers(
@@ -71,7 +80,7 @@ def run_decoder_layers(
     ngram_ids = None
     if config.ple_layer_ids and batch.ple_embeddings is None:
         ngram_ids = NgramIds(batch, cache.ngram_context, config.eos_token_id, config.ngram_size)
-    rope = Rope(rotary, batch.positions, streams.dtype)
+    rope = Rope(rotary, batch, streams.dtype)
     for layer, caches in zip(layers, cache.layers):
         streams = layer(streams, batch, caches, rope, ngram_ids)
     _advance_ngram_context(batch, cache)
@@ -110,12 +119,22 @@ class Qwen4ExpForCausalLM(nn.Module):
         self.model = Qwen4ExpTextModel(config)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.mtp = MultiTokenPredictor(config, mtp) if mtp is not None else None
+        # the vision tower of a VLM config (checkpoint `model.visual.*`); None: a text-only model
+        self.visual = VisionTower(config.vision) if config.vision is not None else None
         self.tie_weights()
 
     def tie_weights(self) -> None:
         """Share the embedding with lm_head when the config says so (again after materialising)."""
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    @torch.no_grad()
+    def encode_images(self, patches: torch.Tensor, grids: list[tuple[int, int, int]]) -> torch.Tensor:
+        """The vision tower over flattened patches [P, patch_values] of images with patch grids `grids`:
+        their features [sum t*h*w/merge^2, H], the rows a forward's `image_features` take."""
+        if self.visual is None:
+            raise ValueError("this model has no vision tower (its config.json has no vision_config)")
+        return self.visual(patches, grids)
 
     @torch.no_grad()  # not inference_mode: its tensors cannot flow through torch.compile
     def forward(self, batch: ForwardBatch, cache: ModelCache) -> torch.Tensor:
@@ -142,7 +161,7 @@ class Qwen4ExpForCausalLM(nn.Module):
         if self.mtp is None:
             raise RuntimeError("this model was loaded without its MTP draft head (load_model(..., load_mtp=True))")
         embeddings = self.model.embed_tokens(batch.token_ids)
-        rope = Rope(self.model.rotary, batch.positions, embeddings.dtype)
+        rope = Rope(self.model.rotary, batch, embeddings.dtype)
         streams = self.mtp(embeddings, hidden_streams, batch, cache.draft_layers, rope, step)[batch.logits_rows]
         mixed = self.mtp.hyper_connection_mixer.mix(streams)[0]
         return self.mtp.head(self.lm_head)(mixed), streams

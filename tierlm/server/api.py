@@ -28,6 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from tierlm.server.async_engine import AsyncEngine, EngineDeadError, EngineRequestError
 from tierlm.server.chat import create_chat_completion
 from tierlm.server.completions import create_completion
+from tierlm.server.images import ImageInputs
 from tierlm.server.metrics import CONTENT_TYPE
 from tierlm.server.protocol import (
     ERROR_TYPES,
@@ -59,7 +60,8 @@ TEXT_THREADS = max(1, min(4, (os.cpu_count() or 2) // 2))
 def build_app(
     engine: AsyncEngine, model_name: str, api_key: str | None = None, *, tool_parser: str | None = None,
     auto_tool_choice: bool = False, reasoning_parser: str | None = None, max_n: int = 16,
-    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, limit_mm_per_prompt: str | None = None,
+    mm_processor_kwargs: str | None = None,
 ) -> FastAPI:
     """The app around a (not yet started) AsyncEngine; the app's lifespan starts and stops its thread.
 
@@ -78,11 +80,13 @@ def build_app(
         missing = [tag for tag in (reasoning.start_tag, reasoning.end_tag) if tokenizer.token_to_id(tag) is None]
         if missing:
             raise ValueError(f"--reasoning-parser {reasoning_parser}: the tokenizer has no token {missing[0]!r}")
+    images = ImageInputs.for_model(engine.engine.model_dir, engine.engine.model_config.vision,
+                                   limit_mm_per_prompt, mm_processor_kwargs)
     text_pool = ThreadPoolExecutor(TEXT_THREADS, thread_name_prefix="tierlm-text")
     ctx = ServingContext(
         engine, tokenizer, model_name, engine.engine.max_model_len, text_pool,
         tool_parser=TOOL_PARSERS[tool_parser] if tool_parser else None, auto_tool_choice=auto_tool_choice,
-        reasoning_parser=reasoning, max_n=max_n,
+        reasoning_parser=reasoning, max_n=max_n, images=images,
     )
 
     @asynccontextmanager

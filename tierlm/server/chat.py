@@ -37,6 +37,7 @@ from tierlm.outputs import PositionLogprobs
 from tierlm.sampling_params import StructuredOutputRequest
 from tierlm.server.async_engine import EnginePrompt
 from tierlm.server.chat_parsing import ChatOutputParser
+from tierlm.server.images import expand_prompt, load_images
 from tierlm.server.protocol import (
     ApiError,
     ChatChoice,
@@ -80,11 +81,17 @@ async def create_chat_completion(
         raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
     tools = [tool.model_dump(exclude_none=True) for tool in request.tools] if request.tools else None
     choice = _tool_choice(request, ctx, tools)
+    images = await ctx.off_loop(load_images, ctx.images, ctx.model_name, request)
     text, token_ids = await ctx.off_loop(_render, ctx, request, tools, choice)
+    if images:
+        token_ids = expand_prompt(token_ids, ctx.images, images)
     prompts = [EnginePrompt(token_ids, text)]
     max_param = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
     max_tokens = getattr(request, max_param)
     check_room(len(prompts[0].token_ids), max_tokens, ctx, max_param)
+    if images:
+        raise ApiError(400, "image inputs: the images were read and fit the prompt, but this server's engine does "
+                            "not run image prompts yet", "messages")
     structured, grammar_param = _structured_output(request, ctx, tools, choice, text)
     await compile_grammar(ctx, structured, grammar_param)
     top = request.top_logprobs or 0

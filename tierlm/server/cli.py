@@ -55,6 +55,11 @@ def add_parser(subparsers) -> None:
                       "'required' or a named function (default there: hermes)")
     chat.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
                       help="split <think>...</think> into reasoning_content; grammars apply after it")
+    images = parser.add_argument_group("images (chat image_url parts; a model with a vision tower)")
+    images.add_argument("--limit-mm-per-prompt", default=None, metavar="JSON",
+                        help='images one prompt may carry, e.g. \'{"image": 4}\' (default 8)')
+    images.add_argument("--mm-processor-kwargs", default=None, metavar="JSON",
+                        help='image resize bounds, e.g. \'{"max_pixels": 1048576}\' (min_pixels, max_pixels)')
     clients = parser.add_argument_group("clients (what one client may cost the others)")
     clients.add_argument("--max-n", type=int, default=16, help="choices one request may ask for (n), at most")
     clients.add_argument("--max-request-bytes", type=int, default=8 << 20,
@@ -194,6 +199,7 @@ def run(args: argparse.Namespace) -> int:
             async_engine, name, args.api_key, tool_parser=args.tool_call_parser,
             auto_tool_choice=args.enable_auto_tool_choice, reasoning_parser=args.reasoning_parser,
             max_n=args.max_n, max_request_bytes=args.max_request_bytes,
+            limit_mm_per_prompt=args.limit_mm_per_prompt, mm_processor_kwargs=args.mm_processor_kwargs,
         )
     except ValueError as exc:
         raise CliError(str(exc)) from None

@@ -204,13 +204,26 @@ class TextPart(_Request):
     text: str
 
 
+class ImageUrl(_Request):
+    url: str  # a data: URL (base64 image bytes); see server/images.py
+    detail: Literal["auto", "low", "high"] | None = None  # accepted; the processor's pixel bounds decide
+
+
+class ImageUrlPart(_Request):
+    type: Literal["image_url"]
+    image_url: ImageUrl
+
+
+ContentPart = Annotated[TextPart | ImageUrlPart, Field(discriminator="type")]
+
+
 class _Message(_Request):
     model_config = ConfigDict(extra="allow")  # name, tool_calls, ...: passed to the chat template as given
 
 
 class TurnMessage(_Message):
     role: Literal["system", "developer", "user", "tool"]
-    content: str | list[TextPart]
+    content: str | list[ContentPart]
     tool_call_id: str | None = None  # a tool result: the call it answers
 
 

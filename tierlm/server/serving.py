@@ -32,6 +32,7 @@ from tierlm.server.async_engine import (
     EngineRequestError,
     RequestStream,
 )
+from tierlm.server.images import ImageInputs
 from tierlm.server.protocol import ApiError, ResponseFormat, SamplingRequest, UsageInfo
 from tierlm.server.reasoning_parser import Qwen3ReasoningParser
 from tierlm.server.tool_parsers import ToolParser
@@ -57,6 +58,7 @@ class ServingContext:
     auto_tool_choice: bool = False  # --enable-auto-tool-choice
     reasoning_parser: type[Qwen3ReasoningParser] | None = None  # --reasoning-parser
     max_n: int = 16  # --max-n
+    images: ImageInputs | None = None  # how image_url parts are taken; None: the model has no vision tower
 
     async def off_loop(self, work: Callable[..., _T], *args: Any) -> _T:
         """Run CPU-heavy request preparation on the text pool; the event loop serves others meanwhile."""

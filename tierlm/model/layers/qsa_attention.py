@@ -102,9 +102,10 @@ class QSAIndexer(nn.Module):
 
     def store_block_keys(
         self, raw_keys: torch.Tensor, context_len: int, slot: int, block_table: torch.Tensor,
-        state: QSAIndexerState, rope: Rope, position_slots: list[int] = (),
+        state: QSAIndexerState, rope: Rope, request: int, position_slots: list[int] = (),
     ) -> None:
         """Complete the blocks this chunk closes, write their keys, keep the open block's raw keys.
+        request: the request's index in the batch (`rope` looks block starts up by it);
         position_slots (speculative verification): slots that receive the ring after each row but the last."""
         r = self.ratio
         carried = context_len % r
@@ -117,7 +118,7 @@ class QSAIndexer(nn.Module):
         complete = pending.shape[0] // r
         if complete:
             starts = torch.arange(first_block, first_block + complete, device=raw_keys.device) * r
-            cos, sin = rope.at(starts)
+            cos, sin = rope.at(starts, request)
             keys = self.compress(pending[: complete * r].unflatten(0, (complete, r)), cos, sin)
             per_block = state.block_size // r
             physical = block_table[starts // state.block_size] * per_block + (starts % state.block_size) // r
@@ -185,7 +186,7 @@ class QSAIndexer(nn.Module):
         rings = source.gather(1, index.view(requests, width * r, 1).expand(-1, -1, source.shape[-1]))
         rings = rings.view(requests * width, r, -1)
         state.ring.index_copy_(0, batch.verify_slots.flatten(), rings)
-        cos, sin = rope.at(starts.flatten())
+        cos, sin = rope.at(starts.flatten(), rows_per_request=width)
         keys = self.compress(rings, cos, sin)
         block = batch.block_tables.gather(1, starts // bs)  # [B, T]
         row = torch.where(offset == r - 1, block * (bs // r) + (starts % bs) // r, state.scratch_block * (bs // r))
@@ -288,7 +289,7 @@ class QSAAttention(nn.Module):
         for i, (start, end) in enumerate(batch.bounds):
             table, ctx = batch.block_tables[i], batch.context_lens[i]
             self.indexer.store_block_keys(
-                raw_keys[start:end], ctx, batch.state_slots[i], table, state, rope,
+                raw_keys[start:end], ctx, batch.state_slots[i], table, state, rope, i,
                 batch.position_slots[i] if batch.position_slots else (),
             )
             block_keys = gather_rows(state.keys, table, (ctx + end - start) // r, bs // r)

@@ -1,8 +1,12 @@
 """Rotary tables: cos/sin per position (applied by `kernels/norm_rope`: partial NeoX, rotate-half on the
 first `rotary_dim` dims, the rest pass through).
 
-For text the reference's interleaved M-RoPE has identical T/H/W positions, which makes it plain 1-D RoPE.
-cos/sin are computed in fp32 and cast to the activation dtype, as the reference does.
+The reference's rotary is interleaved M-RoPE: each row has a (t, h, w) position, and rotary frequency i
+takes the H position if i % 3 == 1 and i < 3 * mrope_section[1], the W position if i % 3 == 2 and
+i < 3 * mrope_section[2], else the T position. Text rows have t = h = w, which makes it plain 1-D RoPE
+(the only form a batch without images computes); image tokens get their grid's positions
+(`model/vision/mrope.py`). cos/sin are computed in fp32 and cast to the activation dtype, as the
+reference does.
 """
 
 from __future__ import annotations
@@ -11,28 +15,66 @@ import torch
 
 
 class RotaryEmbedding:
-    def __init__(self, rotary_dim: int, theta: float) -> None:
+    def __init__(self, rotary_dim: int, theta: float, mrope_section: tuple[int, int, int] = (11, 11, 10)) -> None:
         self.rotary_dim = rotary_dim
         self.inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32, device="cpu") / rotary_dim))
-        self._on_device: dict[torch.device, torch.Tensor] = {}  # no host copy inside a forward
+        freq = torch.arange(rotary_dim // 2, device="cpu")
+        self.axis_of_freq = torch.zeros_like(freq)  # 0: T, 1: H, 2: W
+        for axis in (1, 2):
+            self.axis_of_freq[(freq % 3 == axis) & (freq < 3 * mrope_section[axis])] = axis
+        self._on_device: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}  # no host copy in a forward
+
+    def _tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        tables = self._on_device.get(device)
+        if tables is None:
+            tables = self._on_device[device] = (self.inv_freq.to(device), self.axis_of_freq.to(device))
+        return tables
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin of shape [N, rotary_dim] for positions [N]."""
-        inv_freq = self._on_device.get(positions.device)
-        if inv_freq is None:
-            inv_freq = self._on_device[positions.device] = self.inv_freq.to(positions.device)
+        inv_freq, _ = self._tables(positions.device)
         freqs = positions.float()[:, None] * inv_freq[None, :]
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def mrope_cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of shape [N, rotary_dim] for (t, h, w) positions [3, N]."""
+        inv_freq, axis = self._tables(positions.device)
+        freqs = positions.float()[:, :, None] * inv_freq  # [3, N, rotary_dim / 2]
+        freqs = freqs.gather(0, axis.expand(1, positions.shape[1], -1)).squeeze(0)
         emb = torch.cat([freqs, freqs], dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
 class Rope:
-    """The rotary tables of one forward: cos/sin at the tokens' positions, computed once here for every
-    attention layer (not once per layer), and at other positions (the indexer's block starts) on demand."""
+    """The rotary tables of one forward: cos/sin at the batch's rows, computed once here for every
+    attention layer (not once per layer), and at other token indices (the indexer's block starts) on
+    demand. A batch with M-RoPE positions (`ForwardBatch.mrope_positions`) takes a block start's (t, h, w)
+    from its row, or, for the group still open when the forward began, from `mrope_group_starts`."""
 
-    def __init__(self, rotary: RotaryEmbedding, positions: torch.Tensor, dtype: torch.dtype) -> None:
-        self.rotary, self.dtype = rotary, dtype
-        self.cos, self.sin = rotary.cos_sin(positions, dtype)
+    def __init__(self, rotary: RotaryEmbedding, batch, dtype: torch.dtype) -> None:
+        self.rotary, self.dtype, self.batch = rotary, dtype, batch
+        if batch.mrope_positions is None:
+            self.cos, self.sin = rotary.cos_sin(batch.positions, dtype)
+        else:
+            self.cos, self.sin = rotary.mrope_cos_sin(batch.mrope_positions, dtype)
+            starts = [start for start, _ in batch.bounds]
+            self.first_rows = torch.tensor(starts, dtype=torch.int64).to(batch.positions.device)
 
-    def at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.rotary.cos_sin(positions, self.dtype)
+    def at(
+        self, positions: torch.Tensor, request: int | None = None, rows_per_request: int = 1
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin at token indices `positions` [K]: all of batch request `request`, or (None) the first
+        `rows_per_request` of them request 0's, the next request 1's, and so on."""
+        batch = self.batch
+        if batch.mrope_positions is None:
+            return self.rotary.cos_sin(positions, self.dtype)
+        if request is None:
+            requests = torch.arange(positions.shape[0], device=positions.device) // rows_per_request
+        else:
+            requests = torch.full_like(positions, request)
+        context = batch.context_lens_tensor[requests]
+        rows = (self.first_rows[requests] + positions - context).clamp(0, batch.mrope_positions.shape[1] - 1)
+        in_batch = (positions >= context)[None, :]
+        grid = torch.where(in_batch, batch.mrope_positions[:, rows], batch.mrope_group_starts[:, requests])
+        return self.rotary.mrope_cos_sin(grid, self.dtype)

@@ -1,0 +1,299 @@
+"""The vision side against transformers 5.19 (tiny random configs): the tower alone (fp32 equal to the
+reference's, bf16 within transformers' own bf16 error), and the whole model with an image in the prompt."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_bf16_parity import assert_within_reference_error
+
+from tierlm.config import VisionConfig
+from tierlm.model.vision.tower import VisionTower
+
+# two attention heads of head_dim 8 (two rotary frequencies per axis), a 4 x 4 learned position table
+TINY_VISION = {
+    "depth": 2, "hidden_size": 16, "num_heads": 2, "intermediate_size": 24, "patch_size": 2,
+    "temporal_patch_size": 2, "spatial_merge_size": 2, "out_hidden_size": 64, "num_position_embeddings": 16,
+}
+# an image smaller than the position table and one larger than it, not square: the table is resampled
+GRIDS = [(1, 2, 4), (1, 6, 8)]
+
+
+def reference_tower(seed: int = 0):
+    from transformers.models.qwen4_exp.configuration_qwen4_exp import Qwen4ExpVisionConfig
+    from transformers.models.qwen4_exp.modeling_qwen4_exp import Qwen4ExpVisionModel
+
+    torch.manual_seed(seed)
+    model = Qwen4ExpVisionModel(Qwen4ExpVisionConfig(**TINY_VISION)).eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(0.05 * torch.randn_like(param))
+    return model
+
+
+def tierlm_tower(reference) -> VisionTower:
+    tower = VisionTower(VisionConfig.from_dict(TINY_VISION, {})).eval()
+    tower.load_state_dict(reference.state_dict())  # names mirror the checkpoint's `model.visual.*`
+    return tower
+
+
+def test_tower_matches_reference_fp32_and_bf16():
+    reference = reference_tower()
+    tower = tierlm_tower(reference)
+    c = tower.config
+    patches = torch.randn(sum(t * h * w for t, h, w in GRIDS), c.patch_values,
+                          generator=torch.Generator().manual_seed(1))
+    grid_thw = torch.tensor(GRIDS)
+    with torch.no_grad():
+        expected = reference(patches, grid_thw=grid_thw).pooler_output
+        ours = tower(patches, GRIDS)
+        assert ours.shape == (sum(t * h * w for t, h, w in GRIDS) // 4, c.out_hidden_size)
+        torch.testing.assert_close(ours, expected, rtol=0, atol=1e-5)
+        theirs_bf16 = reference.to(torch.bfloat16)(patches.bfloat16(), grid_thw=grid_thw).pooler_output
+        ours_bf16 = tower.to(torch.bfloat16)(patches.bfloat16(), GRIDS)
+    assert_within_reference_error(ours_bf16, theirs_bf16, expected, "vision tower bf16")
+
+
+def test_tower_rejects_patches_that_do_not_fit_the_grids():
+    tower = VisionTower(VisionConfig.from_dict(TINY_VISION, {}))
+    with pytest.raises(ValueError, match=r"patches: expected \[8, 24\]"):
+        tower(torch.zeros(9, 24), [(1, 2, 4)])
+
+
+# ---- the whole model: an image in the prompt -------------------------------------------------------
+IMAGE, START, END = 500, 501, 502  # token ids of the tiny vocabulary (512)
+PROMPT_GRID = (1, 4, 6)  # 6 merged features: a 2 x 3 grid, so text resumes 3 positions after the image
+
+
+@pytest.fixture(scope="module")
+def vlm(tmp_path_factory):
+    """A tiny transformers VLM (text: the fact sheet's config; vision: TINY_VISION) saved as a checkpoint;
+    (reference model, its folder)."""
+    from reference_models import BASE
+    from transformers import Qwen4ExpConfig, Qwen4ExpForConditionalGeneration
+
+    torch.manual_seed(0)
+    config = Qwen4ExpConfig(
+        text_config=dict(BASE), vision_config=dict(TINY_VISION), image_token_id=IMAGE, video_token_id=503,
+        vision_start_token_id=START, vision_end_token_id=END,
+    )
+    model = Qwen4ExpForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(0.05 * torch.randn_like(param))
+    folder = tmp_path_factory.mktemp("vlm")
+    model.save_pretrained(folder)
+    return model, folder
+
+
+def image_prompt(text_after: int) -> list[int]:
+    """Text, <vision_start>, the image's placeholders, <vision_end>, text: 13 + 8 + text_after tokens."""
+    gen = torch.Generator().manual_seed(3)
+    before, after = torch.randint(4, IMAGE, (13,), generator=gen), torch.randint(4, IMAGE, (text_after,), generator=gen)
+    before[5] = 1  # an EOS: the PLE n-gram context restarts
+    return [*before.tolist(), START, *[IMAGE] * (PROMPT_GRID[1] * PROMPT_GRID[2] // 4), END, *after.tolist()]
+
+
+def test_model_with_an_image_matches_reference_fp32(vlm):
+    """Logits of every row of a prompt with one image, prefilled in chunks (the second starting inside the
+    image, in the middle of an indexer group) and then decoded a token at a time past the prompt; against
+    transformers' one forward over the whole sequence."""
+    from reference_models import BLOCK_SIZE
+
+    from tierlm.model.forward_batch import ForwardBatch
+    from tierlm.model.loader import load_model
+    from tierlm.model.model_cache import ModelCache
+    from tierlm.model.vision.mrope import MropePositions
+
+    reference, folder = vlm
+    ids = image_prompt(text_after=19)  # 40 tokens
+    prompt_len = 30
+    c = reference.config.vision_config
+    patches = torch.randn(PROMPT_GRID[0] * PROMPT_GRID[1] * PROMPT_GRID[2], 3 * 2 * 2 * 2,
+                          generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        expected = reference(
+            input_ids=torch.tensor([ids]), pixel_values=patches, image_grid_thw=torch.tensor([PROMPT_GRID]),
+            mm_token_type_ids=torch.tensor([[int(t == IMAGE) for t in ids]]), use_cache=False,
+        ).logits[0]
+
+    model, config = load_model(folder, dtype="float32", device="cpu")
+    features = model.encode_images(patches, [PROMPT_GRID])
+    mrope = MropePositions.of_prompt(ids[:prompt_len], IMAGE, [PROMPT_GRID], c.spatial_merge_size)
+    cache = ModelCache(config, 1, 8, BLOCK_SIZE, torch.float32)
+    cache.reset_slot(0)
+    image_rows = [i for i, t in enumerate(ids) if t == IMAGE]
+    logits = []
+    chunks = [(0, 16), (16, prompt_len)] + [(p, p + 1) for p in range(prompt_len, len(ids))]
+    for start, end in chunks:
+        rows = [i for i in image_rows if start <= i < end]
+        batch = ForwardBatch.build(
+            [ids[start:end]], [start], [0], [list(range(8))], BLOCK_SIZE, logits="all", mrope=[mrope],
+            compress_ratio=config.indexer_compress_ratio,
+        )
+        if rows:
+            batch.image_features = features[rows[0] - image_rows[0] : rows[-1] - image_rows[0] + 1]
+            batch.image_rows = torch.tensor([i - start for i in rows])
+        logits.append(model(batch, cache))
+    torch.testing.assert_close(torch.cat(logits), expected, rtol=0, atol=1e-4)
+
+
+# ---- image processing and prompt expansion ---------------------------------------------------------
+def test_image_processor_matches_transformers():
+    """Patches and grids of transformers' Qwen2-VL image processor (PIL backend, Qwen4-Exp's) for an image
+    shrunk to max_pixels and a palette image grown to min_pixels, with a checkpoint's preprocessor config."""
+    import json
+
+    import numpy as np
+    from PIL import Image
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from tierlm.multimodal.image_processor import ImageProcessor
+
+    rng = np.random.default_rng(0)
+    large = Image.fromarray(rng.integers(0, 256, (70, 45, 3), dtype=np.uint8))
+    small = Image.fromarray(rng.integers(0, 256, (9, 13, 3), dtype=np.uint8)).convert("P")
+    settings = {"size": {"shortest_edge": 400, "longest_edge": 1200}, "image_mean": [0.5, 0.4, 0.3],
+                "image_std": [0.2, 0.3, 0.25]}
+    theirs = Qwen2VLImageProcessorPil(patch_size=2, temporal_patch_size=2, merge_size=2, **settings)
+    vision = VisionConfig.from_dict(TINY_VISION, {})
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as folder:
+        (Path(folder) / "preprocessor_config.json").write_text(json.dumps(settings))
+        ours = ImageProcessor.for_model(folder, vision)
+    for image in (large, small):
+        expected = theirs(images=[image], return_tensors="pt")
+        got = ours(image)
+        assert list(got.grid) == expected["image_grid_thw"][0].tolist()
+        assert torch.equal(got.patches, expected["pixel_values"])
+    assert ours(large).grid[1] * ours(large).grid[2] * 4 <= 1200 < large.width * large.height
+    assert ours(small).grid[1] * ours(small).grid[2] * 4 >= 400 > small.width * small.height
+
+
+def test_image_processor_rejects_bad_input():
+    from tierlm.multimodal.image_processor import ImageError, ImageProcessor
+
+    processor = ImageProcessor.for_model("/nonexistent", processor_vision(), {"min_pixels": 16, "max_pixels": 64})
+    assert (processor.min_pixels, processor.max_pixels) == (16, 64)
+    with pytest.raises(ImageError, match="could not be decoded"):
+        processor.decode(b"not an image")
+    with pytest.raises(ValueError, match="mm_processor_kwargs: unknown key 'fps'"):
+        ImageProcessor.for_model("/nonexistent", processor_vision(), {"fps": 2})
+
+
+def processor_vision() -> VisionConfig:
+    return VisionConfig.from_dict(TINY_VISION, {"image_token_id": IMAGE, "vision_start_token_id": START,
+                                                "vision_end_token_id": END})
+
+
+def test_prompt_expansion():
+    from tierlm.multimodal.prompt import expand_image_tokens
+
+    vision = processor_vision()
+    ids = [7, START, IMAGE, END, 8, START, IMAGE, END]
+    assert expand_image_tokens(ids, vision, [2, 3]) == [7, START, IMAGE, IMAGE, END, 8, START, IMAGE, IMAGE, IMAGE, END]
+    with pytest.raises(ValueError, match="more image markers than the 1 images given"):
+        expand_image_tokens(ids, vision, [1])
+    with pytest.raises(ValueError, match="3 images given, but the prompt has 2 image markers"):
+        expand_image_tokens(ids, vision, [1, 1, 1])
+    with pytest.raises(ValueError, match="outside <vision_start>"):
+        expand_image_tokens([7, IMAGE], vision, [])
+
+
+# ---- chat image_url parts ------------------------------------------------------------------------
+def chat_with_images(*urls: str):
+    from tierlm.server.protocol import ChatCompletionRequest
+
+    parts = [{"type": "image_url", "image_url": {"url": url}} for url in urls]
+    return ChatCompletionRequest.model_validate({"messages": [
+        {"role": "system", "content": "be brief"}, {"role": "user", "content": [*parts, {"type": "text", "text": "hi"}]}]})
+
+
+def png_data_url(width: int, height: int) -> str:
+    import base64
+    import io
+
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.new("RGB", (width, height), (200, 30, 90)).save(out, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()
+
+
+@pytest.mark.parametrize("urls,param,words", [
+    (["http://example.com/cat.png"], "messages[1].content[0]", "only data: URLs"),
+    (["data:image/png,rawbytes"], "messages[1].content[0]", "data:image/<type>;base64"),
+    (["data:text/plain;base64,aGk="], "messages[1].content[0]", "data:image/<type>;base64"),
+    (["data:image/png;base64,@@@"], "messages[1].content[0]", "not valid base64"),
+    (["data:image/png;base64,aGVsbG8="], "messages[1].content[0]", "could not be decoded"),
+    (["data:image/png;base64,aGk="] * 3, "messages[1].content[2]", "at most 2 (--limit-mm-per-prompt)"),
+])
+def test_chat_images_refused_with_a_400_naming_the_part(urls, param, words):
+    from tierlm.server.images import ImageInputs, load_images
+    from tierlm.server.protocol import ApiError
+
+    inputs = ImageInputs.for_model("/nonexistent", processor_vision(), '{"image": 2}')
+    with pytest.raises(ApiError) as caught:
+        load_images(inputs, "m", chat_with_images(*urls))
+    assert caught.value.status == 400 and caught.value.param == param and words in caught.value.message
+    with pytest.raises(ApiError, match="model 'm' has no vision tower"):
+        load_images(None, "m", chat_with_images(*urls))
+
+
+def test_chat_images_decoded_and_prompt_expanded():
+    from tierlm.server.images import ImageInputs, expand_prompt, load_images
+    from tierlm.server.protocol import ApiError
+
+    inputs = ImageInputs.for_model("/nonexistent", processor_vision(), None, '{"min_pixels": 16, "max_pixels": 64}')
+    images = load_images(inputs, "m", chat_with_images(png_data_url(30, 12), png_data_url(5, 5)))
+    # 30 x 12 shrunk to 12 x 4 pixels (<= 64), 5 x 5 rounded to 4 x 4; sides multiples of patch x merge = 4
+    assert [image.grid for image in images] == [(1, 2, 6), (1, 2, 2)]
+    assert expand_prompt([7, START, IMAGE, END, START, IMAGE, END], inputs, images) == [
+        7, START, *[IMAGE] * 3, END, START, IMAGE, END]
+    with pytest.raises(ApiError, match="image markers do not fit the images"):
+        expand_prompt([7], inputs, images)
+
+
+def test_image_flags_are_checked():
+    from tierlm.server.images import ImageInputs
+
+    for limit, words in [("4", "expected a JSON object"), ('{"video": 1}', "images only"), ('{"image": -1}', ">= 0")]:
+        with pytest.raises(ValueError, match=words):
+            ImageInputs.for_model("/nonexistent", processor_vision(), limit)
+    with pytest.raises(ValueError, match="--mm-processor-kwargs: mm_processor_kwargs: unknown key 'fps'"):
+        ImageInputs.for_model("/nonexistent", processor_vision(), None, '{"fps": 1}')
+    assert ImageInputs.for_model("/nonexistent", None, '{"image": 1}') is None
+
+
+def test_demo_model_with_a_vision_tower(tmp_path):
+    """`tierlm demo-model --vision`: transformers loads the VLM checkpoint whole, its vision tower gives
+    tierlm's features for a processed image, and the chat template marks an image with the marker ids."""
+    import numpy as np
+    from PIL import Image
+    from transformers import Qwen4ExpForConditionalGeneration
+
+    from tierlm.demo_model import build_demo_model
+    from tierlm.model.loader import load_model
+    from tierlm.multimodal.image_processor import ImageProcessor
+    from tierlm.multimodal.prompt import image_marker
+    from tierlm.tokenizer import Tokenizer
+
+    folder = build_demo_model(tmp_path / "vlm", "tiny", vision=True)
+    reference, info = Qwen4ExpForConditionalGeneration.from_pretrained(folder, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    model, config = load_model(folder, dtype="float32", device="cpu")
+    image = ImageProcessor.for_model(folder, config.vision)(
+        Image.fromarray(np.random.default_rng(0).integers(0, 256, (40, 90, 3), dtype=np.uint8)))
+    assert image.grid == (1, 4, 6)  # 40 x 90 grown to 64 x 96 pixels (>= 64 x 64, sides multiples of 32)
+    with torch.no_grad():
+        expected = reference.eval().model.get_image_features(image.patches, torch.tensor([image.grid])).pooler_output[0]
+    torch.testing.assert_close(model.encode_images(image.patches, [image.grid]), expected, rtol=0, atol=1e-5)
+    tokenizer = Tokenizer.from_pretrained(folder)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:"}}, {"type": "text", "text": "hi"}]}],
+        add_generation_prompt=True)
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    marker = image_marker(config.vision)
+    assert [ids[i : i + 3] for i in range(len(ids) - 2)].count(marker) == 1
