@@ -56,6 +56,24 @@ def timed(fn, repeats: int, device: torch.device) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def print_profile(name: str, fn, device: torch.device, repeats: int = 5) -> None:
+    """torch.profiler's ops of `repeats` calls of fn (after one warm-up), by self host time and by device time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(repeats):
+            fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    table = prof.key_averages()
+    print(f"--- profile of {name} ({repeats} calls)")
+    print(table.table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=48))
+    if device.type == "cuda":
+        print(table.table(sort_by="self_cuda_time_total", row_limit=12, max_name_column_width=48))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--device", default="cpu")
@@ -67,6 +85,8 @@ def main() -> None:
                         help="also measure the real-width decode step at 4 and 8 layers (a GPU run)")
     parser.add_argument("--target-layers", type=int, default=48, help="the depth the step extrapolates to")
     parser.add_argument("--cpu-threads", type=int, default=1, help="torch threads (1: no OpenMP spin on a busy host)")
+    parser.add_argument("--profile", action="store_true",
+                        help="also print torch.profiler's op table (host and device time) for each column")
     args = parser.parse_args()
     torch.set_num_threads(args.cpu_threads)
     device = torch.device(args.device)
@@ -99,6 +119,9 @@ def main() -> None:
     }
     results = {name: timed(lambda rows=rows: sampler.sample(logits, rows, str), args.repeats, device)
                for name, rows in columns.items()}
+    if args.profile:
+        for name, rows in columns.items():
+            print_profile(name, lambda rows=rows: sampler.sample(logits, rows, str), device)
     base = results["greedy"]
     steps = decode_steps(args, device) if args.step_layers else {}
     report = {"device": device_label(device), "batch": args.batch, "vocab": args.vocab, "sampler_ms": results,

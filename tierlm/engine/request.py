@@ -13,9 +13,11 @@ the placeholders (`known_output_token_ids`) are text, logprobs or prefix-cache h
 from __future__ import annotations
 
 import enum
+import functools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from tierlm.outputs import PositionLogprobs
@@ -87,6 +89,11 @@ class Request:
         if self.generator is None or self.generator.device != device:
             self.generator = torch.Generator(device=device).manual_seed(self.params.seed)
         return self.generator
+
+    @functools.cached_property
+    def prompt_ids_array(self) -> np.ndarray:
+        """The prompt's ids as an int64 array (made once: the sampler's repetition penalty reads it each step)."""
+        return np.asarray(self.prompt_token_ids, dtype=np.int64)
 
     @property
     def num_tokens(self) -> int:
