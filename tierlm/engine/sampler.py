@@ -28,6 +28,7 @@ Numerics, whatever the parameters (each limit is documented in the README):
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -42,6 +43,7 @@ logger = logging.getLogger("tierlm")
 
 MIN_TEMPERATURE = 1e-5  # below this a temperature samples greedily (as vLLM's _SAMPLING_EPS)
 _OK, _NAN, _MASKED = 0, 1, 2
+TIE_MARGIN = 8  # a top-k draw's topk takes this many more, so ties at the k-th place are ranked by id
 
 
 class SamplingError(RuntimeError):
@@ -220,68 +222,82 @@ def _allowed_bitmask(ids: list[int], vocab: int, words: int) -> torch.Tensor:
     return torch.from_numpy(row.view(np.int32))
 
 
-def _upload(parts: list[np.ndarray], dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
-    """The host arrays as views of one tensor on `device` (one copy up, through pinned memory on CUDA)."""
-    flat = np.concatenate([part.ravel() for part in parts]) if parts else np.zeros(0)
-    tensor = on_device(flat, device, dtype)
-    return list(tensor.split([part.size for part in parts]))
+class _Sent:
+    """A plan's arrays on the logits' device, as views of two tensors (one copy up each: integers, floats;
+    through pinned memory on CUDA), by name; only what the pass will use."""
+
+    def __init__(self, plan: RowPlan, device: torch.device) -> None:
+        self.sampling = bool(plan.sampled_rows.any())
+        self.k_max = int(plan.top_k[plan.top_k_rows].max(initial=0))
+        ints = {"output_flat": plan.output_flat, "prompt_flat": plan.prompt_flat, "bias_flat": plan.bias_flat,
+                "ban_flat": plan.ban_flat}
+        floats = {"bias_values": plan.bias_values, "penalties": plan.penalties}
+        if self.sampling:
+            ints.update(keys=plan.keys.view(np.int64), is_top_k=plan.top_k_rows.astype(np.int64),
+                        greedy=plan.greedy.astype(np.int64))
+            ranks = np.arange(self.k_max)[None, :]
+            floats.update(
+                temperature=plan.temperature,
+                # a row with top_p 1 is never cut, whatever the others' (cumulative sums can round past 1)
+                top_p=np.where(plan.top_p < 1, plan.top_p, np.inf), min_p=plan.min_p,
+                noise_k=exponential_noise_np(plan.keys, self.k_max),  # by rank
+                rank_cut=np.where(ranks < np.where(plan.top_k_rows, plan.top_k, self.k_max)[:, None], 0, -np.inf))
+        for group, dtype in ((ints, torch.int64), (floats, torch.float32)):
+            if any(array.size for array in group.values()):
+                flat = on_device(np.concatenate([array.ravel() for array in group.values()]), device, dtype)
+                for (name, array), view in zip(group.items(), flat.split([a.size for a in group.values()])):
+                    setattr(self, name, view.view(array.shape))
+
+
+def edit_logits(logits: torch.Tensor, plan: RowPlan, sent: _Sent | None = None) -> torch.Tensor:
+    """`logits` (fp32 [rows, vocab]) after the plan's penalties, biases, bans and bitmask (a new tensor
+    when any; `logits` itself when none): flat indices into every row at once, the bitmask in one pass."""
+    if not plan.edited:
+        return logits
+    sent = sent or _Sent(plan, logits.device)
+    x = logits.clone()
+    flat = x.view(-1)
+    if len(plan.output_flat) or len(plan.prompt_flat):
+        _penalize(flat, plan.vocab, sent.output_flat, sent.prompt_flat, sent.penalties)
+    if len(plan.bias_flat):
+        flat.index_put_((sent.bias_flat,), sent.bias_values, accumulate=True)
+    if len(plan.ban_flat):
+        flat[sent.ban_flat] = float("-inf")
+    if plan.bitmask is not None:
+        import xgrammar
+
+        device = x.device
+        bitmask = plan.bitmask.to(device, non_blocking=True) if device.type == "cuda" else plan.bitmask
+        xgrammar.apply_token_bitmask_inplace(x, bitmask)
+    return x
 
 
 def sample_rows(logits: torch.Tensor, plan: RowPlan) -> tuple[torch.Tensor, torch.Tensor]:
     """(token per row, status per row) of fp32 `logits` [rows, vocab] on their device, every row at once:
-    penalties, biases and bans through flat indices, the bitmask in one masked pass, then greedy rows the
-    argmax and the others their draw (top-k rows over their k best, the rest over the vocabulary). Queues
-    work only: no value is read back."""
-    device, rows, vocab = logits.device, logits.shape[0], logits.shape[1]
-    x = logits.clone() if plan.edited else logits
-    sampling = bool(plan.sampled_rows.any())
-    k_max = int(plan.top_k.max(initial=0))
-    top_k_rows, full_rows = plan.top_k_rows, plan.full_rows
-    noise_k = exponential_noise_np(plan.keys, k_max) if top_k_rows.any() else np.zeros((rows, 0), np.float32)
-    rank_cut = np.where(np.arange(k_max)[None, :] < np.where(top_k_rows, plan.top_k, k_max)[:, None], 0,
-                        -np.inf).astype(np.float32)
-    ints = [plan.output_flat, plan.prompt_flat, plan.bias_flat, plan.ban_flat]
-    floats = [plan.bias_values]
-    if sampling:
-        ints += [plan.keys.view(np.int64), top_k_rows.astype(np.int64), plan.greedy.astype(np.int64)]
-        floats += [plan.temperature, plan.top_p, plan.min_p, noise_k, rank_cut]
-    if len(plan.output_flat) or len(plan.prompt_flat):
-        floats.append(plan.penalties)
-    int_views = _upload(ints, torch.int64, device) if any(a.size for a in ints) or sampling else []
-    float_views = _upload(floats, torch.float32, device) if any(a.size for a in floats) or sampling else []
-    flat = x.view(-1)
-    if len(plan.output_flat) or len(plan.prompt_flat):
-        _penalize(flat, vocab, int_views[0], int_views[1], float_views[-1].view(rows, 3))
-    if len(plan.bias_flat):
-        flat.index_put_((int_views[2],), float_views[0], accumulate=True)
-    if len(plan.ban_flat):
-        flat[int_views[3]] = float("-inf")
-    if plan.bitmask is not None:
-        import xgrammar
-
-        bitmask = plan.bitmask.to(device, non_blocking=True) if device.type == "cuda" else plan.bitmask
-        xgrammar.apply_token_bitmask_inplace(x, bitmask)
+    `edit_logits`, then greedy rows the argmax and the others their draw (top-k rows over their k best,
+    the rest over the vocabulary). Queues work only: no value is read back."""
+    device, rows = logits.device, logits.shape[0]
+    sent = _Sent(plan, device)
+    x = edit_logits(logits, plan, sent)
     top, greedy_tokens = x.max(dim=-1)  # max and argmax propagate NaN
     nan = torch.isnan(top if x is logits else logits.amax(dim=-1))
     status = torch.where(nan, _NAN, torch.where(top == float("-inf"), _MASKED, _OK))
-    if not sampling:
+    if not sent.sampling:
         return greedy_tokens, status
-    keys, is_top_k, greedy = int_views[4:7]
-    temperature, top_p, min_p, noise_k, rank_cut = float_views[1:6]
     cut_p = bool((plan.top_p[~plan.greedy] < 1).any())
     cut_min = bool((plan.min_p[~plan.greedy] > 0).any())
+    top_p, min_p = (sent.top_p if cut_p else None), (sent.min_p if cut_min else None)
     tokens = greedy_tokens
-    if full_rows.any():
-        index = None if full_rows.all() else on_device(np.flatnonzero(full_rows), device)
-        part = (lambda t: t) if index is None else (lambda t: t[index])
-        drawn = _draw_full(part(x), part(top), part(temperature), part(top_p) if cut_p else None,
-                           part(min_p) if cut_min else None, part(greedy_tokens), part(keys))
+    if plan.full_rows.any():
+        index = None if plan.full_rows.all() else on_device(np.flatnonzero(plan.full_rows), device)
+        part = (lambda t: t) if index is None else (lambda t: None if t is None else t[index])  # noqa: E731
+        drawn = _draw_full(part(x), part(top), part(sent.temperature), part(top_p), part(min_p),
+                           part(greedy_tokens), part(sent.keys))
         tokens = drawn if index is None else tokens.index_copy(0, index, drawn)
-    if top_k_rows.any():
-        drawn = _draw_top_k(x, top, temperature, top_p if cut_p else None, min_p if cut_min else None,
-                            noise_k.view(rows, k_max), rank_cut.view(rows, k_max), k_max)
-        tokens = torch.where(is_top_k.bool(), drawn, tokens)
-    greedy = greedy.bool() | (top == float("inf")) | (status != _OK)
+    if sent.k_max:
+        drawn = _draw_top_k(x, top, sent.temperature, top_p, min_p, sent.noise_k, sent.rank_cut, sent.k_max)
+        tokens = torch.where(sent.is_top_k.bool(), drawn, tokens)
+    greedy = sent.greedy.bool() | (top == float("inf")) | (status != _OK)
     return torch.where(greedy, greedy_tokens, tokens), status
 
 
@@ -299,23 +315,36 @@ def _penalize(flat: torch.Tensor, vocab: int, output_flat: torch.Tensor, prompt_
     flat[seen] = value - (frequency * count + presence * (count > 0))
 
 
+def best_first(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, ids) of each row's k largest, best first, equal values by lower id: what a stable sort of the
+    row gives, whatever the batch (topk alone leaves the order of ties, and which of a tie at the k-th
+    place stays, to its algorithm). topk takes `TIE_MARGIN` more than k, then the slice is sorted by id
+    and stably by value; a tie that runs past k + TIE_MARGIN keeps topk's choice."""
+    values, ids = x.topk(min(k + TIE_MARGIN, x.shape[1]), dim=-1)
+    ids, order = ids.sort(dim=-1)
+    values, order = values.gather(1, order).sort(dim=-1, descending=True, stable=True)
+    return values[:, :k], ids.gather(1, order)[:, :k]
+
+
 def _draw_top_k(x, top, temperature, top_p, min_p, noise, rank_cut, k_max: int) -> torch.Tensor:
     """Every row's draw among its k best (rank_cut: -inf past its k): scaled by its temperature below its
     maximum, softmax, top-p and min-p on the sorted slice, then the race against the ranked noise."""
-    values, ids = x.topk(k_max, dim=-1)  # sorted, best first
+    values, ids = best_first(x, k_max)
     probs = torch.softmax((values - top[:, None]) / temperature[:, None] + rank_cut, dim=-1)
     probs = _cut_top_p_min_p(probs, top_p, min_p)
     return ids.gather(1, (probs / noise).argmax(dim=-1, keepdim=True))[:, 0]
 
 
 def _draw_full(x, top, temperature, top_p, min_p, greedy_tokens, keys) -> torch.Tensor:
-    """Every row's draw over the whole vocabulary (noise keyed by token id); top-p sorts the rows."""
+    """Every row's draw over the whole vocabulary (noise keyed by token id); top-p sorts the rows, min-p
+    compares with the argmax's probability."""
     probs = torch.softmax((x - top[:, None]) / temperature[:, None], dim=-1)
+    threshold = None if min_p is None else min_p[:, None] * probs.gather(1, greedy_tokens[:, None])
     if top_p is not None:
-        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        sorted_probs, order = probs.sort(dim=-1, descending=True, stable=True)  # ties by id, whatever the batch
         probs = torch.zeros_like(probs).scatter_(1, order, _cut_top_p_min_p(sorted_probs, top_p, None))
-    if min_p is not None:  # the most likely token's probability (top-p always keeps it)
-        probs = probs.masked_fill(probs < min_p[:, None] * probs.gather(1, greedy_tokens[:, None]), 0.0)
+    if threshold is not None:
+        probs = probs.masked_fill(probs < threshold, 0.0)
     noise = exponential_noise(keys, torch.arange(x.shape[1], device=x.device))
     return (probs / noise).argmax(dim=-1)
 
@@ -406,7 +435,8 @@ def sampling_probs(logits: torch.Tensor, requests: list[Request]) -> torch.Tenso
 def _top_p_min_p(sorted_probs: torch.Tensor, requests: list[Request]) -> torch.Tensor:
     """`_cut_top_p_min_p` with the requests' top-p and min-p (None where no row cuts)."""
     device = sorted_probs.device
-    top_p = on_device([r.params.top_p for r in requests], device, torch.float32) if any(
+    top_p = on_device([r.params.top_p if r.params.top_p < 1 else math.inf for r in requests], device,
+                      torch.float32) if any(
         r.params.top_p < 1 for r in requests) else None
     min_p = on_device([r.params.min_p for r in requests], device, torch.float32) if any(
         r.params.min_p > 0 for r in requests) else None
