@@ -27,8 +27,8 @@ Numerics, whatever the parameters (each limit is documented in the README):
 
 from __future__ import annotations
 
+import itertools
 import logging
-import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -166,7 +166,7 @@ def plan_rows(requests: list[Request], vocab: int, keys: np.ndarray, pinned: boo
     top_k = np.array([p.top_k if 0 < p.top_k < vocab else 0 for p in params], dtype=np.int64)
     penalties = np.array([(p.repetition_penalty, p.frequency_penalty, p.presence_penalty) for p in params],
                          dtype=np.float32).reshape(rows, 3)
-    outputs, prompts, bias_flat, bias_values, ban_flat = [], [], [], [], []
+    bias_flat, bias_values, ban_flat = [], [], []
     bitmask = None
     words = (vocab + 31) // 32
     for i, request in enumerate(requests):
@@ -185,27 +185,33 @@ def plan_rows(requests: list[Request], vocab: int, keys: np.ndarray, pinned: boo
                     bitmask[i] = -1
                 if row_mask is not None:
                     bitmask[i] &= row_mask
-            if p.has_penalties:
-                out = _ids_below(request.output_token_ids, vocab) + i * vocab
-                outputs.append(out)
-                if p.repetition_penalty != 1.0:
-                    prompts.append(request.prompt_ids_array[request.prompt_ids_array < vocab] + i * vocab)
-        except Exception as exc:  # noqa: BLE001 (this request's own state: it fails alone)
+        except Exception as exc:  # this request's own state: it fails alone
             logger.exception("preparing request %s for sampling failed", request.request_id)
             failed[i] = f"sampling failed: {type(exc).__name__}: {exc}"
             continue
         bias_flat += [flat for flat, _ in bias]
         bias_values += [value for _, value in bias]
         ban_flat += bans
+    penalized = [i for i, p in enumerate(params) if p.has_penalties and i not in failed]
+    repeated = [i for i in penalized if params[i].repetition_penalty != 1.0]
+    outputs = [requests[i].output_token_ids for i in penalized]
+    lengths = [len(ids) for ids in outputs]
+    output_flat = _flat_ids(np.fromiter(itertools.chain.from_iterable(outputs), np.int64, sum(lengths)), lengths,
+                            penalized, vocab)
+    prompts = [requests[i].prompt_ids_array for i in repeated]  # arrays made once per request
+    prompt_flat = _flat_ids(np.concatenate(prompts) if prompts else np.zeros(0, np.int64), [len(a) for a in prompts],
+                            repeated, vocab)
     return RowPlan(
         vocab, failed, greedy, np.where(greedy, 1.0, temperature).astype(np.float32), top_k,
         np.array([p.top_p for p in params], dtype=np.float32), np.array([p.min_p for p in params], dtype=np.float32),
-        keys, penalties, _concat(outputs), _concat(prompts), np.array(bias_flat, dtype=np.int64),
+        keys, penalties, output_flat, prompt_flat, np.array(bias_flat, dtype=np.int64),
         np.array(bias_values, dtype=np.float32), np.array(ban_flat, dtype=np.int64), bitmask)
 
 
-def _concat(parts: list[np.ndarray]) -> np.ndarray:
-    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+def _flat_ids(ids: np.ndarray, lengths: list[int], rows: list[int], vocab: int) -> np.ndarray:
+    """row * vocab + id for the ids in [0, vocab) of `ids`: rows[j]'s lengths[j] ids, one after another."""
+    flat = ids + np.repeat(np.array(rows, dtype=np.int64) * vocab, lengths)
+    return flat[(ids >= 0) & (ids < vocab)]
 
 
 def _ids_below(ids: list[int], vocab: int) -> np.ndarray:
@@ -222,12 +228,20 @@ def _allowed_bitmask(ids: list[int], vocab: int, words: int) -> torch.Tensor:
     return torch.from_numpy(row.view(np.int32))
 
 
+def _top_p_bounds(top_p: np.ndarray) -> np.ndarray:
+    """top_p as the cut compares it: a row at 1 is never cut, whatever the others' (cumulative sums can
+    round past 1), and none is below the smallest positive float32 (the first token, with mass 0 before
+    it, always stays)."""
+    return np.where(top_p < 1, np.maximum(top_p, np.finfo(np.float32).smallest_subnormal), np.inf)
+
+
 class _Sent:
     """A plan's arrays on the logits' device, as views of two tensors (one copy up each: integers, floats;
     through pinned memory on CUDA), by name; only what the pass will use."""
 
     def __init__(self, plan: RowPlan, device: torch.device) -> None:
         self.sampling = bool(plan.sampled_rows.any())
+        self.rank_cut = None
         self.k_max = int(plan.top_k[plan.top_k_rows].max(initial=0))
         ints = {"output_flat": plan.output_flat, "prompt_flat": plan.prompt_flat, "bias_flat": plan.bias_flat,
                 "ban_flat": plan.ban_flat}
@@ -235,13 +249,11 @@ class _Sent:
         if self.sampling:
             ints.update(keys=plan.keys.view(np.int64), is_top_k=plan.top_k_rows.astype(np.int64),
                         greedy=plan.greedy.astype(np.int64))
-            ranks = np.arange(self.k_max)[None, :]
-            floats.update(
-                temperature=plan.temperature,
-                # a row with top_p 1 is never cut, whatever the others' (cumulative sums can round past 1)
-                top_p=np.where(plan.top_p < 1, plan.top_p, np.inf), min_p=plan.min_p,
-                noise_k=exponential_noise_np(plan.keys, self.k_max),  # by rank
-                rank_cut=np.where(ranks < np.where(plan.top_k_rows, plan.top_k, self.k_max)[:, None], 0, -np.inf))
+            floats.update(temperature=plan.temperature, top_p=_top_p_bounds(plan.top_p), min_p=plan.min_p,
+                          noise_k=exponential_noise_np(plan.keys, self.k_max))  # by rank
+            k = np.where(plan.top_k_rows, plan.top_k, self.k_max)
+            if (k < self.k_max).any():  # -inf past each row's k
+                floats.update(rank_cut=np.where(np.arange(self.k_max)[None, :] < k[:, None], 0, -np.inf))
         for group, dtype in ((ints, torch.int64), (floats, torch.float32)):
             if any(array.size for array in group.values()):
                 flat = on_device(np.concatenate([array.ravel() for array in group.values()]), device, dtype)
@@ -276,7 +288,7 @@ def sample_rows(logits: torch.Tensor, plan: RowPlan) -> tuple[torch.Tensor, torc
     """(token per row, status per row) of fp32 `logits` [rows, vocab] on their device, every row at once:
     `edit_logits`, then greedy rows the argmax and the others their draw (top-k rows over their k best,
     the rest over the vocabulary). Queues work only: no value is read back."""
-    device, rows = logits.device, logits.shape[0]
+    device = logits.device
     sent = _Sent(plan, device)
     x = edit_logits(logits, plan, sent)
     top, greedy_tokens = x.max(dim=-1)  # max and argmax propagate NaN
@@ -290,14 +302,16 @@ def sample_rows(logits: torch.Tensor, plan: RowPlan) -> tuple[torch.Tensor, torc
     tokens = greedy_tokens
     if plan.full_rows.any():
         index = None if plan.full_rows.all() else on_device(np.flatnonzero(plan.full_rows), device)
-        part = (lambda t: t) if index is None else (lambda t: None if t is None else t[index])  # noqa: E731
+        part = (lambda t: t) if index is None else (lambda t: None if t is None else t[index])
         drawn = _draw_full(part(x), part(top), part(sent.temperature), part(top_p), part(min_p),
                            part(greedy_tokens), part(sent.keys))
         tokens = drawn if index is None else tokens.index_copy(0, index, drawn)
     if sent.k_max:
         drawn = _draw_top_k(x, top, sent.temperature, top_p, min_p, sent.noise_k, sent.rank_cut, sent.k_max)
-        tokens = torch.where(sent.is_top_k.bool(), drawn, tokens)
-    greedy = sent.greedy.bool() | (top == float("inf")) | (status != _OK)
+        tokens = torch.where(sent.is_top_k.bool(), drawn, tokens) if plan.full_rows.any() else drawn
+    greedy = (status != _OK) | (top == float("inf"))  # failures take any token; a +inf logit is taken
+    if plan.greedy.any():
+        greedy |= sent.greedy.bool()
     return torch.where(greedy, greedy_tokens, tokens), status
 
 
@@ -327,10 +341,12 @@ def best_first(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _draw_top_k(x, top, temperature, top_p, min_p, noise, rank_cut, k_max: int) -> torch.Tensor:
-    """Every row's draw among its k best (rank_cut: -inf past its k): scaled by its temperature below its
-    maximum, softmax, top-p and min-p on the sorted slice, then the race against the ranked noise."""
+    """Every row's draw among its k best (rank_cut: -inf past its k; None: every row's k is k_max): scaled
+    by its temperature below its maximum, softmax, top-p and min-p on the sorted slice, then the race
+    against the ranked noise."""
     values, ids = best_first(x, k_max)
-    probs = torch.softmax((values - top[:, None]) / temperature[:, None] + rank_cut, dim=-1)
+    scaled = (values - top[:, None]) / temperature[:, None]
+    probs = torch.softmax(scaled if rank_cut is None else scaled + rank_cut, dim=-1)
     probs = _cut_top_p_min_p(probs, top_p, min_p)
     return ids.gather(1, (probs / noise).argmax(dim=-1, keepdim=True))[:, 0]
 
@@ -435,7 +451,7 @@ def sampling_probs(logits: torch.Tensor, requests: list[Request]) -> torch.Tenso
 def _top_p_min_p(sorted_probs: torch.Tensor, requests: list[Request]) -> torch.Tensor:
     """`_cut_top_p_min_p` with the requests' top-p and min-p (None where no row cuts)."""
     device = sorted_probs.device
-    top_p = on_device([r.params.top_p if r.params.top_p < 1 else math.inf for r in requests], device,
+    top_p = on_device(_top_p_bounds(np.array([r.params.top_p for r in requests], dtype=np.float32)), device,
                       torch.float32) if any(
         r.params.top_p < 1 for r in requests) else None
     min_p = on_device([r.params.min_p for r in requests], device, torch.float32) if any(
@@ -447,11 +463,9 @@ def _cut_top_p_min_p(sorted_probs: torch.Tensor, top_p: torch.Tensor | None,
                      min_p: torch.Tensor | None) -> torch.Tensor:
     """Rows of probabilities sorted best first, cut by each row's top-p, then min-p (not renormalized:
     the draw only compares them)."""
-    if top_p is not None:
+    if top_p is not None:  # (`_top_p_bounds`)
         # keep the smallest prefix whose mass reaches top_p; the most likely token always stays
-        drop = sorted_probs.cumsum(dim=-1) - sorted_probs >= top_p[:, None]
-        drop[:, 0] = False
-        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+        sorted_probs = sorted_probs.masked_fill(sorted_probs.cumsum(dim=-1) - sorted_probs >= top_p[:, None], 0.0)
     if min_p is not None:
         sorted_probs = sorted_probs.masked_fill(sorted_probs < min_p[:, None] * sorted_probs[:, :1], 0.0)
     return sorted_probs

@@ -32,16 +32,16 @@ def reference_sample_rows(logits: torch.Tensor, plan: RowPlan) -> tuple[torch.Te
         if plan.greedy[i] or state != _OK or top == float("inf"):
             tokens.append(greedy_token)
             continue
-        scaled = lambda v: (v - top) / float(plan.temperature[i])  # noqa: E731
+        temperature = float(plan.temperature[i])
         k = int(plan.top_k[i])
         if k:
             values, ids = x.sort(descending=True, stable=True)  # ties by lower id
             values, ids = values[:k], ids[:k]
-            probs = _cut(torch.softmax(scaled(values), dim=0), float(plan.top_p[i]), float(plan.min_p[i]), 0)
+            probs = _cut(torch.softmax((values - top) / temperature, dim=0), float(plan.top_p[i]), float(plan.min_p[i]), 0)
             noise = torch.from_numpy(exponential_noise_np(plan.keys[i : i + 1], k)[0])
             tokens.append(int(ids[int((probs / noise).argmax())]))
         else:
-            probs = torch.softmax(scaled(x), dim=0)
+            probs = torch.softmax((x - top) / temperature, dim=0)
             ordered, order = probs.sort(descending=True, stable=True)
             most_likely = int((order == greedy_token).nonzero()[0, 0])
             ordered = _cut(ordered, float(plan.top_p[i]), float(plan.min_p[i]), most_likely)
@@ -60,7 +60,9 @@ def reference_edit_logits(logits: torch.Tensor, plan: RowPlan) -> torch.Tensor:
 
 def _edited_row(x: torch.Tensor, i: int, plan: RowPlan) -> torch.Tensor:
     vocab = plan.vocab
-    in_row = lambda flat: flat[flat // vocab == i] - i * vocab  # noqa: E731
+    def in_row(flat: np.ndarray) -> np.ndarray:
+        return flat[flat // vocab == i] - i * vocab
+
     outputs, prompts = in_row(plan.output_flat), in_row(plan.prompt_flat)
     if len(outputs) or len(prompts):
         repetition, frequency, presence = (float(v) for v in plan.penalties[i])
