@@ -27,7 +27,6 @@ Numerics, whatever the parameters (each limit is documented in the README):
 
 from __future__ import annotations
 
-import itertools
 import logging
 from dataclasses import dataclass
 
@@ -194,13 +193,9 @@ def plan_rows(requests: list[Request], vocab: int, keys: np.ndarray, pinned: boo
         ban_flat += bans
     penalized = [i for i, p in enumerate(params) if p.has_penalties and i not in failed]
     repeated = [i for i in penalized if params[i].repetition_penalty != 1.0]
-    outputs = [requests[i].output_token_ids for i in penalized]
-    lengths = [len(ids) for ids in outputs]
-    output_flat = _flat_ids(np.fromiter(itertools.chain.from_iterable(outputs), np.int64, sum(lengths)), lengths,
-                            penalized, vocab)
+    outputs = [requests[i].known_output_ids_array() for i in penalized]  # arrays kept up to date per request
     prompts = [requests[i].prompt_ids_array for i in repeated]  # arrays made once per request
-    prompt_flat = _flat_ids(np.concatenate(prompts) if prompts else np.zeros(0, np.int64), [len(a) for a in prompts],
-                            repeated, vocab)
+    output_flat, prompt_flat = _flat_ids(outputs, penalized, vocab), _flat_ids(prompts, repeated, vocab)
     return RowPlan(
         vocab, failed, greedy, np.where(greedy, 1.0, temperature).astype(np.float32), top_k,
         np.array([p.top_p for p in params], dtype=np.float32), np.array([p.min_p for p in params], dtype=np.float32),
@@ -208,9 +203,12 @@ def plan_rows(requests: list[Request], vocab: int, keys: np.ndarray, pinned: boo
         np.array(bias_values, dtype=np.float32), np.array(ban_flat, dtype=np.int64), bitmask)
 
 
-def _flat_ids(ids: np.ndarray, lengths: list[int], rows: list[int], vocab: int) -> np.ndarray:
-    """row * vocab + id for the ids in [0, vocab) of `ids`: rows[j]'s lengths[j] ids, one after another."""
-    flat = ids + np.repeat(np.array(rows, dtype=np.int64) * vocab, lengths)
+def _flat_ids(ids_per_row: list[np.ndarray], rows: list[int], vocab: int) -> np.ndarray:
+    """row * vocab + id for the ids in [0, vocab) of each listed row."""
+    if not rows:
+        return np.zeros(0, dtype=np.int64)
+    ids = np.concatenate(ids_per_row)
+    flat = ids + np.repeat(np.array(rows, dtype=np.int64) * vocab, [len(row) for row in ids_per_row])
     return flat[(ids >= 0) & (ids < vocab)]
 
 
@@ -243,7 +241,8 @@ class _Sent:
         self.sampling = bool(plan.sampled_rows.any())
         self.rank_cut = None
         self.k_max = int(plan.top_k[plan.top_k_rows].max(initial=0))
-        ints = {"output_flat": plan.output_flat, "prompt_flat": plan.prompt_flat, "bias_flat": plan.bias_flat,
+        self.outputs = len(plan.output_flat)  # the first of seen_flat; the prompt ids follow
+        ints = {"seen_flat": np.concatenate([plan.output_flat, plan.prompt_flat]), "bias_flat": plan.bias_flat,
                 "ban_flat": plan.ban_flat}
         floats = {"bias_values": plan.bias_values, "penalties": plan.penalties}
         if self.sampling:
@@ -255,10 +254,11 @@ class _Sent:
             if (k < self.k_max).any():  # -inf past each row's k
                 floats.update(rank_cut=np.where(np.arange(self.k_max)[None, :] < k[:, None], 0, -np.inf))
         for group, dtype in ((ints, torch.int64), (floats, torch.float32)):
-            if any(array.size for array in group.values()):
+            group = {name: array for name, array in group.items() if array.size}  # empty: never read
+            if group:
                 flat = on_device(np.concatenate([array.ravel() for array in group.values()]), device, dtype)
-                for (name, array), view in zip(group.items(), flat.split([a.size for a in group.values()])):
-                    setattr(self, name, view.view(array.shape))
+                for (name, array), view in zip(group.items(), flat.split_with_sizes([a.size for a in group.values()])):
+                    setattr(self, name, view if array.ndim == 1 else view.view(array.shape))
 
 
 def edit_logits(logits: torch.Tensor, plan: RowPlan, sent: _Sent | None = None) -> torch.Tensor:
@@ -270,7 +270,7 @@ def edit_logits(logits: torch.Tensor, plan: RowPlan, sent: _Sent | None = None) 
     x = logits.clone()
     flat = x.view(-1)
     if len(plan.output_flat) or len(plan.prompt_flat):
-        _penalize(flat, plan.vocab, sent.output_flat, sent.prompt_flat, sent.penalties)
+        _penalize(flat, plan.vocab, sent.seen_flat, sent.outputs, sent.penalties)
     if len(plan.bias_flat):
         flat.index_put_((sent.bias_flat,), sent.bias_values, accumulate=True)
     if len(plan.ban_flat):
@@ -315,14 +315,13 @@ def sample_rows(logits: torch.Tensor, plan: RowPlan) -> tuple[torch.Tensor, torc
     return torch.where(greedy, greedy_tokens, tokens), status
 
 
-def _penalize(flat: torch.Tensor, vocab: int, output_flat: torch.Tensor, prompt_flat: torch.Tensor,
-              penalties: torch.Tensor) -> None:
+def _penalize(flat: torch.Tensor, vocab: int, seen: torch.Tensor, outputs: int, penalties: torch.Tensor) -> None:
     """Repetition (vLLM: positive logits divided, negative multiplied) on every id a row has seen, then
     frequency and presence (OpenAI) by its output counts, in place on the flat [rows * vocab] logits:
-    only the seen entries are read and written (an id seen twice writes the same value twice)."""
+    only the seen entries (flat indices: the first `outputs` are output ids, then prompt ids) are read and
+    written (an id seen twice writes the same value twice)."""
     counts = torch.zeros_like(flat)
-    counts.index_put_((output_flat,), torch.ones((), dtype=flat.dtype, device=flat.device), accumulate=True)
-    seen = torch.cat([output_flat, prompt_flat])
+    counts.index_put_((seen[:outputs],), torch.ones((), dtype=flat.dtype, device=flat.device), accumulate=True)
     value, count = flat[seen], counts[seen]
     repetition, frequency, presence = penalties[seen // vocab].unbind(dim=1)
     value = torch.where(value > 0, value / repetition, value * repetition)
