@@ -6,8 +6,8 @@ rank's layers; move the batch to the device; wait for the hidden state; run the 
 result on (the last rank: sample, and send the tokens and log-probabilities to rank 0).
 
 The last rank samples with the engine's own `ModelRunner.sample` on mirrors of the requests (`_Mirror`:
-parameters, output tokens, seeded generator), on its device, so sampling is the code PP=1 runs: the same
-ops on the same values and generators, and only the ids and log-probabilities come to the host.
+parameters, output tokens), on its device, so sampling is the code PP=1 runs: the same
+ops on the same values and noise keys, and only the ids and log-probabilities come to the host.
 Structured-output rows come with rank 0's grammar bitmask. Messages from rank 0 arrive in an `Inbox`
 (receives always posted), so rank 0 can send the next micro-batch while this rank works.
 

@@ -1,25 +1,31 @@
 """Turn the logits rows of a step's sampling requests into their next tokens, on the logits' device, in
 one batched pass, and report log-probabilities.
 
-The pass, every row at once (per-row values as tensors): penalties on the request's own tokens
-(repetition on prompt and output, vLLM's rule: positive logits divided, negative multiplied; frequency
-and presence on the output, OpenAI's rule), `logit_bias`, bans (`allowed_token_ids`, `bad_words`, EOS and
-stop ids before `min_tokens`), the grammar's token bitmask (xgrammar's `apply_token_bitmask_inplace`),
-then greedy rows take the argmax and the others are scaled by their temperature and cut by top-k,
-top-p and min-p before a draw. Token counts for the penalties are built each step from the requests'
-ids. A draw is an exponential race (argmax of p / E, E ~ Exp(1)): the shared generator for unseeded
-rows, each seeded request's own generator (on the logits' device) for its row, so a seeded request is
-reproducible whatever else is in the batch. Only the sampled ids, a status per row and the requested
-log-probabilities (those of the raw model distribution, as vLLM reports by default) come back to the
-host. `launch` queues the pass and those copies without reading any device value (per-row parameters
-go up through pinned memory), so the host can go on while the device samples; `collect` waits for the
-copies and builds the outcomes (`sample` does both).
+The host plans the step (`plan_rows`: per-row parameters as arrays, the sparse edits as flat indices
+into the [rows * vocab] logits, one token bitmask for grammars and `allowed_token_ids`, filled in place)
+and sends it up in three copies (integers, floats, the bitmask; pinned on CUDA). The device pass
+(`sample_rows`), every row at once, in a fixed number of launches whatever the batch: penalties on the
+ids a request has seen (repetition on prompt and output, vLLM's rule: positive logits divided, negative
+multiplied; frequency and presence on the output, OpenAI's rule; only those entries are read and
+written), `logit_bias`, bans (`bad_words`, EOS and stop ids before `min_tokens`), the bitmask in one
+masked pass (xgrammar's `apply_token_bitmask_inplace`); then greedy rows take the argmax, top-k rows
+draw among their k best (one topk; ties ranked by lower id whatever the batch), the others over the
+vocabulary, each scaled by its temperature and cut by top-p and min-p. A draw is an exponential race
+(argmax of p / E, E ~ Exp(1)) whose noise is a hash of the row's key and the candidate
+(`sampling_noise`): a seeded request's key comes from its seed and output position, so it is
+reproducible whatever else is in the batch; no generator, no launch per row. `sampler_reference.py` is
+the same pass written row by row (the tests hold them equal). Only the sampled ids, a status per row
+and the requested log-probabilities (those of the raw model distribution, as vLLM reports by default)
+come back to the host. `launch` queues the pass and those copies without reading any device value, so
+the host can go on while the device samples; `collect` waits for the copies and builds the outcomes
+(`sample` does both).
 
 Numerics, whatever the parameters (each limit is documented in the README):
 - a temperature below `MIN_TEMPERATURE` samples greedily (dividing by a subnormal overflows fp32);
 - the row's maximum is subtracted before dividing by the temperature, so no scaled logit is above 0 and
   none can overflow; a row whose maximum is +inf takes that token;
-- top-p always keeps the most likely token (a top_p below the smallest fp32 would otherwise drop all);
+- top-p always keeps the most likely token (a top_p below the smallest fp32 counts as that), and a row
+  whose top_p is 1 is never cut (its cumulative sum may round past 1);
 - a row with NaN, or with every token masked, is this request's failure (`SamplingError`'s message),
   which ends this request alone (the engine finishes it with reason "error"), never the batch; so is a
   request whose own preparation (its grammar) raises.
