@@ -60,8 +60,10 @@ def test_the_batched_pass_is_the_reference(dtype):
     for seed in range(6):
         plan = plan_rows(requests, VOCAB, Sampler(seed).row_keys(requests))
         if seed == 0:  # penalties, biases, bans, bitmask: the same values, bit for bit
-            torch.testing.assert_close(edit_logits(logits, plan), reference_edit_logits(logits, plan), rtol=0, atol=0,
-                                       equal_nan=True)
+            edited = edit_logits(logits, plan)
+            torch.testing.assert_close(edited, reference_edit_logits(logits, plan), rtol=0, atol=0, equal_nan=True)
+            assert torch.equal(edited[0], logits[0])  # a row without edits is left as it was
+            assert edited[6].isfinite().nonzero().flatten().tolist() == [3, 10, 200]
         tokens, status = sample_rows(logits, plan)
         expected_tokens, expected_status = reference_sample_rows(logits, plan)
         assert status.tolist() == expected_status.tolist()

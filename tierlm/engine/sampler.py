@@ -171,7 +171,7 @@ def plan_rows(requests: list[Request], vocab: int, keys: np.ndarray, pinned: boo
     top_k = np.array([p.top_k if 0 < p.top_k < vocab else 0 for p in params], dtype=np.int64)
     penalties = np.array([(p.repetition_penalty, p.frequency_penalty, p.presence_penalty) for p in params],
                          dtype=np.float32).reshape(rows, 3)
-    bias_flat, bias_values, ban_flat = [], [], []
+    bias_flat, bias_values, ban_flat, masked = [], [], [], []
     bitmask = None
     words = (vocab + 31) // 32
     for i, request in enumerate(requests):
@@ -184,12 +184,13 @@ def plan_rows(requests: list[Request], vocab: int, keys: np.ndarray, pinned: boo
                 row_mask = _allowed_bitmask(p.allowed_token_ids, vocab, words)
             grammar = request.structured_output
             if grammar is not None or row_mask is not None:
-                if bitmask is None:
-                    bitmask = torch.full((rows, words), -1, dtype=torch.int32, pin_memory=pinned)
-                if grammar is not None and not grammar.fill_token_bitmask(bitmask, i):
+                if bitmask is None:  # rows are written as they come: the grammar's, or all allowed (-1)
+                    bitmask = torch.empty((rows, words), dtype=torch.int32, pin_memory=pinned)
+                if grammar is None or not grammar.fill_token_bitmask(bitmask, i):
                     bitmask[i] = -1
                 if row_mask is not None:
                     bitmask[i] &= row_mask
+                masked.append(i)
         except Exception as exc:  # this request's own state: it fails alone
             logger.exception("preparing request %s for sampling failed", request.request_id)
             failed[i] = f"sampling failed: {type(exc).__name__}: {exc}"
@@ -197,6 +198,8 @@ def plan_rows(requests: list[Request], vocab: int, keys: np.ndarray, pinned: boo
         bias_flat += [flat for flat, _ in bias]
         bias_values += [value for _, value in bias]
         ban_flat += bans
+    if bitmask is not None and len(masked) < rows:
+        bitmask[torch.from_numpy(np.setdiff1d(np.arange(rows), masked))] = -1  # rows no mask wrote: all allowed
     penalized = [i for i, p in enumerate(params) if p.has_penalties and i not in failed]
     repeated = [i for i in penalized if params[i].repetition_penalty != 1.0]
     outputs = [requests[i].known_output_ids_array() for i in penalized]  # arrays kept up to date per request
@@ -373,7 +376,7 @@ def _draw_full(x, top, temperature, top_p, min_p, greedy_tokens, keys) -> torch.
 class Sampler:
     def __init__(self, seed: int = 0) -> None:
         self.seed = seed
-        self._keys = np.random.default_rng(seed)  # unseeded rows' noise keys, fresh each step
+        self._keys = np.random.default_rng(seed % (1 << 64))  # unseeded rows' noise keys, fresh each step
 
     def row_keys(self, requests: list[Request]) -> np.ndarray:
         """Each row's uint64 noise key: a seeded request's from (its seed, the output position drawn), an
