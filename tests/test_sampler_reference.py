@@ -53,10 +53,14 @@ def _batch() -> tuple[torch.Tensor, list[Request]]:
     return logits, requests
 
 
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_batched_pass_is_the_reference(dtype):
+def test_the_batched_pass_is_the_reference(dtype, device):
     logits, requests = _batch()
-    logits = logits.to(dtype).float()
+    logits = logits.to(dtype).float().to(device)
     for seed in range(6):
         plan = plan_rows(requests, VOCAB, Sampler(seed).row_keys(requests))
         if seed == 0:  # penalties, biases, bans, bitmask: the same values, bit for bit
@@ -68,6 +72,7 @@ def test_the_batched_pass_is_the_reference(dtype):
         expected_tokens, expected_status = reference_sample_rows(logits, plan)
         assert status.tolist() == expected_status.tolist()
         assert tokens.tolist() == expected_tokens.tolist(), seed
+    status, tokens = status.cpu(), tokens.cpu()
     assert status[9] == _NAN and status[10] == _MASKED and (status[:9] == _OK).all()
     assert tokens[3] == 7 and tokens[11] == 42 and tokens[6] in (3, 10, 200) and tokens[8] != 0
 

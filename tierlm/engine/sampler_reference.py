@@ -38,7 +38,7 @@ def reference_sample_rows(logits: torch.Tensor, plan: RowPlan) -> tuple[torch.Te
             values, ids = x.sort(descending=True, stable=True)  # ties by lower id
             values, ids = values[:k], ids[:k]
             probs = _cut(torch.softmax((values - top) / temperature, dim=0), float(plan.top_p[i]), float(plan.min_p[i]), 0)
-            noise = torch.from_numpy(exponential_noise_np(plan.keys[i : i + 1], k)[0])
+            noise = torch.from_numpy(exponential_noise_np(plan.keys[i : i + 1], k)[0]).to(x.device)
             tokens.append(int(ids[int((probs / noise).argmax())]))
         else:
             probs = torch.softmax((x - top) / temperature, dim=0)
@@ -66,10 +66,10 @@ def _edited_row(x: torch.Tensor, i: int, plan: RowPlan) -> torch.Tensor:
     outputs, prompts = in_row(plan.output_flat), in_row(plan.prompt_flat)
     if len(outputs) or len(prompts):
         repetition, frequency, presence = (float(v) for v in plan.penalties[i])
-        seen = torch.zeros(vocab, dtype=torch.bool)
-        seen[torch.from_numpy(np.concatenate([outputs, prompts]))] = True
+        seen = torch.zeros(vocab, dtype=torch.bool, device=x.device)
+        seen[torch.from_numpy(np.concatenate([outputs, prompts])).to(x.device)] = True
         x = torch.where(seen, torch.where(x > 0, x / repetition, x * repetition), x)
-        counts = torch.bincount(torch.from_numpy(outputs), minlength=vocab).float()
+        counts = torch.bincount(torch.from_numpy(outputs), minlength=vocab).float().to(x.device)
         x = x - (frequency * counts + presence * (counts > 0))
     mine = plan.bias_flat // vocab == i
     for flat, value in zip(plan.bias_flat[mine], plan.bias_values[mine]):
@@ -79,7 +79,7 @@ def _edited_row(x: torch.Tensor, i: int, plan: RowPlan) -> torch.Tensor:
     if plan.bitmask is not None:
         words = plan.bitmask[i].numpy().view(np.uint32)
         allowed = (words[np.arange(vocab) // 32] >> (np.arange(vocab) % 32).astype(np.uint32)) & 1
-        x = x.masked_fill(torch.from_numpy(allowed == 0), float("-inf"))
+        x = x.masked_fill(torch.from_numpy(allowed == 0).to(x.device), float("-inf"))
     return x
 
 
