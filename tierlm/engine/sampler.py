@@ -375,7 +375,6 @@ def _draw_full(x, top, temperature, top_p, min_p, greedy_tokens, keys) -> torch.
 
 class Sampler:
     def __init__(self, seed: int = 0) -> None:
-        self.seed = seed
         self._keys = np.random.default_rng(seed % (1 << 64))  # unseeded rows' noise keys, fresh each step
 
     def row_keys(self, requests: list[Request]) -> np.ndarray:
