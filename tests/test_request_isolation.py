@@ -119,10 +119,10 @@ def test_a_grammar_that_fails_ends_its_request_alone(llm, monkeypatch):
     from tierlm.engine.structured_output import GrammarState
     from tierlm.sampling_params import StructuredOutputRequest
 
-    def broken(self):
+    def broken(self, bitmask, row):
         raise RuntimeError("matcher state corrupted")
 
-    monkeypatch.setattr(GrammarState, "token_bitmask", broken)
+    monkeypatch.setattr(GrammarState, "fill_token_bitmask", broken)
     json_params = SamplingParams(temperature=0, max_tokens=4, structured_output=StructuredOutputRequest(
         json_object=True))
     plain = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)

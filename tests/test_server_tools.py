@@ -93,8 +93,8 @@ def test_a_tool_round_trip_reaches_the_template(server, client):
 
 
 def test_reasoning_is_split_whole_and_streamed(client):
-    kwargs = dict(model=MODEL, messages=ASK, max_tokens=30, temperature=1.0, seed=1, logit_bias={"4": 3.0},
-                  extra_body={"chat_template_kwargs": THINKING, "top_k": 0})  # 4: </think>, 10th here
+    kwargs = dict(model=MODEL, messages=ASK, max_tokens=30, temperature=1.0, seed=9, logit_bias={"4": 3.0},
+                  extra_body={"chat_template_kwargs": THINKING, "top_k": 0})  # 4: </think>, 16th here
     message = client.chat.completions.create(**kwargs).choices[0].message
     reasoning = message.model_extra["reasoning_content"]
     assert reasoning and message.content and "</think>" not in reasoning

@@ -29,10 +29,10 @@ rank still works on the previous one. `timing` (rank 0) and `worker_stats` (the 
 rank's time goes, phase by phase (bench/pipeline_decode.py prints them).
 
 Sampling on the last rank: its sampler keeps a mirror of each request's sampling state (parameters,
-output tokens, seeded generator; `pipeline_worker._Mirror`). Structured output: rank 0's grammar
-matcher gives the allowed-token bitmask of each constrained row, which is sent with the step: vocab/8
-bytes a row (31 KB for a 248k vocabulary) against 4 x vocab (1 MB) to send the fp32 logits row back
-and sample on rank 0.
+output tokens: a seeded row's noise comes from its seed and position; `pipeline_worker._Mirror`).
+Structured output: rank 0's grammar matcher gives the allowed-token bitmask of each constrained row,
+which is sent with the step: vocab/8 bytes a row (31 KB for a 248k vocabulary) against 4 x vocab (1 MB)
+to send the fp32 logits row back and sample on rank 0.
 
 Micro-batches (`step`, when overlap scheduling is off): up to pipeline_parallel_size batches are in
 flight (vLLM's virtual engines), each with about 1/N of the running requests; a request is in one batch

@@ -9,8 +9,8 @@ last rank samples, sends the sampled ids to rank 0's device (its next step may a
 there), then the tokens and log-probabilities to rank 0's host.
 
 The last rank samples with the engine's own `ModelRunner` sampling on mirrors of the requests (`_Mirror`:
-parameters, output tokens, seeded generator), on its device, so sampling is the code PP=1 runs: the same
-ops on the same values and generators, and only the ids and log-probabilities come to the host.
+parameters, output tokens), on its device, so sampling is the code PP=1 runs: the same ops on the same
+values and noise keys, and only the ids and log-probabilities come to the host.
 Structured-output rows come with rank 0's grammar bitmask. Messages from rank 0 arrive in an `Inbox`
 (receives always posted), so rank 0 can send the next micro-batch while this rank works.
 

@@ -13,9 +13,11 @@ the placeholders (`known_output_token_ids`) are text, logprobs or prefix-cache h
 from __future__ import annotations
 
 import enum
+import functools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from tierlm.outputs import PositionLogprobs
@@ -70,6 +72,9 @@ class Request:
     draft_token_ids: list[int] = field(default_factory=list)  # speculative decoding: proposed next tokens
     draft_probs: torch.Tensor | None = None  # [K, V], the distributions they were drawn from (None: greedy)
     num_placeholders: int = 0  # trailing output ids still on the device (overlap scheduling)
+    # the known output ids as int64 (the first `_output_ids_len` of a buffer grown by doubling)
+    _output_ids: np.ndarray = field(default_factory=lambda: np.zeros(16, dtype=np.int64), init=False, repr=False)
+    _output_ids_len: int = field(default=0, init=False, repr=False)
     # overlap scheduling: a decode checkpoint saved (in stream order) before the ids of its block were
     # known: (the block boundary it was taken at, its host row); the cache manager keys it later
     pending_checkpoint: tuple[int, int] | None = None
@@ -87,6 +92,25 @@ class Request:
         if self.generator is None or self.generator.device != device:
             self.generator = torch.Generator(device=device).manual_seed(self.params.seed)
         return self.generator
+
+    @functools.cached_property
+    def prompt_ids_array(self) -> np.ndarray:
+        """The prompt's ids as an int64 array (made once: the sampler's repetition penalty reads it each step)."""
+        return np.asarray(self.prompt_token_ids, dtype=np.int64)
+
+    def known_output_ids_array(self) -> np.ndarray:
+        """The known output ids (`known_output_token_ids`) as an int64 array, converted incrementally: those
+        ids only ever grow at the end, so each step converts only the new ones (the sampler's penalties
+        read them every step)."""
+        known = len(self.output_token_ids) - self.num_placeholders
+        if known < self._output_ids_len:  # not expected; rebuilt rather than trusted
+            self._output_ids_len = 0
+        if known > self._output_ids_len:
+            if known > len(self._output_ids):
+                self._output_ids = np.resize(self._output_ids, max(known, 2 * len(self._output_ids)))
+            self._output_ids[self._output_ids_len : known] = self.output_token_ids[self._output_ids_len : known]
+            self._output_ids_len = known
+        return self._output_ids[:known]
 
     @property
     def num_tokens(self) -> int:

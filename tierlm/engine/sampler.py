@@ -1,25 +1,31 @@
 """Turn the logits rows of a step's sampling requests into their next tokens, on the logits' device, in
 one batched pass, and report log-probabilities.
 
-The pass, every row at once (per-row values as tensors): penalties on the request's own tokens
-(repetition on prompt and output, vLLM's rule: positive logits divided, negative multiplied; frequency
-and presence on the output, OpenAI's rule), `logit_bias`, bans (`allowed_token_ids`, `bad_words`, EOS and
-stop ids before `min_tokens`), the grammar's token bitmask (xgrammar's `apply_token_bitmask_inplace`),
-then greedy rows take the argmax and the others are scaled by their temperature and cut by top-k,
-top-p and min-p before a draw. Token counts for the penalties are built each step from the requests'
-ids. A draw is an exponential race (argmax of p / E, E ~ Exp(1)): the shared generator for unseeded
-rows, each seeded request's own generator (on the logits' device) for its row, so a seeded request is
-reproducible whatever else is in the batch. Only the sampled ids, a status per row and the requested
-log-probabilities (those of the raw model distribution, as vLLM reports by default) come back to the
-host. `launch` queues the pass and those copies without reading any device value (per-row parameters
-go up through pinned memory), so the host can go on while the device samples; `collect` waits for the
-copies and builds the outcomes (`sample` does both).
+The host plans the step (`plan_rows`: per-row parameters as arrays, the sparse edits as flat indices
+into the [rows * vocab] logits, one token bitmask for grammars and `allowed_token_ids`, filled in place)
+and sends it up in three copies (integers, floats, the bitmask; pinned on CUDA). The device pass
+(`sample_rows`), every row at once, in a fixed number of launches whatever the batch: penalties on the
+ids a request has seen (repetition on prompt and output, vLLM's rule: positive logits divided, negative
+multiplied; frequency and presence on the output, OpenAI's rule; only those entries are read and
+written), `logit_bias`, bans (`bad_words`, EOS and stop ids before `min_tokens`), the bitmask in one
+masked pass (xgrammar's `apply_token_bitmask_inplace`); then greedy rows take the argmax, top-k rows
+draw among their k best (one topk; ties ranked by lower id whatever the batch), the others over the
+vocabulary, each scaled by its temperature and cut by top-p and min-p. A draw is an exponential race
+(argmax of p / E, E ~ Exp(1)) whose noise is a hash of the row's key and the candidate
+(`sampling_noise`): a seeded request's key comes from its seed and output position, so it is
+reproducible whatever else is in the batch; no generator, no launch per row. `sampler_reference.py` is
+the same pass written row by row (the tests hold them equal). Only the sampled ids, a status per row
+and the requested log-probabilities (those of the raw model distribution, as vLLM reports by default)
+come back to the host. `launch` queues the pass and those copies without reading any device value, so
+the host can go on while the device samples; `collect` waits for the copies and builds the outcomes
+(`sample` does both).
 
 Numerics, whatever the parameters (each limit is documented in the README):
 - a temperature below `MIN_TEMPERATURE` samples greedily (dividing by a subnormal overflows fp32);
 - the row's maximum is subtracted before dividing by the temperature, so no scaled logit is above 0 and
   none can overflow; a row whose maximum is +inf takes that token;
-- top-p always keeps the most likely token (a top_p below the smallest fp32 would otherwise drop all);
+- top-p always keeps the most likely token (a top_p below the smallest fp32 counts as that), and a row
+  whose top_p is 1 is never cut (its cumulative sum may round past 1);
 - a row with NaN, or with every token masked, is this request's failure (`SamplingError`'s message),
   which ends this request alone (the engine finishes it with reason "error"), never the batch; so is a
   request whose own preparation (its grammar) raises.
@@ -34,6 +40,7 @@ import numpy as np
 import torch
 
 from tierlm.engine.request import Request
+from tierlm.engine.sampling_noise import exponential_noise, exponential_noise_np, seeded_keys
 from tierlm.model.forward_batch import on_device
 from tierlm.outputs import Logprob, PositionLogprobs
 
@@ -41,6 +48,7 @@ logger = logging.getLogger("tierlm")
 
 MIN_TEMPERATURE = 1e-5  # below this a temperature samples greedily (as vLLM's _SAMPLING_EPS)
 _OK, _NAN, _MASKED = 0, 1, 2
+TIE_MARGIN = 8  # a top-k draw's topk takes this many more, so ties at the k-th place are ranked by id
 
 
 class SamplingError(RuntimeError):
@@ -65,44 +73,6 @@ def position_logprobs(logprobs: torch.Tensor, token_id: int, top: int, decode) -
         for rank, (value, tid) in enumerate(zip(values.tolist(), ids.tolist()), start=1):
             entries.setdefault(tid, Logprob(value, rank, decode(tid)))
     return entries
-
-
-def apply_penalties(logits: torch.Tensor, requests: list[Request], rows: list[int]) -> None:
-    """Repetition, frequency and presence penalties of `rows`, in place. Token counts are built on the
-    logits' device from one flat index per kind (row * vocab + token id, made with numpy on the host: one
-    copy each, not a Python list per token)."""
-    device, vocab = logits.device, logits.shape[1]
-    outputs = [_ids_below(requests[r].output_token_ids, vocab) for r in rows]
-    index = on_device(rows, device)
-    part = logits[index]
-    params = [requests[r].params for r in rows]
-    if any(p.repetition_penalty != 1.0 for p in params):
-        seen = [np.concatenate([_ids_below(requests[r].prompt_token_ids, vocab), out])
-                if requests[r].params.repetition_penalty != 1.0 else out[:0] for r, out in zip(rows, outputs)]
-        mask = torch.zeros(len(rows) * vocab, dtype=torch.bool, device=device)
-        mask[_flat_index(seen, vocab, device)] = True
-        penalty = on_device([p.repetition_penalty for p in params], device, torch.float32)[:, None]
-        part = torch.where(mask.view(len(rows), vocab), torch.where(part > 0, part / penalty, part * penalty), part)
-    if any(len(out) for out in outputs) and any(p.frequency_penalty or p.presence_penalty for p in params):
-        counts = torch.zeros(len(rows) * vocab, dtype=part.dtype, device=device)
-        flat = _flat_index(outputs, vocab, device)
-        counts.index_add_(0, flat, torch.ones(flat.shape[0], dtype=part.dtype, device=device))
-        counts = counts.view(len(rows), vocab)
-        frequency = on_device([p.frequency_penalty for p in params], device, torch.float32)[:, None]
-        presence = on_device([p.presence_penalty for p in params], device, torch.float32)[:, None]
-        part = part - (frequency * counts + presence * (counts > 0))
-    logits[index] = part
-
-
-def _ids_below(ids: list[int], vocab: int) -> np.ndarray:
-    """`ids` as an int64 array, without those at or above `vocab` (never in the logits)."""
-    array = np.asarray(ids, dtype=np.int64)
-    return array[array < vocab]
-
-
-def _flat_index(ids_per_row: list[np.ndarray], vocab: int, device: torch.device) -> torch.Tensor:
-    """row * vocab + id for every id of every row, as one tensor on `device`."""
-    return on_device(np.concatenate([ids + k * vocab for k, ids in enumerate(ids_per_row)]), device)
 
 
 def banned_tokens(request: Request, vocab: int) -> list[int]:
@@ -149,15 +119,273 @@ def _ready_event(device: torch.device) -> torch.cuda.Event | None:
     return event
 
 
+@dataclass
+class RowPlan:
+    """A step's sampling rows as the host prepares them: per-row parameters as arrays, the sparse edits
+    (penalized ids, biases, bans) as flat indices into the [rows * vocab] logits, and the token bitmask
+    (grammar and allowed_token_ids; None when no row has one). What `sample_rows` sends up in three
+    copies (integers, floats, bitmask) and `reference_sample_rows` reads row by row."""
+
+    vocab: int
+    failed: dict[int, str]  # row -> why its preparation failed
+    greedy: np.ndarray  # [rows] bool: temperature below MIN_TEMPERATURE
+    temperature: np.ndarray  # [rows] float32 (1 for greedy rows: never divided by 0)
+    top_k: np.ndarray  # [rows] int64: 0 < top_k < vocab, else 0 (no top-k)
+    top_p: np.ndarray  # [rows] float32
+    min_p: np.ndarray  # [rows] float32
+    keys: np.ndarray  # [rows] uint64 noise keys (`sampling_noise`)
+    penalties: np.ndarray  # [rows, 3] float32: repetition, frequency, presence (1, 0, 0: none)
+    output_flat: np.ndarray  # row * vocab + id of every output token of a penalized row
+    prompt_flat: np.ndarray  # row * vocab + id of every prompt token of a row with a repetition penalty
+    bias_flat: np.ndarray
+    bias_values: np.ndarray  # float32
+    ban_flat: np.ndarray
+    bitmask: torch.Tensor | None  # [rows, ceil(vocab / 32)] int32 on the host (pinned on CUDA)
+
+    @property
+    def sampled_rows(self) -> np.ndarray:
+        return ~self.greedy
+
+    @property
+    def top_k_rows(self) -> np.ndarray:
+        return ~self.greedy & (self.top_k > 0)
+
+    @property
+    def full_rows(self) -> np.ndarray:
+        """Sampled rows without top-k: drawn over the whole vocabulary."""
+        return ~self.greedy & (self.top_k == 0)
+
+    @property
+    def edited(self) -> bool:
+        return bool(len(self.output_flat) or len(self.prompt_flat) or len(self.bias_flat) or len(self.ban_flat)
+                    or self.bitmask is not None)
+
+
+def plan_rows(requests: list[Request], vocab: int, keys: np.ndarray, pinned: bool = False) -> RowPlan:
+    """The host side of a step's sampling pass (nothing here touches a device)."""
+    rows = len(requests)
+    failed: dict[int, str] = {}
+    params = [r.params for r in requests]
+    temperature = np.array([p.temperature for p in params], dtype=np.float64)
+    greedy = temperature < MIN_TEMPERATURE
+    top_k = np.array([p.top_k if 0 < p.top_k < vocab else 0 for p in params], dtype=np.int64)
+    penalties = np.array([(p.repetition_penalty, p.frequency_penalty, p.presence_penalty) for p in params],
+                         dtype=np.float32).reshape(rows, 3)
+    bias_flat, bias_values, ban_flat, masked = [], [], [], []
+    bitmask = None
+    words = (vocab + 31) // 32
+    for i, request in enumerate(requests):
+        p = request.params
+        try:
+            bias = [(i * vocab + t, v) for t, v in (p.logit_bias or {}).items()]
+            bans = [i * vocab + t for t in banned_tokens(request, vocab)]
+            row_mask = None
+            if p.allowed_token_ids:
+                row_mask = _allowed_bitmask(p.allowed_token_ids, vocab, words)
+            grammar = request.structured_output
+            if grammar is not None or row_mask is not None:
+                if bitmask is None:  # rows are written as they come: the grammar's, or all allowed (-1)
+                    bitmask = torch.empty((rows, words), dtype=torch.int32, pin_memory=pinned)
+                if grammar is None or not grammar.fill_token_bitmask(bitmask, i):
+                    bitmask[i] = -1
+                if row_mask is not None:
+                    bitmask[i] &= row_mask
+                masked.append(i)
+        except Exception as exc:  # this request's own state: it fails alone
+            logger.exception("preparing request %s for sampling failed", request.request_id)
+            failed[i] = f"sampling failed: {type(exc).__name__}: {exc}"
+            continue
+        bias_flat += [flat for flat, _ in bias]
+        bias_values += [value for _, value in bias]
+        ban_flat += bans
+    if bitmask is not None and len(masked) < rows:
+        bitmask[torch.from_numpy(np.setdiff1d(np.arange(rows), masked))] = -1  # rows no mask wrote: all allowed
+    penalized = [i for i, p in enumerate(params) if p.has_penalties and i not in failed]
+    repeated = [i for i in penalized if params[i].repetition_penalty != 1.0]
+    outputs = [requests[i].known_output_ids_array() for i in penalized]  # arrays kept up to date per request
+    prompts = [requests[i].prompt_ids_array for i in repeated]  # arrays made once per request
+    output_flat, prompt_flat = _flat_ids(outputs, penalized, vocab), _flat_ids(prompts, repeated, vocab)
+    return RowPlan(
+        vocab, failed, greedy, np.where(greedy, 1.0, temperature).astype(np.float32), top_k,
+        np.array([p.top_p for p in params], dtype=np.float32), np.array([p.min_p for p in params], dtype=np.float32),
+        keys, penalties, output_flat, prompt_flat, np.array(bias_flat, dtype=np.int64),
+        np.array(bias_values, dtype=np.float32), np.array(ban_flat, dtype=np.int64), bitmask)
+
+
+def _flat_ids(ids_per_row: list[np.ndarray], rows: list[int], vocab: int) -> np.ndarray:
+    """row * vocab + id for the ids in [0, vocab) of each listed row."""
+    if not rows:
+        return np.zeros(0, dtype=np.int64)
+    ids = np.concatenate(ids_per_row)
+    flat = ids + np.repeat(np.array(rows, dtype=np.int64) * vocab, [len(row) for row in ids_per_row])
+    return flat[(ids >= 0) & (ids < vocab)]
+
+
+def _ids_below(ids: list[int], vocab: int) -> np.ndarray:
+    """`ids` as an int64 array, without those at or above `vocab` (never in the logits)."""
+    array = np.asarray(ids, dtype=np.int64)
+    return array[array < vocab]
+
+
+def _allowed_bitmask(ids: list[int], vocab: int, words: int) -> torch.Tensor:
+    """A bitmask row (xgrammar's layout: token t is bit t % 32 of word t // 32) with only `ids` set."""
+    ids = _ids_below(ids, vocab)
+    row = np.zeros(words, dtype=np.uint32)
+    np.bitwise_or.at(row, ids >> 5, (np.uint32(1) << (ids & 31).astype(np.uint32)))
+    return torch.from_numpy(row.view(np.int32))
+
+
+def _top_p_bounds(top_p: np.ndarray) -> np.ndarray:
+    """top_p as the cut compares it: a row at 1 is never cut, whatever the others' (cumulative sums can
+    round past 1), and none is below the smallest positive float32 (the first token, with mass 0 before
+    it, always stays)."""
+    return np.where(top_p < 1, np.maximum(top_p, np.finfo(np.float32).smallest_subnormal), np.inf)
+
+
+class _Sent:
+    """A plan's arrays on the logits' device, as views of two tensors (one copy up each: integers, floats;
+    through pinned memory on CUDA), by name; only what the pass will use."""
+
+    def __init__(self, plan: RowPlan, device: torch.device) -> None:
+        self.sampling = bool(plan.sampled_rows.any())
+        self.rank_cut = None
+        self.k_max = int(plan.top_k[plan.top_k_rows].max(initial=0))
+        self.outputs = len(plan.output_flat)  # the first of seen_flat; the prompt ids follow
+        ints = {"seen_flat": np.concatenate([plan.output_flat, plan.prompt_flat]), "bias_flat": plan.bias_flat,
+                "ban_flat": plan.ban_flat}
+        floats = {"bias_values": plan.bias_values, "penalties": plan.penalties}
+        if self.sampling:
+            ints.update(keys=plan.keys.view(np.int64), is_top_k=plan.top_k_rows.astype(np.int64),
+                        greedy=plan.greedy.astype(np.int64))
+            floats.update(temperature=plan.temperature, top_p=_top_p_bounds(plan.top_p), min_p=plan.min_p,
+                          noise_k=exponential_noise_np(plan.keys, self.k_max))  # by rank
+            k = np.where(plan.top_k_rows, plan.top_k, self.k_max)
+            if (k < self.k_max).any():  # -inf past each row's k
+                floats.update(rank_cut=np.where(np.arange(self.k_max)[None, :] < k[:, None], 0, -np.inf))
+        for group, dtype in ((ints, torch.int64), (floats, torch.float32)):
+            group = {name: array for name, array in group.items() if array.size}  # empty: never read
+            if group:
+                flat = on_device(np.concatenate([array.ravel() for array in group.values()]), device, dtype)
+                for (name, array), view in zip(group.items(), flat.split_with_sizes([a.size for a in group.values()])):
+                    setattr(self, name, view if array.ndim == 1 else view.view(array.shape))
+
+
+def edit_logits(logits: torch.Tensor, plan: RowPlan, sent: _Sent | None = None) -> torch.Tensor:
+    """`logits` (fp32 [rows, vocab]) after the plan's penalties, biases, bans and bitmask (a new tensor
+    when any; `logits` itself when none): flat indices into every row at once, the bitmask in one pass."""
+    if not plan.edited:
+        return logits
+    sent = sent or _Sent(plan, logits.device)
+    x = logits.clone()
+    flat = x.view(-1)
+    if len(plan.output_flat) or len(plan.prompt_flat):
+        _penalize(flat, plan.vocab, sent.seen_flat, sent.outputs, sent.penalties)
+    if len(plan.bias_flat):
+        flat.index_put_((sent.bias_flat,), sent.bias_values, accumulate=True)
+    if len(plan.ban_flat):
+        flat[sent.ban_flat] = float("-inf")
+    if plan.bitmask is not None:
+        import xgrammar
+
+        device = x.device
+        bitmask = plan.bitmask.to(device, non_blocking=True) if device.type == "cuda" else plan.bitmask
+        xgrammar.apply_token_bitmask_inplace(x, bitmask)
+    return x
+
+
+def sample_rows(logits: torch.Tensor, plan: RowPlan) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token per row, status per row) of fp32 `logits` [rows, vocab] on their device, every row at once:
+    `edit_logits`, then greedy rows the argmax and the others their draw (top-k rows over their k best,
+    the rest over the vocabulary). Queues work only: no value is read back."""
+    device = logits.device
+    sent = _Sent(plan, device)
+    x = edit_logits(logits, plan, sent)
+    top, greedy_tokens = x.max(dim=-1)  # max and argmax propagate NaN
+    nan = torch.isnan(top if x is logits else logits.amax(dim=-1))
+    status = torch.where(nan, _NAN, torch.where(top == float("-inf"), _MASKED, _OK))
+    if not sent.sampling:
+        return greedy_tokens, status
+    cut_p = bool((plan.top_p[~plan.greedy] < 1).any())
+    cut_min = bool((plan.min_p[~plan.greedy] > 0).any())
+    top_p, min_p = (sent.top_p if cut_p else None), (sent.min_p if cut_min else None)
+    tokens = greedy_tokens
+    if plan.full_rows.any():
+        index = None if plan.full_rows.all() else on_device(np.flatnonzero(plan.full_rows), device)
+        part = (lambda t: t) if index is None else (lambda t: None if t is None else t[index])
+        drawn = _draw_full(part(x), part(top), part(sent.temperature), part(top_p), part(min_p),
+                           part(greedy_tokens), part(sent.keys))
+        tokens = drawn if index is None else tokens.index_copy(0, index, drawn)
+    if sent.k_max:
+        drawn = _draw_top_k(x, top, sent.temperature, top_p, min_p, sent.noise_k, sent.rank_cut, sent.k_max)
+        tokens = torch.where(sent.is_top_k.bool(), drawn, tokens) if plan.full_rows.any() else drawn
+    greedy = (status != _OK) | (top == float("inf"))  # failures take any token; a +inf logit is taken
+    if plan.greedy.any():
+        greedy |= sent.greedy.bool()
+    return torch.where(greedy, greedy_tokens, tokens), status
+
+
+def _penalize(flat: torch.Tensor, vocab: int, seen: torch.Tensor, outputs: int, penalties: torch.Tensor) -> None:
+    """Repetition (vLLM: positive logits divided, negative multiplied) on every id a row has seen, then
+    frequency and presence (OpenAI) by its output counts, in place on the flat [rows * vocab] logits:
+    only the seen entries (flat indices: the first `outputs` are output ids, then prompt ids) are read and
+    written (an id seen twice writes the same value twice)."""
+    counts = torch.zeros_like(flat)
+    counts.index_put_((seen[:outputs],), torch.ones((), dtype=flat.dtype, device=flat.device), accumulate=True)
+    value, count = flat[seen], counts[seen]
+    repetition, frequency, presence = penalties[seen // vocab].unbind(dim=1)
+    value = torch.where(value > 0, value / repetition, value * repetition)
+    flat[seen] = value - (frequency * count + presence * (count > 0))
+
+
+def best_first(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, ids) of each row's k largest, best first, equal values by lower id: what a stable sort of the
+    row gives, whatever the batch (topk alone leaves the order of ties, and which of a tie at the k-th
+    place stays, to its algorithm). topk takes `TIE_MARGIN` more than k, then the slice is sorted by id
+    and stably by value; a tie that runs past k + TIE_MARGIN keeps topk's choice."""
+    values, ids = x.topk(min(k + TIE_MARGIN, x.shape[1]), dim=-1)
+    ids, order = ids.sort(dim=-1)
+    values, order = values.gather(1, order).sort(dim=-1, descending=True, stable=True)
+    return values[:, :k], ids.gather(1, order)[:, :k]
+
+
+def _draw_top_k(x, top, temperature, top_p, min_p, noise, rank_cut, k_max: int) -> torch.Tensor:
+    """Every row's draw among its k best (rank_cut: -inf past its k; None: every row's k is k_max): scaled
+    by its temperature below its maximum, softmax, top-p and min-p on the sorted slice, then the race
+    against the ranked noise."""
+    values, ids = best_first(x, k_max)
+    scaled = (values - top[:, None]) / temperature[:, None]
+    probs = torch.softmax(scaled if rank_cut is None else scaled + rank_cut, dim=-1)
+    probs = _cut_top_p_min_p(probs, top_p, min_p)
+    return ids.gather(1, (probs / noise).argmax(dim=-1, keepdim=True))[:, 0]
+
+
+def _draw_full(x, top, temperature, top_p, min_p, greedy_tokens, keys) -> torch.Tensor:
+    """Every row's draw over the whole vocabulary (noise keyed by token id); top-p sorts the rows, min-p
+    compares with the argmax's probability."""
+    probs = torch.softmax((x - top[:, None]) / temperature[:, None], dim=-1)
+    threshold = None if min_p is None else min_p[:, None] * probs.gather(1, greedy_tokens[:, None])
+    if top_p is not None:
+        sorted_probs, order = probs.sort(dim=-1, descending=True, stable=True)  # ties by id, whatever the batch
+        probs = torch.zeros_like(probs).scatter_(1, order, _cut_top_p_min_p(sorted_probs, top_p, None))
+    if threshold is not None:
+        probs = probs.masked_fill(probs < threshold, 0.0)
+    noise = exponential_noise(keys, torch.arange(x.shape[1], device=x.device))
+    return (probs / noise).argmax(dim=-1)
+
+
 class Sampler:
     def __init__(self, seed: int = 0) -> None:
-        self.seed = seed
-        self._generators: dict[torch.device, torch.Generator] = {}
+        self._keys = np.random.default_rng(seed % (1 << 64))  # unseeded rows' noise keys, fresh each step
 
-    def _shared_generator(self, device: torch.device) -> torch.Generator:
-        if device not in self._generators:
-            self._generators[device] = torch.Generator(device=device).manual_seed(self.seed)
-        return self._generators[device]
+    def row_keys(self, requests: list[Request]) -> np.ndarray:
+        """Each row's uint64 noise key: a seeded request's from (its seed, the output position drawn), an
+        unseeded one's from this sampler's generator."""
+        keys = self._keys.integers(0, 2**64, size=len(requests), dtype=np.uint64, endpoint=False)
+        seeded = [i for i, r in enumerate(requests) if r.params.seed is not None]
+        if seeded:
+            keys[seeded] = seeded_keys([requests[i].params.seed for i in seeded],
+                                       [len(requests[i].output_token_ids) for i in seeded])
+        return keys
 
     def sample(self, logits: torch.Tensor, requests: list[Request], decode) -> list[Sampled]:
         """One token per row of `logits` [rows, vocab] (row i is requests[i]'s), on the logits' device."""
@@ -167,59 +395,13 @@ class Sampler:
         """Queue the pass on the logits' device and the copy of its results to the host, without waiting
         for either (nothing here reads a device value back); `collect` reads them."""
         raw = logits.float()
-        vocab = raw.shape[1]
         device = raw.device
-        failed: dict[int, str] = {}
-        ban_rows, ban_ids, bias_rows, bias_ids, bias_values, allowed_rows = [], [], [], [], [], []
-        grammar_rows, masks = [], []
-        for i, request in enumerate(requests):
-            params = request.params
-            try:
-                for token_id, value in (params.logit_bias or {}).items():
-                    bias_rows.append(i)
-                    bias_ids.append(token_id)
-                    bias_values.append(value)
-                banned = banned_tokens(request, vocab)
-                ban_rows += [i] * len(banned)
-                ban_ids += banned
-                if params.allowed_token_ids:
-                    allowed_rows.append(i)
-                if request.structured_output is not None:
-                    mask = request.structured_output.token_bitmask()
-                    if mask is not None:
-                        grammar_rows.append(i)
-                        masks.append(mask)
-            except Exception as exc:  # noqa: BLE001 (this request's own state: it fails alone)
-                logger.exception("preparing request %s for sampling failed", request.request_id)
-                failed[i] = f"sampling failed: {type(exc).__name__}: {exc}"
-        penalized = [i for i, r in enumerate(requests) if i not in failed and r.params.has_penalties]
-        # the rows are changed in place only when something changes them (raw stays for log-probabilities)
-        logits = raw.clone() if penalized or bias_ids or allowed_rows or ban_ids or grammar_rows else raw
-        if penalized:
-            apply_penalties(logits, requests, penalized)
-        if bias_ids:
-            logits.index_put_((on_device(bias_rows, device), on_device(bias_ids, device)),
-                              on_device(bias_values, device, torch.float32), accumulate=True)
-        if allowed_rows:
-            keep = torch.zeros(len(allowed_rows), vocab, dtype=torch.bool, device=device)
-            for k, i in enumerate(allowed_rows):
-                keep[k, on_device(requests[i].params.allowed_token_ids, device)] = True
-            index = on_device(allowed_rows, device)
-            logits[index] = logits[index].masked_fill(~keep, float("-inf"))
-        if ban_ids:
-            logits[on_device(ban_rows, device), on_device(ban_ids, device)] = float("-inf")
-        if grammar_rows:
-            import xgrammar
-
-            # xgrammar reads row i's mask from bitmask[i]: one row per logits row, the others unused
-            bitmask = torch.full((len(requests), masks[0].shape[0]), -1, dtype=masks[0].dtype)
-            bitmask[grammar_rows] = torch.stack(masks)
-            xgrammar.apply_token_bitmask_inplace(logits, bitmask.to(device), indices=grammar_rows)
-        tokens, status = self._draw(raw, logits, requests)
+        plan = plan_rows(requests, raw.shape[1], self.row_keys(requests), pinned=device.type == "cuda")
+        tokens, status = sample_rows(raw, plan)
         wanted = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
         top = max((requests[i].params.logprobs for i in wanted), default=0)
         logprobs = self._logprobs(raw, tokens, wanted, top) if wanted else ()
-        return PendingSample(requests, failed, wanted, tokens, _to_host(torch.stack([tokens, status])),
+        return PendingSample(requests, plan.failed, wanted, tokens, _to_host(torch.stack([tokens, status])),
                              tuple(_to_host(t) for t in logprobs), _ready_event(device))
 
     def collect(self, pending: PendingSample, decode) -> list[Sampled]:
@@ -244,52 +426,6 @@ class Sampler:
                     results[i].logprobs = _entries(results[i].token_id, requests[i].params.logprobs,
                                                    *(column[k] for column in lp_host), decode)
         return results
-
-    def _draw(self, raw: torch.Tensor, logits: torch.Tensor, requests: list[Request]):
-        """(token per row, status per row): greedy rows take the argmax, the rest a scaled, cut draw."""
-        device, vocab = logits.device, logits.shape[1]
-        top = logits.max(dim=-1).values
-        status = torch.where(torch.isnan(raw).any(dim=-1), _NAN, torch.where(top == float("-inf"), _MASKED, _OK))
-        greedy_tokens = logits.argmax(dim=-1)
-        temperature = on_device([r.params.temperature for r in requests], device, torch.float32)
-        greedy = (temperature < MIN_TEMPERATURE) | (top == float("inf")) | (status != _OK)
-        sampling = [i for i, r in enumerate(requests) if r.params.temperature >= MIN_TEMPERATURE]
-        tokens = greedy_tokens.clone()
-        # a row with top-k draws among its k best (no sort of the vocabulary), the others over all of it;
-        # each row's draw depends on its own values only, whatever else is in the batch
-        with_k = [i for i in sampling if 0 < requests[i].params.top_k < vocab]
-        without_k = [i for i in sampling if not 0 < requests[i].params.top_k < vocab]
-        for rows, draw in ((with_k, self._draw_top_k), (without_k, self._draw_all)):
-            if rows:
-                index = on_device(rows, device)
-                part = logits[index]
-                part = (part - part.max(dim=-1, keepdim=True).values) / temperature[index, None]  # entries <= 0
-                tokens[index] = draw(part, [requests[i] for i in rows])
-        return torch.where(greedy, greedy_tokens, tokens), status
-
-    def _draw_top_k(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-        device = logits.device
-        k = on_device([r.params.top_k for r in requests], device)
-        values, ids = logits.topk(max(r.params.top_k for r in requests), dim=-1)  # sorted, best first
-        values = values.masked_fill(torch.arange(values.shape[1], device=device) >= k[:, None], float("-inf"))
-        probs = _top_p_min_p(torch.softmax(values, dim=-1), requests)
-        noise = torch.ones_like(probs)
-        for row, request in enumerate(requests):
-            noise[row, : request.params.top_k].exponential_(generator=self._generator(request, device))
-        return ids.gather(1, (probs / noise).argmax(dim=-1, keepdim=True))[:, 0]
-
-    def _draw_all(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-        device = logits.device
-        probs = torch.softmax(logits, dim=-1)
-        sorted_probs, order = probs.sort(dim=-1, descending=True)
-        probs = torch.zeros_like(probs).scatter_(1, order, _top_p_min_p(sorted_probs, requests))
-        noise = torch.empty_like(probs)
-        for row, request in enumerate(requests):
-            noise[row].exponential_(generator=self._generator(request, device))
-        return (probs / noise).argmax(dim=-1)
-
-    def _generator(self, request: Request, device: torch.device) -> torch.Generator:
-        return request.device_generator(device) or self._shared_generator(device)
 
     @staticmethod
     def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, wanted: list[int], top: int):
@@ -320,17 +456,24 @@ def sampling_probs(logits: torch.Tensor, requests: list[Request]) -> torch.Tenso
 
 
 def _top_p_min_p(sorted_probs: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-    """Rows of probabilities sorted best first, cut by each request's top-p, then min-p (not renormalized:
-    the draw only compares them)."""
+    """`_cut_top_p_min_p` with the requests' top-p and min-p (None where no row cuts)."""
     device = sorted_probs.device
-    if any(r.params.top_p < 1 for r in requests):
-        top_p = on_device([r.params.top_p for r in requests], device, torch.float32)
+    top_p = on_device(_top_p_bounds(np.array([r.params.top_p for r in requests], dtype=np.float32)), device,
+                      torch.float32) if any(
+        r.params.top_p < 1 for r in requests) else None
+    min_p = on_device([r.params.min_p for r in requests], device, torch.float32) if any(
+        r.params.min_p > 0 for r in requests) else None
+    return _cut_top_p_min_p(sorted_probs, top_p, min_p)
+
+
+def _cut_top_p_min_p(sorted_probs: torch.Tensor, top_p: torch.Tensor | None,
+                     min_p: torch.Tensor | None) -> torch.Tensor:
+    """Rows of probabilities sorted best first, cut by each row's top-p, then min-p (not renormalized:
+    the draw only compares them)."""
+    if top_p is not None:  # (`_top_p_bounds`)
         # keep the smallest prefix whose mass reaches top_p; the most likely token always stays
-        drop = sorted_probs.cumsum(dim=-1) - sorted_probs >= top_p[:, None]
-        drop[:, 0] = False
-        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-    if any(r.params.min_p > 0 for r in requests):
-        min_p = on_device([r.params.min_p for r in requests], device, torch.float32)
+        sorted_probs = sorted_probs.masked_fill(sorted_probs.cumsum(dim=-1) - sorted_probs >= top_p[:, None], 0.0)
+    if min_p is not None:
         sorted_probs = sorted_probs.masked_fill(sorted_probs < min_p[:, None] * sorted_probs[:, :1], 0.0)
     return sorted_probs
 

@@ -73,6 +73,11 @@ class GrammarState:
             return None
         return self._bitmask[0].clone()
 
+    def fill_token_bitmask(self, bitmask: torch.Tensor, row: int) -> bool:
+        """Write the tokens allowed next into bitmask[row] (a CPU int32 [rows, words] tensor, as the sampler
+        batches them); False when any token may come (the row is then not a mask to apply)."""
+        return self.phase != "open" and self._matcher.fill_next_token_bitmask(bitmask, row)
+
     def accept(self, token_id: int) -> bool:
         """Advance past a sampled token; False if the grammar does not allow it (the state is unchanged)."""
         if self.phase == "open":
@@ -96,6 +101,12 @@ class BitmaskGrammar:
 
     def token_bitmask(self) -> torch.Tensor | None:
         return self.bitmask
+
+    def fill_token_bitmask(self, bitmask: torch.Tensor, row: int) -> bool:
+        if self.bitmask is None:
+            return False
+        bitmask[row] = self.bitmask
+        return True
 
 
 class StructuredOutputManager:
