@@ -63,9 +63,11 @@ def test_the_batched_pass_is_the_reference(dtype, device):
     logits = logits.to(dtype).float().to(device)
     for seed in range(6):
         plan = plan_rows(requests, VOCAB, Sampler(seed).row_keys(requests))
-        if seed == 0:  # penalties, biases, bans, bitmask: the same values, bit for bit
+        if seed == 0:  # penalties, biases, bans, bitmask: the same values, bit for bit on the CPU; a GPU's
+            # batched and per-row kernels may round a division or a multiply-add one ulp apart (H200: 2 of 5100)
             edited = edit_logits(logits, plan)
-            torch.testing.assert_close(edited, reference_edit_logits(logits, plan), rtol=0, atol=0, equal_nan=True)
+            ulps = 0 if device == "cpu" else 2 * torch.finfo(torch.float32).eps
+            torch.testing.assert_close(edited, reference_edit_logits(logits, plan), rtol=ulps, atol=0, equal_nan=True)
             assert torch.equal(edited[0], logits[0])  # a row without edits is left as it was
             assert edited[6].isfinite().nonzero().flatten().tolist() == [3, 10, 200]
         tokens, status = sample_rows(logits, plan)
