@@ -10,8 +10,11 @@ The decode step it is compared with is measured in the same run (`--step-layers`
 stack of `decode_roofline.py` (random weights, CUDA graphs, context 512) decoding a batch of --batch at
 4 and at 8 layers; the per-layer cost (their difference / 4) extrapolates to the target model's 48 layers
 (12 QSA : 36 GDN, as in the 4-layer stack). The last column is printed as a fraction of both the measured
-4-layer step and the 48-layer step (the issue's target: at most 5% of the model's decode step). Results go
-to bench/results/sampler_cost_<device>.json.
+4-layer step and the 48-layer step. Then what sampling adds to a step (issue 14's target: at most 5% of the
+model's decode step): the 8-layer step alone, and followed by each column's sampling on its own logits in
+the engine's order (the forward queued first, so the sampler's host work runs while the device computes;
+its kernels after; the ids read back), alternated step by step; the difference of the medians, as a
+fraction of the 48-layer step. Results go to bench/results/sampler_cost_<device>.json.
 
     python bench/sampler_cost.py                                              # CPU, tiny shapes
     python bench/sampler_cost.py --device cuda --vocab 248320 --batch 16 --step-layers
@@ -26,13 +29,16 @@ import time
 from pathlib import Path
 
 import torch
-from decode_roofline import build_model, device_label, measure, real_width_config
+from decode_roofline import BLOCK_SIZE, build_model, device_label, measure, real_width_config
 
 from tierlm.config import ModelConfig
 from tierlm.demo_model import build_demo_model
 from tierlm.engine.request import Request
 from tierlm.engine.sampler import Sampler
 from tierlm.engine.structured_output import StructuredOutputManager
+from tierlm.model.forward_batch import ForwardBatch
+from tierlm.model.model_cache import ModelCache
+from tierlm.model.static_decode import StaticDecodeRunner
 from tierlm.sampling_params import SamplingParams, StructuredOutputRequest
 from tierlm.tokenizer import Tokenizer
 
@@ -123,9 +129,9 @@ def main() -> None:
         for name, rows in columns.items():
             print_profile(name, lambda rows=rows: sampler.sample(logits, rows, str), device)
     base = results["greedy"]
-    steps = decode_steps(args, device) if args.step_layers else {}
+    steps, added = decode_steps(args, device, sampler, columns) if args.step_layers else ({}, {})
     report = {"device": device_label(device), "batch": args.batch, "vocab": args.vocab, "sampler_ms": results,
-              "decode_step_ms": steps}
+              "decode_step_ms": steps, "added_to_the_8_layer_step_ms": added}
     print(f"sampler, {args.batch} rows x {args.vocab} vocab on {device} ({args.output_tokens} output tokens each)")
     for name, ms in results.items():
         line = f"  {name:<22} {ms:8.3f} ms   {ms / base:5.2f}x greedy"
@@ -134,26 +140,82 @@ def main() -> None:
         print(line)
     if steps:
         print("decode steps (ms): " + ", ".join(f"{label} {step:.3f}" for label, step in steps.items()))
+        target = steps[f"a {args.target_layers}-layer step"]
+    if added:
+        print("what sampling adds to a step (the 8-layer step, then the sampler on its logits, as the engine "
+              "orders them; minus the step alone, alternated):")
+        for name, ms in added.items():
+            print(f"  {name:<22} {ms:8.3f} ms   {100 * ms / target:5.2f}% of a {args.target_layers}-layer step")
     out = Path(__file__).parent / "results" / f"sampler_cost_{report['device']}.json"
     out.write_text(json.dumps(report, indent=1))
     print(f"saved {out}")
 
 
-def decode_steps(args, device: torch.device) -> dict[str, float]:
+def decode_steps(args, device: torch.device, sampler: Sampler, columns: dict[str, list[Request]]
+                 ) -> tuple[dict[str, float], dict[str, float]]:
     """The real-width stack's decode step at --batch (CUDA graphs, context 512) at 4 and 8 layers, and the
-    step at --target-layers from the per-layer difference: {label: ms}."""
-    measured = {}
+    step at --target-layers from the per-layer difference ({label: ms}); and what each column's sampling
+    adds to the 8-layer step ({column: ms}, `added_by_sampling`)."""
+    measured, added = {}, {}
     for layers in (4, 8):
         config = ModelConfig.from_dict(real_width_config(layers, small=device.type != "cuda"))
         model = build_model(config, torch.bfloat16, device)
         measured[layers] = measure(model, config, torch.bfloat16, device, args.batch, 512, 30)["step_ms"]
+        if layers == 8 and config.vocab_size == args.vocab:  # the columns' grammars are built for --vocab
+            added = added_by_sampling(model, config, device, args.batch, sampler, columns)
+        elif layers == 8:
+            print(f"(what sampling adds to a step: not measured; --vocab {args.vocab} is not the stack's "
+                  f"{config.vocab_size})")
         del model
         if device.type == "cuda":
             torch.cuda.empty_cache()
     per_layer = (measured[8] - measured[4]) / 4
-    return {"the 4-layer step": measured[4], "the 8-layer step": measured[8],
-            f"a {args.target_layers}-layer step": measured[4] + per_layer * (args.target_layers - 4)}
+    steps = {"the 4-layer step": measured[4], "the 8-layer step": measured[8],
+             f"a {args.target_layers}-layer step": measured[4] + per_layer * (args.target_layers - 4)}
+    return steps, added
 
+
+def added_by_sampling(model, config, device: torch.device, batch: int, sampler: Sampler,
+                      columns: dict[str, list[Request]], steps: int = 30, context: int = 512) -> dict[str, float]:
+    """Median ms of a decode step (graph replay, then a device sync) and of the same step followed by each
+    column's sampling on its logits, in the engine's order: the forward queued, the sampler's host work
+    while the device runs it, its kernels after, the ids read back. The runs alternate step by step;
+    {column: its median - the step's}. The logits are the stack's own (vocab = the model's)."""
+    columns = {name: rows for name, rows in columns.items() if len(rows) == batch}
+    blocks_each = (context + (len(columns) + 1) * (steps + 3) + BLOCK_SIZE) // BLOCK_SIZE + 1
+    cache = ModelCache(config, batch, batch * blocks_each, BLOCK_SIZE, torch.bfloat16, device)
+    tables = [list(range(i * blocks_each, (i + 1) * blocks_each)) for i in range(batch)]
+    runner = StaticDecodeRunner(model, cache, batch, blocks_each, "cuda_graph" if device.type == "cuda" else "eager",
+                                sizes=[batch])
+    gen = torch.Generator().manual_seed(batch)
+    position = context
+
+    def step() -> torch.Tensor:
+        nonlocal position
+        tokens = torch.randint(2, config.vocab_size, (batch,), generator=gen).tolist()
+        inputs = ForwardBatch.build([[t] for t in tokens], [position] * batch, list(range(batch)), tables,
+                                    BLOCK_SIZE, device=device)
+        position += 1
+        return runner.run(inputs)
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    times: dict[str, list[float]] = {"step": [], **{name: [] for name in columns}}
+    for repeat in range(steps + 3):
+        for name in times:
+            sync()
+            began = time.perf_counter()
+            logits = step()
+            if name == "step":
+                sync()
+            else:
+                sampler.sample(logits, columns[name], str)
+            if repeat >= 3:  # the first three: warm-up
+                times[name].append(time.perf_counter() - began)
+    median = {name: 1e3 * sorted(t)[len(t) // 2] for name, t in times.items()}
+    return {name: median[name] - median["step"] for name in columns}
 
 if __name__ == "__main__":
     main()
