@@ -12,6 +12,12 @@ once per BLOCK_N tokens, by enough programs to read them at the memory's pace):
   2. `_mix_up_kernel`, programs over (BLOCK_H of the H columns, token block): for each stream s, the
      gates sigmoid(W_up[s] . low) of its columns, the normed streams (x / rms * (1 + w)), and the mean
      over streams of their products.
+INT8 per-channel mixer weights (int4-mixed checkpoints; half the bytes) are a compile-time variant of
+both launches: each int32 word is loaded once and split into its 4 signed values in registers
+(`int8_tile`, exact in the streams' dtype, so tl.dot multiplies them as it multiplies bf16 weights), and
+each row's fp32 dot product is multiplied by the row's scale (launch 1: in the finishing program, after
+the sum over slices; launch 2: before the sigmoid). The reference rounds q * scale to the streams' dtype
+first: in fp32 the two agree to fp32 roundoff, in bf16 the kernel skips one rounding of the weight.
 combine, one launch (`_combine_kernel`): streams + inject[s] * block_output, the streams read in place.
 Values are rounded to the streams' dtype where the reference rounds them; sums are fp32. No host sync:
 CUDA graphs capture all three. Up to MAX_TOKENS tokens (prefill chunks take the reference's GEMMs).
