@@ -117,14 +117,18 @@ def test_kernels_match_reference():
     if torch.cuda.is_available():
         compare("cuda", **SMALL)
         return
-    args = ", ".join(f"{k}={v}" for k, v in SMALL.items())
-    run_interpreted(  # small tiles: several slices per stream, several K and low-rank steps, uneven; one
-        # token through its own tiles
+    run_interpreted(*INTERPRETED_EARLY["test_kernels_match_reference"])
+
+
+INTERPRETED_EARLY = {  # (a child: started when collection ends, see tests/interpreted.py)
+    # small tiles: several slices per stream, several K and low-rank steps, uneven; one token through its
+    # own tiles; INT8 mixers once
+    "test_kernels_match_reference": ((
         "import tierlm.kernels.hyper_connection.triton as k; k.BLOCK_R = 16\n"
         "k.DOWN_TILES = ((1, (32, 16, 3, 4)), (k.MAX_TOKENS, (16, 16, 2, 4)))\n"
-        f"import test_hyper_connection_kernel as t; t.compare('cpu', {args}); t.compare('cpu', **dict(t.SMALL, tokens=1))\n"
-        f"t.check_mix('cpu', {SMALL['hc']}, t.int8_inputs({args}), 'int8')"
-    )
+        "import test_hyper_connection_kernel as t; t.compare('cpu', **t.SMALL); t.compare('cpu', **dict(t.SMALL, tokens=1))\n"
+        "t.check_mix('cpu', t.SMALL['hc'], t.int8_inputs(**t.SMALL), 'int8')"),),
+}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
