@@ -1,18 +1,20 @@
 """The decode fusions of issue 12 items 2, 3 and 6 at the real widths, torch vs fused kernels, side by side.
 
 Times the MoE router (`SparseMoeBlock.route`: 512 experts top-10 + the shared gate over hidden 2560), the
-hyper-connections (`HyperConnection.mix` with and without injection gates, `HyperConnection.combine`:
-4 streams of 2560, low rank 320) and the PLE layer's decode step (`PLELayer.forward`: n-gram hash and
+hyper-connections (`HyperConnection.mix` with and without injection gates, and with its mixer weights
+INT8 per channel as int4-mixed checkpoints hold them, `HyperConnection.combine`: 4 streams of 2560, low
+rank 320) and the PLE layer's decode step (`PLELayer.forward`: n-gram hash and
 gather of 16 rows of 160, the key/value projection 2560 -> 12800, gate, norms, dilated conv, history,
 residual add; the projection is the same GEMV in both forms) per call at batch 1, 4 and 16, in bf16, each
 call replayed from a CUDA graph (as a decode step runs them), with TIERLM_NO_FUSED_ROUTER /
 TIERLM_NO_FUSED_HC / TIERLM_NO_FUSED_PLE set (torch) and unset (fused); prints microseconds per call, the
 ratio, kernels per call, and the bandwidth the fused form reaches on its weights; then what a decode step
 of the 4-layer benchmark model spends on them (4 routers, 8 mixes and 8 combines, 1 final mix, 1 PLE
-layer). Results: bench/results/decode_fusions_<device>.json.
+layer; the INT8 mix is a row of its own, not in that sum). Results: bench/results/decode_fusions_<device>.json.
 
     python bench/decode_fusions.py
     python bench/decode_fusions.py --sweep-hc     # also: the hc mix kernels' tiles and warps, each checked
+    python bench/decode_fusions.py --sweep-hc --int8  # the same sweep over INT8 per-channel mixer weights
     python bench/decode_fusions.py --sweep-router # the router kernels' K slice and warps, each checked
 
 `--sweep-router` times `SparseMoeBlock.route` for each candidate (BLOCK_K, GEMV_WARPS, ROUTE_WARPS) of
@@ -22,7 +24,8 @@ and prints the fastest correct one per batch (results: decode_fusions_router_swe
 `--sweep-hc` times `HyperConnection.mix` (with injection) for each candidate of the mix kernels' module
 constants (launch 1: BLOCK_J rows x BLOCK_K columns, SPLIT slices per stream, warps; launch 2: BLOCK_H
 columns x BLOCK_R low-rank columns, warps), checks each against the torch form (max |difference| of the
-block input), and prints the fastest correct one per batch (results: decode_fusions_hc_sweep_<device>.json).
+block input), and prints the fastest correct one per batch (results: decode_fusions_hc_sweep_<device>.json;
+with --int8 the mix over INT8 mixer weights, decode_fusions_hc_int8_sweep_<device>.json).
 """
 
 from __future__ import annotations
@@ -42,10 +45,12 @@ from tierlm.model.forward_batch import ForwardBatch
 from tierlm.model.layers.hyper_connection import HyperConnection
 from tierlm.model.layers.moe import SparseMoeBlock
 from tierlm.model.layers.ple import NgramIds, PLELayer
+from tierlm.model.quantization.compressed_tensors import PackQuantizedFormat
 
 HIDDEN, HC, LOWRANK, EXPERTS, TOP_K = 2560, 4, 320, 512, 10
 SWITCHES = ("TIERLM_NO_FUSED_ROUTER", "TIERLM_NO_FUSED_HC", "TIERLM_NO_FUSED_PLE")
 STEP_CALLS = {"router": 4, "hc mix": 8, "hc mix (final, no inject)": 1, "hc combine": 8, "ple": 1}  # 4 layers
+HC_INT8 = "hc mix (int8)"
 
 
 def random_module(module: torch.nn.Module, device, dtype) -> torch.nn.Module:
@@ -67,6 +72,18 @@ def router_block(device, dtype) -> SparseMoeBlock:
         block = SparseMoeBlock(config)
     block.router = random_module(block.router, device, dtype)
     return block
+
+
+def int8_mixer(hc: HyperConnection) -> HyperConnection:
+    """hc with its mixer projections re-held as INT8 per channel (round to nearest, as int4-mixed stores them)."""
+    from tierlm.kernels.quant_linear.packing import quantize
+
+    for linear in (hc.down_and_inject, hc.input_mix_weight_up):
+        words, scales = quantize(linear.weight.float(), 8, linear.in_features, scale_dtype=linear.weight.dtype)
+        linear.set_format(PackQuantizedFormat(8, None))
+        linear.weight_packed = torch.nn.Parameter(words, requires_grad=False)
+        linear.weight_scale = torch.nn.Parameter(scales, requires_grad=False)
+    return hc
 
 
 @lru_cache(maxsize=1)
@@ -108,6 +125,9 @@ def ops(device, dtype, batch: int) -> dict:
     with torch.device("meta"):
         hc, final = HyperConnection(HIDDEN, HC, LOWRANK, 1e-6, True), HyperConnection(HIDDEN, HC, LOWRANK, 1e-6, False)
     hc, final = random_module(hc, device, dtype), random_module(final, device, dtype)
+    with torch.device("meta"):
+        hc_int8 = HyperConnection(HIDDEN, HC, LOWRANK, 1e-6, True)
+    hc_int8 = int8_mixer(random_module(hc_int8, device, dtype))
 
     def nbytes(module):
         return sum(p.numel() * p.element_size() for p in module.parameters())
@@ -116,6 +136,7 @@ def ops(device, dtype, batch: int) -> dict:
         "router": (lambda: block.route(x), nbytes(block.router)),
         "hc mix": (lambda: hc.mix(streams), nbytes(hc)),
         "hc mix (final, no inject)": (lambda: final.mix(streams), nbytes(final)),
+        HC_INT8: (lambda: hc_int8.mix(streams), nbytes(hc_int8)),
         "hc combine": (lambda: HyperConnection.combine(streams, x, inject), 0),
         "ple": ple_call(device, dtype, batch),
     }
@@ -154,18 +175,18 @@ DOWN_CANDIDATES = [(16, 128, 2, 4), (16, 128, 5, 4), (16, 256, 10, 4), (32, 256,
 UP_CANDIDATES = [(16, 64, 4), (16, 128, 4), (16, 512, 4), (8, 512, 4), (32, 512, 8), (8, 128, 4)]
 
 
-def sweep_hc(device, dtype, batches: list[int], reps: int) -> list[dict]:
+def sweep_hc(device, dtype, batches: list[int], reps: int, op: str = "hc mix") -> list[dict]:
     """Every launch-1 candidate with the default launch 2, then every launch-2 candidate with the best
-    launch 1 (per batch): us per mix call and max |difference| from the torch form."""
+    launch 1 (per batch): us per `op` call and max |difference| from the torch form."""
     import tierlm.kernels.hyper_connection.triton as kernels
 
     names_up = ("BLOCK_H", "BLOCK_R", "UP_WARPS")
     defaults = kernels.DOWN_TILES, [getattr(kernels, n) for n in names_up]
     rows = []
-    print("\nhc mix sweep (us per call; diff: max |fused - torch| of the block input)")
+    print(f"\n{op} sweep (us per call; diff: max |fused - torch| of the block input)")
     for batch in batches:
         set_fused(False)
-        fn, _ = ops(device, dtype, batch)["hc mix"]
+        fn, _ = ops(device, dtype, batch)[op]
         expected = fn()[0].float()
         set_fused(True)
 
@@ -258,14 +279,18 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=50, help="calls per captured graph")
     parser.add_argument("--sweep-hc", action="store_true", help="only the hc mix tile sweep (see above)")
     parser.add_argument("--sweep-router", action="store_true", help="only the router kernels' sweep (see above)")
+    parser.add_argument("--int8", action="store_true", help="with --sweep-hc: sweep the mix over INT8 mixer weights")
     args = parser.parse_args()
     device, dtype = torch.device("cuda"), torch.bfloat16
     name = torch.cuda.get_device_name(device).replace(" ", "-").lower()
     print(f"{name}: bf16, hidden {HIDDEN}, {EXPERTS} experts top-{TOP_K}, hc {HC} x lowrank {LOWRANK}; "
           "us per call replayed from CUDA graphs")
     if args.sweep_hc or args.sweep_router:
-        kind = "hc" if args.sweep_hc else "router"
-        rows = (sweep_hc if args.sweep_hc else sweep_router)(device, dtype, args.batches, args.reps)
+        kind = ("hc_int8" if args.int8 else "hc") if args.sweep_hc else "router"
+        if args.sweep_hc:
+            rows = sweep_hc(device, dtype, args.batches, args.reps, HC_INT8 if args.int8 else "hc mix")
+        else:
+            rows = sweep_router(device, dtype, args.batches, args.reps)
         out = Path(__file__).parent / "results" / f"decode_fusions_{kind}_sweep_{name}.json"
         out.write_text(json.dumps({"device": name, "dtype": "bfloat16", "rows": rows}, indent=1))
         print(f"saved {out}")
@@ -273,7 +298,7 @@ def main() -> None:
     print(f"{'op':<27} {'batch':>5} {'torch us':>9} {'fused us':>9} {'speedup':>8} {'kernels':>9} {'fused TB/s':>10}")
     rows = []
     for batch in args.batches:
-        for op in STEP_CALLS:
+        for op in (*STEP_CALLS, HC_INT8):
             row = {"op": op, "batch": batch}
             for fused in (False, True):
                 set_fused(fused)
@@ -290,8 +315,9 @@ def main() -> None:
                   f"{bandwidth:>10.2f}")
     print("\nper decode step of the 4-layer benchmark model (4 routers, 8 mixes, 1 final mix, 8 combines, 1 PLE):")
     for batch in args.batches:
-        torch_us = sum(r["torch_us"] * STEP_CALLS[r["op"]] for r in rows if r["batch"] == batch)
-        fused_us = sum(r["fused_us"] * STEP_CALLS[r["op"]] for r in rows if r["batch"] == batch)
+        step = [r for r in rows if r["batch"] == batch and r["op"] in STEP_CALLS]
+        torch_us = sum(r["torch_us"] * STEP_CALLS[r["op"]] for r in step)
+        fused_us = sum(r["fused_us"] * STEP_CALLS[r["op"]] for r in step)
         print(f"  batch {batch:>2}: torch {torch_us:7.1f} us, fused {fused_us:7.1f} us ({torch_us / fused_us:.2f}x)")
     out = Path(__file__).parent / "results" / f"decode_fusions_{name}.json"
     out.write_text(json.dumps({"device": name, "dtype": "bfloat16", "rows": rows}, indent=1))

@@ -17,6 +17,8 @@ reference (`naive`: the weight dequantized, then F.linear): max |diff| relative 
     python bench/quant_linear_kernel.py --sweep    # CUDA, also sweeps the tile sizes (best one reported)
     python bench/quant_linear_kernel.py --baseline ../main   # CUDA, before (../main's kernel) and after
     python bench/quant_linear_kernel.py --small    # CPU: Triton's interpreter, tiny shapes
+    python bench/quant_linear_kernel.py --formats bf16 int6-g32 --shapes 1280x2560 2560x640 --batches 1 4 \
+        --baseline ../main   # the INT6 shared expert's gate_up and down (int4-mixed), before and after
 Results go to bench/results/quant_linear_kernel_<device>.json.
 """
 
@@ -35,7 +37,9 @@ from device_timing import copy_bandwidth, timed
 
 TARGET = {"shapes": [(10240, 2560), (248320, 2560), (2560, 6144)], "l2_bytes": 256 << 20}
 SMALL = {"shapes": [(40, 256), (24, 512)], "l2_bytes": 1 << 20}
-FORMATS = {"bf16": (None, None), "int8": (8, None), "int4-g128": (4, 128)}  # (bits, group; None: per channel)
+# (bits, group; None: per channel); int6-g32: int4-mixed's shared expert (not in the default run)
+FORMATS = {"bf16": (None, None), "int8": (8, None), "int4-g128": (4, 128), "int6-g32": (6, 32)}
+DEFAULT_FORMATS = ["bf16", "int8", "int4-g128"]
 # --sweep: the GEMV tiles (batches up to GEMV_MAX_ROWS; the packed 4/8-bit GEMV has its own), then the K
 # split, or the GEMM tiles of the format (larger batches); each candidate timed on every shape, the one
 # with the best mean fraction of the copy bandwidth kept (module constants of quant_linear.triton)
@@ -116,7 +120,7 @@ def measure(args, device: torch.device) -> dict:
     gen = torch.Generator(device=device).manual_seed(0)
     copy = copy_bandwidth(device, args.copy_bytes)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (Triton interpreter)"
-    shapes = [tuple(s) for s in target["shapes"]]
+    shapes = args.shapes or [tuple(s) for s in target["shapes"]]
     xs = {(k, b): [torch.randn(b, k, generator=gen, device=device).to(torch.bfloat16) for _ in range(4)]
           for k in {k for _, k in shapes} for b in args.batches}
     run = SimpleNamespace(device=device, copy=copy, shapes=shapes, xs=xs, nbytes={}, baseline=None)
@@ -176,11 +180,22 @@ def measure(args, device: torch.device) -> dict:
             "swept_tiles": chosen, "rows": rows}
 
 
+def n_by_k(text: str) -> tuple[int, int]:
+    """'1280x2560' -> (1280, 2560): a weight shape N x K on the command line."""
+    try:
+        n, k = (int(part) for part in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a shape is N x K, e.g. 1280x2560; got {text!r}") from None
+    return n, k
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--small", action="store_true", help="tiny shapes; on a CPU, through Triton's interpreter")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
-    parser.add_argument("--formats", nargs="+", default=list(FORMATS), choices=list(FORMATS))
+    parser.add_argument("--formats", nargs="+", default=DEFAULT_FORMATS, choices=list(FORMATS))
+    parser.add_argument("--shapes", nargs="+", default=None, metavar="NxK", type=n_by_k,
+                        help="weight shapes instead of the target model's (e.g. 1280x2560)")
     parser.add_argument("--sweep", action="store_true", help="also sweep the tile sizes (best one reported)")
     parser.add_argument("--baseline", type=Path, default=None, metavar="ROOT",
                         help="also time ROOT's quant_linear kernel (another checkout: before/after in one run)")

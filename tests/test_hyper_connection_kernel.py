@@ -19,6 +19,7 @@ import torch
 from interpreted import run_interpreted
 
 from tierlm.kernels.hyper_connection import naive
+from tierlm.kernels.quant_linear.packing import quantize
 
 FACTOR = 2.0
 EPS = 1e-6
@@ -49,26 +50,46 @@ def assert_within_reference_error(ours, theirs, reference, what: str) -> None:
     )
 
 
+def int8_inputs(tokens: int, hc: int, hidden: int, lowrank: int, seed: int = 0):
+    """`inputs` with injection, the down|inject and up weights INT8 per channel (packed words, scales):
+    (streams, norm, down words, up words, down scales, up scales)."""
+    streams, norm, down, up = inputs(tokens, hc, hidden, lowrank, True, seed)
+    (down_words, down_scales), (up_words, up_scales) = (quantize(w, 8, w.shape[1]) for w in (down, up))
+    return streams, norm, down_words, up_words, down_scales, up_scales
+
+
+def check_mix(device: str, hc: int, args, what: str) -> None:
+    """kernels.mix against naive.mix on args (streams, norm, down, up[, down scale, up scale]): in fp32
+    within a few ulps; in bf16 (floats rounded to bf16, packed words as they are) within FACTOR x the
+    reference's own bf16 error of the fp32 truth."""
+    from tierlm.kernels.hyper_connection import triton as kernels
+
+    def run(mix, tensors, dtype, where="cpu"):
+        cast = [t.to(where, dtype if t.is_floating_point() else t.dtype) for t in tensors]
+        return mix(*cast[:4], hc, EPS, *cast[4:])
+
+    expected, got = run(naive.mix, args, torch.float32), run(kernels.mix, args, torch.float32, device)
+    with_inject = expected[1] is not None
+    assert (got[1] is None) == (not with_inject)
+    torch.testing.assert_close(got[0].cpu(), expected[0], rtol=1e-5, atol=1e-5, msg=lambda m: f"{what}: {m}")
+    if with_inject:
+        torch.testing.assert_close(got[1].cpu(), expected[1], rtol=1e-5, atol=1e-6, msg=lambda m: f"{what}: {m}")
+
+    as_bf16 = [t.bfloat16() if t.is_floating_point() else t for t in args]
+    truth, theirs = run(naive.mix, as_bf16, torch.float32), run(naive.mix, as_bf16, torch.bfloat16)
+    got = run(kernels.mix, as_bf16, torch.bfloat16, device)
+    assert got[0].dtype == torch.bfloat16
+    assert_within_reference_error(got[0].cpu(), theirs[0], truth[0], f"{what}, bf16 block input")
+    if with_inject:
+        assert_within_reference_error(got[1].cpu(), theirs[1], truth[1], f"{what}, bf16 injection gates")
+
+
 def compare(device: str, tokens: int, hc: int, hidden: int, lowrank: int) -> None:
     from tierlm.kernels.hyper_connection import triton as kernels
 
     for with_inject in (True, False):
-        streams, norm, down, up = inputs(tokens, hc, hidden, lowrank, with_inject, seed=tokens)
-        expected = naive.mix(streams, norm, down, up, hc, EPS)
-        got = kernels.mix(*(t.to(device) for t in (streams, norm, down, up)), hc, EPS)
-        assert (got[1] is None) == (not with_inject)
-        torch.testing.assert_close(got[0].cpu(), expected[0], rtol=1e-5, atol=1e-5)
-        if with_inject:
-            torch.testing.assert_close(got[1].cpu(), expected[1], rtol=1e-5, atol=1e-6)
-
-        as_bf16 = [t.bfloat16() for t in (streams, norm, down, up)]
-        truth = naive.mix(*(t.float() for t in as_bf16), hc, EPS)
-        theirs = naive.mix(*as_bf16, hc, EPS)
-        got = kernels.mix(*(t.to(device) for t in as_bf16), hc, EPS)
-        assert got[0].dtype == torch.bfloat16
-        assert_within_reference_error(got[0].cpu(), theirs[0], truth[0], "bf16 block input")
-        if with_inject:
-            assert_within_reference_error(got[1].cpu(), theirs[1], truth[1], "bf16 injection gates")
+        check_mix(device, hc, inputs(tokens, hc, hidden, lowrank, with_inject, seed=tokens),
+                  f"dense, inject {with_inject}")
 
     gen = torch.Generator().manual_seed(1)
     streams = inputs(tokens, hc, hidden, lowrank, True)[0]
@@ -96,13 +117,18 @@ def test_kernels_match_reference():
     if torch.cuda.is_available():
         compare("cuda", **SMALL)
         return
-    args = ", ".join(f"{k}={v}" for k, v in SMALL.items())
-    run_interpreted(  # small tiles: several slices per stream, several K and low-rank steps, uneven; one
-        # token through its own tiles
+    run_interpreted(*INTERPRETED_EARLY["test_kernels_match_reference"])
+
+
+INTERPRETED_EARLY = {  # (a child: started when collection ends, see tests/interpreted.py)
+    # small tiles: several slices per stream, several K and low-rank steps, uneven; one token through its
+    # own tiles; INT8 mixers once
+    "test_kernels_match_reference": ((
         "import tierlm.kernels.hyper_connection.triton as k; k.BLOCK_R = 16\n"
         "k.DOWN_TILES = ((1, (32, 16, 3, 4)), (k.MAX_TOKENS, (16, 16, 2, 4)))\n"
-        f"import test_hyper_connection_kernel as t; t.compare('cpu', {args}); t.compare('cpu', **dict(t.SMALL, tokens=1))"
-    )
+        "import test_hyper_connection_kernel as t; t.compare('cpu', **t.SMALL); t.compare('cpu', **dict(t.SMALL, tokens=1))\n"
+        "t.check_mix('cpu', t.SMALL['hc'], t.int8_inputs(**t.SMALL), 'int8')"),),
+}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -125,6 +151,32 @@ def test_reference_is_the_layer(dtype):
                        naive.combine(streams, block_output, inject))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_mixer_reference_is_the_layer(dtype):
+    """With its mixer weights INT8 per channel (as the int4-mixed scheme stores them) the layer hands the
+    kernels its packed words and scales, and its torch path (what the CPU runs) is naive.mix on them."""
+    from tierlm.model.layers.hyper_connection import HyperConnection, kernel_weight
+    from tierlm.model.quantization.compressed_tensors import PackQuantizedFormat
+
+    hc, hidden, lowrank = 4, 32, 8
+    streams, norm, down_words, up_words, down_scales, up_scales = int8_inputs(3, hc, hidden, lowrank)
+    layer = HyperConnection(hidden, hc, lowrank, EPS, True)
+    for linear, words, scales in ((layer.down_and_inject, down_words, down_scales),
+                                  (layer.input_mix_weight_up, up_words, up_scales)):
+        linear.set_format(PackQuantizedFormat(8, None))
+        linear.to(dtype)
+        linear.weight_packed.data.copy_(words)
+        linear.weight_scale.data.copy_(scales)
+        packed = kernel_weight(linear)
+        assert packed[0] is linear.weight_packed and packed[1] is linear.weight_scale
+    layer.hc_norm.to(dtype).weight.data.copy_(norm)
+    streams = streams.to(dtype)
+    got = layer.mix(streams)
+    expected = naive.mix(streams, norm.to(dtype), down_words, up_words, hc, EPS, layer.down_and_inject.weight_scale,
+                         layer.input_mix_weight_up.weight_scale)
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+
+
 def test_bad_shapes_are_named():
     streams, norm, down, up = inputs(2, 4, 8, 4, True)
     with pytest.raises(ValueError, match="weights must be"):
@@ -137,6 +189,12 @@ def test_bad_shapes_are_named():
 @pytest.mark.parametrize("tokens", [1, 4, 16, 64])
 def test_kernels_at_real_widths_on_gpu(tokens):
     compare("cuda", tokens=tokens, **REAL)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("tokens", [1, 16, 64])
+def test_int8_kernels_at_real_widths_on_gpu(tokens):
+    check_mix("cuda", REAL["hc"], int8_inputs(tokens, **REAL, seed=tokens), "int8")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")

@@ -165,3 +165,34 @@ def test_bad_arguments_name_the_problem():
         naive.quant_linear(x, torch.randn(8, 64, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match=r"is not \[N, K=64\]"):
         naive.quant_linear(x, torch.randn(8, 32))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("bits", [6, 4])
+def test_split_gemv_replays_in_a_cuda_graph(bits):
+    """A decode GEMV split over K (the INT6 shared expert's gate_up: 1280 x 2560) finishes in one launch
+    through arrival counters, which every launch leaves at zero: replayed from a CUDA graph it equals
+    eager calls, call after call."""
+    import tierlm.kernels.quant_linear.triton as kernels
+
+    gen = torch.Generator().manual_seed(0)
+    weight, scales = packing.quantize(torch.randn(1280, 2560, generator=gen), bits, 32)
+    weight, scales = weight.cuda(), scales.bfloat16().cuda()
+    x = torch.randn(1, 2560, generator=gen).bfloat16().cuda()
+    assert kernels.launch_config(1, 1280, 2560, bits).splits > 1
+    eager = kernels.quant_linear(x, weight, scales=scales, bits=bits)  # counters made outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = kernels.quant_linear(x, weight, scales=scales, bits=bits)
+    for seed in range(3):
+        x.copy_(torch.randn(1, 2560, generator=torch.Generator().manual_seed(10 + seed)).bfloat16())
+        graph.replay()
+        eager = kernels.quant_linear(x, weight, scales=scales, bits=bits)
+        assert torch.equal(captured, eager)
+    assert within_tolerance(eager.cpu(), naive.quant_linear(x, weight, scales=scales, bits=bits).cpu(),
+                            *exact_of(x.cpu(), packing.dequantize(weight, scales, bits, 2560).cpu())) is None
+
+
+def exact_of(x: torch.Tensor, w: torch.Tensor):
+    """(x W^T in fp64, the sums of |products|): `within_tolerance`'s exact result for dequantized W."""
+    return x.double() @ w.double().T, x.double().abs() @ w.double().abs().T

@@ -51,16 +51,16 @@ def _dense_copy(base, out, replace: dict[str, torch.Tensor]):
     return out
 
 
-def _logits(model, config, ids: list[int], chunk: int = 17) -> torch.Tensor:
+def _logits(model, config, ids: list[int], chunk: int = 17, device: str = "cpu") -> torch.Tensor:
     """The model's logits (fp32) over `ids`, prefilled in chunks through one request slot."""
     block_size = 12
-    cache = ModelCache(config, 1, 16, block_size, next(model.parameters()).dtype)
+    cache = ModelCache(config, 1, 16, block_size, next(model.parameters()).dtype, device)
     cache.reset_slot(0)
     table, out = list(range(16)), []
     for start in range(0, len(ids), chunk):
         piece = ids[start : start + chunk]
-        batch = ForwardBatch.build([piece], [start], [0], [table], block_size, logits="all")
-        out.append(model(batch, cache).float())
+        batch = ForwardBatch.build([piece], [start], [0], [table], block_size, logits="all", device=device)
+        out.append(model(batch, cache).float().cpu())
     return torch.cat(out)
 
 
@@ -148,6 +148,21 @@ def test_quantized_logits_equal_the_dequantized_dense_model(base, quantized, tmp
     assert (got - expected).abs().max().item() <= TOLERANCE
     original, _ = load_model(base, dtype="float32", device="cpu")
     assert (_logits(original, config, ids) - got).abs().max().item() > 100 * TOLERANCE  # it did quantize
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_fused_hyper_connections_over_int8_mixers_match_torch_on_gpu(quantized, monkeypatch):
+    """The int4-mixed model (INT8 per-channel hyper-connection mixers) in fp32 on the GPU: the fused mix
+    kernels, which read the INT8 mixers in place (chunks of <= 64 tokens), give the torch path's logits."""
+    from tierlm.model.layers.hyper_connection import HyperConnection, kernel_weight
+
+    model, config = load_model(quantized, dtype="float32", device="cuda")
+    mixers = [m for m in model.modules() if isinstance(m, HyperConnection)]
+    assert mixers and all(kernel_weight(m.down_and_inject)[1] is not None for m in mixers)
+    ids = torch.randint(2, config.vocab_size, (45,), generator=torch.Generator().manual_seed(2)).tolist()
+    fused = _logits(model, config, ids, device="cuda")
+    monkeypatch.setenv("TIERLM_NO_FUSED_HC", "1")
+    torch.testing.assert_close(fused, _logits(model, config, ids, device="cuda"), rtol=0, atol=TOLERANCE)
 
 
 def _dequantized_from_model(model, dtype) -> dict[str, torch.Tensor]:

@@ -2,19 +2,23 @@
 
 Signatures (every form):
   mix(streams [N, hc*H], norm_weight [hc*H], down_weight [r (+ hc), hc*H], up_weight [hc*H, r], hc_count,
-      eps) -> (block input [N, H], injection gates [N, hc] or None): a grouped (per stream) Gemma RMSNorm,
-      a low-rank sigmoid mixer silu(W_down xn / hc) -> sigmoid(W_up .) [hc*H], the mean over streams of
+      eps, down_scale=None, up_scale=None) -> (block input [N, H], injection gates [N, hc] or None): a
+      grouped (per stream) Gemma RMSNorm, a low-rank sigmoid mixer silu(W_down xn / hc) -> sigmoid(W_up .) [hc*H], the mean over streams of
       gate * xn; with the hc injection rows packed after W_down's r rows (`block_inject_weight`) also
       2 sigmoid(W_inj xn / hc). Everything rounded to the streams' dtype where transformers' module
       rounds it (`Qwen4ExpTextGatedResidual`; the layer `model/layers/hyper_connection.py` is the same
-      math through its quant methods).
+      math through its quant methods). A weight given with its scale is INT8 per channel, as int4-mixed
+      checkpoints hold the mixers: int32 words [N, K / 4] in compressed-tensors' packing and scales [N, 1]
+      (`naive.int8_weight_shape`); the reference dequantizes it to the streams' dtype as the layer does,
+      the kernels read the words in place and scale each row's fp32 dot product.
   combine(streams [N, hc*H], block_output [N, H], inject [N, hc]) -> streams + inject[:, s] * block_output
       on each stream s.
   naive.py   plain torch (the reference)
   triton.py  decode batches (up to MAX_TOKENS tokens): mix in two launches (the norm folded into the down
              projection, whose last program to arrive applies each stream's rms and the mixer's
              activations; then the up projection, the gates and the mean over streams), combine in one;
-             the weights read once per 16 tokens, the streams read in place (no copies)
+             the weights read once per 16 tokens (INT8: the packed words, split in registers), the streams
+             read in place (no copies)
 """
 
 from tierlm.kernels.hyper_connection.naive import combine, mix

@@ -12,7 +12,9 @@ order (products accumulate in fp32 here).
     the end (no reduction per tile); packed 4/8-bit weights take one row of x per program and keep
     every tensor in the packed words' own 2-D shape, so nothing changes threads inside the loop. K is
     split over several programs when N alone gives too few programs to keep the device's memory system
-    busy; the fp32 partials are summed after.
+    busy; the fp32 partials are summed in the same launch by the last program of each output tile to
+    finish (`split_reduce.arrival_counters`), so a split GEMV is one kernel, not three (partials, their
+    sum, the cast: INT6 shared expert's gate_up at decode).
   - prefill chunks, `_gemm_kernel`: tl.dot tiles (fp32 in IEEE precision, so fp32 results match the
     reference closely).
 `gemv_loop`, `accumulate_tile`, `word_value` and `round_to` are shared with the fused MoE kernels
@@ -30,6 +32,7 @@ import triton.language as tl
 
 from tierlm.kernels.quant_linear.naive import check_weight
 from tierlm.kernels.quant_linear.packing import check_packed
+from tierlm.kernels.split_reduce import arrival_counters
 
 # Tile sizes, chosen on an H200 by bench/quant_linear_kernel.py --sweep (module constants so it can sweep them)
 GEMV_MAX_ROWS = 4  # up to this many rows, the GEMV form (no padding of M to 16 for tensor cores)
@@ -367,13 +370,14 @@ def accumulate_tile(acc, a, w_ptr, s_ptr, k0, offs_n, n_mask, stride_wn, stride_
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, k_per_split, stride_xm, stride_wn, stride_sn, stride_ym, stride_ys,
-    BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+    x_ptr, w_ptr, s_ptr, y_ptr, partial_ptr, counter_ptr, M, N, K, k_per_split, stride_xm, stride_wn, stride_sn,
+    stride_ym, stride_ps, BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """One program: rows [pid(0) * BLOCK_M, +BLOCK_M), columns [pid(1) * BLOCK_N, +BLOCK_N), input columns
-    [split * k_per_split, +k_per_split) (a multiple of BLOCK_K), by `gemv_loop`. Writes y, or with
-    several splits its fp32 partial at y_ptr + split * stride_ys."""
+    [split * k_per_split, +k_per_split) (a multiple of BLOCK_K), by `gemv_loop`. Writes y; split over K
+    (SPLIT), stores its fp32 partial (partial_ptr: [splits, M, N], split stride stride_ps) and counts itself in (one counter per
+    output tile); the tile's last program sums the partials in split order and writes y."""
     pid_m, pid_n, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -383,9 +387,20 @@ def _gemv_kernel(
     acc = gemv_loop(gemv_zeros(BLOCK_M, BLOCK_N, BLOCK_K, BITS), x_ptr, x_rows, m_mask, w_ptr, s_ptr, k_start,
                     tl.minimum(k_start + k_per_split, K), offs_n, n_mask, stride_wn, stride_sn, K, BITS, GROUP_SIZE,
                     BLOCK_K, EVEN_K, PRECISION)
-    y_ptrs = y_ptr + split * stride_ys + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
-    tl.store(y_ptrs, round_to(gemv_sum(acc, BITS), y_ptr.dtype.element_ty, PRECISION),
-             mask=m_mask[:, None] & n_mask[None, :])
+    offsets, mask = offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :], m_mask[:, None] & n_mask[None, :]
+    if SPLIT:
+        splits = tl.num_programs(2)
+        tl.store(partial_ptr + split * stride_ps + offsets, gemv_sum(acc, BITS), mask=mask)
+        counter = counter_ptr + pid_m * tl.num_programs(1) + pid_n
+        tl.debug_barrier()  # every thread's stores are issued before the program counts itself in
+        if tl.atomic_add(counter, 1, sem="acq_rel") == splits - 1:
+            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for other in range(splits):
+                total += tl.load(partial_ptr + other * stride_ps + offsets, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.store(y_ptr + offsets, round_to(total, y_ptr.dtype.element_ty, PRECISION), mask=mask)
+            tl.atomic_xchg(counter, 0)  # ready for the next launch
+    else:
+        tl.store(y_ptr + offsets, round_to(gemv_sum(acc, BITS), y_ptr.dtype.element_ty, PRECISION), mask=mask)
 
 
 @triton.jit
@@ -454,9 +469,12 @@ def quant_linear(x: torch.Tensor, weight_or_packed: torch.Tensor, *, scales: tor
         _gemm_kernel[(triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n))](
             x2, weight, s_arg, y, m, n, k, x2.stride(0), weight.stride(0), stride_sn, y.stride(0), **common)
         return y.view(out_shape)
-    y = torch.empty((cfg.splits, m, n), dtype=torch.float32 if cfg.splits > 1 else x.dtype, device=x.device)
-    _gemv_kernel[(triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n), cfg.splits)](
-        x2, weight, s_arg, y, m, n, k, cfg.k_per_split, x2.stride(0), weight.stride(0), stride_sn, y.stride(1),
-        y.stride(0), **common)
-    y = y.sum(dim=0).to(x.dtype) if cfg.splits > 1 else y[0]
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n), cfg.splits)
+    split = cfg.splits > 1
+    # (split: at most GEMV_TARGET_PROGRAMS / 2 output tiles, so the counters are made once, at the first call)
+    partial = torch.empty((cfg.splits, m, n), dtype=torch.float32, device=x.device) if split else y
+    counters = arrival_counters("quant_linear", x.device, grid[0] * grid[1]) if split else y
+    _gemv_kernel[grid](x2, weight, s_arg, y, partial, counters, m, n, k, cfg.k_per_split, x2.stride(0),
+                       weight.stride(0), stride_sn, y.stride(0), m * n, SPLIT=split, **common)
     return y.view(out_shape)

@@ -5,8 +5,9 @@ streams) and, for a block, per-stream injection gates; `combine` adds the block 
 with its gate. The final mixer (no injection) feeds lm_head and stands in for the final norm.
 
 On CUDA both run as fused kernels (`kernels/hyper_connection`: mix in two launches for decode batches,
-combine in one for any batch; TIERLM_NO_FUSED_HC=1 turns them off); elsewhere, and for quantized mixer
-weights or prefill batches, mix runs in torch through the layers' quant methods, the same math as
+reading the mixer weights in place whether bf16 or INT8 per channel, combine in one for any batch;
+TIERLM_NO_FUSED_HC=1 turns them off); elsewhere, and for mixer weights in other formats or prefill
+batches, mix runs in torch through the layers' quant methods, the same math as
 `kernels/hyper_connection/naive.py`.
 """
 
@@ -38,12 +39,13 @@ class HyperConnection(nn.Module):
 
     def mix(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """streams [N, hc*H] -> (block input [N, H], injection gates [N, hc] or None)."""
-        down, up = self.down_and_inject.dense_weight(), self.input_mix_weight_up.dense_weight()
-        if fused(streams) and down is not None and up is not None:
+        if fused(streams):
             from tierlm.kernels.hyper_connection import triton as kernels
 
-            if streams.shape[0] <= kernels.MAX_TOKENS:
-                return kernels.mix(streams, self.hc_norm.weight, down, up, self.hc_count, self.hc_norm.eps)
+            down, up = kernel_weight(self.down_and_inject), kernel_weight(self.input_mix_weight_up)
+            if streams.shape[0] <= kernels.MAX_TOKENS and down is not None and up is not None:
+                return kernels.mix(streams, self.hc_norm.weight, down[0], up[0], self.hc_count, self.hc_norm.eps,
+                                   down_scale=down[1], up_scale=up[1])
         normed = self.hc_norm(streams)
         projected = self.down_and_inject(normed)
         low = F.silu(projected[0] / self.hc_count)
@@ -61,6 +63,13 @@ class HyperConnection(nn.Module):
 
             return kernels.combine(streams, block_output, inject)
         return naive.combine(streams, block_output, inject)
+
+
+def kernel_weight(layer: PackedLinear) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """(weight, None) for a dense weight, (packed words, scales) for INT8 per channel: what the mix kernels
+    read in place; None for any other format (the torch path runs then)."""
+    dense = layer.dense_weight()
+    return (dense, None) if dense is not None else layer.int8_channel_weight()
 
 
 def fused(streams: torch.Tensor) -> bool:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tierlm.model.quantization.base import DENSE, ModulePart, WeightFormat, linear_method
+from tierlm.model.quantization.base import DENSE, ModulePart, WeightFormat, linear_method, runtime_view
 
 
 class PackedLinear(nn.Module):
@@ -47,6 +47,12 @@ class PackedLinear(nn.Module):
         """The weight [N, K] when it is held unquantized and without a bias (a fused kernel that reads it
         in place can run then), else None."""
         return self.weight if self.quant_method.format == DENSE and self.bias is None else None
+
+    def int8_channel_weight(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(packed words [N, K / 4] int32, scales [N, 1]) when the weight is held as symmetric per-channel
+        INT8 (`WeightFormat.int8_per_channel`) and there is no bias, else None."""
+        fmt = self.quant_method.format
+        return None if self.bias is not None else fmt.int8_per_channel(runtime_view(self, fmt), self.in_features)
 
     def checkpoint_modules(self, path: str) -> list[ModulePart]:
         """The checkpoint modules this layer holds (siblings of `path`) and their output rows."""

@@ -111,6 +111,11 @@ class WeightFormat(ABC):
         """The routed experts' sum through the fused MoE kernel over stacked runtime tensors, or None.
         This default has none."""
 
+    def int8_per_channel(self, tensors: Mapping[str, torch.Tensor], in_features: int):
+        """(packed words [N, K / 4] int32, scales [N, 1]) when this format holds W as symmetric INT8 with
+        one scale per output row, packed as compressed-tensors `pack-quantized` (kernels that read that form
+        in place take them: the hyper-connection mix), else None. This default: None."""
+
     def rows_dim_is_leading(self, out_features: int, in_features: int) -> bool:
         """Whether every runtime tensor has its output rows first (a row gather then works: embeddings)."""
         return all(t.out_dim == 0 for t in self.runtime_tensors(out_features, in_features).values())

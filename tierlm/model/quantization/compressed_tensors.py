@@ -121,6 +121,11 @@ class PackQuantizedFormat(WeightFormat):
         return quant_linear(x, tensors["weight_packed"], scales=tensors["weight_scale"], bits=self.bits,
                             group_size=self.group_size or in_features)
 
+    def int8_per_channel(self, tensors, in_features):
+        if self.bits != 8 or self.group_size is not None or not self.symmetric or in_features % 4:
+            return None
+        return tensors["weight_packed"], tensors["weight_scale"]
+
     def kernel_experts(self, x, gate_up, down, weights, experts):
         if not self._has_kernel(x) or self.group_size is None:  # per-channel: gate_up and down groups differ
             return None
