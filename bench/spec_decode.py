@@ -37,6 +37,7 @@ import torch
 
 from tierlm.demo_model import build_demo_model
 from tierlm.engine.llm_engine import EngineConfig, LLMEngine
+from tierlm.engine.speculative import speculates
 from tierlm.sampling_params import SamplingParams
 
 ORACLE_RUNS = 4
@@ -52,7 +53,9 @@ def run(args, speculative: bool, eager: bool, oracle: list[int] | None = None) -
                                     max_model_len=args.max_model_len, enforce_eager=eager,
                                     speculative_config=config, trace=str(trace) if trace else None))
     args.resolved_dtype = engine.cache.dtype
-    params = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
+    # repetition_penalty 1 explicitly: a request with penalties does not speculate, and a model's
+    # generation_config may set one (the trained default does)
+    params = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True, repetition_penalty=1.0)
     engine.add_request(PROMPT, params)
     engine.step()  # the prefill (and first token) outside the timing
     start = time.perf_counter()
@@ -61,7 +64,7 @@ def run(args, speculative: bool, eager: bool, oracle: list[int] | None = None) -
         for output in engine.step():
             out = output
         if oracle is not None:
-            for request in engine.scheduler.running:
+            for request in filter(speculates, engine.scheduler.running):  # as the engine drafts
                 request.draft_token_ids = oracle[len(request.output_token_ids) :][: args.k]
     if args.device.startswith("cuda"):
         torch.cuda.synchronize()
