@@ -154,8 +154,8 @@ def measure(args, device: torch.device) -> dict:
                 result = measure_shape(run, n, k, fmt, batch, weights, with_baseline=True)
                 x = xs[(k, batch)][0]
                 if fmt == "bf16":
-                    bf16_us[(n, k, batch)] = timed(lambda i: torch.nn.functional.linear(x, weights[i][0]),
-                                                   len(weights) - 1, device) * 1e6
+                    bf16_us[(n, k, batch)] = timed(lambda i, x=x, weights=weights: torch.nn.functional.linear(
+                        x, weights[i][0]), len(weights) - 1, device) * 1e6
                 ref = naive.quant_linear(x, weights[0][0], **weights[0][1]).float()
                 out = kernels.quant_linear(x, weights[0][0], **weights[0][1]).float()
                 diff = ((out - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()

@@ -41,9 +41,13 @@ def server(model: str, device: str, extra: list[str]):
     port = free_port()
     args = [sys.executable, "-m", "tierlm.cli", "serve", model, "--host", "127.0.0.1", "--port", str(port),
             "--device", device, *extra]
-    log = tempfile.TemporaryFile()
+    with tempfile.TemporaryFile() as log:
+        yield from _serve(args, log)
+
+
+def _serve(args: list[str], log):
     proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
-    base = f"http://127.0.0.1:{port}"
+    base = f"http://127.0.0.1:{args[args.index('--port') + 1]}"
     try:
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
@@ -105,8 +109,9 @@ def second_turn_ttft(base: str, first_message: str, follow_up: str) -> float:
 
 
 def conversation_text(words: int, seed: int) -> str:
-    vocabulary = ("the model reads every token once and keeps its state in slots while blocks of keys "
-                  "and values wait in the pool for the next question about the code").split()
+    vocabulary = ("the", "model", "reads", "every", "token", "once", "and", "keeps", "its", "state", "in",
+                  "slots", "while", "blocks", "of", "keys", "and", "values", "wait", "in", "the", "pool",
+                  "for", "the", "next", "question", "about", "the", "code")
     return " ".join(vocabulary[(i * 7 + seed) % len(vocabulary)] for i in range(words))
 
 
