@@ -28,6 +28,7 @@ CHILD_ENV = {"TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THRE
 
 _started: dict[tuple[str, tuple[str, ...]], tuple[subprocess.Popen, object, object]] = {}
 _queued: list[tuple[str, tuple[str, ...]]] = []
+_runner: threading.Thread | None = None  # the one thread that runs the queue, while it has work
 _lock = threading.Lock()
 
 
@@ -43,20 +44,23 @@ def _spawn(script: str, argv: tuple[str, ...]):
 
 def start_early(script: str, *argv: str) -> None:
     """Queue the child `run_interpreted(script, *argv)` will collect (once); the queue runs one at a time."""
+    global _runner
     with _lock:
-        first = not _queued
         if (script, argv) not in _started and (script, argv) not in _queued:
             _queued.append((script, argv))
-    if first:
-        threading.Thread(target=_run_queue, name="interpreter children", daemon=True).start()
+        if _runner is None:  # (an empty queue is no sign: the runner pops a child as soon as it starts)
+            _runner = threading.Thread(target=_run_queue, name="interpreter children", daemon=True)
+            _runner.start()
 
 
 def _run_queue() -> None:
+    global _runner
     running = None
     while True:
         with _lock:
             if running is None or running.poll() is not None:
                 if not _queued:
+                    _runner = None
                     return
                 key = _queued.pop(0)
                 _started[key] = _spawn(*key)
