@@ -96,11 +96,16 @@ def test_kernels_match_reference():
     if torch.cuda.is_available():
         compare("cuda", **SMALL)
         return
-    args = ", ".join(f"{k}={v}" for k, v in SMALL.items())
-    run_interpreted(  # small tiles: several slices per stream, several K and low-rank steps, uneven
+    run_interpreted(*INTERPRETED_EARLY["test_kernels_match_reference"])
+
+
+INTERPRETED_EARLY = {  # (queued when collection ends, see tests/interpreted.py)
+    # small tiles: several slices per stream, several K and low-rank steps, uneven
+    "test_kernels_match_reference": (
         "import tierlm.kernels.hyper_connection.triton as k; k.BLOCK_K = 16; k.BLOCK_R = 16\n"
-        f"import test_hyper_connection_kernel as t; t.compare('cpu', {args})"
-    )
+        "import test_hyper_connection_kernel as t; t.compare('cpu', "
+        + ", ".join(f"{k}={v}" for k, v in SMALL.items()) + ")",),
+}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
