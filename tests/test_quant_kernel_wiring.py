@@ -15,17 +15,22 @@ from types import SimpleNamespace
 import pytest
 import torch
 from interpreted import interpreted_json
-from reference_models import build_reference
-
-from tierlm.tools.quantize import quantize_checkpoint
 
 CHILD = r"""
-import json, sys, torch
+import json, tempfile, torch
+from pathlib import Path
+from reference_models import build_reference
 from tierlm.model.loader import load_model
 from tierlm.model.quantization.base import runtime_view
+from tierlm.tools.quantize import quantize_checkpoint
 
 results = {}
-base, int4, int8 = sys.argv[1], sys.argv[2], sys.argv[3]
+folder = Path(tempfile.mkdtemp())
+base = folder / "base"
+base.mkdir()
+build_reference("hc4_ple", base)
+int4 = quantize_checkpoint(base, folder / "int4", "int4", 32)
+int8 = quantize_checkpoint(base, folder / "int8", "int8", 32)
 gen = torch.Generator().manual_seed(0)
 model, config = load_model(base, dtype="float32", device="cpu")
 experts = model.model.layers[0].mlp.experts
@@ -56,17 +61,18 @@ for name, layer in (("lm_head", model.lm_head), ("o_proj", model.model.layers[3]
     reference = layer(x)
     kernel = fmt.linear_kernel(x, runtime_view(layer, fmt), layer.in_features)
     results[name] = [(kernel - reference).abs().max().item(), reference.abs().max().item()]
+import shutil; shutil.rmtree(folder)
 print(json.dumps(results))
 """
 
 
 @pytest.fixture(scope="module")
-def kernel_results(tmp_path_factory):
-    base = tmp_path_factory.mktemp("base")
-    build_reference("hc4_ple", base)
-    int4 = quantize_checkpoint(base, tmp_path_factory.mktemp("int4"), "int4", 32)
-    int8 = quantize_checkpoint(base, tmp_path_factory.mktemp("int8"), "int8", 32)
-    return interpreted_json(CHILD, str(base), str(int4), str(int8))
+def kernel_results():
+    return interpreted_json(*INTERPRETED_EARLY["test_kernel_path_equals_reference_path"])
+
+
+# (queued when collection ends, see tests/interpreted.py): the child builds and quantizes its checkpoints
+INTERPRETED_EARLY = {"test_kernel_path_equals_reference_path": (CHILD,)}
 
 
 @pytest.mark.parametrize("layer", ["experts", "dense experts", "lm_head", "o_proj"])
