@@ -4,10 +4,12 @@ TRITON_INTERPRET=1 must be set before triton is first imported, so the test proc
 imported it already) cannot switch; each kernel test hands its comparison to a child instead. The timeout
 is generous: the interpreter is slow, and slower still on a loaded machine.
 
-The long children are queued when collection ends (`start_early`, called by conftest for the tests a
-module names in INTERPRETED_EARLY) and run one at a time, in collection order, on the machine's other
-core while the suite goes on; `run_interpreted` collects a child already under way (or starts a queued
-one at once). Children nobody collected are killed at the end of the session (`stop_unused`).
+The children are queued when collection ends (`start_early`, called by conftest for the tests a module
+names in INTERPRETED_EARLY; conftest also moves those modules to the end of the run) and run one at a
+time, in collection order, on the machine's other core while the suite goes on; `run_interpreted`
+collects a child already under way (or starts a queued one at once). Children nobody collected are
+killed at the end of the session (`stop_unused`). A kernel test names its child there rather than
+running it inline: inline, the suite waits for it.
 """
 
 from __future__ import annotations
