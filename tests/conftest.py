@@ -32,6 +32,21 @@ def _has_children(item) -> bool:
     return bool(getattr(getattr(item, "module", None), "INTERPRETED_EARLY", None))
 
 
+@pytest.fixture(scope="session", autouse=True)
+def one_torch_thread():
+    """One torch thread in the test process: the tiny models' forwards run no faster on two, and many
+    times slower when another process holds a core (an interpreter child beside the suite, another job):
+    OpenMP threads spin waiting for each other. Measured with one core kept busy: tests/test_llm.py and
+    test_model_parity.py took 83 s and 43 s of CPU on two threads, 9.5 s and 9 s of CPU on one.
+    Subprocesses (servers, children) keep their own settings."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def pytest_collection_modifyitems(session, config, items):
     """The modules with interpreter children run last (in their order, each module's tests in theirs), so
     the children, queued when collection ends, have the whole rest of the suite to finish beside it."""
