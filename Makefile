@@ -7,7 +7,6 @@ PY := $(VENV)/bin/python
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
 	# The CPU build of torch lies on disk on our machines; install it explicitly before anything can pull a CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[test]'

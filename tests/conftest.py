@@ -19,15 +19,45 @@ import pytest
 from interpreted import start_early, stop_unused
 
 
-def pytest_collection_finish(session):
-    """Queue the interpreter children of the selected tests their modules name in INTERPRETED_EARLY
-    ({test function: (script, *argv), or a function of the test's parameters giving them}), on CPU only
-    (a GPU runs those tests directly)."""
+def _children_run_beside() -> bool:
+    """Interpreter children exist on CPU only (a GPU runs those tests directly)."""
     import importlib.util
 
     import torch
 
-    if torch.cuda.is_available() or importlib.util.find_spec("triton") is None:
+    return not torch.cuda.is_available() and importlib.util.find_spec("triton") is not None
+
+
+def _has_children(item) -> bool:
+    return bool(getattr(getattr(item, "module", None), "INTERPRETED_EARLY", None))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def one_torch_thread():
+    """One torch thread in the test process: the tiny models' forwards run no faster on two, and many
+    times slower when another process holds a core (an interpreter child beside the suite, another job):
+    OpenMP threads spin waiting for each other. Measured with one core kept busy: tests/test_llm.py and
+    test_model_parity.py took 83 s and 43 s of CPU on two threads, 9.5 s and 9 s of CPU on one.
+    Subprocesses (servers, children) keep their own settings."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """The modules with interpreter children run last (in their order, each module's tests in theirs), so
+    the children, queued when collection ends, have the whole rest of the suite to finish beside it."""
+    if _children_run_beside():
+        items.sort(key=_has_children)  # stable
+
+
+def pytest_collection_finish(session):
+    """Queue the interpreter children of the selected tests their modules name in INTERPRETED_EARLY
+    ({test function: (script, *argv), or a function of the test's parameters giving them})."""
+    if not _children_run_beside():
         return
     for item in session.items:
         early = getattr(getattr(item, "module", None), "INTERPRETED_EARLY", {})

@@ -4,10 +4,12 @@ TRITON_INTERPRET=1 must be set before triton is first imported, so the test proc
 imported it already) cannot switch; each kernel test hands its comparison to a child instead. The timeout
 is generous: the interpreter is slow, and slower still on a loaded machine.
 
-The long children are queued when collection ends (`start_early`, called by conftest for the tests a
-module names in INTERPRETED_EARLY) and run one at a time, in collection order, on the machine's other
-core while the suite goes on; `run_interpreted` collects a child already under way (or starts a queued
-one at once). Children nobody collected are killed at the end of the session (`stop_unused`).
+The children are queued when collection ends (`start_early`, called by conftest for the tests a module
+names in INTERPRETED_EARLY; conftest also moves those modules to the end of the run) and run one at a
+time, in collection order, on the machine's other core while the suite goes on; `run_interpreted`
+collects a child already under way (or starts a queued one at once). Children nobody collected are
+killed at the end of the session (`stop_unused`). A kernel test names its child there rather than
+running it inline: inline, the suite waits for it.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ CHILD_ENV = {"TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THRE
 
 _started: dict[tuple[str, tuple[str, ...]], tuple[subprocess.Popen, object, object]] = {}
 _queued: list[tuple[str, tuple[str, ...]]] = []
+_runner: threading.Thread | None = None  # the one thread that runs the queue, while it has work
 _lock = threading.Lock()
 
 
@@ -43,20 +46,23 @@ def _spawn(script: str, argv: tuple[str, ...]):
 
 def start_early(script: str, *argv: str) -> None:
     """Queue the child `run_interpreted(script, *argv)` will collect (once); the queue runs one at a time."""
+    global _runner
     with _lock:
-        first = not _queued
         if (script, argv) not in _started and (script, argv) not in _queued:
             _queued.append((script, argv))
-    if first:
-        threading.Thread(target=_run_queue, name="interpreter children", daemon=True).start()
+        if _runner is None:  # (an empty queue is no sign: the runner pops a child as soon as it starts)
+            _runner = threading.Thread(target=_run_queue, name="interpreter children", daemon=True)
+            _runner.start()
 
 
 def _run_queue() -> None:
+    global _runner
     running = None
     while True:
         with _lock:
             if running is None or running.poll() is not None:
                 if not _queued:
+                    _runner = None
                     return
                 key = _queued.pop(0)
                 _started[key] = _spawn(*key)

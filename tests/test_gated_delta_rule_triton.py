@@ -85,7 +85,11 @@ def chunk_child(case: str) -> tuple[str]:
     return (f"import test_gated_delta_rule_triton as t; t.compare({case!r}, 'cpu')",)
 
 
-INTERPRETED_EARLY = {"test_triton_chunk_rule_equals_the_reference": chunk_child}  # (see tests/interpreted.py)
+INTERPRETED_EARLY = {  # (queued when collection ends, see tests/interpreted.py)
+    "test_triton_chunk_rule_equals_the_reference": chunk_child,
+    "test_layer_prefill_through_the_kernel_equals_its_torch_path": (
+        "import test_gated_delta_rule_triton as t; t.compare_layer('cpu')",),
+}
 
 
 def test_varlen_reference_is_the_per_sequence_rule():
@@ -154,7 +158,7 @@ def test_layer_prefill_through_the_kernel_equals_its_torch_path():
     if torch.cuda.is_available():
         compare_layer("cuda")
         return
-    run_interpreted("import test_gated_delta_rule_triton as t; t.compare_layer('cpu')")
+    run_interpreted(*INTERPRETED_EARLY["test_layer_prefill_through_the_kernel_equals_its_torch_path"])
 
 
 def test_kernel_refuses_bad_inputs():

@@ -254,7 +254,7 @@ def test_layer_decode_through_the_kernels_equals_its_torch_path():
     if torch.cuda.is_available():
         compare_layer("cuda")
         return
-    run_interpreted("import test_gdn_decode_kernel as t; t.compare_layer('cpu')")
+    run_interpreted(*INTERPRETED_EARLY["test_layer_decode_through_the_kernels_equals_its_torch_path"])
 
 
 def test_kill_switch_and_cpu_keep_the_torch_path(monkeypatch):
@@ -377,6 +377,8 @@ def verify_child(case: str) -> tuple[str]:
 INTERPRETED_EARLY = {  # (long children: queued when collection ends, see tests/interpreted.py)
     "test_decode_kernel_matches_the_reference": decode_child,
     "test_verify_kernel_matches_the_reference": verify_child,
+    "test_layer_decode_through_the_kernels_equals_its_torch_path": (
+        "import test_gdn_decode_kernel as t; t.compare_layer('cpu')",),
 }
 
 

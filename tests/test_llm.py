@@ -183,6 +183,7 @@ def test_generate_cli_cpu_threads(demo_dir, capsys):
 
     before = torch.get_num_threads()
     try:
+        torch.set_num_threads(2)  # (the suite runs on one thread: the flag must change it)
         assert main(["generate", str(demo_dir), "--prompt", "x", "--max-tokens", "2", "--cpu-threads", "1"]) == 0
         assert torch.get_num_threads() == 1
     finally:

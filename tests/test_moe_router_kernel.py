@@ -121,14 +121,18 @@ def compare_ties(device: str, tokens: int, hidden: int, experts: int, top_k: int
             assert torch.equal(cuda_ids.sort(-1).values.cpu(), expected.sort(-1).values)
 
 
-def interpreted_case(function: str, **shape) -> None:
-    """Run `function` of this module in an interpreted child, with small tiles so the small shapes take
+def interpreted_case(function: str) -> tuple[str]:
+    """A child running `function` of this module at SMALL, with small tiles so the small shapes take
     several K slices (the last one part-full)."""
-    args = ", ".join(f"{k}={v}" for k, v in shape.items())
-    run_interpreted(
-        "import tierlm.kernels.moe_router.triton as k; k.BLOCK_K = 32\n"
-        f"import test_moe_router_kernel as t; t.{function}('cpu', {args})"
-    )
+    args = ", ".join(f"{k}={v}" for k, v in SMALL.items())
+    return (("import tierlm.kernels.moe_router.triton as k; k.BLOCK_K = 32\n"
+             f"import test_moe_router_kernel as t; t.{function}('cpu', {args})"),)
+
+
+INTERPRETED_EARLY = {  # (queued when collection ends, see tests/interpreted.py)
+    "test_kernel_matches_reference": interpreted_case("compare"),
+    "test_kernel_breaks_ties_towards_lower_ids": interpreted_case("compare_ties"),
+}
 
 
 def needs_triton():
@@ -141,7 +145,7 @@ def test_kernel_matches_reference():
     if torch.cuda.is_available():
         compare("cuda", **SMALL)
         return
-    interpreted_case("compare", **SMALL)
+    run_interpreted(*INTERPRETED_EARLY["test_kernel_matches_reference"])
 
 
 def test_kernel_breaks_ties_towards_lower_ids():
@@ -149,7 +153,7 @@ def test_kernel_breaks_ties_towards_lower_ids():
     if torch.cuda.is_available():
         compare_ties("cuda", **SMALL)
         return
-    interpreted_case("compare_ties", **SMALL)
+    run_interpreted(*INTERPRETED_EARLY["test_kernel_breaks_ties_towards_lower_ids"])
 
 
 def test_reference_is_the_layer_router():

@@ -68,10 +68,20 @@ def compare(folder: str, device: str) -> None:
 def test_model_prefill_through_the_kernels_equals_the_torch_path(tmp_path):
     if importlib.util.find_spec("triton") is None:
         pytest.skip("triton is not installed")
-    from reference_models import build_reference
-
-    build_reference("hc4_ple", tmp_path)
     if torch.cuda.is_available():
+        from reference_models import build_reference
+
+        build_reference("hc4_ple", tmp_path)
         compare(str(tmp_path), "cuda")
         return
-    run_interpreted(f"import test_prefill_kernels_model as t; t.compare({str(tmp_path)!r}, 'cpu')")
+    run_interpreted(*INTERPRETED_EARLY["test_model_prefill_through_the_kernels_equals_the_torch_path"])
+
+
+INTERPRETED_EARLY = {  # (queued when collection ends, see tests/interpreted.py): the child builds its model
+    "test_model_prefill_through_the_kernels_equals_the_torch_path": ((
+        "import tempfile, test_prefill_kernels_model as t\n"
+        "from reference_models import build_reference\n"
+        "with tempfile.TemporaryDirectory() as folder:\n"
+        "    build_reference('hc4_ple', folder)\n"
+        "    t.compare(folder, 'cpu')"),),
+}

@@ -107,7 +107,12 @@ def test_triton_sparse_attention_equals_the_reference():
         compare("cuda")
         compare_parts("cuda")
         return
-    run_interpreted("import test_qsa_sparse_attention as t; t.compare('cpu'); t.compare_parts('cpu')")
+    run_interpreted(*INTERPRETED_EARLY["test_triton_sparse_attention_equals_the_reference"])
+
+
+INTERPRETED_EARLY = {  # (queued when collection ends, see tests/interpreted.py)
+    "test_triton_sparse_attention_equals_the_reference": ("import test_qsa_sparse_attention as t; t.compare('cpu'); t.compare_parts('cpu')",),
+}
 
 
 def test_parts_merged_equal_the_whole_reference():

@@ -10,19 +10,34 @@ so 1e-5 of the output's magnitude bounds them; a wrong bit, group, scale or expe
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 from interpreted import interpreted_json
-from reference_models import build_reference
-
-from tierlm.tools.quantize import quantize_checkpoint
 
 
-def kernel_vs_reference(base: str, int4: str, int8: str, device: str) -> dict[str, list[float]]:
-    """{layer: [max |kernel path - reference path|, max |reference|]}; the reference runs on the CPU, the
-    kernel on `device` (CPU: through the interpreter)."""
+def kernel_vs_reference(device: str) -> dict[str, list[float]]:
+    """{layer: [max |kernel path - reference path|, max |reference|]} over checkpoints it builds and
+    quantizes in a temporary folder; the reference runs on the CPU, the kernel on `device` (CPU: through the
+    interpreter, in the child process)."""
+    import tempfile
+
+    from reference_models import build_reference
+
+    from tierlm.tools.quantize import quantize_checkpoint
+
+    with tempfile.TemporaryDirectory() as folder:
+        base = Path(folder) / "base"
+        base.mkdir()
+        build_reference("hc4_ple", base)
+        int4 = quantize_checkpoint(base, Path(folder) / "int4", "int4", 32)
+        int8 = quantize_checkpoint(base, Path(folder) / "int8", "int8", 32)
+        return _compare(base, int4, int8, device)
+
+
+def _compare(base: Path, int4: Path, int8: Path, device: str) -> dict[str, list[float]]:
     from tierlm.model.loader import load_model
     from tierlm.model.quantization.base import runtime_view
 
@@ -52,18 +67,18 @@ def kernel_vs_reference(base: str, int4: str, int8: str, device: str) -> dict[st
     return results
 
 
-CHILD = "import json, sys, test_quant_kernel_wiring as t; print(json.dumps(t.kernel_vs_reference(*sys.argv[1:], 'cpu')))"
+CHILD = "import json, test_quant_kernel_wiring as t; print(json.dumps(t.kernel_vs_reference('cpu')))"
 
 
 @pytest.fixture(scope="module")
-def kernel_results(tmp_path_factory):
-    base = tmp_path_factory.mktemp("base")
-    build_reference("hc4_ple", base)
-    int4 = quantize_checkpoint(base, tmp_path_factory.mktemp("int4"), "int4", 32)
-    int8 = quantize_checkpoint(base, tmp_path_factory.mktemp("int8"), "int8", 32)
+def kernel_results():
     if torch.cuda.is_available():
-        return kernel_vs_reference(str(base), str(int4), str(int8), "cuda")
-    return interpreted_json(CHILD, str(base), str(int4), str(int8))
+        return kernel_vs_reference("cuda")
+    return interpreted_json(*INTERPRETED_EARLY["test_kernel_path_equals_reference_path"])
+
+
+# (queued when collection ends, see tests/interpreted.py): the child builds and quantizes its checkpoints
+INTERPRETED_EARLY = {"test_kernel_path_equals_reference_path": (CHILD,)}
 
 
 @pytest.mark.parametrize("layer", ["experts", "dense experts", "lm_head", "o_proj"])
