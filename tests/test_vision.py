@@ -297,3 +297,72 @@ def test_demo_model_with_a_vision_tower(tmp_path):
     ids = tokenizer.encode(text, add_special_tokens=False)
     marker = image_marker(config.vision)
     assert [ids[i : i + 3] for i in range(len(ids) - 2)].count(marker) == 1
+
+
+# ---- image requests through the engine (the demo VLM) -----------------------------------------------
+GREEDY_IMAGE = {"temperature": 0, "max_tokens": 5, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def demo_vlm(tmp_path_factory):
+    """`tierlm demo-model --vision` and an offline LLM on it whose prefill chunks are 16 tokens."""
+    from tierlm import LLM
+    from tierlm.demo_model import build_demo_model
+
+    folder = build_demo_model(tmp_path_factory.mktemp("demo") / "vlm", "tiny", vision=True)
+    return folder, LLM(str(folder), dtype="float32", device="cpu", max_model_len=256, max_num_batched_tokens=16)
+
+
+def random_image(seed: int, size: tuple[int, int] = (160, 160)):
+    import numpy as np
+    from PIL import Image
+
+    return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (*size, 3), dtype=np.uint8))
+
+
+def image_chat(image, text: str = "what is it?") -> list[dict]:
+    part = {"type": "image_url", "image_url": {"url": image}} if isinstance(image, str) else {
+        "type": "image_pil", "image_pil": image}
+    return [{"role": "system", "content": "you look at pictures and answer in a few words"},
+            {"role": "user", "content": [{"type": "text", "text": "look:"}, part, {"type": "text", "text": text}]}]
+
+
+def test_image_chat_matches_reference_greedy_fp32(demo_vlm):
+    """LLM.chat with an image (25 features; prefill chunks of 16 tokens, one cut inside the image, decode
+    with the prompt's M-RoPE delta) gives transformers' greedy tokens (its whole forward per token)."""
+    from transformers import Qwen4ExpForConditionalGeneration
+
+    from tierlm import SamplingParams
+    from tierlm.multimodal.image_processor import ImageProcessor
+
+    folder, llm = demo_vlm
+    chunks = []
+    schedule = llm.engine.scheduler.schedule
+
+    def recording_schedule(*args, **kwargs):
+        out = schedule(*args, **kwargs)
+        chunks.extend((c.start, c.start + c.num_tokens) for c in out.chunks)
+        return out
+
+    llm.engine.scheduler.schedule = recording_schedule
+    try:
+        out = llm.chat(image_chat(random_image(0)), SamplingParams(**GREEDY_IMAGE))[0]
+    finally:
+        llm.engine.scheduler.schedule = schedule
+    ids = list(out.prompt_token_ids)
+    vision = llm.engine.model_config.vision
+    run = [i for i, t in enumerate(ids) if t == vision.image_token_id]
+    assert len(run) == 25 and any(run[0] < end <= run[-1] for _, end in chunks), chunks
+
+    reference = Qwen4ExpForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
+    image = ImageProcessor.for_model(folder, vision)(random_image(0))
+    expected = []
+    with torch.no_grad():
+        for _ in range(GREEDY_IMAGE["max_tokens"]):
+            logits = reference(
+                input_ids=torch.tensor([ids]), pixel_values=image.patches, image_grid_thw=torch.tensor([image.grid]),
+                mm_token_type_ids=torch.tensor([[int(t == vision.image_token_id) for t in ids]]), use_cache=False,
+            ).logits[0, -1]
+            expected.append(int(logits.argmax()))
+            ids.append(expected[-1])
+    assert list(out.outputs[0].token_ids) == expected
