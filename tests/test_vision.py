@@ -366,3 +366,20 @@ def test_image_chat_matches_reference_greedy_fp32(demo_vlm):
             expected.append(int(logits.argmax()))
             ids.append(expected[-1])
     assert list(out.outputs[0].token_ids) == expected
+
+
+def test_prefix_cache_keeps_images_apart(demo_vlm):
+    """Same text, two images, prefix caching on: the second image's request takes no cached block of its
+    image rows (the first's tokens would follow), and the first image asked again hits past its image and
+    answers as before."""
+    from tierlm import SamplingParams
+
+    _, llm = demo_vlm
+    params = SamplingParams(**GREEDY_IMAGE)
+    assert llm.engine.cache_manager.prefix_caching
+    first, second, again = (llm.chat(image_chat(random_image(seed), "and this?"), params)[0] for seed in (1, 2, 1))
+    rows = [i for i, t in enumerate(first.prompt_token_ids) if t == llm.engine.model_config.vision.image_token_id]
+    assert second.prompt_token_ids == first.prompt_token_ids
+    assert second.num_cached_tokens <= rows[0] and again.num_cached_tokens > rows[-1]
+    assert list(second.outputs[0].token_ids) != list(first.outputs[0].token_ids)
+    assert list(again.outputs[0].token_ids) == list(first.outputs[0].token_ids)
