@@ -383,3 +383,39 @@ def test_prefix_cache_keeps_images_apart(demo_vlm):
     assert second.num_cached_tokens <= rows[0] and again.num_cached_tokens > rows[-1]
     assert list(second.outputs[0].token_ids) != list(first.outputs[0].token_ids)
     assert list(again.outputs[0].token_ids) == list(first.outputs[0].token_ids)
+
+
+def test_server_answers_a_chat_with_a_data_url_image(demo_vlm):
+    """/v1/chat/completions with a data: URL image (in-process, prefix caching off) answers the tokens
+    LLM.chat gives for the same messages."""
+    import asyncio
+    import base64
+    import io
+
+    import httpx
+
+    from tierlm import SamplingParams
+    from tierlm.engine.llm_engine import EngineConfig, LLMEngine
+    from tierlm.server.api import build_app
+    from tierlm.server.async_engine import AsyncEngine
+
+    folder, llm = demo_vlm
+    png = io.BytesIO()
+    random_image(3, (96, 128)).save(png, format="PNG")
+    messages = image_chat("data:image/png;base64," + base64.b64encode(png.getvalue()).decode())
+    expected = llm.chat(messages, SamplingParams(**GREEDY_IMAGE))[0].outputs[0].text
+    engine = AsyncEngine(LLMEngine(EngineConfig(str(folder), dtype="float32", device="cpu", max_model_len=256,
+                                                enable_prefix_caching=False)), "vlm")
+
+    async def ask() -> httpx.Response:
+        engine.start()
+        try:
+            transport = httpx.ASGITransport(app=build_app(engine, "vlm"))
+            async with httpx.AsyncClient(transport=transport, base_url="http://tierlm", timeout=60) as client:
+                return await client.post("/v1/chat/completions", json={"model": "vlm", "messages": messages, **GREEDY_IMAGE})
+        finally:
+            engine.stop()
+
+    response = asyncio.run(ask())
+    assert response.status_code == 200, response.text
+    assert expected and response.json()["choices"][0]["message"]["content"] == expected
