@@ -10,7 +10,8 @@ and flattened channel-major: [grid_h * grid_w, C * temporal * patch * patch], gr
 
 Settings come from the checkpoint's `preprocessor_config.json` (its `size` {shortest_edge, longest_edge}
 or min_pixels / max_pixels, image_mean, image_std, rescale_factor), the patch geometry from the vision
-config, and vLLM's `--mm-processor-kwargs` (min_pixels, max_pixels) over both.
+config, and vLLM's `--mm-processor-kwargs` (min_pixels, max_pixels) over both. `data_url_bytes` takes an
+image's bytes out of a `data:image/...;base64,` URL.
 """
 
 from __future__ import annotations
