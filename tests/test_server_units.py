@@ -37,7 +37,7 @@ class FakeEngine:
         self.last_step_num_tokens = 0
         self.paused: set[str] = set()
 
-    def add_request(self, prompt, params, request_id, prompt_text=None):
+    def add_request(self, prompt, params, request_id, prompt_text=None, images=None):
         if prompt == [POISON_ADD]:
             raise ValueError("prompt 667 is not allowed")
         self.requests[request_id] = (prompt, params, [])

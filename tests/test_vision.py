@@ -297,3 +297,125 @@ def test_demo_model_with_a_vision_tower(tmp_path):
     ids = tokenizer.encode(text, add_special_tokens=False)
     marker = image_marker(config.vision)
     assert [ids[i : i + 3] for i in range(len(ids) - 2)].count(marker) == 1
+
+
+# ---- image requests through the engine (the demo VLM) -----------------------------------------------
+GREEDY_IMAGE = {"temperature": 0, "max_tokens": 5, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def demo_vlm(tmp_path_factory):
+    """`tierlm demo-model --vision` and an offline LLM on it whose prefill chunks are 16 tokens."""
+    from tierlm import LLM
+    from tierlm.demo_model import build_demo_model
+
+    folder = build_demo_model(tmp_path_factory.mktemp("demo") / "vlm", "tiny", vision=True)
+    return folder, LLM(str(folder), dtype="float32", device="cpu", max_model_len=256, max_num_batched_tokens=16)
+
+
+def random_image(seed: int, size: tuple[int, int] = (160, 160)):
+    import numpy as np
+    from PIL import Image
+
+    return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (*size, 3), dtype=np.uint8))
+
+
+def image_chat(image, text: str = "what is it?") -> list[dict]:
+    part = {"type": "image_url", "image_url": {"url": image}} if isinstance(image, str) else {
+        "type": "image_pil", "image_pil": image}
+    return [{"role": "system", "content": "you look at pictures and answer in a few words"},
+            {"role": "user", "content": [{"type": "text", "text": "look:"}, part, {"type": "text", "text": text}]}]
+
+
+def test_image_chat_matches_reference_greedy_fp32(demo_vlm):
+    """LLM.chat with an image (25 features; prefill chunks of 16 tokens, one cut inside the image, decode
+    with the prompt's M-RoPE delta) gives transformers' greedy tokens (its whole forward per token)."""
+    from transformers import Qwen4ExpForConditionalGeneration
+
+    from tierlm import SamplingParams
+    from tierlm.multimodal.image_processor import ImageProcessor
+
+    folder, llm = demo_vlm
+    chunks = []
+    schedule = llm.engine.scheduler.schedule
+
+    def recording_schedule(*args, **kwargs):
+        out = schedule(*args, **kwargs)
+        chunks.extend((c.start, c.start + c.num_tokens) for c in out.chunks)
+        return out
+
+    llm.engine.scheduler.schedule = recording_schedule
+    try:
+        out = llm.chat(image_chat(random_image(0)), SamplingParams(**GREEDY_IMAGE))[0]
+    finally:
+        llm.engine.scheduler.schedule = schedule
+    ids = list(out.prompt_token_ids)
+    vision = llm.engine.model_config.vision
+    run = [i for i, t in enumerate(ids) if t == vision.image_token_id]
+    assert len(run) == 25 and any(run[0] < end <= run[-1] for _, end in chunks), chunks
+
+    reference = Qwen4ExpForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
+    image = ImageProcessor.for_model(folder, vision)(random_image(0))
+    expected = []
+    with torch.no_grad():
+        for _ in range(GREEDY_IMAGE["max_tokens"]):
+            logits = reference(
+                input_ids=torch.tensor([ids]), pixel_values=image.patches, image_grid_thw=torch.tensor([image.grid]),
+                mm_token_type_ids=torch.tensor([[int(t == vision.image_token_id) for t in ids]]), use_cache=False,
+            ).logits[0, -1]
+            expected.append(int(logits.argmax()))
+            ids.append(expected[-1])
+    assert list(out.outputs[0].token_ids) == expected
+
+
+def test_prefix_cache_keeps_images_apart(demo_vlm):
+    """Same text, two images, prefix caching on: the second image's request takes no cached block of its
+    image rows (the first's tokens would follow), and the first image asked again hits past its image and
+    answers as before."""
+    from tierlm import SamplingParams
+
+    _, llm = demo_vlm
+    params = SamplingParams(**GREEDY_IMAGE)
+    assert llm.engine.cache_manager.prefix_caching
+    first, second, again = (llm.chat(image_chat(random_image(seed), "and this?"), params)[0] for seed in (1, 2, 1))
+    rows = [i for i, t in enumerate(first.prompt_token_ids) if t == llm.engine.model_config.vision.image_token_id]
+    assert second.prompt_token_ids == first.prompt_token_ids
+    assert second.num_cached_tokens <= rows[0] and again.num_cached_tokens > rows[-1]
+    assert list(second.outputs[0].token_ids) != list(first.outputs[0].token_ids)
+    assert list(again.outputs[0].token_ids) == list(first.outputs[0].token_ids)
+
+
+def test_server_answers_a_chat_with_a_data_url_image(demo_vlm):
+    """/v1/chat/completions with a data: URL image (in-process, prefix caching off) answers the tokens
+    LLM.chat gives for the same messages."""
+    import asyncio
+    import base64
+    import io
+
+    import httpx
+
+    from tierlm import SamplingParams
+    from tierlm.engine.llm_engine import EngineConfig, LLMEngine
+    from tierlm.server.api import build_app
+    from tierlm.server.async_engine import AsyncEngine
+
+    folder, llm = demo_vlm
+    png = io.BytesIO()
+    random_image(3, (96, 128)).save(png, format="PNG")
+    messages = image_chat("data:image/png;base64," + base64.b64encode(png.getvalue()).decode())
+    expected = llm.chat(messages, SamplingParams(**GREEDY_IMAGE))[0].outputs[0].text
+    engine = AsyncEngine(LLMEngine(EngineConfig(str(folder), dtype="float32", device="cpu", max_model_len=256,
+                                                enable_prefix_caching=False)), "vlm")
+
+    async def ask() -> httpx.Response:
+        engine.start()
+        try:
+            transport = httpx.ASGITransport(app=build_app(engine, "vlm"))
+            async with httpx.AsyncClient(transport=transport, base_url="http://tierlm", timeout=60) as client:
+                return await client.post("/v1/chat/completions", json={"model": "vlm", "messages": messages, **GREEDY_IMAGE})
+        finally:
+            engine.stop()
+
+    response = asyncio.run(ask())
+    assert response.status_code == 200, response.text
+    assert expected and response.json()["choices"][0]["message"]["content"] == expected

@@ -21,6 +21,9 @@ a block may be computed before its tokens can be hashed: blocks are registered o
 are known (`on_computed(num_known=...)`, then `on_tokens_known`), and a decode checkpoint is still copied
 right after the step that reaches its boundary (in stream order, so it holds exactly that state) into a
 reserved host row, which is keyed by its block's hash once that hash is known.
+
+A block that holds image placeholder rows hashes the image's digest with its tokens (vLLM's mm hashes,
+engine/images.py): the same text around another image shares only the blocks before it.
 """
 
 from __future__ import annotations
@@ -34,8 +37,10 @@ from tierlm.engine.request import Request
 from tierlm.model.model_cache import ModelCache
 
 
-def chain_hash(parent: bytes, tokens: list[int]) -> bytes:
-    return hashlib.blake2b(parent + np.asarray(tokens, dtype=np.int64).tobytes(), digest_size=16).digest()
+def chain_hash(parent: bytes, tokens: list[int], images: bytes = b"") -> bytes:
+    """A block's hash: its parent's, its token ids, and the digests of the images whose placeholder rows
+    it holds (equal placeholder ids of different images must not match)."""
+    return hashlib.blake2b(parent + np.asarray(tokens, dtype=np.int64).tobytes() + images, digest_size=16).digest()
 
 
 class CacheManager:
@@ -255,7 +260,9 @@ class CacheManager:
         hashes = request.block_hashes
         while len(hashes) < count:
             start = len(hashes) * self.block_size
-            hashes.append(chain_hash(hashes[-1] if hashes else b"", request.token_slice(start, start + self.block_size)))
+            end = start + self.block_size
+            images = b"".join(image.digest for image in request.images if image.overlaps(start, end))
+            hashes.append(chain_hash(hashes[-1] if hashes else b"", request.token_slice(start, end), images))
         return hashes
 
     # ---- release ------------------------------------------------------------------------------------

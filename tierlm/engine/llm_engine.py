@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from tierlm.engine.cache_manager import CacheManager
+from tierlm.engine.images import RequestImage, request_images
 from tierlm.engine.model_runner import LaunchedStep, ModelRunner, StepResult
 from tierlm.engine.request import Request, RequestStatus
 from tierlm.engine.sampler import Sampler
@@ -58,6 +59,8 @@ from tierlm.model.checkpoint_layout import MTPLayout
 from tierlm.model.loader import load_model, read_quantization_config, resolve_model_path
 from tierlm.model.model_cache import ModelCache
 from tierlm.model.static_decode import StaticDecodeRunner, runner_mode
+from tierlm.model.vision.mrope import MropePositions
+from tierlm.multimodal.image_processor import ProcessedImage
 from tierlm.outputs import CompletionOutput, RequestOutput
 from tierlm.sampling_params import RequestOutputKind, SamplingParams
 from tierlm.tokenizer import Tokenizer
@@ -424,13 +427,16 @@ class LLMEngine:
 
     def add_request(
         self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
-        prompt_text: str | None = None,
+        prompt_text: str | None = None, images: list[ProcessedImage] | None = None,
     ) -> str:
-        """Queue a prompt (text or token ids; `prompt_text` names the text of given ids); returns its id."""
+        """Queue a prompt (text or token ids; `prompt_text` names the text of given ids); returns its id.
+        images: the prompt's images, processed, in prompt order; each one's marker already widened to
+        its run of image tokens (`multimodal/prompt.py`)."""
         request_id = request_id or str(next(self._ids))
         text = prompt if isinstance(prompt, str) else prompt_text
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         self.check_prompt(token_ids)
+        located, mrope = self._images(token_ids, images or [])
         params = params.with_defaults(*self.default_params())
         for name, token_id in params.token_ids_used():
             if token_id >= self.model_config.vocab_size:
@@ -449,7 +455,7 @@ class LLMEngine:
             request = Request(
                 f"{request_id}-{index}" if params.n > 1 else request_id, token_ids, seq_params,
                 self.eos_token_ids, self.max_model_len,
-                structured_output=grammars[index], bad_words_token_ids=bad_words,
+                structured_output=grammars[index], bad_words_token_ids=bad_words, images=located, mrope=mrope,
             )
             detok = self.tokenizer.detokenizer(token_ids, skip_special_tokens=params.skip_special_tokens)
             sequences.append(_Sequence(request, index, detok))
@@ -457,6 +463,22 @@ class LLMEngine:
             self.scheduler.add(request)
         self._groups[request_id] = _Group(text, sequences)
         return request_id
+
+    def _images(self, token_ids: list[int], images: list[ProcessedImage]) -> tuple[list[RequestImage], MropePositions | None]:
+        """The prompt's images located in it and its M-RoPE positions ([], None: a text prompt); a
+        ValueError for images the engine cannot take."""
+        vision = self.model_config.vision
+        if vision is None:
+            if images:
+                raise ValueError("this model has no vision tower (its config.json has no vision_config): it takes "
+                                 "no images")
+            return [], None
+        if not images and vision.image_token_id not in token_ids:
+            return [], None
+        if self.pipeline is not None or type(self.runner) is not ModelRunner:
+            raise ValueError("image prompts are not supported with --pipeline-parallel-size > 1 or "
+                             "--speculative-config yet")
+        return request_images(token_ids, images, vision)
 
     @functools.cached_property
     def structured_outputs(self):

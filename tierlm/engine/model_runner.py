@@ -12,6 +12,8 @@ device value back; `finish` waits for the sampled ids. Between the two the engin
 the next step (overlap scheduling): an input that is still a placeholder (engine/request.py) is the
 previous launched step's sampled id for that request, taken on the device. A decode-only step that fits
 the `StaticDecodeRunner` goes to it as host lists (`stage_decode`, then `replay`), without a `ForwardBatch`.
+A request with images (engine/images.py) always runs eagerly: its rows take M-RoPE positions (decode
+rows: position + the prompt's delta) and its prefill chunks the vision tower's features.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from tierlm.engine.images import chunk_image_rows
 from tierlm.engine.request import Request
 from tierlm.engine.sampler import PendingSample, Sampler, position_logprobs
 from tierlm.engine.scheduler import ScheduledChunk, SchedulerOutput
@@ -145,7 +148,8 @@ class ModelRunner:
         """A decode-only step (one sampling token per request) the static runner takes as host lists."""
         runner = self.static_decode
         return (runner is not None and self.ngram_store is None and 0 < len(step.chunks) <= runner.max_batch
-                and all(c.num_tokens == 1 and not c.draft_token_ids and c.samples for c in step.chunks))
+                and all(c.num_tokens == 1 and not c.draft_token_ids and c.samples and c.request.mrope is None
+                        for c in step.chunks))
 
     def _stage_static(self, step: SchedulerOutput, sources: dict[int, int], previous: LaunchedStep | None):
         chunks: list[ScheduledChunk] = step.chunks
@@ -174,6 +178,7 @@ class ModelRunner:
                 wanted.append((chunk, len(rows), count))
                 rows.extend(range(row + chunk.num_tokens - 1, row + chunk.num_tokens - 1 + count))
             row += chunk.num_tokens + len(chunk.draft_token_ids)
+        images = any(c.request.mrope is not None for c in step.chunks)
         batch = ForwardBatch.build(
             [c.request.token_slice(c.start, c.start + c.num_tokens) + c.draft_token_ids for c in step.chunks],
             [c.start for c in step.chunks],
@@ -182,10 +187,27 @@ class ModelRunner:
             self.cache.block_size,
             device=device or self.device,
             logits=rows,
+            mrope=[c.request.mrope for c in step.chunks] if images else None,
+            compress_ratio=self.cache.config.indexer_compress_ratio or 1,
         )
+        if images:
+            self._add_image_features(step, batch)
         if self.ngram_store is not None:
             batch.ple_embeddings = self._ple_embeddings(step)
         return batch, wanted
+
+    def _add_image_features(self, step: SchedulerOutput, batch: ForwardBatch) -> None:
+        """The features of the image rows the step's chunks reach (the vision tower runs on an image at
+        the first chunk that reaches it: engine/images.py), into the batch."""
+        pieces, row = [], 0
+        for chunk in step.chunks:
+            request = chunk.request
+            if request.images:
+                pieces += chunk_image_rows(self.model, request, chunk.start, chunk.start + chunk.num_tokens, row)
+            row += chunk.num_tokens + len(chunk.draft_token_ids)
+        if pieces:
+            batch.image_features = torch.cat([features for features, _ in pieces])
+            batch.image_rows = on_device([r for _, rows in pieces for r in rows], batch.token_ids.device)
 
     def sample(self, wanted: list[tuple], logits: torch.Tensor) -> StepResult:
         """Sample (and record log-probabilities) from the logits rows `prepare` asked for, on their device

@@ -20,10 +20,12 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from tierlm.model.vision.mrope import MropePositions
 from tierlm.outputs import PositionLogprobs
 from tierlm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from tierlm.engine.images import RequestImage
     from tierlm.engine.structured_output import GrammarState
 
 PLACEHOLDER = -1  # an output id sampled by a step whose ids the host has not read yet
@@ -78,6 +80,11 @@ class Request:
     # overlap scheduling: a decode checkpoint saved (in stream order) before the ids of its block were
     # known: (the block boundary it was taken at, its host row); the cache manager keys it later
     pending_checkpoint: tuple[int, int] | None = None
+    # images in the prompt (engine/images.py): where each sits, its M-RoPE positions (None: a text
+    # request), and the encoder features of images a prefill chunk reached but has not passed yet
+    images: list[RequestImage] = field(default_factory=list)
+    mrope: MropePositions | None = None
+    image_features: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         if self.params.logprobs is not None:
@@ -196,3 +203,4 @@ class Request:
         self.stop_reason = stop_reason
         del self.output_token_ids[len(self.output_token_ids) - self.num_placeholders :]
         self.num_placeholders = 0
+        self.image_features.clear()

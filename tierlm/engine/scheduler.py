@@ -16,6 +16,10 @@ placeholder id, see engine/request.py), so it is scheduled like any decode; one 
 With pipeline parallelism several batches are in flight at once: `schedule(busy=...)` leaves out the
 requests of batches not yet back (and never preempts them), and `max_requests` splits the running
 requests between the batches.
+
+The vision tower's work counts in the budget (coarsely, as vLLM's encoder budget): a chunk that
+encodes an image spends the image's feature count too, and stops before an image the rest of the budget
+cannot hold (engine/images.py).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from tierlm.engine.cache_manager import CacheManager
+from tierlm.engine.images import encoder_tokens
 from tierlm.engine.request import Request, RequestStatus
 
 
@@ -105,7 +110,7 @@ class Scheduler:
             if not self._reserve(request, n + len(drafts) + self._lookahead(request, n), out, busy):
                 break  # the request itself was preempted; nothing after it remains
             out.chunks.append(ScheduledChunk(request, n, drafts))
-            budget -= n + len(drafts)
+            budget -= n + len(drafts) + encoder_tokens(request, request.num_computed_tokens, request.num_computed_tokens + n)
             index += 1
         while (self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted
                and len(out.chunks) < room):
@@ -122,7 +127,7 @@ class Scheduler:
             self.listener.admitted(request)
             self.running.append(request)
             out.chunks.append(ScheduledChunk(request, n))
-            budget -= n
+            budget -= n + encoder_tokens(request, hit, hit + n)
         return out
 
     def _chunk(self, request: Request, start: int, budget: int) -> int:
@@ -131,6 +136,13 @@ class Scheduler:
         boundary = self.cache_manager.prompt_checkpoint_at(request)
         if start < boundary < start + n:
             n = boundary - start
+        # the vision tower's features count too: a chunk that would encode more than the budget holds
+        # stops before the first image it reaches past its start (a chunk starting at one takes it whole)
+        while n + encoder_tokens(request, start, start + n) > budget:
+            later = [image.start for image in request.images if start < image.start < start + n]
+            if not later:
+                break
+            n = min(later) - start
         return n
 
     def _drafts(self, request: Request, n: int, budget: int) -> list[int]:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
 from tqdm import tqdm
 
 from tierlm.engine.llm_engine import EngineConfig, LLMEngine
+from tierlm.multimodal.image_processor import ImageProcessor, ProcessedImage, data_url_bytes
+from tierlm.multimodal.prompt import expand_image_tokens
 from tierlm.outputs import RequestOutput
 from tierlm.sampling_params import SamplingParams
 
@@ -33,7 +36,8 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Prompts are strings or {"prompt_token_ids": [...]}; a list is one batch, run together. With
+        """Prompts are strings or {"prompt_token_ids": [...]} (with "images": processed images whose markers
+        the ids hold widened, as `chat` makes them); a list is one batch, run together. With
         `use_tqdm` a batch of more than one prompt shows a progress bar (finished prompts) on stderr."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
@@ -48,7 +52,8 @@ class LLM:
         try:
             for prompt, params in zip(prompts, params_list):
                 text = prompt.get("prompt") if isinstance(prompt, dict) else None
-                ids.append(self.engine.add_request(_prompt_input(prompt), params, prompt_text=text))
+                images = prompt.get("images") if isinstance(prompt, dict) else None
+                ids.append(self.engine.add_request(_prompt_input(prompt), params, prompt_text=text, images=images))
         except ValueError:
             for request_id in ids:  # a batch is accepted whole or not at all
                 self.engine.abort_request(request_id)
@@ -65,17 +70,57 @@ class LLM:
         tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
         """One conversation (a list of messages) or a batch of them, rendered with the chat template (and
-        `tools`, OpenAI-shaped, for the template to list)."""
+        `tools`, OpenAI-shaped, for the template to list). On a model with a vision tower a message's
+        content parts may be images: {"type": "image_url", "image_url": {"url": "data:image/...;base64,..."}}
+        or {"type": "image_pil", "image_pil": a PIL image} (vLLM's forms)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tokenizer = self.engine.tokenizer
         prompts = []
         for conversation in conversations:
+            conversation, images = self._chat_images(conversation)
             text = tokenizer.apply_chat_template(
                 conversation, add_generation_prompt=add_generation_prompt, tools=tools,
                 template_kwargs=chat_template_kwargs,
             )
-            prompts.append({"prompt_token_ids": tokenizer.encode(text, add_special_tokens=False), "prompt": text})
+            token_ids = tokenizer.encode(text, add_special_tokens=False)
+            if images:
+                counts = [self._image_processor.num_tokens(image) for image in images]
+                token_ids = expand_image_tokens(token_ids, self.engine.model_config.vision, counts)
+            prompts.append({"prompt_token_ids": token_ids, "prompt": text, "images": images})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _chat_images(self, conversation: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[ProcessedImage]]:
+        """The conversation with its image parts as {"type": "image"} (what chat templates mark), and the
+        images processed, in order. A bad image or a model without a vision tower is a ValueError."""
+        images, rendered = [], []
+        for message in conversation:
+            content = message.get("content")
+            if not isinstance(content, list):
+                rendered.append(message)
+                continue
+            parts = []
+            for part in content:
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind not in ("image_url", "image_pil"):
+                    parts.append(part)
+                    continue
+                if self.engine.model_config.vision is None:
+                    raise ValueError("this model has no vision tower (its config.json has no vision_config): it "
+                                     f"takes no {kind} parts")
+                processor = self._image_processor
+                if kind == "image_pil":
+                    image = part["image_pil"]
+                else:
+                    url = part["image_url"]["url"] if isinstance(part["image_url"], dict) else part["image_url"]
+                    image = processor.decode(data_url_bytes(url))
+                images.append(processor(image))
+                parts.append({"type": "image"})
+            rendered.append({**message, "content": parts})
+        return rendered, images
+
+    @functools.cached_property
+    def _image_processor(self) -> ImageProcessor:
+        return ImageProcessor.for_model(self.engine.model_dir, self.engine.model_config.vision)
 
     def _run(self, request_ids: list[str], progress: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}

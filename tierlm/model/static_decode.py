@@ -215,6 +215,7 @@ class StaticDecodeRunner:
             shaped = batch.verify_slots is not None and batch.verify_slots.shape[1] == self.rows_per_request
         return (
             shaped
+            and batch.mrope_positions is None  # image requests' M-RoPE rows run eagerly
             and batch.num_requests <= self.max_batch
             and batch.block_tables.shape[1] <= self.block_tables.shape[1]
             and batch.logits_rows.shape[0] == batch.token_ids.shape[0]

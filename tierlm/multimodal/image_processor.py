@@ -10,11 +10,14 @@ and flattened channel-major: [grid_h * grid_w, C * temporal * patch * patch], gr
 
 Settings come from the checkpoint's `preprocessor_config.json` (its `size` {shortest_edge, longest_edge}
 or min_pixels / max_pixels, image_mean, image_std, rescale_factor), the patch geometry from the vision
-config, and vLLM's `--mm-processor-kwargs` (min_pixels, max_pixels) over both.
+config, and vLLM's `--mm-processor-kwargs` (min_pixels, max_pixels) over both. `data_url_bytes` takes an
+image's bytes out of a `data:image/...;base64,` URL.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import io
 import json
 import math
@@ -53,6 +56,18 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
         beta = math.sqrt(min_pixels / (height * width))
         h_bar, w_bar = math.ceil(height * beta / factor) * factor, math.ceil(width * beta / factor) * factor
     return h_bar, w_bar
+
+
+def data_url_bytes(url: str) -> bytes:
+    """The image bytes of a `data:image/<type>;base64,<bytes>` URL, or an ImageError saying what is wrong."""
+    header, comma, payload = url.removeprefix("data:").partition(",")
+    media_type, *options = header.split(";")
+    if not url.startswith("data:") or not comma or "base64" not in options or not media_type.startswith("image/"):
+        raise ImageError("a data URL must read data:image/<type>;base64,<bytes>")
+    try:
+        return base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise ImageError(f"the data is not valid base64 ({exc})") from None
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tierlm.engine.llm_engine import EngineStats, LLMEngine, PromptTooLongError
+from tierlm.multimodal.image_processor import ProcessedImage
 from tierlm.outputs import RequestOutput
 from tierlm.sampling_params import RequestOutputKind, SamplingParams
 from tierlm.server.metrics import Metrics
@@ -79,6 +80,7 @@ class JobFailure:
 class EnginePrompt:
     token_ids: list[int]
     text: str | None = None  # the prompt's text, reported back in RequestOutput.prompt
+    images: list[ProcessedImage] = field(default_factory=list)  # in prompt order, their markers widened
 
 
 def output_size(output: RequestOutput) -> int:
@@ -293,7 +295,8 @@ class AsyncEngine:
         try:
             for index, prompt in enumerate(job.prompts):
                 engine_id = job.engine_id(index)
-                self.engine.add_request(prompt.token_ids, job.params, engine_id, prompt_text=prompt.text)
+                self.engine.add_request(prompt.token_ids, job.params, engine_id, prompt_text=prompt.text,
+                                        images=prompt.images)
                 self._tracked[engine_id] = _Tracked(job, index)
                 job.unfinished += 1
         except PromptTooLongError as exc:

@@ -85,13 +85,10 @@ async def create_chat_completion(
     text, token_ids = await ctx.off_loop(_render, ctx, request, tools, choice)
     if images:
         token_ids = expand_prompt(token_ids, ctx.images, images)
-    prompts = [EnginePrompt(token_ids, text)]
+    prompts = [EnginePrompt(token_ids, text, images)]
     max_param = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
     max_tokens = getattr(request, max_param)
     check_room(len(prompts[0].token_ids), max_tokens, ctx, max_param)
-    if images:
-        raise ApiError(400, "image inputs: the images were read and fit the prompt, but this server's engine does "
-                            "not run image prompts yet", "messages")
     structured, grammar_param = _structured_output(request, ctx, tools, choice, text)
     await compile_grammar(ctx, structured, grammar_param)
     top = request.top_logprobs or 0

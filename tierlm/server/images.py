@@ -9,14 +9,12 @@ image, aspect ratios beyond 200:1. `--mm-processor-kwargs` (min_pixels, max_pixe
 
 from __future__ import annotations
 
-import base64
-import binascii
 import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from tierlm.config import VisionConfig
-from tierlm.multimodal.image_processor import ImageError, ImageProcessor, ProcessedImage
+from tierlm.multimodal.image_processor import ImageError, ImageProcessor, ProcessedImage, data_url_bytes
 from tierlm.multimodal.prompt import expand_image_tokens
 from tierlm.server.protocol import ApiError, ChatCompletionRequest, ImageUrlPart
 
@@ -97,16 +95,8 @@ def _load(processor: ImageProcessor, part: ImageUrlPart, param: str) -> Processe
     if not url.startswith("data:"):
         scheme = url.split(":", 1)[0] if ":" in url else url[:16]
         raise ApiError(400, f"image_url: only data: URLs (base64 image bytes) are accepted, not {scheme!r}", param)
-    header, comma, payload = url[len("data:"):].partition(",")
-    media_type, *options = header.split(";")
-    if not comma or "base64" not in options or not media_type.startswith("image/"):
-        raise ApiError(400, "image_url: a data URL must read data:image/<type>;base64,<bytes>", param)
     try:
-        data = base64.b64decode(payload, validate=True)
-    except (binascii.Error, ValueError) as exc:
-        raise ApiError(400, f"image_url: the data is not valid base64 ({exc})", param) from None
-    try:
-        return processor(processor.decode(data))
+        return processor(processor.decode(data_url_bytes(url)))
     except ImageError as exc:
         raise ApiError(400, f"image_url: {exc}", param) from None
 
