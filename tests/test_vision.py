@@ -419,3 +419,22 @@ def test_server_answers_a_chat_with_a_data_url_image(demo_vlm):
     response = asyncio.run(ask())
     assert response.status_code == 200, response.text
     assert expected and response.json()["choices"][0]["message"]["content"] == expected
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (CUDA graphs)")
+def test_graph_decode_beside_an_image_request_gives_the_eager_tokens(demo_vlm):
+    """A text request decoding beside an image request: steps with the image request run eagerly, the
+    others replay graphs; fp32 tokens equal an all-eager run's."""
+    from tierlm import LLM, SamplingParams
+
+    folder, _ = demo_vlm
+    chats = [image_chat(random_image(0)), [{"role": "user", "content": "hi there"}]]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (8, 24)]
+    tokens, static_steps = {}, {}
+    for eager in (False, True):
+        llm = LLM(str(folder), dtype="float32", device="cuda", max_model_len=256, max_num_batched_tokens=16,
+                  enforce_eager=eager)
+        tokens[eager] = [list(o.outputs[0].token_ids) for o in llm.chat(chats, params, use_tqdm=False)]
+        static_steps[eager] = llm.engine.runner.static_steps
+    assert tokens[False] == tokens[True]
+    assert static_steps[False] > 0 and static_steps[True] == 0
