@@ -1,7 +1,8 @@
 """Quantized checkpoints end to end: `tierlm quantize` -> load -> the packed layers dequantize to exactly
 the quantizer's tensors, the model's logits equal a dense model built from those tensors (fp32), an
-AutoRound / GPTQ checkpoint loads the same way, unknown tensors are skipped, bad configs are named, and
-a quantized demo model generates through `tierlm.LLM`."""
+AutoRound / GPTQ checkpoint loads the same way, a tied embedding / lm_head is stored and held once,
+unknown tensors are skipped, bad configs are named, and a quantized demo model generates through
+`tierlm.LLM`."""
 
 from __future__ import annotations
 
@@ -82,11 +83,12 @@ def _int4_mixed_modules(config: ModelConfig) -> dict[str, tuple[int, int | None]
 
 
 def _dequantized_originals(base, config) -> dict[str, torch.Tensor]:
-    """What the quantizer makes of each quantized module's weight (its own dequantization)."""
+    """What the quantizer makes of each quantized module's weight (its own dequantization); a tied model
+    has no lm_head.weight (the embedding is its lm_head)."""
     originals = _weights(base)
     return {
         f"{module}.weight": quantize_weight(originals[f"{module}.weight"], bits, group).dequantized
-        for module, (bits, group) in _int4_mixed_modules(config).items()
+        for module, (bits, group) in _int4_mixed_modules(config).items() if f"{module}.weight" in originals
     }
 
 
@@ -148,6 +150,40 @@ def test_quantized_logits_equal_the_dequantized_dense_model(base, quantized, tmp
     assert (got - expected).abs().max().item() <= TOLERANCE
     original, _ = load_model(base, dtype="float32", device="cpu")
     assert (_logits(original, config, ids) - got).abs().max().item() > 100 * TOLERANCE  # it did quantize
+
+
+def _tied_copy(base, out):
+    """`base` with tie_word_embeddings: its lm_head.weight dropped (the embedding serves as lm_head)."""
+    shutil.copytree(base, out)
+    raw = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**raw, "tie_word_embeddings": True}))
+    tensors = _weights(out)
+    del tensors["lm_head.weight"]
+    save_file(tensors, out / "model.safetensors")
+    return out
+
+
+def test_tied_int8_embedding_is_stored_and_held_once_and_serves_as_lm_head(base, tmp_path):
+    """tie_word_embeddings: the INT8 per-channel table is written once (as model.embed_tokens), loaded once
+    (lm_head runs on the embedding's packed tensors), round-trips to the quantizer's own tensors, and the
+    logits equal the dense model built from them."""
+    base = _tied_copy(base, tmp_path / "tied")
+    quantized = quantize_checkpoint(base, tmp_path / "tied-q", "int4-mixed", GROUP)
+    assert not [name for name in _weights_any(quantized) if name.startswith("lm_head.")]
+    model, config = load_model(quantized, dtype="float32", device="cpu")
+    embed, head = model.model.embed_tokens, model.lm_head
+    assert head.weight_packed is embed.weight_packed and head.weight_scale is embed.weight_scale
+    assert embed.weight_packed.dtype == torch.int32 and not hasattr(head, "weight")
+    expected = _dequantized_originals(base, config)
+    table = expected["model.embed_tokens.weight"]
+    assert torch.equal(head.quant_method.dequantized_weight(head, torch.float32), table)
+    ids = torch.tensor([[0, 7], [511, 7]])
+    assert torch.equal(embed(ids), table[ids])
+    dense, _ = load_model(_dense_copy(base, tmp_path / "dense", expected), dtype="float32", device="cpu")
+    ids = torch.randint(2, config.vocab_size, (30,), generator=torch.Generator().manual_seed(0)).tolist()
+    assert (_logits(model, config, ids) - _logits(dense, config, ids)).abs().max().item() <= TOLERANCE
+    with pytest.raises(CheckpointError, match="embed_tokens is int8.* but lm_head is dense"):
+        quantize_checkpoint(base, tmp_path / "half-tied", "int4-mixed", GROUP, ignore=["lm_head"])
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")

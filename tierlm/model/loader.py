@@ -18,7 +18,9 @@ also come as `model.mtp.*` or `model.language_model.mtp.*`; they are read as `mt
 Quantized checkpoints: the `quantization_config` in config.json gives each checkpoint module a weight
 format (`tierlm.model.quantization`); each layer gets the quant method of its modules before the model is
 materialised, so packed weights are allocated packed and copied in packed (only small zero points are
-unpacked), never dequantized.
+unpacked), never dequantized. With `tie_word_embeddings` the checkpoint holds the table once (as
+`model.embed_tokens`, packed or not) and lm_head runs on the embedding's tensors (`Embedding.tie`); the
+config must give both one format.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ from tierlm.model.checkpoint_layout import (
 )
 from tierlm.model.layers.ple_fp8 import Fp8NgramTable
 from tierlm.model.pipeline_stage import PipelineStage, StageLayout
-from tierlm.model.quantization.base import DENSE, ModulePart, QuantizationError
+from tierlm.model.quantization.base import ModulePart, QuantizationError
 from tierlm.model.quantization.config import QuantizationConfig, module_format
 from tierlm.model.qwen4_exp import Qwen4ExpForCausalLM
 from tierlm.model.random_weights import random_tensor
@@ -212,8 +214,10 @@ def attach_formats(model: Qwen4ExpForCausalLM, quantization: QuantizationConfig 
                 module.set_format(fmt)
             except QuantizationError as exc:
                 raise CheckpointError(f"{path} ({fmt.label}): {exc}") from None
-    if model.config.tie_word_embeddings and model.lm_head.quant_method.format != DENSE:
-        raise CheckpointError("tie_word_embeddings with a quantized lm_head / embedding is not supported")
+    try:
+        model.tie_weights()  # a tied lm_head holds the embedding's (packed) tensors: one format for both
+    except QuantizationError as exc:
+        raise CheckpointError(str(exc)) from None
 
 
 def load_model(

@@ -97,7 +97,7 @@ class PipelineStage(nn.Module):
 
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings and self.layout.is_last:
-            self.lm_head.weight = self.model.embed_tokens.weight
+            self.model.embed_tokens.tie(self.lm_head)
 
     @torch.no_grad()
     def forward(self, batch: ForwardBatch, cache: ModelCache) -> torch.Tensor:

@@ -124,9 +124,10 @@ class Qwen4ExpForCausalLM(nn.Module):
         self.tie_weights()
 
     def tie_weights(self) -> None:
-        """Share the embedding with lm_head when the config says so (again after materialising)."""
+        """Share the embedding's tensors (dense or packed) with lm_head when the config says so (again after
+        materialising, and after the loader sets the formats)."""
         if self.config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+            self.model.embed_tokens.tie(self.lm_head)
 
     @torch.no_grad()
     def encode_images(self, patches: torch.Tensor, grids: list[tuple[int, int, int]]) -> torch.Tensor:

@@ -15,6 +15,9 @@ Schemes (the module names the config groups target are tierlm's checkpoint names
 An MTP draft head (`mtp.*`) is carried along and quantized by the same rules (its experts, shared expert
 and hyper-connections match the same patterns).
 `--ignore PATTERN` (a module name or `re:<regex>`, repeatable) keeps more modules unquantized.
+A model with `tie_word_embeddings` has one table for its embedding and lm_head: it is quantized and
+written once, as `model.embed_tokens` (as transformers saves tied weights; the config's groups target
+both, and the loader's lm_head runs on it), so the scheme must give both one format (ignore both or none).
 
 Output: config.json with a `quantization_config` as llm-compressor writes it (quant_method
 compressed-tensors, format pack-quantized, config_groups with targets, ignore), the tensors in

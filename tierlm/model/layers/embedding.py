@@ -1,12 +1,17 @@
 """`Embedding`: the token embedding table, held by a quant method (dense, or packed INT8 rows whose
-gathered rows alone are dequantized)."""
+gathered rows alone are dequantized), and the tie that lets a `tie_word_embeddings` lm_head run on it.
+
+A tied pair is one tensor in every format: the table's rows are vocab ids for the gather and output rows
+for the lm_head's product, so a per-row (per-channel) scale serves both, and the packed words and scales
+are held once (as vLLM reuses a tied embedding as its lm_head; the checkpoint stores the table once under
+`model.embed_tokens`, as transformers saves tied weights)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from tierlm.model.quantization.base import DENSE, EmbeddingMethod, ModulePart, WeightFormat
+from tierlm.model.quantization.base import DENSE, EmbeddingMethod, ModulePart, QuantizationError, WeightFormat
 
 
 class Embedding(nn.Module):
@@ -33,3 +38,15 @@ class Embedding(nn.Module):
 
     def runtime_tensor(self, part: ModulePart, name: str) -> torch.Tensor:
         return getattr(self, name)
+
+    def tie(self, lm_head: nn.Module) -> None:
+        """Make `lm_head` (a [vocab, hidden] `Linear` held in this table's format) run on this table's own
+        runtime tensors, so the pair is held once; a different format is an error naming both."""
+        fmt, head_fmt = self.quant_method.format, lm_head.quant_method.format
+        if head_fmt != fmt:
+            raise QuantizationError(
+                f"tie_word_embeddings: model.embed_tokens is {fmt.label} but lm_head is {head_fmt.label}; a tied pair is "
+                "stored and held once, so the quantization_config must give both one format (target or ignore both)"
+            )
+        for name in fmt.runtime_names:
+            setattr(lm_head, name, getattr(self, name))
