@@ -14,6 +14,10 @@ tokens (the script exits non-zero otherwise); other dtypes: differences are repo
     python bench/spec_decode.py                          # CPU
     python bench/spec_decode.py --device cuda --size small --tokens 256 -k 1
     python bench/spec_decode.py --device cuda --size small --tokens 256 -k 1 --phases   # + where a step's time goes
+    python bench/spec_decode.py --model tierlm/default_model --dtype float32 -k 1 --repetition-penalty 1
+
+--repetition-penalty: the request's (default: the model's generation_config; the trained default's is 1.05,
+so its verify rows are penalized with the drafts before them).
 
 --phases: each column runs under the engine's --trace and prints, per step, the medians of its host phases
 and (CUDA) of its device spans: "forward" (the verify or decode replay), "accept, draft" (the greedy
@@ -53,9 +57,9 @@ def run(args, speculative: bool, eager: bool, oracle: list[int] | None = None) -
                                     max_model_len=args.max_model_len, enforce_eager=eager,
                                     speculative_config=config, trace=str(trace) if trace else None))
     args.resolved_dtype = engine.cache.dtype
-    # repetition_penalty 1 explicitly: a request with penalties does not speculate, and a model's
-    # generation_config may set one (the trained default does)
-    params = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True, repetition_penalty=1.0)
+    # --repetition-penalty unset: the model's generation_config default (the trained default's is 1.05)
+    params = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True,
+                            repetition_penalty=args.repetition_penalty)
     engine.add_request(PROMPT, params)
     engine.step()  # the prefill (and first token) outside the timing
     start = time.perf_counter()
@@ -100,6 +104,8 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("-k", type=int, default=1, help="num_speculative_tokens")
+    parser.add_argument("--repetition-penalty", type=float, default=None,
+                        help="the request's repetition_penalty (default: the model's generation_config, if any)")
     parser.add_argument("--phases", action="store_true", help="per column, where a step's time goes (see above)")
     args = parser.parse_args()
     if args.model is None:

@@ -9,9 +9,11 @@ from __future__ import annotations
 import json
 import math
 
+import numpy as np
 import pytest
 import torch
 
+import tierlm
 from tierlm.demo_model import build_demo_model
 from tierlm.engine.llm_engine import EngineConfig, LLMEngine
 from tierlm.engine.speculative import SpeculativeConfig, SpeculativeRunner
@@ -115,10 +117,23 @@ def test_fixed_shape_verify_steps_give_the_same_tokens(demo, reference, k):
     requests to the prepared size, and a block-table width wider than theirs. Rejected and accepted drafts.
     The draft head's forwards likewise (1 + K rows per request: its pass over the verified rows; one row:
     its steps), and the rollback's fixed-size slot copies."""
+    llm = engine(demo, spec(k), max_num_seqs=3)
+    runs = fixed_shapes(llm, k)
+    oracle = Oracle({"0": reference[0], "1": reference[1]}, k, wrong=0)
+    got = generate(llm, [greedy(), greedy()], oracle)
+    assert [out.token_ids for out in got] == reference
+    # greedy steps verifying K drafts each run on the device (`_greedy_step`): the head's pass always has
+    # 1 + K rows; its one-row steps propose drafts 2..K
+    assert {2 * (1 + k), ("draft", 2 * (1 + k)), "roll back"} | ({("draft", 2)} if k > 1 else set()) <= set(runs)
+    assert 0 < llm.stats().num_accepted_tokens < llm.stats().num_draft_tokens
+
+
+def fixed_shapes(llm: LLMEngine, k: int) -> list:
+    """Give the engine's speculative runner fixed-shape runners (mode "eager": what CUDA graphs replay, on
+    CPU) for up to 3 requests; returns the list their runs are recorded in."""
     from tierlm.model.static_decode import StaticDecodeRunner
     from tierlm.model.static_slot_copy import StaticSlotCopy
 
-    llm = engine(demo, spec(k), max_num_seqs=3)
     static = StaticDecodeRunner(llm.runner.model, llm.cache, 3, 8, "eager", sizes=[3], widths=[8],
                                 rows_per_request=1 + k)
     runs = []
@@ -134,13 +149,38 @@ def test_fixed_shape_verify_steps_give_the_same_tokens(demo, reference, k):
     rollback = llm.runner.static_rollback = StaticSlotCopy(llm.cache.target_slot_states, 3, llm.cache.scratch_slot,
                                                             llm.cache.device, "eager")
     rollback.copy = lambda sources, targets, copy=rollback.copy: runs.append("roll back") or copy(sources, targets)
-    oracle = Oracle({"0": reference[0], "1": reference[1]}, k, wrong=0)
-    got = generate(llm, [greedy(), greedy()], oracle)
-    assert [out.token_ids for out in got] == reference
-    # greedy steps verifying K drafts each run on the device (`_greedy_step`): the head's pass always has
-    # 1 + K rows; its one-row steps propose drafts 2..K
-    assert {2 * (1 + k), ("draft", 2 * (1 + k)), "roll back"} | ({("draft", 2)} if k > 1 else set()) <= set(runs)
-    assert 0 < llm.stats().num_accepted_tokens < llm.stats().num_draft_tokens
+    return runs
+
+
+TRAINED = tierlm.__path__[0] + "/default_model"  # a real MTP head (most drafts accepted)
+TRAINED_TOKENS = 24
+
+
+def trained_params() -> list[SamplingParams]:
+    """Greedy, repetition_penalty left to the trained model's generation_config (1.05); the second request
+    with frequency and presence penalties too (they change its greedy output)."""
+    return [greedy(TRAINED_TOKENS), greedy(TRAINED_TOKENS, frequency_penalty=0.5, presence_penalty=0.5)]
+
+
+@pytest.fixture(scope="module")
+def trained_reference() -> list[list[int]]:
+    return [out.token_ids for out in generate(engine(TRAINED), trained_params())]
+
+
+@pytest.mark.parametrize("k, on_device", [(1, False), (3, False), (1, True), (3, True)])
+def test_penalized_requests_speculate_exactly(trained_reference, k, on_device):
+    """Penalized requests speculate, each verify row penalized with the drafts before it counted as output:
+    the trained head's drafts are accepted and the greedy tokens are those without drafts, on the general
+    path and on the device's greedy step (`_greedy_step`, through fixed-shape runners)."""
+    llm = engine(TRAINED, spec(k), max_num_seqs=3 if on_device else 2)
+    runs = fixed_shapes(llm, k) if on_device else []
+    penalties = set()
+    got = generate(llm, trained_params(), lambda llm: penalties.update(
+        (r.params.repetition_penalty, r.params.presence_penalty) for r in llm.scheduler.running))
+    assert [out.token_ids for out in got] == trained_reference
+    assert penalties == {(1.05, 0.0), (1.05, 0.5)}
+    assert 0 < llm.stats().num_accepted_tokens <= llm.stats().num_draft_tokens
+    assert not on_device or 2 * (1 + k) in runs
 
 
 def test_stops_inside_an_accepted_run(demo, reference):
@@ -153,6 +193,38 @@ def test_stops_inside_an_accepted_run(demo, reference):
     assert got[0].token_ids == reference[0][:5] and got[0].finish_reason == "length"
     assert got[1].token_ids == expected_stop and got[1].finish_reason == "stop"
     assert llm.stats().num_accepted_tokens > 0
+
+
+def test_penalized_logits_count_the_drafts_before_each_row():
+    """Verify row j's logits (`penalized_logits`) are what the sampler edits for the request once its output
+    has grown by drafts 1..j (`reference_edit_logits` of a request holding that output), for repetition,
+    frequency and presence penalties: what greedy verification takes the argmax of, and sampled
+    verification its target probabilities from."""
+    from tierlm.engine.request import Request
+    from tierlm.engine.sampler import plan_rows
+    from tierlm.engine.sampler_reference import reference_edit_logits
+    from tierlm.engine.speculative import penalized_logits, verify_rows
+
+    vocab, drafts = 12, [[3, 3, 7], [5]]
+    params = [SamplingParams(temperature=0.8, repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.2),
+              SamplingParams(temperature=0, repetition_penalty=1.0)]
+    params = [p.with_defaults(None, None, None) for p in params]  # as the engine completes them
+    requests = [Request(str(i), [1, 2, 9], p, frozenset(), 100) for i, p in enumerate(params)]
+    for request, output in zip(requests, ([3, 4], [5]), strict=True):
+        request.output_token_ids.extend(output)
+    logits = torch.randn(6, vocab, generator=torch.Generator().manual_seed(0))
+    rows, before = verify_rows(requests, drafts)
+    got = penalized_logits(logits, rows, before)
+    expected = []
+    for request, tokens in zip(requests, drafts, strict=True):
+        for j in range(1 + len(tokens)):
+            grown = Request(request.request_id, request.prompt_token_ids, request.params, frozenset(), 100)
+            grown.output_token_ids.extend(request.output_token_ids + tokens[:j])
+            row = logits[len(expected) : len(expected) + 1]
+            expected.append(reference_edit_logits(row, plan_rows([grown], vocab, np.zeros(1, np.uint64)))[0])
+    torch.testing.assert_close(got, torch.stack(expected), rtol=0, atol=0)
+    unaware = penalized_logits(logits, rows, [[] for _ in rows])  # the output alone, as before drafts counted
+    assert all(not torch.equal(got[j], unaware[j]) for j in (1, 2, 3))
 
 
 def test_other_requests_decode_without_drafts(demo, reference):

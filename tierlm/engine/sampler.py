@@ -161,8 +161,11 @@ class RowPlan:
                     or self.bitmask is not None)
 
 
-def plan_rows(requests: list[Request], vocab: int, keys: np.ndarray, pinned: bool = False) -> RowPlan:
-    """The host side of a step's sampling pass (nothing here touches a device)."""
+def plan_rows(requests: list[Request], vocab: int, keys: np.ndarray, pinned: bool = False,
+              appended: list[list[int]] | None = None) -> RowPlan:
+    """The host side of a step's sampling pass (nothing here touches a device). appended: per row, ids
+    the penalties count as output after the request's own (speculative verification: the drafts before
+    the row; a request may fill several rows)."""
     rows = len(requests)
     failed: dict[int, str] = {}
     params = [r.params for r in requests]
@@ -203,6 +206,9 @@ def plan_rows(requests: list[Request], vocab: int, keys: np.ndarray, pinned: boo
     penalized = [i for i, p in enumerate(params) if p.has_penalties and i not in failed]
     repeated = [i for i in penalized if params[i].repetition_penalty != 1.0]
     outputs = [requests[i].known_output_ids_array() for i in penalized]  # arrays kept up to date per request
+    if appended is not None:
+        outputs = [np.concatenate([ids, np.asarray(appended[i], dtype=np.int64)]) if appended[i] else ids
+                   for ids, i in zip(outputs, penalized, strict=True)]
     prompts = [requests[i].prompt_ids_array for i in repeated]  # arrays made once per request
     output_flat, prompt_flat = _flat_ids(outputs, penalized, vocab), _flat_ids(prompts, repeated, vocab)
     return RowPlan(
@@ -438,9 +444,10 @@ class Sampler:
 
 
 def sampling_probs(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-    """The normalized fp32 distribution [R, V] that `Sampler` draws row i from for requests[i] (temperature,
-    top-k, top-p, min-p; no penalties, biases, bans or grammar: speculative decoding, its one user, takes
-    only requests without those). A top-k row keeps every token tied with its k-th best."""
+    """The normalized fp32 distribution [R, V] that `Sampler` draws row i from for requests[i], given logits
+    already through `edit_logits` (temperature, top-k, top-p, min-p; speculative decoding, its one user,
+    applies the penalties first, `speculative.penalized_logits`, and takes no request with biases, bans or
+    a grammar). A top-k row keeps every token tied with its k-th best."""
     device, vocab = logits.device, logits.shape[1]
     temperature = torch.tensor([max(r.params.temperature, MIN_TEMPERATURE) for r in requests], device=device)
     x = logits.float()

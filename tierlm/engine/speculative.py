@@ -37,9 +37,14 @@ positions are rolled back exactly.
   the accepted row's on the device) and its K-1 steps are queued behind the verify replay, and the host
   reads one small tensor (accepted counts, tokens, next drafts) per step instead of one per phase; the
   target's rollback is then one `StaticSlotCopy` replay. Same tokens as the general path (tests pin it).
-Which requests speculate: those with nothing but temperature, top-k/p and min-p shaping their
-distribution (no penalties, biases, bans, allowed ids, min_tokens, log-probabilities, grammar); the
-others decode one token per step in the same batches, unchanged. Steps that mix widths (a prefill chunk,
+Which requests speculate: those with nothing but temperature, top-k/p, min-p and the repetition,
+frequency and presence penalties shaping their distribution (no biases, bans, allowed ids, min_tokens,
+log-probabilities, grammar); the others decode one token per step in the same batches, unchanged. A
+penalized request's verify row j is penalized as the sampler would penalize it once the output had grown
+by drafts 1..j (`penalized_logits`: the sampler's own `plan_rows` / `edit_logits`, the drafts before each
+row appended to the output ids it counts), so greedy and sampled rows verify against exactly the
+distribution decoding without drafts samples from; the drafts themselves are proposed unpenalized (any
+proposal is exact; penalties only move acceptance). Steps that mix widths (a prefill chunk,
 a request with fewer drafts or none) run eagerly, the layers then keeping the per-position states request
 by request. The draft head's forwards replay CUDA graphs too (`static_drafts`) where every request has
 one row (the K-1 draft steps; the pass over the kept rows when no draft was accepted) or 1+K rows (the
@@ -55,12 +60,13 @@ import logging
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from tierlm.engine.model_runner import ModelRunner, StepResult
 from tierlm.engine.rejection_sampler import rejection_sample
 from tierlm.engine.request import Request
-from tierlm.engine.sampler import MIN_TEMPERATURE, sampling_probs
+from tierlm.engine.sampler import MIN_TEMPERATURE, edit_logits, plan_rows, sampling_probs
 from tierlm.engine.scheduler import ScheduledChunk, SchedulerOutput
 from tierlm.model.forward_batch import ForwardBatch
 from tierlm.model.static_decode import StaticDecodeRunner
@@ -107,14 +113,40 @@ def is_greedy(request: Request) -> bool:
 
 
 def speculates(request: Request) -> bool:
-    """Whether the request decodes with drafts: nothing but its temperature, top-k, top-p and min-p shape
-    the distribution it samples from (greedy: the argmax)."""
+    """Whether the request decodes with drafts: nothing but its temperature, top-k, top-p, min-p and
+    penalties shape the distribution it samples from (greedy: the argmax)."""
     p = request.params
     return (
         p.logprobs is None and p.prompt_logprobs is None and p.min_tokens == 0
-        and p.presence_penalty == 0 and p.frequency_penalty == 0 and p.repetition_penalty == 1
         and not p.logit_bias and not p.bad_words and p.allowed_token_ids is None and p.structured_output is None
     )
+
+
+def verify_rows(requests: list[Request], drafts: list[list[int]]) -> tuple[list[Request], list[list[int]]]:
+    """The rows of verify chunks (request i's last token, then its drafts) as the sampler plans them: the
+    request of each row, and the drafts before it (what its penalties count after the output)."""
+    rows, before = [], []
+    for request, tokens in zip(requests, drafts, strict=True):
+        rows += [request] * (1 + len(tokens))
+        before += [tokens[:j] for j in range(1 + len(tokens))]
+    return rows, before
+
+
+def plan_penalties(requests: list[Request], drafts_before: list[list[int]], vocab: int, device: torch.device):
+    """The sampler's plan (`plan_rows`) of verification rows, row i's output grown by drafts_before[i];
+    None when no row's request has penalties (nothing to edit)."""
+    if not any(request.params.has_penalties for request in requests):
+        return None
+    keys = np.zeros(len(requests), dtype=np.uint64)  # never read: the plan only edits logits here
+    return plan_rows(requests, vocab, keys, pinned=device.type == "cuda", appended=drafts_before)
+
+
+def penalized_logits(logits: torch.Tensor, requests: list[Request], drafts_before: list[list[int]]) -> torch.Tensor:
+    """fp32 `logits` [rows, vocab] of verification rows after their requests' penalties, as `Sampler` applies
+    them when the output has grown by drafts_before[row] (what decoding without drafts would see there)."""
+    x = logits.float()
+    plan = plan_penalties(requests, drafts_before, x.shape[1], x.device)
+    return x if plan is None else edit_logits(x, plan)
 
 
 @dataclass
@@ -226,7 +258,12 @@ class SpeculativeRunner:
         with self.trace.phase("launch forward"), self.trace.gpu("forward"):
             logits, streams = self.static_verify.replay(shape, n * width)
         with self.trace.phase("accept, draft"), self.trace.gpu("accept, draft"):
-            best = logits.view(n, width, -1).argmax(dim=-1)  # [n, 1+K]
+            # penalized rows: the host plans them from the drafts it has (while the device runs the forward)
+            penalties = plan_penalties(*verify_rows([chunk.request for chunk in chunks],
+                                                    [chunk.draft_token_ids for chunk in chunks]),
+                                       logits.shape[1], logits.device)
+            scores = logits if penalties is None else edit_logits(logits.float(), penalties)
+            best = scores.view(n, width, -1).argmax(dim=-1)  # [n, 1+K]
             inputs = batch.token_ids.view(n, width)  # the last token, then the drafts
             drafts = inputs[:, 1:]
             accepted = (drafts == best[:, :k]).cumprod(dim=1).sum(dim=1)  # [n]
@@ -304,6 +341,13 @@ class SpeculativeRunner:
         draft_probs = None
         if not all(greedy):
             draft_probs = torch.zeros(len(verify), k_max, vocab, dtype=torch.float32, device=device)
+        requests = [chunk.request for chunk, _, _ in verify]
+        if any(request.params.has_penalties for request in requests):  # every verify row, penalized
+            index = torch.cat([torch.arange(first, first + count) for _, first, count in verify]).to(device)
+            logits = penalized_logits(logits[index], *verify_rows(
+                requests, [chunk.draft_token_ids for chunk, _, _ in verify]))
+            starts = np.cumsum([0] + [count for _, _, count in verify])
+            verify = [(chunk, int(start), count) for (chunk, _, count), start in zip(verify, starts[:-1], strict=True)]
         for i, (chunk, first, count) in enumerate(verify):
             rows = logits[first : first + count]
             request = chunk.request
