@@ -106,6 +106,22 @@ def test_unexpected_tensor(checkpoint, tmp_path):
         load_model(folder, device="cpu")
 
 
+def test_a_tied_checkpoint_that_also_stores_lm_head_loads_the_embedding_as_its_head(tmp_path):
+    """vLLM skips lm_head.* of a tied model; so does the loader (the head stays the embedding's)."""
+    from tierlm.demo_model import TRAINED_DEFAULT_DIR
+
+    if not (TRAINED_DEFAULT_DIR / "config.json").exists():
+        pytest.skip("the trained default (a tied model) is not committed")
+
+    def edit(t):
+        t["lm_head.weight"] = torch.zeros_like(t["model.embed_tokens.weight"])
+    folder = _edited_copy(TRAINED_DEFAULT_DIR, tmp_path, edit)
+    model, config = load_model(folder, dtype="float32", device="cpu")
+    assert config.tie_word_embeddings
+    embedding = model.model.embed_tokens.weight
+    assert embedding.abs().max() > 0 and torch.equal(model.lm_head.weight, embedding)
+
+
 def test_vlm_prefix_and_ignored_parts_load(checkpoint, tmp_path):
     def edit(t):
         for name in [n for n in t if n.startswith("model.")]:

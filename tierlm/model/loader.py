@@ -5,8 +5,8 @@ checkpoint tensor is read from the memory-mapped safetensors file straight into 
 expert tensors into slices of the stacked expert weights, PLE `shard_{j}` parts into row ranges of one
 table), so no second full copy of the weights is ever held. The checkpoint is checked against
 `checkpoint_layout` before any data is read: a missing, unexpected or misshapen tensor fails with its
-name and the expected shape; unknown tensors of known modules (e.g. activation scales) are skipped with
-one log line.
+name and the expected shape; unknown tensors of known modules (e.g. activation scales), and a tied model's
+`lm_head.*` (its head is the embedding), are skipped with one log line.
 
 A VLM config (with a `vision_config`) loads the vision tower's `model.visual.*` tensors into the model's
 `visual` (checked against the layout like the rest); without one they are skipped.
@@ -180,7 +180,8 @@ def check_layout(
         raise CheckpointError(f"missing tensor {missing[0]} (expected shape {list(spec.shape)}){more}")
     modules = {name.rsplit(".", 1)[0] for name in expected}
     unexpected = sorted(n for n in found if n not in expected)
-    skipped = [n for n in unexpected if n.rsplit(".", 1)[0] in modules or n.startswith(UNUSED_PREFIXES)]
+    unused = UNUSED_PREFIXES + (("lm_head.",) if config.tie_word_embeddings else ())  # tied: the embedding's
+    skipped = [n for n in unexpected if n.rsplit(".", 1)[0] in modules or n.startswith(unused)]
     foreign = [n for n in unexpected if n not in set(skipped)]
     if foreign:
         more = f" (and {len(foreign) - 1} more)" if len(foreign) > 1 else ""
