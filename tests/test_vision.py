@@ -256,6 +256,34 @@ def test_chat_images_decoded_and_prompt_expanded():
         expand_prompt([7], inputs, images)
 
 
+def test_local_files_are_read_only_inside_the_allowed_folder(tmp_path):
+    import base64
+
+    from tierlm.server.images import ImageInputs, load_images
+    from tierlm.server.protocol import ApiError
+
+    allowed, resize = tmp_path / "media", '{"min_pixels": 16, "max_pixels": 64}'
+    allowed.mkdir()
+    png = base64.b64decode(png_data_url(30, 12).split(",", 1)[1])
+    (allowed / "cat.png").write_bytes(png)
+    (tmp_path / "secret.png").write_bytes(png)
+    (allowed / "link.png").symlink_to(tmp_path / "secret.png")
+    inputs = ImageInputs.for_model("/nonexistent", processor_vision(), None, resize, str(allowed))
+    [from_file] = load_images(inputs, "m", chat_with_images((allowed / "cat.png").as_uri()))
+    [from_data] = load_images(inputs, "m", chat_with_images(png_data_url(30, 12)))
+    assert from_file.grid == from_data.grid and torch.equal(from_file.patches, from_data.patches)
+    for path, words in ((tmp_path / "secret.png", "outside"), (allowed / "link.png", "outside"),
+                        (allowed / "none.png", "not a file")):
+        with pytest.raises(ApiError, match=words) as caught:
+            load_images(inputs, "m", chat_with_images(path.as_uri()))
+        assert caught.value.status == 400 and caught.value.param == "messages[1].content[0]"
+    without = ImageInputs.for_model("/nonexistent", processor_vision(), None, resize)
+    with pytest.raises(ApiError, match="not enabled"):
+        load_images(without, "m", chat_with_images((allowed / "cat.png").as_uri()))
+    with pytest.raises(ValueError, match="--allowed-local-media-path"):
+        ImageInputs.for_model("/nonexistent", processor_vision(), None, None, str(tmp_path / "missing"))
+
+
 def test_image_flags_are_checked():
     from tierlm.server.images import ImageInputs
 

@@ -61,7 +61,7 @@ def build_app(
     engine: AsyncEngine, model_name: str, api_key: str | None = None, *, tool_parser: str | None = None,
     auto_tool_choice: bool = False, reasoning_parser: str | None = None, max_n: int = 16,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, limit_mm_per_prompt: str | None = None,
-    mm_processor_kwargs: str | None = None,
+    mm_processor_kwargs: str | None = None, allowed_local_media_path: str | None = None,
 ) -> FastAPI:
     """The app around a (not yet started) AsyncEngine; the app's lifespan starts and stops its thread.
 
@@ -81,7 +81,7 @@ def build_app(
         if missing:
             raise ValueError(f"--reasoning-parser {reasoning_parser}: the tokenizer has no token {missing[0]!r}")
     images = ImageInputs.for_model(engine.engine.model_dir, engine.engine.model_config.vision,
-                                   limit_mm_per_prompt, mm_processor_kwargs)
+                                   limit_mm_per_prompt, mm_processor_kwargs, allowed_local_media_path)
     text_pool = ThreadPoolExecutor(TEXT_THREADS, thread_name_prefix="tierlm-text")
     ctx = ServingContext(
         engine, tokenizer, model_name, engine.engine.max_model_len, text_pool,

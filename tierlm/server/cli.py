@@ -60,6 +60,8 @@ def add_parser(subparsers) -> None:
                         help='images one prompt may carry, e.g. \'{"image": 4}\' (default 8)')
     images.add_argument("--mm-processor-kwargs", default=None, metavar="JSON",
                         help='image resize bounds, e.g. \'{"max_pixels": 1048576}\' (min_pixels, max_pixels)')
+    images.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
+                        help="file:// image URLs are read when the file lies inside DIR (default: refused)")
     clients = parser.add_argument_group("clients (what one client may cost the others)")
     clients.add_argument("--max-n", type=int, default=16, help="choices one request may ask for (n), at most")
     clients.add_argument("--max-request-bytes", type=int, default=8 << 20,
@@ -200,6 +202,7 @@ def run(args: argparse.Namespace) -> int:
             auto_tool_choice=args.enable_auto_tool_choice, reasoning_parser=args.reasoning_parser,
             max_n=args.max_n, max_request_bytes=args.max_request_bytes,
             limit_mm_per_prompt=args.limit_mm_per_prompt, mm_processor_kwargs=args.mm_processor_kwargs,
+            allowed_local_media_path=args.allowed_local_media_path,
         )
     except ValueError as exc:
         raise CliError(str(exc)) from None

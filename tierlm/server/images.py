@@ -1,10 +1,12 @@
 """The images of a chat request: its `image_url` parts, checked against the served model and the server's
 limits, decoded and turned into patches (on the text pool, off the event loop).
 
-Accepted: `data:image/...;base64,...` URLs (the body size limit bounds them). Refused with a 400 naming
-the part: any image for a model without a vision tower, more images than `--limit-mm-per-prompt`
-(vLLM's flag, `{"image": N}`), http(s) and file URLs (not enabled), bytes that are not base64 or not an
-image, aspect ratios beyond 200:1. `--mm-processor-kwargs` (min_pixels, max_pixels) bounds the resize.
+Accepted: `data:image/...;base64,...` URLs (the body size limit bounds them), and `file://` URLs of files
+inside `--allowed-local-media-path` (vLLM's flag; the path resolved, links included, must stay inside it;
+at most MAX_LOCAL_IMAGE_BYTES). Refused with a 400 naming the part: any image for a model without a vision
+tower, more images than `--limit-mm-per-prompt` (vLLM's flag, `{"image": N}`), http(s) URLs (not enabled),
+file URLs without the flag or outside its folder, bytes that are not base64 or not an image, aspect ratios
+beyond 200:1. `--mm-processor-kwargs` (min_pixels, max_pixels) bounds the resize.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import unquote, urlparse
 
 from tierlm.config import VisionConfig
 from tierlm.multimodal.image_processor import ImageError, ImageProcessor, ProcessedImage, data_url_bytes
@@ -19,6 +22,7 @@ from tierlm.multimodal.prompt import expand_image_tokens
 from tierlm.server.protocol import ApiError, ChatCompletionRequest, ImageUrlPart
 
 DEFAULT_IMAGE_LIMIT = 8  # images per prompt without --limit-mm-per-prompt
+MAX_LOCAL_IMAGE_BYTES = 64 << 20  # a file:// image larger than this is refused (a data: URL: the body limit)
 
 
 @dataclass(frozen=True)
@@ -28,14 +32,15 @@ class ImageInputs:
     vision: VisionConfig
     processor: ImageProcessor
     limit: int
+    local_media: Path | None = None  # --allowed-local-media-path, resolved
 
     @classmethod
     def for_model(
         cls, model_dir: str | Path, vision: VisionConfig | None, limit_mm_per_prompt: str | None = None,
-        mm_processor_kwargs: str | None = None,
+        mm_processor_kwargs: str | None = None, allowed_local_media_path: str | None = None,
     ) -> ImageInputs | None:
-        """None for a model without a vision tower. The two flags are JSON text (vLLM's forms); a bad
-        value is a ValueError naming the flag."""
+        """None for a model without a vision tower. The two JSON flags are vLLM's forms; a bad value (or a
+        local media path that is not a folder) is a ValueError naming the flag."""
         limits = _json_flag("--limit-mm-per-prompt", limit_mm_per_prompt)
         unknown = sorted(set(limits) - {"image"})
         if unknown:
@@ -44,13 +49,18 @@ class ImageInputs:
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
             raise ValueError(f"--limit-mm-per-prompt: image must be a count >= 0, got {limit!r}")
         kwargs = _json_flag("--mm-processor-kwargs", mm_processor_kwargs)
+        local_media = None
+        if allowed_local_media_path is not None:
+            local_media = Path(allowed_local_media_path).expanduser().resolve()
+            if not local_media.is_dir():
+                raise ValueError(f"--allowed-local-media-path: {allowed_local_media_path!r} is not a folder")
         if vision is None:
             return None
         try:
             processor = ImageProcessor.for_model(model_dir, vision, kwargs)
         except ValueError as exc:
             raise ValueError(f"--mm-processor-kwargs: {exc}") from None
-        return cls(vision, processor, limit)
+        return cls(vision, processor, limit, local_media)
 
 
 def _json_flag(flag: str, text: str | None) -> dict:
@@ -87,18 +97,40 @@ def load_images(images: ImageInputs | None, model_name: str, request: ChatComple
     if len(parts) > images.limit:
         raise ApiError(400, f"{len(parts)} images in one prompt; this server takes at most {images.limit} "
                             "(--limit-mm-per-prompt)", parts[images.limit][0])
-    return [_load(images.processor, part, param) for param, part in parts]
+    return [_load(images, part, param) for param, part in parts]
 
 
-def _load(processor: ImageProcessor, part: ImageUrlPart, param: str) -> ProcessedImage:
+def _load(images: ImageInputs, part: ImageUrlPart, param: str) -> ProcessedImage:
     url = part.image_url.url
-    if not url.startswith("data:"):
-        scheme = url.split(":", 1)[0] if ":" in url else url[:16]
-        raise ApiError(400, f"image_url: only data: URLs (base64 image bytes) are accepted, not {scheme!r}", param)
     try:
-        return processor(processor.decode(data_url_bytes(url)))
+        if url.startswith("data:"):
+            data = data_url_bytes(url)
+        elif url.startswith("file:"):
+            data = _local_file(images.local_media, url)
+        else:
+            scheme = url.split(":", 1)[0] if ":" in url else url[:16]
+            accepted = "data: URLs (base64 image bytes)" + (" and file: URLs" if images.local_media else "")
+            raise ApiError(400, f"image_url: only {accepted} are accepted, not {scheme!r}", param)
+        return images.processor(images.processor.decode(data))
     except ImageError as exc:
         raise ApiError(400, f"image_url: {exc}", param) from None
+
+
+def _local_file(folder: Path | None, url: str) -> bytes:
+    """The bytes of a file:// URL's file, which must resolve to a file inside `folder`."""
+    if folder is None:
+        raise ImageError("file: URLs are not enabled on this server (--allowed-local-media-path)")
+    parsed = urlparse(url)
+    if parsed.netloc not in ("", "localhost"):
+        raise ImageError(f"file: URL names host {parsed.netloc!r}; only local files are read")
+    path = Path(unquote(parsed.path)).resolve()
+    if not path.is_relative_to(folder):
+        raise ImageError(f"{path} is outside --allowed-local-media-path ({folder})")
+    if not path.is_file():
+        raise ImageError(f"{path} is not a file")
+    if path.stat().st_size > MAX_LOCAL_IMAGE_BYTES:
+        raise ImageError(f"{path} is larger than {MAX_LOCAL_IMAGE_BYTES} bytes")
+    return path.read_bytes()
 
 
 def expand_prompt(token_ids: list[int], images: ImageInputs, loaded: list[ProcessedImage]) -> list[int]:
