@@ -14,7 +14,7 @@ $(VENV)/.installed: pyproject.toml
 
 env: $(VENV)/.installed
 
-# No MODEL: the embedded trained code model (tierlm/default_model), or the random tiny demo where it is absent.
+# No MODEL: the embedded trained code model (models/default_model), or the random tiny demo where it is absent.
 serve: env
 	$(VENV)/bin/tierlm serve --host 127.0.0.1 --port 8000
 
@@ -22,4 +22,4 @@ test: env
 	$(PY) -m pytest -q
 
 clean:
-	rm -rf $(VENV) models
+	rm -rf $(VENV) $(filter-out models/default_model,$(wildcard models/*))  # the committed default stays

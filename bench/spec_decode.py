@@ -14,7 +14,7 @@ tokens (the script exits non-zero otherwise); other dtypes: differences are repo
     python bench/spec_decode.py                          # CPU
     python bench/spec_decode.py --device cuda --size small --tokens 256 -k 1
     python bench/spec_decode.py --device cuda --size small --tokens 256 -k 1 --phases   # + where a step's time goes
-    python bench/spec_decode.py --model tierlm/default_model --dtype float32 -k 1 --repetition-penalty 1
+    python bench/spec_decode.py --model models/default_model --dtype float32 -k 1 --repetition-penalty 1
 
 --repetition-penalty: the request's (default: the model's generation_config; the trained default's is 1.05,
 so its verify rows are penalized with the drafts before them).

@@ -13,8 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-import tierlm
-from tierlm.demo_model import build_demo_model
+from tierlm.demo_model import TRAINED_DEFAULT_DIR, build_demo_model
 from tierlm.engine.llm_engine import EngineConfig, LLMEngine
 from tierlm.engine.speculative import SpeculativeConfig, SpeculativeRunner
 from tierlm.sampling_params import SamplingParams
@@ -152,7 +151,7 @@ def fixed_shapes(llm: LLMEngine, k: int) -> list:
     return runs
 
 
-TRAINED = tierlm.__path__[0] + "/default_model"  # a real MTP head (most drafts accepted)
+TRAINED = str(TRAINED_DEFAULT_DIR)  # a real MTP head (most drafts accepted)
 TRAINED_TOKENS = 24
 
 

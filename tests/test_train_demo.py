@@ -3,7 +3,7 @@
 The training forward against the engine's prefill (fp32: the same logits, target and MTP draft, with QSA's
 selection in play), gradients, the export round trip through tierlm's loader, the corpus split, the smoke
 run end to end (its folder loads and generates past the QSA budget, MTP head included), and which model
-`tierlm serve` picks without one. Then the committed default model (tierlm/default_model; skipped until it
+`tierlm serve` picks without one. Then the committed default model (models/default_model; skipped until it
 is committed): greedy `def fibonacci(n):` continues with a function body Python parses, and a json_schema
 chat request ends with valid JSON within 64 tokens.
 """
@@ -205,7 +205,7 @@ def test_serve_without_a_model_picks_the_trained_default(tmp_path, monkeypatch):
 # ---- the committed default model ----------------------------------------------------------------------
 
 needs_default = pytest.mark.skipif(not (TRAINED_DEFAULT_DIR / "config.json").exists(),
-                                   reason="the trained default model is not committed yet (tierlm/default_model)")
+                                   reason="the trained default model is not committed yet (models/default_model)")
 
 
 @pytest.fixture(scope="module")

@@ -567,8 +567,9 @@ def build_demo_model(
 
 # ---- the default model ------------------------------------------------------------------------------
 
-# the small code model `tierlm train-demo` trained, committed with the package (when it is)
-TRAINED_DEFAULT_DIR = Path(__file__).parent / "default_model"
+# the small code model `tierlm train-demo` trained, committed in the repository's models/ (large files live
+# there); a checkout's editable install finds it, an installed wheel has none and serves the random demo
+TRAINED_DEFAULT_DIR = Path(__file__).resolve().parents[1] / "models" / "default_model"
 
 
 def default_model_dir(trained: Path = TRAINED_DEFAULT_DIR) -> Path:

@@ -1,7 +1,7 @@
 """`tierlm serve [MODEL]`: the OpenAI-compatible server (FastAPI on uvicorn), with vLLM's flag names.
 
 Without MODEL it serves the embedded default (`demo_model.default_model_dir`): the small trained code
-model committed in `tierlm/default_model`, or where that is absent the tiny random demo model, built on
+model committed in `models/default_model`, or where that is absent the tiny random demo model, built on
 first use into `$XDG_CACHE_HOME/tierlm/demo-tiny` (`~/.cache/tierlm/demo-tiny`). The served name is MODEL's folder name unless `--served-model-name`.
 Engine flags left unset keep `EngineConfig`'s defaults; a flag whose field this engine's `EngineConfig`
 lacks is reported and ignored. Unlike vLLM the default host is 127.0.0.1: pass `--host 0.0.0.0` to listen

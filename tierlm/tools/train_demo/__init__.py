@@ -7,7 +7,7 @@ It writes two checkpoint folders that `tierlm generate` / `tierlm serve` load as
 final model, with train_log.json and loss.png beside it, and the model at 5% of the steps (the baseline of
 `bench/demo_perplexity.py`). The architectures and training settings live in `recipe`.
 
-The committed default (`tierlm/default_model`) comes from one run on an H200 (16 cores, no network):
+The committed default (`models/default_model`) comes from one run on an H200 (16 cores, no network):
     python3 -m tierlm train-demo /tmp/run/code-tiny --size code --device cuda --max-minutes 6.8
     python3 bench/demo_perplexity.py --final /tmp/run/code-tiny --early /tmp/run/code-tiny-5pct --device cuda
 (train_log.json beside the weights records the corpus, tokens seen, wall time and device). `--size smoke`

@@ -1,6 +1,6 @@
 """The trained demo model's recipes: its architecture and how it is trained, per size.
 
-`code` is the embedded default (`tierlm/default_model`): every layer kind the engine serves, small enough
+`code` is the embedded default (`models/default_model`): every layer kind the engine serves, small enough
 that its bf16 files stay under 24 MB, trained on a GPU in minutes. `smoke` is the same recipe shrunk so
 that a CPU runs it end to end in seconds (the tests). Both keep QSA's budget below the training context,
 so the indexer's selection is in play while it trains.
