@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serve_throughput import ROOT, server  # noqa: E402  (the shared server harness)
+from serve_throughput import ROOT, server  # the shared server harness
 
 # ~4 GB: 2 PLE layers x 16 heads x ~400k prime-sized rows x 80 fp32 values (320 B, the real row size)
 TABLE_OVERRIDES = {"ngram_vocab_size_base": 400_000, "heads_per_ngram": 8, "ple_embed_dim": 1280}

@@ -73,7 +73,7 @@ def test_reference_is_a_gemma_norm_then_a_rotation_of_the_first_dims():
     assert torch.allclose(out[..., ROTARY:], normed[..., ROTARY:], atol=1e-5)
     # a rotation keeps each (i, i + rd/2) pair's length
     half = ROTARY // 2
-    pairs = lambda t: t[..., :half].pow(2) + t[..., half:ROTARY].pow(2)  # noqa: E731
+    pairs = lambda t: t[..., :half].pow(2) + t[..., half:ROTARY].pow(2)
     assert torch.allclose(pairs(out), pairs(normed), rtol=1e-5)
     assert math.isclose(apply_rotary(normed, cos[:1].expand(TOKENS, -1), sin[:1].expand(TOKENS, -1))[0, 0, 0].item(),
                         normed[0, 0, 0].item(), rel_tol=1e-6)  # position 0: cos 1, sin 0

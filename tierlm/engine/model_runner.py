@@ -229,7 +229,7 @@ class ModelRunner:
                 if request.prompt_logprobs is not None and chunk.start < request.num_prompt_tokens - 1:
                     block = logits[first : first + count].float().cpu()
                     self._record_prompt_logprobs(request, chunk.start, block)
-            except Exception as exc:  # noqa: BLE001 (this request's own part: it fails alone)
+            except Exception as exc:  # this request's own part: it fails alone
                 logger.exception("prompt logprobs of request %s failed", request.request_id)
                 result.failed[request] = f"prompt logprobs failed: {type(exc).__name__}: {exc}"
                 continue

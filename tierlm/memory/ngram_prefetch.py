@@ -103,7 +103,7 @@ class PrefetchWorker:
             if job:
                 try:
                     self._prefetch(job)
-                except Exception:  # noqa: BLE001 (prefetch is advice: a failure must not stop serving)
+                except Exception:  # prefetch is advice: a failure must not stop serving
                     logger.exception("n-gram prefetch for request %s failed", job.request_id)
 
     def _prefetch(self, job: _Job) -> None:

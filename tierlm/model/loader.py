@@ -92,7 +92,7 @@ def resolve_model_path(model: str | Path) -> Path:
             f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else 'no detail'}). "
             "Point at a local checkpoint folder instead (one holding config.json and *.safetensors), "
             "e.g. one made by `tierlm demo-model DIR`."
-        ) from None
+        ) from exc
 
 
 def resolve_dtype(dtype: str | torch.dtype, config: ModelConfig) -> torch.dtype:

@@ -303,7 +303,7 @@ class AsyncEngine:
             failure = JobFailure("prompt_too_long", str(exc))
         except ValueError as exc:
             failure = JobFailure("invalid", str(exc))
-        except Exception as exc:  # noqa: BLE001 (the job fails, the thread carries on)
+        except Exception as exc:  # the job fails, the thread carries on
             logger.exception("adding request %s failed", job.request_id)
             failure = JobFailure("request", f"the engine could not take the request: {exc}")
         if failure is not None:
@@ -352,7 +352,7 @@ class AsyncEngine:
     def _step(self) -> None:
         try:
             outputs = self.engine.step()
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             logger.exception("engine step failed; the engine is dead, failing the %d requests in flight",
                              len(self._tracked))
             self.dead_reason = f"{type(exc).__name__}: {exc}"

@@ -298,7 +298,7 @@ async def sse_events(chunks: AsyncIterator[BaseModel]) -> AsyncIterator[str]:
         yield sse(ApiError(500, str(exc)).body())
     except EngineDeadError as exc:
         yield sse(ApiError(503, str(exc)).body())
-    except Exception as exc:  # noqa: BLE001 (the headers are sent: report it in the stream)
+    except Exception as exc:  # the headers are sent: report it in the stream
         logger.exception("streaming a response failed")
         yield sse(ApiError(500, f"internal error: {exc}").body())
     yield SSE_DONE
