@@ -109,7 +109,7 @@ def main() -> None:
         exact = all(torch.equal(cached(rows), from_host(rows)) for rows in steps[-5:])
         rate = (hits - hits_before) / max(1, hits - hits_before + misses - misses_before)
         print(f"{overlap:>8.0%}{host_ms * 1000:>20.1f}{cache_ms * 1000:>16.1f}{cache_ms / host_ms:>7.2f}x"
-              f"{rate:>10.1%}{str(exact):>7}")
+              f"{rate:>10.1%}{exact!s:>7}")
 
 
 if __name__ == "__main__":

@@ -204,7 +204,7 @@ def added_by_sampling(model, config, device: torch.device, batch: int, sampler: 
 
     times: dict[str, list[float]] = {"step": [], **{name: [] for name in columns}}
     for repeat in range(steps + 3):
-        for name in times:
+        for name, samples in times.items():
             sync()
             began = time.perf_counter()
             logits = step()
@@ -213,7 +213,7 @@ def added_by_sampling(model, config, device: torch.device, batch: int, sampler: 
             else:
                 sampler.sample(logits, columns[name], str)
             if repeat >= 3:  # the first three: warm-up
-                times[name].append(time.perf_counter() - began)
+                samples.append(time.perf_counter() - began)
     median = {name: 1e3 * sorted(t)[len(t) // 2] for name, t in times.items()}
     return {name: median[name] - median["step"] for name in columns}
 

@@ -204,7 +204,7 @@ class ModelConfig:
 
     # ---- construction -------------------------------------------------------------------------------
     @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> "ModelConfig":
+    def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
         """Read a config.json dict (flat text fields or a `text_config`), derive, validate."""
         architectures = raw.get("architectures") or ["Qwen4ExpForCausalLM"]
         architecture = architectures[0]
@@ -224,7 +224,7 @@ class ModelConfig:
         return cls._from_text_fields(text, architecture, vision)
 
     @classmethod
-    def from_pretrained(cls, model_dir: str | Path) -> "ModelConfig":
+    def from_pretrained(cls, model_dir: str | Path) -> ModelConfig:
         path = Path(model_dir) / "config.json"
         try:
             raw = json.loads(path.read_text())
@@ -235,7 +235,7 @@ class ModelConfig:
         return cls.from_dict(raw)
 
     @classmethod
-    def _from_text_fields(cls, text: dict[str, Any], architecture: str, vision: VisionConfig | None) -> "ModelConfig":
+    def _from_text_fields(cls, text: dict[str, Any], architecture: str, vision: VisionConfig | None) -> ModelConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         derived = ("extra", "layer_types", "vision", "mrope_section")
         values: dict[str, Any] = {k: v for k, v in text.items() if k in known and k not in derived}

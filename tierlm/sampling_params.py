@@ -149,7 +149,7 @@ class SamplingParams:
     def with_defaults(
         self, temperature: float | None, top_p: float | None, top_k: int | None,
         repetition_penalty: float | None = None,
-    ) -> "SamplingParams":
+    ) -> SamplingParams:
         """A copy whose unset temperature / top_p / top_k / repetition_penalty take the model's defaults (its
         generation_config, as vLLM applies it), else the neutral values."""
         return dataclasses.replace(

@@ -192,9 +192,7 @@ class Request:
             if not self.params.ignore_eos and token_id in self.eos_token_ids:
                 self.finish(RequestStatus.FINISHED_STOPPED)
                 return
-        if self.params.max_tokens is not None and n_out >= self.params.max_tokens:
-            self.finish(RequestStatus.FINISHED_LENGTH)
-        elif self.num_prompt_tokens + n_out >= self.max_model_len:
+        if self.params.max_tokens is not None and n_out >= self.params.max_tokens or self.num_prompt_tokens + n_out >= self.max_model_len:
             self.finish(RequestStatus.FINISHED_LENGTH)
 
     def finish(self, status: RequestStatus, stop_reason: int | str | None = None) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 
 import torch
 
@@ -44,7 +44,7 @@ def _is_prime(n: int) -> bool:
     return all(n % d for d in range(3, math.isqrt(n) + 1, 2))
 
 
-@lru_cache(maxsize=None)
+@cache
 def primes_above(start: int, count: int) -> tuple[int, ...]:
     """The first `count` primes strictly greater than `start`."""
     found, candidate = [], start
@@ -69,7 +69,7 @@ class NgramHashSpec:
     eos_token_id: int
 
     @classmethod
-    def from_config(cls, config, ple_index: int) -> "NgramHashSpec":
+    def from_config(cls, config, ple_index: int) -> NgramHashSpec:
         heads = config.num_ngram_heads
         primes = primes_above(config.ngram_vocab_size_base - 1, (ple_index + 1) * heads)[ple_index * heads :]
         offsets = [sum(primes[:h]) for h in range(heads)]

@@ -192,7 +192,7 @@ class QSAIndexer(nn.Module):
         row = torch.where(offset == r - 1, block * (bs // r) + (starts % bs) // r, state.scratch_block * (bs // r))
         state.keys.view(-1, self.head_dim)[row.flatten()] = keys
 
-    def select_decode(self, q: torch.Tensor, batch: ForwardBatch, state: QSAIndexerState) -> "Selection":
+    def select_decode(self, q: torch.Tensor, batch: ForwardBatch, state: QSAIndexerState) -> Selection:
         """The K/V rows each request's query attends to: its top blocks' tokens and its open tail.
 
         Scores are [B, G] with G the blocks of the batch's block-table width (`static_decode` picks that
@@ -241,7 +241,7 @@ class Selection:
     @classmethod
     def of(
         cls, token_pos: torch.Tensor, valid: torch.Tensor, tables: torch.Tensor, state: QSAIndexerState
-    ) -> "Selection":
+    ) -> Selection:
         """tables: [M, W] block tables (one per query row; an expanded view for one request's queries);
         state: the paging (block_size, scratch_block) the layer's caches share."""
         return cls(physical_rows(token_pos, valid, tables, state.block_size, state.scratch_block), valid)
