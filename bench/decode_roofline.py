@@ -197,8 +197,10 @@ def labelled_parts():
             setattr(cls, method, raw)
 
 
-def kernel_table(fn, device: torch.device) -> tuple[int, dict[str, tuple[int, float]]]:
-    """Kernels launched by one call of fn, and {part: (kernels, seconds)} by innermost part range."""
+def kernel_table(fn, device: torch.device, listing: list | None = None) -> tuple[int, dict[str, tuple[int, float]]]:
+    """Kernels launched by one call of fn, and {part: (kernels, seconds)} by innermost part range.
+
+    With `listing`, every GPU kernel is also appended to it as (part, kernel name, seconds) in launch order."""
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -226,18 +228,22 @@ def kernel_table(fn, device: torch.device) -> tuple[int, dict[str, tuple[int, fl
     # GPU-side range (the profiler's annotation of a record_function, named like it) contains its start
     cuda = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     ranges = [(e.time_range.start, e.time_range.end, e.name[5:]) for e in cuda if e.name.startswith("part:")]
-    for event in cuda:
-        if event.name.startswith("part:") or event.name in seen:
+    for event in sorted(cuda, key=lambda e: e.time_range.start):
+        if event.name.startswith("part:"):
             continue
         start = event.time_range.start
         inside = [(end - begin, part) for begin, end, part in ranges if begin <= start < end]
         part = min(inside)[1] if inside else "other (embedding, lm_head, norms, copies)"
+        if listing is not None:
+            listing.append((part, event.name, event.device_time / 1e6))
+        if event.name in seen:
+            continue
         parts[part][0] += 1
         parts[part][1] += event.device_time / 1e6
     return sum(n for n, _ in parts.values()), {k: (n, t) for k, (n, t) in parts.items()}
 
 
-def measure(model, config, dtype, device, batch: int, context: int, steps: int) -> dict:
+def measure(model, config, dtype, device, batch: int, context: int, steps: int, listing: list | None = None) -> dict:
     blocks_each = (context + steps + BLOCK_SIZE) // BLOCK_SIZE + 1
     cache = ModelCache(config, batch, batch * blocks_each, BLOCK_SIZE, dtype, device)
     for state in cache.layers:  # the context's K/V, indexer keys and states: random contents
@@ -266,7 +272,7 @@ def measure(model, config, dtype, device, batch: int, context: int, steps: int) 
         wall += time.perf_counter() - start
     eager = StaticDecodeRunner(model, cache, batch, blocks_each, "eager", sizes=[batch])
     inputs = batch_at(steps + 3)
-    kernels, parts = kernel_table(lambda: eager.run(inputs), device)
+    kernels, parts = kernel_table(lambda: eager.run(inputs), device, listing)
     nbytes = step_bytes(model, config, batch, context)
     return {
         "batch": batch, "context": context, "tok_s": batch * steps / wall, "step_ms": 1000 * wall / steps,
@@ -282,7 +288,10 @@ def run_all(model, config, dtype, device, args, bandwidth: float) -> list[dict]:
           f"{'host ms':>8}")
     for context in args.contexts:
         for batch in args.batches:
-            r = measure(model, config, dtype, device, batch, context, args.steps)
+            listing = [] if args.kernels and not results else None
+            r = measure(model, config, dtype, device, batch, context, args.steps, listing)
+            if listing:
+                r["kernels"] = listing
             r["roofline_fraction"] = r["bytes_per_step"] / bandwidth / (r["step_ms"] / 1000)
             results.append(r)
             print(f"{context:>6} {batch:>5} {r['tok_s']:>9.1f} {r['step_ms']:>8.3f} {r['bytes_per_step'] / 1e9:>8.3f} "
@@ -292,6 +301,10 @@ def run_all(model, config, dtype, device, args, bandwidth: float) -> list[dict]:
     total = sum(t for _, t in first["parts"].values()) or 1.0
     for part, (n, t) in sorted(first["parts"].items(), key=lambda kv: -kv[1][1]):
         print(f"  {part:<44} {n:>5} kernels {1e3 * t:>8.3f} ms {100 * t / total:>5.1f}%")
+    if "kernels" in first:
+        print("\nevery kernel of that step in launch order (part, us, name):")
+        for part, name, seconds in first["kernels"]:
+            print(f"  {part[:16]:<16} {1e6 * seconds:>7.1f}  {name[:110]}")
     return results
 
 
@@ -304,6 +317,8 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--small", action="store_true", help="a shrunk config (CPU check)")
+    parser.add_argument("--kernels", action="store_true",
+                        help="also list every kernel of the first profiled step (part, time, name) in launch order")
     parser.add_argument("--quantize", default=None, metavar="SCHEME",
                         help="also run the same model quantized in memory with this `tierlm quantize` scheme "
                              "(int4-mixed, int8, int4) and print the two side by side")
