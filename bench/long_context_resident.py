@@ -159,16 +159,16 @@ def main() -> None:
               f"--progress for the rest")
     single_tok_s = sum(a["decode_tok_s"] for a in alone) / len(alone) if alone else float("nan")
     lines = [
-        f"{'small' if args.small else 'real'} widths, 4 layers (3 GDN + 1 QSA), {args.dtype} on "
+        (f"{'small' if args.small else 'real'} widths, 4 layers (3 GDN + 1 QSA), {args.dtype} on "
         f"{device_name(args.device)}; {args.requests} requests of {context:,} prompt tokens, max_model_len "
-        f"{max_len:,}, QSA K/V in host pools, prefill chunks of {args.chunk:,}, {max_tokens} greedy tokens each",
+        f"{max_len:,}, QSA K/V in host pools, prefill chunks of {args.chunk:,}, {max_tokens} greedy tokens each"),
         *plan,
-        f"all {args.requests} resident and decoding at once: {together['all_resident_decoding']}; "
-        f"preemptions: {together['preemptions']}; device peak {together['device_peak'] / 2**30:.2f} GiB",
-        f"prefill of all {args.requests}: {together['prefill_seconds']:.1f} s "
-        f"({args.requests * context / together['prefill_seconds']:,.0f} tok/s)",
-        f"decode tok/s: batch {args.requests} {together['decode_tok_s']:.1f}, batch 1 {single_tok_s:.1f} (mean of "
-        f"the runs alone); ratio {together['decode_tok_s'] / single_tok_s:.2f}",
+        (f"all {args.requests} resident and decoding at once: {together['all_resident_decoding']}; "
+        f"preemptions: {together['preemptions']}; device peak {together['device_peak'] / 2**30:.2f} GiB"),
+        (f"prefill of all {args.requests}: {together['prefill_seconds']:.1f} s "
+        f"({args.requests * context / together['prefill_seconds']:,.0f} tok/s)"),
+        (f"decode tok/s: batch {args.requests} {together['decode_tok_s']:.1f}, batch 1 {single_tok_s:.1f} (mean of "
+        f"the runs alone); ratio {together['decode_tok_s'] / single_tok_s:.2f}"),
         f"{'request':>8}{'tokens = alone':>16}{'first difference':>18}{'max |dlogprob|':>16}",
     ]
     equal = 0

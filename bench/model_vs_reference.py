@@ -57,7 +57,7 @@ def timed(fn, device):
 
 
 def run_reference(model, prompt: torch.Tensor, steps: int, device) -> tuple[float, float, list[int]]:
-    kwargs = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
+    kwargs = {"do_sample": False, "eos_token_id": None, "pad_token_id": 0}
     with torch.no_grad():
         model.generate(prompt, max_new_tokens=2, min_new_tokens=2, **kwargs)  # warm-up
         prefill, _ = timed(lambda: model.generate(prompt, max_new_tokens=1, min_new_tokens=1, **kwargs), device)

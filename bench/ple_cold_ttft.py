@@ -73,7 +73,7 @@ def main() -> None:
     probe = subprocess.run(
         [sys.executable, "-m", "tierlm.cli", "probe-drive", str(next(tables.glob("*.bin"))),
          "--seconds", str(args.probe_seconds), "--queue-depth", "32"],
-        cwd=ROOT, capture_output=True, text=True,
+        check=False, cwd=ROOT, capture_output=True, text=True,
     )
     print(probe.stdout.strip() or probe.stderr.strip())
 

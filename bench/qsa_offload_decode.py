@@ -49,9 +49,9 @@ def main() -> None:
         build_demo_model(model, args.size)
     max_len = max(args.contexts) + args.steps + 16
     sides = {
-        "device pools": dict(qsa_kv_offload=False),
-        "host pools": dict(qsa_kv_offload=True, qsa_row_cache=False),
-        "host + row cache": dict(qsa_kv_offload=True, qsa_row_cache=True),
+        "device pools": {"qsa_kv_offload": False},
+        "host pools": {"qsa_kv_offload": True, "qsa_row_cache": False},
+        "host + row cache": {"qsa_kv_offload": True, "qsa_row_cache": True},
     }
     gen = torch.Generator().manual_seed(0)
     prompts = {n: torch.randint(3, 4000, (n,), generator=gen).tolist() for n in args.contexts}

@@ -24,8 +24,8 @@ def demo_dir(tmp_path_factory):
 
 
 def make(demo_dir, **options):
-    defaults = dict(dtype="float32", device=options.pop("device", "cpu"), max_model_len=512, max_num_seqs=4,
-                    kv_cache_memory_bytes=40_000_000)
+    defaults = {"dtype": "float32", "device": options.pop("device", "cpu"), "max_model_len": 512, "max_num_seqs": 4,
+                    "kv_cache_memory_bytes": 40_000_000}
     return LLM(str(demo_dir), **{**defaults, **options})
 
 

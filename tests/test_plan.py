@@ -21,13 +21,13 @@ def demo_dir(tmp_path_factory):
 
 
 SETTINGS = [
-    dict(kv_cache_memory_bytes=20_000_000),
-    dict(kv_cache_memory_bytes=3_000_000, max_model_len=1024, max_num_seqs=2),
-    dict(kv_cache_memory_bytes=8_000_000, max_model_len=2048, enable_prefix_caching=False, block_size=32),
-    dict(kv_cache_memory_bytes=5_000_000, max_model_len=512, max_num_seqs=3, max_state_checkpoints=1),
-    dict(kv_cache_memory_bytes=20_000_000, qsa_kv_offload=True, qsa_row_cache_rows=64),
-    dict(kv_cache_memory_bytes=20_000_000, qsa_kv_offload=True, qsa_row_cache_bytes=300_000),
-    dict(kv_cache_memory_bytes=5_000_000, max_model_len=512, checkpoint_host_bytes=10_000_000),
+    {"kv_cache_memory_bytes": 20_000_000},
+    {"kv_cache_memory_bytes": 3_000_000, "max_model_len": 1024, "max_num_seqs": 2},
+    {"kv_cache_memory_bytes": 8_000_000, "max_model_len": 2048, "enable_prefix_caching": False, "block_size": 32},
+    {"kv_cache_memory_bytes": 5_000_000, "max_model_len": 512, "max_num_seqs": 3, "max_state_checkpoints": 1},
+    {"kv_cache_memory_bytes": 20_000_000, "qsa_kv_offload": True, "qsa_row_cache_rows": 64},
+    {"kv_cache_memory_bytes": 20_000_000, "qsa_kv_offload": True, "qsa_row_cache_bytes": 300_000},
+    {"kv_cache_memory_bytes": 5_000_000, "max_model_len": 512, "checkpoint_host_bytes": 10_000_000},
 ]
 
 
@@ -100,8 +100,8 @@ def test_row_cache_settings_out_of_range_are_refused(demo_dir, capsys):
 
 # ---- where the QSA K/V go: auto, explicit, and the host RAM that bounds them -------------------------
 
-SMALL = dict(kv_cache_memory_bytes=12_000_000, qsa_row_cache_rows=1024)  # the device alone: 2.56 of 4 requests
-LARGE = dict(kv_cache_memory_bytes=20_000_000, qsa_row_cache_rows=1024)  # the device alone: all 4
+SMALL = {"kv_cache_memory_bytes": 12_000_000, "qsa_row_cache_rows": 1024}  # the device alone: 2.56 of 4 requests
+LARGE = {"kv_cache_memory_bytes": 20_000_000, "qsa_row_cache_rows": 1024}  # the device alone: all 4
 
 
 def plan_for(demo_dir, device, host_memory_bytes=64 << 30, **settings):
@@ -128,7 +128,7 @@ def test_auto_offloads_on_cuda_when_the_device_alone_is_short(demo_dir):
     line = "  QSA K/V: in host RAM (auto: the device alone holds 2.56 of max_num_seqs 4 requests of max_model_len)"
     assert line in plan.lines()
     assert not plan_for(demo_dir, "cuda", **LARGE).kv_offload
-    tight = dict(kv_cache_memory_bytes=800_000, max_model_len=1024, qsa_row_cache_rows=64)
+    tight = {"kv_cache_memory_bytes": 800_000, "max_model_len": 1024, "qsa_row_cache_rows": 64}
     with pytest.raises(CapacityError):
         plan_for(demo_dir, "cuda:1", **tight, qsa_kv_offload=False)
     plan = plan_for(demo_dir, "cuda:1", **tight)
@@ -172,17 +172,17 @@ def test_plan_rejects_host_ram_too_small(demo_dir, capsys):
 # ---- the real model at the seed's release settings ---------------------------------------------------
 
 # the fact sheet's deduced real config (docs: qwen4-exp-architecture.md section 14)
-REAL = dict(
-    vocab_size=248320, hidden_size=2560, num_hidden_layers=48, full_attention_interval=4, num_attention_heads=24,
-    num_key_value_heads=2, head_dim=256, partial_rotary_factor=0.25, linear_num_key_heads=16,
-    linear_num_value_heads=48, linear_key_head_dim=128, linear_value_head_dim=128, num_experts=512,
-    num_experts_per_tok=10, moe_intermediate_size=640, shared_expert_intermediate_size=640, hc_count=4,
-    hc_lowrank=320, ple_layer_ids=[2], ple_embed_dim=2560, ngram_size=3, heads_per_ngram=8, indexer_n_heads=8,
-    indexer_kv_heads=1, indexer_head_dim=128, indexer_budget=2048, indexer_compress_ratio=4, eos_token_id=248044,
-    max_position_embeddings=262144, torch_dtype="bfloat16",
-)
+REAL = {
+    "vocab_size": 248320, "hidden_size": 2560, "num_hidden_layers": 48, "full_attention_interval": 4, "num_attention_heads": 24,
+    "num_key_value_heads": 2, "head_dim": 256, "partial_rotary_factor": 0.25, "linear_num_key_heads": 16,
+    "linear_num_value_heads": 48, "linear_key_head_dim": 128, "linear_value_head_dim": 128, "num_experts": 512,
+    "num_experts_per_tok": 10, "moe_intermediate_size": 640, "shared_expert_intermediate_size": 640, "hc_count": 4,
+    "hc_lowrank": 320, "ple_layer_ids": [2], "ple_embed_dim": 2560, "ngram_size": 3, "heads_per_ngram": 8, "indexer_n_heads": 8,
+    "indexer_kv_heads": 1, "indexer_head_dim": 128, "indexer_budget": 2048, "indexer_compress_ratio": 4, "eos_token_id": 248044,
+    "max_position_embeddings": 262144, "torch_dtype": "bfloat16",
+}
 SEED_RANKS = (tuple(range(16)), tuple(range(16, 33)), tuple(range(33, 48)))  # the seed's PP=3 split 16/17/15
-SEED_RELEASE = dict(kv_cache_memory_bytes=550_000_000, max_model_len=262144, max_num_seqs=4)
+SEED_RELEASE = {"kv_cache_memory_bytes": 550_000_000, "max_model_len": 262144, "max_num_seqs": 4}
 
 
 def test_real_config_sizes_match_the_fact_sheet():

@@ -16,7 +16,7 @@ def demo_dir(tmp_path_factory):
 
 
 def make(demo_dir, **options):
-    defaults = dict(dtype="float32", device="cpu", max_model_len=1024, max_num_seqs=4)
+    defaults = {"dtype": "float32", "device": "cpu", "max_model_len": 1024, "max_num_seqs": 4}
     return LLM(str(demo_dir), **{**defaults, **options})
 
 

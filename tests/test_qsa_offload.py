@@ -32,13 +32,13 @@ def test_offload_with_and_without_row_cache_equals_device_pools(demo_dir, device
     would merge parts of the rows, equal within rounding, not bit for bit (see
     test_offloaded_prefill_kernel_path_on_cuda)."""
     monkeypatch.setenv("TIERLM_NO_TRITON_QSA_PREFILL", "1")
-    options = dict(device=device, max_model_len=512, max_num_seqs=4, enable_prefix_caching=False)
+    options = {"device": device, "max_model_len": 512, "max_num_seqs": 4, "enable_prefix_caching": False}
     prompts = ["def parse(tokens):\n" * 30, "import os\n", "class Node:\n    def __init__(self):\n" * 8]
     expected = LLM(str(demo_dir), **options, qsa_kv_offload=False).generate(prompts, PARAMS)
     variants = {  # a tiny arena: prefill stages in many sections; many slots collide, rows are evicted every step
-        "row cache": dict(qsa_row_cache=True),
-        "no row cache": dict(qsa_row_cache=False),
-        "batches of 3 too large for the cache": dict(qsa_row_cache=True, qsa_row_cache_max_batch=2),
+        "row cache": {"qsa_row_cache": True},
+        "no row cache": {"qsa_row_cache": False},
+        "batches of 3 too large for the cache": {"qsa_row_cache": True, "qsa_row_cache_max_batch": 2},
     }
     for name, variant in variants.items():
         llm = LLM(str(demo_dir), **options, qsa_kv_offload=True, qsa_row_cache_rows=61, **variant)
@@ -111,7 +111,7 @@ def test_prefill_attention_through_the_arena_equals_attention_over_the_pools(are
 def test_offloaded_prefill_kernel_path_on_cuda(demo_dir, arena_rows):
     """Prefill through the sparse kernel from the arena: staged once (16,384 rows), the same tokens and
     logprobs as device pools bit for bit; in parts (61 rows), the same tokens, logprobs within 1e-2."""
-    options = dict(device="cuda", max_model_len=512, max_num_seqs=4, enable_prefix_caching=False)
+    options = {"device": "cuda", "max_model_len": 512, "max_num_seqs": 4, "enable_prefix_caching": False}
     prompts = ["def parse(tokens):\n" * 30, "import os\n", "class Node:\n    def __init__(self):\n" * 8]
     expected = LLM(str(demo_dir), **options, qsa_kv_offload=False).generate(prompts, PARAMS)
     got = LLM(str(demo_dir), **options, qsa_kv_offload=True, qsa_row_cache_rows=arena_rows).generate(prompts, PARAMS)
@@ -150,7 +150,7 @@ def test_prefill_in_query_groups_gives_what_one_group_gives(demo_dir, monkeypatc
     """Prefill queries scored, selected and attended a few at a time (bounded memory at long context):
     the same generation as all at once, and offloaded pools still equal device pools bit for bit, whether
     each group is staged on its own (61 rows) or the chunk is staged once (16,384)."""
-    options = dict(device="cpu", max_model_len=512, max_num_seqs=2, enable_prefix_caching=False)
+    options = {"device": "cpu", "max_model_len": 512, "max_num_seqs": 2, "enable_prefix_caching": False}
     prompts = ["def parse(tokens):\n" * 30, "class Node:\n    def __init__(self):\n" * 8]
     whole = LLM(str(demo_dir), **options).generate(prompts, PARAMS)
     monkeypatch.setattr(qsa_attention, "PREFILL_GROUP_BYTES", 1)  # one query at a time
@@ -167,7 +167,7 @@ def test_prefill_in_query_groups_gives_what_one_group_gives(demo_dir, monkeypatc
 def test_offload_with_prefix_caching_equals_device_pools(demo_dir):
     """Cached prefix blocks (shared rows, their slots in the row cache) and freed blocks reused by later
     requests (new rows over old ones: their cached copies must go) change nothing."""
-    options = dict(device="cpu", max_model_len=512, max_num_seqs=2, kv_cache_memory_bytes=3_000_000)
+    options = {"device": "cpu", "max_model_len": 512, "max_num_seqs": 2, "kv_cache_memory_bytes": 3_000_000}
     shared = "def parse(tokens):\n    return [t for t in tokens]\n" * 6
     rounds = [[shared + "x = 1\n", shared + "y = 2\n"], [shared + "z = 3\n"]]
     rounds += [[f"class C{i}:\n" + f"    def m{i}(self): return {i}\n" * 30] * 2 for i in range(4)]

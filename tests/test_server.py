@@ -7,8 +7,10 @@ reference for greedy outputs.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
+import operator
 import re
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -123,7 +125,7 @@ def test_chat_equals_offline_chat(client, llm):
 
 def test_sampling_options_reach_the_engine(client, llm):
     # n with a seed: reproducible; a stop string cuts the text; min_tokens holds back EOS
-    kwargs = dict(model=MODEL, prompt="class Parser:", max_tokens=8, n=3, temperature=1.0, seed=5)
+    kwargs = {"model": MODEL, "prompt": "class Parser:", "max_tokens": 8, "n": 3, "temperature": 1.0, "seed": 5}
     first = [c.text for c in client.completions.create(**kwargs).choices]
     assert first == [c.text for c in client.completions.create(**kwargs).choices] and len(first) == 3
     text = offline(llm, "x = 1", 20).outputs[0].text
@@ -199,8 +201,8 @@ def test_streamed_echo_puts_the_prompt_first(server):
     assert lines[-2:] == ["data: [DONE]", ""]
     chunks = [json.loads(line.removeprefix("data: "))["choices"][0] for line in lines[:-2]]
     assert "".join(c["text"] for c in chunks) == whole["text"]
-    assert sum((c["logprobs"]["token_logprobs"] for c in chunks), []) == whole["logprobs"]["token_logprobs"]
-    assert sum((c["logprobs"]["text_offset"] for c in chunks), []) == whole["logprobs"]["text_offset"]
+    assert functools.reduce(operator.iadd, (c["logprobs"]["token_logprobs"] for c in chunks), []) == whole["logprobs"]["token_logprobs"]
+    assert functools.reduce(operator.iadd, (c["logprobs"]["text_offset"] for c in chunks), []) == whole["logprobs"]["text_offset"]
 
 
 # ---- structured output ------------------------------------------------------------------------------
@@ -234,8 +236,8 @@ SCHEMAS = {
 def test_json_schema_output_validates(client, name, stream):
     response_format = {"type": "json_schema", "json_schema": {"name": name, "schema": SCHEMAS[name]}}
     messages = [{"role": "user", "content": f"Give me {name} as JSON."}]
-    kwargs = dict(model=MODEL, messages=messages, max_tokens=120, temperature=0,
-                  response_format=response_format)
+    kwargs = {"model": MODEL, "messages": messages, "max_tokens": 120, "temperature": 0,
+                  "response_format": response_format}
     if stream:
         chunks = list(client.chat.completions.create(stream=True, **kwargs))
         text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)

@@ -51,8 +51,8 @@ def _valid_call(call, tool) -> None:
 
 
 def test_required_tool_call_whole_and_streamed_through_the_sdk(client):
-    kwargs = dict(model=MODEL, messages=ASK, tools=[WEATHER, CLOCK], tool_choice="required",
-                  parallel_tool_calls=False, max_tokens=150, temperature=1.0, seed=4)
+    kwargs = {"model": MODEL, "messages": ASK, "tools": [WEATHER, CLOCK], "tool_choice": "required",
+                  "parallel_tool_calls": False, "max_tokens": 150, "temperature": 1.0, "seed": 4}
     choice = client.chat.completions.create(**kwargs).choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
     [call] = choice.message.tool_calls
@@ -93,8 +93,8 @@ def test_a_tool_round_trip_reaches_the_template(server, client):
 
 
 def test_reasoning_is_split_whole_and_streamed(client):
-    kwargs = dict(model=MODEL, messages=ASK, max_tokens=30, temperature=1.0, seed=9, logit_bias={"4": 3.0},
-                  extra_body={"chat_template_kwargs": THINKING, "top_k": 0})  # 4: </think>, 16th here
+    kwargs = {"model": MODEL, "messages": ASK, "max_tokens": 30, "temperature": 1.0, "seed": 9, "logit_bias": {"4": 3.0},
+                  "extra_body": {"chat_template_kwargs": THINKING, "top_k": 0}}  # 4: </think>, 16th here
     message = client.chat.completions.create(**kwargs).choices[0].message
     reasoning = message.model_extra["reasoning_content"]
     assert reasoning and message.content and "</think>" not in reasoning
@@ -118,8 +118,8 @@ def test_json_schema_applies_after_the_reasoning(client):
 
 
 def test_sampling_fields_reach_the_engine(client):
-    kwargs = dict(model=MODEL, prompt="def fibonacci(n):", max_tokens=40, temperature=0, logprobs=0,
-                  extra_body={"ignore_eos": True})
+    kwargs = {"model": MODEL, "prompt": "def fibonacci(n):", "max_tokens": 40, "temperature": 0, "logprobs": 0,
+                  "extra_body": {"ignore_eos": True}}
     forced = client.completions.create(**{**kwargs, "max_tokens": 5}, logit_bias={"1234": 100})
     assert len(set(forced.choices[0].logprobs.tokens)) == 1
     plain = client.completions.create(**kwargs).choices[0].logprobs.tokens

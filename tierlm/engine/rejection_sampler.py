@@ -120,12 +120,12 @@ def _draws(
     unseeded = [j for j, g in enumerate(generators) if g is None]
     if unseeded:
         rows = torch.tensor(unseeded, device=device)
-        at = dict(dtype=f64, device=shared.device)
+        at = {"dtype": f64, "device": shared.device}
         uniforms[rows] = torch.rand(len(unseeded), k_max, **at, generator=shared).to(device)
         exponentials[rows] = torch.empty(len(unseeded), vocab, **at).exponential_(generator=shared).to(device)
     for j, g in enumerate(generators):
         if g is not None:
-            n, at = num_drafts[j], dict(dtype=f64, device=g.device)
+            n, at = num_drafts[j], {"dtype": f64, "device": g.device}
             uniforms[j, :n] = torch.rand(n, **at, generator=g).to(device)
             exponentials[j] = torch.empty(vocab, **at).exponential_(generator=g).to(device)
     return uniforms, exponentials

@@ -30,6 +30,7 @@ from __future__ import annotations
 import fcntl
 import logging
 import math
+import contextlib
 import mmap
 import os
 import tempfile
@@ -64,10 +65,8 @@ class _Mapping(mmap.mmap):
             torch.cuda.check_error(torch.cuda.cudart().cudaHostUnregister(address))
 
     def __del__(self) -> None:
-        try:
+        with contextlib.suppress(Exception):  # at interpreter exit the CUDA runtime may be gone already
             self.unregister()
-        except Exception:  # noqa: BLE001 - at interpreter exit the CUDA runtime may be gone already
-            pass
 
 
 def _commit(mapping: mmap.mmap) -> None:

@@ -140,7 +140,7 @@ def index_tensors(
     found = {}
     for file in files:
         with safe_open(file, framework="pt") as f:
-            for name in f.keys():
+            for name in f.keys():  # noqa: SIM118 - safe_open has keys() and is not iterable
                 canonical = _canonical(name, with_mtp, with_vision)
                 if canonical is not None:
                     view = f.get_slice(name)

@@ -122,7 +122,7 @@ class NgramHasher:
     def constants(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(multipliers [ngram_size], head sizes [heads], head offsets [heads]) as int64 tensors on device."""
         if device not in self._tensors:
-            as_long = dict(dtype=torch.int64, device=device)
+            as_long = {"dtype": torch.int64, "device": device}
             self._tensors[device] = (
                 torch.tensor(self.spec.multipliers, **as_long),
                 torch.tensor(self.spec.head_sizes, **as_long),

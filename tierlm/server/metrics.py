@@ -131,8 +131,8 @@ class _EngineStatsCollector(Collector):
              stats.num_drafts),
             (counter, "tierlm:spec_decode_num_draft_tokens", "Draft tokens verified.", stats.num_draft_tokens),
             (counter, "tierlm:spec_decode_num_accepted_tokens", "Draft tokens accepted.", stats.num_accepted_tokens),
-            (gauge, "tierlm:qsa_row_cache_hit_rate", "Share of decode K/V row reads served by the row cache, "
-             "since start (0 before any).", _share(stats.qsa_row_cache_hits, stats.qsa_row_cache_misses)),
+            (gauge, "tierlm:qsa_row_cache_hit_rate", ("Share of decode K/V row reads served by the row cache, "
+             "since start (0 before any)."), _share(stats.qsa_row_cache_hits, stats.qsa_row_cache_misses)),
         ]
         for family, name, doc, value in values:
             metric = family(name, doc, labels=["model_name"])

@@ -30,7 +30,7 @@ class QSARowCache:
                              f"and {tuple(values.shape)}")
         self.keys, self.values = keys, values
         self.num_slots = keys.shape[0]
-        metadata = dict(dtype=torch.int64, device=keys.device)
+        metadata = {"dtype": torch.int64, "device": keys.device}
         self.tags = torch.full((self.num_slots,), -1, **metadata)
         self.hitmark = torch.full((self.num_slots,), -1, **metadata)
         self.claims = torch.full((self.num_slots,), -1, **metadata)
