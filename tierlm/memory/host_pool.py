@@ -27,10 +27,10 @@ pages are resident and MemAvailable counts them.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import logging
 import math
-import contextlib
 import mmap
 import os
 import tempfile
