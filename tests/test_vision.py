@@ -60,6 +60,26 @@ def test_tower_rejects_patches_that_do_not_fit_the_grids():
         tower(torch.zeros(9, 24), [(1, 2, 4)])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_streamed_tower_equals_the_resident_tower_bit_for_bit(dtype):
+    """--mm-encoder-offload: the tower's weights in host buffers, each unit copied into one of two slots
+    as the forward reaches it (plain copies on CPU), gives the resident tower's features exactly."""
+    resident = VisionTower(VisionConfig.from_dict(TINY_VISION, {})).to(dtype).eval()
+    streamed = VisionTower(VisionConfig.from_dict(TINY_VISION, {})).to(dtype).eval()
+    streamed.load_state_dict(resident.state_dict())
+    streamed.stream_from_host("cpu")
+    patches = torch.randn(sum(t * h * w for t, h, w in GRIDS), resident.config.patch_values,
+                          generator=torch.Generator().manual_seed(1)).to(dtype)
+    with torch.no_grad():
+        expected = resident(patches, GRIDS)
+        assert torch.equal(streamed(patches, GRIDS), expected)
+        assert torch.equal(streamed(patches[:8], GRIDS[:1]), resident(patches[:8], GRIDS[:1]))  # twice
+    units = streamed.streamed.units
+    assert len(units) == 2 + TINY_VISION["depth"] + 1 and all(
+        p.data_ptr() >= u.host.data_ptr() and p.data_ptr() < u.host.data_ptr() + u.host.nbytes
+        for u in units for p in u.module.parameters())  # the module's own weights are views of the host buffers
+
+
 # ---- the whole model: an image in the prompt -------------------------------------------------------
 IMAGE, START, END = 500, 501, 502  # token ids of the tiny vocabulary (512)
 PROMPT_GRID = (1, 4, 6)  # 6 merged features: a 2 x 3 grid, so text resumes 3 positions after the image

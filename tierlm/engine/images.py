@@ -98,8 +98,7 @@ def chunk_image_rows(model, request, start: int, end: int, first_row: int) -> li
             continue
         features = request.image_features.get(index)
         if features is None:
-            tower = next(model.visual.parameters())
-            features = model.encode_images(image.patches.to(tower.device, tower.dtype), [image.grid])
+            features = model.encode_images(image.patches.to(model.visual.device, model.visual.dtype), [image.grid])
             request.image_features[index] = features
         lo, hi = max(start, image.start), min(end, image.end)
         pieces.append((features[lo - image.start : hi - image.start], range(first_row + lo - start, first_row + hi - start)))

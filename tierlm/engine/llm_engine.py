@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from tierlm.engine.cache_manager import CacheManager
+from tierlm.engine.encoder import place_vision_tower
 from tierlm.engine.images import RequestImage, request_images
 from tierlm.engine.model_runner import LaunchedStep, ModelRunner, StepResult
 from tierlm.engine.request import Request, RequestStatus
@@ -203,6 +204,9 @@ class EngineConfig:
     # overlap scheduling (vLLM's --async-scheduling): launch the next step before reading this one's ids
     # (see the module docstring); TIERLM_NO_ASYNC_SCHEDULING=1 turns it off too
     async_scheduling: bool = True
+    # the vision tower's weights in pinned host memory, streamed to the device per encode (engine/encoder.py;
+    # vLLM-style name); None: auto, on CUDA when the cache plan needs the room
+    mm_encoder_offload: bool | None = None
 
 
 class _PrefetchListener(RequestListener):
@@ -305,14 +309,17 @@ class LLMEngine:
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
         dtype = next(self.model.parameters()).dtype
         device = next(self.model.parameters()).device
-        self.cache_plan = engine_cache_plan(
-            config, mc, str(dtype).removeprefix("torch."), str(device), 0,
-            ple_mapped=table_dir is not None and bool(mc.ple_layer_ids),
-            quantization=read_quantization_config(model_dir),
-            mtp=None if getattr(self.model, "mtp", None) is None else MTPLayout(
-                len(self.model.mtp.layers), self.model.mtp.shared_head is not None),
+        quantization = read_quantization_config(model_dir)
+        self.cache_plan, tower_line = place_vision_tower(
+            self.model, config.mm_encoder_offload, device, config.max_num_seqs, config.qsa_kv_offload is None,
+            lambda: engine_cache_plan(
+                config, mc, str(dtype).removeprefix("torch."), str(device), 0,
+                ple_mapped=table_dir is not None and bool(mc.ple_layer_ids), quantization=quantization,
+                mtp=None if getattr(self.model, "mtp", None) is None else MTPLayout(
+                    len(self.model.mtp.layers), self.model.mtp.shared_head is not None),
+            ),
         )
-        for line in self.cache_plan.lines():
+        for line in self.cache_plan.lines() + ([tower_line] if tower_line else []):
             logger.info(line)
         plan = self.cache_plan
         self.cache = ModelCache(

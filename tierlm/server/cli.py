@@ -30,6 +30,7 @@ ENGINE_FLAGS = (
     "qsa_row_cache_rows", "qsa_row_cache_max_batch", "checkpoint_host_bytes", "qsa_row_cache_bytes",
     "load_format", "trace",
     "pipeline_parallel_size", "pp_layer_partition", "speculative_config", "async_scheduling",
+    "mm_encoder_offload",
 )
 
 
@@ -62,6 +63,9 @@ def add_parser(subparsers) -> None:
                         help='image resize bounds, e.g. \'{"max_pixels": 1048576}\' (min_pixels, max_pixels)')
     images.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
                         help="file:// image URLs are read when the file lies inside DIR (default: refused)")
+    images.add_argument("--mm-encoder-offload", action=argparse.BooleanOptionalAction, default=None,
+                        help="the vision tower's weights in pinned host memory, copied to the device block by "
+                        "block while it encodes (default: auto, on CUDA when the cache plan needs the room)")
     clients = parser.add_argument_group("clients (what one client may cost the others)")
     clients.add_argument("--max-n", type=int, default=16, help="choices one request may ask for (n), at most")
     clients.add_argument("--max-request-bytes", type=int, default=8 << 20,
