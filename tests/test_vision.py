@@ -433,6 +433,47 @@ def test_prefix_cache_keeps_images_apart(demo_vlm):
     assert list(again.outputs[0].token_ids) == list(first.outputs[0].token_ids)
 
 
+def test_encoder_cache_is_lru_within_its_bytes():
+    from tierlm.engine.encoder import EncoderCache
+
+    cache, feature = EncoderCache(max_bytes=2 * 4 * 16), torch.zeros(4, 4)  # two [4, 4] fp32 features
+    cache.put(b"a", feature)
+    cache.put(b"b", feature + 1)
+    assert cache.get(b"a") is not None  # now b is the least recently used
+    cache.put(b"c", feature + 2)
+    assert b"b" not in cache and b"a" in cache and b"c" in cache and cache.nbytes == 128
+    cache.put(b"huge", torch.zeros(9, 4))  # larger than the whole bound: not kept, nothing evicted
+    assert len(cache) == 2 and b"huge" not in cache
+    assert cache.hits == 1
+
+
+def test_encoder_cache_skips_the_tower_for_an_image_seen_before(demo_vlm):
+    """A second request with the same image behind other text (so no prefix-cache block reaches its rows)
+    takes its features from the encoder cache: the tower runs once. Here the tower streams from host
+    memory (--mm-encoder-offload), and the tokens equal the resident engine's."""
+    from tierlm import LLM, SamplingParams
+
+    folder, resident = demo_vlm
+    llm = LLM(str(folder), dtype="float32", device="cpu", max_model_len=256, max_num_batched_tokens=16,
+              mm_encoder_offload=True)
+    tower = llm.engine.model.visual
+    assert tower.streamed is not None
+    calls = []
+    encode = tower.forward
+    tower.forward = lambda *args: calls.append(1) or encode(*args)
+    params = SamplingParams(**GREEDY_IMAGE)
+    image = random_image(4)
+    first = llm.chat(image_chat(image), params)[0]
+    other = [{"role": "system", "content": "a different system prompt"}, *image_chat(image)[1:]]
+    second = llm.chat(other, params)[0]
+    image_row = second.prompt_token_ids.index(llm.engine.model_config.vision.image_token_id)
+    assert len(calls) == 1 and second.num_cached_tokens <= image_row and llm.engine.encoder_cache.hits == 1
+    assert [list(o.outputs[0].token_ids) for o in (first, second)] == [
+        list(resident.chat(m, params)[0].outputs[0].token_ids) for m in (image_chat(image), other)]
+    llm.chat(image_chat(random_image(5)), params)
+    assert len(calls) == 2
+
+
 def test_server_answers_a_chat_with_a_data_url_image(demo_vlm):
     """/v1/chat/completions with a data: URL image (in-process, prefix caching off) answers the tokens
     LLM.chat gives for the same messages."""

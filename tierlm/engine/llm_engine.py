@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from tierlm.engine.cache_manager import CacheManager
-from tierlm.engine.encoder import place_vision_tower
+from tierlm.engine.encoder import DEFAULT_ENCODER_CACHE_BYTES, EncoderCache, place_vision_tower
 from tierlm.engine.images import RequestImage, request_images
 from tierlm.engine.model_runner import LaunchedStep, ModelRunner, StepResult
 from tierlm.engine.request import Request, RequestStatus
@@ -207,6 +207,8 @@ class EngineConfig:
     # the vision tower's weights in pinned host memory, streamed to the device per encode (engine/encoder.py;
     # vLLM-style name); None: auto, on CUDA when the cache plan needs the room
     mm_encoder_offload: bool | None = None
+    # the vision tower's features of recent images, by image digest, LRU within this many bytes (0: off)
+    mm_encoder_cache_bytes: int = DEFAULT_ENCODER_CACHE_BYTES
 
 
 class _PrefetchListener(RequestListener):
@@ -343,8 +345,9 @@ class LLMEngine:
                 self.prefetcher = PrefetchWorker(self.ngram_store)
         listener = _PrefetchListener(self.prefetcher) if self.prefetcher else None
         k = speculative.num_speculative_tokens if speculative is not None else 0
+        self.encoder_cache = EncoderCache(config.mm_encoder_cache_bytes) if mc.vision is not None else None
         self.scheduler = Scheduler(self.cache_manager, config.max_num_seqs, config.max_num_batched_tokens, listener,
-                                   num_speculative_tokens=k)
+                                   num_speculative_tokens=k, encoder_cache=self.encoder_cache)
         block_size = plan.block_size
         static_decode, static_drafts = None, None
         mode = runner_mode(device, config.compile_decode, config.enforce_eager)
@@ -363,7 +366,7 @@ class LLMEngine:
                     rows_per_request=rows) for i in range(len(self.model.mtp.layers)) for rows in (1, 1 + k)}
         self.runner = ModelRunner(
             self.model, self.cache, Sampler(config.seed), self._decode_token,
-            static_decode if speculative is None else None, self.ngram_store,
+            static_decode if speculative is None else None, self.ngram_store, self.encoder_cache,
         )
         if speculative is not None:
             self.runner = SpeculativeRunner(self.runner, speculative, plan.num_slots, config.seed, static_decode,
@@ -397,7 +400,7 @@ class LLMEngine:
         self.cache_manager = CacheManager(
             driver.cache, config.max_num_seqs, stage.plan.num_checkpoints, config.enable_prefix_caching
         )
-        self.ngram_store = self.prefetcher = None
+        self.ngram_store = self.prefetcher = self.encoder_cache = None  # images are refused with PP
         self.scheduler = Scheduler(self.cache_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = driver.runner
         self._finish_init()

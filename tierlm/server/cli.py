@@ -30,7 +30,7 @@ ENGINE_FLAGS = (
     "qsa_row_cache_rows", "qsa_row_cache_max_batch", "checkpoint_host_bytes", "qsa_row_cache_bytes",
     "load_format", "trace",
     "pipeline_parallel_size", "pp_layer_partition", "speculative_config", "async_scheduling",
-    "mm_encoder_offload",
+    "mm_encoder_offload", "mm_encoder_cache_bytes",
 )
 
 
@@ -66,6 +66,9 @@ def add_parser(subparsers) -> None:
     images.add_argument("--mm-encoder-offload", action=argparse.BooleanOptionalAction, default=None,
                         help="the vision tower's weights in pinned host memory, copied to the device block by "
                         "block while it encodes (default: auto, on CUDA when the cache plan needs the room)")
+    images.add_argument("--mm-encoder-cache-bytes", type=int, default=None,
+                        help="device memory for the vision tower's features of recent images, reused by later "
+                        "requests with the same image (LRU; 0: off; default 128 MiB)")
     clients = parser.add_argument_group("clients (what one client may cost the others)")
     clients.add_argument("--max-n", type=int, default=16, help="choices one request may ask for (n), at most")
     clients.add_argument("--max-request-bytes", type=int, default=8 << 20,
