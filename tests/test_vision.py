@@ -243,7 +243,8 @@ def png_data_url(width: int, height: int) -> str:
 
 
 @pytest.mark.parametrize("urls,param,words", [
-    (["http://example.com/cat.png"], "messages[1].content[0]", "only data: URLs"),
+    (["http://example.com/cat.png"], "messages[1].content[0]", "not enabled on this server (--allowed-media-domains)"),
+    (["ftp://example.com/cat.png"], "messages[1].content[0]", "only data: URLs are accepted, not 'ftp'"),
     (["data:image/png,rawbytes"], "messages[1].content[0]", "data:image/<type>;base64"),
     (["data:text/plain;base64,aGk="], "messages[1].content[0]", "data:image/<type>;base64"),
     (["data:image/png;base64,@@@"], "messages[1].content[0]", "not valid base64"),
@@ -302,6 +303,85 @@ def test_local_files_are_read_only_inside_the_allowed_folder(tmp_path):
         load_images(without, "m", chat_with_images((allowed / "cat.png").as_uri()))
     with pytest.raises(ValueError, match="--allowed-local-media-path"):
         ImageInputs.for_model("/nonexistent", processor_vision(), None, None, str(tmp_path / "missing"))
+
+
+@pytest.fixture
+def image_host(monkeypatch):
+    """A local http.server in a thread: /cat.png (a PNG), /big.png (past a 1,000-byte bound), /junk (not an
+    image), /slow.png (held until the test ends), /moved (a redirect to localhost, another host name),
+    anything else 404; yields its base URL on 127.0.0.1."""
+    import base64
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    for name in ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY", "all_proxy", "ALL_PROXY"):
+        monkeypatch.delenv(name, raising=False)
+    png = base64.b64decode(png_data_url(30, 12).split(",", 1)[1])
+    release = threading.Event()
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):
+            if self.path == "/moved":
+                self.send_response(302)
+                self.send_header("Location", f"http://localhost:{self.server.server_port}/cat.png")
+                self.end_headers()
+                return
+            if self.path == "/slow.png":
+                release.wait(30)
+            body = {"/cat.png": png, "/slow.png": png, "/big.png": bytes(1001), "/junk": b"not an image"}.get(self.path)
+            self.send_response(200 if body is not None else 404)
+            self.send_header("Content-Length", str(len(body or b"")))
+            self.end_headers()
+            self.wfile.write(body or b"")
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_port}"
+    release.set()
+    server.shutdown()
+    server.server_close()
+
+
+def test_http_images_fetched_from_allowed_domains_only(image_host):
+    """http(s) image_url parts: fetched (off the event loop) when the host is allowed, giving the data:
+    URL's patches; refused with a 400 naming the part for another host (redirects too), a timeout, a body
+    past the size bound, an HTTP error, bytes that are no image, or without --allowed-media-domains."""
+    import asyncio
+    import dataclasses
+
+    from tierlm.server.images import ImageInputs, fetch_remote_images, load_images
+    from tierlm.server.protocol import ApiError
+
+    resize = '{"min_pixels": 16, "max_pixels": 64}'
+    inputs = ImageInputs.for_model("/nonexistent", processor_vision(), None, resize, None, ["127.0.0.1"], 0.5)
+    inputs = dataclasses.replace(inputs, fetcher=dataclasses.replace(inputs.fetcher, max_bytes=1000))
+
+    def load(url: str, images=inputs):
+        request = chat_with_images(url)
+        return load_images(images, "m", request, asyncio.run(fetch_remote_images(images, "m", request)))
+
+    [fetched] = load(f"{image_host}/cat.png")
+    [expected] = load_images(inputs, "m", chat_with_images(png_data_url(30, 12)))
+    assert fetched.grid == expected.grid and torch.equal(fetched.patches, expected.patches)
+    port = image_host.rsplit(":", 1)[1]
+    for url, words in [(f"http://localhost:{port}/cat.png", "host 'localhost' is not in --allowed-media-domains"),
+                       (f"{image_host}/moved", "redirected to http://localhost"),
+                       (f"{image_host}/slow.png", "timed out after 0.5 s"),
+                       (f"{image_host}/big.png", "larger than 1,000 bytes"),
+                       (f"{image_host}/missing.png", "HTTP 404"),
+                       (f"{image_host}/junk", "could not be decoded")]:
+        with pytest.raises(ApiError, match=words) as caught:
+            load(url)
+        assert caught.value.status == 400 and caught.value.param == "messages[1].content[0]"
+    without = ImageInputs.for_model("/nonexistent", processor_vision(), None, resize)
+    with pytest.raises(ApiError, match="not enabled"):
+        load(f"{image_host}/cat.png", without)
+    for domains, timeout, words in [(["http://x.org"], 5, "not a host name"), (["x.org"], 0, "more than 0")]:
+        with pytest.raises(ValueError, match=words):
+            ImageInputs.for_model("/nonexistent", processor_vision(), None, None, None, domains, timeout)
 
 
 def test_image_flags_are_checked():
@@ -474,9 +554,9 @@ def test_encoder_cache_skips_the_tower_for_an_image_seen_before(demo_vlm):
     assert len(calls) == 2
 
 
-def test_server_answers_a_chat_with_a_data_url_image(demo_vlm):
+def test_server_answers_a_chat_with_a_data_url_image(demo_vlm, image_host):
     """/v1/chat/completions with a data: URL image (in-process, prefix caching off) answers the tokens
-    LLM.chat gives for the same messages."""
+    LLM.chat gives for the same messages; an http URL on an allowed host is fetched and answered too."""
     import asyncio
     import base64
     import io
@@ -496,18 +576,21 @@ def test_server_answers_a_chat_with_a_data_url_image(demo_vlm):
     engine = AsyncEngine(LLMEngine(EngineConfig(str(folder), dtype="float32", device="cpu", max_model_len=256,
                                                 enable_prefix_caching=False)), "vlm")
 
-    async def ask() -> httpx.Response:
+    async def ask() -> list[httpx.Response]:
         engine.start()
         try:
-            transport = httpx.ASGITransport(app=build_app(engine, "vlm"))
-            async with httpx.AsyncClient(transport=transport, base_url="http://tierlm", timeout=60) as client:
-                return await client.post("/v1/chat/completions", json={"model": "vlm", "messages": messages, **GREEDY_IMAGE})
+            app = build_app(engine, "vlm", allowed_media_domains=["127.0.0.1"])
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://tierlm",
+                                         timeout=60) as client:
+                return [await client.post("/v1/chat/completions", json={"model": "vlm", "messages": m, **GREEDY_IMAGE})
+                        for m in (messages, image_chat(f"{image_host}/cat.png"))]
         finally:
             engine.stop()
 
-    response = asyncio.run(ask())
+    response, fetched = asyncio.run(ask())
     assert response.status_code == 200, response.text
     assert expected and response.json()["choices"][0]["message"]["content"] == expected
+    assert fetched.status_code == 200 and fetched.json()["usage"]["prompt_tokens"] > 0, fetched.text
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (CUDA graphs)")
