@@ -19,15 +19,13 @@ request a repeated image hits the same way. 0 bytes turns it off.
 
 from __future__ import annotations
 
-import logging
+import dataclasses
 from collections import OrderedDict
 from collections.abc import Callable
 
 import torch
 
 from tierlm.memory.plan import CachePlan, CapacityError
-
-logger = logging.getLogger(__name__)
 
 DEFAULT_ENCODER_CACHE_BYTES = 128 << 20  # ~24 images of 1,024 features at width 2560 in bf16
 
@@ -56,17 +54,23 @@ def place_vision_tower(
             offload, reason = True, "auto: the device is short of max_num_seqs requests of max_model_len with it"
     else:
         reason = "--mm-encoder-offload" if offload else "--no-mm-encoder-offload"
-    if offload:
-        tower.stream_from_host(device)
-        if device.type == "cuda":
-            torch.cuda.empty_cache()  # the tower's device copies were freed: the plan measures the room
-    return plan(), _line(tower, offload, reason)
+    if not offload:
+        return plan(), _line(tower, False, reason)
+    tower.stream_from_host(device)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # the tower's device copies were freed: the plan measures the room
+    streamed = plan()  # its reported weights (from the checkpoint layout) leave the tower out
+    return dataclasses.replace(streamed, weights_bytes=streamed.weights_bytes - _bytes(tower)), _line(
+        tower, True, reason)
+
+
+def _bytes(tower) -> int:
+    return sum(p.numel() * p.element_size() for p in tower.parameters())
 
 
 def _line(tower, streamed: bool, reason: str) -> str:
-    nbytes = sum(p.numel() * p.element_size() for p in tower.parameters())
     where = "in host memory, streamed to the device unit by unit" if streamed else "resident on the device"
-    return f"vision tower: {nbytes:,} B of weights {where} ({reason})"
+    return f"vision tower: {_bytes(tower):,} B of weights {where} ({reason})"
 
 
 class EncoderCache:
