@@ -60,20 +60,27 @@ def test_tower_rejects_patches_that_do_not_fit_the_grids():
         tower(torch.zeros(9, 24), [(1, 2, 4)])
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a GPU (side-stream copies)"))])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_streamed_tower_equals_the_resident_tower_bit_for_bit(dtype):
+def test_streamed_tower_equals_the_resident_tower_bit_for_bit(dtype, device):
     """--mm-encoder-offload: the tower's weights in host buffers, each unit copied into one of two slots
-    as the forward reaches it (plain copies on CPU), gives the resident tower's features exactly."""
-    resident = VisionTower(VisionConfig.from_dict(TINY_VISION, {})).to(dtype).eval()
-    streamed = VisionTower(VisionConfig.from_dict(TINY_VISION, {})).to(dtype).eval()
-    streamed.load_state_dict(resident.state_dict())
-    streamed.stream_from_host("cpu")
+    as the forward reaches it (plain copies on CPU; a side stream and events on CUDA), gives the resident
+    tower's features exactly; on CUDA the streamed tower holds no device bytes between encodes."""
+    resident = VisionTower(VisionConfig.from_dict(TINY_VISION, {})).to(device, dtype).eval()
     patches = torch.randn(sum(t * h * w for t, h, w in GRIDS), resident.config.patch_values,
-                          generator=torch.Generator().manual_seed(1)).to(dtype)
+                          generator=torch.Generator().manual_seed(1)).to(device, dtype)
     with torch.no_grad():
         expected = resident(patches, GRIDS)
+    before = torch.cuda.memory_allocated() if device == "cuda" else 0
+    streamed = VisionTower(VisionConfig.from_dict(TINY_VISION, {})).to(device, dtype).eval()
+    streamed.load_state_dict(resident.state_dict())
+    streamed.stream_from_host(device)
+    with torch.no_grad():
         assert torch.equal(streamed(patches, GRIDS), expected)
         assert torch.equal(streamed(patches[:8], GRIDS[:1]), resident(patches[:8], GRIDS[:1]))  # twice
+    if device == "cuda":
+        assert torch.cuda.memory_allocated() == before
     units = streamed.streamed.units
     assert len(units) == 2 + TINY_VISION["depth"] + 1 and all(
         p.data_ptr() >= u.host.data_ptr() and p.data_ptr() < u.host.data_ptr() + u.host.nbytes
