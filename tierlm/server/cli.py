@@ -71,7 +71,7 @@ def add_parser(subparsers) -> None:
     images.add_argument("--mm-encoder-offload", action=argparse.BooleanOptionalAction, default=None,
                         help="the vision tower's weights in pinned host memory, copied to the device block by "
                         "block while it encodes (default: auto, on CUDA when the cache plan needs the room)")
-    images.add_argument("--mm-encoder-cache-bytes", type=int, default=None,
+    images.add_argument("--mm-encoder-cache-bytes", type=int, default=None, metavar="BYTES",
                         help="device memory for the vision tower's features of recent images, reused by later "
                         "requests with the same image (LRU; 0: off; default 128 MiB)")
     clients = parser.add_argument_group("clients (what one client may cost the others)")
