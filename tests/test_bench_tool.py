@@ -245,6 +245,44 @@ def test_failed_turn_fails_the_rest_of_its_conversation(tmp_path):
     assert result["completed"] == 3
 
 
+def test_image_requests_carry_an_image_before_the_first_message_text(tmp_path):
+    """--image-size: a generated PNG of that size before the text of each conversation's first message
+    (only there), one per conversation on the cold lane and one for all on the warm lane; --image FILE:
+    the file's bytes."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    def sent_images(requests) -> list[bytes]:
+        images = []
+        for request in requests:
+            first, *rest = request.payload["messages"]
+            image, text = first["content"]
+            assert image["type"] == "image_url" and text["type"] == "text" and text["text"]
+            assert all(isinstance(m["content"], str) for m in rest)
+            header, data = image["image_url"]["url"].split(",", 1)
+            images.append((header, base64.b64decode(data)))
+        return images
+
+    with FakeOpenAIServer() as server:
+        status, result = bench(server, tmp_path, "--image-size", "40x24", "--num-requests", "3", "--turns", "2")
+        cold = sent_images(server.requests)
+        server.requests.clear()
+        bench(server, tmp_path, "--image-size", "40x24", "--num-requests", "2", "--lane", "warm")
+        warm = sent_images(server.requests)
+        server.requests.clear()
+        Image.new("RGB", (16, 8), (10, 200, 30)).save(tmp_path / "cat.jpg", format="JPEG")
+        bench(server, tmp_path, "--image", str(tmp_path / "cat.jpg"), "--num-requests", "1")
+        from_file = sent_images(server.requests)
+    assert status == 0 and result["failed"] == 0 and result["image"] == "40x24"
+    assert len(cold) == 6 and len({data for _, data in cold}) == 3  # turn 2 resends its conversation's image
+    assert all(header == "data:image/png;base64" and Image.open(io.BytesIO(data)).size == (40, 24)
+               for header, data in cold + warm)
+    assert len({data for _, data in warm}) == 1
+    assert from_file == [("data:image/jpeg;base64", (tmp_path / "cat.jpg").read_bytes())]
+
+
 def test_completions_endpoint_sends_a_transcript(tmp_path):
     with FakeOpenAIServer() as server:
         status, result = bench(
@@ -390,6 +428,9 @@ def test_plot_is_written(tmp_path):
         (["--compare", "/no/such/result.json"], "--compare: no such file"),
         (["--tokenizer", "/no/such/tokenizer.json"], "--tokenizer: no tokenizer file"),
         (["--base-url", "127.0.0.1:8000"], "--base-url must start with http://"),
+        (["--image", "/no/such/image.png"], "--image: no such file"),
+        (["--image-size", "0x64"], "--image-size must read WIDTHxHEIGHT"),
+        (["--image-size", "64x64", "--endpoint", "completions"], "need --endpoint chat"),
     ],
 )
 def test_bad_arguments_exit_2_with_a_message(tmp_path, capsys, extra, message):

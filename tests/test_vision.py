@@ -60,6 +60,33 @@ def test_tower_rejects_patches_that_do_not_fit_the_grids():
         tower(torch.zeros(9, 24), [(1, 2, 4)])
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a GPU (side-stream copies)"))])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_streamed_tower_equals_the_resident_tower_bit_for_bit(dtype, device):
+    """--mm-encoder-offload: the tower's weights in host buffers, each unit copied into one of two slots
+    as the forward reaches it (plain copies on CPU; a side stream and events on CUDA), gives the resident
+    tower's features exactly; on CUDA the streamed tower holds no device bytes between encodes."""
+    resident = VisionTower(VisionConfig.from_dict(TINY_VISION, {})).to(device, dtype).eval()
+    patches = torch.randn(sum(t * h * w for t, h, w in GRIDS), resident.config.patch_values,
+                          generator=torch.Generator().manual_seed(1)).to(device, dtype)
+    with torch.no_grad():
+        expected = resident(patches, GRIDS)
+    before = torch.cuda.memory_allocated() if device == "cuda" else 0
+    streamed = VisionTower(VisionConfig.from_dict(TINY_VISION, {})).to(device, dtype).eval()
+    streamed.load_state_dict(resident.state_dict())
+    streamed.stream_from_host(device)
+    with torch.no_grad():
+        assert torch.equal(streamed(patches, GRIDS), expected)
+        assert torch.equal(streamed(patches[:8], GRIDS[:1]), resident(patches[:8], GRIDS[:1]))  # twice
+    if device == "cuda":
+        assert torch.cuda.memory_allocated() == before
+    units = streamed.streamed.units
+    assert len(units) == 2 + TINY_VISION["depth"] + 1 and all(
+        p.data_ptr() >= u.host.data_ptr() and p.data_ptr() < u.host.data_ptr() + u.host.nbytes
+        for u in units for p in u.module.parameters())  # the module's own weights are views of the host buffers
+
+
 # ---- the whole model: an image in the prompt -------------------------------------------------------
 IMAGE, START, END = 500, 501, 502  # token ids of the tiny vocabulary (512)
 PROMPT_GRID = (1, 4, 6)  # 6 merged features: a 2 x 3 grid, so text resumes 3 positions after the image
@@ -223,7 +250,8 @@ def png_data_url(width: int, height: int) -> str:
 
 
 @pytest.mark.parametrize("urls,param,words", [
-    (["http://example.com/cat.png"], "messages[1].content[0]", "only data: URLs"),
+    (["http://example.com/cat.png"], "messages[1].content[0]", "not enabled on this server (--allowed-media-domains)"),
+    (["ftp://example.com/cat.png"], "messages[1].content[0]", "only data: URLs are accepted, not 'ftp'"),
     (["data:image/png,rawbytes"], "messages[1].content[0]", "data:image/<type>;base64"),
     (["data:text/plain;base64,aGk="], "messages[1].content[0]", "data:image/<type>;base64"),
     (["data:image/png;base64,@@@"], "messages[1].content[0]", "not valid base64"),
@@ -282,6 +310,85 @@ def test_local_files_are_read_only_inside_the_allowed_folder(tmp_path):
         load_images(without, "m", chat_with_images((allowed / "cat.png").as_uri()))
     with pytest.raises(ValueError, match="--allowed-local-media-path"):
         ImageInputs.for_model("/nonexistent", processor_vision(), None, None, str(tmp_path / "missing"))
+
+
+@pytest.fixture
+def image_host(monkeypatch):
+    """A local http.server in a thread: /cat.png (a PNG), /big.png (past a 1,000-byte bound), /junk (not an
+    image), /slow.png (held until the test ends), /moved (a redirect to localhost, another host name),
+    anything else 404; yields its base URL on 127.0.0.1."""
+    import base64
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    for name in ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY", "all_proxy", "ALL_PROXY"):
+        monkeypatch.delenv(name, raising=False)
+    png = base64.b64decode(png_data_url(30, 12).split(",", 1)[1])
+    release = threading.Event()
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):
+            if self.path == "/moved":
+                self.send_response(302)
+                self.send_header("Location", f"http://localhost:{self.server.server_port}/cat.png")
+                self.end_headers()
+                return
+            if self.path == "/slow.png":
+                release.wait(30)
+            body = {"/cat.png": png, "/slow.png": png, "/big.png": bytes(1001), "/junk": b"not an image"}.get(self.path)
+            self.send_response(200 if body is not None else 404)
+            self.send_header("Content-Length", str(len(body or b"")))
+            self.end_headers()
+            self.wfile.write(body or b"")
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_port}"
+    release.set()
+    server.shutdown()
+    server.server_close()
+
+
+def test_http_images_fetched_from_allowed_domains_only(image_host):
+    """http(s) image_url parts: fetched (off the event loop) when the host is allowed, giving the data:
+    URL's patches; refused with a 400 naming the part for another host (redirects too), a timeout, a body
+    past the size bound, an HTTP error, bytes that are no image, or without --allowed-media-domains."""
+    import asyncio
+    import dataclasses
+
+    from tierlm.server.images import ImageInputs, fetch_remote_images, load_images
+    from tierlm.server.protocol import ApiError
+
+    resize = '{"min_pixels": 16, "max_pixels": 64}'
+    inputs = ImageInputs.for_model("/nonexistent", processor_vision(), None, resize, None, ["127.0.0.1"], 0.5)
+    inputs = dataclasses.replace(inputs, fetcher=dataclasses.replace(inputs.fetcher, max_bytes=1000))
+
+    def load(url: str, images=inputs):
+        request = chat_with_images(url)
+        return load_images(images, "m", request, asyncio.run(fetch_remote_images(images, "m", request)))
+
+    [fetched] = load(f"{image_host}/cat.png")
+    [expected] = load_images(inputs, "m", chat_with_images(png_data_url(30, 12)))
+    assert fetched.grid == expected.grid and torch.equal(fetched.patches, expected.patches)
+    port = image_host.rsplit(":", 1)[1]
+    for url, words in [(f"http://localhost:{port}/cat.png", "host 'localhost' is not in --allowed-media-domains"),
+                       (f"{image_host}/moved", "redirected to http://localhost"),
+                       (f"{image_host}/slow.png", "timed out after 0.5 s"),
+                       (f"{image_host}/big.png", "larger than 1,000 bytes"),
+                       (f"{image_host}/missing.png", "HTTP 404"),
+                       (f"{image_host}/junk", "could not be decoded")]:
+        with pytest.raises(ApiError, match=words) as caught:
+            load(url)
+        assert caught.value.status == 400 and caught.value.param == "messages[1].content[0]"
+    without = ImageInputs.for_model("/nonexistent", processor_vision(), None, resize)
+    with pytest.raises(ApiError, match="not enabled"):
+        load(f"{image_host}/cat.png", without)
+    for domains, timeout, words in [(["http://x.org"], 5, "not a host name"), (["x.org"], 0, "more than 0")]:
+        with pytest.raises(ValueError, match=words):
+            ImageInputs.for_model("/nonexistent", processor_vision(), None, None, None, domains, timeout)
 
 
 def test_image_flags_are_checked():
@@ -413,9 +520,50 @@ def test_prefix_cache_keeps_images_apart(demo_vlm):
     assert list(again.outputs[0].token_ids) == list(first.outputs[0].token_ids)
 
 
-def test_server_answers_a_chat_with_a_data_url_image(demo_vlm):
+def test_encoder_cache_is_lru_within_its_bytes():
+    from tierlm.engine.encoder import EncoderCache
+
+    cache, feature = EncoderCache(max_bytes=2 * 4 * 16), torch.zeros(4, 4)  # two [4, 4] fp32 features
+    cache.put(b"a", feature)
+    cache.put(b"b", feature + 1)
+    assert cache.get(b"a") is not None  # now b is the least recently used
+    cache.put(b"c", feature + 2)
+    assert b"b" not in cache and b"a" in cache and b"c" in cache and cache.nbytes == 128
+    cache.put(b"huge", torch.zeros(9, 4))  # larger than the whole bound: not kept, nothing evicted
+    assert len(cache) == 2 and b"huge" not in cache
+    assert cache.hits == 1
+
+
+def test_encoder_cache_skips_the_tower_for_an_image_seen_before(demo_vlm):
+    """A second request with the same image behind other text (so no prefix-cache block reaches its rows)
+    takes its features from the encoder cache: the tower runs once. Here the tower streams from host
+    memory (--mm-encoder-offload), and the tokens equal the resident engine's."""
+    from tierlm import LLM, SamplingParams
+
+    folder, resident = demo_vlm
+    llm = LLM(str(folder), dtype="float32", device="cpu", max_model_len=256, max_num_batched_tokens=16,
+              mm_encoder_offload=True)
+    tower = llm.engine.model.visual
+    assert tower.streamed is not None
+    calls = []
+    encode = tower.forward
+    tower.forward = lambda *args: calls.append(1) or encode(*args)
+    params = SamplingParams(**GREEDY_IMAGE)
+    image = random_image(4)
+    first = llm.chat(image_chat(image), params)[0]
+    other = [{"role": "system", "content": "a different system prompt"}, *image_chat(image)[1:]]
+    second = llm.chat(other, params)[0]
+    image_row = second.prompt_token_ids.index(llm.engine.model_config.vision.image_token_id)
+    assert len(calls) == 1 and second.num_cached_tokens <= image_row and llm.engine.encoder_cache.hits == 1
+    assert [list(o.outputs[0].token_ids) for o in (first, second)] == [
+        list(resident.chat(m, params)[0].outputs[0].token_ids) for m in (image_chat(image), other)]
+    llm.chat(image_chat(random_image(5)), params)
+    assert len(calls) == 2
+
+
+def test_server_answers_a_chat_with_a_data_url_image(demo_vlm, image_host):
     """/v1/chat/completions with a data: URL image (in-process, prefix caching off) answers the tokens
-    LLM.chat gives for the same messages."""
+    LLM.chat gives for the same messages; an http URL on an allowed host is fetched and answered too."""
     import asyncio
     import base64
     import io
@@ -435,18 +583,21 @@ def test_server_answers_a_chat_with_a_data_url_image(demo_vlm):
     engine = AsyncEngine(LLMEngine(EngineConfig(str(folder), dtype="float32", device="cpu", max_model_len=256,
                                                 enable_prefix_caching=False)), "vlm")
 
-    async def ask() -> httpx.Response:
+    async def ask() -> list[httpx.Response]:
         engine.start()
         try:
-            transport = httpx.ASGITransport(app=build_app(engine, "vlm"))
-            async with httpx.AsyncClient(transport=transport, base_url="http://tierlm", timeout=60) as client:
-                return await client.post("/v1/chat/completions", json={"model": "vlm", "messages": messages, **GREEDY_IMAGE})
+            app = build_app(engine, "vlm", allowed_media_domains=["127.0.0.1"])
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://tierlm",
+                                         timeout=60) as client:
+                return [await client.post("/v1/chat/completions", json={"model": "vlm", "messages": m, **GREEDY_IMAGE})
+                        for m in (messages, image_chat(f"{image_host}/cat.png"))]
         finally:
             engine.stop()
 
-    response = asyncio.run(ask())
+    response, fetched = asyncio.run(ask())
     assert response.status_code == 200, response.text
     assert expected and response.json()["choices"][0]["message"]["content"] == expected
+    assert fetched.status_code == 200 and fetched.json()["usage"]["prompt_tokens"] > 0, fetched.text
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (CUDA graphs)")

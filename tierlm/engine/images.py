@@ -6,9 +6,10 @@ marker was already widened to its placeholder run (`multimodal/prompt.py`). The 
 its run (first prompt row, length) and a digest of its grid and patches: the prefix cache mixes the digest
 into the hash of every block the run touches (vLLM's mm hashes), so equal placeholder ids of different
 images never share blocks. The vision tower runs once per image, at the first prefill chunk that reaches
-its run; the features stay on the request until a chunk has taken its last row (a preempted request,
-recomputed from its start, encodes again). The scheduler counts an image's features in the step's token
-budget when the chunk encodes it (`encoder_tokens`).
+its run, unless the engine's encoder cache (engine/encoder.py) holds the image's digest; the features stay
+on the request until a chunk has taken its last row (a preempted request, recomputed from its start, takes
+them again from the cache or encodes again). The scheduler counts an image's features in the step's token
+budget when the chunk encodes it (`encoder_tokens`; a cached image costs nothing).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from tierlm.config import VisionConfig
+from tierlm.engine.encoder import EncoderCache
 from tierlm.model.vision.grid import merged_tokens
 from tierlm.model.vision.mrope import MropePositions
 from tierlm.multimodal.image_processor import ProcessedImage
@@ -81,26 +83,34 @@ def request_images(
     return located, MropePositions.of_prompt(token_ids, vision.image_token_id, [i.grid for i in images], merge)
 
 
-def encoder_tokens(request, start: int, end: int) -> int:
+def encoder_tokens(request, start: int, end: int, cache: EncoderCache | None = None) -> int:
     """Features the vision tower computes for a chunk [start, end) of the request: those of the images it
-    reaches that are not encoded yet (what the scheduler counts in its budget)."""
+    reaches that are neither on the request nor in the encoder cache (what the scheduler counts in its
+    budget)."""
     return sum(image.num_tokens for index, image in enumerate(request.images)
-               if image.overlaps(start, end) and index not in request.image_features)
+               if image.overlaps(start, end) and index not in request.image_features
+               and not (cache is not None and image.digest in cache))
 
 
-def chunk_image_rows(model, request, start: int, end: int, first_row: int) -> list[tuple[torch.Tensor, range]]:
+def chunk_image_rows(
+    model, request, start: int, end: int, first_row: int, cache: EncoderCache | None = None
+) -> list[tuple[torch.Tensor, range]]:
     """The features of a chunk [start, end) of the request's tokens (packed from `first_row` on) and the
-    packed rows they replace, per image it reaches: each image encoded at the first chunk that reaches it
-    (kept on the request), dropped after the chunk that takes its last row."""
+    packed rows they replace, per image it reaches: each image's features taken from the encoder cache or
+    encoded (and cached) at the first chunk that reaches it, kept on the request, dropped after the chunk
+    that takes its last row."""
     pieces = []
     for index, image in enumerate(request.images):
         if not image.overlaps(start, end):
             continue
         features = request.image_features.get(index)
+        if features is None and cache is not None:
+            features = cache.get(image.digest)
         if features is None:
-            tower = next(model.visual.parameters())
-            features = model.encode_images(image.patches.to(tower.device, tower.dtype), [image.grid])
-            request.image_features[index] = features
+            features = model.encode_images(image.patches.to(model.visual.device, model.visual.dtype), [image.grid])
+            if cache is not None:
+                cache.put(image.digest, features)
+        request.image_features[index] = features
         lo, hi = max(start, image.start), min(end, image.end)
         pieces.append((features[lo - image.start : hi - image.start], range(first_row + lo - start, first_row + hi - start)))
         if hi == image.end:

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from tierlm.engine.cache_manager import CacheManager
+from tierlm.engine.encoder import DEFAULT_ENCODER_CACHE_BYTES, EncoderCache, place_vision_tower
 from tierlm.engine.images import RequestImage, request_images
 from tierlm.engine.model_runner import LaunchedStep, ModelRunner, StepResult
 from tierlm.engine.request import Request, RequestStatus
@@ -203,6 +204,11 @@ class EngineConfig:
     # overlap scheduling (vLLM's --async-scheduling): launch the next step before reading this one's ids
     # (see the module docstring); TIERLM_NO_ASYNC_SCHEDULING=1 turns it off too
     async_scheduling: bool = True
+    # the vision tower's weights in pinned host memory, streamed to the device per encode (engine/encoder.py;
+    # vLLM-style name); None: auto, on CUDA when the cache plan needs the room
+    mm_encoder_offload: bool | None = None
+    # the vision tower's features of recent images, by image digest, LRU within this many bytes (0: off)
+    mm_encoder_cache_bytes: int = DEFAULT_ENCODER_CACHE_BYTES
 
 
 class _PrefetchListener(RequestListener):
@@ -305,14 +311,17 @@ class LLMEngine:
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
         dtype = next(self.model.parameters()).dtype
         device = next(self.model.parameters()).device
-        self.cache_plan = engine_cache_plan(
-            config, mc, str(dtype).removeprefix("torch."), str(device), 0,
-            ple_mapped=table_dir is not None and bool(mc.ple_layer_ids),
-            quantization=read_quantization_config(model_dir),
-            mtp=None if getattr(self.model, "mtp", None) is None else MTPLayout(
-                len(self.model.mtp.layers), self.model.mtp.shared_head is not None),
+        quantization = read_quantization_config(model_dir)
+        self.cache_plan, tower_line = place_vision_tower(
+            self.model, config.mm_encoder_offload, device, config.max_num_seqs, config.qsa_kv_offload is None,
+            lambda: engine_cache_plan(
+                config, mc, str(dtype).removeprefix("torch."), str(device), 0,
+                ple_mapped=table_dir is not None and bool(mc.ple_layer_ids), quantization=quantization,
+                mtp=None if getattr(self.model, "mtp", None) is None else MTPLayout(
+                    len(self.model.mtp.layers), self.model.mtp.shared_head is not None),
+            ),
         )
-        for line in self.cache_plan.lines():
+        for line in self.cache_plan.lines() + ([tower_line] if tower_line else []):
             logger.info(line)
         plan = self.cache_plan
         self.cache = ModelCache(
@@ -336,8 +345,9 @@ class LLMEngine:
                 self.prefetcher = PrefetchWorker(self.ngram_store)
         listener = _PrefetchListener(self.prefetcher) if self.prefetcher else None
         k = speculative.num_speculative_tokens if speculative is not None else 0
+        self.encoder_cache = EncoderCache(config.mm_encoder_cache_bytes) if mc.vision is not None else None
         self.scheduler = Scheduler(self.cache_manager, config.max_num_seqs, config.max_num_batched_tokens, listener,
-                                   num_speculative_tokens=k)
+                                   num_speculative_tokens=k, encoder_cache=self.encoder_cache)
         block_size = plan.block_size
         static_decode, static_drafts = None, None
         mode = runner_mode(device, config.compile_decode, config.enforce_eager)
@@ -356,7 +366,7 @@ class LLMEngine:
                     rows_per_request=rows) for i in range(len(self.model.mtp.layers)) for rows in (1, 1 + k)}
         self.runner = ModelRunner(
             self.model, self.cache, Sampler(config.seed), self._decode_token,
-            static_decode if speculative is None else None, self.ngram_store,
+            static_decode if speculative is None else None, self.ngram_store, self.encoder_cache,
         )
         if speculative is not None:
             self.runner = SpeculativeRunner(self.runner, speculative, plan.num_slots, config.seed, static_decode,
@@ -390,7 +400,7 @@ class LLMEngine:
         self.cache_manager = CacheManager(
             driver.cache, config.max_num_seqs, stage.plan.num_checkpoints, config.enable_prefix_caching
         )
-        self.ngram_store = self.prefetcher = None
+        self.ngram_store = self.prefetcher = self.encoder_cache = None  # images are refused with PP
         self.scheduler = Scheduler(self.cache_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = driver.runner
         self._finish_init()

@@ -64,9 +64,11 @@ class LaunchedStep:
 
 class ModelRunner:
     def __init__(
-        self, model, cache: ModelCache, sampler: Sampler, decode_token, static_decode=None, ngram_store=None
+        self, model, cache: ModelCache, sampler: Sampler, decode_token, static_decode=None, ngram_store=None,
+        encoder_cache=None,
     ) -> None:
         self.model = model
+        self.encoder_cache = encoder_cache  # an EncoderCache: image features across requests (engine/encoder.py)
         self.cache = cache
         self.static_decode = static_decode  # a StaticDecodeRunner, or None to run every step eagerly
         self.ngram_store = ngram_store  # an NgramStore when PLE tables are memory-mapped files
@@ -203,7 +205,8 @@ class ModelRunner:
         for chunk in step.chunks:
             request = chunk.request
             if request.images:
-                pieces += chunk_image_rows(self.model, request, chunk.start, chunk.start + chunk.num_tokens, row)
+                pieces += chunk_image_rows(self.model, request, chunk.start, chunk.start + chunk.num_tokens, row,
+                                           self.encoder_cache)
             row += chunk.num_tokens + len(chunk.draft_token_ids)
         if pieces:
             batch.image_features = torch.cat([features for features, _ in pieces])

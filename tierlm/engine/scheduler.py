@@ -73,11 +73,13 @@ class RequestListener:
 class Scheduler:
     def __init__(
         self, cache_manager: CacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-        listener: RequestListener | None = None, num_speculative_tokens: int = 0,
+        listener: RequestListener | None = None, num_speculative_tokens: int = 0, encoder_cache=None,
     ) -> None:
         """num_speculative_tokens: K of speculative decoding (0: off): a decoding request's drafts ride with
-        its last token, and a chunk that samples reserves blocks for K positions past it (the draft head's)."""
+        its last token, and a chunk that samples reserves blocks for K positions past it (the draft head's).
+        encoder_cache: the engine's EncoderCache (an image it holds costs no encoder budget)."""
         self.num_speculative_tokens = num_speculative_tokens
+        self.encoder_cache = encoder_cache
         self.listener = listener or RequestListener()
         self.cache_manager = cache_manager
         self.max_num_seqs = max_num_seqs
@@ -110,7 +112,8 @@ class Scheduler:
             if not self._reserve(request, n + len(drafts) + self._lookahead(request, n), out, busy):
                 break  # the request itself was preempted; nothing after it remains
             out.chunks.append(ScheduledChunk(request, n, drafts))
-            budget -= n + len(drafts) + encoder_tokens(request, request.num_computed_tokens, request.num_computed_tokens + n)
+            budget -= n + len(drafts) + encoder_tokens(
+                request, request.num_computed_tokens, request.num_computed_tokens + n, self.encoder_cache)
             index += 1
         while (self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted
                and len(out.chunks) < room):
@@ -127,7 +130,7 @@ class Scheduler:
             self.listener.admitted(request)
             self.running.append(request)
             out.chunks.append(ScheduledChunk(request, n))
-            budget -= n + encoder_tokens(request, hit, hit + n)
+            budget -= n + encoder_tokens(request, hit, hit + n, self.encoder_cache)
         return out
 
     def _chunk(self, request: Request, start: int, budget: int) -> int:
@@ -138,7 +141,7 @@ class Scheduler:
             n = boundary - start
         # the vision tower's features count too: a chunk that would encode more than the budget holds
         # stops before the first image it reaches past its start (a chunk starting at one takes it whole)
-        while n + encoder_tokens(request, start, start + n) > budget:
+        while n + encoder_tokens(request, start, start + n, self.encoder_cache) > budget:
             later = [image.start for image in request.images if start < image.start < start + n]
             if not later:
                 break

@@ -25,6 +25,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from tierlm.multimodal.fetch import DEFAULT_FETCH_TIMEOUT_S
 from tierlm.server.async_engine import AsyncEngine, EngineDeadError, EngineRequestError
 from tierlm.server.chat import create_chat_completion
 from tierlm.server.completions import create_completion
@@ -62,6 +63,7 @@ def build_app(
     auto_tool_choice: bool = False, reasoning_parser: str | None = None, max_n: int = 16,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, limit_mm_per_prompt: str | None = None,
     mm_processor_kwargs: str | None = None, allowed_local_media_path: str | None = None,
+    allowed_media_domains: list[str] | None = None, image_fetch_timeout: float = DEFAULT_FETCH_TIMEOUT_S,
 ) -> FastAPI:
     """The app around a (not yet started) AsyncEngine; the app's lifespan starts and stops its thread.
 
@@ -81,7 +83,8 @@ def build_app(
         if missing:
             raise ValueError(f"--reasoning-parser {reasoning_parser}: the tokenizer has no token {missing[0]!r}")
     images = ImageInputs.for_model(engine.engine.model_dir, engine.engine.model_config.vision,
-                                   limit_mm_per_prompt, mm_processor_kwargs, allowed_local_media_path)
+                                   limit_mm_per_prompt, mm_processor_kwargs, allowed_local_media_path,
+                                   allowed_media_domains, image_fetch_timeout)
     text_pool = ThreadPoolExecutor(TEXT_THREADS, thread_name_prefix="tierlm-text")
     ctx = ServingContext(
         engine, tokenizer, model_name, engine.engine.max_model_len, text_pool,

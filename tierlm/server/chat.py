@@ -37,7 +37,7 @@ from tierlm.outputs import PositionLogprobs
 from tierlm.sampling_params import StructuredOutputRequest
 from tierlm.server.async_engine import EnginePrompt
 from tierlm.server.chat_parsing import ChatOutputParser
-from tierlm.server.images import expand_prompt, load_images
+from tierlm.server.images import expand_prompt, fetch_remote_images, load_images
 from tierlm.server.protocol import (
     ApiError,
     ChatChoice,
@@ -81,7 +81,8 @@ async def create_chat_completion(
         raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
     tools = [tool.model_dump(exclude_none=True) for tool in request.tools] if request.tools else None
     choice = _tool_choice(request, ctx, tools)
-    images = await ctx.off_loop(load_images, ctx.images, ctx.model_name, request)
+    fetched = await fetch_remote_images(ctx.images, ctx.model_name, request)
+    images = await ctx.off_loop(load_images, ctx.images, ctx.model_name, request, fetched)
     text, token_ids = await ctx.off_loop(_render, ctx, request, tools, choice)
     if images:
         token_ids = expand_prompt(token_ids, ctx.images, images)

@@ -30,6 +30,7 @@ ENGINE_FLAGS = (
     "qsa_row_cache_rows", "qsa_row_cache_max_batch", "checkpoint_host_bytes", "qsa_row_cache_bytes",
     "load_format", "trace",
     "pipeline_parallel_size", "pp_layer_partition", "speculative_config", "async_scheduling",
+    "mm_encoder_offload", "mm_encoder_cache_bytes",
 )
 
 
@@ -62,6 +63,17 @@ def add_parser(subparsers) -> None:
                         help='image resize bounds, e.g. \'{"max_pixels": 1048576}\' (min_pixels, max_pixels)')
     images.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
                         help="file:// image URLs are read when the file lies inside DIR (default: refused)")
+    images.add_argument("--allowed-media-domains", nargs="+", default=None, metavar="HOST",
+                        help="http(s) image URLs are fetched when their host is one of these (redirects too; "
+                        "default: refused)")
+    images.add_argument("--image-fetch-timeout", type=float, default=5.0, metavar="SECONDS",
+                        help="an http(s) image must arrive within this (default 5, vLLM's)")
+    images.add_argument("--mm-encoder-offload", action=argparse.BooleanOptionalAction, default=None,
+                        help="the vision tower's weights in pinned host memory, copied to the device block by "
+                        "block while it encodes (default: auto, on CUDA when the cache plan needs the room)")
+    images.add_argument("--mm-encoder-cache-bytes", type=int, default=None, metavar="BYTES",
+                        help="device memory for the vision tower's features of recent images, reused by later "
+                        "requests with the same image (LRU; 0: off; default 128 MiB)")
     clients = parser.add_argument_group("clients (what one client may cost the others)")
     clients.add_argument("--max-n", type=int, default=16, help="choices one request may ask for (n), at most")
     clients.add_argument("--max-request-bytes", type=int, default=8 << 20,
@@ -202,7 +214,8 @@ def run(args: argparse.Namespace) -> int:
             auto_tool_choice=args.enable_auto_tool_choice, reasoning_parser=args.reasoning_parser,
             max_n=args.max_n, max_request_bytes=args.max_request_bytes,
             limit_mm_per_prompt=args.limit_mm_per_prompt, mm_processor_kwargs=args.mm_processor_kwargs,
-            allowed_local_media_path=args.allowed_local_media_path,
+            allowed_local_media_path=args.allowed_local_media_path, allowed_media_domains=args.allowed_media_domains,
+            image_fetch_timeout=args.image_fetch_timeout,
         )
     except ValueError as exc:
         raise CliError(str(exc)) from None

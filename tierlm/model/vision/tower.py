@@ -9,9 +9,14 @@ Linear to out_hidden_size). Module names mirror the checkpoint, so `model.visual
 Rotary: head_dim/4 frequencies inv_freq_i = theta^(-4i/head_dim); a patch at (row, col) has angles
 cat(row * inv_freq, col * inv_freq), repeated twice over the head (rotate-half over the whole head),
 applied in fp32 and cast back, as the reference does. The weights are held dense (no quant method).
+
+`stream_from_host` (--mm-encoder-offload) moves every weight to (pinned) host memory; forwards then
+stream them to the device unit by unit (`streamed.py`), with bit-identical features.
 """
 
 from __future__ import annotations
+
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +25,7 @@ from torch import nn
 from tierlm.config import VisionConfig
 from tierlm.kernels.norm_rope.naive import apply_rotary
 from tierlm.model.vision.grid import Grid, frame_bounds, patch_coordinates, position_table_taps
+from tierlm.model.vision.streamed import StreamedWeights
 
 LAYER_NORM_EPS = 1e-6
 
@@ -103,6 +109,25 @@ class VisionTower(nn.Module):
         quarter = config.head_dim // 4
         exponents = torch.arange(quarter, dtype=torch.float32, device="cpu") * 4 / config.head_dim  # not on meta
         self.inv_freq = 1.0 / config.rope_theta**exponents
+        self.streamed: StreamedWeights | None = None  # --mm-encoder-offload: the weights in host memory
+
+    def units(self) -> list[nn.Module]:
+        """The modules a forward runs, in its order, each once (what a streamed tower copies one at a time)."""
+        return [self.patch_embed, self.pos_embed, *self.blocks, self.merger]
+
+    def stream_from_host(self, device: torch.device | str) -> None:
+        """Move every weight to host memory (pinned on CUDA); forwards then compute on `device`, each unit's
+        weights copied there one unit ahead of its compute. The caller frees the device's cached blocks."""
+        self.streamed = StreamedWeights(self.units(), device)
+
+    @property
+    def device(self) -> torch.device:
+        """Where the tower computes (its inputs go there)."""
+        return self.streamed.device if self.streamed is not None else self.pos_embed.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.pos_embed.weight.dtype
 
     def forward(self, patches: torch.Tensor, grids: list[Grid]) -> torch.Tensor:
         """patches [P, patch_values] of the images whose grids are `grids` (in order) -> features
@@ -112,18 +137,27 @@ class VisionTower(nn.Module):
         if patches.shape != (expected, c.patch_values):
             raise ValueError(f"patches: expected [{expected}, {c.patch_values}] for grids {grids}, got "
                              f"{list(patches.shape)}")
-        x = self.patch_embed(patches)
-        x = x + self.positions(grids, x.device).to(x.dtype)
-        cos, sin = self.rotary(grids, x.device)
-        frames = frame_bounds(grids)
-        for block in self.blocks:
-            x = block(x, cos, sin, frames)
-        return self.merger(x)
+        with self._weights() as run:  # run(unit, *args): the unit called with its weights on the device
+            x = run(self.patch_embed, patches)
+            x = x + self.positions(grids, x.device, run).to(x.dtype)
+            cos, sin = self.rotary(grids, x.device)
+            frames = frame_bounds(grids)
+            for block in self.blocks:
+                x = run(block, x, cos, sin, frames)
+            return run(self.merger, x)
 
-    def positions(self, grids: list[Grid], device: torch.device) -> torch.Tensor:
+    @contextmanager
+    def _weights(self):
+        if self.streamed is not None:
+            with self.streamed.session() as run:
+                yield run
+        else:
+            yield lambda unit, *args: unit(*args)
+
+    def positions(self, grids: list[Grid], device: torch.device, run) -> torch.Tensor:
         """The learned position embedding of every patch [P, hidden] (fp32): four weighted table rows."""
         indices, weights = position_table_taps(grids, self.config.spatial_merge_size, self.config.position_grid_side)
-        rows = self.pos_embed(indices.to(device)).float()
+        rows = run(self.pos_embed, indices.to(device)).float()
         return (rows * weights.to(device)[..., None]).sum(1)
 
     def rotary(self, grids: list[Grid], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -5,6 +5,7 @@ streaming requests and timestamping every SSE chunk on arrival. The package is s
 
 - `workload`: prompt text for the warm and cold lanes, the state file that keeps cold text unseen,
   and prompt-length approximation;
+- `images`: the image each conversation's first message carries (`--image FILE`, `--image-size WxH`);
 - `client`: one streamed HTTP request, its timings and its failure modes, plus the `/metrics` scrape;
 - `runner`: scheduling (closed loop, Poisson open loop, multi-turn conversations) and progress;
 - `stats`: per-run summaries, the median across runs and the result JSON;

@@ -148,6 +148,21 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         help="turns per conversation; each turn resends the history, answers included (default: 1)",
     )
 
+    images = parser.add_argument_group("images (chat endpoint; a server with a vision tower)")
+    image = images.add_mutually_exclusive_group()
+    image.add_argument(
+        "--image",
+        metavar="FILE",
+        help="send this image (a data: URL) before the text of each conversation's first message; the "
+        "same image every time, so a server's encoder cache may serve it",
+    )
+    image.add_argument(
+        "--image-size",
+        metavar="WxH",
+        help="send a generated WxH image before the text of each conversation's first message, drawn "
+        "from that text: unseen on the cold lane, one image on the warm lane",
+    )
+
     method = parser.add_argument_group("method")
     method.add_argument(
         "--warmup", type=_non_negative_int, default=1, help="unreported runs first (default: 1)"
@@ -190,6 +205,20 @@ def _load_comparison(path: str) -> dict:
     return other
 
 
+def _images(args: argparse.Namespace):
+    """The --image / --image-size source (None without them); bad values are CliErrors."""
+    from tierlm.tools.bench.images import GeneratedImages, ImageFile
+
+    if not (args.image or args.image_size):
+        return None
+    if args.endpoint != "chat":
+        raise CliError("--image / --image-size need --endpoint chat (the completions API takes no images)")
+    try:
+        return ImageFile(args.image) if args.image else GeneratedImages(args.image_size)
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+
+
 def run_bench(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -215,6 +244,7 @@ def run_bench(args: argparse.Namespace) -> int:
 
     if not args.base_url.startswith(("http://", "https://")):
         raise CliError(f"--base-url must start with http:// or https://, got {args.base_url!r}")
+    images = _images(args)
     other = _load_comparison(args.compare) if args.compare else None
     counter = TokenCounter.from_path(args.tokenizer)
     if args.corpus:
@@ -248,7 +278,7 @@ def run_bench(args: argparse.Namespace) -> int:
     with progress:
         outcome = asyncio.run(
             run_benchmark(
-                target, settings, plan, counter, schedule, args.warmup, args.runs, args.timeout, progress
+                target, settings, plan, counter, schedule, args.warmup, args.runs, args.timeout, progress, images
             )
         )
 
@@ -270,6 +300,7 @@ def run_bench(args: argparse.Namespace) -> int:
         "num_runs": args.runs,
         "max_concurrency": concurrency,
         "request_rate": args.request_rate,
+        "image": args.image or args.image_size,
         "notes": outcome.notes,
     }
     result = build_result(outcome.measured, args.turns, run_settings)

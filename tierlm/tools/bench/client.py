@@ -67,17 +67,24 @@ class GenerationSettings:
     temperature: float
 
 
-def render_transcript(messages: list[dict[str, str]]) -> str:
+def message_text(content: str | list[dict]) -> str:
+    """A message's text: its content, or the text of its text parts (an image part has none)."""
+    if isinstance(content, str):
+        return content
+    return "".join(part["text"] for part in content if part.get("type") == "text")
+
+
+def render_transcript(messages: list[dict]) -> str:
     """The prompt for the completions API: a lone user message as is, a conversation as a
-    `User:`/`Assistant:` transcript ending where the assistant speaks next."""
+    `User:`/`Assistant:` transcript ending where the assistant speaks next (images have no text)."""
     if len(messages) == 1:
-        return messages[0]["content"]
+        return message_text(messages[0]["content"])
     speaker = {"user": "User", "assistant": "Assistant"}
-    lines = [f"{speaker[m['role']]}: {m['content']}" for m in messages]
+    lines = [f"{speaker[m['role']]}: {message_text(m['content'])}" for m in messages]
     return "\n\n".join(lines) + "\n\nAssistant:"
 
 
-def build_payload(target: ServerTarget, settings: GenerationSettings, messages: list[dict[str, str]]) -> dict:
+def build_payload(target: ServerTarget, settings: GenerationSettings, messages: list[dict]) -> dict:
     payload: dict = {
         "model": target.model,
         "max_tokens": settings.max_tokens,
@@ -132,7 +139,7 @@ class StreamingClient:
         self.settings = settings
         self.notes: list[str] = []
 
-    async def complete(self, messages: list[dict[str, str]]) -> StreamedReply:
+    async def complete(self, messages: list[dict]) -> StreamedReply:
         sent_with_extensions = self.settings.ignore_eos
         reply = await self._stream(messages)
         if sent_with_extensions and reply.status in (400, 422) and _names_eos_extension(reply.error):
@@ -145,7 +152,7 @@ class StreamingClient:
             reply = await self._stream(messages)
         return reply
 
-    async def _stream(self, messages: list[dict[str, str]]) -> StreamedReply:
+    async def _stream(self, messages: list[dict]) -> StreamedReply:
         payload = build_payload(self.target, self.settings, messages)
         reply = StreamedReply(sent_at=time.perf_counter())
         try:

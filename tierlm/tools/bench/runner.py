@@ -2,7 +2,8 @@
 
 A run is a list of conversations, each a list of user messages (one per `--turns`). A conversation
 sends its turns one after another and resends the whole history each time, the assistant's previous
-answers included, as a coding agent does; if a turn fails, the turns it would have led to cannot be
+answers included, as a coding agent does (with --image / --image-size the first user message carries
+an image before its text: tools/bench/images.py, drawn before the run starts); if a turn fails, the turns it would have led to cannot be
 built and are recorded as failed too, so `completed + failed` is always conversations x turns.
 
 Conversations start either closed loop (`--concurrency N`: N workers, each starting its next
@@ -33,6 +34,7 @@ from tierlm.tools.bench.client import (
     render_transcript,
     scrape_tierlm_metrics,
 )
+from tierlm.tools.bench.images import first_user_message
 from tierlm.tools.bench.stats import RequestRecord, RunMeasurement
 from tierlm.tools.bench.workload import PromptPlan, TokenCounter
 
@@ -60,7 +62,7 @@ def measure_reply(
     run: int,
     conversation: int,
     turn: int,
-    messages: list[dict[str, str]],
+    messages: list[dict],
     counter: TokenCounter,
 ) -> RequestRecord:
     """The record of one reply, with its token counts taken from the best source at hand."""
@@ -93,8 +95,10 @@ class Runner:
     """Sends the conversations of a run, closed or open loop, through one `StreamingClient`."""
 
     def __init__(
-        self, client: StreamingClient, counter: TokenCounter, schedule: Schedule, progress: Progress | None
+        self, client: StreamingClient, counter: TokenCounter, schedule: Schedule, progress: Progress | None,
+        images=None,
     ):
+        self.images = images  # an ImageFile or GeneratedImages (tools/bench/images.py), or None
         self.client = client
         self.counter = counter
         self.schedule = schedule
@@ -104,6 +108,7 @@ class Runner:
         """Run `conversations`; `index` names the run in its records and seeds its arrivals."""
         records: list[RequestRecord] = []
         total = sum(len(turns) for turns in conversations)
+        image_urls = [self.images.url(turns[0]) if self.images else None for turns in conversations]
         task = self.progress.add_task(label, total=total) if self.progress else None
         started = time.perf_counter()
 
@@ -113,9 +118,9 @@ class Runner:
                 self.progress.advance(task)
 
         async def converse(number: int, user_turns: list[str]) -> None:
-            history: list[dict[str, str]] = []
+            history: list[dict] = []
             for turn, user_text in enumerate(user_turns):
-                messages = history + [{"role": "user", "content": user_text}]
+                messages = history + [first_user_message(user_text, image_urls[number] if turn == 0 else None)]
                 reply = await self.client.complete(messages)
                 record = measure_reply(reply, started, index, number, turn, messages, self.counter)
                 keep(record)
@@ -174,12 +179,13 @@ async def run_benchmark(
     measured_runs: int,
     timeout_s: float,
     progress: Progress | None,
+    images=None,
 ) -> BenchmarkOutcome:
     """Warmup runs (discarded), a `/metrics` snapshot, the measured runs, another snapshot."""
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     # trust_env=False: no proxy from the environment sits between the benchmark and the server.
     async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s), limits=limits, trust_env=False) as http:
-        runner = Runner(StreamingClient(http, target, settings), counter, schedule, progress)
+        runner = Runner(StreamingClient(http, target, settings), counter, schedule, progress, images)
         # Warmup runs are numbered -1, -2, ... and measured runs 0, 1, ...; the plan counts them all.
         for warmup in range(warmup_runs):
             await runner.run(-1 - warmup, plan.for_run(warmup), f"warmup {warmup + 1}/{warmup_runs}")
