@@ -64,7 +64,8 @@ def static_runners(engine: LLMEngine, k: int) -> None:
     if k == 0:
         runner.static_decode = StaticDecodeRunner(model, cache, 1, blocks, "eager")
         return
-    runner.static_verify = StaticDecodeRunner(model, cache, 1, blocks, "eager", rows_per_request=1 + k)
+    runner.static_verify = StaticDecodeRunner(model, cache, 1, blocks, "eager", rows_per_request=1 + k,
+                                              greedy_speculation=True)
     runner.static_drafts = {(i, rows): StaticDecodeRunner(model, cache, 1, blocks, "eager", draft_layer=i,
                                                           rows_per_request=rows)
                             for i in range(len(model.mtp.layers)) for rows in (1, 1 + k)}
@@ -72,9 +73,9 @@ def static_runners(engine: LLMEngine, k: int) -> None:
 
 
 def watch_forwards(counter: OpCounter, timing: list[float], replays: list[int], marks: list) -> None:
-    """Every StaticDecodeRunner forward and StaticSlotCopy: one replay, its ops not counted, its time kept
-    apart."""
-    original = StaticDecodeRunner._forward
+    """Every StaticDecodeRunner forward (and whole greedy speculative step) and StaticSlotCopy: one replay,
+    its ops not counted, its time kept apart."""
+    original, original_greedy = StaticDecodeRunner._forward, StaticDecodeRunner.replay_greedy
     original_copy = StaticSlotCopy._copy
 
     def slot_copy(self, size):
@@ -102,6 +103,19 @@ def watch_forwards(counter: OpCounter, timing: list[float], replays: list[int], 
             counter.counting = True
 
     StaticDecodeRunner._forward = forward
+
+    def greedy_step(self, shape, num_requests):
+        counter.counting = False
+        start = time.perf_counter()
+        marks.append(("replay", start))
+        try:
+            return original_greedy(self, shape, num_requests)
+        finally:
+            timing.append(time.perf_counter() - start)
+            replays.append(1)
+            counter.counting = True
+
+    StaticDecodeRunner.replay_greedy = greedy_step
     tolist = torch.Tensor.tolist
 
     def counted_tolist(self):

@@ -19,7 +19,9 @@ prepares batches of T rows per request (the last token and K drafts, `ForwardBat
 the slots that keep the state after each row), and its forwards return every row's logits and streams
 (`forward_with_streams`, what the draft head reads). And the MTP draft head's one-row-per-request steps
 (`draft_layer`): the hidden streams it reads come in through an input buffer too, and the draft logits
-and output streams come back.
+and output streams come back. A verification runner with `greedy_speculation` also prepares, per shape,
+the whole greedy speculative step (`GreedySpeculation`: verify, accept, roll back, draft, one readback
+tensor) as a second graph in the same memory pool (`replay_greedy`).
 
 Inputs come two ways. `run(batch)` copies a built `ForwardBatch`'s device tensors into the buffers (the
 pipeline stages and the speculative runners use it). `run_decode(...)` (plain decode, one row per request)
@@ -42,6 +44,7 @@ import torch
 
 from tierlm.model.forward_batch import ForwardBatch
 from tierlm.model.model_cache import ModelCache
+from tierlm.model.speculative_step import GreedySpeculation
 
 MODES = ("cuda_graph", "compile", "eager")
 # the narrowest prepared block table, in tokens: scoring this many tokens' compressed keys costs little
@@ -82,7 +85,7 @@ class StaticDecodeRunner:
         self, model, cache: ModelCache, max_batch: int, max_blocks_per_request: int, mode: str,
         sizes: list[int] | None = None, ple_embedding_dims: dict[int, int] | None = None,
         widths: list[int] | None = None, stage_input_width: int | None = None, rows_per_request: int = 1,
-        draft_layer: int | None = None,
+        draft_layer: int | None = None, greedy_speculation: bool = False,
     ) -> None:
         """sizes: the batch sizes to prepare (default `prepared_sizes(max_batch)`); the largest is max_batch.
         widths: the block-table widths to prepare (default `prepared_widths` from FIRST_WIDTH_TOKENS); the
@@ -93,9 +96,15 @@ class StaticDecodeRunner:
         rows_per_request: T > 1 prepares speculative verification steps of T rows per request instead of
         decode steps (see the module docstring).
         draft_layer: prepares steps of the MTP draft head (`model.draft` at a draft step running that layer)
-        instead: one row per request, `run` takes the hidden streams."""
+        instead: one row per request, `run` takes the hidden streams.
+        greedy_speculation: with T = 1 + K rows per request, also prepares each shape's whole greedy
+        speculative step (`GreedySpeculation`: verify, accept, roll back, draft; `replay_greedy`), one CUDA
+        graph per shape (modes "cuda_graph" and "eager"; not "compile")."""
         if mode not in MODES:
             raise ValueError(f"mode {mode!r}: choose one of {MODES}")
+        if greedy_speculation and (rows_per_request < 2 or draft_layer is not None or mode == "compile"):
+            raise ValueError("greedy_speculation: a verification runner (rows_per_request > 1, no draft_layer), "
+                             "in mode cuda_graph or eager")
         self.model, self.cache, self.mode = model, cache, mode
         self.sizes = sorted(set(sizes or prepared_sizes(max_batch)) | {max_batch})
         first = math.ceil(FIRST_WIDTH_TOKENS / cache.block_size)
@@ -135,6 +144,10 @@ class StaticDecodeRunner:
         self.batches = {shape: self._static_batch(*shape) for shape in self.shapes}
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int, int], torch.Tensor | tuple[torch.Tensor, torch.Tensor]] = {}
+        # the whole greedy speculative step per shape (greedy_speculation): its graphs and readback tensors
+        self.greedy = GreedySpeculation(model, cache, rows_per_request - 1) if greedy_speculation else None
+        self.greedy_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.greedy_outputs: dict[tuple[int, int], torch.Tensor] = {}
         self.draft_layer = draft_layer
         self.takes_decode_lists = rows_per_request == 1 and draft_layer is None  # `stage_decode` serves it
         if draft_layer is not None:
@@ -150,7 +163,9 @@ class StaticDecodeRunner:
                 for shape in self.shapes:
                     self.forward(self.batches[shape], cache)
         elif mode == "cuda_graph":
-            self._capture()
+            pool = self._capture(self.step, self.graphs, self.outputs)
+            if self.greedy is not None:  # the same pool: a shape runs one of its two graphs at a time
+                self._capture(self.greedy, self.greedy_graphs, self.greedy_outputs, pool)
         self._reset_tables()
         cache.reset_row_cache_counters()  # the warm-up and capture forwards served no request
 
@@ -190,8 +205,8 @@ class StaticDecodeRunner:
         self.tables_at[width][start:size] = self.cache.scratch_block
         self.slot_mapping[rows] = self.cache.scratch_block * self.cache.block_size
 
-    def _capture(self) -> None:
-        pool = None
+    def _capture(self, step, graphs: dict, outputs: dict, pool=None):
+        """`step(batch, cache)` captured at every prepared shape into graphs / outputs; the memory pool."""
         for shape in reversed(self.shapes):  # largest first, so smaller graphs reuse its memory pool
             batch = self.batches[shape]
             side = torch.cuda.Stream()
@@ -199,14 +214,15 @@ class StaticDecodeRunner:
             with torch.cuda.stream(side):
                 for _ in range(2):  # warm up lazily built tensors and kernels outside the capture
                     self._resolve_tokens()
-                    self.step(batch, self.cache)
+                    step(batch, self.cache)
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 self._resolve_tokens()
-                self.outputs[shape] = self.step(batch, self.cache)
+                outputs[shape] = step(batch, self.cache)
             pool = graph.pool()
-            self.graphs[shape] = graph
+            graphs[shape] = graph
+        return pool
 
     def can_run(self, batch: ForwardBatch) -> bool:
         if self.rows_per_request == 1:
@@ -272,6 +288,18 @@ class StaticDecodeRunner:
         (logits and streams of its rows) staged."""
         out = self._forward(shape)
         return (out[0][:num_rows], out[1][:num_rows]) if isinstance(out, tuple) else out[:num_rows]
+
+    def replay_greedy(self, shape: tuple[int, int], num_requests: int) -> torch.Tensor:
+        """The whole greedy speculative step (`GreedySpeculation`) on what `stage_verify` staged: one graph
+        replay; its readback [num_requests, 2 + K] (accepted count, token after them, next drafts; valid
+        until the next call)."""
+        if self.greedy is None:
+            raise ValueError("replay_greedy: this runner was prepared without greedy_speculation")
+        if shape in self.greedy_graphs:
+            self.greedy_graphs[shape].replay()
+            return self.greedy_outputs[shape][:num_requests]
+        self._resolve_tokens()
+        return self.greedy(self.batches[shape], self.cache)[:num_requests]
 
     def stage_decode(
         self, token_ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]],
