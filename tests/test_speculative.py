@@ -167,6 +167,8 @@ def fixed_shapes(llm: LLMEngine, k: int) -> list:
     static.run = lambda batch, run=static.run: runs.append(batch.token_ids.shape[0]) or run(batch)
     static.replay = lambda shape, rows, replay=static.replay: runs.append(rows) or replay(shape, rows)
     static.replay_greedy = lambda shape, n, replay=static.replay_greedy: runs.append(("step", n)) or replay(shape, n)
+    static.replay_accept = lambda shape, n, scores, replay=static.replay_accept: (
+        runs.append(("accept", n)) or replay(shape, n, scores))
     drafts = {}
     for rows in (1, 1 + k):
         drafts[0, rows] = StaticDecodeRunner(llm.runner.model, llm.cache, 3, 8, "eager", sizes=[3], widths=[8],
@@ -208,8 +210,8 @@ def test_penalized_requests_speculate_exactly(trained_reference, k, on_device):
     assert [out.token_ids for out in got] == trained_reference
     assert penalties == {(1.05, 0.0), (1.05, 0.5)}
     assert 0 < llm.stats().num_accepted_tokens <= llm.stats().num_draft_tokens
-    # penalized: the verify forward replays alone, then the draft head's pass at its fixed shape
-    assert not on_device or {2 * (1 + k), ("draft", 2 * (1 + k))} <= set(runs)
+    # penalized: the verify forward replays alone, then the rest of the step on the penalized logits
+    assert not on_device or {2 * (1 + k), ("accept", 2)} <= set(runs)
 
 
 def test_stops_inside_an_accepted_run(demo, reference):

@@ -187,7 +187,8 @@ def test_whole_greedy_step_at_a_fixed_shape_equals_the_eager_one(demo, device, m
     run eagerly on a plain batch: the same readback (accepted counts, tokens, next drafts) and the same
     state in each request's slot (target: rolled back to its last accepted row; the head's rings after it)
     and in every real block. One request's drafts are the greedy continuation (all accepted), the other's
-    wrong at the first (a rollback)."""
+    wrong at the first (a rollback). The step split after its verify forward (`replay` then
+    `replay_accept` on the logits, as penalized steps run) does the same."""
     from tierlm.model.speculative_step import GreedySpeculation
 
     k = 2
@@ -202,25 +203,29 @@ def test_whole_greedy_step_at_a_fixed_shape_equals_the_eager_one(demo, device, m
     for j in range(k):  # the second request's drafts: the target's greedy tokens, one forward each
         probe = ForwardBatch.build([rows[1][: j + 1]], [contexts[1]], [1], [tables[1]], BLOCK, device=device)
         rows[1][j + 1] = model(probe, copy.deepcopy(cache)).argmax(dim=-1).item()
-    static_cache = copy.deepcopy(cache)
+    static_cache, split_cache = copy.deepcopy(cache), copy.deepcopy(cache)
     batch = ForwardBatch.build(rows, contexts, [0, 1], tables, BLOCK, device=device, logits="all",
                                position_slots=[[2, 3], [4, 5]])
     expected = GreedySpeculation(model, cache, k)(batch, cache)
     runner = StaticDecodeRunner(model, static_cache, 3, 4, mode, rows_per_request=1 + k, greedy_speculation=True,
                                 sizes=[3], widths=[4])
     shape, _ = runner.stage_verify(rows, contexts, [0, 1], [[2, 3, 0], [4, 5, 1]], tables)
-    got = runner.replay_greedy(shape, 2)
-    assert got.tolist() == expected.tolist()
-    assert got[:, 0].tolist() == [0, k]  # a rollback and a full acceptance
-    for slot, context, accepted in zip((0, 1), contexts, got[:, 0].tolist(), strict=True):
-        for ours, theirs in zip(slot_states(static_cache, slot, context + 1 + accepted),
-                                slot_states(cache, slot, context + 1 + accepted), strict=True):
-            torch.testing.assert_close(ours, theirs)
-        for ours, theirs in zip(static_cache.draft_layers, cache.draft_layers, strict=True):
-            entries = (context + 1 + accepted) % theirs.index_ring.shape[1]
-            torch.testing.assert_close(ours.index_ring[slot, :entries], theirs.index_ring[slot, :entries])
-    for ours, theirs in zip(static_cache.layers + static_cache.draft_layers, cache.layers + cache.draft_layers,
-                            strict=True):
-        if theirs.kv is not None:
-            torch.testing.assert_close(ours.key_cache[:4], theirs.key_cache[:4])
-            torch.testing.assert_close(ours.index_keys[:4], theirs.index_keys[:4])
+    assert runner.replay_greedy(shape, 2).tolist() == expected.tolist()
+    split = StaticDecodeRunner(model, split_cache, 3, 4, mode, rows_per_request=1 + k, greedy_speculation=True,
+                               sizes=[3], widths=[4])
+    shape, _ = split.stage_verify(rows, contexts, [0, 1], [[2, 3, 0], [4, 5, 1]], tables)
+    logits, _ = split.replay(shape, 2 * (1 + k))
+    assert split.replay_accept(shape, 2, logits.float()).tolist() == expected.tolist()
+    assert expected[:, 0].tolist() == [0, k]  # a rollback and a full acceptance
+    for ours in (static_cache, split_cache):
+        for slot, context, accepted in zip((0, 1), contexts, expected[:, 0].tolist(), strict=True):
+            for got, want in zip(slot_states(ours, slot, context + 1 + accepted),
+                                 slot_states(cache, slot, context + 1 + accepted), strict=True):
+                torch.testing.assert_close(got, want)
+            for got, want in zip(ours.draft_layers, cache.draft_layers, strict=True):
+                entries = (context + 1 + accepted) % want.index_ring.shape[1]
+                torch.testing.assert_close(got.index_ring[slot, :entries], want.index_ring[slot, :entries])
+        for got, want in zip(ours.layers + ours.draft_layers, cache.layers + cache.draft_layers, strict=True):
+            if want.kv is not None:
+                torch.testing.assert_close(got.key_cache[:4], want.key_cache[:4])
+                torch.testing.assert_close(got.index_keys[:4], want.index_keys[:4])

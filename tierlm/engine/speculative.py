@@ -37,10 +37,10 @@ positions are rolled back exactly.
   rings restored to the accepted row's) and its K-1 steps are one `GreedySpeculation` (model/
   speculative_step.py), replayed as one CUDA graph per prepared shape; the host stages the inputs in one
   copy and reads one small tensor (accepted counts, tokens, next drafts) per step. Penalized requests: the
-  verify replays alone and the rest runs behind it with the head's fixed-shape forwards. Same tokens as the
-  general path (tests pin it). CPU, demo tiny, K=1 (bench/spec_host_cost.py): 32 launches per step
-  (29 ops around 3 replays) -> 3 (the staging copy, one replay, the read), host 1.09 -> 0.39 ms per
-  step; K=3: 69 -> 3.
+  verify replays alone, the host-planned penalty edit runs on its logits, and the rest replays as a second
+  graph on them. Same tokens as the general path (tests pin it). CPU, demo tiny, K=1
+  (bench/spec_host_cost.py): 32 launches per step (29 ops around 3 replays) -> 3 (the staging copy, one
+  replay, the read), host 1.09 -> 0.39 ms per step; K=3: 69 -> 3; repetition_penalty 1.05: 52 -> 25.
 Which requests speculate: those with nothing but temperature, top-k/p, min-p and the repetition,
 frequency and presence penalties shaping their distribution (no biases, bans, allowed ids, min_tokens,
 log-probabilities, grammar); the others decode one token per step in the same batches, unchanged. A
@@ -73,7 +73,6 @@ from tierlm.engine.request import Request
 from tierlm.engine.sampler import MIN_TEMPERATURE, edit_logits, plan_rows, sampling_probs
 from tierlm.engine.scheduler import ScheduledChunk, SchedulerOutput
 from tierlm.model.forward_batch import ForwardBatch
-from tierlm.model.speculative_step import GreedySpeculation
 from tierlm.model.static_decode import StaticDecodeRunner
 from tierlm.model.static_slot_copy import StaticSlotCopy
 
@@ -188,7 +187,6 @@ class SpeculativeRunner:
         self.static_rollback = None if static_verify is None else StaticSlotCopy(
             self.cache.target_slot_states, static_verify.max_batch, self.cache.scratch_slot, self.cache.device,
             "cuda_graph" if static_verify.mode == "cuda_graph" else "eager")
-        self.greedy = GreedySpeculation(self.model, self.cache, self.k)  # `_greedy_step`'s device decisions
         self.generator = torch.Generator(device=self.cache.device).manual_seed(seed)
         self.num_drafts = 0  # verify chunks (requests that carried drafts into a step), total
         self.num_draft_tokens = 0  # drafts verified, total
@@ -229,12 +227,12 @@ class SpeculativeRunner:
 
     # ---- the greedy step on the device ------------------------------------------------------------------
     def _on_device(self, step: SchedulerOutput) -> bool:
-        """Whether the step runs as `_greedy_step`: every request greedy and verifying K drafts, and every
-        forward of the step prepared at a fixed shape."""
-        k, layers, verify = self.k, len(self.model.mtp.layers), self.static_verify
+        """Whether the step runs as `_greedy_step`: every request greedy and verifying K drafts, and the
+        verify runner prepared the whole greedy step at a fixed shape (`greedy_speculation`)."""
+        k, verify = self.k, self.static_verify
         return (
-            verify is not None and self.runner.ngram_store is None and 0 < len(step.chunks) <= verify.max_batch
-            and (0, 1 + k) in self.static_drafts and all((s % layers, 1) in self.static_drafts for s in range(1, k))
+            verify is not None and verify.greedy is not None and self.runner.ngram_store is None
+            and 0 < len(step.chunks) <= verify.max_batch
             and all(len(chunk.draft_token_ids) == k and chunk.num_tokens == 1 and chunk.samples
                     and len(chunk.request.block_ids) <= verify.block_tables.shape[1]
                     and speculates(chunk.request) and is_greedy(chunk.request) for chunk in step.chunks)
@@ -245,34 +243,32 @@ class SpeculativeRunner:
 
         The inputs go to the verify runner's buffers in one copy (`StaticDecodeRunner.stage_verify`); then
         `GreedySpeculation` (model/speculative_step.py) takes every decision on the device: one graph
-        replay of the whole step where the runner prepared it and no request has penalties. Penalized rows
-        are planned by the host (while the verify forward runs): the verify replays alone, its logits are
-        penalized, and the rest of the step runs with the draft head's fixed-shape forwards. The same
-        tokens as `execute`'s general path (tests pin it)."""
+        replay of the whole step. Penalized rows are planned by the host (while the verify forward runs):
+        the verify replays alone, its logits are penalized, and the rest of the step replays on them. The
+        same tokens as `execute`'s general path (tests pin it)."""
         k, chunks, width = self.k, step.chunks, 1 + self.k
         n, verify = len(chunks), self.static_verify
         with self.trace.phase("prepare batch"):
-            shape, batch = verify.stage_verify(
+            shape, _ = verify.stage_verify(
                 [chunk.request.token_slice(chunk.start, chunk.start + 1) + chunk.draft_token_ids for chunk in chunks],
                 [chunk.start for chunk in chunks], [chunk.request.state_slot for chunk in chunks],
                 [[*(self._position_slot(chunk.request, j) for j in range(k)), chunk.request.state_slot]
                  for chunk in chunks],
                 [chunk.request.block_ids for chunk in chunks])
         requests = [chunk.request for chunk in chunks]
-        if verify.greedy is not None and not any(request.params.has_penalties for request in requests):
+        if not any(request.params.has_penalties for request in requests):
             # the device span is "forward" as a plain decode step's is: "between forwards" is then the time
             # the device waits for the host between steps, with or without drafts
             with self.trace.phase("launch forward"), self.trace.gpu("forward"):
                 readback = verify.replay_greedy(shape, n)
         else:
             with self.trace.phase("launch forward"), self.trace.gpu("forward"):
-                logits, streams = verify.replay(shape, n * width)
+                logits, _ = verify.replay(shape, n * width)  # its streams stay where the rest reads them
             with self.trace.phase("accept, draft"), self.trace.gpu("accept, draft"):
                 # penalized rows: the host plans them from the drafts it has (while the device runs the forward)
                 penalties = plan_penalties(*verify_rows(requests, [chunk.draft_token_ids for chunk in chunks]),
                                            logits.shape[1], logits.device)
-                scores = logits if penalties is None else edit_logits(logits.float(), penalties)
-                readback = self.greedy.accept_and_draft(batch, scores, streams, self._draft)
+                readback = verify.replay_accept(shape, n, edit_logits(logits.float(), penalties))
         with self.trace.phase("read accepted ids"):
             readback = readback.tolist()
         result = StepResult()

@@ -20,23 +20,19 @@ block, position 0) compute harmless garbage there.
 
 A `StaticDecodeRunner` with `greedy_speculation` captures the whole step per prepared shape as one CUDA
 graph (mode "eager" runs the same function on the padded batches: the CPU tests' path). Requests with
-penalties verify against penalized logits that the host plans (engine/speculative.py): they replay the
-verify forward alone, edit the logits, and run `accept_and_draft` with the draft head's own fixed-shape
-forwards.
+penalties verify against penalized logits that the host plans (engine/speculative.py): the verify forward
+replays alone, the host edits its logits, and `accept_and_draft` replays as a second graph on them.
+The draft head's mixer and lm_head run on row a_i of each request only.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 
 import torch
 
 from tierlm.model.forward_batch import ForwardBatch
 from tierlm.model.model_cache import ModelCache
-
-# a draft-head forward: (batch, hidden streams, draft step) -> (logits, output streams) of its logits rows
-DraftForward = Callable[[ForwardBatch, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
 
 
 class GreedySpeculation:
@@ -50,15 +46,9 @@ class GreedySpeculation:
     def __call__(self, batch: ForwardBatch, cache: ModelCache) -> torch.Tensor:
         """The whole step on a verification batch of 1 + K rows per request: [B, 2 + K] (see the module)."""
         logits, streams = self.model.forward_with_streams(batch, cache)
-        return self.accept_and_draft(batch, logits, streams, self.draft)
+        return self.accept_and_draft(batch, logits, streams)
 
-    def draft(self, batch: ForwardBatch, hidden: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The draft head's forward, eager (inside a captured step it is part of the graph)."""
-        return self.model.draft(batch, hidden, self.cache, step)
-
-    def accept_and_draft(
-        self, batch: ForwardBatch, scores: torch.Tensor, streams: torch.Tensor, draft: DraftForward,
-    ) -> torch.Tensor:
+    def accept_and_draft(self, batch: ForwardBatch, scores: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
         """After the verify forward: scores [B (1+K), V] (logits, or the penalized logits greedy decoding
         takes the argmax of), streams [B (1+K), hc*H] the target's -> [B, 2 + K]: accepted count, token
         after them, next drafts; the target's states rolled back and the draft head's caches advanced."""
@@ -73,18 +63,18 @@ class GreedySpeculation:
             state.copy_slots(kept, batch.slots)
         rows = torch.arange(width, device=accepted.device)
         tokens = torch.where(rows < accepted[:, None], torch.cat([drafts, final], dim=1), final)
-        logits, out_streams = draft(dataclasses.replace(batch, token_ids=tokens.flatten()), streams, 0)
         at = torch.arange(0, n * width, width, device=accepted.device) + accepted  # row a of each request
-        proposed = [logits[at].argmax(dim=-1)]
+        logits, out_streams = self.model.draft(
+            dataclasses.replace(batch, token_ids=tokens.flatten(), logits_rows=at), streams, cache, 0)
+        proposed = [logits.argmax(dim=-1)]
         for state in cache.draft_slot_states:  # the head's rings after row a into the request's slot
             state.copy_slots(kept, batch.slots)
         if k > 1:
-            proposed += self._draft_steps(batch, accepted, proposed[0], out_streams[at], draft)
+            proposed += self._draft_steps(batch, accepted, proposed[0], out_streams)
         return torch.cat([accepted[:, None], final, *(t[:, None] for t in proposed)], dim=1)
 
     def _draft_steps(
         self, batch: ForwardBatch, accepted: torch.Tensor, first: torch.Tensor, streams: torch.Tensor,
-        draft: DraftForward,
     ) -> list[torch.Tensor]:
         """Drafts 2..K: single-row draft-head steps at positions start + a + s (known on the device only),
         on a copy of the head's rings in each request's first position slot."""
@@ -106,7 +96,7 @@ class GreedySpeculation:
                 state_slots=[cache.scratch_slot] * n, block_tables=batch.block_tables,
                 slot_mapping=blocks * block_size + positions % block_size, logits_rows=rows, slots=step_slots,
                 context_lens_tensor=positions, static=True)
-            logits, streams = draft(step_batch, streams, s)
+            logits, streams = self.model.draft(step_batch, streams, cache, s)
             tokens = logits.argmax(dim=-1)
             proposed.append(tokens)
         return proposed

@@ -21,7 +21,8 @@ the slots that keep the state after each row), and its forwards return every row
 (`draft_layer`): the hidden streams it reads come in through an input buffer too, and the draft logits
 and output streams come back. A verification runner with `greedy_speculation` also prepares, per shape,
 the whole greedy speculative step (`GreedySpeculation`: verify, accept, roll back, draft, one readback
-tensor) as a second graph in the same memory pool (`replay_greedy`).
+tensor) as a second graph in the same memory pool (`replay_greedy`), and as a third its part after the
+verify forward, on scores the host wrote (penalized logits; `replay_accept`).
 
 Inputs come two ways. `run(batch)` copies a built `ForwardBatch`'s device tensors into the buffers (the
 pipeline stages and the speculative runners use it). `run_decode(...)` (plain decode, one row per request)
@@ -98,8 +99,9 @@ class StaticDecodeRunner:
         draft_layer: prepares steps of the MTP draft head (`model.draft` at a draft step running that layer)
         instead: one row per request, `run` takes the hidden streams.
         greedy_speculation: with T = 1 + K rows per request, also prepares each shape's whole greedy
-        speculative step (`GreedySpeculation`: verify, accept, roll back, draft; `replay_greedy`), one CUDA
-        graph per shape (modes "cuda_graph" and "eager"; not "compile")."""
+        speculative step (`GreedySpeculation`: verify, accept, roll back, draft; `replay_greedy`) and its
+        part after the verify forward (`replay_accept`), a CUDA graph each per shape (modes "cuda_graph" and
+        "eager"; not "compile")."""
         if mode not in MODES:
             raise ValueError(f"mode {mode!r}: choose one of {MODES}")
         if greedy_speculation and (rows_per_request < 2 or draft_layer is not None or mode == "compile"):
@@ -144,10 +146,15 @@ class StaticDecodeRunner:
         self.batches = {shape: self._static_batch(*shape) for shape in self.shapes}
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int, int], torch.Tensor | tuple[torch.Tensor, torch.Tensor]] = {}
-        # the whole greedy speculative step per shape (greedy_speculation): its graphs and readback tensors
+        # greedy_speculation: per shape, the whole greedy speculative step, and its part after the verify
+        # forward (on penalized scores the host writes into `scores`, and the verify graph's streams)
         self.greedy = GreedySpeculation(model, cache, rows_per_request - 1) if greedy_speculation else None
+        self.scores = torch.zeros(max_rows, cache.config.vocab_size, dtype=torch.float32, device=cache.device) if (
+            greedy_speculation) else None
         self.greedy_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.greedy_outputs: dict[tuple[int, int], torch.Tensor] = {}
+        self.accept_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.accept_outputs: dict[tuple[int, int], torch.Tensor] = {}
         self.draft_layer = draft_layer
         self.takes_decode_lists = rows_per_request == 1 and draft_layer is None  # `stage_decode` serves it
         if draft_layer is not None:
@@ -164,10 +171,17 @@ class StaticDecodeRunner:
                     self.forward(self.batches[shape], cache)
         elif mode == "cuda_graph":
             pool = self._capture(self.step, self.graphs, self.outputs)
-            if self.greedy is not None:  # the same pool: a shape runs one of its two graphs at a time
-                self._capture(self.greedy, self.greedy_graphs, self.greedy_outputs, pool)
+            if self.greedy is not None:  # the same pool: one graph runs at a time, each read before the next
+                pool = self._capture(self.greedy, self.greedy_graphs, self.greedy_outputs, pool)
+                self._capture(self._accept_step, self.accept_graphs, self.accept_outputs, pool)
         self._reset_tables()
         cache.reset_row_cache_counters()  # the warm-up and capture forwards served no request
+
+    def _accept_step(self, batch: ForwardBatch, cache: ModelCache) -> torch.Tensor:
+        """The greedy step after its verify forward: on `scores` and the streams of this shape's forward."""
+        rows = batch.token_ids.shape[0]
+        streams = self.outputs[batch.num_requests, batch.block_tables.shape[1]][1]
+        return self.greedy.accept_and_draft(batch, self.scores[:rows], streams[:rows])
 
     def _draft_step(self, batch: ForwardBatch, cache: ModelCache) -> tuple[torch.Tensor, torch.Tensor]:
         return self.model.draft(batch, self.hidden[: batch.token_ids.shape[0]], cache, self.draft_layer)
@@ -301,6 +315,17 @@ class StaticDecodeRunner:
         self._resolve_tokens()
         return self.greedy(self.batches[shape], self.cache)[:num_requests]
 
+    def replay_accept(self, shape: tuple[int, int], num_requests: int, scores: torch.Tensor) -> torch.Tensor:
+        """The greedy step's part after the verify forward (`replay` of this shape just ran), on `scores`
+        [rows, vocab] (its logits, penalized): one graph replay; the readback as `replay_greedy`'s."""
+        if self.greedy is None:
+            raise ValueError("replay_accept: this runner was prepared without greedy_speculation")
+        self.scores[: scores.shape[0]].copy_(scores)
+        if shape in self.accept_graphs:
+            self.accept_graphs[shape].replay()
+            return self.accept_outputs[shape][:num_requests]
+        return self._accept_step(self.batches[shape], self.cache)[:num_requests]
+
     def stage_decode(
         self, token_ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]],
         token_sources: list[int] | None = None, previous_tokens: torch.Tensor | None = None,
@@ -395,7 +420,10 @@ class StaticDecodeRunner:
             self.graphs[shape].replay()
             return self.outputs[shape]
         self._resolve_tokens()
-        return self.forward(self.batches[shape], self.cache)
+        out = self.forward(self.batches[shape], self.cache)
+        if self.greedy is not None:  # what `replay_accept` reads the streams from
+            self.outputs[shape] = out
+        return out
 
     def _resolve_tokens(self) -> None:
         """Each row's input id: the host's, or (token source >= 0) the previous step's sampled id."""
