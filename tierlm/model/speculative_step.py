@@ -7,7 +7,9 @@ runs, with no host decision in between:
 - acceptance: request i accepts a_i drafts, those matching the argmax of the rows before them, and its
   token after them is the argmax of row a_i;
 - the rollback: the state after row a_i (`verify_slots[i, a_i]`; the request's own slot when a_i = K, a
-  self-copy) into the request's slot, in every per-request state pool of the target;
+  self-copy) into the request's slot, in every per-request state pool of the target (a fixed shape copies
+  one slot's state per request every step, rejected or not: what deciding on the host would save when
+  every draft is accepted, at the price of a second launch after the read);
 - the draft head's pass over all 1 + K rows (row j reads draft j+1 while j < a_i, the final token at row
   a_i; the rows past a_i write K/V and indexer keys at positions the next forwards overwrite before
   anything reads them, as rejected verify rows do), its first draft taken at row a_i, and its indexer
