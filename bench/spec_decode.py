@@ -20,9 +20,10 @@ tokens (the script exits non-zero otherwise); other dtypes: differences are repo
 so its verify rows are penalized with the drafts before them).
 
 --phases: each column runs under the engine's --trace and prints, per step, the medians of its host phases
-and (CUDA) of its device spans: "forward" (the verify or decode replay), "accept, draft" (the greedy
-drafting step's work queued after it) and "between forwards" (device time from the end of the last span
-before a forward to its start: the time the device waited for the host).
+and (CUDA) of its device spans: "forward" (the decode replay, or a greedy drafting step's one replay: verify,
+accept, roll back, draft; a penalized step's verify replay alone), "accept, draft" (a penalized step's work
+queued after that) and "between forwards" (device time from the end of the last span before a forward to
+its start: the time the device waited for the host).
 """
 
 from __future__ import annotations

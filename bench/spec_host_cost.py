@@ -18,6 +18,7 @@ Per verify step for the drafting columns (a verify step yields 1..K+1 tokens).
 
     python bench/spec_host_cost.py                 # demo tiny, K=1
     python bench/spec_host_cost.py -k 3 --tokens 48
+    python bench/spec_host_cost.py --repetition-penalty 1.05   # penalized: verify replay, edit, the rest replayed
 """
 
 from __future__ import annotations
@@ -64,7 +65,8 @@ def static_runners(engine: LLMEngine, k: int) -> None:
     if k == 0:
         runner.static_decode = StaticDecodeRunner(model, cache, 1, blocks, "eager")
         return
-    runner.static_verify = StaticDecodeRunner(model, cache, 1, blocks, "eager", rows_per_request=1 + k)
+    runner.static_verify = StaticDecodeRunner(model, cache, 1, blocks, "eager", rows_per_request=1 + k,
+                                              greedy_speculation=True)
     runner.static_drafts = {(i, rows): StaticDecodeRunner(model, cache, 1, blocks, "eager", draft_layer=i,
                                                           rows_per_request=rows)
                             for i in range(len(model.mtp.layers)) for rows in (1, 1 + k)}
@@ -72,9 +74,8 @@ def static_runners(engine: LLMEngine, k: int) -> None:
 
 
 def watch_forwards(counter: OpCounter, timing: list[float], replays: list[int], marks: list) -> None:
-    """Every StaticDecodeRunner forward and StaticSlotCopy: one replay, its ops not counted, its time kept
-    apart."""
-    original = StaticDecodeRunner._forward
+    """Every StaticDecodeRunner forward (and whole greedy speculative step, and its part after the verify)
+    and StaticSlotCopy: one replay, its ops not counted, its time kept apart."""
     original_copy = StaticSlotCopy._copy
 
     def slot_copy(self, size):
@@ -90,18 +91,23 @@ def watch_forwards(counter: OpCounter, timing: list[float], replays: list[int], 
 
     StaticSlotCopy._copy = slot_copy
 
-    def forward(self, shape):
-        counter.counting = False
-        start = time.perf_counter()
-        marks.append(("replay", start))
-        try:
-            return original(self, shape)
-        finally:
-            timing.append(time.perf_counter() - start)
-            replays.append(1)
-            counter.counting = True
+    def as_replay(original):
+        def replay(*args):
+            counter.counting = False
+            start = time.perf_counter()
+            marks.append(("replay", start))
+            try:
+                return original(*args)
+            finally:
+                timing.append(time.perf_counter() - start)
+                replays.append(1)
+                counter.counting = True
+        return replay
 
-    StaticDecodeRunner._forward = forward
+    # what a GPU replays as one graph each (the greedy step's eager forms: `replay_greedy` resolves the ids
+    # and runs the step; `replay_accept` copies the scores in, then runs `_accept_step`)
+    for name in ("_forward", "replay_greedy", "_accept_step"):
+        setattr(StaticDecodeRunner, name, as_replay(getattr(StaticDecodeRunner, name)))
     tolist = torch.Tensor.tolist
 
     def counted_tolist(self):
@@ -120,7 +126,8 @@ def run(args, model: Path, k: int, oracle: list[int] | None) -> dict:
         kv_cache_memory_bytes=64 << 20,
         speculative_config={"method": "mtp", "num_speculative_tokens": k} if k else None))
     static_runners(engine, k)
-    engine.add_request(PROMPT, SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True))
+    engine.add_request(PROMPT, SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True,
+                                              repetition_penalty=args.repetition_penalty))
     engine.step()  # prefill
     counter, forward_s, replays, marks = OpCounter(), [], [], []
     watch_forwards(counter, forward_s, replays, marks)
@@ -170,6 +177,7 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=512)
     parser.add_argument("-k", type=int, default=1)
     parser.add_argument("--ops", action="store_true", help="also the ops counted per step, by name")
+    parser.add_argument("--repetition-penalty", type=float, default=1.0, help="the request's repetition_penalty")
     args = parser.parse_args()
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as scratch:

@@ -114,17 +114,45 @@ def test_fixed_shape_verify_steps_give_the_same_tokens(demo, reference, k):
     """The verification steps through a `StaticDecodeRunner` of 1 + K rows per request (what CUDA graphs
     replay; mode "eager" runs the same padded fixed-shape batches on CPU): max_num_seqs 3 pads the two
     requests to the prepared size, and a block-table width wider than theirs. Rejected and accepted drafts.
-    The draft head's forwards likewise (1 + K rows per request: its pass over the verified rows; one row:
-    its steps), and the rollback's fixed-size slot copies."""
+    Greedy steps verifying K drafts each run as one fixed-shape step (`GreedySpeculation`: verify, accept,
+    roll back, draft; one CUDA graph replay on a GPU)."""
     llm = engine(demo, spec(k), max_num_seqs=3)
     runs = fixed_shapes(llm, k)
     oracle = Oracle({"0": reference[0], "1": reference[1]}, k, wrong=0)
     got = generate(llm, [greedy(), greedy()], oracle)
     assert [out.token_ids for out in got] == reference
-    # greedy steps verifying K drafts each run on the device (`_greedy_step`): the head's pass always has
-    # 1 + K rows; its one-row steps propose drafts 2..K
-    assert {2 * (1 + k), ("draft", 2 * (1 + k)), "roll back"} | ({("draft", 2)} if k > 1 else set()) <= set(runs)
+    # greedy steps verifying K drafts each run on the device (`_greedy_step`), as one step of 2 requests
+    assert ("step", 2) in runs
     assert 0 < llm.stats().num_accepted_tokens < llm.stats().num_draft_tokens
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("k", [1, 3])
+def test_graph_steps_on_a_gpu_give_the_eager_tokens(demo, k):
+    """On a GPU (fp32) each greedy step verifying K drafts is one CUDA graph replay (verify, accept, roll
+    back, draft): the tokens are those of no drafts and of eager speculative steps, with the head's own
+    drafts (rejected) and with oracle drafts (accepted, some wrong)."""
+    def cuda(speculative_config=None, **options):
+        return LLMEngine(EngineConfig(model=str(demo), dtype="float32", device="cuda", max_num_seqs=2,
+                                      kv_cache_memory_bytes=32 << 20, speculative_config=speculative_config,
+                                      **options))
+
+    expected = [out.token_ids for out in generate(cuda(), [greedy(), greedy()])]
+    for oracle in (False, True):
+        runs = []
+        graphs = cuda(spec(k))
+        verify = graphs.runner.static_verify
+        assert verify.mode == "cuda_graph" and verify.greedy_graphs
+
+        def counted(shape, n, replay=verify.replay_greedy, runs=runs):
+            runs.append(n)
+            return replay(shape, n)
+
+        verify.replay_greedy = counted
+        for llm in (graphs, cuda(spec(k), enforce_eager=True)):
+            after = Oracle({"0": expected[0], "1": expected[1]}, k, wrong=0) if oracle else None
+            assert [out.token_ids for out in generate(llm, [greedy(), greedy()], after)] == expected
+        assert runs and (not oracle or graphs.stats().num_accepted_tokens > 0)
 
 
 def fixed_shapes(llm: LLMEngine, k: int) -> list:
@@ -134,10 +162,13 @@ def fixed_shapes(llm: LLMEngine, k: int) -> list:
     from tierlm.model.static_slot_copy import StaticSlotCopy
 
     static = StaticDecodeRunner(llm.runner.model, llm.cache, 3, 8, "eager", sizes=[3], widths=[8],
-                                rows_per_request=1 + k)
+                                rows_per_request=1 + k, greedy_speculation=True)
     runs = []
     static.run = lambda batch, run=static.run: runs.append(batch.token_ids.shape[0]) or run(batch)
     static.replay = lambda shape, rows, replay=static.replay: runs.append(rows) or replay(shape, rows)
+    static.replay_greedy = lambda shape, n, replay=static.replay_greedy: runs.append(("step", n)) or replay(shape, n)
+    static.replay_accept = lambda shape, n, scores, replay=static.replay_accept: (
+        runs.append(("accept", n)) or replay(shape, n, scores))
     drafts = {}
     for rows in (1, 1 + k):
         drafts[0, rows] = StaticDecodeRunner(llm.runner.model, llm.cache, 3, 8, "eager", sizes=[3], widths=[8],
@@ -179,7 +210,8 @@ def test_penalized_requests_speculate_exactly(trained_reference, k, on_device):
     assert [out.token_ids for out in got] == trained_reference
     assert penalties == {(1.05, 0.0), (1.05, 0.5)}
     assert 0 < llm.stats().num_accepted_tokens <= llm.stats().num_draft_tokens
-    assert not on_device or 2 * (1 + k) in runs
+    # penalized: the verify forward replays alone, then the rest of the step on the penalized logits
+    assert not on_device or {2 * (1 + k), ("accept", 2)} <= set(runs)
 
 
 def test_stops_inside_an_accepted_run(demo, reference):

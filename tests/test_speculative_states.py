@@ -175,3 +175,57 @@ def test_fixed_shape_verify_and_draft_steps_equal_the_eager_ones(demo, device, m
         if theirs.kv is not None:
             torch.testing.assert_close(ours.key_cache[:real_blocks], theirs.key_cache[:real_blocks])
             torch.testing.assert_close(ours.index_keys[:real_blocks], theirs.index_keys[:real_blocks])
+
+
+@pytest.mark.parametrize("device, mode", [
+    ("cpu", "eager"),
+    pytest.param("cuda", "cuda_graph", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")),
+])
+def test_whole_greedy_step_at_a_fixed_shape_equals_the_eager_one(demo, device, mode):
+    """`GreedySpeculation` (verify, accept, roll back, draft) staged into a fixed-shape runner and replayed
+    (one CUDA graph on a GPU; padded to a prepared size of 3 and a wider block table) against the same step
+    run eagerly on a plain batch: the same readback (accepted counts, tokens, next drafts) and the same
+    state in each request's slot (target: rolled back to its last accepted row; the head's rings after it)
+    and in every real block. One request's drafts are the greedy continuation (all accepted), the other's
+    wrong at the first (a rollback). The step split after its verify forward (`replay` then
+    `replay_accept` on the logits, as penalized steps run) does the same."""
+    from tierlm.model.speculative_step import GreedySpeculation
+
+    k = 2
+    model, config = load_model(demo, dtype="float32", device=device, load_mtp=True)
+    cache = ModelCache(config, num_slots=2 + 2 * k, num_blocks=4, block_size=BLOCK, dtype=torch.float32, device=device,
+                       num_draft_layers=1)
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, config.vocab_size, (n,), generator=gen).tolist() for n in (PROMPT_LEN, 6)]
+    tables, contexts = [[0, 1], [2, 3]], [len(p) for p in prompts]
+    model(ForwardBatch.build(prompts, [0, 0], [0, 1], tables, BLOCK, device=device), cache)
+    rows = torch.randint(3, config.vocab_size, (2, 1 + k), generator=gen).tolist()
+    for j in range(k):  # the second request's drafts: the target's greedy tokens, one forward each
+        probe = ForwardBatch.build([rows[1][: j + 1]], [contexts[1]], [1], [tables[1]], BLOCK, device=device)
+        rows[1][j + 1] = model(probe, copy.deepcopy(cache)).argmax(dim=-1).item()
+    static_cache, split_cache = copy.deepcopy(cache), copy.deepcopy(cache)
+    batch = ForwardBatch.build(rows, contexts, [0, 1], tables, BLOCK, device=device, logits="all",
+                               position_slots=[[2, 3], [4, 5]])
+    expected = GreedySpeculation(model, cache, k)(batch, cache)
+    runner = StaticDecodeRunner(model, static_cache, 3, 4, mode, rows_per_request=1 + k, greedy_speculation=True,
+                                sizes=[3], widths=[4])
+    shape, _ = runner.stage_verify(rows, contexts, [0, 1], [[2, 3, 0], [4, 5, 1]], tables)
+    assert runner.replay_greedy(shape, 2).tolist() == expected.tolist()
+    split = StaticDecodeRunner(model, split_cache, 3, 4, mode, rows_per_request=1 + k, greedy_speculation=True,
+                               sizes=[3], widths=[4])
+    shape, _ = split.stage_verify(rows, contexts, [0, 1], [[2, 3, 0], [4, 5, 1]], tables)
+    logits, _ = split.replay(shape, 2 * (1 + k))
+    assert split.replay_accept(shape, 2, logits.float()).tolist() == expected.tolist()
+    assert expected[:, 0].tolist() == [0, k]  # a rollback and a full acceptance
+    for ours in (static_cache, split_cache):
+        for slot, context, accepted in zip((0, 1), contexts, expected[:, 0].tolist(), strict=True):
+            for got, want in zip(slot_states(ours, slot, context + 1 + accepted),
+                                 slot_states(cache, slot, context + 1 + accepted), strict=True):
+                torch.testing.assert_close(got, want)
+            for got, want in zip(ours.draft_layers, cache.draft_layers, strict=True):
+                entries = (context + 1 + accepted) % want.index_ring.shape[1]
+                torch.testing.assert_close(got.index_ring[slot, :entries], want.index_ring[slot, :entries])
+        for got, want in zip(ours.layers + ours.draft_layers, cache.layers + cache.draft_layers, strict=True):
+            if want.kv is not None:
+                torch.testing.assert_close(got.key_cache[:4], want.key_cache[:4])
+                torch.testing.assert_close(got.index_keys[:4], want.index_keys[:4])

@@ -356,9 +356,10 @@ class LLMEngine:
             ple_dims = {t.ple_index: t.rows.shape[1] * mc.num_ngram_heads for t in self.ngram_store.tables} if (
                 self.ngram_store) else None
             # speculative decoding: the verification steps (1 + K rows per request) are the fixed shapes
+            # (and, but for torch.compile, each shape's whole greedy step: verify, accept, roll back, draft)
             static_decode = StaticDecodeRunner(
                 self.model, self.cache, config.max_num_seqs, max_blocks, mode, ple_embedding_dims=ple_dims,
-                rows_per_request=1 + k,
+                rows_per_request=1 + k, greedy_speculation=speculative is not None and mode != "compile",
             )
             if speculative is not None:  # and the draft head's, per MTP layer, at 1 and 1 + K rows per request
                 static_drafts = {(i, rows): StaticDecodeRunner(

@@ -32,11 +32,15 @@ positions are rolled back exactly.
   the head's indexer rings in the request's first position slot, so the next step's draft pass starts
   from the rings after the kept rows.
 - On the device: a step where every request is greedy and verifies K drafts, with every forward prepared
-  at a fixed shape (the common case under CUDA graphs), takes no host decision until its end
-  (`_greedy_step`): acceptance, the draft head's pass (always over all 1+K rows, its rings restored to
-  the accepted row's on the device) and its K-1 steps are queued behind the verify replay, and the host
-  reads one small tensor (accepted counts, tokens, next drafts) per step instead of one per phase; the
-  target's rollback is then one `StaticSlotCopy` replay. Same tokens as the general path (tests pin it).
+  at a fixed shape (the common case under CUDA graphs), takes no host decision (`_greedy_step`): the
+  verify forward, acceptance, the target's rollback, the draft head's pass (always over all 1+K rows, its
+  rings restored to the accepted row's) and its K-1 steps are one `GreedySpeculation` (model/
+  speculative_step.py), replayed as one CUDA graph per prepared shape; the host stages the inputs in one
+  copy and reads one small tensor (accepted counts, tokens, next drafts) per step. Penalized requests: the
+  verify replays alone, the host-planned penalty edit runs on its logits, and the rest replays as a second
+  graph on them. Same tokens as the general path (tests pin it). CPU, demo tiny, K=1
+  (bench/spec_host_cost.py): 32 launches per step (29 ops around 3 replays) -> 3 (the staging copy, one
+  replay, the read), host 1.09 -> 0.39 ms per step; K=3: 69 -> 3; repetition_penalty 1.05: 52 -> 25.
 Which requests speculate: those with nothing but temperature, top-k/p, min-p and the repetition,
 frequency and presence penalties shaping their distribution (no biases, bans, allowed ids, min_tokens,
 log-probabilities, grammar); the others decode one token per step in the same batches, unchanged. A
@@ -223,110 +227,61 @@ class SpeculativeRunner:
 
     # ---- the greedy step on the device ------------------------------------------------------------------
     def _on_device(self, step: SchedulerOutput) -> bool:
-        """Whether the step runs as `_greedy_step`: every request greedy and verifying K drafts, and every
-        forward of the step prepared at a fixed shape."""
-        k, layers, verify = self.k, len(self.model.mtp.layers), self.static_verify
+        """Whether the step runs as `_greedy_step`: every request greedy and verifying K drafts, and the
+        verify runner prepared the whole greedy step at a fixed shape (`greedy_speculation`)."""
+        k, verify = self.k, self.static_verify
         return (
-            verify is not None and self.runner.ngram_store is None and 0 < len(step.chunks) <= verify.max_batch
-            and (0, 1 + k) in self.static_drafts and all((s % layers, 1) in self.static_drafts for s in range(1, k))
+            verify is not None and verify.greedy is not None and self.runner.ngram_store is None
+            and 0 < len(step.chunks) <= verify.max_batch
             and all(len(chunk.draft_token_ids) == k and chunk.num_tokens == 1 and chunk.samples
                     and len(chunk.request.block_ids) <= verify.block_tables.shape[1]
                     and speculates(chunk.request) and is_greedy(chunk.request) for chunk in step.chunks)
         )
 
     def _greedy_step(self, step: SchedulerOutput) -> StepResult:
-        """Verify, accept, draft and roll back with the host reading one tensor, at the end.
+        """Verify, accept, roll back and draft with the host reading one tensor, at the end.
 
-        The inputs go to the verify graph's buffers in one copy (`StaticDecodeRunner.stage_verify`). Then
-        the same tokens as `execute`'s general path, with every decision taken on the device: the accepted
-        count a of each request (drafts matching the argmax), its token after them, then the draft head's
-        pass over all 1+K rows (row j reads draft j+1 while j < a, the final token at row a; rows past a are
-        overwritten by later forwards at those positions before anything reads them, as rejected verify
-        rows are), its logits taken at row a, and its K-1 single-row steps at positions start + a + s.
-        The draft head's indexer rings after row a are restored on the device (a self-copy where a = K);
-        the target's states, which only the next forward reads, are rolled back by the host once it knows
-        a (one graph replay for the requests that rejected a draft)."""
+        The inputs go to the verify runner's buffers in one copy (`StaticDecodeRunner.stage_verify`); then
+        `GreedySpeculation` (model/speculative_step.py) takes every decision on the device: one graph
+        replay of the whole step. Penalized rows are planned by the host (while the verify forward runs):
+        the verify replays alone, its logits are penalized, and the rest of the step replays on them. The
+        same tokens as `execute`'s general path (tests pin it)."""
         k, chunks, width = self.k, step.chunks, 1 + self.k
-        n = len(chunks)
+        n, verify = len(chunks), self.static_verify
         with self.trace.phase("prepare batch"):
-            shape, batch = self.static_verify.stage_verify(
+            shape, _ = verify.stage_verify(
                 [chunk.request.token_slice(chunk.start, chunk.start + 1) + chunk.draft_token_ids for chunk in chunks],
                 [chunk.start for chunk in chunks], [chunk.request.state_slot for chunk in chunks],
                 [[*(self._position_slot(chunk.request, j) for j in range(k)), chunk.request.state_slot]
                  for chunk in chunks],
                 [chunk.request.block_ids for chunk in chunks])
-        with self.trace.phase("launch forward"), self.trace.gpu("forward"):
-            logits, streams = self.static_verify.replay(shape, n * width)
-        with self.trace.phase("accept, draft"), self.trace.gpu("accept, draft"):
-            # penalized rows: the host plans them from the drafts it has (while the device runs the forward)
-            penalties = plan_penalties(*verify_rows([chunk.request for chunk in chunks],
-                                                    [chunk.draft_token_ids for chunk in chunks]),
-                                       logits.shape[1], logits.device)
-            scores = logits if penalties is None else edit_logits(logits.float(), penalties)
-            best = scores.view(n, width, -1).argmax(dim=-1)  # [n, 1+K]
-            inputs = batch.token_ids.view(n, width)  # the last token, then the drafts
-            drafts = inputs[:, 1:]
-            accepted = (drafts == best[:, :k]).cumprod(dim=1).sum(dim=1)  # [n]
-            final = best.gather(1, accepted[:, None])  # [n, 1]
-            rows = torch.arange(width, device=accepted.device)
-            tokens = torch.where(rows < accepted[:, None], torch.cat([drafts, final], dim=1), final)
-            logits, out_streams = self._draft(dataclasses.replace(batch, token_ids=tokens.flatten()), streams, 0)
-            at = torch.arange(0, n * width, width, device=accepted.device) + accepted  # row a of each request
-            proposed = [logits[at].argmax(dim=-1)]
-            own, kept = batch.slots, batch.verify_slots.gather(1, accepted[:, None]).squeeze(1)
-            for state in self.cache.draft_slot_states:  # the head's rings after row a into the request's slot
-                state.copy_slots(kept, own)
-            if k > 1:
-                out_streams = out_streams[at]
-                proposed += self._draft_steps(batch, accepted, proposed[0], out_streams)
-            readback = torch.cat([accepted[:, None], final, *(t[:, None] for t in proposed)], dim=1)
+        requests = [chunk.request for chunk in chunks]
+        if not any(request.params.has_penalties for request in requests):
+            # the device span is "forward" as a plain decode step's is: "between forwards" is then the time
+            # the device waits for the host between steps, with or without drafts
+            with self.trace.phase("launch forward"), self.trace.gpu("forward"):
+                readback = verify.replay_greedy(shape, n)
+        else:
+            with self.trace.phase("launch forward"), self.trace.gpu("forward"):
+                logits, _ = verify.replay(shape, n * width)  # its streams stay where the rest reads them
+            with self.trace.phase("accept, draft"), self.trace.gpu("accept, draft"):
+                # penalized rows: the host plans them from the drafts it has (while the device runs the forward)
+                penalties = plan_penalties(*verify_rows(requests, [chunk.draft_token_ids for chunk in chunks]),
+                                           logits.shape[1], logits.device)
+                readback = verify.replay_accept(shape, n, edit_logits(logits.float(), penalties))
         with self.trace.phase("read accepted ids"):
             readback = readback.tolist()
         result = StepResult()
-        sources, targets = [], []
         for chunk, (count, token, *new_drafts) in zip(step.chunks, readback, strict=True):
             request = chunk.request
             result.accepted[request] = chunk.draft_token_ids[:count]
             result.sampled[request] = token
             request.draft_token_ids, request.draft_probs = new_drafts, None
-            if count < k:
-                sources.append(self._position_slot(request, count))
-                targets.append(request.state_slot)
-        with self.trace.phase("roll back"):
-            self._restore(sources, targets)
         self.num_drafts += n
         self.num_draft_tokens += n * k
         self.num_accepted_tokens += sum(row[0] for row in readback)
         self._log_acceptance()
         return result
-
-    def _draft_steps(
-        self, batch: ForwardBatch, accepted: torch.Tensor, first: torch.Tensor, streams: torch.Tensor,
-    ) -> list[torch.Tensor]:
-        """Drafts 2..K of `_greedy_step`: single-row draft-head steps whose positions are on the device
-        (start + a + s); they work on a copy of the head's rings in each request's first position slot."""
-        n, width, block_size = batch.num_requests, 1 + self.k, self.cache.block_size
-        step_slots = batch.verify_slots[:, 0]
-        for state in self.cache.draft_slot_states:
-            state.copy_slots(batch.slots, step_slots)
-        start = batch.positions.view(n, width)[:, 0] + accepted
-        rows = torch.arange(n, device=accepted.device)
-        tokens, proposed = first, []
-        for s in range(1, self.k):
-            positions = start + s
-            blocks = batch.block_tables.gather(1, (positions // block_size)[:, None]).squeeze(1)
-            # the positions are known on the device only: this batch's host lists are not filled in, and
-            # only a fixed-shape runner (which reads its tensors) takes it (`_on_device` checked there is one)
-            step_batch = ForwardBatch(
-                token_ids=tokens, positions=positions, context_lens=[0] * n, query_lens=[1] * n,
-                state_slots=[self.cache.scratch_slot] * n, block_tables=batch.block_tables,
-                slot_mapping=blocks * block_size + positions % block_size, logits_rows=rows, slots=step_slots,
-                context_lens_tensor=positions)
-            runner = self.static_drafts[s % len(self.model.mtp.layers), 1]
-            logits, streams = runner.run(step_batch, streams)
-            tokens = logits.argmax(dim=-1)
-            proposed.append(tokens)
-        return proposed
 
     # ---- verification -------------------------------------------------------------------------------
     def _verify(self, verify: list[tuple], logits: torch.Tensor, result: StepResult) -> dict[ScheduledChunk, int]:

@@ -19,7 +19,10 @@ prepares batches of T rows per request (the last token and K drafts, `ForwardBat
 the slots that keep the state after each row), and its forwards return every row's logits and streams
 (`forward_with_streams`, what the draft head reads). And the MTP draft head's one-row-per-request steps
 (`draft_layer`): the hidden streams it reads come in through an input buffer too, and the draft logits
-and output streams come back.
+and output streams come back. A verification runner with `greedy_speculation` also prepares, per shape,
+the whole greedy speculative step (`GreedySpeculation`: verify, accept, roll back, draft, one readback
+tensor) as a second graph in the same memory pool (`replay_greedy`), and as a third its part after the
+verify forward, on scores the host wrote (penalized logits; `replay_accept`).
 
 Inputs come two ways. `run(batch)` copies a built `ForwardBatch`'s device tensors into the buffers (the
 pipeline stages and the speculative runners use it). `run_decode(...)` (plain decode, one row per request)
@@ -42,6 +45,7 @@ import torch
 
 from tierlm.model.forward_batch import ForwardBatch
 from tierlm.model.model_cache import ModelCache
+from tierlm.model.speculative_step import GreedySpeculation
 
 MODES = ("cuda_graph", "compile", "eager")
 # the narrowest prepared block table, in tokens: scoring this many tokens' compressed keys costs little
@@ -82,7 +86,7 @@ class StaticDecodeRunner:
         self, model, cache: ModelCache, max_batch: int, max_blocks_per_request: int, mode: str,
         sizes: list[int] | None = None, ple_embedding_dims: dict[int, int] | None = None,
         widths: list[int] | None = None, stage_input_width: int | None = None, rows_per_request: int = 1,
-        draft_layer: int | None = None,
+        draft_layer: int | None = None, greedy_speculation: bool = False,
     ) -> None:
         """sizes: the batch sizes to prepare (default `prepared_sizes(max_batch)`); the largest is max_batch.
         widths: the block-table widths to prepare (default `prepared_widths` from FIRST_WIDTH_TOKENS); the
@@ -93,9 +97,16 @@ class StaticDecodeRunner:
         rows_per_request: T > 1 prepares speculative verification steps of T rows per request instead of
         decode steps (see the module docstring).
         draft_layer: prepares steps of the MTP draft head (`model.draft` at a draft step running that layer)
-        instead: one row per request, `run` takes the hidden streams."""
+        instead: one row per request, `run` takes the hidden streams.
+        greedy_speculation: with T = 1 + K rows per request, also prepares each shape's whole greedy
+        speculative step (`GreedySpeculation`: verify, accept, roll back, draft; `replay_greedy`) and its
+        part after the verify forward (`replay_accept`), a CUDA graph each per shape (modes "cuda_graph" and
+        "eager"; not "compile")."""
         if mode not in MODES:
             raise ValueError(f"mode {mode!r}: choose one of {MODES}")
+        if greedy_speculation and (rows_per_request < 2 or draft_layer is not None or mode == "compile"):
+            raise ValueError("greedy_speculation: a verification runner (rows_per_request > 1, no draft_layer), "
+                             "in mode cuda_graph or eager")
         self.model, self.cache, self.mode = model, cache, mode
         self.sizes = sorted(set(sizes or prepared_sizes(max_batch)) | {max_batch})
         first = math.ceil(FIRST_WIDTH_TOKENS / cache.block_size)
@@ -135,6 +146,15 @@ class StaticDecodeRunner:
         self.batches = {shape: self._static_batch(*shape) for shape in self.shapes}
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int, int], torch.Tensor | tuple[torch.Tensor, torch.Tensor]] = {}
+        # greedy_speculation: per shape, the whole greedy speculative step, and its part after the verify
+        # forward (on penalized scores the host writes into `scores`, and the verify graph's streams)
+        self.greedy = GreedySpeculation(model, cache, rows_per_request - 1) if greedy_speculation else None
+        self.scores = torch.zeros(max_rows, cache.config.vocab_size, dtype=torch.float32, device=cache.device) if (
+            greedy_speculation) else None
+        self.greedy_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.greedy_outputs: dict[tuple[int, int], torch.Tensor] = {}
+        self.accept_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.accept_outputs: dict[tuple[int, int], torch.Tensor] = {}
         self.draft_layer = draft_layer
         self.takes_decode_lists = rows_per_request == 1 and draft_layer is None  # `stage_decode` serves it
         if draft_layer is not None:
@@ -150,9 +170,18 @@ class StaticDecodeRunner:
                 for shape in self.shapes:
                     self.forward(self.batches[shape], cache)
         elif mode == "cuda_graph":
-            self._capture()
+            pool = self._capture(self.step, self.graphs, self.outputs)
+            if self.greedy is not None:  # the same pool: one graph runs at a time, each read before the next
+                pool = self._capture(self.greedy, self.greedy_graphs, self.greedy_outputs, pool)
+                self._capture(self._accept_step, self.accept_graphs, self.accept_outputs, pool)
         self._reset_tables()
         cache.reset_row_cache_counters()  # the warm-up and capture forwards served no request
+
+    def _accept_step(self, batch: ForwardBatch, cache: ModelCache) -> torch.Tensor:
+        """The greedy step after its verify forward: on `scores` and the streams of this shape's forward."""
+        rows = batch.token_ids.shape[0]
+        streams = self.outputs[batch.num_requests, batch.block_tables.shape[1]][1]
+        return self.greedy.accept_and_draft(batch, self.scores[:rows], streams[:rows])
 
     def _draft_step(self, batch: ForwardBatch, cache: ModelCache) -> tuple[torch.Tensor, torch.Tensor]:
         return self.model.draft(batch, self.hidden[: batch.token_ids.shape[0]], cache, self.draft_layer)
@@ -190,8 +219,8 @@ class StaticDecodeRunner:
         self.tables_at[width][start:size] = self.cache.scratch_block
         self.slot_mapping[rows] = self.cache.scratch_block * self.cache.block_size
 
-    def _capture(self) -> None:
-        pool = None
+    def _capture(self, step, graphs: dict, outputs: dict, pool=None):
+        """`step(batch, cache)` captured at every prepared shape into graphs / outputs; the memory pool."""
         for shape in reversed(self.shapes):  # largest first, so smaller graphs reuse its memory pool
             batch = self.batches[shape]
             side = torch.cuda.Stream()
@@ -199,14 +228,15 @@ class StaticDecodeRunner:
             with torch.cuda.stream(side):
                 for _ in range(2):  # warm up lazily built tensors and kernels outside the capture
                     self._resolve_tokens()
-                    self.step(batch, self.cache)
+                    step(batch, self.cache)
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 self._resolve_tokens()
-                self.outputs[shape] = self.step(batch, self.cache)
+                outputs[shape] = step(batch, self.cache)
             pool = graph.pool()
-            self.graphs[shape] = graph
+            graphs[shape] = graph
+        return pool
 
     def can_run(self, batch: ForwardBatch) -> bool:
         if self.rows_per_request == 1:
@@ -272,6 +302,29 @@ class StaticDecodeRunner:
         (logits and streams of its rows) staged."""
         out = self._forward(shape)
         return (out[0][:num_rows], out[1][:num_rows]) if isinstance(out, tuple) else out[:num_rows]
+
+    def replay_greedy(self, shape: tuple[int, int], num_requests: int) -> torch.Tensor:
+        """The whole greedy speculative step (`GreedySpeculation`) on what `stage_verify` staged: one graph
+        replay; its readback [num_requests, 2 + K] (accepted count, token after them, next drafts; valid
+        until the next call)."""
+        if self.greedy is None:
+            raise ValueError("replay_greedy: this runner was prepared without greedy_speculation")
+        if shape in self.greedy_graphs:
+            self.greedy_graphs[shape].replay()
+            return self.greedy_outputs[shape][:num_requests]
+        self._resolve_tokens()
+        return self.greedy(self.batches[shape], self.cache)[:num_requests]
+
+    def replay_accept(self, shape: tuple[int, int], num_requests: int, scores: torch.Tensor) -> torch.Tensor:
+        """The greedy step's part after the verify forward (`replay` of this shape just ran), on `scores`
+        [rows, vocab] (its logits, penalized): one graph replay; the readback as `replay_greedy`'s."""
+        if self.greedy is None:
+            raise ValueError("replay_accept: this runner was prepared without greedy_speculation")
+        self.scores[: scores.shape[0]].copy_(scores)
+        if shape in self.accept_graphs:
+            self.accept_graphs[shape].replay()
+            return self.accept_outputs[shape][:num_requests]
+        return self._accept_step(self.batches[shape], self.cache)[:num_requests]
 
     def stage_decode(
         self, token_ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]],
@@ -367,7 +420,10 @@ class StaticDecodeRunner:
             self.graphs[shape].replay()
             return self.outputs[shape]
         self._resolve_tokens()
-        return self.forward(self.batches[shape], self.cache)
+        out = self.forward(self.batches[shape], self.cache)
+        if self.greedy is not None:  # what `replay_accept` reads the streams from
+            self.outputs[shape] = out
+        return out
 
     def _resolve_tokens(self) -> None:
         """Each row's input id: the host's, or (token source >= 0) the previous step's sampled id."""
