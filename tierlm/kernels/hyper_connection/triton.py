@@ -112,13 +112,13 @@ def _down_program(index, x_ptr, stride_x, norm_ptr, w_ptr, w_scale_ptr, partial_
         words = tl.load(w_ptr + rows.to(tl.int64)[:, None] * (HC * HIDDEN // 4) + (stream * HIDDEN + first)[None, :] // 4,
                         mask=r_mask[:, None] & (first < HIDDEN)[None, :], other=0)
     acc = tl.zeros((BLOCK_N, BLOCK_J), dtype=tl.float32)
-    squares = tl.zeros((BLOCK_N, BLOCK_K // LANES), dtype=tl.float32)
+    squares = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for lane in tl.static_range(LANES):
         c_mask = first + lane < HIDDEN
         columns = stream * HIDDEN + first + lane
         x = tl.load(x_ptr + tokens.to(tl.int64)[:, None] * stride_x + columns[None, :],
                     mask=t_mask[:, None] & c_mask[None, :], other=0.0).to(tl.float32)
-        squares += x * x
+        squares += tl.sum(x * x, axis=1)
         scale = 1.0 + tl.load(norm_ptr + columns, mask=c_mask, other=0.0).to(tl.float32)
         if INT8:
             w = _lane(words, lane, dtype)
@@ -128,7 +128,7 @@ def _down_program(index, x_ptr, stride_x, norm_ptr, w_ptr, w_scale_ptr, partial_
         acc = dot_acc(acc, round_to(x * scale[None, :], dtype, PRECISION), w, PRECISION)
     slice_rows = tokens.to(tl.int64) * SLICES + slice_id
     tl.store(partial_ptr + slice_rows[:, None] * OUT_ROWS + rows[None, :], acc, mask=t_mask[:, None] & r_mask[None, :])
-    tl.store(sumsq_ptr + row_block * n_tokens * SLICES + slice_rows, tl.sum(squares, axis=1), mask=t_mask)
+    tl.store(sumsq_ptr + row_block * n_tokens * SLICES + slice_rows, squares, mask=t_mask)
     tl.debug_barrier()  # every thread's stores are issued before the program counts itself in
     arrivals = counter_ptr + ROW_ARRIVALS + token_block * ROW_BLOCKS + row_block
     if tl.atomic_add(arrivals, 1, sem="acq_rel") == SLICES - 1:
