@@ -159,7 +159,7 @@ def _finish_rows(partial_ptr, sumsq_ptr, w_scale_ptr, low_ptr, rstd_ptr, inject_
                       mask=ts_mask[:, :, None] & r_mask[None, None, :], other=0.0, cache_modifier=".cg")
     squares = tl.load(sumsq_ptr + slice_rows, mask=ts_mask, other=0.0, cache_modifier=".cg")
     stream_of = slices // SPLIT
-    slice_rstd = tl.zeros(squares.shape, dtype=tl.float32)
+    slice_rstd = tl.zeros_like(squares)
     for stream in tl.static_range(HC):
         in_stream = (stream_of == stream)[None, :]
         rstd = 1.0 / tl.sqrt(tl.sum(tl.where(in_stream, squares, 0.0), axis=1) / HIDDEN + eps)
