@@ -13,8 +13,7 @@ of the 4-layer benchmark model spends on them (4 routers, 8 mixes and 8 combines
 layer; the INT8 mix is a row of its own, not in that sum). Results: bench/results/decode_fusions_<device>.json.
 
     python bench/decode_fusions.py
-    python bench/decode_fusions.py --baseline ../old  # also the hc mix through ../old's kernels, side by side
-    python bench/decode_fusions.py --sweep-hc     # also: the hc mix kernels' MixTiles, each checked
+    python bench/decode_fusions.py --sweep-hc     # also: the hc mix kernels' tiles and warps, each checked
     python bench/decode_fusions.py --sweep-hc --int8  # the same sweep over INT8 per-channel mixer weights
     python bench/decode_fusions.py --sweep-router # the router kernels' K slice and warps, each checked
 
@@ -22,16 +21,11 @@ layer; the INT8 mix is a row of its own, not in that sum). Results: bench/result
 `kernels/moe_router.triton`, checks the expert ids equal the torch form's and the weights' max |difference|,
 and prints the fastest correct one per batch (results: decode_fusions_router_sweep_<device>.json).
 
---baseline ROOT adds hc mix rows marked [baseline]: the mix kernels of another checkout at ROOT
-(`kernel_baseline`; e.g. commit f26380f's two launches with serial loops) on the same weights, so the
-current kernels and that form are compared in one run; lines after the table give their ratio per batch.
-
-`--sweep-hc` times `HyperConnection.mix` (with injection) for each candidate `MixTiles` of
-`kernels/hyper_connection.triton` (one launch or two; down programs' BLOCK_J rows x BLOCK_K columns; up
-programs' BLOCK_H columns; warps), checks each against the torch form (max |difference| of the block
-input), prints the --baseline form's time beside them and the fastest correct candidate per batch (results:
-decode_fusions_hc_sweep_<device>.json; with --int8 the mix over INT8 mixer weights,
-decode_fusions_hc_int8_sweep_<device>.json).
+`--sweep-hc` times `HyperConnection.mix` (with injection) for each candidate of the mix kernels' module
+constants (launch 1: BLOCK_J rows x BLOCK_K columns, SPLIT slices per stream, warps; launch 2: BLOCK_H
+columns x BLOCK_R low-rank columns, warps), checks each against the torch form (max |difference| of the
+block input), and prints the fastest correct one per batch (results: decode_fusions_hc_sweep_<device>.json;
+with --int8 the mix over INT8 mixer weights, decode_fusions_hc_int8_sweep_<device>.json).
 """
 
 from __future__ import annotations
@@ -41,7 +35,6 @@ import json
 import os
 from functools import lru_cache
 from pathlib import Path
-from types import ModuleType
 
 import torch
 from decode_roofline import real_width_config
@@ -49,8 +42,7 @@ from decode_roofline import real_width_config
 from tierlm.config import ModelConfig
 from tierlm.model.cache import PLEState
 from tierlm.model.forward_batch import ForwardBatch
-from tierlm.model.layers.hyper_connection import HyperConnection, kernel_weight
-from tierlm.model.layers.hyper_connection import fused as hc_kernels_on
+from tierlm.model.layers.hyper_connection import HyperConnection
 from tierlm.model.layers.moe import SparseMoeBlock
 from tierlm.model.layers.ple import NgramIds, PLELayer
 from tierlm.model.quantization.compressed_tensors import PackQuantizedFormat
@@ -59,7 +51,6 @@ HIDDEN, HC, LOWRANK, EXPERTS, TOP_K = 2560, 4, 320, 512, 10
 SWITCHES = ("TIERLM_NO_FUSED_ROUTER", "TIERLM_NO_FUSED_HC", "TIERLM_NO_FUSED_PLE")
 STEP_CALLS = {"router": 4, "hc mix": 8, "hc mix (final, no inject)": 1, "hc combine": 8, "ple": 1}  # 4 layers
 HC_INT8 = "hc mix (int8)"
-BASELINE = "[baseline]"  # rows of the hc mix through --baseline's kernels
 
 
 def random_module(module: torch.nn.Module, device, dtype) -> torch.nn.Module:
@@ -68,20 +59,6 @@ def random_module(module: torch.nn.Module, device, dtype) -> torch.nn.Module:
     for param in module.parameters():
         param.normal_(0.0, 0.02, generator=gen)
     return module
-
-
-def baseline_mix(kernels: ModuleType, hc: HyperConnection, streams: torch.Tensor):
-    """hc.mix(streams) with another checkout's mix kernels (`kernels`, --baseline) in place of this one's
-    (the torch form when the fused kernels are switched off, as hc.mix)."""
-    down, up = kernel_weight(hc.down_and_inject), kernel_weight(hc.input_mix_weight_up)
-
-    def call():
-        if not hc_kernels_on(streams):
-            return hc.mix(streams)
-        return kernels.mix(streams, hc.hc_norm.weight, down[0], up[0], hc.hc_count, hc.hc_norm.eps,
-                           down_scale=down[1], up_scale=up[1])
-
-    return call
 
 
 def router_block(device, dtype) -> SparseMoeBlock:
@@ -138,9 +115,8 @@ def ple_call(device, dtype, batch: int):
     return call, layer.key_value_proj.weight.numel() * dtype.itemsize + rows
 
 
-def ops(device, dtype, batch: int, baseline: ModuleType | None = None) -> dict:
-    """name -> (callable, weight bytes it reads); with `baseline` (another checkout's hc kernels) also the
-    hc mixes through them, named "... [baseline]"."""
+def ops(device, dtype, batch: int) -> dict:
+    """name -> (callable, weight bytes it reads)."""
     gen = torch.Generator(device=device).manual_seed(batch)
     x = torch.randn(batch, HIDDEN, device=device, generator=gen).to(dtype)
     streams = torch.randn(batch, HC * HIDDEN, device=device, generator=gen).to(dtype)
@@ -156,7 +132,7 @@ def ops(device, dtype, batch: int, baseline: ModuleType | None = None) -> dict:
     def nbytes(module):
         return sum(p.numel() * p.element_size() for p in module.parameters())
 
-    table = {
+    return {
         "router": (lambda: block.route(x), nbytes(block.router)),
         "hc mix": (lambda: hc.mix(streams), nbytes(hc)),
         "hc mix (final, no inject)": (lambda: final.mix(streams), nbytes(final)),
@@ -164,10 +140,6 @@ def ops(device, dtype, batch: int, baseline: ModuleType | None = None) -> dict:
         "hc combine": (lambda: HyperConnection.combine(streams, x, inject), 0),
         "ple": ple_call(device, dtype, batch),
     }
-    if baseline is not None:
-        table[f"hc mix {BASELINE}"] = (baseline_mix(baseline, hc, streams), nbytes(hc))
-        table[f"{HC_INT8} {BASELINE}"] = (baseline_mix(baseline, hc_int8, streams), nbytes(hc_int8))
-    return table
 
 
 def per_call_seconds(fn, reps: int) -> float:
@@ -197,59 +169,54 @@ def kernels_per_call(fn) -> int:
     return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
 
 
-def hc_candidates() -> list:
-    """MixTiles to sweep (the module's own first): one launch or two, down tiles (BLOCK_J x BLOCK_K: 21 x 20
-    programs of 16 KB at 16 x 512), up column blocks, warps."""
-    from tierlm.kernels.hyper_connection.triton import MixTiles
-
-    default = MixTiles(True, 16, 512, 8, 4)
-    return [default, default._replace(one_launch=False), default._replace(warps=8), default._replace(block_h=4),
-            default._replace(block_h=16, warps=8), default._replace(block_j=32, warps=8), default._replace(block_k=256),
-            default._replace(block_k=1024, warps=8), default._replace(block_j=32, block_k=256),
-            MixTiles(False, 16, 256, 8, 4), MixTiles(False, 32, 512, 16, 8)]
+# (BLOCK_J, BLOCK_K, SPLIT, DOWN_WARPS) x (BLOCK_H, BLOCK_R, UP_WARPS); the first of each is the default
+DOWN_CANDIDATES = [(16, 128, 2, 4), (16, 128, 5, 4), (16, 256, 10, 4), (32, 256, 10, 4), (16, 128, 20, 4),
+                   (32, 128, 10, 4), (16, 256, 5, 8), (64, 128, 10, 8)]
+UP_CANDIDATES = [(16, 64, 4), (16, 128, 4), (16, 512, 4), (8, 512, 4), (32, 512, 8), (8, 128, 4)]
 
 
-def sweep_hc(device, dtype, batches: list[int], reps: int, op: str = "hc mix",
-             baseline: ModuleType | None = None) -> list[dict]:
-    """Every MixTiles candidate per batch (one entry covering every batch): us per `op` call and max
-    |difference| from the torch form; with `baseline` (another checkout's kernels) its time first."""
+def sweep_hc(device, dtype, batches: list[int], reps: int, op: str = "hc mix") -> list[dict]:
+    """Every launch-1 candidate with the default launch 2, then every launch-2 candidate with the best
+    launch 1 (per batch): us per `op` call and max |difference| from the torch form."""
     import tierlm.kernels.hyper_connection.triton as kernels
 
-    defaults = kernels.MIX_TILES
+    names_up = ("BLOCK_H", "BLOCK_R", "UP_WARPS")
+    defaults = kernels.DOWN_TILES, [getattr(kernels, n) for n in names_up]
     rows = []
     print(f"\n{op} sweep (us per call; diff: max |fused - torch| of the block input)")
     for batch in batches:
         set_fused(False)
-        table = ops(device, dtype, batch, baseline)
-        fn, _ = table[op]
+        fn, _ = ops(device, dtype, batch)[op]
         expected = fn()[0].float()
         set_fused(True)
 
-        def trial(tiles, fn=fn, expected=expected, batch=batch) -> dict:
-            if tiles is not None:
-                kernels.MIX_TILES = ((kernels.MAX_TOKENS, tiles),)
+        def trial(down, up, fn=fn, expected=expected, batch=batch) -> dict:
+            kernels.DOWN_TILES = ((kernels.MAX_TOKENS, down),)
+            for name, value in zip(names_up, up):
+                setattr(kernels, name, value)
             try:
                 diff = (fn()[0].float() - expected).abs().max().item()
                 us = 1e6 * per_call_seconds(fn, reps)
             except Exception as exc:  # noqa: BLE001 (a candidate the compiler refuses: reported, skipped)
-                return {"batch": batch, "tiles": tiles, "error": f"{type(exc).__name__}: {exc}"[:200]}
-            return {"batch": batch, "tiles": tiles, "us": us, "diff": diff}
+                return {"batch": batch, "down": down, "up": up, "error": f"{type(exc).__name__}: {exc}"[:200]}
+            return {"batch": batch, "down": down, "up": up, "us": us, "diff": diff}
 
-        before = [trial(None, fn=table[f"{op} {BASELINE}"][0]) | {"tiles": BASELINE}] if baseline else []
-        results = [trial(tiles) for tiles in hc_candidates()]
+        results = [trial(down, UP_CANDIDATES[0]) for down in DOWN_CANDIDATES]
         tolerance = 4 * max(results[0].get("diff", 0.0), 1e-2)  # the default's own distance, with room
-        for r in (*before, *results):
-            tiles = r["tiles"] if isinstance(r["tiles"], str) else tuple(r["tiles"])
-            state = f"{r['us']:8.1f} us  diff {r['diff']:.3g}" if "us" in r else r["error"]
-            print(f"  batch {batch:>2}  (one_launch, block_j, block_k, block_h, warps) {tiles}  {state}")
         good = [r for r in results if "us" in r and r["diff"] <= tolerance]
-        if good:
-            best = min(good, key=lambda r: r["us"])
-            then = f", baseline {before[0].get('us', float('nan')):.1f} us" if before else ""
-            print(f"  batch {batch:>2} best: {tuple(best['tiles'])} {best['us']:.1f} us (module default "
-                  f"{results[0].get('us', float('nan')):.1f} us{then})")
-        rows += [*before, *({**r, "tiles": tuple(r["tiles"])} for r in results)]
-    kernels.MIX_TILES = defaults
+        best_down = min(good, key=lambda r: r["us"])["down"]
+        results += [trial(best_down, up) for up in UP_CANDIDATES[1:]]
+        for r in results:
+            state = f"{r['us']:8.1f} us  diff {r['diff']:.3g}" if "us" in r else r["error"]
+            print(f"  batch {batch:>2}  down {r['down']}  up {r['up']}  {state}")
+        good = [r for r in results if "us" in r and r["diff"] <= tolerance]
+        best = min(good, key=lambda r: r["us"])
+        print(f"  batch {batch:>2} best: down {best['down']} up {best['up']} {best['us']:.1f} us "
+              f"(default {results[0]['us']:.1f} us)")
+        rows += results
+    kernels.DOWN_TILES = defaults[0]
+    for name, value in zip(names_up, defaults[1]):
+        setattr(kernels, name, value)
     return rows
 
 
@@ -313,14 +280,7 @@ def main() -> None:
     parser.add_argument("--sweep-hc", action="store_true", help="only the hc mix tile sweep (see above)")
     parser.add_argument("--sweep-router", action="store_true", help="only the router kernels' sweep (see above)")
     parser.add_argument("--int8", action="store_true", help="with --sweep-hc: sweep the mix over INT8 mixer weights")
-    parser.add_argument("--baseline", type=Path, default=None, metavar="ROOT",
-                        help="also time the hc mix through another checkout's kernels (ROOT: its repository root)")
     args = parser.parse_args()
-    baseline = None
-    if args.baseline is not None:
-        from kernel_baseline import load_baseline
-
-        baseline = load_baseline(args.baseline, "hyper_connection")
     device, dtype = torch.device("cuda"), torch.bfloat16
     name = torch.cuda.get_device_name(device).replace(" ", "-").lower()
     print(f"{name}: bf16, hidden {HIDDEN}, {EXPERTS} experts top-{TOP_K}, hc {HC} x lowrank {LOWRANK}; "
@@ -328,7 +288,7 @@ def main() -> None:
     if args.sweep_hc or args.sweep_router:
         kind = ("hc_int8" if args.int8 else "hc") if args.sweep_hc else "router"
         if args.sweep_hc:
-            rows = sweep_hc(device, dtype, args.batches, args.reps, HC_INT8 if args.int8 else "hc mix", baseline)
+            rows = sweep_hc(device, dtype, args.batches, args.reps, HC_INT8 if args.int8 else "hc mix")
         else:
             rows = sweep_router(device, dtype, args.batches, args.reps)
         out = Path(__file__).parent / "results" / f"decode_fusions_{kind}_sweep_{name}.json"
@@ -338,11 +298,11 @@ def main() -> None:
     print(f"{'op':<27} {'batch':>5} {'torch us':>9} {'fused us':>9} {'speedup':>8} {'kernels':>9} {'fused TB/s':>10}")
     rows = []
     for batch in args.batches:
-        for op in (*STEP_CALLS, HC_INT8, *((f"hc mix {BASELINE}", f"{HC_INT8} {BASELINE}") if baseline else ())):
+        for op in (*STEP_CALLS, HC_INT8):
             row = {"op": op, "batch": batch}
             for fused in (False, True):
                 set_fused(fused)
-                fn, weight_bytes = ops(device, dtype, batch, baseline)[op]
+                fn, weight_bytes = ops(device, dtype, batch)[op]
                 key = "fused" if fused else "torch"
                 row[f"{key}_us"] = 1e6 * per_call_seconds(fn, args.reps)
                 row[f"{key}_kernels"] = kernels_per_call(fn)
@@ -353,13 +313,6 @@ def main() -> None:
             print(f"{op:<27} {batch:>5} {row['torch_us']:>9.1f} {row['fused_us']:>9.1f} "
                   f"{row['torch_us'] / row['fused_us']:>7.2f}x {row['torch_kernels']:>4} ->{row['fused_kernels']:>2} "
                   f"{bandwidth:>10.2f}")
-    if baseline is not None:
-        print(f"\nhc mix, this checkout's kernels vs {args.baseline}'s (us per call):")
-        for batch in args.batches:
-            for op in ("hc mix", HC_INT8):
-                now, then = (next(r["fused_us"] for r in rows if r["batch"] == batch and r["op"] == name)
-                             for name in (op, f"{op} {BASELINE}"))
-                print(f"  batch {batch:>2} {op:<14}: {now:6.1f} vs {then:6.1f} us ({then / now:.2f}x faster)")
     print("\nper decode step of the 4-layer benchmark model (4 routers, 8 mixes, 1 final mix, 8 combines, 1 PLE):")
     for batch in args.batches:
         step = [r for r in rows if r["batch"] == batch and r["op"] in STEP_CALLS]

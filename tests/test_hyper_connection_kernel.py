@@ -1,4 +1,4 @@
-"""kernels/hyper_connection: mix (in one launch and in two) and combine against the torch reference, under
+"""kernels/hyper_connection: mix (two launches) and combine (one) against the torch reference, under
 TRITON_INTERPRET=1 on CPU at small shapes (compiled on a GPU, where the real widths run too, inside a CUDA
 graph, and the whole model runs with the fused router and hyper-connections against the unfused path).
 
@@ -40,7 +40,6 @@ def inputs(tokens: int, hc: int, hidden: int, lowrank: int, with_inject: bool, s
 
 
 def assert_within_reference_error(ours, theirs, reference, what: str) -> None:
-    assert ours.isfinite().all(), f"{what}: the kernel's output is not finite"
     ours_error = (ours.float() - reference).abs().amax(dim=-1)
     their_error = (theirs.float() - reference).abs().amax(dim=-1)
     _, exponent = torch.frexp(reference.abs().amax(dim=-1))
@@ -122,15 +121,13 @@ def test_kernels_match_reference():
 
 
 INTERPRETED_EARLY = {  # (a child: started when collection ends, see tests/interpreted.py)
-    # small tiles, several row blocks and column blocks, uneven: 20 tokens (two token blocks) in one launch;
-    # one token in two launches, with several slices per stream, dense and INT8; the counters left at zero
+    # small tiles: several slices per stream, several K and low-rank steps, uneven; one token through its
+    # own tiles; INT8 mixers once
     "test_kernels_match_reference": ((
-        "import tierlm.kernels.hyper_connection.triton as k; from tierlm.kernels import split_reduce\n"
-        "k.MIX_TILES = ((1, k.MixTiles(False, 16, 32, 32, 4)), (k.MAX_TOKENS, k.MixTiles(True, 16, 64, 16, 4)))\n"
-        "import test_hyper_connection_kernel as t; t.compare('cpu', **t.SMALL); one = dict(t.SMALL, tokens=1)\n"
-        "t.check_mix('cpu', t.SMALL['hc'], t.inputs(**one, with_inject=True), 'one token')\n"
-        "t.check_mix('cpu', t.SMALL['hc'], t.int8_inputs(**one), 'int8, one token')\n"
-        "assert not split_reduce.arrival_counters('hyper_connection_mix', 'cpu', 1).any(), 'arrival counters left set'"),),
+        "import tierlm.kernels.hyper_connection.triton as k; k.BLOCK_R = 16\n"
+        "k.DOWN_TILES = ((1, (32, 16, 3, 4)), (k.MAX_TOKENS, (16, 16, 2, 4)))\n"
+        "import test_hyper_connection_kernel as t; t.compare('cpu', **t.SMALL); t.compare('cpu', **dict(t.SMALL, tokens=1))\n"
+        "t.check_mix('cpu', t.SMALL['hc'], t.int8_inputs(**t.SMALL), 'int8')"),),
 }
 
 
@@ -188,27 +185,15 @@ def test_bad_shapes_are_named():
         naive.mix(streams[:, :-1], norm, down, up, 3, EPS)
 
 
-def launches(monkeypatch, one_launch: bool) -> None:
-    """The mix kernels' tiles as they are, in one launch or in two."""
-    from tierlm.kernels.hyper_connection import triton as kernels
-
-    tiles = tuple((bound, t._replace(one_launch=one_launch)) for bound, t in kernels.MIX_TILES)
-    monkeypatch.setattr(kernels, "MIX_TILES", tiles)
-
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-@pytest.mark.parametrize("one_launch", [True, False])
 @pytest.mark.parametrize("tokens", [1, 4, 16, 64])
-def test_kernels_at_real_widths_on_gpu(tokens, one_launch, monkeypatch):
-    launches(monkeypatch, one_launch)  # 64 tokens: more programs than fit on the GPU at once
+def test_kernels_at_real_widths_on_gpu(tokens):
     compare("cuda", tokens=tokens, **REAL)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-@pytest.mark.parametrize("one_launch", [True, False])
 @pytest.mark.parametrize("tokens", [1, 16, 64])
-def test_int8_kernels_at_real_widths_on_gpu(tokens, one_launch, monkeypatch):
-    launches(monkeypatch, one_launch)
+def test_int8_kernels_at_real_widths_on_gpu(tokens):
     check_mix("cuda", REAL["hc"], int8_inputs(tokens, **REAL, seed=tokens), "int8")
 
 

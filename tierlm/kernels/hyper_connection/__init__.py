@@ -14,12 +14,11 @@ Signatures (every form):
   combine(streams [N, hc*H], block_output [N, H], inject [N, hc]) -> streams + inject[:, s] * block_output
       on each stream s.
   naive.py   plain torch (the reference)
-  triton.py  decode batches (up to MAX_TOKENS tokens): mix in one launch (or two: MIX_TILES) of programs
-             that each read one weight tile, no loop (the norm folded into the down projection, each row
-             block's last program to arrive applying each stream's rms and the mixer's activations; the
-             up programs, holding their W_up tile, wait for the row blocks, then make the gates and the
-             mean over streams), combine in one; the weights read once per 16 tokens (INT8: the packed
-             words, split in registers), the streams read in place (no copies)
+  triton.py  decode batches (up to MAX_TOKENS tokens): mix in two launches (the norm folded into the down
+             projection, whose last program to arrive applies each stream's rms and the mixer's
+             activations; then the up projection, the gates and the mean over streams), combine in one;
+             the weights read once per 16 tokens (INT8: the packed words, split in registers), the streams
+             read in place (no copies)
 """
 
 from tierlm.kernels.hyper_connection.naive import combine, mix

@@ -4,7 +4,7 @@
 streams) and, for a block, per-stream injection gates; `combine` adds the block output to every stream
 with its gate. The final mixer (no injection) feeds lm_head and stands in for the final norm.
 
-On CUDA both run as fused kernels (`kernels/hyper_connection`: mix in one launch for decode batches,
+On CUDA both run as fused kernels (`kernels/hyper_connection`: mix in two launches for decode batches,
 reading the mixer weights in place whether bf16 or INT8 per channel, combine in one for any batch;
 TIERLM_NO_FUSED_HC=1 turns them off); elsewhere, and for mixer weights in other formats or prefill
 batches, mix runs in torch through the layers' quant methods, the same math as
