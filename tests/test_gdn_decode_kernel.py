@@ -230,6 +230,21 @@ def test_decode_kernel_at_real_widths_on_gpu(batch):
     compare((*REAL_WIDTHS, batch - padding, padding), "cuda")
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="programs run concurrently only on a GPU")
+def test_decode_kernel_is_the_same_every_launch_on_gpu():
+    """Which program of a key head arrives last (and does its norms) changes from launch to launch; the
+    result must not: the same step from the same pools, 50 times, bit for bit (a norm reading o tiles
+    not yet visible, or a q/k window rewritten before a reader, would show as a differing launch)."""
+    from tierlm.kernels.gated_delta_rule.decode_triton import triton_gated_delta_decode as kernel
+
+    with value_tile(None):
+        inputs = workload(*REAL_WIDTHS, 16, 0, torch.bfloat16, "cuda")
+        first = run(kernel, inputs)
+        for _ in range(50):
+            again = run(kernel, inputs)
+            assert all(torch.equal(x, y) for x, y in zip(first, again))
+
+
 def compare_layer(device: str) -> None:
     """GatedDeltaNet decode steps through the kernels against its torch path (the kill switch): the layer
     hands the kernels the right tensors. Three steps of a batch of 3 requests and 1 padding row."""

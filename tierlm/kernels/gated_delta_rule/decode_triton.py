@@ -26,11 +26,12 @@ The counters are `_arrival_counters`: a zeroed int32 workspace per device kept f
 stream, as the engine runs them). Padding rows of static decode all point at one scratch slot: their
 programs race on its contents, which nobody reads (their counters are their own).
 
-Why: at the target widths (16 key / 48 value heads of 128, a 3 MB fp32 state per request) one program
-per (request, value head), the previous layout, gave 48 programs at batch 1 for 132 SMs, each with a
-[128, 128] fp32 tile (128 registers a thread at 4 warps, spilled), plus a second launch for the q/k
-windows. The bench measured it at 8.1 us at batch 1 before speculative verification moved its state load
-above the convs; the model's kernel listing then showed 41 us per layer (decode_roofline --kernels).
+Why: at the target widths (16 key / 48 value heads of 128, a 3 MB fp32 state per request) the previous
+layout, one program per (request, value head), ran 48 programs at batch 1 on 132 SMs, each holding a
+[128, 128] fp32 tile (128 registers a thread at 4 warps, partly spilled), plus a second launch for the
+q/k windows. The bench timed it at 8.1 us at batch 1 (H200, commit e8cb6ab); the model's kernel listing
+at f26380f shows 41 us per layer, after speculative verification had moved that tile's load above the
+three convs (more registers live across them: the likely cause, not measured apart).
 """
 
 from __future__ import annotations
