@@ -15,24 +15,20 @@ enough distinct state slots that one call's states are not in L2 for the next (i
 other layer's weights pass through L2 between two calls of one layer).
 
     python bench/gdn_decode_kernel.py                                 # CUDA, the defaults
-    python bench/gdn_decode_kernel.py --baseline f26380f --tiles 16 32 64 128 --warps 2 4 8
+    python bench/gdn_decode_kernel.py --baseline ../main --tiles 16 32 64 128 --warps 2 4 8
     TRITON_INTERPRET=1 python bench/gdn_decode_kernel.py --small --tiles 8  # CPU: the interpreter, tiny shapes
---baseline takes a git revision (its decode_triton.py) or the path of a copy of that file (where the
-checkout has no git: `git show REV:tierlm/kernels/gated_delta_rule/decode_triton.py > FILE` first).
+--baseline ROOT times another checkout's decode_triton.py beside this one's (ROOT may also be a copy of
+that file: `git show REV:tierlm/kernels/gated_delta_rule/decode_triton.py > FILE`).
 Results go to bench/results/gdn_decode_kernel_<device>.json.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 import os
 import platform
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
 
@@ -63,29 +59,6 @@ def real_layer(shape: dict, dtype: torch.dtype, device: torch.device) -> GatedDe
     layer.A_log.uniform_(0.0, 2.0, generator=gen)
     layer.norm.weight.fill_(1.0)
     return layer
-
-
-def load_baseline(spec: str) -> ModuleType:
-    """The decode_triton module at git revision `spec`, or from the file `spec`, imported under its own name
-    (Triton keys its compiled kernels by their source, so both versions coexist)."""
-    path = Path(spec)
-    if not path.is_file():
-        root = Path(__file__).resolve().parent.parent
-        try:
-            shown = subprocess.run(["git", "show", f"{spec}:{KERNEL_FILE}"], cwd=root, capture_output=True,
-                                   text=True, check=False)
-            error = shown.stderr.strip() if shown.returncode else None
-        except OSError as e:  # no git here
-            error = str(e)
-        if error is not None:
-            raise SystemExit(f"--baseline {spec}: neither a file nor a git revision with {KERNEL_FILE} ({error})")
-        path = Path(tempfile.mkdtemp(prefix="gdn_baseline_")) / "decode_triton_baseline.py"
-        path.write_text(shown.stdout)  # kept: Triton reads the kernels' source from the file
-    spec_ = importlib.util.spec_from_file_location("gdn_decode_baseline", path)
-    module = importlib.util.module_from_spec(spec_)
-    sys.modules[spec_.name] = module
-    spec_.loader.exec_module(module)
-    return module
 
 
 def measure_batch(layer: GatedDeltaNet, batch: int, args, device: torch.device, dtype: torch.dtype, copy: float,
@@ -167,7 +140,8 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--tiles", type=int, nargs="*", help="value tiles (powers of 2) to time the kernel at")
     parser.add_argument("--warps", type=int, nargs="*", help="warp counts to time the kernel at (x --tiles)")
-    parser.add_argument("--baseline", help="a git revision, or a copy of its decode_triton.py, to time beside")
+    parser.add_argument("--baseline", type=Path, metavar="ROOT",
+                        help="another checkout (or a copy of its decode_triton.py) whose kernels to time beside")
     parser.add_argument("--small", action="store_true", help="tiny shapes (CPU, under TRITON_INTERPRET=1)")
     parser.add_argument("--cold-bytes", type=int, default=COLD_BYTES, help="state bytes cycled through per round")
     args = parser.parse_args()
@@ -175,7 +149,11 @@ def main() -> None:
         if tile < 1 or tile & (tile - 1):
             parser.error(f"--tiles: {tile} is not a power of 2")
     device, dtype = torch.device(args.device), torch.bfloat16
-    baseline = load_baseline(args.baseline) if args.baseline else None
+    baseline = None
+    if args.baseline is not None:
+        from kernel_baseline import load_baseline_module
+
+        baseline = load_baseline_module(args.baseline, KERNEL_FILE)
     if args.small:
         args.cold_bytes = 0
     shape = SMALL if args.small else TARGET
@@ -196,7 +174,8 @@ def main() -> None:
               f"  {best['us']:>7.1f} ({best['value_tile']:>3}, {best['num_warps']:>2})  |"
               f" {r['layer_torch_us']:>12.1f} {r['layer_fused_us']:>12.1f} {r['layer_torch_over_fused']:>7.2f}x")
     out = Path(__file__).parent / "results" / f"gdn_decode_kernel_{name}.json"
-    out.write_text(json.dumps({"device": name, "shape": shape, "copy_bandwidth": copy, "baseline": args.baseline,
+    out.write_text(json.dumps({"device": name, "shape": shape, "copy_bandwidth": copy,
+                               "baseline": None if args.baseline is None else str(args.baseline),
                                "defaults": {"value_tile": decode_triton.VALUE_TILE,
                                             "num_warps": decode_triton.DECODE_WARPS}, "results": rows}, indent=1))
     print(f"saved {out}")
