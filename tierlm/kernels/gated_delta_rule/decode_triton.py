@@ -28,10 +28,13 @@ programs race on its contents, which nobody reads (their counters are their own)
 
 Why: at the target widths (16 key / 48 value heads of 128, a 3 MB fp32 state per request) the previous
 layout, one program per (request, value head), ran 48 programs at batch 1 on 132 SMs, each holding a
-[128, 128] fp32 tile (128 registers a thread at 4 warps, partly spilled), plus a second launch for the
-q/k windows. The bench timed it at 8.1 us at batch 1 (H200, commit e8cb6ab); the model's kernel listing
-at f26380f shows 41 us per layer, after speculative verification had moved that tile's load above the
-three convs (more registers live across them: the likely cause, not measured apart).
+[128, 128] fp32 tile, plus a second launch for the q/k windows. The bench timed it at 8.1 us at batch 1
+(H200, commit e8cb6ab); the model's kernel listing at f26380f shows 41 us per layer. Compiled for sm_90a
+on a CPU (Triton 3.9's ptxas, cuobjdump --dump-resource-usage, pointers 16-byte aligned), f26380f's
+kernel at 4 warps uses 255 registers and 808 bytes of stack a thread and moves its whole state tile
+through 16 KB of shared memory (its [BD, 4] conv windows anchored a second layout for the tile), where
+the same kernel before speculative verification (47aba87) needed no stack. This kernel at tile 32 and 4
+warps: 80 registers, no stack, no tile through shared memory (`_conv_silu`: 1-D taps).
 """
 
 from __future__ import annotations
@@ -52,7 +55,7 @@ DECODE_WARPS = 4
 def _conv_window(mixed_rows, mixed_stride, t, conv_slot, channels, inside, KC: tl.constexpr, KP: tl.constexpr):
     """The conv inputs of `channels` ([BD] ids) at a request's row t (mixed_rows: its row 0), [BD, KP] in
     the model dtype: tap j is the input at row t - (Kc-1) + j, or, before row 0, the slot's window (Kc-1
-    past inputs, oldest first); taps >= Kc are 0."""
+    past inputs, oldest first); taps >= Kc are 0. Only copied into a slot (`_store_window`)."""
     taps = tl.arange(0, KP)
     source = t - (KC - 1) + taps  # the row each tap reads; < 0: the slot's window
     from_rows = (source >= 0) & (taps < KC)
@@ -64,14 +67,21 @@ def _conv_window(mixed_rows, mixed_stride, t, conv_slot, channels, inside, KC: t
 
 
 @triton.jit
-def _conv_silu(window, weight, channels, inside, KC: tl.constexpr, KP: tl.constexpr):
-    """silu(causal conv) of a `_conv_window`, as fp32 values of the model dtype: the products and their
-    sum in fp32, rounded once (as the reference), then SiLU rounded."""
-    taps = tl.arange(0, KP)
-    w = tl.load(weight + channels[:, None] * KC + taps[None, :], mask=inside[:, None] & (taps < KC)[None, :],
-                other=0.0)
-    conv = tl.sum(window.to(tl.float32) * w.to(tl.float32), 1).to(window.dtype).to(tl.float32)
-    return (conv / (1.0 + tl.exp(-conv))).to(window.dtype).to(tl.float32)
+def _conv_silu(mixed_rows, mixed_stride, t: tl.constexpr, conv_slot, weight, channels, inside, KC: tl.constexpr):
+    """silu(causal conv) of `channels` ([BD] ids) at a request's row t, as fp32 values of the model dtype:
+    the products and their sum in fp32, rounded once (as the reference), then SiLU, rounded. Tap by tap,
+    [BD] vectors only: small 1-D loads never anchor a layout, so the compiler lays these values out to
+    suit the state tile they multiply (a [BD, KP] window here once made it move the whole tile through
+    shared memory instead)."""
+    conv = tl.zeros(channels.shape, dtype=tl.float32)
+    for j in tl.static_range(KC):
+        if t - (KC - 1) + j >= 0:  # a row of this call
+            x = tl.load(mixed_rows + (t - (KC - 1) + j) * mixed_stride + channels, mask=inside, other=0.0)
+        else:  # before row 0: the slot's window
+            x = tl.load(conv_slot + channels * (KC - 1) + t + j, mask=inside, other=0.0)
+        conv += x.to(tl.float32) * tl.load(weight + channels * KC + j, mask=inside, other=0.0).to(tl.float32)
+    conv = conv.to(x.dtype).to(tl.float32)
+    return (conv / (1.0 + tl.exp(-conv))).to(x.dtype).to(tl.float32)
 
 
 @triton.jit
@@ -124,9 +134,10 @@ def _decode_kernel(mixed, mixed_stride, z, z_stride, b, b_stride, a, a_stride, w
                    norm_weight, conv_pool, state_pool, slots, state_slots, out, arrivals, eps,
                    HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr,
                    BV: tl.constexpr, NV: tl.constexpr, BH: tl.constexpr, GP: tl.constexpr, KC: tl.constexpr,
-                   KP: tl.constexpr, T: tl.constexpr, SILU_GATE: tl.constexpr):
+                   KP: tl.constexpr, T: tl.constexpr, EVEN: tl.constexpr, SILU_GATE: tl.constexpr):
     """One program per (value head x NV tiles of BV channels, request), over the request's T rows; the
-    last of a key head's programs to finish also runs `_finish_key_head`."""
+    last of a key head's programs to finish also runs `_finish_key_head`. EVEN: Dk = BK and BV divides Dv
+    (the state tile needs no mask)."""
     head_tile, request = tl.program_id(0), tl.program_id(1).to(tl.int64)
     head, tile = head_tile // NV, head_tile % NV
     key_head = head // (HV // HK)
@@ -138,7 +149,10 @@ def _decode_kernel(mixed, mixed_stride, z, z_stride, b, b_stride, a, a_stride, w
     k_inside, v_inside = dk < DK, dv < DV
     state_offsets = head * DK * DV + dk[:, None] * DV + dv[None, :]
     state_mask = k_inside[:, None] & v_inside[None, :]
-    state = tl.load(state_pool + slot * HV * DK * DV + state_offsets, mask=state_mask, other=0.0)
+    if EVEN:  # unmasked: 16-byte loads and stores
+        state = tl.load(state_pool + slot * HV * DK * DV + state_offsets)
+    else:
+        state = tl.load(state_pool + slot * HV * DK * DV + state_offsets, mask=state_mask, other=0.0)
     decay_rate = -tl.exp(tl.load(A_log + head).to(tl.float32))
     bias = tl.load(dt_bias + head).to(tl.float32)
     q_channels, k_channels, v_channels = key_head * DK + dk, (HK + key_head) * DK + dk, 2 * HK * DK + dv + head * DV
@@ -146,12 +160,10 @@ def _decode_kernel(mixed, mixed_stride, z, z_stride, b, b_stride, a, a_stride, w
     for t in tl.static_range(T):  # unrolled: T = 1 is the plain decode step
         row = request * T + t
         target = tl.load(state_slots + row).to(tl.int64)  # the slot that keeps the state after this row
-        q = _conv_silu(_conv_window(mixed_rows, mixed_stride, t, conv_slot, q_channels, k_inside, KC, KP), weight,
-                       q_channels, k_inside, KC, KP)
-        k = _conv_silu(_conv_window(mixed_rows, mixed_stride, t, conv_slot, k_channels, k_inside, KC, KP), weight,
-                       k_channels, k_inside, KC, KP)
+        q = _conv_silu(mixed_rows, mixed_stride, t, conv_slot, weight, q_channels, k_inside, KC)
+        k = _conv_silu(mixed_rows, mixed_stride, t, conv_slot, weight, k_channels, k_inside, KC)
+        v = _conv_silu(mixed_rows, mixed_stride, t, conv_slot, weight, v_channels, v_inside, KC)
         v_window = _conv_window(mixed_rows, mixed_stride, t, conv_slot, v_channels, v_inside, KC, KP)
-        v = _conv_silu(v_window, weight, v_channels, v_inside, KC, KP)
         tl.debug_barrier()  # this tile's v window is read (by every thread holding a copy) before overwritten
         _store_window(conv_pool + target * slot_stride, v_window, v_channels, v_inside, KC, KP)
         q = q * tl.rsqrt(tl.sum(q * q, 0) + 1e-6) * (DK ** -0.5)
@@ -169,7 +181,10 @@ def _decode_kernel(mixed, mixed_stride, z, z_stride, b, b_stride, a, a_stride, w
         update = (v - decay * tl.sum(k[:, None] * state, 0)) * beta
         o = decay * tl.sum(q[:, None] * state, 0) + tl.sum(k * q, 0) * update
         state = decay * state + k[:, None] * update[None, :]
-        tl.store(state_pool + target * HV * DK * DV + state_offsets, state, mask=state_mask)
+        if EVEN:
+            tl.store(state_pool + target * HV * DK * DV + state_offsets, state)
+        else:
+            tl.store(state_pool + target * HV * DK * DV + state_offsets, state, mask=state_mask)
         # o rounded (as the reference before its norm); `_finish_key_head` normalises it in place
         tl.store(out + row * HV * DV + head * DV + dv, o.to(model_dtype), mask=v_inside)
 
@@ -279,7 +294,9 @@ def triton_gated_delta_verify(
         norm_weight, conv_pool, state_pool, slots, state_slots, out, arrivals, eps,
         HK=num_key_heads, HV=num_value_heads, DK=head_k_dim, DV=head_v_dim, BK=triton.next_power_of_2(head_k_dim),
         BV=tile, NV=tiles, BH=head_block, GP=triton.next_power_of_2(num_value_heads // num_key_heads),
-        KC=kernel, KP=triton.next_power_of_2(kernel), T=width, SILU_GATE=gate_activation == "silu",
+        KC=kernel, KP=triton.next_power_of_2(kernel), T=width,
+        EVEN=head_k_dim == triton.next_power_of_2(head_k_dim) and head_v_dim % tile == 0,
+        SILU_GATE=gate_activation == "silu",
         num_warps=DECODE_WARPS,
     )
     return out
