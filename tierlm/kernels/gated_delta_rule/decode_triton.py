@@ -101,24 +101,23 @@ def _finish_key_head(mixed_rows, mixed_stride, z, z_stride, norm_weight, conv_po
     """A key head's work once all its programs have stored their o tiles and read its q/k windows: per
     row, the q and k conv windows after the row into the row's slot, and the gated RMS norm of the key
     head's Hv/Hk value heads ([GP, BH] at once: one round trip to L2), in place in `out`."""
-    dk, d, h = tl.arange(0, BK), tl.arange(0, BH), tl.arange(0, GP)
-    k_inside = dk < DK
+    c, d, h = tl.arange(0, 2 * BK), tl.arange(0, BH), tl.arange(0, GP)
+    # the key head's q channels, then its k channels (one window tile: one round trip, not two)
+    qk_channels = tl.where(c < BK, key_head * DK + c, (HK + key_head) * DK + c - BK)
+    qk_inside = c % BK < DK
     heads_inside = (h < HV // HK)[:, None] & (d < DV)[None, :]
     columns = (key_head * (HV // HK) + h)[:, None] * DV + d[None, :]  # the group's heads' channels
     weight = tl.load(norm_weight + d, mask=d < DV, other=0.0).to(tl.float32)
     model_dtype = out.dtype.element_ty
-    q_channels, k_channels = key_head * DK + dk, (HK + key_head) * DK + dk
     for t in tl.static_range(T):
         row = request * T + t
-        window_slot = conv_pool + tl.load(state_slots + row).to(tl.int64) * slot_stride
-        q_window = _conv_window(mixed_rows, mixed_stride, t, conv_slot, q_channels, k_inside, KC, KP)
-        k_window = _conv_window(mixed_rows, mixed_stride, t, conv_slot, k_channels, k_inside, KC, KP)
-        # written by other programs: read from L2 (.cg), past this SM's L1
+        # o was written by other programs: read from L2 (.cg), past this SM's L1
         o = tl.load(out + row * HV * DV + columns, mask=heads_inside, other=0.0, cache_modifier=".cg")
         gate = tl.load(z + row * z_stride + columns, mask=heads_inside, other=0.0).to(tl.float32)
+        window_slot = conv_pool + tl.load(state_slots + row).to(tl.int64) * slot_stride
+        window = _conv_window(mixed_rows, mixed_stride, t, conv_slot, qk_channels, qk_inside, KC, KP)
         tl.debug_barrier()  # the last row's window_slot is conv_slot: read before overwritten
-        _store_window(window_slot, q_window, q_channels, k_inside, KC, KP)
-        _store_window(window_slot, k_window, k_channels, k_inside, KC, KP)
+        _store_window(window_slot, window, qk_channels, qk_inside, KC, KP)
         o = o.to(tl.float32)
         normed = (o * tl.rsqrt(tl.sum(o * o, 1) / DV + eps)[:, None]).to(model_dtype).to(tl.float32)
         y = (normed * weight[None, :]).to(model_dtype).to(tl.float32)
@@ -157,6 +156,9 @@ def _decode_kernel(mixed, mixed_stride, z, z_stride, b, b_stride, a, a_stride, w
     bias = tl.load(dt_bias + head).to(tl.float32)
     q_channels, k_channels, v_channels = key_head * DK + dk, (HK + key_head) * DK + dk, 2 * HK * DK + dv + head * DV
     model_dtype = out.dtype.element_ty
+    # ptxas would issue the state tile's loads only after the first conv's taps arrive (two memory
+    # latencies in a row); it keeps loads on their side of a barrier, which waits for none of them
+    tl.debug_barrier()
     for t in tl.static_range(T):  # unrolled: T = 1 is the plain decode step
         row = request * T + t
         target = tl.load(state_slots + row).to(tl.int64)  # the slot that keeps the state after this row
