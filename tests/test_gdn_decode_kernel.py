@@ -11,8 +11,10 @@ padding rows (all on one scratch slot) are in every batch: they must leave every
 
 The kernel splits each value head into tiles of VALUE_TILE channels (one program each) and finishes a key
 head's gated norms and q/k windows in whichever of its programs arrives last: the small cases run at
-tiles that split their heads (TILES: several tiles, a partial one, one tile), the real widths at the
-module's default, and every check ends with the arrival counters back at zero.
+tiles that split their heads (TILES: two tiles, the second half empty, and two full ones; the layer test
+one tile), the real widths at the module's default, and every check ends with the arrival counters back
+at zero. The interpreter runs programs one after another; on a GPU, where they race, the same launch
+repeated must give the same bits.
 
 Triton's interpreter (3.9) truncates fp32 -> bf16 casts where the GPU rounds to nearest even; the child
 processes patch it to round as the GPU does (`round_bf16_like_the_gpu`), so the kernel's roundings are
