@@ -1,6 +1,6 @@
 """Another checkout's Triton kernel modules loaded beside this checkout's, so a benchmark can time the
-kernels before and after a change in one process (`--baseline ROOT` of bench/moe_decode_kernel.py and
-bench/quant_linear_kernel.py)."""
+kernels before and after a change in one process (`--baseline ROOT` of bench/moe_decode_kernel.py,
+bench/quant_linear_kernel.py and bench/gdn_decode_kernel.py)."""
 
 from __future__ import annotations
 
@@ -39,3 +39,10 @@ def load_baseline(root: Path, op: str) -> ModuleType:
             del sys.modules[QUANT_LINEAR]
         else:
             sys.modules[QUANT_LINEAR] = saved
+
+
+def load_baseline_module(root: Path, relative: str) -> ModuleType:
+    """root/<relative> (a kernel module whose own imports of tierlm resolve to this checkout's) as a module
+    of its own; `root` may also be that file itself (a copy of it, e.g. from `git show`)."""
+    path = root if root.is_file() else root / relative
+    return _load(f"baseline_{path.stem}", path)

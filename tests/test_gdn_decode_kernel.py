@@ -9,6 +9,13 @@ within FACTOR x transformers' bf16 error on the same input plus half a bf16 ulp 
 (tests/test_bf16_parity.py's bound), for the output row and the request's new state. Static decode's
 padding rows (all on one scratch slot) are in every batch: they must leave every other slot as it was.
 
+The kernel splits each value head into tiles of VALUE_TILE channels (one program each) and finishes a key
+head's gated norms and q/k windows in whichever of its programs arrives last: the small cases run at
+tiles that split their heads (TILES: two tiles, the second half empty, and two full ones; the layer test
+one tile), the real widths at the module's default, and every check ends with the arrival counters back
+at zero. The interpreter runs programs one after another; on a GPU, where they race, the same launch
+repeated must give the same bits.
+
 Triton's interpreter (3.9) truncates fp32 -> bf16 casts where the GPU rounds to nearest even; the child
 processes patch it to round as the GPU does (`round_bf16_like_the_gpu`), so the kernel's roundings are
 checked, not the interpreter's.
@@ -16,6 +23,7 @@ checked, not the interpreter's.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 
 import pytest
@@ -28,6 +36,8 @@ FACTOR = 2.0
 SMALL = {"grouped": (2, 6, 16, 24, 4, 3, 2), "one_group_sigmoid": (2, 2, 32, 16, 4, 2, 1)}
 REAL_WIDTHS = (16, 48, 128, 128, 4)  # the target model's GDN
 GPU_BATCHES = {1: 0, 4: 1, 16: 5}  # batch size: padding rows among them
+# the value tile each small case runs at: Dv 24 in 2 tiles (the second half empty), Dv 16 in 2 (the layer test: 1)
+TILES = {"grouped": 16, "one_group_sigmoid": 8, "k1": 16, "k3_sigmoid": 8}
 
 
 def round_bf16_like_the_gpu() -> None:
@@ -142,9 +152,30 @@ def assert_within_transformers_error(ours, theirs, truth, what: str) -> None:
     assert (ours_error <= bound).all(), f"{what}: errors {ours_error.tolist()} over bounds {bound.tolist()}"
 
 
-def compare(shape: tuple, device: str, gate: str = "silu") -> None:
+@contextlib.contextmanager
+def value_tile(tile: int | None):
+    """The kernel's VALUE_TILE for the block (None: its default), and its arrival counters checked back at
+    zero after it (each launch's last programs reset theirs)."""
+    from tierlm.kernels.gated_delta_rule import decode_triton
+
+    default = decode_triton.VALUE_TILE
+    decode_triton.VALUE_TILE = tile or default
+    try:
+        yield
+    finally:
+        decode_triton.VALUE_TILE = default
+    for counters in decode_triton._COUNTERS.values():
+        assert not counters[-1].any(), "arrival counters left non-zero"
+
+
+def compare(shape: tuple, device: str, gate: str = "silu", tile: int | None = None) -> None:
     """The kernel against the reference in fp32, and against transformers' bf16 error in bf16, on one
-    batch with padding rows."""
+    batch with padding rows, at value tile `tile` (None: the kernel's default)."""
+    with value_tile(tile):
+        _compare(shape, device, gate)
+
+
+def _compare(shape: tuple, device: str, gate: str) -> None:
     from tierlm.kernels.gated_delta_rule.decode import gated_delta_decode
     from tierlm.kernels.gated_delta_rule.decode_triton import triton_gated_delta_decode as kernel
 
@@ -183,15 +214,15 @@ def test_decode_kernel_matches_the_reference(case):
         pytest.skip("triton is not installed")
     gate = "sigmoid" if "sigmoid" in case else "silu"
     if torch.cuda.is_available():
-        compare(SMALL[case], "cuda", gate)
+        compare(SMALL[case], "cuda", gate, TILES[case])
         return
     run_interpreted(*decode_child(case))
 
 
 def decode_child(case: str) -> tuple[str]:
     gate = "sigmoid" if "sigmoid" in case else "silu"
-    return (f"import test_gdn_decode_kernel as t; t.round_bf16_like_the_gpu(); "
-            f"t.compare(t.SMALL[{case!r}], 'cpu', {gate!r})",)
+    return ((f"import test_gdn_decode_kernel as t; t.round_bf16_like_the_gpu(); "
+             f"t.compare(t.SMALL[{case!r}], 'cpu', {gate!r}, t.TILES[{case!r}])"),)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="real widths need a GPU")
@@ -199,6 +230,21 @@ def decode_child(case: str) -> tuple[str]:
 def test_decode_kernel_at_real_widths_on_gpu(batch):
     padding = GPU_BATCHES[batch]
     compare((*REAL_WIDTHS, batch - padding, padding), "cuda")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="programs run concurrently only on a GPU")
+def test_decode_kernel_is_the_same_every_launch_on_gpu():
+    """Which program of a key head arrives last (and does its norms) changes from launch to launch; the
+    result must not: the same step from the same pools, 50 times, bit for bit (a norm reading o tiles
+    not yet visible, or a q/k window rewritten before a reader, would show as a differing launch)."""
+    from tierlm.kernels.gated_delta_rule.decode_triton import triton_gated_delta_decode as kernel
+
+    with value_tile(None):
+        inputs = workload(*REAL_WIDTHS, 16, 0, torch.bfloat16, "cuda")
+        first = run(kernel, inputs)
+        for _ in range(50):
+            again = run(kernel, inputs)
+            assert all(torch.equal(x, y) for x, y in zip(first, again))
 
 
 def compare_layer(device: str) -> None:
@@ -334,10 +380,16 @@ def test_verify_reference_is_decode_row_after_row():
         assert torch.equal(conv[-2:], inputs["conv_pool"][-2:]) and torch.equal(state[-2:], inputs["state_pool"][-2:])
 
 
-def compare_verify(shape: tuple, device: str, gate: str = "silu") -> None:
+def compare_verify(shape: tuple, device: str, gate: str = "silu", tile: int | None = None) -> None:
     """triton_gated_delta_verify against gated_delta_verify: fp32 to summation order; bf16 within FACTOR x
     the reference's own bf16 error (itself within 2x transformers': tests/test_bf16_parity.py) against the
-    reference in fp32 on the same values, per request and row, for the output and every kept state."""
+    reference in fp32 on the same values, per request and row, for the output and every kept state; at
+    value tile `tile` (None: the kernel's default)."""
+    with value_tile(tile):
+        _compare_verify(shape, device, gate)
+
+
+def _compare_verify(shape: tuple, device: str, gate: str) -> None:
     from tierlm.kernels.gated_delta_rule.decode import gated_delta_verify
     from tierlm.kernels.gated_delta_rule.decode_triton import triton_gated_delta_verify as kernel
 
@@ -363,15 +415,15 @@ def test_verify_kernel_matches_the_reference(case):
         pytest.skip("triton is not installed")
     gate = "sigmoid" if "sigmoid" in case else "silu"
     if torch.cuda.is_available():
-        compare_verify(VERIFY[case], "cuda", gate)
+        compare_verify(VERIFY[case], "cuda", gate, TILES[case])
         return
     run_interpreted(*verify_child(case))
 
 
 def verify_child(case: str) -> tuple[str]:
     gate = "sigmoid" if "sigmoid" in case else "silu"
-    return (f"import test_gdn_decode_kernel as t; t.round_bf16_like_the_gpu(); "
-            f"t.compare_verify(t.VERIFY[{case!r}], 'cpu', {gate!r})",)
+    return ((f"import test_gdn_decode_kernel as t; t.round_bf16_like_the_gpu(); "
+             f"t.compare_verify(t.VERIFY[{case!r}], 'cpu', {gate!r}, t.TILES[{case!r}])"),)
 
 
 INTERPRETED_EARLY = {  # (long children: queued when collection ends, see tests/interpreted.py)

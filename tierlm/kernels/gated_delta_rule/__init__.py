@@ -7,7 +7,7 @@ Returns (o [B, T, H, Dv] fp32, final_state [B, H, Dk, Dv] fp32). Per head and to
 
 The decode step also has a batched form with grouped key heads (`fused_recurrent`), and a layer's whole decode
 step after its input projections (conv, norms, gates, rule, gated output norm: `decode.gated_delta_decode`, the
-torch reference; `decode_triton`, two Triton launches, used on CUDA), and over T tokens per request keeping
+torch reference; `decode_triton`, one Triton launch, used on CUDA), and over T tokens per request keeping
 the state after each (`decode.gated_delta_verify`, speculative verification; the same kernels). Prefill batches have a
 varlen form over packed sequences with grouped key heads and states in a pool (`chunk.chunk_gated_delta_rule_varlen`,
 the torch reference; `chunk_triton`, one Triton launch for the whole batch, used on CUDA).

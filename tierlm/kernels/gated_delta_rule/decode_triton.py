@@ -1,23 +1,40 @@
-"""A Gated DeltaNet layer's decode step after its input projections, as Triton kernels (CUDA; the
+"""A Gated DeltaNet layer's decode step after its input projections, as one Triton kernel (CUDA; the
 interpreter on CPU for tests). Same signature, shapes and roundings as `decode.gated_delta_decode`, the
 torch reference: conv window update, conv + SiLU (fp32 products and sum, rounded once), q/k l2norm, the
 gates, the delta rule on the fp32 state (read once, written once, in place in the pool by slot), the
-output and the gated RMS norm, for every request of the batch. The same kernels take T rows per request
+output and the gated RMS norm, for every request of the batch. The same kernel takes T rows per request
 (`triton_gated_delta_verify`, speculative verification; decode is T = 1): a program loops over its
-request's rows with the state in registers and stores the state and conv window after each row into that
-row's slot.
+request's rows with its state tile in registers and stores the tile and conv window after each row into
+that row's slot.
 
-One program owns one request's value head: its state [Dk, Dv] in registers, its Dv value channels' conv
-windows, its gate and output. The Hv / Hk value heads of a key head all read that key head's q and k, so
-the q/k conv windows have several readers; a program may write only what no other program reads, and the
-q/k windows are rewritten by a second, tiny launch after the first (`_key_window_kernel`). Padding rows
-of static decode all point at one scratch slot: their programs race on its contents, which nobody reads.
+The grid: one program per (request, value head, tile of VALUE_TILE value channels), as flash-linear-
+attention's fused_recurrent splits the value dim. A program holds its [Dk, tile] slice of the state, the
+conv windows of its tile's v channels, and recomputes its key head's q and k in full (a few KB, L2 hits
+after the first). The delta rule is independent per value column (S^T k and S^T q sum over the key dim
+only), so the state splits along values with no communication; two things do not:
+  - the gated RMS norm averages o over the whole head (Dv channels, several tiles);
+  - a key head's q/k conv windows are read by all its Hv/Hk x tiles programs and must be rewritten only
+    after every one of them has read them.
+Both go to the last program to finish among a key head's Hv/Hk x tiles programs. Each program stores its
+o tile (rounded to the model dtype, as the reference rounds it before the norm) straight into `out`, then
+increments the (request, key head) arrival counter; the program that sees it reach the count reads the
+group's o back (from L2), applies the norm and the gate in place, writes the q/k windows after each row,
+and sets the counter back to zero. There is no waiting: nobody spins, so the scheme holds whatever number
+of programs is resident, and the sum of squares is taken by one program in a fixed order (deterministic).
+The counters are `_arrival_counters`: a zeroed int32 workspace per device kept for the process's life
+(each launch leaves it zeroed); launches of this kernel on one device must not run concurrently (one
+stream, as the engine runs them). Padding rows of static decode all point at one scratch slot: their
+programs race on its contents, which nobody reads (their counters are their own).
 
-Measured on an H200 at the target widths (bench/results/gdn_decode_kernel*_nvidia-h200.txt), this
-layout beat one launch with one program per (request, key head) looping over its 3 value heads (that
-program owns its q/k windows): 8.4 vs 15.3 us at batch 1, 13.6 vs 17.9 at 4, 36.8 vs 34.8 at 16; the
-torch path took 94, 162 and 348 us. At batch 1 the 48 programs are fewer than the SMs; splitting Dv
-would need the gated norm's sum of squares across programs.
+Why: at the target widths (16 key / 48 value heads of 128, a 3 MB fp32 state per request) the previous
+layout, one program per (request, value head), ran 48 programs at batch 1 on 132 SMs, each holding a
+[128, 128] fp32 tile, plus a second launch for the q/k windows. The bench timed it at 8.1 us at batch 1
+(H200, commit e8cb6ab); the model's kernel listing at f26380f shows 41 us per layer. Compiled for sm_90a
+on a CPU (Triton 3.9's ptxas, cuobjdump --dump-resource-usage, pointers 16-byte aligned), f26380f's
+kernel at 4 warps uses 255 registers and 808 bytes of stack a thread and moves its whole state tile
+through 16 KB of shared memory (its [BD, 4] conv windows anchored a second layout for the tile), where
+the same kernel before speculative verification (47aba87) needed no stack. This kernel at tile 32 and 4
+warps: 80 registers, no stack, no tile through shared memory (`_conv_silu`: 1-D taps).
 """
 
 from __future__ import annotations
@@ -28,20 +45,17 @@ import triton.language as tl
 
 from tierlm.kernels.gated_delta_rule.decode import GATE_ACTIVATIONS, decode_head_counts
 
-# the main kernel's warps: on an H200 at the target widths (bench/gdn_decode_kernel.py --sweep), 4 beat
-# 2, 8 and 16 at batches 1, 4 and 16 (batch 1: 35.5 / 8.1 / 10.1 / 13.1 us), though ptxas keeps ~170
-# bytes a thread on the stack at 4 (a [128, 128] fp32 state tile is 128 registers a thread)
+# value channels per program (a power of 2; heads narrower than it take one tile) and the kernel's warps:
+# tuned on the GPU with bench/gdn_decode_kernel.py --tiles ... --warps ...
+VALUE_TILE = 32
 DECODE_WARPS = 4
 
 
 @triton.jit
-def _short_conv(mixed_rows, mixed_stride, t, conv_slot, window_slot, weight, channels, inside, KC: tl.constexpr,
-                KP: tl.constexpr, WRITE_WINDOW: tl.constexpr):
-    """silu(causal conv) at a request's row t (mixed_rows: its row 0) for `channels` ([BD] ids), as fp32
-    values of the model dtype, the products and their sum in fp32, rounded once (as the reference). Tap j
-    reads row t - (Kc-1) + j, or before row 0 the slot's window (Kc-1 past inputs, oldest first). With
-    WRITE_WINDOW the window after row t (its last Kc-1 inputs) goes to window_slot, after every thread
-    has read (window_slot may be conv_slot)."""
+def _conv_window(mixed_rows, mixed_stride, t, conv_slot, channels, inside, KC: tl.constexpr, KP: tl.constexpr):
+    """The conv inputs of `channels` ([BD] ids) at a request's row t (mixed_rows: its row 0), [BD, KP] in
+    the model dtype: tap j is the input at row t - (Kc-1) + j, or, before row 0, the slot's window (Kc-1
+    past inputs, oldest first); taps >= Kc are 0. Only copied into a slot (`_store_window`)."""
     taps = tl.arange(0, KP)
     source = t - (KC - 1) + taps  # the row each tap reads; < 0: the slot's window
     from_rows = (source >= 0) & (taps < KC)
@@ -49,48 +63,111 @@ def _short_conv(mixed_rows, mixed_stride, t, conv_slot, window_slot, weight, cha
                 mask=inside[:, None] & from_rows[None, :], other=0.0)
     past = tl.load(conv_slot + channels[:, None] * (KC - 1) + (t + taps)[None, :],
                    mask=inside[:, None] & (source < 0)[None, :], other=0.0)
-    window = tl.where(from_rows[None, :], x, past)  # [BD, KP]
-    w = tl.load(weight + channels[:, None] * KC + taps[None, :], mask=inside[:, None] & (taps < KC)[None, :],
-                other=0.0)
-    conv = tl.sum(window.to(tl.float32) * w.to(tl.float32), 1).to(x.dtype).to(tl.float32)
-    if WRITE_WINDOW:
-        tl.debug_barrier()  # the window is read (by every thread holding a copy) before it is overwritten
-        tl.store(window_slot + channels[:, None] * (KC - 1) + taps[None, :] - 1, window,
-                 mask=inside[:, None] & (taps >= 1)[None, :] & (taps < KC)[None, :])
+    return tl.where(from_rows[None, :], x, past)
+
+
+@triton.jit
+def _conv_silu(mixed_rows, mixed_stride, t: tl.constexpr, conv_slot, weight, channels, inside, KC: tl.constexpr):
+    """silu(causal conv) of `channels` ([BD] ids) at a request's row t, as fp32 values of the model dtype:
+    the products and their sum in fp32, rounded once (as the reference), then SiLU, rounded. Tap by tap,
+    [BD] vectors only: small 1-D loads never anchor a layout, so the compiler lays these values out to
+    suit the state tile they multiply (a [BD, KP] window here once made it move the whole tile through
+    shared memory instead)."""
+    conv = tl.zeros(channels.shape, dtype=tl.float32)
+    for j in tl.static_range(KC):
+        if t - (KC - 1) + j >= 0:  # a row of this call
+            x = tl.load(mixed_rows + (t - (KC - 1) + j) * mixed_stride + channels, mask=inside, other=0.0)
+        else:  # before row 0: the slot's window
+            x = tl.load(conv_slot + channels * (KC - 1) + t + j, mask=inside, other=0.0)
+        conv += x.to(tl.float32) * tl.load(weight + channels * KC + j, mask=inside, other=0.0).to(tl.float32)
+    conv = conv.to(x.dtype).to(tl.float32)
     return (conv / (1.0 + tl.exp(-conv))).to(x.dtype).to(tl.float32)
 
 
 @triton.jit
+def _store_window(window_slot, window, channels, inside, KC: tl.constexpr, KP: tl.constexpr):
+    """The window after a `_conv_window`'s row (its last Kc-1 taps) into window_slot. Call it after a
+    barrier: another thread may still read the old window there."""
+    taps = tl.arange(0, KP)
+    tl.store(window_slot + channels[:, None] * (KC - 1) + taps[None, :] - 1, window,
+             mask=inside[:, None] & (taps >= 1)[None, :] & (taps < KC)[None, :])
+
+
+@triton.jit
+def _finish_key_head(mixed_rows, mixed_stride, z, z_stride, norm_weight, conv_pool, conv_slot, slot_stride,
+                     state_slots, out, eps, request, key_head, HK: tl.constexpr, HV: tl.constexpr,
+                     DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BH: tl.constexpr, GP: tl.constexpr,
+                     KC: tl.constexpr, KP: tl.constexpr, T: tl.constexpr, SILU_GATE: tl.constexpr):
+    """A key head's work once all its programs have stored their o tiles and read its q/k windows: per
+    row, the q and k conv windows after the row into the row's slot, and the gated RMS norm of the key
+    head's Hv/Hk value heads ([GP, BH] at once: one round trip to L2), in place in `out`."""
+    c, d, h = tl.arange(0, 2 * BK), tl.arange(0, BH), tl.arange(0, GP)
+    # the key head's q channels, then its k channels (one window tile: one round trip, not two)
+    qk_channels = tl.where(c < BK, key_head * DK + c, (HK + key_head) * DK + c - BK)
+    qk_inside = c % BK < DK
+    heads_inside = (h < HV // HK)[:, None] & (d < DV)[None, :]
+    columns = (key_head * (HV // HK) + h)[:, None] * DV + d[None, :]  # the group's heads' channels
+    weight = tl.load(norm_weight + d, mask=d < DV, other=0.0).to(tl.float32)
+    model_dtype = out.dtype.element_ty
+    for t in tl.static_range(T):
+        row = request * T + t
+        # o was written by other programs: read from L2 (.cg), past this SM's L1
+        o = tl.load(out + row * HV * DV + columns, mask=heads_inside, other=0.0, cache_modifier=".cg")
+        gate = tl.load(z + row * z_stride + columns, mask=heads_inside, other=0.0).to(tl.float32)
+        window_slot = conv_pool + tl.load(state_slots + row).to(tl.int64) * slot_stride
+        window = _conv_window(mixed_rows, mixed_stride, t, conv_slot, qk_channels, qk_inside, KC, KP)
+        tl.debug_barrier()  # the last row's window_slot is conv_slot: read before overwritten
+        _store_window(window_slot, window, qk_channels, qk_inside, KC, KP)
+        o = o.to(tl.float32)
+        normed = (o * tl.rsqrt(tl.sum(o * o, 1) / DV + eps)[:, None]).to(model_dtype).to(tl.float32)
+        y = (normed * weight[None, :]).to(model_dtype).to(tl.float32)
+        if SILU_GATE:
+            gate = gate / (1.0 + tl.exp(-gate))
+        else:
+            gate = 1.0 / (1.0 + tl.exp(-gate))
+        tl.store(out + row * HV * DV + columns, (y * gate).to(model_dtype), mask=heads_inside)
+
+
+@triton.jit
 def _decode_kernel(mixed, mixed_stride, z, z_stride, b, b_stride, a, a_stride, weight, A_log, dt_bias,
-                   norm_weight, conv_pool, state_pool, slots, state_slots, out, eps,
+                   norm_weight, conv_pool, state_pool, slots, state_slots, out, arrivals, eps,
                    HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr,
-                   BV: tl.constexpr, KC: tl.constexpr, KP: tl.constexpr, T: tl.constexpr,
-                   SILU_GATE: tl.constexpr):
-    """One program per (request, value head), over the request's T rows: everything but the q/k conv
-    window updates."""
-    request, head = tl.program_id(0).to(tl.int64), tl.program_id(1)
+                   BV: tl.constexpr, NV: tl.constexpr, BH: tl.constexpr, GP: tl.constexpr, KC: tl.constexpr,
+                   KP: tl.constexpr, T: tl.constexpr, EVEN: tl.constexpr, SILU_GATE: tl.constexpr):
+    """One program per (value head x NV tiles of BV channels, request), over the request's T rows; the
+    last of a key head's programs to finish also runs `_finish_key_head`. EVEN: Dk = BK and BV divides Dv
+    (the state tile needs no mask)."""
+    head_tile, request = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    head, tile = head_tile // NV, head_tile % NV
     key_head = head // (HV // HK)
     slot_stride = (2 * HK * DK + HV * DV) * (KC - 1)
-    conv_slot = conv_pool + tl.load(slots + request).to(tl.int64) * slot_stride
+    slot = tl.load(slots + request).to(tl.int64)
+    conv_slot = conv_pool + slot * slot_stride
     mixed_rows = mixed + request * T * mixed_stride
-    dk, dv = tl.arange(0, BK), tl.arange(0, BV)
+    dk, dv = tl.arange(0, BK), tile * BV + tl.arange(0, BV)
     k_inside, v_inside = dk < DK, dv < DV
     state_offsets = head * DK * DV + dk[:, None] * DV + dv[None, :]
     state_mask = k_inside[:, None] & v_inside[None, :]
-    state = tl.load(state_pool + tl.load(slots + request).to(tl.int64) * HV * DK * DV + state_offsets,
-                    mask=state_mask, other=0.0)
+    if EVEN:  # unmasked: 16-byte loads and stores
+        state = tl.load(state_pool + slot * HV * DK * DV + state_offsets)
+    else:
+        state = tl.load(state_pool + slot * HV * DK * DV + state_offsets, mask=state_mask, other=0.0)
     decay_rate = -tl.exp(tl.load(A_log + head).to(tl.float32))
     bias = tl.load(dt_bias + head).to(tl.float32)
+    q_channels, k_channels, v_channels = key_head * DK + dk, (HK + key_head) * DK + dk, 2 * HK * DK + dv + head * DV
     model_dtype = out.dtype.element_ty
+    # ptxas would issue the state tile's loads only after the first conv's taps arrive (two memory
+    # latencies in a row); it keeps loads on their side of a barrier, which waits for none of them
+    tl.debug_barrier()
     for t in tl.static_range(T):  # unrolled: T = 1 is the plain decode step
         row = request * T + t
         target = tl.load(state_slots + row).to(tl.int64)  # the slot that keeps the state after this row
-        q = _short_conv(mixed_rows, mixed_stride, t, conv_slot, conv_slot, weight, key_head * DK + dk, k_inside,
-                        KC, KP, False)
-        k = _short_conv(mixed_rows, mixed_stride, t, conv_slot, conv_slot, weight, (HK + key_head) * DK + dk,
-                        k_inside, KC, KP, False)
-        v = _short_conv(mixed_rows, mixed_stride, t, conv_slot, conv_pool + target * slot_stride, weight,
-                        2 * HK * DK + head * DV + dv, v_inside, KC, KP, True)
+        q = _conv_silu(mixed_rows, mixed_stride, t, conv_slot, weight, q_channels, k_inside, KC)
+        k = _conv_silu(mixed_rows, mixed_stride, t, conv_slot, weight, k_channels, k_inside, KC)
+        v = _conv_silu(mixed_rows, mixed_stride, t, conv_slot, weight, v_channels, v_inside, KC)
+        v_window = _conv_window(mixed_rows, mixed_stride, t, conv_slot, v_channels, v_inside, KC, KP)
+        tl.debug_barrier()  # this tile's v window is read (by every thread holding a copy) before overwritten
+        _store_window(conv_pool + target * slot_stride, v_window, v_channels, v_inside, KC, KP)
         q = q * tl.rsqrt(tl.sum(q * q, 0) + 1e-6) * (DK ** -0.5)
         k = k * tl.rsqrt(tl.sum(k * k, 0) + 1e-6)
 
@@ -106,33 +183,41 @@ def _decode_kernel(mixed, mixed_stride, z, z_stride, b, b_stride, a, a_stride, w
         update = (v - decay * tl.sum(k[:, None] * state, 0)) * beta
         o = decay * tl.sum(q[:, None] * state, 0) + tl.sum(k * q, 0) * update
         state = decay * state + k[:, None] * update[None, :]
-        tl.store(state_pool + target * HV * DK * DV + state_offsets, state, mask=state_mask)
-
-        o = o.to(model_dtype).to(tl.float32)
-        normed = (o * tl.rsqrt(tl.sum(o * o, 0) / DV + eps)).to(model_dtype).to(tl.float32)
-        y = (normed * tl.load(norm_weight + dv, mask=v_inside, other=0.0).to(tl.float32)).to(model_dtype)
-        gate = tl.load(z + row * z_stride + head * DV + dv, mask=v_inside, other=0.0).to(tl.float32)
-        if SILU_GATE:
-            gate = gate / (1.0 + tl.exp(-gate))
+        if EVEN:
+            tl.store(state_pool + target * HV * DK * DV + state_offsets, state)
         else:
-            gate = 1.0 / (1.0 + tl.exp(-gate))
-        tl.store(out + row * HV * DV + head * DV + dv, (y.to(tl.float32) * gate).to(model_dtype), mask=v_inside)
+            tl.store(state_pool + target * HV * DK * DV + state_offsets, state, mask=state_mask)
+        # o rounded (as the reference before its norm); `_finish_key_head` normalises it in place
+        tl.store(out + row * HV * DV + head * DV + dv, o.to(model_dtype), mask=v_inside)
+
+    # every thread's stores and q/k window reads are done before one thread releases them at GPU scope
+    tl.debug_barrier()
+    counter = arrivals + request * HK + key_head
+    if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == (HV // HK) * NV - 1:  # the last: acquires
+        tl.debug_barrier()  # (the atomic's result reaches the other threads through a barrier already)
+        _finish_key_head(mixed_rows, mixed_stride, z, z_stride, norm_weight, conv_pool, conv_slot, slot_stride,
+                         state_slots, out, eps, request, key_head, HK, HV, DK, DV, BK, BH, GP, KC, KP, T,
+                         SILU_GATE)
+        tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # ready for the next launch
 
 
-@triton.jit
-def _key_window_kernel(mixed, mixed_stride, weight, conv_pool, slots, state_slots, HK: tl.constexpr,
-                       HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, KC: tl.constexpr,
-                       KP: tl.constexpr, T: tl.constexpr):
-    """One program per (request, q or k, key head): that head's q or k conv window after each of the
-    request's T rows, into the row's state slot."""
-    request, which, key_head = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
-    slot_stride = (2 * HK * DK + HV * DV) * (KC - 1)
-    conv_slot = conv_pool + tl.load(slots + request).to(tl.int64) * slot_stride
-    dk = tl.arange(0, BK)
-    for t in tl.static_range(T):  # unrolled: T = 1 is the plain decode step
-        target = tl.load(state_slots + request * T + t).to(tl.int64)
-        _short_conv(mixed + request * T * mixed_stride, mixed_stride, t, conv_slot, conv_pool + target * slot_stride,
-                    weight, (which * HK + key_head) * DK + dk, dk < DK, KC, KP, True)
+_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
+_MIN_COUNTERS = 1 << 14  # 64 KB: requests x key heads up to 1024 x 16 without growing
+
+
+def _arrival_counters(device: torch.device, count: int) -> torch.Tensor:
+    """At least `count` zeroed int32 counters on `device`, which every launch leaves zeroed. Allocated
+    once (grown by doubling) and never freed: a CUDA graph that captured one keeps a valid address. They
+    cannot be first made inside a capture (nothing runs there to zero them): warm up outside it, as
+    static decode does."""
+    kept = _COUNTERS.setdefault(device, [])
+    if not kept or kept[-1].numel() < count:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"the GDN decode kernel needs {count} arrival counters on {device}, more than it "
+                               f"has: run it once at this batch size before a CUDA graph capture")
+        size = max(count, _MIN_COUNTERS, 2 * kept[-1].numel() if kept else 0)
+        kept.append(torch.zeros(size, dtype=torch.int32, device=device))
+    return kept[-1]
 
 
 def _row_major(name: str, x: torch.Tensor, rows: int, columns: int) -> None:
@@ -156,7 +241,7 @@ def triton_gated_delta_decode(
     eps: float,
     gate_activation: str = "silu",
 ) -> torch.Tensor:
-    """As `decode.gated_delta_decode` (shapes there), in two launches; the pools are updated in place."""
+    """As `decode.gated_delta_decode` (shapes there), in one launch; the pools are updated in place."""
     return triton_gated_delta_verify(mixed, z, b, a, conv_weight, A_log, dt_bias, norm_weight, conv_pool, state_pool,
                                      slots, slots[:, None], eps, gate_activation)
 
@@ -178,7 +263,7 @@ def triton_gated_delta_verify(
     gate_activation: str = "silu",
 ) -> torch.Tensor:
     """As `decode.gated_delta_verify` (T rows per request, the state after each into state_slots [B, T]),
-    in two launches; the pools are updated in place."""
+    in one launch; the pools are updated in place."""
     num_key_heads, num_value_heads, head_k_dim, head_v_dim = decode_head_counts(mixed, state_pool)
     n, channels = mixed.shape
     requests, width = state_slots.shape
@@ -192,6 +277,8 @@ def triton_gated_delta_verify(
     if n != requests * width or slots.shape != (requests,):
         raise ValueError(f"{n} rows do not make {requests} requests x {width} (state_slots {tuple(state_slots.shape)},"
                          f" slots {tuple(slots.shape)})")
+    if VALUE_TILE < 1 or VALUE_TILE & (VALUE_TILE - 1):
+        raise ValueError(f"VALUE_TILE must be a power of 2, got {VALUE_TILE}")
     for name, x, columns in (("mixed", mixed, channels), ("z", z, num_value_heads * head_v_dim),
                              ("b", b, num_value_heads), ("a", a, num_value_heads)):
         _row_major(name, x, n, columns)
@@ -200,14 +287,18 @@ def triton_gated_delta_verify(
         return out
     conv_weight = conv_weight.reshape(channels, kernel).contiguous()
     slots, state_slots = slots.contiguous(), state_slots.contiguous()
-    shapes = {"HK": num_key_heads, "HV": num_value_heads, "DK": head_k_dim, "DV": head_v_dim,
-              "BK": triton.next_power_of_2(head_k_dim), "KC": kernel, "KP": triton.next_power_of_2(kernel),
-              "T": width}
-    _decode_kernel[(requests, num_value_heads)](
+    head_block = triton.next_power_of_2(head_v_dim)
+    tile = min(VALUE_TILE, head_block)
+    tiles = triton.cdiv(head_v_dim, tile)
+    arrivals = _arrival_counters(mixed.device, requests * num_key_heads)
+    _decode_kernel[(num_value_heads * tiles, requests)](
         mixed, mixed.stride(0), z, z.stride(0), b, b.stride(0), a, a.stride(0), conv_weight, A_log, dt_bias,
-        norm_weight, conv_pool, state_pool, slots, state_slots, out, eps, BV=triton.next_power_of_2(head_v_dim),
-        SILU_GATE=gate_activation == "silu", **shapes, num_warps=DECODE_WARPS,
+        norm_weight, conv_pool, state_pool, slots, state_slots, out, arrivals, eps,
+        HK=num_key_heads, HV=num_value_heads, DK=head_k_dim, DV=head_v_dim, BK=triton.next_power_of_2(head_k_dim),
+        BV=tile, NV=tiles, BH=head_block, GP=triton.next_power_of_2(num_value_heads // num_key_heads),
+        KC=kernel, KP=triton.next_power_of_2(kernel), T=width,
+        EVEN=head_k_dim == triton.next_power_of_2(head_k_dim) and head_v_dim % tile == 0,
+        SILU_GATE=gate_activation == "silu",
+        num_warps=DECODE_WARPS,
     )
-    _key_window_kernel[(requests, 2, num_key_heads)](mixed, mixed.stride(0), conv_weight, conv_pool, slots,
-                                                      state_slots, **shapes, num_warps=1)
     return out

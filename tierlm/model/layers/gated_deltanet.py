@@ -10,7 +10,7 @@ also keeps the state after each of a request's rows in the slot given for it: wh
 T rows, through the decode step's multi-token form (`gated_delta_verify`, the same kernels on CUDA);
 otherwise request by request, row by row. On CUDA a prefill batch's rule runs as one Triton
 launch over all its requests (`chunk_triton`; TIERLM_NO_TRITON_GDN_PREFILL=1 turns it off), and a decode
-step as two Triton launches (`decode_triton`; TIERLM_NO_FUSED_GDN_DECODE=1 turns it off); on CPU
+step as one Triton launch (`decode_triton`; TIERLM_NO_FUSED_GDN_DECODE=1 turns it off); on CPU
 request by request, and the decode step, in torch.
 """
 
