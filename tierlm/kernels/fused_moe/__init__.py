@@ -3,8 +3,9 @@ scales (the format: `quant_linear.packing`).
 
 Signature (every form): fused_moe(x [T, H], w_gate_up, w_down, topk_weights [T, k], topk_ids [T, k], *,
 format="unquantized" | "int4" | "int6" | "int8", scales=None | (gate_up_scales, down_scales),
-group_size=None) -> [T, H] in x's dtype. Unquantized weights are laid out as `model/layers/moe.Experts`
-holds them (w_gate_up [E, 2I, H]: gate rows then up rows; w_down [E, H, I]); packed ones as int32
+group_size=None, shared=None | SharedExpert) -> [T, H] in x's dtype. `shared`: the MoE block's shared
+expert as one more expert of every token, its gate its routing weight (its own format and width).
+Unquantized weights are laid out as `model/layers/moe.Experts` holds them (w_gate_up [E, 2I, H]: gate rows then up rows; w_down [E, H, I]); packed ones as int32
 [E, N, ceil(K * bits / 32)] with scales [E, N, K / group_size].
   naive.py   a loop over the hit experts in ascending id (transformers' order), experts dequantized one
              at a time (the reference)
@@ -15,6 +16,6 @@ holds them (w_gate_up [E, 2I, H]: gate rows then up rows; w_down [E, H, I]); pac
              a split layout (value j of every word beside x's column of it), 3 instructions a value
 """
 
-from tierlm.kernels.fused_moe.naive import fused_moe
+from tierlm.kernels.fused_moe.naive import SharedExpert, fused_moe
 
-__all__ = ["fused_moe"]
+__all__ = ["SharedExpert", "fused_moe"]
