@@ -201,8 +201,8 @@ def kernel_results() -> dict[str, str | None]:
 
 INTERPRETED_EARLY = {  # (a long child: started when collection ends, see tests/interpreted.py)
     "test_triton_kernels_match_reference": (
-        "import json, torch, test_fused_moe_kernel as t; torch.set_num_threads(1)\n"
-        "print(json.dumps(t.run_kernel_cases(list(t.CASES))))",),
+        ("import json, torch, test_fused_moe_kernel as t; torch.set_num_threads(1)\n"
+         "print(json.dumps(t.run_kernel_cases(list(t.CASES))))"),),
 }
 
 

@@ -45,8 +45,11 @@ class PackedDecodeTiles(NamedTuple):
     down_ranks: int  # of a token's top-k experts per down program (fewer: fp32 partials, summed by the last)
     split_x: bool  # x read split (one copy launch first) or gathered in place
     unroll: bool  # each program's K tiles unrolled (all loads issued up front, as registers allow) or a loop
-    shared_gate_up_block_k: int = 256  # the shared expert's K tiles, in values (its format may differ from
-    shared_down_block_k: int = 64  # the routed experts': `decode_parts`; it takes their BLOCK_N)
+    # the shared expert's K tiles, in values (its format may differ from the routed experts':
+    # `decode_parts`; it takes their BLOCK_N). INT6 beside INT4 at 8 x 64 and 32 x 32 adds no registers
+    # to the routed programs (80 and 48 for sm_90, triton 3.9: 96 at 128 for gate_up, 128 at 64 for down)
+    shared_gate_up_block_k: int = 64
+    shared_down_block_k: int = 32
 
 
 @triton.jit
@@ -172,7 +175,7 @@ def _packed_gate_up_kernel(
             tl.store(act_ptr + pair.to(tl.int64) * stride_ap + (offs_n % VALUES) * (I // VALUES) + offs_n // VALUES,
                      act, mask=offs_n < I)
     else:
-        if HAS_SHARED:
+        if HAS_SHARED:  # noqa: SIM102 - a constexpr: without a shared expert its branch is not compiled
             if pid_n * BLOCK_N < S:
                 offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
                 act = swiglu_columns(x_in_place_ptr, row.to(tl.int64) * stride_x_in_place, shared_w_ptr,

@@ -95,7 +95,7 @@ def _gate_up_gemv_kernel(
             tl.store(out_ptr + pair.to(tl.int64) * stride_op + offs_n[None, :],
                      round_to(act, out_ptr.dtype.element_ty, PRECISION), mask=(offs_n < I)[None, :])
     else:
-        if HAS_SHARED:
+        if HAS_SHARED:  # noqa: SIM102 - a constexpr: without a shared expert its branch is not compiled
             if pid_n * BLOCK_N < S:
                 act = swiglu_columns(x_ptr, row.to(tl.int64) * stride_xt, shared_w_ptr, shared_s_ptr, S, offs_n,
                                      stride_swn, stride_ssn, H, SHARED_BITS, SHARED_GROUP_SIZE, BLOCK_N,
@@ -251,6 +251,13 @@ def align_pairs_to_blocks(expert_of_pair: torch.Tensor, num_experts: int, block_
     block_expert = torch.searchsorted(run_ends, block_starts, right=True)  # the run holding the block
     block_expert = torch.where(block_expert < num_experts, block_expert, -1).to(torch.int32)
     return pair_ids, block_expert
+
+
+def fuses_shared_expert(topk_ids: torch.Tensor) -> bool:
+    """Whether `fused_moe` computes a shared expert inside its launches for these ids (the decode form:
+    one more pair per token); at prefill sizes it runs it apart (`SharedArgs.separately`), which a
+    model's own layers do as well."""
+    return topk_ids.numel() <= DECODE_MAX_PAIRS
 
 
 def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor,
