@@ -19,7 +19,9 @@ SASS that triton 3.9 compiles; timed on a GPU by bench/moe_decode_kernel.py --pa
 Launches: (split copy), `_packed_gate_up_kernel` over (pair, block of I), `_packed_down_kernel` over
 (block of H, token, group of `down_ranks` experts); with fewer than top-k experts per down program the
 last program to finish a token's columns adds the groups' fp32 partials in the same launch (arrival
-counters: `kernels/split_reduce`). Tiles: `PackedDecodeTiles`.
+counters: `kernels/split_reduce`, `decode_parts.finish_down`). A shared expert is one more row of
+gate_up per token (x read in place) and one more split of down, in its own format (INT6 in int4-mixed)
+through `decode_parts`' `gemv_loop` helpers, with its own K tiles. Tiles: `PackedDecodeTiles`.
 """
 from __future__ import annotations
 

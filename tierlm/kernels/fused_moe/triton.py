@@ -11,10 +11,14 @@ and no launch needs a host sync, so a decode step can be captured in a CUDA grap
          `gate_up_block_n` of the expert's I columns, stored in x's dtype as `naive` rounds it;
       2. `_down_sum_gemv_kernel`: program (n block, token, split) ranks the token's k experts by id in
          registers and, in ascending id (the reference's order), adds routing weight x (act W_down^T)
-         over `down_ranks` of them in fp32; when that is all k it rounds the token's output once (the
-         top-k sum fused), else its fp32 partial goes to `_sum_chunks_kernel` (a third launch that adds
-         the partials in order: on an H200 the extra programs in flight win, 2 ranks per program).
-    Tiles per weight format: DECODE_TILES.
+         over `down_ranks` of them in fp32; when that is all k (and no shared expert) it rounds the
+         token's output once (the top-k sum fused), else it stores its fp32 partial and the token's last
+         program to arrive for these columns adds the splits in order (`decode_parts.finish_down`: on
+         an H200 the extra programs in flight win, 2 ranks per program; no third launch).
+    A shared expert (`SharedExpert`, the MoE block's, in any of the formats, its own width) is one more
+    pair per token: the first T rows of gate_up's grid (its act stored apart) and split 0 of down's
+    (gate x its down product), by `decode_parts`' helpers, so its gated output joins the same sum and
+    the block needs no launch of its own for it. Tiles per weight format: DECODE_TILES.
     Two pairs on one expert read its weights twice, which at 10 of 512 experts per token is rare.
   - prefill: each token's experts sorted by id, then `align_pairs_to_blocks` (vLLM's
     moe_align_block_size, in torch) sorts the pairs by expert into blocks of PREFILL_BLOCK_M rows, each
