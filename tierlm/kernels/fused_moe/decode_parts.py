@@ -58,10 +58,10 @@ def down_columns(act_ptr, act_row, w_ptr, s_ptr, offs_n, n_mask, stride_wn, stri
 
 
 @triton.jit
-def finish_down(result, out_ptr, partial_ptr, counter_ptr, token, pid_n, split, offs_n, n_mask, H,
+def finish_down(result, out_ptr, partial_ptr, counter_ptr, token, pid_n, n_blocks, split, offs_n, n_mask, H,
                 SPLITS: tl.constexpr, PRECISION: tl.constexpr):
     """A down program's end: result [BLOCK_N] (fp32) is split `split` of SPLITS of token's output
-    columns offs_n. One split: out[token] rounded to out's dtype. Several: stored in fp32 at
+    columns offs_n (column block pid_n of n_blocks). One split: out[token] rounded to out's dtype. Several: stored in fp32 at
     partial[token * SPLITS + split], then the program counts itself in (one counter per token and column
     block, `split_reduce.arrival_counters`); the last to arrive adds the splits in order, rounds
     out[token] once and sets the counter back to zero."""
@@ -69,7 +69,7 @@ def finish_down(result, out_ptr, partial_ptr, counter_ptr, token, pid_n, split, 
         tl.store(out_ptr + token * H + offs_n, round_to(result, out_ptr.dtype.element_ty, PRECISION), mask=n_mask)
     else:
         tl.store(partial_ptr + (token * SPLITS + split) * H + offs_n, result, mask=n_mask)
-        counter = counter_ptr + token * tl.num_programs(0) + pid_n
+        counter = counter_ptr + token * n_blocks + pid_n
         tl.debug_barrier()  # every thread's stores are issued before the program counts itself in
         if tl.atomic_add(counter, 1, sem="acq_rel") == SPLITS - 1:
             total = tl.zeros(result.shape, dtype=tl.float32)

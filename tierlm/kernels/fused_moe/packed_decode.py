@@ -47,6 +47,8 @@ class PackedDecodeTiles(NamedTuple):
     down_ranks: int  # of a token's top-k experts per down program (fewer: fp32 partials, summed by the last)
     split_x: bool  # x read split (one copy launch first) or gathered in place
     unroll: bool  # each program's K tiles unrolled (all loads issued up front, as registers allow) or a loop
+    one_launch: bool = False  # gate_up and down in one launch (down's items wait for their token's act),
+    #                           with gate_up's warps, or two launches
     # the shared expert's K tiles, in values (its format may differ from the routed experts':
     # `decode_parts`; it takes their BLOCK_N). INT6 beside INT4 at 8 x 64 and 32 x 32 adds no registers
     # to the routed programs (80 and 48 for sm_90, triton 3.9: 96 at 128 for gate_up, 128 at 64 for down)
@@ -142,23 +144,22 @@ def _rows_dot(acc, w_ptr, s_ptr, rows, x_ptr, x_row, stride_wn, stride_sn, one_b
 
 
 @triton.jit
-def _packed_gate_up_kernel(
-    x_ptr, w_ptr, s_ptr, act_ptr, ids_ptr, x_in_place_ptr, shared_w_ptr, shared_s_ptr, shared_act_ptr, S, num_shared,
-    stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_ap, stride_x_in_place, stride_swn, stride_ssn,
-    stride_sap, one_bits,
+def _packed_gate_up_program(
+    row, pid_n, x_ptr, w_ptr, s_ptr, act_ptr, ids_ptr, x_in_place_ptr, shared_w_ptr, shared_s_ptr, shared_act_ptr, S,
+    num_shared, stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_ap, stride_x_in_place, stride_swn,
+    stride_ssn, stride_sap, one_bits,
     H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, BITS: tl.constexpr, GROUP_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, SPLIT_X: tl.constexpr, UNROLL: tl.constexpr, DTYPE: tl.constexpr,
     HAS_SHARED: tl.constexpr, SHARED_BITS: tl.constexpr, SHARED_GROUP_SIZE: tl.constexpr,
     SHARED_BLOCK_K: tl.constexpr, SHARED_EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """One program: row pid(0), columns [pid(1) * BLOCK_N, +BLOCK_N). Rows below num_shared (T with a
-    shared expert, else 0) are the tokens' shared expert, in its own format (`decode_parts.swiglu_columns`
-    on x in place): shared_act[token, n] = silu(gate) * up of its S columns, in x's dtype. The others are
-    pairs (pair = row - num_shared: token pair // TOP_K, expert ids[pair]), the gate rows and the up rows as
-    one tile of 2 * BLOCK_N rows: act[pair] = silu(gate) * up rounded to x's dtype (DTYPE), stored split in
-    fp32 (column n at [n % values per word, n // values per word])."""
+    """gate_up's work item (row, pid_n): columns [pid_n * BLOCK_N, +BLOCK_N) of row `row`. Rows below
+    num_shared (T with a shared expert, else 0) are the tokens' shared expert, in its own format
+    (`decode_parts.swiglu_columns` on x in place): shared_act[token, n] = silu(gate) * up of its S columns,
+    in x's dtype. The others are pairs (pair = row - num_shared: token pair // TOP_K, expert ids[pair]),
+    the gate rows and the up rows as one tile of 2 * BLOCK_N rows: act[pair] = silu(gate) * up rounded to
+    x's dtype (DTYPE), stored split in fp32 (column n at [n % values per word, n // values per word])."""
     VALUES: tl.constexpr = 32 // BITS
-    row, pid_n = tl.program_id(0), tl.program_id(1)
     pair = row - num_shared
     if pair >= 0:
         if pid_n * BLOCK_N < I:
@@ -188,26 +189,26 @@ def _packed_gate_up_kernel(
 
 
 @triton.jit
-def _packed_down_kernel(
-    act_ptr, w_ptr, s_ptr, routing_ptr, ids_ptr, shared_act_ptr, shared_w_ptr, shared_s_ptr, shared_gate_ptr, out_ptr,
-    partial_ptr, counter_ptr, S, stride_ap, stride_we, stride_wn, stride_se, stride_sn, stride_sap, stride_swn,
-    stride_ssn, one_bits,
+def _packed_down_program(
+    pid_n, token, split, n_blocks, act_ptr, w_ptr, s_ptr, routing_ptr, ids_ptr, shared_act_ptr, shared_w_ptr,
+    shared_s_ptr, shared_gate_ptr, out_ptr, partial_ptr, counter_ptr, S, stride_ap, stride_we, stride_wn, stride_se,
+    stride_sn, stride_sap, stride_swn, stride_ssn, one_bits,
     H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, SLOTS: tl.constexpr, RANKS: tl.constexpr,
     BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
     UNROLL: tl.constexpr, DTYPE: tl.constexpr, HAS_SHARED: tl.constexpr, SHARED_BITS: tl.constexpr,
     SHARED_GROUP_SIZE: tl.constexpr, SHARED_BLOCK_K: tl.constexpr, SHARED_EVEN_K: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    """One program: token pid(1), columns [pid(0) * BLOCK_N, +BLOCK_N) of H, split pid(2). With a shared
-    expert split 0 is it: gate x (shared_act[token] W_shared_down[h]) in its own format
-    (`decode_parts.down_columns`). The other splits (all of them without one) take the token's experts of
-    ranks [routed split * RANKS, +RANKS) (those below TOP_K) in ascending id (SLOTS: TOP_K rounded up to
-    a power of 2): the sum over those experts of routing x (act[pair] W_down[e, h]) in fp32 (each
-    expert's routing weight, rounded to x's dtype, folded into its scales). The splits' results end in
-    `decode_parts.finish_down`: out[token] rounded once, by the program itself (one split) or by the
-    token's last program to arrive for these columns."""
+    """down's work item (pid_n, token, split) of n_blocks column blocks: columns [pid_n * BLOCK_N,
+    +BLOCK_N) of H for token `token` (int64). With a shared expert split 0 is it: gate x
+    (shared_act[token] W_shared_down[h]) in its own format (`decode_parts.down_columns`). The other
+    splits (all of them without one) take the token's experts of ranks [routed split * RANKS, +RANKS)
+    (those below TOP_K) in ascending id (SLOTS: TOP_K rounded up to a power of 2): the sum over those
+    experts of routing x (act[pair] W_down[e, h]) in fp32 (each expert's routing weight, rounded to x's
+    dtype, folded into its scales). The splits' results end in `decode_parts.finish_down`: out[token]
+    rounded once, by the item itself (one split) or by the token's last item to arrive for these
+    columns."""
     VALUES: tl.constexpr = 32 // BITS
-    pid_n, token, split = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < H
     result = tl.zeros((BLOCK_N,), dtype=tl.float32)
@@ -235,8 +236,99 @@ def _packed_down_kernel(
             result += gate * down_columns(shared_act_ptr, token * stride_sap, shared_w_ptr, shared_s_ptr, offs_n,
                                           n_mask, stride_swn, stride_ssn, S, SHARED_BITS, SHARED_GROUP_SIZE, BLOCK_N,
                                           SHARED_BLOCK_K, SHARED_EVEN_K, PRECISION)
-    finish_down(result, out_ptr, partial_ptr, counter_ptr, token, pid_n, split, offs_n, n_mask, H,
+    finish_down(result, out_ptr, partial_ptr, counter_ptr, token, pid_n, n_blocks, split, offs_n, n_mask, H,
                 HAS_SHARED + (TOP_K + RANKS - 1) // RANKS, PRECISION)
+
+
+@triton.jit
+def _packed_decode_kernel(
+    x_ptr, gu_w_ptr, gu_s_ptr, act_ptr, ids_ptr, x_in_place_ptr, gu_shared_w_ptr, gu_shared_s_ptr, shared_act_ptr,
+    dn_w_ptr, dn_s_ptr, routing_ptr, dn_shared_w_ptr, dn_shared_s_ptr, shared_gate_ptr, out_ptr, partial_ptr,
+    counter_ptr, sync_ptr, T, S, num_shared, gate_up_blocks, down_blocks,
+    stride_xt, gu_stride_we, gu_stride_wn, gu_stride_se, gu_stride_sn, stride_ap, stride_x_in_place, gu_stride_swn,
+    gu_stride_ssn, stride_sap, dn_stride_we, dn_stride_wn, dn_stride_se, dn_stride_sn, dn_stride_swn, dn_stride_ssn,
+    one_bits,
+    H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, SLOTS: tl.constexpr, RANKS: tl.constexpr,
+    BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, GU_BLOCK_N: tl.constexpr, GU_BLOCK_W: tl.constexpr,
+    DN_BLOCK_N: tl.constexpr, DN_BLOCK_W: tl.constexpr, SPLIT_X: tl.constexpr, UNROLL: tl.constexpr,
+    DTYPE: tl.constexpr, HAS_SHARED: tl.constexpr, SHARED_BITS: tl.constexpr, GU_SHARED_GROUP_SIZE: tl.constexpr,
+    GU_SHARED_BLOCK_K: tl.constexpr, GU_SHARED_EVEN_K: tl.constexpr, DN_SHARED_GROUP_SIZE: tl.constexpr,
+    DN_SHARED_BLOCK_K: tl.constexpr, DN_SHARED_EVEN_K: tl.constexpr, MAX_TOKENS: tl.constexpr,
+    PHASE: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """PHASE "gate_up": program i is gate_up's item (row i % rows, block i // rows); "down": down's item
+    (block i % down_blocks, token (i // down_blocks) % T, split i // (down_blocks * T)); "both" (one
+    launch): each program first takes a ticket (the order programs start in) and does gate_up's item of
+    that number, or, past them, down's: a gate_up item counts itself in for its token when its act is
+    stored, and a down item waits until every gate_up item of its token has (a program only ever waits
+    on tickets taken before its own, by programs already running, so the launch cannot deadlock however
+    few programs fit the device at once); the last program to leave sets the ticket and the tokens'
+    counts (sync_ptr: ticket, leavers, MAX_TOKENS counts) back to zero for the next launch."""
+    rows = num_shared + T * TOP_K
+    gate_up_items = rows * gate_up_blocks
+    if PHASE == "both":
+        index = tl.atomic_add(sync_ptr, 1, sem="relaxed")
+    else:
+        index = tl.program_id(0)
+    if PHASE == "down":
+        item = index
+    else:  # (a constexpr: each phase compiles only its own items' code, "both" both)
+        item = index - gate_up_items
+        if item < 0:
+            row = index % rows
+            _packed_gate_up_program(
+                row, index // rows, x_ptr, gu_w_ptr, gu_s_ptr, act_ptr, ids_ptr, x_in_place_ptr, gu_shared_w_ptr,
+                gu_shared_s_ptr, shared_act_ptr, S, num_shared, stride_xt, gu_stride_we, gu_stride_wn, gu_stride_se,
+                gu_stride_sn, stride_ap, stride_x_in_place, gu_stride_swn, gu_stride_ssn, stride_sap, one_bits, H, I,
+                TOP_K, BITS, GROUP_SIZE, GU_BLOCK_N, GU_BLOCK_W, SPLIT_X, UNROLL, DTYPE, HAS_SHARED, SHARED_BITS,
+                GU_SHARED_GROUP_SIZE, GU_SHARED_BLOCK_K, GU_SHARED_EVEN_K, PRECISION)
+            if PHASE == "both":
+                token = tl.where(row < num_shared, row, (row - num_shared) // TOP_K)
+                tl.debug_barrier()  # every thread's stores are issued before the item counts itself in
+                tl.atomic_add(sync_ptr + 2 + token, 1, sem="release")
+    if PHASE != "gate_up":
+        if item >= 0:
+            _packed_down_item(item, T, down_blocks, act_ptr, dn_w_ptr, dn_s_ptr, routing_ptr, ids_ptr, shared_act_ptr,
+                              dn_shared_w_ptr, dn_shared_s_ptr, shared_gate_ptr, out_ptr, partial_ptr, counter_ptr,
+                              sync_ptr, S, stride_ap, dn_stride_we, dn_stride_wn, dn_stride_se, dn_stride_sn,
+                              stride_sap, dn_stride_swn, dn_stride_ssn, one_bits, gate_up_blocks, H, I, TOP_K, SLOTS,
+                              RANKS, BITS, GROUP_SIZE, DN_BLOCK_N, DN_BLOCK_W, UNROLL, DTYPE, HAS_SHARED,
+                              SHARED_BITS, DN_SHARED_GROUP_SIZE, DN_SHARED_BLOCK_K, DN_SHARED_EVEN_K,
+                              PHASE == "both", PRECISION)
+    if PHASE == "both":
+        tl.debug_barrier()
+        if tl.atomic_add(sync_ptr + 1, 1, sem="acq_rel") == gate_up_items + down_blocks * T * (
+                HAS_SHARED + (TOP_K + RANKS - 1) // RANKS) - 1:
+            tl.store(sync_ptr + tl.arange(0, MAX_TOKENS + 2), 0)  # ready for the next launch
+
+
+@triton.jit
+def _packed_down_item(
+    item, T, down_blocks, act_ptr, dn_w_ptr, dn_s_ptr, routing_ptr, ids_ptr, shared_act_ptr, dn_shared_w_ptr,
+    dn_shared_s_ptr, shared_gate_ptr, out_ptr, partial_ptr, counter_ptr, sync_ptr, S, stride_ap, dn_stride_we,
+    dn_stride_wn, dn_stride_se, dn_stride_sn, stride_sap, dn_stride_swn, dn_stride_ssn, one_bits, gate_up_blocks,
+    H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, SLOTS: tl.constexpr, RANKS: tl.constexpr,
+    BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, DN_BLOCK_N: tl.constexpr, DN_BLOCK_W: tl.constexpr,
+    UNROLL: tl.constexpr, DTYPE: tl.constexpr, HAS_SHARED: tl.constexpr, SHARED_BITS: tl.constexpr,
+    DN_SHARED_GROUP_SIZE: tl.constexpr, DN_SHARED_BLOCK_K: tl.constexpr, DN_SHARED_EVEN_K: tl.constexpr,
+    WAIT: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """down's item number `item` (block item % down_blocks, token (item // down_blocks) % T, split
+    item // (down_blocks * T)); WAIT (one launch): first until every gate_up item of its token has
+    counted itself in at sync_ptr[2 + token]."""
+    token = ((item // down_blocks) % T).to(tl.int64)
+    if WAIT:  # the token's rows: its top-k pairs and its shared expert
+        expected = (TOP_K + HAS_SHARED) * gate_up_blocks
+        arrived = tl.atomic_add(sync_ptr + 2 + token, 0, sem="acquire")
+        while arrived < expected:
+            arrived = tl.atomic_add(sync_ptr + 2 + token, 0, sem="acquire")
+        tl.debug_barrier()  # (the acquire is one thread's: every thread's loads come after it)
+    _packed_down_program(
+        item % down_blocks, token, item // (down_blocks * T), down_blocks, act_ptr, dn_w_ptr, dn_s_ptr, routing_ptr,
+        ids_ptr, shared_act_ptr, dn_shared_w_ptr, dn_shared_s_ptr, shared_gate_ptr, out_ptr, partial_ptr, counter_ptr,
+        S, stride_ap, dn_stride_we, dn_stride_wn, dn_stride_se, dn_stride_sn, stride_sap, dn_stride_swn, dn_stride_ssn,
+        one_bits, H, I, TOP_K, SLOTS, RANKS, BITS, GROUP_SIZE, DN_BLOCK_N, DN_BLOCK_W, UNROLL, DTYPE, HAS_SHARED,
+        SHARED_BITS, DN_SHARED_GROUP_SIZE, DN_SHARED_BLOCK_K, DN_SHARED_EVEN_K, PRECISION)
 
 
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
@@ -270,30 +362,37 @@ def packed_decode(x: torch.Tensor, weights: tuple, topk_weights: torch.Tensor, t
     shared_act = torch.empty((t, shared.width), dtype=x.dtype, device=x.device) if shared.present else x
     shared_gate_up_k, shared_gate_up_even, shared_down_k, shared_down_even = shared.k_tiles(
         tiles.shared_gate_up_block_k, tiles.shared_down_block_k, h)
-    common = {"H": h, "I": inter, "TOP_K": top_k, "BITS": bits, "GROUP_SIZE": group, "UNROLL": tiles.unroll,
-              "DTYPE": dtype, "HAS_SHARED": shared.present, "SHARED_BITS": shared.bits, "PRECISION": precision}
-    num_shared = t * shared.present  # rows of the gate_up grid that are the tokens' shared expert
-    _packed_gate_up_kernel[(num_shared + t * top_k, triton.cdiv(max(inter, shared.width), tiles.gate_up_block_n))](
-        x_in, w_gate_up, gate_up_scales, act, topk_ids, x, shared.w_gate_up, shared.gate_up_scales, shared_act,
-        shared.width, num_shared, x_in.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), gate_up_scales.stride(0),
-        gate_up_scales.stride(1), act.stride(0), x.stride(0), shared.w_gate_up.stride(0),
-        shared.gate_up_scales.stride(0), shared_act.stride(0), FLOAT_ONE_BITS.value, BLOCK_N=tiles.gate_up_block_n,
-        BLOCK_W=tiles.gate_up_block_w, SPLIT_X=tiles.split_x, SHARED_GROUP_SIZE=shared.gate_up_group,
-        SHARED_BLOCK_K=shared_gate_up_k, SHARED_EVEN_K=shared_gate_up_even, num_warps=tiles.gate_up_warps, **common,
-    )
     out = torch.empty_like(x)
-    n_blocks = triton.cdiv(h, tiles.down_block_n)
-    if splits == 1:
-        partial = counters = out  # (unused)
+    num_shared = t * shared.present  # rows of gate_up's items that are the tokens' shared expert
+    gate_up_blocks = triton.cdiv(max(inter, shared.width), tiles.gate_up_block_n)
+    down_blocks = triton.cdiv(h, tiles.down_block_n)
+    max_tokens = max(t, max_tokens)
+    counters = arrival_counters("fused_moe_packed_down", x.device, max_tokens * down_blocks)
+    # (the one launch's ticket, leavers and per-token counts: a power of 2 of them)
+    sync = arrival_counters("fused_moe_packed_one_launch", x.device, triton.next_power_of_2(max_tokens + 2))
+    partial = workspace[x_numel + act_numel:] if splits > 1 else out  # (unused with one split)
+    args = (x_in, w_gate_up, gate_up_scales, act, topk_ids, x, shared.w_gate_up, shared.gate_up_scales, shared_act,
+            w_down, down_scales, topk_weights, shared.w_down, shared.down_scales, shared.gate, out, partial, counters,
+            sync, t, shared.width, num_shared, gate_up_blocks, down_blocks, x_in.stride(0), w_gate_up.stride(0),
+            w_gate_up.stride(1), gate_up_scales.stride(0), gate_up_scales.stride(1), act.stride(0), x.stride(0),
+            shared.w_gate_up.stride(0), shared.gate_up_scales.stride(0), shared_act.stride(0), w_down.stride(0),
+            w_down.stride(1), down_scales.stride(0), down_scales.stride(1), shared.w_down.stride(0),
+            shared.down_scales.stride(0), FLOAT_ONE_BITS.value)
+    constants = {
+        "H": h, "I": inter, "TOP_K": top_k, "SLOTS": triton.next_power_of_2(top_k), "RANKS": ranks, "BITS": bits,
+        "GROUP_SIZE": group, "GU_BLOCK_N": tiles.gate_up_block_n, "GU_BLOCK_W": tiles.gate_up_block_w,
+        "DN_BLOCK_N": tiles.down_block_n, "DN_BLOCK_W": tiles.down_block_w, "SPLIT_X": tiles.split_x,
+        "UNROLL": tiles.unroll, "DTYPE": dtype, "HAS_SHARED": shared.present, "SHARED_BITS": shared.bits,
+        "GU_SHARED_GROUP_SIZE": shared.gate_up_group, "GU_SHARED_BLOCK_K": shared_gate_up_k,
+        "GU_SHARED_EVEN_K": shared_gate_up_even, "DN_SHARED_GROUP_SIZE": shared.down_group,
+        "DN_SHARED_BLOCK_K": shared_down_k, "DN_SHARED_EVEN_K": shared_down_even,
+        "MAX_TOKENS": triton.next_power_of_2(max_tokens + 2) - 2, "PRECISION": precision}
+    gate_up_items = (num_shared + t * top_k) * gate_up_blocks
+    down_items = down_blocks * t * splits
+    if tiles.one_launch:
+        _packed_decode_kernel[(gate_up_items + down_items,)](*args, PHASE="both", num_warps=tiles.gate_up_warps,
+                                                             **constants)
     else:
-        partial = workspace[x_numel + act_numel:]
-        counters = arrival_counters("fused_moe_packed_down", x.device, max(t, max_tokens) * n_blocks)
-    _packed_down_kernel[(n_blocks, t, splits)](
-        act, w_down, down_scales, topk_weights, topk_ids, shared_act, shared.w_down, shared.down_scales, shared.gate,
-        out, partial, counters, shared.width, act.stride(0), w_down.stride(0), w_down.stride(1),
-        down_scales.stride(0), down_scales.stride(1), shared_act.stride(0), shared.w_down.stride(0),
-        shared.down_scales.stride(0), FLOAT_ONE_BITS.value, SLOTS=triton.next_power_of_2(top_k), RANKS=ranks,
-        BLOCK_N=tiles.down_block_n, BLOCK_W=tiles.down_block_w, SHARED_GROUP_SIZE=shared.down_group,
-        SHARED_BLOCK_K=shared_down_k, SHARED_EVEN_K=shared_down_even, num_warps=tiles.down_warps, **common,
-    )
+        _packed_decode_kernel[(gate_up_items,)](*args, PHASE="gate_up", num_warps=tiles.gate_up_warps, **constants)
+        _packed_decode_kernel[(down_items,)](*args, PHASE="down", num_warps=tiles.down_warps, **constants)
     return out

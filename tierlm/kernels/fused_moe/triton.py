@@ -150,7 +150,7 @@ def _down_sum_gemv_kernel(
             result += gate.to(tl.float32) * down_columns(
                 shared_act_ptr, token * stride_sap, shared_w_ptr, shared_s_ptr, offs_n, n_mask, stride_swn,
                 stride_ssn, S, SHARED_BITS, SHARED_GROUP_SIZE, BLOCK_N, SHARED_BLOCK_K, SHARED_EVEN_K, PRECISION)
-    finish_down(result, out_ptr, partial_ptr, counter_ptr, token, pid_n, split, offs_n, n_mask, H,
+    finish_down(result, out_ptr, partial_ptr, counter_ptr, token, pid_n, tl.num_programs(0), split, offs_n, n_mask, H,
                 HAS_SHARED + (TOP_K + RANKS - 1) // RANKS, PRECISION)
 
 
