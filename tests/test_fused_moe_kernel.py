@@ -63,10 +63,10 @@ SHARED_CASES = {"unquantized-decode-split-shared": ("unquantized", "decode-split
                 "unquantized-prefill-shared": ("unquantized", "prefill", "unquantized", ["bf16"])}
 for _case, (_routed, _path, _shared, _dtypes) in SHARED_CASES.items():
     CASES.update({f"{d}-{_case}": (DTYPES[d], FORMATS[_routed], PATHS[_path], _shared) for d in _dtypes})
-# packed decode's gate_up and down in one launch (`PackedDecodeTiles.one_launch`), with the shared expert
-# and without; each run twice (the launch must leave its tickets and counts at zero for the next)
-CASES["bf16-int4-g32-decode-split-shared-int6-one-launch"] = CASES["bf16-int4-g32-decode-split-shared-int6"]
-CASES["fp32-int4-g32-decode-split-one-launch"] = CASES["fp32-int4-g32-decode-split"]
+# the decode forms' gate_up and down in one launch (`DecodeTiles.one_launch`, `PackedDecodeTiles.one_launch`),
+# with the shared expert and without; each run twice (the launch must leave its tickets and counts at zero)
+for _case in ("bf16-int4-g32-decode-split-shared-int6", "fp32-unquantized-decode-split"):
+    CASES[f"{_case}-one-launch"] = CASES[_case]
 
 
 def route(tokens: int, top_k: int, skewed: bool, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -164,10 +164,12 @@ def run_kernel_cases(names: list[str]) -> dict[str, str | None]:
             kernels.DECODE_TILES = {bits: tiles._replace(down_ranks=ranks, **PACKED_BLOCK_W.get(bits, DECODE_BLOCK_K),
                                                          **SHARED_BLOCK_K)
                                     for bits, tiles in saved[2].items()}
-            if name.endswith(("gathered-x", "unrolled", "one-launch")):
+            if name.endswith(("gathered-x", "unrolled")):
                 kernels.DECODE_TILES[4] = kernels.DECODE_TILES[4]._replace(split_x=not name.endswith("gathered-x"),
-                                                                           unroll=name.endswith("unrolled"),
-                                                                           one_launch=name.endswith("one-launch"))
+                                                                           unroll=name.endswith("unrolled"))
+            if name.endswith("one-launch"):
+                kernels.DECODE_TILES = {bits: tiles._replace(one_launch=True)
+                                        for bits, tiles in kernels.DECODE_TILES.items()}
             prefill = CASES[name][2] == PATHS["prefill"]
             if (ids.numel() <= DECODE_MAX_PAIRS) == prefill:
                 results[name] = f"{ids.numel()} pairs do not take the path of {name}"

@@ -31,7 +31,17 @@ import torch
 import triton
 import triton.language as tl
 
-from tierlm.kernels.fused_moe.decode_parts import SharedArgs, down_columns, finish_down, swiglu_columns
+from tierlm.kernels.fused_moe.decode_parts import (
+    SharedArgs,
+    down_columns,
+    finish_down,
+    item_done,
+    leave,
+    one_launch_sync,
+    swiglu_columns,
+    take_item,
+    wait_for_token,
+)
 from tierlm.kernels.quant_linear.triton import FLOAT_ONE_BITS, dot_precision, round_to, word_value
 from tierlm.kernels.split_reduce import arrival_counters
 
@@ -257,19 +267,12 @@ def _packed_decode_kernel(
     PHASE: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """PHASE "gate_up": program i is gate_up's item (row i % rows, block i // rows); "down": down's item
-    (block i % down_blocks, token (i // down_blocks) % T, split i // (down_blocks * T)); "both" (one
-    launch): each program first takes a ticket (the order programs start in) and does gate_up's item of
-    that number, or, past them, down's: a gate_up item counts itself in for its token when its act is
-    stored, and a down item waits until every gate_up item of its token has (a program only ever waits
-    on tickets taken before its own, by programs already running, so the launch cannot deadlock however
-    few programs fit the device at once); the last program to leave sets the ticket and the tokens'
-    counts (sync_ptr: ticket, leavers, MAX_TOKENS counts) back to zero for the next launch."""
+    (block i % down_blocks, token (i // down_blocks) % T, split i // (down_blocks * T)); "both": the two in
+    one launch, items taken by ticket (`decode_parts`: `take_item`, `item_done`, `wait_for_token`,
+    `leave`)."""
     rows = num_shared + T * TOP_K
     gate_up_items = rows * gate_up_blocks
-    if PHASE == "both":
-        index = tl.atomic_add(sync_ptr, 1, sem="relaxed")
-    else:
-        index = tl.program_id(0)
+    index = take_item(sync_ptr, PHASE == "both")
     if PHASE == "down":
         item = index
     else:  # (a constexpr: each phase compiles only its own items' code, "both" both)
@@ -283,52 +286,21 @@ def _packed_decode_kernel(
                 TOP_K, BITS, GROUP_SIZE, GU_BLOCK_N, GU_BLOCK_W, SPLIT_X, UNROLL, DTYPE, HAS_SHARED, SHARED_BITS,
                 GU_SHARED_GROUP_SIZE, GU_SHARED_BLOCK_K, GU_SHARED_EVEN_K, PRECISION)
             if PHASE == "both":
-                token = tl.where(row < num_shared, row, (row - num_shared) // TOP_K)
-                tl.debug_barrier()  # every thread's stores are issued before the item counts itself in
-                tl.atomic_add(sync_ptr + 2 + token, 1, sem="release")
-    if PHASE != "gate_up":
+                item_done(sync_ptr, tl.where(row < num_shared, row, (row - num_shared) // TOP_K))
+    if PHASE != "gate_up":  # noqa: SIM102 - a constexpr: the gate_up phase compiles no down code
         if item >= 0:
-            _packed_down_item(item, T, down_blocks, act_ptr, dn_w_ptr, dn_s_ptr, routing_ptr, ids_ptr, shared_act_ptr,
-                              dn_shared_w_ptr, dn_shared_s_ptr, shared_gate_ptr, out_ptr, partial_ptr, counter_ptr,
-                              sync_ptr, S, stride_ap, dn_stride_we, dn_stride_wn, dn_stride_se, dn_stride_sn,
-                              stride_sap, dn_stride_swn, dn_stride_ssn, one_bits, gate_up_blocks, H, I, TOP_K, SLOTS,
-                              RANKS, BITS, GROUP_SIZE, DN_BLOCK_N, DN_BLOCK_W, UNROLL, DTYPE, HAS_SHARED,
-                              SHARED_BITS, DN_SHARED_GROUP_SIZE, DN_SHARED_BLOCK_K, DN_SHARED_EVEN_K,
-                              PHASE == "both", PRECISION)
+            token = ((item // down_blocks) % T).to(tl.int64)
+            if PHASE == "both":
+                wait_for_token(sync_ptr, token, (TOP_K + HAS_SHARED) * gate_up_blocks)
+            _packed_down_program(
+                item % down_blocks, token, item // (down_blocks * T), down_blocks, act_ptr, dn_w_ptr, dn_s_ptr,
+                routing_ptr, ids_ptr, shared_act_ptr, dn_shared_w_ptr, dn_shared_s_ptr, shared_gate_ptr, out_ptr,
+                partial_ptr, counter_ptr, S, stride_ap, dn_stride_we, dn_stride_wn, dn_stride_se, dn_stride_sn,
+                stride_sap, dn_stride_swn, dn_stride_ssn, one_bits, H, I, TOP_K, SLOTS, RANKS, BITS, GROUP_SIZE,
+                DN_BLOCK_N, DN_BLOCK_W, UNROLL, DTYPE, HAS_SHARED, SHARED_BITS, DN_SHARED_GROUP_SIZE,
+                DN_SHARED_BLOCK_K, DN_SHARED_EVEN_K, PRECISION)
     if PHASE == "both":
-        tl.debug_barrier()
-        if tl.atomic_add(sync_ptr + 1, 1, sem="acq_rel") == gate_up_items + down_blocks * T * (
-                HAS_SHARED + (TOP_K + RANKS - 1) // RANKS) - 1:
-            tl.store(sync_ptr + tl.arange(0, MAX_TOKENS + 2), 0)  # ready for the next launch
-
-
-@triton.jit
-def _packed_down_item(
-    item, T, down_blocks, act_ptr, dn_w_ptr, dn_s_ptr, routing_ptr, ids_ptr, shared_act_ptr, dn_shared_w_ptr,
-    dn_shared_s_ptr, shared_gate_ptr, out_ptr, partial_ptr, counter_ptr, sync_ptr, S, stride_ap, dn_stride_we,
-    dn_stride_wn, dn_stride_se, dn_stride_sn, stride_sap, dn_stride_swn, dn_stride_ssn, one_bits, gate_up_blocks,
-    H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, SLOTS: tl.constexpr, RANKS: tl.constexpr,
-    BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, DN_BLOCK_N: tl.constexpr, DN_BLOCK_W: tl.constexpr,
-    UNROLL: tl.constexpr, DTYPE: tl.constexpr, HAS_SHARED: tl.constexpr, SHARED_BITS: tl.constexpr,
-    DN_SHARED_GROUP_SIZE: tl.constexpr, DN_SHARED_BLOCK_K: tl.constexpr, DN_SHARED_EVEN_K: tl.constexpr,
-    WAIT: tl.constexpr, PRECISION: tl.constexpr,
-):
-    """down's item number `item` (block item % down_blocks, token (item // down_blocks) % T, split
-    item // (down_blocks * T)); WAIT (one launch): first until every gate_up item of its token has
-    counted itself in at sync_ptr[2 + token]."""
-    token = ((item // down_blocks) % T).to(tl.int64)
-    if WAIT:  # the token's rows: its top-k pairs and its shared expert
-        expected = (TOP_K + HAS_SHARED) * gate_up_blocks
-        arrived = tl.atomic_add(sync_ptr + 2 + token, 0, sem="acquire")
-        while arrived < expected:
-            arrived = tl.atomic_add(sync_ptr + 2 + token, 0, sem="acquire")
-        tl.debug_barrier()  # (the acquire is one thread's: every thread's loads come after it)
-    _packed_down_program(
-        item % down_blocks, token, item // (down_blocks * T), down_blocks, act_ptr, dn_w_ptr, dn_s_ptr, routing_ptr,
-        ids_ptr, shared_act_ptr, dn_shared_w_ptr, dn_shared_s_ptr, shared_gate_ptr, out_ptr, partial_ptr, counter_ptr,
-        S, stride_ap, dn_stride_we, dn_stride_wn, dn_stride_se, dn_stride_sn, stride_sap, dn_stride_swn, dn_stride_ssn,
-        one_bits, H, I, TOP_K, SLOTS, RANKS, BITS, GROUP_SIZE, DN_BLOCK_N, DN_BLOCK_W, UNROLL, DTYPE, HAS_SHARED,
-        SHARED_BITS, DN_SHARED_GROUP_SIZE, DN_SHARED_BLOCK_K, DN_SHARED_EVEN_K, PRECISION)
+        leave(sync_ptr, gate_up_items + down_blocks * T * (HAS_SHARED + (TOP_K + RANKS - 1) // RANKS), MAX_TOKENS)
 
 
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
@@ -366,10 +338,8 @@ def packed_decode(x: torch.Tensor, weights: tuple, topk_weights: torch.Tensor, t
     num_shared = t * shared.present  # rows of gate_up's items that are the tokens' shared expert
     gate_up_blocks = triton.cdiv(max(inter, shared.width), tiles.gate_up_block_n)
     down_blocks = triton.cdiv(h, tiles.down_block_n)
-    max_tokens = max(t, max_tokens)
-    counters = arrival_counters("fused_moe_packed_down", x.device, max_tokens * down_blocks)
-    # (the one launch's ticket, leavers and per-token counts: a power of 2 of them)
-    sync = arrival_counters("fused_moe_packed_one_launch", x.device, triton.next_power_of_2(max_tokens + 2))
+    counters = arrival_counters("fused_moe_packed_down", x.device, max(t, max_tokens) * down_blocks)
+    sync, sync_tokens = one_launch_sync("fused_moe_packed_one_launch", x.device, max(t, max_tokens))
     partial = workspace[x_numel + act_numel:] if splits > 1 else out  # (unused with one split)
     args = (x_in, w_gate_up, gate_up_scales, act, topk_ids, x, shared.w_gate_up, shared.gate_up_scales, shared_act,
             w_down, down_scales, topk_weights, shared.w_down, shared.down_scales, shared.gate, out, partial, counters,
@@ -386,7 +356,7 @@ def packed_decode(x: torch.Tensor, weights: tuple, topk_weights: torch.Tensor, t
         "GU_SHARED_GROUP_SIZE": shared.gate_up_group, "GU_SHARED_BLOCK_K": shared_gate_up_k,
         "GU_SHARED_EVEN_K": shared_gate_up_even, "DN_SHARED_GROUP_SIZE": shared.down_group,
         "DN_SHARED_BLOCK_K": shared_down_k, "DN_SHARED_EVEN_K": shared_down_even,
-        "MAX_TOKENS": triton.next_power_of_2(max_tokens + 2) - 2, "PRECISION": precision}
+        "MAX_TOKENS": sync_tokens, "PRECISION": precision}
     gate_up_items = (num_shared + t * top_k) * gate_up_blocks
     down_items = down_blocks * t * splits
     if tiles.one_launch:

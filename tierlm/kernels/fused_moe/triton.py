@@ -36,7 +36,17 @@ import torch
 import triton
 import triton.language as tl
 
-from tierlm.kernels.fused_moe.decode_parts import SharedArgs, down_columns, finish_down, swiglu_columns
+from tierlm.kernels.fused_moe.decode_parts import (
+    SharedArgs,
+    down_columns,
+    finish_down,
+    item_done,
+    leave,
+    one_launch_sync,
+    swiglu_columns,
+    take_item,
+    wait_for_token,
+)
 from tierlm.kernels.fused_moe.naive import SharedExpert, check_moe_args
 from tierlm.kernels.fused_moe.packed_decode import PackedDecodeTiles, packed_decode
 from tierlm.kernels.quant_linear.triton import (
@@ -61,6 +71,8 @@ class DecodeTiles(NamedTuple):
     #                  store fp32 partials that the token's last program to finish adds (more in flight)
     shared_gate_up_block_k: int = 512  # the shared expert's K tiles (its format may differ from the
     shared_down_block_k: int = 128  # routed experts'; its programs take the routed tiles' BLOCK_N)
+    one_launch: bool = False  # gate_up and down in one launch (down's items wait for their token's act),
+    #                           with gate_up's warps, or two launches
 
 
 # Tile sizes, per weight format (bits; 0 unquantized): module constants so a benchmark can sweep them.
@@ -75,19 +87,18 @@ SUM_BLOCK = 256
 
 
 @triton.jit
-def _gate_up_gemv_kernel(
-    x_ptr, w_ptr, s_ptr, out_ptr, ids_ptr, shared_w_ptr, shared_s_ptr, shared_out_ptr, H, I, S, num_shared,
-    stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_op, stride_swn, stride_ssn, stride_sop,
+def _gate_up_gemv_program(
+    row, pid_n, x_ptr, w_ptr, s_ptr, out_ptr, ids_ptr, shared_w_ptr, shared_s_ptr, shared_out_ptr, H, I, S,
+    num_shared, stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_op, stride_swn, stride_ssn, stride_sop,
     TOP_K: tl.constexpr, BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, HAS_SHARED: tl.constexpr, SHARED_BITS: tl.constexpr,
     SHARED_GROUP_SIZE: tl.constexpr, SHARED_BLOCK_K: tl.constexpr, SHARED_EVEN_K: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    """One program: columns [pid(0) * BLOCK_N, +BLOCK_N) of row pid(1). Rows below num_shared (T with a
-    shared expert, else 0) are the tokens' shared expert: shared_out[token, n] = silu(gate) * up of the
-    shared expert's S columns; the others are pairs (pair = row - num_shared: token pair // TOP_K, expert
-    ids[pair]): out[pair, n] = silu(gate) * up, gate = x W[e, n], up = x W[e, I + n]."""
-    pid_n, row = tl.program_id(0), tl.program_id(1)
+    """gate_up's item (row, pid_n): columns [pid_n * BLOCK_N, +BLOCK_N) of row `row`. Rows below
+    num_shared (T with a shared expert, else 0) are the tokens' shared expert: shared_out[token, n] =
+    silu(gate) * up of the shared expert's S columns; the others are pairs (pair = row - num_shared: token
+    pair // TOP_K, expert ids[pair]): out[pair, n] = silu(gate) * up, gate = x W[e, n], up = x W[e, I + n]."""
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     pair = row - num_shared
     if pair >= 0:
@@ -109,22 +120,21 @@ def _gate_up_gemv_kernel(
 
 
 @triton.jit
-def _down_sum_gemv_kernel(
-    act_ptr, w_ptr, s_ptr, routing_ptr, ids_ptr, shared_act_ptr, shared_w_ptr, shared_s_ptr, shared_gate_ptr,
-    out_ptr, partial_ptr, counter_ptr, H, I, S, stride_ap, stride_we, stride_wn, stride_se, stride_sn, stride_sap,
-    stride_swn, stride_ssn,
+def _down_sum_gemv_program(
+    pid_n, token, split, n_blocks, act_ptr, w_ptr, s_ptr, routing_ptr, ids_ptr, shared_act_ptr, shared_w_ptr,
+    shared_s_ptr, shared_gate_ptr, out_ptr, partial_ptr, counter_ptr, H, I, S, stride_ap, stride_we, stride_wn,
+    stride_se, stride_sn, stride_sap, stride_swn, stride_ssn,
     TOP_K: tl.constexpr, SLOTS: tl.constexpr, RANKS: tl.constexpr, BITS: tl.constexpr, GROUP_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, HAS_SHARED: tl.constexpr,
     SHARED_BITS: tl.constexpr, SHARED_GROUP_SIZE: tl.constexpr, SHARED_BLOCK_K: tl.constexpr,
     SHARED_EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """One program: token pid(1), columns [pid(0) * BLOCK_N, +BLOCK_N) of H, split pid(2). With a shared
-    expert split 0 is it: gate x (shared_act[token] W_shared_down[h]); the other splits (all of them
-    without one) take the token's experts of ranks [routed split * RANKS, +RANKS) (those below TOP_K) by
-    ascending id (SLOTS: TOP_K rounded up to a power of 2): the sum over those ranks, in order, of
-    routing x (act[pair] W_down[e, h]) in fp32. The splits' results end in `finish_down`: out[token]
-    rounded once, by the program itself (one split) or by the token's last program to arrive."""
-    pid_n, token, split = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
+    """down's item (pid_n of n_blocks, token (int64), split): columns [pid_n * BLOCK_N, +BLOCK_N) of H.
+    With a shared expert split 0 is it: gate x (shared_act[token] W_shared_down[h]); the other splits (all
+    of them without one) take the token's experts of ranks [routed split * RANKS, +RANKS) (those below
+    TOP_K) by ascending id (SLOTS: TOP_K rounded up to a power of 2): the sum over those ranks, in order,
+    of routing x (act[pair] W_down[e, h]) in fp32. The splits' results end in `finish_down`: out[token]
+    rounded once, by the item itself (one split) or by the token's last item to arrive."""
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < H
     result = tl.zeros((BLOCK_N,), dtype=tl.float32)
@@ -150,8 +160,58 @@ def _down_sum_gemv_kernel(
             result += gate.to(tl.float32) * down_columns(
                 shared_act_ptr, token * stride_sap, shared_w_ptr, shared_s_ptr, offs_n, n_mask, stride_swn,
                 stride_ssn, S, SHARED_BITS, SHARED_GROUP_SIZE, BLOCK_N, SHARED_BLOCK_K, SHARED_EVEN_K, PRECISION)
-    finish_down(result, out_ptr, partial_ptr, counter_ptr, token, pid_n, tl.num_programs(0), split, offs_n, n_mask, H,
+    finish_down(result, out_ptr, partial_ptr, counter_ptr, token, pid_n, n_blocks, split, offs_n, n_mask, H,
                 HAS_SHARED + (TOP_K + RANKS - 1) // RANKS, PRECISION)
+
+
+@triton.jit
+def _decode_gemv_kernel(
+    x_ptr, gu_w_ptr, gu_s_ptr, act_ptr, ids_ptr, gu_shared_w_ptr, gu_shared_s_ptr, shared_act_ptr, dn_w_ptr, dn_s_ptr,
+    routing_ptr, dn_shared_w_ptr, dn_shared_s_ptr, shared_gate_ptr, out_ptr, partial_ptr, counter_ptr, sync_ptr,
+    T, H, I, S, num_shared, gate_up_blocks, down_blocks,
+    stride_xt, gu_stride_we, gu_stride_wn, gu_stride_se, gu_stride_sn, stride_ap, gu_stride_swn, gu_stride_ssn,
+    stride_sap, dn_stride_we, dn_stride_wn, dn_stride_se, dn_stride_sn, dn_stride_swn, dn_stride_ssn,
+    TOP_K: tl.constexpr, SLOTS: tl.constexpr, RANKS: tl.constexpr, BITS: tl.constexpr, GROUP_SIZE: tl.constexpr,
+    GU_BLOCK_N: tl.constexpr, GU_BLOCK_K: tl.constexpr, GU_EVEN_K: tl.constexpr, DN_BLOCK_N: tl.constexpr,
+    DN_BLOCK_K: tl.constexpr, DN_EVEN_K: tl.constexpr, HAS_SHARED: tl.constexpr, SHARED_BITS: tl.constexpr,
+    GU_SHARED_GROUP_SIZE: tl.constexpr, GU_SHARED_BLOCK_K: tl.constexpr, GU_SHARED_EVEN_K: tl.constexpr,
+    DN_SHARED_GROUP_SIZE: tl.constexpr, DN_SHARED_BLOCK_K: tl.constexpr, DN_SHARED_EVEN_K: tl.constexpr,
+    MAX_TOKENS: tl.constexpr, PHASE: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """PHASE "gate_up": program i is gate_up's item (block i % gate_up_blocks, row i // gate_up_blocks);
+    "down": down's item (block i % down_blocks, token (i // down_blocks) % T, split
+    i // (down_blocks * T)); "both": the two in one launch, items taken by ticket (`decode_parts`:
+    `take_item`, `item_done`, `wait_for_token`, `leave`)."""
+    gate_up_items = (num_shared + T * TOP_K) * gate_up_blocks
+    index = take_item(sync_ptr, PHASE == "both")
+    if PHASE == "down":
+        item = index
+    else:  # (a constexpr: each phase compiles only its own items' code, "both" both)
+        item = index - gate_up_items
+        if item < 0:
+            row = index // gate_up_blocks
+            _gate_up_gemv_program(
+                row, index % gate_up_blocks, x_ptr, gu_w_ptr, gu_s_ptr, act_ptr, ids_ptr, gu_shared_w_ptr,
+                gu_shared_s_ptr, shared_act_ptr, H, I, S, num_shared, stride_xt, gu_stride_we, gu_stride_wn,
+                gu_stride_se, gu_stride_sn, stride_ap, gu_stride_swn, gu_stride_ssn, stride_sap, TOP_K, BITS,
+                GROUP_SIZE, GU_BLOCK_N, GU_BLOCK_K, GU_EVEN_K, HAS_SHARED, SHARED_BITS, GU_SHARED_GROUP_SIZE,
+                GU_SHARED_BLOCK_K, GU_SHARED_EVEN_K, PRECISION)
+            if PHASE == "both":
+                item_done(sync_ptr, tl.where(row < num_shared, row, (row - num_shared) // TOP_K))
+    if PHASE != "gate_up":  # noqa: SIM102 - a constexpr: the gate_up phase compiles no down code
+        if item >= 0:
+            token = ((item // down_blocks) % T).to(tl.int64)
+            if PHASE == "both":
+                wait_for_token(sync_ptr, token, (TOP_K + HAS_SHARED) * gate_up_blocks)
+            _down_sum_gemv_program(
+                item % down_blocks, token, item // (down_blocks * T), down_blocks, act_ptr, dn_w_ptr, dn_s_ptr,
+                routing_ptr, ids_ptr, shared_act_ptr, dn_shared_w_ptr, dn_shared_s_ptr, shared_gate_ptr, out_ptr,
+                partial_ptr, counter_ptr, H, I, S, stride_ap, dn_stride_we, dn_stride_wn, dn_stride_se, dn_stride_sn,
+                stride_sap, dn_stride_swn, dn_stride_ssn, TOP_K, SLOTS, RANKS, BITS, GROUP_SIZE, DN_BLOCK_N,
+                DN_BLOCK_K, DN_EVEN_K, HAS_SHARED, SHARED_BITS, DN_SHARED_GROUP_SIZE, DN_SHARED_BLOCK_K,
+                DN_SHARED_EVEN_K, PRECISION)
+    if PHASE == "both":
+        leave(sync_ptr, gate_up_items + down_blocks * T * (HAS_SHARED + (TOP_K + RANKS - 1) // RANKS), MAX_TOKENS)
 
 
 @triton.jit
@@ -304,34 +364,38 @@ def _decode(x, weights, topk_weights, topk_ids, bits: int, group: int, inter: in
         tiles.shared_gate_up_block_k, tiles.shared_down_block_k, h)
     act = torch.empty((t * top_k, inter), dtype=x.dtype, device=x.device)
     shared_act = torch.empty((t, shared.width), dtype=x.dtype, device=x.device) if shared.present else act
-    common = {"TOP_K": top_k, "BITS": bits, "GROUP_SIZE": group, "HAS_SHARED": shared.present,
-              "SHARED_BITS": shared.bits, "PRECISION": precision}
-    num_shared = t * shared.present  # rows of the gate_up grid that are the tokens' shared expert
-    _gate_up_gemv_kernel[(triton.cdiv(max(inter, shared.width), tiles.gate_up_block_n), num_shared + t * top_k)](
-        x, w_gate_up, gate_up_scales, act, topk_ids, shared.w_gate_up, shared.gate_up_scales, shared_act, h, inter,
-        shared.width, num_shared, x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), gate_up_scales.stride(0),
-        gate_up_scales.stride(1), act.stride(0), shared.w_gate_up.stride(0), shared.gate_up_scales.stride(0),
-        shared_act.stride(0), BLOCK_N=tiles.gate_up_block_n, BLOCK_K=gate_up_k, EVEN_K=h % gate_up_k == 0,
-        SHARED_GROUP_SIZE=shared.gate_up_group, SHARED_BLOCK_K=shared_gate_up_k, SHARED_EVEN_K=shared_gate_up_even,
-        num_warps=tiles.gate_up_warps, **common,
-    )
     ranks = min(tiles.down_ranks, top_k)
     splits = shared.present + triton.cdiv(top_k, ranks)
-    n_blocks = triton.cdiv(h, tiles.down_block_n)
     out = torch.empty_like(x)
-    if splits == 1:
-        partial = counters = out  # (unused)
+    num_shared = t * shared.present  # rows of gate_up's items that are the tokens' shared expert
+    gate_up_blocks = triton.cdiv(max(inter, shared.width), tiles.gate_up_block_n)
+    down_blocks = triton.cdiv(h, tiles.down_block_n)
+    partial = torch.empty((t * splits, h), dtype=torch.float32, device=x.device) if splits > 1 else out
+    counters = arrival_counters("fused_moe_down", x.device, max(t, max_tokens) * down_blocks)
+    sync, sync_tokens = one_launch_sync("fused_moe_one_launch", x.device, max(t, max_tokens))
+    args = (x, w_gate_up, gate_up_scales, act, topk_ids, shared.w_gate_up, shared.gate_up_scales, shared_act, w_down,
+            down_scales, topk_weights, shared.w_down, shared.down_scales, shared.gate, out, partial, counters, sync, t,
+            h, inter, shared.width, num_shared, gate_up_blocks, down_blocks, x.stride(0), w_gate_up.stride(0),
+            w_gate_up.stride(1), gate_up_scales.stride(0), gate_up_scales.stride(1), act.stride(0),
+            shared.w_gate_up.stride(0), shared.gate_up_scales.stride(0), shared_act.stride(0), w_down.stride(0),
+            w_down.stride(1), down_scales.stride(0), down_scales.stride(1), shared.w_down.stride(0),
+            shared.down_scales.stride(0))
+    constants = {
+        "TOP_K": top_k, "SLOTS": triton.next_power_of_2(top_k), "RANKS": ranks, "BITS": bits, "GROUP_SIZE": group,
+        "GU_BLOCK_N": tiles.gate_up_block_n, "GU_BLOCK_K": gate_up_k, "GU_EVEN_K": h % gate_up_k == 0,
+        "DN_BLOCK_N": tiles.down_block_n, "DN_BLOCK_K": down_k, "DN_EVEN_K": inter % down_k == 0,
+        "HAS_SHARED": shared.present, "SHARED_BITS": shared.bits, "GU_SHARED_GROUP_SIZE": shared.gate_up_group,
+        "GU_SHARED_BLOCK_K": shared_gate_up_k, "GU_SHARED_EVEN_K": shared_gate_up_even,
+        "DN_SHARED_GROUP_SIZE": shared.down_group, "DN_SHARED_BLOCK_K": shared_down_k,
+        "DN_SHARED_EVEN_K": shared_down_even, "MAX_TOKENS": sync_tokens, "PRECISION": precision}
+    gate_up_items = (num_shared + t * top_k) * gate_up_blocks
+    down_items = down_blocks * t * splits
+    if tiles.one_launch:
+        _decode_gemv_kernel[(gate_up_items + down_items,)](*args, PHASE="both", num_warps=tiles.gate_up_warps,
+                                                           **constants)
     else:
-        partial = torch.empty((t * splits, h), dtype=torch.float32, device=x.device)
-        counters = arrival_counters("fused_moe_down", x.device, max(t, max_tokens) * n_blocks)
-    _down_sum_gemv_kernel[(n_blocks, t, splits)](
-        act, w_down, down_scales, topk_weights, topk_ids, shared_act, shared.w_down, shared.down_scales, shared.gate,
-        out, partial, counters, h, inter, shared.width, act.stride(0), w_down.stride(0), w_down.stride(1),
-        down_scales.stride(0), down_scales.stride(1), shared_act.stride(0), shared.w_down.stride(0),
-        shared.down_scales.stride(0), SLOTS=triton.next_power_of_2(top_k), RANKS=ranks, BLOCK_N=tiles.down_block_n,
-        BLOCK_K=down_k, EVEN_K=inter % down_k == 0, SHARED_GROUP_SIZE=shared.down_group,
-        SHARED_BLOCK_K=shared_down_k, SHARED_EVEN_K=shared_down_even, num_warps=tiles.down_warps, **common,
-    )
+        _decode_gemv_kernel[(gate_up_items,)](*args, PHASE="gate_up", num_warps=tiles.gate_up_warps, **constants)
+        _decode_gemv_kernel[(down_items,)](*args, PHASE="down", num_warps=tiles.down_warps, **constants)
     return out
 
 
