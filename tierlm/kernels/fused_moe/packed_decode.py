@@ -21,7 +21,9 @@ Launches: (split copy), `_packed_gate_up_kernel` over (pair, block of I), `_pack
 last program to finish a token's columns adds the groups' fp32 partials in the same launch (arrival
 counters: `kernels/split_reduce`, `decode_parts.finish_down`). A shared expert is one more row of
 gate_up per token (x read in place) and one more split of down, in its own format (INT6 in int4-mixed)
-through `decode_parts`' `gemv_loop` helpers, with its own K tiles. Tiles: `PackedDecodeTiles`.
+through `decode_parts`' `gemv_loop` helpers, with its own K tiles. gate_up and down are phases of one
+kernel (`_packed_decode_kernel`); with `one_launch` they run as one launch (items by ticket, down's
+waiting for their token's gate_up items: `decode_parts`). Tiles: `PackedDecodeTiles`.
 """
 from __future__ import annotations
 

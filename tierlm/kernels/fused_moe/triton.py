@@ -18,7 +18,10 @@ and no launch needs a host sync, so a decode step can be captured in a CUDA grap
     A shared expert (`SharedExpert`, the MoE block's, in any of the formats, its own width) is one more
     pair per token: the first T rows of gate_up's grid (its act stored apart) and split 0 of down's
     (gate x its down product), by `decode_parts`' helpers, so its gated output joins the same sum and
-    the block needs no launch of its own for it. Tiles per weight format: DECODE_TILES.
+    the block needs no launch of its own for it. Both launches are phases of one kernel
+    (`_decode_gemv_kernel`); with `one_launch` they run as one launch whose programs take their items
+    by ticket, down's waiting for their token's gate_up items (`decode_parts`). Tiles per weight
+    format: DECODE_TILES.
     Two pairs on one expert read its weights twice, which at 10 of 512 experts per token is rare.
   - prefill: each token's experts sorted by id, then `align_pairs_to_blocks` (vLLM's
     moe_align_block_size, in torch) sorts the pairs by expert into blocks of PREFILL_BLOCK_M rows, each
@@ -79,7 +82,8 @@ class DecodeTiles(NamedTuple):
 # Chosen on an H200 by bench/moe_decode_kernel.py --sweep (bench/results/moe_decode_kernel_nvidia_h200.json)
 # for bf16 (INT6 the same) and INT4 (INT8 the same: the same packed-word GEMV)
 DECODE_MAX_PAIRS = 160  # up to this many (token, expert) pairs (16 tokens of top-10), the GEMV form
-# (4 and 8 bits: `packed_decode`, first guesses checked only by compiling for sm_90: to be swept on an H200)
+# (4 and 8 bits: `packed_decode`, first guesses checked only by compiling for sm_90: to be swept on an H200;
+# one_launch, and the shared expert's K tiles, not measured on a GPU yet: bench/moe_decode_kernel.py --shared)
 DECODE_TILES = {**dict.fromkeys((0, 6), DecodeTiles(8, 512, 4, 16, 128, 4, 2)),
                 **dict.fromkeys((4, 8), PackedDecodeTiles(8, 64, 4, 32, 16, 4, 1, True, False))}
 PREFILL_BLOCK_M, PREFILL_BLOCK_N, PREFILL_BLOCK_K, PREFILL_NUM_WARPS = 32, 64, 64, 4
