@@ -311,10 +311,10 @@ DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp
 def packed_decode(x: torch.Tensor, weights: tuple, topk_weights: torch.Tensor, topk_ids: torch.Tensor, bits: int,
                   group: int, inter: int, tiles: PackedDecodeTiles, max_tokens: int, shared: SharedArgs
                   ) -> torch.Tensor:
-    """The two launches (three with the split copy) for x [T, H] (contiguous); weights (w_gate_up,
-    gate_up_scales, w_down, down_scales) packed in `bits` (4 or 8), contiguous; `shared`: the shared
-    expert (or its absence), one more row of gate_up and one more split of down per token. Returns [T, H]
-    in x's dtype. max_tokens: the most tokens a call can bring (the arrival counters are made for that
+    """The two launches (one with `one_launch`; plus the split copy with `split_x`) for x [T, H]
+    (contiguous); weights (w_gate_up, gate_up_scales, w_down, down_scales) packed in `bits` (4 or 8),
+    contiguous; `shared`: the shared expert (or its absence), one more row of gate_up and one more split
+    of down per token. Returns [T, H] in x's dtype. max_tokens: the most tokens a call can bring (the arrival counters are made for that
     many once, so a captured graph never sees them remade)."""
     w_gate_up, gate_up_scales, w_down, down_scales = weights
     (t, h), top_k = x.shape, topk_ids.shape[1]

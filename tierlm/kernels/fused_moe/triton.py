@@ -354,7 +354,7 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, to
 
 def _decode(x, weights, topk_weights, topk_ids, bits: int, group: int, inter: int, shared: SharedArgs
             ) -> torch.Tensor:
-    """The GEMV form: two launches, no sort; packed 4/8-bit experts: `packed_decode`."""
+    """The GEMV form: two launches (one with `one_launch`), no sort; packed 4/8-bit experts: `packed_decode`."""
     tiles = DECODE_TILES[bits]
     max_tokens = DECODE_MAX_PAIRS // topk_ids.shape[1]
     if bits in (4, 8):
