@@ -191,7 +191,7 @@ def test_moe_block_on_cuda_fuses_its_shared_expert(monkeypatch, dtype):
 
     block = moe_block(dtype).cuda()
     gen = torch.Generator().manual_seed(2)
-    for tokens in (3, 40):  # decode: fused; prefill: apart
+    for tokens in (3, 100):  # decode (6 pairs): fused; prefill (200 > DECODE_MAX_PAIRS): apart
         x = torch.randn(tokens, 128, generator=gen).to(dtype).cuda()
         weights, experts, gate = block.route(x)
         monkeypatch.delenv("TIERLM_NO_FUSED_SHARED_EXPERT", raising=False)
