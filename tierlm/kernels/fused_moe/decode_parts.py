@@ -75,7 +75,7 @@ def finish_down(result, out_ptr, partial_ptr, counter_ptr, token, pid_n, n_block
         counter = counter_ptr + token * n_blocks + pid_n
         tl.debug_barrier()  # every thread's stores are issued before the program counts itself in
         if tl.atomic_add(counter, 1, sem="acq_rel") == SPLITS - 1:
-            total = tl.zeros(result.shape, dtype=tl.float32)
+            total = tl.zeros_like(result)
             for s in tl.static_range(SPLITS):
                 total += tl.load(partial_ptr + (token * SPLITS + s) * H + offs_n, mask=n_mask, other=0.0,
                                  cache_modifier=".cg")
