@@ -24,6 +24,7 @@ from tierlm.kernels.quant_linear.triton import (
     gemv_loop,
     gemv_sum,
     gemv_zeros,
+    quant_linear,
     round_to,
 )
 from tierlm.kernels.split_reduce import arrival_counters
@@ -168,8 +169,6 @@ class SharedArgs(NamedTuple):
     def separately(self, x: torch.Tensor) -> torch.Tensor:
         """gate x the shared expert's SwiGLU through `quant_linear` launches (a GEMM for prefill rows), in
         x's dtype step by step, as the model's layers compute it."""
-        from tierlm.kernels.quant_linear.triton import quant_linear
-
         def linear(a, w, scales, group):
             if not self.bits:
                 return quant_linear(a, w)
