@@ -10,6 +10,7 @@ from pathlib import Path
 from types import ModuleType
 
 QUANT_LINEAR = "tierlm.kernels.quant_linear.triton"
+SIBLINGS = {"fused_moe": ("decode_parts", "packed_decode")}  # an op's kernel modules its triton.py imports
 
 
 def _load(name: str, path: Path) -> ModuleType:
@@ -22,23 +23,31 @@ def _load(name: str, path: Path) -> ModuleType:
 
 
 def load_baseline(root: Path, op: str) -> ModuleType:
-    """root/tierlm/kernels/<op>/triton.py as a module of its own; its import of quant_linear's kernels
-    resolves to root's copy of them (the rest of tierlm is this checkout's)."""
+    """root/tierlm/kernels/<op>/triton.py as a module of its own; its imports of quant_linear's kernels
+    and of its op's sibling kernel modules (fused_moe's packed_decode, decode_parts) resolve to root's
+    copies of them (the rest of tierlm is this checkout's)."""
     kernels = root / "tierlm" / "kernels"
     quant_linear = _load("baseline_quant_linear_triton", kernels / "quant_linear" / "triton.py")
     if op == "quant_linear":
         return quant_linear
     import tierlm.kernels.quant_linear  # noqa: F401  (the parent package, this checkout's)
 
-    saved = sys.modules.get(QUANT_LINEAR)
-    sys.modules[QUANT_LINEAR] = quant_linear
+    importlib.import_module(f"tierlm.kernels.{op}")  # (the op's package, this checkout's)
+    saved = {name: sys.modules.get(name) for name in [QUANT_LINEAR, *(f"tierlm.kernels.{op}.{sibling}"
+                                                                      for sibling in SIBLINGS.get(op, ()))]}
     try:
+        sys.modules[QUANT_LINEAR] = quant_linear
+        for sibling in SIBLINGS.get(op, ()):  # in dependency order
+            path = kernels / op / f"{sibling}.py"
+            if path.is_file():
+                sys.modules[f"tierlm.kernels.{op}.{sibling}"] = _load(f"baseline_{op}_{sibling}", path)
         return _load(f"baseline_{op}_triton", kernels / op / "triton.py")
     finally:
-        if saved is None:
-            del sys.modules[QUANT_LINEAR]
-        else:
-            sys.modules[QUANT_LINEAR] = saved
+        for name, module in saved.items():
+            if module is None:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = module
 
 
 def load_baseline_module(root: Path, relative: str) -> ModuleType:

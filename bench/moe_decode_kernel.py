@@ -19,6 +19,14 @@ the reference on every routing (max |diff| relative to max |reference|).
     python bench/moe_decode_kernel.py --baseline ../main   # CUDA, before (../main's kernels) and after
     python bench/moe_decode_kernel.py --small         # CPU: Triton's interpreter, tiny shapes
     python bench/moe_decode_kernel.py --packed-sweep --no-reference   # CUDA: PACKED_CANDIDATES for INT4
+    python bench/moe_decode_kernel.py --shared --no-reference   # CUDA: also the MoE block's shared expert
+--shared adds, per format and batch, the experts with the block's shared expert (width 640; bf16 beside
+bf16 experts, INT6 with the experts' group beside INT4 ones, as `tierlm quantize --scheme int4-mixed`
+writes it) as the model ran them before (the routed kernel, then the shared SwiGLU through its own layers:
+cuBLAS or the INT6 GEMV, SiLU, mul, the gate's product, the add) and fused (the shared expert one more
+expert of every token in the routed launches: two launches, and one with `one_launch` set), each with
+its % of the copy bandwidth on the distinct routed experts' bytes plus the shared expert's;
+--shared-sweep also tries SHARED_SWEEP's K tiles first.
 The packed sweep times each of PACKED_CANDIDATES (the INT4 decode form's tiles, `packed_decode`) at every
 batch size and group, prints their % of the copy bandwidth side by side with bf16 and with the INT4 kernel's
 recorded figures (RECORDED: an H200 run before `packed_decode`), picks the best per batch size and measures
@@ -39,8 +47,12 @@ import torch
 from device_timing import copy_bandwidth, timed
 
 ROUTINGS = 8  # (2 on the CPU, where the interpreter takes seconds per call)
-TARGET = {"hidden": 2560, "experts": 512, "top_k": 10, "intermediate": 640, "groups": (32, 128)}
-SMALL = {"hidden": 32, "experts": 8, "top_k": 2, "intermediate": 32, "groups": (16, 32)}
+TARGET = {"hidden": 2560, "experts": 512, "top_k": 10, "intermediate": 640, "shared": 640, "groups": (32, 128)}
+SMALL = {"hidden": 32, "experts": 8, "top_k": 2, "intermediate": 32, "shared": 32, "groups": (16, 32)}
+# --shared-sweep: the shared expert's K tiles (gate_up, down) per routed format's bits (DecodeTiles /
+# PackedDecodeTiles .shared_*_block_k), at the first batch size; later ones keep the best
+SHARED_SWEEP = {0: [(512, 128), (256, 128), (512, 256), (256, 64)],
+                4: [(64, 32), (128, 32), (32, 32), (128, 64), (256, 64)]}
 # --sweep: at the first batch size (later ones keep the tiles chosen there), the decode GEMV tiles of the
 # unquantized format (fused_moe.triton.DECODE_TILES), one kernel at a time (gate_up with the down tiles as
 # set, then down with the best gate_up), or the grouped GEMM's tiles (8 warps never won on an H200: not
@@ -279,6 +291,102 @@ def sweep_packed(run: SimpleNamespace, experts: tuple, label: str, batches: list
     return results
 
 
+def make_shared_expert(shape: dict, fmt: str, group: int | None, device: torch.device, gen: torch.Generator):
+    """(the model's SwiGLU shared expert of width `shared` with random weights: bf16 beside bf16 experts,
+    INT6 with the experts' group beside INT4 ones, as int4-mixed quantizes it; its weight bytes)."""
+    from tierlm.kernels.quant_linear.packing import packed_width
+    from tierlm.model.layers.moe import SwiGLU
+    from tierlm.model.quantization.compressed_tensors import PackQuantizedFormat
+
+    h, s = shape["hidden"], shape["shared"]
+    swiglu = SwiGLU(h, s)
+    if fmt != "bf16":
+        for layer in (swiglu.gate_up, swiglu.down_proj):
+            layer.set_format(PackQuantizedFormat(6, group))
+    swiglu = swiglu.to(device=device, dtype=torch.bfloat16)
+    with torch.no_grad():
+        for layer in (swiglu.gate_up, swiglu.down_proj):
+            n, k = layer.out_features, layer.in_features
+            if fmt == "bf16":
+                layer.weight.copy_(torch.randn(n, k, generator=gen, device=device) * k**-0.5)
+            else:
+                layer.weight_packed.copy_(torch.randint(-2**31, 2**31 - 1, (n, packed_width(k, 6)), generator=gen,
+                                                        device=device, dtype=torch.int32))
+                layer.weight_scale.copy_(torch.rand(n, k // group, generator=gen, device=device) * 0.01 / k**0.5)
+    nbytes = sum(t.numel() * t.element_size() for t in swiglu.parameters())
+    return swiglu, nbytes
+
+
+def measure_shared(run: SimpleNamespace, experts: tuple, label: str, batch: int, swiglu, shared_bytes: int) -> dict:
+    """--shared: the MoE block's experts + shared expert at one batch size, as the model ran them before
+    (the routed kernel, then the shared SwiGLU through its layers: cuBLAS or the INT6 GEMV, SiLU, mul, the
+    gate's product and the add) and fused (the shared expert one more expert in the routed launches);
+    % of copy bandwidth on the distinct routed experts' bytes plus the shared expert's."""
+    from tierlm.kernels.fused_moe import naive
+    from tierlm.kernels.fused_moe import triton as kernels
+
+    w_gate_up, w_down, kw, per_expert = experts
+    shape, device = run.shape, run.device
+    x = [torch.randn(batch, shape["hidden"], generator=run.gen, device=device).to(torch.bfloat16)
+         for _ in range(ROUTINGS)]
+    gates = [torch.sigmoid(torch.randn(batch, 1, generator=run.gen, device=device)).to(torch.bfloat16)
+             for _ in range(ROUTINGS)]
+    routes = routings(batch, shape, device, run.gen)
+    nbytes = sum(torch.unique(ids).numel() for _, ids in routes) / ROUTINGS * per_expert + shared_bytes
+
+    def apart(i: int) -> torch.Tensor:
+        routed = kernels.fused_moe(x[i], w_gate_up, w_down, *routes[i], **kw)
+        return routed + gates[i] * swiglu(x[i])
+
+    def fused(i: int) -> torch.Tensor:
+        return kernels.fused_moe(x[i], w_gate_up, w_down, *routes[i], **kw, shared=swiglu.as_fused_expert(gates[i]))
+
+    if run.shared_sweep and batch == run.sweep_batch:
+        bits = 0 if not kw else int(kw["format"][3:])
+        best = None
+        for gate_up_k, down_k in SHARED_SWEEP[bits]:
+            kernels.DECODE_TILES[bits] = kernels.DECODE_TILES[bits]._replace(shared_gate_up_block_k=gate_up_k,
+                                                                             shared_down_block_k=down_k)
+            seconds = timed(fused, ROUTINGS, device, run.use_graph)
+            print(f"{label:>10}{batch:>6}  shared K tiles {gate_up_k} / {down_k}: {seconds * 1e6:.1f} us, "
+                  f"{nbytes / seconds / run.copy:.1%} of copy")
+            if best is None or seconds < best[0]:
+                best = (seconds, gate_up_k, down_k)
+        kernels.DECODE_TILES[bits] = kernels.DECODE_TILES[bits]._replace(shared_gate_up_block_k=best[1],
+                                                                         shared_down_block_k=best[2])
+    bits = 0 if not kw else int(kw["format"][3:])
+    tiles = kernels.DECODE_TILES[bits]
+    apart_s = timed(apart, ROUTINGS, device, run.use_graph)
+    seconds, diffs = {}, {}
+    for one_launch in (False, True):  # the fused kernel in two launches, then in one
+        kernels.DECODE_TILES[bits] = tiles._replace(one_launch=one_launch)
+        seconds[one_launch] = timed(fused, ROUTINGS, device, run.use_graph)
+        diffs[one_launch] = 0.0
+        for i in range(ROUTINGS):
+            ref = naive.fused_moe(x[i], w_gate_up, w_down, *routes[i], **kw,
+                                  shared=swiglu.as_fused_expert(gates[i])).float()
+            diffs[one_launch] = max(diffs[one_launch], ((fused(i).float() - ref).abs().max()
+                                                        / ref.abs().max().clamp_min(1e-30)).item())
+    kernels.DECODE_TILES[bits] = tiles
+    apart_diff = 0.0
+    for i in range(ROUTINGS):  # (the model's path before, for scale: its own bf16 roundings)
+        ref = naive.fused_moe(x[i], w_gate_up, w_down, *routes[i], **kw, shared=swiglu.as_fused_expert(gates[i]))
+        apart_diff = max(apart_diff, ((apart(i).float() - ref.float()).abs().max()
+                                      / ref.float().abs().max().clamp_min(1e-30)).item())
+    fused_s, one_s = seconds[False], seconds[True]
+    row = {"format": label, "batch": batch, "shared_bytes": shared_bytes, "weight_bytes_per_call": nbytes,
+           "apart_us": apart_s * 1e6, "apart_vs_copy": nbytes / apart_s / run.copy, "fused_us": fused_s * 1e6,
+           "fused_vs_copy": nbytes / fused_s / run.copy, "fused_one_launch_us": one_s * 1e6,
+           "fused_one_launch_vs_copy": nbytes / one_s / run.copy, "apart_over_fused": apart_s / fused_s,
+           "apart_over_one_launch": apart_s / one_s, "fused_max_rel_diff": diffs[False],
+           "one_launch_max_rel_diff": diffs[True], "apart_max_rel_diff": apart_diff, "tiles": tiles._asdict()}
+    print(f"{label:>10}{batch:>6}{nbytes / 1e6:>9.2f}{apart_s * 1e6:>11.1f}{row['apart_vs_copy']:>8.1%}"
+          f"{fused_s * 1e6:>11.1f}{row['fused_vs_copy']:>8.1%}{apart_s / fused_s:>9.2f}x"
+          f"{one_s * 1e6:>12.1f}{row['fused_one_launch_vs_copy']:>8.1%}{apart_s / one_s:>9.2f}x"
+          f"{diffs[False]:>12.2e}{diffs[True]:>12.2e}{apart_diff:>12.2e}")
+    return row
+
+
 def measure(args, device: torch.device) -> dict:
     global ROUTINGS
     shape = SMALL if args.small else TARGET
@@ -290,7 +398,8 @@ def measure(args, device: torch.device) -> dict:
     use_graph = device.type == "cuda" and not args.no_graph
     run = SimpleNamespace(shape=shape, device=device, gen=gen, copy=copy, use_graph=use_graph, sweep=args.sweep,
                           no_reference=args.no_reference, baseline=None, sweep_batch=args.batches[0],
-                          packed_best={} if args.packed_sweep else None, bf16_share={})
+                          packed_best={} if args.packed_sweep else None, bf16_share={},
+                          shared_sweep=args.shared_sweep)
     if args.baseline is not None:
         from kernel_baseline import load_baseline
 
@@ -299,9 +408,10 @@ def measure(args, device: torch.device) -> dict:
         precompile_packed(shape, args.compile_workers, device)
     print(f"device: {name}; copy bandwidth {copy / 1e9:.1f} GB/s (read + write)")
     print(f"shapes: {shape}; each call one of {ROUTINGS} routings; GB/s on the distinct experts' weight bytes")
-    print(f"{'format':>10}{'batch':>6}{'path':>8}{'experts':>8}{'MB/call':>9}{'kernel us':>11}{'GB/s':>8}"
-          f"{'of copy':>8}{'before us':>11}{'of copy':>8}{'speed-up':>9}{'ref us':>10}{'ref/kern':>9}{'gathered us':>12}{'gath/kern':>10}{'max rel diff':>13}")
-    rows, sweeps = [], []
+    if not args.shared_only:
+        print(f"{'format':>10}{'batch':>6}{'path':>8}{'experts':>8}{'MB/call':>9}{'kernel us':>11}{'GB/s':>8}"
+              f"{'of copy':>8}{'before us':>11}{'of copy':>8}{'speed-up':>9}{'ref us':>10}{'ref/kern':>9}{'gathered us':>12}{'gath/kern':>10}{'max rel diff':>13}")
+    rows, sweeps, shared_rows = [], [], []
     for fmt, group in (("bf16", None), *(("int4", g) for g in shape["groups"])):
         if args.formats and (fmt if group is None else f"{fmt}-g{group}") not in args.formats:
             continue
@@ -310,15 +420,28 @@ def measure(args, device: torch.device) -> dict:
         label = fmt if group is None else f"{fmt}-g{group}"
         if args.packed_sweep and fmt == "int4":
             sweeps += sweep_packed(run, (w_gate_up, w_down, kw, per_expert), label, args.batches)
-        rows += [measure_batch(run, (w_gate_up, w_down, kw, per_expert), label, batch) for batch in args.batches]
+        if not args.shared_only:
+            rows += [measure_batch(run, (w_gate_up, w_down, kw, per_expert), label, batch) for batch in args.batches]
         if fmt == "bf16":
             run.bf16_share = {row["batch"]: row["kernel_vs_copy"] for row in rows}
+        if args.shared or args.shared_only:
+            swiglu, shared_bytes = make_shared_expert(shape, fmt, group, device, gen)
+            print(f"{label}: experts + shared expert ({'bf16' if fmt == 'bf16' else f'int6-g{group}'}, "
+                  f"{shared_bytes / 1e6:.2f} MB) apart (before) and fused, in two launches and in one; "
+                  "max rel diff vs the torch reference")
+            print(f"{'format':>10}{'batch':>6}{'MB/call':>9}{'apart us':>11}{'of copy':>8}{'fused us':>11}"
+                  f"{'of copy':>8}{'speed-up':>10}{'1-launch us':>12}{'of copy':>8}{'speed-up':>10}"
+                  f"{'fused diff':>12}{'1-l. diff':>12}{'apart diff':>12}")
+            shared_rows += [measure_shared(run, (w_gate_up, w_down, kw, per_expert), label, batch, swiglu,
+                                           shared_bytes) for batch in args.batches]
+            swiglu = None
         w_gate_up = w_down = scales = kw = None  # free this format's experts before the next one's
     from tierlm.kernels.fused_moe import triton as kernels
 
     return {"device": name, "copy_bandwidth_GBps": copy / 1e9, "shapes": shape, "routings_per_timing": ROUTINGS,
             "cuda_graph": use_graph, "torch": torch.__version__, "decode_max_pairs": kernels.DECODE_MAX_PAIRS,
-            "grouped_block_m": kernels.PREFILL_BLOCK_M, "rows": rows, "packed_sweep": sweeps}
+            "grouped_block_m": kernels.PREFILL_BLOCK_M, "rows": rows, "packed_sweep": sweeps,
+            "shared_rows": shared_rows}
 
 
 def main() -> None:
@@ -331,6 +454,11 @@ def main() -> None:
                         help="time PACKED_CANDIDATES for INT4 at every batch size, side by side; rows use the best")
     parser.add_argument("--compile-workers", type=int, default=min(16, os.cpu_count() or 1),
                         help="--packed-sweep on CUDA: processes compiling the candidates first (1: none)")
+    parser.add_argument("--shared", action="store_true",
+                        help="also time the experts with the shared expert, apart (before) and fused, side by side")
+    parser.add_argument("--shared-only", action="store_true", help="--shared without the routed-only rows")
+    parser.add_argument("--shared-sweep", action="store_true",
+                        help="with --shared: sweep the shared expert's K tiles (SHARED_SWEEP) at the first batch size")
     parser.add_argument("--no-reference", action="store_true",
                         help="skip timing the torch reference (outputs are still checked against it)")
     parser.add_argument("--baseline", type=Path, default=None, metavar="ROOT",

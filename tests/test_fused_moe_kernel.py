@@ -42,6 +42,8 @@ DECODE_MAX_PAIRS, PREFILL_BLOCK_M = 16, 16
 # packed 4/8-bit experts (`packed_decode`) take theirs in words
 DECODE_BLOCK_K = {"gate_up_block_k": 64, "down_block_k": 32}
 PACKED_BLOCK_W = {4: {"gate_up_block_w": 8, "down_block_w": 4}, 8: {"gate_up_block_w": 16, "down_block_w": 8}}
+# the shared expert's K tiles: H in two (the second part-full), S = 48 in two (the second part-full)
+SHARED_BLOCK_K = {"shared_gate_up_block_k": 64, "shared_down_block_k": 32}
 CASES = {f"{d}-{f}-{p}": (DTYPES[d], FORMATS[f], PATHS[p]) for d in DTYPES for f in FORMATS for p in PATHS
          if p != "decode-split" or f in ("unquantized", "int4-g32")}  # (the split is format-independent)
 # packed decode with x gathered in place instead of split first, and with its K tiles unrolled instead of
@@ -49,6 +51,22 @@ CASES = {f"{d}-{f}-{p}": (DTYPES[d], FORMATS[f], PATHS[p]) for d in DTYPES for f
 CASES.update({f"{d}-int4-g32-decode-gathered-x": (DTYPES[d], FORMATS["int4-g32"], PATHS["decode"]) for d in DTYPES})
 CASES.update({f"{d}-int4-g32-decode-split-unrolled": (DTYPES[d], FORMATS["int4-g32"], PATHS["decode-split"])
               for d in DTYPES})
+# with the MoE block's shared expert (S columns, not a whole number of tiles) as one more expert of every
+# token: in the routed experts' format, in another (INT6 beside packed INT4: the int4-mixed scheme; its
+# gate_up and down in different groups), unquantized beside INT4 (the int4 scheme), and at prefill size
+# (the last two in bf16 only: their fp32 arithmetic is the first two's)
+S = 48
+SHARED_FORMATS = {"unquantized": (None, None), "int6": (6, (32, 16))}
+SHARED_CASES = {"unquantized-decode-split-shared": ("unquantized", "decode-split", "unquantized", DTYPES),
+                "int4-g32-decode-split-shared-int6": ("int4-g32", "decode-split", "int6", DTYPES),
+                "int4-g32-decode-shared-unquantized": ("int4-g32", "decode", "unquantized", ["bf16"]),
+                "unquantized-prefill-shared": ("unquantized", "prefill", "unquantized", ["bf16"])}
+for _case, (_routed, _path, _shared, _dtypes) in SHARED_CASES.items():
+    CASES.update({f"{d}-{_case}": (DTYPES[d], FORMATS[_routed], PATHS[_path], _shared) for d in _dtypes})
+# the decode forms' gate_up and down in one launch (`DecodeTiles.one_launch`, `PackedDecodeTiles.one_launch`),
+# with the shared expert and without; each run twice (the launch must leave its tickets and counts at zero)
+for _case in ("bf16-int4-g32-decode-split-shared-int6", "fp32-unquantized-decode-split"):
+    CASES[f"{_case}-one-launch"] = CASES[_case]
 
 
 def route(tokens: int, top_k: int, skewed: bool, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,9 +80,28 @@ def route(tokens: int, top_k: int, skewed: bool, gen: torch.Generator) -> tuple[
     return weights / weights.sum(dim=-1, keepdim=True), ids
 
 
+def make_shared(tokens: int, dtype: torch.dtype, shared_format: str, gen: torch.Generator
+                ) -> tuple[naive.SharedExpert, naive.SharedExpert]:
+    """(a shared expert of width S in `shared_format`, the same exactly in fp64 with the weights both
+    forms multiply by); its gate the sigmoid of a random logit, in dtype."""
+    bits, groups = SHARED_FORMATS[shared_format]
+    w_gate_up = (torch.randn(2 * S, H, generator=gen) * H**-0.5).to(dtype)
+    w_down = (torch.randn(H, S, generator=gen) * S**-0.5).to(dtype)
+    gate = torch.sigmoid(torch.randn(tokens, 1, generator=gen)).to(dtype)
+    if bits is None:
+        shared, used = naive.SharedExpert(gate, w_gate_up, w_down), (w_gate_up, w_down)
+    else:
+        (gu, gu_scales), (down, down_scales) = (packing.quantize(w, bits, g) for w, g in zip((w_gate_up, w_down),
+                                                                                               groups))
+        shared = naive.SharedExpert(gate, gu, down, f"int{bits}", (gu_scales, down_scales))
+        used = (packing.dequantize(gu, gu_scales, bits, H, dtype=dtype),
+                packing.dequantize(down, down_scales, bits, S, dtype=dtype))
+    return shared, naive.SharedExpert(gate.double(), used[0].double(), used[1].double())
+
+
 def make_case(name: str, seed: int = 0):
     """(args, kwargs, exact fp64 output) of one case."""
-    dtype, (bits, group), (tokens, top_k, skewed, _) = CASES[name]
+    dtype, (bits, group), (tokens, top_k, skewed, _), *shared_format = CASES[name]
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(tokens, H, generator=gen).to(dtype)
     w_gate_up = (torch.randn(E, 2 * I, H, generator=gen) * H**-0.5).to(dtype)
@@ -79,13 +116,21 @@ def make_case(name: str, seed: int = 0):
         kwargs = {"format": f"int{bits}", "scales": (gu_scales, down_scales), "group_size": group}
         used = (packing.dequantize(gu, gu_scales, bits, H, dtype=dtype),
                 packing.dequantize(down, down_scales, bits, I, dtype=dtype))
-    exact = naive.fused_moe(x.double(), used[0].double(), used[1].double(), weights.double(), ids)
+    shared = exact_shared = None
+    if shared_format:
+        shared, exact_shared = make_shared(tokens, dtype, shared_format[0], gen)
+        kwargs["shared"] = shared
+    exact = naive.fused_moe(x.double(), used[0].double(), used[1].double(), weights.double(), ids,
+                            shared=exact_shared)
     magnitude = torch.zeros_like(exact)
     for token in range(tokens):
-        for e, w in zip(ids[token].tolist(), weights[token].double()):
-            gate, up = (x[token].double() @ used[0][e].double().T).chunk(2)
+        terms = [(w, used[0][e], used[1][e]) for e, w in zip(ids[token].tolist(), weights[token].double())]
+        if exact_shared is not None:
+            terms.append((exact_shared.gate[token, 0], exact_shared.w_gate_up, exact_shared.w_down))
+        for w, w_gate_up, w_down in terms:
+            gate, up = (x[token].double() @ w_gate_up.double().T).chunk(2)
             act = torch.nn.functional.silu(gate) * up
-            magnitude[token] += w.abs() * (act.abs() @ used[1][e].double().abs().T)
+            magnitude[token] += w.abs() * (act.abs() @ w_down.double().abs().T)
     return args, kwargs, (exact, magnitude)
 
 
@@ -116,24 +161,43 @@ def run_kernel_cases(names: list[str]) -> dict[str, str | None]:
             args, kwargs, exact = make_case(name)
             ids = args[4]
             ranks = CASES[name][2][3]
-            kernels.DECODE_TILES = {bits: tiles._replace(down_ranks=ranks, **PACKED_BLOCK_W.get(bits, DECODE_BLOCK_K))
+            kernels.DECODE_TILES = {bits: tiles._replace(down_ranks=ranks, **PACKED_BLOCK_W.get(bits, DECODE_BLOCK_K),
+                                                         **SHARED_BLOCK_K)
                                     for bits, tiles in saved[2].items()}
             if name.endswith(("gathered-x", "unrolled")):
                 kernels.DECODE_TILES[4] = kernels.DECODE_TILES[4]._replace(split_x=not name.endswith("gathered-x"),
                                                                            unroll=name.endswith("unrolled"))
-            if (ids.numel() <= DECODE_MAX_PAIRS) == name.endswith("prefill"):
+            if name.endswith("one-launch"):
+                kernels.DECODE_TILES = {bits: tiles._replace(one_launch=True)
+                                        for bits, tiles in kernels.DECODE_TILES.items()}
+            prefill = CASES[name][2] == PATHS["prefill"]
+            if (ids.numel() <= DECODE_MAX_PAIRS) == prefill:
                 results[name] = f"{ids.numel()} pairs do not take the path of {name}"
                 continue
-            if name.endswith("prefill") and not (ids == 5).sum() > PREFILL_BLOCK_M:
+            if prefill and not (ids == 5).sum() > PREFILL_BLOCK_M:
                 results[name] = "expert 5 does not fill two blocks"
                 continue
             reference = naive.fused_moe(*args, **kwargs)
-            on_device = dict(kwargs, scales=tuple(s.to(device) for s in kwargs["scales"])) if kwargs else {}
-            out = kernels.fused_moe(*(a.to(device) for a in args), **on_device).cpu()
+            out = kernels.fused_moe(*(a.to(device) for a in args), **on_device(kwargs, device)).cpu()
             results[name] = within_tolerance(out, reference, *exact)
+            if name.endswith("one-launch") and not torch.equal(
+                    kernels.fused_moe(*(a.to(device) for a in args), **on_device(kwargs, device)).cpu(), out):
+                results[name] = "a second launch differs from the first"
     finally:
         kernels.DECODE_MAX_PAIRS, kernels.PREFILL_BLOCK_M, kernels.DECODE_TILES = saved
     return results
+
+
+def on_device(kwargs: dict, device: str) -> dict:
+    """fused_moe's keyword arguments with every tensor (scales, the shared expert's) on `device`."""
+    def move(value):
+        if isinstance(value, torch.Tensor):
+            return value.to(device)
+        if isinstance(value, tuple):
+            return type(value)(*map(move, value)) if hasattr(value, "_fields") else tuple(map(move, value))
+        return value
+
+    return {name: move(value) for name, value in kwargs.items()}
 
 
 @pytest.fixture(scope="module")
@@ -147,8 +211,8 @@ def kernel_results() -> dict[str, str | None]:
 
 INTERPRETED_EARLY = {  # (a long child: started when collection ends, see tests/interpreted.py)
     "test_triton_kernels_match_reference": (
-        "import json, torch, test_fused_moe_kernel as t; torch.set_num_threads(1)\n"
-        "print(json.dumps(t.run_kernel_cases(list(t.CASES))))",),
+        ("import json, torch, test_fused_moe_kernel as t; torch.set_num_threads(1)\n"
+         "print(json.dumps(t.run_kernel_cases(list(t.CASES))))"),),
 }
 
 

@@ -1,6 +1,7 @@
 """The quant methods hand the loaded runtime tensors to the fused Triton kernels in the layout those read:
 the kernel path of a loaded pack-quantized linear layer and MoE layer, and of an unquantized MoE layer,
-against the torch reference path of the same layer (the kernels' own accuracy against their reference is
+each MoE layer also with its block's shared expert inside the kernel (unquantized; INT6 beside INT4 in
+int4-mixed), against the torch reference path of the same layer (the kernels' own accuracy against their reference is
 tests/test_*_kernel.py's); which path a layer takes (the kernel on CUDA, unless switched off).
 
 Without a GPU the kernels run in Triton's interpreter (TRITON_INTERPRET=1 before triton is first
@@ -32,12 +33,12 @@ def kernel_vs_reference(device: str) -> dict[str, list[float]]:
         base = Path(folder) / "base"
         base.mkdir()
         build_reference("hc4_ple", base)
-        int4 = quantize_checkpoint(base, Path(folder) / "int4", "int4", 32)
+        int4_mixed = quantize_checkpoint(base, Path(folder) / "int4-mixed", "int4-mixed", 16)  # (shared width 48)
         int8 = quantize_checkpoint(base, Path(folder) / "int8", "int8", 32)
-        return _compare(base, int4, int8, device)
+        return _compare(base, int4_mixed, int8, device)
 
 
-def _compare(base: Path, int4: Path, int8: Path, device: str) -> dict[str, list[float]]:
+def _compare(base: Path, int4_mixed: Path, int8: Path, device: str) -> dict[str, list[float]]:
     from tierlm.model.loader import load_model
     from tierlm.model.quantization.base import runtime_view
 
@@ -46,17 +47,26 @@ def _compare(base: Path, int4: Path, int8: Path, device: str) -> dict[str, list[
 
     results = {}
     gen = torch.Generator().manual_seed(0)
-    for name, folder in (("dense experts", base), ("experts", int4)):
+    for name, folder in (("dense experts", base), ("experts", int4_mixed)):
         model, config = load_model(folder, dtype="float32", device="cpu")
-        experts = model.model.layers[0].mlp.experts
-        method = experts.quant_method
+        mlp = model.model.layers[0].mlp
+        method = mlp.experts.quant_method
         x = torch.randn(3, config.hidden_size, generator=gen)
         ids = torch.stack([torch.randperm(config.num_experts, generator=gen)[:2] for _ in range(3)])
-        weights = torch.rand(3, 2, generator=gen)
-        reference = experts(x, weights, ids)  # CPU: no kernel, the torch reference
-        kernel = method.format.experts_kernel(x.to(device), on(method._stack(experts, "gate_up")),
-                                              on(method._stack(experts, "down")), weights.to(device), ids.to(device))
+        weights, gate = torch.rand(3, 2, generator=gen), torch.rand(3, 1, generator=gen)
+        reference = mlp.experts(x, weights, ids)  # CPU: no kernel, the torch reference
+        args = (x.to(device), on(method._stack(mlp.experts, "gate_up")), on(method._stack(mlp.experts, "down")),
+                weights.to(device), ids.to(device))
+        kernel = method.format.experts_kernel(*args)
         results[name] = [(kernel.cpu() - reference).abs().max().item(), reference.abs().max().item()]
+        # the shared expert (unquantized; INT6 in int4-mixed) in the experts' launches, as the block runs it
+        shared = mlp.shared_expert.as_fused_expert(gate)
+        shared = shared._replace(gate=gate.to(device), w_gate_up=shared.w_gate_up.to(device),
+                                 w_down=shared.w_down.to(device),
+                                 scales=shared.scales and tuple(s.to(device) for s in shared.scales))
+        reference = reference + gate * mlp.shared_expert(x)
+        kernel = method.format.experts_kernel(*args, shared=shared)
+        results[f"{name} + shared"] = [(kernel.cpu() - reference).abs().max().item(), reference.abs().max().item()]
     model, config = load_model(int8, dtype="float32", device="cpu")
     for name, layer in (("lm_head", model.lm_head), ("o_proj", model.model.layers[3].self_attn.o_proj)):
         fmt = layer.quant_method.format
@@ -81,7 +91,8 @@ def kernel_results():
 INTERPRETED_EARLY = {"test_kernel_path_equals_reference_path": (CHILD,)}
 
 
-@pytest.mark.parametrize("layer", ["experts", "dense experts", "lm_head", "o_proj"])
+@pytest.mark.parametrize("layer", ["experts", "dense experts", "experts + shared", "dense experts + shared", "lm_head",
+                                   "o_proj"])
 def test_kernel_path_equals_reference_path(kernel_results, layer):
     difference, magnitude = kernel_results[layer]
     assert magnitude > 0 and difference <= 1e-5 * magnitude
@@ -127,3 +138,75 @@ def test_dense_experts_on_cuda_run_the_fused_kernel(monkeypatch, dtype):
         assert torch.equal(experts(x, weights, ids), torch_path)
         if dtype == torch.float32:
             assert (out - torch_path).abs().max() <= 1e-5 * torch_path.abs().max()
+
+
+def moe_block(dtype: torch.dtype, seed: int = 0):
+    """A small SparseMoeBlock (16 experts, top-2, shared expert width 48) with random weights."""
+    from tierlm.model.layers.moe import SparseMoeBlock
+
+    config = SimpleNamespace(hidden_size=128, num_experts=16, num_experts_per_tok=2, norm_topk_prob=True,
+                             moe_intermediate_size=64, shared_expert_intermediate_size=48)
+    block = SparseMoeBlock(config)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in block.parameters():
+            parameter.copy_(torch.randn(parameter.shape, generator=gen) * parameter.shape[-1] ** -0.5)
+    return block.to(dtype)
+
+
+def test_shared_expert_runs_apart_where_the_kernel_does_not_take_it(monkeypatch):
+    """The MoE block fuses its shared expert on CUDA only, unless TIERLM_NO_FUSED_SHARED_EXPERT=1; where the
+    experts' kernel does not take it (here: the CPU) the block's output is the unfused sum, bit for bit;
+    a shared expert whose projections are in two formats is never handed to the kernel."""
+    from tierlm.model.layers import moe
+    from tierlm.model.quantization.compressed_tensors import PackQuantizedFormat
+
+    monkeypatch.delenv("TIERLM_NO_FUSED_SHARED_EXPERT", raising=False)
+    assert not moe.fuse_shared_expert(torch.zeros(1, 4))
+    assert moe.fuse_shared_expert(SimpleNamespace(is_cuda=True))
+    monkeypatch.setenv("TIERLM_NO_FUSED_SHARED_EXPERT", "1")
+    assert not moe.fuse_shared_expert(SimpleNamespace(is_cuda=True))
+
+    block = moe_block(torch.float32)
+    x = torch.randn(3, 128, generator=torch.Generator().manual_seed(1))
+    weights, experts, gate = block.route(x)
+    unfused = block.experts(x, weights, experts) + gate * block.shared_expert(x)
+    monkeypatch.setattr(moe, "fuse_shared_expert", lambda x: True)
+    offered = []
+    monkeypatch.setattr(moe.Experts, "with_shared", lambda self, *args: offered.append(args[-1]))
+    assert torch.equal(block(x), unfused) and offered[0].format == "unquantized"
+    block.shared_expert.down_proj.set_format(PackQuantizedFormat(6, 16))
+    assert block.shared_expert.as_fused_expert(gate) is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_moe_block_on_cuda_fuses_its_shared_expert(monkeypatch, dtype):
+    """On CUDA a decode batch's MoE block returns the fused kernel's routed + shared sum (exactly), and with
+    TIERLM_NO_FUSED_SHARED_EXPERT=1 the two apart; against the same sum in fp32 (same routing), the fused
+    output is off by at most twice the unfused path's own error plus one unit of x's dtype (fp32: both
+    at fp32 roundoff); a prefill batch is the same either way."""
+    from tierlm.kernels.fused_moe import naive
+    from tierlm.kernels.fused_moe import triton as fused
+
+    block = moe_block(dtype).cuda()
+    gen = torch.Generator().manual_seed(2)
+    for tokens in (3, 100):  # decode (6 pairs): fused; prefill (200 > DECODE_MAX_PAIRS): apart
+        x = torch.randn(tokens, 128, generator=gen).to(dtype).cuda()
+        weights, experts, gate = block.route(x)
+        monkeypatch.delenv("TIERLM_NO_FUSED_SHARED_EXPERT", raising=False)
+        out = block(x)
+        monkeypatch.setenv("TIERLM_NO_FUSED_SHARED_EXPERT", "1")
+        apart = block(x)
+        if tokens * 2 > fused.DECODE_MAX_PAIRS:
+            assert torch.equal(out, apart)
+            continue
+        shared = block.shared_expert.as_fused_expert(gate)
+        assert torch.equal(out, fused.fused_moe(x, block.experts.gate_up_proj, block.experts.down_proj, weights,
+                                                experts, shared=shared))
+        exact = naive.fused_moe(x.float(), block.experts.gate_up_proj.float(), block.experts.down_proj.float(),
+                                weights.float(), experts,
+                                shared=naive.SharedExpert(*(t.float() for t in shared[:3])))
+        apart_error = (apart.float() - exact).abs().max()
+        bound = 2 * apart_error + torch.finfo(dtype).eps * exact.abs().max()
+        assert (out.float() - exact).abs().max() <= bound

@@ -1,20 +1,25 @@
 """Top-k SwiGLU experts over stacked expert weights, unquantized or packed INT4 / INT6 / INT8 with group
-scales (the format: `quant_linear.packing`).
+scales (the format: `quant_linear.packing`), optionally with the MoE block's shared expert.
 
 Signature (every form): fused_moe(x [T, H], w_gate_up, w_down, topk_weights [T, k], topk_ids [T, k], *,
 format="unquantized" | "int4" | "int6" | "int8", scales=None | (gate_up_scales, down_scales),
-group_size=None) -> [T, H] in x's dtype. Unquantized weights are laid out as `model/layers/moe.Experts`
-holds them (w_gate_up [E, 2I, H]: gate rows then up rows; w_down [E, H, I]); packed ones as int32
-[E, N, ceil(K * bits / 32)] with scales [E, N, K / group_size].
+group_size=None, shared=None | SharedExpert) -> [T, H] in x's dtype. Unquantized weights are laid out
+as `model/layers/moe.Experts` holds them (w_gate_up [E, 2I, H]: gate rows then up rows; w_down
+[E, H, I]); packed ones as int32 [E, N, ceil(K * bits / 32)] with scales [E, N, K / group_size].
+`shared`: the shared expert as one more expert of every token, its gate its routing weight (its own
+format and width).
   naive.py   a loop over the hit experts in ascending id (transformers' order), experts dequantized one
-             at a time (the reference)
-  triton.py  gate_up + SiLU-and-mul, down + routing weight, and the top-k sum: three launches for the
-             batch, the weights read in place; decode pairs one per block, prefill pairs sorted by expert
-             into padded blocks (align_pairs_to_blocks) for a grouped GEMM
+             at a time, then the gated shared expert added (the reference)
+  triton.py  gate_up + SiLU-and-mul, down + routing weight, and the top-k sum, the weights read in
+             place; decode: two GEMV launches, one pair per program row, the shared expert one more
+             pair per token; prefill: pairs sorted by expert into padded blocks
+             (align_pairs_to_blocks) for a grouped GEMM, the shared expert apart
   packed_decode.py  the decode form for experts packed in 4 or 8 bits: x and the activations read in
              a split layout (value j of every word beside x's column of it), 3 instructions a value
+  decode_parts.py  what the two decode forms share (the shared expert's columns in any format; the end
+             of a down program whose token's experts are split over several programs)
 """
 
-from tierlm.kernels.fused_moe.naive import fused_moe
+from tierlm.kernels.fused_moe.naive import SharedExpert, fused_moe
 
-__all__ = ["fused_moe"]
+__all__ = ["SharedExpert", "fused_moe"]

@@ -19,7 +19,11 @@ SASS that triton 3.9 compiles; timed on a GPU by bench/moe_decode_kernel.py --pa
 Launches: (split copy), `_packed_gate_up_kernel` over (pair, block of I), `_packed_down_kernel` over
 (block of H, token, group of `down_ranks` experts); with fewer than top-k experts per down program the
 last program to finish a token's columns adds the groups' fp32 partials in the same launch (arrival
-counters: `kernels/split_reduce`). Tiles: `PackedDecodeTiles`.
+counters: `kernels/split_reduce`, `decode_parts.finish_down`). A shared expert is one more row of
+gate_up per token (x read in place) and one more split of down, in its own format (INT6 in int4-mixed)
+through `decode_parts`' `gemv_loop` helpers, with its own K tiles. gate_up and down are phases of one
+kernel (`_packed_decode_kernel`); with `one_launch` they run as one launch (items by ticket, down's
+waiting for their token's gate_up items: `decode_parts`). Tiles: `PackedDecodeTiles`.
 """
 from __future__ import annotations
 
@@ -29,6 +33,17 @@ import torch
 import triton
 import triton.language as tl
 
+from tierlm.kernels.fused_moe.decode_parts import (
+    SharedArgs,
+    down_columns,
+    finish_down,
+    item_done,
+    leave,
+    one_launch_sync,
+    swiglu_columns,
+    take_item,
+    wait_for_token,
+)
 from tierlm.kernels.quant_linear.triton import FLOAT_ONE_BITS, dot_precision, round_to, word_value
 from tierlm.kernels.split_reduce import arrival_counters
 
@@ -44,6 +59,13 @@ class PackedDecodeTiles(NamedTuple):
     down_ranks: int  # of a token's top-k experts per down program (fewer: fp32 partials, summed by the last)
     split_x: bool  # x read split (one copy launch first) or gathered in place
     unroll: bool  # each program's K tiles unrolled (all loads issued up front, as registers allow) or a loop
+    one_launch: bool = False  # gate_up and down in one launch (down's items wait for their token's act),
+    #                           with gate_up's warps, or two launches
+    # the shared expert's K tiles, in values (its format may differ from the routed experts':
+    # `decode_parts`; it takes their BLOCK_N). INT6 beside INT4 at 8 x 64 and 32 x 32 adds no registers
+    # to the routed programs (80 and 48 for sm_90, triton 3.9: 96 at 128 for gate_up, 128 at 64 for down)
+    shared_gate_up_block_k: int = 64
+    shared_down_block_k: int = 32
 
 
 @triton.jit
@@ -134,99 +156,172 @@ def _rows_dot(acc, w_ptr, s_ptr, rows, x_ptr, x_row, stride_wn, stride_sn, one_b
 
 
 @triton.jit
-def _packed_gate_up_kernel(
-    x_ptr, w_ptr, s_ptr, act_ptr, ids_ptr, stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_ap, one_bits,
+def _packed_gate_up_program(
+    row, pid_n, x_ptr, w_ptr, s_ptr, act_ptr, ids_ptr, x_in_place_ptr, shared_w_ptr, shared_s_ptr, shared_act_ptr, S,
+    num_shared, stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_ap, stride_x_in_place, stride_swn,
+    stride_ssn, stride_sap, one_bits,
     H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, BITS: tl.constexpr, GROUP_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, SPLIT_X: tl.constexpr, UNROLL: tl.constexpr, DTYPE: tl.constexpr,
-    PRECISION: tl.constexpr,
+    HAS_SHARED: tl.constexpr, SHARED_BITS: tl.constexpr, SHARED_GROUP_SIZE: tl.constexpr,
+    SHARED_BLOCK_K: tl.constexpr, SHARED_EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """One program: pair pid(0) (token pair // TOP_K, expert ids[pair]), columns [pid(1) * BLOCK_N, +BLOCK_N)
-    of I, the gate rows and the up rows as one tile of 2 * BLOCK_N rows.
-    act[pair] = silu(gate) * up rounded to x's dtype (DTYPE), stored split in fp32 (column n at
-    [n % values per word, n // values per word])."""
+    """gate_up's work item (row, pid_n): columns [pid_n * BLOCK_N, +BLOCK_N) of row `row`. Rows below
+    num_shared (T with a shared expert, else 0) are the tokens' shared expert, in its own format
+    (`decode_parts.swiglu_columns` on x in place): shared_act[token, n] = silu(gate) * up of its S columns,
+    in x's dtype. The others are pairs (pair = row - num_shared: token pair // TOP_K, expert ids[pair]),
+    the gate rows and the up rows as one tile of 2 * BLOCK_N rows: act[pair] = silu(gate) * up rounded to
+    x's dtype (DTYPE), stored split in fp32 (column n at [n % values per word, n // values per word])."""
     VALUES: tl.constexpr = 32 // BITS
-    pair, pid_n = tl.program_id(0), tl.program_id(1)
-    expert = tl.load(ids_ptr + pair).to(tl.int64)
-    both = tl.arange(0, 2 * BLOCK_N)
-    n = pid_n * BLOCK_N + both % BLOCK_N
-    rows = tl.where(n < I, tl.where(both < BLOCK_N, n, I + n), 0)[:, None].to(tl.int64)  # clamped: no row mask
-    acc = _rows_dot(tl.zeros((2 * BLOCK_N, BLOCK_W), dtype=tl.float32), w_ptr + expert * stride_we,
-                    s_ptr + expert * stride_se, rows, x_ptr, (pair // TOP_K).to(tl.int64) * stride_xt, stride_wn,
-                    stride_sn, one_bits, H // VALUES, BITS, GROUP_SIZE, BLOCK_W, SPLIT_X, UNROLL, 1.0)
-    sums = tl.sum(acc, axis=1)  # [2 * BLOCK_N]
-    gate, up = tl.split(tl.trans(tl.reshape(sums, (2, BLOCK_N))))
-    act = _round_as(gate / (1.0 + tl.exp(-gate)) * up, DTYPE, PRECISION)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    tl.store(act_ptr + pair.to(tl.int64) * stride_ap + (offs_n % VALUES) * (I // VALUES) + offs_n // VALUES, act,
-             mask=offs_n < I)
+    pair = row - num_shared
+    if pair >= 0:
+        if pid_n * BLOCK_N < I:
+            expert = tl.load(ids_ptr + pair).to(tl.int64)
+            both = tl.arange(0, 2 * BLOCK_N)
+            n = pid_n * BLOCK_N + both % BLOCK_N
+            rows = tl.where(n < I, tl.where(both < BLOCK_N, n, I + n), 0)[:, None].to(tl.int64)  # clamped
+            acc = _rows_dot(tl.zeros((2 * BLOCK_N, BLOCK_W), dtype=tl.float32), w_ptr + expert * stride_we,
+                            s_ptr + expert * stride_se, rows, x_ptr, (pair // TOP_K).to(tl.int64) * stride_xt,
+                            stride_wn, stride_sn, one_bits, H // VALUES, BITS, GROUP_SIZE, BLOCK_W, SPLIT_X, UNROLL,
+                            1.0)
+            sums = tl.sum(acc, axis=1)  # [2 * BLOCK_N]
+            gate, up = tl.split(tl.trans(tl.reshape(sums, (2, BLOCK_N))))
+            act = _round_as(gate / (1.0 + tl.exp(-gate)) * up, DTYPE, PRECISION)
+            offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            tl.store(act_ptr + pair.to(tl.int64) * stride_ap + (offs_n % VALUES) * (I // VALUES) + offs_n // VALUES,
+                     act, mask=offs_n < I)
+    else:
+        if HAS_SHARED:  # noqa: SIM102 - a constexpr: without a shared expert its branch is not compiled
+            if pid_n * BLOCK_N < S:
+                offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+                act = swiglu_columns(x_in_place_ptr, row.to(tl.int64) * stride_x_in_place, shared_w_ptr,
+                                     shared_s_ptr, S, offs_n, stride_swn, stride_ssn, H, SHARED_BITS,
+                                     SHARED_GROUP_SIZE, BLOCK_N, SHARED_BLOCK_K, SHARED_EVEN_K, PRECISION)
+                tl.store(shared_act_ptr + row.to(tl.int64) * stride_sap + offs_n[None, :],
+                         round_to(act, shared_act_ptr.dtype.element_ty, PRECISION), mask=(offs_n < S)[None, :])
 
 
 @triton.jit
-def _packed_down_kernel(
-    act_ptr, w_ptr, s_ptr, routing_ptr, ids_ptr, out_ptr, partial_ptr, counter_ptr, stride_ap, stride_we, stride_wn,
-    stride_se, stride_sn, one_bits,
+def _packed_down_program(
+    pid_n, token, split, n_blocks, act_ptr, w_ptr, s_ptr, routing_ptr, ids_ptr, shared_act_ptr, shared_w_ptr,
+    shared_s_ptr, shared_gate_ptr, out_ptr, partial_ptr, counter_ptr, S, stride_ap, stride_we, stride_wn, stride_se,
+    stride_sn, stride_sap, stride_swn, stride_ssn, one_bits,
     H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, SLOTS: tl.constexpr, RANKS: tl.constexpr,
     BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
-    UNROLL: tl.constexpr, DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+    UNROLL: tl.constexpr, DTYPE: tl.constexpr, HAS_SHARED: tl.constexpr, SHARED_BITS: tl.constexpr,
+    SHARED_GROUP_SIZE: tl.constexpr, SHARED_BLOCK_K: tl.constexpr, SHARED_EVEN_K: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
-    """One program: token pid(1), columns [pid(0) * BLOCK_N, +BLOCK_N) of H, the token's experts of ranks
-    [pid(2) * RANKS, +RANKS) (those below TOP_K) in ascending id (SLOTS: TOP_K rounded up to a power of 2):
-    the sum over those experts of routing x (act[pair] W_down[e, h]) in fp32 (each expert's routing
-    weight, rounded to x's dtype, folded into its scales). With one split that is out[token], rounded to
-    out's dtype; with several it is stored in fp32 at partial[token * splits + pid(2)], and the token's
-    last program to arrive for these columns (`split_reduce` arrival counters, one per token and column
-    block) adds the splits' partials in order and rounds out[token] once."""
+    """down's work item (pid_n, token, split) of n_blocks column blocks: columns [pid_n * BLOCK_N,
+    +BLOCK_N) of H for token `token` (int64). With a shared expert split 0 is it: gate x
+    (shared_act[token] W_shared_down[h]) in its own format (`decode_parts.down_columns`). The other
+    splits (all of them without one) take the token's experts of ranks [routed split * RANKS, +RANKS)
+    (those below TOP_K) in ascending id (SLOTS: TOP_K rounded up to a power of 2): the sum over those
+    experts of routing x (act[pair] W_down[e, h]) in fp32 (each expert's routing weight, rounded to x's
+    dtype, folded into its scales). The splits' results end in `decode_parts.finish_down`: out[token]
+    rounded once, by the item itself (one split) or by the token's last item to arrive for these
+    columns."""
     VALUES: tl.constexpr = 32 // BITS
-    pid_n, token, split = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
-    slots = tl.arange(0, SLOTS)
-    valid = slots < TOP_K
-    ids = tl.load(ids_ptr + token * TOP_K + slots, mask=valid, other=0)
-    rank = tl.sum(((ids[None, :] < ids[:, None]) & valid[None, :]).to(tl.int32), axis=1)  # ids are distinct
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = tl.where(offs_n < H, offs_n, 0)[:, None].to(tl.int64)
-    acc = tl.zeros((BLOCK_N, BLOCK_W), dtype=tl.float32)
-    for r in tl.static_range(RANKS):
-        if split * RANKS + r < TOP_K:
-            slot = tl.sum(tl.where(valid & (rank == split * RANKS + r), slots, 0), axis=0)
-            pair = token * TOP_K + slot
-            expert = tl.load(ids_ptr + pair).to(tl.int64)
-            routing = _round_as(tl.load(routing_ptr + pair).to(tl.float32), DTYPE, PRECISION)
-            acc = _rows_dot(acc, w_ptr + expert * stride_we, s_ptr + expert * stride_se, rows, act_ptr,
-                            pair * stride_ap, stride_wn, stride_sn, one_bits, I // VALUES, BITS, GROUP_SIZE, BLOCK_W, True,
-                            UNROLL, routing)
-    result = tl.sum(acc, axis=1)
-    SPLITS: tl.constexpr = (TOP_K + RANKS - 1) // RANKS
     n_mask = offs_n < H
-    if SPLITS == 1:
-        tl.store(out_ptr + token * H + offs_n, round_to(result, out_ptr.dtype.element_ty, PRECISION), mask=n_mask)
+    result = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    routed_split = split - HAS_SHARED
+    if routed_split >= 0:
+        slots = tl.arange(0, SLOTS)
+        valid = slots < TOP_K
+        ids = tl.load(ids_ptr + token * TOP_K + slots, mask=valid, other=0)
+        rank = tl.sum(((ids[None, :] < ids[:, None]) & valid[None, :]).to(tl.int32), axis=1)  # ids are distinct
+        rows = tl.where(n_mask, offs_n, 0)[:, None].to(tl.int64)
+        acc = tl.zeros((BLOCK_N, BLOCK_W), dtype=tl.float32)
+        for r in tl.static_range(RANKS):
+            if routed_split * RANKS + r < TOP_K:
+                slot = tl.sum(tl.where(valid & (rank == routed_split * RANKS + r), slots, 0), axis=0)
+                pair = token * TOP_K + slot
+                expert = tl.load(ids_ptr + pair).to(tl.int64)
+                routing = _round_as(tl.load(routing_ptr + pair).to(tl.float32), DTYPE, PRECISION)
+                acc = _rows_dot(acc, w_ptr + expert * stride_we, s_ptr + expert * stride_se, rows, act_ptr,
+                                pair * stride_ap, stride_wn, stride_sn, one_bits, I // VALUES, BITS, GROUP_SIZE,
+                                BLOCK_W, True, UNROLL, routing)
+        result += tl.sum(acc, axis=1)
     else:
-        tl.store(partial_ptr + (token * SPLITS + split) * H + offs_n, result, mask=n_mask)
-        counter = counter_ptr + token * tl.num_programs(0) + pid_n
-        tl.debug_barrier()  # every thread's stores are issued before the program counts itself in
-        if tl.atomic_add(counter, 1, sem="acq_rel") == SPLITS - 1:
-            total = tl.zeros((BLOCK_N,), dtype=tl.float32)
-            for s in tl.static_range(SPLITS):
-                total += tl.load(partial_ptr + (token * SPLITS + s) * H + offs_n, mask=n_mask, other=0.0,
-                                 cache_modifier=".cg")
-            tl.store(out_ptr + token * H + offs_n, round_to(total, out_ptr.dtype.element_ty, PRECISION), mask=n_mask)
-            tl.atomic_xchg(counter, 0)  # ready for the next launch
+        if HAS_SHARED:
+            gate = _round_as(tl.load(shared_gate_ptr + token).to(tl.float32), DTYPE, PRECISION)
+            result += gate * down_columns(shared_act_ptr, token * stride_sap, shared_w_ptr, shared_s_ptr, offs_n,
+                                          n_mask, stride_swn, stride_ssn, S, SHARED_BITS, SHARED_GROUP_SIZE, BLOCK_N,
+                                          SHARED_BLOCK_K, SHARED_EVEN_K, PRECISION)
+    finish_down(result, out_ptr, partial_ptr, counter_ptr, token, pid_n, n_blocks, split, offs_n, n_mask, H,
+                HAS_SHARED + (TOP_K + RANKS - 1) // RANKS, PRECISION)
+
+
+@triton.jit
+def _packed_decode_kernel(
+    x_ptr, gu_w_ptr, gu_s_ptr, act_ptr, ids_ptr, x_in_place_ptr, gu_shared_w_ptr, gu_shared_s_ptr, shared_act_ptr,
+    dn_w_ptr, dn_s_ptr, routing_ptr, dn_shared_w_ptr, dn_shared_s_ptr, shared_gate_ptr, out_ptr, partial_ptr,
+    counter_ptr, sync_ptr, T, S, num_shared, gate_up_blocks, down_blocks,
+    stride_xt, gu_stride_we, gu_stride_wn, gu_stride_se, gu_stride_sn, stride_ap, stride_x_in_place, gu_stride_swn,
+    gu_stride_ssn, stride_sap, dn_stride_we, dn_stride_wn, dn_stride_se, dn_stride_sn, dn_stride_swn, dn_stride_ssn,
+    one_bits,
+    H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, SLOTS: tl.constexpr, RANKS: tl.constexpr,
+    BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, GU_BLOCK_N: tl.constexpr, GU_BLOCK_W: tl.constexpr,
+    DN_BLOCK_N: tl.constexpr, DN_BLOCK_W: tl.constexpr, SPLIT_X: tl.constexpr, UNROLL: tl.constexpr,
+    DTYPE: tl.constexpr, HAS_SHARED: tl.constexpr, SHARED_BITS: tl.constexpr, GU_SHARED_GROUP_SIZE: tl.constexpr,
+    GU_SHARED_BLOCK_K: tl.constexpr, GU_SHARED_EVEN_K: tl.constexpr, DN_SHARED_GROUP_SIZE: tl.constexpr,
+    DN_SHARED_BLOCK_K: tl.constexpr, DN_SHARED_EVEN_K: tl.constexpr, MAX_TOKENS: tl.constexpr,
+    PHASE: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """PHASE "gate_up": program i is gate_up's item (row i % rows, block i // rows); "down": down's item
+    (block i % down_blocks, token (i // down_blocks) % T, split i // (down_blocks * T)); "both": the two in
+    one launch, items taken by ticket (`decode_parts`: `take_item`, `item_done`, `wait_for_token`,
+    `leave`)."""
+    rows = num_shared + T * TOP_K
+    gate_up_items = rows * gate_up_blocks
+    index = take_item(sync_ptr, PHASE == "both")
+    if PHASE == "down":
+        item = index
+    else:  # (a constexpr: each phase compiles only its own items' code, "both" both)
+        item = index - gate_up_items
+        if item < 0:
+            row = index % rows
+            _packed_gate_up_program(
+                row, index // rows, x_ptr, gu_w_ptr, gu_s_ptr, act_ptr, ids_ptr, x_in_place_ptr, gu_shared_w_ptr,
+                gu_shared_s_ptr, shared_act_ptr, S, num_shared, stride_xt, gu_stride_we, gu_stride_wn, gu_stride_se,
+                gu_stride_sn, stride_ap, stride_x_in_place, gu_stride_swn, gu_stride_ssn, stride_sap, one_bits, H, I,
+                TOP_K, BITS, GROUP_SIZE, GU_BLOCK_N, GU_BLOCK_W, SPLIT_X, UNROLL, DTYPE, HAS_SHARED, SHARED_BITS,
+                GU_SHARED_GROUP_SIZE, GU_SHARED_BLOCK_K, GU_SHARED_EVEN_K, PRECISION)
+            if PHASE == "both":
+                item_done(sync_ptr, tl.where(row < num_shared, row, (row - num_shared) // TOP_K))
+    if PHASE != "gate_up":  # noqa: SIM102 - a constexpr: the gate_up phase compiles no down code
+        if item >= 0:
+            token = ((item // down_blocks) % T).to(tl.int64)
+            if PHASE == "both":
+                wait_for_token(sync_ptr, token, (TOP_K + HAS_SHARED) * gate_up_blocks)
+            _packed_down_program(
+                item % down_blocks, token, item // (down_blocks * T), down_blocks, act_ptr, dn_w_ptr, dn_s_ptr,
+                routing_ptr, ids_ptr, shared_act_ptr, dn_shared_w_ptr, dn_shared_s_ptr, shared_gate_ptr, out_ptr,
+                partial_ptr, counter_ptr, S, stride_ap, dn_stride_we, dn_stride_wn, dn_stride_se, dn_stride_sn,
+                stride_sap, dn_stride_swn, dn_stride_ssn, one_bits, H, I, TOP_K, SLOTS, RANKS, BITS, GROUP_SIZE,
+                DN_BLOCK_N, DN_BLOCK_W, UNROLL, DTYPE, HAS_SHARED, SHARED_BITS, DN_SHARED_GROUP_SIZE,
+                DN_SHARED_BLOCK_K, DN_SHARED_EVEN_K, PRECISION)
+    if PHASE == "both":
+        leave(sync_ptr, gate_up_items + down_blocks * T * (HAS_SHARED + (TOP_K + RANKS - 1) // RANKS), MAX_TOKENS)
 
 
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 
 def packed_decode(x: torch.Tensor, weights: tuple, topk_weights: torch.Tensor, topk_ids: torch.Tensor, bits: int,
-                  group: int, inter: int, tiles: PackedDecodeTiles, max_tokens: int) -> torch.Tensor:
-    """The two launches (three with the split copy) for x [T, H] (contiguous); weights (w_gate_up,
-    gate_up_scales, w_down, down_scales) packed in `bits` (4 or 8), contiguous. Returns [T, H] in x's dtype.
-    max_tokens: the most tokens a call can bring (the arrival counters are made for that many once, so a
-    captured graph never sees them remade)."""
+                  group: int, inter: int, tiles: PackedDecodeTiles, max_tokens: int, shared: SharedArgs
+                  ) -> torch.Tensor:
+    """The two launches (one with `one_launch`; plus the split copy with `split_x`) for x [T, H]
+    (contiguous); weights (w_gate_up, gate_up_scales, w_down, down_scales) packed in `bits` (4 or 8),
+    contiguous; `shared`: the shared expert (or its absence), one more row of gate_up and one more split
+    of down per token. Returns [T, H] in x's dtype. max_tokens: the most tokens a call can bring (the arrival counters are made for that
+    many once, so a captured graph never sees them remade)."""
     w_gate_up, gate_up_scales, w_down, down_scales = weights
     (t, h), top_k = x.shape, topk_ids.shape[1]
     values = 32 // bits
     precision, dtype = dot_precision(x), DTYPE_NAMES[x.dtype]
     ranks = min(tiles.down_ranks, top_k)
-    splits = triton.cdiv(top_k, ranks)
+    splits = shared.present + triton.cdiv(top_k, ranks)
     # one fp32 workspace: x split (when asked), act split, the down partials (when several splits)
     x_numel = t * h if tiles.split_x else 0
     act_numel = t * top_k * inter
@@ -238,24 +333,38 @@ def packed_decode(x: torch.Tensor, weights: tuple, topk_weights: torch.Tensor, t
     else:
         x_in = x
     act = workspace[x_numel:x_numel + act_numel].view(t * top_k, inter)
-    _packed_gate_up_kernel[(t * top_k, triton.cdiv(inter, tiles.gate_up_block_n))](
-        x_in, w_gate_up, gate_up_scales, act, topk_ids, x_in.stride(0), w_gate_up.stride(0), w_gate_up.stride(1),
-        gate_up_scales.stride(0), gate_up_scales.stride(1), act.stride(0), FLOAT_ONE_BITS.value, H=h, I=inter,
-        TOP_K=top_k, BITS=bits, GROUP_SIZE=group, BLOCK_N=tiles.gate_up_block_n, BLOCK_W=tiles.gate_up_block_w,
-        SPLIT_X=tiles.split_x, UNROLL=tiles.unroll, DTYPE=dtype, PRECISION=precision, num_warps=tiles.gate_up_warps,
-    )
+    shared_act = torch.empty((t, shared.width), dtype=x.dtype, device=x.device) if shared.present else x
+    shared_gate_up_k, shared_gate_up_even, shared_down_k, shared_down_even = shared.k_tiles(
+        tiles.shared_gate_up_block_k, tiles.shared_down_block_k, h)
     out = torch.empty_like(x)
-    n_blocks = triton.cdiv(h, tiles.down_block_n)
-    if splits == 1:
-        partial = counters = out  # (unused)
+    num_shared = t * shared.present  # rows of gate_up's items that are the tokens' shared expert
+    gate_up_blocks = triton.cdiv(max(inter, shared.width), tiles.gate_up_block_n)
+    down_blocks = triton.cdiv(h, tiles.down_block_n)
+    counters = arrival_counters("fused_moe_packed_down", x.device, max(t, max_tokens) * down_blocks)
+    sync, sync_tokens = one_launch_sync("fused_moe_packed_one_launch", x.device, max(t, max_tokens))
+    partial = workspace[x_numel + act_numel:] if splits > 1 else out  # (unused with one split)
+    args = (x_in, w_gate_up, gate_up_scales, act, topk_ids, x, shared.w_gate_up, shared.gate_up_scales, shared_act,
+            w_down, down_scales, topk_weights, shared.w_down, shared.down_scales, shared.gate, out, partial, counters,
+            sync, t, shared.width, num_shared, gate_up_blocks, down_blocks, x_in.stride(0), w_gate_up.stride(0),
+            w_gate_up.stride(1), gate_up_scales.stride(0), gate_up_scales.stride(1), act.stride(0), x.stride(0),
+            shared.w_gate_up.stride(0), shared.gate_up_scales.stride(0), shared_act.stride(0), w_down.stride(0),
+            w_down.stride(1), down_scales.stride(0), down_scales.stride(1), shared.w_down.stride(0),
+            shared.down_scales.stride(0), FLOAT_ONE_BITS.value)
+    constants = {
+        "H": h, "I": inter, "TOP_K": top_k, "SLOTS": triton.next_power_of_2(top_k), "RANKS": ranks, "BITS": bits,
+        "GROUP_SIZE": group, "GU_BLOCK_N": tiles.gate_up_block_n, "GU_BLOCK_W": tiles.gate_up_block_w,
+        "DN_BLOCK_N": tiles.down_block_n, "DN_BLOCK_W": tiles.down_block_w, "SPLIT_X": tiles.split_x,
+        "UNROLL": tiles.unroll, "DTYPE": dtype, "HAS_SHARED": shared.present, "SHARED_BITS": shared.bits,
+        "GU_SHARED_GROUP_SIZE": shared.gate_up_group, "GU_SHARED_BLOCK_K": shared_gate_up_k,
+        "GU_SHARED_EVEN_K": shared_gate_up_even, "DN_SHARED_GROUP_SIZE": shared.down_group,
+        "DN_SHARED_BLOCK_K": shared_down_k, "DN_SHARED_EVEN_K": shared_down_even,
+        "MAX_TOKENS": sync_tokens, "PRECISION": precision}
+    gate_up_items = (num_shared + t * top_k) * gate_up_blocks
+    down_items = down_blocks * t * splits
+    if tiles.one_launch:
+        _packed_decode_kernel[(gate_up_items + down_items,)](*args, PHASE="both", num_warps=tiles.gate_up_warps,
+                                                             **constants)
     else:
-        partial = workspace[x_numel + act_numel:]
-        counters = arrival_counters("fused_moe_packed_down", x.device, max(t, max_tokens) * n_blocks)
-    _packed_down_kernel[(n_blocks, t, splits)](
-        act, w_down, down_scales, topk_weights, topk_ids, out, partial, counters, act.stride(0), w_down.stride(0),
-        w_down.stride(1), down_scales.stride(0), down_scales.stride(1), FLOAT_ONE_BITS.value, H=h, I=inter, TOP_K=top_k,
-        SLOTS=triton.next_power_of_2(top_k), RANKS=ranks, BITS=bits, GROUP_SIZE=group,
-        BLOCK_N=tiles.down_block_n, BLOCK_W=tiles.down_block_w, UNROLL=tiles.unroll, DTYPE=dtype, PRECISION=precision,
-        num_warps=tiles.down_warps,
-    )
+        _packed_decode_kernel[(gate_up_items,)](*args, PHASE="gate_up", num_warps=tiles.gate_up_warps, **constants)
+        _packed_decode_kernel[(down_items,)](*args, PHASE="down", num_warps=tiles.down_warps, **constants)
     return out

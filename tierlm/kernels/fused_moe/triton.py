@@ -11,10 +11,17 @@ and no launch needs a host sync, so a decode step can be captured in a CUDA grap
          `gate_up_block_n` of the expert's I columns, stored in x's dtype as `naive` rounds it;
       2. `_down_sum_gemv_kernel`: program (n block, token, split) ranks the token's k experts by id in
          registers and, in ascending id (the reference's order), adds routing weight x (act W_down^T)
-         over `down_ranks` of them in fp32; when that is all k it rounds the token's output once (the
-         top-k sum fused), else its fp32 partial goes to `_sum_chunks_kernel` (a third launch that adds
-         the partials in order: on an H200 the extra programs in flight win, 2 ranks per program).
-    Tiles per weight format: DECODE_TILES.
+         over `down_ranks` of them in fp32; when that is all k (and no shared expert) it rounds the
+         token's output once (the top-k sum fused), else it stores its fp32 partial and the token's last
+         program to arrive for these columns adds the splits in order (`decode_parts.finish_down`: on
+         an H200 the extra programs in flight win, 2 ranks per program; no third launch).
+    A shared expert (`SharedExpert`, the MoE block's, in any of the formats, its own width) is one more
+    pair per token: the first T rows of gate_up's grid (its act stored apart) and split 0 of down's
+    (gate x its down product), by `decode_parts`' helpers, so its gated output joins the same sum and
+    the block needs no launch of its own for it. Both launches are phases of one kernel
+    (`_decode_gemv_kernel`); with `one_launch` they run as one launch whose programs take their items
+    by ticket, down's waiting for their token's gate_up items (`decode_parts`). Tiles per weight
+    format: DECODE_TILES.
     Two pairs on one expert read its weights twice, which at 10 of 512 experts per token is rare.
   - prefill: each token's experts sorted by id, then `align_pairs_to_blocks` (vLLM's
     moe_align_block_size, in torch) sorts the pairs by expert into blocks of PREFILL_BLOCK_M rows, each
@@ -32,18 +39,27 @@ import torch
 import triton
 import triton.language as tl
 
-from tierlm.kernels.fused_moe.naive import check_moe_args
+from tierlm.kernels.fused_moe.decode_parts import (
+    SharedArgs,
+    down_columns,
+    finish_down,
+    item_done,
+    leave,
+    one_launch_sync,
+    swiglu_columns,
+    take_item,
+    wait_for_token,
+)
+from tierlm.kernels.fused_moe.naive import SharedExpert, check_moe_args
 from tierlm.kernels.fused_moe.packed_decode import PackedDecodeTiles, packed_decode
 from tierlm.kernels.quant_linear.triton import (
     accumulate_tile,
     check_whole_word_groups,
     column_mask,
     dot_precision,
-    gemv_loop,
-    gemv_sum,
-    gemv_zeros,
     round_to,
 )
+from tierlm.kernels.split_reduce import arrival_counters
 
 
 class DecodeTiles(NamedTuple):
@@ -55,14 +71,19 @@ class DecodeTiles(NamedTuple):
     down_block_k: int
     down_warps: int
     down_ranks: int  # of a token's top-k experts per down program: with fewer than top-k, the programs
-    #                  store fp32 partials that `_sum_chunks_kernel` adds (more programs in flight)
+    #                  store fp32 partials that the token's last program to finish adds (more in flight)
+    shared_gate_up_block_k: int = 512  # the shared expert's K tiles (its format may differ from the
+    shared_down_block_k: int = 128  # routed experts'; its programs take the routed tiles' BLOCK_N)
+    one_launch: bool = False  # gate_up and down in one launch (down's items wait for their token's act),
+    #                           with gate_up's warps, or two launches
 
 
 # Tile sizes, per weight format (bits; 0 unquantized): module constants so a benchmark can sweep them.
 # Chosen on an H200 by bench/moe_decode_kernel.py --sweep (bench/results/moe_decode_kernel_nvidia_h200.json)
 # for bf16 (INT6 the same) and INT4 (INT8 the same: the same packed-word GEMV)
 DECODE_MAX_PAIRS = 160  # up to this many (token, expert) pairs (16 tokens of top-10), the GEMV form
-# (4 and 8 bits: `packed_decode`, first guesses checked only by compiling for sm_90: to be swept on an H200)
+# (4 and 8 bits: `packed_decode`, first guesses checked only by compiling for sm_90: to be swept on an H200;
+# one_launch, and the shared expert's K tiles, not measured on a GPU yet: bench/moe_decode_kernel.py --shared)
 DECODE_TILES = {**dict.fromkeys((0, 6), DecodeTiles(8, 512, 4, 16, 128, 4, 2)),
                 **dict.fromkeys((4, 8), PackedDecodeTiles(8, 64, 4, 32, 16, 4, 1, True, False))}
 PREFILL_BLOCK_M, PREFILL_BLOCK_N, PREFILL_BLOCK_K, PREFILL_NUM_WARPS = 32, 64, 64, 4
@@ -70,66 +91,131 @@ SUM_BLOCK = 256
 
 
 @triton.jit
-def _gate_up_gemv_kernel(
-    x_ptr, w_ptr, s_ptr, out_ptr, ids_ptr, H, I, stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_op,
+def _gate_up_gemv_program(
+    row, pid_n, x_ptr, w_ptr, s_ptr, out_ptr, ids_ptr, shared_w_ptr, shared_s_ptr, shared_out_ptr, H, I, S,
+    num_shared, stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_op, stride_swn, stride_ssn, stride_sop,
     TOP_K: tl.constexpr, BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, HAS_SHARED: tl.constexpr, SHARED_BITS: tl.constexpr,
+    SHARED_GROUP_SIZE: tl.constexpr, SHARED_BLOCK_K: tl.constexpr, SHARED_EVEN_K: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
-    """One program: pair pid(1) (token pair // TOP_K, expert ids[pair]), columns [pid(0) * BLOCK_N,
-    +BLOCK_N) of I. out[pair, n] = silu(gate) * up, gate = x W[e, n], up = x W[e, I + n]."""
-    pid_n, pair = tl.program_id(0), tl.program_id(1)
-    expert = tl.load(ids_ptr + pair).to(tl.int64)
-    x_rows = (pair // TOP_K).to(tl.int64) * stride_xt + tl.zeros((1,), dtype=tl.int64)
-    one_row = tl.full((1,), 1, tl.int1)
+    """gate_up's item (row, pid_n): columns [pid_n * BLOCK_N, +BLOCK_N) of row `row`. Rows below
+    num_shared (T with a shared expert, else 0) are the tokens' shared expert: shared_out[token, n] =
+    silu(gate) * up of the shared expert's S columns; the others are pairs (pair = row - num_shared: token
+    pair // TOP_K, expert ids[pair]): out[pair, n] = silu(gate) * up, gate = x W[e, n], up = x W[e, I + n]."""
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < I
-    w_e, s_e = w_ptr + expert * stride_we, s_ptr + expert * stride_se
-    up_w, up_s = w_e + I * stride_wn, s_e + I * stride_sn
-    gate = gemv_loop(gemv_zeros(1, BLOCK_N, BLOCK_K, BITS), x_ptr, x_rows, one_row, w_e, s_e, 0, H, offs_n, n_mask,
-                     stride_wn, stride_sn, H, BITS, GROUP_SIZE, BLOCK_K, EVEN_K, PRECISION)
-    up = gemv_loop(gemv_zeros(1, BLOCK_N, BLOCK_K, BITS), x_ptr, x_rows, one_row, up_w, up_s, 0, H, offs_n, n_mask,
-                   stride_wn, stride_sn, H, BITS, GROUP_SIZE, BLOCK_K, EVEN_K, PRECISION)
-    gate_sum, up_sum = gemv_sum(gate, BITS), gemv_sum(up, BITS)  # [1, BLOCK_N]
-    act = gate_sum / (1.0 + tl.exp(-gate_sum)) * up_sum
-    tl.store(out_ptr + pair.to(tl.int64) * stride_op + offs_n[None, :],
-             round_to(act, out_ptr.dtype.element_ty, PRECISION), mask=n_mask[None, :])
+    pair = row - num_shared
+    if pair >= 0:
+        if pid_n * BLOCK_N < I:
+            expert = tl.load(ids_ptr + pair).to(tl.int64)
+            act = swiglu_columns(x_ptr, (pair // TOP_K).to(tl.int64) * stride_xt, w_ptr + expert * stride_we,
+                                 s_ptr + expert * stride_se, I, offs_n, stride_wn, stride_sn, H, BITS, GROUP_SIZE,
+                                 BLOCK_N, BLOCK_K, EVEN_K, PRECISION)
+            tl.store(out_ptr + pair.to(tl.int64) * stride_op + offs_n[None, :],
+                     round_to(act, out_ptr.dtype.element_ty, PRECISION), mask=(offs_n < I)[None, :])
+    else:
+        if HAS_SHARED:  # noqa: SIM102 - a constexpr: without a shared expert its branch is not compiled
+            if pid_n * BLOCK_N < S:
+                act = swiglu_columns(x_ptr, row.to(tl.int64) * stride_xt, shared_w_ptr, shared_s_ptr, S, offs_n,
+                                     stride_swn, stride_ssn, H, SHARED_BITS, SHARED_GROUP_SIZE, BLOCK_N,
+                                     SHARED_BLOCK_K, SHARED_EVEN_K, PRECISION)
+                tl.store(shared_out_ptr + row.to(tl.int64) * stride_sop + offs_n[None, :],
+                         round_to(act, shared_out_ptr.dtype.element_ty, PRECISION), mask=(offs_n < S)[None, :])
 
 
 @triton.jit
-def _down_sum_gemv_kernel(
-    act_ptr, w_ptr, s_ptr, routing_ptr, ids_ptr, out_ptr, H, I, stride_ap, stride_we, stride_wn, stride_se,
-    stride_sn, stride_ot,
+def _down_sum_gemv_program(
+    pid_n, token, split, n_blocks, act_ptr, w_ptr, s_ptr, routing_ptr, ids_ptr, shared_act_ptr, shared_w_ptr,
+    shared_s_ptr, shared_gate_ptr, out_ptr, partial_ptr, counter_ptr, H, I, S, stride_ap, stride_we, stride_wn,
+    stride_se, stride_sn, stride_sap, stride_swn, stride_ssn,
     TOP_K: tl.constexpr, SLOTS: tl.constexpr, RANKS: tl.constexpr, BITS: tl.constexpr, GROUP_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, HAS_SHARED: tl.constexpr,
+    SHARED_BITS: tl.constexpr, SHARED_GROUP_SIZE: tl.constexpr, SHARED_BLOCK_K: tl.constexpr,
+    SHARED_EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """One program: token pid(1), columns [pid(0) * BLOCK_N, +BLOCK_N) of H, the token's experts of
-    ranks [pid(2) * RANKS, +RANKS) (those below TOP_K) by ascending id (SLOTS: TOP_K rounded up to a
-    power of 2). out[token * splits + pid(2), h] = sum over those ranks, in order, of
-    routing * (act[pair] W_down[e, h]) in fp32; rounded to out's dtype (with one split, the token's
-    final output) or stored in fp32."""
-    pid_n, token, split = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
-    slots = tl.arange(0, SLOTS)
-    valid = slots < TOP_K
-    ids = tl.load(ids_ptr + token * TOP_K + slots, mask=valid, other=0)
-    # rank of each slot's expert among the token's (ids are distinct)
-    rank = tl.sum(((ids[None, :] < ids[:, None]) & valid[None, :]).to(tl.int32), axis=1)
+    """down's item (pid_n of n_blocks, token (int64), split): columns [pid_n * BLOCK_N, +BLOCK_N) of H.
+    With a shared expert split 0 is it: gate x (shared_act[token] W_shared_down[h]); the other splits (all
+    of them without one) take the token's experts of ranks [routed split * RANKS, +RANKS) (those below
+    TOP_K) by ascending id (SLOTS: TOP_K rounded up to a power of 2): the sum over those ranks, in order,
+    of routing x (act[pair] W_down[e, h]) in fp32. The splits' results end in `finish_down`: out[token]
+    rounded once, by the item itself (one split) or by the token's last item to arrive."""
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < H
-    one_row = tl.full((1,), 1, tl.int1)
-    result = tl.zeros((1, BLOCK_N), dtype=tl.float32)
-    for r in tl.static_range(RANKS):
-        if split * RANKS + r < TOP_K:
-            slot = tl.sum(tl.where(valid & (rank == split * RANKS + r), slots, 0), axis=0)
-            pair = token * TOP_K + slot
-            expert = tl.load(ids_ptr + pair).to(tl.int64)
-            routing = round_to(tl.load(routing_ptr + pair).to(tl.float32), act_ptr.dtype.element_ty, PRECISION)
-            w_e, s_e = w_ptr + expert * stride_we, s_ptr + expert * stride_se
-            x_rows = pair * stride_ap + tl.zeros((1,), dtype=tl.int64)
-            acc = gemv_loop(gemv_zeros(1, BLOCK_N, BLOCK_K, BITS), act_ptr, x_rows, one_row, w_e, s_e, 0, I, offs_n,
-                            n_mask, stride_wn, stride_sn, I, BITS, GROUP_SIZE, BLOCK_K, EVEN_K, PRECISION)
-            result += gemv_sum(acc, BITS) * routing.to(tl.float32)
-    out_ptrs = out_ptr + (token * tl.cdiv(TOP_K, RANKS) + split) * stride_ot + offs_n[None, :]
-    tl.store(out_ptrs, round_to(result, out_ptr.dtype.element_ty, PRECISION), mask=n_mask[None, :])
+    result = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    routed_split = split - HAS_SHARED
+    if routed_split >= 0:
+        slots = tl.arange(0, SLOTS)
+        valid = slots < TOP_K
+        ids = tl.load(ids_ptr + token * TOP_K + slots, mask=valid, other=0)
+        # rank of each slot's expert among the token's (ids are distinct)
+        rank = tl.sum(((ids[None, :] < ids[:, None]) & valid[None, :]).to(tl.int32), axis=1)
+        for r in tl.static_range(RANKS):
+            if routed_split * RANKS + r < TOP_K:
+                slot = tl.sum(tl.where(valid & (rank == routed_split * RANKS + r), slots, 0), axis=0)
+                pair = token * TOP_K + slot
+                expert = tl.load(ids_ptr + pair).to(tl.int64)
+                routing = round_to(tl.load(routing_ptr + pair).to(tl.float32), act_ptr.dtype.element_ty, PRECISION)
+                result += routing.to(tl.float32) * down_columns(
+                    act_ptr, pair * stride_ap, w_ptr + expert * stride_we, s_ptr + expert * stride_se, offs_n,
+                    n_mask, stride_wn, stride_sn, I, BITS, GROUP_SIZE, BLOCK_N, BLOCK_K, EVEN_K, PRECISION)
+    else:
+        if HAS_SHARED:
+            gate = round_to(tl.load(shared_gate_ptr + token).to(tl.float32), act_ptr.dtype.element_ty, PRECISION)
+            result += gate.to(tl.float32) * down_columns(
+                shared_act_ptr, token * stride_sap, shared_w_ptr, shared_s_ptr, offs_n, n_mask, stride_swn,
+                stride_ssn, S, SHARED_BITS, SHARED_GROUP_SIZE, BLOCK_N, SHARED_BLOCK_K, SHARED_EVEN_K, PRECISION)
+    finish_down(result, out_ptr, partial_ptr, counter_ptr, token, pid_n, n_blocks, split, offs_n, n_mask, H,
+                HAS_SHARED + (TOP_K + RANKS - 1) // RANKS, PRECISION)
+
+
+@triton.jit
+def _decode_gemv_kernel(
+    x_ptr, gu_w_ptr, gu_s_ptr, act_ptr, ids_ptr, gu_shared_w_ptr, gu_shared_s_ptr, shared_act_ptr, dn_w_ptr, dn_s_ptr,
+    routing_ptr, dn_shared_w_ptr, dn_shared_s_ptr, shared_gate_ptr, out_ptr, partial_ptr, counter_ptr, sync_ptr,
+    T, H, I, S, num_shared, gate_up_blocks, down_blocks,
+    stride_xt, gu_stride_we, gu_stride_wn, gu_stride_se, gu_stride_sn, stride_ap, gu_stride_swn, gu_stride_ssn,
+    stride_sap, dn_stride_we, dn_stride_wn, dn_stride_se, dn_stride_sn, dn_stride_swn, dn_stride_ssn,
+    TOP_K: tl.constexpr, SLOTS: tl.constexpr, RANKS: tl.constexpr, BITS: tl.constexpr, GROUP_SIZE: tl.constexpr,
+    GU_BLOCK_N: tl.constexpr, GU_BLOCK_K: tl.constexpr, GU_EVEN_K: tl.constexpr, DN_BLOCK_N: tl.constexpr,
+    DN_BLOCK_K: tl.constexpr, DN_EVEN_K: tl.constexpr, HAS_SHARED: tl.constexpr, SHARED_BITS: tl.constexpr,
+    GU_SHARED_GROUP_SIZE: tl.constexpr, GU_SHARED_BLOCK_K: tl.constexpr, GU_SHARED_EVEN_K: tl.constexpr,
+    DN_SHARED_GROUP_SIZE: tl.constexpr, DN_SHARED_BLOCK_K: tl.constexpr, DN_SHARED_EVEN_K: tl.constexpr,
+    MAX_TOKENS: tl.constexpr, PHASE: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """PHASE "gate_up": program i is gate_up's item (block i % gate_up_blocks, row i // gate_up_blocks);
+    "down": down's item (block i % down_blocks, token (i // down_blocks) % T, split
+    i // (down_blocks * T)); "both": the two in one launch, items taken by ticket (`decode_parts`:
+    `take_item`, `item_done`, `wait_for_token`, `leave`)."""
+    gate_up_items = (num_shared + T * TOP_K) * gate_up_blocks
+    index = take_item(sync_ptr, PHASE == "both")
+    if PHASE == "down":
+        item = index
+    else:  # (a constexpr: each phase compiles only its own items' code, "both" both)
+        item = index - gate_up_items
+        if item < 0:
+            row = index // gate_up_blocks
+            _gate_up_gemv_program(
+                row, index % gate_up_blocks, x_ptr, gu_w_ptr, gu_s_ptr, act_ptr, ids_ptr, gu_shared_w_ptr,
+                gu_shared_s_ptr, shared_act_ptr, H, I, S, num_shared, stride_xt, gu_stride_we, gu_stride_wn,
+                gu_stride_se, gu_stride_sn, stride_ap, gu_stride_swn, gu_stride_ssn, stride_sap, TOP_K, BITS,
+                GROUP_SIZE, GU_BLOCK_N, GU_BLOCK_K, GU_EVEN_K, HAS_SHARED, SHARED_BITS, GU_SHARED_GROUP_SIZE,
+                GU_SHARED_BLOCK_K, GU_SHARED_EVEN_K, PRECISION)
+            if PHASE == "both":
+                item_done(sync_ptr, tl.where(row < num_shared, row, (row - num_shared) // TOP_K))
+    if PHASE != "gate_up":  # noqa: SIM102 - a constexpr: the gate_up phase compiles no down code
+        if item >= 0:
+            token = ((item // down_blocks) % T).to(tl.int64)
+            if PHASE == "both":
+                wait_for_token(sync_ptr, token, (TOP_K + HAS_SHARED) * gate_up_blocks)
+            _down_sum_gemv_program(
+                item % down_blocks, token, item // (down_blocks * T), down_blocks, act_ptr, dn_w_ptr, dn_s_ptr,
+                routing_ptr, ids_ptr, shared_act_ptr, dn_shared_w_ptr, dn_shared_s_ptr, shared_gate_ptr, out_ptr,
+                partial_ptr, counter_ptr, H, I, S, stride_ap, dn_stride_we, dn_stride_wn, dn_stride_se, dn_stride_sn,
+                stride_sap, dn_stride_swn, dn_stride_ssn, TOP_K, SLOTS, RANKS, BITS, GROUP_SIZE, DN_BLOCK_N,
+                DN_BLOCK_K, DN_EVEN_K, HAS_SHARED, SHARED_BITS, DN_SHARED_GROUP_SIZE, DN_SHARED_BLOCK_K,
+                DN_SHARED_EVEN_K, PRECISION)
+    if PHASE == "both":
+        leave(sync_ptr, gate_up_items + down_blocks * T * (HAS_SHARED + (TOP_K + RANKS - 1) // RANKS), MAX_TOKENS)
 
 
 @triton.jit
@@ -235,15 +321,23 @@ def align_pairs_to_blocks(expert_of_pair: torch.Tensor, num_experts: int, block_
     return pair_ids, block_expert
 
 
+def fuses_shared_expert(topk_ids: torch.Tensor) -> bool:
+    """Whether `fused_moe` computes a shared expert inside its launches for these ids (the decode form:
+    one more pair per token); at prefill sizes it runs it apart (`SharedArgs.separately`), which a
+    model's own layers do as well."""
+    return topk_ids.numel() <= DECODE_MAX_PAIRS
+
+
 def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor, *, format: str = "unquantized", scales=None, group_size: int | None = None
-              ) -> torch.Tensor:
+              topk_ids: torch.Tensor, *, format: str = "unquantized", scales=None, group_size: int | None = None,
+              shared: SharedExpert | None = None) -> torch.Tensor:
     """As `naive.fused_moe` (see there for shapes and formats). topk_ids must lie in [0, E): they are not
-    checked here (that would cost a host sync)."""
+    checked here (that would cost a host sync). A shared expert is one more pair per token in the decode
+    form's two launches; the prefill form runs it beside the grouped GEMM (`quant_linear` launches)."""
     bits, inter, group = check_moe_args(x, w_gate_up, w_down, topk_weights, topk_ids, format, scales, group_size)
     check_whole_word_groups(bits, group)
-    t = x.shape[0]
-    top_k = topk_ids.shape[1]
+    shared_expert = SharedArgs.of(x, shared)
+    t, top_k = x.shape[0], topk_ids.shape[1]
     num_pairs = t * top_k
     if num_pairs == 0:
         return torch.zeros_like(x)
@@ -252,41 +346,61 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, to
     gate_up_scales, down_scales = (w_gate_up, w_down) if bits is None else (s.contiguous() for s in scales)
     weights = (w_gate_up, gate_up_scales, w_down, down_scales)
     if num_pairs <= DECODE_MAX_PAIRS:
-        return _decode(x, weights, topk_weights.contiguous(), topk_ids.contiguous(), bits or 0, group, inter)
-    return _grouped(x, weights, topk_weights, topk_ids, bits or 0, group, inter)
+        return _decode(x, weights, topk_weights.contiguous(), topk_ids.contiguous(), bits or 0, group, inter,
+                       shared_expert)
+    routed = _grouped(x, weights, topk_weights, topk_ids, bits or 0, group, inter)
+    return routed if shared is None else routed + shared_expert.separately(x)
 
 
-def _decode(x, weights, topk_weights, topk_ids, bits: int, group: int, inter: int) -> torch.Tensor:
-    """The GEMV form: two launches (three when a down program takes fewer than top-k experts), no sort;
-    packed 4/8-bit experts: `packed_decode`."""
+def _decode(x, weights, topk_weights, topk_ids, bits: int, group: int, inter: int, shared: SharedArgs
+            ) -> torch.Tensor:
+    """The GEMV form: two launches (one with `one_launch`), no sort; packed 4/8-bit experts: `packed_decode`."""
     tiles = DECODE_TILES[bits]
+    max_tokens = DECODE_MAX_PAIRS // topk_ids.shape[1]
     if bits in (4, 8):
-        return packed_decode(x, weights, topk_weights, topk_ids, bits, group, inter, tiles,
-                             max_tokens=DECODE_MAX_PAIRS // topk_ids.shape[1])
+        return packed_decode(x, weights, topk_weights, topk_ids, bits, group, inter, tiles, max_tokens, shared)
     w_gate_up, gate_up_scales, w_down, down_scales = weights
     (t, h), top_k = x.shape, topk_ids.shape[1]
     precision = dot_precision(x)
     gate_up_k = min(tiles.gate_up_block_k, triton.next_power_of_2(h))
     down_k = min(tiles.down_block_k, triton.next_power_of_2(inter))
+    shared_gate_up_k, shared_gate_up_even, shared_down_k, shared_down_even = shared.k_tiles(
+        tiles.shared_gate_up_block_k, tiles.shared_down_block_k, h)
     act = torch.empty((t * top_k, inter), dtype=x.dtype, device=x.device)
-    _gate_up_gemv_kernel[(triton.cdiv(inter, tiles.gate_up_block_n), t * top_k)](
-        x, w_gate_up, gate_up_scales, act, topk_ids, h, inter, x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1),
-        gate_up_scales.stride(0), gate_up_scales.stride(1), act.stride(0), TOP_K=top_k, BITS=bits, GROUP_SIZE=group,
-        BLOCK_N=tiles.gate_up_block_n, BLOCK_K=gate_up_k, EVEN_K=h % gate_up_k == 0, PRECISION=precision,
-        num_warps=tiles.gate_up_warps,
-    )
+    shared_act = torch.empty((t, shared.width), dtype=x.dtype, device=x.device) if shared.present else act
     ranks = min(tiles.down_ranks, top_k)
-    splits = triton.cdiv(top_k, ranks)
-    out = torch.empty_like(x) if splits == 1 else torch.empty((t * splits, h), dtype=torch.float32, device=x.device)
-    _down_sum_gemv_kernel[(triton.cdiv(h, tiles.down_block_n), t, splits)](
-        act, w_down, down_scales, topk_weights, topk_ids, out, h, inter, act.stride(0), w_down.stride(0),
-        w_down.stride(1), down_scales.stride(0), down_scales.stride(1), out.stride(0), TOP_K=top_k,
-        SLOTS=triton.next_power_of_2(top_k), RANKS=ranks, BITS=bits, GROUP_SIZE=group, BLOCK_N=tiles.down_block_n,
-        BLOCK_K=down_k, EVEN_K=inter % down_k == 0, PRECISION=precision, num_warps=tiles.down_warps,
-    )
-    if splits == 1:
-        return out
-    return _sum_chunks(out, x, splits)
+    splits = shared.present + triton.cdiv(top_k, ranks)
+    out = torch.empty_like(x)
+    num_shared = t * shared.present  # rows of gate_up's items that are the tokens' shared expert
+    gate_up_blocks = triton.cdiv(max(inter, shared.width), tiles.gate_up_block_n)
+    down_blocks = triton.cdiv(h, tiles.down_block_n)
+    partial = torch.empty((t * splits, h), dtype=torch.float32, device=x.device) if splits > 1 else out
+    counters = arrival_counters("fused_moe_down", x.device, max(t, max_tokens) * down_blocks)
+    sync, sync_tokens = one_launch_sync("fused_moe_one_launch", x.device, max(t, max_tokens))
+    args = (x, w_gate_up, gate_up_scales, act, topk_ids, shared.w_gate_up, shared.gate_up_scales, shared_act, w_down,
+            down_scales, topk_weights, shared.w_down, shared.down_scales, shared.gate, out, partial, counters, sync, t,
+            h, inter, shared.width, num_shared, gate_up_blocks, down_blocks, x.stride(0), w_gate_up.stride(0),
+            w_gate_up.stride(1), gate_up_scales.stride(0), gate_up_scales.stride(1), act.stride(0),
+            shared.w_gate_up.stride(0), shared.gate_up_scales.stride(0), shared_act.stride(0), w_down.stride(0),
+            w_down.stride(1), down_scales.stride(0), down_scales.stride(1), shared.w_down.stride(0),
+            shared.down_scales.stride(0))
+    constants = {
+        "TOP_K": top_k, "SLOTS": triton.next_power_of_2(top_k), "RANKS": ranks, "BITS": bits, "GROUP_SIZE": group,
+        "GU_BLOCK_N": tiles.gate_up_block_n, "GU_BLOCK_K": gate_up_k, "GU_EVEN_K": h % gate_up_k == 0,
+        "DN_BLOCK_N": tiles.down_block_n, "DN_BLOCK_K": down_k, "DN_EVEN_K": inter % down_k == 0,
+        "HAS_SHARED": shared.present, "SHARED_BITS": shared.bits, "GU_SHARED_GROUP_SIZE": shared.gate_up_group,
+        "GU_SHARED_BLOCK_K": shared_gate_up_k, "GU_SHARED_EVEN_K": shared_gate_up_even,
+        "DN_SHARED_GROUP_SIZE": shared.down_group, "DN_SHARED_BLOCK_K": shared_down_k,
+        "DN_SHARED_EVEN_K": shared_down_even, "MAX_TOKENS": sync_tokens, "PRECISION": precision}
+    gate_up_items = (num_shared + t * top_k) * gate_up_blocks
+    down_items = down_blocks * t * splits
+    if tiles.one_launch:
+        _decode_gemv_kernel[(gate_up_items + down_items,)](*args, PHASE="both", num_warps=tiles.gate_up_warps,
+                                                           **constants)
+    else:
+        _decode_gemv_kernel[(gate_up_items,)](*args, PHASE="gate_up", num_warps=tiles.gate_up_warps, **constants)
+        _decode_gemv_kernel[(down_items,)](*args, PHASE="down", num_warps=tiles.down_warps, **constants)
+    return out
 
 
 def _sum_chunks(partial: torch.Tensor, x: torch.Tensor, chunks: int) -> torch.Tensor:

@@ -8,6 +8,12 @@ sigmoid per token; TIERLM_NO_FUSED_ROUTER=1 turns them off), else as F.linear an
 Experts are held stacked by a fused-experts method (dense `gate_up_proj` [E, 2I, H] = gate rows then up
 rows, `down_proj` [E, H, I], or packed low-bit stacks; see `quantization.experts`), which also runs them;
 the loader fills them from the per-expert checkpoint tensors.
+
+The shared expert (a SwiGLU whose output the shared gate's sigmoid scales) runs on CUDA inside the routed
+experts' fused decode kernels as one more expert of every token, its gate its routing weight, whatever
+its own format (`kernels/fused_moe`, `SharedExpert`; TIERLM_NO_FUSED_SHARED_EXPERT=1 turns that off);
+elsewhere, at prefill sizes, or where its format or the experts' has no kernel, it runs apart and its
+gated output is added to theirs.
 """
 
 from __future__ import annotations
@@ -18,10 +24,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tierlm.kernels.fused_moe.naive import SharedExpert
 from tierlm.kernels.moe_router.naive import route
 from tierlm.model.layers.packed_linear import Linear, PackedLinear
 from tierlm.model.quantization.base import DENSE, ModulePart, WeightFormat
 from tierlm.model.quantization.experts import PROJECTIONS, FusedExpertsMethod
+
+
+def fuse_shared_expert(x: torch.Tensor) -> bool:
+    """Whether the shared expert may run inside the routed experts' fused kernel: on CUDA, unless
+    TIERLM_NO_FUSED_SHARED_EXPERT=1 (where the kernel does not take it, it runs apart all the same)."""
+    return x.is_cuda and not os.environ.get("TIERLM_NO_FUSED_SHARED_EXPERT")
 
 
 class SwiGLU(nn.Module):
@@ -33,6 +46,16 @@ class SwiGLU(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x)
         return self.down_proj(F.silu(gate) * up)
+
+    def as_fused_expert(self, gate: torch.Tensor) -> SharedExpert | None:
+        """This SwiGLU as the fused MoE kernels take a shared expert (its weights read in place; `gate`
+        [N, 1] its routing weight), or None when its projections are in a format they do not read, or in
+        two different ones."""
+        gate_up, down = self.gate_up.kernel_weight(), self.down_proj.kernel_weight()
+        if gate_up is None or down is None or gate_up[0] != down[0]:
+            return None
+        scales = None if gate_up[2] is None else (gate_up[2], down[2])
+        return SharedExpert(gate, gate_up[1], down[1], gate_up[0], scales)
 
 
 class Experts(nn.Module):
@@ -61,6 +84,12 @@ class Experts(nn.Module):
     ) -> torch.Tensor:
         """static: take the sync-free expert form (see `FusedExpertsMethod`)."""
         return self.quant_method.apply(self, x, weights, experts, static)
+
+    def with_shared(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, shared: SharedExpert
+                    ) -> torch.Tensor | None:
+        """The routed sum plus `shared`'s (the MoE block's shared expert) in the fused kernel's launches,
+        or None where the kernel does not take it (see `FusedExpertsMethod.apply_with_shared`)."""
+        return self.quant_method.apply_with_shared(self, x, weights, experts, shared)
 
     def checkpoint_modules(self, path: str) -> list[ModulePart]:
         """Per expert e: `{path}.{e}.gate_proj` / `up_proj` fill gate_up's rows, `down_proj` fills down."""
@@ -91,6 +120,11 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor, static: bool = False) -> torch.Tensor:
         """static: take the sync-free expert form (see `Experts`)."""
         weights, experts, shared_gate = self.route(x)
+        if fuse_shared_expert(x):
+            shared = self.shared_expert.as_fused_expert(shared_gate)
+            out = None if shared is None else self.experts.with_shared(x, weights, experts, shared)
+            if out is not None:
+                return out
         routed = self.experts(x, weights, experts, static)
         return routed + shared_gate * self.shared_expert(x)
 

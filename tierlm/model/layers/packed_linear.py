@@ -48,6 +48,12 @@ class PackedLinear(nn.Module):
         in place can run then), else None."""
         return self.weight if self.quant_method.format == DENSE and self.bias is None else None
 
+    def kernel_weight(self) -> tuple[str, torch.Tensor, torch.Tensor | None] | None:
+        """(format name, weight or packed words, scales or None) when the fused MoE kernels can read this
+        layer's weight in place (`WeightFormat.kernel_weight`) and there is no bias, else None."""
+        fmt = self.quant_method.format
+        return None if self.bias is not None else fmt.kernel_weight(runtime_view(self, fmt))
+
     def int8_channel_weight(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(packed words [N, K / 4] int32, scales [N, 1]) when the weight is held as symmetric per-channel
         INT8 (`WeightFormat.int8_per_channel`) and there is no bias, else None."""

@@ -107,9 +107,16 @@ class WeightFormat(ABC):
         torch reference runs then). This default has none."""
 
     def kernel_experts(self, x, gate_up: Mapping[str, torch.Tensor], down: Mapping[str, torch.Tensor],
-                       weights: torch.Tensor, experts: torch.Tensor):
+                       weights: torch.Tensor, experts: torch.Tensor, shared=None):
         """The routed experts' sum through the fused MoE kernel over stacked runtime tensors, or None.
-        This default has none."""
+        shared (a `kernels.fused_moe.SharedExpert`): the sum with the shared expert's added, as one more
+        expert of every token, or None where the kernel does not take it (prefill sizes: the caller runs
+        it apart). This default has none."""
+
+    def kernel_weight(self, tensors: Mapping[str, torch.Tensor]):
+        """(the fused MoE kernels' format name, the weight or its packed words, the scales or None) when
+        those kernels can read this format in place (a shared expert fused into them), else None. This
+        default: None."""
 
     def int8_per_channel(self, tensors: Mapping[str, torch.Tensor], in_features: int):
         """(packed words [N, K / 4] int32, scales [N, 1]) when this format holds W as symmetric INT8 with
@@ -143,18 +150,24 @@ class DenseFormat(WeightFormat):
     def dequantize(self, tensors, in_features):
         return tensors["weight"].float()
 
-    def kernel_experts(self, x, gate_up, down, weights, experts):
+    def kernel_experts(self, x, gate_up, down, weights, experts, shared=None):
         """On CUDA the fused MoE kernel (`tierlm/kernels/fused_moe`) over the stacked experts, read in
         place (TIERLM_NO_FUSED_MOE=1: the torch path instead); elsewhere None (the torch path)."""
         if not x.is_cuda or os.environ.get("TIERLM_NO_FUSED_MOE", "0") not in ("", "0"):
             return None
-        return self.experts_kernel(x, gate_up, down, weights, experts)
+        return self.experts_kernel(x, gate_up, down, weights, experts, shared)
 
-    def experts_kernel(self, x, gate_up, down, weights, experts):
-        """The fused Triton MoE over the stacked unquantized experts (any device Triton runs on)."""
-        from tierlm.kernels.fused_moe.triton import fused_moe
+    def experts_kernel(self, x, gate_up, down, weights, experts, shared=None):
+        """The fused Triton MoE over the stacked unquantized experts (any device Triton runs on); with
+        `shared`, None unless the call is decode-sized (`fused_moe.triton.fuses_shared_expert`)."""
+        from tierlm.kernels.fused_moe.triton import fused_moe, fuses_shared_expert
 
-        return fused_moe(x, gate_up["weight"], down["weight"], weights, experts)
+        if shared is not None and not fuses_shared_expert(experts):
+            return None
+        return fused_moe(x, gate_up["weight"], down["weight"], weights, experts, shared=shared)
+
+    def kernel_weight(self, tensors):
+        return "unquantized", tensors["weight"], None
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, DenseFormat)

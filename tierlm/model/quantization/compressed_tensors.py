@@ -126,18 +126,28 @@ class PackQuantizedFormat(WeightFormat):
             return None
         return tensors["weight_packed"], tensors["weight_scale"]
 
-    def kernel_experts(self, x, gate_up, down, weights, experts):
+    def kernel_experts(self, x, gate_up, down, weights, experts, shared=None):
         if not self._has_kernel(x) or self.group_size is None:  # per-channel: gate_up and down groups differ
             return None
-        return self.experts_kernel(x, gate_up, down, weights, experts)
+        return self.experts_kernel(x, gate_up, down, weights, experts, shared)
 
-    def experts_kernel(self, x, gate_up, down, weights, experts):
-        """The fused Triton MoE over stacked runtime tensors (any device Triton runs on)."""
-        from tierlm.kernels.fused_moe.triton import fused_moe
+    def experts_kernel(self, x, gate_up, down, weights, experts, shared=None):
+        """The fused Triton MoE over stacked runtime tensors (any device Triton runs on); with `shared`,
+        None unless the call is decode-sized (`fused_moe.triton.fuses_shared_expert`)."""
+        from tierlm.kernels.fused_moe.triton import fused_moe, fuses_shared_expert
 
+        if shared is not None and not fuses_shared_expert(experts):
+            return None
         return fused_moe(x, gate_up["weight_packed"], down["weight_packed"], weights, experts,
                          format=f"int{self.bits}", scales=(gate_up["weight_scale"], down["weight_scale"]),
-                         group_size=self.group_size)
+                         group_size=self.group_size, shared=shared)
+
+    def kernel_weight(self, tensors):
+        """Symmetric INT4 / INT6 / INT8 (group or per-channel scales): the fused MoE kernels read it
+        (unless TIERLM_QUANT_KERNELS=0)."""
+        if not self.symmetric or self.bits not in KERNEL_BITS or os.environ.get("TIERLM_QUANT_KERNELS", "1") == "0":
+            return None
+        return f"int{self.bits}", tensors["weight_packed"], tensors["weight_scale"]
 
     # ---- writing (the quantizer) ----------------------------------------------------------------------
     def pack(self, signed: torch.Tensor, scale: torch.Tensor) -> dict[str, torch.Tensor]:

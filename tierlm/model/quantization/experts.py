@@ -11,7 +11,8 @@ one gathered batched product for a static (captured or compiled) step, which has
 quantized expert is dequantized when the loop reaches it (the gathered form dequantizes the gathered
 experts' weights), never the whole stack. Where the format has a fused kernel (`kernel_experts`:
 unquantized, or `pack-quantized` with group scales, on CUDA: `tierlm/kernels/fused_moe`) that runs
-instead, reading the same stacked tensors in place.
+instead, reading the same stacked tensors in place; `apply_with_shared` runs the MoE block's shared
+expert in the same launches (decode sizes), as one more expert of every token.
 """
 
 from __future__ import annotations
@@ -80,6 +81,14 @@ class FusedExpertsMethod:
             # a token routes to an expert at most once, so the indices are unique (index_add_ is slow on CPU)
             out[token_idx] += (y * weights[token_idx, slot_idx, None]).to(out.dtype)
         return out
+
+    def apply_with_shared(self, layer: nn.Module, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
+                          shared) -> torch.Tensor | None:
+        """The routed sum plus the shared expert's (`kernels.fused_moe.SharedExpert`: its weights and
+        gate) in the fused kernel's launches, or None where the kernel does not take it (no kernel for
+        this format or device, or a prefill-sized call): then the caller runs the two apart."""
+        gate_up, down = self._stack(layer, "gate_up"), self._stack(layer, "down")
+        return self.format.kernel_experts(x, gate_up, down, weights, experts, shared)
 
     def _per_pair(self, layer, x, weights, experts) -> torch.Tensor:
         rows = []

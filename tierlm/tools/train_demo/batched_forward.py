@@ -48,7 +48,8 @@ from tierlm.model.qwen4_exp import Qwen4ExpForCausalLM
 
 # the kill switches of every fused CUDA kernel a training forward could reach
 TORCH_PATH_SWITCHES = (
-    "TIERLM_NO_FUSED_HC", "TIERLM_NO_FUSED_ROUTER", "TIERLM_NO_FUSED_MOE", "TIERLM_NO_FUSED_NORM_ROPE",
+    "TIERLM_NO_FUSED_HC", "TIERLM_NO_FUSED_ROUTER", "TIERLM_NO_FUSED_MOE", "TIERLM_NO_FUSED_SHARED_EXPERT",
+    "TIERLM_NO_FUSED_NORM_ROPE",
 )
 
 # the gated delta rule's chunk length here: half the engine's chunk loop (fewer, larger products); the

@@ -1,0 +1,179 @@
+"""Pieces the two decode forms of `fused_moe` share (`triton._decode` and `packed_decode`): one expert's
+SwiGLU columns and down columns for one row of input, by `quant_linear.triton.gemv_loop` in any weight
+format (unquantized, or packed 4 / 6 / 8 bits: the shared expert takes these whatever the routed
+experts' format, so it can differ from theirs), and the end of a down program, whose token's experts
+are split over several programs: the last program to arrive adds the splits' fp32 partials in split
+order and rounds the output once (`split_reduce` arrival counters), in the same launch; the
+synchronisation of a decode form's gate_up and down run as one launch (`take_item`, `item_done`,
+`wait_for_token`, `leave`: items taken by ticket, down's items waiting for their token's gate_up items);
+and `SharedArgs`, a checked `SharedExpert` as both forms' launches take it.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from tierlm.kernels.fused_moe.naive import SharedExpert, check_shared_args
+from tierlm.kernels.quant_linear.triton import (
+    check_whole_word_groups,
+    gemv_loop,
+    gemv_sum,
+    gemv_zeros,
+    quant_linear,
+    round_to,
+)
+from tierlm.kernels.split_reduce import arrival_counters
+
+
+@triton.jit
+def swiglu_columns(x_ptr, x_row, w_ptr, s_ptr, width, offs_n, stride_wn, stride_sn, K, BITS: tl.constexpr,
+                   GROUP_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                   PRECISION: tl.constexpr):
+    """silu(x W[n]) * (x W[width + n]) in fp32, [1, BLOCK_N], for columns offs_n of one expert's gate_up
+    (W: `width` gate rows then `width` up rows over K inputs, at w_ptr / its scales at s_ptr) and one row
+    of x (int64 offset x_row from x_ptr); columns past `width` are garbage (callers mask the store)."""
+    n_mask = offs_n < width
+    x_rows = x_row + tl.zeros((1,), dtype=tl.int64)
+    one_row = tl.full((1,), 1, tl.int1)
+    gate = gemv_loop(gemv_zeros(1, BLOCK_N, BLOCK_K, BITS), x_ptr, x_rows, one_row, w_ptr, s_ptr, 0, K, offs_n, n_mask,
+                     stride_wn, stride_sn, K, BITS, GROUP_SIZE, BLOCK_K, EVEN_K, PRECISION)
+    up = gemv_loop(gemv_zeros(1, BLOCK_N, BLOCK_K, BITS), x_ptr, x_rows, one_row, w_ptr + width * stride_wn,
+                   s_ptr + width * stride_sn, 0, K, offs_n, n_mask, stride_wn, stride_sn, K, BITS, GROUP_SIZE, BLOCK_K,
+                   EVEN_K, PRECISION)
+    gate_sum, up_sum = gemv_sum(gate, BITS), gemv_sum(up, BITS)
+    return gate_sum / (1.0 + tl.exp(-gate_sum)) * up_sum
+
+
+@triton.jit
+def down_columns(act_ptr, act_row, w_ptr, s_ptr, offs_n, n_mask, stride_wn, stride_sn, K, BITS: tl.constexpr,
+                 GROUP_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                 PRECISION: tl.constexpr):
+    """act's row (int64 offset act_row) times the down rows offs_n (masked by n_mask) over K inputs, in
+    fp32, [BLOCK_N]."""
+    acc = gemv_loop(gemv_zeros(1, BLOCK_N, BLOCK_K, BITS), act_ptr, act_row + tl.zeros((1,), dtype=tl.int64),
+                    tl.full((1,), 1, tl.int1), w_ptr, s_ptr, 0, K, offs_n, n_mask, stride_wn, stride_sn, K, BITS,
+                    GROUP_SIZE, BLOCK_K, EVEN_K, PRECISION)
+    return tl.reshape(gemv_sum(acc, BITS), (BLOCK_N,))
+
+
+@triton.jit
+def finish_down(result, out_ptr, partial_ptr, counter_ptr, token, pid_n, n_blocks, split, offs_n, n_mask, H,
+                SPLITS: tl.constexpr, PRECISION: tl.constexpr):
+    """A down program's end: result [BLOCK_N] (fp32) is split `split` of SPLITS of token's output
+    columns offs_n (column block pid_n of n_blocks). One split: out[token] rounded to out's dtype. Several: stored in fp32 at
+    partial[token * SPLITS + split], then the program counts itself in (one counter per token and column
+    block, `split_reduce.arrival_counters`); the last to arrive adds the splits in order, rounds
+    out[token] once and sets the counter back to zero."""
+    if SPLITS == 1:
+        tl.store(out_ptr + token * H + offs_n, round_to(result, out_ptr.dtype.element_ty, PRECISION), mask=n_mask)
+    else:
+        tl.store(partial_ptr + (token * SPLITS + split) * H + offs_n, result, mask=n_mask)
+        counter = counter_ptr + token * n_blocks + pid_n
+        tl.debug_barrier()  # every thread's stores are issued before the program counts itself in
+        if tl.atomic_add(counter, 1, sem="acq_rel") == SPLITS - 1:
+            total = tl.zeros_like(result)
+            for s in tl.static_range(SPLITS):
+                total += tl.load(partial_ptr + (token * SPLITS + s) * H + offs_n, mask=n_mask, other=0.0,
+                                 cache_modifier=".cg")
+            tl.store(out_ptr + token * H + offs_n, round_to(total, out_ptr.dtype.element_ty, PRECISION), mask=n_mask)
+            tl.atomic_xchg(counter, 0)  # ready for the next launch
+
+
+@triton.jit
+def take_item(sync_ptr, BY_TICKET: tl.constexpr):
+    """The work item a program does: its ticket, the order programs start in (one launch: sync_ptr[0]
+    counts the tickets taken), or its program id."""
+    if BY_TICKET:
+        index = tl.atomic_add(sync_ptr, 1, sem="relaxed")
+    else:
+        index = tl.program_id(0)
+    return index
+
+
+@triton.jit
+def item_done(sync_ptr, token):
+    """One launch: a gate_up item of `token` has stored its act (counted in at sync_ptr[2 + token])."""
+    tl.debug_barrier()  # every thread's stores are issued before the item counts itself in
+    tl.atomic_add(sync_ptr + 2 + token, 1, sem="release")
+
+
+@triton.jit
+def wait_for_token(sync_ptr, token, expected):
+    """One launch: wait until `expected` gate_up items of `token` have counted themselves in. A program
+    only ever waits on items whose tickets were taken before its own, by programs already running, so
+    the launch cannot deadlock however few programs fit the device at once."""
+    arrived = tl.atomic_add(sync_ptr + 2 + token, 0, sem="acquire")
+    while arrived < expected:
+        arrived = tl.atomic_add(sync_ptr + 2 + token, 0, sem="acquire")
+    tl.debug_barrier()  # (the acquire is one thread's: every thread's loads come after it)
+
+
+@triton.jit
+def leave(sync_ptr, programs, MAX_TOKENS: tl.constexpr):
+    """One launch: the last of `programs` to leave sets the tickets, the leavers (sync_ptr[1]) and every
+    token's count back to zero, for the next launch."""
+    tl.debug_barrier()
+    if tl.atomic_add(sync_ptr + 1, 1, sem="acq_rel") == programs - 1:
+        tl.store(sync_ptr + tl.arange(0, MAX_TOKENS + 2), 0)
+
+
+def one_launch_sync(owner: str, device: torch.device, max_tokens: int) -> tuple[torch.Tensor, int]:
+    """(the zeroed int32 counters a one-launch decode kernel synchronises through: ticket, leavers, one
+    count per token; made once per owner and device (`split_reduce.arrival_counters`), MAX_TOKENS: a
+    power of 2 less 2, at least max_tokens)."""
+    tokens = triton.next_power_of_2(max_tokens + 2) - 2
+    return arrival_counters(owner, device, tokens + 2), tokens
+
+
+class SharedArgs(NamedTuple):
+    """A `SharedExpert` checked, as the decode launches take it: tensors contiguous, gate flat [T],
+    bits 0 when unquantized (then the scales are the weights: unused). Without one (present 0) every
+    tensor is a stand-in (x) the kernels never read."""
+    present: int  # 1 or 0 (the kernels' HAS_SHARED)
+    gate: torch.Tensor
+    w_gate_up: torch.Tensor
+    gate_up_scales: torch.Tensor
+    w_down: torch.Tensor
+    down_scales: torch.Tensor
+    bits: int
+    width: int  # S
+    gate_up_group: int
+    down_group: int
+
+    @classmethod
+    def of(cls, x: torch.Tensor, shared: SharedExpert | None) -> SharedArgs:
+        if shared is None:
+            return cls(0, x, x, x, x, x, 0, 0, 0, 0)
+        bits, width, gate_up_group, down_group = check_shared_args(x, shared)
+        for group in (gate_up_group, down_group):
+            check_whole_word_groups(bits, group)
+        w_gate_up, w_down = shared.w_gate_up.contiguous(), shared.w_down.contiguous()
+        gate_up_scales, down_scales = (w_gate_up, w_down) if bits is None else (s.contiguous() for s in shared.scales)
+        return cls(1, shared.gate.reshape(-1).contiguous(), w_gate_up, gate_up_scales, w_down, down_scales, bits or 0,
+                   width, gate_up_group, down_group)
+
+    def k_tiles(self, gate_up_block_k: int, down_block_k: int, h: int) -> tuple[int, bool, int, bool]:
+        """(gate_up's K tile, H a whole number of them, down's K tile, S a whole number of them); fixed
+        stand-ins without a shared expert (no extra compiled variants)."""
+        if not self.present:
+            return 16, True, 16, True
+        gate_up_k, down_k = (min(block, triton.next_power_of_2(k)) for block, k in
+                             ((gate_up_block_k, h), (down_block_k, self.width)))
+        return gate_up_k, h % gate_up_k == 0, down_k, self.width % down_k == 0
+
+    def separately(self, x: torch.Tensor) -> torch.Tensor:
+        """gate x the shared expert's SwiGLU through `quant_linear` launches (a GEMM for prefill rows), in
+        x's dtype step by step, as the model's layers compute it."""
+        def linear(a, w, scales, group):
+            if not self.bits:
+                return quant_linear(a, w)
+            return quant_linear(a, w, scales=scales, bits=self.bits, group_size=group)
+
+        gate, up = linear(x, self.w_gate_up, self.gate_up_scales, self.gate_up_group).chunk(2, dim=-1)
+        y = linear(F.silu(gate) * up, self.w_down, self.down_scales, self.down_group)
+        return self.gate[:, None].to(x.dtype) * y
