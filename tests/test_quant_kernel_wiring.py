@@ -45,6 +45,9 @@ def _compare(base: Path, int4_mixed: Path, int8: Path, device: str) -> dict[str,
     def on(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {name: t.to(device) for name, t in tensors.items()}
 
+    from tierlm.kernels.fused_moe import triton as fused_moe_triton
+
+    fused_moe_triton.PACKED_SHARED_MIN_TOKENS = 1  # (a speed choice: here the fused form's numbers at 3 tokens)
     results = {}
     gen = torch.Generator().manual_seed(0)
     for name, folder in (("dense experts", base), ("experts", int4_mixed)):

@@ -321,10 +321,18 @@ def align_pairs_to_blocks(expert_of_pair: torch.Tensor, num_experts: int, block_
     return pair_ids, block_expert
 
 
-def fuses_shared_expert(topk_ids: torch.Tensor) -> bool:
+# Packed (INT4/6/8) routed experts take the shared expert into their launches from this many tokens on.
+# H200, real widths, INT4 routed + INT6 shared (bench/moe_decode_kernel.py --shared): fused vs apart 0.74x at
+# batch 1, 0.81x at 4, 2.39x at 16 (group 32; group 128 alike).
+PACKED_SHARED_MIN_TOKENS = 8
+
+
+def fuses_shared_expert(topk_ids: torch.Tensor, packed: bool = False) -> bool:
     """Whether `fused_moe` computes a shared expert inside its launches for these ids (the decode form:
-    one more pair per token); at prefill sizes it runs it apart (`SharedArgs.separately`), which a
-    model's own layers do as well."""
+    one more pair per token; packed routed experts only from PACKED_SHARED_MIN_TOKENS tokens on); else the
+    caller runs it apart, as prefill sizes do (`SharedArgs.separately`)."""
+    if packed and topk_ids.shape[0] < PACKED_SHARED_MIN_TOKENS:
+        return False
     return topk_ids.numel() <= DECODE_MAX_PAIRS
 
 

@@ -136,7 +136,7 @@ class PackQuantizedFormat(WeightFormat):
         None unless the call is decode-sized (`fused_moe.triton.fuses_shared_expert`)."""
         from tierlm.kernels.fused_moe.triton import fused_moe, fuses_shared_expert
 
-        if shared is not None and not fuses_shared_expert(experts):
+        if shared is not None and not fuses_shared_expert(experts, packed=True):
             return None
         return fused_moe(x, gate_up["weight_packed"], down["weight_packed"], weights, experts,
                          format=f"int{self.bits}", scales=(gate_up["weight_scale"], down["weight_scale"]),
