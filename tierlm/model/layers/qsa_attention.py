@@ -18,7 +18,8 @@ the selected rows in place (`kernels/qsa_sparse_attention`; TIERLM_NO_TRITON_QSA
 in a static-shape, sync-free form (what a CUDA graph captures). The indexer's work follows the context,
 not max_model_len: a request scores only the compressed keys up to its own position (a static batch up
 to its block-table width, which `static_decode` sizes from the batch's longest context), and keeps its
-top blocks with torch.topk (no sort of the row). The plain reference (a dense boolean mask over the
+top blocks in block order (`kernels/qsa_selection`: torch.topk and a sort of the chosen few; a static
+decode step on CUDA: a radix select in the rows kernel, no sort). The plain reference (a dense boolean mask over the
 whole context) lives in the tests.
 """
 
@@ -34,7 +35,7 @@ from tierlm.kernels.norm_rope.naive import apply_rotary
 from tierlm.kernels.qsa_block_scores import block_scores
 from tierlm.kernels.qsa_block_scores.naive import ranking_keys
 from tierlm.kernels.qsa_row_cache import attend_rows
-from tierlm.kernels.qsa_selection import chosen_positions, physical_rows
+from tierlm.kernels.qsa_selection import chosen_positions, physical_rows, top_keys
 from tierlm.model.cache import QSADeviceKV, QSAIndexerState
 from tierlm.model.forward_batch import ForwardBatch
 from tierlm.model.layers.norm import RMSNorm
@@ -136,14 +137,9 @@ class QSAIndexer(nn.Module):
 
     def choose(self, scores: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Token positions [M, S] each query attends to and their validity [M, S], S = budget + R - 1:
-        the tokens of its top blocks (ties to the lower block), then its open tail [nb*R, p]."""
+        the tokens of its top blocks (ties to the lower block) in block order, then its open tail [nb*R, p]."""
         # -inf (unseen) blocks rank after every visible one: one top-k serves queries of any position
-        return chosen_positions(self.top_keys(ranking_keys(scores)), positions, self.ratio)
-
-    def top_keys(self, keys: torch.Tensor) -> torch.Tensor:
-        """The ranking keys [M, K] of each query's top blocks, highest first, from the ranking keys [M, G]
-        of its blocks; K = min(budget / R, G). top-k, no full sort."""
-        return torch.topk(keys, min(self.block_topk, keys.shape[1]), dim=-1).values
+        return chosen_positions(top_keys(ranking_keys(scores), self.block_topk), positions, self.ratio)
 
     # ---- decode: one token per request, static shapes, no host sync ------------------------------------
     def store_block_key_decode(
@@ -199,15 +195,20 @@ class QSAIndexer(nn.Module):
         width per step from the batch's longest context), unseen ones -inf. A static batch scores in one
         sync-free call (`kernels/qsa_block_scores`: on CUDA a kernel that reads only each request's
         visible keys), any other batch request by request, each over its visible keys. On CUDA a static
-        batch goes scores -> ranking keys (the same kernel) -> top-k -> rows (`kernels/qsa_selection`) in
-        three launches (TIERLM_NO_FUSED_QSA_SELECT=1: the torch ops between them)."""
+        batch goes scores -> rows (top-k without a sort, `kernels/qsa_selection`) in two launches, and in
+        one where the table holds at most budget / R blocks (every seen block is chosen: no scores), the
+        scores of requests that see at most that many left out (TIERLM_NO_FUSED_QSA_SELECT=1: the torch
+        ops)."""
         if batch.static and q.is_cuda and not os.environ.get("TIERLM_NO_FUSED_QSA_SELECT"):
             from tierlm.kernels.qsa_block_scores.triton import triton_block_scores
             from tierlm.kernels.qsa_selection.triton import triton_selection_rows
 
-            keys = triton_block_scores(q, state.keys, batch.block_tables, batch.positions, self.ratio, keys=True)
-            return Selection(*triton_selection_rows(self.top_keys(keys), batch.positions, batch.block_tables,
-                                                    self.ratio, state.block_size, state.scratch_block))
+            scores = None
+            if batch.block_tables.shape[1] * (state.block_size // self.ratio) > self.block_topk:
+                scores = triton_block_scores(q, state.keys, batch.block_tables, batch.positions, self.ratio,
+                                             skip_up_to=self.block_topk)
+            return Selection(*triton_selection_rows(scores, batch.positions, batch.block_tables, self.ratio,
+                                                    state.block_size, state.scratch_block, self.block_topk))
         if batch.static:
             score = block_scores
             if q.is_cuda:
