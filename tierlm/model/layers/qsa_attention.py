@@ -63,14 +63,49 @@ def sparse_kernel_applies(q: torch.Tensor) -> bool:
     return q.is_cuda and not os.environ.get("TIERLM_NO_TRITON_QSA_PREFILL")
 
 
+def norm_rope_fuses(x: torch.Tensor) -> bool:
+    """Norm + rotary through `kernels/norm_rope`'s kernel: on CUDA, unless TIERLM_NO_FUSED_NORM_ROPE=1."""
+    return x.is_cuda and not os.environ.get("TIERLM_NO_FUSED_NORM_ROPE")
+
+
 def norm_rope(norm: RMSNorm, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """norm(x) then rotary, x [N, heads, D]: on CUDA one launch (`kernels/norm_rope`), unless
     TIERLM_NO_FUSED_NORM_ROPE=1; else the torch ops."""
-    if x.is_cuda and not os.environ.get("TIERLM_NO_FUSED_NORM_ROPE"):
+    if norm_rope_fuses(x):
         from tierlm.kernels.norm_rope.triton import triton_norm_rope
 
         return triton_norm_rope(x, norm.weight, norm.eps, cos, sin)
     return apply_rotary(norm(x), cos, sin)
+
+
+def norm_rope_rows(norm: RMSNorm, x: torch.Tensor, rope: Rope) -> torch.Tensor:
+    """`norm_rope` at the batch's rows; a text batch's kernel computes the angles from the positions
+    (no cos/sin tables)."""
+    if norm_rope_fuses(x) and rope.positions is not None:
+        from tierlm.kernels.norm_rope.triton import triton_norm_rope_at
+
+        return triton_norm_rope_at(x, norm.weight, norm.eps, rope.positions, rope.inv_freq)
+    return norm_rope(norm, x, rope.cos, rope.sin)
+
+
+def kv_write_fuses(kv: QSADeviceKV | OffloadedKV, x: torch.Tensor, rope: Rope) -> bool:
+    """New keys normed, roped and written into a device pool with their values by the norm + rotary
+    kernel itself (a text batch on CUDA), unless TIERLM_NO_FUSED_QSA_KV_WRITE=1 (or the norm + rotary
+    kernel is off)."""
+    return (isinstance(kv, QSADeviceKV) and rope.positions is not None and norm_rope_fuses(x)
+            and not os.environ.get("TIERLM_NO_FUSED_QSA_KV_WRITE"))
+
+
+def selection_fuses(x: torch.Tensor, batch: ForwardBatch) -> bool:
+    """A static decode batch's selection through `kernels/qsa_selection`'s kernel (top-k and rows in one
+    launch): on CUDA, unless TIERLM_NO_FUSED_QSA_SELECT=1."""
+    return batch.static and x.is_cuda and not os.environ.get("TIERLM_NO_FUSED_QSA_SELECT")
+
+
+def block_key_store_fuses(x: torch.Tensor, rope: Rope) -> bool:
+    """A decode step's indexer key store as one launch (`kernels/qsa_block_keys`): a text batch on CUDA,
+    unless TIERLM_NO_FUSED_QSA_BLOCK_KEYS=1."""
+    return x.is_cuda and rope.positions is not None and not os.environ.get("TIERLM_NO_FUSED_QSA_BLOCK_KEYS")
 
 
 def gather_rows(pool: torch.Tensor, block_table: torch.Tensor, count: int, rows_per_block: int) -> torch.Tensor:
@@ -91,10 +126,15 @@ class QSAIndexer(nn.Module):
         self.q_layernorm = RMSNorm(self.head_dim, c.rms_norm_eps)
         self.k_layernorm = RMSNorm(self.head_dim, c.rms_norm_eps)
 
-    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [N, H] -> (roped, normed queries [N, ih, id], raw keys [N, id])."""
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [N, H] -> (raw queries [N, ih, id], raw keys [N, id]); `queries` norms and ropes the queries
+        (left out where a decode step needs no scores)."""
         q, raw_keys = self.index_qk_proj(x).split([self.n_heads * self.head_dim, self.head_dim], dim=-1)
-        return norm_rope(self.q_layernorm, q.unflatten(-1, (self.n_heads, self.head_dim)), cos, sin), raw_keys
+        return q.unflatten(-1, (self.n_heads, self.head_dim)), raw_keys
+
+    def queries(self, raw_queries: torch.Tensor, rope: Rope) -> torch.Tensor:
+        """Raw queries [N, ih, id] at the batch's rows -> roped, normed queries."""
+        return norm_rope_rows(self.q_layernorm, raw_queries, rope)
 
     def compress(self, raw_group_keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """raw keys [G, R, id] of complete blocks -> block keys [G, id] (cos/sin at each block start)."""
@@ -148,8 +188,17 @@ class QSAIndexer(nn.Module):
         """Put each new raw key in its request's ring; where it closes a block, write the block's key.
 
         The block key is computed for every request and written to the scratch block where the block is
-        not complete yet, so the work does not depend on the data.
+        not complete yet, so the work does not depend on the data. A text batch on CUDA: one launch
+        (`kernels/qsa_block_keys`; TIERLM_NO_FUSED_QSA_BLOCK_KEYS=1: these torch ops).
         """
+        if block_key_store_fuses(raw_keys, rope):
+            from tierlm.kernels.qsa_block_keys.triton import triton_store_decode_block_keys
+
+            triton_store_decode_block_keys(
+                raw_keys, state.ring, state.keys, batch.slots, batch.context_lens_tensor, batch.block_tables,
+                self.k_layernorm.weight, self.k_layernorm.eps, rope.inv_freq, state.block_size, state.scratch_block,
+            )
+            return
         r, bs = self.ratio, state.block_size
         context = batch.context_lens_tensor
         offset = context % r
@@ -188,8 +237,9 @@ class QSAIndexer(nn.Module):
         row = torch.where(offset == r - 1, block * (bs // r) + (starts % bs) // r, state.scratch_block * (bs // r))
         state.keys.view(-1, self.head_dim)[row.flatten()] = keys
 
-    def select_decode(self, q: torch.Tensor, batch: ForwardBatch, state: QSAIndexerState) -> Selection:
-        """The K/V rows each request's query attends to: its top blocks' tokens and its open tail.
+    def select_decode(self, raw_q: torch.Tensor, batch: ForwardBatch, state: QSAIndexerState, rope: Rope) -> Selection:
+        """The K/V rows each request's query (raw_q: its raw indexer queries, `project`) attends to: its top
+        blocks' tokens and its open tail.
 
         Scores are [B, G] with G the blocks of the batch's block-table width (`static_decode` picks that
         width per step from the batch's longest context), unseen ones -inf. A static batch scores in one
@@ -199,16 +249,17 @@ class QSAIndexer(nn.Module):
         one where the table holds at most budget / R blocks (every seen block is chosen: no scores), the
         scores of requests that see at most that many left out (TIERLM_NO_FUSED_QSA_SELECT=1: the torch
         ops)."""
-        if batch.static and q.is_cuda and not os.environ.get("TIERLM_NO_FUSED_QSA_SELECT"):
+        if selection_fuses(raw_q, batch):
             from tierlm.kernels.qsa_block_scores.triton import triton_block_scores
             from tierlm.kernels.qsa_selection.triton import triton_selection_rows
 
             scores = None
             if batch.block_tables.shape[1] * (state.block_size // self.ratio) > self.block_topk:
-                scores = triton_block_scores(q, state.keys, batch.block_tables, batch.positions, self.ratio,
-                                             skip_up_to=self.block_topk)
+                scores = triton_block_scores(self.queries(raw_q, rope), state.keys, batch.block_tables,
+                                             batch.positions, self.ratio, skip_up_to=self.block_topk)
             return Selection(*triton_selection_rows(scores, batch.positions, batch.block_tables, self.ratio,
                                                     state.block_size, state.scratch_block, self.block_topk))
+        q = self.queries(raw_q, rope)
         if batch.static:
             score = block_scores
             if q.is_cuda:
@@ -268,23 +319,27 @@ class QSAAttention(nn.Module):
         self, x: torch.Tensor, batch: ForwardBatch, kv: QSADeviceKV | OffloadedKV, state: QSAIndexerState, rope: Rope
     ) -> torch.Tensor:
         n = x.shape[0]
-        cos, sin = rope.cos, rope.sin
         q_and_gate, k, v = self.qkv_proj(x)
-        q, gate = q_and_gate.reshape(n, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
-        gate = gate.reshape(n, -1)
-        q = norm_rope(self.q_norm, q, cos, sin)
-        k = norm_rope(self.k_norm, k.reshape(n, self.num_kv_heads, self.head_dim), cos, sin)
+        q, gate = q_and_gate.reshape(n, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)  # gate [N, nh, hd]
+        q = norm_rope_rows(self.q_norm, q, rope)
+        k = k.reshape(n, self.num_kv_heads, self.head_dim)
         v = v.reshape(n, self.num_kv_heads, self.head_dim)
-        kv.write(batch.slot_mapping, k, v)
+        if kv_write_fuses(kv, x, rope):
+            from tierlm.kernels.norm_rope.triton import triton_norm_rope_kv_write
 
-        index_q, raw_keys = self.indexer.project(x, cos, sin)
+            triton_norm_rope_kv_write(k, self.k_norm.weight, self.k_norm.eps, rope.positions, rope.inv_freq, v,
+                                      batch.slot_mapping, kv.key_rows, kv.value_rows)
+        else:
+            kv.write(batch.slot_mapping, norm_rope_rows(self.k_norm, k, rope), v)
+
+        raw_index_q, raw_keys = self.indexer.project(x)
         if batch.is_decode_only:
-            return self._decode(q, gate, index_q, raw_keys, batch, kv, state, rope)
+            return self._decode(q, gate, raw_index_q, raw_keys, batch, kv, state, rope)
         if batch.verify_slots is not None:  # every row as a decode query (their K/V are all written above)
             self.indexer.store_block_keys_verify(raw_keys, batch, state, rope)
-            selection = self.indexer.select_decode(index_q, batch.verify_rows(), state)
-            out = kv.decode_attention(q, selection.rows, selection.valid, self.scale)
-            return self.o_proj(out.flatten(1) * torch.sigmoid(gate))
+            return self._attend_decode(q, gate, self.indexer.select_decode(raw_index_q, batch.verify_rows(), state, rope),
+                                       kv)
+        index_q = self.indexer.queries(raw_index_q, rope)
         out = torch.empty(n, self.num_heads, self.head_dim, dtype=x.dtype, device=x.device)
         r, bs = self.indexer.ratio, state.block_size
         for i, (start, end) in enumerate(batch.bounds):
@@ -317,7 +372,7 @@ class QSAAttention(nn.Module):
             for lo, hi in groups:
                 keys, values = read(lo - start, hi - start)
                 out[lo:hi] = attend_rows(q[lo:hi], keys, values, valid[lo - start : hi - start], self.scale)
-        return self.o_proj(out.reshape(n, -1) * torch.sigmoid(gate))
+        return self.o_proj((out * torch.sigmoid(gate)).reshape(n, -1))
 
     def query_group(self, num_block_keys: int, dtype: torch.dtype) -> int:
         """How many prefill queries to score, select and attend at once so that their working tensors
@@ -330,10 +385,16 @@ class QSAAttention(nn.Module):
         return max(1, PREFILL_GROUP_BYTES // per_query)
 
     def _decode(
-        self, q, gate, index_q, raw_keys, batch: ForwardBatch, kv: QSADeviceKV | OffloadedKV, state: QSAIndexerState,
-        rope: Rope,
+        self, q, gate, raw_index_q, raw_keys, batch: ForwardBatch, kv: QSADeviceKV | OffloadedKV,
+        state: QSAIndexerState, rope: Rope,
     ) -> torch.Tensor:
         self.indexer.store_block_key_decode(raw_keys, batch, state, rope)
-        selection = self.indexer.select_decode(index_q, batch, state)
-        out = kv.decode_attention(q, selection.rows, selection.valid, self.scale)
-        return self.o_proj(out.flatten(1) * torch.sigmoid(gate))
+        return self._attend_decode(q, gate, self.indexer.select_decode(raw_index_q, batch, state, rope), kv)
+
+    def _attend_decode(self, q, gate, selection: Selection, kv: QSADeviceKV | OffloadedKV) -> torch.Tensor:
+        """Decode attention over the selected rows, gated, through o_proj: the gate applied by the attention
+        itself (on CUDA in its merge kernel), unless TIERLM_NO_FUSED_QSA_GATE=1 (then by torch ops)."""
+        if os.environ.get("TIERLM_NO_FUSED_QSA_GATE"):
+            out = kv.decode_attention(q, selection.rows, selection.valid, self.scale)
+            return self.o_proj((out * torch.sigmoid(gate)).flatten(1))
+        return self.o_proj(kv.decode_attention(q, selection.rows, selection.valid, self.scale, gate).flatten(1))
