@@ -1,5 +1,5 @@
 """The QSA layer's decode step through its fused kernels against its torch path: static decode steps of a
-small model with the fused predicates forced on (CUDA's choice) under TRITON_INTERPRET=1 on CPU, the torch
+small model with the fused predicates forced on (CUDA's choice; on CPU under TRITON_INTERPRET=1), the torch
 path beside it from the same caches. Checks the wiring (which tensors each kernel is handed), not the
 kernels' numerics (their own tests do): fp32, logits and every real cache row within fp32 noise."""
 
@@ -38,7 +38,7 @@ def predicates(fused: bool) -> None:
     qsa.block_key_store_fuses = lambda x, rope: fused and rope.positions is not None
 
 
-def compare(steps: int) -> None:
+def compare(steps: int, device: str = "cpu") -> None:
     calls = Counter()
     for module_name, name in FUSED_KERNELS:
         module = importlib.import_module(module_name)
@@ -46,15 +46,15 @@ def compare(steps: int) -> None:
         setattr(module, name, lambda *a, kernel=kernel, name=name, **k: calls.update([name]) or kernel(*a, **k))
     with tempfile.TemporaryDirectory() as folder:
         build_reference("hc4_ple", folder)
-        model, config = load_model(folder, dtype="float32", device="cpu")
-    cache = ModelCache(config, REQUESTS + 1, REQUESTS * WIDTH, BLOCK_SIZE, torch.float32, "cpu")
+        model, config = load_model(folder, dtype="float32", device=device)
+    cache = ModelCache(config, REQUESTS + 1, REQUESTS * WIDTH, BLOCK_SIZE, torch.float32, device)
     tables = [list(range(i * WIDTH, (i + 1) * WIDTH)) for i in range(REQUESTS)]
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(2, config.vocab_size, (n,), generator=gen).tolist() for n in (30, 7, 64, 3)]
     for slot in range(REQUESTS):
         cache.reset_slot(slot)
     predicates(False)
-    model(ForwardBatch.build(prompts, [0] * REQUESTS, list(range(REQUESTS)), tables, BLOCK_SIZE), cache)
+    model(ForwardBatch.build(prompts, [0] * REQUESTS, list(range(REQUESTS)), tables, BLOCK_SIZE, device=device), cache)
     fused_cache = copy.deepcopy(cache)
     torch_runner = StaticDecodeRunner(model, cache, REQUESTS, WIDTH, "eager")
     fused_runner = StaticDecodeRunner(model, fused_cache, REQUESTS, WIDTH, "eager")
@@ -63,7 +63,7 @@ def compare(steps: int) -> None:
         active = [r for r in range(REQUESTS) if (step + r) % 4]  # 3 of 4: a padded batch
         tokens = [[int(torch.randint(2, config.vocab_size, (1,), generator=gen))] for _ in active]
         batches = [ForwardBatch.build(tokens, [positions[r] for r in active], active, [tables[r] for r in active],
-                                      BLOCK_SIZE) for _ in range(2)]
+                                      BLOCK_SIZE, device=device) for _ in range(2)]
         predicates(False)
         expected = torch_runner.run(batches[0])
         predicates(True)
@@ -83,6 +83,9 @@ def compare(steps: int) -> None:
 def test_fused_qsa_decode_equals_the_torch_path():
     if importlib.util.find_spec("triton") is None:
         pytest.skip("triton is not installed")
+    if torch.cuda.is_available():
+        compare(steps=24, device="cuda")
+        return
     run_interpreted(*INTERPRETED_EARLY["test_fused_qsa_decode_equals_the_torch_path"])
 
 
