@@ -142,11 +142,11 @@ def _decode_attention_kernel(
         # a miss fills its slot if its claim won and nobody hit the slot (never planned: no claim won);
         # asked before the rows are loaded, so that these small reads wait alongside the long ones
         won = tl.load(claims_ptr + slot, mask=inside, other=-1) == ((epoch << EPOCH_SHIFT) | row)
-        write = inside & ~hit & won & (tl.load(hitmark_ptr + slot, mask=inside, other=epoch) != epoch)
+        write = valid & ~hit & won & (tl.load(hitmark_ptr + slot, mask=inside, other=epoch) != epoch)
         # one pointer per entry: its cache slot if it hit, else its row in the pool (over UVA)
         cached = slot[:, None] * row_width + columns[None, :]
         pooled = row[:, None] * row_width + columns[None, :]
-        loaded = inside[:, None] & dims_ok[None, :]
+        loaded = valid[:, None] & dims_ok[None, :]  # an invalid entry (padding) reads nothing
         k = tl.load(tl.where(hit[:, None], cache_k_ptr + cached, host_k_ptr + pooled), mask=loaded, other=0.0)
         v = tl.load(tl.where(hit[:, None], cache_v_ptr + cached, host_v_ptr + pooled), mask=loaded, other=0.0)
         # fp32 dots: bf16 rows convert exactly (to tf32 too), so tf32 loses nothing on them

@@ -19,8 +19,8 @@ in a static-shape, sync-free form (what a CUDA graph captures). The indexer's wo
 not max_model_len: a request scores only the compressed keys up to its own position (a static batch up
 to its block-table width, which `static_decode` sizes from the batch's longest context), and keeps its
 top blocks in block order (`kernels/qsa_selection`: torch.topk and a sort of the chosen few; a static
-decode step on CUDA: a radix select in the rows kernel, no sort). The plain reference (a dense boolean mask over the
-whole context) lives in the tests.
+decode step on CUDA: a radix select in the rows kernel, no sort). The plain reference (a dense boolean
+mask over the whole context) lives in the tests.
 """
 
 from __future__ import annotations
@@ -337,8 +337,8 @@ class QSAAttention(nn.Module):
             return self._decode(q, gate, raw_index_q, raw_keys, batch, kv, state, rope)
         if batch.verify_slots is not None:  # every row as a decode query (their K/V are all written above)
             self.indexer.store_block_keys_verify(raw_keys, batch, state, rope)
-            return self._attend_decode(q, gate, self.indexer.select_decode(raw_index_q, batch.verify_rows(), state, rope),
-                                       kv)
+            selection = self.indexer.select_decode(raw_index_q, batch.verify_rows(), state, rope)
+            return self._attend_decode(q, gate, selection, kv)
         index_q = self.indexer.queries(raw_index_q, rope)
         out = torch.empty(n, self.num_heads, self.head_dim, dtype=x.dtype, device=x.device)
         r, bs = self.indexer.ratio, state.block_size
