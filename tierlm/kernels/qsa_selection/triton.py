@@ -55,7 +55,7 @@ def _choose_top(scores_row, rows_out, valid_out, tables_row, table_width, scratc
     threshold = 0
     digits = tl.arange(0, 16)
     for i in tl.static_range(8):
-        shift: tl.constexpr = 28 - 4 * i
+        shift = 28 - 4 * i
         candidates = (threshold >> shift) + digits
         counts = tl.zeros([16], tl.int32)
         for start in range(0, seen, BLOCK_G):
