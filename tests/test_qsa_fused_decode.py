@@ -39,6 +39,18 @@ def predicates(fused: bool) -> None:
 
 
 def compare(steps: int, device: str = "cpu") -> None:
+    """(On a GPU in the test's own process: the predicates and kernels are put back after.)"""
+    patched = [(qsa, name) for name in ("norm_rope_fuses", "selection_fuses", "block_key_store_fuses")]
+    patched += [(importlib.import_module(module), name) for module, name in FUSED_KERNELS]
+    saved = [(module, name, getattr(module, name)) for module, name in patched]
+    try:
+        run_steps(steps, device)
+    finally:
+        for module, name, value in saved:
+            setattr(module, name, value)
+
+
+def run_steps(steps: int, device: str) -> None:
     calls = Counter()
     for module_name, name in FUSED_KERNELS:
         module = importlib.import_module(module_name)
