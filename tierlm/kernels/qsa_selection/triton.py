@@ -17,6 +17,7 @@ import triton.language as tl
 
 BLOCK_G = 512  # scores per tile of the select (a [16, BLOCK_G] comparison per pass)
 BLOCK_E = 512  # entries per tile when every seen block is chosen
+SELECT_WARPS = 4  # (bench/qsa_decode_select.py --sweep times the candidates of these three)
 
 
 @triton.jit
@@ -146,6 +147,6 @@ def triton_selection_rows(
             rows if scores is None else scores, positions.contiguous(), tables, rows, valid, groups, k, entries,
             0 if scores is None else scores.stride(0), tables.stride(0), tables.shape[1], scratch_block,
             SCORES=scores is not None, RATIO=ratio, RATIO_PAD=triton.next_power_of_2(ratio), BLOCK_SIZE=block_size,
-            BLOCK_G=BLOCK_G, BLOCK_E=BLOCK_E,
+            BLOCK_G=BLOCK_G, BLOCK_E=BLOCK_E, num_warps=SELECT_WARPS,
         )
     return rows, valid.view(torch.bool)
