@@ -6,7 +6,8 @@ entries). Per context (the batch's block-table width follows it, as `static_deco
   - torch: the scores kernel, then `kernels/qsa_selection.naive` (ranking keys, torch.topk, a sort of the
     512 chosen into block order, positions, rows): what TIERLM_NO_FUSED_QSA_SELECT=1 runs;
   - fused: the scores kernel (requests that see <= 512 blocks skipped; no launch at all where the table
-    holds <= 512 blocks), then the rows kernel's radix select (`kernels/qsa_selection.triton`);
+    holds <= 512 blocks), then the rows kernel's radix select (`kernels/qsa_selection.triton`), at every
+    context (the layer takes it up to the kernel module's MAX_GROUPS blocks: set it where torch wins);
 each replayed from a CUDA graph; checks the two give the same rows bit for bit; prints microseconds per
 step, the ratio and kernels per step. `--sweep` times the rows kernel alone for each candidate (BLOCK_G,
 SELECT_WARPS) at the long contexts and prints the fastest per context (each checked).

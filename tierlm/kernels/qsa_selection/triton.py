@@ -18,6 +18,9 @@ import triton.language as tl
 BLOCK_G = 512  # scores per tile of the select (a [16, BLOCK_G] comparison per pass)
 BLOCK_E = 512  # entries per tile when every seen block is chosen
 SELECT_WARPS = 4  # (bench/qsa_decode_select.py --sweep times the candidates of these three)
+# the widest score row the one-program select takes (64k-token contexts): past it the layer takes the torch
+# path, whose torch.topk spreads a long row over many programs (bench/qsa_decode_select.py measures both)
+MAX_GROUPS = 16384
 
 
 @triton.jit
