@@ -143,10 +143,11 @@ def test_varlen_decode_scoring_selects_what_the_padded_form_selects(dtype):
     q = torch.randn(len(contexts), 3, 8).to(dtype)
     q[1::2] = -q[1::2].abs()  # these queries tie often (relu(negative) = 0)
     scored = []
+    indexer.queries = lambda raw_q, rope: raw_q  # q is taken as the roped, normed queries
     score = indexer.scores
     indexer.scores = lambda q, keys, positions: scored.append(keys.shape[-2]) or score(q, keys, positions)
-    varlen = indexer.select_decode(q, decode_batch(contexts, tables, static=False), state)
+    varlen = indexer.select_decode(q, decode_batch(contexts, tables, static=False), state, None)
     assert scored == [(c + 1) // 4 for c in contexts]
-    padded = indexer.select_decode(q, decode_batch(contexts, tables, static=True), state)  # every block
+    padded = indexer.select_decode(q, decode_batch(contexts, tables, static=True), state, None)  # every block
     assert torch.equal(varlen.valid, padded.valid)
     assert torch.equal(varlen.rows, padded.rows)

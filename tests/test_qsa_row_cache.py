@@ -176,12 +176,17 @@ def compare_triton_with_reference(steps: int, dtype: torch.dtype, split: int) ->
         hit = kernels.triton_plan_rows(kernel, rows.to(device), valid.to(device))
         out = kernels.triton_decode_attention(kernel, pools[0].tensor, pools[1].tensor, q.to(device), rows.to(device),
                                               valid.to(device), hit, SCALE)
-        all_from_pool = kernels.triton_decode_attention(
-            never_planned, pools[0].tensor, pools[1].tensor, q.to(device), rows.to(device), valid.to(device),
-            torch.zeros_like(hit), SCALE,
+        all_from_pool = kernels.triton_decode_attention(  # hit None: never planned, every row from the pool
+            never_planned, pools[0].tensor, pools[1].tensor, q.to(device), rows.to(device), valid.to(device), None,
+            SCALE,
         )
         assert torch.equal(out, all_from_pool)
         torch.testing.assert_close(out.cpu(), expected, atol=tolerance, rtol=tolerance)
+        if step == 0:  # the gate applied in the merge: as torch's out * sigmoid(gate) (rounded alike on a GPU)
+            gate = torch.randn(q.shape, generator=torch.Generator().manual_seed(step)).to(dtype).to(device)
+            gated = kernels.triton_decode_attention(never_planned, pools[0].tensor, pools[1].tensor, q.to(device),
+                                                    rows.to(device), valid.to(device), None, SCALE, gate)
+            torch.testing.assert_close(gated, out * torch.sigmoid(gate), atol=tolerance, rtol=tolerance)
         for name in ("keys", "values", "tags", "hitmark", "claims", "epoch", "hits", "misses"):
             assert torch.equal(getattr(reference, name), getattr(kernel, name).cpu()), name
     assert (never_planned.tags == -1).all()

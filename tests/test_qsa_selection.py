@@ -1,6 +1,6 @@
-"""QSA selection: ranking keys from the block-scores kernel and rows from the selection kernel, against the
-torch path (scores -> ranking keys -> top-k -> positions -> rows), under TRITON_INTERPRET=1 on CPU
-(compiled on a GPU). Integer arithmetic: bit-identical."""
+"""QSA selection: the rows kernel (top-k by a radix select, no sort) against the torch path (scores ->
+ranking keys -> top-k -> block order -> positions -> rows), under TRITON_INTERPRET=1 on CPU (compiled on a
+GPU). Integer work on the scores' bits: bit-identical, in fp32 and bf16 workloads alike."""
 
 from __future__ import annotations
 
@@ -12,29 +12,44 @@ from interpreted import run_interpreted
 from test_qsa_block_scores import RATIO, workload
 
 from tierlm.kernels.qsa_block_scores import block_scores
-from tierlm.kernels.qsa_block_scores.naive import ranking_keys
 from tierlm.kernels.qsa_selection import selection_rows
 from tierlm.model.layers.qsa_attention import top_blocks
 
 BLOCK_SIZE, SCRATCH, TOP = 8, 60, 5  # PER_BLOCK = 2 keys per block of 8 tokens
 
 
+def tied_scores(groups: int, seen: list[int], seed: int = 1) -> torch.Tensor:
+    """Scores with many exact ties (a few distinct values, zeros and -0.0 among them), -inf past `seen`."""
+    gen = torch.Generator().manual_seed(seed)
+    scores = torch.randint(0, 6, (len(seen), groups), generator=gen).float() * 0.375
+    scores[scores == 0] = torch.where(torch.rand(int((scores == 0).sum()), generator=gen) < 0.5, 0.0, -0.0)
+    return scores.masked_fill(torch.arange(groups) >= torch.tensor(seen)[:, None], float("-inf"))
+
+
 def compare(device: str) -> None:
     from tierlm.kernels.qsa_block_scores.triton import triton_block_scores
     from tierlm.kernels.qsa_selection.triton import triton_selection_rows
 
+    on = lambda *ts: [t.to(device) for t in ts]
     for dtype in (torch.float32, torch.bfloat16):
         q, index_keys, tables, positions = workload(dtype)
-        scores = block_scores(q, index_keys, tables, positions, RATIO)
-        keys = triton_block_scores(q.to(device), index_keys.to(device), tables.to(device), positions.to(device),
-                                   RATIO, keys=True).cpu()
-        # the ranking order is the reference's (scores equal up to fp32 summation order: same top blocks)
-        assert torch.equal(torch.topk(keys, TOP).indices, torch.topk(ranking_keys(scores), TOP).indices)
-        top = torch.topk(keys, TOP).values
-        rows, valid = triton_selection_rows(top.to(device), positions.to(device), tables.to(device), RATIO,
-                                            BLOCK_SIZE, SCRATCH)
-        expected_rows, expected_valid = selection_rows(top, positions, tables, RATIO, BLOCK_SIZE, SCRATCH)
-        assert torch.equal(valid.cpu(), expected_valid) and torch.equal(rows.cpu(), expected_rows)
+        # the layer's two launches (scores of requests that see <= TOP blocks left out) against the torch path
+        scores = triton_block_scores(*on(q, index_keys, tables, positions), RATIO, skip_up_to=TOP)
+        rows, valid = triton_selection_rows(scores, *on(positions, tables), RATIO, BLOCK_SIZE, SCRATCH, TOP)
+        expected = selection_rows(block_scores(q, index_keys, tables, positions, RATIO), positions, tables, RATIO,
+                                  BLOCK_SIZE, SCRATCH, TOP)
+        assert torch.equal(valid.cpu(), expected[1]) and torch.equal(rows.cpu(), expected[0]), dtype
+    # every seen block chosen (the table holds <= top blocks): no scores at all
+    rows, valid = triton_selection_rows(None, *on(positions, tables), RATIO, BLOCK_SIZE, SCRATCH, 40)
+    expected = selection_rows(None, positions, tables, RATIO, BLOCK_SIZE, SCRATCH, 40)
+    assert torch.equal(valid.cpu(), expected[1]) and torch.equal(rows.cpu(), expected[0])
+    # ties across several tiles of the select; one query's seen count exactly the budget
+    positions = torch.tensor([1100 * RATIO - 1, 700 * RATIO + 2, 300 * RATIO])
+    tables = torch.randperm(2000)[: 3 * 550].view(3, 550)
+    scores = tied_scores(1100, [1100, 700, 300])
+    rows, valid = triton_selection_rows(*on(scores, positions, tables), RATIO, BLOCK_SIZE, SCRATCH, 300)
+    expected = selection_rows(scores, positions, tables, RATIO, BLOCK_SIZE, SCRATCH, 300)
+    assert torch.equal(valid.cpu(), expected[1]) and torch.equal(rows.cpu(), expected[0])
 
 
 def test_triton_selection_equals_the_reference():
@@ -51,16 +66,16 @@ INTERPRETED_EARLY = {  # (queued when collection ends, see tests/interpreted.py)
 }
 
 
-def test_reference_rows_are_the_top_blocks_tokens_and_the_open_tail():
+def test_reference_rows_are_the_top_blocks_tokens_in_block_order_and_the_open_tail():
     q, index_keys, tables, positions = workload(torch.float32)
     scores = block_scores(q, index_keys, tables, positions, RATIO)
-    top = torch.topk(ranking_keys(scores), TOP).values
-    rows, valid = selection_rows(top, positions, tables, RATIO, BLOCK_SIZE, SCRATCH)
+    rows, valid = selection_rows(scores, positions, tables, RATIO, BLOCK_SIZE, SCRATCH, TOP)
     _, blocks = top_blocks(scores, TOP)
     for i, p in enumerate(positions.tolist()):
         seen = min(TOP, (p + 1) // RATIO)
-        tokens = sorted({b * RATIO + t for b in blocks[i, :seen].tolist() for t in range(RATIO)}
-                        | set(range((p + 1) // RATIO * RATIO, p + 1)))
+        chosen = sorted(blocks[i, :seen].tolist())
+        tokens = [b * RATIO + t for b in chosen for t in range(RATIO)]
+        tokens += list(range((p + 1) // RATIO * RATIO, p + 1))
         logical = tables[i][torch.tensor(tokens) // BLOCK_SIZE] * BLOCK_SIZE + torch.tensor(tokens) % BLOCK_SIZE
-        assert sorted(rows[i][valid[i]].tolist()) == sorted(logical.tolist())
+        assert rows[i][valid[i]].tolist() == logical.tolist()
         assert (rows[i][~valid[i]] == SCRATCH * BLOCK_SIZE).all()

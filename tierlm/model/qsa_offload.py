@@ -72,13 +72,15 @@ class OffloadedKV:
         """New tokens' K, V [N, nkv, hd] into pool rows [N]; their cached copies are dropped."""
         self._store(self.cache, self.host_k, self.host_v, rows, keys, values)
 
-    def decode_attention(self, q: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor, scale: float) -> torch.Tensor:
-        """Each request's query q [B, nh, hd] over its selected pool rows [B, S] (where valid) -> [B, nh, hd]."""
+    def decode_attention(
+        self, q: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor, scale: float, gate: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Each request's query q [B, nh, hd] over its selected pool rows [B, S] (where valid) -> [B, nh, hd],
+        times sigmoid(gate [B, nh, hd]) when given."""
+        hit = None  # not planned: no hit, no claim wins, nothing is cached and every row is read from the pool
         if self.row_cache and rows.shape[0] <= self.max_cached_batch:
             hit = self._plan(self.cache, rows, valid)
-        else:  # not planned: no hit, no claim wins, nothing is cached and every row is read from the pool
-            hit = torch.zeros_like(valid)
-        return self._attend(self.cache, self.host_k, self.host_v, q, rows, valid, hit, scale)
+        return self._attend(self.cache, self.host_k, self.host_v, q, rows, valid, hit, scale, gate)
 
     def prefill_attention(self, q: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor, scale: float) -> torch.Tensor:
         """A prefill chunk's attention: q [M, nh, hd] over its selected pool rows [M, S] (where valid)

@@ -4,7 +4,8 @@ One program per (request, tile of BLOCK_G compressed keys): it loads the request
 tile, the keys they hold (only those the query sees: masked loads read nothing past nb = (p+1)//R), and
 the request's ih query heads, and writes sum_h relu(q_h . K_j) / sqrt(id), or -inf. Nothing is gathered
 into a [B, G, id] copy, and a short request in a batch with a long one costs its own length in memory
-traffic. Equal to the reference up to fp32 summation order (tested under TRITON_INTERPRET=1 on CPU).
+traffic. With skip_up_to (the selection's block budget), a request that sees at most that many blocks
+(it chooses them all, whatever they score) reads and writes nothing. Equal to the reference up to fp32 summation order (tested under TRITON_INTERPRET=1 on CPU).
 """
 
 from __future__ import annotations
@@ -20,12 +21,15 @@ BLOCK_G = 64  # compressed keys per program
 
 @triton.jit
 def _block_scores_kernel(q_ptr, keys_ptr, tables_ptr, positions_ptr, out_ptr, table_stride, num_groups, sqrt_dim,
-                         RATIO: tl.constexpr, PER_BLOCK: tl.constexpr, N_HEADS: tl.constexpr,
-                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, KEYS: tl.constexpr):
+                         skip_up_to, RATIO: tl.constexpr, PER_BLOCK: tl.constexpr, N_HEADS: tl.constexpr,
+                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr):
     request = tl.program_id(0).to(tl.int64)
+    visible = (tl.load(positions_ptr + request) + 1) // RATIO
+    if tl.minimum(visible, num_groups) <= skip_up_to:
+        return
     groups = tl.program_id(1).to(tl.int64) * BLOCK_G + tl.arange(0, BLOCK_G)
     inside = groups < num_groups
-    seen = inside & (groups < (tl.load(positions_ptr + request) + 1) // RATIO)
+    seen = inside & (groups < visible)
     columns = tl.arange(0, BLOCK_D)
     in_dim = columns < HEAD_DIM
     block = tl.load(tables_ptr + request * table_stride + groups // PER_BLOCK, mask=seen, other=0)
@@ -36,30 +40,25 @@ def _block_scores_kernel(q_ptr, keys_ptr, tables_ptr, positions_ptr, out_ptr, ta
     for head in tl.static_range(N_HEADS):
         q = tl.load(q_ptr + (request * N_HEADS + head) * HEAD_DIM + columns, mask=in_dim, other=0.0).to(tl.float32)
         total += tl.maximum(tl.sum(keys * q[None, :], axis=1), 0.0)
-    scores = total / sqrt_dim
-    if KEYS:  # naive.ranking_keys: the score's bits (sign cleared; -1 when unseen) over the index's complement
-        bits = tl.where(seen, scores.to(tl.int32, bitcast=True).to(tl.int64) & 0x7FFFFFFF, -1)
-        tl.store(out_ptr + request * num_groups + groups, (bits << 32) | (0xFFFFFFFF - groups), mask=inside)
-    else:
-        tl.store(out_ptr + request * num_groups + groups, tl.where(seen, scores, float("-inf")), mask=inside)
+    tl.store(out_ptr + request * num_groups + groups, tl.where(seen, total / sqrt_dim, float("-inf")), mask=inside)
 
 
 def triton_block_scores(
     q: torch.Tensor, index_keys: torch.Tensor, block_tables: torch.Tensor, positions: torch.Tensor, ratio: int,
-    keys: bool = False,
+    skip_up_to: int = -1,
 ) -> torch.Tensor:
     """As `naive.block_scores`, in one launch and without a host sync (a captured decode step can run it);
-    keys: the scores' `naive.ranking_keys` instead (int64), what top-k takes."""
+    the rows of requests that see at most skip_up_to blocks are left unwritten."""
     batch, heads, dim = q.shape
     per_block = index_keys.shape[1]
     num_groups = block_tables.shape[1] * per_block
     if block_tables.stride(1) != 1:
         block_tables = block_tables.contiguous()
-    out = torch.empty(batch, num_groups, dtype=torch.int64 if keys else torch.float32, device=q.device)
+    out = torch.empty(batch, num_groups, dtype=torch.float32, device=q.device)
     grid = (batch, triton.cdiv(num_groups, BLOCK_G))
     _block_scores_kernel[grid](
         q.contiguous(), index_keys.contiguous(), block_tables, positions.contiguous(), out, block_tables.stride(0),
-        num_groups, math.sqrt(dim), RATIO=ratio, PER_BLOCK=per_block, N_HEADS=heads, HEAD_DIM=dim,
-        BLOCK_D=triton.next_power_of_2(dim), BLOCK_G=BLOCK_G, KEYS=keys,
+        num_groups, math.sqrt(dim), skip_up_to, RATIO=ratio, PER_BLOCK=per_block, N_HEADS=heads, HEAD_DIM=dim,
+        BLOCK_D=triton.next_power_of_2(dim), BLOCK_G=BLOCK_G,
     )
     return out

@@ -18,8 +18,9 @@ One decode step, per layer (`QSARowCache` holds the state; `naive` has the plain
   hit = plan_rows(cache, rows, valid)
                                    a valid entry hits if tags[r % C] == r, and marks its slot with the
                                    epoch; a valid miss claims its slot with max(epoch << 32 | r)
-  out = decode_attention(cache, host_keys, host_values, q, rows, valid, hit, scale)
-                                   attention of each request's query q [B, nh, hd] over its rows:
+  out = decode_attention(cache, host_keys, host_values, q, rows, valid, hit, scale, gate)
+                                   attention of each request's query q [B, nh, hd] over its rows
+                                   (times sigmoid(gate [B, nh, hd]) when given; hit None: all False):
                                    hits read the slot, the rest read the pool (one pointer select); a
                                    miss fills its slot (data, then tag) only if its claim won and no
                                    entry hit that slot this step, so a slot being read is never written

@@ -141,13 +141,16 @@ def decode_attention(
     q: torch.Tensor,
     rows: torch.Tensor,
     valid: torch.Tensor,
-    hit: torch.Tensor,
+    hit: torch.Tensor | None,
     scale: float,
+    gate: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One decode query per request q [B, nh, hd] over its selected rows [B, S] -> [B, nh, hd].
+    """One decode query per request q [B, nh, hd] over its selected rows [B, S] -> [B, nh, hd], times
+    sigmoid(gate [B, nh, hd]) when a gate is given.
 
     Hits read their slot, the rest the pool, and winning misses fill the cache (`read_rows`). With
-    hit all False and a cache never planned this step, nothing is cached: the plain, all-host path.
+    hit None (all False) and a cache never planned this step, nothing is cached: the plain, all-host path.
     """
-    keys, values = read_rows(cache, host_keys, host_values, rows, hit)
-    return attend_rows(q, keys, values, valid, scale)
+    keys, values = read_rows(cache, host_keys, host_values, rows, torch.zeros_like(valid) if hit is None else hit)
+    out = attend_rows(q, keys, values, valid, scale)
+    return out if gate is None else out * torch.sigmoid(gate)

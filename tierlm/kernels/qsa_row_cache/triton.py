@@ -102,7 +102,7 @@ def _decode_attention_kernel(
     num_entries, num_slots, scale,
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, EPOCH_SHIFT: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, HITS: tl.constexpr,
 ):
     """One program: one request, one KV head and its GROUP query heads, entries [split * SPLIT,
     (split + 1) * SPLIT) of the request's selection. Writes the split's unnormalised output, running
@@ -134,16 +134,19 @@ def _decode_attention_kernel(
         at = request * num_entries + entries
         row = tl.load(rows_ptr + at, mask=inside, other=0)
         valid = inside & (tl.load(valid_ptr + at, mask=inside, other=0) != 0)
-        hit = tl.load(hit_ptr + at, mask=inside, other=0) != 0
+        if HITS:
+            hit = tl.load(hit_ptr + at, mask=inside, other=0) != 0
+        else:  # a cache never planned: every entry reads the pool
+            hit = entries < 0
         slot = row % num_slots
         # a miss fills its slot if its claim won and nobody hit the slot (never planned: no claim won);
         # asked before the rows are loaded, so that these small reads wait alongside the long ones
         won = tl.load(claims_ptr + slot, mask=inside, other=-1) == ((epoch << EPOCH_SHIFT) | row)
-        write = inside & ~hit & won & (tl.load(hitmark_ptr + slot, mask=inside, other=epoch) != epoch)
+        write = valid & ~hit & won & (tl.load(hitmark_ptr + slot, mask=inside, other=epoch) != epoch)
         # one pointer per entry: its cache slot if it hit, else its row in the pool (over UVA)
         cached = slot[:, None] * row_width + columns[None, :]
         pooled = row[:, None] * row_width + columns[None, :]
-        loaded = inside[:, None] & dims_ok[None, :]
+        loaded = valid[:, None] & dims_ok[None, :]  # an invalid entry (padding) reads nothing
         k = tl.load(tl.where(hit[:, None], cache_k_ptr + cached, host_k_ptr + pooled), mask=loaded, other=0.0)
         v = tl.load(tl.where(hit[:, None], cache_v_ptr + cached, host_v_ptr + pooled), mask=loaded, other=0.0)
         # fp32 dots: bf16 rows convert exactly (to tf32 too), so tf32 loses nothing on them
@@ -179,11 +182,12 @@ def triton_decode_attention(
     q: torch.Tensor,
     rows: torch.Tensor,
     valid: torch.Tensor,
-    hit: torch.Tensor,
+    hit: torch.Tensor | None,
     scale: float,
+    gate: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """As `naive.decode_attention`: split over the selected entries, the splits merged afterwards.
-    host_keys/host_values [R, nkv, hd] may be registered host memory read over UVA."""
+    """As `naive.decode_attention`: split over the selected entries, the splits merged afterwards (the
+    gate applied there). host_keys/host_values [R, nkv, hd] may be registered host memory read over UVA."""
     batch, num_heads, head_dim = q.shape
     num_entries = rows.shape[1]
     num_kv_heads = cache.keys.shape[1]
@@ -193,29 +197,35 @@ def triton_decode_attention(
     running_max = torch.empty(batch, num_splits, num_heads, dtype=torch.float32, device=q.device)
     running_sum = torch.empty_like(running_max)
     _decode_attention_kernel[(batch, num_splits, num_kv_heads)](
-        q.contiguous(), rows.contiguous(), valid.contiguous(), hit.contiguous(), host_keys, host_values,
+        q.contiguous(), rows.contiguous(), valid.contiguous(), None if hit is None else hit.contiguous(), host_keys,
+        host_values,
         cache.keys, cache.values, cache.tags, cache.hitmark, cache.claims, cache.epoch,
         acc, running_max, running_sum, num_entries, cache.num_slots, scale,
         NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)), SPLIT=DECODE_SPLIT,
         BLOCK_N=DECODE_BLOCK_N, EPOCH_SHIFT=EPOCH_SHIFT,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=DECODE_WARPS,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", HITS=hit is not None, num_warps=DECODE_WARPS,
     )
     out = torch.empty_like(q)
     splits_pad = triton.next_power_of_2(num_splits)
     dim_block = min(64, triton.next_power_of_2(head_dim))
+    if gate is not None and (gate.shape != q.shape or gate.stride(2) != 1):
+        raise ValueError(f"gate must be [B, nh, hd] {tuple(q.shape)} with a contiguous last dim, got {tuple(gate.shape)}")
     _merge_kernel[(batch, num_heads, triton.cdiv(head_dim, dim_block))](
-        acc, running_max, running_sum, out, num_splits, num_heads, HEAD_DIM=head_dim, SPLITS_PAD=splits_pad,
-        CHUNK=min(MERGE_CHUNK, splits_pad), DIM_BLOCK=dim_block,
+        acc, running_max, running_sum, out, gate, num_splits, num_heads, 0 if gate is None else gate.stride(0),
+        0 if gate is None else gate.stride(1), HEAD_DIM=head_dim, SPLITS_PAD=splits_pad,
+        CHUNK=min(MERGE_CHUNK, splits_pad), DIM_BLOCK=dim_block, GATED=gate is not None,
     )
     return out
 
 
 @triton.jit
-def _merge_kernel(acc_ptr, max_ptr, sum_ptr, out_ptr, num_splits, num_heads, HEAD_DIM: tl.constexpr,
-                  SPLITS_PAD: tl.constexpr, CHUNK: tl.constexpr, DIM_BLOCK: tl.constexpr):
+def _merge_kernel(acc_ptr, max_ptr, sum_ptr, out_ptr, gate_ptr, num_splits, num_heads, gate_stride_b, gate_stride_h,
+                  HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr, CHUNK: tl.constexpr, DIM_BLOCK: tl.constexpr,
+                  GATED: tl.constexpr):
     """One program per (request, head, DIM_BLOCK dims): the softmax partials of its splits, rescaled to
-    the overall max and summed."""
+    the overall max and summed; GATED: times sigmoid(gate), each rounded to the output dtype first, as
+    torch's out * torch.sigmoid(gate) rounds."""
     request = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     dims = tl.program_id(2) * DIM_BLOCK + tl.arange(0, DIM_BLOCK)
@@ -233,9 +243,13 @@ def _merge_kernel(acc_ptr, max_ptr, sum_ptr, out_ptr, num_splits, num_heads, HEA
         partial = tl.load(acc_ptr + part[:, None] * HEAD_DIM + dims[None, :],
                           mask=inside[:, None] & (dims < HEAD_DIM)[None, :], other=0.0)
         total += tl.sum(partial * weight[:, None], axis=0)
-    out = total / tl.sum(norm, axis=0)
-    tl.store(out_ptr + (request * num_heads + head) * HEAD_DIM + dims, out.to(out_ptr.dtype.element_ty),
-             mask=dims < HEAD_DIM)
+    dtype = out_ptr.dtype.element_ty
+    out = (total / tl.sum(norm, axis=0)).to(dtype)
+    if GATED:
+        gate = tl.load(gate_ptr + request * gate_stride_b + head * gate_stride_h + dims, mask=dims < HEAD_DIM,
+                       other=0.0)
+        out = (out.to(tl.float32) * tl.sigmoid(gate.to(tl.float32)).to(dtype).to(tl.float32)).to(dtype)
+    tl.store(out_ptr + (request * num_heads + head) * HEAD_DIM + dims, out, mask=dims < HEAD_DIM)
 
 
 @triton.jit

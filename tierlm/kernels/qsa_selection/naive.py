@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import torch
 
-from tierlm.kernels.qsa_block_scores.naive import block_of_key
+from tierlm.kernels.qsa_block_scores.naive import block_of_key, ranking_keys
+
+
+def top_keys(keys: torch.Tensor, top: int) -> torch.Tensor:
+    """The ranking keys [M, K] of each row's K = min(top, G) highest keys [M, G] (higher score first, ties
+    to the lower block: `ranking_keys`), in block order. torch.topk unsorted, then a sort of the K only."""
+    chosen = torch.topk(keys, min(top, keys.shape[-1]), dim=-1, sorted=False).values
+    return chosen.gather(-1, block_of_key(chosen).argsort(dim=-1))
 
 
 def chosen_positions(top_keys: torch.Tensor, positions: torch.Tensor, ratio: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -29,9 +36,16 @@ def physical_rows(
 
 
 def selection_rows(
-    top_keys: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor, ratio: int, block_size: int,
-    scratch_block: int,
+    scores: torch.Tensor | None, positions: torch.Tensor, tables: torch.Tensor, ratio: int, block_size: int,
+    scratch_block: int, top: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rows, valid) [M, S]: see the package docstring."""
-    token_pos, valid = chosen_positions(top_keys, positions, ratio)
+    """(rows, valid) [M, S]: see the package docstring. scores None: every query chooses all the blocks it
+    sees (only when G <= top)."""
+    groups = tables.shape[1] * (block_size // ratio)
+    if scores is None:
+        if groups > top:
+            raise ValueError(f"scores are needed: {groups} blocks in the table, {top} chosen")
+        seen = torch.arange(groups, device=positions.device) < ((positions + 1) // ratio)[:, None]
+        scores = torch.zeros(seen.shape, device=positions.device).masked_fill(~seen, float("-inf"))
+    token_pos, valid = chosen_positions(top_keys(ranking_keys(scores), top), positions, ratio)
     return physical_rows(token_pos, valid, tables, block_size, scratch_block), valid

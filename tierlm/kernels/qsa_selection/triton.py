@@ -1,6 +1,13 @@
-"""QSA selection as one Triton launch (same signature as `naive.selection_rows`): one program per (query,
-tile of BLOCK_S entries) decodes each entry's token position from its top key (or its place in the open
-tail), reads the block table and writes the row and its validity. No host sync."""
+"""QSA selection as one Triton launch (same signature as `naive.selection_rows`): top-k and rows together,
+no sort. One program per query:
+- a query that sees at most K blocks chooses all of them: blocks 0..K-1 (those past what it sees
+  invalid), no score read;
+- else a radix select finds the K-th highest score's bits T (eight passes of 4 bits over its seen
+  scores, each counting against 16 candidate digits at once); every block above T is chosen, and the
+  blocks at T in index order until K are (ties to the lower block, as `naive.ranking_keys` orders them);
+  a prefix sum over the chosen places each one's R tokens in block order;
+then the open tail. Rows through the block table, invalid entries at the scratch row. No host sync.
+Bit-identical to the reference (integer work on the scores' bits)."""
 
 from __future__ import annotations
 
@@ -8,45 +15,141 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK_S = 128
+BLOCK_G = 512  # scores per tile of the select (a [16, BLOCK_G] comparison per pass)
+BLOCK_E = 512  # entries per tile when every seen block is chosen
+SELECT_WARPS = 4  # (bench/qsa_decode_select.py --sweep times the candidates of these three)
+# the widest score row the one-program select takes (64k-token contexts): past it the layer takes the torch
+# path, whose torch.topk spreads a long row over many programs (bench/qsa_decode_select.py measures both)
+MAX_GROUPS = 16384
 
 
 @triton.jit
-def _selection_kernel(keys_ptr, positions_ptr, tables_ptr, rows_ptr, valid_ptr, num_top, num_entries,
-                      keys_stride, table_stride, table_width, scratch_block,
-                      RATIO: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_S: tl.constexpr):
-    query = tl.program_id(0).to(tl.int64)
-    entries = tl.program_id(1).to(tl.int64) * BLOCK_S + tl.arange(0, BLOCK_S)
-    inside = entries < num_entries
-    position = tl.load(positions_ptr + query)
-    in_top = entries < num_top * RATIO
-    key = tl.load(keys_ptr + query * keys_stride + entries // RATIO, mask=inside & in_top, other=-1)
-    top_pos = (0xFFFFFFFF - (key & 0xFFFFFFFF)) * RATIO + entries % RATIO
-    tail_pos = (position + 1) // RATIO * RATIO + (entries - num_top * RATIO)
-    token_pos = tl.where(in_top, top_pos, tail_pos)
-    ok = tl.where(in_top, key >= 0, tail_pos <= position)
-    block_index = tl.minimum(token_pos // BLOCK_SIZE, table_width - 1)
-    block = tl.load(tables_ptr + query * table_stride + block_index, mask=inside & ok, other=0)
+def _rows_of(tokens, ok, tables_row, table_width, scratch_block, BLOCK_SIZE: tl.constexpr):
+    """Pool rows of token positions through one query's block table; entries not ok: the scratch row."""
+    block = tl.load(tables_row + tl.minimum(tokens // BLOCK_SIZE, table_width - 1), mask=ok, other=0)
     block = tl.where(block < 0, scratch_block, block)
-    row = tl.where(ok, block * BLOCK_SIZE + token_pos % BLOCK_SIZE, scratch_block * BLOCK_SIZE)
-    tl.store(rows_ptr + query * num_entries + entries, row, mask=inside)
-    tl.store(valid_ptr + query * num_entries + entries, ok.to(tl.int8), mask=inside)
+    return tl.where(ok, block * BLOCK_SIZE + tokens % BLOCK_SIZE, scratch_block * BLOCK_SIZE)
+
+
+@triton.jit
+def _choose_all(rows_out, valid_out, tables_row, table_width, scratch_block, seen, num_top,
+                RATIO: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Entries of blocks 0..num_top-1: entry e is token e, valid when its block is seen."""
+    for start in range(0, num_top * RATIO, BLOCK_E):
+        entries = start + tl.arange(0, BLOCK_E)
+        inside = entries < num_top * RATIO
+        ok = inside & (entries // RATIO < seen)
+        tl.store(rows_out + entries, _rows_of(entries, ok, tables_row, table_width, scratch_block, BLOCK_SIZE),
+                 mask=inside)
+        tl.store(valid_out + entries, ok.to(tl.int8), mask=inside)
+
+
+@triton.jit
+def _score_bits(scores_row, groups, inside):
+    """A score's bits with the sign cleared (-0.0 ties with 0.0), as `naive.ranking_keys` takes them."""
+    return tl.load(scores_row + groups, mask=inside, other=0.0).to(tl.int32, bitcast=True) & 0x7FFFFFFF
+
+
+@triton.jit
+def _choose_top(scores_row, rows_out, valid_out, tables_row, table_width, scratch_block, seen, num_top,
+                RATIO: tl.constexpr, RATIO_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr):
+    """The num_top highest of the seen scores (seen > num_top), their tokens' entries in block order."""
+    # radix select: T is the highest bits value with at least num_top scores at or above it; before the pass
+    # at `shift`, T's bits below shift + 4 are 0, so (T >> shift) + digit never overflows
+    threshold = 0
+    digits = tl.arange(0, 16)
+    for i in tl.static_range(8):
+        shift = 28 - 4 * i
+        candidates = (threshold >> shift) + digits
+        counts = tl.zeros([16], tl.int32)
+        for start in range(0, seen, BLOCK_G):
+            groups = start + tl.arange(0, BLOCK_G)
+            inside = groups < seen
+            high = _score_bits(scores_row, groups, inside) >> shift
+            counts += tl.sum(((high[None, :] >= candidates[:, None]) & inside[None, :]).to(tl.int32), axis=1)
+        threshold = threshold + ((tl.sum((counts >= num_top).to(tl.int32), axis=0) - 1) << shift)
+    above = 0
+    for start in range(0, seen, BLOCK_G):
+        groups = start + tl.arange(0, BLOCK_G)
+        inside = groups < seen
+        above += tl.sum((inside & (_score_bits(scores_row, groups, inside) > threshold)).to(tl.int32), axis=0)
+    quota = num_top - above  # blocks at the threshold still to choose, lowest index first
+    taken = 0
+    ties = 0
+    in_block = tl.arange(0, RATIO_PAD)
+    for start in range(0, seen, BLOCK_G):
+        groups = start + tl.arange(0, BLOCK_G)
+        inside = groups < seen
+        bits = _score_bits(scores_row, groups, inside)
+        tie = (inside & (bits == threshold)).to(tl.int32)
+        take = (inside & (bits > threshold)) | ((tie != 0) & (ties + tl.cumsum(tie, axis=0) <= quota))
+        take_count = take.to(tl.int32)
+        rank = taken + tl.cumsum(take_count, axis=0) - 1  # its place among the chosen, in block order
+        entries = rank[:, None] * RATIO + in_block[None, :]
+        tokens = groups[:, None] * RATIO + in_block[None, :]
+        ok = take[:, None] & (in_block < RATIO)[None, :]
+        tl.store(rows_out + entries, _rows_of(tokens, ok, tables_row, table_width, scratch_block, BLOCK_SIZE),
+                 mask=ok)
+        tl.store(valid_out + entries, ok.to(tl.int8), mask=ok)
+        ties += tl.sum(tie, axis=0)
+        taken += tl.sum(take_count, axis=0)
+
+
+@triton.jit
+def _selection_kernel(scores_ptr, positions_ptr, tables_ptr, rows_ptr, valid_ptr, num_groups, num_top, num_entries,
+                      scores_stride, table_stride, table_width, scratch_block,
+                      SCORES: tl.constexpr, RATIO: tl.constexpr, RATIO_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                      BLOCK_G: tl.constexpr, BLOCK_E: tl.constexpr):
+    query = tl.program_id(0).to(tl.int64)
+    position = tl.load(positions_ptr + query)
+    visible = (position + 1) // RATIO
+    seen = tl.minimum(visible, num_groups)
+    rows_out, valid_out = rows_ptr + query * num_entries, valid_ptr + query * num_entries
+    tables_row = tables_ptr + query * table_stride
+    if SCORES:
+        if seen > num_top:
+            _choose_top(scores_ptr + query * scores_stride, rows_out, valid_out, tables_row, table_width,
+                        scratch_block, seen, num_top, RATIO, RATIO_PAD, BLOCK_SIZE, BLOCK_G)
+        else:
+            _choose_all(rows_out, valid_out, tables_row, table_width, scratch_block, seen, num_top, RATIO,
+                        BLOCK_SIZE, BLOCK_E)
+    else:
+        _choose_all(rows_out, valid_out, tables_row, table_width, scratch_block, seen, num_top, RATIO, BLOCK_SIZE,
+                    BLOCK_E)
+    # the open tail [visible * R, p]: R - 1 entries after the chosen blocks'
+    in_tail = tl.arange(0, RATIO_PAD)
+    tail = in_tail < RATIO - 1
+    tokens = visible * RATIO + in_tail
+    ok = tail & (tokens <= position)
+    tl.store(rows_out + num_top * RATIO + in_tail,
+             _rows_of(tokens, ok, tables_row, table_width, scratch_block, BLOCK_SIZE), mask=tail)
+    tl.store(valid_out + num_top * RATIO + in_tail, ok.to(tl.int8), mask=tail)
 
 
 def triton_selection_rows(
-    top_keys: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor, ratio: int, block_size: int,
-    scratch_block: int,
+    scores: torch.Tensor | None, positions: torch.Tensor, tables: torch.Tensor, ratio: int, block_size: int,
+    scratch_block: int, top: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """As `naive.selection_rows`, in one launch."""
-    m, k = top_keys.shape
+    """As `naive.selection_rows`, in one launch. Only the scores of queries that see more than
+    K = min(top, G) blocks are read (`triton_block_scores(..., skip_up_to=top)` leaves the others out)."""
+    m = positions.shape[0]
+    groups = tables.shape[1] * (block_size // ratio)
+    k = min(top, groups)
+    if scores is None and groups > top:
+        raise ValueError(f"scores are needed: {groups} blocks in the table, {top} chosen")
+    if scores is not None and (scores.shape != (m, groups) or scores.dtype != torch.float32 or scores.stride(1) != 1):
+        raise ValueError(f"scores must be fp32 [{m}, {groups}] with a contiguous last dim, got "
+                         f"{scores.dtype} {tuple(scores.shape)}")
     entries = k * ratio + ratio - 1
-    rows = torch.empty(m, entries, dtype=torch.int64, device=top_keys.device)
-    valid = torch.empty(m, entries, dtype=torch.int8, device=top_keys.device)
+    rows = torch.empty(m, entries, dtype=torch.int64, device=positions.device)
+    valid = torch.empty(m, entries, dtype=torch.int8, device=positions.device)
     if tables.stride(1) != 1:
         tables = tables.contiguous()
     if m:
-        _selection_kernel[(m, triton.cdiv(entries, BLOCK_S))](
-            top_keys, positions.contiguous(), tables, rows, valid, k, entries, top_keys.stride(0), tables.stride(0),
-            tables.shape[1], scratch_block, RATIO=ratio, BLOCK_SIZE=block_size, BLOCK_S=BLOCK_S,
+        _selection_kernel[(m,)](
+            rows if scores is None else scores, positions.contiguous(), tables, rows, valid, groups, k, entries,
+            0 if scores is None else scores.stride(0), tables.stride(0), tables.shape[1], scratch_block,
+            SCORES=scores is not None, RATIO=ratio, RATIO_PAD=triton.next_power_of_2(ratio), BLOCK_SIZE=block_size,
+            BLOCK_G=BLOCK_G, BLOCK_E=BLOCK_E, num_warps=SELECT_WARPS,
         )
     return rows, valid.view(torch.bool)

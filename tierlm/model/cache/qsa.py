@@ -52,16 +52,19 @@ class QSADeviceKV:
         """For a prefill chunk's selections [M, S]: a function giving K, V of queries lo:hi."""
         return lambda lo, hi: self.gather(rows[lo:hi])
 
-    def decode_attention(self, q: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor, scale: float) -> torch.Tensor:
-        """Each request's query q [B, nh, hd] over its selected rows [B, S] (where valid) -> [B, nh, hd]."""
+    def decode_attention(
+        self, q: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor, scale: float, gate: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Each request's query q [B, nh, hd] over its selected rows [B, S] (where valid) -> [B, nh, hd],
+        times sigmoid(gate [B, nh, hd]) when given (on CUDA inside the kernel's last launch)."""
         if self.empty_row_cache is None:
             keys, values = self.gather(rows)
-            return attend_rows(q, keys, values, valid, scale)
+            out = attend_rows(q, keys, values, valid, scale)
+            return out if gate is None else out * torch.sigmoid(gate)
         from tierlm.kernels.qsa_row_cache.triton import triton_decode_attention
 
-        return triton_decode_attention(
-            self.empty_row_cache, self.key_rows, self.value_rows, q, rows, valid, torch.zeros_like(valid), scale
-        )
+        return triton_decode_attention(self.empty_row_cache, self.key_rows, self.value_rows, q, rows, valid, None,
+                                       scale, gate)
 
 
 class QSAIndexerState(SlotState):

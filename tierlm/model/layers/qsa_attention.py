@@ -18,8 +18,9 @@ the selected rows in place (`kernels/qsa_sparse_attention`; TIERLM_NO_TRITON_QSA
 in a static-shape, sync-free form (what a CUDA graph captures). The indexer's work follows the context,
 not max_model_len: a request scores only the compressed keys up to its own position (a static batch up
 to its block-table width, which `static_decode` sizes from the batch's longest context), and keeps its
-top blocks with torch.topk (no sort of the row). The plain reference (a dense boolean mask over the
-whole context) lives in the tests.
+top blocks in block order (`kernels/qsa_selection`: torch.topk and a sort of the chosen few; a static
+decode step on CUDA: a radix select in the rows kernel, no sort). The plain reference (a dense boolean
+mask over the whole context) lives in the tests.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from tierlm.kernels.norm_rope.naive import apply_rotary
 from tierlm.kernels.qsa_block_scores import block_scores
 from tierlm.kernels.qsa_block_scores.naive import ranking_keys
 from tierlm.kernels.qsa_row_cache import attend_rows
-from tierlm.kernels.qsa_selection import chosen_positions, physical_rows
+from tierlm.kernels.qsa_selection import chosen_positions, physical_rows, top_keys
 from tierlm.model.cache import QSADeviceKV, QSAIndexerState
 from tierlm.model.forward_batch import ForwardBatch
 from tierlm.model.layers.norm import RMSNorm
@@ -62,14 +63,53 @@ def sparse_kernel_applies(q: torch.Tensor) -> bool:
     return q.is_cuda and not os.environ.get("TIERLM_NO_TRITON_QSA_PREFILL")
 
 
+def norm_rope_fuses(x: torch.Tensor) -> bool:
+    """Norm + rotary through `kernels/norm_rope`'s kernel: on CUDA, unless TIERLM_NO_FUSED_NORM_ROPE=1."""
+    return x.is_cuda and not os.environ.get("TIERLM_NO_FUSED_NORM_ROPE")
+
+
 def norm_rope(norm: RMSNorm, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """norm(x) then rotary, x [N, heads, D]: on CUDA one launch (`kernels/norm_rope`), unless
     TIERLM_NO_FUSED_NORM_ROPE=1; else the torch ops."""
-    if x.is_cuda and not os.environ.get("TIERLM_NO_FUSED_NORM_ROPE"):
+    if norm_rope_fuses(x):
         from tierlm.kernels.norm_rope.triton import triton_norm_rope
 
         return triton_norm_rope(x, norm.weight, norm.eps, cos, sin)
     return apply_rotary(norm(x), cos, sin)
+
+
+def norm_rope_rows(norm: RMSNorm, x: torch.Tensor, rope: Rope) -> torch.Tensor:
+    """`norm_rope` at the batch's rows; a text batch's kernel computes the angles from the positions
+    (no cos/sin tables)."""
+    if norm_rope_fuses(x) and rope.positions is not None:
+        from tierlm.kernels.norm_rope.triton import triton_norm_rope_at
+
+        return triton_norm_rope_at(x, norm.weight, norm.eps, rope.positions, rope.inv_freq)
+    return norm_rope(norm, x, rope.cos, rope.sin)
+
+
+def kv_write_fuses(kv: QSADeviceKV | OffloadedKV, x: torch.Tensor, rope: Rope) -> bool:
+    """New keys normed, roped and written into a device pool with their values by the norm + rotary
+    kernel itself (a text batch on CUDA), unless TIERLM_NO_FUSED_QSA_KV_WRITE=1 (or the norm + rotary
+    kernel is off)."""
+    return (isinstance(kv, QSADeviceKV) and rope.positions is not None and norm_rope_fuses(x)
+            and not os.environ.get("TIERLM_NO_FUSED_QSA_KV_WRITE"))
+
+
+def selection_fuses(x: torch.Tensor, batch: ForwardBatch, groups: int) -> bool:
+    """A static decode batch's selection over `groups` blocks per request through `kernels/qsa_selection`'s
+    kernel (top-k and rows in one launch): on CUDA up to its MAX_GROUPS, unless TIERLM_NO_FUSED_QSA_SELECT=1."""
+    if not (batch.static and x.is_cuda) or os.environ.get("TIERLM_NO_FUSED_QSA_SELECT"):
+        return False
+    from tierlm.kernels.qsa_selection.triton import MAX_GROUPS
+
+    return groups <= MAX_GROUPS
+
+
+def block_key_store_fuses(x: torch.Tensor, rope: Rope) -> bool:
+    """A decode step's indexer key store as one launch (`kernels/qsa_block_keys`): a text batch on CUDA,
+    unless TIERLM_NO_FUSED_QSA_BLOCK_KEYS=1."""
+    return x.is_cuda and rope.positions is not None and not os.environ.get("TIERLM_NO_FUSED_QSA_BLOCK_KEYS")
 
 
 def gather_rows(pool: torch.Tensor, block_table: torch.Tensor, count: int, rows_per_block: int) -> torch.Tensor:
@@ -90,10 +130,15 @@ class QSAIndexer(nn.Module):
         self.q_layernorm = RMSNorm(self.head_dim, c.rms_norm_eps)
         self.k_layernorm = RMSNorm(self.head_dim, c.rms_norm_eps)
 
-    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [N, H] -> (roped, normed queries [N, ih, id], raw keys [N, id])."""
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [N, H] -> (raw queries [N, ih, id], raw keys [N, id]); `queries` norms and ropes the queries
+        (left out where a decode step needs no scores)."""
         q, raw_keys = self.index_qk_proj(x).split([self.n_heads * self.head_dim, self.head_dim], dim=-1)
-        return norm_rope(self.q_layernorm, q.unflatten(-1, (self.n_heads, self.head_dim)), cos, sin), raw_keys
+        return q.unflatten(-1, (self.n_heads, self.head_dim)), raw_keys
+
+    def queries(self, raw_queries: torch.Tensor, rope: Rope) -> torch.Tensor:
+        """Raw queries [N, ih, id] at the batch's rows -> roped, normed queries."""
+        return norm_rope_rows(self.q_layernorm, raw_queries, rope)
 
     def compress(self, raw_group_keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """raw keys [G, R, id] of complete blocks -> block keys [G, id] (cos/sin at each block start)."""
@@ -136,14 +181,9 @@ class QSAIndexer(nn.Module):
 
     def choose(self, scores: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Token positions [M, S] each query attends to and their validity [M, S], S = budget + R - 1:
-        the tokens of its top blocks (ties to the lower block), then its open tail [nb*R, p]."""
+        the tokens of its top blocks (ties to the lower block) in block order, then its open tail [nb*R, p]."""
         # -inf (unseen) blocks rank after every visible one: one top-k serves queries of any position
-        return chosen_positions(self.top_keys(ranking_keys(scores)), positions, self.ratio)
-
-    def top_keys(self, keys: torch.Tensor) -> torch.Tensor:
-        """The ranking keys [M, K] of each query's top blocks, highest first, from the ranking keys [M, G]
-        of its blocks; K = min(budget / R, G). top-k, no full sort."""
-        return torch.topk(keys, min(self.block_topk, keys.shape[1]), dim=-1).values
+        return chosen_positions(top_keys(ranking_keys(scores), self.block_topk), positions, self.ratio)
 
     # ---- decode: one token per request, static shapes, no host sync ------------------------------------
     def store_block_key_decode(
@@ -152,8 +192,17 @@ class QSAIndexer(nn.Module):
         """Put each new raw key in its request's ring; where it closes a block, write the block's key.
 
         The block key is computed for every request and written to the scratch block where the block is
-        not complete yet, so the work does not depend on the data.
+        not complete yet, so the work does not depend on the data. A text batch on CUDA: one launch
+        (`kernels/qsa_block_keys`; TIERLM_NO_FUSED_QSA_BLOCK_KEYS=1: these torch ops).
         """
+        if block_key_store_fuses(raw_keys, rope):
+            from tierlm.kernels.qsa_block_keys.triton import triton_store_decode_block_keys
+
+            triton_store_decode_block_keys(
+                raw_keys, state.ring, state.keys, batch.slots, batch.context_lens_tensor, batch.block_tables,
+                self.k_layernorm.weight, self.k_layernorm.eps, rope.inv_freq, state.block_size, state.scratch_block,
+            )
+            return
         r, bs = self.ratio, state.block_size
         context = batch.context_lens_tensor
         offset = context % r
@@ -192,22 +241,30 @@ class QSAIndexer(nn.Module):
         row = torch.where(offset == r - 1, block * (bs // r) + (starts % bs) // r, state.scratch_block * (bs // r))
         state.keys.view(-1, self.head_dim)[row.flatten()] = keys
 
-    def select_decode(self, q: torch.Tensor, batch: ForwardBatch, state: QSAIndexerState) -> Selection:
-        """The K/V rows each request's query attends to: its top blocks' tokens and its open tail.
+    def select_decode(self, raw_q: torch.Tensor, batch: ForwardBatch, state: QSAIndexerState, rope: Rope) -> Selection:
+        """The K/V rows each request's query (raw_q: its raw indexer queries, `project`) attends to: its top
+        blocks' tokens and its open tail.
 
         Scores are [B, G] with G the blocks of the batch's block-table width (`static_decode` picks that
         width per step from the batch's longest context), unseen ones -inf. A static batch scores in one
         sync-free call (`kernels/qsa_block_scores`: on CUDA a kernel that reads only each request's
         visible keys), any other batch request by request, each over its visible keys. On CUDA a static
-        batch goes scores -> ranking keys (the same kernel) -> top-k -> rows (`kernels/qsa_selection`) in
-        three launches (TIERLM_NO_FUSED_QSA_SELECT=1: the torch ops between them)."""
-        if batch.static and q.is_cuda and not os.environ.get("TIERLM_NO_FUSED_QSA_SELECT"):
+        batch goes scores -> rows (top-k without a sort, `kernels/qsa_selection`) in two launches, and in
+        one where the table holds at most budget / R blocks (every seen block is chosen: no scores), the
+        scores of requests that see at most that many left out (TIERLM_NO_FUSED_QSA_SELECT=1, or a table
+        wider than the kernel's MAX_GROUPS blocks: the torch ops)."""
+        groups = batch.block_tables.shape[1] * (state.block_size // self.ratio)
+        if selection_fuses(raw_q, batch, groups):
             from tierlm.kernels.qsa_block_scores.triton import triton_block_scores
             from tierlm.kernels.qsa_selection.triton import triton_selection_rows
 
-            keys = triton_block_scores(q, state.keys, batch.block_tables, batch.positions, self.ratio, keys=True)
-            return Selection(*triton_selection_rows(self.top_keys(keys), batch.positions, batch.block_tables,
-                                                    self.ratio, state.block_size, state.scratch_block))
+            scores = None
+            if groups > self.block_topk:
+                scores = triton_block_scores(self.queries(raw_q, rope), state.keys, batch.block_tables,
+                                             batch.positions, self.ratio, skip_up_to=self.block_topk)
+            return Selection(*triton_selection_rows(scores, batch.positions, batch.block_tables, self.ratio,
+                                                    state.block_size, state.scratch_block, self.block_topk))
+        q = self.queries(raw_q, rope)
         if batch.static:
             score = block_scores
             if q.is_cuda:
@@ -267,23 +324,27 @@ class QSAAttention(nn.Module):
         self, x: torch.Tensor, batch: ForwardBatch, kv: QSADeviceKV | OffloadedKV, state: QSAIndexerState, rope: Rope
     ) -> torch.Tensor:
         n = x.shape[0]
-        cos, sin = rope.cos, rope.sin
         q_and_gate, k, v = self.qkv_proj(x)
-        q, gate = q_and_gate.reshape(n, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
-        gate = gate.reshape(n, -1)
-        q = norm_rope(self.q_norm, q, cos, sin)
-        k = norm_rope(self.k_norm, k.reshape(n, self.num_kv_heads, self.head_dim), cos, sin)
+        q, gate = q_and_gate.reshape(n, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)  # gate [N, nh, hd]
+        q = norm_rope_rows(self.q_norm, q, rope)
+        k = k.reshape(n, self.num_kv_heads, self.head_dim)
         v = v.reshape(n, self.num_kv_heads, self.head_dim)
-        kv.write(batch.slot_mapping, k, v)
+        if kv_write_fuses(kv, x, rope):
+            from tierlm.kernels.norm_rope.triton import triton_norm_rope_kv_write
 
-        index_q, raw_keys = self.indexer.project(x, cos, sin)
+            triton_norm_rope_kv_write(k, self.k_norm.weight, self.k_norm.eps, rope.positions, rope.inv_freq, v,
+                                      batch.slot_mapping, kv.key_rows, kv.value_rows)
+        else:
+            kv.write(batch.slot_mapping, norm_rope_rows(self.k_norm, k, rope), v)
+
+        raw_index_q, raw_keys = self.indexer.project(x)
         if batch.is_decode_only:
-            return self._decode(q, gate, index_q, raw_keys, batch, kv, state, rope)
+            return self._decode(q, gate, raw_index_q, raw_keys, batch, kv, state, rope)
         if batch.verify_slots is not None:  # every row as a decode query (their K/V are all written above)
             self.indexer.store_block_keys_verify(raw_keys, batch, state, rope)
-            selection = self.indexer.select_decode(index_q, batch.verify_rows(), state)
-            out = kv.decode_attention(q, selection.rows, selection.valid, self.scale)
-            return self.o_proj(out.flatten(1) * torch.sigmoid(gate))
+            selection = self.indexer.select_decode(raw_index_q, batch.verify_rows(), state, rope)
+            return self._attend_decode(q, gate, selection, kv)
+        index_q = self.indexer.queries(raw_index_q, rope)
         out = torch.empty(n, self.num_heads, self.head_dim, dtype=x.dtype, device=x.device)
         r, bs = self.indexer.ratio, state.block_size
         for i, (start, end) in enumerate(batch.bounds):
@@ -316,7 +377,7 @@ class QSAAttention(nn.Module):
             for lo, hi in groups:
                 keys, values = read(lo - start, hi - start)
                 out[lo:hi] = attend_rows(q[lo:hi], keys, values, valid[lo - start : hi - start], self.scale)
-        return self.o_proj(out.reshape(n, -1) * torch.sigmoid(gate))
+        return self.o_proj((out * torch.sigmoid(gate)).reshape(n, -1))
 
     def query_group(self, num_block_keys: int, dtype: torch.dtype) -> int:
         """How many prefill queries to score, select and attend at once so that their working tensors
@@ -329,10 +390,16 @@ class QSAAttention(nn.Module):
         return max(1, PREFILL_GROUP_BYTES // per_query)
 
     def _decode(
-        self, q, gate, index_q, raw_keys, batch: ForwardBatch, kv: QSADeviceKV | OffloadedKV, state: QSAIndexerState,
-        rope: Rope,
+        self, q, gate, raw_index_q, raw_keys, batch: ForwardBatch, kv: QSADeviceKV | OffloadedKV,
+        state: QSAIndexerState, rope: Rope,
     ) -> torch.Tensor:
         self.indexer.store_block_key_decode(raw_keys, batch, state, rope)
-        selection = self.indexer.select_decode(index_q, batch, state)
-        out = kv.decode_attention(q, selection.rows, selection.valid, self.scale)
-        return self.o_proj(out.flatten(1) * torch.sigmoid(gate))
+        return self._attend_decode(q, gate, self.indexer.select_decode(raw_index_q, batch, state, rope), kv)
+
+    def _attend_decode(self, q, gate, selection: Selection, kv: QSADeviceKV | OffloadedKV) -> torch.Tensor:
+        """Decode attention over the selected rows, gated, through o_proj: the gate applied by the attention
+        itself (on CUDA in its merge kernel), unless TIERLM_NO_FUSED_QSA_GATE=1 (then by torch ops)."""
+        if os.environ.get("TIERLM_NO_FUSED_QSA_GATE"):
+            out = kv.decode_attention(q, selection.rows, selection.valid, self.scale)
+            return self.o_proj((out * torch.sigmoid(gate)).flatten(1))
+        return self.o_proj(kv.decode_attention(q, selection.rows, selection.valid, self.scale, gate).flatten(1))

@@ -6,12 +6,17 @@ takes the H position if i % 3 == 1 and i < 3 * mrope_section[1], the W position 
 i < 3 * mrope_section[2], else the T position. Text rows have t = h = w, which makes it plain 1-D RoPE
 (the only form a batch without images computes); image tokens get their grid's positions
 (`model/vision/mrope.py`). cos/sin are computed in fp32 and cast to the activation dtype, as the
-reference does.
+reference does (`kernels/norm_rope.naive.rotary_cos_sin`); kernels that take a text batch's positions and
+the inverse frequencies compute the same angles themselves.
 """
 
 from __future__ import annotations
 
+from functools import cached_property
+
 import torch
+
+from tierlm.kernels.norm_rope.naive import rotary_cos_sin
 
 
 class RotaryEmbedding:
@@ -24,7 +29,8 @@ class RotaryEmbedding:
             self.axis_of_freq[(freq % 3 == axis) & (freq < 3 * mrope_section[axis])] = axis
         self._on_device: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}  # no host copy in a forward
 
-    def _tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    def tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The inverse frequencies [rotary_dim / 2] and each one's M-RoPE axis, on `device` (copied once)."""
         tables = self._on_device.get(device)
         if tables is None:
             tables = self._on_device[device] = (self.inv_freq.to(device), self.axis_of_freq.to(device))
@@ -32,14 +38,11 @@ class RotaryEmbedding:
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin of shape [N, rotary_dim] for positions [N]."""
-        inv_freq, _ = self._tables(positions.device)
-        freqs = positions.float()[:, None] * inv_freq[None, :]
-        emb = torch.cat([freqs, freqs], dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        return rotary_cos_sin(positions, self.tables(positions.device)[0], dtype)
 
     def mrope_cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin of shape [N, rotary_dim] for (t, h, w) positions [3, N]."""
-        inv_freq, axis = self._tables(positions.device)
+        inv_freq, axis = self.tables(positions.device)
         freqs = positions.float()[:, :, None] * inv_freq  # [3, N, rotary_dim / 2]
         freqs = freqs.gather(0, axis.expand(1, positions.shape[1], -1)).squeeze(0)
         emb = torch.cat([freqs, freqs], dim=-1)
@@ -47,19 +50,37 @@ class RotaryEmbedding:
 
 
 class Rope:
-    """The rotary tables of one forward: cos/sin at the batch's rows, computed once here for every
-    attention layer (not once per layer), and at other token indices (the indexer's block starts) on
-    demand. A batch with M-RoPE positions (`ForwardBatch.mrope_positions`) takes a block start's (t, h, w)
-    from its row, or, for the group still open when the forward began, from `mrope_group_starts`."""
+    """The rotary tables of one forward: cos/sin at the batch's rows, computed once for every attention
+    layer (not once per layer) when a layer first asks, and at other token indices (the indexer's block
+    starts) on demand. A text batch also offers its 1-D `positions` and `inv_freq`, from which fused
+    kernels compute the angles themselves (then no table is computed at all); an M-RoPE batch
+    (`ForwardBatch.mrope_positions`; `positions` None) takes a block start's (t, h, w) from its row, or,
+    for the group still open when the forward began, from `mrope_group_starts`."""
 
     def __init__(self, rotary: RotaryEmbedding, batch, dtype: torch.dtype) -> None:
         self.rotary, self.dtype, self.batch = rotary, dtype, batch
-        if batch.mrope_positions is None:
-            self.cos, self.sin = rotary.cos_sin(batch.positions, dtype)
-        else:
-            self.cos, self.sin = rotary.mrope_cos_sin(batch.mrope_positions, dtype)
+        self.positions = batch.positions if batch.mrope_positions is None else None
+        self.inv_freq = rotary.tables(batch.positions.device)[0]
+        if batch.mrope_positions is not None:
             starts = [start for start, _ in batch.bounds]
             self.first_rows = torch.tensor(starts, dtype=torch.int64).to(batch.positions.device)
+
+    @cached_property
+    def _rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        batch = self.batch
+        if batch.mrope_positions is None:
+            return self.rotary.cos_sin(batch.positions, self.dtype)
+        return self.rotary.mrope_cos_sin(batch.mrope_positions, self.dtype)
+
+    @property
+    def cos(self) -> torch.Tensor:
+        """cos [N, rotary_dim] at the batch's rows."""
+        return self._rows[0]
+
+    @property
+    def sin(self) -> torch.Tensor:
+        """sin [N, rotary_dim] at the batch's rows."""
+        return self._rows[1]
 
     def at(
         self, positions: torch.Tensor, request: int | None = None, rows_per_request: int = 1

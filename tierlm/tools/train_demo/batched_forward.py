@@ -128,7 +128,8 @@ def indexer_scores(indexer: QSAIndexer, x: torch.Tensor, w: Windows) -> torch.Te
     """Each query's fp32 block scores [B, T, G] (G = T // R complete blocks; blocks it cannot see yet
     -inf), as the engine scores them. x is detached: the indexer's training moves only the indexer."""
     r = indexer.ratio
-    q_rows, raw_keys = indexer.project(x.detach(), w.cos, w.sin)
+    raw_q, raw_keys = indexer.project(x.detach())
+    q_rows = apply_rotary(indexer.q_layernorm(raw_q), w.cos, w.sin)
     q, raw_keys = w.sequences(q_rows), w.sequences(raw_keys)  # [B, T, ih, id], [B, T, id]
     groups = w.length // r
     if groups == 0:
