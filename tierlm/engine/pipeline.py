@@ -77,6 +77,7 @@ from tierlm.distributed.group import (
 from tierlm.engine.model_runner import LaunchedStep, ModelRunner, StepResult
 from tierlm.engine.pipeline_messages import (
     BatchArrays,
+    BufferRing,
     DecodeRows,
     NewRequest,
     SampleSpec,
@@ -84,6 +85,7 @@ from tierlm.engine.pipeline_messages import (
     StepMessage,
     pack_stage_output,
     sampled_ids_buffer,
+    stage_ring,
 )
 from tierlm.engine.request import Request
 from tierlm.engine.sampler import Sampler
@@ -207,6 +209,12 @@ class PipelineDriver:
         self.exit_process_on_failure = False  # the server sets it: a dead rank ends the process
         self._timing = dict.fromkeys(DRIVER_PHASES, 0.0) | {"steps": 0}
         self._layers = StreamClock(self.stage.cache.device)
+        # a step's output and ids buffers are reused max_in_flight + 1 steps later: by then it was read back
+        # (`finish` waits for its sends and its ids), so no step allocates them
+        device, mc, depth = self.stage.cache.device, self.stage.model_config, max(self.max_in_flight, 2) + 1
+        self._outputs = stage_ring(config.max_num_seqs, mc.hc_count * mc.hidden_size, self.stage.cache.dtype,
+                                   device, depth)
+        self._ids = BufferRing(8 * config.max_num_seqs, depth, device)
         self._results: queue.Queue = queue.Queue()
         # posted before any step is sent: the last rank's answers never wait for this process
         self._result_inbox = self.group.inbox(self.world_size - 1, RESULT_TAG, self.group.result_group,
@@ -321,8 +329,8 @@ class PipelineDriver:
         with self._layers.timed():
             hidden, _, token_ids = runner.run_forward(plan, previous)
             # the ids go with the hidden state: placeholders resolved on this device reach every rank
-            output = pack_stage_output(hidden, token_ids)
-        ids = sampled_ids_buffer(self.config.max_num_seqs, self.stage.cache.device)
+            output = pack_stage_output(hidden, token_ids, self._outputs)
+        ids = sampled_ids_buffer(self.config.max_num_seqs, self._ids)
         try:
             sends.append(self.group.isend(output, 1))
             receive = self.group.recv_ids(ids)

@@ -66,16 +66,25 @@ def _ids_offset(num_tokens: int, width: int, dtype: torch.dtype) -> int:
     return -(-num_tokens * width * dtype.itemsize // 8) * 8
 
 
-def stage_buffer(num_tokens: int, width: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """An empty buffer for a packed stage output of `num_tokens` rows (what the next stage receives)."""
-    return torch.empty(_ids_offset(num_tokens, width, dtype) + 8 * num_tokens, dtype=torch.uint8, device=device)
+def stage_bytes(num_tokens: int, width: int, dtype: torch.dtype) -> int:
+    """The size of a packed stage output of `num_tokens` rows: the hidden state, then the ids."""
+    return _ids_offset(num_tokens, width, dtype) + 8 * num_tokens
 
 
-def pack_stage_output(hidden: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+def stage_buffer(num_tokens: int, width: int, dtype: torch.dtype, device: torch.device,
+                 ring: BufferRing | None = None) -> torch.Tensor:
+    """An empty buffer for a packed stage output of `num_tokens` rows (what the next stage receives): the
+    ring's next one when given (and the rows fit it), else a new one."""
+    nbytes = stage_bytes(num_tokens, width, dtype)
+    return ring.take(nbytes) if ring is not None else torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+
+def pack_stage_output(hidden: torch.Tensor, token_ids: torch.Tensor, ring: BufferRing | None = None) -> torch.Tensor:
     """One buffer holding a stage's output [N, width] and the batch's input ids [N] (copies queued on the
-    device: the result owns its bytes, so a CUDA graph's output buffer may be reused at once)."""
+    device: the result owns its bytes, so a CUDA graph's output buffer may be reused at once); the ring's
+    next buffer when given."""
     rows, width = hidden.shape
-    buffer = stage_buffer(rows, width, hidden.dtype, hidden.device)
+    buffer = stage_buffer(rows, width, hidden.dtype, hidden.device, ring)
     hidden_out, ids_out = unpack_stage_input(buffer, rows, width, hidden.dtype)
     hidden_out.copy_(hidden)
     ids_out.copy_(token_ids)
@@ -90,9 +99,35 @@ def unpack_stage_input(buffer: torch.Tensor, num_tokens: int, width: int,
     return hidden, buffer[offset : offset + 8 * num_tokens].view(torch.int64)
 
 
-def sampled_ids_buffer(max_rows: int, device: torch.device) -> torch.Tensor:
-    """The last rank's sampled ids of one step, row k the k-th sampling chunk's (zeros past them)."""
-    return torch.zeros(max_rows, dtype=torch.int64, device=device)
+class BufferRing:
+    """`depth` byte buffers on a device, handed out in turn, so a step's buffer is written again only
+    `depth` steps later: the packed stage outputs a rank sends, the buffers it receives into, the sampled
+    ids. A rank waits for a step's sends (and reads its receives) before it takes `depth` more, so no
+    buffer is overwritten while a copy still reads it; and no step allocates device memory. A request
+    larger than the buffers (a long prefill chunk's hidden state) gets a buffer of its own."""
+
+    def __init__(self, nbytes: int, depth: int, device: torch.device) -> None:
+        self.nbytes = nbytes
+        self.buffers = [torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(depth)]
+        self.turn = 0
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """The first `nbytes` bytes of the next buffer (a new one when they do not fit)."""
+        if nbytes > self.nbytes:
+            return torch.empty(nbytes, dtype=torch.uint8, device=self.buffers[0].device)
+        self.turn = (self.turn + 1) % len(self.buffers)
+        return self.buffers[self.turn][:nbytes]
+
+
+def stage_ring(max_rows: int, width: int, dtype: torch.dtype, device: torch.device, depth: int) -> BufferRing:
+    """A ring of packed stage outputs of up to `max_rows` rows (decode steps of max_num_seqs requests)."""
+    return BufferRing(stage_bytes(max_rows, width, dtype), depth, device)
+
+
+def sampled_ids_buffer(max_rows: int, ring: BufferRing) -> torch.Tensor:
+    """The last rank's sampled ids of one step, row k the k-th sampling chunk's (past them: stale values
+    of an earlier step, which no step reads), from a ring of 8 * max_rows bytes."""
+    return ring.take(8 * max_rows).view(torch.int64)
 
 
 @dataclass

@@ -40,12 +40,14 @@ from tierlm.distributed.group import (
 )
 from tierlm.engine.model_runner import LaunchedStep, ModelRunner
 from tierlm.engine.pipeline_messages import (
+    BufferRing,
     SampleSpec,
     StageResult,
     StepMessage,
     pack_stage_output,
     sampled_ids_buffer,
     stage_buffer,
+    stage_ring,
     unpack_stage_input,
 )
 from tierlm.engine.request import PLACEHOLDER, Request
@@ -222,6 +224,12 @@ def run_worker(group: PipelineGroup, stage: Stage, config) -> None:
     mirror = _Mirror() if group.is_last else None
     width, dtype = mc.hc_count * mc.hidden_size, stage.cache.dtype
     stall, layers = StreamClock(device), StreamClock(device)
+    # what a step receives, sends on, and (the last rank) the sampled ids: rings, so no step allocates them;
+    # a buffer comes round again after the step's sends were waited for (`send`) and its input was read
+    depth = group.world_size + 1
+    received_ring = stage_ring(config.max_num_seqs, width, dtype, device, depth)
+    output_ring = None if group.is_last else stage_ring(config.max_num_seqs, width, dtype, device, depth)
+    ids_ring = BufferRing(8 * config.max_num_seqs, depth, device) if group.is_last else None
     # rank 0 sends up to world_size steps ahead of the last rank: each finds its receive posted
     inbox = group.inbox(0, depth=group.world_size)
     stats = dict.fromkeys(WORKER_PHASES, 0.0) | {"steps": 0}
@@ -271,7 +279,7 @@ def run_worker(group: PipelineGroup, stage: Stage, config) -> None:
             continue
         lap("idle_seconds")
         rows = (message.decode or message.batch).num_tokens
-        received = stage_buffer(rows, width, dtype, device)
+        received = stage_buffer(rows, width, dtype, device, received_ring)
         receive = _comm(group.irecv, received, rank - 1)  # posted before the host work it overlaps
         for name, args in message.cache_ops:
             getattr(stage.cache, name)(*args)
@@ -285,7 +293,7 @@ def run_worker(group: PipelineGroup, stage: Stage, config) -> None:
         lap("receive_wait_seconds")
         if mirror is None:
             with layers.timed():
-                out = pack_stage_output(_run_layers(runner, message, batch, hidden, token_ids), token_ids)
+                out = pack_stage_output(_run_layers(runner, message, batch, hidden, token_ids), token_ids, output_ring)
             send(_comm(group.isend, out, rank + 1), out)
             lap("forward_seconds")
             stats["steps"] += 1
@@ -297,7 +305,7 @@ def run_worker(group: PipelineGroup, stage: Stage, config) -> None:
             # on the device, as one process samples; the ids go to rank 0's device at once (its next step
             # may already wait for them there), to its host with the log-probabilities when read back
             sampling = mirror.launch(runner, message.samples, logits)
-            ids = mirror.sampled_ids(sampling, sampled_ids_buffer(config.max_num_seqs, device))
+            ids = mirror.sampled_ids(sampling, sampled_ids_buffer(config.max_num_seqs, ids_ring))
             send(_comm(group.send_ids, ids), ids)
             lap("sample_seconds")
         except _PeerLost:

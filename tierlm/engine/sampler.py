@@ -259,7 +259,9 @@ class _Sent:
         self.outputs = len(plan.output_flat)  # the first of seen_flat; the prompt ids follow
         ints = {"seen_flat": np.concatenate([plan.output_flat, plan.prompt_flat]), "bias_flat": plan.bias_flat,
                 "ban_flat": plan.ban_flat}
-        floats = {"bias_values": plan.bias_values, "penalties": plan.penalties}
+        floats = {"bias_values": plan.bias_values}
+        if len(ints["seen_flat"]):  # read by the penalties alone: a batch without them sends nothing for them
+            floats["penalties"] = plan.penalties
         if self.sampling:
             ints.update(keys=plan.keys.view(np.int64), is_top_k=plan.top_k_rows.astype(np.int64),
                         greedy=plan.greedy.astype(np.int64))
