@@ -58,6 +58,7 @@ class Watch(TorchDispatchMode):
         self.forward_s = 0.0
         self.ops: Counter = Counter()
         self.calls = 0
+        self.timed: Counter = Counter()  # --time: seconds in each watched function this step
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if self.counting and not self.inside and not func.is_view and func.name() != "aten::detach":
@@ -75,8 +76,8 @@ class Watch(TorchDispatchMode):
 
     def take(self) -> dict:
         """This step's counters, reset."""
-        out = {"forward_s": self.forward_s, "ops": dict(self.ops), "calls": self.calls}
-        self.forward_s, self.ops, self.calls = 0.0, Counter(), 0
+        out = {"forward_s": self.forward_s, "ops": dict(self.ops), "calls": self.calls, "timed": dict(self.timed)}
+        self.forward_s, self.ops, self.calls, self.timed = 0.0, Counter(), 0, Counter()
         return out
 
 
@@ -121,6 +122,32 @@ def use_clock(name: str) -> None:
 clock = time.perf_counter
 
 
+def time_functions(watch: Watch, paths: list[str]) -> None:
+    """--time: each `module:Class.function` (or `module:function`) named, timed per step on the script's
+    clock (the forward inside one counts in it). A name this checkout lacks is skipped."""
+    import importlib
+
+    for path in paths:
+        module_name, _, qualname = path.partition(":")
+        *owners, name = qualname.split(".")
+        owner = importlib.import_module(module_name)
+        for part in owners:
+            owner = getattr(owner, part, None)
+        original = getattr(owner, name, None)
+        if original is None:
+            continue
+
+        def timed(*args, _original=original, _path=path, **kwargs):
+            start = clock()
+            try:
+                return _original(*args, **kwargs)
+            finally:
+                watch.timed[_path] += clock() - start
+
+        setattr(owner, name, staticmethod(timed) if isinstance(owner, type) and isinstance(
+            owner.__dict__.get(name), staticmethod) else timed)
+
+
 def engine_options(args) -> dict:
     return {"dtype": "float32", "device": "cpu", "max_model_len": args.max_model_len,
             "max_num_seqs": max(STREAMS), "pipeline_parallel_size": 2}
@@ -135,6 +162,7 @@ def rank1_main(args) -> None:
 
     watch, steps = Watch(), []
     watch_forwards(watch)
+    time_functions(watch, args.time)
     get, run_worker = group_module.Inbox.get, pipeline_worker.run_worker
     state = {"stats": None, "count_from": None}
 
@@ -175,11 +203,12 @@ def run(args) -> tuple[list[dict], list[dict]]:
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2")
     rank1_out = Path(args.scratch) / "rank1.json"
     child = subprocess.Popen([sys.executable, __file__, "--rank1", str(rank1_out), "--model", args.model,
-                              "--max-model-len", str(args.max_model_len), "--clock", args.clock],
+                              "--max-model-len", str(args.max_model_len), "--clock", args.clock, "--time", *args.time],
                              env=dict(env, RANK="1"))
     os.environ.update(env, RANK="0")
     watch = Watch()
     watch_forwards(watch)
+    time_functions(watch, args.time)
     llm = LLM(args.model, **engine_options(args))
     engine = llm.engine
     assert engine.overlap and engine.runner.static_decode is not None
@@ -221,7 +250,8 @@ def rank1_records(rank1: list[dict], rank0: list[dict]) -> list[dict]:
         number = after["phases"]["steps"]
         if number == before["phases"]["steps"] + 1:
             by_step[number] = {"phases": {k: after["phases"][k] - before["phases"][k] for k in RANK1_PHASES},
-                               "forward_s": after["forward_s"], "ops": after["ops"], "calls": after["calls"]}
+                               "forward_s": after["forward_s"], "ops": after["ops"], "calls": after["calls"],
+                               "timed": after["timed"]}
     out = []
     for record in rank0:
         first, last = record["steps"]
@@ -251,6 +281,8 @@ def summarize(records: list[dict], phases: dict[str, str], forward_phase: str) -
         for r in counted:
             total.update(r["ops"])
         row["by op"] = {k: n / len(counted) for k, n in total.most_common()}
+        row["functions"] = {name: 1e3 * statistics.median(r["timed"].get(name, 0.0) for r in timed)
+                            for name in sorted({name for r in timed for name in r["timed"]})}
         out[streams] = row
     return out
 
@@ -266,6 +298,8 @@ def report(rank0: dict, rank1: dict, show_ops: bool) -> None:
             print(f"  {rank}: {times}")
             print(f"          outside the forward: {row['ops']:.0f} ops, {row['py calls']:.0f} Python calls, "
                   f"{row['reads']:.0f} device reads")
+            for name, ms in row["functions"].items():
+                print(f"          {name}: {ms:.3f}")
             if show_ops:
                 print("          " + ", ".join(f"{k.removeprefix('aten::')} {n:.1f}" for k, n in row["by op"].items()))
 
@@ -279,6 +313,9 @@ def main() -> None:
     parser.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
                         help="cpu (default): each rank's main thread CPU time (robust on a shared machine); wall")
     parser.add_argument("--ops", action="store_true", help="also the ops counted per step, by name")
+    parser.add_argument("--time", nargs="*", default=[], metavar="MODULE:FUNCTION",
+                        help="also the median time per step in these functions, on each rank (e.g. "
+                             "tierlm.engine.sampler:Sampler.launch)")
     parser.add_argument("--json", default=None, help="also write the summaries here")
     parser.add_argument("--rank1", default=None, help=argparse.SUPPRESS)  # the child: rank 1's output file
     args = parser.parse_args()

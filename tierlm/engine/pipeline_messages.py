@@ -13,7 +13,10 @@ step that fits the static decode runners travels as `DecodeRows` (host lists, wh
 What crosses ranks on the device (never through the host): each stage's output, packed with the batch's
 token ids as one buffer (`pack_stage_output` / `unpack_stage_input`: the stages after the first take
 their input ids from it, so an id sampled on the device reaches every rank without the host), and the
-last rank's sampled ids back to rank 0 (`sampled_ids_buffer`, one fixed size for every step).
+last rank's sampled ids and their statuses back to rank 0 (`sampled_ids_buffer`, one fixed size for
+every step): rank 0 reads a step's tokens there, and the last rank answers on the host (`StageResult`)
+only a step whose requests report log-probabilities or whose rows failed (`reports_logprobs`). Buffers
+come from rings (`BufferRing`): no step allocates device memory for them.
 """
 
 from __future__ import annotations
@@ -124,10 +127,21 @@ def stage_ring(max_rows: int, width: int, dtype: torch.dtype, device: torch.devi
     return BufferRing(stage_bytes(max_rows, width, dtype), depth, device)
 
 
+ROW_FAILED = 3  # a sampled row's status: its preparation failed on the last rank (the sampler's: 0 ok, 1 NaN, 2 masked)
+
+
 def sampled_ids_buffer(max_rows: int, ring: BufferRing) -> torch.Tensor:
-    """The last rank's sampled ids of one step, row k the k-th sampling chunk's (past them: stale values
-    of an earlier step, which no step reads), from a ring of 8 * max_rows bytes."""
-    return ring.take(8 * max_rows).view(torch.int64)
+    """The last rank's sampled ids of one step [2, max_rows]: row 0 the ids, row 1 each row's status (0:
+    sampled), column k the k-th sampling chunk's (past them: stale values of an earlier step, which no
+    step reads), from a ring of 16 * max_rows bytes."""
+    return ring.take(16 * max_rows).view(torch.int64).view(2, max_rows)
+
+
+def reports_logprobs(request) -> bool:
+    """Whether a request reports log-probabilities or prompt log-probabilities: a step with one (or with a
+    row whose status is not 0) is answered on rank 0's host (`StageResult`); any other step's tokens are
+    read from the sampled ids on rank 0's device, and the last rank sends no answer."""
+    return request.logprobs is not None or request.prompt_logprobs is not None
 
 
 @dataclass
@@ -142,6 +156,7 @@ class NewRequest:
     max_model_len: int
     output_token_ids: list[int]
     has_grammar: bool
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)  # SamplingParams.bad_words, encoded
 
 
 @dataclass
@@ -160,6 +175,7 @@ class SampleSpec:
 @dataclass
 class StepMessage:
     kind: str = "step"  # step | stats | echo | stop
+    step: int = 0  # rank 0's count of the steps it launched (its answer, if any, names it)
     batch: BatchArrays | None = None
     decode: DecodeRows | None = None  # instead of `batch`: a decode step the static runners take
     cache_ops: list[tuple[str, tuple]] = field(default_factory=list)
@@ -172,8 +188,10 @@ class StepMessage:
 
 @dataclass
 class StageResult:
-    """The last rank's answer to one step, by request key."""
+    """The last rank's answer to one step, by request key (only for a step that `reports_logprobs` or had a
+    row fail; or the error that ended the last rank)."""
 
+    step: int = 0  # the StepMessage.step it answers
     sampled: dict[int, int] = field(default_factory=dict)
     failed: dict[int, str] = field(default_factory=dict)
     logprobs: dict[int, dict] = field(default_factory=dict)

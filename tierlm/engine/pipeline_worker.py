@@ -40,11 +40,13 @@ from tierlm.distributed.group import (
 )
 from tierlm.engine.model_runner import LaunchedStep, ModelRunner
 from tierlm.engine.pipeline_messages import (
+    ROW_FAILED,
     BufferRing,
     SampleSpec,
     StageResult,
     StepMessage,
     pack_stage_output,
+    reports_logprobs,
     sampled_ids_buffer,
     stage_buffer,
     stage_ring,
@@ -122,17 +124,25 @@ class _Mirror:
             self.requests.pop(key, None)
         for new in message.new_requests:
             request = Request(new.request_id, new.prompt_token_ids, new.params, new.eos_token_ids,
-                              new.max_model_len, output_token_ids=list(new.output_token_ids))
+                              new.max_model_len, output_token_ids=list(new.output_token_ids),
+                              bad_words_token_ids=new.bad_words_token_ids)
             if new.has_grammar:
                 from tierlm.engine.structured_output import BitmaskGrammar  # xgrammar is slow to import
 
                 request.structured_output = BitmaskGrammar(None)
             self.requests[new.key] = request
 
-    def launch(self, runner: ModelRunner, specs: list[SampleSpec], logits: torch.Tensor) -> _Sampling:
+    def reads_outputs(self, unread: _Sampling, message: StepMessage) -> bool:
+        """Whether the step's sampling reads the output ids of a request the unread step sampled (penalties,
+        bad words): those must be read back first."""
+        keys = {spec.key for spec in unread.specs if spec.samples}
+        return any(spec.key in keys and spec.samples and _reads_outputs(self.requests[spec.key])
+                   for spec in message.samples)
+
+    def launch(self, runner: ModelRunner, message: StepMessage, logits: torch.Tensor) -> _Sampling:
         """Queue the sampling of the step's rows on the device (as one process does: `ModelRunner`); prompt
         log-probabilities are read at once."""
-        wanted, before = [], {}
+        wanted, before, specs = [], {}, message.samples
         for spec in specs:
             request = self.requests[spec.key]
             request.num_computed_tokens = spec.start
@@ -152,27 +162,35 @@ class _Mirror:
             request = self.requests[spec.key]
             if request.prompt_logprobs is not None and len(request.prompt_logprobs) > before[spec.key]:
                 prompt_logprobs[spec.key] = request.prompt_logprobs[before[spec.key]:]
-        return _Sampling(specs, launched, rows, prompt_logprobs)
+        reports = any(reports_logprobs(self.requests[spec.key]) for spec in specs)
+        return _Sampling(message.step, specs, launched, rows, prompt_logprobs, reports)
 
     def sampled_ids(self, sampling: _Sampling, out: torch.Tensor) -> torch.Tensor:
-        """The launched step's sampled ids into `out`, row k the k-th sampling spec's (what rank 0 counts on;
-        a request whose prompt log-probabilities failed has no sampling row, its row stays 0)."""
+        """The launched step's sampled ids and statuses into `out` [2, rows], column k the k-th sampling
+        spec's (what rank 0 reads its tokens from; a request whose prompt log-probabilities failed has no
+        sampling row: its column is stale, and that request reports prompt log-probabilities, so its step
+        is answered); a row whose preparation failed gets the status ROW_FAILED."""
         launched = sampling.launched
         if launched.pending is None:
             return out
         requests = [self.requests[spec.key] for spec in sampling.specs if spec.samples]
-        tokens = launched.pending.tokens
+        pending = launched.pending
         if launched.sampling == requests:
-            out[: len(requests)].copy_(tokens)
+            out[:, : len(requests)].copy_(pending.device_ids)
+            columns = list(range(len(requests)))
         else:
             index = {request: k for k, request in enumerate(requests)}
-            out[on_device([index[r] for r in launched.sampling], out.device)] = tokens
+            columns = [index[r] for r in launched.sampling]
+            out[:, on_device(columns, out.device)] = pending.device_ids
+        if pending.failed:  # rare: the sampler's own preparation of a row raised (its grammar)
+            out[1, on_device([columns[row] for row in pending.failed], out.device)] = ROW_FAILED
         return out
 
     def finish(self, runner: ModelRunner, sampling: _Sampling) -> StageResult:
-        """The launched sampling read back (waits for its ids) as the answer to rank 0."""
+        """The launched sampling read back (waits for its ids) into the mirrors, and as the answer to rank
+        0 (sent only when `sampling.answered`)."""
         result = runner.finish(sampling.launched)
-        out = StageResult(prompt_logprobs=sampling.prompt_logprobs)
+        out = StageResult(step=sampling.step, prompt_logprobs=sampling.prompt_logprobs)
         for spec in sampling.specs:
             key, request = spec.key, self.requests[spec.key]
             if request in result.failed:
@@ -183,17 +201,31 @@ class _Mirror:
                 if request.logprobs is not None:
                     out.logprobs[key] = request.logprobs[-1]
                     out.cumulative_logprob[key] = request.cumulative_logprob
+        sampling.answered = sampling.reports or bool(out.failed)
         return out
+
+
+def _reads_outputs(request: Request) -> bool:
+    """Whether sampling the request reads its output ids on the host (the engine does not overlap it)."""
+    return request.params.has_penalties or bool(request.bad_words_token_ids)
 
 
 @dataclass
 class _Sampling:
     """A step's sampling on the last rank, launched on the device and not read back yet."""
 
+    step: int  # rank 0's number of the step
     specs: list[SampleSpec]
     launched: LaunchedStep
     rows: dict[Request, int]  # each sampling request's place in its output ids (a placeholder until read)
     prompt_logprobs: dict[int, list]
+    reports: bool  # a request reports (prompt) log-probabilities: rank 0 waits for the answer
+    answered: bool = False  # read back: whether rank 0 gets an answer (it reports, or a row failed)
+
+    def done(self) -> bool:
+        """Whether the device has sampled it (reading it back does not wait)."""
+        pending = self.launched.pending
+        return pending is None or pending.ready is None or pending.ready.query()
 
 
 # where a worker's host time goes, summed over steps (`PipelineDriver.worker_stats`): waiting for the
@@ -229,7 +261,7 @@ def run_worker(group: PipelineGroup, stage: Stage, config) -> None:
     depth = group.world_size + 1
     received_ring = stage_ring(config.max_num_seqs, width, dtype, device, depth)
     output_ring = None if group.is_last else stage_ring(config.max_num_seqs, width, dtype, device, depth)
-    ids_ring = BufferRing(8 * config.max_num_seqs, depth, device) if group.is_last else None
+    ids_ring = BufferRing(16 * config.max_num_seqs, depth, device) if group.is_last else None
     # rank 0 sends up to world_size steps ahead of the last rank: each finds its receive posted
     inbox = group.inbox(0, depth=group.world_size)
     stats = dict.fromkeys(WORKER_PHASES, 0.0) | {"steps": 0}
@@ -250,7 +282,8 @@ def run_worker(group: PipelineGroup, stage: Stage, config) -> None:
         sending = list(works_and_buffers)
 
     def answer() -> None:
-        """Read the unread step's ids back and send rank 0 its answer."""
+        """Read the unread step's ids back into the mirrors and, if it reports log-probabilities or a row
+        failed, send rank 0 its answer (otherwise rank 0 reads its tokens on its device)."""
         nonlocal unread
         sampling, unread = unread, None
         try:
@@ -259,7 +292,8 @@ def run_worker(group: PipelineGroup, stage: Stage, config) -> None:
             _comm(group.send_object, StageResult(error=f"{type(exc).__name__}: {exc}"), 0, RESULT_TAG,
                   group.result_group)
             raise
-        _comm(group.send_object, result, 0, RESULT_TAG, group.result_group)
+        if sampling.answered:
+            _comm(group.send_object, result, 0, RESULT_TAG, group.result_group)
         lap("send_seconds")
 
     while True:
@@ -304,7 +338,9 @@ def run_worker(group: PipelineGroup, stage: Stage, config) -> None:
             lap("forward_seconds")
             # on the device, as one process samples; the ids go to rank 0's device at once (its next step
             # may already wait for them there), to its host with the log-probabilities when read back
-            sampling = mirror.launch(runner, message.samples, logits)
+            if unread is not None and mirror.reads_outputs(unread, message):
+                answer()  # its ids on the host first: this step's sampling reads a request's output ids
+            sampling = mirror.launch(runner, message, logits)
             ids = mirror.sampled_ids(sampling, sampled_ids_buffer(config.max_num_seqs, ids_ring))
             send(_comm(group.send_ids, ids), ids)
             lap("sample_seconds")
@@ -318,8 +354,13 @@ def run_worker(group: PipelineGroup, stage: Stage, config) -> None:
             answer()
         unread = sampling
         stats["steps"] += 1
-        if not inbox.ready():  # no next step to launch first: read this one back now
-            answer()
+        # no next step to launch first: read this one back once the device has sampled it (rank 0 may wait
+        # for its answer), unless the next step comes first (launched first, then this one read back)
+        while not inbox.ready():
+            if sampling.done():
+                answer()
+                break
+            time.sleep(0)
 
 
 def _run_layers(runner: ModelRunner, message: StepMessage, batch, hidden: torch.Tensor,
