@@ -332,14 +332,14 @@ def run_worker(group: PipelineGroup, stage: Stage, config) -> None:
             lap("forward_seconds")
             stats["steps"] += 1
             continue
+        if unread is not None and mirror.reads_outputs(unread, message):
+            answer()  # its ids on the host first: this step's sampling reads a request's output ids
         try:
             with layers.timed():
                 logits = _run_layers(runner, message, batch, hidden, token_ids)
             lap("forward_seconds")
             # on the device, as one process samples; the ids go to rank 0's device at once (its next step
             # may already wait for them there), to its host with the log-probabilities when read back
-            if unread is not None and mirror.reads_outputs(unread, message):
-                answer()  # its ids on the host first: this step's sampling reads a request's output ids
             sampling = mirror.launch(runner, message, logits)
             ids = mirror.sampled_ids(sampling, sampled_ids_buffer(config.max_num_seqs, ids_ring))
             send(_comm(group.send_ids, ids), ids)
