@@ -15,18 +15,23 @@ static decode runner, and follows rank 0's step descriptions. Each step (`launch
    the batch's input ids, to rank 1, which runs its layers (its input ids from that buffer) and sends it
    on; each rank posts its receive as soon as the step message is in, before its host work, so the copy
    overlaps that work (deferred receive);
-3. the last rank computes the logits, samples them on its device (as one process does), sends the
-   sampled ids straight to rank 0's device (`PipelineGroup.send_ids`), then the ids and the requested
-   log-probabilities to its host (`StageResult`).
+3. the last rank computes the logits, samples them on its device (as one process does) and sends the
+   sampled ids with each row's status straight to rank 0's device (`PipelineGroup.send_ids`); rank 0
+   reads the step's tokens there (on CUDA a pinned copy queued on a side stream as they arrive). Only a
+   step whose requests report log-probabilities (or prompt log-probabilities), or whose rows failed, is
+   also answered on rank 0's host (`StageResult`, `pipeline_messages.reports_logprobs`): a greedy
+   decode step costs no host-to-host message back.
 Overlap scheduling (the engine's, on by default): rank 0 launches step t+1 before it has read step t's
-answer; the inputs of t+1 that t samples (placeholders) are taken on rank 0's device from the ids the
+tokens; the inputs of t+1 that t samples (placeholders) are taken on rank 0's device from the ids the
 last rank sent there, and reach the other ranks with the hidden state. So no host sits between the
 ranks' devices: with one stream a token costs the two stages' layers, the sampling and two small copies,
 while the hosts prepare the next step. Without overlap, micro-batches are in flight instead (below).
 Every rank keeps its receives of the messages posted ahead (`distributed.group.Inbox`): a gloo send
 waits for the receiver's receive, so without them rank 0 could not send the next step while the last
-rank still works on the previous one. `timing` (rank 0) and `worker_stats` (the others) say where each
-rank's time goes, phase by phase (bench/pipeline_decode.py prints them).
+rank still works on the previous one. No step allocates device memory for what crosses ranks (rings of
+buffers, `pipeline_messages.BufferRing`). `timing` (rank 0) and `worker_stats` (the others) say where
+each rank's time goes, phase by phase (bench/pipeline_decode.py prints them; bench/pipeline_host_cost.py
+the host work of each phase on CPU).
 
 Sampling on the last rank: its sampler keeps a mirror of each request's sampling state (parameters,
 output tokens: a seeded row's noise comes from its seed and position; `pipeline_worker._Mirror`).
@@ -103,7 +108,7 @@ WATCH_INTERVAL_S = 1.0  # how often rank 0 checks its workers between steps
 # overlap: on CUDA only the stream waits, on CPU the host); building the step message; pickling and
 # sending it to every rank; its own layers (inputs into the static runner's buffers or the batch to the
 # device, the layers launched, their output and ids packed and sent on, the ids' receive posted);
-# waiting for the last rank's answer
+# reading the step's sampled ids back (and waiting for the last rank's answer when it has one)
 DRIVER_PHASES = ("schedule_seconds", "ids_wait_seconds", "prepare_seconds", "send_seconds", "forward_seconds",
                  "wait_seconds")
 

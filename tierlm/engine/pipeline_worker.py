@@ -5,12 +5,15 @@ state and input ids in one device buffer) at once (deferred receive: the copy ov
 replay rank 0's cache operations on this rank's layers; move the batch to the device (a decode step:
 its host lists into the static runner's buffers, the input ids taken from the received buffer on the
 device); wait for the receive (on CUDA only the stream waits); run the layers; send the output on. The
-last rank samples, sends the sampled ids to rank 0's device (its next step may already wait for them
-there), then the tokens and log-probabilities to rank 0's host.
+last rank samples, sends the sampled ids and their statuses to rank 0's device (its next step may already
+wait for them there, and rank 0 reads the step's tokens there), then reads them back into its mirrors
+once the device has sampled them (or after launching the next step, when that comes first) and, for a
+step that reports log-probabilities or had a row fail, sends rank 0's host the answer (`StageResult`).
 
 The last rank samples with the engine's own `ModelRunner` sampling on mirrors of the requests (`_Mirror`:
 parameters, output tokens), on its device, so sampling is the code PP=1 runs: the same ops on the same
-values and noise keys, and only the ids and log-probabilities come to the host.
+values and noise keys, and only the ids and log-probabilities come to the host. A mirror's output ids are
+read back before a step whose sampling reads them (penalties, bad words).
 Structured-output rows come with rank 0's grammar bitmask. Messages from rank 0 arrive in an `Inbox`
 (receives always posted), so rank 0 can send the next micro-batch while this rank works.
 
@@ -232,7 +235,7 @@ class _Sampling:
 # next step's message; host work while the hidden state's receive is posted (cache ops, the batch); on
 # CPU the wait for the hidden state; launching the layers (CPU: running them) and sending the result on;
 # the last rank: launching the sampling and the ids' send to rank 0's device, then reading the ids back
-# (on CUDA this waits for the layers and the sampling) and sending the answer to rank 0's host. Beside
+# (on CUDA once sampled) and, when the step has one, sending the answer to rank 0's host. Beside
 # them (on CUDA, the stream's time): stall_seconds (waiting for the hidden state after the host work),
 # layers_seconds (the layers), and static_steps (forwards replayed from the static decode runner)
 WORKER_PHASES = ("idle_seconds", "host_seconds", "receive_wait_seconds", "forward_seconds", "sample_seconds",
