@@ -4,7 +4,7 @@ The demo model decodes --tokens tokens per stream (1 and 4 streams, greedy, over
 on CPU. Both ranks run in processes this script starts (torchrun's environment: rank 0 here, rank 1 in a
 child that runs this file with --rank1), so both can be watched. Every decode step goes through the static
 decode runners in mode "eager" (the padded batches CUDA graphs replay, run eagerly: the same host path as
-on a GPU). Per rank, medians per step after --warmup steps:
+on a GPU). Per rank, medians per decode step (every stream in one static forward) after --warmup of them:
 - each host phase of the pipeline's own timers (`PipelineDriver.timing`, the worker's phases; bench/
   pipeline_decode.py prints the same on a GPU), the time inside the fixed-shape forwards taken out of
   the phase that runs them (on a GPU they are one graph replay: "fwd" is that CPU time, shown apart);
@@ -16,6 +16,7 @@ on a GPU). Per rank, medians per step after --warmup steps:
 
     python bench/pipeline_host_cost.py                  # demo tiny, 1 and 4 streams
     python bench/pipeline_host_cost.py --ops            # also the ops counted per step, by name
+    python bench/pipeline_host_cost.py --context 8000 --max-model-len 8192 --streams 1   # long block tables
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from tierlm.demo_model import build_demo_model
 from tierlm.model.static_decode import StaticDecodeRunner
 
-STREAMS = (1, 4)
+STREAMS = [1, 4]  # --streams
 COUNTING = "counted-"  # the request ids of the counting pass (rank 1 starts counting when it sees one)
 SYNC_OPS = {"aten::_local_scalar_dense", "tolist"}
 RANK0_PHASES = {"ids_wait_seconds": "ids wait*", "prepare_seconds": "prepare", "send_seconds": "send",
@@ -203,7 +204,7 @@ def run(args) -> tuple[list[dict], list[dict]]:
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2")
     rank1_out = Path(args.scratch) / "rank1.json"
     child = subprocess.Popen([sys.executable, __file__, "--rank1", str(rank1_out), "--model", args.model,
-                              "--max-model-len", str(args.max_model_len), "--clock", args.clock, "--time", *args.time],
+                              "--max-model-len", str(args.max_model_len), "--context", str(args.context), "--streams", *map(str, args.streams), "--clock", args.clock, "--time", *args.time],
                              env=dict(env, RANK="1"))
     os.environ.update(env, RANK="0")
     watch = Watch()
@@ -215,11 +216,14 @@ def run(args) -> tuple[list[dict], list[dict]]:
     records = []
     try:
         for counting in (False, True):
-            for streams in STREAMS:
+            for streams in args.streams:
                 params = SamplingParams(temperature=0, max_tokens=args.warmup + args.tokens + 8, ignore_eos=True)
+                vocab = engine.model_config.vocab_size
                 for i in range(streams):
-                    engine.add_request(f"# stream {i}\ndef f(x):", params,
-                                       request_id=f"{COUNTING if counting else ''}{streams}-{i}")
+                    # --context: a prompt of that many ids (block tables of context / block_size entries)
+                    prompt = ([(7 + 31 * i + 17 * j) % (vocab - 2) + 1 for j in range(args.context)] if args.context
+                              else f"# stream {i}\ndef f(x):")
+                    engine.add_request(prompt, params, request_id=f"{COUNTING if counting else ''}{streams}-{i}")
                 if counting and not watch.counting:
                     watch.start_counting()
                 step = 0
@@ -230,8 +234,10 @@ def run(args) -> tuple[list[dict], list[dict]]:
                     engine.step()
                     wall = clock() - start
                     after = engine.pipeline.timing
-                    step += 1
-                    if args.warmup <= step < args.warmup + args.tokens:  # decode steps of every stream
+                    # decode steps only (one static forward of every stream), after the first --warmup of them
+                    decode = after["static_steps"] - before["static_steps"] == 1 and len(engine.scheduler.running) == streams
+                    step += decode
+                    if decode and args.warmup < step <= args.warmup + args.tokens:
                         phases = {k: after[k] - before[k] for k in RANK0_PHASES if k != "rest"}
                         phases["rest"] = wall - sum(phases.values())
                         records.append({"streams": streams, "counting": counting, "wall": wall, "phases": phases,
@@ -265,7 +271,7 @@ def summarize(records: list[dict], phases: dict[str, str], forward_phase: str) -
     """Per stream count: the median of each phase (the forwards taken out of forward_phase), of the
     forwards, and (counting pass) of ops, Python calls and device reads per step."""
     out = {}
-    for streams in STREAMS:
+    for streams in sorted({r["streams"] for r in records}):
         timed = [r for r in records if r["streams"] == streams and not r["counting"]]
         counted = [r for r in records if r["streams"] == streams and r["counting"]]
         row = {}
@@ -290,9 +296,9 @@ def summarize(records: list[dict], phases: dict[str, str], forward_phase: str) -
 def report(rank0: dict, rank1: dict, show_ops: bool) -> None:
     print("# PP=2 on CPU (gloo), demo tiny, static decode runners eager; ms per step (medians). *: waiting for "
           "another rank (on CPU: its compute); fwd: the fixed-shape forward (one graph replay on a GPU)")
-    for streams in STREAMS:
+    for streams, row0 in rank0.items():
         print(f"\n{streams} stream(s)")
-        for rank, row in (("rank 0", rank0[streams]), ("rank 1", rank1[streams])):
+        for rank, row in (("rank 0", row0), ("rank 1", rank1[streams])):
             times = ", ".join(f"{k} {v:.3f}" for k, v in row.items() if isinstance(v, float) and k not in
                               ("ops", "py calls", "reads"))
             print(f"  {rank}: {times}")
@@ -309,6 +315,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=48, help="decode steps measured per stream count")
     parser.add_argument("--warmup", type=int, default=6)
     parser.add_argument("--max-model-len", type=int, default=512)
+    parser.add_argument("--streams", type=int, nargs="+", default=STREAMS, help="stream counts (default 1 4)")
+    parser.add_argument("--context", type=int, default=0, help="prompt tokens per stream (default: a short prompt)")
     parser.add_argument("--model", default=None, help="a checkpoint folder (default: the tiny demo model)")
     parser.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
                         help="cpu (default): each rank's main thread CPU time (robust on a shared machine); wall")
