@@ -12,12 +12,10 @@ after their prefills and prints decode tok/s side by side with the PP=2 / PP=1 r
 - where each rank's time goes per pipeline step (`PipelineDriver.timing`, the workers' phases): rank 0
   schedules (micro-batches only), waits for the previous step's sampled ids (overlap scheduling: on CUDA
   a stream wait, on CPU the host's), prepares the step, sends it, runs its layers and waits for the answer
-  (the step's sampled ids read back on its host, and the last rank's message when the step reports
-  log-probabilities; the rest of its step is the engine's own work: scheduling with overlap, applying
-  tokens, detokenizing); rank 1 waits for the message, does its host work, launches its layers, samples
-  (the ids go to rank 0's device) and "sends the answer": reads the ids back into its mirrors (on CUDA
-  once sampled), sending rank 0's host a message only for log-probabilities or failed rows; on CUDA also
-  its stream's time in the layers, and how many steps ran from the static decode runners on each rank.
+  (the rest of its step is the engine's own work: scheduling with overlap, applying tokens,
+  detokenizing); rank 1 waits for the message, does its host work, launches its layers, samples (on CUDA
+  waiting for its layers; the ids go to rank 0's device first) and sends the answer back; on CUDA also its
+  stream's time in the layers, and how many steps ran from the static decode runners on each rank.
 With overlap scheduling (the default) a step is one batch of every stream, launched before the host has
 read the previous step's ids; --no-async-scheduling runs micro-batches instead (up to 2 in flight).
 Results go to bench/results/pipeline_decode_<device>.json. On CPU the figures only show that the script
@@ -82,8 +80,8 @@ def decode_rate(llm: LLM, streams: int, tokens: int, snapshot=dict) -> dict:
 
 
 def run(model: str, pp: int, args) -> dict:
-    options = {"dtype": args.dtype, "device": args.device, "max_model_len": args.max_model_len, "max_num_seqs": 4,
-               "async_scheduling": args.async_scheduling}
+    options = dict(dtype=args.dtype, device=args.device, max_model_len=args.max_model_len, max_num_seqs=4,
+                   async_scheduling=args.async_scheduling)
     if args.real_width:
         options["load_format"] = "dummy"  # random weights drawn at load: nothing written to disk
     if args.kv_cache_memory_bytes:

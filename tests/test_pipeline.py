@@ -23,8 +23,8 @@ from tierlm.memory.partition import PartitionError, balanced_partition, check_pa
 from tierlm.sampling_params import StructuredOutputRequest
 
 # chunked prefill (prompts longer than a step's tokens), prefix caching on
-OPTIONS = {"dtype": "float32", "device": "cpu", "max_model_len": 256, "max_num_seqs": 4,
-           "max_num_batched_tokens": 24, "max_state_checkpoints": 4}
+OPTIONS = dict(dtype="float32", device="cpu", max_model_len=256, max_num_seqs=4, max_num_batched_tokens=24,
+               max_state_checkpoints=4)
 PARTITION = (1, 1, 2)  # the QSA layer (3) on the last rank
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
 
@@ -121,24 +121,16 @@ def test_prefix_cache_hit_restores_every_ranks_state(single, pp3):
         assert _logprob_rows(got.outputs[0]) == _logprob_rows(expected.outputs[0])
 
 
-def test_structured_output_seeded_sampling_penalties_and_bad_words(single, pp3):
-    """No request reports log-probabilities here: rank 0 reads every token from the sampled ids on its
-    device, and the last rank answers no step on the host; a penalized request's output ids reach the
-    last rank's sampler before its next step (it reads them back first)."""
+def test_structured_output_and_seeded_sampling(single, pp3):
     schema = {"type": "object", "required": ["x"], "properties": {"x": {"type": "integer"}}}
     constrained = SamplingParams(temperature=0, max_tokens=80,
                                  structured_output=StructuredOutputRequest(json_schema=json.dumps(schema)))
     seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=3, max_tokens=10, ignore_eos=True)
-    # greedy, it starts ' tra ("': the ban of the word's second token reads the first from its output ids
-    penalized = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, repetition_penalty=1.3,
-                               bad_words=['tra ("'])
-    prompts = ["JSON please:", "def f(x):", "defaultsvert identr importcommandabc"]
-    params = [constrained, seeded, penalized]
-    expected = single.generate(prompts, params)
-    got = pp3.generate(prompts, params)
+    prompts = ["JSON please:", "def f(x):"]
+    expected = single.generate(prompts, [constrained, seeded])
+    got = pp3.generate(prompts, [constrained, seeded])
     for a, b in zip(got, expected):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
-    assert '("' not in got[2].outputs[0].text[:8]  # the bad word's ban held
     assert got[0].outputs[0].finish_reason == "stop"
     assert isinstance(json.loads(got[0].outputs[0].text)["x"], int)
 

@@ -15,23 +15,18 @@ static decode runner, and follows rank 0's step descriptions. Each step (`launch
    the batch's input ids, to rank 1, which runs its layers (its input ids from that buffer) and sends it
    on; each rank posts its receive as soon as the step message is in, before its host work, so the copy
    overlaps that work (deferred receive);
-3. the last rank computes the logits, samples them on its device (as one process does) and sends the
-   sampled ids with each row's status straight to rank 0's device (`PipelineGroup.send_ids`); rank 0
-   reads the step's tokens there (on CUDA a pinned copy queued on a side stream as they arrive). Only a
-   step whose requests report log-probabilities (or prompt log-probabilities), or whose rows failed, is
-   also answered on rank 0's host (`StageResult`, `pipeline_messages.reports_logprobs`): a greedy
-   decode step costs no host-to-host message back.
+3. the last rank computes the logits, samples them on its device (as one process does), sends the
+   sampled ids straight to rank 0's device (`PipelineGroup.send_ids`), then the ids and the requested
+   log-probabilities to its host (`StageResult`).
 Overlap scheduling (the engine's, on by default): rank 0 launches step t+1 before it has read step t's
-tokens; the inputs of t+1 that t samples (placeholders) are taken on rank 0's device from the ids the
+answer; the inputs of t+1 that t samples (placeholders) are taken on rank 0's device from the ids the
 last rank sent there, and reach the other ranks with the hidden state. So no host sits between the
 ranks' devices: with one stream a token costs the two stages' layers, the sampling and two small copies,
 while the hosts prepare the next step. Without overlap, micro-batches are in flight instead (below).
 Every rank keeps its receives of the messages posted ahead (`distributed.group.Inbox`): a gloo send
 waits for the receiver's receive, so without them rank 0 could not send the next step while the last
-rank still works on the previous one. No step allocates device memory for what crosses ranks (rings of
-buffers, `pipeline_messages.BufferRing`). `timing` (rank 0) and `worker_stats` (the others) say where
-each rank's time goes, phase by phase (bench/pipeline_decode.py prints them; bench/pipeline_host_cost.py
-the host work of each phase on CPU).
+rank still works on the previous one. `timing` (rank 0) and `worker_stats` (the others) say where each
+rank's time goes, phase by phase (bench/pipeline_decode.py prints them).
 
 Sampling on the last rank: its sampler keeps a mirror of each request's sampling state (parameters,
 output tokens: a seeded row's noise comes from its seed and position; `pipeline_worker._Mirror`).
@@ -82,17 +77,13 @@ from tierlm.distributed.group import (
 from tierlm.engine.model_runner import LaunchedStep, ModelRunner, StepResult
 from tierlm.engine.pipeline_messages import (
     BatchArrays,
-    BlockListChanges,
-    BufferRing,
     DecodeRows,
     NewRequest,
     SampleSpec,
     StageResult,
     StepMessage,
     pack_stage_output,
-    reports_logprobs,
     sampled_ids_buffer,
-    stage_ring,
 )
 from tierlm.engine.request import Request
 from tierlm.engine.sampler import Sampler
@@ -109,7 +100,7 @@ WATCH_INTERVAL_S = 1.0  # how often rank 0 checks its workers between steps
 # overlap: on CUDA only the stream waits, on CPU the host); building the step message; pickling and
 # sending it to every rank; its own layers (inputs into the static runner's buffers or the batch to the
 # device, the layers launched, their output and ids packed and sent on, the ids' receive posted);
-# reading the step's sampled ids back (and waiting for the last rank's answer when it has one)
+# waiting for the last rank's answer
 DRIVER_PHASES = ("schedule_seconds", "ids_wait_seconds", "prepare_seconds", "send_seconds", "forward_seconds",
                  "wait_seconds")
 
@@ -162,30 +153,6 @@ class PipelineStep(LaunchedStep):
     sends: list = field(default_factory=list)  # the step message's sends and the stage output's
     output: torch.Tensor | None = None  # the packed stage output being sent, kept alive until then
     ids_receive: object = None  # the sampled ids' receive (None once waited for)
-    number: int = 0  # StepMessage.step
-    ids: torch.Tensor | None = None  # [2, max rows] the sampled ids and statuses, on this device
-    host_ids: tuple | None = None  # CUDA: (their pinned host copy, its event), queued as they arrive
-
-
-class _HostIds:
-    """CUDA: rank 0's host copies of the sampled ids, a ring of pinned buffers; each step's is copied on a
-    side stream as soon as its receive is in (never behind the next step's layers on the main stream),
-    with an event the host polls."""
-
-    def __init__(self, max_rows: int, depth: int, device: torch.device) -> None:
-        self.stream = torch.cuda.Stream(device)
-        self.buffers = [(torch.empty((2, max_rows), dtype=torch.int64, pin_memory=True), torch.cuda.Event())
-                        for _ in range(depth)]
-        self.turn = 0
-
-    def start(self, receive, ids: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event]:
-        self.turn = (self.turn + 1) % len(self.buffers)
-        host, ready = self.buffers[self.turn]
-        with torch.cuda.stream(self.stream):
-            receive.wait()  # this stream waits for the ids (NCCL: the host does not)
-            host.copy_(ids, non_blocking=True)
-            ready.record()
-        return host, ready
 
 
 class PipelineDriver:
@@ -240,17 +207,6 @@ class PipelineDriver:
         self.exit_process_on_failure = False  # the server sets it: a dead rank ends the process
         self._timing = dict.fromkeys(DRIVER_PHASES, 0.0) | {"steps": 0}
         self._layers = StreamClock(self.stage.cache.device)
-        # a step's output and ids buffers are reused max_in_flight + 1 steps later: by then it was read back
-        # (`finish` waits for its sends and its ids), so no step allocates them
-        device, mc, depth = self.stage.cache.device, self.stage.model_config, max(self.max_in_flight, 2) + 1
-        self._outputs = stage_ring(config.max_num_seqs, mc.hc_count * mc.hidden_size, self.stage.cache.dtype,
-                                   device, depth)
-        self._ids = BufferRing(16 * config.max_num_seqs, depth, device)
-        self._host_ids = _HostIds(config.max_num_seqs, depth, device) if device.type == "cuda" else None
-        self._launched = 0  # steps launched (StepMessage.step)
-        self._block_changes = BlockListChanges()  # what the other ranks hold of each request's block list
-        self._peer_error: str | None = None  # the last rank's error, or its connection lost (result thread)
-        self._peer_failed = threading.Event()
         self._results: queue.Queue = queue.Queue()
         # posted before any step is sent: the last rank's answers never wait for this process
         self._result_inbox = self.group.inbox(self.world_size - 1, RESULT_TAG, self.group.result_group,
@@ -332,12 +288,12 @@ class PipelineDriver:
         if previous is not None:
             self._wait_ids(previous)
         began = time.perf_counter()
-        self._launched += 1
-        message = StepMessage(step=self._launched, cache_ops=self.cache.drain(), released=self._release_finished())
-        self._block_changes.forget(message.released)
-        static = runner.fits_static(plan)  # every rank runs it from its static runner, given host lists
-        if static:
-            wanted = [(chunk, row, 1) for row, chunk in enumerate(plan.chunks)]
+        message = StepMessage(cache_ops=self.cache.drain(), released=self._release_finished())
+        if runner.fits_static(plan):  # every rank runs it from its static runner, given host lists
+            chunks = plan.chunks
+            message.decode = DecodeRows([c.start for c in chunks], [c.request.state_slot for c in chunks],
+                                        [c.request.block_ids for c in chunks])
+            wanted = [(chunk, row, 1) for row, chunk in enumerate(chunks)]
         else:
             batch, wanted = runner.prepare(plan, device="cpu")
             message.batch = BatchArrays.of(batch)
@@ -351,7 +307,6 @@ class PipelineDriver:
                 message.new_requests.append(NewRequest(
                     key, request.request_id, request.prompt_token_ids, request.params, request.eos_token_ids,
                     request.max_model_len, list(request.known_output_token_ids), request.structured_output is not None,
-                    request.bad_words_token_ids,
                 ))
             grammar = request.structured_output
             bitmask = grammar.token_bitmask() if grammar is not None and chunk.samples else None
@@ -360,26 +315,21 @@ class PipelineDriver:
             requests[key] = request
             if chunk.samples:
                 sampling.append(request)
-        if static:
-            chunks, changes = plan.chunks, self._block_changes
-            message.decode = DecodeRows([c.start for c in chunks], [c.request.state_slot for c in chunks],
-                                        [changes.change(self.keys[c.request], c.request.block_ids) for c in chunks])
         sent = time.perf_counter()
         sends = self._send_all(message)
         launched = time.perf_counter()
         with self._layers.timed():
             hidden, _, token_ids = runner.run_forward(plan, previous)
             # the ids go with the hidden state: placeholders resolved on this device reach every rank
-            output = pack_stage_output(hidden, token_ids, self._outputs)
-        ids = sampled_ids_buffer(self.config.max_num_seqs, self._ids)
+            output = pack_stage_output(hidden, token_ids)
+        ids = sampled_ids_buffer(self.config.max_num_seqs, self.stage.cache.device)
         try:
             sends.append(self.group.isend(output, 1))
             receive = self.group.recv_ids(ids)
         except Exception as exc:  # noqa: BLE001
             self._fail(f"sending the hidden state to rank 1 failed: {_first_line(exc)}")
-        host_ids = None if self._host_ids is None else self._host_ids.start(receive, ids)
-        entry = PipelineStep(plan, sampling, _SampledOnDevice(ids[0]), StepResult(), requests=requests, sends=sends,
-                             output=output, ids_receive=receive, number=self._launched, ids=ids, host_ids=host_ids)
+        entry = PipelineStep(plan, sampling, _SampledOnDevice(ids), StepResult(), requests=requests, sends=sends,
+                             output=output, ids_receive=receive)
         self.in_flight.append(entry)
         timing, done = self._timing, time.perf_counter()
         timing["ids_wait_seconds"] += began - waited
@@ -390,34 +340,23 @@ class PipelineDriver:
         return entry
 
     def finish(self, entry: PipelineStep) -> StepResult:
-        """The step's sampled tokens (read from the sampled ids on this device) and, when a request reports
-        log-probabilities or a row failed, the last rank's answer (`reports_logprobs`; answers come in
-        order: `entry` is the oldest step in flight). Requests finished meanwhile are left out."""
+        """The step's sampled tokens and log-probabilities (waits for the last rank's answer, which comes
+        in order: `entry` is the oldest step in flight). Requests finished meanwhile are left out."""
         if not self.in_flight or self.in_flight[0] is not entry:
             raise RuntimeError("pipeline steps are read back in the order they were launched")
         self.in_flight.popleft()
         began = time.perf_counter()
-        tokens, statuses = self._read_ids(entry)
-        answer = None
-        if any(statuses) or any(reports_logprobs(request) for request in entry.requests.values()):
-            answer = self._wait_result()
+        answer = self._wait_result()
         try:
             for work in entry.sends:  # done: every rank has received its step
                 work.wait()
         except Exception as exc:  # noqa: BLE001
             self._fail(f"sending a step or its hidden state failed: {_first_line(exc)}")
+        self._wait_ids(entry)
         self._timing["wait_seconds"] += time.perf_counter() - began
-        result = StepResult()
-        if answer is None:  # every row sampled, nothing more to report: the ids are the answer
-            for request, token in zip(entry.sampling, tokens, strict=True):
-                if not request.is_finished:  # aborted, or (overlap) finished by the step before: discarded
-                    result.sampled[request] = token
-            return result
         if answer.error is not None:
             self._fail(f"pipeline rank {self.world_size - 1} failed during a step: {answer.error}")
-        if answer.step != entry.number:
-            self._fail(f"pipeline rank {self.world_size - 1} answered step {answer.step} where rank 0 expected "
-                       f"step {entry.number}'s answer")
+        result = StepResult()
         for key, request in entry.requests.items():
             if request.is_finished:  # aborted, or (overlap) finished by the step before: discarded
                 continue
@@ -440,37 +379,8 @@ class PipelineDriver:
         try:
             entry.ids_receive.wait()
         except Exception as exc:  # noqa: BLE001
-            self._fail(self._peer_failure(f"lost the connection to pipeline rank {self.world_size - 1}: "
-                                          f"{_first_line(exc)}"))
+            self._fail(f"lost the connection to pipeline rank {self.world_size - 1}: {_first_line(exc)}")
         entry.ids_receive = None
-
-    def _read_ids(self, entry: PipelineStep) -> tuple[list[int], list[int]]:
-        """The step's sampled ids and their statuses, one per sampling row, on the host (CPU: waits for
-        their receive; CUDA: polls their copy's event, watching the last rank meanwhile)."""
-        rows = len(entry.sampling)
-        if entry.host_ids is None:
-            self._wait_ids(entry)
-            return entry.ids[:, :rows].tolist()
-        host, ready = entry.host_ids
-        deadline = time.monotonic() + self.config.pipeline_timeout_s
-        check = time.monotonic() + RESULT_POLL_S
-        while not ready.query():  # a few hundred microseconds: spun (a dead last rank never sends them)
-            if self._peer_error is not None:
-                self._fail(self._peer_error)
-            if time.monotonic() > check:
-                self._check_alive()
-                if time.monotonic() > deadline:
-                    self._fail(f"no sampled ids from pipeline rank {self.world_size - 1} in "
-                               f"{self.config.pipeline_timeout_s:g} s (pipeline_timeout_s)")
-                check = time.monotonic() + RESULT_POLL_S
-            time.sleep(0)
-        return host[:, :rows].tolist()
-
-    def _peer_failure(self, why: str) -> str:
-        """Why the last rank went away: its own error when its answer says so (it sends one before it
-        exits), else `why`."""
-        self._peer_failed.wait(timeout=1.0)
-        return self._peer_error or why
 
     def _release_finished(self) -> list[int]:
         """The keys of requests that finished (or were aborted) and are in no batch in flight: the last rank
@@ -491,21 +401,13 @@ class PipelineDriver:
 
     # ---- waiting, and failures ----
     def _receive_results(self) -> None:
-        """The result thread: the last rank's answers, in order, into a queue (an error ends it; the last
-        rank's error, or the lost connection, is also kept for a wait on the sampled ids)."""
-        last = self.world_size - 1
+        """The result thread: the last rank's answers, in order, into a queue (an error ends it)."""
         while True:
             try:
-                answer = self._result_inbox.get()
+                self._results.put(self._result_inbox.get())
             except Exception as exc:  # noqa: BLE001
-                self._peer_error = self._peer_error or f"lost the connection to pipeline rank {last}: {_first_line(exc)}"
-                self._peer_failed.set()
                 self._results.put(exc)
                 return
-            if answer.error is not None:
-                self._peer_error = f"pipeline rank {last} failed during a step: {answer.error}"
-                self._peer_failed.set()
-            self._results.put(answer)
 
     def _wait_result(self) -> StageResult:
         deadline = time.monotonic() + self.config.pipeline_timeout_s

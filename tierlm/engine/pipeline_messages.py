@@ -13,10 +13,7 @@ step that fits the static decode runners travels as `DecodeRows` (host lists, wh
 What crosses ranks on the device (never through the host): each stage's output, packed with the batch's
 token ids as one buffer (`pack_stage_output` / `unpack_stage_input`: the stages after the first take
 their input ids from it, so an id sampled on the device reaches every rank without the host), and the
-last rank's sampled ids and their statuses back to rank 0 (`sampled_ids_buffer`, one fixed size for
-every step): rank 0 reads a step's tokens there, and the last rank answers on the host (`StageResult`)
-only a step whose requests report log-probabilities or whose rows failed (`reports_logprobs`). Buffers
-come from rings (`BufferRing`): no step allocates device memory for them.
+last rank's sampled ids back to rank 0 (`sampled_ids_buffer`, one fixed size for every step).
 """
 
 from __future__ import annotations
@@ -52,62 +49,16 @@ class BatchArrays:
 
 @dataclass
 class DecodeRows:
-    """A decode-only step as host lists, one row per request: positions, state slots, and each row's block
-    list as what changed since the last decode step sent it (`BlockListChanges`): (request key, entries
-    kept, entries after them). The input ids come with the hidden state."""
+    """A decode-only step as host lists, one row per request: positions, state slots, block lists (the
+    input ids come with the hidden state)."""
 
     positions: list[int]
     slots: list[int]
-    tables: list[tuple[int, int, list[int]]]
+    tables: list[list[int]]
 
     @property
     def num_tokens(self) -> int:
         return len(self.positions)
-
-
-class BlockListChanges:
-    """Rank 0's side of the block lists in `DecodeRows`: a request's list goes whole the first time (or when
-    the request holds another list: preempted and readmitted), then only the blocks it gained, so a decode
-    step's message does not grow with its context."""
-
-    def __init__(self) -> None:
-        self._sent: dict[int, tuple[list[int], int]] = {}  # request key -> (its list object, entries sent)
-
-    def change(self, key: int, blocks: list[int]) -> tuple[int, int, list[int]]:
-        held = self._sent.get(key)
-        kept = held[1] if held is not None and held[0] is blocks and held[1] <= len(blocks) else 0
-        self._sent[key] = (blocks, len(blocks))
-        return key, kept, blocks[kept:]
-
-    def forget(self, keys: list[int]) -> None:
-        for key in keys:
-            self._sent.pop(key, None)
-
-
-class BlockLists:
-    """The other ranks' side: each request's block list rebuilt from the changes, one list object per
-    request while it only grows (the static decode runner then sends only its new entries to the device:
-    `StaticDecodeRunner.stage_decode`), a new object when it was sent whole."""
-
-    def __init__(self) -> None:
-        self._lists: dict[int, list[int]] = {}
-
-    def apply(self, tables: list[tuple[int, int, list[int]]]) -> list[list[int]]:
-        out = []
-        for key, kept, new in tables:
-            if kept == 0:
-                blocks = self._lists[key] = list(new)
-            else:
-                blocks = self._lists[key]
-                if len(blocks) != kept:
-                    raise RuntimeError(f"request key {key}: {len(blocks)} blocks held, rank 0 counts on {kept}")
-                blocks.extend(new)
-            out.append(blocks)
-        return out
-
-    def forget(self, keys: list[int]) -> None:
-        for key in keys:
-            self._lists.pop(key, None)
 
 
 def _ids_offset(num_tokens: int, width: int, dtype: torch.dtype) -> int:
@@ -115,25 +66,16 @@ def _ids_offset(num_tokens: int, width: int, dtype: torch.dtype) -> int:
     return -(-num_tokens * width * dtype.itemsize // 8) * 8
 
 
-def stage_bytes(num_tokens: int, width: int, dtype: torch.dtype) -> int:
-    """The size of a packed stage output of `num_tokens` rows: the hidden state, then the ids."""
-    return _ids_offset(num_tokens, width, dtype) + 8 * num_tokens
+def stage_buffer(num_tokens: int, width: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An empty buffer for a packed stage output of `num_tokens` rows (what the next stage receives)."""
+    return torch.empty(_ids_offset(num_tokens, width, dtype) + 8 * num_tokens, dtype=torch.uint8, device=device)
 
 
-def stage_buffer(num_tokens: int, width: int, dtype: torch.dtype, device: torch.device,
-                 ring: BufferRing | None = None) -> torch.Tensor:
-    """An empty buffer for a packed stage output of `num_tokens` rows (what the next stage receives): the
-    ring's next one when given (and the rows fit it), else a new one."""
-    nbytes = stage_bytes(num_tokens, width, dtype)
-    return ring.take(nbytes) if ring is not None else torch.empty(nbytes, dtype=torch.uint8, device=device)
-
-
-def pack_stage_output(hidden: torch.Tensor, token_ids: torch.Tensor, ring: BufferRing | None = None) -> torch.Tensor:
+def pack_stage_output(hidden: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
     """One buffer holding a stage's output [N, width] and the batch's input ids [N] (copies queued on the
-    device: the result owns its bytes, so a CUDA graph's output buffer may be reused at once); the ring's
-    next buffer when given."""
+    device: the result owns its bytes, so a CUDA graph's output buffer may be reused at once)."""
     rows, width = hidden.shape
-    buffer = stage_buffer(rows, width, hidden.dtype, hidden.device, ring)
+    buffer = stage_buffer(rows, width, hidden.dtype, hidden.device)
     hidden_out, ids_out = unpack_stage_input(buffer, rows, width, hidden.dtype)
     hidden_out.copy_(hidden)
     ids_out.copy_(token_ids)
@@ -148,46 +90,9 @@ def unpack_stage_input(buffer: torch.Tensor, num_tokens: int, width: int,
     return hidden, buffer[offset : offset + 8 * num_tokens].view(torch.int64)
 
 
-class BufferRing:
-    """`depth` byte buffers on a device, handed out in turn, so a step's buffer is written again only
-    `depth` steps later: the packed stage outputs a rank sends, the buffers it receives into, the sampled
-    ids. A rank waits for a step's sends (and reads its receives) before it takes `depth` more, so no
-    buffer is overwritten while a copy still reads it; and no step allocates device memory. A request
-    larger than the buffers (a long prefill chunk's hidden state) gets a buffer of its own."""
-
-    def __init__(self, nbytes: int, depth: int, device: torch.device) -> None:
-        self.nbytes = nbytes
-        self.buffers = [torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(depth)]
-        self.turn = 0
-
-    def take(self, nbytes: int) -> torch.Tensor:
-        """The first `nbytes` bytes of the next buffer (a new one when they do not fit)."""
-        if nbytes > self.nbytes:
-            return torch.empty(nbytes, dtype=torch.uint8, device=self.buffers[0].device)
-        self.turn = (self.turn + 1) % len(self.buffers)
-        return self.buffers[self.turn][:nbytes]
-
-
-def stage_ring(max_rows: int, width: int, dtype: torch.dtype, device: torch.device, depth: int) -> BufferRing:
-    """A ring of packed stage outputs of up to `max_rows` rows (decode steps of max_num_seqs requests)."""
-    return BufferRing(stage_bytes(max_rows, width, dtype), depth, device)
-
-
-ROW_FAILED = 3  # a sampled row's status: its preparation failed on the last rank (the sampler's: 0 ok, 1 NaN, 2 masked)
-
-
-def sampled_ids_buffer(max_rows: int, ring: BufferRing) -> torch.Tensor:
-    """The last rank's sampled ids of one step [2, max_rows]: row 0 the ids, row 1 each row's status (0:
-    sampled), column k the k-th sampling chunk's (past them: stale values of an earlier step, which no
-    step reads), from a ring of 16 * max_rows bytes."""
-    return ring.take(16 * max_rows).view(torch.int64).view(2, max_rows)
-
-
-def reports_logprobs(request) -> bool:
-    """Whether a request reports log-probabilities or prompt log-probabilities: a step with one (or with a
-    row whose status is not 0) is answered on rank 0's host (`StageResult`); any other step's tokens are
-    read from the sampled ids on rank 0's device, and the last rank sends no answer."""
-    return request.logprobs is not None or request.prompt_logprobs is not None
+def sampled_ids_buffer(max_rows: int, device: torch.device) -> torch.Tensor:
+    """The last rank's sampled ids of one step, row k the k-th sampling chunk's (zeros past them)."""
+    return torch.zeros(max_rows, dtype=torch.int64, device=device)
 
 
 @dataclass
@@ -202,7 +107,6 @@ class NewRequest:
     max_model_len: int
     output_token_ids: list[int]
     has_grammar: bool
-    bad_words_token_ids: list[list[int]] = field(default_factory=list)  # SamplingParams.bad_words, encoded
 
 
 @dataclass
@@ -221,7 +125,6 @@ class SampleSpec:
 @dataclass
 class StepMessage:
     kind: str = "step"  # step | stats | echo | stop
-    step: int = 0  # rank 0's count of the steps it launched (its answer, if any, names it)
     batch: BatchArrays | None = None
     decode: DecodeRows | None = None  # instead of `batch`: a decode step the static runners take
     cache_ops: list[tuple[str, tuple]] = field(default_factory=list)
@@ -231,30 +134,11 @@ class StepMessage:
     echo_shape: tuple[int, ...] | None = None  # kind "echo": a tensor rank 1 sends straight back,
     echo_repeats: int = 0  # this many times
 
-    def __reduce__(self):
-        """Pickled as plain tuples, rebuilt by `_step_message`: pickle writes a dataclass instance field by
-        field through copyreg, 3x slower to write and to read than a tuple (~20 us each way for a decode
-        step of 4 rows, on both ends of every step)."""
-        decode = None if self.decode is None else (self.decode.positions, self.decode.slots, self.decode.tables)
-        samples = [(s.key, s.first, s.count, s.start, s.num_tokens, s.samples, s.bitmask) for s in self.samples]
-        return _step_message, (self.kind, self.step, self.batch, decode, self.cache_ops, self.new_requests,
-                               self.released, samples, self.echo_shape, self.echo_repeats)
-
-
-def _step_message(kind, step, batch, decode, cache_ops, new_requests, released, samples, echo_shape,
-                  echo_repeats) -> StepMessage:
-    return StepMessage(kind=kind, step=step, batch=batch, decode=None if decode is None else DecodeRows(*decode),
-                       cache_ops=cache_ops, new_requests=new_requests, released=released,
-                       samples=[SampleSpec(*spec) for spec in samples], echo_shape=echo_shape,
-                       echo_repeats=echo_repeats)
-
 
 @dataclass
 class StageResult:
-    """The last rank's answer to one step, by request key (only for a step that `reports_logprobs` or had a
-    row fail; or the error that ended the last rank)."""
+    """The last rank's answer to one step, by request key."""
 
-    step: int = 0  # the StepMessage.step it answers
     sampled: dict[int, int] = field(default_factory=dict)
     failed: dict[int, str] = field(default_factory=dict)
     logprobs: dict[int, dict] = field(default_factory=dict)

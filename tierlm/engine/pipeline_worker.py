@@ -5,15 +5,12 @@ state and input ids in one device buffer) at once (deferred receive: the copy ov
 replay rank 0's cache operations on this rank's layers; move the batch to the device (a decode step:
 its host lists into the static runner's buffers, the input ids taken from the received buffer on the
 device); wait for the receive (on CUDA only the stream waits); run the layers; send the output on. The
-last rank samples, sends the sampled ids and their statuses to rank 0's device (its next step may already
-wait for them there, and rank 0 reads the step's tokens there), then reads them back into its mirrors
-once the device has sampled them (or after launching the next step, when that comes first) and, for a
-step that reports log-probabilities or had a row fail, sends rank 0's host the answer (`StageResult`).
+last rank samples, sends the sampled ids to rank 0's device (its next step may already wait for them
+there), then the tokens and log-probabilities to rank 0's host.
 
 The last rank samples with the engine's own `ModelRunner` sampling on mirrors of the requests (`_Mirror`:
 parameters, output tokens), on its device, so sampling is the code PP=1 runs: the same ops on the same
-values and noise keys, and only the ids and log-probabilities come to the host. A mirror's output ids are
-read back before a step whose sampling reads them (penalties, bad words).
+values and noise keys, and only the ids and log-probabilities come to the host.
 Structured-output rows come with rank 0's grammar bitmask. Messages from rank 0 arrive in an `Inbox`
 (receives always posted), so rank 0 can send the next micro-batch while this rank works.
 
@@ -43,17 +40,12 @@ from tierlm.distributed.group import (
 )
 from tierlm.engine.model_runner import LaunchedStep, ModelRunner
 from tierlm.engine.pipeline_messages import (
-    ROW_FAILED,
-    BlockLists,
-    BufferRing,
     SampleSpec,
     StageResult,
     StepMessage,
     pack_stage_output,
-    reports_logprobs,
     sampled_ids_buffer,
     stage_buffer,
-    stage_ring,
     unpack_stage_input,
 )
 from tierlm.engine.request import PLACEHOLDER, Request
@@ -128,25 +120,17 @@ class _Mirror:
             self.requests.pop(key, None)
         for new in message.new_requests:
             request = Request(new.request_id, new.prompt_token_ids, new.params, new.eos_token_ids,
-                              new.max_model_len, output_token_ids=list(new.output_token_ids),
-                              bad_words_token_ids=new.bad_words_token_ids)
+                              new.max_model_len, output_token_ids=list(new.output_token_ids))
             if new.has_grammar:
                 from tierlm.engine.structured_output import BitmaskGrammar  # xgrammar is slow to import
 
                 request.structured_output = BitmaskGrammar(None)
             self.requests[new.key] = request
 
-    def reads_outputs(self, unread: _Sampling, message: StepMessage) -> bool:
-        """Whether the step's sampling reads the output ids of a request the unread step sampled (penalties,
-        bad words): those must be read back first."""
-        keys = {spec.key for spec in unread.specs if spec.samples}
-        return any(spec.key in keys and spec.samples and _reads_outputs(self.requests[spec.key])
-                   for spec in message.samples)
-
-    def launch(self, runner: ModelRunner, message: StepMessage, logits: torch.Tensor) -> _Sampling:
+    def launch(self, runner: ModelRunner, specs: list[SampleSpec], logits: torch.Tensor) -> _Sampling:
         """Queue the sampling of the step's rows on the device (as one process does: `ModelRunner`); prompt
         log-probabilities are read at once."""
-        wanted, before, specs = [], {}, message.samples
+        wanted, before = [], {}
         for spec in specs:
             request = self.requests[spec.key]
             request.num_computed_tokens = spec.start
@@ -166,35 +150,27 @@ class _Mirror:
             request = self.requests[spec.key]
             if request.prompt_logprobs is not None and len(request.prompt_logprobs) > before[spec.key]:
                 prompt_logprobs[spec.key] = request.prompt_logprobs[before[spec.key]:]
-        reports = any(reports_logprobs(self.requests[spec.key]) for spec in specs)
-        return _Sampling(message.step, specs, launched, rows, prompt_logprobs, reports)
+        return _Sampling(specs, launched, rows, prompt_logprobs)
 
     def sampled_ids(self, sampling: _Sampling, out: torch.Tensor) -> torch.Tensor:
-        """The launched step's sampled ids and statuses into `out` [2, rows], column k the k-th sampling
-        spec's (what rank 0 reads its tokens from; a request whose prompt log-probabilities failed has no
-        sampling row: its column is stale, and that request reports prompt log-probabilities, so its step
-        is answered); a row whose preparation failed gets the status ROW_FAILED."""
+        """The launched step's sampled ids into `out`, row k the k-th sampling spec's (what rank 0 counts on;
+        a request whose prompt log-probabilities failed has no sampling row, its row stays 0)."""
         launched = sampling.launched
         if launched.pending is None:
             return out
         requests = [self.requests[spec.key] for spec in sampling.specs if spec.samples]
-        pending = launched.pending
+        tokens = launched.pending.tokens
         if launched.sampling == requests:
-            out[:, : len(requests)].copy_(pending.device_ids)
-            columns = list(range(len(requests)))
+            out[: len(requests)].copy_(tokens)
         else:
             index = {request: k for k, request in enumerate(requests)}
-            columns = [index[r] for r in launched.sampling]
-            out[:, on_device(columns, out.device)] = pending.device_ids
-        if pending.failed:  # rare: the sampler's own preparation of a row raised (its grammar)
-            out[1, on_device([columns[row] for row in pending.failed], out.device)] = ROW_FAILED
+            out[on_device([index[r] for r in launched.sampling], out.device)] = tokens
         return out
 
     def finish(self, runner: ModelRunner, sampling: _Sampling) -> StageResult:
-        """The launched sampling read back (waits for its ids) into the mirrors, and as the answer to rank
-        0 (sent only when `sampling.answered`)."""
+        """The launched sampling read back (waits for its ids) as the answer to rank 0."""
         result = runner.finish(sampling.launched)
-        out = StageResult(step=sampling.step, prompt_logprobs=sampling.prompt_logprobs)
+        out = StageResult(prompt_logprobs=sampling.prompt_logprobs)
         for spec in sampling.specs:
             key, request = spec.key, self.requests[spec.key]
             if request in result.failed:
@@ -205,38 +181,24 @@ class _Mirror:
                 if request.logprobs is not None:
                     out.logprobs[key] = request.logprobs[-1]
                     out.cumulative_logprob[key] = request.cumulative_logprob
-        sampling.answered = sampling.reports or bool(out.failed)
         return out
-
-
-def _reads_outputs(request: Request) -> bool:
-    """Whether sampling the request reads its output ids on the host (the engine does not overlap it)."""
-    return request.params.has_penalties or bool(request.bad_words_token_ids)
 
 
 @dataclass
 class _Sampling:
     """A step's sampling on the last rank, launched on the device and not read back yet."""
 
-    step: int  # rank 0's number of the step
     specs: list[SampleSpec]
     launched: LaunchedStep
     rows: dict[Request, int]  # each sampling request's place in its output ids (a placeholder until read)
     prompt_logprobs: dict[int, list]
-    reports: bool  # a request reports (prompt) log-probabilities: rank 0 waits for the answer
-    answered: bool = False  # read back: whether rank 0 gets an answer (it reports, or a row failed)
-
-    def done(self) -> bool:
-        """Whether the device has sampled it (reading it back does not wait)."""
-        pending = self.launched.pending
-        return pending is None or pending.ready is None or pending.ready.query()
 
 
 # where a worker's host time goes, summed over steps (`PipelineDriver.worker_stats`): waiting for the
 # next step's message; host work while the hidden state's receive is posted (cache ops, the batch); on
 # CPU the wait for the hidden state; launching the layers (CPU: running them) and sending the result on;
 # the last rank: launching the sampling and the ids' send to rank 0's device, then reading the ids back
-# (on CUDA once sampled) and, when the step has one, sending the answer to rank 0's host. Beside
+# (on CUDA this waits for the layers and the sampling) and sending the answer to rank 0's host. Beside
 # them (on CUDA, the stream's time): stall_seconds (waiting for the hidden state after the host work),
 # layers_seconds (the layers), and static_steps (forwards replayed from the static decode runner)
 WORKER_PHASES = ("idle_seconds", "host_seconds", "receive_wait_seconds", "forward_seconds", "sample_seconds",
@@ -260,15 +222,8 @@ def run_worker(group: PipelineGroup, stage: Stage, config) -> None:
     mirror = _Mirror() if group.is_last else None
     width, dtype = mc.hc_count * mc.hidden_size, stage.cache.dtype
     stall, layers = StreamClock(device), StreamClock(device)
-    # what a step receives, sends on, and (the last rank) the sampled ids: rings, so no step allocates them;
-    # a buffer comes round again after the step's sends were waited for (`send`) and its input was read
-    depth = group.world_size + 1
-    received_ring = stage_ring(config.max_num_seqs, width, dtype, device, depth)
-    output_ring = None if group.is_last else stage_ring(config.max_num_seqs, width, dtype, device, depth)
-    ids_ring = BufferRing(16 * config.max_num_seqs, depth, device) if group.is_last else None
     # rank 0 sends up to world_size steps ahead of the last rank: each finds its receive posted
     inbox = group.inbox(0, depth=group.world_size)
-    block_lists = BlockLists()  # each request's block list, from the decode steps' changes
     stats = dict.fromkeys(WORKER_PHASES, 0.0) | {"steps": 0}
     sending: list = []  # the previous step's sends and their buffers (waited for before the next ones)
     unread: _Sampling | None = None  # the last rank: a step whose sampling is launched, not read back yet
@@ -287,8 +242,7 @@ def run_worker(group: PipelineGroup, stage: Stage, config) -> None:
         sending = list(works_and_buffers)
 
     def answer() -> None:
-        """Read the unread step's ids back into the mirrors and, if it reports log-probabilities or a row
-        failed, send rank 0 its answer (otherwise rank 0 reads its tokens on its device)."""
+        """Read the unread step's ids back and send rank 0 its answer."""
         nonlocal unread
         sampling, unread = unread, None
         try:
@@ -297,8 +251,7 @@ def run_worker(group: PipelineGroup, stage: Stage, config) -> None:
             _comm(group.send_object, StageResult(error=f"{type(exc).__name__}: {exc}"), 0, RESULT_TAG,
                   group.result_group)
             raise
-        if sampling.answered:
-            _comm(group.send_object, result, 0, RESULT_TAG, group.result_group)
+        _comm(group.send_object, result, 0, RESULT_TAG, group.result_group)
         lap("send_seconds")
 
     while True:
@@ -318,14 +271,12 @@ def run_worker(group: PipelineGroup, stage: Stage, config) -> None:
             continue
         lap("idle_seconds")
         rows = (message.decode or message.batch).num_tokens
-        received = stage_buffer(rows, width, dtype, device, received_ring)
+        received = stage_buffer(rows, width, dtype, device)
         receive = _comm(group.irecv, received, rank - 1)  # posted before the host work it overlaps
         for name, args in message.cache_ops:
             getattr(stage.cache, name)(*args)
         if mirror is not None:
             mirror.update(message)
-        block_lists.forget(message.released)
-        tables = None if message.decode is None else block_lists.apply(message.decode.tables)
         batch = None if message.batch is None else message.batch.batch(device)
         lap("host_seconds")
         with stall.timed():
@@ -334,21 +285,19 @@ def run_worker(group: PipelineGroup, stage: Stage, config) -> None:
         lap("receive_wait_seconds")
         if mirror is None:
             with layers.timed():
-                out = pack_stage_output(_run_layers(runner, message, tables, batch, hidden, token_ids), token_ids, output_ring)
+                out = pack_stage_output(_run_layers(runner, message, batch, hidden, token_ids), token_ids)
             send(_comm(group.isend, out, rank + 1), out)
             lap("forward_seconds")
             stats["steps"] += 1
             continue
-        if unread is not None and mirror.reads_outputs(unread, message):
-            answer()  # its ids on the host first: this step's sampling reads a request's output ids
         try:
             with layers.timed():
-                logits = _run_layers(runner, message, tables, batch, hidden, token_ids)
+                logits = _run_layers(runner, message, batch, hidden, token_ids)
             lap("forward_seconds")
             # on the device, as one process samples; the ids go to rank 0's device at once (its next step
             # may already wait for them there), to its host with the log-probabilities when read back
-            sampling = mirror.launch(runner, message, logits)
-            ids = mirror.sampled_ids(sampling, sampled_ids_buffer(config.max_num_seqs, ids_ring))
+            sampling = mirror.launch(runner, message.samples, logits)
+            ids = mirror.sampled_ids(sampling, sampled_ids_buffer(config.max_num_seqs, device))
             send(_comm(group.send_ids, ids), ids)
             lap("sample_seconds")
         except _PeerLost:
@@ -361,17 +310,12 @@ def run_worker(group: PipelineGroup, stage: Stage, config) -> None:
             answer()
         unread = sampling
         stats["steps"] += 1
-        # no next step to launch first: read this one back once the device has sampled it (rank 0 may wait
-        # for its answer), unless the next step comes first (launched first, then this one read back)
-        while not inbox.ready():
-            if sampling.done():
-                answer()
-                break
-            time.sleep(0)
+        if not inbox.ready():  # no next step to launch first: read this one back now
+            answer()
 
 
-def _run_layers(runner: ModelRunner, message: StepMessage, tables: list[list[int]] | None, batch,
-                hidden: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+def _run_layers(runner: ModelRunner, message: StepMessage, batch, hidden: torch.Tensor,
+                token_ids: torch.Tensor) -> torch.Tensor:
     """This rank's layers on the step: a decode step (`DecodeRows`) from the static runner, given host
     lists, the input ids and hidden state from the previous stage's buffer; else the batch."""
     rows = message.decode
@@ -380,7 +324,7 @@ def _run_layers(runner: ModelRunner, message: StepMessage, tables: list[list[int
         return runner.forward(batch)
     static, n = runner.static_decode, rows.num_tokens
     static.stage_input[:n].copy_(hidden)
-    staged = static.stage_decode([0] * n, rows.positions, rows.slots, tables, list(range(n)), token_ids)
+    staged = static.stage_decode([0] * n, rows.positions, rows.slots, rows.tables, list(range(n)), token_ids)
     runner.static_steps += 1
     return static.replay(*staged)
 

@@ -2,8 +2,7 @@
 
 On CPU the region's host time. On CUDA the stream's time between two events recorded around the region
 (so the time the device spent on what was queued there, or waiting in it, not the host's launch time);
-finished events are folded in as they complete, without a sync, and `total` syncs for the rest; a
-folded pair of events is recorded again (no event is created per region once a few exist). The
+finished events are folded in as they complete, without a sync, and `total` syncs for the rest. The
 pipeline's ranks time their layers and their wait for the previous stage's hidden state with it.
 """
 
@@ -21,7 +20,6 @@ class StreamClock:
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
         self.events: list[tuple] = []
-        self.free: list[tuple] = []  # folded pairs, to record again
         self.seconds = 0.0
 
     @contextmanager
@@ -31,23 +29,18 @@ class StreamClock:
             yield
             self.seconds += time.perf_counter() - began
             return
-        start, end = self.free.pop() if self.free else (torch.cuda.Event(enable_timing=True),
-                                                         torch.cuda.Event(enable_timing=True))
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         yield
         end.record()
         self.events.append((start, end))
-        while self.events[0][1].query():  # fold the finished ones: the list stays short
-            done = self.events.pop(0)
-            self.seconds += done[0].elapsed_time(done[1]) / 1e3
-            self.free.append(done)
-            if not self.events:
-                break
+        while self.events and self.events[0][1].query():  # fold the finished ones: the list stays short
+            done_start, done_end = self.events.pop(0)
+            self.seconds += done_start.elapsed_time(done_end) / 1e3
 
     def total(self) -> float:
         if self.events:
             torch.cuda.synchronize()
             self.seconds += sum(start.elapsed_time(end) for start, end in self.events) / 1e3
-            self.free += self.events
             self.events = []
         return self.seconds
