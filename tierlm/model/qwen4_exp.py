@@ -91,17 +91,11 @@ def _advance_ngram_context(batch: ForwardBatch, cache: ModelCache) -> None:
     keep = cache.ngram_context.shape[1]
     if keep == 0:
         return
-    if batch.verify_slots is None and batch.is_decode_only:
+    if batch.is_decode_only or batch.verify_slots is not None:  # verification: the context after each row kept
         advance = advance_context
         if fused_decode_applies(cache.ngram_context, batch):
             from tierlm.kernels.ple.triton import advance_context as advance
-        advance(cache.ngram_context, batch.slots, batch.token_ids)
-        return
-    if batch.verify_slots is not None:  # T rows per request, the context after each kept
-        tokens = batch.token_ids.view(batch.num_requests, -1)
-        history = torch.cat([cache.ngram_context.index_select(0, batch.slots), tokens], dim=-1)  # [B, keep+T]
-        cache.ngram_context.index_copy_(0, batch.verify_slots.flatten(),
-                                        history.unfold(-1, keep, 1)[:, 1:].flatten(0, 1))
+        advance(cache.ngram_context, batch.slots, batch.token_ids, batch.verify_slots)
         return
     position_slots = batch.position_slots or [[]] * batch.num_requests
     for (start, end), slot, after in zip(batch.bounds, batch.state_slots, position_slots):
