@@ -83,19 +83,20 @@ class GreedySpeculation:
         step_slots = kept[:, 1]
         for state in cache.draft_slot_states:
             state.copy_slots(kept[:, 0], step_slots)
-        start = batch.positions.view(n, width)[:, 0] + accepted
+        # every step's positions [K-1, n] and K/V rows at once (a padding row's table ends after its first
+        # block: the scheduler reserves a real request's)
+        steps = torch.arange(1, self.k, device=accepted.device)[:, None]
+        positions = batch.positions.view(n, width)[:, 0] + accepted + steps
+        blocks = batch.block_tables.gather(1, (positions // block_size).T).T
+        kv_rows = torch.where(blocks < 0, cache.scratch_block, blocks) * block_size + positions % block_size
         rows = torch.arange(n, device=accepted.device)
         tokens, proposed = first, []
         for s in range(1, self.k):
-            positions = start + s
-            blocks = batch.block_tables.gather(1, (positions // block_size)[:, None]).squeeze(1)
-            # a padding row's table ends after its first block (the scheduler reserves a real request's)
-            blocks = torch.where(blocks < 0, cache.scratch_block, blocks)
             step_batch = ForwardBatch(
-                token_ids=tokens, positions=positions, context_lens=[0] * n, query_lens=[1] * n,
+                token_ids=tokens, positions=positions[s - 1], context_lens=[0] * n, query_lens=[1] * n,
                 state_slots=[cache.scratch_slot] * n, block_tables=batch.block_tables,
-                slot_mapping=blocks * block_size + positions % block_size, logits_rows=rows, slots=step_slots,
-                context_lens_tensor=positions, static=True)
+                slot_mapping=kv_rows[s - 1], logits_rows=rows, slots=step_slots,
+                context_lens_tensor=positions[s - 1], static=True)
             logits, streams = self.model.draft(step_batch, streams, cache, s)
             tokens = logits.argmax(dim=-1)
             proposed.append(tokens)

@@ -11,7 +11,8 @@ int64: each row's group start, where the key's rotary is taken). Entries of a ri
 are never read (their values are unspecified: the reference clamps them to the request's last row).
 
 `naive.ring_after_rows` is the layer's torch path; `triton.triton_ring_after_rows` is one launch of the
-same copies and integer arithmetic (bit-identical), run on CUDA.
+same copies and integer arithmetic (bit-identical), run on CUDA, by decode batches too (T = 1, the
+request's slot its only row slot: `QSAIndexer.store_block_key_decode`).
 """
 
 from tierlm.kernels.qsa_ring.naive import ring_after_rows

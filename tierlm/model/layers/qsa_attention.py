@@ -153,10 +153,21 @@ class QSAIndexer(nn.Module):
         """Put each new raw key in its request's ring; where it closes a block, write the block's key.
 
         The block key is computed for every request and written to the scratch block where the block is
-        not complete yet, so the work does not depend on the data.
+        not complete yet, so the work does not depend on the data. On CUDA the ring and key rows take
+        `kernels/qsa_ring`'s launch at one row per request (the ring's entries past the new key take it
+        too: they are rewritten before they are read; TIERLM_NO_FUSED_QSA_RING=1: the torch ops).
         """
         r, bs = self.ratio, state.block_size
         context = batch.context_lens_tensor
+        if raw_keys.is_cuda and not os.environ.get("TIERLM_NO_FUSED_QSA_RING"):
+            from tierlm.kernels.qsa_ring.triton import triton_ring_after_rows
+
+            rings, key_rows, starts = triton_ring_after_rows(
+                state.ring, batch.slots, raw_keys, context, context, batch.slots[:, None], batch.block_tables,
+                bs, state.scratch_block)
+            cos, sin = rope.at(starts)
+            state.keys.view(-1, self.head_dim)[key_rows] = self.compress(rings, cos, sin)
+            return
         offset = context % r
         state.ring[batch.slots, offset] = raw_keys
         starts = context - offset  # first position of the open block
