@@ -165,13 +165,13 @@ class QSAIndexer(nn.Module):
             rings, key_rows, starts = triton_ring_after_rows(
                 state.ring, batch.slots, raw_keys, context, context, batch.slots[:, None], batch.block_tables,
                 bs, state.scratch_block)
-            cos, sin = rope.at(starts)
+            cos, sin = rope.group_starts_at(starts, r)
             state.keys.view(-1, self.head_dim)[key_rows] = self.compress(rings, cos, sin)
             return
         offset = context % r
         state.ring[batch.slots, offset] = raw_keys
         starts = context - offset  # first position of the open block
-        cos, sin = rope.at(starts)
+        cos, sin = rope.group_starts_at(starts, r)
         keys = self.compress(state.ring[batch.slots], cos, sin)
         block = batch.block_tables.gather(1, (starts // bs)[:, None]).squeeze(1)
         row = block * (bs // r) + (starts % bs) // r
@@ -191,7 +191,7 @@ class QSAIndexer(nn.Module):
         rings, key_rows, starts = ring_rows(
             state.ring, batch.slots, raw_keys, batch.positions, batch.context_lens_tensor, batch.verify_slots,
             batch.block_tables, state.block_size, state.scratch_block)
-        cos, sin = rope.at(starts, rows_per_request=batch.verify_slots.shape[1])
+        cos, sin = rope.group_starts_at(starts, self.ratio, rows_per_request=batch.verify_slots.shape[1])
         state.keys.view(-1, self.head_dim)[key_rows] = self.compress(rings, cos, sin)
 
     def select_decode(self, q: torch.Tensor, batch: ForwardBatch, state: QSAIndexerState) -> Selection:

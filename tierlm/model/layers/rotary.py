@@ -50,16 +50,28 @@ class Rope:
     """The rotary tables of one forward: cos/sin at the batch's rows, computed once here for every
     attention layer (not once per layer), and at other token indices (the indexer's block starts) on
     demand. A batch with M-RoPE positions (`ForwardBatch.mrope_positions`) takes a block start's (t, h, w)
-    from its row, or, for the group still open when the forward began, from `mrope_group_starts`."""
+    from its row, or, for the group still open when the forward began, from `mrope_group_starts`.
+    `group_starts_at`: cos/sin at each row's indexer group start, once per forward for all QSA layers."""
 
     def __init__(self, rotary: RotaryEmbedding, batch, dtype: torch.dtype) -> None:
         self.rotary, self.dtype, self.batch = rotary, dtype, batch
+        self._group_starts: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         if batch.mrope_positions is None:
             self.cos, self.sin = rotary.cos_sin(batch.positions, dtype)
         else:
             self.cos, self.sin = rotary.mrope_cos_sin(batch.mrope_positions, dtype)
             starts = [start for start, _ in batch.bounds]
             self.first_rows = torch.tensor(starts, dtype=torch.int64).to(batch.positions.device)
+
+    def group_starts_at(
+        self, starts: torch.Tensor, ratio: int, rows_per_request: int = 1
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`at(starts, rows_per_request=...)` for starts [N] = the batch's row positions rounded down to a
+        multiple of `ratio` (what every QSA layer of the forward asks for): computed by the first caller."""
+        key = ratio, rows_per_request
+        if key not in self._group_starts:
+            self._group_starts[key] = self.at(starts, rows_per_request=rows_per_request)
+        return self._group_starts[key]
 
     def at(
         self, positions: torch.Tensor, request: int | None = None, rows_per_request: int = 1
