@@ -34,6 +34,7 @@ import dataclasses
 import torch
 
 from tierlm.model.forward_batch import ForwardBatch
+from tierlm.model.layers.rotary import Rope
 from tierlm.model.model_cache import ModelCache
 
 
@@ -47,10 +48,14 @@ class GreedySpeculation:
 
     def __call__(self, batch: ForwardBatch, cache: ModelCache) -> torch.Tensor:
         """The whole step on a verification batch of 1 + K rows per request: [B, 2 + K] (see the module)."""
-        logits, streams = self.model.forward_with_streams(batch, cache)
-        return self.accept_and_draft(batch, logits, streams)
+        # one set of rotary tables for the verify forward and the draft head's pass over the same rows
+        rope = Rope(self.model.model.rotary, batch, cache.dtype)
+        logits, streams = self.model.forward_with_streams(batch, cache, rope)
+        return self.accept_and_draft(batch, logits, streams, rope)
 
-    def accept_and_draft(self, batch: ForwardBatch, scores: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
+    def accept_and_draft(
+        self, batch: ForwardBatch, scores: torch.Tensor, streams: torch.Tensor, rope: Rope | None = None,
+    ) -> torch.Tensor:
         """After the verify forward: scores [B (1+K), V] (logits, or the penalized logits greedy decoding
         takes the argmax of), streams [B (1+K), hc*H] the target's -> [B, 2 + K]: accepted count a, token
         after them, next drafts. The request's state (target and draft head) is then in `verify_slots[i, a]`:
@@ -65,7 +70,7 @@ class GreedySpeculation:
         # rows past a are overwritten before anything reads them, so every row takes its own argmax
         at = torch.arange(0, n * width, width, device=accepted.device) + accepted  # row a of each request
         logits, out_streams = self.model.draft(
-            dataclasses.replace(batch, token_ids=best.flatten(), logits_rows=at), streams, self.cache, 0)
+            dataclasses.replace(batch, token_ids=best.flatten(), logits_rows=at), streams, self.cache, 0, rope)
         proposed = [logits.argmax(dim=-1)]
         if k > 1:
             proposed += self._draft_steps(batch, accepted, proposed[0], out_streams)
