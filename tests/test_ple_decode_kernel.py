@@ -71,11 +71,25 @@ def assert_within_reference_error(ours, theirs, reference, what: str) -> None:
     assert not worse.any(), f"{what}: kernel off by {ours_error.max().item():.3g}, reference {their_error.max().item():.3g}"
 
 
-def run_residual(module, args, dilation: int, device: str):
+def verify_inputs(args, rows: int):
+    """Residual inputs for `rows` rows per request (speculative verification): the first args' requests
+    each own `rows` rows of them and, beside their slot, rows - 1 slots for the history after each row."""
+    *tensors, state, slots = args
+    requests = tensors[0].shape[0] // rows
+    slots = slots[:requests]
+    spare = [s for s in range(state.shape[0]) if s not in slots.tolist()]
+    state = torch.cat([state, state[: requests * rows]])  # room for the per-row slots
+    spare += list(range(state.shape[0] - requests * rows, state.shape[0]))
+    after = torch.tensor(spare[: requests * (rows - 1)]).view(requests, rows - 1)
+    return (*tensors, state, slots), torch.cat([after, slots[:, None]], dim=1)
+
+
+def run_residual(module, args, dilation: int, device: str, state_slots=None):
     """(output, the conv history after) of module.decode_residual on a copy of the history."""
     *tensors, state, slots = args
     state = state.clone().to(device)
-    out = module.decode_residual(*(t.to(device) for t in tensors), state, slots.to(device), EPS, dilation)
+    rows = {} if state_slots is None else {"state_slots": state_slots.to(device)}
+    out = module.decode_residual(*(t.to(device) for t in tensors), state, slots.to(device), EPS, dilation, **rows)
     return out.cpu(), state.cpu()
 
 
@@ -98,15 +112,33 @@ def compare(device: str, requests: int, hc: int, hidden: int, kernel: int, dilat
     naive.advance_context(expected_context, slots, tokens)
     assert torch.equal(got_context.cpu(), expected_context), "advanced context"
 
-    for dtype in (torch.float32, torch.bfloat16):
-        args = residual_inputs(requests, hc, hidden, kernel, dilation, dtype)
-        got, got_state = run_residual(kernels, args, dilation, device)
-        expected, expected_state = run_residual(naive, args, dilation, "cpu")
+    # speculative verification: 3 rows per request (the EOS rule reaching into the rows, the wrapping id)
+    rows = 3
+    row_tokens = torch.randint(2, 500, (requests * rows,), generator=torch.Generator().manual_seed(3))
+    row_tokens[1], row_tokens[-1] = EOS, 2**45
+    state_slots = torch.arange(requests * rows).view(requests, rows) + context.shape[0]
+    state_slots[:, -1] = slots
+    wide = torch.cat([context, torch.zeros(requests * rows, context.shape[1], dtype=context.dtype)])
+    args = (wide, slots, row_tokens, table, None, multipliers, sizes, offsets, heads_per_ngram, EOS, torch.float32)
+    got = kernels.decode_embeddings(*(t.to(device) if isinstance(t, torch.Tensor) else t for t in args))
+    assert torch.equal(got.cpu(), naive.decode_embeddings(*args)), "embeddings of verification rows"
+    got_context, expected_context = wide.clone().to(device), wide.clone()
+    kernels.advance_context(got_context, slots.to(device), row_tokens.to(device), state_slots.to(device))
+    naive.advance_context(expected_context, slots, row_tokens, state_slots)
+    assert torch.equal(got_context.cpu(), expected_context), "the context after each verification row"
+
+    for dtype, width in ((torch.float32, 1), (torch.bfloat16, 1), (torch.float32, rows), (torch.bfloat16, rows)):
+        args, state_slots = residual_inputs(requests * width, hc, hidden, kernel, dilation, dtype), None
+        if width > 1:
+            args, state_slots = verify_inputs(args, width)
+        got, got_state = run_residual(kernels, args, dilation, device, state_slots)
+        expected, expected_state = run_residual(naive, args, dilation, "cpu", state_slots)
         if dtype == torch.float32:
             torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(got_state, expected_state, rtol=1e-5, atol=1e-5)
             continue
-        truth, truth_state = run_residual(naive, [t.float() if t.is_floating_point() else t for t in args], dilation, "cpu")
+        truth, truth_state = run_residual(naive, [t.float() if t.is_floating_point() else t for t in args], dilation,
+                                          "cpu", state_slots)
         assert got.dtype == torch.bfloat16 and got_state.dtype == torch.bfloat16
         assert_within_reference_error(got, expected, truth, "bf16 residual")
         assert_within_reference_error(got_state, expected_state, truth_state, "bf16 conv history")
@@ -172,6 +204,39 @@ def test_reference_is_the_layer(dtype):
                                          layer.norm_conv.weight, layer.conv1d.weight.squeeze(1), expected_state,
                                          batch.slots, config.rms_norm_eps, config.ngram_size)
         assert torch.equal(got, expected) and torch.equal(state.conv, expected_state), f"{table.weight.dtype} table"
+
+
+def test_verification_rows_are_one_token_steps():
+    """The references' T rows per request (speculative verification) are T one-token steps, each after the
+    rows before it: the same embeddings, outputs, and the state each step leaves in that row's slot."""
+    rows = 3
+    context, slots, tokens, table, multipliers, sizes, offsets = embedding_inputs(2, 2, 4)
+    tokens = torch.cat([tokens, tokens.flip(0), torch.tensor([EOS, 7])]).view(rows, 2).T.flatten()  # [B*T]
+    hashing = (table, None, multipliers, sizes, offsets, 2, EOS, torch.float32)
+    state_slots = torch.tensor([[4, 5, -1], [6, 7, -1]])
+    state_slots[:, -1] = slots
+    context = torch.cat([context, torch.zeros(4, context.shape[1], dtype=context.dtype)])
+    got = naive.decode_embeddings(context, slots, tokens, *hashing)
+    after = context.clone()
+    naive.advance_context(after, slots, tokens, state_slots)
+    step_context, expected = context.clone(), []
+    for t in range(rows):
+        step = tokens.view(2, rows)[:, t].contiguous()
+        expected.append(naive.decode_embeddings(step_context, slots, step, *hashing))
+        naive.advance_context(step_context, slots, step)
+        assert torch.equal(after[state_slots[:, t]], step_context[slots]), f"the context after row {t}"
+    assert torch.equal(got, torch.stack(expected, dim=1).flatten(0, 1)), "embeddings"
+
+    for dtype in (torch.float32, torch.bfloat16):
+        args, state_slots = verify_inputs(residual_inputs(2 * rows, 2, 8, 4, 3, dtype), rows)
+        *tensors, state, slots = args
+        got, got_state = run_residual(naive, args, 3, "cpu", state_slots)
+        step_state, expected = state.clone(), []
+        for t in range(rows):
+            one = [x.view(2, rows, -1)[:, t] for x in tensors[:3]]
+            expected.append(naive.decode_residual(*one, *tensors[3:], step_state, slots, EPS, 3))
+            assert torch.equal(got_state[state_slots[:, t]], step_state[slots]), f"{dtype} history after row {t}"
+        assert torch.equal(got, torch.stack(expected, dim=1).flatten(0, 1)), f"{dtype} outputs"
 
 
 def test_bad_arguments_are_named():

@@ -115,12 +115,14 @@ def test_fixed_shape_verify_steps_give_the_same_tokens(demo, reference, k):
     replay; mode "eager" runs the same padded fixed-shape batches on CPU): max_num_seqs 3 pads the two
     requests to the prepared size, and a block-table width wider than theirs. Rejected and accepted drafts.
     Greedy steps verifying K drafts each run as one fixed-shape step (`GreedySpeculation`: verify, accept,
-    roll back, draft; one CUDA graph replay on a GPU)."""
+    draft; one CUDA graph replay on a GPU), a rejection moving the request's state slot to its kept row's:
+    the finished requests give back the slots they were given."""
     llm = engine(demo, spec(k), max_num_seqs=3)
     runs = fixed_shapes(llm, k)
     oracle = Oracle({"0": reference[0], "1": reference[1]}, k, wrong=0)
     got = generate(llm, [greedy(), greedy()], oracle)
     assert [out.token_ids for out in got] == reference
+    assert sorted(llm.cache_manager.free_slots) == [0, 1, 2]
     # greedy steps verifying K drafts each run on the device (`_greedy_step`), as one step of 2 requests
     assert ("step", 2) in runs
     assert 0 < llm.stats().num_accepted_tokens < llm.stats().num_draft_tokens

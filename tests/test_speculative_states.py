@@ -185,8 +185,8 @@ def test_whole_greedy_step_at_a_fixed_shape_equals_the_eager_one(demo, device, m
     """`GreedySpeculation` (verify, accept, roll back, draft) staged into a fixed-shape runner and replayed
     (one CUDA graph on a GPU; padded to a prepared size of 3 and a wider block table) against the same step
     run eagerly on a plain batch: the same readback (accepted counts, tokens, next drafts) and the same
-    state in each request's slot (target: rolled back to its last accepted row; the head's rings after it)
-    and in every real block. One request's drafts are the greedy continuation (all accepted), the other's
+    state in the slot of each request's last accepted row (target, and the head's rings; the host makes
+    that slot the request's) and in every real block. One request's drafts are the greedy continuation (all accepted), the other's
     wrong at the first (a rollback). The step split after its verify forward (`replay` then
     `replay_accept` on the logits, as penalized steps run) does the same."""
     from tierlm.model.speculative_step import GreedySpeculation
@@ -217,8 +217,10 @@ def test_whole_greedy_step_at_a_fixed_shape_equals_the_eager_one(demo, device, m
     logits, _ = split.replay(shape, 2 * (1 + k))
     assert split.replay_accept(shape, 2, logits.float()).tolist() == expected.tolist()
     assert expected[:, 0].tolist() == [0, k]  # a rollback and a full acceptance
+    kept = [row_slots[accepted] for row_slots, accepted in zip(([2, 3, 0], [4, 5, 1]), expected[:, 0].tolist())]
+    assert kept == [2, 1]
     for ours in (static_cache, split_cache):
-        for slot, context, accepted in zip((0, 1), contexts, expected[:, 0].tolist(), strict=True):
+        for slot, context, accepted in zip(kept, contexts, expected[:, 0].tolist(), strict=True):
             for got, want in zip(slot_states(ours, slot, context + 1 + accepted),
                                  slot_states(cache, slot, context + 1 + accepted), strict=True):
                 torch.testing.assert_close(got, want)

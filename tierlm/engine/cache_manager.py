@@ -134,7 +134,7 @@ class CacheManager:
 
     def admit(self, request: Request, hit_tokens: int) -> None:
         """Give the request a slot; with a prefix hit, share its blocks and restore its checkpoint."""
-        request.state_slot = self.free_slots.popleft()
+        request.state_slot = request.home_slot = self.free_slots.popleft()
         request.num_cached_tokens = hit_tokens
         self.queried_tokens += request.num_tokens
         if hit_tokens == 0:
@@ -268,9 +268,9 @@ class CacheManager:
     # ---- release ------------------------------------------------------------------------------------
     def free(self, request: Request) -> None:
         """Give back the slot and blocks at once; cached blocks stay findable until evicted."""
-        if request.state_slot is not None:
-            self.free_slots.append(request.state_slot)
-            request.state_slot = None
+        if request.home_slot is not None:
+            self.free_slots.append(request.home_slot)
+            request.state_slot = request.home_slot = None
         for block in request.block_ids:
             self.ref_counts[block] -= 1
             if self.ref_counts[block] == 0:

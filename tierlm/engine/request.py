@@ -55,7 +55,9 @@ class Request:
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
-    # where its state lives; owned by the cache manager
+    # where its state lives; owned by the cache manager: home_slot the slot it gave the request, state_slot
+    # the slot holding its state (home_slot, or under speculative decoding another of its row slots)
+    home_slot: int | None = None
     state_slot: int | None = None
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # hash chain over its full blocks of tokens

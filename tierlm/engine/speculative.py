@@ -16,7 +16,9 @@ positions are rolled back exactly.
   mismatch's argmax, or the bonus row's, follows; sampled: the target's distribution as `Sampler` draws
   from it, `sampling_probs`, against the draft's, so the output follows the target distribution exactly).
 - Roll back: a request that rejected a draft gets the position slot of its last accepted row copied into
-  its slot (one slot copy per rejecting request, batched; no recompute, no snapshot beforehand). The QSA
+  its slot (one slot copy per rejecting request, batched; no recompute, no snapshot beforehand); a greedy
+  step on the device copies nothing: the kept row's slot becomes the request's state slot (a request owns
+  K + 1 slots, `row_slot_group`: the one its state is in, and K position slots, the others). The QSA
   K/V and indexer keys are addressed by position: what the rejected rows wrote is overwritten by the next
   forward there, and never read before (attention sees positions before its own only; a block key is
   rewritten when its block closes again, before any query can see it). The cost is memory: K more slots
@@ -33,8 +35,8 @@ positions are rolled back exactly.
   from the rings after the kept rows.
 - On the device: a step where every request is greedy and verifies K drafts, with every forward prepared
   at a fixed shape (the common case under CUDA graphs), takes no host decision (`_greedy_step`): the
-  verify forward, acceptance, the target's rollback, the draft head's pass (always over all 1+K rows, its
-  rings restored to the accepted row's) and its K-1 steps are one `GreedySpeculation` (model/
+  verify forward, acceptance, the draft head's pass (always over all 1+K rows, its rings after each row
+  kept in the row's slot as the target's states) and its K-1 steps are one `GreedySpeculation` (model/
   speculative_step.py), replayed as one CUDA graph per prepared shape; the host stages the inputs in one
   copy and reads one small tensor (accepted counts, tokens, next drafts) per step. Penalized requests: the
   verify replays alone, the host-planned penalty edit runs on its logits, and the rest replays as a second
@@ -239,7 +241,8 @@ class SpeculativeRunner:
         )
 
     def _greedy_step(self, step: SchedulerOutput) -> StepResult:
-        """Verify, accept, roll back and draft with the host reading one tensor, at the end.
+        """Verify, accept and draft with the host reading one tensor, at the end (then moving each request's
+        state slot to its kept row's).
 
         The inputs go to the verify runner's buffers in one copy (`StaticDecodeRunner.stage_verify`); then
         `GreedySpeculation` (model/speculative_step.py) takes every decision on the device: one graph
@@ -249,11 +252,11 @@ class SpeculativeRunner:
         k, chunks, width = self.k, step.chunks, 1 + self.k
         n, verify = len(chunks), self.static_verify
         with self.trace.phase("prepare batch"):
+            row_slots = [[*(self._position_slot(chunk.request, j) for j in range(k)), chunk.request.state_slot]
+                         for chunk in chunks]
             shape, _ = verify.stage_verify(
                 [chunk.request.token_slice(chunk.start, chunk.start + 1) + chunk.draft_token_ids for chunk in chunks],
-                [chunk.start for chunk in chunks], [chunk.request.state_slot for chunk in chunks],
-                [[*(self._position_slot(chunk.request, j) for j in range(k)), chunk.request.state_slot]
-                 for chunk in chunks],
+                [chunk.start for chunk in chunks], [chunk.request.state_slot for chunk in chunks], row_slots,
                 [chunk.request.block_ids for chunk in chunks])
         requests = [chunk.request for chunk in chunks]
         if not any(request.params.has_penalties for request in requests):
@@ -272,8 +275,9 @@ class SpeculativeRunner:
         with self.trace.phase("read accepted ids"):
             readback = readback.tolist()
         result = StepResult()
-        for chunk, (count, token, *new_drafts) in zip(step.chunks, readback, strict=True):
+        for chunk, slots, (count, token, *new_drafts) in zip(step.chunks, row_slots, readback, strict=True):
             request = chunk.request
+            request.state_slot = slots[count]  # the state after its last kept row: no copy back
             result.accepted[request] = chunk.draft_token_ids[:count]
             result.sampled[request] = token
             request.draft_token_ids, request.draft_probs = new_drafts, None
@@ -478,8 +482,18 @@ class SpeculativeRunner:
 
     # ---- slots --------------------------------------------------------------------------------------
     def _position_slot(self, request: Request, j: int) -> int:
-        """The slot that keeps the request's state after row j of its verify chunk (j < K)."""
-        return self.position_slot_base + request.state_slot * self.k + j
+        """The slot that keeps the request's state after row j of its verify chunk (j < K): the j-th of its
+        slot group (`row_slot_group`) other than its state slot, which `_greedy_step` moves within the group."""
+        group = row_slot_group(request.home_slot, self.position_slot_base, self.k)
+        return [slot for slot in group if slot != request.state_slot][j]
+
+
+def row_slot_group(home_slot: int, position_slot_base: int, k: int) -> list[int]:
+    """A request's K + 1 state slots under speculation: the slot the cache manager gave it (home_slot) and
+    K more past position_slot_base. Its state is in one of them (`Request.state_slot`), the others keep
+    the state after each verified row; a greedy step on the device then takes the kept row's slot as the
+    request's (no copy)."""
+    return [home_slot, *(position_slot_base + home_slot * k + j for j in range(k))]
 
 
 def spare_slots_needed(config: SpeculativeConfig | None, max_num_seqs: int) -> int:

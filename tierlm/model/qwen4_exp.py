@@ -56,10 +56,11 @@ class Qwen4ExpTextModel(nn.Module):
         """The final mixer: streams [M, hc*H] -> [M, H] (lm_head's input)."""
         return self.hyper_connection_mixer.mix(streams)[0]
 
-    def run_layers(self, batch: ForwardBatch, cache: ModelCache) -> torch.Tensor:
-        """Every row's streams [N, hc*H] after the last decoder layer (the caches updated)."""
+    def run_layers(self, batch: ForwardBatch, cache: ModelCache, rope: Rope | None = None) -> torch.Tensor:
+        """Every row's streams [N, hc*H] after the last decoder layer (the caches updated). rope: the batch's
+        rotary tables, when the caller shares them (see `run_decoder_layers`)."""
         streams = embed_streams(self.embed_tokens, batch, self.config.hc_count)
-        return run_decoder_layers(self.layers, streams, batch, cache, self.config, self.rotary)
+        return run_decoder_layers(self.layers, streams, batch, cache, self.config, self.rotary, rope)
 
 
 def embed_streams(embed_tokens: Embedding, batch: ForwardBatch, hc_count: int) -> torch.Tensor:
@@ -73,14 +74,17 @@ def embed_streams(embed_tokens: Embedding, batch: ForwardBatch, hc_count: int) -
 
 def run_decoder_layers(
     layers, streams: torch.Tensor, batch: ForwardBatch, cache: ModelCache, config: ModelConfig,
-    rotary: RotaryEmbedding,
+    rotary: RotaryEmbedding, rope: Rope | None = None,
 ) -> torch.Tensor:
     """The streams through `layers` (whose caches are `cache.layers`, in order); then the requests'
-    n-gram context moves past this batch's tokens (and a verification batch keeps it after each row)."""
+    n-gram context moves past this batch's tokens (and a verification batch keeps it after each row).
+    rope: the batch's rotary tables made by the caller (shared with another forward at the same
+    positions); made here when absent or of another dtype."""
     ngram_ids = None
     if config.ple_layer_ids and batch.ple_embeddings is None:
         ngram_ids = NgramIds(batch, cache.ngram_context, config.eos_token_id, config.ngram_size)
-    rope = Rope(rotary, batch, streams.dtype)
+    if rope is None or rope.dtype != streams.dtype:
+        rope = Rope(rotary, batch, streams.dtype)
     for layer, caches in zip(layers, cache.layers):
         streams = layer(streams, batch, caches, rope, ngram_ids)
     _advance_ngram_context(batch, cache)
@@ -91,17 +95,11 @@ def _advance_ngram_context(batch: ForwardBatch, cache: ModelCache) -> None:
     keep = cache.ngram_context.shape[1]
     if keep == 0:
         return
-    if batch.verify_slots is None and batch.is_decode_only:
+    if batch.is_decode_only or batch.verify_slots is not None:  # verification: the context after each row kept
         advance = advance_context
         if fused_decode_applies(cache.ngram_context, batch):
             from tierlm.kernels.ple.triton import advance_context as advance
-        advance(cache.ngram_context, batch.slots, batch.token_ids)
-        return
-    if batch.verify_slots is not None:  # T rows per request, the context after each kept
-        tokens = batch.token_ids.view(batch.num_requests, -1)
-        history = torch.cat([cache.ngram_context.index_select(0, batch.slots), tokens], dim=-1)  # [B, keep+T]
-        cache.ngram_context.index_copy_(0, batch.verify_slots.flatten(),
-                                        history.unfold(-1, keep, 1)[:, 1:].flatten(0, 1))
+        advance(cache.ngram_context, batch.slots, batch.token_ids, batch.verify_slots)
         return
     position_slots = batch.position_slots or [[]] * batch.num_requests
     for (start, end), slot, after in zip(batch.bounds, batch.state_slots, position_slots):
@@ -143,15 +141,19 @@ class Qwen4ExpForCausalLM(nn.Module):
         return self.lm_head(self.model(batch, cache))
 
     @torch.no_grad()
-    def forward_with_streams(self, batch: ForwardBatch, cache: ModelCache) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_with_streams(
+        self, batch: ForwardBatch, cache: ModelCache, rope: Rope | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The forward, also returning every row's streams before the final mixer [N, hc*H]: at row t, the
-        hidden state the draft head reads (with token t+1) to propose token t+2."""
-        streams = self.model.run_layers(batch, cache)
+        hidden state the draft head reads (with token t+1) to propose token t+2. rope: rotary tables the
+        caller shares with the draft head's pass over the same rows."""
+        streams = self.model.run_layers(batch, cache, rope)
         return self.lm_head(self.model.mix(streams[batch.logits_rows])), streams
 
     @torch.no_grad()
     def draft(
-        self, batch: ForwardBatch, hidden_streams: torch.Tensor, cache: ModelCache, step: int = 0
+        self, batch: ForwardBatch, hidden_streams: torch.Tensor, cache: ModelCache, step: int = 0,
+        rope: Rope | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One draft-head forward; the draft layer's caches (`cache.draft_layers`) updated in place.
 
@@ -162,7 +164,8 @@ class Qwen4ExpForCausalLM(nn.Module):
         if self.mtp is None:
             raise RuntimeError("this model was loaded without its MTP draft head (load_model(..., load_mtp=True))")
         embeddings = self.model.embed_tokens(batch.token_ids)
-        rope = Rope(self.model.rotary, batch, embeddings.dtype)
+        if rope is None or rope.dtype != embeddings.dtype:  # rope: the verify forward's, at the same rows
+            rope = Rope(self.model.rotary, batch, embeddings.dtype)
         streams = self.mtp(embeddings, hidden_streams, batch, cache.draft_layers, rope, step)[batch.logits_rows]
         mixed = self.mtp.hyper_connection_mixer.mix(streams)[0]
         return self.mtp.head(self.lm_head)(mixed), streams

@@ -16,6 +16,13 @@ streams' dtype at the reference's rounding points where a value is stored or mee
 and the dot's sums are fp32 here: bf16 results are closer to the fp32 truth than the reference's own).
 
 `advance_context`: a program per request moves its context row by one and appends the token.
+
+Speculative verification (T rows per request, the state after each row kept in `state_slots[i, t]`, as
+the references take it): `decode_embeddings` runs a program per (row, head), the ids before a row taken
+from the request's rows before it, then from its context; `decode_residual`'s program walks its
+channels through the request's rows in order, row t reading the history row t-1 wrote (a barrier
+between); `advance_context` writes the context after each row. Each row computes what a one-token step
+after the rows before it computes, bit for bit.
 """
 
 from __future__ import annotations
@@ -46,28 +53,34 @@ def _fp8_e4m3_to_float(byte):
 @triton.jit
 def _embeddings_kernel(context_ptr, slots_ptr, tokens_ptr, table_ptr, scale_ptr, multipliers_ptr, sizes_ptr,
                        offsets_ptr, out_ptr, CONTEXT: tl.constexpr, HEADS_PER_NGRAM: tl.constexpr, DIM: tl.constexpr,
-                       EOS: tl.constexpr, FP8: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
-    request, head = tl.program_id(0), tl.program_id(1)
+                       EOS: tl.constexpr, FP8: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
+                       ROWS: tl.constexpr):
+    row, head = tl.program_id(0), tl.program_id(1)  # row t = row % ROWS of request row // ROWS
     num_heads = tl.num_programs(1)
-    slot = tl.load(slots_ptr + request).to(tl.int64)
+    t = row % ROWS
+    slot = tl.load(slots_ptr + row // ROWS).to(tl.int64)
     order = head // HEADS_PER_NGRAM + 2  # this head hashes t_0 .. t_{order-1}
-    mixed = tl.load(tokens_ptr + request).to(tl.int64) * tl.load(multipliers_ptr)
+    mixed = tl.load(tokens_ptr + row).to(tl.int64) * tl.load(multipliers_ptr)
     seen_eos = False
     for shift in tl.static_range(1, CONTEXT + 1):
-        previous = tl.load(context_ptr + slot * CONTEXT + (CONTEXT - shift)).to(tl.int64)
+        # the id `shift` before this row's: one of the request's rows before it, else from its context
+        in_rows = shift <= t
+        previous = tl.where(
+            in_rows, tl.load(tokens_ptr + row - shift, mask=in_rows, other=0).to(tl.int64),
+            tl.load(context_ptr + slot * CONTEXT + (CONTEXT - shift + t), mask=shift > t, other=0).to(tl.int64))
         seen_eos = seen_eos | (previous == EOS)
         term = tl.where(seen_eos, EOS, previous) * tl.load(multipliers_ptr + shift)
         mixed = tl.where(order > shift, mixed ^ term, mixed)
     size = tl.load(sizes_ptr + head)
-    row = mixed % size  # C's remainder; out-of-vocabulary ids may wrap mixed below 0: the floor mod is then + size
-    row = tl.where(row < 0, row + size, row) + tl.load(offsets_ptr + head)
+    entry = mixed % size  # C's remainder; out-of-vocabulary ids may wrap mixed below 0: the floor mod is then + size
+    entry = tl.where(entry < 0, entry + size, entry) + tl.load(offsets_ptr + head)
     d = tl.arange(0, BLOCK_D)
-    stored = tl.load(table_ptr + row * DIM + d, mask=d < DIM, other=0)
+    stored = tl.load(table_ptr + entry * DIM + d, mask=d < DIM, other=0)
     if FP8:
         values = _fp8_e4m3_to_float(stored) * tl.load(scale_ptr)
     else:
         values = stored.to(tl.float32)
-    out = out_ptr + (request.to(tl.int64) * num_heads + head) * DIM + d
+    out = out_ptr + (row.to(tl.int64) * num_heads + head) * DIM + d
     tl.store(out, round_to(values, out_ptr.dtype.element_ty, PRECISION), mask=d < DIM)
 
 
@@ -77,128 +90,152 @@ def decode_embeddings(
     dtype: torch.dtype,
 ) -> torch.Tensor:
     check_embedding_args(context, slots, tokens, table, multipliers, sizes, offsets, heads_per_ngram)
-    requests, heads, dim = slots.shape[0], sizes.numel(), table.shape[1]
-    out = torch.empty(requests, heads * dim, dtype=dtype, device=table.device)
-    if requests == 0:
+    rows, heads, dim = tokens.shape[0], sizes.numel(), table.shape[1]
+    out = torch.empty(rows, heads * dim, dtype=dtype, device=table.device)
+    if rows == 0:
         return out
     fp8 = scale is not None
-    _embeddings_kernel[(requests, heads)](
+    _embeddings_kernel[(rows, heads)](
         context.contiguous(), slots, tokens.contiguous(), table.view(torch.uint8) if fp8 else table.contiguous(),
         scale if fp8 else table, multipliers, sizes, offsets, out, CONTEXT=context.shape[1],
         HEADS_PER_NGRAM=heads_per_ngram, DIM=dim, EOS=eos, FP8=fp8, BLOCK_D=triton.next_power_of_2(dim),
-        PRECISION=dot_precision(out), num_warps=GATHER_WARPS,
+        PRECISION=dot_precision(out), ROWS=rows // slots.shape[0], num_warps=GATHER_WARPS,
     )
     return out
 
 
 @triton.jit
 def _residual_kernel(streams_ptr, key_ptr, value_ptr, norm_key_ptr, norm_query_ptr, norm_conv_ptr, conv_weight_ptr,
-                     state_ptr, slots_ptr, out_ptr, stride_streams, stride_key, stride_value, stride_state, eps,
-                     inv_sqrt_hidden, HIDDEN: tl.constexpr, HC: tl.constexpr, KERNEL: tl.constexpr,
+                     state_ptr, slots_ptr, state_slots_ptr, out_ptr, stride_streams, stride_key, stride_value,
+                     stride_state, eps, inv_sqrt_hidden, HIDDEN: tl.constexpr, HC: tl.constexpr, KERNEL: tl.constexpr,
                      DILATION: tl.constexpr, HISTORY: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_STATS: tl.constexpr,
-                     BLOCK_HISTORY: tl.constexpr, PRECISION: tl.constexpr):
+                     BLOCK_HISTORY: tl.constexpr, PRECISION: tl.constexpr, ROWS: tl.constexpr):
     request, stream, block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     DTYPE = out_ptr.dtype.element_ty
-    request64 = request.to(tl.int64)
-    streams_row = streams_ptr + request64 * stride_streams + stream * HIDDEN
-    key_row = key_ptr + request64 * stride_key + stream * HIDDEN
-    value_row = value_ptr + request64 * stride_value
-    # this program's channels: everything they read, first (in flight while the sums below are made)
+    # this program's channels, and what they read that every row shares
     j = block * BLOCK_C + tl.arange(0, BLOCK_C)
     inside = j < HIDDEN
     channels = stream * HIDDEN + j
-    value = tl.load(value_row + j, mask=inside, other=0.0).to(tl.float32)
-    residual = tl.load(streams_row + j, mask=inside, other=0.0).to(tl.float32)
     conv_scale = 1.0 + tl.load(norm_conv_ptr + channels, mask=inside, other=0.0).to(tl.float32)
-    slot = tl.load(slots_ptr + request).to(tl.int64)
     past = tl.arange(0, BLOCK_HISTORY)
-    history = state_ptr + slot * stride_state + channels[:, None] * HISTORY + past[None, :]
     in_history = inside[:, None] & (past < HISTORY)[None, :]
-    old = tl.load(history, mask=in_history, other=0.0).to(tl.float32)
-    moved = tl.load(history + 1, mask=inside[:, None] & (past < HISTORY - 1)[None, :], other=0.0)
     is_tap = in_history & (past % DILATION == 0)[None, :]
     tap_weight = tl.load(conv_weight_ptr + channels[:, None] * KERNEL + (past // DILATION)[None, :], mask=is_tap,
                          other=0.0).to(tl.float32)
     newest_weight = tl.load(conv_weight_ptr + channels * KERNEL + KERNEL - 1, mask=inside, other=0.0).to(tl.float32)
-    # the stream's four sums over its whole row (unrolled: every step's loads in flight at once)
-    key_sq = tl.zeros((BLOCK_STATS,), dtype=tl.float32)
-    query_sq = tl.zeros((BLOCK_STATS,), dtype=tl.float32)
-    key_query = tl.zeros((BLOCK_STATS,), dtype=tl.float32)
-    value_sq = tl.zeros((BLOCK_STATS,), dtype=tl.float32)
-    for start in tl.static_range(0, HIDDEN, BLOCK_STATS):
-        k = start + tl.arange(0, BLOCK_STATS)
-        k_inside = k < HIDDEN
-        key = tl.load(key_row + k, mask=k_inside, other=0.0).to(tl.float32)
-        query = tl.load(streams_row + k, mask=k_inside, other=0.0).to(tl.float32)
-        row_value = tl.load(value_row + k, mask=k_inside, other=0.0).to(tl.float32)
-        key_scale = 1.0 + tl.load(norm_key_ptr + stream * HIDDEN + k, mask=k_inside, other=0.0).to(tl.float32)
-        query_scale = 1.0 + tl.load(norm_query_ptr + stream * HIDDEN + k, mask=k_inside, other=0.0).to(tl.float32)
-        key_sq += key * key
-        query_sq += query * query
-        key_query += (key * key_scale) * (query * query_scale)
-        value_sq += row_value * row_value
-    key_rms = tl.rsqrt(tl.sum(key_sq) / HIDDEN + eps)
-    query_rms = tl.rsqrt(tl.sum(query_sq) / HIDDEN + eps)
-    dot = key_rms * query_rms * tl.sum(key_query) * inv_sqrt_hidden
-    sign = tl.where(dot > 0, 1.0, tl.where(dot < 0, -1.0, 0.0))
-    gate = tl.sigmoid(sign * tl.sqrt(tl.maximum(tl.abs(dot), 1e-6)))
-    gate = round_to(gate, DTYPE, PRECISION).to(tl.float32)
-    conv_rms = tl.rsqrt(gate * gate * tl.sum(value_sq) / HIDDEN + eps)
-    # gv, norm_conv, the conv over the history and the new value, the history moved on, the residual
-    gated = round_to(gate * value, DTYPE, PRECISION).to(tl.float32)
-    conv_in = round_to(gated * conv_rms * conv_scale, DTYPE, PRECISION).to(tl.float32)
-    conv = tl.sum(old * tap_weight, axis=1) + conv_in * newest_weight
-    moved = tl.where((past == HISTORY - 1)[None, :], conv_in.to(moved.dtype)[:, None], moved)
-    tl.debug_barrier()  # every read of the history is done before any of it is overwritten
-    tl.store(history, moved, mask=in_history)
-    conv = round_to(conv, DTYPE, PRECISION).to(tl.float32)
-    activated = round_to(conv * tl.sigmoid(conv), DTYPE, PRECISION).to(tl.float32)
-    ple = round_to(gated + activated, DTYPE, PRECISION).to(tl.float32)
-    tl.store(out_ptr + request64 * HC * HIDDEN + channels, round_to(residual + ple, DTYPE, PRECISION), mask=inside)
+    # the request's rows in order: row t reads the history row t-1 left (the slot's for row 0) and writes its
+    # own into state_slots[request, t] (the slot itself for a decode row)
+    source = tl.load(slots_ptr + request).to(tl.int64)
+    for t in tl.static_range(ROWS):
+        row64 = request.to(tl.int64) * ROWS + t
+        target = tl.load(state_slots_ptr + row64).to(tl.int64)
+        streams_row = streams_ptr + row64 * stride_streams + stream * HIDDEN
+        key_row = key_ptr + row64 * stride_key + stream * HIDDEN
+        value_row = value_ptr + row64 * stride_value
+        # this row's channels: everything they read, first (in flight while the sums below are made)
+        value = tl.load(value_row + j, mask=inside, other=0.0).to(tl.float32)
+        residual = tl.load(streams_row + j, mask=inside, other=0.0).to(tl.float32)
+        history = state_ptr + source * stride_state + channels[:, None] * HISTORY + past[None, :]
+        old = tl.load(history, mask=in_history, other=0.0).to(tl.float32)
+        moved = tl.load(history + 1, mask=inside[:, None] & (past < HISTORY - 1)[None, :], other=0.0)
+        # the stream's four sums over its whole row (unrolled: every step's loads in flight at once)
+        key_sq = tl.zeros((BLOCK_STATS,), dtype=tl.float32)
+        query_sq = tl.zeros((BLOCK_STATS,), dtype=tl.float32)
+        key_query = tl.zeros((BLOCK_STATS,), dtype=tl.float32)
+        value_sq = tl.zeros((BLOCK_STATS,), dtype=tl.float32)
+        for start in tl.static_range(0, HIDDEN, BLOCK_STATS):
+            k = start + tl.arange(0, BLOCK_STATS)
+            k_inside = k < HIDDEN
+            key = tl.load(key_row + k, mask=k_inside, other=0.0).to(tl.float32)
+            query = tl.load(streams_row + k, mask=k_inside, other=0.0).to(tl.float32)
+            row_value = tl.load(value_row + k, mask=k_inside, other=0.0).to(tl.float32)
+            key_scale = 1.0 + tl.load(norm_key_ptr + stream * HIDDEN + k, mask=k_inside, other=0.0).to(tl.float32)
+            query_scale = 1.0 + tl.load(norm_query_ptr + stream * HIDDEN + k, mask=k_inside, other=0.0).to(tl.float32)
+            key_sq += key * key
+            query_sq += query * query
+            key_query += (key * key_scale) * (query * query_scale)
+            value_sq += row_value * row_value
+        key_rms = tl.rsqrt(tl.sum(key_sq) / HIDDEN + eps)
+        query_rms = tl.rsqrt(tl.sum(query_sq) / HIDDEN + eps)
+        dot = key_rms * query_rms * tl.sum(key_query) * inv_sqrt_hidden
+        sign = tl.where(dot > 0, 1.0, tl.where(dot < 0, -1.0, 0.0))
+        gate = tl.sigmoid(sign * tl.sqrt(tl.maximum(tl.abs(dot), 1e-6)))
+        gate = round_to(gate, DTYPE, PRECISION).to(tl.float32)
+        conv_rms = tl.rsqrt(gate * gate * tl.sum(value_sq) / HIDDEN + eps)
+        # gv, norm_conv, the conv over the history and the new value, the history moved on, the residual
+        gated = round_to(gate * value, DTYPE, PRECISION).to(tl.float32)
+        conv_in = round_to(gated * conv_rms * conv_scale, DTYPE, PRECISION).to(tl.float32)
+        conv = tl.sum(old * tap_weight, axis=1) + conv_in * newest_weight
+        moved = tl.where((past == HISTORY - 1)[None, :], conv_in.to(moved.dtype)[:, None], moved)
+        tl.debug_barrier()  # every read of the history is done before any of it is overwritten
+        tl.store(state_ptr + target * stride_state + channels[:, None] * HISTORY + past[None, :], moved,
+                 mask=in_history)
+        conv = round_to(conv, DTYPE, PRECISION).to(tl.float32)
+        activated = round_to(conv * tl.sigmoid(conv), DTYPE, PRECISION).to(tl.float32)
+        ple = round_to(gated + activated, DTYPE, PRECISION).to(tl.float32)
+        tl.store(out_ptr + row64 * HC * HIDDEN + channels, round_to(residual + ple, DTYPE, PRECISION), mask=inside)
+        if t + 1 < ROWS:
+            tl.debug_barrier()  # the history just written is what the next row reads
+            source = target
 
 
 def decode_residual(
     streams: torch.Tensor, key: torch.Tensor, value: torch.Tensor, norm_key_weight: torch.Tensor,
     norm_query_weight: torch.Tensor, norm_conv_weight: torch.Tensor, conv_weight: torch.Tensor,
-    conv_state: torch.Tensor, slots: torch.Tensor, eps: float, dilation: int,
+    conv_state: torch.Tensor, slots: torch.Tensor, eps: float, dilation: int, state_slots: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    hidden, hc = check_residual_args(streams, key, value, conv_weight, conv_state, slots, dilation)
+    hidden, hc = check_residual_args(streams, key, value, conv_weight, conv_state, slots, dilation, state_slots)
     for name, tensor in (("streams", streams), ("key", key), ("value", value)):
         if tensor.stride(1) != 1:
             raise ValueError(f"PLE residual kernel: {name} must have contiguous rows")
     if not conv_state.is_contiguous():
         raise ValueError("PLE residual kernel: the conv state must be contiguous (it is updated in place)")
-    requests = streams.shape[0]
-    out = torch.empty(requests, hc * hidden, dtype=streams.dtype, device=streams.device)
+    state_slots = (slots[:, None] if state_slots is None else state_slots).contiguous()
+    requests, rows = state_slots.shape
+    out = torch.empty(streams.shape[0], hc * hidden, dtype=streams.dtype, device=streams.device)
     if requests == 0:
         return out
     kernel = conv_weight.shape[1]
     _residual_kernel[(requests, hc, triton.cdiv(hidden, BLOCK_C))](
         streams, key, value, norm_key_weight, norm_query_weight, norm_conv_weight, conv_weight.contiguous(),
-        conv_state, slots, out, streams.stride(0), key.stride(0), value.stride(0), conv_state.stride(0), eps,
-        hidden**-0.5, HIDDEN=hidden, HC=hc, KERNEL=kernel, DILATION=dilation, HISTORY=(kernel - 1) * dilation, BLOCK_C=BLOCK_C,
+        conv_state, slots, state_slots, out, streams.stride(0), key.stride(0), value.stride(0), conv_state.stride(0),
+        eps, hidden**-0.5, HIDDEN=hidden, HC=hc, KERNEL=kernel, DILATION=dilation, HISTORY=(kernel - 1) * dilation,
+        BLOCK_C=BLOCK_C,
         BLOCK_STATS=min(BLOCK_STATS, triton.next_power_of_2(hidden)),
         BLOCK_HISTORY=triton.next_power_of_2((kernel - 1) * dilation), PRECISION=dot_precision(streams),
-        num_warps=RESIDUAL_WARPS,
+        ROWS=rows, num_warps=RESIDUAL_WARPS,
     )
     return out
 
 
 @triton.jit
-def _advance_context_kernel(context_ptr, slots_ptr, tokens_ptr, CONTEXT: tl.constexpr, BLOCK: tl.constexpr):
+def _advance_context_kernel(context_ptr, slots_ptr, tokens_ptr, state_slots_ptr, CONTEXT: tl.constexpr,
+                            BLOCK: tl.constexpr, ROWS: tl.constexpr):
     request = tl.program_id(0)
     row = context_ptr + tl.load(slots_ptr + request).to(tl.int64) * CONTEXT
+    tokens = tokens_ptr + request * ROWS
     i = tl.arange(0, BLOCK)
-    newer = tl.load(row + i + 1, mask=i < CONTEXT - 1)
-    newer = tl.where(i == CONTEXT - 1, tl.load(tokens_ptr + request).to(newer.dtype), newer)
-    tl.debug_barrier()  # every read of the row is done before any of it is overwritten
-    tl.store(row + i, newer, mask=i < CONTEXT)
+    for t in tl.static_range(ROWS):  # the context after row t: entries t+1.. of the slot's context, then tokens
+        at = t + 1 + i
+        newer = tl.load(row + at, mask=(i < CONTEXT) & (at < CONTEXT), other=0)
+        newer = tl.where(at < CONTEXT, newer,
+                         tl.load(tokens + at - CONTEXT, mask=(i < CONTEXT) & (at >= CONTEXT), other=0).to(newer.dtype))
+        target = context_ptr + tl.load(state_slots_ptr + request * ROWS + t).to(tl.int64) * CONTEXT
+        tl.debug_barrier()  # every read of the row is done before any of it is overwritten
+        tl.store(target + i, newer, mask=i < CONTEXT)
 
 
-def advance_context(context: torch.Tensor, slots: torch.Tensor, tokens: torch.Tensor) -> None:
-    check_context_args(context, slots, tokens)
+def advance_context(
+    context: torch.Tensor, slots: torch.Tensor, tokens: torch.Tensor, state_slots: torch.Tensor | None = None,
+) -> None:
+    check_context_args(context, slots, tokens, rows_per_request=state_slots is not None)
     if not context.is_contiguous():
         raise ValueError("PLE context kernel: the context must be contiguous (it is updated in place)")
+    state_slots = (slots[:, None] if state_slots is None else state_slots).contiguous()
+    if state_slots.shape[0] != slots.shape[0] or tokens.shape[0] != state_slots.numel():
+        raise ValueError(f"PLE context: state_slots {tuple(state_slots.shape)} must be [B, T] for slots "
+                         f"{tuple(slots.shape)} and tokens {tuple(tokens.shape)} [B*T]")
     if slots.shape[0] and context.shape[1]:
-        _advance_context_kernel[(slots.shape[0],)](context, slots, tokens, CONTEXT=context.shape[1],
-                                                  BLOCK=triton.next_power_of_2(context.shape[1]), num_warps=1)
+        _advance_context_kernel[(slots.shape[0],)](context, slots, tokens, state_slots, CONTEXT=context.shape[1],
+                                                  BLOCK=triton.next_power_of_2(context.shape[1]),
+                                                  ROWS=state_slots.shape[1], num_warps=1)

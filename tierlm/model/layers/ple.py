@@ -11,7 +11,8 @@ files (`memory/ngram_store.py`, the NVMe tier), embeddings the host gathered int
 
 A decode batch on CUDA takes `kernels/ple`'s two launches around the key/value projection (the hash and
 gather; then gate, norms, conv, history and the residual add), and `model/qwen4_exp.py` moves the n-gram
-context on with a third; TIERLM_NO_FUSED_PLE=1 turns them off.
+context on with a third; a speculative verification batch (T rows per request) takes the same three, the
+history and context after each row kept in its slot; TIERLM_NO_FUSED_PLE=1 turns them off.
 """
 
 from __future__ import annotations
@@ -60,8 +61,10 @@ class NgramIds:
 
 
 def fused_decode_applies(x: torch.Tensor, batch: ForwardBatch) -> bool:
-    """A decode batch on CUDA (x: a tensor it runs on) takes `kernels/ple.triton`, unless TIERLM_NO_FUSED_PLE=1."""
-    return x.is_cuda and batch.is_decode_only and not os.environ.get("TIERLM_NO_FUSED_PLE")
+    """A decode batch or a speculative verification batch (T rows per request) on CUDA (x: a tensor it runs
+    on) takes `kernels/ple.triton`, unless TIERLM_NO_FUSED_PLE=1."""
+    shaped = batch.is_decode_only or batch.verify_slots is not None
+    return x.is_cuda and shaped and not os.environ.get("TIERLM_NO_FUSED_PLE")
 
 
 class NgramTable(nn.Module):
@@ -120,7 +123,7 @@ class PLELayer(nn.Module):
             key, value = self.key_value_proj(emb)
             return decode_residual(streams, key, value, self.norm_key.weight, self.norm_query.weight,
                                    self.norm_conv.weight, self.conv1d.weight.squeeze(1), state.conv, batch.slots,
-                                   self.norm_key.eps, self.ngram_size)
+                                   self.norm_key.eps, self.ngram_size, batch.verify_slots)
         gated = self.gated_values(streams, emb)
         return streams + (gated + F.silu(self._short_conv(self.norm_conv(gated), batch, state)))
 

@@ -34,6 +34,7 @@ from torch import nn
 from tierlm.kernels.norm_rope.naive import apply_rotary
 from tierlm.kernels.qsa_block_scores import block_scores
 from tierlm.kernels.qsa_block_scores.naive import ranking_keys
+from tierlm.kernels.qsa_ring import ring_after_rows
 from tierlm.kernels.qsa_row_cache import attend_rows
 from tierlm.kernels.qsa_selection import chosen_positions, physical_rows, top_keys
 from tierlm.model.cache import QSADeviceKV, QSAIndexerState
@@ -208,7 +209,7 @@ class QSAIndexer(nn.Module):
         offset = context % r
         state.ring[batch.slots, offset] = raw_keys
         starts = context - offset  # first position of the open block
-        cos, sin = rope.at(starts)
+        cos, sin = rope.group_starts_at(starts, r)
         keys = self.compress(state.ring[batch.slots], cos, sin)
         block = batch.block_tables.gather(1, (starts // bs)[:, None]).squeeze(1)
         row = block * (bs // r) + (starts % bs) // r
@@ -220,26 +221,16 @@ class QSAIndexer(nn.Module):
     ) -> None:
         """`store_block_key_decode` for a verification batch's T rows per request: the ring after each row
         (its open group's raw keys: from the request's ring, then from its rows) goes to that row's slot
-        (`batch.verify_slots`), and a row that closes a block writes the block's key. Static shapes."""
-        r, bs = self.ratio, state.block_size
-        requests, width = batch.verify_slots.shape
-        context = batch.context_lens_tensor[:, None, None]  # [B, 1, 1]
-        source = torch.cat([state.ring[batch.slots], raw_keys.view(requests, width, -1)], dim=1)  # [B, R+T, id]
-        positions = batch.positions.view(requests, width)
-        offset = positions % r
-        starts = positions - offset  # [B, T]: the first position of each row's open group
-        held = starts[..., None] + torch.arange(r, device=raw_keys.device)  # [B, T, R]: positions of its entries
-        # an entry before the context is in the ring (at its offset), the others are rows of this batch;
-        # entries past the row's position are never read (clamped into range)
-        index = torch.where(held < context, held % r, r + held - context).clamp_(max=r + width - 1)
-        rings = source.gather(1, index.view(requests, width * r, 1).expand(-1, -1, source.shape[-1]))
-        rings = rings.view(requests * width, r, -1)
-        state.ring.index_copy_(0, batch.verify_slots.flatten(), rings)
-        cos, sin = rope.at(starts.flatten(), rows_per_request=width)
-        keys = self.compress(rings, cos, sin)
-        block = batch.block_tables.gather(1, starts // bs)  # [B, T]
-        row = torch.where(offset == r - 1, block * (bs // r) + (starts % bs) // r, state.scratch_block * (bs // r))
-        state.keys.view(-1, self.head_dim)[row.flatten()] = keys
+        (`batch.verify_slots`), and a row that closes a block writes the block's key. Static shapes; on
+        CUDA the rings and key rows in one launch (`kernels/qsa_ring`; TIERLM_NO_FUSED_QSA_RING=1: torch)."""
+        ring_rows = ring_after_rows
+        if raw_keys.is_cuda and not os.environ.get("TIERLM_NO_FUSED_QSA_RING"):
+            from tierlm.kernels.qsa_ring.triton import triton_ring_after_rows as ring_rows
+        rings, key_rows, starts = ring_rows(
+            state.ring, batch.slots, raw_keys, batch.positions, batch.context_lens_tensor, batch.verify_slots,
+            batch.block_tables, state.block_size, state.scratch_block)
+        cos, sin = rope.group_starts_at(starts, self.ratio, rows_per_request=batch.verify_slots.shape[1])
+        state.keys.view(-1, self.head_dim)[key_rows] = self.compress(rings, cos, sin)
 
     def select_decode(self, raw_q: torch.Tensor, batch: ForwardBatch, state: QSAIndexerState, rope: Rope) -> Selection:
         """The K/V rows each request's query (raw_q: its raw indexer queries, `project`) attends to: its top

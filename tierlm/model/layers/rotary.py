@@ -55,10 +55,12 @@ class Rope:
     starts) on demand. A text batch also offers its 1-D `positions` and `inv_freq`, from which fused
     kernels compute the angles themselves (then no table is computed at all); an M-RoPE batch
     (`ForwardBatch.mrope_positions`; `positions` None) takes a block start's (t, h, w) from its row, or,
-    for the group still open when the forward began, from `mrope_group_starts`."""
+    for the group still open when the forward began, from `mrope_group_starts`.
+    `group_starts_at`: cos/sin at each row's indexer group start, once per forward for all QSA layers."""
 
     def __init__(self, rotary: RotaryEmbedding, batch, dtype: torch.dtype) -> None:
         self.rotary, self.dtype, self.batch = rotary, dtype, batch
+        self._group_starts: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self.positions = batch.positions if batch.mrope_positions is None else None
         self.inv_freq = rotary.tables(batch.positions.device)[0]
         if batch.mrope_positions is not None:
@@ -81,6 +83,16 @@ class Rope:
     def sin(self) -> torch.Tensor:
         """sin [N, rotary_dim] at the batch's rows."""
         return self._rows[1]
+
+    def group_starts_at(
+        self, starts: torch.Tensor, ratio: int, rows_per_request: int = 1
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`at(starts, rows_per_request=...)` for starts [N] = the batch's row positions rounded down to a
+        multiple of `ratio` (what every QSA layer of the forward asks for): computed by the first caller."""
+        key = ratio, rows_per_request
+        if key not in self._group_starts:
+            self._group_starts[key] = self.at(starts, rows_per_request=rows_per_request)
+        return self._group_starts[key]
 
     def at(
         self, positions: torch.Tensor, request: int | None = None, rows_per_request: int = 1
