@@ -24,8 +24,7 @@ the reference on every routing (max |diff| relative to max |reference|).
 bf16 experts, INT6 with the experts' group beside INT4 ones, as `tierlm quantize --scheme int4-mixed`
 writes it) as the model ran them before (the routed kernel, then the shared SwiGLU through its own layers:
 cuBLAS or the INT6 GEMV, SiLU, mul, the gate's product, the add) and fused (the shared expert one more
-expert of every token in the routed launches: two launches, and one with `one_launch` set), each with
-its % of the copy bandwidth on the distinct routed experts' bytes plus the shared expert's;
+expert of every token in the routed launches), each with its % of the copy bandwidth on the distinct routed experts' bytes plus the shared expert's;
 --shared-sweep also tries SHARED_SWEEP's K tiles first.
 The packed sweep times each of PACKED_CANDIDATES (the INT4 decode form's tiles, `packed_decode`) at every
 batch size and group, prints their % of the copy bandwidth side by side with bf16 and with the INT4 kernel's
@@ -357,33 +356,23 @@ def measure_shared(run: SimpleNamespace, experts: tuple, label: str, batch: int,
     bits = 0 if not kw else int(kw["format"][3:])
     tiles = kernels.DECODE_TILES[bits]
     apart_s = timed(apart, ROUTINGS, device, run.use_graph)
-    seconds, diffs = {}, {}
-    for one_launch in (False, True):  # the fused kernel in two launches, then in one
-        kernels.DECODE_TILES[bits] = tiles._replace(one_launch=one_launch)
-        seconds[one_launch] = timed(fused, ROUTINGS, device, run.use_graph)
-        diffs[one_launch] = 0.0
-        for i in range(ROUTINGS):
-            ref = naive.fused_moe(x[i], w_gate_up, w_down, *routes[i], **kw,
-                                  shared=swiglu.as_fused_expert(gates[i])).float()
-            diffs[one_launch] = max(diffs[one_launch], ((fused(i).float() - ref).abs().max()
-                                                        / ref.abs().max().clamp_min(1e-30)).item())
-    kernels.DECODE_TILES[bits] = tiles
+    fused_s = timed(fused, ROUTINGS, device, run.use_graph)
+    fused_diff = 0.0
+    for i in range(ROUTINGS):
+        ref = naive.fused_moe(x[i], w_gate_up, w_down, *routes[i], **kw, shared=swiglu.as_fused_expert(gates[i])).float()
+        fused_diff = max(fused_diff, ((fused(i).float() - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item())
     apart_diff = 0.0
     for i in range(ROUTINGS):  # (the model's path before, for scale: its own bf16 roundings)
         ref = naive.fused_moe(x[i], w_gate_up, w_down, *routes[i], **kw, shared=swiglu.as_fused_expert(gates[i]))
         apart_diff = max(apart_diff, ((apart(i).float() - ref.float()).abs().max()
                                       / ref.float().abs().max().clamp_min(1e-30)).item())
-    fused_s, one_s = seconds[False], seconds[True]
     row = {"format": label, "batch": batch, "shared_bytes": shared_bytes, "weight_bytes_per_call": nbytes,
            "apart_us": apart_s * 1e6, "apart_vs_copy": nbytes / apart_s / run.copy, "fused_us": fused_s * 1e6,
-           "fused_vs_copy": nbytes / fused_s / run.copy, "fused_one_launch_us": one_s * 1e6,
-           "fused_one_launch_vs_copy": nbytes / one_s / run.copy, "apart_over_fused": apart_s / fused_s,
-           "apart_over_one_launch": apart_s / one_s, "fused_max_rel_diff": diffs[False],
-           "one_launch_max_rel_diff": diffs[True], "apart_max_rel_diff": apart_diff, "tiles": tiles._asdict()}
+           "fused_vs_copy": nbytes / fused_s / run.copy, "apart_over_fused": apart_s / fused_s,
+           "fused_max_rel_diff": fused_diff, "apart_max_rel_diff": apart_diff, "tiles": tiles._asdict()}
     print(f"{label:>10}{batch:>6}{nbytes / 1e6:>9.2f}{apart_s * 1e6:>11.1f}{row['apart_vs_copy']:>8.1%}"
           f"{fused_s * 1e6:>11.1f}{row['fused_vs_copy']:>8.1%}{apart_s / fused_s:>9.2f}x"
-          f"{one_s * 1e6:>12.1f}{row['fused_one_launch_vs_copy']:>8.1%}{apart_s / one_s:>9.2f}x"
-          f"{diffs[False]:>12.2e}{diffs[True]:>12.2e}{apart_diff:>12.2e}")
+          f"{fused_diff:>12.2e}{apart_diff:>12.2e}")
     return row
 
 
@@ -427,11 +416,10 @@ def measure(args, device: torch.device) -> dict:
         if args.shared or args.shared_only:
             swiglu, shared_bytes = make_shared_expert(shape, fmt, group, device, gen)
             print(f"{label}: experts + shared expert ({'bf16' if fmt == 'bf16' else f'int6-g{group}'}, "
-                  f"{shared_bytes / 1e6:.2f} MB) apart (before) and fused, in two launches and in one; "
+                  f"{shared_bytes / 1e6:.2f} MB) apart (before) and fused; "
                   "max rel diff vs the torch reference")
             print(f"{'format':>10}{'batch':>6}{'MB/call':>9}{'apart us':>11}{'of copy':>8}{'fused us':>11}"
-                  f"{'of copy':>8}{'speed-up':>10}{'1-launch us':>12}{'of copy':>8}{'speed-up':>10}"
-                  f"{'fused diff':>12}{'1-l. diff':>12}{'apart diff':>12}")
+                  f"{'of copy':>8}{'speed-up':>10}{'fused diff':>12}{'apart diff':>12}")
             shared_rows += [measure_shared(run, (w_gate_up, w_down, kw, per_expert), label, batch, swiglu,
                                            shared_bytes) for batch in args.batches]
             swiglu = None

@@ -63,10 +63,6 @@ SHARED_CASES = {"unquantized-decode-split-shared": ("unquantized", "decode-split
                 "unquantized-prefill-shared": ("unquantized", "prefill", "unquantized", ["bf16"])}
 for _case, (_routed, _path, _shared, _dtypes) in SHARED_CASES.items():
     CASES.update({f"{d}-{_case}": (DTYPES[d], FORMATS[_routed], PATHS[_path], _shared) for d in _dtypes})
-# the decode forms' gate_up and down in one launch (`DecodeTiles.one_launch`, `PackedDecodeTiles.one_launch`),
-# with the shared expert and without; each run twice (the launch must leave its tickets and counts at zero)
-for _case in ("bf16-int4-g32-decode-split-shared-int6", "fp32-unquantized-decode-split"):
-    CASES[f"{_case}-one-launch"] = CASES[_case]
 
 
 def route(tokens: int, top_k: int, skewed: bool, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -167,9 +163,6 @@ def run_kernel_cases(names: list[str]) -> dict[str, str | None]:
             if name.endswith(("gathered-x", "unrolled")):
                 kernels.DECODE_TILES[4] = kernels.DECODE_TILES[4]._replace(split_x=not name.endswith("gathered-x"),
                                                                            unroll=name.endswith("unrolled"))
-            if name.endswith("one-launch"):
-                kernels.DECODE_TILES = {bits: tiles._replace(one_launch=True)
-                                        for bits, tiles in kernels.DECODE_TILES.items()}
             prefill = CASES[name][2] == PATHS["prefill"]
             if (ids.numel() <= DECODE_MAX_PAIRS) == prefill:
                 results[name] = f"{ids.numel()} pairs do not take the path of {name}"
@@ -180,9 +173,6 @@ def run_kernel_cases(names: list[str]) -> dict[str, str | None]:
             reference = naive.fused_moe(*args, **kwargs)
             out = kernels.fused_moe(*(a.to(device) for a in args), **on_device(kwargs, device)).cpu()
             results[name] = within_tolerance(out, reference, *exact)
-            if name.endswith("one-launch") and not torch.equal(
-                    kernels.fused_moe(*(a.to(device) for a in args), **on_device(kwargs, device)).cpu(), out):
-                results[name] = "a second launch differs from the first"
     finally:
         kernels.DECODE_MAX_PAIRS, kernels.PREFILL_BLOCK_M, kernels.DECODE_TILES = saved
     return results

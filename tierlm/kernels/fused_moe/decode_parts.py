@@ -3,10 +3,8 @@ SwiGLU columns and down columns for one row of input, by `quant_linear.triton.ge
 format (unquantized, or packed 4 / 6 / 8 bits: the shared expert takes these whatever the routed
 experts' format, so it can differ from theirs), and the end of a down program, whose token's experts
 are split over several programs: the last program to arrive adds the splits' fp32 partials in split
-order and rounds the output once (`split_reduce` arrival counters), in the same launch; the
-synchronisation of a decode form's gate_up and down run as one launch (`take_item`, `item_done`,
-`wait_for_token`, `leave`: items taken by ticket, down's items waiting for their token's gate_up items);
-and `SharedArgs`, a checked `SharedExpert` as both forms' launches take it.
+order and rounds the output once (`split_reduce` arrival counters), in the same launch; and
+`SharedArgs`, a checked `SharedExpert` as both forms' launches take it.
 """
 
 from __future__ import annotations
@@ -27,7 +25,6 @@ from tierlm.kernels.quant_linear.triton import (
     quant_linear,
     round_to,
 )
-from tierlm.kernels.split_reduce import arrival_counters
 
 
 @triton.jit
@@ -82,52 +79,6 @@ def finish_down(result, out_ptr, partial_ptr, counter_ptr, token, pid_n, n_block
                                  cache_modifier=".cg")
             tl.store(out_ptr + token * H + offs_n, round_to(total, out_ptr.dtype.element_ty, PRECISION), mask=n_mask)
             tl.atomic_xchg(counter, 0)  # ready for the next launch
-
-
-@triton.jit
-def take_item(sync_ptr, BY_TICKET: tl.constexpr):
-    """The work item a program does: its ticket, the order programs start in (one launch: sync_ptr[0]
-    counts the tickets taken), or its program id."""
-    if BY_TICKET:
-        index = tl.atomic_add(sync_ptr, 1, sem="relaxed")
-    else:
-        index = tl.program_id(0)
-    return index
-
-
-@triton.jit
-def item_done(sync_ptr, token):
-    """One launch: a gate_up item of `token` has stored its act (counted in at sync_ptr[2 + token])."""
-    tl.debug_barrier()  # every thread's stores are issued before the item counts itself in
-    tl.atomic_add(sync_ptr + 2 + token, 1, sem="release")
-
-
-@triton.jit
-def wait_for_token(sync_ptr, token, expected):
-    """One launch: wait until `expected` gate_up items of `token` have counted themselves in. A program
-    only ever waits on items whose tickets were taken before its own, by programs already running, so
-    the launch cannot deadlock however few programs fit the device at once."""
-    arrived = tl.atomic_add(sync_ptr + 2 + token, 0, sem="acquire")
-    while arrived < expected:
-        arrived = tl.atomic_add(sync_ptr + 2 + token, 0, sem="acquire")
-    tl.debug_barrier()  # (the acquire is one thread's: every thread's loads come after it)
-
-
-@triton.jit
-def leave(sync_ptr, programs, MAX_TOKENS: tl.constexpr):
-    """One launch: the last of `programs` to leave sets the tickets, the leavers (sync_ptr[1]) and every
-    token's count back to zero, for the next launch."""
-    tl.debug_barrier()
-    if tl.atomic_add(sync_ptr + 1, 1, sem="acq_rel") == programs - 1:
-        tl.store(sync_ptr + tl.arange(0, MAX_TOKENS + 2), 0)
-
-
-def one_launch_sync(owner: str, device: torch.device, max_tokens: int) -> tuple[torch.Tensor, int]:
-    """(the zeroed int32 counters a one-launch decode kernel synchronises through: ticket, leavers, one
-    count per token; made once per owner and device (`split_reduce.arrival_counters`), MAX_TOKENS: a
-    power of 2 less 2, at least max_tokens)."""
-    tokens = triton.next_power_of_2(max_tokens + 2) - 2
-    return arrival_counters(owner, device, tokens + 2), tokens
 
 
 class SharedArgs(NamedTuple):

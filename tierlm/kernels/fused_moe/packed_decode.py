@@ -22,8 +22,7 @@ last program to finish a token's columns adds the groups' fp32 partials in the s
 counters: `kernels/split_reduce`, `decode_parts.finish_down`). A shared expert is one more row of
 gate_up per token (x read in place) and one more split of down, in its own format (INT6 in int4-mixed)
 through `decode_parts`' `gemv_loop` helpers, with its own K tiles. gate_up and down are phases of one
-kernel (`_packed_decode_kernel`); with `one_launch` they run as one launch (items by ticket, down's
-waiting for their token's gate_up items: `decode_parts`). Tiles: `PackedDecodeTiles`.
+kernel (`_packed_decode_kernel`). Tiles: `PackedDecodeTiles`.
 """
 from __future__ import annotations
 
@@ -37,12 +36,7 @@ from tierlm.kernels.fused_moe.decode_parts import (
     SharedArgs,
     down_columns,
     finish_down,
-    item_done,
-    leave,
-    one_launch_sync,
     swiglu_columns,
-    take_item,
-    wait_for_token,
 )
 from tierlm.kernels.quant_linear.triton import FLOAT_ONE_BITS, dot_precision, round_to, word_value
 from tierlm.kernels.split_reduce import arrival_counters
@@ -59,8 +53,6 @@ class PackedDecodeTiles(NamedTuple):
     down_ranks: int  # of a token's top-k experts per down program (fewer: fp32 partials, summed by the last)
     split_x: bool  # x read split (one copy launch first) or gathered in place
     unroll: bool  # each program's K tiles unrolled (all loads issued up front, as registers allow) or a loop
-    one_launch: bool = False  # gate_up and down in one launch (down's items wait for their token's act),
-    #                           with gate_up's warps, or two launches
     # the shared expert's K tiles, in values (its format may differ from the routed experts':
     # `decode_parts`; it takes their BLOCK_N). INT6 beside INT4 at 8 x 64 and 32 x 32 adds no registers
     # to the routed programs (80 and 48 for sm_90, triton 3.9: 96 at 128 for gate_up, 128 at 64 for down)
@@ -256,7 +248,7 @@ def _packed_down_program(
 def _packed_decode_kernel(
     x_ptr, gu_w_ptr, gu_s_ptr, act_ptr, ids_ptr, x_in_place_ptr, gu_shared_w_ptr, gu_shared_s_ptr, shared_act_ptr,
     dn_w_ptr, dn_s_ptr, routing_ptr, dn_shared_w_ptr, dn_shared_s_ptr, shared_gate_ptr, out_ptr, partial_ptr,
-    counter_ptr, sync_ptr, T, S, num_shared, gate_up_blocks, down_blocks,
+    counter_ptr, T, S, num_shared, gate_up_blocks, down_blocks,
     stride_xt, gu_stride_we, gu_stride_wn, gu_stride_se, gu_stride_sn, stride_ap, stride_x_in_place, gu_stride_swn,
     gu_stride_ssn, stride_sap, dn_stride_we, dn_stride_wn, dn_stride_se, dn_stride_sn, dn_stride_swn, dn_stride_ssn,
     one_bits,
@@ -265,44 +257,29 @@ def _packed_decode_kernel(
     DN_BLOCK_N: tl.constexpr, DN_BLOCK_W: tl.constexpr, SPLIT_X: tl.constexpr, UNROLL: tl.constexpr,
     DTYPE: tl.constexpr, HAS_SHARED: tl.constexpr, SHARED_BITS: tl.constexpr, GU_SHARED_GROUP_SIZE: tl.constexpr,
     GU_SHARED_BLOCK_K: tl.constexpr, GU_SHARED_EVEN_K: tl.constexpr, DN_SHARED_GROUP_SIZE: tl.constexpr,
-    DN_SHARED_BLOCK_K: tl.constexpr, DN_SHARED_EVEN_K: tl.constexpr, MAX_TOKENS: tl.constexpr,
-    PHASE: tl.constexpr, PRECISION: tl.constexpr,
+    DN_SHARED_BLOCK_K: tl.constexpr, DN_SHARED_EVEN_K: tl.constexpr, PHASE: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
-    """PHASE "gate_up": program i is gate_up's item (row i % rows, block i // rows); "down": down's item
-    (block i % down_blocks, token (i // down_blocks) % T, split i // (down_blocks * T)); "both": the two in
-    one launch, items taken by ticket (`decode_parts`: `take_item`, `item_done`, `wait_for_token`,
-    `leave`)."""
-    rows = num_shared + T * TOP_K
-    gate_up_items = rows * gate_up_blocks
-    index = take_item(sync_ptr, PHASE == "both")
-    if PHASE == "down":
-        item = index
-    else:  # (a constexpr: each phase compiles only its own items' code, "both" both)
-        item = index - gate_up_items
-        if item < 0:
-            row = index % rows
-            _packed_gate_up_program(
-                row, index // rows, x_ptr, gu_w_ptr, gu_s_ptr, act_ptr, ids_ptr, x_in_place_ptr, gu_shared_w_ptr,
-                gu_shared_s_ptr, shared_act_ptr, S, num_shared, stride_xt, gu_stride_we, gu_stride_wn, gu_stride_se,
-                gu_stride_sn, stride_ap, stride_x_in_place, gu_stride_swn, gu_stride_ssn, stride_sap, one_bits, H, I,
-                TOP_K, BITS, GROUP_SIZE, GU_BLOCK_N, GU_BLOCK_W, SPLIT_X, UNROLL, DTYPE, HAS_SHARED, SHARED_BITS,
-                GU_SHARED_GROUP_SIZE, GU_SHARED_BLOCK_K, GU_SHARED_EVEN_K, PRECISION)
-            if PHASE == "both":
-                item_done(sync_ptr, tl.where(row < num_shared, row, (row - num_shared) // TOP_K))
-    if PHASE != "gate_up":  # noqa: SIM102 - a constexpr: the gate_up phase compiles no down code
-        if item >= 0:
-            token = ((item // down_blocks) % T).to(tl.int64)
-            if PHASE == "both":
-                wait_for_token(sync_ptr, token, (TOP_K + HAS_SHARED) * gate_up_blocks)
-            _packed_down_program(
-                item % down_blocks, token, item // (down_blocks * T), down_blocks, act_ptr, dn_w_ptr, dn_s_ptr,
-                routing_ptr, ids_ptr, shared_act_ptr, dn_shared_w_ptr, dn_shared_s_ptr, shared_gate_ptr, out_ptr,
-                partial_ptr, counter_ptr, S, stride_ap, dn_stride_we, dn_stride_wn, dn_stride_se, dn_stride_sn,
-                stride_sap, dn_stride_swn, dn_stride_ssn, one_bits, H, I, TOP_K, SLOTS, RANKS, BITS, GROUP_SIZE,
-                DN_BLOCK_N, DN_BLOCK_W, UNROLL, DTYPE, HAS_SHARED, SHARED_BITS, DN_SHARED_GROUP_SIZE,
-                DN_SHARED_BLOCK_K, DN_SHARED_EVEN_K, PRECISION)
-    if PHASE == "both":
-        leave(sync_ptr, gate_up_items + down_blocks * T * (HAS_SHARED + (TOP_K + RANKS - 1) // RANKS), MAX_TOKENS)
+    """PHASE "gate_up": program i is gate_up's item (row i % rows, block i // rows; rows: num_shared + T *
+    TOP_K); "down": down's item (block i % down_blocks, token (i // down_blocks) % T, split
+    i // (down_blocks * T)) (a constexpr: each phase compiles only its own items' code)."""
+    index = tl.program_id(0)
+    if PHASE == "gate_up":
+        rows = num_shared + T * TOP_K
+        _packed_gate_up_program(
+            index % rows, index // rows, x_ptr, gu_w_ptr, gu_s_ptr, act_ptr, ids_ptr, x_in_place_ptr, gu_shared_w_ptr,
+            gu_shared_s_ptr, shared_act_ptr, S, num_shared, stride_xt, gu_stride_we, gu_stride_wn, gu_stride_se,
+            gu_stride_sn, stride_ap, stride_x_in_place, gu_stride_swn, gu_stride_ssn, stride_sap, one_bits, H, I,
+            TOP_K, BITS, GROUP_SIZE, GU_BLOCK_N, GU_BLOCK_W, SPLIT_X, UNROLL, DTYPE, HAS_SHARED, SHARED_BITS,
+            GU_SHARED_GROUP_SIZE, GU_SHARED_BLOCK_K, GU_SHARED_EVEN_K, PRECISION)
+    else:
+        _packed_down_program(
+            index % down_blocks, ((index // down_blocks) % T).to(tl.int64), index // (down_blocks * T), down_blocks,
+            act_ptr, dn_w_ptr, dn_s_ptr, routing_ptr, ids_ptr, shared_act_ptr, dn_shared_w_ptr, dn_shared_s_ptr,
+            shared_gate_ptr, out_ptr, partial_ptr, counter_ptr, S, stride_ap, dn_stride_we, dn_stride_wn,
+            dn_stride_se, dn_stride_sn, stride_sap, dn_stride_swn, dn_stride_ssn, one_bits, H, I, TOP_K, SLOTS, RANKS,
+            BITS, GROUP_SIZE, DN_BLOCK_N, DN_BLOCK_W, UNROLL, DTYPE, HAS_SHARED, SHARED_BITS, DN_SHARED_GROUP_SIZE,
+            DN_SHARED_BLOCK_K, DN_SHARED_EVEN_K, PRECISION)
 
 
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
@@ -311,7 +288,7 @@ DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp
 def packed_decode(x: torch.Tensor, weights: tuple, topk_weights: torch.Tensor, topk_ids: torch.Tensor, bits: int,
                   group: int, inter: int, tiles: PackedDecodeTiles, max_tokens: int, shared: SharedArgs
                   ) -> torch.Tensor:
-    """The two launches (one with `one_launch`; plus the split copy with `split_x`) for x [T, H]
+    """The two launches (plus the split copy with `split_x`) for x [T, H]
     (contiguous); weights (w_gate_up, gate_up_scales, w_down, down_scales) packed in `bits` (4 or 8),
     contiguous; `shared`: the shared expert (or its absence), one more row of gate_up and one more split
     of down per token. Returns [T, H] in x's dtype. max_tokens: the most tokens a call can bring (the arrival counters are made for that
@@ -341,11 +318,10 @@ def packed_decode(x: torch.Tensor, weights: tuple, topk_weights: torch.Tensor, t
     gate_up_blocks = triton.cdiv(max(inter, shared.width), tiles.gate_up_block_n)
     down_blocks = triton.cdiv(h, tiles.down_block_n)
     counters = arrival_counters("fused_moe_packed_down", x.device, max(t, max_tokens) * down_blocks)
-    sync, sync_tokens = one_launch_sync("fused_moe_packed_one_launch", x.device, max(t, max_tokens))
     partial = workspace[x_numel + act_numel:] if splits > 1 else out  # (unused with one split)
     args = (x_in, w_gate_up, gate_up_scales, act, topk_ids, x, shared.w_gate_up, shared.gate_up_scales, shared_act,
             w_down, down_scales, topk_weights, shared.w_down, shared.down_scales, shared.gate, out, partial, counters,
-            sync, t, shared.width, num_shared, gate_up_blocks, down_blocks, x_in.stride(0), w_gate_up.stride(0),
+            t, shared.width, num_shared, gate_up_blocks, down_blocks, x_in.stride(0), w_gate_up.stride(0),
             w_gate_up.stride(1), gate_up_scales.stride(0), gate_up_scales.stride(1), act.stride(0), x.stride(0),
             shared.w_gate_up.stride(0), shared.gate_up_scales.stride(0), shared_act.stride(0), w_down.stride(0),
             w_down.stride(1), down_scales.stride(0), down_scales.stride(1), shared.w_down.stride(0),
@@ -358,13 +334,9 @@ def packed_decode(x: torch.Tensor, weights: tuple, topk_weights: torch.Tensor, t
         "GU_SHARED_GROUP_SIZE": shared.gate_up_group, "GU_SHARED_BLOCK_K": shared_gate_up_k,
         "GU_SHARED_EVEN_K": shared_gate_up_even, "DN_SHARED_GROUP_SIZE": shared.down_group,
         "DN_SHARED_BLOCK_K": shared_down_k, "DN_SHARED_EVEN_K": shared_down_even,
-        "MAX_TOKENS": sync_tokens, "PRECISION": precision}
+        "PRECISION": precision}
     gate_up_items = (num_shared + t * top_k) * gate_up_blocks
     down_items = down_blocks * t * splits
-    if tiles.one_launch:
-        _packed_decode_kernel[(gate_up_items + down_items,)](*args, PHASE="both", num_warps=tiles.gate_up_warps,
-                                                             **constants)
-    else:
-        _packed_decode_kernel[(gate_up_items,)](*args, PHASE="gate_up", num_warps=tiles.gate_up_warps, **constants)
-        _packed_decode_kernel[(down_items,)](*args, PHASE="down", num_warps=tiles.down_warps, **constants)
+    _packed_decode_kernel[(gate_up_items,)](*args, PHASE="gate_up", num_warps=tiles.gate_up_warps, **constants)
+    _packed_decode_kernel[(down_items,)](*args, PHASE="down", num_warps=tiles.down_warps, **constants)
     return out

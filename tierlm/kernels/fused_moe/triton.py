@@ -19,9 +19,7 @@ and no launch needs a host sync, so a decode step can be captured in a CUDA grap
     pair per token: the first T rows of gate_up's grid (its act stored apart) and split 0 of down's
     (gate x its down product), by `decode_parts`' helpers, so its gated output joins the same sum and
     the block needs no launch of its own for it. Both launches are phases of one kernel
-    (`_decode_gemv_kernel`); with `one_launch` they run as one launch whose programs take their items
-    by ticket, down's waiting for their token's gate_up items (`decode_parts`). Tiles per weight
-    format: DECODE_TILES.
+    (`_decode_gemv_kernel`). Tiles per weight format: DECODE_TILES.
     Two pairs on one expert read its weights twice, which at 10 of 512 experts per token is rare.
   - prefill: each token's experts sorted by id, then `align_pairs_to_blocks` (vLLM's
     moe_align_block_size, in torch) sorts the pairs by expert into blocks of PREFILL_BLOCK_M rows, each
@@ -43,12 +41,7 @@ from tierlm.kernels.fused_moe.decode_parts import (
     SharedArgs,
     down_columns,
     finish_down,
-    item_done,
-    leave,
-    one_launch_sync,
     swiglu_columns,
-    take_item,
-    wait_for_token,
 )
 from tierlm.kernels.fused_moe.naive import SharedExpert, check_moe_args
 from tierlm.kernels.fused_moe.packed_decode import PackedDecodeTiles, packed_decode
@@ -74,8 +67,6 @@ class DecodeTiles(NamedTuple):
     #                  store fp32 partials that the token's last program to finish adds (more in flight)
     shared_gate_up_block_k: int = 512  # the shared expert's K tiles (its format may differ from the
     shared_down_block_k: int = 128  # routed experts'; its programs take the routed tiles' BLOCK_N)
-    one_launch: bool = False  # gate_up and down in one launch (down's items wait for their token's act),
-    #                           with gate_up's warps, or two launches
 
 
 # Tile sizes, per weight format (bits; 0 unquantized): module constants so a benchmark can sweep them.
@@ -83,7 +74,7 @@ class DecodeTiles(NamedTuple):
 # for bf16 (INT6 the same) and INT4 (INT8 the same: the same packed-word GEMV)
 DECODE_MAX_PAIRS = 160  # up to this many (token, expert) pairs (16 tokens of top-10), the GEMV form
 # (4 and 8 bits: `packed_decode`, first guesses checked only by compiling for sm_90: to be swept on an H200;
-# one_launch, and the shared expert's K tiles, not measured on a GPU yet: bench/moe_decode_kernel.py --shared)
+# the shared expert's K tiles, not measured on a GPU yet: bench/moe_decode_kernel.py --shared)
 DECODE_TILES = {**dict.fromkeys((0, 6), DecodeTiles(8, 512, 4, 16, 128, 4, 2)),
                 **dict.fromkeys((4, 8), PackedDecodeTiles(8, 64, 4, 32, 16, 4, 1, True, False))}
 PREFILL_BLOCK_M, PREFILL_BLOCK_N, PREFILL_BLOCK_K, PREFILL_NUM_WARPS = 32, 64, 64, 4
@@ -171,7 +162,7 @@ def _down_sum_gemv_program(
 @triton.jit
 def _decode_gemv_kernel(
     x_ptr, gu_w_ptr, gu_s_ptr, act_ptr, ids_ptr, gu_shared_w_ptr, gu_shared_s_ptr, shared_act_ptr, dn_w_ptr, dn_s_ptr,
-    routing_ptr, dn_shared_w_ptr, dn_shared_s_ptr, shared_gate_ptr, out_ptr, partial_ptr, counter_ptr, sync_ptr,
+    routing_ptr, dn_shared_w_ptr, dn_shared_s_ptr, shared_gate_ptr, out_ptr, partial_ptr, counter_ptr,
     T, H, I, S, num_shared, gate_up_blocks, down_blocks,
     stride_xt, gu_stride_we, gu_stride_wn, gu_stride_se, gu_stride_sn, stride_ap, gu_stride_swn, gu_stride_ssn,
     stride_sap, dn_stride_we, dn_stride_wn, dn_stride_se, dn_stride_sn, dn_stride_swn, dn_stride_ssn,
@@ -180,42 +171,27 @@ def _decode_gemv_kernel(
     DN_BLOCK_K: tl.constexpr, DN_EVEN_K: tl.constexpr, HAS_SHARED: tl.constexpr, SHARED_BITS: tl.constexpr,
     GU_SHARED_GROUP_SIZE: tl.constexpr, GU_SHARED_BLOCK_K: tl.constexpr, GU_SHARED_EVEN_K: tl.constexpr,
     DN_SHARED_GROUP_SIZE: tl.constexpr, DN_SHARED_BLOCK_K: tl.constexpr, DN_SHARED_EVEN_K: tl.constexpr,
-    MAX_TOKENS: tl.constexpr, PHASE: tl.constexpr, PRECISION: tl.constexpr,
+    PHASE: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """PHASE "gate_up": program i is gate_up's item (block i % gate_up_blocks, row i // gate_up_blocks);
-    "down": down's item (block i % down_blocks, token (i // down_blocks) % T, split
-    i // (down_blocks * T)); "both": the two in one launch, items taken by ticket (`decode_parts`:
-    `take_item`, `item_done`, `wait_for_token`, `leave`)."""
-    gate_up_items = (num_shared + T * TOP_K) * gate_up_blocks
-    index = take_item(sync_ptr, PHASE == "both")
-    if PHASE == "down":
-        item = index
-    else:  # (a constexpr: each phase compiles only its own items' code, "both" both)
-        item = index - gate_up_items
-        if item < 0:
-            row = index // gate_up_blocks
-            _gate_up_gemv_program(
-                row, index % gate_up_blocks, x_ptr, gu_w_ptr, gu_s_ptr, act_ptr, ids_ptr, gu_shared_w_ptr,
-                gu_shared_s_ptr, shared_act_ptr, H, I, S, num_shared, stride_xt, gu_stride_we, gu_stride_wn,
-                gu_stride_se, gu_stride_sn, stride_ap, gu_stride_swn, gu_stride_ssn, stride_sap, TOP_K, BITS,
-                GROUP_SIZE, GU_BLOCK_N, GU_BLOCK_K, GU_EVEN_K, HAS_SHARED, SHARED_BITS, GU_SHARED_GROUP_SIZE,
-                GU_SHARED_BLOCK_K, GU_SHARED_EVEN_K, PRECISION)
-            if PHASE == "both":
-                item_done(sync_ptr, tl.where(row < num_shared, row, (row - num_shared) // TOP_K))
-    if PHASE != "gate_up":  # noqa: SIM102 - a constexpr: the gate_up phase compiles no down code
-        if item >= 0:
-            token = ((item // down_blocks) % T).to(tl.int64)
-            if PHASE == "both":
-                wait_for_token(sync_ptr, token, (TOP_K + HAS_SHARED) * gate_up_blocks)
-            _down_sum_gemv_program(
-                item % down_blocks, token, item // (down_blocks * T), down_blocks, act_ptr, dn_w_ptr, dn_s_ptr,
-                routing_ptr, ids_ptr, shared_act_ptr, dn_shared_w_ptr, dn_shared_s_ptr, shared_gate_ptr, out_ptr,
-                partial_ptr, counter_ptr, H, I, S, stride_ap, dn_stride_we, dn_stride_wn, dn_stride_se, dn_stride_sn,
-                stride_sap, dn_stride_swn, dn_stride_ssn, TOP_K, SLOTS, RANKS, BITS, GROUP_SIZE, DN_BLOCK_N,
-                DN_BLOCK_K, DN_EVEN_K, HAS_SHARED, SHARED_BITS, DN_SHARED_GROUP_SIZE, DN_SHARED_BLOCK_K,
-                DN_SHARED_EVEN_K, PRECISION)
-    if PHASE == "both":
-        leave(sync_ptr, gate_up_items + down_blocks * T * (HAS_SHARED + (TOP_K + RANKS - 1) // RANKS), MAX_TOKENS)
+    "down": down's item (block i % down_blocks, token (i // down_blocks) % T, split i // (down_blocks * T))
+    (a constexpr: each phase compiles only its own items' code)."""
+    index = tl.program_id(0)
+    if PHASE == "gate_up":
+        _gate_up_gemv_program(
+            index // gate_up_blocks, index % gate_up_blocks, x_ptr, gu_w_ptr, gu_s_ptr, act_ptr, ids_ptr,
+            gu_shared_w_ptr, gu_shared_s_ptr, shared_act_ptr, H, I, S, num_shared, stride_xt, gu_stride_we,
+            gu_stride_wn, gu_stride_se, gu_stride_sn, stride_ap, gu_stride_swn, gu_stride_ssn, stride_sap, TOP_K, BITS,
+            GROUP_SIZE, GU_BLOCK_N, GU_BLOCK_K, GU_EVEN_K, HAS_SHARED, SHARED_BITS, GU_SHARED_GROUP_SIZE,
+            GU_SHARED_BLOCK_K, GU_SHARED_EVEN_K, PRECISION)
+    else:
+        _down_sum_gemv_program(
+            index % down_blocks, ((index // down_blocks) % T).to(tl.int64), index // (down_blocks * T), down_blocks,
+            act_ptr, dn_w_ptr, dn_s_ptr, routing_ptr, ids_ptr, shared_act_ptr, dn_shared_w_ptr, dn_shared_s_ptr,
+            shared_gate_ptr, out_ptr, partial_ptr, counter_ptr, H, I, S, stride_ap, dn_stride_we, dn_stride_wn,
+            dn_stride_se, dn_stride_sn, stride_sap, dn_stride_swn, dn_stride_ssn, TOP_K, SLOTS, RANKS, BITS,
+            GROUP_SIZE, DN_BLOCK_N, DN_BLOCK_K, DN_EVEN_K, HAS_SHARED, SHARED_BITS, DN_SHARED_GROUP_SIZE,
+            DN_SHARED_BLOCK_K, DN_SHARED_EVEN_K, PRECISION)
 
 
 @triton.jit
@@ -362,7 +338,7 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, to
 
 def _decode(x, weights, topk_weights, topk_ids, bits: int, group: int, inter: int, shared: SharedArgs
             ) -> torch.Tensor:
-    """The GEMV form: two launches (one with `one_launch`), no sort; packed 4/8-bit experts: `packed_decode`."""
+    """The GEMV form: two launches, no sort; packed 4/8-bit experts: `packed_decode`."""
     tiles = DECODE_TILES[bits]
     max_tokens = DECODE_MAX_PAIRS // topk_ids.shape[1]
     if bits in (4, 8):
@@ -384,10 +360,9 @@ def _decode(x, weights, topk_weights, topk_ids, bits: int, group: int, inter: in
     down_blocks = triton.cdiv(h, tiles.down_block_n)
     partial = torch.empty((t * splits, h), dtype=torch.float32, device=x.device) if splits > 1 else out
     counters = arrival_counters("fused_moe_down", x.device, max(t, max_tokens) * down_blocks)
-    sync, sync_tokens = one_launch_sync("fused_moe_one_launch", x.device, max(t, max_tokens))
     args = (x, w_gate_up, gate_up_scales, act, topk_ids, shared.w_gate_up, shared.gate_up_scales, shared_act, w_down,
-            down_scales, topk_weights, shared.w_down, shared.down_scales, shared.gate, out, partial, counters, sync, t,
-            h, inter, shared.width, num_shared, gate_up_blocks, down_blocks, x.stride(0), w_gate_up.stride(0),
+            down_scales, topk_weights, shared.w_down, shared.down_scales, shared.gate, out, partial, counters, t, h,
+            inter, shared.width, num_shared, gate_up_blocks, down_blocks, x.stride(0), w_gate_up.stride(0),
             w_gate_up.stride(1), gate_up_scales.stride(0), gate_up_scales.stride(1), act.stride(0),
             shared.w_gate_up.stride(0), shared.gate_up_scales.stride(0), shared_act.stride(0), w_down.stride(0),
             w_down.stride(1), down_scales.stride(0), down_scales.stride(1), shared.w_down.stride(0),
@@ -399,15 +374,11 @@ def _decode(x, weights, topk_weights, topk_ids, bits: int, group: int, inter: in
         "HAS_SHARED": shared.present, "SHARED_BITS": shared.bits, "GU_SHARED_GROUP_SIZE": shared.gate_up_group,
         "GU_SHARED_BLOCK_K": shared_gate_up_k, "GU_SHARED_EVEN_K": shared_gate_up_even,
         "DN_SHARED_GROUP_SIZE": shared.down_group, "DN_SHARED_BLOCK_K": shared_down_k,
-        "DN_SHARED_EVEN_K": shared_down_even, "MAX_TOKENS": sync_tokens, "PRECISION": precision}
+        "DN_SHARED_EVEN_K": shared_down_even, "PRECISION": precision}
     gate_up_items = (num_shared + t * top_k) * gate_up_blocks
     down_items = down_blocks * t * splits
-    if tiles.one_launch:
-        _decode_gemv_kernel[(gate_up_items + down_items,)](*args, PHASE="both", num_warps=tiles.gate_up_warps,
-                                                           **constants)
-    else:
-        _decode_gemv_kernel[(gate_up_items,)](*args, PHASE="gate_up", num_warps=tiles.gate_up_warps, **constants)
-        _decode_gemv_kernel[(down_items,)](*args, PHASE="down", num_warps=tiles.down_warps, **constants)
+    _decode_gemv_kernel[(gate_up_items,)](*args, PHASE="gate_up", num_warps=tiles.gate_up_warps, **constants)
+    _decode_gemv_kernel[(down_items,)](*args, PHASE="down", num_warps=tiles.down_warps, **constants)
     return out
 
 
