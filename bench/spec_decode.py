@@ -19,8 +19,9 @@ tokens (the script exits non-zero otherwise); other dtypes: differences are repo
 --repetition-penalty: the request's (default: the model's generation_config; the trained default's is 1.05,
 so its verify rows are penalized with the drafts before them).
 
-On CUDA an untimed run of WARMUP_TOKENS tokens without and with drafts comes first, so no column's time
-includes Triton compiles (a cold cache put seconds of them into the first columns).
+On CUDA an untimed run of the same length without and with drafts comes first, so no column's time
+includes Triton compiles (a cold cache put seconds of them into the first columns; a 48-token warm-up was
+not enough: the block-table widths a longer run reaches compile their own kernels).
 
 --phases: each column runs under the engine's --trace and prints, per step, the medians of its host phases
 and (CUDA) of its device spans: "forward" (the decode replay, or a greedy drafting step's one replay: verify,
@@ -49,7 +50,6 @@ from tierlm.engine.speculative import speculates
 from tierlm.sampling_params import SamplingParams
 
 ORACLE_RUNS = 4
-WARMUP_TOKENS = 48  # CUDA: an untimed short run of the plain and the drafting engine first (Triton compiles)
 PROMPT = "The history of the city begins with a small settlement on the river, where"
 
 
@@ -118,9 +118,9 @@ def main() -> int:
         if not (args.model / "config.json").is_file():
             build_demo_model(args.model, args.size, mtp=True, overwrite=True)
     if args.device.startswith("cuda"):  # compile every Triton kernel both columns need before any timing
-        short = argparse.Namespace(**{**vars(args), "tokens": WARMUP_TOKENS, "phases": False})
-        run(short, speculative=False, eager=False)
-        run(short, speculative=True, eager=False)
+        untimed = argparse.Namespace(**{**vars(args), "phases": False})
+        run(untimed, speculative=False, eager=False)
+        run(untimed, speculative=True, eager=False)
     base, base_s, _ = run(args, speculative=False, eager=False)
     eager, eager_s, _ = run(args, speculative=False, eager=True)
     own, own_s, own_stats = run(args, speculative=True, eager=False)
