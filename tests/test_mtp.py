@@ -237,7 +237,7 @@ def test_draft_bf16_within_the_reference_bf16_error(checkpoint, loaded, sequence
     recorder = ChoiceRecorder(monkeypatch)
     fp32_model, config = loaded
     bf16_model, _ = load_model(folder, dtype="bfloat16", device="cpu", load_mtp=True)
-    fp32_logits, fp32_streams = DraftRunner(fp32_model, config, 1).draft({0: (ids.tolist(), hidden)})[0]
+    fp32_logits, _fp32_streams = DraftRunner(fp32_model, config, 1).draft({0: (ids.tolist(), hidden)})[0]
     fp32_choices = recorder.take()
     bf16_logits, bf16_streams = DraftRunner(bf16_model, config, 1, torch.bfloat16).draft(
         {0: (ids.tolist(), hidden.bfloat16())})[0]
@@ -320,7 +320,7 @@ def test_vlm_names_load_the_same_head(checkpoint, loaded, tmp_path):
         }
         save_file(renamed, file)
     with safe_open(vlm / "mtp.safetensors", framework="pt") as f:
-        assert all(name.startswith("model.language_model.mtp.") for name in f.keys())
+        assert all(name.startswith("model.language_model.mtp.") for name in f.keys())  # noqa: SIM118 - safe_open is not iterable
     model, _ = load_model(vlm, dtype="float32", device="cpu", load_mtp=True)
     reference = dict(loaded[0].named_parameters())
     for name, param in model.named_parameters():

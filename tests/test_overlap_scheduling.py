@@ -16,7 +16,7 @@ from tierlm.engine.llm_engine import EngineConfig, LLMEngine
 from tierlm.model.static_decode import StaticDecodeRunner
 from tierlm.sampling_params import SamplingParams
 
-OPTIONS = dict(dtype="float32", device="cpu", max_model_len=256, max_num_seqs=4, max_num_batched_tokens=32)
+OPTIONS = {"dtype": "float32", "device": "cpu", "max_model_len": 256, "max_num_seqs": 4, "max_num_batched_tokens": 32}
 LONG = "def parse(tokens):\n    return [t for t in tokens if t]\n" * 2  # > one block: a prefix-cache hit later
 
 

@@ -549,18 +549,18 @@ class LLMEngine:
         runner = self.runner
         if not isinstance(runner, SpeculativeRunner):
             return {}
-        return dict(num_drafts=runner.num_drafts, num_draft_tokens=runner.num_draft_tokens,
-                    num_accepted_tokens=runner.num_accepted_tokens)
+        return {"num_drafts": runner.num_drafts, "num_draft_tokens": runner.num_draft_tokens,
+                    "num_accepted_tokens": runner.num_accepted_tokens}
 
     def _device_memory(self) -> dict:
         if self.cache.device.type != "cuda":
             return {}
         device = self.cache.device
-        return dict(
-            device_memory_allocated=torch.cuda.memory_allocated(device),
-            device_memory_reserved=torch.cuda.memory_reserved(device),
-            device_memory_peak=torch.cuda.max_memory_allocated(device),
-        )
+        return {
+            "device_memory_allocated": torch.cuda.memory_allocated(device),
+            "device_memory_reserved": torch.cuda.memory_reserved(device),
+            "device_memory_peak": torch.cuda.max_memory_allocated(device),
+        }
 
     def _row_cache_stats(self) -> dict:
         offloaded = [state.offload for state in self.cache.layers if state.offload is not None]
@@ -568,17 +568,17 @@ class LLMEngine:
             return {}
         # one device read for all layers: the server snapshots the stats after every step
         hits, misses = torch.stack([torch.stack([o.cache.hits, o.cache.misses]) for o in offloaded]).sum(0).tolist()
-        return dict(qsa_row_cache_hits=hits, qsa_row_cache_misses=misses)
+        return {"qsa_row_cache_hits": hits, "qsa_row_cache_misses": misses}
 
     def _ple_stats(self) -> dict:
         if self.ngram_store is None:
             return {}
         counters = self.ngram_store.counters
-        return dict(
-            ple_rows_gathered=counters.rows_gathered, ple_pages_advised=counters.pages_advised,
-            ple_prefetch_backlog_tokens=self.prefetcher.backlog_tokens if self.prefetcher else 0,
-            ple_gather_seconds=counters.gather_seconds, ple_table_resident_fraction=counters.resident_fraction,
-        )
+        return {
+            "ple_rows_gathered": counters.rows_gathered, "ple_pages_advised": counters.pages_advised,
+            "ple_prefetch_backlog_tokens": self.prefetcher.backlog_tokens if self.prefetcher else 0,
+            "ple_gather_seconds": counters.gather_seconds, "ple_table_resident_fraction": counters.resident_fraction,
+        }
 
     # ---- the step -----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

@@ -125,7 +125,7 @@ class ModelCache:
         self.staging_slot = num_slots + 1 if staging else None
         num_slots, num_blocks = num_slots + 1 + staging, num_blocks + 1
         conv_dim = 2 * c.linear_num_key_heads * c.linear_key_head_dim + c.linear_num_value_heads * c.linear_value_head_dim
-        alloc = dict(dtype=dtype, device=self.device)
+        alloc = {"dtype": dtype, "device": self.device}
         kv_shape = (num_blocks, block_size, c.num_key_value_heads, c.head_dim)
         layer_ids = tuple(range(c.num_hidden_layers)) if layer_ids is None else tuple(layer_ids)
         draft_names = [f"mtp{k}" for k in range(num_draft_layers)]

@@ -113,7 +113,7 @@ class StaticDecodeRunner:
         widths = widths or prepared_widths(max_blocks_per_request, first)
         self.widths = sorted({w for w in widths if w < max_blocks_per_request} | {max_blocks_per_request})
         self.max_batch, self.rows_per_request = max_batch, rows_per_request
-        as_long = dict(dtype=torch.int64, device=cache.device)
+        as_long = {"dtype": torch.int64, "device": cache.device}
         max_rows = max_batch * rows_per_request
         # the input buffers every prepared forward reads (a narrower width reads the first columns); the
         # per-row vectors and the table updates are views of one buffer, what `run_decode` copies into

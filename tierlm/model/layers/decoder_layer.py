@@ -29,7 +29,7 @@ class DecoderLayer(nn.Module):
         c = config
         self.layer_type = layer_type
         self.ple = PLELayer(c, ple_index) if ple_index is not None else None
-        hc = dict(hidden_size=c.hidden_size, hc_count=c.hc_count, lowrank=c.hc_lowrank, eps=c.rms_norm_eps)
+        hc = {"hidden_size": c.hidden_size, "hc_count": c.hc_count, "lowrank": c.hc_lowrank, "eps": c.rms_norm_eps}
         self.attn_hyper_connection = HyperConnection(**hc, with_inject=True)
         if self.layer_type == "linear_attention":
             self.linear_attn = GatedDeltaNet(c)
