@@ -121,16 +121,22 @@ def test_prefix_cache_hit_restores_every_ranks_state(single, pp3):
         assert _logprob_rows(got.outputs[0]) == _logprob_rows(expected.outputs[0])
 
 
-def test_structured_output_and_seeded_sampling(single, pp3):
+def test_structured_output_seeded_sampling_penalties_and_bad_words(single, pp3):
+    """The last rank samples with every field rank 0 was given: a grammar, a seed, penalties, bad words."""
     schema = {"type": "object", "required": ["x"], "properties": {"x": {"type": "integer"}}}
     constrained = SamplingParams(temperature=0, max_tokens=80,
                                  structured_output=StructuredOutputRequest(json_schema=json.dumps(schema)))
     seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=3, max_tokens=10, ignore_eos=True)
-    prompts = ["JSON please:", "def f(x):"]
-    expected = single.generate(prompts, [constrained, seeded])
-    got = pp3.generate(prompts, [constrained, seeded])
+    # greedy, it starts ' tra ("': the ban of the word's second token reads the first from its output ids
+    penalized = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, repetition_penalty=1.3,
+                               bad_words=['tra ("'])
+    prompts = ["JSON please:", "def f(x):", "defaultsvert identr importcommandabc"]
+    params = [constrained, seeded, penalized]
+    expected = single.generate(prompts, params)
+    got = pp3.generate(prompts, params)
     for a, b in zip(got, expected):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    assert '("' not in got[2].outputs[0].text[:8]  # the bad word's ban held
     assert got[0].outputs[0].finish_reason == "stop"
     assert isinstance(json.loads(got[0].outputs[0].text)["x"], int)
 

@@ -307,6 +307,7 @@ class PipelineDriver:
                 message.new_requests.append(NewRequest(
                     key, request.request_id, request.prompt_token_ids, request.params, request.eos_token_ids,
                     request.max_model_len, list(request.known_output_token_ids), request.structured_output is not None,
+                    request.bad_words_token_ids,
                 ))
             grammar = request.structured_output
             bitmask = grammar.token_bitmask() if grammar is not None and chunk.samples else None

@@ -107,6 +107,7 @@ class NewRequest:
     max_model_len: int
     output_token_ids: list[int]
     has_grammar: bool
+    bad_words_token_ids: list[list[int]]  # SamplingParams.bad_words, encoded
 
 
 @dataclass

@@ -120,7 +120,8 @@ class _Mirror:
             self.requests.pop(key, None)
         for new in message.new_requests:
             request = Request(new.request_id, new.prompt_token_ids, new.params, new.eos_token_ids,
-                              new.max_model_len, output_token_ids=list(new.output_token_ids))
+                              new.max_model_len, output_token_ids=list(new.output_token_ids),
+                              bad_words_token_ids=new.bad_words_token_ids)
             if new.has_grammar:
                 from tierlm.engine.structured_output import BitmaskGrammar  # xgrammar is slow to import
 
