@@ -18,8 +18,8 @@ after their prefills and prints decode tok/s side by side with the PP=2 / PP=1 r
   stream's time in the layers, and how many steps ran from the static decode runners on each rank.
 With overlap scheduling (the default) a step is one batch of every stream, launched before the host has
 read the previous step's ids; --no-async-scheduling runs micro-batches instead (up to 2 in flight).
-Results go to bench/results/pipeline_decode_<device>.json. On CPU the figures only show that the script
-runs: the ranks share the cores (each gets cores / N threads), so PP=1 and PP=2 do not compare.
+Results go to bench/results/pipeline_decode_<device>_<model>.json (e.g. nvidia-h200-x2_demo-small). On CPU
+the figures only show that the script runs: the ranks share the cores (each gets cores / N threads), so PP=1 and PP=2 do not compare.
 
     python bench/pipeline_decode.py --device cuda                  # 2 GPUs: demo-small, bf16
     python bench/pipeline_decode.py --device cuda --model DIR      # any checkpoint folder
@@ -216,8 +216,14 @@ def main() -> None:
     for a, b in zip(results[1]["rates"], results[2]["rates"]):
         b["same_tokens_as_pp1"] = a.pop("token_ids") == b.pop("token_ids")
     report(results)
-    tag = (f"_real{args.real_width}" if args.real_width else "") + ("" if args.async_scheduling else "_serial")
-    out = Path(__file__).parent / "results" / f"pipeline_decode_{args.device}{tag}.json"
+    if args.device == "cuda":  # e.g. nvidia-h200-x2
+        device = f"{torch.cuda.get_device_name().replace(' ', '-').lower()}-x{torch.cuda.device_count()}"
+    else:
+        device = f"cpu-{platform.machine()}"
+    which = (f"real{args.real_width}" if args.real_width
+             else "model" if args.model else f"demo-{'tiny' if args.small else 'small'}")
+    tag = f"_{which}" + ("" if args.async_scheduling else "_serial")
+    out = Path(__file__).parent / "results" / f"pipeline_decode_{device}{tag}.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps({"model": model, "dtype": args.dtype, "host": platform.node(),
                                "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
