@@ -41,6 +41,10 @@ DECODE_MAX_PAIRS, PREFILL_BLOCK_M = 16, 16
 # in two whole ones, so each GEMV runs over several tiles (each loaded while the one before computes);
 # packed 4/8-bit experts (`packed_decode`) take theirs in words
 DECODE_BLOCK_K = {"gate_up_block_k": 64, "down_block_k": 32}
+# decode N tiles larger than the kernels' own (each program costs the interpreter the same, whatever its
+# tile): gate_up's I = 64 in four whole tiles, the shared expert's S = 48 in three (its fourth program
+# skips it), down's H = 96 in two (the second part-full: masked stores)
+DECODE_BLOCK_N = {"gate_up_block_n": 16, "down_block_n": 64}
 PACKED_BLOCK_W = {4: {"gate_up_block_w": 8, "down_block_w": 4}, 8: {"gate_up_block_w": 16, "down_block_w": 8}}
 # the shared expert's K tiles: H in two (the second part-full), S = 48 in two (the second part-full)
 SHARED_BLOCK_K = {"shared_gate_up_block_k": 64, "shared_down_block_k": 32}
@@ -158,7 +162,7 @@ def run_kernel_cases(names: list[str]) -> dict[str, str | None]:
             ids = args[4]
             ranks = CASES[name][2][3]
             kernels.DECODE_TILES = {bits: tiles._replace(down_ranks=ranks, **PACKED_BLOCK_W.get(bits, DECODE_BLOCK_K),
-                                                         **SHARED_BLOCK_K)
+                                                         **DECODE_BLOCK_N, **SHARED_BLOCK_K)
                                     for bits, tiles in saved[2].items()}
             if name.endswith(("gathered-x", "unrolled")):
                 kernels.DECODE_TILES[4] = kernels.DECODE_TILES[4]._replace(split_x=not name.endswith("gathered-x"),
