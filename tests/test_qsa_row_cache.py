@@ -239,6 +239,6 @@ def test_triton_kernels_equal_the_reference():
 INTERPRETED_EARLY = {  # (a long child: started when collection ends, see tests/interpreted.py)
     "test_triton_kernels_equal_the_reference": (
         ("import torch, test_qsa_row_cache as t; t.compare_row_moves('cpu')\n"
-        "t.compare_triton_with_reference(steps=16, dtype=torch.bfloat16, split=8)\n"
-        "t.compare_triton_with_reference(steps=6, dtype=torch.float32, split=1)"),),
+        "t.compare_triton_with_reference(steps=8, dtype=torch.bfloat16, split=8)\n"
+        "t.compare_triton_with_reference(steps=4, dtype=torch.float32, split=1)"),),
 }
