@@ -10,23 +10,58 @@ time, in collection order, on the machine's other core while the suite goes on; 
 collects a child already under way (or starts a queued one at once). Children nobody collected are
 killed at the end of the session (`stop_unused`). A kernel test names its child there rather than
 running it inline: inline, the suite waits for it.
+
+The queue's children are forked from one server process that imported torch and triton once (FORK_SERVER):
+each fork runs its script as `python -c` would, with its own stdout and stderr, and exits, so what a
+script patches (tile constants, the interpreter's casts) dies with it; the ~1.5 s import is paid once for
+the whole queue instead of once a child. The server runs nothing itself (no torch op: no threads to fork).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
 import threading
-import time
 from pathlib import Path
 
 CHILD_TIMEOUT_S = 1200
 # one thread each: a child runs beside the suite, and spinning OpenMP pools of several processes on two
 # cores slow everything down many times over
 CHILD_ENV = {"TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+# reads requests [script, argv, stdout path, stderr path] a line each; answers the fork's pid, then its
+# exit code (as subprocess reports it: -signal when killed)
+FORK_SERVER = """
+import json, os, sys, traceback
+import torch, triton, triton.language  # (imported, not used: the fixed cost each fork skips)
+for line in sys.stdin:
+    script, argv, out_path, err_path = json.loads(line)
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.dup2(os.open(out_path, os.O_WRONLY), 1)
+            os.dup2(os.open(err_path, os.O_WRONLY), 2)
+            sys.stdin = open(os.devnull)
+            sys.argv = ["-c", *argv]
+            exec(compile(script, "<string>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
+            code = 0
+        except SystemExit as stop:
+            code = stop.code if isinstance(stop.code, int) else int(stop.code is not None)
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    print(pid, flush=True)
+    print(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), flush=True)
+"""
 
 _started: dict[tuple[str, tuple[str, ...]], tuple[subprocess.Popen, object, object]] = {}
 _queued: list[tuple[str, tuple[str, ...]]] = []
@@ -44,6 +79,38 @@ def _spawn(script: str, argv: tuple[str, ...]):
     return process, out, err
 
 
+class _ForkedChild:
+    """A child forked by the server: what `run_interpreted` needs of a Popen (wait, poll, kill, returncode)."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid, self.returncode, self._done = pid, None, threading.Event()
+
+    def finished(self, returncode: int) -> None:
+        self.returncode = returncode
+        self._done.set()
+
+    def wait(self, timeout: float | None = None) -> int:
+        if not self._done.wait(timeout):
+            raise subprocess.TimeoutExpired(f"forked child {self.pid}", timeout)
+        return self.returncode
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def kill(self) -> None:
+        if not self._done.is_set():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGKILL)
+
+
+def _fork(server: subprocess.Popen, script: str, argv: tuple[str, ...]):
+    """Ask the server to fork a child running script: (the child, its stdout and stderr files)."""
+    out, err = (tempfile.NamedTemporaryFile("w+") for _ in range(2))  # noqa: SIM115
+    server.stdin.write(json.dumps([script, list(argv), out.name, err.name]) + "\n")
+    server.stdin.flush()
+    return _ForkedChild(int(server.stdout.readline())), out, err
+
+
 def start_early(script: str, *argv: str) -> None:
     """Queue the child `run_interpreted(script, *argv)` will collect (once); the queue runs one at a time."""
     global _runner
@@ -57,17 +124,22 @@ def start_early(script: str, *argv: str) -> None:
 
 def _run_queue() -> None:
     global _runner
-    running = None
-    while True:
-        with _lock:
-            if running is None or running.poll() is not None:
+    server = subprocess.Popen([sys.executable, "-c", FORK_SERVER], cwd=Path(__file__).parent,
+                              env={**os.environ, **CHILD_ENV}, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        while True:
+            with _lock:
                 if not _queued:
                     _runner = None
                     return
                 key = _queued.pop(0)
-                _started[key] = _spawn(*key)
-                running = _started[key][0]
-        time.sleep(0.2)
+                _started[key] = _fork(server, *key)
+                child = _started[key][0]
+            answer = server.stdout.readline()
+            child.finished(int(answer) if answer else -signal.SIGKILL)  # (no answer: the server died)
+    finally:
+        server.stdin.close()
+        server.wait()
 
 
 def run_interpreted(script: str, *argv: str) -> str:
