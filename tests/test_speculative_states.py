@@ -92,6 +92,20 @@ def test_position_slots_are_checked():
         ForwardBatch.build([[1, 2, 3]], [0], [0], [[0]], BLOCK, position_slots=[[4]])
 
 
+def _two_prefilled_requests(demo, device: str, k: int, seed: int):
+    """The demo model with its draft head, a cache with 2 + 2k slots and 4 blocks, and two random prompts
+    (PROMPT_LEN and 6 tokens; blocks [0, 1] and [2, 3]) prefilled: (model, config, cache, generator, prompts,
+    tables)."""
+    model, config = load_model(demo, dtype="float32", device=device, load_mtp=True)
+    cache = ModelCache(config, num_slots=2 + 2 * k, num_blocks=4, block_size=BLOCK, dtype=torch.float32, device=device,
+                       num_draft_layers=1)
+    gen = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(3, config.vocab_size, (n,), generator=gen).tolist() for n in (PROMPT_LEN, 6)]
+    tables = [[0, 1], [2, 3]]
+    model(ForwardBatch.build(prompts, [0, 0], [0, 1], tables, BLOCK, device=device), cache)
+    return model, config, cache, gen, prompts, tables
+
+
 @pytest.mark.parametrize("device, mode", [
     ("cpu", "eager"),
     pytest.param("cuda", "cuda_graph", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")),
@@ -102,13 +116,7 @@ def test_fixed_shape_verify_and_draft_steps_equal_the_eager_ones(demo, device, m
     size of 3 and a wider block table, against the eager forwards (the pass: a plain batch): the same
     logits and streams, and the same state in every real slot and block (the head's rings: the requests')."""
     k = 2
-    model, config = load_model(demo, dtype="float32", device=device, load_mtp=True)
-    cache = ModelCache(config, num_slots=2 + 2 * k, num_blocks=4, block_size=BLOCK, dtype=torch.float32, device=device,
-                       num_draft_layers=1)
-    gen = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(3, config.vocab_size, (n,), generator=gen).tolist() for n in (PROMPT_LEN, 6)]
-    tables = [[0, 1], [2, 3]]
-    model(ForwardBatch.build(prompts, [0, 0], [0, 1], tables, BLOCK, device=device), cache)
+    model, config, cache, gen, prompts, tables = _two_prefilled_requests(demo, device, k, seed=1)
     static_cache, staged_cache = copy.deepcopy(cache), copy.deepcopy(cache)
     shapes = {"sizes": [3], "widths": [4]}
     verify = StaticDecodeRunner(model, static_cache, 3, 4, mode, rows_per_request=1 + k, **shapes)
@@ -192,13 +200,8 @@ def test_whole_greedy_step_at_a_fixed_shape_equals_the_eager_one(demo, device, m
     from tierlm.model.speculative_step import GreedySpeculation
 
     k = 2
-    model, config = load_model(demo, dtype="float32", device=device, load_mtp=True)
-    cache = ModelCache(config, num_slots=2 + 2 * k, num_blocks=4, block_size=BLOCK, dtype=torch.float32, device=device,
-                       num_draft_layers=1)
-    gen = torch.Generator().manual_seed(2)
-    prompts = [torch.randint(3, config.vocab_size, (n,), generator=gen).tolist() for n in (PROMPT_LEN, 6)]
-    tables, contexts = [[0, 1], [2, 3]], [len(p) for p in prompts]
-    model(ForwardBatch.build(prompts, [0, 0], [0, 1], tables, BLOCK, device=device), cache)
+    model, config, cache, gen, prompts, tables = _two_prefilled_requests(demo, device, k, seed=2)
+    contexts = [len(p) for p in prompts]
     rows = torch.randint(3, config.vocab_size, (2, 1 + k), generator=gen).tolist()
     for j in range(k):  # the second request's drafts: the target's greedy tokens, one forward each
         probe = ForwardBatch.build([rows[1][: j + 1]], [contexts[1]], [1], [tables[1]], BLOCK, device=device)
