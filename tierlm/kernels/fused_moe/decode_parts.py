@@ -1,10 +1,11 @@
 """Pieces the two decode forms of `fused_moe` share (`triton._decode` and `packed_decode`): one expert's
 SwiGLU columns and down columns for one row of input, by `quant_linear.triton.gemv_loop` in any weight
 format (unquantized, or packed 4 / 6 / 8 bits: the shared expert takes these whatever the routed
-experts' format, so it can differ from theirs), and the end of a down program, whose token's experts
-are split over several programs: the last program to arrive adds the splits' fp32 partials in split
-order and rounds the output once (`split_reduce` arrival counters), in the same launch; and
-`SharedArgs`, a checked `SharedExpert` as both forms' launches take it.
+experts' format, so it can differ from theirs); the order a down program takes a token's experts in
+(`expert_ranks`); and the end of a down program, whose token's experts are split over several programs:
+the last program to arrive adds the splits' fp32 partials in split order and rounds the output once
+(`split_reduce` arrival counters), in the same launch; and `SharedArgs`, a checked `SharedExpert` as
+both forms' launches take it.
 """
 
 from __future__ import annotations
@@ -25,6 +26,18 @@ from tierlm.kernels.quant_linear.triton import (
     quant_linear,
     round_to,
 )
+
+
+@triton.jit
+def expert_ranks(ids_ptr, token, TOP_K: tl.constexpr, SLOTS: tl.constexpr):
+    """A token's top-k slots (SLOTS: TOP_K rounded up to a power of 2), which of them are real (< TOP_K),
+    and each slot's expert's rank among the token's by ascending id (the ids are distinct): the order a down
+    program sums its experts in."""
+    slots = tl.arange(0, SLOTS)
+    valid = slots < TOP_K
+    ids = tl.load(ids_ptr + token * TOP_K + slots, mask=valid, other=0)
+    rank = tl.sum(((ids[None, :] < ids[:, None]) & valid[None, :]).to(tl.int32), axis=1)
+    return slots, valid, rank
 
 
 @triton.jit

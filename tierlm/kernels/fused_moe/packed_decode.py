@@ -35,6 +35,7 @@ import triton.language as tl
 from tierlm.kernels.fused_moe.decode_parts import (
     SharedArgs,
     down_columns,
+    expert_ranks,
     finish_down,
     swiglu_columns,
 )
@@ -218,10 +219,7 @@ def _packed_down_program(
     result = tl.zeros((BLOCK_N,), dtype=tl.float32)
     routed_split = split - HAS_SHARED
     if routed_split >= 0:
-        slots = tl.arange(0, SLOTS)
-        valid = slots < TOP_K
-        ids = tl.load(ids_ptr + token * TOP_K + slots, mask=valid, other=0)
-        rank = tl.sum(((ids[None, :] < ids[:, None]) & valid[None, :]).to(tl.int32), axis=1)  # ids are distinct
+        slots, valid, rank = expert_ranks(ids_ptr, token, TOP_K, SLOTS)
         rows = tl.where(n_mask, offs_n, 0)[:, None].to(tl.int64)
         acc = tl.zeros((BLOCK_N, BLOCK_W), dtype=tl.float32)
         for r in tl.static_range(RANKS):

@@ -40,6 +40,7 @@ import triton.language as tl
 from tierlm.kernels.fused_moe.decode_parts import (
     SharedArgs,
     down_columns,
+    expert_ranks,
     finish_down,
     swiglu_columns,
 )
@@ -135,11 +136,7 @@ def _down_sum_gemv_program(
     result = tl.zeros((BLOCK_N,), dtype=tl.float32)
     routed_split = split - HAS_SHARED
     if routed_split >= 0:
-        slots = tl.arange(0, SLOTS)
-        valid = slots < TOP_K
-        ids = tl.load(ids_ptr + token * TOP_K + slots, mask=valid, other=0)
-        # rank of each slot's expert among the token's (ids are distinct)
-        rank = tl.sum(((ids[None, :] < ids[:, None]) & valid[None, :]).to(tl.int32), axis=1)
+        slots, valid, rank = expert_ranks(ids_ptr, token, TOP_K, SLOTS)
         for r in tl.static_range(RANKS):
             if routed_split * RANKS + r < TOP_K:
                 slot = tl.sum(tl.where(valid & (rank == routed_split * RANKS + r), slots, 0), axis=0)
