@@ -163,6 +163,22 @@ def run_interpreted(script: str, *argv: str) -> str:
     return stdout
 
 
+def on_cuda_else_interpreted(on_cuda, children: dict, test: str) -> None:
+    """A kernel test's body: skipped without triton; on CUDA `on_cuda()` here (Triton compiles for the
+    device); elsewhere the test's interpreter child, `children[test]` (its module's INTERPRETED_EARLY)."""
+    import importlib.util
+
+    import pytest
+    import torch
+
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed")
+    if torch.cuda.is_available():
+        on_cuda()
+        return
+    run_interpreted(*children[test])
+
+
 def interpreted_json(script: str, *argv: str):
     """`run_interpreted`, the last line of the child's output read as JSON."""
     return json.loads(run_interpreted(script, *argv).strip().splitlines()[-1])

@@ -14,7 +14,7 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-from interpreted import run_interpreted
+from interpreted import on_cuda_else_interpreted, run_interpreted
 
 from tierlm.kernels.gated_delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_rule
 from tierlm.kernels.gated_delta_rule.chunk import chunk_gated_delta_rule_varlen
@@ -153,12 +153,7 @@ def torch_chunks(layer, mixed, beta, g, batch, state):
 
 
 def test_layer_prefill_through_the_kernel_equals_its_torch_path():
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("triton is not installed")
-    if torch.cuda.is_available():
-        compare_layer("cuda")
-        return
-    run_interpreted(*INTERPRETED_EARLY["test_layer_prefill_through_the_kernel_equals_its_torch_path"])
+    on_cuda_else_interpreted(lambda: compare_layer("cuda"), INTERPRETED_EARLY, "test_layer_prefill_through_the_kernel_equals_its_torch_path")
 
 
 def test_kernel_refuses_bad_inputs():

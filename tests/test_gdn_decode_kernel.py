@@ -29,7 +29,7 @@ import importlib.util
 import pytest
 import torch
 import torch.nn.functional as F
-from interpreted import run_interpreted
+from interpreted import on_cuda_else_interpreted, run_interpreted
 
 FACTOR = 2.0
 # (key heads, value heads, Dk, Dv, conv kernel, real requests, padding rows); small ones run interpreted
@@ -157,6 +157,7 @@ def value_tile(tile: int | None):
     """The kernel's VALUE_TILE for the block (None: its default), and its arrival counters checked back at
     zero after it (each launch's last programs reset theirs)."""
     from tierlm.kernels.gated_delta_rule import decode_triton
+    from tierlm.kernels.split_reduce import arrival_counters
 
     default = decode_triton.VALUE_TILE
     decode_triton.VALUE_TILE = tile or default
@@ -164,8 +165,8 @@ def value_tile(tile: int | None):
         yield
     finally:
         decode_triton.VALUE_TILE = default
-    for counters in decode_triton._COUNTERS.values():
-        assert not counters[-1].any(), "arrival counters left non-zero"
+    for device in ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",):
+        assert not arrival_counters("gated_delta_rule_decode", device, 1).any(), "arrival counters left non-zero"
 
 
 def compare(shape: tuple, device: str, gate: str = "silu", tile: int | None = None) -> None:
@@ -295,12 +296,8 @@ class forced_decode_path:  # a context manager, named as one reads in a `with`
 
 
 def test_layer_decode_through_the_kernels_equals_its_torch_path():
-    if not triton_available():
-        pytest.skip("triton is not installed")
-    if torch.cuda.is_available():
-        compare_layer("cuda")
-        return
-    run_interpreted(*INTERPRETED_EARLY["test_layer_decode_through_the_kernels_equals_its_torch_path"])
+    on_cuda_else_interpreted(lambda: compare_layer("cuda"), INTERPRETED_EARLY,
+                             "test_layer_decode_through_the_kernels_equals_its_torch_path")
 
 
 def test_kill_switch_and_cpu_keep_the_torch_path(monkeypatch):

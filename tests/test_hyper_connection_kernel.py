@@ -12,11 +12,9 @@ within one rounding (the compiler may fuse the multiply and the add).
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
-from interpreted import run_interpreted
+from interpreted import on_cuda_else_interpreted
 
 from tierlm.kernels.hyper_connection import naive
 from tierlm.kernels.quant_linear.packing import quantize
@@ -107,17 +105,8 @@ def compare(device: str, tokens: int, hc: int, hidden: int, lowrank: int) -> Non
             torch.testing.assert_close(got, naive.combine(*args), rtol=2**-23, atol=1e-6)
 
 
-def needs_triton():
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("triton is not installed")
-
-
 def test_kernels_match_reference():
-    needs_triton()
-    if torch.cuda.is_available():
-        compare("cuda", **SMALL)
-        return
-    run_interpreted(*INTERPRETED_EARLY["test_kernels_match_reference"])
+    on_cuda_else_interpreted(lambda: compare("cuda", **SMALL), INTERPRETED_EARLY, "test_kernels_match_reference")
 
 
 INTERPRETED_EARLY = {  # (a child: started when collection ends, see tests/interpreted.py)

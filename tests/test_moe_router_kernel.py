@@ -15,12 +15,10 @@ set CUDA's torch.topk returns (checked on the GPU), and a valid top-k of the ref
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
 import torch.nn.functional as F
-from interpreted import run_interpreted
+from interpreted import on_cuda_else_interpreted
 
 from tierlm.kernels.moe_router import naive
 
@@ -135,25 +133,13 @@ INTERPRETED_EARLY = {  # (queued when collection ends, see tests/interpreted.py)
 }
 
 
-def needs_triton():
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("triton is not installed")
-
-
 def test_kernel_matches_reference():
-    needs_triton()
-    if torch.cuda.is_available():
-        compare("cuda", **SMALL)
-        return
-    run_interpreted(*INTERPRETED_EARLY["test_kernel_matches_reference"])
+    on_cuda_else_interpreted(lambda: compare("cuda", **SMALL), INTERPRETED_EARLY, "test_kernel_matches_reference")
 
 
 def test_kernel_breaks_ties_towards_lower_ids():
-    needs_triton()
-    if torch.cuda.is_available():
-        compare_ties("cuda", **SMALL)
-        return
-    run_interpreted(*INTERPRETED_EARLY["test_kernel_breaks_ties_towards_lower_ids"])
+    on_cuda_else_interpreted(lambda: compare_ties("cuda", **SMALL), INTERPRETED_EARLY,
+                             "test_kernel_breaks_ties_towards_lower_ids")
 
 
 def test_reference_is_the_layer_router():

@@ -8,12 +8,10 @@ distance from the fp32 computation within 2x the torch bf16 path's own."""
 
 from __future__ import annotations
 
-import importlib.util
 import math
 
-import pytest
 import torch
-from interpreted import run_interpreted
+from interpreted import on_cuda_else_interpreted
 
 from tierlm.kernels.norm_rope import norm_rope
 from tierlm.kernels.norm_rope.naive import apply_rotary, norm_rope_at, norm_rope_kv_write
@@ -87,12 +85,7 @@ def compare(device: str) -> None:
 
 
 def test_triton_norm_rope_equals_the_reference():
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("triton is not installed")
-    if torch.cuda.is_available():
-        compare("cuda")
-        return
-    run_interpreted(*INTERPRETED_EARLY["test_triton_norm_rope_equals_the_reference"])
+    on_cuda_else_interpreted(lambda: compare("cuda"), INTERPRETED_EARLY, "test_triton_norm_rope_equals_the_reference")
 
 
 INTERPRETED_EARLY = {  # (queued when collection ends, see tests/interpreted.py)

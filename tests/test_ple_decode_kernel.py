@@ -13,11 +13,9 @@ by row; the same for the conv history it writes.
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
-from interpreted import run_interpreted
+from interpreted import on_cuda_else_interpreted
 
 from tierlm.kernels.ple import naive
 
@@ -145,12 +143,7 @@ def compare(device: str, requests: int, hc: int, hidden: int, kernel: int, dilat
 
 
 def test_kernels_match_reference():
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("triton is not installed")
-    if torch.cuda.is_available():
-        compare("cuda", **SMALL)
-        return
-    run_interpreted(*INTERPRETED_EARLY["test_kernels_match_reference"])
+    on_cuda_else_interpreted(lambda: compare("cuda", **SMALL), INTERPRETED_EARLY, "test_kernels_match_reference")
 
 
 INTERPRETED_EARLY = {  # (a child: started when collection ends, see tests/interpreted.py)

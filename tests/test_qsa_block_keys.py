@@ -5,11 +5,8 @@ path's own distance from fp32 (the project's rule, as `test_norm_rope`)."""
 
 from __future__ import annotations
 
-import importlib.util
-
-import pytest
 import torch
-from interpreted import run_interpreted
+from interpreted import on_cuda_else_interpreted
 from test_norm_rope import rel_rms
 
 from tierlm.kernels.qsa_block_keys import store_decode_block_keys
@@ -54,12 +51,7 @@ def compare(device: str) -> None:
 
 
 def test_triton_block_key_store_equals_the_reference():
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("triton is not installed")
-    if torch.cuda.is_available():
-        compare("cuda")
-        return
-    run_interpreted(*INTERPRETED_EARLY["test_triton_block_key_store_equals_the_reference"])
+    on_cuda_else_interpreted(lambda: compare("cuda"), INTERPRETED_EARLY, "test_triton_block_key_store_equals_the_reference")
 
 
 INTERPRETED_EARLY = {  # (queued when collection ends, see tests/interpreted.py)

@@ -6,11 +6,8 @@ differ only by fp32 summation order: the tolerance is a few fp32 ulps of the sco
 
 from __future__ import annotations
 
-import importlib.util
-
-import pytest
 import torch
-from interpreted import run_interpreted
+from interpreted import on_cuda_else_interpreted
 
 from tierlm.kernels.qsa_block_scores import block_scores
 from tierlm.model.layers.qsa_attention import top_blocks
@@ -53,12 +50,7 @@ def compare(device: str) -> None:
 
 
 def test_triton_block_scores_equal_the_reference():
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("triton is not installed")
-    if torch.cuda.is_available():
-        compare("cuda")
-        return
-    run_interpreted(*INTERPRETED_EARLY["test_triton_block_scores_equal_the_reference"])
+    on_cuda_else_interpreted(lambda: compare("cuda"), INTERPRETED_EARLY, "test_triton_block_scores_equal_the_reference")
 
 
 INTERPRETED_EARLY = {  # (queued when collection ends, see tests/interpreted.py)

@@ -10,9 +10,8 @@ import importlib.util
 import tempfile
 from collections import Counter
 
-import pytest
 import torch
-from interpreted import run_interpreted
+from interpreted import on_cuda_else_interpreted
 from reference_models import build_reference
 
 import tierlm.model.layers.qsa_attention as qsa
@@ -93,12 +92,7 @@ def run_steps(steps: int, device: str) -> None:
 
 
 def test_fused_qsa_decode_equals_the_torch_path():
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("triton is not installed")
-    if torch.cuda.is_available():
-        compare(steps=24, device="cuda")
-        return
-    run_interpreted(*INTERPRETED_EARLY["test_fused_qsa_decode_equals_the_torch_path"])
+    on_cuda_else_interpreted(lambda: compare(steps=24, device="cuda"), INTERPRETED_EARLY, "test_fused_qsa_decode_equals_the_torch_path")
 
 
 INTERPRETED_EARLY = {  # (queued when collection ends, see tests/interpreted.py)

@@ -4,11 +4,8 @@ one (decode). Copies and integer arithmetic: bit-identical, the ring pool includ
 
 from __future__ import annotations
 
-import importlib.util
-
-import pytest
 import torch
-from interpreted import run_interpreted
+from interpreted import on_cuda_else_interpreted
 
 from tierlm.kernels.qsa_ring import ring_after_rows
 
@@ -46,12 +43,7 @@ def compare(device: str) -> None:
 
 
 def test_triton_rings_equal_the_reference():
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("triton is not installed")
-    if torch.cuda.is_available():
-        compare("cuda")
-        return
-    run_interpreted(*INTERPRETED_EARLY["test_triton_rings_equal_the_reference"])
+    on_cuda_else_interpreted(lambda: compare("cuda"), INTERPRETED_EARLY, "test_triton_rings_equal_the_reference")
 
 
 INTERPRETED_EARLY = {  # (queued when collection ends, see tests/interpreted.py)

@@ -4,11 +4,8 @@ GPU). Integer work on the scores' bits: bit-identical, in fp32 and bf16 workload
 
 from __future__ import annotations
 
-import importlib.util
-
-import pytest
 import torch
-from interpreted import run_interpreted
+from interpreted import on_cuda_else_interpreted
 from test_qsa_block_scores import RATIO, workload
 
 from tierlm.kernels.qsa_block_scores import block_scores
@@ -53,12 +50,7 @@ def compare(device: str) -> None:
 
 
 def test_triton_selection_equals_the_reference():
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("triton is not installed")
-    if torch.cuda.is_available():
-        compare("cuda")
-        return
-    run_interpreted(*INTERPRETED_EARLY["test_triton_selection_equals_the_reference"])
+    on_cuda_else_interpreted(lambda: compare("cuda"), INTERPRETED_EARLY, "test_triton_selection_equals_the_reference")
 
 
 INTERPRETED_EARLY = {  # (queued when collection ends, see tests/interpreted.py)

@@ -7,11 +7,8 @@ computed on the same (bf16-rounded) inputs, the kernel's within 2x the reference
 
 from __future__ import annotations
 
-import importlib.util
-
-import pytest
 import torch
-from interpreted import run_interpreted
+from interpreted import on_cuda_else_interpreted
 
 from tierlm.kernels.qsa_sparse_attention import sparse_attention
 from tierlm.kernels.qsa_sparse_attention.naive import merge_parts, sparse_attention_lse
@@ -101,13 +98,11 @@ def compare_parts(device: str) -> None:
 
 
 def test_triton_sparse_attention_equals_the_reference():
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("triton is not installed")
-    if torch.cuda.is_available():
+    def on_cuda():
         compare("cuda")
         compare_parts("cuda")
-        return
-    run_interpreted(*INTERPRETED_EARLY["test_triton_sparse_attention_equals_the_reference"])
+
+    on_cuda_else_interpreted(on_cuda, INTERPRETED_EARLY, "test_triton_sparse_attention_equals_the_reference")
 
 
 INTERPRETED_EARLY = {  # (queued when collection ends, see tests/interpreted.py)

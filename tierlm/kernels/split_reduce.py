@@ -1,5 +1,5 @@
 """Shared by the decode kernels that split a small batch's reduction over many programs (kernels/moe_router,
-kernels/hyper_connection, kernels/fused_moe): arrival counters, and `dot_acc`.
+kernels/hyper_connection, kernels/fused_moe, kernels/quant_linear, kernels/gated_delta_rule): arrival counters, and `dot_acc`.
 
 Arrival counters. A kernel that splits a small reduction over many programs (to read its weights at
 full bandwidth) and then needs the whole result (a top-k over all experts, a norm over all streams) can
@@ -17,20 +17,22 @@ import torch
 import triton
 import triton.language as tl
 
-_COUNTERS: dict[tuple[str, torch.device], torch.Tensor] = {}
+_COUNTERS: dict[tuple[str, torch.device], list[torch.Tensor]] = {}
+MIN_COUNTERS = 1 << 14  # 64 KB per (owner, device): e.g. GDN decode's requests x key heads up to 1024 x 16
 
 
 def arrival_counters(owner: str, device: torch.device, count: int) -> torch.Tensor:
-    """At least `count` zeroed int32 counters on `device`, the same tensor on every call for `owner`."""
-    key = (owner, torch.device(device))
-    counters = _COUNTERS.get(key)
-    if counters is None or counters.numel() < count:
+    """At least `count` zeroed int32 counters on `device`, the same tensor on every call for `owner` until
+    a call needs more: then a larger one (doubling), the old one kept for the process's life, so a CUDA
+    graph that captured it keeps a valid address."""
+    kept = _COUNTERS.setdefault((owner, torch.device(device)), [])
+    if not kept or kept[-1].numel() < count:
         if _capturing(device):
-            raise RuntimeError(f"{owner}: its arrival counters must be made before a CUDA graph capture (run the "
-                               "forward once eagerly first)")
-        counters = torch.zeros(max(count, 1024), dtype=torch.int32, device=device)
-        _COUNTERS[key] = counters
-    return counters
+            raise RuntimeError(f"{owner}: {count} arrival counters are more than it has; they must be made before a "
+                               "CUDA graph capture (run the forward once eagerly at this size first)")
+        size = max(count, MIN_COUNTERS, 2 * kept[-1].numel() if kept else 0)
+        kept.append(torch.zeros(size, dtype=torch.int32, device=device))
+    return kept[-1]
 
 
 def _capturing(device: torch.device) -> bool:

@@ -21,8 +21,8 @@ increments the (request, key head) arrival counter; the program that sees it rea
 group's o back (from L2), applies the norm and the gate in place, writes the q/k windows after each row,
 and sets the counter back to zero. There is no waiting: nobody spins, so the scheme holds whatever number
 of programs is resident, and the sum of squares is taken by one program in a fixed order (deterministic).
-The counters are `_arrival_counters`: a zeroed int32 workspace per device kept for the process's life
-(each launch leaves it zeroed); launches of this kernel on one device must not run concurrently (one
+The counters are `split_reduce.arrival_counters`: a zeroed int32 workspace per device kept for the
+process's life (each launch leaves it zeroed); launches of this kernel on one device must not run concurrently (one
 stream, as the engine runs them). Padding rows of static decode all point at one scratch slot: their
 programs race on its contents, which nobody reads (their counters are their own).
 
@@ -44,6 +44,7 @@ import triton
 import triton.language as tl
 
 from tierlm.kernels.gated_delta_rule.decode import GATE_ACTIVATIONS, decode_head_counts
+from tierlm.kernels.split_reduce import arrival_counters
 
 # value channels per program (a power of 2; heads narrower than it take one tile) and the kernel's warps:
 # tuned on the GPU with bench/gdn_decode_kernel.py --tiles ... --warps ... (H200, real widths, state not in L2:
@@ -202,25 +203,6 @@ def _decode_kernel(mixed, mixed_stride, z, z_stride, b, b_stride, a, a_stride, w
         tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # ready for the next launch
 
 
-_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
-_MIN_COUNTERS = 1 << 14  # 64 KB: requests x key heads up to 1024 x 16 without growing
-
-
-def _arrival_counters(device: torch.device, count: int) -> torch.Tensor:
-    """At least `count` zeroed int32 counters on `device`, which every launch leaves zeroed. Allocated
-    once (grown by doubling) and never freed: a CUDA graph that captured one keeps a valid address. They
-    cannot be first made inside a capture (nothing runs there to zero them): warm up outside it, as
-    static decode does."""
-    kept = _COUNTERS.setdefault(device, [])
-    if not kept or kept[-1].numel() < count:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(f"the GDN decode kernel needs {count} arrival counters on {device}, more than it "
-                               f"has: run it once at this batch size before a CUDA graph capture")
-        size = max(count, _MIN_COUNTERS, 2 * kept[-1].numel() if kept else 0)
-        kept.append(torch.zeros(size, dtype=torch.int32, device=device))
-    return kept[-1]
-
-
 def _row_major(name: str, x: torch.Tensor, rows: int, columns: int) -> None:
     if x.dim() != 2 or x.shape != (rows, columns) or x.stride(1) != 1:
         raise ValueError(f"{name} must be [{rows}, {columns}] with unit column stride, got {tuple(x.shape)} "
@@ -291,7 +273,7 @@ def triton_gated_delta_verify(
     head_block = triton.next_power_of_2(head_v_dim)
     tile = min(VALUE_TILE, head_block)
     tiles = triton.cdiv(head_v_dim, tile)
-    arrivals = _arrival_counters(mixed.device, requests * num_key_heads)
+    arrivals = arrival_counters("gated_delta_rule_decode", mixed.device, requests * num_key_heads)
     _decode_kernel[(num_value_heads * tiles, requests)](
         mixed, mixed.stride(0), z, z.stride(0), b, b.stride(0), a, a.stride(0), conv_weight, A_log, dt_bias,
         norm_weight, conv_pool, state_pool, slots, state_slots, out, arrivals, eps,
