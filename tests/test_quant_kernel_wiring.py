@@ -39,15 +39,23 @@ def kernel_vs_reference(device: str) -> dict[str, list[float]]:
 
 
 def _compare(base: Path, int4_mixed: Path, int8: Path, device: str) -> dict[str, list[float]]:
-    from tierlm.model.loader import load_model
-    from tierlm.model.quantization.base import runtime_view
-
     def on(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {name: t.to(device) for name, t in tensors.items()}
 
     from tierlm.kernels.fused_moe import triton as fused_moe_triton
 
+    min_tokens = fused_moe_triton.PACKED_SHARED_MIN_TOKENS
     fused_moe_triton.PACKED_SHARED_MIN_TOKENS = 1  # (a speed choice: here the fused form's numbers at 3 tokens)
+    try:
+        return _compare_formats(base, int4_mixed, int8, device, on)
+    finally:
+        fused_moe_triton.PACKED_SHARED_MIN_TOKENS = min_tokens
+
+
+def _compare_formats(base: Path, int4_mixed: Path, int8: Path, device: str, on) -> dict[str, list[float]]:
+    from tierlm.model.loader import load_model
+    from tierlm.model.quantization.base import runtime_view
+
     results = {}
     gen = torch.Generator().manual_seed(0)
     for name, folder in (("dense experts", base), ("experts", int4_mixed)):
@@ -176,7 +184,8 @@ def test_shared_expert_runs_apart_where_the_kernel_does_not_take_it(monkeypatch)
     unfused = block.experts(x, weights, experts) + gate * block.shared_expert(x)
     monkeypatch.setattr(moe, "fuse_shared_expert", lambda x: True)
     offered = []
-    monkeypatch.setattr(moe.Experts, "with_shared", lambda self, *args: offered.append(args[-1]))
+    real = moe.Experts.with_shared  # (offered the shared expert, the kernel path declines it on a CPU)
+    monkeypatch.setattr(moe.Experts, "with_shared", lambda self, *args: offered.append(args[-1]) or real(self, *args))
     assert torch.equal(block(x), unfused) and offered[0].format == "unquantized"
     block.shared_expert.down_proj.set_format(PackQuantizedFormat(6, 16))
     assert block.shared_expert.as_fused_expert(gate) is None
