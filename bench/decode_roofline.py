@@ -31,14 +31,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import time
 from collections import defaultdict
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from device_timing import copy_bandwidth
+from device_timing import copy_bandwidth, device_label
 
 from tierlm.config import ModelConfig
 from tierlm.model.forward_batch import ForwardBatch
@@ -120,13 +119,6 @@ def quantize_in_memory(model: Qwen4ExpForCausalLM, scheme: str, group_size: int)
     return dict(counts)
 
 
-
-
-def device_label(device: torch.device) -> str:
-    """The device's name as results files carry it (e.g. nvidia-h200, cpu-x86_64)."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device).replace(" ", "-").lower()
-    return f"cpu-{platform.machine()}"
 
 
 def gpu_time(fn, device: torch.device) -> float:

@@ -8,6 +8,7 @@ a memcpy node, slower than the copy kernel).
 
 from __future__ import annotations
 
+import platform
 import time
 
 import torch
@@ -60,3 +61,10 @@ def copy_bandwidth(device: torch.device, nbytes: int) -> float:
         end.synchronize()
         best = min(best, start.elapsed_time(end) / 1000)
     return 2 * nbytes / best
+
+
+def device_label(device: torch.device) -> str:
+    """The device's name as results files carry it (e.g. nvidia-h200, cpu-x86_64)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device).replace(" ", "-").lower()
+    return f"cpu-{platform.machine()}"

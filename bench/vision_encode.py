@@ -21,12 +21,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import time
 from pathlib import Path
 
 import torch
+from device_timing import device_label
 
 from tierlm.config import VisionConfig
 from tierlm.model.vision.tower import VisionTower
@@ -39,12 +39,6 @@ SMALL = VisionConfig(depth=4, hidden_size=64, num_heads=4, intermediate_size=128
 def nbytes(*tensors: torch.Tensor) -> int:
     """Device bytes of tensors (0 on CPU, where `allocated` counts nothing)."""
     return sum(t.numel() * t.element_size() for t in tensors if t.device.type == "cuda")
-
-
-def device_label(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device).replace(" ", "-").lower()
-    return f"cpu-{platform.machine()}"
 
 
 def allocated(device: torch.device) -> int:

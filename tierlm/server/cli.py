@@ -19,6 +19,7 @@ from pathlib import Path
 
 from tierlm.cli import CliError
 from tierlm.config import LOAD_FORMATS
+from tierlm.multimodal.fetch import DEFAULT_FETCH_TIMEOUT_S
 from tierlm.server.reasoning_parser import REASONING_PARSERS
 from tierlm.server.tool_parsers import TOOL_PARSERS
 
@@ -66,8 +67,8 @@ def add_parser(subparsers) -> None:
     images.add_argument("--allowed-media-domains", nargs="+", default=None, metavar="HOST",
                         help="http(s) image URLs are fetched when their host is one of these (redirects too; "
                         "default: refused)")
-    images.add_argument("--image-fetch-timeout", type=float, default=5.0, metavar="SECONDS",
-                        help="an http(s) image must arrive within this (default 5, vLLM's)")
+    images.add_argument("--image-fetch-timeout", type=float, default=DEFAULT_FETCH_TIMEOUT_S, metavar="SECONDS",
+                        help=f"an http(s) image must arrive within this (default {DEFAULT_FETCH_TIMEOUT_S:g}, vLLM's)")
     images.add_argument("--mm-encoder-offload", action=argparse.BooleanOptionalAction, default=None,
                         help="the vision tower's weights in pinned host memory, copied to the device block by "
                         "block while it encodes (default: auto, on CUDA when the cache plan needs the room)")

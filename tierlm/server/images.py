@@ -141,7 +141,7 @@ def load_images(
     images: ImageInputs | None, model_name: str, request: ChatCompletionRequest, fetched: dict[str, bytes] | None = None
 ) -> list[ProcessedImage]:
     """The request's images as patches, or an ApiError (400) naming the part that cannot be used.
-    fetched: http(s) parts' bytes by parameter path (fetch_remote_images); others are fetched here."""
+    fetched: http(s) parts' bytes by parameter path (fetch_remote_images: never fetched here, on the text pool)."""
     return [_load(images, part, param, fetched or {}) for param, part in checked_image_parts(images, model_name, request)]
 
 
@@ -155,7 +155,7 @@ def _load(images: ImageInputs, part: ImageUrlPart, param: str, fetched: dict[str
         elif _is_http(url):
             if images.fetcher is None:
                 raise ImageError("http(s) URLs are not enabled on this server (--allowed-media-domains)")
-            data = fetched[param] if param in fetched else images.fetcher.fetch(url)
+            data = fetched[param]  # fetched on the fetch threads before (fetch_remote_images)
         else:
             scheme = url.split(":", 1)[0] if ":" in url else url[:16]
             accepted = ", ".join(["data:"] + ["file:"] * bool(images.local_media) + ["http(s):"] * bool(images.fetcher))

@@ -30,7 +30,6 @@ class ImageFile:
         try:
             with Image.open(io.BytesIO(data)) as image:
                 kind = image.format.lower()
-                self.size = image.size
         except (UnidentifiedImageError, OSError) as exc:
             raise ValueError(f"--image: {path} is not an image Pillow can read ({exc})") from None
         self._url = f"data:image/{kind};base64," + base64.b64encode(data).decode()
