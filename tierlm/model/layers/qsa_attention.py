@@ -208,8 +208,8 @@ class QSAIndexer(nn.Module):
         context = batch.context_lens_tensor
         offset = context % r
         state.ring[batch.slots, offset] = raw_keys
-        starts = context - offset  # first position of the open block
-        cos, sin = rope.group_starts_at(starts, r)
+        starts = context - offset  # first position of the open block (the decode row's group start)
+        cos, sin = rope.group_starts_at(r)
         keys = self.compress(state.ring[batch.slots], cos, sin)
         block = batch.block_tables.gather(1, (starts // bs)[:, None]).squeeze(1)
         row = block * (bs // r) + (starts % bs) // r
@@ -226,10 +226,10 @@ class QSAIndexer(nn.Module):
         ring_rows = ring_after_rows
         if raw_keys.is_cuda and not os.environ.get("TIERLM_NO_FUSED_QSA_RING"):
             from tierlm.kernels.qsa_ring.triton import triton_ring_after_rows as ring_rows
-        rings, key_rows, starts = ring_rows(
+        rings, key_rows, _ = ring_rows(
             state.ring, batch.slots, raw_keys, batch.positions, batch.context_lens_tensor, batch.verify_slots,
             batch.block_tables, state.block_size, state.scratch_block)
-        cos, sin = rope.group_starts_at(starts, self.ratio, rows_per_request=batch.verify_slots.shape[1])
+        cos, sin = rope.group_starts_at(self.ratio, rows_per_request=batch.verify_slots.shape[1])
         state.keys.view(-1, self.head_dim)[key_rows] = self.compress(rings, cos, sin)
 
     def select_decode(self, raw_q: torch.Tensor, batch: ForwardBatch, state: QSAIndexerState, rope: Rope) -> Selection:

@@ -84,14 +84,13 @@ class Rope:
         """sin [N, rotary_dim] at the batch's rows."""
         return self._rows[1]
 
-    def group_starts_at(
-        self, starts: torch.Tensor, ratio: int, rows_per_request: int = 1
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`at(starts, rows_per_request=...)` for starts [N] = the batch's row positions rounded down to a
-        multiple of `ratio` (what every QSA layer of the forward asks for): computed by the first caller."""
+    def group_starts_at(self, ratio: int, rows_per_request: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin at each of the batch's rows' indexer group start (its position rounded down to a multiple
+        of `ratio`; `at`'s rows_per_request), computed by the first QSA layer of the forward that asks."""
         key = ratio, rows_per_request
         if key not in self._group_starts:
-            self._group_starts[key] = self.at(starts, rows_per_request=rows_per_request)
+            positions = self.batch.positions
+            self._group_starts[key] = self.at(positions - positions % ratio, rows_per_request=rows_per_request)
         return self._group_starts[key]
 
     def at(
