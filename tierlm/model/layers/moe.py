@@ -37,6 +37,14 @@ def fuse_shared_expert(x: torch.Tensor) -> bool:
     return x.is_cuda and not os.environ.get("TIERLM_NO_FUSED_SHARED_EXPERT")
 
 
+def _decode_sized(experts: torch.Tensor) -> bool:
+    """Whether the fused kernel's decode form (the only one that takes the shared expert) runs these ids:
+    checked before the shared expert's kernel view is built, which a prefill-sized call would not use."""
+    from tierlm.kernels.fused_moe.triton import fuses_shared_expert
+
+    return fuses_shared_expert(experts)
+
+
 class SwiGLU(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
@@ -120,7 +128,7 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor, static: bool = False) -> torch.Tensor:
         """static: take the sync-free expert form (see `Experts`)."""
         weights, experts, shared_gate = self.route(x)
-        if fuse_shared_expert(x):
+        if fuse_shared_expert(x) and _decode_sized(experts):
             shared = self.shared_expert.as_fused_expert(shared_gate)
             out = None if shared is None else self.experts.with_shared(x, weights, experts, shared)
             if out is not None:
