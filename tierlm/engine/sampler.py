@@ -321,7 +321,8 @@ def sample_rows(logits: torch.Tensor, plan: RowPlan) -> tuple[torch.Tensor, torc
         rank = (candidates.ranked / sent.noise_k).argmax(dim=-1, keepdim=True)
         drawn = candidates.ranked_ids.gather(1, rank)[:, 0]
         tokens = torch.where(sent.is_top_k.bool(), drawn, tokens) if candidates.full is not None else drawn
-    return torch.where(_takes_argmax(top, plan, sent) | (status != _OK), greedy_tokens, tokens), status
+    argmax = _takes_argmax(top, plan, sent) | (status != _OK)  # a failed row's token is never used
+    return torch.where(argmax, greedy_tokens, tokens), status
 
 
 def _takes_argmax(top: torch.Tensor, plan: RowPlan, sent: _Sent) -> torch.Tensor:
