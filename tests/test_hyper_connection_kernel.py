@@ -110,13 +110,16 @@ def test_kernels_match_reference():
 
 
 INTERPRETED_EARLY = {  # (a child: started when collection ends, see tests/interpreted.py)
-    # small tiles: several slices per stream, several K and low-rank steps, uneven; one token through its
-    # own tiles; INT8 mixers once
+    # small tiles: several slices per stream, row blocks and column blocks, uneven; tl.dot at 20 tokens (two
+    # token blocks), the broadcast form at 1 token and at 3 (one block of 4); INT8 mixers in both forms
     "test_kernels_match_reference": ((
-        "import tierlm.kernels.hyper_connection.triton as k; k.BLOCK_R = 16\n"
-        "k.DOWN_TILES = ((1, (32, 16, 3, 4)), (k.MAX_TOKENS, (16, 16, 2, 4)))\n"
+        "import tierlm.kernels.hyper_connection.triton as k\n"
+        "k.MIX_TILES = ((1, k.MixTiles(1, 16, 16, 4, 8, 4)), (4, k.MixTiles(4, 16, 16, 4, 8, 4)),\n"
+        "               (k.MAX_TOKENS, k.MixTiles(16, 16, 16, 4, 16, 4)))\n"
         "import test_hyper_connection_kernel as t; t.compare('cpu', **t.SMALL); t.compare('cpu', **dict(t.SMALL, tokens=1))\n"
-        "t.check_mix('cpu', t.SMALL['hc'], t.int8_inputs(**t.SMALL), 'int8')"),),
+        "t.check_mix('cpu', t.SMALL['hc'], t.int8_inputs(**dict(t.SMALL, tokens=3)), 'int8, broadcast')\n"
+        "k.MIX_TILES = ((k.MAX_TOKENS, k.MixTiles(16, 16, 64, 4, 16, 4)),)  # (INT8 tl.dot: 16 columns a lane)\n"
+        "t.check_mix('cpu', t.SMALL['hc'], t.int8_inputs(**t.SMALL), 'int8, tl.dot')"),),
 }
 
 
