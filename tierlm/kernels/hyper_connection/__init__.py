@@ -15,10 +15,11 @@ Signatures (every form):
       on each stream s.
   naive.py   plain torch (the reference)
   triton.py  decode batches (up to MAX_TOKENS tokens): mix in two launches (the norm folded into the down
-             projection, whose last program to arrive applies each stream's rms and the mixer's
-             activations; then the up projection, the gates and the mean over streams), combine in one;
-             the weights read once per 16 tokens (INT8: the packed words, split in registers), the streams
-             read in place (no copies)
+             projection; each row block's last program applies the streams' rms and the mixer's
+             activations to its rows; then the up projection, the gates and the mean over streams),
+             combine in one; every program reads one tile of weights with all its loads up front, by
+             tl.dot from 16 tokens a program and as a GEMV (broadcast multiply + sum) below (MIX_TILES);
+             INT8 words read packed and split in registers; the streams read in place (no copies)
 """
 
 from tierlm.kernels.hyper_connection.naive import combine, mix
