@@ -118,7 +118,6 @@ INTERPRETED_EARLY = {  # (a child: started when collection ends, see tests/inter
         "               (k.MAX_TOKENS, k.MixTiles(16, 16, 16, 4, 16, 4)))\n"
         "import test_hyper_connection_kernel as t; t.compare('cpu', **t.SMALL); t.compare('cpu', **dict(t.SMALL, tokens=1))\n"
         "t.check_mix('cpu', t.SMALL['hc'], t.int8_inputs(**dict(t.SMALL, tokens=3)), 'int8, broadcast')\n"
-        "k.MIX_TILES = ((k.MAX_TOKENS, k.MixTiles(16, 16, 64, 4, 16, 4)),)  # (INT8 tl.dot: 16 columns a lane)\n"
         "t.check_mix('cpu', t.SMALL['hc'], t.int8_inputs(**t.SMALL), 'int8, tl.dot')"),),
 }
 

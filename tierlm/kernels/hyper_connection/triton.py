@@ -3,7 +3,7 @@
 mix, two launches. At the real widths (hc 4 x H 2560, r 320) W_down|inj and W_up are 6.6 MB each in bf16
 (half that INT8): ~1.6 us each at copy bandwidth, so a mix costs its chain of dependent steps, not its
 bytes. Here no program loops over its weights: each reads one tile, with every load issued up front (the
-loops over streams and INT8 lanes are unrolled), then computes and stores. (The form before this one took
+loop over streams is unrolled), then computes and stores. (The form before this one took
 15 + 10.5 us on an H200 at one token: launch 1's last program summed hc x SPLIT partial tiles one after
 another, and each launch-2 program walked 4 streams x 5 low-rank tiles, one memory round trip each.)
   1. `_mix_down_kernel`, programs over (slice, row block, token block); a slice is BLOCK_K columns of one
@@ -24,11 +24,11 @@ another, and each launch-2 program walked 4 streams x 5 low-rank tiles, one memo
   no padded tensor-core tile and no shared-memory staging). Tiles by batch: MIX_TILES, picked on an H200
   with `bench/decode_fusions.py --sweep-hc`.
 INT8 per-channel mixer weights (int4-mixed checkpoints; half the bytes) are a compile-time variant of both
-launches: each int32 word is loaded once, and value j of every word (`_lane`, exact) meets the input
-columns 4 w + j, loaded strided: four products per tile, no reshape. Each row's fp32 dot product is
-multiplied by the row's scale (launch 1: in the finishing program, after the sum over slices; launch 2:
-before the sigmoid). The reference rounds q * scale to the streams' dtype first: in fp32 the two agree to
-fp32 roundoff, in bf16 the kernel skips one rounding of the weight.
+launches: each int32 word is loaded once and split into its 4 signed values in registers (`_int8_values`,
+exact in the streams' dtype, so both product forms multiply them as they multiply bf16 weights), and each
+row's fp32 dot product is multiplied by the row's scale (launch 1: in the finishing program, after the sum
+over slices; launch 2: before the sigmoid). The reference rounds q * scale to the streams' dtype first: in
+fp32 the two agree to fp32 roundoff, in bf16 the kernel skips one rounding of the weight.
 combine, one launch (`_combine_kernel`): streams + inject[s] * block_output, the streams read in place.
 Values are rounded to the streams' dtype where the reference rounds them; sums are fp32 in a fixed order
 (no float atomics: the same bits on every call). No host sync: CUDA graphs capture all three. Up to
@@ -53,8 +53,8 @@ COMBINE_BLOCK = 256
 
 
 class MixTiles(NamedTuple):
-    """The mix's launch shape; every entry a power of 2. A tl.dot form (block_n >= DOT_MIN) needs block_j,
-    block_h >= DOT_MIN and block_k >= DOT_MIN x lanes (lanes: 4 for INT8 weights, else 1)."""
+    """The mix's launch shape; every entry a power of 2. The tl.dot form (block_n >= DOT_MIN) needs block_j,
+    block_h and block_k >= DOT_MIN; INT8 weights block_k >= 4 (whole words)."""
     block_n: int  # tokens per program: from DOT_MIN products by tl.dot, below by broadcast multiply + sum
     block_j: int  # rows of W_down|inj per down program
     block_k: int  # stream columns per down program: hc x cdiv(H, block_k) slices
@@ -69,12 +69,18 @@ MIX_TILES = ((1, MixTiles(1, 16, 512, 4, 8, 4)), (MAX_TOKENS, MixTiles(16, 16, 5
 
 
 @triton.jit
-def _lane(words, lane: tl.constexpr, DTYPE: tl.constexpr):
-    """Value `lane` (0-3) of each int32 word of INT8 per-channel weights (`naive.int8_weight_shape`),
-    q = stored - 128, in DTYPE (exact: small integers), in the words' shape. (Through fp32: the
-    interpreter's int32 -> bf16 conversion is wrong, triton 3.9.)"""
-    stored = (words.to(tl.uint32, bitcast=True) >> (8 * lane)) & 0xFF
-    return (stored.to(tl.int32) - 128).to(tl.float32).to(DTYPE)
+def _int8_values(words, ROWS: tl.constexpr, WORDS: tl.constexpr, DTYPE: tl.constexpr):
+    """INT8 per-channel weights' int32 words [ROWS, WORDS] (`naive.int8_weight_shape`) -> their signed values
+    q = stored - 128 [ROWS, 4 WORDS] in DTYPE (exact: small integers), value j of word w at column 4 w + j.
+    Split in registers: tl.join puts its new dimension inside each thread, so the reshape moves nothing.
+    (Through fp32: the interpreter's int32 -> bf16 conversion is wrong, triton 3.9.)"""
+    bits = words.to(tl.uint32, bitcast=True)
+    v0 = ((bits & 0xFF).to(tl.int32) - 128).to(tl.float32).to(DTYPE)
+    v1 = (((bits >> 8) & 0xFF).to(tl.int32) - 128).to(tl.float32).to(DTYPE)
+    v2 = (((bits >> 16) & 0xFF).to(tl.int32) - 128).to(tl.float32).to(DTYPE)
+    v3 = ((bits >> 24).to(tl.int32) - 128).to(tl.float32).to(DTYPE)
+    values = tl.join(tl.join(v0, v2), tl.join(v1, v3))  # [ROWS, WORDS, 2, 2]: [w, i, k] = value 2 i + k of word w
+    return tl.reshape(values, (ROWS, 4 * WORDS))
 
 
 @triton.jit
@@ -99,7 +105,6 @@ def _mix_down_kernel(x_ptr, stride_x, norm_ptr, w_ptr, w_scale_ptr, partial_ptr,
     slice]; the row block's last program to arrive finishes its rows (`_finish_rows`). INT8: the weight's
     signed values q, its row scales (w_scale_ptr) applied by the finishing program."""
     SLICES: tl.constexpr = HC * SPLIT
-    LANES: tl.constexpr = 4 if INT8 else 1  # INT8: value j of each word meets input column 4 w + j
     slice_id, row_block, token_block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     dtype = x_ptr.dtype.element_ty
     tokens = token_block * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -107,27 +112,24 @@ def _mix_down_kernel(x_ptr, stride_x, norm_ptr, w_ptr, w_scale_ptr, partial_ptr,
     rows = row_block * BLOCK_J + tl.arange(0, BLOCK_J)
     r_mask = rows < OUT_ROWS
     stream, part = slice_id // SPLIT, slice_id % SPLIT
-    first = part * BLOCK_K + tl.arange(0, BLOCK_K // LANES) * LANES  # lane 0's column (in the stream) per weight
+    in_stream = part * BLOCK_K + tl.arange(0, BLOCK_K)
+    c_mask = in_stream < HIDDEN
+    columns = stream * HIDDEN + in_stream
     if INT8:  # H % 4 == 0: a word lies wholly inside the stream or wholly past it
-        words = tl.load(w_ptr + rows.to(tl.int64)[:, None] * (HC * HIDDEN // 4) + ((stream * HIDDEN + first) // 4)[None, :],
-                        mask=r_mask[:, None] & (first < HIDDEN)[None, :], other=0)
-    acc = tl.zeros((BLOCK_N, BLOCK_J), dtype=tl.float32)
-    squares = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for lane in tl.static_range(LANES):
-        c_mask = first + lane < HIDDEN
-        columns = stream * HIDDEN + first + lane
-        x = tl.load(x_ptr + tokens.to(tl.int64)[:, None] * stride_x + columns[None, :],
-                    mask=t_mask[:, None] & c_mask[None, :], other=0.0).to(tl.float32)
-        squares += tl.sum(x * x, axis=1)
-        scale = 1.0 + tl.load(norm_ptr + columns, mask=c_mask, other=0.0).to(tl.float32)
-        if INT8 and DOT:
-            w = _lane(words, lane, dtype)
-        elif INT8:
-            w = _lane(words, lane, tl.float32)
-        else:
-            w = tl.load(w_ptr + rows.to(tl.int64)[:, None] * (HC * HIDDEN) + columns[None, :],
-                        mask=r_mask[:, None] & c_mask[None, :], other=0.0)
-        acc = _times_rows(acc, round_to(x * scale[None, :], dtype, PRECISION), w, DOT, PRECISION)
+        word_at = (stream * HIDDEN + part * BLOCK_K) // 4 + tl.arange(0, BLOCK_K // 4)
+        words = tl.load(w_ptr + rows.to(tl.int64)[:, None] * (HC * HIDDEN // 4) + word_at[None, :],
+                        mask=r_mask[:, None] & (part * BLOCK_K + 4 * tl.arange(0, BLOCK_K // 4) < HIDDEN)[None, :],
+                        other=0)
+        w = _int8_values(words, BLOCK_J, BLOCK_K // 4, dtype)
+    else:
+        w = tl.load(w_ptr + rows.to(tl.int64)[:, None] * (HC * HIDDEN) + columns[None, :],
+                    mask=r_mask[:, None] & c_mask[None, :], other=0.0)
+    x = tl.load(x_ptr + tokens.to(tl.int64)[:, None] * stride_x + columns[None, :],
+                mask=t_mask[:, None] & c_mask[None, :], other=0.0).to(tl.float32)
+    scale = 1.0 + tl.load(norm_ptr + columns, mask=c_mask, other=0.0).to(tl.float32)
+    squares = tl.sum(x * x, axis=1)
+    acc = _times_rows(tl.zeros((BLOCK_N, BLOCK_J), dtype=tl.float32), round_to(x * scale[None, :], dtype, PRECISION),
+                      w, DOT, PRECISION)
     slice_rows = tokens.to(tl.int64) * SLICES + slice_id
     tl.store(partial_ptr + slice_rows[:, None] * OUT_ROWS + rows[None, :], acc, mask=t_mask[:, None] & r_mask[None, :])
     row_sumsq_ptr = sumsq_ptr + row_block * n_tokens * SLICES
@@ -187,33 +189,27 @@ def _mix_up_kernel(x_ptr, stride_x, norm_ptr, up_ptr, up_scale_ptr, low_ptr, rst
     sigmoid(W_up[s*H + columns] . low) * normed stream s at those columns; each stream's rows of W_up are
     one tile [BLOCK_H, BLOCK_R] (the streams unrolled: their loads all in flight together). INT8: W_up's
     signed values, each row's dot product times its scale (up_scale_ptr)."""
-    LANES: tl.constexpr = 4 if INT8 else 1  # INT8: value j of each word meets rank 4 w + j
     column_block, token_block = tl.program_id(0), tl.program_id(1)
     dtype = x_ptr.dtype.element_ty
     tokens = token_block * BLOCK_N + tl.arange(0, BLOCK_N)
     t_mask = tokens < n_tokens
     columns = column_block * BLOCK_H + tl.arange(0, BLOCK_H)
     h_mask = columns < HIDDEN
-    first = tl.arange(0, BLOCK_R // LANES) * LANES  # lane 0's rank per weight
+    ranks = tl.arange(0, BLOCK_R)
+    low = tl.load(low_ptr + tokens.to(tl.int64)[:, None] * LOWRANK + ranks[None, :],
+                  mask=t_mask[:, None] & (ranks < LOWRANK)[None, :], other=0.0)
     total = tl.zeros((BLOCK_N, BLOCK_H), dtype=tl.float32)
     for stream in tl.static_range(HC):
         channels = stream * HIDDEN + columns
-        if INT8:
-            words = tl.load(up_ptr + channels.to(tl.int64)[:, None] * (LOWRANK // 4) + (first // 4)[None, :],
-                            mask=h_mask[:, None] & (first < LOWRANK)[None, :], other=0)
-        acc = tl.zeros((BLOCK_N, BLOCK_H), dtype=tl.float32)
-        for lane in tl.static_range(LANES):
-            ranks = first + lane
-            low = tl.load(low_ptr + tokens.to(tl.int64)[:, None] * LOWRANK + ranks[None, :],
-                          mask=t_mask[:, None] & (ranks < LOWRANK)[None, :], other=0.0)
-            if INT8 and DOT:
-                w = _lane(words, lane, dtype)
-            elif INT8:
-                w = _lane(words, lane, tl.float32)
-            else:
-                w = tl.load(up_ptr + channels.to(tl.int64)[:, None] * LOWRANK + ranks[None, :],
-                            mask=h_mask[:, None] & (ranks < LOWRANK)[None, :], other=0.0)
-            acc = _times_rows(acc, low, w, DOT, PRECISION)
+        if INT8:  # r % 4 == 0 (r = 4 x words)
+            word_at = tl.arange(0, BLOCK_R // 4)
+            words = tl.load(up_ptr + channels.to(tl.int64)[:, None] * (LOWRANK // 4) + word_at[None, :],
+                            mask=h_mask[:, None] & (word_at < LOWRANK // 4)[None, :], other=0)
+            w = _int8_values(words, BLOCK_H, BLOCK_R // 4, dtype)
+        else:
+            w = tl.load(up_ptr + channels.to(tl.int64)[:, None] * LOWRANK + ranks[None, :],
+                        mask=h_mask[:, None] & (ranks < LOWRANK)[None, :], other=0.0)
+        acc = _times_rows(tl.zeros((BLOCK_N, BLOCK_H), dtype=tl.float32), low, w, DOT, PRECISION)
         if INT8:
             acc *= tl.load(up_scale_ptr + channels, mask=h_mask, other=0.0).to(tl.float32)[None, :]
         gate = round_to(tl.sigmoid(round_to(acc, dtype, PRECISION).to(tl.float32)), dtype, PRECISION).to(tl.float32)
@@ -252,12 +248,12 @@ def mix_tiles(n_tokens: int) -> MixTiles:
 
 def check_tiles(tiles: MixTiles, int8: bool) -> None:
     """A clear error for tiles the kernels cannot take (see MixTiles)."""
-    lanes = 4 if int8 else 1
     powers = all(v > 0 and v & (v - 1) == 0 for v in tiles)
-    dot_fits = tiles.block_n < DOT_MIN or min(tiles.block_j, tiles.block_h, tiles.block_k // lanes) >= DOT_MIN
-    if not powers or not dot_fits or tiles.block_k < lanes:
-        raise ValueError(f"hyper-connection kernel: tiles {tiles} (INT8 {int8}) must be powers of 2, with block_j, "
-                         f"block_h and block_k / {lanes} at least {DOT_MIN} when block_n is (tl.dot)")
+    dot_fits = tiles.block_n < DOT_MIN or min(tiles.block_j, tiles.block_h, tiles.block_k) >= DOT_MIN
+    if not powers or not dot_fits or (int8 and tiles.block_k < 4):
+        raise ValueError(f"hyper-connection kernel: tiles {tiles} must be powers of 2, with block_j, block_h and "
+                         f"block_k at least {DOT_MIN} when block_n is (tl.dot), block_k at least 4 for INT8 weights "
+                         f"(INT8 here: {int8})")
 
 
 def mix(
@@ -303,8 +299,7 @@ def mix(
         SLICES_P2=triton.next_power_of_2(hc_count * split), INT8=down_int8, DOT=dot, PRECISION=precision,
         num_warps=tiles.down_warps,
     )
-    lanes = 4 if up_int8 else 1  # the whole low rank in one tile (tl.dot: each lane at least DOT_MIN)
-    block_r = max(triton.next_power_of_2(lowrank), (DOT_MIN if dot else 1) * lanes)
+    block_r = max(triton.next_power_of_2(lowrank), DOT_MIN if dot else 1)  # the whole low rank in one tile
     _mix_up_kernel[(triton.cdiv(hidden, tiles.block_h), token_blocks)](
         streams, streams.stride(0), norm_weight, up_weight, up_scale, low, rstd, block_input, n, HIDDEN=hidden,
         HC=hc_count, LOWRANK=lowrank, BLOCK_N=tiles.block_n, BLOCK_H=tiles.block_h, BLOCK_R=block_r,
