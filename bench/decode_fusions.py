@@ -1,16 +1,17 @@
 """The decode fusions of issue 12 items 2, 3 and 6 at the real widths, torch vs fused kernels, side by side.
 
 Times the MoE router (`SparseMoeBlock.route`: 512 experts top-10 + the shared gate over hidden 2560), the
-hyper-connections (`HyperConnection.mix` with and without injection gates, and with its mixer weights
-INT8 per channel as int4-mixed checkpoints hold them, `HyperConnection.combine`: 4 streams of 2560, low
-rank 320) and the PLE layer's decode step (`PLELayer.forward`: n-gram hash and
-gather of 16 rows of 160, the key/value projection 2560 -> 12800, gate, norms, dilated conv, history,
-residual add; the projection is the same GEMV in both forms) per call at batch 1, 4 and 16, in bf16, each
-call replayed from a CUDA graph (as a decode step runs them), with TIERLM_NO_FUSED_ROUTER /
-TIERLM_NO_FUSED_HC / TIERLM_NO_FUSED_PLE set (torch) and unset (fused); prints microseconds per call, the
-ratio, kernels per call, and the bandwidth the fused form reaches on its weights; then what a decode step
-of the 4-layer benchmark model spends on them (4 routers, 8 mixes and 8 combines, 1 final mix, 1 PLE
-layer; the INT8 mix is a row of its own, not in that sum). Results: bench/results/decode_fusions_<device>.json.
+hyper-connections (`HyperConnection.mix` with and without injection gates, and with its mixer weights INT8
+per channel as int4-mixed checkpoints hold them; `HyperConnection.combine`; `combine_and_mix`, a layer's
+attention residual folded into its MoE mix: 4 streams of 2560, low rank 320) and the PLE layer's decode
+step (`PLELayer.forward`: n-gram hash and gather of 16 rows of 160, the key/value projection 2560 -> 12800,
+gate, norms, dilated conv, history, residual add; the projection is the same GEMV in both forms) per call at
+batch 1, 4 and 16, in bf16, each call replayed from a CUDA graph (as a decode step runs them), with
+TIERLM_NO_FUSED_ROUTER / TIERLM_NO_FUSED_HC / TIERLM_NO_FUSED_PLE set (torch) and unset (fused); prints
+microseconds per call, the ratio, kernels per call, and the bandwidth the fused form reaches on its
+weights; then what a decode step of the 4-layer benchmark model spends on them (4 routers, 4 mixes,
+4 combine + mix, 4 combines, 1 final mix, 1 PLE layer; the INT8 mix is a row of its own, not in that sum).
+Results: bench/results/decode_fusions_<device>.json.
 
     python bench/decode_fusions.py
     python bench/decode_fusions.py --baseline ROOT  # also the hc mixes through ROOT's kernels, side by side
@@ -60,7 +61,8 @@ from tierlm.model.quantization.compressed_tensors import PackQuantizedFormat
 
 HIDDEN, HC, LOWRANK, EXPERTS, TOP_K = 2560, 4, 320, 512, 10
 SWITCHES = ("TIERLM_NO_FUSED_ROUTER", "TIERLM_NO_FUSED_HC", "TIERLM_NO_FUSED_PLE")
-STEP_CALLS = {"router": 4, "hc mix": 8, "hc mix (final, no inject)": 1, "hc combine": 8, "ple": 1}  # 4 layers
+STEP_CALLS = {"router": 4, "hc mix": 4, "hc combine + mix": 4, "hc mix (final, no inject)": 1, "hc combine": 4,
+              "ple": 1}  # 4 layers
 HC_INT8 = "hc mix (int8)"
 BASELINE = "[baseline]"  # rows of the hc mixes through --baseline's kernels
 HC_WIDTHS = {"real": (HIDDEN, LOWRANK), "demo-small": (512, 32)}  # stream width H, low rank r (hc 4)
@@ -171,6 +173,7 @@ def ops(device, dtype, batch: int, baseline: ModuleType | None = None) -> dict:
         "hc mix (final, no inject)": (lambda: final.mix(streams), nbytes(final)),
         HC_INT8: (lambda: hc_int8.mix(streams), nbytes(hc_int8)),
         "hc combine": (lambda: HyperConnection.combine(streams, x, inject), 0),
+        "hc combine + mix": (lambda: hc.combine_and_mix(streams, x, inject), nbytes(hc)),
         "ple": ple_call(device, dtype, batch),
     }
     if baseline is not None:
@@ -411,7 +414,8 @@ def main() -> None:
             print(f"{op:<27} {batch:>5} {row['torch_us']:>9.1f} {row['fused_us']:>9.1f} "
                   f"{row['torch_us'] / row['fused_us']:>7.2f}x {row['torch_kernels']:>4} ->{row['fused_kernels']:>2} "
                   f"{bandwidth:>10.2f}")
-    print("\nper decode step of the 4-layer benchmark model (4 routers, 8 mixes, 1 final mix, 8 combines, 1 PLE):")
+    print("\nper decode step of the 4-layer benchmark model (4 routers, 4 mixes, 4 combine + mix, 1 final mix, "
+          "4 combines, 1 PLE):")
     for batch in args.batches:
         step = [r for r in rows if r["batch"] == batch and r["op"] in STEP_CALLS]
         torch_us = sum(r["torch_us"] * STEP_CALLS[r["op"]] for r in step)

@@ -95,15 +95,18 @@ def _times_rows(acc, x, w, DOT: tl.constexpr, PRECISION: tl.constexpr):
 
 
 @triton.jit
-def _mix_down_kernel(x_ptr, stride_x, norm_ptr, w_ptr, w_scale_ptr, partial_ptr, sumsq_ptr, counter_ptr, low_ptr,
-                     rstd_ptr, inject_ptr, n_tokens, eps, HIDDEN: tl.constexpr, HC: tl.constexpr, SPLIT: tl.constexpr,
-                     LOWRANK: tl.constexpr, OUT_ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_J: tl.constexpr,
-                     BLOCK_K: tl.constexpr, SLICES_P2: tl.constexpr, INT8: tl.constexpr, DOT: tl.constexpr,
+def _mix_down_kernel(x_ptr, stride_x, block_ptr, stride_block, gate_ptr, stride_gate, combined_ptr, norm_ptr, w_ptr,
+                     w_scale_ptr, partial_ptr, sumsq_ptr, counter_ptr, low_ptr, rstd_ptr, inject_ptr, n_tokens, eps,
+                     HIDDEN: tl.constexpr, HC: tl.constexpr, SPLIT: tl.constexpr, LOWRANK: tl.constexpr,
+                     OUT_ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_K: tl.constexpr,
+                     SLICES_P2: tl.constexpr, INT8: tl.constexpr, DOT: tl.constexpr, COMBINE: tl.constexpr,
                      PRECISION: tl.constexpr):
     """Program (slice, row block, token block): partial [token, slice, row] of W_down|inj times
     x * (1 + w_norm) over one slice of one stream, and the slice's sum of squares [row block, token,
     slice]; the row block's last program to arrive finishes its rows (`_finish_rows`). INT8: the weight's
-    signed values q, its row scales (w_scale_ptr) applied by the finishing program."""
+    signed values q, its row scales (w_scale_ptr) applied by the finishing program. COMBINE: x is the
+    streams plus the previous block's output times its gate for the stream (gate_ptr), rounded as
+    `_combine_kernel` rounds; row block 0's programs store it (combined_ptr, [N, hc*H])."""
     SLICES: tl.constexpr = HC * SPLIT
     slice_id, row_block, token_block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     dtype = x_ptr.dtype.element_ty
@@ -126,6 +129,16 @@ def _mix_down_kernel(x_ptr, stride_x, norm_ptr, w_ptr, w_scale_ptr, partial_ptr,
                     mask=r_mask[:, None] & c_mask[None, :], other=0.0)
     x = tl.load(x_ptr + tokens.to(tl.int64)[:, None] * stride_x + columns[None, :],
                 mask=t_mask[:, None] & c_mask[None, :], other=0.0).to(tl.float32)
+    if COMBINE:
+        block_output = tl.load(block_ptr + tokens.to(tl.int64)[:, None] * stride_block + in_stream[None, :],
+                               mask=t_mask[:, None] & c_mask[None, :], other=0.0).to(tl.float32)
+        gate = tl.load(gate_ptr + tokens.to(tl.int64) * stride_gate + stream, mask=t_mask, other=0.0).to(tl.float32)
+        combined = round_to(x + round_to(block_output * gate[:, None], dtype, PRECISION).to(tl.float32), dtype,
+                            PRECISION)
+        if row_block == 0:
+            tl.store(combined_ptr + tokens.to(tl.int64)[:, None] * (HC * HIDDEN) + columns[None, :], combined,
+                     mask=t_mask[:, None] & c_mask[None, :])
+        x = combined.to(tl.float32)
     scale = 1.0 + tl.load(norm_ptr + columns, mask=c_mask, other=0.0).to(tl.float32)
     squares = tl.sum(x * x, axis=1)
     acc = _times_rows(tl.zeros((BLOCK_N, BLOCK_J), dtype=tl.float32), round_to(x * scale[None, :], dtype, PRECISION),
@@ -262,6 +275,24 @@ def mix(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """As `naive.mix`, for up to MAX_TOKENS tokens, in two launches (tiles: MIX_TILES); INT8 weights (given
     with their scales) are read packed, in place."""
+    return _mix(streams, None, norm_weight, down_weight, up_weight, hc_count, eps, down_scale, up_scale)[1:]
+
+
+def combine_and_mix(
+    streams: torch.Tensor, block_output: torch.Tensor, inject: torch.Tensor, norm_weight: torch.Tensor,
+    down_weight: torch.Tensor, up_weight: torch.Tensor, hc_count: int, eps: float,
+    down_scale: torch.Tensor | None = None, up_scale: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """As `naive.combine_and_mix`, in mix's two launches (the combine's launch saved): the down programs add
+    the block output to the streams as they read them, and row block 0's store the new streams."""
+    check_combine_args(streams, block_output, inject)
+    return _mix(streams, (block_output, inject), norm_weight, down_weight, up_weight, hc_count, eps, down_scale,
+                up_scale)
+
+
+def _mix(streams, residual, norm_weight, down_weight, up_weight, hc_count, eps, down_scale, up_scale):
+    """(the streams the mix read: combined with `residual` = (block output, gates) when given, else
+    `streams` itself; block input; injection gates or None)."""
     lowrank, with_inject = check_mix_args(streams, norm_weight, int8_weight_shape(down_weight, down_scale),
                                           int8_weight_shape(up_weight, up_scale), hc_count)
     n, width = streams.shape
@@ -274,8 +305,9 @@ def mix(
                          "reference)")
     block_input = streams.new_empty(n, hidden)
     inject = streams.new_empty(n, hc_count) if with_inject else None
+    mixed = streams if residual is None else streams.new_empty(n, width)
     if n == 0:
-        return block_input, inject
+        return mixed, block_input, inject
     if streams.stride(1) != 1:
         raise ValueError("hyper-connection kernel: the streams' last dimension must be contiguous")
     tiles = mix_tiles(n)
@@ -283,6 +315,7 @@ def mix(
     down_weight, up_weight, norm_weight = down_weight.contiguous(), up_weight.contiguous(), norm_weight.contiguous()
     down_scale = down_scale.contiguous() if down_int8 else down_weight  # (a dense weight's is never read)
     up_scale = up_scale.contiguous() if up_int8 else up_weight
+    block_output, gates = residual if residual is not None else (streams, streams)  # (read only with COMBINE)
     dot = tiles.block_n >= DOT_MIN
     split = triton.cdiv(hidden, tiles.block_k)
     row_blocks, token_blocks = triton.cdiv(out_rows, tiles.block_j), triton.cdiv(n, tiles.block_n)
@@ -293,31 +326,27 @@ def mix(
     counters = arrival_counters("hyper_connection", streams.device, token_blocks * row_blocks)
     precision = dot_precision(streams)
     _mix_down_kernel[(hc_count * split, row_blocks, token_blocks)](
-        streams, streams.stride(0), norm_weight, down_weight, down_scale, partial, sumsq, counters, low, rstd,
-        inject if with_inject else low, n, eps, HIDDEN=hidden, HC=hc_count, SPLIT=split, LOWRANK=lowrank,
-        OUT_ROWS=out_rows, BLOCK_N=tiles.block_n, BLOCK_J=tiles.block_j, BLOCK_K=tiles.block_k,
-        SLICES_P2=triton.next_power_of_2(hc_count * split), INT8=down_int8, DOT=dot, PRECISION=precision,
-        num_warps=tiles.down_warps,
+        streams, streams.stride(0), block_output, block_output.stride(0), gates, gates.stride(0), mixed, norm_weight,
+        down_weight, down_scale, partial, sumsq, counters, low, rstd, inject if with_inject else low, n, eps,
+        HIDDEN=hidden, HC=hc_count, SPLIT=split, LOWRANK=lowrank, OUT_ROWS=out_rows, BLOCK_N=tiles.block_n,
+        BLOCK_J=tiles.block_j, BLOCK_K=tiles.block_k, SLICES_P2=triton.next_power_of_2(hc_count * split),
+        INT8=down_int8, DOT=dot, COMBINE=residual is not None, PRECISION=precision, num_warps=tiles.down_warps,
     )
     block_r = max(triton.next_power_of_2(lowrank), DOT_MIN if dot else 1)  # the whole low rank in one tile
     _mix_up_kernel[(triton.cdiv(hidden, tiles.block_h), token_blocks)](
-        streams, streams.stride(0), norm_weight, up_weight, up_scale, low, rstd, block_input, n, HIDDEN=hidden,
+        mixed, mixed.stride(0), norm_weight, up_weight, up_scale, low, rstd, block_input, n, HIDDEN=hidden,
         HC=hc_count, LOWRANK=lowrank, BLOCK_N=tiles.block_n, BLOCK_H=tiles.block_h, BLOCK_R=block_r,
         INT8=up_int8, DOT=dot, PRECISION=precision, num_warps=tiles.up_warps,
     )
-    return block_input, inject
+    return mixed, block_input, inject
 
 
 def combine(streams: torch.Tensor, block_output: torch.Tensor, inject: torch.Tensor) -> torch.Tensor:
     """As `naive.combine`, in one launch."""
+    check_combine_args(streams, block_output, inject)
     n, width = streams.shape
     hc_count = inject.shape[1]
     hidden = width // hc_count
-    if block_output.shape != (n, hidden) or inject.shape != (n, hc_count) or width != hc_count * hidden:
-        raise ValueError(f"hyper-connection combine: streams {tuple(streams.shape)}, block output "
-                         f"{tuple(block_output.shape)} and inject {tuple(inject.shape)} do not fit together")
-    if streams.stride(1) != 1 or block_output.stride(1) != 1 or inject.stride(1) != 1:
-        raise ValueError("hyper-connection combine: every input's last dimension must be contiguous")
     out = torch.empty(n, width, dtype=streams.dtype, device=streams.device)
     if n:
         _combine_kernel[(n, triton.cdiv(hidden, COMBINE_BLOCK))](
@@ -325,3 +354,15 @@ def combine(streams: torch.Tensor, block_output: torch.Tensor, inject: torch.Ten
             HIDDEN=hidden, HC=hc_count, BLOCK=COMBINE_BLOCK, PRECISION=dot_precision(streams), num_warps=4,
         )
     return out
+
+
+def check_combine_args(streams: torch.Tensor, block_output: torch.Tensor, inject: torch.Tensor) -> None:
+    """A clear error for combine's inputs that do not fit together or are not contiguous in their last dimension."""
+    n, width = streams.shape
+    hc_count = inject.shape[1] if inject.dim() == 2 else 1
+    hidden = width // hc_count
+    if block_output.shape != (n, hidden) or inject.shape != (n, hc_count) or width != hc_count * hidden:
+        raise ValueError(f"hyper-connection combine: streams {tuple(streams.shape)}, block output "
+                         f"{tuple(block_output.shape)} and inject {tuple(inject.shape)} do not fit together")
+    if streams.stride(1) != 1 or block_output.stride(1) != 1 or inject.stride(1) != 1:
+        raise ValueError("hyper-connection combine: every input's last dimension must be contiguous")
