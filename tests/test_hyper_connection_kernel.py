@@ -134,7 +134,12 @@ def compare(device: str, tokens: int, hc: int, hidden: int, lowrank: int) -> Non
 
 
 def test_kernels_match_reference():
-    on_cuda_else_interpreted(lambda: compare("cuda", **SMALL), INTERPRETED_EARLY, "test_kernels_match_reference")
+    def on_cuda():
+        compare("cuda", **SMALL)
+        compare("cuda", **dict(SMALL, tokens=1))
+        check_mix("cuda", SMALL["hc"], int8_inputs(**dict(SMALL, tokens=3)), "int8")
+
+    on_cuda_else_interpreted(on_cuda, INTERPRETED_EARLY, "test_kernels_match_reference")
 
 
 INTERPRETED_EARLY = {  # (a child: started when collection ends, see tests/interpreted.py)
@@ -207,6 +212,11 @@ def test_bad_shapes_are_named():
         naive.mix(streams, norm, down[:, :-1], up, 4, EPS)
     with pytest.raises(ValueError, match="hc = 3"):
         naive.mix(streams[:, :-1], norm, down, up, 3, EPS)
+    pytest.importorskip("triton")
+    from tierlm.kernels.hyper_connection.triton import MixTiles, check_tiles
+
+    with pytest.raises(ValueError, match="at least 16 when block_n is"):
+        check_tiles(MixTiles(16, 8, 512, 4, 16, 4), False)  # (tl.dot over 8 rows)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")

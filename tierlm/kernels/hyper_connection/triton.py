@@ -30,13 +30,16 @@ row's fp32 dot product is multiplied by the row's scale (launch 1: in the finish
 over slices; launch 2: before the sigmoid). The reference rounds q * scale to the streams' dtype first: in
 fp32 the two agree to fp32 roundoff, in bf16 the kernel skips one rounding of the weight.
 combine, one launch (`_combine_kernel`): streams + inject[s] * block_output, the streams read in place.
+combine_and_mix: a combine folded into the next mix (`_mix_down_kernel`'s COMBINE): its programs add the
+block output to the streams as they read them, row block 0's store the new streams, launch 2 reads those.
 Values are rounded to the streams' dtype where the reference rounds them; sums are fp32 in a fixed order
-(no float atomics: the same bits on every call). No host sync: CUDA graphs capture all three. Up to
+(no float atomics: the same bits on every call). No host sync: CUDA graphs capture them all. Up to
 MAX_TOKENS tokens (prefill chunks take the reference's GEMMs).
 """
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -79,7 +82,7 @@ def _int8_values(words, ROWS: tl.constexpr, WORDS: tl.constexpr, DTYPE: tl.const
     v1 = (((bits >> 8) & 0xFF).to(tl.int32) - 128).to(tl.float32).to(DTYPE)
     v2 = (((bits >> 16) & 0xFF).to(tl.int32) - 128).to(tl.float32).to(DTYPE)
     v3 = ((bits >> 24).to(tl.int32) - 128).to(tl.float32).to(DTYPE)
-    values = tl.join(tl.join(v0, v2), tl.join(v1, v3))  # [ROWS, WORDS, 2, 2]: [w, i, k] = value 2 i + k of word w
+    values = tl.join(tl.join(v0, v2), tl.join(v1, v3))  # [ROWS, WORDS, 2, 2]: [r, w, i, k] = value 2 i + k of word w
     return tl.reshape(values, (ROWS, 4 * WORDS))
 
 
@@ -259,6 +262,7 @@ def mix_tiles(n_tokens: int) -> MixTiles:
     return next(tiles for bound, tiles in MIX_TILES if n_tokens <= bound)
 
 
+@functools.cache
 def check_tiles(tiles: MixTiles, int8: bool) -> None:
     """A clear error for tiles the kernels cannot take (see MixTiles)."""
     powers = all(v > 0 and v & (v - 1) == 0 for v in tiles)
