@@ -163,6 +163,7 @@ def step_bytes(model: Qwen4ExpForCausalLM, config: ModelConfig, batch: int, cont
 
 PARTS = {  # (class, method) -> part name in the kernel-time table
     (HyperConnection, "mix"): "hyper-connections", (HyperConnection, "combine"): "hyper-connections",
+    (HyperConnection, "combine_and_mix"): "hyper-connections",
     (GatedDeltaNet, "forward"): "GDN", (QSAAttention, "forward"): "QSA + indexer", (PLELayer, "forward"): "PLE",
     (Experts, "forward"): "MoE experts", (SwiGLU, "forward"): "shared expert", (SparseMoeBlock, "forward"): "router",
     (Experts, "with_shared"): "MoE experts",  # (with the shared expert fused in: TIERLM_NO_FUSED_SHARED_EXPERT)

@@ -66,9 +66,14 @@ class MixTiles(NamedTuple):
     up_warps: int
 
 
-# by batch, the first entry whose token bound covers it. Real widths, one token: 20 slices x 21 row blocks
-# = 420 down programs of 16 KB of W_down|inj, 320 up programs of 4 x 8 rows x 320 of W_up (20 KB)
-MIX_TILES = ((1, MixTiles(1, 16, 512, 4, 8, 4)), (MAX_TOKENS, MixTiles(16, 16, 512, 4, 16, 4)))
+# by batch, the first entry whose token bound covers it: the candidate nearest each batch's best over real
+# and demo-small widths, bf16 and INT8 (H200, `bench/decode_fusions.py --sweep-hc`, session 8;
+# bench/results/decode_fusions_hc_sweep_nvidia-h200.json). Real widths, bf16, one token: 12.2 us a mix
+# (two-launch form before it: 21.2); 4 tokens 21.0 (34.6), 16 tokens 18.1 (33.9); INT8 13.5, 21.9, 29.6
+# (29.9, 41.6, 42.1). One token: 20 slices x 41 row blocks = 820 down programs of 8 KB of W_down|inj,
+# 320 up programs of 4 x 8 rows x 320 of W_up (20 KB)
+MIX_TILES = ((1, MixTiles(1, 8, 512, 4, 8, 4)), (4, MixTiles(4, 8, 512, 4, 8, 4)),
+             (MAX_TOKENS, MixTiles(16, 32, 256, 4, 16, 4)))
 
 
 @triton.jit
