@@ -50,11 +50,6 @@ PACKED_BLOCK_W = {4: {"gate_up_block_w": 8, "down_block_w": 4}, 8: {"gate_up_blo
 SHARED_BLOCK_K = {"shared_gate_up_block_k": 64, "shared_down_block_k": 32}
 CASES = {f"{d}-{f}-{p}": (DTYPES[d], FORMATS[f], PATHS[p]) for d in DTYPES for f in FORMATS for p in PATHS
          if p != "decode-split" or f in ("unquantized", "int4-g32")}  # (the split is format-independent)
-# packed decode with x gathered in place instead of split first, and with its K tiles unrolled instead of
-# looped (`PackedDecodeTiles.split_x`, `.unroll`)
-CASES.update({f"{d}-int4-g32-decode-gathered-x": (DTYPES[d], FORMATS["int4-g32"], PATHS["decode"]) for d in DTYPES})
-CASES.update({f"{d}-int4-g32-decode-split-unrolled": (DTYPES[d], FORMATS["int4-g32"], PATHS["decode-split"])
-              for d in DTYPES})
 # with the MoE block's shared expert (S columns, not a whole number of tiles) as one more expert of every
 # token: in the routed experts' format, in another (INT6 beside packed INT4: the int4-mixed scheme; its
 # gate_up and down in different groups), unquantized beside INT4 (the int4 scheme), and at prefill size
@@ -161,12 +156,9 @@ def run_kernel_cases(names: list[str]) -> dict[str, str | None]:
             args, kwargs, exact = make_case(name)
             ids = args[4]
             ranks = CASES[name][2][3]
-            kernels.DECODE_TILES = {bits: tiles._replace(down_ranks=ranks, **PACKED_BLOCK_W.get(bits, DECODE_BLOCK_K),
+            kernels.DECODE_TILES = {bits: tiles._replace(**({} if bits in PACKED_BLOCK_W else {"down_ranks": ranks}), **PACKED_BLOCK_W.get(bits, DECODE_BLOCK_K),
                                                          **DECODE_BLOCK_N, **SHARED_BLOCK_K)
                                     for bits, tiles in saved[2].items()}
-            if name.endswith(("gathered-x", "unrolled")):
-                kernels.DECODE_TILES[4] = kernels.DECODE_TILES[4]._replace(split_x=not name.endswith("gathered-x"),
-                                                                           unroll=name.endswith("unrolled"))
             prefill = CASES[name][2] == PATHS["prefill"]
             if (ids.numel() <= DECODE_MAX_PAIRS) == prefill:
                 results[name] = f"{ids.numel()} pairs do not take the path of {name}"

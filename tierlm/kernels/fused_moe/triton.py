@@ -42,6 +42,7 @@ from tierlm.kernels.fused_moe.decode_parts import (
     down_columns,
     expert_ranks,
     finish_down,
+    launch_phases,
     swiglu_columns,
 )
 from tierlm.kernels.fused_moe.naive import SharedExpert, check_moe_args
@@ -77,7 +78,7 @@ DECODE_MAX_PAIRS = 160  # up to this many (token, expert) pairs (16 tokens of to
 # (4 and 8 bits: `packed_decode`, first guesses checked only by compiling for sm_90: to be swept on an H200;
 # the shared expert's K tiles, not measured on a GPU yet: bench/moe_decode_kernel.py --shared)
 DECODE_TILES = {**dict.fromkeys((0, 6), DecodeTiles(8, 512, 4, 16, 128, 4, 2)),
-                **dict.fromkeys((4, 8), PackedDecodeTiles(8, 64, 4, 32, 16, 4, 1, True, False))}
+                **dict.fromkeys((4, 8), PackedDecodeTiles(16, 64, 4, 64, 16, 4))}
 PREFILL_BLOCK_M, PREFILL_BLOCK_N, PREFILL_BLOCK_K, PREFILL_NUM_WARPS = 32, 64, 64, 4
 SUM_BLOCK = 256
 
@@ -342,11 +343,8 @@ def _decode(x, weights, topk_weights, topk_ids, bits: int, group: int, inter: in
         return packed_decode(x, weights, topk_weights, topk_ids, bits, group, inter, tiles, max_tokens, shared)
     w_gate_up, gate_up_scales, w_down, down_scales = weights
     (t, h), top_k = x.shape, topk_ids.shape[1]
-    precision = dot_precision(x)
     gate_up_k = min(tiles.gate_up_block_k, triton.next_power_of_2(h))
     down_k = min(tiles.down_block_k, triton.next_power_of_2(inter))
-    shared_gate_up_k, shared_gate_up_even, shared_down_k, shared_down_even = shared.k_tiles(
-        tiles.shared_gate_up_block_k, tiles.shared_down_block_k, h)
     act = torch.empty((t * top_k, inter), dtype=x.dtype, device=x.device)
     shared_act = torch.empty((t, shared.width), dtype=x.dtype, device=x.device) if shared.present else act
     ranks = min(tiles.down_ranks, top_k)
@@ -368,14 +366,9 @@ def _decode(x, weights, topk_weights, topk_ids, bits: int, group: int, inter: in
         "TOP_K": top_k, "SLOTS": triton.next_power_of_2(top_k), "RANKS": ranks, "BITS": bits, "GROUP_SIZE": group,
         "GU_BLOCK_N": tiles.gate_up_block_n, "GU_BLOCK_K": gate_up_k, "GU_EVEN_K": h % gate_up_k == 0,
         "DN_BLOCK_N": tiles.down_block_n, "DN_BLOCK_K": down_k, "DN_EVEN_K": inter % down_k == 0,
-        "HAS_SHARED": shared.present, "SHARED_BITS": shared.bits, "GU_SHARED_GROUP_SIZE": shared.gate_up_group,
-        "GU_SHARED_BLOCK_K": shared_gate_up_k, "GU_SHARED_EVEN_K": shared_gate_up_even,
-        "DN_SHARED_GROUP_SIZE": shared.down_group, "DN_SHARED_BLOCK_K": shared_down_k,
-        "DN_SHARED_EVEN_K": shared_down_even, "PRECISION": precision}
-    gate_up_items = (num_shared + t * top_k) * gate_up_blocks
-    down_items = down_blocks * t * splits
-    _decode_gemv_kernel[(gate_up_items,)](*args, PHASE="gate_up", num_warps=tiles.gate_up_warps, **constants)
-    _decode_gemv_kernel[(down_items,)](*args, PHASE="down", num_warps=tiles.down_warps, **constants)
+        "PRECISION": dot_precision(x), **shared.constants(tiles.shared_gate_up_block_k, tiles.shared_down_block_k, h)}
+    launch_phases(_decode_gemv_kernel, args, constants, ((num_shared + t * top_k) * gate_up_blocks, tiles.gate_up_warps),
+                  (down_blocks * t * splits, tiles.down_warps))
     return out
 
 
