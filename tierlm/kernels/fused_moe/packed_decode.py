@@ -39,7 +39,7 @@ from tierlm.kernels.fused_moe.decode_parts import DTYPE_NAMES, SharedArgs, launc
 from tierlm.kernels.quant_linear.triton import dot_precision, gemv_loop, gemv_sum, gemv_zeros, round_to
 from tierlm.kernels.split_reduce import arrival_counters
 
-PRODUCT_EXPONENT = 64  # E: each product is q * x * 2^-E (module docstring)
+PRODUCT_EXPONENT = tl.constexpr(64)  # E: each product is q * x * 2^-E (module docstring)
 SPLIT_X_BLOCK_W = 64  # words per `_split_x_kernel` program
 
 
@@ -64,7 +64,7 @@ def _plane_factor(j, BITS: tl.constexpr):
     """2^(149 - E - p) for fields j (int32 tensor): p, the bit where field j is read (`_field`)."""
     p = j * BITS
     p = tl.where(p + BITS > 24, p - 8, p)
-    return ((127 + 149 - PRODUCT_EXPONENT - p) << 23).to(tl.float32, bitcast=True)
+    return ((-p + (127 + 149 - PRODUCT_EXPONENT)) << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -340,7 +340,7 @@ def packed_decode(x: torch.Tensor, weights: tuple, topk_weights: torch.Tensor, t
              "down_partial": t * down_blocks * parts * tiles.down_block_n}
     workspace = torch.empty(sum(sizes.values()), dtype=torch.float32, device=x.device)
     buffers = dict(zip(sizes, workspace.split(list(sizes.values()))))
-    product_scale, bias_scale = 2.0 ** PRODUCT_EXPONENT, 2.0 ** (bits - 1 - PRODUCT_EXPONENT)
+    product_scale, bias_scale = 2.0 ** PRODUCT_EXPONENT.value, 2.0 ** (bits - 1 - PRODUCT_EXPONENT.value)
     _split_x_kernel[(t, triton.cdiv(words_h, SPLIT_X_BLOCK_W))](
         x, buffers["xs"], buffers["x_bias"], x.stride(0), bias_scale, WORDS=words_h, BITS=bits, BLOCK_W=SPLIT_X_BLOCK_W)
     shared_act = torch.empty((t, shared.width), dtype=x.dtype, device=x.device) if shared.present else x

@@ -295,18 +295,18 @@ def align_pairs_to_blocks(expert_of_pair: torch.Tensor, num_experts: int, block_
     return pair_ids, block_expert
 
 
-# Packed (INT4/6/8) routed experts take the shared expert into their launches from this many tokens on.
-# H200, real widths, INT4 routed + INT6 shared (bench/moe_decode_kernel.py --shared): fused vs apart 0.74x at
-# batch 1, 0.81x at 4, 2.39x at 16 (group 32; group 128 alike).
-PACKED_SHARED_MIN_TOKENS = 8
+# Packed (INT4/8) routed experts take the shared expert into their decode launches from this many tokens
+# on; below, `fused_moe` runs it apart (`SharedArgs.separately`). 1: always (the packed decode form splits
+# the shared expert's work over as many programs as an expert's; the form before it fused at batch 1 / 4 at
+# 0.74x / 0.81x of apart on an H200, INT4 + INT6 g32, and took 8 here). To be confirmed on an H200 with
+# bench/moe_decode_kernel.py --shared (fused vs apart, same run).
+PACKED_SHARED_MIN_TOKENS = 1
 
 
-def fuses_shared_expert(topk_ids: torch.Tensor, packed: bool = False) -> bool:
-    """Whether `fused_moe` computes a shared expert inside its launches for these ids (the decode form:
-    one more pair per token; packed routed experts only from PACKED_SHARED_MIN_TOKENS tokens on); else the
-    caller runs it apart, as prefill sizes do (`SharedArgs.separately`)."""
-    if packed and topk_ids.shape[0] < PACKED_SHARED_MIN_TOKENS:
-        return False
+def fuses_shared_expert(topk_ids: torch.Tensor) -> bool:
+    """Whether `fused_moe`'s decode form runs these ids (the only form that can take a shared expert
+    into its launches): callers check it before building a shared expert's kernel view they would not
+    need (`fused_moe` itself decides whether to fuse it or run it apart)."""
     return topk_ids.numel() <= DECODE_MAX_PAIRS
 
 
@@ -315,7 +315,8 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, to
               shared: SharedExpert | None = None) -> torch.Tensor:
     """As `naive.fused_moe` (see there for shapes and formats). topk_ids must lie in [0, E): they are not
     checked here (that would cost a host sync). A shared expert is one more pair per token in the decode
-    form's two launches; the prefill form runs it beside the grouped GEMM (`quant_linear` launches)."""
+    form's launches (packed routed experts: from PACKED_SHARED_MIN_TOKENS tokens on); otherwise, and in
+    the prefill form, it runs beside them (`quant_linear` launches)."""
     bits, inter, group = check_moe_args(x, w_gate_up, w_down, topk_weights, topk_ids, format, scales, group_size)
     check_whole_word_groups(bits, group)
     shared_expert = SharedArgs.of(x, shared)
@@ -328,8 +329,11 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, to
     gate_up_scales, down_scales = (w_gate_up, w_down) if bits is None else (s.contiguous() for s in scales)
     weights = (w_gate_up, gate_up_scales, w_down, down_scales)
     if num_pairs <= DECODE_MAX_PAIRS:
-        return _decode(x, weights, topk_weights.contiguous(), topk_ids.contiguous(), bits or 0, group, inter,
-                       shared_expert)
+        packed = bits in (4, 8)
+        fused = shared_expert if not packed or t >= PACKED_SHARED_MIN_TOKENS else SharedArgs.of(x, None)
+        routed = _decode(x, weights, topk_weights.contiguous(), topk_ids.contiguous(), bits or 0, group, inter,
+                         fused)
+        return routed if shared is None or fused.present else routed + shared_expert.separately(x)
     routed = _grouped(x, weights, topk_weights, topk_ids, bits or 0, group, inter)
     return routed if shared is None else routed + shared_expert.separately(x)
 
