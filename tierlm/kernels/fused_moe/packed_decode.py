@@ -346,7 +346,7 @@ def packed_decode(x: torch.Tensor, weights: tuple, topk_weights: torch.Tensor, t
     shared_act = torch.empty((t, shared.width), dtype=x.dtype, device=x.device) if shared.present else x
     shared_range = (tiles.gate_up_block_w * values, tiles.down_block_w * values)  # its K values per program
     out = torch.empty_like(x)
-    most_rows = max(t, max_tokens) * (shared.present + top_k)
+    most_rows = max(t, max_tokens) * (1 + top_k)  # (as if with a shared expert: one size for both)
     gate_up_counters = arrival_counters("fused_moe_packed_gate_up", x.device, most_rows * gate_up_blocks)
     down_counters = arrival_counters("fused_moe_packed_down", x.device, max(t, max_tokens) * down_blocks)
     args = (x, buffers["xs"], buffers["x_bias"], w_gate_up, gate_up_scales, topk_ids, buffers["act"],
