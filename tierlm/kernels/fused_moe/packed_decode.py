@@ -41,6 +41,7 @@ from tierlm.kernels.split_reduce import arrival_counters
 
 PRODUCT_EXPONENT = tl.constexpr(64)  # E: each product is q * x * 2^-E (module docstring)
 SPLIT_X_BLOCK_W = 64  # words per `_split_x_kernel` program
+SHARED_ACCUMULATORS = 8  # per thread per GEMV of the shared expert's branch (`shared_block_k`)
 
 
 class PackedDecodeTiles(NamedTuple):
@@ -314,6 +315,15 @@ def _packed_decode_kernel(
             HAS_SHARED, SHARED_BITS, DN_SHARED_GROUP_SIZE, DN_SHARED_BLOCK_K, DN_SHARED_EVEN_K, PRECISION)
 
 
+def shared_block_k(block_k: int, k_range: int, rows: int, warps: int) -> int:
+    """The shared expert's inner K tile in a program of `rows` rows and `warps` warps: at most block_k and
+    the program's K range, and small enough that its products' accumulators (one per product for
+    unquantized and INT6 weights: `gemv_loop`) stay SHARED_ACCUMULATORS a thread (at least 16 values):
+    the shared branch must not raise the registers of every program in the launch (sm_90, triton 3.9,
+    INT6: gate_up 32 rows at 64 values took 223 registers, at 32 values 96)."""
+    return min(block_k, k_range, max(16, SHARED_ACCUMULATORS * 32 * warps // rows))
+
+
 def packed_decode(x: torch.Tensor, weights: tuple, topk_weights: torch.Tensor, topk_ids: torch.Tensor, bits: int,
                   group: int, inter: int, tiles: PackedDecodeTiles, max_tokens: int, shared: SharedArgs
                   ) -> torch.Tensor:
@@ -364,8 +374,10 @@ def packed_decode(x: torch.Tensor, weights: tuple, topk_weights: torch.Tensor, t
         "DN_BLOCK_W": tiles.down_block_w, "DN_SPLITS": down_splits, "DN_SHARED_SPLITS": shared_down_splits,
         "DN_PARTS_P2": triton.next_power_of_2(parts),
         "DTYPE": DTYPE_NAMES[x.dtype], "PRECISION": dot_precision(x),
-        **shared.constants(min(tiles.shared_gate_up_block_k, shared_range[0]),
-                           min(tiles.shared_down_block_k, shared_range[1]), h)}
+        **shared.constants(shared_block_k(tiles.shared_gate_up_block_k, shared_range[0], tiles.gate_up_block_n,
+                                          tiles.gate_up_warps),
+                           shared_block_k(tiles.shared_down_block_k, shared_range[1], tiles.down_block_n,
+                                          tiles.down_warps), h)}
     launch_phases(_packed_decode_kernel, args, constants, (rows * gate_up_blocks * gate_up_splits, tiles.gate_up_warps),
                   (t * down_blocks * parts, tiles.down_warps))
     return out
