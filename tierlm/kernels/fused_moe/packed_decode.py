@@ -97,29 +97,60 @@ def _split_x_kernel(x_ptr, xs_ptr, bias_ptr, stride_xt, bias_scale, WORDS: tl.co
 
 
 @triton.jit
-def _tile_sums(w_ptr, s_ptr, rows, xs_ptr, bias_ptr, split, WORDS: tl.constexpr, stride_wn, stride_sn,
-               BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, BLOCK_W: tl.constexpr):
+def _plane(ptr, j: tl.constexpr, offs_w, inside, WORDS: tl.constexpr, BLOCK_W: tl.constexpr):
+    """Plane j of a split row (values j of words offs_w, [BLOCK_W]), 0 past the row's words."""
+    if WORDS % BLOCK_W == 0:
+        plane = tl.load(ptr + j * WORDS + offs_w)
+    else:
+        plane = tl.load(ptr + j * WORDS + offs_w, mask=inside, other=0.0)
+    return plane
+
+
+@triton.jit
+def _tile_sums(w_ptr, s_ptr, rows, xs_ptr, bias_ptr, split, WORDS: tl.constexpr, BITS: tl.constexpr,
+               GROUP_SIZE: tl.constexpr, BLOCK_W: tl.constexpr):
     """Each row's sum, times 2^-E, over words [split * BLOCK_W, +BLOCK_W) of weight rows `rows` ([R]
-    int64, in range) against one row of split x (planes at xs_ptr, word sums at bias_ptr): [R] fp32.
-    The words, their scales and x are loaded together, then each word's fields are multiplied in place."""
+    int64, in range; the weights' rows WORDS words long, their scales' WORDS / words per group: contiguous,
+    so every offset is a constant) against one row of split x (planes at xs_ptr, word sums at bias_ptr):
+    [R] fp32. The words, their scales and x are loaded together, then each word's fields are multiplied in
+    place."""
     VALUES: tl.constexpr = 32 // BITS
+    stride_wn: tl.constexpr = WORDS
+    stride_sn: tl.constexpr = WORDS * VALUES // GROUP_SIZE
     offs_w = split * BLOCK_W + tl.arange(0, BLOCK_W)
     offs_w = tl.max_contiguous(tl.multiple_of(offs_w, BLOCK_W), BLOCK_W)
     inside = offs_w < WORDS
+    # x's planes first, in program order (they need no expert id): ptxas then issues them up front (a loop
+    # over the planes left most of them between the products: sm_90, triton 3.9); it still issues some of
+    # the words after the first products at 4 rows a thread (other programs on the SM cover that wait)
+    x0 = _plane(xs_ptr, 0, offs_w, inside, WORDS, BLOCK_W)
+    x1 = _plane(xs_ptr, 1, offs_w, inside, WORDS, BLOCK_W)
+    x2 = _plane(xs_ptr, 2, offs_w, inside, WORDS, BLOCK_W)
+    x3 = _plane(xs_ptr, 3, offs_w, inside, WORDS, BLOCK_W)
+    if VALUES == 8:
+        x4 = _plane(xs_ptr, 4, offs_w, inside, WORDS, BLOCK_W)
+        x5 = _plane(xs_ptr, 5, offs_w, inside, WORDS, BLOCK_W)
+        x6 = _plane(xs_ptr, 6, offs_w, inside, WORDS, BLOCK_W)
+        x7 = _plane(xs_ptr, 7, offs_w, inside, WORDS, BLOCK_W)
+    word_bias = _plane(bias_ptr, 0, offs_w, inside, WORDS, BLOCK_W)
     word_ptrs = w_ptr + rows[:, None] * stride_wn + offs_w[None, :]
     scale_ptrs = s_ptr + rows[:, None] * stride_sn + (offs_w // (GROUP_SIZE // VALUES))[None, :]
     if WORDS % BLOCK_W == 0:
         words = tl.load(word_ptrs).to(tl.uint32, bitcast=True)
         scale = tl.load(scale_ptrs).to(tl.float32)
-        acc = tl.zeros(words.shape, dtype=tl.float32) - tl.load(bias_ptr + offs_w)[None, :]
     else:
         words = tl.load(word_ptrs, mask=inside[None, :], other=0).to(tl.uint32, bitcast=True)
         scale = tl.load(scale_ptrs, mask=inside[None, :], other=0.0).to(tl.float32)
-        acc = tl.zeros(words.shape, dtype=tl.float32) - tl.load(bias_ptr + offs_w, mask=inside, other=0.0)[None, :]
     high = words >> 8
-    for j in tl.static_range(VALUES):
-        x = tl.load(xs_ptr + j * WORDS + offs_w, mask=inside, other=0.0)
-        acc += _field(words, high, j, BITS) * x[None, :]
+    acc = _field(words, high, 0, BITS) * x0[None, :] - word_bias[None, :]
+    acc += _field(words, high, 1, BITS) * x1[None, :]
+    acc += _field(words, high, 2, BITS) * x2[None, :]
+    acc += _field(words, high, 3, BITS) * x3[None, :]
+    if VALUES == 8:
+        acc += _field(words, high, 4, BITS) * x4[None, :]
+        acc += _field(words, high, 5, BITS) * x5[None, :]
+        acc += _field(words, high, 6, BITS) * x6[None, :]
+        acc += _field(words, high, 7, BITS) * x7[None, :]
     return tl.sum(acc * scale, axis=1)
 
 
@@ -170,11 +201,12 @@ def _gate_up_finish(total, row, pid_n, num_shared, act_ptr, act_bias_ptr, shared
 
 @triton.jit
 def _gate_up_program(
-    row, pid_n, split, n_blocks, x_ptr, xs_ptr, x_bias_ptr, w_ptr, s_ptr, ids_ptr, act_ptr, act_bias_ptr,
-    shared_w_ptr, shared_s_ptr, shared_act_ptr, partial_ptr, counter_ptr, num_shared, S, product_scale, bias_scale,
-    stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_swn, stride_ssn, stride_sap,
+    row, pid_n, split, x_ptr, xs_ptr, x_bias_ptr, w_ptr, s_ptr, ids_ptr, act_ptr, act_bias_ptr, shared_w_ptr,
+    shared_s_ptr, shared_act_ptr, partial_ptr, counter_ptr, num_shared, S, product_scale, bias_scale, stride_xt,
+    stride_swn, stride_ssn, stride_sap,
     H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, BITS: tl.constexpr, GROUP_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr,
+    BLOCK_N: tl.constexpr, N_BLOCKS: tl.constexpr, BLOCK_W: tl.constexpr, SPLITS: tl.constexpr,
+    SPLITS_P2: tl.constexpr,
     DTYPE: tl.constexpr, HAS_SHARED: tl.constexpr, SHARED_BITS: tl.constexpr, SHARED_GROUP_SIZE: tl.constexpr,
     SHARED_BLOCK_K: tl.constexpr, SHARED_EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
 ):
@@ -194,9 +226,11 @@ def _gate_up_program(
         if pair >= 0:
             expert = tl.load(ids_ptr + pair).to(tl.int64)
             token = (pair // TOP_K).to(tl.int64)
-            rows = tl.where(n < I, tl.where(both < BLOCK_N, n, I + n), 0).to(tl.int64)  # clamped
-            sums = _tile_sums(w_ptr + expert * stride_we, s_ptr + expert * stride_se, rows,
-                              xs_ptr + token * H, x_bias_ptr + token * WORDS, split, WORDS, stride_wn, stride_sn, BITS,
+            rows = n + (both >= BLOCK_N).to(tl.int32) * I
+            if I % BLOCK_N != 0:
+                rows = tl.where(n < I, rows, 0)  # clamped
+            sums = _tile_sums(w_ptr + expert * (2 * I * WORDS), s_ptr + expert * (2 * I * (H // GROUP_SIZE)),
+                              rows.to(tl.int64), xs_ptr + token * H, x_bias_ptr + token * WORDS, split, WORDS, BITS,
                               GROUP_SIZE, BLOCK_W) * product_scale
         else:
             if HAS_SHARED:
@@ -220,7 +254,7 @@ def _gate_up_program(
             _gate_up_finish(sums, row, pid_n, num_shared, act_ptr, act_bias_ptr, shared_act_ptr, S, bias_scale,
                             stride_sap, I, BITS, BLOCK_N, DTYPE, PRECISION)
         else:
-            last, total = _arrive(sums, partial_ptr, counter_ptr, row * n_blocks + pid_n, split, SPLITS, SPLITS_P2,
+            last, total = _arrive(sums, partial_ptr, counter_ptr, row * N_BLOCKS + pid_n, split, SPLITS, SPLITS_P2,
                                   2 * BLOCK_N)
             if last:
                 _gate_up_finish(total, row, pid_n, num_shared, act_ptr, act_bias_ptr, shared_act_ptr, S, bias_scale,
@@ -229,11 +263,11 @@ def _gate_up_program(
 
 @triton.jit
 def _down_program(
-    pid_n, token, part, n_blocks, act_ptr, act_bias_ptr, w_ptr, s_ptr, routing_ptr, ids_ptr, shared_act_ptr,
-    shared_w_ptr, shared_s_ptr, shared_gate_ptr, out_ptr, partial_ptr, counter_ptr, S, product_scale, stride_we,
-    stride_wn, stride_se, stride_sn, stride_sap, stride_swn, stride_ssn,
+    pid_n, token, part, act_ptr, act_bias_ptr, w_ptr, s_ptr, routing_ptr, ids_ptr, shared_act_ptr, shared_w_ptr,
+    shared_s_ptr, shared_gate_ptr, out_ptr, partial_ptr, counter_ptr, S, product_scale, stride_sap, stride_swn,
+    stride_ssn,
     H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, BITS: tl.constexpr, GROUP_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, SPLITS: tl.constexpr, SHARED_SPLITS: tl.constexpr,
+    BLOCK_N: tl.constexpr, N_BLOCKS: tl.constexpr, BLOCK_W: tl.constexpr, SPLITS: tl.constexpr, SHARED_SPLITS: tl.constexpr,
     PARTS_P2: tl.constexpr, DTYPE: tl.constexpr, HAS_SHARED: tl.constexpr, SHARED_BITS: tl.constexpr, SHARED_GROUP_SIZE: tl.constexpr,
     SHARED_BLOCK_K: tl.constexpr, SHARED_EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
 ):
@@ -247,14 +281,16 @@ def _down_program(
     PARTS: tl.constexpr = TOP_K * SPLITS + HAS_SHARED * SHARED_SPLITS
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < H
-    rows = tl.where(n_mask, offs_n, 0).to(tl.int64)  # clamped
+    rows = offs_n
+    if H % BLOCK_N != 0:
+        rows = tl.where(n_mask, offs_n, 0)  # clamped
     result = tl.zeros((BLOCK_N,), dtype=tl.float32)
     if part < TOP_K * SPLITS:
         pair = token * TOP_K + part // SPLITS
         expert = tl.load(ids_ptr + pair).to(tl.int64)
         routing = round_as(tl.load(routing_ptr + pair).to(tl.float32), DTYPE, PRECISION)
-        result = _tile_sums(w_ptr + expert * stride_we, s_ptr + expert * stride_se, rows, act_ptr + pair * I,
-                            act_bias_ptr + pair * WORDS, part % SPLITS, WORDS, stride_wn, stride_sn, BITS, GROUP_SIZE,
+        result = _tile_sums(w_ptr + expert * (H * WORDS), s_ptr + expert * (H * (I // GROUP_SIZE)), rows.to(tl.int64),
+                            act_ptr + pair * I, act_bias_ptr + pair * WORDS, part % SPLITS, WORDS, BITS, GROUP_SIZE,
                             BLOCK_W) * (routing * product_scale)
     else:
         if HAS_SHARED:
@@ -269,7 +305,7 @@ def _down_program(
     if PARTS == 1:
         tl.store(out_ptr + token * H + offs_n, round_to(result, out_ptr.dtype.element_ty, PRECISION), mask=n_mask)
     else:
-        last, total = _arrive(result, partial_ptr, counter_ptr, token * n_blocks + pid_n, part, PARTS, PARTS_P2,
+        last, total = _arrive(result, partial_ptr, counter_ptr, token * N_BLOCKS + pid_n, part, PARTS, PARTS_P2,
                               BLOCK_N)
         if last:
             tl.store(out_ptr + token * H + offs_n, round_to(total, out_ptr.dtype.element_ty, PRECISION), mask=n_mask)
@@ -279,12 +315,11 @@ def _down_program(
 def _packed_decode_kernel(
     x_ptr, xs_ptr, x_bias_ptr, gu_w_ptr, gu_s_ptr, ids_ptr, act_ptr, act_bias_ptr, gu_shared_w_ptr, gu_shared_s_ptr,
     shared_act_ptr, gu_partial_ptr, gu_counter_ptr, dn_w_ptr, dn_s_ptr, routing_ptr, dn_shared_w_ptr, dn_shared_s_ptr,
-    shared_gate_ptr, out_ptr, dn_partial_ptr, dn_counter_ptr, T, S, num_shared, gate_up_blocks, down_blocks,
-    product_scale, bias_scale, stride_xt, gu_stride_we, gu_stride_wn, gu_stride_se, gu_stride_sn, gu_stride_swn,
-    gu_stride_ssn, stride_sap, dn_stride_we, dn_stride_wn, dn_stride_se, dn_stride_sn, dn_stride_swn, dn_stride_ssn,
+    shared_gate_ptr, out_ptr, dn_partial_ptr, dn_counter_ptr, S, num_shared, product_scale, bias_scale, stride_xt,
+    gu_stride_swn, gu_stride_ssn, stride_sap, dn_stride_swn, dn_stride_ssn,
     H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, BITS: tl.constexpr, GROUP_SIZE: tl.constexpr,
-    GU_BLOCK_N: tl.constexpr, GU_BLOCK_W: tl.constexpr, GU_SPLITS: tl.constexpr, GU_SPLITS_P2: tl.constexpr,
-    DN_BLOCK_N: tl.constexpr, DN_BLOCK_W: tl.constexpr, DN_SPLITS: tl.constexpr, DN_SHARED_SPLITS: tl.constexpr,
+    GU_BLOCK_N: tl.constexpr, GU_BLOCKS: tl.constexpr, GU_BLOCK_W: tl.constexpr, GU_SPLITS: tl.constexpr,
+    GU_SPLITS_P2: tl.constexpr, DN_BLOCK_N: tl.constexpr, DN_BLOCKS: tl.constexpr, DN_BLOCK_W: tl.constexpr, DN_SPLITS: tl.constexpr, DN_SHARED_SPLITS: tl.constexpr,
     DN_PARTS_P2: tl.constexpr, DTYPE: tl.constexpr,
     HAS_SHARED: tl.constexpr, SHARED_BITS: tl.constexpr, GU_SHARED_GROUP_SIZE: tl.constexpr,
     GU_SHARED_BLOCK_K: tl.constexpr, GU_SHARED_EVEN_K: tl.constexpr, DN_SHARED_GROUP_SIZE: tl.constexpr,
@@ -292,26 +327,25 @@ def _packed_decode_kernel(
     PRECISION: tl.constexpr,
 ):
     """PHASE "gate_up": program i is gate_up's item (split i % GU_SPLITS, column block (i // GU_SPLITS) %
-    gate_up_blocks, row i // (GU_SPLITS * gate_up_blocks)); "down": down's item (part i % parts, column
-    block (i // parts) % down_blocks, token i // (parts * down_blocks)): a tile's splits are neighbours."""
+    GU_BLOCKS, row i // (GU_SPLITS * GU_BLOCKS)); "down": down's item (part i % parts, column block
+    (i // parts) % DN_BLOCKS, token i // (parts * DN_BLOCKS)): a tile's splits are neighbours. The experts'
+    weights and scales are contiguous: their strides are constants."""
     index = tl.program_id(0)
     if PHASE == "gate_up":
         _gate_up_program(
-            index // (GU_SPLITS * gate_up_blocks), (index // GU_SPLITS) % gate_up_blocks, index % GU_SPLITS,
-            gate_up_blocks, x_ptr, xs_ptr, x_bias_ptr, gu_w_ptr, gu_s_ptr, ids_ptr, act_ptr, act_bias_ptr,
-            gu_shared_w_ptr, gu_shared_s_ptr, shared_act_ptr, gu_partial_ptr, gu_counter_ptr, num_shared, S,
-            product_scale, bias_scale, stride_xt, gu_stride_we, gu_stride_wn, gu_stride_se, gu_stride_sn,
-            gu_stride_swn, gu_stride_ssn, stride_sap, H, I, TOP_K, BITS, GROUP_SIZE, GU_BLOCK_N, GU_BLOCK_W,
+            index // (GU_SPLITS * GU_BLOCKS), (index // GU_SPLITS) % GU_BLOCKS, index % GU_SPLITS, x_ptr, xs_ptr,
+            x_bias_ptr, gu_w_ptr, gu_s_ptr, ids_ptr, act_ptr, act_bias_ptr, gu_shared_w_ptr, gu_shared_s_ptr,
+            shared_act_ptr, gu_partial_ptr, gu_counter_ptr, num_shared, S, product_scale, bias_scale, stride_xt,
+            gu_stride_swn, gu_stride_ssn, stride_sap, H, I, TOP_K, BITS, GROUP_SIZE, GU_BLOCK_N, GU_BLOCKS, GU_BLOCK_W,
             GU_SPLITS, GU_SPLITS_P2, DTYPE, HAS_SHARED, SHARED_BITS, GU_SHARED_GROUP_SIZE, GU_SHARED_BLOCK_K, GU_SHARED_EVEN_K,
             PRECISION)
     else:
         PARTS: tl.constexpr = TOP_K * DN_SPLITS + HAS_SHARED * DN_SHARED_SPLITS
         _down_program(
-            (index // PARTS) % down_blocks, (index // (PARTS * down_blocks)).to(tl.int64), index % PARTS,
-            down_blocks, act_ptr, act_bias_ptr, dn_w_ptr, dn_s_ptr, routing_ptr, ids_ptr, shared_act_ptr,
-            dn_shared_w_ptr, dn_shared_s_ptr, shared_gate_ptr, out_ptr, dn_partial_ptr, dn_counter_ptr, S,
-            product_scale, dn_stride_we, dn_stride_wn, dn_stride_se, dn_stride_sn, stride_sap, dn_stride_swn,
-            dn_stride_ssn, H, I, TOP_K, BITS, GROUP_SIZE, DN_BLOCK_N, DN_BLOCK_W, DN_SPLITS, DN_SHARED_SPLITS, DN_PARTS_P2, DTYPE,
+            (index // PARTS) % DN_BLOCKS, (index // (PARTS * DN_BLOCKS)).to(tl.int64), index % PARTS, act_ptr,
+            act_bias_ptr, dn_w_ptr, dn_s_ptr, routing_ptr, ids_ptr, shared_act_ptr, dn_shared_w_ptr, dn_shared_s_ptr,
+            shared_gate_ptr, out_ptr, dn_partial_ptr, dn_counter_ptr, S, product_scale, stride_sap, dn_stride_swn,
+            dn_stride_ssn, H, I, TOP_K, BITS, GROUP_SIZE, DN_BLOCK_N, DN_BLOCKS, DN_BLOCK_W, DN_SPLITS, DN_SHARED_SPLITS, DN_PARTS_P2, DTYPE,
             HAS_SHARED, SHARED_BITS, DN_SHARED_GROUP_SIZE, DN_SHARED_BLOCK_K, DN_SHARED_EVEN_K, PRECISION)
 
 
@@ -328,7 +362,8 @@ def packed_decode(x: torch.Tensor, weights: tuple, topk_weights: torch.Tensor, t
                   group: int, inter: int, tiles: PackedDecodeTiles, max_tokens: int, shared: SharedArgs
                   ) -> torch.Tensor:
     """The three launches for x [T, H] (contiguous); weights (w_gate_up, gate_up_scales, w_down,
-    down_scales) packed in `bits` (4 or 8), contiguous, groups of whole words; `shared`: the shared expert
+    down_scales) packed in `bits` (4 or 8), contiguous (the kernels take their strides from the shapes),
+    groups of whole words; `shared`: the shared expert
     (or its absence). Returns [T, H] in x's dtype. max_tokens: the most tokens a call can bring (the
     arrival counters are made for that many once, so a captured graph never sees them remade)."""
     w_gate_up, gate_up_scales, w_down, down_scales = weights
@@ -362,14 +397,13 @@ def packed_decode(x: torch.Tensor, weights: tuple, topk_weights: torch.Tensor, t
     args = (x, buffers["xs"], buffers["x_bias"], w_gate_up, gate_up_scales, topk_ids, buffers["act"],
             buffers["act_bias"], shared.w_gate_up, shared.gate_up_scales, shared_act, buffers["gate_up_partial"],
             gate_up_counters, w_down, down_scales, topk_weights, shared.w_down, shared.down_scales, shared.gate, out,
-            buffers["down_partial"], down_counters, t, shared.width, num_shared, gate_up_blocks, down_blocks,
-            product_scale, bias_scale, x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1),
-            gate_up_scales.stride(0), gate_up_scales.stride(1), shared.w_gate_up.stride(0),
-            shared.gate_up_scales.stride(0), shared_act.stride(0), w_down.stride(0), w_down.stride(1),
-            down_scales.stride(0), down_scales.stride(1), shared.w_down.stride(0), shared.down_scales.stride(0))
+            buffers["down_partial"], down_counters, shared.width, num_shared, product_scale, bias_scale, x.stride(0),
+            shared.w_gate_up.stride(0), shared.gate_up_scales.stride(0), shared_act.stride(0),
+            shared.w_down.stride(0), shared.down_scales.stride(0))
     constants = {
         "H": h, "I": inter, "TOP_K": top_k, "BITS": bits, "GROUP_SIZE": group, "GU_BLOCK_N": tiles.gate_up_block_n,
-        "GU_BLOCK_W": tiles.gate_up_block_w, "GU_SPLITS": gate_up_splits,
+        "GU_BLOCKS": gate_up_blocks, "GU_BLOCK_W": tiles.gate_up_block_w, "DN_BLOCKS": down_blocks,
+        "GU_SPLITS": gate_up_splits,
         "GU_SPLITS_P2": triton.next_power_of_2(gate_up_splits), "DN_BLOCK_N": tiles.down_block_n,
         "DN_BLOCK_W": tiles.down_block_w, "DN_SPLITS": down_splits, "DN_SHARED_SPLITS": shared_down_splits,
         "DN_PARTS_P2": triton.next_power_of_2(parts),
