@@ -41,7 +41,6 @@ from tierlm.kernels.split_reduce import arrival_counters
 
 PRODUCT_EXPONENT = tl.constexpr(64)  # E: each product is q * x * 2^-E (module docstring)
 SPLIT_X_BLOCK_W = 64  # words per `_split_x_kernel` program
-SHARED_ACCUMULATORS = 8  # per thread per GEMV of the shared expert's branch (`shared_block_k`)
 
 
 class PackedDecodeTiles(NamedTuple):
@@ -54,10 +53,12 @@ class PackedDecodeTiles(NamedTuple):
     down_block_n: int  # of the H output rows per down program
     down_block_w: int  # packed words of I per down program (I split over cdiv(I / values, this))
     down_warps: int
-    # the shared expert's inner K tile, in values (its format may differ from the routed experts':
-    # `gemv_loop`); it takes the routed programs' rows and K ranges
-    shared_gate_up_block_k: int = 64
-    shared_down_block_k: int = 32
+    # the shared expert's K tile per program, in values (its own format: `gemv_loop`, one product per
+    # accumulator, so rows x this sets its registers, which every program of the launch then takes: sm_90,
+    # triton 3.9, INT6 beside gate_up 16 x 64 words: 72 registers at 32, 95 at 64; beside down 64 rows: 64
+    # at 16, 128 at 32); it takes the routed programs' rows
+    shared_gate_up_block_k: int = 32
+    shared_down_block_k: int = 16
 
 
 @triton.jit
@@ -156,12 +157,12 @@ def _tile_sums(w_ptr, s_ptr, rows, xs_ptr, bias_ptr, split, WORDS: tl.constexpr,
 
 @triton.jit
 def _arrive(result, partial_ptr, counter_ptr, tile, part, PARTS: tl.constexpr, PARTS_P2: tl.constexpr,
-            WIDTH: tl.constexpr):
-    """Part `part` of PARTS of output tile `tile` ([WIDTH] fp32 `result`): stored at partial[tile, part],
-    then the program counts itself in; returns (whether it arrived last, the parts summed in order: valid
-    for the last one only, which also sets the tile's counter back to zero)."""
+            SLOTS: tl.constexpr, WIDTH: tl.constexpr):
+    """Part `part` of PARTS of output tile `tile` ([WIDTH] fp32 `result`): stored at partial[tile, part]
+    (SLOTS >= PARTS parts a tile), then the program counts itself in; returns (whether it arrived last, the
+    parts summed in order: valid for the last one only, which also sets the tile's counter back to zero)."""
     offs = tl.arange(0, WIDTH)
-    base = partial_ptr + tile.to(tl.int64) * (PARTS * WIDTH)
+    base = partial_ptr + tile.to(tl.int64) * (SLOTS * WIDTH)
     tl.store(base + part * WIDTH + offs, result)
     tl.debug_barrier()  # every thread's stores are issued before the program counts itself in
     last = tl.atomic_add(counter_ptr + tile, 1, sem="acq_rel") == PARTS - 1
@@ -200,13 +201,31 @@ def _gate_up_finish(total, row, pid_n, num_shared, act_ptr, act_bias_ptr, shared
 
 
 @triton.jit
+def _gate_up_end(sums, row, pid_n, split, num_shared, act_ptr, act_bias_ptr, shared_act_ptr, partial_ptr, counter_ptr,
+                 S, bias_scale, stride_sap, I: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr,
+                 N_BLOCKS: tl.constexpr, SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, SLOTS: tl.constexpr,
+                 DTYPE: tl.constexpr, PRECISION: tl.constexpr):
+    """A gate_up item's end: its sums are split `split` of SPLITS of row's column block pid_n; one split
+    finishes the columns itself, several through `_arrive` (the last to arrive finishes them)."""
+    if SPLITS == 1:
+        _gate_up_finish(sums, row, pid_n, num_shared, act_ptr, act_bias_ptr, shared_act_ptr, S, bias_scale, stride_sap,
+                        I, BITS, BLOCK_N, DTYPE, PRECISION)
+    else:
+        last, total = _arrive(sums, partial_ptr, counter_ptr, row * N_BLOCKS + pid_n, split, SPLITS, SPLITS_P2, SLOTS,
+                              2 * BLOCK_N)
+        if last:
+            _gate_up_finish(total, row, pid_n, num_shared, act_ptr, act_bias_ptr, shared_act_ptr, S, bias_scale,
+                            stride_sap, I, BITS, BLOCK_N, DTYPE, PRECISION)
+
+
+@triton.jit
 def _gate_up_program(
     row, pid_n, split, x_ptr, xs_ptr, x_bias_ptr, w_ptr, s_ptr, ids_ptr, act_ptr, act_bias_ptr, shared_w_ptr,
     shared_s_ptr, shared_act_ptr, partial_ptr, counter_ptr, num_shared, S, product_scale, bias_scale, stride_xt,
     stride_swn, stride_ssn, stride_sap,
     H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, BITS: tl.constexpr, GROUP_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, N_BLOCKS: tl.constexpr, BLOCK_W: tl.constexpr, SPLITS: tl.constexpr,
-    SPLITS_P2: tl.constexpr,
+    SPLITS_P2: tl.constexpr, SHARED_SPLITS: tl.constexpr, SHARED_SPLITS_P2: tl.constexpr, SLOTS: tl.constexpr,
     DTYPE: tl.constexpr, HAS_SHARED: tl.constexpr, SHARED_BITS: tl.constexpr, SHARED_GROUP_SIZE: tl.constexpr,
     SHARED_BLOCK_K: tl.constexpr, SHARED_EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
 ):
@@ -222,7 +241,6 @@ def _gate_up_program(
     if pid_n * BLOCK_N < width:
         both = tl.arange(0, 2 * BLOCK_N)
         n = pid_n * BLOCK_N + both % BLOCK_N
-        sums = tl.zeros((2 * BLOCK_N,), dtype=tl.float32)
         if pair >= 0:
             expert = tl.load(ids_ptr + pair).to(tl.int64)
             token = (pair // TOP_K).to(tl.int64)
@@ -232,33 +250,30 @@ def _gate_up_program(
             sums = _tile_sums(w_ptr + expert * (2 * I * WORDS), s_ptr + expert * (2 * I * (H // GROUP_SIZE)),
                               rows.to(tl.int64), xs_ptr + token * H, x_bias_ptr + token * WORDS, split, WORDS, BITS,
                               GROUP_SIZE, BLOCK_W) * product_scale
+            _gate_up_end(sums, row, pid_n, split, num_shared, act_ptr, act_bias_ptr, shared_act_ptr, partial_ptr,
+                         counter_ptr, S, bias_scale, stride_sap, I, BITS, BLOCK_N, N_BLOCKS, SPLITS, SPLITS_P2, SLOTS,
+                         DTYPE, PRECISION)
         else:
             if HAS_SHARED:
                 offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
                 n_mask = offs_n < S
                 x_rows = row.to(tl.int64) * stride_xt + tl.zeros((1,), dtype=tl.int64)
                 one_row = tl.full((1,), 1, tl.int1)
-                k_start = split * BLOCK_W * VALUES
-                k_end = tl.minimum(k_start + BLOCK_W * VALUES, H)
+                k_start = split * SHARED_BLOCK_K
                 gate = gemv_loop(gemv_zeros(1, BLOCK_N, SHARED_BLOCK_K, SHARED_BITS), x_ptr, x_rows, one_row,
-                                 shared_w_ptr, shared_s_ptr, k_start, k_end, offs_n, n_mask, stride_swn, stride_ssn, H,
-                                 SHARED_BITS, SHARED_GROUP_SIZE, SHARED_BLOCK_K, SHARED_EVEN_K, PRECISION)
-                up = gemv_loop(gemv_zeros(1, BLOCK_N, SHARED_BLOCK_K, SHARED_BITS), x_ptr, x_rows, one_row,
-                               shared_w_ptr + S * stride_swn, shared_s_ptr + S * stride_ssn, k_start, k_end, offs_n,
-                               n_mask, stride_swn, stride_ssn, H, SHARED_BITS, SHARED_GROUP_SIZE, SHARED_BLOCK_K,
-                               SHARED_EVEN_K, PRECISION)
+                                 shared_w_ptr, shared_s_ptr, k_start, k_start + SHARED_BLOCK_K, offs_n, n_mask,
+                                 stride_swn, stride_ssn, H, SHARED_BITS, SHARED_GROUP_SIZE, SHARED_BLOCK_K,
+                                 SHARED_EVEN_K, PRECISION)
                 gate_sum = tl.reshape(gemv_sum(gate, SHARED_BITS), (BLOCK_N,))
+                up = gemv_loop(gemv_zeros(1, BLOCK_N, SHARED_BLOCK_K, SHARED_BITS), x_ptr, x_rows, one_row,
+                               shared_w_ptr + S * stride_swn, shared_s_ptr + S * stride_ssn, k_start,
+                               k_start + SHARED_BLOCK_K, offs_n, n_mask, stride_swn, stride_ssn, H, SHARED_BITS,
+                               SHARED_GROUP_SIZE, SHARED_BLOCK_K, SHARED_EVEN_K, PRECISION)
                 up_sum = tl.reshape(gemv_sum(up, SHARED_BITS), (BLOCK_N,))
                 sums = tl.reshape(tl.trans(tl.join(gate_sum, up_sum)), (2 * BLOCK_N,))
-        if SPLITS == 1:
-            _gate_up_finish(sums, row, pid_n, num_shared, act_ptr, act_bias_ptr, shared_act_ptr, S, bias_scale,
-                            stride_sap, I, BITS, BLOCK_N, DTYPE, PRECISION)
-        else:
-            last, total = _arrive(sums, partial_ptr, counter_ptr, row * N_BLOCKS + pid_n, split, SPLITS, SPLITS_P2,
-                                  2 * BLOCK_N)
-            if last:
-                _gate_up_finish(total, row, pid_n, num_shared, act_ptr, act_bias_ptr, shared_act_ptr, S, bias_scale,
-                                stride_sap, I, BITS, BLOCK_N, DTYPE, PRECISION)
+                _gate_up_end(sums, row, pid_n, split, num_shared, act_ptr, act_bias_ptr, shared_act_ptr, partial_ptr,
+                             counter_ptr, S, bias_scale, stride_sap, I, BITS, BLOCK_N, N_BLOCKS, SHARED_SPLITS,
+                             SHARED_SPLITS_P2, SLOTS, DTYPE, PRECISION)
 
 
 @triton.jit
@@ -294,10 +309,10 @@ def _down_program(
                             BLOCK_W) * (routing * product_scale)
     else:
         if HAS_SHARED:
-            k_start = (part - TOP_K * SPLITS) * BLOCK_W * VALUES
+            k_start = (part - TOP_K * SPLITS) * SHARED_BLOCK_K
             acc = gemv_loop(gemv_zeros(1, BLOCK_N, SHARED_BLOCK_K, SHARED_BITS), shared_act_ptr,
                             token * stride_sap + tl.zeros((1,), dtype=tl.int64), tl.full((1,), 1, tl.int1),
-                            shared_w_ptr, shared_s_ptr, k_start, tl.minimum(k_start + BLOCK_W * VALUES, S), offs_n,
+                            shared_w_ptr, shared_s_ptr, k_start, k_start + SHARED_BLOCK_K, offs_n,
                             n_mask, stride_swn, stride_ssn, S, SHARED_BITS, SHARED_GROUP_SIZE, SHARED_BLOCK_K,
                             SHARED_EVEN_K, PRECISION)
             gate = round_as(tl.load(shared_gate_ptr + token).to(tl.float32), DTYPE, PRECISION)
@@ -306,7 +321,7 @@ def _down_program(
         tl.store(out_ptr + token * H + offs_n, round_to(result, out_ptr.dtype.element_ty, PRECISION), mask=n_mask)
     else:
         last, total = _arrive(result, partial_ptr, counter_ptr, token * N_BLOCKS + pid_n, part, PARTS, PARTS_P2,
-                              BLOCK_N)
+                              PARTS, BLOCK_N)
         if last:
             tl.store(out_ptr + token * H + offs_n, round_to(total, out_ptr.dtype.element_ty, PRECISION), mask=n_mask)
 
@@ -319,7 +334,8 @@ def _packed_decode_kernel(
     gu_stride_swn, gu_stride_ssn, stride_sap, dn_stride_swn, dn_stride_ssn,
     H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, BITS: tl.constexpr, GROUP_SIZE: tl.constexpr,
     GU_BLOCK_N: tl.constexpr, GU_BLOCKS: tl.constexpr, GU_BLOCK_W: tl.constexpr, GU_SPLITS: tl.constexpr,
-    GU_SPLITS_P2: tl.constexpr, DN_BLOCK_N: tl.constexpr, DN_BLOCKS: tl.constexpr, DN_BLOCK_W: tl.constexpr, DN_SPLITS: tl.constexpr, DN_SHARED_SPLITS: tl.constexpr,
+    GU_SPLITS_P2: tl.constexpr, GU_SHARED_SPLITS: tl.constexpr, GU_SHARED_SPLITS_P2: tl.constexpr,
+    DN_BLOCK_N: tl.constexpr, DN_BLOCKS: tl.constexpr, DN_BLOCK_W: tl.constexpr, DN_SPLITS: tl.constexpr, DN_SHARED_SPLITS: tl.constexpr,
     DN_PARTS_P2: tl.constexpr, DTYPE: tl.constexpr,
     HAS_SHARED: tl.constexpr, SHARED_BITS: tl.constexpr, GU_SHARED_GROUP_SIZE: tl.constexpr,
     GU_SHARED_BLOCK_K: tl.constexpr, GU_SHARED_EVEN_K: tl.constexpr, DN_SHARED_GROUP_SIZE: tl.constexpr,
@@ -332,13 +348,24 @@ def _packed_decode_kernel(
     weights and scales are contiguous: their strides are constants."""
     index = tl.program_id(0)
     if PHASE == "gate_up":
+        row_items = GU_BLOCKS * GU_SPLITS  # the items of a pair's row; a shared expert's row has its own count
+        first_pair, first = 0, 0
+        if HAS_SHARED:
+            first_pair, first = num_shared, num_shared * (GU_BLOCKS * GU_SHARED_SPLITS)
+            if index < first:
+                row_items = GU_BLOCKS * GU_SHARED_SPLITS
+        if index < first:
+            row, item = index // row_items, index % row_items
+        else:
+            row, item = first_pair + (index - first) // row_items, (index - first) % row_items
+        splits = row_items // GU_BLOCKS
         _gate_up_program(
-            index // (GU_SPLITS * GU_BLOCKS), (index // GU_SPLITS) % GU_BLOCKS, index % GU_SPLITS, x_ptr, xs_ptr,
-            x_bias_ptr, gu_w_ptr, gu_s_ptr, ids_ptr, act_ptr, act_bias_ptr, gu_shared_w_ptr, gu_shared_s_ptr,
-            shared_act_ptr, gu_partial_ptr, gu_counter_ptr, num_shared, S, product_scale, bias_scale, stride_xt,
-            gu_stride_swn, gu_stride_ssn, stride_sap, H, I, TOP_K, BITS, GROUP_SIZE, GU_BLOCK_N, GU_BLOCKS, GU_BLOCK_W,
-            GU_SPLITS, GU_SPLITS_P2, DTYPE, HAS_SHARED, SHARED_BITS, GU_SHARED_GROUP_SIZE, GU_SHARED_BLOCK_K, GU_SHARED_EVEN_K,
-            PRECISION)
+            row, item // splits, item % splits, x_ptr, xs_ptr, x_bias_ptr, gu_w_ptr, gu_s_ptr, ids_ptr, act_ptr,
+            act_bias_ptr, gu_shared_w_ptr, gu_shared_s_ptr, shared_act_ptr, gu_partial_ptr, gu_counter_ptr, num_shared,
+            S, product_scale, bias_scale, stride_xt, gu_stride_swn, gu_stride_ssn, stride_sap, H, I, TOP_K, BITS,
+            GROUP_SIZE, GU_BLOCK_N, GU_BLOCKS, GU_BLOCK_W, GU_SPLITS, GU_SPLITS_P2, GU_SHARED_SPLITS,
+            GU_SHARED_SPLITS_P2, max(GU_SPLITS, GU_SHARED_SPLITS), DTYPE, HAS_SHARED, SHARED_BITS,
+            GU_SHARED_GROUP_SIZE, GU_SHARED_BLOCK_K, GU_SHARED_EVEN_K, PRECISION)
     else:
         PARTS: tl.constexpr = TOP_K * DN_SPLITS + HAS_SHARED * DN_SHARED_SPLITS
         _down_program(
@@ -347,15 +374,6 @@ def _packed_decode_kernel(
             shared_gate_ptr, out_ptr, dn_partial_ptr, dn_counter_ptr, S, product_scale, stride_sap, dn_stride_swn,
             dn_stride_ssn, H, I, TOP_K, BITS, GROUP_SIZE, DN_BLOCK_N, DN_BLOCKS, DN_BLOCK_W, DN_SPLITS, DN_SHARED_SPLITS, DN_PARTS_P2, DTYPE,
             HAS_SHARED, SHARED_BITS, DN_SHARED_GROUP_SIZE, DN_SHARED_BLOCK_K, DN_SHARED_EVEN_K, PRECISION)
-
-
-def shared_block_k(block_k: int, k_range: int, rows: int, warps: int) -> int:
-    """The shared expert's inner K tile in a program of `rows` rows and `warps` warps: at most block_k and
-    the program's K range, and small enough that its products' accumulators (one per product for
-    unquantized and INT6 weights: `gemv_loop`) stay SHARED_ACCUMULATORS a thread (at least 16 values):
-    the shared branch must not raise the registers of every program in the launch (sm_90, triton 3.9,
-    INT6: gate_up 32 rows at 64 values took 223 registers, at 32 values 96)."""
-    return min(block_k, k_range, max(16, SHARED_ACCUMULATORS * 32 * warps // rows))
 
 
 def packed_decode(x: torch.Tensor, weights: tuple, topk_weights: torch.Tensor, topk_ids: torch.Tensor, bits: int,
@@ -374,14 +392,18 @@ def packed_decode(x: torch.Tensor, weights: tuple, topk_weights: torch.Tensor, t
     words_h, words_i = h // values, inter // values
     gate_up_splits = triton.cdiv(words_h, tiles.gate_up_block_w)
     down_splits = triton.cdiv(words_i, tiles.down_block_w)
-    shared_down_splits = triton.cdiv(shared.width, tiles.down_block_w * values) if shared.present else 0
+    # the shared expert: one K tile of its own format per program (`shared.constants` caps the tiles)
+    shared_constants = shared.constants(tiles.shared_gate_up_block_k, tiles.shared_down_block_k, h)
+    shared_gate_up_splits = triton.cdiv(h, shared_constants["GU_SHARED_BLOCK_K"]) if shared.present else 0
+    shared_down_splits = triton.cdiv(shared.width, shared_constants["DN_SHARED_BLOCK_K"]) if shared.present else 0
     num_shared = t * shared.present  # rows of gate_up's items that are the tokens' shared expert
     rows = num_shared + t * top_k
     gate_up_blocks = triton.cdiv(max(inter, shared.width), tiles.gate_up_block_n)
     down_blocks = triton.cdiv(h, tiles.down_block_n)
     parts = top_k * down_splits + shared_down_splits
     sizes = {"xs": t * h, "x_bias": t * words_h, "act": t * top_k * inter, "act_bias": t * top_k * words_i,
-             "gate_up_partial": rows * gate_up_blocks * gate_up_splits * 2 * tiles.gate_up_block_n,
+             "gate_up_partial": rows * gate_up_blocks * max(gate_up_splits, shared_gate_up_splits) * 2
+             * tiles.gate_up_block_n,
              "down_partial": t * down_blocks * parts * tiles.down_block_n}
     workspace = torch.empty(sum(sizes.values()), dtype=torch.float32, device=x.device)
     buffers = dict(zip(sizes, workspace.split(list(sizes.values()))))
@@ -389,7 +411,6 @@ def packed_decode(x: torch.Tensor, weights: tuple, topk_weights: torch.Tensor, t
     _split_x_kernel[(t, triton.cdiv(words_h, SPLIT_X_BLOCK_W))](
         x, buffers["xs"], buffers["x_bias"], x.stride(0), bias_scale, WORDS=words_h, BITS=bits, BLOCK_W=SPLIT_X_BLOCK_W)
     shared_act = torch.empty((t, shared.width), dtype=x.dtype, device=x.device) if shared.present else x
-    shared_range = (tiles.gate_up_block_w * values, tiles.down_block_w * values)  # its K values per program
     out = torch.empty_like(x)
     most_rows = max(t, max_tokens) * (1 + top_k)  # (as if with a shared expert: one size for both)
     gate_up_counters = arrival_counters("fused_moe_packed_gate_up", x.device, most_rows * gate_up_blocks)
@@ -402,16 +423,13 @@ def packed_decode(x: torch.Tensor, weights: tuple, topk_weights: torch.Tensor, t
             shared.w_down.stride(0), shared.down_scales.stride(0))
     constants = {
         "H": h, "I": inter, "TOP_K": top_k, "BITS": bits, "GROUP_SIZE": group, "GU_BLOCK_N": tiles.gate_up_block_n,
-        "GU_BLOCKS": gate_up_blocks, "GU_BLOCK_W": tiles.gate_up_block_w, "DN_BLOCKS": down_blocks,
-        "GU_SPLITS": gate_up_splits,
-        "GU_SPLITS_P2": triton.next_power_of_2(gate_up_splits), "DN_BLOCK_N": tiles.down_block_n,
-        "DN_BLOCK_W": tiles.down_block_w, "DN_SPLITS": down_splits, "DN_SHARED_SPLITS": shared_down_splits,
-        "DN_PARTS_P2": triton.next_power_of_2(parts),
-        "DTYPE": DTYPE_NAMES[x.dtype], "PRECISION": dot_precision(x),
-        **shared.constants(shared_block_k(tiles.shared_gate_up_block_k, shared_range[0], tiles.gate_up_block_n,
-                                          tiles.gate_up_warps),
-                           shared_block_k(tiles.shared_down_block_k, shared_range[1], tiles.down_block_n,
-                                          tiles.down_warps), h)}
-    launch_phases(_packed_decode_kernel, args, constants, (rows * gate_up_blocks * gate_up_splits, tiles.gate_up_warps),
+        "GU_BLOCKS": gate_up_blocks, "GU_BLOCK_W": tiles.gate_up_block_w, "GU_SPLITS": gate_up_splits,
+        "GU_SPLITS_P2": triton.next_power_of_2(gate_up_splits), "GU_SHARED_SPLITS": shared_gate_up_splits,
+        "GU_SHARED_SPLITS_P2": triton.next_power_of_2(shared_gate_up_splits), "DN_BLOCK_N": tiles.down_block_n,
+        "DN_BLOCKS": down_blocks, "DN_BLOCK_W": tiles.down_block_w, "DN_SPLITS": down_splits,
+        "DN_SHARED_SPLITS": shared_down_splits, "DN_PARTS_P2": triton.next_power_of_2(parts),
+        "DTYPE": DTYPE_NAMES[x.dtype], "PRECISION": dot_precision(x), **shared_constants}
+    gate_up_items = gate_up_blocks * (num_shared * shared_gate_up_splits + t * top_k * gate_up_splits)
+    launch_phases(_packed_decode_kernel, args, constants, (gate_up_items, tiles.gate_up_warps),
                   (t * down_blocks * parts, tiles.down_warps))
     return out
