@@ -2,19 +2,22 @@
 three launches that read the selected experts' words in place, built so that INT4 weights stream at memory
 speed at 1-4 tokens, where the work is too small to hide a long chain of dependent loads per program.
 
-  - Every program is one tile: all of its loads (words, scales, x) are issued together, up front, and
-    the products' sum over K is split over programs (split-K: gate_up over H, down over I). The fp32
+  - Every program is one tile: its loads (words, scales, x) depend on nothing but the expert id and are
+    all written before its first product, and the products' sum over K is split over programs
+    (split-K: gate_up over H, down over I), so many programs each wait on memory about once. The fp32
     partial sums go to a workspace; the last program to arrive for an output tile (arrival counters,
-    `kernels/split_reduce`) adds them in a fixed order (one [splits, columns] tile summed: deterministic)
-    and finishes the tile in the same launch: gate_up's SiLU-and-mul, down's top-k sum and rounding.
+    `kernels/split_reduce`) adds them in a fixed order (one [parts, columns] tile summed: deterministic;
+    down's parts in top-k slot order, then the shared expert's) and finishes the tile in the same
+    launch: gate_up's SiLU-and-mul, down's top-k sum and rounding.
   - Two instructions a value: a field masked in place (bits [p, p + BITS) of the word, p < 24: the high
     fields from the word shifted right by 8, once per word) *is* a float, the denormal q * 2^(p - 149)
     (a bit pattern below 2^24 weighs its integer value times 2^-149, across the denormal/normal edge).
     It meets x's value stored times 2^(149 - E - p) (`_split_x_kernel`), so one FMA adds q * x * 2^-E to
     the word's sum, which starts at -2^(BITS-1) * 2^-E * (the sum of the word's x values): the bias of
     every field removed at once, per word, not per value. A word's sum is then scaled by its group scale,
-    and the row's sum by 2^E. E = PRODUCT_EXPONENT keeps x's scaled copy and every product in the normal
-    range for |x| in [2^-62, 2^43]. (The older form: the field ORed into the mantissa of a power of two,
+    and the row's sum by 2^E (so the weights are q * scale exactly, not rounded to x's dtype first as
+    `naive` does). E = PRODUCT_EXPONENT keeps x's scaled copy and every product in the normal range for
+    |x| in [2^-62, 2^43]. (The older form: the field ORed into the mantissa of a power of two,
     the power and bias subtracted, then the FMA: three instructions a value.)
   - x is read in its *split* layout: xs[t, j, w] = x[t, w * values_per_word + j] times plane j's factor,
     so value j of every word of a tile meets a [BLOCK_W] vector of x loaded straight into the words'
@@ -24,8 +27,9 @@ Launches: `_split_x_kernel` over (token, block of words); `_packed_decode_kernel
 (row, column block, K split), rows being the tokens' shared expert (with one) then the (token, expert)
 pairs; PHASE "down" over (token, column block of H, partial), the partials being each top-k slot's K
 splits then the shared expert's. The shared expert takes its own format (INT6 in int4-mixed) through
-`quant_linear.triton.gemv_loop` over the same K ranges, so its work spreads over as many programs as an
-expert's: it costs its bytes, not a long tail. Tiles: `PackedDecodeTiles`.
+`quant_linear.triton.gemv_loop`, one K tile of its own per program (its own split counts), so its work
+spreads over programs like an expert's: it costs its bytes, not a long tail (the looped-tile form before
+this one fused it at 0.74x of running it apart at batch 1 on an H200). Tiles: `PackedDecodeTiles`.
 """
 from __future__ import annotations
 

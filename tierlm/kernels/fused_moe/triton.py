@@ -4,8 +4,8 @@ variant (unquantized, or packed INT4 / INT6 / INT8 with group scales: `quant_lin
 Every launch reads the selected experts' weights in place (no copy of an expert's weights is ever made),
 and no launch needs a host sync, so a decode step can be captured in a CUDA graph. Two forms:
   - decode (up to DECODE_MAX_PAIRS (token, expert) pairs): GEMVs, one pair per program row (no tl.dot
-    padding M to 16). Experts packed in 4 or 8 bits take `packed_decode` (its own pair of kernels, x
-    read in a split layout); unquantized and INT6 ones two launches here, each product in its own fp32
+    padding M to 16). Experts packed in 4 or 8 bits take `packed_decode` (split-K tiles, x read in a
+    split layout: its docstring); unquantized and INT6 ones two launches here, each product in its own fp32
     accumulator summed once at the end (`quant_linear.triton.gemv_loop`), with no sort or gather first:
       1. `_gate_up_gemv_kernel`: program (n block, pair) computes silu(x W_gate^T) * (x W_up^T) for
          `gate_up_block_n` of the expert's I columns, stored in x's dtype as `naive` rounds it;
@@ -75,8 +75,9 @@ class DecodeTiles(NamedTuple):
 # Chosen on an H200 by bench/moe_decode_kernel.py --sweep (bench/results/moe_decode_kernel_nvidia_h200.json)
 # for bf16 (INT6 the same) and INT4 (INT8 the same: the same packed-word GEMV)
 DECODE_MAX_PAIRS = 160  # up to this many (token, expert) pairs (16 tokens of top-10), the GEMV form
-# (4 and 8 bits: `packed_decode`, first guesses checked only by compiling for sm_90: to be swept on an H200;
-# the shared expert's K tiles, not measured on a GPU yet: bench/moe_decode_kernel.py --shared)
+# (4 and 8 bits: `packed_decode`'s split-K form, first guesses checked only by compiling for sm_90 (72 / 64
+# registers with an INT6 shared expert, 67 / 56 without): to be swept on an H200 by
+# bench/moe_decode_kernel.py --packed-sweep; the shared expert's K tiles by --shared --shared-sweep)
 DECODE_TILES = {**dict.fromkeys((0, 6), DecodeTiles(8, 512, 4, 16, 128, 4, 2)),
                 **dict.fromkeys((4, 8), PackedDecodeTiles(16, 64, 4, 64, 16, 4))}
 PREFILL_BLOCK_M, PREFILL_BLOCK_N, PREFILL_BLOCK_K, PREFILL_NUM_WARPS = 32, 64, 64, 4
