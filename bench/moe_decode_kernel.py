@@ -370,8 +370,12 @@ def measure_shared(run: SimpleNamespace, experts: tuple, label: str, batch: int,
     saved_min_tokens = kernels.PACKED_SHARED_MIN_TOKENS
     kernels.PACKED_SHARED_MIN_TOKENS = 1  # fused at every batch size (restored once timed)
 
+    bits = 0 if not kw else int(kw["format"][3:])
+    if run.packed_best is not None and (label, batch) in run.packed_best:  # the routed tiles --packed-sweep chose
+        kernels.DECODE_TILES[bits] = run.packed_best[label, batch]._replace(
+            **{name: getattr(kernels.DECODE_TILES[bits], name) for name in ("shared_gate_up_block_k",
+                                                                            "shared_down_block_k")})
     if run.shared_sweep and batch == run.sweep_batch:
-        bits = 0 if not kw else int(kw["format"][3:])
         best = None
         for gate_up_k, down_k in SHARED_SWEEP[bits]:
             kernels.DECODE_TILES[bits] = kernels.DECODE_TILES[bits]._replace(shared_gate_up_block_k=gate_up_k,
@@ -383,7 +387,6 @@ def measure_shared(run: SimpleNamespace, experts: tuple, label: str, batch: int,
                 best = (seconds, gate_up_k, down_k)
         kernels.DECODE_TILES[bits] = kernels.DECODE_TILES[bits]._replace(shared_gate_up_block_k=best[1],
                                                                          shared_down_block_k=best[2])
-    bits = 0 if not kw else int(kw["format"][3:])
     tiles = kernels.DECODE_TILES[bits]
     apart_s = timed(apart, ROUTINGS, device, run.use_graph)
     fused_s = timed(fused, ROUTINGS, device, run.use_graph)
