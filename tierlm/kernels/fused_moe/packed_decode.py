@@ -234,10 +234,12 @@ def _gate_up_program(
     SHARED_BLOCK_K: tl.constexpr, SHARED_EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """gate_up's item (row, pid_n, split): the gate and up sums of columns [pid_n * BLOCK_N, +BLOCK_N) over
-    H's words [split * BLOCK_W, +BLOCK_W). Rows below num_shared (T with a shared expert, else 0) are the
-    tokens' shared expert (its own format, x read in place, `gemv_loop` over the same values of H); the
-    others are pairs (pair = row - num_shared: token pair // TOP_K, expert ids[pair]), gate and up rows in
-    one [2 * BLOCK_N, BLOCK_W] tile. The split that arrives last finishes the columns (`_gate_up_finish`)."""
+    one K split. Rows below num_shared (T with a shared expert, else 0) are the tokens' shared expert: its
+    own format, x read in place, `gemv_loop` over H's values [split * SHARED_BLOCK_K, +SHARED_BLOCK_K) (of
+    SHARED_SPLITS); the others are pairs (pair = row - num_shared: token pair // TOP_K, expert ids[pair]):
+    gate and up rows in one [2 * BLOCK_N, BLOCK_W] tile of H's words [split * BLOCK_W, +BLOCK_W) (of
+    SPLITS). SLOTS: partials a column block holds (the larger split count). The split that arrives last
+    finishes the columns (`_gate_up_end`)."""
     VALUES: tl.constexpr = 32 // BITS
     WORDS: tl.constexpr = H // VALUES
     pair = row - num_shared
