@@ -130,3 +130,5 @@ def test_run_decode_from_host_lists_matches_plain_decode(tmp_path, device, mode)
             assert runner.block_tables[row].tolist() == lists[r] + [-1] * (width - len(lists[r])), (step, row)
         for r in active:
             positions[r] += 1
+    with pytest.raises(ValueError, match="token_sources: one per row, each < 4"):
+        runner.run_decode([0], [positions[0]], [0], [lists[0]], [4], previous)
