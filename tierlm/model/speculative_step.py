@@ -100,7 +100,7 @@ class GreedySpeculation:
             step_batch = ForwardBatch(
                 token_ids=tokens, positions=positions[s - 1], context_lens=[0] * n, query_lens=[1] * n,
                 state_slots=[cache.scratch_slot] * n, block_tables=batch.block_tables,
-                slot_mapping=kv_rows[s - 1], logits_rows=rows, slots=step_slots,
+                slot_mapping=kv_rows[s - 1], logits_rows=rows, logits_every_row=True, slots=step_slots,
                 context_lens_tensor=positions[s - 1], static=True)
             logits, streams = self.model.draft(step_batch, streams, cache, s)
             tokens = logits.argmax(dim=-1)

@@ -200,8 +200,8 @@ class StaticDecodeRunner:
             token_ids=self.token_ids[:rows], positions=self.positions[:rows], context_lens=[0] * size,
             query_lens=[per_request] * size, state_slots=[scratch] * size,
             block_tables=self.tables_at[width][:size], slot_mapping=self.slot_mapping[:rows],
-            logits_rows=self.logits_rows[:rows], slots=self.slots[:size], context_lens_tensor=self.context_lens[:size],
-            static=True,
+            logits_rows=self.logits_rows[:rows], logits_every_row=True, slots=self.slots[:size],
+            context_lens_tensor=self.context_lens[:size], static=True,
             ple_embeddings={i: e[:rows] for i, e in self.ple_embeddings.items()} if self.ple_embeddings else None,
             stage_input=None if self.stage_input is None else self.stage_input[:rows],
             position_slots=[[scratch] * (per_request - 1)] * size if per_request > 1 else None,
@@ -393,9 +393,9 @@ class StaticDecodeRunner:
         batch = ForwardBatch(
             token_ids=self.input_ids[:rows], positions=self.positions[:rows], context_lens=list(starts),
             query_lens=[width] * n, state_slots=list(slots), block_tables=self.block_tables[:n, :longest],
-            slot_mapping=self.slot_mapping[:rows], logits_rows=self.logits_rows[:rows], slots=self.slots[:n],
-            context_lens_tensor=self.context_lens[:n], position_slots=[v[:-1] for v in verify_slots],
-            verify_slots=self.verify_slots[:n],
+            slot_mapping=self.slot_mapping[:rows], logits_rows=self.logits_rows[:rows], logits_every_row=True,
+            slots=self.slots[:n], context_lens_tensor=self.context_lens[:n],
+            position_slots=[v[:-1] for v in verify_slots], verify_slots=self.verify_slots[:n],
         )
         return shape, batch
 
