@@ -37,7 +37,8 @@ class ForwardBatch:
     slot_mapping: torch.Tensor  # [N] int64 physical K/V row (block * block_size + offset) of each token
     logits_rows: torch.Tensor  # [M] int64 packed rows whose logits are wanted
     # True when logits_rows is every packed row in order (0..N-1): the rows are then taken as they are,
-    # with no gather (`wanted_rows`); a static batch says so for its fixed logits_rows
+    # with no gather (`wanted_rows`); a static batch says so for its fixed logits_rows (a batch copied with
+    # other logits_rows, as dataclasses.replace does, must give it again)
     logits_every_row: bool = False
     bounds: list[tuple[int, int]] = field(init=False)
     # the per-request lists as tensors on the batch's device (what decode paths index with); given

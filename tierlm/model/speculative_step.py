@@ -69,8 +69,8 @@ class GreedySpeculation:
         # row j's next token: draft j+1 (= its argmax) while j < a, the final token (its argmax) at a; the
         # rows past a are overwritten before anything reads them, so every row takes its own argmax
         at = torch.arange(0, n * width, width, device=accepted.device) + accepted  # row a of each request
-        logits, out_streams = self.model.draft(
-            dataclasses.replace(batch, token_ids=best.flatten(), logits_rows=at), streams, self.cache, 0, rope)
+        rows_a = dataclasses.replace(batch, token_ids=best.flatten(), logits_rows=at, logits_every_row=False)
+        logits, out_streams = self.model.draft(rows_a, streams, self.cache, 0, rope)
         proposed = [logits.argmax(dim=-1)]
         if k > 1:
             proposed += self._draft_steps(batch, accepted, proposed[0], out_streams)
