@@ -228,6 +228,93 @@ def test_stops_inside_an_accepted_run(demo, reference):
     assert llm.stats().num_accepted_tokens > 0
 
 
+def device_oracle(llm: LLMEngine, k: int, continuations: dict[str, list[int]], wrong: int | None) -> tuple:
+    """Forced acceptance that overlap scheduling sees too: the fixed-shape greedy steps (`fixed_shapes`) draft
+    the known continuation on the device (`OracleSpeculation`: a chained step verifies drafts the host has
+    not read), the host `Oracle` drafts the steps that start on the host. Returns (the after_step hook,
+    the list of chained launches)."""
+    from tierlm.model.speculative_step import OracleSpeculation
+
+    fixed_shapes(llm, k)
+    on_device = llm.runner.static_verify.greedy = OracleSpeculation(llm.model, llm.cache, k)
+    on_device.wrong = wrong
+    on_host, told, chained = Oracle(continuations, k, wrong=0), set(), []
+    launch = llm.runner.launch_chained
+    llm.runner.launch_chained = lambda previous: chained.append(previous) or launch(previous)
+
+    def after_step(llm):
+        on_host(llm)
+        for request in set(llm.scheduler.running) - told:
+            told.add(request)
+            on_device.know(request.home_slot, request.prompt_token_ids + continuations[request.request_id])
+    return after_step, chained
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_overlapped_steps_give_the_same_tokens(demo, reference, k):
+    """Overlap scheduling with drafts: a greedy step's successor is launched on the device's own outputs
+    (accepted count, bonus token, new drafts) before the host reads it; accepted and rejected drafts, the
+    same tokens as no drafts, with overlap and without (no chained step then)."""
+    for overlap in (True, False):
+        llm = engine(demo, spec(k), max_num_seqs=3, async_scheduling=overlap)
+        after_step, chained = device_oracle(llm, k, {"0": reference[0], "1": reference[1]}, wrong=k - 1)
+        assert [out.token_ids for out in generate(llm, [greedy(), greedy()], after_step)] == reference
+        assert bool(chained) is overlap and 0 < llm.stats().num_accepted_tokens < llm.stats().num_draft_tokens
+        assert sorted(llm.cache_manager.free_slots) == [0, 1, 2] and not llm.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("stops", ["string", "id, max_tokens"])
+def test_overlapped_steps_stop_inside_accepted_drafts(demo, stops):
+    """A stop string, a stop id or max_tokens reached inside the accepted drafts of a step read back while
+    the next one is in flight: the tokens after it (and that next step's) are dropped; the outputs are
+    those without drafts."""
+    plain = engine(demo, enable_prefix_caching=False)
+    long = [out.token_ids for out in generate(plain, [greedy(20), greedy(20)])]
+    if stops == "string":
+        params = [greedy(20), greedy(20, stop=[plain.tokenizer.decode(long[1][5:7])])]
+    else:
+        params = [greedy(9), greedy(20, stop_token_ids=[long[1][14]])]
+    expected = generate(engine(demo), params)
+    llm = engine(demo, spec(3), max_num_seqs=3)
+    after_step, _ = device_oracle(llm, 3, {"0": long[0], "1": long[1]}, wrong=None)
+    behind, collect = [], llm._collect  # the requests that finish while a chained step is in flight
+
+    def collected(request_id, collect=collect):
+        output = collect(request_id)
+        if output.finished and llm._in_flight is not None and llm._in_flight.chained:
+            behind.append(output.outputs[0].finish_reason)
+        return output
+
+    llm._collect = collected
+    got = generate(llm, params, after_step)
+    assert [(o.token_ids, o.text, o.finish_reason) for o in got] == [
+        (o.token_ids, o.text, o.finish_reason) for o in expected]
+    assert sorted(behind) == ["length", "stop"]
+
+
+def test_abort_while_a_step_is_in_flight(demo, reference):
+    """A request aborted between a chained step's launch and its read-back: its tokens are dropped, its slot
+    and blocks go back, and the other request and one admitted into the freed slot decode as without drafts."""
+    llm = engine(demo, spec(1), max_num_seqs=3)
+    after_step, chained = device_oracle(llm, 1, {"0": reference[0], "1": reference[1], "2": reference[0]},
+                                        wrong=0)
+    free_blocks = llm.cache_manager.num_free_blocks
+    for prompt, request_id in zip(PROMPTS, "01", strict=True):
+        llm.add_request(prompt, greedy(), request_id=request_id)
+    done = {}
+    while not chained or llm._in_flight is None or not llm._in_flight.chained:
+        done.update({o.request_id: o for o in llm.step() if o.finished})
+        after_step(llm)
+    llm.abort_request("0")
+    llm.add_request(PROMPTS[0], greedy(), request_id="2")
+    while llm.has_unfinished_requests():
+        done.update({o.request_id: o for o in llm.step() if o.finished})
+        after_step(llm)
+    assert sorted(done) == ["1", "2"]
+    assert [done[i].outputs[0].token_ids for i in "12"] == [reference[1], reference[0]]
+    assert sorted(llm.cache_manager.free_slots) == [0, 1, 2] and llm.cache_manager.num_free_blocks == free_blocks
+
+
 def test_penalized_logits_count_the_drafts_before_each_row():
     """Verify row j's logits (`penalized_logits`) are what the sampler edits for the request once its output
     has grown by drafts 1..j (`reference_edit_logits` of a request holding that output), for repetition,

@@ -161,16 +161,18 @@ class CacheManager:
         return (request.num_prompt_tokens - 1) // self.block_size * self.block_size
 
     # ---- after each step ----------------------------------------------------------------------------
-    def on_computed(self, request: Request, num_known: int | None = None) -> None:
+    def on_computed(self, request: Request, num_known: int | None = None, checkpoint: bool = True) -> None:
         """Right after a step that advanced the request's computed count was queued: register its newly
         full blocks, checkpoint at the boundaries of the policy above. num_known: tokens whose ids the host
-        has (overlap scheduling; default: all computed ones): blocks past them wait for `on_tokens_known`."""
+        has (overlap scheduling; default: all computed ones): blocks past them wait for `on_tokens_known`.
+        checkpoint False: register only (a speculative step read back behind the next one already queued:
+        its slot no longer holds the state at the boundary by the time a copy would run)."""
         if not self.prefix_caching:
             return
         computed = request.num_computed_tokens
         known = computed if num_known is None else min(computed, num_known)
         self._register(request, known // self.block_size)
-        if computed % self.block_size or computed == 0:
+        if computed % self.block_size or computed == 0 or not checkpoint:
             return
         at_prompt_boundary = computed == self.prompt_checkpoint_at(request)
         if at_prompt_boundary or computed > request.num_prompt_tokens:

@@ -71,7 +71,7 @@ import torch
 
 from tierlm.engine.model_runner import ModelRunner, StepResult
 from tierlm.engine.rejection_sampler import rejection_sample
-from tierlm.engine.request import Request
+from tierlm.engine.request import PLACEHOLDER, Request
 from tierlm.engine.sampler import MIN_TEMPERATURE, edit_logits, plan_rows, sampling_probs
 from tierlm.engine.scheduler import ScheduledChunk, SchedulerOutput
 from tierlm.model.forward_batch import ForwardBatch
@@ -153,6 +153,22 @@ def penalized_logits(logits: torch.Tensor, requests: list[Request], drafts_befor
     x = logits.float()
     plan = plan_penalties(requests, drafts_before, x.shape[1], x.device)
     return x if plan is None else edit_logits(x, plan)
+
+
+@dataclass
+class LaunchedSpeculation:
+    """A greedy speculative step queued on the device (`SpeculativeRunner.launch_greedy` / `launch_chained`),
+    its readback [B, 2 + K] copied to `readback` once `ready` has run; `SpeculativeRunner.finish_greedy`
+    reads it."""
+
+    step: SchedulerOutput  # its requests, in row order (a chained step's drafts filled in on the step before's read)
+    readback: torch.Tensor
+    ready: torch.cuda.Event | None  # None: on CPU, copied already
+    chained: bool  # its inputs came from the step before it, on the device
+
+    @property
+    def num_tokens(self) -> int:
+        return self.step.num_tokens
 
 
 @dataclass
@@ -249,41 +265,106 @@ class SpeculativeRunner:
         replay of the whole step. Penalized rows are planned by the host (while the verify forward runs):
         the verify replays alone, its logits are penalized, and the rest of the step replays on them. The
         same tokens as `execute`'s general path (tests pin it)."""
-        k, chunks, width = self.k, step.chunks, 1 + self.k
+        requests = [chunk.request for chunk in step.chunks]
+        if not any(request.params.has_penalties for request in requests):
+            return self.finish_greedy(self.launch_greedy(step))
+        chunks, width = step.chunks, 1 + self.k
         n, verify = len(chunks), self.static_verify
         with self.trace.phase("prepare batch"):
-            row_slots = [[*(self._position_slot(chunk.request, j) for j in range(k)), chunk.request.state_slot]
-                         for chunk in chunks]
-            shape, _ = verify.stage_verify(
-                [chunk.request.token_slice(chunk.start, chunk.start + 1) + chunk.draft_token_ids for chunk in chunks],
-                [chunk.start for chunk in chunks], [chunk.request.state_slot for chunk in chunks], row_slots,
-                [chunk.request.block_ids for chunk in chunks])
-        requests = [chunk.request for chunk in chunks]
-        if not any(request.params.has_penalties for request in requests):
-            # the device span is "forward" as a plain decode step's is: "between forwards" is then the time
-            # the device waits for the host between steps, with or without drafts
-            with self.trace.phase("launch forward"), self.trace.gpu("forward"):
-                readback = verify.replay_greedy(shape, n)
-        else:
-            with self.trace.phase("launch forward"), self.trace.gpu("forward"):
-                logits, _ = verify.replay(shape, n * width)  # its streams stay where the rest reads them
-            with self.trace.phase("accept, draft"), self.trace.gpu("accept, draft"):
-                # penalized rows: the host plans them from the drafts it has (while the device runs the forward)
-                penalties = plan_penalties(*verify_rows(requests, [chunk.draft_token_ids for chunk in chunks]),
-                                           logits.shape[1], logits.device)
-                readback = verify.replay_accept(shape, n, edit_logits(logits.float(), penalties))
+            shape = self._stage(step)
+        with self.trace.phase("launch forward"), self.trace.gpu("forward"):
+            logits, _ = verify.replay(shape, n * width)  # its streams stay where the rest reads them
+        with self.trace.phase("accept, draft"), self.trace.gpu("accept, draft"):
+            # penalized rows: the host plans them from the drafts it has (while the device runs the forward)
+            penalties = plan_penalties(*verify_rows(requests, [chunk.draft_token_ids for chunk in chunks]),
+                                       logits.shape[1], logits.device)
+            readback = verify.replay_accept(shape, n, edit_logits(logits.float(), penalties))
         with self.trace.phase("read accepted ids"):
-            readback = readback.tolist()
+            return self._accepted(step, readback.tolist())
+
+    def _stage(self, step: SchedulerOutput) -> tuple[int, int]:
+        """A greedy step's inputs into the verify runner's buffers (one copy); the shape to replay."""
+        chunks = step.chunks
+        shape, _ = self.static_verify.stage_verify(
+            [chunk.request.token_slice(chunk.start, chunk.start + 1) + chunk.draft_token_ids for chunk in chunks],
+            [chunk.start for chunk in chunks], [chunk.request.state_slot for chunk in chunks],
+            [self._row_slots(chunk.request) for chunk in chunks], [chunk.request.block_ids for chunk in chunks])
+        return shape
+
+    def _row_slots(self, request: Request) -> list[int]:
+        """The slots keeping the state after each verify row: its K position slots, then its state slot."""
+        return [*(self._position_slot(request, j) for j in range(self.k)), request.state_slot]
+
+    # ---- overlap scheduling: greedy steps launched before the one before them is read -------------------
+    def overlaps(self, step: SchedulerOutput) -> bool:
+        """Whether the step can be left in flight (`launch_greedy`): a greedy step on the device whose
+        requests have no penalties (their verify rows need the drafts on the host)."""
+        return self._on_device(step) and not any(chunk.request.params.has_penalties for chunk in step.chunks)
+
+    def launch_greedy(self, step: SchedulerOutput) -> LaunchedSpeculation:
+        """Queue a greedy step (`overlaps`) on the device, and the copy of its readback to the host."""
+        with self.trace.phase("prepare batch"):
+            shape = self._stage(step)
+        return self._launch(step, shape)
+
+    def launch_chained(self, previous: LaunchedSpeculation) -> LaunchedSpeculation:
+        """Queue the greedy step after `previous` (not read back yet) for the same requests, its inputs made
+        on the device by `previous` (`StaticDecodeRunner._advance`): the host sends only the block-table
+        entries that changed; the caller reserved blocks for every accepted count (see the module). The
+        step's drafts are known when `previous` is read back (`finish_greedy` fills them in)."""
+        requests = [chunk.request for chunk in previous.step.chunks]
+        with self.trace.phase("prepare batch"):
+            shape = self.static_verify.stage_chained([request.block_ids for request in requests])
+        step = SchedulerOutput([ScheduledChunk(request, 1, [PLACEHOLDER] * self.k) for request in requests])
+        return self._launch(step, shape, chained=True)
+
+    def _launch(self, step: SchedulerOutput, shape: tuple[int, int], chained: bool = False) -> LaunchedSpeculation:
+        n = len(step.chunks)
+        # the device span is "forward" as a plain decode step's is: "between forwards" is then the time
+        # the device waits for the host between steps, with or without drafts
+        with self.trace.phase("launch forward"), self.trace.gpu("forward"):
+            readback = self.static_verify.replay_greedy(shape, n)
+            cuda = readback.device.type == "cuda"
+            host = torch.empty(readback.shape, dtype=readback.dtype, pin_memory=cuda)
+            host.copy_(readback, non_blocking=cuda)  # the buffer is the next replay's: copied out in order
+            ready = None
+            if cuda:
+                ready = torch.cuda.Event()
+                ready.record()
+        return LaunchedSpeculation(step, host, ready, chained)
+
+    def finish_greedy(self, launched: LaunchedSpeculation, following: LaunchedSpeculation | None = None
+                      ) -> StepResult:
+        """A launched greedy step read back (waits for it): accepted drafts and the token after them, each
+        request's state slot moved to its kept row's, its new drafts; `following` (the step chained after
+        it, in flight) gets those drafts as the ones it verifies. Requests finished since (aborted, or
+        stopped by the step before) are left out."""
+        with self.trace.phase("read accepted ids"):
+            if launched.ready is not None:
+                launched.ready.synchronize()
+            return self._accepted(launched.step, launched.readback.tolist(), following)
+
+    def _accepted(self, step: SchedulerOutput, readback: list[list[int]], following: LaunchedSpeculation | None = None
+                  ) -> StepResult:
+        """A greedy step's readback rows (accepted count, token after them, next drafts) into its requests
+        and a `StepResult`."""
         result = StepResult()
-        for chunk, slots, (count, token, *new_drafts) in zip(step.chunks, row_slots, readback, strict=True):
+        next_chunks = following.step.chunks if following is not None else [None] * len(step.chunks)
+        counted = 0
+        for chunk, after, (count, token, *new_drafts) in zip(step.chunks, next_chunks, readback, strict=True):
             request = chunk.request
-            request.state_slot = slots[count]  # the state after its last kept row: no copy back
+            if request.is_finished:
+                continue
+            request.state_slot = self._row_slots(request)[count]  # the state after its last kept row: no copy
             result.accepted[request] = chunk.draft_token_ids[:count]
             result.sampled[request] = token
             request.draft_token_ids, request.draft_probs = new_drafts, None
-        self.num_drafts += n
-        self.num_draft_tokens += n * k
-        self.num_accepted_tokens += sum(row[0] for row in readback)
+            if after is not None:
+                after.draft_token_ids = list(new_drafts)
+            counted += 1
+            self.num_accepted_tokens += count
+        self.num_drafts += counted
+        self.num_draft_tokens += counted * self.k
         self._log_acceptance()
         return result
 

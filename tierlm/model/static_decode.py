@@ -172,10 +172,47 @@ class StaticDecodeRunner:
         elif mode == "cuda_graph":
             pool = self._capture(self.step, self.graphs, self.outputs)
             if self.greedy is not None:  # the same pool: one graph runs at a time, each read before the next
-                pool = self._capture(self.greedy, self.greedy_graphs, self.greedy_outputs, pool)
+                pool = self._capture(self._greedy_step, self.greedy_graphs, self.greedy_outputs, pool)
                 self._capture(self._accept_step, self.accept_graphs, self.accept_outputs, pool)
         self._reset_tables()
         cache.reset_row_cache_counters()  # the warm-up and capture forwards served no request
+
+    def _greedy_step(self, batch: ForwardBatch, cache: ModelCache) -> torch.Tensor:
+        """The whole greedy speculative step on the staged inputs (its K/V rows taken from the block table on
+        the device), then the next step's inputs from its readback (`_advance`)."""
+        rows, width = batch.token_ids.shape[0], self.rows_per_request
+        positions = self.positions[:rows]
+        request_of_row = torch.arange(rows, device=positions.device) // width
+        blocks = batch.block_tables[request_of_row, positions // self.cache.block_size]
+        blocks = torch.where(blocks < 0, self.cache.scratch_block, blocks)
+        self.slot_mapping[:rows] = blocks * self.cache.block_size + positions % self.cache.block_size
+        readback = self.greedy(batch, cache)
+        self._advance(readback)
+        return readback
+
+    def _advance(self, readback: torch.Tensor) -> None:
+        """The inputs of the step after a greedy step, from its readback [size, 2 + K], into the buffers (overlap
+        scheduling chains steps on them: `stage_chained`): request i's tokens are the token after its accepted
+        drafts and its K new drafts, from position start + 1 + a_i; its state is in verify_slots[i, a_i],
+        its other row slots (in `row_slot_group`'s order: ascending) keep the next step's per-row states.
+        Padding requests stay padding."""
+        size, width = readback.shape[0], self.rows_per_request
+        device = readback.device
+        real = self.slots[:size] != self.cache.scratch_slot
+        accepted = readback[:, 0] * real
+        row_slots = self.verify_slots[:size]
+        kept = row_slots.gather(1, accepted[:, None])  # [size, 1]: the slot the request's state is in now
+        group = row_slots.sort(dim=1).values
+        at = (group < kept).sum(dim=1, keepdim=True)  # the kept slot's index in its group
+        j = torch.arange(width - 1, device=device)[None]
+        others = group.gather(1, j + (j >= at))
+        start = self.context_lens[:size] + (1 + accepted) * real
+        positions = start[:, None] + torch.arange(width, device=device)[None]
+        self.verify_slots[:size] = torch.cat([others, kept], dim=1)
+        self.slots[:size] = kept[:, 0]
+        self.context_lens[:size] = start
+        self.positions[: size * width] = torch.where(real[:, None], positions, 0).flatten()
+        self.input_ids[: size * width] = torch.where(real[:, None], readback[:, 1:], 0).flatten()
 
     def _accept_step(self, batch: ForwardBatch, cache: ModelCache) -> torch.Tensor:
         """The greedy step after its verify forward: on `scores` and the streams of this shape's forward."""
@@ -313,7 +350,7 @@ class StaticDecodeRunner:
             self.greedy_graphs[shape].replay()
             return self.greedy_outputs[shape][:num_requests]
         self._resolve_tokens()
-        return self.greedy(self.batches[shape], self.cache)[:num_requests]
+        return self._greedy_step(self.batches[shape], self.cache)[:num_requests]
 
     def replay_accept(self, shape: tuple[int, int], num_requests: int, scores: torch.Tensor) -> torch.Tensor:
         """The greedy step's part after the verify forward (`replay` of this shape just ran), on `scores`
@@ -386,6 +423,26 @@ class StaticDecodeRunner:
             verify_slots=self.verify_slots[:n],
         )
         return shape, batch
+
+    def stage_chained(self, tables: list[list[int]]) -> tuple[int, int]:
+        """The inputs of a greedy step that follows the last `replay_greedy` of the same requests in the same
+        rows (overlap scheduling): the ids, positions and slots are already in the buffers (that step's
+        `_advance` writes them on the device); only the block-table entries that changed are sent (one copy).
+        Returns the shape to `replay_greedy`: the same size, the width the tables need now."""
+        n, longest = len(tables), max(len(t) for t in tables)
+        if longest > self.block_tables.shape[1]:
+            raise ValueError(f"a block table of {longest} blocks > the {self.block_tables.shape[1]} prepared")
+        size = next(s for s in self.sizes if s >= n)
+        stage = self._staging.next()
+        columns, values = self._table_updates(tables, size)
+        changed, updates = len(columns), self._updates_at
+        stage[updates : updates + changed] = columns
+        stage[updates + changed : updates + 2 * changed] = values
+        self._staging.send(self.inputs, updates + 2 * changed, start=updates)
+        if changed:
+            self.block_tables.view(-1).index_copy_(
+                0, self.inputs[updates : updates + changed], self.inputs[updates + changed : updates + 2 * changed])
+        return size, next(w for w in self.widths if w >= longest)
 
     def _stage_rows(self, stage, token_ids: list[int], positions: list[int], context_lens: list[int],
                     slots: list[int], row_tables: list[list[int]]) -> None:
@@ -485,8 +542,8 @@ class _Staging:
             self.copied[self.turn].synchronize()
         return self.arrays[self.turn]
 
-    def send(self, target: torch.Tensor, count: int) -> None:
-        """The first `count` entries of the buffer just filled into target's (one host-to-device copy)."""
-        target[:count].copy_(self.buffers[self.turn][:count], non_blocking=True)
+    def send(self, target: torch.Tensor, count: int, start: int = 0) -> None:
+        """Entries start:count of the buffer just filled into target's (one host-to-device copy)."""
+        target[start:count].copy_(self.buffers[self.turn][start:count], non_blocking=True)
         if self.copied[self.turn] is not None:
             self.copied[self.turn].record()
