@@ -12,8 +12,10 @@ placeholder (engine/request.py) and its computed count moves on; the next step t
 device. Reading a step back fills the placeholders, applies stop conditions (a request that finished has
 one more token computed by the step already launched, which is discarded), detokenizes and streams. A
 step keeps its results synchronous when a sampling request needs its own ids on the host to sample the
-next token (a grammar, penalties, bad_words); speculative decoding and memory-mapped PLE tables (rows
-gathered on the host from the ids) turn overlap off. With pipeline parallelism the steps are launched
+next token (a grammar, penalties, bad_words); memory-mapped PLE tables (rows gathered on the host from the
+ids) turn overlap off. With speculative decoding (`_speculative_step`) a greedy step on the device is left in
+flight and the next one is launched on its outputs on the device before it is read (engine/speculative.py);
+other drafting steps run serially. With pipeline parallelism the steps are launched
 into the pipeline (`PipelineDriver.launch` / `finish`: the last rank sends its sampled ids to rank 0's
 device, where the next step takes them), one batch of every running request at a time; without overlap
 the pipeline keeps micro-batches in flight instead (`PipelineDriver.step`). Greedy and seeded outputs are

@@ -43,6 +43,27 @@ positions are rolled back exactly.
   graph on them. Same tokens as the general path (tests pin it). CPU, demo tiny, K=1
   (bench/spec_host_cost.py): 32 launches per step (29 ops around 3 replays) -> 3 (the staging copy, one
   replay, the read), host 1.09 -> 0.39 ms per step; K=3: 69 -> 3; repetition_penalty 1.05: 52 -> 25.
+- Overlap scheduling (vLLM's async scheduling with drafts, SGLang's overlap scheduler): a greedy step on
+  the device without penalties (`overlaps`) is left in flight (`launch_greedy`: its readback copied to
+  pinned host memory behind it). The engine's next step launches the step after it before reading it
+  (`launch_chained`) when the same requests are all that run and each has room (engine/llm_engine.py
+  `_chains`): everything that depends on the unread outcome (the bonus token, the K new drafts, the
+  positions start + 1 + a, the state slot the kept row's state is in and the order of the other row slots,
+  the K/V rows) is made on the device by the step before, at the end of its graph
+  (`StaticDecodeRunner._advance`; the K/V rows at the start of each greedy graph from the block table);
+  the host sends only the block-table entries it reserved for the worst case (every draft accepted: K + 1
+  tokens, then a full step and the draft head's K positions). Reading a step back (`finish_greedy`) applies
+  it as a serial step is applied and hands its drafts to the chained step as the ones that step verifies;
+  a request finished on that read (EOS, a stop id or string, max_tokens inside accepted drafts) or aborted
+  since has the chained step's tokens dropped when that step is read. Anything else (a prefill chunk,
+  mixed widths, penalties, sampling, a request waiting to be admitted, too little room) reads the step in
+  flight back first and then runs serially, as before. Same tokens either way (tests/test_speculative.py).
+  Measured on CPU (bench/spec_host_cost.py, demo tiny, K=1, one thread): see the commit log.
+  Left to do: a chained step's read-back saves no decode-time prefix-cache checkpoint (its slot already
+  holds the next step's state when the copy would run: `CacheManager.on_computed(checkpoint=False)`;
+  prompt checkpoints are unaffected); a step of several requests where one finishes or one joins breaks
+  the chain for one step (read back, then scheduled anew); penalized, sampled and grammar requests stay
+  serial (their verification needs the drafts or the output on the host).
 Which requests speculate: those with nothing but temperature, top-k/p, min-p and the repetition,
 frequency and presence penalties shaping their distribution (no biases, bans, allowed ids, min_tokens,
 log-probabilities, grammar); the others decode one token per step in the same batches, unchanged. A
@@ -573,7 +594,8 @@ def row_slot_group(home_slot: int, position_slot_base: int, k: int) -> list[int]
     """A request's K + 1 state slots under speculation: the slot the cache manager gave it (home_slot) and
     K more past position_slot_base. Its state is in one of them (`Request.state_slot`), the others keep
     the state after each verified row; a greedy step on the device then takes the kept row's slot as the
-    request's (no copy)."""
+    request's (no copy). Ascending (position slots lie past every home slot): the order the device keeps
+    the row slots in when it makes a chained step's inputs (`StaticDecodeRunner._advance`)."""
     return [home_slot, *(position_slot_base + home_slot * k + j for j in range(k))]
 
 

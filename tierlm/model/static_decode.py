@@ -22,7 +22,10 @@ the slots that keep the state after each row), and its forwards return every row
 and output streams come back. A verification runner with `greedy_speculation` also prepares, per shape,
 the whole greedy speculative step (`GreedySpeculation`: verify, accept, roll back, draft, one readback
 tensor) as a second graph in the same memory pool (`replay_greedy`), and as a third its part after the
-verify forward, on scores the host wrote (penalized logits; `replay_accept`).
+verify forward, on scores the host wrote (penalized logits; `replay_accept`). The greedy graph takes its
+K/V rows from the block table on the device and ends by writing the next greedy step's inputs into the
+buffers from its own outcome (`_advance`): overlap scheduling launches that step before the host has read
+this one (`stage_chained` then sends only the block-table entries that changed).
 
 Inputs come two ways. `run(batch)` copies a built `ForwardBatch`'s device tensors into the buffers (the
 pipeline stages and the speculative runners use it). `run_decode(...)` (plain decode, one row per request)
@@ -202,9 +205,15 @@ class StaticDecodeRunner:
         accepted = readback[:, 0] * real
         row_slots = self.verify_slots[:size]
         kept = row_slots.gather(1, accepted[:, None])  # [size, 1]: the slot the request's state is in now
-        group = row_slots.sort(dim=1).values
+        # the group in ascending order: the row slots are its other slots ascending, then its state slot
+        # (elementwise, no sort: every op is one a CUDA graph captures plainly)
+        before, state = row_slots[:, :-1], row_slots[:, -1:]
+        rank = (before < state).sum(dim=1, keepdim=True)
+        j = torch.arange(width, device=device)[None].expand(size, width)
+        group = torch.where(j < rank, before.gather(1, j.clamp(max=width - 2)),
+                            torch.where(j == rank, state, before.gather(1, (j - 1).clamp(min=0))))
         at = (group < kept).sum(dim=1, keepdim=True)  # the kept slot's index in its group
-        j = torch.arange(width - 1, device=device)[None]
+        j = j[:, : width - 1]
         others = group.gather(1, j + (j >= at))
         start = self.context_lens[:size] + (1 + accepted) * real
         positions = start[:, None] + torch.arange(width, device=device)[None]
