@@ -584,18 +584,20 @@ class SpeculativeRunner:
 
     # ---- slots --------------------------------------------------------------------------------------
     def _position_slot(self, request: Request, j: int) -> int:
-        """The slot that keeps the request's state after row j of its verify chunk (j < K): the j-th of its
-        slot group (`row_slot_group`) other than its state slot, which `_greedy_step` moves within the group."""
+        """The slot that keeps the request's state after row j of its verify chunk (j < K): the slots of its
+        group (`row_slot_group`) after its state slot, in turn (the group taken as a ring), so a greedy step
+        that keeps row a's state moves the ring by a + 1 (`StaticDecodeRunner._advance` does it on the
+        device)."""
         group = row_slot_group(request.home_slot, self.position_slot_base, self.k)
-        return [slot for slot in group if slot != request.state_slot][j]
+        at = group.index(request.state_slot)
+        return group[(at + 1 + j) % len(group)]
 
 
 def row_slot_group(home_slot: int, position_slot_base: int, k: int) -> list[int]:
     """A request's K + 1 state slots under speculation: the slot the cache manager gave it (home_slot) and
     K more past position_slot_base. Its state is in one of them (`Request.state_slot`), the others keep
     the state after each verified row; a greedy step on the device then takes the kept row's slot as the
-    request's (no copy). Ascending (position slots lie past every home slot): the order the device keeps
-    the row slots in when it makes a chained step's inputs (`StaticDecodeRunner._advance`)."""
+    request's (no copy)."""
     return [home_slot, *(position_slot_base + home_slot * k + j for j in range(k))]
 
 

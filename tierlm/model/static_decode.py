@@ -136,6 +136,9 @@ class StaticDecodeRunner:
         self.tables_at = {width: self.block_tables[:, :width] for width in self.widths}  # the columns a width reads
         self._staging = _Staging(self.inputs.numel(), cache.device)
         self.logits_rows = torch.arange(max_rows, **as_long)
+        # a greedy step's: each row's request (its K/V rows from the block table) and row index in the request
+        self._request_of_row = torch.arange(max_rows, **as_long) // rows_per_request
+        self._row_steps = torch.arange(rows_per_request, **as_long)
         self.ple_embeddings = {
             index: torch.zeros(max_rows, width, dtype=cache.dtype, device=cache.device)
             for index, width in (ple_embedding_dims or {}).items()
@@ -183,12 +186,11 @@ class StaticDecodeRunner:
     def _greedy_step(self, batch: ForwardBatch, cache: ModelCache) -> torch.Tensor:
         """The whole greedy speculative step on the staged inputs (its K/V rows taken from the block table on
         the device), then the next step's inputs from its readback (`_advance`)."""
-        rows, width = batch.token_ids.shape[0], self.rows_per_request
+        rows, block_size = batch.token_ids.shape[0], self.cache.block_size
         positions = self.positions[:rows]
-        request_of_row = torch.arange(rows, device=positions.device) // width
-        blocks = batch.block_tables[request_of_row, positions // self.cache.block_size]
-        blocks = torch.where(blocks < 0, self.cache.scratch_block, blocks)
-        self.slot_mapping[:rows] = blocks * self.cache.block_size + positions % self.cache.block_size
+        blocks = batch.block_tables[self._request_of_row[:rows], positions // block_size]
+        blocks = torch.where(blocks < 0, self.cache.scratch_block, blocks)  # none of a real row's: reserved
+        self.slot_mapping[:rows] = blocks * block_size + positions % block_size
         readback = self.greedy(batch, cache)
         self._advance(readback)
         return readback
@@ -196,32 +198,18 @@ class StaticDecodeRunner:
     def _advance(self, readback: torch.Tensor) -> None:
         """The inputs of the step after a greedy step, from its readback [size, 2 + K], into the buffers (overlap
         scheduling chains steps on them: `stage_chained`): request i's tokens are the token after its accepted
-        drafts and its K new drafts, from position start + 1 + a_i; its state is in verify_slots[i, a_i],
-        its other row slots (in `row_slot_group`'s order: ascending) keep the next step's per-row states.
-        Padding requests stay padding."""
+        drafts and its K new drafts, from position start + 1 + a_i; its state is in verify_slots[i, a_i], and
+        its row slots move round by a_i + 1, so that one comes last (the host's order: engine/speculative.py
+        `_position_slot`). Padding requests stay padding (their row slots are all the scratch slot)."""
         size, width = readback.shape[0], self.rows_per_request
-        device = readback.device
+        steps = self._row_steps
         real = self.slots[:size] != self.cache.scratch_slot
         accepted = readback[:, 0] * real
-        row_slots = self.verify_slots[:size]
-        kept = row_slots.gather(1, accepted[:, None])  # [size, 1]: the slot the request's state is in now
-        # the group in ascending order: the row slots are its other slots ascending, then its state slot
-        # (elementwise, no sort: every op is one a CUDA graph captures plainly)
-        before, state = row_slots[:, :-1], row_slots[:, -1:]
-        rank = (before < state).sum(dim=1, keepdim=True)
-        j = torch.arange(width, device=device)[None].expand(size, width)
-        group = torch.where(j < rank, before.gather(1, j.clamp(max=width - 2)),
-                            torch.where(j == rank, state, before.gather(1, (j - 1).clamp(min=0))))
-        at = (group < kept).sum(dim=1, keepdim=True)  # the kept slot's index in its group
-        j = j[:, : width - 1]
-        others = group.gather(1, j + (j >= at))
-        start = self.context_lens[:size] + (1 + accepted) * real
-        positions = start[:, None] + torch.arange(width, device=device)[None]
-        self.verify_slots[:size] = torch.cat([others, kept], dim=1)
-        self.slots[:size] = kept[:, 0]
-        self.context_lens[:size] = start
-        self.positions[: size * width] = torch.where(real[:, None], positions, 0).flatten()
-        self.input_ids[: size * width] = torch.where(real[:, None], readback[:, 1:], 0).flatten()
+        self.verify_slots[:size] = self.verify_slots[:size].gather(1, (accepted[:, None] + 1 + steps) % width)
+        self.slots[:size] = self.verify_slots[:size, -1]
+        self.context_lens[:size] += (1 + accepted) * real
+        self.positions[: size * width] = ((self.context_lens[:size, None] + steps) * real[:, None]).flatten()
+        self.input_ids[: size * width] = (readback[:, 1:] * real[:, None]).flatten()
 
     def _accept_step(self, batch: ForwardBatch, cache: ModelCache) -> torch.Tensor:
         """The greedy step after its verify forward: on `scores` and the streams of this shape's forward."""
