@@ -132,17 +132,25 @@ def test_fixed_shape_verify_steps_give_the_same_tokens(demo, reference, k):
 @pytest.mark.parametrize("k", [1, 3])
 def test_graph_steps_on_a_gpu_give_the_eager_tokens(demo, k):
     """On a GPU (fp32) each greedy step verifying K drafts is one CUDA graph replay (verify, accept, roll
-    back, draft): the tokens are those of no drafts and of eager speculative steps, with the head's own
-    drafts (rejected) and with oracle drafts (accepted, some wrong)."""
+    back, draft, the next step's inputs): the tokens are those of no drafts, of serial steps and of eager
+    speculative steps, with the head's own drafts (rejected) and with oracle drafts (accepted, some wrong;
+    made on the device, so the steps overlap scheduling chains verify them)."""
     def cuda(speculative_config=None, **options):
         return LLMEngine(EngineConfig(model=str(demo), dtype="float32", device="cuda", max_num_seqs=2,
                                       kv_cache_memory_bytes=32 << 20, speculative_config=speculative_config,
                                       **options))
 
+    from tierlm.model import static_decode
+    from tierlm.model.speculative_step import OracleSpeculation
+
     expected = [out.token_ids for out in generate(cuda(), [greedy(), greedy()])]
+    continuations = {"0": expected[0], "1": expected[1]}
     for oracle in (False, True):
         runs = []
-        graphs = cuda(spec(k))
+        with pytest.MonkeyPatch.context() as patch:
+            if oracle:  # the greedy graphs draft the known continuation (what chained steps verify)
+                patch.setattr(static_decode, "GreedySpeculation", OracleSpeculation)
+            graphs = cuda(spec(k))
         verify = graphs.runner.static_verify
         assert verify.mode == "cuda_graph" and verify.greedy_graphs
 
@@ -151,10 +159,15 @@ def test_graph_steps_on_a_gpu_give_the_eager_tokens(demo, k):
             return replay(shape, n)
 
         verify.replay_greedy = counted
-        for llm in (graphs, cuda(spec(k), enforce_eager=True)):
-            after = Oracle({"0": expected[0], "1": expected[1]}, k, wrong=0) if oracle else None
+        chained = []
+        for llm in (graphs, cuda(spec(k), async_scheduling=False), cuda(spec(k), enforce_eager=True)):
+            after = None
+            if oracle and llm is graphs:
+                after, chained = device_oracle(llm, k, continuations, wrong=k - 1)
+            elif oracle:
+                after = Oracle(continuations, k, wrong=0)
             assert [out.token_ids for out in generate(llm, [greedy(), greedy()], after)] == expected
-        assert runs and (not oracle or graphs.stats().num_accepted_tokens > 0)
+        assert runs and (not oracle or (chained and graphs.stats().num_accepted_tokens > 0))
 
 
 def fixed_shapes(llm: LLMEngine, k: int) -> list:
@@ -229,14 +242,18 @@ def test_stops_inside_an_accepted_run(demo, reference):
 
 
 def device_oracle(llm: LLMEngine, k: int, continuations: dict[str, list[int]], wrong: int | None) -> tuple:
-    """Forced acceptance that overlap scheduling sees too: the fixed-shape greedy steps (`fixed_shapes`) draft
-    the known continuation on the device (`OracleSpeculation`: a chained step verifies drafts the host has
+    """Forced acceptance that overlap scheduling sees too: the fixed-shape greedy steps (`fixed_shapes` on
+    CPU; on a GPU an engine built with `OracleSpeculation` for its graphs) draft the known continuation on
+    the device (`OracleSpeculation`: a chained step verifies drafts the host has
     not read), the host `Oracle` drafts the steps that start on the host. Returns (the after_step hook,
     the list of chained launches)."""
     from tierlm.model.speculative_step import OracleSpeculation
 
-    fixed_shapes(llm, k)
-    on_device = llm.runner.static_verify.greedy = OracleSpeculation(llm.model, llm.cache, k)
+    verify = llm.runner.static_verify
+    if verify is None or not isinstance(verify.greedy, OracleSpeculation):  # CPU: the eager fixed shapes
+        fixed_shapes(llm, k)
+        llm.runner.static_verify.greedy = OracleSpeculation(llm.model, llm.cache, k)
+    on_device = llm.runner.static_verify.greedy
     on_device.wrong = wrong
     on_host, told, chained = Oracle(continuations, k, wrong=0), set(), []
     launch = llm.runner.launch_chained
