@@ -309,6 +309,32 @@ def test_overlapped_steps_stop_inside_accepted_drafts(demo, stops):
     assert sorted(behind) == ["length", "stop"]
 
 
+def test_overlapped_steps_keep_decode_checkpoints(demo, reference):
+    """A reply decoded by chained steps leaves decode-time prefix-cache checkpoints (the state at a block
+    boundary saved before the step after it was queued, kept once its row was accepted): the conversation
+    resent hits past its prompt, and decodes as without drafts."""
+    plain = engine(demo)
+    prompt, reply = plain.tokenizer.encode(PROMPTS[0]), reference[0]
+    resent = prompt + reply
+    assert len(prompt) < plain.cache.block_size < len(resent)  # a block boundary inside the reply
+    expected = run_to_end(plain, resent)["again"].outputs[0].token_ids
+    llm = engine(demo, spec(1), max_num_seqs=3)
+    after_step, chained = device_oracle(llm, 1, {"0": reply, "again": expected}, wrong=0)
+    assert generate(llm, [greedy()], after_step)[0].token_ids == reply and chained
+    again = run_to_end(llm, resent, after_step)["again"]
+    assert again.outputs[0].token_ids == expected and again.num_cached_tokens > len(prompt)
+
+
+def run_to_end(llm: LLMEngine, prompt: list[int], after_step=lambda llm: None) -> dict:
+    """Request "again" (4 greedy tokens of `prompt`) run to the end: {request id: final output}."""
+    llm.add_request(prompt, greedy(4), request_id="again")
+    done = {}
+    while llm.has_unfinished_requests():
+        done.update({o.request_id: o for o in llm.step() if o.finished})
+        after_step(llm)
+    return done
+
+
 def test_abort_while_a_step_is_in_flight(demo, reference):
     """A request aborted between a chained step's launch and its read-back: its tokens are dropped, its slot
     and blocks go back, and the other request and one admitted into the freed slot decode as without drafts."""

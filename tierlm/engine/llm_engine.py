@@ -661,15 +661,31 @@ class LLMEngine:
                 self._apply(plan, result, changed)
         else:
             if self._chains(previous):
+                self._save_ahead(previous)
                 self._in_flight = runner.launch_chained(previous)
             self.last_step_num_tokens = (self._in_flight or previous).num_tokens
             result = runner.finish_greedy(previous, self._in_flight)
             with trace.phase("apply, detokenize"):
                 self._apply(previous.step, result, changed, checkpoint=self._in_flight is None)
+                for chunk in previous.step.chunks if self._in_flight is not None else ():
+                    if not chunk.request.is_finished:
+                        self.cache_manager.settle_ahead(chunk.request)
         with trace.phase("apply, detokenize"):
             outputs = [self._collect(request_id) for request_id in changed]
         trace.end_step(self.last_step_num_tokens)
         return outputs
+
+    def _save_ahead(self, previous) -> None:
+        """Before the step chained after `previous` is queued: a request whose computed count `previous` may
+        bring onto a block boundary (row j ends there, if its draft is accepted) has the state after row j
+        saved for the prefix cache (`CacheManager.save_ahead`), as a serial step saves it after it ran."""
+        block_size = self.cache_manager.block_size
+        for chunk in previous.step.chunks:
+            request = chunk.request
+            first = request.num_computed_tokens + 1  # the computed count after row 0
+            boundary = -(-first // block_size) * block_size
+            if boundary - first < 1 + self.runner.k:
+                self.cache_manager.save_ahead(request, boundary, self.runner.row_slots(request)[boundary - first])
 
     def _chains(self, previous) -> bool:
         """Whether the greedy step after `previous` (in flight) can be launched before reading it: the same

@@ -309,10 +309,10 @@ class SpeculativeRunner:
         shape, _ = self.static_verify.stage_verify(
             [chunk.request.token_slice(chunk.start, chunk.start + 1) + chunk.draft_token_ids for chunk in chunks],
             [chunk.start for chunk in chunks], [chunk.request.state_slot for chunk in chunks],
-            [self._row_slots(chunk.request) for chunk in chunks], [chunk.request.block_ids for chunk in chunks])
+            [self.row_slots(chunk.request) for chunk in chunks], [chunk.request.block_ids for chunk in chunks])
         return shape
 
-    def _row_slots(self, request: Request) -> list[int]:
+    def row_slots(self, request: Request) -> list[int]:
         """The slots keeping the state after each verify row: its K position slots, then its state slot."""
         return [*(self._position_slot(request, j) for j in range(self.k)), request.state_slot]
 
@@ -376,7 +376,7 @@ class SpeculativeRunner:
             request = chunk.request
             if request.is_finished:
                 continue
-            request.state_slot = self._row_slots(request)[count]  # the state after its last kept row: no copy
+            request.state_slot = self.row_slots(request)[count]  # the state after its last kept row: no copy
             result.accepted[request] = chunk.draft_token_ids[:count]
             result.sampled[request] = token
             request.draft_token_ids, request.draft_probs = new_drafts, None
