@@ -58,12 +58,16 @@ positions are rolled back exactly.
   since has the chained step's tokens dropped when that step is read. Anything else (a prefill chunk,
   mixed widths, penalties, sampling, a request waiting to be admitted, too little room) reads the step in
   flight back first and then runs serially, as before. Same tokens either way (tests/test_speculative.py).
-  Measured on CPU (bench/spec_host_cost.py, demo tiny, K=1, one thread): see the commit log.
-  Left to do: a chained step's read-back saves no decode-time prefix-cache checkpoint (its slot already
-  holds the next step's state when the copy would run: `CacheManager.on_computed(checkpoint=False)`;
-  prompt checkpoints are unaffected); a step of several requests where one finishes or one joins breaks
-  the chain for one step (read back, then scheduled anew); penalized, sampled and grammar requests stay
-  serial (their verification needs the drafts or the output on the host).
+  A block boundary the step in flight may reach gets its prefix-cache checkpoint from the row slot that
+  would hold it, saved before the chained step is queued and kept on read-back if that row was accepted
+  (`CacheManager.save_ahead` / `settle_ahead`). CPU, demo tiny, one thread (bench/spec_host_cost.py,
+  loaded machine): host work per greedy step 0.38-0.48 ms serial, all of it between two device steps;
+  0.26-0.37 ms with overlap, done while the next step runs (the H200's K=1 step is 0.77 ms of GPU).
+  Left to do: the inputs of a chained step are ~25 tiny ops in the greedy graph (`_advance` and the K/V
+  rows; ~1.5 us each on an H200): one Triton kernel would take them to one launch; a step where a request
+  finishes or one is admitted reads back before scheduling (one serial step, then the chain restarts);
+  penalized, sampled and grammar requests stay serial (verification needs the drafts or output ids on
+  the host).
 Which requests speculate: those with nothing but temperature, top-k/p, min-p and the repetition,
 frequency and presence penalties shaping their distribution (no biases, bans, allowed ids, min_tokens,
 log-probabilities, grammar); the others decode one token per step in the same batches, unchanged. A
