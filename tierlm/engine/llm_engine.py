@@ -839,10 +839,10 @@ class LLMEngine:
             seq.detokenized = index + 1
             if stops and self._stop_string(seq):
                 request.drop_output_after(index + 1)
-                break
+                return  # what the detokenizer still holds comes after the stop
         if request.is_finished and request.status != RequestStatus.FINISHED_ABORTED:
             seq.text += seq.detokenizer.flush()
-            if stops and not isinstance(request.stop_reason, str):
+            if stops:
                 self._stop_string(seq)  # in the flushed tail
 
     def _stop_string(self, seq: _Sequence) -> bool:

@@ -112,23 +112,28 @@ class GreedySpeculation:
         return proposed
 
 
+ORACLE_MAX_POSITIONS = 1 << 16  # the positions an `OracleSpeculation` can be told a token for
+
+
 class OracleSpeculation(GreedySpeculation):
     """`GreedySpeculation` whose drafts come from a known token sequence per request instead of the draft head
     (forced acceptance, on the device, so steps chained by overlap scheduling verify them too: benchmarks
     and tests). `know(home_slot, token_ids)`: the request in that home slot (its smallest row slot) will be
     drafted token_ids[p] for position p; wrong: the draft at that index of every step whose first accepted
-    position is odd is made wrong (partial runs). Tokens past the known ones are drafted as 0."""
+    position is odd is made wrong (partial runs). Tokens past the known ones (or past ORACLE_MAX_POSITIONS)
+    are drafted as 0."""
 
     def __init__(self, model, cache: ModelCache, num_speculative_tokens: int) -> None:
         super().__init__(model, cache, num_speculative_tokens)
-        width = cache.num_blocks * cache.block_size + 2 * num_speculative_tokens + 2
+        width = min(cache.num_blocks * cache.block_size, ORACLE_MAX_POSITIONS) + 2 * num_speculative_tokens + 2
         self.tokens = torch.zeros(cache.scratch_slot + 1, width, dtype=torch.int64, device=cache.device)
         self.vocab_size = cache.config.vocab_size
         self.wrong: int | None = None
 
     def know(self, home_slot: int, token_ids: list[int]) -> None:
+        known = token_ids[: self.tokens.shape[1]]
         self.tokens[home_slot].zero_()
-        self.tokens[home_slot, : len(token_ids)] = torch.tensor(token_ids, device=self.tokens.device)
+        self.tokens[home_slot, : len(known)] = torch.tensor(known, device=self.tokens.device)
 
     def accept_and_draft(self, batch, scores, streams, rope=None):
         out = super().accept_and_draft(batch, scores, streams, rope)
