@@ -430,15 +430,7 @@ class StaticDecodeRunner:
         if longest > self.block_tables.shape[1]:
             raise ValueError(f"a block table of {longest} blocks > the {self.block_tables.shape[1]} prepared")
         size = next(s for s in self.sizes if s >= n)
-        stage = self._staging.next()
-        columns, values = self._table_updates(tables, size)
-        changed, updates = len(columns), self._updates_at
-        stage[updates : updates + changed] = columns
-        stage[updates + changed : updates + 2 * changed] = values
-        self._staging.send(self.inputs, updates + 2 * changed, start=updates)
-        if changed:
-            self.block_tables.view(-1).index_copy_(
-                0, self.inputs[updates : updates + changed], self.inputs[updates + changed : updates + 2 * changed])
+        self._send(self._staging.next(), tables, size, tables_only=True)
         return size, next(w for w in self.widths if w >= longest)
 
     def _stage_rows(self, stage, token_ids: list[int], positions: list[int], context_lens: list[int],
@@ -457,14 +449,14 @@ class StaticDecodeRunner:
         stage[4 * m + rows : 5 * m] = self.cache.scratch_block * block_size
         stage[5 * m : 6 * m] = -1
 
-    def _send(self, stage, tables: list[list[int]], size: int) -> None:
-        """The staged vectors and the block-table entries rows 0:size need changed to the device (one copy),
-        the entries scattered into the table there."""
+    def _send(self, stage, tables: list[list[int]], size: int, tables_only: bool = False) -> None:
+        """The staged vectors (tables_only: not those) and the block-table entries rows 0:size need changed to
+        the device (one copy), the entries scattered into the table there."""
         columns, values = self._table_updates(tables, size)
         changed, updates = len(columns), self._updates_at
         stage[updates : updates + changed] = columns
         stage[updates + changed : updates + 2 * changed] = values
-        self._staging.send(self.inputs, updates + 2 * changed)
+        self._staging.send(self.inputs, updates + 2 * changed, start=updates if tables_only else 0)
         if changed:
             self.block_tables.view(-1).index_copy_(
                 0, self.inputs[updates : updates + changed], self.inputs[updates + changed : updates + 2 * changed])
