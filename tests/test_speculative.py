@@ -2,6 +2,9 @@
 output without them, whether the drafts are rejected (the demo model's random draft head: the rollback
 path) or accepted (drafts from an oracle that knows the greedy continuation, some of them wrong: the accept
 path, partial runs, and stops and max_tokens inside an accepted run); bad configurations are refused.
+With overlap scheduling greedy steps chain on the device's own outputs: forced acceptance there comes from
+drafts made on the device (`device_oracle`), and stops, aborts and prefix-cache checkpoints are checked
+with a step in flight.
 """
 
 from __future__ import annotations
