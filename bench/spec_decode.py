@@ -3,7 +3,10 @@
 A demo model with an MTP head (built if missing, or --model DIR with `mtp.*` tensors), one prompt, --tokens
 greedy tokens. Columns: without drafts (CUDA graphs on GPU, as the engine runs by default; and eager),
 with the model's own draft head (random weights: acceptance near zero, so this is the rollback's cost),
-and with oracle drafts (the known greedy continuation: every draft accepted, the ceiling of the speed-up).
+and with oracle drafts (the known greedy continuation: every draft accepted, the ceiling of the speed-up;
+made on the device by `OracleSpeculation` in the greedy steps' graphs, so the steps overlap scheduling
+chains verify them too), each drafting column also without overlap scheduling (the engine before it
+applied to drafting steps).
 The drafting columns run as the engine does by default too (on GPU the verify steps replay CUDA graphs).
 The oracle's continuation is the speculative path's own greedy output: a first oracle run takes the
 no-draft tokens, and while its output differs from the continuation it was given (bf16: verify rows and
@@ -47,26 +50,42 @@ import torch
 from tierlm.demo_model import build_demo_model
 from tierlm.engine.llm_engine import EngineConfig, LLMEngine
 from tierlm.engine.speculative import speculates
+from tierlm.model import static_decode
+from tierlm.model.speculative_step import OracleSpeculation
 from tierlm.sampling_params import SamplingParams
 
 ORACLE_RUNS = 4
 PROMPT = "The history of the city begins with a small settlement on the river, where"
 
 
-def run(args, speculative: bool, eager: bool, oracle: list[int] | None = None) -> tuple[list[int], float, object]:
+def run(args, speculative: bool, eager: bool, oracle: list[int] | None = None, overlap: bool = True
+        ) -> tuple[list[int], float, object]:
     config = {"method": "mtp", "num_speculative_tokens": args.k} if speculative else None
     trace = None
     if args.phases:
         trace = Path(tempfile.mkdtemp(prefix="spec-trace-")) / "trace.json"
-    engine = LLMEngine(EngineConfig(model=str(args.model), dtype=args.dtype, device=args.device, max_num_seqs=1,
-                                    max_model_len=args.max_model_len, enforce_eager=eager,
-                                    speculative_config=config, trace=str(trace) if trace else None))
+    # oracle: the greedy steps' graphs draft the known continuation on the device (steps chained by overlap
+    # scheduling verify drafts the host has not read); the host sets the drafts of the other steps
+    greedy_step = static_decode.GreedySpeculation
+    if oracle is not None:
+        static_decode.GreedySpeculation = OracleSpeculation
+    try:
+        engine = LLMEngine(EngineConfig(model=str(args.model), dtype=args.dtype, device=args.device, max_num_seqs=1,
+                                        max_model_len=args.max_model_len, enforce_eager=eager,
+                                        speculative_config=config, trace=str(trace) if trace else None,
+                                        async_scheduling=overlap))
+    finally:
+        static_decode.GreedySpeculation = greedy_step
     args.resolved_dtype = engine.cache.dtype
     # --repetition-penalty unset: the model's generation_config default (the trained default's is 1.05)
     params = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True,
                             repetition_penalty=args.repetition_penalty)
     engine.add_request(PROMPT, params)
     engine.step()  # the prefill (and first token) outside the timing
+    verify = getattr(engine.runner, "static_verify", None)
+    if oracle is not None and verify is not None and verify.greedy is not None:
+        request = engine.scheduler.running[0]
+        verify.greedy.know(request.home_slot, request.prompt_token_ids + oracle)
     start = time.perf_counter()
     out = None
     while engine.has_unfinished_requests():
@@ -82,7 +101,7 @@ def run(args, speculative: bool, eager: bool, oracle: list[int] | None = None) -
         engine.close()
         atexit.unregister(engine.trace.flush)
         print_phases(("drafts, " if speculative else "no drafts, ") + ("eager" if eager else "default")
-                     + (", oracle" if oracle is not None else ""), trace)
+                     + (", oracle" if oracle is not None else "") + ("" if overlap else ", serial"), trace)
         shutil.rmtree(trace.parent)
     return out.outputs[0].token_ids, seconds, engine.stats()
 
@@ -124,15 +143,21 @@ def main() -> int:
     base, base_s, _ = run(args, speculative=False, eager=False)
     eager, eager_s, _ = run(args, speculative=False, eager=True)
     own, own_s, own_stats = run(args, speculative=True, eager=False)
+    own_serial, own_serial_s, own_serial_stats = run(args, speculative=True, eager=False, overlap=False)
     continuation = base
     for _ in range(ORACLE_RUNS):
         oracle, oracle_s, oracle_stats = run(args, speculative=True, eager=False, oracle=continuation)
         if oracle == continuation:
             break
         continuation = oracle
+    oracle_serial, oracle_serial_s, oracle_serial_stats = run(args, speculative=True, eager=False,
+                                                              oracle=continuation, overlap=False)
     n = len(base) - 1  # tokens timed (the first came with the prefill)
     rows = [("no drafts (default: graphs on GPU)", base_s, None), ("no drafts, eager", eager_s, None),
-            ("MTP head (own drafts)", own_s, own_stats), ("oracle drafts (all accepted)", oracle_s, oracle_stats)]
+            ("MTP head (own drafts)", own_s, own_stats),
+            ("MTP head, no overlap scheduling", own_serial_s, own_serial_stats),
+            ("oracle drafts (all accepted)", oracle_s, oracle_stats),
+            ("oracle drafts, no overlap scheduling", oracle_serial_s, oracle_serial_stats)]
     print(f"{args.model}, {args.device}, K={args.k}, {n} tokens timed")
     for name, seconds, stats in rows:
         accept = ""
@@ -141,13 +166,15 @@ def main() -> int:
                       f"{(stats.num_accepted_tokens + stats.num_drafts) / stats.num_drafts:.2f} tokens/verify")
         print(f"  {name:38s} {1000 * seconds / n:8.2f} ms/token  x{base_s / seconds:5.2f} vs default, "
               f"x{eager_s / seconds:5.2f} vs eager{accept}")
-    same = base == eager == own == oracle
+    same = base == eager == own == own_serial == oracle == oracle_serial
     print("tokens identical in every column:", same)
     if not same:
-        for name, tokens in (("eager", eager), ("MTP head", own), ("oracle", oracle)):
+        for name, tokens in (("eager", eager), ("MTP head", own), ("MTP head, serial", own_serial),
+                             ("oracle", oracle), ("oracle, serial", oracle_serial)):
             first = next((i for i, (a, b) in enumerate(zip(base, tokens)) if a != b), None)
             print(f"  {name}: {'same' if first is None else f'first differs at token {first}'}")
-    print(json.dumps({"base_ms": 1000 * base_s / n, "own_ms": 1000 * own_s / n, "oracle_ms": 1000 * oracle_s / n}))
+    print(json.dumps({"base_ms": 1000 * base_s / n, "own_ms": 1000 * own_s / n, "oracle_ms": 1000 * oracle_s / n,
+                      "own_serial_ms": 1000 * own_serial_s / n, "oracle_serial_ms": 1000 * oracle_serial_s / n}))
     return 0 if same or args.resolved_dtype != torch.float32 else 1
 
 

@@ -11,14 +11,17 @@ continuation: all accepted). Every fixed-shape forward goes through a `StaticDec
   (`_local_scalar_dense`);
 - host ms/step: the step's wall time minus the time inside the fixed-shape forwards (what the host spends
   on Python and on the ops around the graphs; on a GPU these run before, between and after the replays);
-- idle ms/step (drafting columns): from the step's last device read to the next step's first replay, the
-  host time a GPU would sit idle (a drafting step runs serially: no overlap scheduling; without drafts,
-  overlap scheduling hides it, see bench/host_overlap.py).
-Per verify step for the drafting columns (a verify step yields 1..K+1 tokens).
+- idle ms/step (drafting columns): from the step's last device read to the next step's first replay: with
+  --serial (no overlap scheduling) the host time a GPU sits idle; with overlap (the default) the greedy step
+  after the one read is in flight already (launched before the read, on the device's own outputs), so a GPU
+  idles only for what exceeds that step's device time (without drafts, see bench/host_overlap.py).
+Per verify step for the drafting columns (a verify step yields 1..K+1 tokens). The oracle's drafts are
+made on the device (`OracleSpeculation`), where the steps chained by overlap scheduling verify them.
 
     python bench/spec_host_cost.py                 # demo tiny, K=1
     python bench/spec_host_cost.py -k 3 --tokens 48
     python bench/spec_host_cost.py --repetition-penalty 1.05   # penalized: verify replay, edit, the rest replayed
+    python bench/spec_host_cost.py --serial        # drafting steps without overlap scheduling (before/after)
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from tierlm.demo_model import build_demo_model
 from tierlm.engine.llm_engine import EngineConfig, LLMEngine
+from tierlm.model.speculative_step import OracleSpeculation
 from tierlm.model.static_decode import StaticDecodeRunner
 from tierlm.model.static_slot_copy import StaticSlotCopy
 from tierlm.sampling_params import SamplingParams
@@ -57,8 +61,9 @@ class OpCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def static_runners(engine: LLMEngine, k: int) -> None:
-    """The engine's fixed-shape forwards in mode "eager" (CPU has no graphs): what a GPU would replay."""
+def static_runners(engine: LLMEngine, k: int, oracle: bool) -> None:
+    """The engine's fixed-shape forwards in mode "eager" (CPU has no graphs): what a GPU would replay; oracle:
+    the greedy steps draft a known continuation (`OracleSpeculation`)."""
     blocks = math.ceil(engine.max_model_len / engine.cache.block_size)
     model, cache = engine.model, engine.cache
     runner = engine.runner
@@ -67,6 +72,8 @@ def static_runners(engine: LLMEngine, k: int) -> None:
         return
     runner.static_verify = StaticDecodeRunner(model, cache, 1, blocks, "eager", rows_per_request=1 + k,
                                               greedy_speculation=True)
+    if oracle:
+        runner.static_verify.greedy = OracleSpeculation(model, cache, k)
     runner.static_drafts = {(i, rows): StaticDecodeRunner(model, cache, 1, blocks, "eager", draft_layer=i,
                                                           rows_per_request=rows)
                             for i in range(len(model.mtp.layers)) for rows in (1, 1 + k)}
@@ -123,12 +130,15 @@ def watch_forwards(counter: OpCounter, timing: list[float], replays: list[int], 
 def run(args, model: Path, k: int, oracle: list[int] | None) -> dict:
     engine = LLMEngine(EngineConfig(
         model=str(model), dtype="float32", device="cpu", max_num_seqs=1, max_model_len=args.max_model_len,
-        kv_cache_memory_bytes=64 << 20,
+        kv_cache_memory_bytes=64 << 20, async_scheduling=not args.serial,
         speculative_config={"method": "mtp", "num_speculative_tokens": k} if k else None))
-    static_runners(engine, k)
+    static_runners(engine, k, oracle is not None)
     engine.add_request(PROMPT, SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True,
                                               repetition_penalty=args.repetition_penalty))
     engine.step()  # prefill
+    if oracle is not None and k:
+        request = engine.scheduler.running[0]
+        engine.runner.static_verify.greedy.know(request.home_slot, request.prompt_token_ids + oracle)
     counter, forward_s, replays, marks = OpCounter(), [], [], []
     watch_forwards(counter, forward_s, replays, marks)
     steps, out = [], None
@@ -178,6 +188,7 @@ def main() -> None:
     parser.add_argument("-k", type=int, default=1)
     parser.add_argument("--ops", action="store_true", help="also the ops counted per step, by name")
     parser.add_argument("--repetition-penalty", type=float, default=1.0, help="the request's repetition_penalty")
+    parser.add_argument("--serial", action="store_true", help="no overlap scheduling (the engine's before)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as scratch:
@@ -185,7 +196,8 @@ def main() -> None:
         base = run(args, model, 0, None)
         own = run(args, model, args.k, None)
         oracle = run(args, model, args.k, base["tokens"])
-    print(f"# demo {args.size}, CPU, K={args.k}: per step medians (a drafting step verifies K drafts)")
+    print(f"# demo {args.size}, CPU, K={args.k}, {'serial' if args.serial else 'overlap scheduling'}: per step "
+          "medians (a drafting step verifies K drafts)")
     print(f"{'':34s} {'launches':>9} {'replays':>8} {'syncs':>6} {'host ms':>8} {'idle ms':>8} {'tokens/step':>12}")
     for name, row in (("no drafts", base), ("own drafts (rejected)", own), ("oracle drafts (accepted)", oracle)):
         stats = row["stats"]

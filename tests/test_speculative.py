@@ -2,6 +2,9 @@
 output without them, whether the drafts are rejected (the demo model's random draft head: the rollback
 path) or accepted (drafts from an oracle that knows the greedy continuation, some of them wrong: the accept
 path, partial runs, and stops and max_tokens inside an accepted run); bad configurations are refused.
+With overlap scheduling greedy steps chain on the device's own outputs: forced acceptance there comes from
+drafts made on the device (`device_oracle`), and stops, aborts and prefix-cache checkpoints are checked
+with a step in flight.
 """
 
 from __future__ import annotations
@@ -132,17 +135,25 @@ def test_fixed_shape_verify_steps_give_the_same_tokens(demo, reference, k):
 @pytest.mark.parametrize("k", [1, 3])
 def test_graph_steps_on_a_gpu_give_the_eager_tokens(demo, k):
     """On a GPU (fp32) each greedy step verifying K drafts is one CUDA graph replay (verify, accept, roll
-    back, draft): the tokens are those of no drafts and of eager speculative steps, with the head's own
-    drafts (rejected) and with oracle drafts (accepted, some wrong)."""
+    back, draft, the next step's inputs): the tokens are those of no drafts, of serial steps and of eager
+    speculative steps, with the head's own drafts (rejected) and with oracle drafts (accepted, some wrong;
+    made on the device, so the steps overlap scheduling chains verify them)."""
     def cuda(speculative_config=None, **options):
         return LLMEngine(EngineConfig(model=str(demo), dtype="float32", device="cuda", max_num_seqs=2,
                                       kv_cache_memory_bytes=32 << 20, speculative_config=speculative_config,
                                       **options))
 
+    from tierlm.model import static_decode
+    from tierlm.model.speculative_step import OracleSpeculation
+
     expected = [out.token_ids for out in generate(cuda(), [greedy(), greedy()])]
+    continuations = {"0": expected[0], "1": expected[1]}
     for oracle in (False, True):
         runs = []
-        graphs = cuda(spec(k))
+        with pytest.MonkeyPatch.context() as patch:
+            if oracle:  # the greedy graphs draft the known continuation (what chained steps verify)
+                patch.setattr(static_decode, "GreedySpeculation", OracleSpeculation)
+            graphs = cuda(spec(k))
         verify = graphs.runner.static_verify
         assert verify.mode == "cuda_graph" and verify.greedy_graphs
 
@@ -151,10 +162,15 @@ def test_graph_steps_on_a_gpu_give_the_eager_tokens(demo, k):
             return replay(shape, n)
 
         verify.replay_greedy = counted
-        for llm in (graphs, cuda(spec(k), enforce_eager=True)):
-            after = Oracle({"0": expected[0], "1": expected[1]}, k, wrong=0) if oracle else None
+        chained = []
+        for llm in (graphs, cuda(spec(k), async_scheduling=False), cuda(spec(k), enforce_eager=True)):
+            after = None
+            if oracle and llm is graphs:
+                after, chained = device_oracle(llm, k, continuations, wrong=k - 1)
+            elif oracle:
+                after = Oracle(continuations, k, wrong=0)
             assert [out.token_ids for out in generate(llm, [greedy(), greedy()], after)] == expected
-        assert runs and (not oracle or graphs.stats().num_accepted_tokens > 0)
+        assert runs and (not oracle or (chained and graphs.stats().num_accepted_tokens > 0))
 
 
 def fixed_shapes(llm: LLMEngine, k: int) -> list:
@@ -226,6 +242,123 @@ def test_stops_inside_an_accepted_run(demo, reference):
     assert got[0].token_ids == reference[0][:5] and got[0].finish_reason == "length"
     assert got[1].token_ids == expected_stop and got[1].finish_reason == "stop"
     assert llm.stats().num_accepted_tokens > 0
+
+
+def device_oracle(llm: LLMEngine, k: int, continuations: dict[str, list[int]], wrong: int | None) -> tuple:
+    """Forced acceptance that overlap scheduling sees too: the fixed-shape greedy steps (`fixed_shapes` on
+    CPU; on a GPU an engine built with `OracleSpeculation` for its graphs) draft the known continuation on
+    the device (`OracleSpeculation`: a chained step verifies drafts the host has
+    not read), the host `Oracle` drafts the steps that start on the host. Returns (the after_step hook,
+    the list of chained launches)."""
+    from tierlm.model.speculative_step import OracleSpeculation
+
+    verify = llm.runner.static_verify
+    if verify is None or not isinstance(verify.greedy, OracleSpeculation):  # CPU: the eager fixed shapes
+        fixed_shapes(llm, k)
+        llm.runner.static_verify.greedy = OracleSpeculation(llm.model, llm.cache, k)
+    on_device = llm.runner.static_verify.greedy
+    on_device.wrong = wrong
+    on_host, told, chained = Oracle(continuations, k, wrong=0), set(), []
+    launch = llm.runner.launch_chained
+    llm.runner.launch_chained = lambda previous: chained.append(previous) or launch(previous)
+
+    def after_step(llm):
+        on_host(llm)
+        for request in set(llm.scheduler.running) - told:
+            told.add(request)
+            on_device.know(request.home_slot, request.prompt_token_ids + continuations[request.request_id])
+    return after_step, chained
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_overlapped_steps_give_the_same_tokens(demo, reference, k):
+    """Overlap scheduling with drafts: a greedy step's successor is launched on the device's own outputs
+    (accepted count, bonus token, new drafts) before the host reads it; accepted and rejected drafts, the
+    same tokens as no drafts, with overlap and without (no chained step then)."""
+    for overlap in (True, False):
+        llm = engine(demo, spec(k), max_num_seqs=3, async_scheduling=overlap)
+        after_step, chained = device_oracle(llm, k, {"0": reference[0], "1": reference[1]}, wrong=k - 1)
+        assert [out.token_ids for out in generate(llm, [greedy(), greedy()], after_step)] == reference
+        assert bool(chained) is overlap and 0 < llm.stats().num_accepted_tokens < llm.stats().num_draft_tokens
+        assert sorted(llm.cache_manager.free_slots) == [0, 1, 2] and not llm.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("stops", ["string", "id, max_tokens"])
+def test_overlapped_steps_stop_inside_accepted_drafts(demo, stops):
+    """A stop string, a stop id or max_tokens reached inside the accepted drafts of a step read back while
+    the next one is in flight: the tokens after it (and that next step's) are dropped; the outputs are
+    those without drafts."""
+    plain = engine(demo, enable_prefix_caching=False)
+    long = [out.token_ids for out in generate(plain, [greedy(20), greedy(20)])]
+    if stops == "string":
+        params = [greedy(20), greedy(20, stop=[plain.tokenizer.decode(long[1][5:7])])]
+    else:
+        params = [greedy(9), greedy(20, stop_token_ids=[long[1][14]])]
+    expected = generate(engine(demo), params)
+    llm = engine(demo, spec(3), max_num_seqs=3)
+    after_step, _ = device_oracle(llm, 3, {"0": long[0], "1": long[1]}, wrong=None)
+    behind, collect = [], llm._collect  # the requests that finish while a chained step is in flight
+
+    def collected(request_id, collect=collect):
+        output = collect(request_id)
+        if output.finished and llm._in_flight is not None and llm._in_flight.chained:
+            behind.append(output.outputs[0].finish_reason)
+        return output
+
+    llm._collect = collected
+    got = generate(llm, params, after_step)
+    assert [(o.token_ids, o.text, o.finish_reason) for o in got] == [
+        (o.token_ids, o.text, o.finish_reason) for o in expected]
+    assert sorted(behind) == ["length", "stop"]
+
+
+def test_overlapped_steps_keep_decode_checkpoints(demo, reference):
+    """A reply decoded by chained steps leaves decode-time prefix-cache checkpoints (the state at a block
+    boundary saved before the step after it was queued, kept once its row was accepted): the conversation
+    resent hits past its prompt, and decodes as without drafts."""
+    plain = engine(demo)
+    prompt, reply = plain.tokenizer.encode(PROMPTS[0]), reference[0]
+    resent = prompt + reply
+    assert len(prompt) < plain.cache.block_size < len(resent)  # a block boundary inside the reply
+    expected = run_to_end(plain, resent)["again"].outputs[0].token_ids
+    llm = engine(demo, spec(1), max_num_seqs=3)
+    after_step, chained = device_oracle(llm, 1, {"0": reply, "again": expected}, wrong=0)
+    assert generate(llm, [greedy()], after_step)[0].token_ids == reply and chained
+    again = run_to_end(llm, resent, after_step)["again"]
+    assert again.outputs[0].token_ids == expected and again.num_cached_tokens > len(prompt)
+
+
+def run_to_end(llm: LLMEngine, prompt: list[int], after_step=lambda llm: None) -> dict:
+    """Request "again" (4 greedy tokens of `prompt`) run to the end: {request id: final output}."""
+    llm.add_request(prompt, greedy(4), request_id="again")
+    done = {}
+    while llm.has_unfinished_requests():
+        done.update({o.request_id: o for o in llm.step() if o.finished})
+        after_step(llm)
+    return done
+
+
+def test_abort_while_a_step_is_in_flight(demo, reference):
+    """A request aborted between a chained step's launch and its read-back: its tokens are dropped, its slot
+    and blocks go back, and the other request and one admitted into the freed slot decode as without drafts."""
+    llm = engine(demo, spec(1), max_num_seqs=3)
+    after_step, chained = device_oracle(llm, 1, {"0": reference[0], "1": reference[1], "2": reference[0]},
+                                        wrong=0)
+    free_blocks = llm.cache_manager.num_free_blocks
+    for prompt, request_id in zip(PROMPTS, "01", strict=True):
+        llm.add_request(prompt, greedy(), request_id=request_id)
+    done = {}
+    while not chained or llm._in_flight is None or not llm._in_flight.chained:
+        done.update({o.request_id: o for o in llm.step() if o.finished})
+        after_step(llm)
+    llm.abort_request("0")
+    llm.add_request(PROMPTS[0], greedy(), request_id="2")
+    while llm.has_unfinished_requests():
+        done.update({o.request_id: o for o in llm.step() if o.finished})
+        after_step(llm)
+    assert sorted(done) == ["1", "2"]
+    assert [done[i].outputs[0].token_ids for i in "12"] == [reference[1], reference[0]]
+    assert sorted(llm.cache_manager.free_slots) == [0, 1, 2] and llm.cache_manager.num_free_blocks == free_blocks
 
 
 def test_penalized_logits_count_the_drafts_before_each_row():

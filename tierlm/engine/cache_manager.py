@@ -161,16 +161,19 @@ class CacheManager:
         return (request.num_prompt_tokens - 1) // self.block_size * self.block_size
 
     # ---- after each step ----------------------------------------------------------------------------
-    def on_computed(self, request: Request, num_known: int | None = None) -> None:
+    def on_computed(self, request: Request, num_known: int | None = None, checkpoint: bool = True) -> None:
         """Right after a step that advanced the request's computed count was queued: register its newly
         full blocks, checkpoint at the boundaries of the policy above. num_known: tokens whose ids the host
-        has (overlap scheduling; default: all computed ones): blocks past them wait for `on_tokens_known`."""
+        has (overlap scheduling; default: all computed ones): blocks past them wait for `on_tokens_known`.
+        checkpoint False: register only (a speculative step read back behind the next one already queued:
+        its slot no longer holds the state at the boundary by the time a copy would run; `save_ahead` took
+        it before that step was queued)."""
         if not self.prefix_caching:
             return
         computed = request.num_computed_tokens
         known = computed if num_known is None else min(computed, num_known)
         self._register(request, known // self.block_size)
-        if computed % self.block_size or computed == 0:
+        if computed % self.block_size or computed == 0 or not checkpoint:
             return
         at_prompt_boundary = computed == self.prompt_checkpoint_at(request)
         if at_prompt_boundary or computed > request.num_prompt_tokens:
@@ -208,6 +211,28 @@ class CacheManager:
         if request.decode_checkpoint is not None:
             self._drop_checkpoint(request.decode_checkpoint)
         request.decode_checkpoint = digest
+
+    def save_ahead(self, request: Request, boundary: int, slot: int) -> None:
+        """Speculative decoding, overlap scheduling: a step in flight may bring the request's computed count
+        past the block boundary `boundary`, the state there then being in `slot` (the row slot of the row
+        ending there), which the next step, queued now, overwrites. Save it now (in stream order) into a
+        reserved host row; `settle_ahead`, once that step is read back, keys it or gives the row back."""
+        if not self.prefix_caching or boundary <= request.num_prompt_tokens:
+            return
+        row = self._take_row()
+        if row is None:
+            return
+        self.cache.save_checkpoint(slot, row)
+        self._release_pending(request)
+        request.pending_checkpoint = (boundary, row)
+
+    def settle_ahead(self, request: Request) -> None:
+        """After a speculative step's read-back: a `save_ahead` checkpoint of a boundary it did not reach (its
+        row's draft was rejected) is given back; one it reached is keyed (`on_tokens_known`)."""
+        pending = request.pending_checkpoint
+        if pending is not None and pending[0] > request.num_computed_tokens:
+            self._release_pending(request)
+        self.on_tokens_known(request)
 
     def _register(self, request: Request, full: int) -> None:
         """Make the request's first `full` blocks findable (those not registered yet)."""

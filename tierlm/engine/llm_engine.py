@@ -12,8 +12,10 @@ placeholder (engine/request.py) and its computed count moves on; the next step t
 device. Reading a step back fills the placeholders, applies stop conditions (a request that finished has
 one more token computed by the step already launched, which is discarded), detokenizes and streams. A
 step keeps its results synchronous when a sampling request needs its own ids on the host to sample the
-next token (a grammar, penalties, bad_words); speculative decoding and memory-mapped PLE tables (rows
-gathered on the host from the ids) turn overlap off. With pipeline parallelism the steps are launched
+next token (a grammar, penalties, bad_words); memory-mapped PLE tables (rows gathered on the host from the
+ids) turn overlap off. With speculative decoding (`_speculative_step`) a greedy step on the device is left in
+flight and the next one is launched on its outputs on the device before it is read (engine/speculative.py);
+other drafting steps run serially. With pipeline parallelism the steps are launched
 into the pipeline (`PipelineDriver.launch` / `finish`: the last rank sends its sampled ids to rank 0's
 device, where the next step takes them), one batch of every running request at a time; without overlap
 the pipeline keeps micro-batches in flight instead (`PipelineDriver.step`). Greedy and seeded outputs are
@@ -39,7 +41,12 @@ from tierlm.engine.model_runner import LaunchedStep, ModelRunner, StepResult
 from tierlm.engine.request import Request, RequestStatus
 from tierlm.engine.sampler import Sampler
 from tierlm.engine.scheduler import RequestListener, Scheduler
-from tierlm.engine.speculative import SpeculativeConfig, SpeculativeRunner, spare_slots_needed
+from tierlm.engine.speculative import (
+    LaunchedSpeculation,
+    SpeculativeConfig,
+    SpeculativeRunner,
+    spare_slots_needed,
+)
 from tierlm.engine.trace import NoTrace, StepTrace
 from tierlm.memory.host_pool import DEFAULT_MARGIN_BYTES
 from tierlm.memory.ngram_prefetch import PrefetchWorker
@@ -424,7 +431,11 @@ class LLMEngine:
         self.overlap = (self.config.async_scheduling and not os.environ.get("TIERLM_NO_ASYNC_SCHEDULING")
                         and type(self.runner) is ModelRunner
                         and self.runner.ngram_store is None)
-        self._in_flight: LaunchedStep | None = None  # overlap: the launched step not read back yet
+        # with drafts: greedy steps on the device chain on the device's own outputs (`_speculative_step`)
+        self.speculative_overlap = (self.config.async_scheduling and not os.environ.get("TIERLM_NO_ASYNC_SCHEDULING")
+                                    and isinstance(self.runner, SpeculativeRunner))
+        # overlap: the launched step not read back yet (with drafts: a `LaunchedSpeculation`)
+        self._in_flight: LaunchedStep | LaunchedSpeculation | None = None
         if device.type == "cuda":
             memory = self._device_memory()
             logger.info("%s memory after start-up: %s allocated, %s reserved, peak %s", device,
@@ -585,6 +596,8 @@ class LLMEngine:
         """Schedule, run one forward, sample; outputs of every request that changed this step. With
         pipeline parallelism: launch batches into the pipeline, and take back the oldest one in flight.
         With overlap scheduling: launch this step, then read back the step launched before it."""
+        if isinstance(self.runner, SpeculativeRunner):
+            return self._speculative_step()
         trace = self.trace
         changed: dict[str, None] = {}
         if self.pipeline is not None and not self.overlap:
@@ -625,11 +638,76 @@ class LLMEngine:
             trace.end_step(plan.num_tokens)
         return outputs
 
+    def _speculative_step(self) -> list[RequestOutput]:
+        """`step` with drafts. Overlap scheduling keeps one greedy step on the device in flight
+        (`SpeculativeRunner.launch_greedy`): the next `step` launches the step after it on the device's own
+        outputs (`launch_chained`, when `_chains` allows), then reads it back; else it only reads it back,
+        and the step after schedules anew. Any other step runs serially (`execute`)."""
+        trace, runner = self.trace, self.runner
+        changed: dict[str, None] = {}
+        previous, self._in_flight = self._in_flight, None
+        if previous is None:
+            with trace.phase("schedule"):
+                plan = self.scheduler.schedule()
+            self.last_step_num_tokens = plan.num_tokens
+            if not plan.chunks:
+                return []
+            if self.speculative_overlap and runner.overlaps(plan):
+                self._in_flight = runner.launch_greedy(plan)
+                trace.end_step(plan.num_tokens)
+                return []
+            result = runner.execute(plan)
+            with trace.phase("apply, detokenize"):
+                self._apply(plan, result, changed)
+        else:
+            if self._chains(previous):
+                self._save_ahead(previous)
+                self._in_flight = runner.launch_chained(previous)
+            self.last_step_num_tokens = (self._in_flight or previous).num_tokens
+            result = runner.finish_greedy(previous, self._in_flight)
+            with trace.phase("apply, detokenize"):
+                self._apply(previous.step, result, changed, checkpoint=self._in_flight is None)
+                for chunk in previous.step.chunks if self._in_flight is not None else ():
+                    if not chunk.request.is_finished:
+                        self.cache_manager.settle_ahead(chunk.request)
+        with trace.phase("apply, detokenize"):
+            outputs = [self._collect(request_id) for request_id in changed]
+        trace.end_step(self.last_step_num_tokens)
+        return outputs
+
+    def _save_ahead(self, previous) -> None:
+        """Before the step chained after `previous` is queued: a request whose computed count `previous` may
+        bring onto a block boundary (row j ends there, if its draft is accepted) has the state after row j
+        saved for the prefix cache (`CacheManager.save_ahead`), as a serial step saves it after it ran."""
+        block_size = self.cache_manager.block_size
+        for chunk in previous.step.chunks:
+            request = chunk.request
+            first = request.num_computed_tokens + 1  # the computed count after row 0
+            boundary = -(-first // block_size) * block_size
+            if boundary - first < 1 + self.runner.k:
+                self.cache_manager.save_ahead(request, boundary, self.runner.row_slots(request)[boundary - first])
+
+    def _chains(self, previous) -> bool:
+        """Whether the greedy step after `previous` (in flight) can be launched before reading it: the same
+        requests are all that run (none finished, paused or waiting to be admitted), none certainly ends
+        with `previous` (max_tokens), and each has room for any accepted count of `previous` (K + 1 more
+        tokens) followed by a full step: a verify of K drafts and the draft head's K positions past it
+        (the blocks are reserved here; max_model_len bounds it)."""
+        requests = [chunk.request for chunk in previous.step.chunks]
+        scheduler, k = self.scheduler, self.runner.k
+        if (len(requests) != len(scheduler.running) or set(requests) != set(scheduler.running)
+                or (scheduler.waiting and len(scheduler.running) < scheduler.max_num_seqs)):
+            return False
+        for request in requests:
+            max_tokens = request.params.max_tokens
+            if (request.is_finished or request.paused or request.num_tokens + 3 * k + 2 > request.max_model_len
+                    or (max_tokens is not None and len(request.output_token_ids) + 1 >= max_tokens)):
+                return False
+        return all(self.cache_manager.grow(request, request.num_tokens + 3 * k) for request in requests)
+
     def _launch(self, plan, previous: LaunchedStep | None) -> LaunchedStep | StepResult:
         """Run the plan: left in flight (`self._in_flight`) when overlap allows, else a launched step to
-        read back at once (or, from a runner that only executes, its result)."""
-        if type(self.runner) is not ModelRunner:  # the speculative runner only executes
-            return self.runner.execute(plan)
+        read back at once."""
         samples = [chunk.samples for chunk in plan.chunks]  # before the computed counts move on
         launched = (self.pipeline or self.runner).launch(plan, previous)
         if self.overlap and all(self._overlaps(request) for request in launched.sampling):
@@ -678,8 +756,9 @@ class LLMEngine:
                 request.finish(RequestStatus.FINISHED_ERROR, result.failed[request])
                 changed[self._group_of[request]] = None
 
-    def _apply(self, plan, result, changed: dict[str, None]) -> None:
-        """A step's computed tokens and sampled tokens into its requests."""
+    def _apply(self, plan, result, changed: dict[str, None], checkpoint: bool = True) -> None:
+        """A step's computed tokens and sampled tokens into its requests (checkpoint: see
+        `CacheManager.on_computed`)."""
         for chunk in plan.chunks:
             request = chunk.request
             if request.is_finished:  # aborted while its batch was in the pipeline
@@ -688,7 +767,7 @@ class LLMEngine:
             appended = self._append_accepted(request, result.accepted.get(request, ()))
             request.num_computed_tokens = min(request.num_computed_tokens + chunk.num_tokens + appended,
                                               request.num_tokens)
-            self.cache_manager.on_computed(request)
+            self.cache_manager.on_computed(request, checkpoint=checkpoint)
             if appended and request.is_finished:  # a stop inside the accepted drafts
                 changed[self._group_of[request]] = None
                 continue
@@ -750,17 +829,29 @@ class LLMEngine:
         )
 
     def _update_text(self, seq: _Sequence) -> None:
-        """Detokenize the new tokens, then apply stop strings (which may finish the request)."""
+        """Detokenize the new tokens, applying stop strings after each (a stop ends the request at the token
+        that completes it: the tokens after it, accepted drafts of the same step, are dropped)."""
         request = seq.request
         known = request.known_output_token_ids
-        for token in known[seq.detokenized :]:
-            seq.text += seq.detokenizer.push(token)
-        seq.detokenized = len(known)
+        stops = request.params.stop_strings
+        for index in range(seq.detokenized, len(known)):
+            seq.text += seq.detokenizer.push(known[index])
+            seq.detokenized = index + 1
+            if stops and self._stop_string(seq):
+                request.drop_output_after(index + 1)
+                return  # what the detokenizer still holds comes after the stop
         if request.is_finished and request.status != RequestStatus.FINISHED_ABORTED:
             seq.text += seq.detokenizer.flush()
+            if stops:
+                self._stop_string(seq)  # in the flushed tail
+
+    def _stop_string(self, seq: _Sequence) -> bool:
+        """Search the new text for the request's stop strings; the earliest match cuts the text there and
+        finishes the request (True)."""
+        request = seq.request
         stops = request.params.stop_strings
-        if not stops or (request.is_finished and isinstance(request.stop_reason, str)):
-            return
+        if request.is_finished and isinstance(request.stop_reason, str):
+            return False
         # only the new text, and the tail before it that a stop string could still end in, is scanned
         start = max(0, seq.stop_scanned - max(len(stop) for stop in stops) + 1)
         seq.stop_scanned = len(seq.text)
@@ -770,6 +861,8 @@ class LLMEngine:
             end = at + len(stop) if request.params.include_stop_str_in_output else at
             seq.text = seq.text[:end]
             request.finish(RequestStatus.FINISHED_STOPPED, stop)
+            return True
+        return False
 
     def _decode_token(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)

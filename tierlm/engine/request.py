@@ -197,6 +197,13 @@ class Request:
         if self.params.max_tokens is not None and n_out >= self.params.max_tokens or self.num_prompt_tokens + n_out >= self.max_model_len:
             self.finish(RequestStatus.FINISHED_LENGTH)
 
+    def drop_output_after(self, count: int) -> None:
+        """Keep only the first `count` output tokens of a finished request (a stop string completed by an
+        earlier token of the same step's accepted drafts)."""
+        if not self.is_finished:
+            raise RuntimeError(f"request {self.request_id}: output dropped while it runs")
+        del self.output_token_ids[count:]
+
     def finish(self, status: RequestStatus, stop_reason: int | str | None = None) -> None:
         """End the request; tokens still on the device (placeholders) are discarded."""
         self.status = status

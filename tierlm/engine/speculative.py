@@ -43,6 +43,31 @@ positions are rolled back exactly.
   graph on them. Same tokens as the general path (tests pin it). CPU, demo tiny, K=1
   (bench/spec_host_cost.py): 32 launches per step (29 ops around 3 replays) -> 3 (the staging copy, one
   replay, the read), host 1.09 -> 0.39 ms per step; K=3: 69 -> 3; repetition_penalty 1.05: 52 -> 25.
+- Overlap scheduling (vLLM's async scheduling with drafts, SGLang's overlap scheduler): a greedy step on
+  the device without penalties (`overlaps`) is left in flight (`launch_greedy`: its readback copied to
+  pinned host memory behind it). The engine's next step launches the step after it before reading it
+  (`launch_chained`) when the same requests are all that run and each has room (engine/llm_engine.py
+  `_chains`): everything that depends on the unread outcome (the bonus token, the K new drafts, the
+  positions start + 1 + a, the state slot the kept row's state is in and the order of the other row slots,
+  the K/V rows) is made on the device by the step before, at the end of its graph
+  (`StaticDecodeRunner._advance`; the K/V rows at the start of each greedy graph from the block table);
+  the host sends only the block-table entries it reserved for the worst case (every draft accepted: K + 1
+  tokens, then a full step and the draft head's K positions). Reading a step back (`finish_greedy`) applies
+  it as a serial step is applied and hands its drafts to the chained step as the ones that step verifies;
+  a request finished on that read (EOS, a stop id or string, max_tokens inside accepted drafts) or aborted
+  since has the chained step's tokens dropped when that step is read. Anything else (a prefill chunk,
+  mixed widths, penalties, sampling, a request waiting to be admitted, too little room) reads the step in
+  flight back first and then runs serially, as before. Same tokens either way (tests/test_speculative.py).
+  A block boundary the step in flight may reach gets its prefix-cache checkpoint from the row slot that
+  would hold it, saved before the chained step is queued and kept on read-back if that row was accepted
+  (`CacheManager.save_ahead` / `settle_ahead`). CPU, demo tiny, one thread (bench/spec_host_cost.py,
+  loaded machine): host work per greedy step 0.38-0.48 ms serial, all of it between two device steps;
+  0.26-0.37 ms with overlap, done while the next step runs (the H200's K=1 step is 0.77 ms of GPU).
+  Left to do: the inputs of a chained step are ~25 tiny ops in the greedy graph (`_advance` and the K/V
+  rows; ~1.5 us each on an H200): one Triton kernel would take them to one launch; a step where a request
+  finishes or one is admitted reads back before scheduling (one serial step, then the chain restarts);
+  penalized, sampled and grammar requests stay serial (verification needs the drafts or output ids on
+  the host).
 Which requests speculate: those with nothing but temperature, top-k/p, min-p and the repetition,
 frequency and presence penalties shaping their distribution (no biases, bans, allowed ids, min_tokens,
 log-probabilities, grammar); the others decode one token per step in the same batches, unchanged. A
@@ -71,7 +96,7 @@ import torch
 
 from tierlm.engine.model_runner import ModelRunner, StepResult
 from tierlm.engine.rejection_sampler import rejection_sample
-from tierlm.engine.request import Request
+from tierlm.engine.request import PLACEHOLDER, Request
 from tierlm.engine.sampler import MIN_TEMPERATURE, edit_logits, plan_rows, sampling_probs
 from tierlm.engine.scheduler import ScheduledChunk, SchedulerOutput
 from tierlm.model.forward_batch import ForwardBatch
@@ -153,6 +178,22 @@ def penalized_logits(logits: torch.Tensor, requests: list[Request], drafts_befor
     x = logits.float()
     plan = plan_penalties(requests, drafts_before, x.shape[1], x.device)
     return x if plan is None else edit_logits(x, plan)
+
+
+@dataclass
+class LaunchedSpeculation:
+    """A greedy speculative step queued on the device (`SpeculativeRunner.launch_greedy` / `launch_chained`),
+    its readback [B, 2 + K] copied to `readback` once `ready` has run; `SpeculativeRunner.finish_greedy`
+    reads it."""
+
+    step: SchedulerOutput  # its requests, in row order (a chained step's drafts filled in on the step before's read)
+    readback: torch.Tensor
+    ready: torch.cuda.Event | None  # None: on CPU, copied already
+    chained: bool  # its inputs came from the step before it, on the device
+
+    @property
+    def num_tokens(self) -> int:
+        return self.step.num_tokens
 
 
 @dataclass
@@ -249,41 +290,106 @@ class SpeculativeRunner:
         replay of the whole step. Penalized rows are planned by the host (while the verify forward runs):
         the verify replays alone, its logits are penalized, and the rest of the step replays on them. The
         same tokens as `execute`'s general path (tests pin it)."""
-        k, chunks, width = self.k, step.chunks, 1 + self.k
+        requests = [chunk.request for chunk in step.chunks]
+        if not any(request.params.has_penalties for request in requests):
+            return self.finish_greedy(self.launch_greedy(step))
+        chunks, width = step.chunks, 1 + self.k
         n, verify = len(chunks), self.static_verify
         with self.trace.phase("prepare batch"):
-            row_slots = [[*(self._position_slot(chunk.request, j) for j in range(k)), chunk.request.state_slot]
-                         for chunk in chunks]
-            shape, _ = verify.stage_verify(
-                [chunk.request.token_slice(chunk.start, chunk.start + 1) + chunk.draft_token_ids for chunk in chunks],
-                [chunk.start for chunk in chunks], [chunk.request.state_slot for chunk in chunks], row_slots,
-                [chunk.request.block_ids for chunk in chunks])
-        requests = [chunk.request for chunk in chunks]
-        if not any(request.params.has_penalties for request in requests):
-            # the device span is "forward" as a plain decode step's is: "between forwards" is then the time
-            # the device waits for the host between steps, with or without drafts
-            with self.trace.phase("launch forward"), self.trace.gpu("forward"):
-                readback = verify.replay_greedy(shape, n)
-        else:
-            with self.trace.phase("launch forward"), self.trace.gpu("forward"):
-                logits, _ = verify.replay(shape, n * width)  # its streams stay where the rest reads them
-            with self.trace.phase("accept, draft"), self.trace.gpu("accept, draft"):
-                # penalized rows: the host plans them from the drafts it has (while the device runs the forward)
-                penalties = plan_penalties(*verify_rows(requests, [chunk.draft_token_ids for chunk in chunks]),
-                                           logits.shape[1], logits.device)
-                readback = verify.replay_accept(shape, n, edit_logits(logits.float(), penalties))
+            shape = self._stage(step)
+        with self.trace.phase("launch forward"), self.trace.gpu("forward"):
+            logits, _ = verify.replay(shape, n * width)  # its streams stay where the rest reads them
+        with self.trace.phase("accept, draft"), self.trace.gpu("accept, draft"):
+            # penalized rows: the host plans them from the drafts it has (while the device runs the forward)
+            penalties = plan_penalties(*verify_rows(requests, [chunk.draft_token_ids for chunk in chunks]),
+                                       logits.shape[1], logits.device)
+            readback = verify.replay_accept(shape, n, edit_logits(logits.float(), penalties))
         with self.trace.phase("read accepted ids"):
-            readback = readback.tolist()
+            return self._accepted(step, readback.tolist())
+
+    def _stage(self, step: SchedulerOutput) -> tuple[int, int]:
+        """A greedy step's inputs into the verify runner's buffers (one copy); the shape to replay."""
+        chunks = step.chunks
+        shape, _ = self.static_verify.stage_verify(
+            [chunk.request.token_slice(chunk.start, chunk.start + 1) + chunk.draft_token_ids for chunk in chunks],
+            [chunk.start for chunk in chunks], [chunk.request.state_slot for chunk in chunks],
+            [self.row_slots(chunk.request) for chunk in chunks], [chunk.request.block_ids for chunk in chunks])
+        return shape
+
+    def row_slots(self, request: Request) -> list[int]:
+        """The slots keeping the state after each verify row: its K position slots, then its state slot."""
+        return [*(self._position_slot(request, j) for j in range(self.k)), request.state_slot]
+
+    # ---- overlap scheduling: greedy steps launched before the one before them is read -------------------
+    def overlaps(self, step: SchedulerOutput) -> bool:
+        """Whether the step can be left in flight (`launch_greedy`): a greedy step on the device whose
+        requests have no penalties (their verify rows need the drafts on the host)."""
+        return self._on_device(step) and not any(chunk.request.params.has_penalties for chunk in step.chunks)
+
+    def launch_greedy(self, step: SchedulerOutput) -> LaunchedSpeculation:
+        """Queue a greedy step (`overlaps`) on the device, and the copy of its readback to the host."""
+        with self.trace.phase("prepare batch"):
+            shape = self._stage(step)
+        return self._launch(step, shape)
+
+    def launch_chained(self, previous: LaunchedSpeculation) -> LaunchedSpeculation:
+        """Queue the greedy step after `previous` (not read back yet) for the same requests, its inputs made
+        on the device by `previous` (`StaticDecodeRunner._advance`): the host sends only the block-table
+        entries that changed; the caller reserved blocks for every accepted count (see the module). The
+        step's drafts are known when `previous` is read back (`finish_greedy` fills them in)."""
+        requests = [chunk.request for chunk in previous.step.chunks]
+        with self.trace.phase("prepare batch"):
+            shape = self.static_verify.stage_chained([request.block_ids for request in requests])
+        step = SchedulerOutput([ScheduledChunk(request, 1, [PLACEHOLDER] * self.k) for request in requests])
+        return self._launch(step, shape, chained=True)
+
+    def _launch(self, step: SchedulerOutput, shape: tuple[int, int], chained: bool = False) -> LaunchedSpeculation:
+        n = len(step.chunks)
+        # the device span is "forward" as a plain decode step's is: "between forwards" is then the time
+        # the device waits for the host between steps, with or without drafts
+        with self.trace.phase("launch forward"), self.trace.gpu("forward"):
+            readback = self.static_verify.replay_greedy(shape, n)
+            cuda = readback.device.type == "cuda"
+            host = torch.empty(readback.shape, dtype=readback.dtype, pin_memory=cuda)
+            host.copy_(readback, non_blocking=cuda)  # the buffer is the next replay's: copied out in order
+            ready = None
+            if cuda:
+                ready = torch.cuda.Event()
+                ready.record()
+        return LaunchedSpeculation(step, host, ready, chained)
+
+    def finish_greedy(self, launched: LaunchedSpeculation, following: LaunchedSpeculation | None = None
+                      ) -> StepResult:
+        """A launched greedy step read back (waits for it): accepted drafts and the token after them, each
+        request's state slot moved to its kept row's, its new drafts; `following` (the step chained after
+        it, in flight) gets those drafts as the ones it verifies. Requests finished since (aborted, or
+        stopped by the step before) are left out."""
+        with self.trace.phase("read accepted ids"):
+            if launched.ready is not None:
+                launched.ready.synchronize()
+            return self._accepted(launched.step, launched.readback.tolist(), following)
+
+    def _accepted(self, step: SchedulerOutput, readback: list[list[int]], following: LaunchedSpeculation | None = None
+                  ) -> StepResult:
+        """A greedy step's readback rows (accepted count, token after them, next drafts) into its requests
+        and a `StepResult`."""
         result = StepResult()
-        for chunk, slots, (count, token, *new_drafts) in zip(step.chunks, row_slots, readback, strict=True):
+        next_chunks = following.step.chunks if following is not None else [None] * len(step.chunks)
+        counted = 0
+        for chunk, after, (count, token, *new_drafts) in zip(step.chunks, next_chunks, readback, strict=True):
             request = chunk.request
-            request.state_slot = slots[count]  # the state after its last kept row: no copy back
+            if request.is_finished:
+                continue
+            request.state_slot = self.row_slots(request)[count]  # the state after its last kept row: no copy
             result.accepted[request] = chunk.draft_token_ids[:count]
             result.sampled[request] = token
             request.draft_token_ids, request.draft_probs = new_drafts, None
-        self.num_drafts += n
-        self.num_draft_tokens += n * k
-        self.num_accepted_tokens += sum(row[0] for row in readback)
+            if after is not None:
+                after.draft_token_ids = list(new_drafts)
+            counted += 1
+            self.num_accepted_tokens += count
+        self.num_drafts += counted
+        self.num_draft_tokens += counted * self.k
         self._log_acceptance()
         return result
 
@@ -482,10 +588,13 @@ class SpeculativeRunner:
 
     # ---- slots --------------------------------------------------------------------------------------
     def _position_slot(self, request: Request, j: int) -> int:
-        """The slot that keeps the request's state after row j of its verify chunk (j < K): the j-th of its
-        slot group (`row_slot_group`) other than its state slot, which `_greedy_step` moves within the group."""
+        """The slot that keeps the request's state after row j of its verify chunk (j < K): the slots of its
+        group (`row_slot_group`) after its state slot, in turn (the group taken as a ring), so a greedy step
+        that keeps row a's state moves the ring by a + 1 (`StaticDecodeRunner._advance` does it on the
+        device)."""
         group = row_slot_group(request.home_slot, self.position_slot_base, self.k)
-        return [slot for slot in group if slot != request.state_slot][j]
+        at = group.index(request.state_slot)
+        return group[(at + 1 + j) % len(group)]
 
 
 def row_slot_group(home_slot: int, position_slot_base: int, k: int) -> list[int]:

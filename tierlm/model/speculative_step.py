@@ -25,6 +25,10 @@ graph (mode "eager" runs the same function on the padded batches: the CPU tests'
 penalties verify against penalized logits that the host plans (engine/speculative.py): the verify forward
 replays alone, the host edits its logits, and `accept_and_draft` replays as a second graph on them.
 The draft head's mixer and lm_head run on row a_i of each request only.
+
+`OracleSpeculation`: the same step drafting a known continuation instead of the head's proposals (forced
+acceptance on the device, for benchmarks and tests: steps chained by overlap scheduling verify drafts no
+host code sets).
 """
 
 from __future__ import annotations
@@ -106,3 +110,38 @@ class GreedySpeculation:
             tokens = logits.argmax(dim=-1)
             proposed.append(tokens)
         return proposed
+
+
+ORACLE_MAX_POSITIONS = 1 << 16  # the positions an `OracleSpeculation` can be told a token for
+
+
+class OracleSpeculation(GreedySpeculation):
+    """`GreedySpeculation` whose drafts come from a known token sequence per request instead of the draft head
+    (forced acceptance, on the device, so steps chained by overlap scheduling verify them too: benchmarks
+    and tests). `know(home_slot, token_ids)`: the request in that home slot (its smallest row slot) will be
+    drafted token_ids[p] for position p; wrong: the draft at that index of every step whose first accepted
+    position is odd is made wrong (partial runs). Tokens past the known ones (or past ORACLE_MAX_POSITIONS)
+    are drafted as 0."""
+
+    def __init__(self, model, cache: ModelCache, num_speculative_tokens: int) -> None:
+        super().__init__(model, cache, num_speculative_tokens)
+        width = min(cache.num_blocks * cache.block_size, ORACLE_MAX_POSITIONS) + 2 * num_speculative_tokens + 2
+        self.tokens = torch.zeros(cache.scratch_slot + 1, width, dtype=torch.int64, device=cache.device)
+        self.vocab_size = cache.config.vocab_size
+        self.wrong: int | None = None
+
+    def know(self, home_slot: int, token_ids: list[int]) -> None:
+        known = token_ids[: self.tokens.shape[1]]
+        self.tokens[home_slot].zero_()
+        self.tokens[home_slot, : len(known)] = torch.tensor(known, device=self.tokens.device)
+
+    def accept_and_draft(self, batch, scores, streams, rope=None):
+        out = super().accept_and_draft(batch, scores, streams, rope)
+        n, width = out.shape[0], 1 + self.k
+        first = batch.positions.view(n, width)[:, 0] + out[:, 0] + 2  # the first new draft's position
+        positions = (first[:, None] + torch.arange(self.k, device=out.device)).clamp(max=self.tokens.shape[1] - 1)
+        drafts = self.tokens[batch.verify_slots.min(dim=1).values[:, None], positions]
+        if self.wrong is not None:
+            column = drafts[:, self.wrong]
+            drafts[:, self.wrong] = torch.where(first % 2 == 1, (column + 1) % self.vocab_size, column)
+        return torch.cat([out[:, :2], drafts], dim=1)

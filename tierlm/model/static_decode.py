@@ -22,7 +22,10 @@ the slots that keep the state after each row), and its forwards return every row
 and output streams come back. A verification runner with `greedy_speculation` also prepares, per shape,
 the whole greedy speculative step (`GreedySpeculation`: verify, accept, roll back, draft, one readback
 tensor) as a second graph in the same memory pool (`replay_greedy`), and as a third its part after the
-verify forward, on scores the host wrote (penalized logits; `replay_accept`).
+verify forward, on scores the host wrote (penalized logits; `replay_accept`). The greedy graph takes its
+K/V rows from the block table on the device and ends by writing the next greedy step's inputs into the
+buffers from its own outcome (`_advance`): overlap scheduling launches that step before the host has read
+this one (`stage_chained` then sends only the block-table entries that changed).
 
 Inputs come two ways. `run(batch)` copies a built `ForwardBatch`'s device tensors into the buffers (the
 pipeline stages and the speculative runners use it). `run_decode(...)` (plain decode, one row per request)
@@ -141,6 +144,9 @@ class StaticDecodeRunner:
         self.tables_at = {width: self.block_tables[:, :width] for width in self.widths}  # the columns a width reads
         self._staging = _Staging(self.inputs.numel(), cache.device)
         self.logits_rows = torch.arange(max_rows, **as_long)
+        # a greedy step's: each row's request (its K/V rows from the block table) and row index in the request
+        self._request_of_row = torch.arange(max_rows, **as_long) // rows_per_request
+        self._row_steps = torch.arange(rows_per_request, **as_long)
         self.ple_embeddings = {
             index: torch.zeros(max_rows, width, dtype=cache.dtype, device=cache.device)
             for index, width in (ple_embedding_dims or {}).items()
@@ -180,10 +186,38 @@ class StaticDecodeRunner:
         elif mode == "cuda_graph":
             pool = self._capture(self.step, self.graphs, self.outputs)
             if self.greedy is not None:  # the same pool: one graph runs at a time, each read before the next
-                pool = self._capture(self.greedy, self.greedy_graphs, self.greedy_outputs, pool)
+                pool = self._capture(self._greedy_step, self.greedy_graphs, self.greedy_outputs, pool)
                 self._capture(self._accept_step, self.accept_graphs, self.accept_outputs, pool)
         self._reset_tables()
         cache.reset_row_cache_counters()  # the warm-up and capture forwards served no request
+
+    def _greedy_step(self, batch: ForwardBatch, cache: ModelCache) -> torch.Tensor:
+        """The whole greedy speculative step on the staged inputs (its K/V rows taken from the block table on
+        the device), then the next step's inputs from its readback (`_advance`)."""
+        rows, block_size = batch.token_ids.shape[0], self.cache.block_size
+        positions = self.positions[:rows]
+        blocks = batch.block_tables[self._request_of_row[:rows], positions // block_size]
+        blocks = torch.where(blocks < 0, self.cache.scratch_block, blocks)  # none of a real row's: reserved
+        self.slot_mapping[:rows] = blocks * block_size + positions % block_size
+        readback = self.greedy(batch, cache)
+        self._advance(readback)
+        return readback
+
+    def _advance(self, readback: torch.Tensor) -> None:
+        """The inputs of the step after a greedy step, from its readback [size, 2 + K], into the buffers (overlap
+        scheduling chains steps on them: `stage_chained`): request i's tokens are the token after its accepted
+        drafts and its K new drafts, from position start + 1 + a_i; its state is in verify_slots[i, a_i], and
+        its row slots move round by a_i + 1, so that one comes last (the host's order: engine/speculative.py
+        `_position_slot`). Padding requests stay padding (their row slots are all the scratch slot)."""
+        size, width = readback.shape[0], self.rows_per_request
+        steps = self._row_steps
+        real = self.slots[:size] != self.cache.scratch_slot
+        accepted = readback[:, 0] * real
+        self.verify_slots[:size] = self.verify_slots[:size].gather(1, (accepted[:, None] + 1 + steps) % width)
+        self.slots[:size] = self.verify_slots[:size, -1]
+        self.context_lens[:size] += (1 + accepted) * real
+        self.positions[: size * width] = ((self.context_lens[:size, None] + steps) * real[:, None]).flatten()
+        self.input_ids[: size * width] = (readback[:, 1:] * real[:, None]).flatten()
 
     def _accept_step(self, batch: ForwardBatch, cache: ModelCache) -> torch.Tensor:
         """The greedy step after its verify forward: on `scores` and the streams of this shape's forward."""
@@ -321,7 +355,7 @@ class StaticDecodeRunner:
             self.greedy_graphs[shape].replay()
             return self.greedy_outputs[shape][:num_requests]
         self._resolve_tokens()
-        return self.greedy(self.batches[shape], self.cache)[:num_requests]
+        return self._greedy_step(self.batches[shape], self.cache)[:num_requests]
 
     def replay_accept(self, shape: tuple[int, int], num_requests: int, scores: torch.Tensor) -> torch.Tensor:
         """The greedy step's part after the verify forward (`replay` of this shape just ran), on `scores`
@@ -399,6 +433,18 @@ class StaticDecodeRunner:
         )
         return shape, batch
 
+    def stage_chained(self, tables: list[list[int]]) -> tuple[int, int]:
+        """The inputs of a greedy step that follows the last `replay_greedy` of the same requests in the same
+        rows (overlap scheduling): the ids, positions and slots are already in the buffers (that step's
+        `_advance` writes them on the device); only the block-table entries that changed are sent (one copy).
+        Returns the shape to `replay_greedy`: the same size, the width the tables need now."""
+        n, longest = len(tables), max(len(t) for t in tables)
+        if longest > self.block_tables.shape[1]:
+            raise ValueError(f"a block table of {longest} blocks > the {self.block_tables.shape[1]} prepared")
+        size = next(s for s in self.sizes if s >= n)
+        self._send(self._staging.next(), tables, size, tables_only=True)
+        return size, next(w for w in self.widths if w >= longest)
+
     def _stage_rows(self, stage, token_ids: list[int], positions: list[int], context_lens: list[int],
                     slots: list[int], row_tables: list[list[int]]) -> None:
         """The per-row vectors into a staging buffer: rows past the given ones (and requests past the given
@@ -415,14 +461,14 @@ class StaticDecodeRunner:
         stage[4 * m + rows : 5 * m] = self.cache.scratch_block * block_size
         stage[5 * m : 6 * m] = self._own_picks_host
 
-    def _send(self, stage, tables: list[list[int]], size: int) -> None:
-        """The staged vectors and the block-table entries rows 0:size need changed to the device (one copy),
-        the entries scattered into the table there."""
+    def _send(self, stage, tables: list[list[int]], size: int, tables_only: bool = False) -> None:
+        """The staged vectors (tables_only: not those) and the block-table entries rows 0:size need changed to
+        the device (one copy), the entries scattered into the table there."""
         columns, values = self._table_updates(tables, size)
         changed, updates = len(columns), self._updates_at
         stage[updates : updates + changed] = columns
         stage[updates + changed : updates + 2 * changed] = values
-        self._staging.send(self.inputs, updates + 2 * changed)
+        self._staging.send(self.inputs, updates + 2 * changed, start=updates if tables_only else 0)
         if changed:
             self.block_tables.view(-1).index_copy_(
                 0, self.inputs[updates : updates + changed], self.inputs[updates + changed : updates + 2 * changed])
@@ -497,8 +543,8 @@ class _Staging:
             self.copied[self.turn].synchronize()
         return self.arrays[self.turn]
 
-    def send(self, target: torch.Tensor, count: int) -> None:
-        """The first `count` entries of the buffer just filled into target's (one host-to-device copy)."""
-        target[:count].copy_(self.buffers[self.turn][:count], non_blocking=True)
+    def send(self, target: torch.Tensor, count: int, start: int = 0) -> None:
+        """Entries start:count of the buffer just filled into target's (one host-to-device copy)."""
+        target[start:count].copy_(self.buffers[self.turn][start:count], non_blocking=True)
         if self.copied[self.turn] is not None:
             self.copied[self.turn].record()
