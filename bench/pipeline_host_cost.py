@@ -43,9 +43,10 @@ STREAMS = [1, 4]  # --streams
 COUNTING = "counted-"  # the request ids of the counting pass (rank 1 starts counting when it sees one)
 SYNC_OPS = {"aten::_local_scalar_dense", "tolist"}
 RANK0_PHASES = {"ids_wait_seconds": "ids wait*", "prepare_seconds": "prepare", "send_seconds": "send",
-                "forward_seconds": "own layers", "wait_seconds": "wait for answer*", "rest": "engine rest"}
+                "forward_seconds": "own layers", "wait_seconds": "read ids*", "rest": "engine rest"}
 RANK1_PHASES = {"idle_seconds": "wait for message*", "host_seconds": "host", "receive_wait_seconds": "receive wait*",
-                "forward_seconds": "launch layers", "sample_seconds": "sample", "send_seconds": "send answer"}
+                "forward_seconds": "launch layers", "sample_seconds": "sample",
+                "read_wait_seconds": "read wait*", "send_seconds": "read back"}
 
 
 class Watch(TorchDispatchMode):

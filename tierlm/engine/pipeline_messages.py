@@ -13,7 +13,9 @@ step that fits the static decode runners travels as `DecodeRows` (host lists, wh
 What crosses ranks on the device (never through the host): each stage's output, packed with the batch's
 token ids as one buffer (`pack_stage_output` / `unpack_stage_input`: the stages after the first take
 their input ids from it, so an id sampled on the device reaches every rank without the host), and the
-last rank's sampled ids back to rank 0 (`sampled_ids_buffer`, one fixed size for every step).
+last rank's sampled ids and their statuses back to rank 0 (`sampled_ids_buffer`, one fixed size for
+every step): rank 0 reads a step's tokens there, and the last rank answers on the host (`StageResult`)
+only a step whose requests report log-probabilities or whose rows failed (`reports_logprobs`).
 """
 
 from __future__ import annotations
@@ -90,9 +92,20 @@ def unpack_stage_input(buffer: torch.Tensor, num_tokens: int, width: int,
     return hidden, buffer[offset : offset + 8 * num_tokens].view(torch.int64)
 
 
+ROW_FAILED = 3  # a sampled row's status: its preparation failed on the last rank (the sampler's: 0 ok, 1 NaN, 2 masked)
+
+
 def sampled_ids_buffer(max_rows: int, device: torch.device) -> torch.Tensor:
-    """The last rank's sampled ids of one step, row k the k-th sampling chunk's (zeros past them)."""
-    return torch.zeros(max_rows, dtype=torch.int64, device=device)
+    """The last rank's sampled ids of one step [2, max_rows]: row 0 the ids, row 1 each row's status (0:
+    sampled), column k the k-th sampling chunk's (zeros past them)."""
+    return torch.zeros((2, max_rows), dtype=torch.int64, device=device)
+
+
+def reports_logprobs(params) -> bool:
+    """Whether a request (its `SamplingParams`) reports log-probabilities or prompt log-probabilities: a
+    step with one (or with a row whose status is not 0) is answered on rank 0's host (`StageResult`); any
+    other step's tokens are read from the sampled ids on rank 0's device, and the last rank sends no answer."""
+    return params.logprobs is not None or params.prompt_logprobs is not None
 
 
 @dataclass
@@ -125,7 +138,8 @@ class SampleSpec:
 
 @dataclass
 class StepMessage:
-    kind: str = "step"  # step | stats | echo | stop
+    kind: str = "step"  # step | answer (read the unread step back and answer it) | stats | echo | stop
+    step: int = 0  # rank 0's count of the steps it launched (its answer, if any, names it)
     batch: BatchArrays | None = None
     decode: DecodeRows | None = None  # instead of `batch`: a decode step the static runners take
     cache_ops: list[tuple[str, tuple]] = field(default_factory=list)
@@ -138,8 +152,10 @@ class StepMessage:
 
 @dataclass
 class StageResult:
-    """The last rank's answer to one step, by request key."""
+    """The last rank's answer to one step, by request key (only for a step that `reports_logprobs` or had a
+    row fail; or the error that ended the last rank)."""
 
+    step: int = 0  # the StepMessage.step it answers
     sampled: dict[int, int] = field(default_factory=dict)
     failed: dict[int, str] = field(default_factory=dict)
     logprobs: dict[int, dict] = field(default_factory=dict)
