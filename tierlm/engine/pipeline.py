@@ -84,6 +84,7 @@ from tierlm.distributed.group import (
 from tierlm.engine.model_runner import LaunchedStep, ModelRunner, StepResult
 from tierlm.engine.pipeline_messages import (
     BatchArrays,
+    BlockListChanges,
     DecodeRows,
     NewRequest,
     SampleSpec,
@@ -244,6 +245,7 @@ class PipelineDriver:
         depth = max(self.max_in_flight, 2) + 1
         self._host_ids = _HostIds(config.max_num_seqs, depth, device) if device.type == "cuda" else None
         self._launched = 0  # steps launched (StepMessage.step)
+        self._block_changes = BlockListChanges()  # what the other ranks hold of each request's block list
         self._peer_error: str | None = None  # the last rank's error, or its connection lost (result thread)
         self._peer_failed = threading.Event()
         self._results: queue.Queue = queue.Queue()
@@ -329,11 +331,10 @@ class PipelineDriver:
         began = time.perf_counter()
         self._launched += 1
         message = StepMessage(step=self._launched, cache_ops=self.cache.drain(), released=self._release_finished())
-        if runner.fits_static(plan):  # every rank runs it from its static runner, given host lists
-            chunks = plan.chunks
-            message.decode = DecodeRows([c.start for c in chunks], [c.request.state_slot for c in chunks],
-                                        [c.request.block_ids for c in chunks])
-            wanted = [(chunk, row, 1) for row, chunk in enumerate(chunks)]
+        self._block_changes.forget(message.released)
+        static = runner.fits_static(plan)  # every rank runs it from its static runner, given host lists
+        if static:
+            wanted = [(chunk, row, 1) for row, chunk in enumerate(plan.chunks)]
         else:
             batch, wanted = runner.prepare(plan, device="cpu")
             message.batch = BatchArrays.of(batch)
@@ -356,6 +357,10 @@ class PipelineDriver:
             requests[key] = request
             if chunk.samples:
                 sampling.append(request)
+        if static:  # after the loop: every request has its key
+            chunks, changes = plan.chunks, self._block_changes
+            message.decode = DecodeRows([c.start for c in chunks], [c.request.state_slot for c in chunks],
+                                        [changes.change(self.keys[c.request], c.request.block_ids) for c in chunks])
         sent = time.perf_counter()
         sends = self._send_all(message)
         launched = time.perf_counter()

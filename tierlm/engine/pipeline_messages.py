@@ -51,16 +51,63 @@ class BatchArrays:
 
 @dataclass
 class DecodeRows:
-    """A decode-only step as host lists, one row per request: positions, state slots, block lists (the
-    input ids come with the hidden state)."""
+    """A decode-only step as host lists, one row per request: positions, state slots, and each row's block
+    list as what changed since the last decode step sent it (`BlockListChanges`): (request key, entries
+    kept, entries after them). The input ids come with the hidden state."""
 
     positions: list[int]
     slots: list[int]
-    tables: list[list[int]]
+    tables: list[tuple[int, int, list[int]]]
 
     @property
     def num_tokens(self) -> int:
         return len(self.positions)
+
+
+class BlockListChanges:
+    """Rank 0's side of the block lists in `DecodeRows`: a request's list goes whole the first time (or when
+    the request holds another list: preempted and readmitted), then only the blocks it gained, so a decode
+    step's message does not grow with its context. (The cache manager only appends to a request's list,
+    and gives it a new one when it frees its blocks: what the static decode runner counts on too.)"""
+
+    def __init__(self) -> None:
+        self._sent: dict[int, tuple[list[int], int]] = {}  # request key -> (its list object, entries sent)
+
+    def change(self, key: int, blocks: list[int]) -> tuple[int, int, list[int]]:
+        held = self._sent.get(key)
+        kept = held[1] if held is not None and held[0] is blocks and held[1] <= len(blocks) else 0
+        self._sent[key] = (blocks, len(blocks))
+        return key, kept, blocks[kept:]
+
+    def forget(self, keys: list[int]) -> None:
+        for key in keys:
+            self._sent.pop(key, None)
+
+
+class BlockLists:
+    """The other ranks' side: each request's block list rebuilt from the changes, one list object per
+    request while it only grows (the static decode runner then sends only its new entries to the device:
+    `StaticDecodeRunner.stage_decode`), a new object when it was sent whole."""
+
+    def __init__(self) -> None:
+        self._lists: dict[int, list[int]] = {}
+
+    def apply(self, tables: list[tuple[int, int, list[int]]]) -> list[list[int]]:
+        out = []
+        for key, kept, new in tables:
+            if kept == 0:
+                blocks = self._lists[key] = list(new)
+            else:
+                blocks = self._lists[key]
+                if len(blocks) != kept:
+                    raise RuntimeError(f"request key {key}: {len(blocks)} blocks held, rank 0 counts on {kept}")
+                blocks.extend(new)
+            out.append(blocks)
+        return out
+
+    def forget(self, keys: list[int]) -> None:
+        for key in keys:
+            self._lists.pop(key, None)
 
 
 def _ids_offset(num_tokens: int, width: int, dtype: torch.dtype) -> int:

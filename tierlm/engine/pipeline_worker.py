@@ -46,6 +46,7 @@ from tierlm.distributed.group import (
 from tierlm.engine.model_runner import LaunchedStep, ModelRunner
 from tierlm.engine.pipeline_messages import (
     ROW_FAILED,
+    BlockLists,
     SampleSpec,
     StageResult,
     StepMessage,
@@ -264,6 +265,7 @@ def run_worker(group: PipelineGroup, stage: Stage, config) -> None:
     stall, layers = StreamClock(device), StreamClock(device)
     # rank 0 sends up to world_size steps ahead of the last rank: each finds its receive posted
     inbox = group.inbox(0, depth=group.world_size)
+    block_lists = BlockLists()  # each request's block list, from the decode steps' changes
     stats = dict.fromkeys(WORKER_PHASES, 0.0) | {"steps": 0}
     sending: list = []  # the previous step's sends and their buffers (waited for before the next ones)
     unread: _Sampling | None = None  # the last rank: a step whose sampling is launched, not read back yet
@@ -328,6 +330,8 @@ def run_worker(group: PipelineGroup, stage: Stage, config) -> None:
             getattr(stage.cache, name)(*args)
         if mirror is not None:
             mirror.update(message)
+        block_lists.forget(message.released)
+        tables = None if message.decode is None else block_lists.apply(message.decode.tables)
         batch = None if message.batch is None else message.batch.batch(device)
         lap("host_seconds")
         with stall.timed():
@@ -336,14 +340,14 @@ def run_worker(group: PipelineGroup, stage: Stage, config) -> None:
         lap("receive_wait_seconds")
         if mirror is None:
             with layers.timed():
-                out = pack_stage_output(_run_layers(runner, message, batch, hidden, token_ids), token_ids)
+                out = pack_stage_output(_run_layers(runner, message, tables, batch, hidden, token_ids), token_ids)
             send(_comm(group.isend, out, rank + 1), out)
             lap("forward_seconds")
             stats["steps"] += 1
             continue
         try:
             with layers.timed():
-                logits = _run_layers(runner, message, batch, hidden, token_ids)
+                logits = _run_layers(runner, message, tables, batch, hidden, token_ids)
             lap("forward_seconds")
             # on the device, as one process samples; the ids go to rank 0's device at once (its next step
             # may already wait for them there), to its host with the log-probabilities when read back
@@ -363,17 +367,18 @@ def run_worker(group: PipelineGroup, stage: Stage, config) -> None:
         stats["steps"] += 1
 
 
-def _run_layers(runner: ModelRunner, message: StepMessage, batch, hidden: torch.Tensor,
-                token_ids: torch.Tensor) -> torch.Tensor:
+def _run_layers(runner: ModelRunner, message: StepMessage, tables: list[list[int]] | None, batch,
+                hidden: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
     """This rank's layers on the step: a decode step (`DecodeRows`) from the static runner, given host
-    lists, the input ids and hidden state from the previous stage's buffer; else the batch."""
+    lists (`tables`: the rows' block lists, rebuilt from the message's changes), the input ids and hidden
+    state from the previous stage's buffer; else the batch."""
     rows = message.decode
     if rows is None:
         batch.token_ids, batch.stage_input = token_ids, hidden
         return runner.forward(batch)
     static, n = runner.static_decode, rows.num_tokens
     static.stage_input[:n].copy_(hidden)
-    staged = static.stage_decode([0] * n, rows.positions, rows.slots, rows.tables, list(range(n)), token_ids)
+    staged = static.stage_decode([0] * n, rows.positions, rows.slots, tables, list(range(n)), token_ids)
     runner.static_steps += 1
     return static.replay(*staged)
 
