@@ -3,8 +3,8 @@
 The loop: receive a `StepMessage` from rank 0; post the receive of the previous stage's output (hidden
 state and input ids in one device buffer) at once (deferred receive: the copy overlaps what follows);
 replay rank 0's cache operations on this rank's layers; move the batch to the device (a decode step:
-its host lists into the static runner's buffers, the input ids taken from the received buffer on the
-device); wait for the receive (on CUDA only the stream waits); run the layers; send the output on. The
+its host lists into the static runner's buffers, queued before the stream waits for the hidden state;
+the input ids are taken from the received buffer on the device); wait for the receive (on CUDA only the stream waits); run the layers; send the output on. The
 last rank samples and sends the sampled ids and their statuses to rank 0's device (its next step may
 already wait for them there, and rank 0 reads the step's tokens there). It reads a step back into its
 mirrors only after it has launched the next one (or when a message that is not a step comes: rank 0 sends
@@ -47,6 +47,7 @@ from tierlm.engine.model_runner import LaunchedStep, ModelRunner
 from tierlm.engine.pipeline_messages import (
     ROW_FAILED,
     BlockLists,
+    DecodeRows,
     SampleSpec,
     StageResult,
     StepMessage,
@@ -233,7 +234,8 @@ class _Sampling:
 
 
 # where a worker's host time goes, summed over steps (`PipelineDriver.worker_stats`): waiting for the
-# next step's message; host work while the hidden state's receive is posted (cache ops, the batch); on
+# next step's message; host work while the hidden state's receive is posted (cache ops, the batch, a
+# decode step's inputs into the static runner's buffers); on
 # CPU the wait for the hidden state; launching the layers (CPU: running them) and sending the result on;
 # the last rank: launching the sampling and the ids' send to rank 0's device; then, for the step before
 # (launched one step earlier), the wait for its device to have sampled it (CUDA: usually done by then;
@@ -332,6 +334,9 @@ def run_worker(group: PipelineGroup, stage: Stage, config) -> None:
             mirror.update(message)
         block_lists.forget(message.released)
         tables = None if message.decode is None else block_lists.apply(message.decode.tables)
+        # a decode step's inputs go up before the stream waits for the hidden state: off the path from the
+        # previous stage's output to this stage's layers
+        staged = None if message.decode is None else _stage_decode(runner, message.decode, tables)
         batch = None if message.batch is None else message.batch.batch(device)
         lap("host_seconds")
         with stall.timed():
@@ -340,14 +345,14 @@ def run_worker(group: PipelineGroup, stage: Stage, config) -> None:
         lap("receive_wait_seconds")
         if mirror is None:
             with layers.timed():
-                out = pack_stage_output(_run_layers(runner, message, tables, batch, hidden, token_ids), token_ids)
+                out = pack_stage_output(_run_layers(runner, staged, batch, hidden, token_ids), token_ids)
             send(_comm(group.isend, out, rank + 1), out)
             lap("forward_seconds")
             stats["steps"] += 1
             continue
         try:
             with layers.timed():
-                logits = _run_layers(runner, message, tables, batch, hidden, token_ids)
+                logits = _run_layers(runner, staged, batch, hidden, token_ids)
             lap("forward_seconds")
             # on the device, as one process samples; the ids go to rank 0's device at once (its next step
             # may already wait for them there), to its host with the log-probabilities when read back
@@ -367,18 +372,24 @@ def run_worker(group: PipelineGroup, stage: Stage, config) -> None:
         stats["steps"] += 1
 
 
-def _run_layers(runner: ModelRunner, message: StepMessage, tables: list[list[int]] | None, batch,
-                hidden: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
-    """This rank's layers on the step: a decode step (`DecodeRows`) from the static runner, given host
-    lists (`tables`: the rows' block lists, rebuilt from the message's changes), the input ids and hidden
-    state from the previous stage's buffer; else the batch."""
-    rows = message.decode
-    if rows is None:
+def _stage_decode(runner: ModelRunner, rows: DecodeRows, tables: list[list[int]]) -> tuple:
+    """A decode step's host lists (`tables`: the rows' block lists, rebuilt from the message's changes) into
+    the static runner's buffers; each row's input id is taken from the previous stage's buffer
+    (`_run_layers`)."""
+    n = rows.num_tokens
+    return runner.static_decode.stage_decode([0] * n, rows.positions, rows.slots, tables, list(range(n)))
+
+
+def _run_layers(runner: ModelRunner, staged: tuple | None, batch, hidden: torch.Tensor,
+                token_ids: torch.Tensor) -> torch.Tensor:
+    """This rank's layers on the step: a decode step staged by `_stage_decode`, replayed from the static
+    runner with the hidden state and input ids of the previous stage's buffer; else the batch."""
+    if staged is None:
         batch.token_ids, batch.stage_input = token_ids, hidden
         return runner.forward(batch)
-    static, n = runner.static_decode, rows.num_tokens
+    static, n = runner.static_decode, staged[1]
     static.stage_input[:n].copy_(hidden)
-    staged = static.stage_decode([0] * n, rows.positions, rows.slots, tables, list(range(n)), token_ids)
+    static.previous_tokens[:n].copy_(token_ids)  # what the rows' token sources (0 .. n-1) point at
     runner.static_steps += 1
     return static.replay(*staged)
 
