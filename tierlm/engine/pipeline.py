@@ -183,6 +183,7 @@ class _HostIds:
         host, ready = self.buffers[self.turn]
         with torch.cuda.stream(self.stream):
             receive.wait()  # this stream waits for the ids (NCCL: the host does not)
+            host = host[:, : ids.shape[1]]
             host.copy_(ids, non_blocking=True)
             ready.record()
         return host, ready
@@ -368,7 +369,7 @@ class PipelineDriver:
             hidden, _, token_ids = runner.run_forward(plan, previous)
             # the ids go with the hidden state: placeholders resolved on this device reach every rank
             output = pack_stage_output(hidden, token_ids)
-        ids = sampled_ids_buffer(self.config.max_num_seqs, self.stage.cache.device)
+        ids = sampled_ids_buffer(len(sampling), self.stage.cache.device)
         try:
             sends.append(self.group.isend(output, 1))
             receive = self.group.recv_ids(ids)

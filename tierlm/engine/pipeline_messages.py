@@ -13,8 +13,8 @@ step that fits the static decode runners travels as `DecodeRows` (host lists, wh
 What crosses ranks on the device (never through the host): each stage's output, packed with the batch's
 token ids as one buffer (`pack_stage_output` / `unpack_stage_input`: the stages after the first take
 their input ids from it, so an id sampled on the device reaches every rank without the host), and the
-last rank's sampled ids and their statuses back to rank 0 (`sampled_ids_buffer`, one fixed size for
-every step): rank 0 reads a step's tokens there, and the last rank answers on the host (`StageResult`)
+last rank's sampled ids and their statuses back to rank 0 (`sampled_ids_buffer`: one column per
+sampling row, so the sampler's own [2, rows] result goes as it is): rank 0 reads a step's tokens there, and the last rank answers on the host (`StageResult`)
 only a step whose requests report log-probabilities or whose rows failed (`reports_logprobs`).
 """
 
@@ -142,10 +142,11 @@ def unpack_stage_input(buffer: torch.Tensor, num_tokens: int, width: int,
 ROW_FAILED = 3  # a sampled row's status: its preparation failed on the last rank (the sampler's: 0 ok, 1 NaN, 2 masked)
 
 
-def sampled_ids_buffer(max_rows: int, device: torch.device) -> torch.Tensor:
-    """The last rank's sampled ids of one step [2, max_rows]: row 0 the ids, row 1 each row's status (0:
-    sampled), column k the k-th sampling chunk's (zeros past them)."""
-    return torch.zeros((2, max_rows), dtype=torch.int64, device=device)
+def sampled_ids_buffer(rows: int, device: torch.device) -> torch.Tensor:
+    """The last rank's sampled ids of one step [2, max(rows, 1)] (both ranks know `rows`, the step's
+    sampling rows; a step with none sends one unused column): row 0 the ids, row 1 each row's status (0:
+    sampled), column k the k-th sampling chunk's; zeros until written."""
+    return torch.zeros((2, max(rows, 1)), dtype=torch.int64, device=device)
 
 
 def reports_logprobs(params) -> bool:

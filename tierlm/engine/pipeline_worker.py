@@ -121,7 +121,8 @@ class _Chunk:
 class _Mirror:
     """The last rank's copy of each request's sampling state, kept in step with rank 0 by the messages."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
         self.requests: dict[int, Request] = {}
 
     def update(self, message: StepMessage) -> None:
@@ -174,18 +175,22 @@ class _Mirror:
         reports = any(reports_logprobs(request.params) for request in requests)
         return _Sampling(message.step, specs, requests, launched, rows, prompt_logprobs, reports)
 
-    def sampled_ids(self, sampling: _Sampling, out: torch.Tensor) -> torch.Tensor:
-        """The launched step's sampled ids and statuses into `out` [2, rows], column k the k-th sampling
-        spec's (what rank 0 reads its tokens from; a request whose prompt log-probabilities failed has no
-        sampling row: its column stays 0, and that request reports prompt log-probabilities, so its step
-        is answered); a row whose preparation failed gets the status ROW_FAILED."""
-        launched = sampling.launched
-        if launched.pending is None:
-            return out
+    def sampled_ids(self, sampling: _Sampling) -> torch.Tensor:
+        """The launched step's sampled ids and statuses as rank 0 receives them (`sampled_ids_buffer`),
+        column k the k-th sampling spec's: the sampler's own [2, rows] result when every spec's row was
+        sampled (the usual step: nothing more queued); else a buffer where a request whose prompt
+        log-probabilities failed (it has no sampling row) keeps a 0 column (it reports prompt
+        log-probabilities, so its step is answered), and a row whose preparation failed gets the status
+        ROW_FAILED."""
         requests = [request for spec, request in zip(sampling.specs, sampling.requests, strict=True) if spec.samples]
-        pending = launched.pending
+        launched, pending = sampling.launched, sampling.launched.pending
+        if pending is not None and not pending.failed and launched.sampling == requests:
+            return pending.device_ids
+        out = sampled_ids_buffer(len(requests), self.device)
+        if pending is None:
+            return out
         if launched.sampling == requests:
-            out[:, : len(requests)].copy_(pending.device_ids)
+            out.copy_(pending.device_ids)
             columns = list(range(len(requests)))
         else:
             index = {request: k for k, request in enumerate(requests)}
@@ -262,7 +267,7 @@ def run_worker(group: PipelineGroup, stage: Stage, config) -> None:
         tokenizer = Tokenizer.from_pretrained(resolve_model_path(config.model))
         decode = lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False)
     runner = ModelRunner(stage.model, stage.cache, Sampler(config.seed), decode, stage.static_decode)
-    mirror = _Mirror() if group.is_last else None
+    mirror = _Mirror(device) if group.is_last else None
     width, dtype = mc.hc_count * mc.hidden_size, stage.cache.dtype
     stall, layers = StreamClock(device), StreamClock(device)
     # rank 0 sends up to world_size steps ahead of the last rank: each finds its receive posted
@@ -357,7 +362,7 @@ def run_worker(group: PipelineGroup, stage: Stage, config) -> None:
             # on the device, as one process samples; the ids go to rank 0's device at once (its next step
             # may already wait for them there), to its host with the log-probabilities when read back
             sampling = mirror.launch(runner, message, logits)
-            ids = mirror.sampled_ids(sampling, sampled_ids_buffer(config.max_num_seqs, device))
+            ids = mirror.sampled_ids(sampling)
             send(_comm(group.send_ids, ids), ids)
             lap("sample_seconds")
         except _PeerLost:
