@@ -10,9 +10,11 @@ after their prefills and prints decode tok/s side by side with the PP=2 / PP=1 r
   posted (builds the batch, replays cache ops) and the time its compute still waited for the hidden
   state after that work (the stream's stall on CUDA, measured with events);
 - each rank's host time per step that is its own work, waits left out (r0 host, r1 host), and rank 1's
-  host held by its device (r1 held: waiting to read a step back; it reads step t back only after
-  launching step t+1, so on CUDA this should be ~0): a step cannot take less than the larger host, nor
-  less than the device chain (both stages' layers, the sampling, two copies);
+  host held by its device (r1 held: after launching step t+1 it waits for its device to have sampled
+  step t, then reads t back; harmless while that ends before the next step's message comes, which rank
+  0 sends only once it has t's ids; a last rank that read t back before launching t+1 would show its
+  whole layers and sampling here): a step cannot take less than the larger host, nor less than the
+  device chain (both stages' layers, the sampling, two copies);
 - where each rank's time goes per pipeline step (`PipelineDriver.timing`, the workers' phases): rank 0
   schedules (micro-batches only), waits for the previous step's sampled ids (overlap scheduling: on CUDA
   a stream wait, on CPU the host's), prepares the step, sends it, runs its layers and reads the step's
@@ -165,8 +167,8 @@ def report(results: dict[int, dict]) -> None:
           "posted; stall: what its compute still waited after that; hidden: share of the copy the host work covers; "
           "tokens: PP=2's greedy tokens against PP=1's (micro-batches change the batch shapes, so bf16 may differ); "
           "r0 host / r1 host: each rank's own host work per step, its waits for the other rank left out (a step "
-          "takes at least the larger); r1 held: rank 1's host waiting for its device to read a step back (~0 "
-          "when its host runs ahead of its device)")
+          "takes at least the larger); r1 held: rank 1's host waiting for its device before reading step t back, "
+          "after launching t+1 (small unless its host lags its device)")
     print("\nPP=2, where a pipeline step's time goes (ms per step; host phases, then the device streams):")
     for a, b in zip(one["rates"], two["rates"]):
         print(_phases(a, b))
