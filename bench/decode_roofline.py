@@ -8,8 +8,10 @@ run, then for each context and batch size decodes through `StaticDecodeRunner` (
 prints: tok/s, bytes read per step (the weights a step touches: every dense weight, the routed experts'
 rows, one embedding row per token, the PLE rows; plus the GDN state read and written and the QSA rows the
 attention and indexer read), % of the roofline (those bytes at the copy bandwidth), kernels per step,
-host time per step (wall time of `run` beyond the GPU time of the replay), and a per-part table of kernel
-time from one profiled step of the same fixed-shape batch run eagerly.
+host time per step (wall time of `run_decode` beyond the GPU time of the replay), and a per-part table of
+kernel time from one profiled step of the same fixed-shape batch run eagerly. A step is staged as the
+engine stages a decode step under overlap scheduling (`StaticDecodeRunner.run_decode`: host lists in one
+copy, each row's input id the previous step's sampled id, taken on the device).
 
 The PLE table is shrunk (n-gram vocab 100,000 rows per head instead of 20,000,000): a step reads 16 rows
 of it per token either way. Results go to bench/results/decode_roofline_<device>.json.
@@ -40,7 +42,6 @@ import torch
 from device_timing import copy_bandwidth, device_label
 
 from tierlm.config import ModelConfig
-from tierlm.model.forward_batch import ForwardBatch
 from tierlm.model.layers.gated_deltanet import GatedDeltaNet
 from tierlm.model.layers.hyper_connection import HyperConnection
 from tierlm.model.layers.moe import Experts, SparseMoeBlock, SwiGLU
@@ -163,6 +164,7 @@ def step_bytes(model: Qwen4ExpForCausalLM, config: ModelConfig, batch: int, cont
 
 PARTS = {  # (class, method) -> part name in the kernel-time table
     (HyperConnection, "mix"): "hyper-connections", (HyperConnection, "combine"): "hyper-connections",
+    (HyperConnection, "combine_and_mix"): "hyper-connections",
     (GatedDeltaNet, "forward"): "GDN", (QSAAttention, "forward"): "QSA + indexer", (PLELayer, "forward"): "PLE",
     (Experts, "forward"): "MoE experts", (SwiGLU, "forward"): "shared expert", (SparseMoeBlock, "forward"): "router",
     (Experts, "with_shared"): "MoE experts",  # (with the shared expert fused in: TIERLM_NO_FUSED_SHARED_EXPERT)
@@ -247,25 +249,28 @@ def measure(model, config, dtype, device, batch: int, context: int, steps: int, 
     mode = "cuda_graph" if device.type == "cuda" else "eager"
     runner = StaticDecodeRunner(model, cache, batch, blocks_each, mode, sizes=[batch])
     gen = torch.Generator().manual_seed(batch)
+    rows = list(range(batch))
 
-    def batch_at(step: int) -> ForwardBatch:
-        tokens = torch.randint(2, config.vocab_size, (batch,), generator=gen).tolist()
-        return ForwardBatch.build([[t] for t in tokens], [context + step] * batch, list(range(batch)), tables,
-                                  BLOCK_SIZE, device=device)
+    def inputs_at(step: int) -> tuple:
+        """A decode step's `run_decode` arguments as the engine stages them under overlap scheduling: host
+        lists, every row's input id the previous step's sampled id (on the device: `previous`)."""
+        previous = torch.randint(2, config.vocab_size, (batch,), generator=gen).to(device)
+        return [0] * batch, [context + step] * batch, rows, tables, rows, previous
 
     for step in range(3):
-        runner.run(batch_at(step))
+        runner.run_decode(*inputs_at(step))
     if device.type == "cuda":
         torch.cuda.synchronize()
     wall, gpu = 0.0, 0.0
     for step in range(steps):
-        inputs = batch_at(3 + step)
+        inputs = inputs_at(3 + step)
         start = time.perf_counter()
-        gpu += gpu_time(lambda inputs=inputs: runner.run(inputs), device)
+        gpu += gpu_time(lambda inputs=inputs: runner.run_decode(*inputs), device)
         wall += time.perf_counter() - start
     eager = StaticDecodeRunner(model, cache, batch, blocks_each, "eager", sizes=[batch])
-    inputs = batch_at(steps + 3)
-    kernels, parts = kernel_table(lambda: eager.run(inputs), device, listing)
+    eager.run_decode(*inputs_at(steps + 3))  # its block tables sent: the profiled step is a steady one
+    inputs = inputs_at(steps + 4)
+    kernels, parts = kernel_table(lambda: eager.run_decode(*inputs), device, listing)
     nbytes = step_bytes(model, config, batch, context)
     return {
         "batch": batch, "context": context, "tok_s": batch * steps / wall, "step_ms": 1000 * wall / steps,

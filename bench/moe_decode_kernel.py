@@ -18,18 +18,21 @@ the reference on every routing (max |diff| relative to max |reference|).
     python bench/moe_decode_kernel.py --sweep         # CUDA, also sweeps the tile sizes (best reported)
     python bench/moe_decode_kernel.py --baseline ../main   # CUDA, before (../main's kernels) and after
     python bench/moe_decode_kernel.py --small         # CPU: Triton's interpreter, tiny shapes
-    python bench/moe_decode_kernel.py --packed-sweep --no-reference   # CUDA: PACKED_CANDIDATES for INT4
+    python bench/moe_decode_kernel.py --packed-sweep --no-reference   # CUDA: INT4 tile sweep, phase by phase
     python bench/moe_decode_kernel.py --shared --no-reference   # CUDA: also the MoE block's shared expert
 --shared adds, per format and batch, the experts with the block's shared expert (width 640; bf16 beside
 bf16 experts, INT6 with the experts' group beside INT4 ones, as `tierlm quantize --scheme int4-mixed`
 writes it) as the model ran them before (the routed kernel, then the shared SwiGLU through its own layers:
 cuBLAS or the INT6 GEMV, SiLU, mul, the gate's product, the add) and fused (the shared expert one more
-expert of every token in the routed launches), each with its % of the copy bandwidth on the distinct routed experts' bytes plus the shared expert's;
+expert of every token in the routed launches, whatever PACKED_SHARED_MIN_TOKENS says), each with its %
+of the copy bandwidth on the distinct routed experts' bytes plus the shared expert's, and the smallest
+batch from which fused wins (what `fused_moe.triton.PACKED_SHARED_MIN_TOKENS` should be);
 --shared-sweep also tries SHARED_SWEEP's K tiles first.
-The packed sweep times each of PACKED_CANDIDATES (the INT4 decode form's tiles, `packed_decode`) at every
-batch size and group, prints their % of the copy bandwidth side by side with bf16 and with the INT4 kernel's
-recorded figures (RECORDED: an H200 run before `packed_decode`), picks the best per batch size and measures
-the rows with it; the candidates are compiled first by --compile-workers processes (Triton's disk cache).
+The packed sweep times the INT4 decode form's tiles (`packed_decode`) phase by phase at every batch size
+and group (PACKED_GATE_UP_SWEEP with the default down, PACKED_DOWN_SWEEP with the default gate_up, then the
+best of each together), prints their % of the copy bandwidth side by side with bf16's and with the INT4
+kernel's recorded figures (RECORDED: session 7's H200 run), picks the best per batch size and measures the
+rows with it; the shapes are compiled first by --compile-workers processes (Triton's disk cache).
 Results go to bench/results/moe_decode_kernel_<device>.json.
 """
 
@@ -51,7 +54,7 @@ SMALL = {"hidden": 32, "experts": 8, "top_k": 2, "intermediate": 32, "shared": 3
 # --shared-sweep: the shared expert's K tiles (gate_up, down) per routed format's bits (DecodeTiles /
 # PackedDecodeTiles .shared_*_block_k), at the first batch size; later ones keep the best
 SHARED_SWEEP = {0: [(512, 128), (256, 128), (512, 256), (256, 64)],
-                4: [(64, 32), (128, 32), (32, 32), (128, 64), (256, 64)]}
+                4: [(32, 16), (64, 16), (16, 16), (64, 32), (128, 16)]}
 # --sweep: at the first batch size (later ones keep the tiles chosen there), the decode GEMV tiles of the
 # unquantized format (fused_moe.triton.DECODE_TILES), one kernel at a time (gate_up with the down tiles as
 # set, then down with the best gate_up), or the grouped GEMM's tiles (8 warps never won on an H200: not
@@ -59,27 +62,21 @@ SHARED_SWEEP = {0: [(512, 128), (256, 128), (512, 256), (256, 64)],
 GATE_UP_SWEEP = [{"gate_up_block_n": n, "gate_up_block_k": k} for n in (8, 16, 32) for k in (256, 512)]
 DOWN_SWEEP = [{"down_block_n": n, "down_block_k": k, "down_ranks": r} for n in (16, 32) for k in (128, 256)
               for r in (5, 2)]
-# --packed-sweep: whole launch shapes of the INT4 decode form (fused_moe.packed_decode.PackedDecodeTiles:
-# gate_up rows x words, warps; down rows x words, warps, experts per program; x split first or gathered;
-# K tiles unrolled or looped). Checked by compiling for sm_90 (triton 3.9): no spills, no barrier in any
-# loop; 47-96 registers looped, up to 255 unrolled (fewer programs per SM, more loads in flight each)
-PACKED_CANDIDATES = [
-    (8, 32, 4, 32, 16, 4, 1, True, False),
-    (8, 64, 4, 32, 16, 4, 1, True, False),
-    (8, 64, 4, 64, 16, 4, 1, True, False),
-    (16, 64, 8, 64, 16, 8, 1, True, False),
-    (32, 32, 8, 64, 16, 4, 1, True, False),
-    (8, 64, 4, 32, 32, 4, 1, True, False),
-    (8, 64, 4, 64, 16, 4, 2, True, False),
-    (8, 64, 4, 64, 16, 4, 10, True, False),
-    (8, 64, 4, 32, 16, 4, 1, True, True),
-    (16, 64, 8, 32, 16, 4, 1, True, True),
-    (32, 32, 8, 32, 16, 4, 1, False, False),
-    (16, 64, 8, 64, 16, 8, 1, False, True),
-]
-# the INT4 decode kernel's % of copy bandwidth before packed_decode (H200, bench/results/moe_decode_kernel_nvidia_h200.txt)
-RECORDED = {("int4-g32", 1): 0.234, ("int4-g32", 4): 0.320, ("int4-g32", 16): 0.322,
-            ("int4-g128", 1): 0.237, ("int4-g128", 4): 0.334, ("int4-g128", 16): 0.348}
+# --packed-sweep: the INT4 decode form's tiles (fused_moe.packed_decode.PackedDecodeTiles), one phase at a
+# time (gate_up and down are separate launches): each gate_up shape (columns of I x words of H per program,
+# warps) with the default down, each down shape (rows of H x words of I, warps) with the default gate_up,
+# then the best of each together. At the target (H = 320 words, I = 80 words of INT4) a program's words
+# set the K splits: gate_up 64 -> 5, 32 -> 10, 128 -> 3 (the last part-full); down 16 -> 5, 8 -> 10,
+# 32 -> 3. Compiled for sm_90 (triton 3.9): (16, 64, 4) gate_up 72 registers, (64, 16, 4) down 56, every
+# load of a program issued before its first FMA, no spills.
+PACKED_GATE_UP_SWEEP = [(8, 64, 4), (16, 64, 4), (32, 64, 4), (16, 32, 4), (32, 32, 4), (16, 128, 4), (32, 64, 8),
+                        (8, 32, 2), (16, 64, 2)]
+PACKED_DOWN_SWEEP = [(32, 16, 4), (64, 16, 4), (128, 16, 4), (64, 8, 4), (128, 8, 4), (64, 32, 4), (128, 16, 8),
+                     (32, 16, 2), (256, 16, 8)]
+# the INT4 decode kernel's % of copy bandwidth before the split-K form (session 7, H200, the looped-tile
+# packed form: bench/results/moe_decode_kernel_shared_nvidia_h200.txt)
+RECORDED = {("int4-g32", 1): 0.240, ("int4-g32", 4): 0.338, ("int4-g32", 16): 0.353,
+            ("int4-g128", 1): 0.244, ("int4-g128", 4): 0.390, ("int4-g128", 16): 0.402}
 GROUPED_SWEEP = [{"PREFILL_BLOCK_M": m, "PREFILL_BLOCK_N": n, "PREFILL_BLOCK_K": k, "PREFILL_NUM_WARPS": w}
                  for m, n, k, w in ((16, 64, 64, 4), (16, 64, 128, 4), (16, 128, 64, 4), (16, 32, 128, 4),
                                     (16, 64, 128, 8), (32, 64, 64, 4), (16, 128, 128, 8), (16, 32, 64, 2))]
@@ -206,12 +203,29 @@ def measure_batch(run: SimpleNamespace, experts: tuple, label: str, batch: int) 
     return row
 
 
-def _compile_packed(task: tuple) -> None:
-    """One PACKED_CANDIDATES shape at one group size run once (in a worker process, on a stack of a few
-    experts of the target's width: the compiled kernels are the same and land in Triton's disk cache)."""
-    group, candidate, shape, device = task
+def packed_tiles(gate_up: tuple[int, int, int] | None = None, down: tuple[int, int, int] | None = None):
+    """The INT4 decode form's default tiles with a gate_up and/or a down shape (n, words, warps) swapped in."""
     from tierlm.kernels.fused_moe import triton as kernels
-    from tierlm.kernels.fused_moe.packed_decode import PackedDecodeTiles
+
+    tiles = kernels.DECODE_TILES[4]
+    if gate_up is not None:
+        tiles = tiles._replace(**dict(zip(("gate_up_block_n", "gate_up_block_w", "gate_up_warps"), gate_up)))
+    if down is not None:
+        tiles = tiles._replace(**dict(zip(("down_block_n", "down_block_w", "down_warps"), down)))
+    return tiles
+
+
+def packed_stages() -> list[tuple[str, list, list]]:
+    """The packed sweep's two stages: (name, shapes, tiles of each)."""
+    return [("gate_up", PACKED_GATE_UP_SWEEP, [packed_tiles(gate_up=c) for c in PACKED_GATE_UP_SWEEP]),
+            ("down", PACKED_DOWN_SWEEP, [packed_tiles(down=c) for c in PACKED_DOWN_SWEEP])]
+
+
+def _compile_packed(task: tuple) -> None:
+    """One packed tile shape at one group size run once (in a worker process, on a stack of a few
+    experts of the target's width: the compiled kernels are the same and land in Triton's disk cache)."""
+    group, tiles, shape, device = task
+    from tierlm.kernels.fused_moe import triton as kernels
     from tierlm.kernels.quant_linear.packing import packed_width
 
     experts, h, inter, top_k = max(16, shape["top_k"]), shape["hidden"], shape["intermediate"], shape["top_k"]
@@ -221,7 +235,7 @@ def _compile_packed(task: tuple) -> None:
                    ((2 * inter, h), (h, inter)))
     x = torch.ones(1, h, dtype=torch.bfloat16, device=device)
     ids = torch.arange(top_k, device=device)[None, :]
-    kernels.DECODE_TILES[4] = PackedDecodeTiles(*candidate)
+    kernels.DECODE_TILES[4] = tiles
     routing = torch.full((1, top_k), 1 / top_k, dtype=torch.bfloat16, device=device)
     kernels.fused_moe(x, *words, routing, ids, format="int4", scales=scales, group_size=group)
     if device.type == "cuda":
@@ -229,64 +243,77 @@ def _compile_packed(task: tuple) -> None:
 
 
 def precompile_packed(shape: dict, workers: int, device: torch.device) -> None:
-    """--packed-sweep on CUDA: compile every candidate at every group in parallel processes first (each
-    shape compiles two kernels per group: serially most of the sweep's time)."""
+    """--packed-sweep on CUDA: compile every stage's tiles at every group in parallel processes first
+    (each compiles the split copy and two phases per group: serially most of the sweep's time)."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
-    tasks = [(group, candidate, shape, device) for group in shape["groups"] for candidate in PACKED_CANDIDATES]
+    tasks = [(group, tiles, shape, device) for group in shape["groups"] for _, _, stage in packed_stages()
+             for tiles in stage]
     with ProcessPoolExecutor(min(workers, len(tasks)), mp_context=multiprocessing.get_context("spawn")) as pool:
         list(pool.map(_compile_packed, tasks))
 
 
 def sweep_packed(run: SimpleNamespace, experts: tuple, label: str, batches: list[int]) -> list[dict]:
-    """--packed-sweep: every PACKED_CANDIDATES launch shape at every batch size, one format; prints their
-    % of the copy bandwidth side by side (a shape whose output is off the reference by more than 5% is
-    marked and never chosen), sets run.packed_best[label, batch]; returns the measurements."""
+    """--packed-sweep: at every batch size, one format, each stage's shapes (`PACKED_GATE_UP_SWEEP` with the
+    default down, `PACKED_DOWN_SWEEP` with the default gate_up) and then the two stages' best together;
+    prints each one's % of the copy bandwidth (measured in this run) side by side (a shape whose output
+    is off the reference by more than 5% is marked and never chosen), sets run.packed_best[label, batch];
+    returns the measurements."""
     from tierlm.kernels.fused_moe import naive
     from tierlm.kernels.fused_moe import triton as kernels
-    from tierlm.kernels.fused_moe.packed_decode import PackedDecodeTiles
 
     w_gate_up, w_down, kw, per_expert = experts
     shape, device = run.shape, run.device
     bits = int(kw["format"][3:])
     saved = kernels.DECODE_TILES[bits]
     cells, results = {}, []
+
+    def measure_tiles(tiles, x, routes, reference, nbytes, batch):
+        kernels.DECODE_TILES[bits] = tiles
+        out = kernels.fused_moe(x[0], w_gate_up, w_down, *routes[0], **kw).float()
+        diff = ((out - reference).abs().max() / reference.abs().max().clamp_min(1e-30)).item()
+        seconds = timed(lambda i: kernels.fused_moe(x[i], w_gate_up, w_down, *routes[i], **kw), ROUTINGS, device,
+                        run.use_graph)
+        results.append({"format": label, "batch": batch, "tiles": tiles._asdict(), "us": seconds * 1e6,
+                        "vs_copy": nbytes / seconds / run.copy, "max_rel_diff": diff})
+        return seconds, diff
+
     for batch in batches:
         x = [torch.randn(batch, shape["hidden"], generator=run.gen, device=device).to(torch.bfloat16)
              for _ in range(ROUTINGS)]
         routes = routings(batch, shape, device, run.gen)
         nbytes = sum(torch.unique(ids).numel() for _, ids in routes) / ROUTINGS * per_expert
         reference = naive.fused_moe(x[0], w_gate_up, w_down, *routes[0], **kw).float()
-        best = None
-        for number, candidate in enumerate(PACKED_CANDIDATES):
-            tiles = PackedDecodeTiles(*candidate)
-            kernels.DECODE_TILES[bits] = tiles
-            out = kernels.fused_moe(x[0], w_gate_up, w_down, *routes[0], **kw).float()
-            diff = ((out - reference).abs().max() / reference.abs().max().clamp_min(1e-30)).item()
-            seconds = timed(lambda i, x=x, routes=routes: kernels.fused_moe(x[i], w_gate_up, w_down, *routes[i], **kw),
-                            ROUTINGS, device, run.use_graph)
-            share = nbytes / seconds / run.copy
-            cells[number, batch] = f"{share:>7.1%}{'!' if diff > 0.05 else ' '}"
-            results.append({"format": label, "batch": batch, "tiles": tiles._asdict(), "us": seconds * 1e6,
-                            "vs_copy": share, "max_rel_diff": diff})
-            if diff <= 0.05 and (best is None or seconds < best[0]):
-                best = (seconds, tiles, number)
-        if best is not None:
-            run.packed_best[label, batch] = best[1]
-            cells["best", batch] = f"   #{best[2]:<5}"
+        chosen = {}
+        for stage, shapes, stage_tiles in packed_stages():
+            best = None
+            for candidate, tiles in zip(shapes, stage_tiles):
+                seconds, diff = measure_tiles(tiles, x, routes, reference, nbytes, batch)
+                cells[stage, candidate, batch] = f"{nbytes / seconds / run.copy:>7.1%}{'!' if diff > 0.05 else ' '}"
+                if diff <= 0.05 and (best is None or seconds < best[0]):
+                    best = (seconds, candidate)
+            chosen[stage] = None if best is None else best[1]
+        tiles = packed_tiles(chosen["gate_up"], chosen["down"])
+        seconds, diff = measure_tiles(tiles, x, routes, reference, nbytes, batch)
+        cells["both", batch] = f"{nbytes / seconds / run.copy:>7.1%}{'!' if diff > 0.05 else ' '}"
+        if diff <= 0.05:
+            run.packed_best[label, batch] = tiles
     kernels.DECODE_TILES[bits] = saved
-    print(f"{label}: % of copy bandwidth per launch shape and batch ('!': output off the reference by > 5%)")
-    print(f"{'#':>3}  {'gate_up n x w, warps':<22}{'down n x w, warps, ranks':<26}{'x':<9}{'K tiles':<9}"
-          + "".join(f"{'b' + str(b):>9}" for b in batches))
-    for number, c in enumerate(PACKED_CANDIDATES):
-        print(f"{number:>3}  {f'{c[0]} x {c[1]}, {c[2]}':<22}{f'{c[3]} x {c[4]}, {c[5]}, {c[6]}':<26}"
-              f"{'split' if c[7] else 'gathered':<9}{'unrolled' if c[8] else 'loop':<9}" + "".join(f"{cells[number, b]:>9}" for b in batches))
-    for name, values in (("recorded INT4 kernel (before)", [f"{RECORDED.get((label, b), float('nan')):>8.1%} "
-                                                             for b in batches]),
+    print(f"{label}: % of the copy bandwidth per tile shape and batch ('!': output off the reference by > 5%); "
+          f"default {tuple(saved)}")
+    print(f"{'phase':<9}{'n x words, warps':<22}" + "".join(f"{'b' + str(b):>9}" for b in batches))
+    for stage, shapes, _ in packed_stages():
+        for c in shapes:
+            print(f"{stage:<9}{f'{c[0]} x {c[1]}, {c[2]}':<22}" + "".join(f"{cells[stage, c, b]:>9}" for b in batches))
+    for name, values in (("recorded INT4 kernel (session 7)", [f"{RECORDED.get((label, b), float('nan')):>8.1%} "
+                                                                for b in batches]),
                          ("bf16 kernel, this run", [f"{run.bf16_share.get(b, float('nan')):>8.1%} " for b in batches]),
-                         ("best", [cells.get(("best", b), "     none") for b in batches])):
-        print(f"     {name:<64}" + "".join(f"{v:>9}" for v in values))
+                         ("best gate_up + best down", [cells.get(("both", b), "     none") for b in batches])):
+        print(f"{name:<31}" + "".join(f"{v:>9}" for v in values))
+    for batch in batches:
+        if (label, batch) in run.packed_best:
+            print(f"  b{batch}: PackedDecodeTiles{tuple(run.packed_best[label, batch])}")
     return results
 
 
@@ -340,8 +367,15 @@ def measure_shared(run: SimpleNamespace, experts: tuple, label: str, batch: int,
     def fused(i: int) -> torch.Tensor:
         return kernels.fused_moe(x[i], w_gate_up, w_down, *routes[i], **kw, shared=swiglu.as_fused_expert(gates[i]))
 
+    saved_min_tokens = kernels.PACKED_SHARED_MIN_TOKENS
+    kernels.PACKED_SHARED_MIN_TOKENS = 1  # fused at every batch size (restored once timed)
+
+    bits = 0 if not kw else int(kw["format"][3:])
+    if run.packed_best is not None and (label, batch) in run.packed_best:  # the routed tiles --packed-sweep chose
+        kernels.DECODE_TILES[bits] = run.packed_best[label, batch]._replace(
+            **{name: getattr(kernels.DECODE_TILES[bits], name) for name in ("shared_gate_up_block_k",
+                                                                            "shared_down_block_k")})
     if run.shared_sweep and batch == run.sweep_batch:
-        bits = 0 if not kw else int(kw["format"][3:])
         best = None
         for gate_up_k, down_k in SHARED_SWEEP[bits]:
             kernels.DECODE_TILES[bits] = kernels.DECODE_TILES[bits]._replace(shared_gate_up_block_k=gate_up_k,
@@ -353,10 +387,10 @@ def measure_shared(run: SimpleNamespace, experts: tuple, label: str, batch: int,
                 best = (seconds, gate_up_k, down_k)
         kernels.DECODE_TILES[bits] = kernels.DECODE_TILES[bits]._replace(shared_gate_up_block_k=best[1],
                                                                          shared_down_block_k=best[2])
-    bits = 0 if not kw else int(kw["format"][3:])
     tiles = kernels.DECODE_TILES[bits]
     apart_s = timed(apart, ROUTINGS, device, run.use_graph)
     fused_s = timed(fused, ROUTINGS, device, run.use_graph)
+    kernels.PACKED_SHARED_MIN_TOKENS = saved_min_tokens
     fused_diff = 0.0
     for i in range(ROUTINGS):
         ref = naive.fused_moe(x[i], w_gate_up, w_down, *routes[i], **kw, shared=swiglu.as_fused_expert(gates[i])).float()
@@ -422,6 +456,11 @@ def measure(args, device: torch.device) -> dict:
                   f"{'of copy':>8}{'speed-up':>10}{'fused diff':>12}{'apart diff':>12}")
             shared_rows += [measure_shared(run, (w_gate_up, w_down, kw, per_expert), label, batch, swiglu,
                                            shared_bytes) for batch in args.batches]
+            wins = [row["batch"] for row in shared_rows if row["format"] == label and row["apart_over_fused"] > 1]
+            losses = [row["batch"] for row in shared_rows if row["format"] == label and row["apart_over_fused"] <= 1]
+            from_batch = min((b for b in wins if all(loss < b for loss in losses)), default=None)
+            print(f"{label}: fused beats apart from batch {from_batch} on (fused_moe.triton.PACKED_SHARED_MIN_TOKENS)"
+                  if from_batch is not None else f"{label}: fused never beats apart at these batch sizes")
             swiglu = None
         w_gate_up = w_down = scales = kw = None  # free this format's experts before the next one's
     from tierlm.kernels.fused_moe import triton as kernels
@@ -439,7 +478,7 @@ def main() -> None:
     parser.add_argument("--sweep", nargs="*", default=None, metavar="FORMAT",
                         help="also sweep the tile sizes (best one kept and reported), of these formats (none named: all)")
     parser.add_argument("--packed-sweep", action="store_true",
-                        help="time PACKED_CANDIDATES for INT4 at every batch size, side by side; rows use the best")
+                        help="sweep the INT4 decode tiles phase by phase at every batch size; rows use the best")
     parser.add_argument("--compile-workers", type=int, default=min(16, os.cpu_count() or 1),
                         help="--packed-sweep on CUDA: processes compiling the candidates first (1: none)")
     parser.add_argument("--shared", action="store_true",

@@ -39,22 +39,22 @@ PATHS = {"decode": (3, 2, False, 2), "decode-split": (3, 3, False, 2), "prefill"
 DECODE_MAX_PAIRS, PREFILL_BLOCK_M = 16, 16
 # decode K tiles smaller than the kernels' own: gate_up's H in two tiles (the second part-full), down's I
 # in two whole ones, so each GEMV runs over several tiles (each loaded while the one before computes);
-# packed 4/8-bit experts (`packed_decode`) take theirs in words
 DECODE_BLOCK_K = {"gate_up_block_k": 64, "down_block_k": 32}
 # decode N tiles larger than the kernels' own (each program costs the interpreter the same, whatever its
 # tile): gate_up's I = 64 in four whole tiles, the shared expert's S = 48 in three (its fourth program
 # skips it), down's H = 96 in two (the second part-full: masked stores)
 DECODE_BLOCK_N = {"gate_up_block_n": 16, "down_block_n": 64}
+# packed 4/8-bit experts (`packed_decode`): each program one tile of words, H and I split over two programs
+# each (H's second part-full for INT4 and INT8; the shared expert's S = 48 in two, the second part-full)
 PACKED_BLOCK_W = {4: {"gate_up_block_w": 8, "down_block_w": 4}, 8: {"gate_up_block_w": 16, "down_block_w": 8}}
 # the shared expert's K tiles: H in two (the second part-full), S = 48 in two (the second part-full)
 SHARED_BLOCK_K = {"shared_gate_up_block_k": 64, "shared_down_block_k": 32}
 CASES = {f"{d}-{f}-{p}": (DTYPES[d], FORMATS[f], PATHS[p]) for d in DTYPES for f in FORMATS for p in PATHS
          if p != "decode-split" or f in ("unquantized", "int4-g32")}  # (the split is format-independent)
-# packed decode with x gathered in place instead of split first, and with its K tiles unrolled instead of
-# looped (`PackedDecodeTiles.split_x`, `.unroll`)
-CASES.update({f"{d}-int4-g32-decode-gathered-x": (DTYPES[d], FORMATS["int4-g32"], PATHS["decode"]) for d in DTYPES})
-CASES.update({f"{d}-int4-g32-decode-split-unrolled": (DTYPES[d], FORMATS["int4-g32"], PATHS["decode-split"])
-              for d in DTYPES})
+# packed decode with each program's tile spanning all of H and all of I (no K split: gate_up finishes
+# without the arrival counters)
+CASES["bf16-int4-g32-decode-whole-k"] = (DTYPES["bf16"], FORMATS["int4-g32"], PATHS["decode"])
+WHOLE_K = {"gate_up_block_w": 16, "down_block_w": 8}
 # with the MoE block's shared expert (S columns, not a whole number of tiles) as one more expert of every
 # token: in the routed experts' format, in another (INT6 beside packed INT4: the int4-mixed scheme; its
 # gate_up and down in different groups), unquantized beside INT4 (the int4 scheme), and at prefill size
@@ -161,12 +161,14 @@ def run_kernel_cases(names: list[str]) -> dict[str, str | None]:
             args, kwargs, exact = make_case(name)
             ids = args[4]
             ranks = CASES[name][2][3]
-            kernels.DECODE_TILES = {bits: tiles._replace(down_ranks=ranks, **PACKED_BLOCK_W.get(bits, DECODE_BLOCK_K),
-                                                         **DECODE_BLOCK_N, **SHARED_BLOCK_K)
-                                    for bits, tiles in saved[2].items()}
-            if name.endswith(("gathered-x", "unrolled")):
-                kernels.DECODE_TILES[4] = kernels.DECODE_TILES[4]._replace(split_x=not name.endswith("gathered-x"),
-                                                                           unroll=name.endswith("unrolled"))
+            kernels.DECODE_TILES = {
+                bits: tiles._replace(**PACKED_BLOCK_W[bits]) if bits in PACKED_BLOCK_W else
+                tiles._replace(down_ranks=ranks, **DECODE_BLOCK_K)
+                for bits, tiles in saved[2].items()}
+            kernels.DECODE_TILES = {bits: tiles._replace(**DECODE_BLOCK_N, **SHARED_BLOCK_K)
+                                    for bits, tiles in kernels.DECODE_TILES.items()}
+            if name.endswith("whole-k"):
+                kernels.DECODE_TILES[4] = kernels.DECODE_TILES[4]._replace(**WHOLE_K)
             prefill = CASES[name][2] == PATHS["prefill"]
             if (ids.numel() <= DECODE_MAX_PAIRS) == prefill:
                 results[name] = f"{ids.numel()} pairs do not take the path of {name}"

@@ -7,7 +7,8 @@ after the down projection instead of before (the norm is linear once the rms is 
 bf16: the fp32 reference on the same (bf16-valued) inputs is the truth, and the kernel may be off by at
 most FACTOR x the reference's own bf16 error plus half a bf16 ulp of the row's largest value (as in
 test_bf16_parity). combine rounds exactly where the reference does: in bf16 equal bit for bit; in fp32
-within one rounding (the compiler may fuse the multiply and the add).
+within one rounding (the compiler may fuse the multiply and the add). combine_and_mix (combine folded into
+the mix's first launch) is held to the mix's tolerances on all three outputs.
 """
 
 from __future__ import annotations
@@ -82,12 +83,39 @@ def check_mix(device: str, hc: int, args, what: str) -> None:
         assert_within_reference_error(got[1].cpu(), theirs[1], truth[1], f"{what}, bf16 injection gates")
 
 
+def check_combine_and_mix(device: str, tokens: int, hc: int, hidden: int, lowrank: int) -> None:
+    """kernels.combine_and_mix (the down programs add the previous block's output as they read the streams)
+    against naive.combine_and_mix: every output within a few ulps in fp32, within FACTOR x the reference's
+    own bf16 error in bf16."""
+    from tierlm.kernels.hyper_connection import triton as kernels
+
+    streams, norm, down, up = inputs(tokens, hc, hidden, lowrank, True, seed=2)
+    gen = torch.Generator().manual_seed(3)
+    args = (streams, torch.randn(tokens, hidden, generator=gen), torch.rand(tokens, hc, generator=gen) * 2, norm,
+            down, up)
+
+    def run(fn, tensors, dtype, where="cpu"):
+        return fn(*(t.to(where, dtype) for t in tensors), hc, EPS)
+
+    expected, got = run(naive.combine_and_mix, args, torch.float32), run(kernels.combine_and_mix, args,
+                                                                       torch.float32, device)
+    for name, ours, theirs in zip(("streams", "block input", "injection gates"), got, expected):
+        torch.testing.assert_close(ours.cpu(), theirs, rtol=1e-5, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+    as_bf16 = [t.bfloat16() for t in args]
+    truth, theirs = run(naive.combine_and_mix, as_bf16, torch.float32), run(naive.combine_and_mix, as_bf16,
+                                                                           torch.bfloat16)
+    got = run(kernels.combine_and_mix, as_bf16, torch.bfloat16, device)
+    for name, ours, their, true in zip(("streams", "block input", "injection gates"), got, theirs, truth):
+        assert_within_reference_error(ours.cpu(), their, true, f"bf16 combine_and_mix, {name}")
+
+
 def compare(device: str, tokens: int, hc: int, hidden: int, lowrank: int) -> None:
     from tierlm.kernels.hyper_connection import triton as kernels
 
     for with_inject in (True, False):
         check_mix(device, hc, inputs(tokens, hc, hidden, lowrank, with_inject, seed=tokens),
                   f"dense, inject {with_inject}")
+    check_combine_and_mix(device, tokens, hc, hidden, lowrank)
 
     gen = torch.Generator().manual_seed(1)
     streams = inputs(tokens, hc, hidden, lowrank, True)[0]
@@ -106,23 +134,32 @@ def compare(device: str, tokens: int, hc: int, hidden: int, lowrank: int) -> Non
 
 
 def test_kernels_match_reference():
-    on_cuda_else_interpreted(lambda: compare("cuda", **SMALL), INTERPRETED_EARLY, "test_kernels_match_reference")
+    def on_cuda():
+        compare("cuda", **SMALL)
+        compare("cuda", **dict(SMALL, tokens=1))
+        check_mix("cuda", SMALL["hc"], int8_inputs(**dict(SMALL, tokens=3)), "int8")
+
+    on_cuda_else_interpreted(on_cuda, INTERPRETED_EARLY, "test_kernels_match_reference")
 
 
 INTERPRETED_EARLY = {  # (a child: started when collection ends, see tests/interpreted.py)
-    # small tiles: several slices per stream, several K and low-rank steps, uneven; one token through its
-    # own tiles; INT8 mixers once
+    # small tiles: several slices per stream, row blocks and column blocks, uneven; tl.dot at 20 tokens (two
+    # token blocks), the broadcast form at 1 token (through combine_and_mix) and at 3 (one block of 4) with
+    # INT8 mixers (tl.dot over INT8: the GPU tests)
     "test_kernels_match_reference": ((
-        "import tierlm.kernels.hyper_connection.triton as k; k.BLOCK_R = 16\n"
-        "k.DOWN_TILES = ((1, (32, 16, 3, 4)), (k.MAX_TOKENS, (16, 16, 2, 4)))\n"
-        "import test_hyper_connection_kernel as t; t.compare('cpu', **t.SMALL); t.compare('cpu', **dict(t.SMALL, tokens=1))\n"
-        "t.check_mix('cpu', t.SMALL['hc'], t.int8_inputs(**t.SMALL), 'int8')"),),
+        "import tierlm.kernels.hyper_connection.triton as k\n"
+        "k.MIX_TILES = ((1, k.MixTiles(1, 16, 16, 4, 8, 4)), (4, k.MixTiles(4, 16, 16, 4, 8, 4)),\n"
+        "               (k.MAX_TOKENS, k.MixTiles(16, 16, 16, 4, 16, 4)))\n"
+        "import test_hyper_connection_kernel as t; t.compare('cpu', **t.SMALL)\n"
+        "t.check_combine_and_mix('cpu', **dict(t.SMALL, tokens=1))\n"
+        "t.check_mix('cpu', t.SMALL['hc'], t.int8_inputs(**dict(t.SMALL, tokens=3)), 'int8')"),),
 }
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_reference_is_the_layer(dtype):
-    """HyperConnection.mix / combine (what the CPU runs) are the reference, for dense weights."""
+    """HyperConnection.mix / combine / combine_and_mix (what the CPU runs) are the reference, for dense
+    weights."""
     from tierlm.model.layers.hyper_connection import HyperConnection
 
     hc, hidden, lowrank = 4, 32, 8
@@ -138,6 +175,9 @@ def test_reference_is_the_layer(dtype):
     block_output, inject = torch.randn(3, hidden).to(dtype), torch.rand(3, hc).to(dtype)
     assert torch.equal(HyperConnection.combine(streams, block_output, inject),
                        naive.combine(streams, block_output, inject))
+    got = layer.combine_and_mix(streams, block_output, inject)
+    expected = naive.combine_and_mix(streams, block_output, inject, norm, down, up, hc, EPS)
+    assert all(torch.equal(g, e) for g, e in zip(got[:2], expected[:2])) and got[2] is expected[2] is None
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -172,6 +212,11 @@ def test_bad_shapes_are_named():
         naive.mix(streams, norm, down[:, :-1], up, 4, EPS)
     with pytest.raises(ValueError, match="hc = 3"):
         naive.mix(streams[:, :-1], norm, down, up, 3, EPS)
+    pytest.importorskip("triton")
+    from tierlm.kernels.hyper_connection.triton import MixTiles, check_tiles
+
+    with pytest.raises(ValueError, match="at least 16 when block_n is"):
+        check_tiles(MixTiles(16, 8, 512, 4, 16, 4), False)  # (tl.dot over 8 rows)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")

@@ -108,3 +108,30 @@ def test_plain_greedy_rows_skip_the_plan_and_sample_the_same():
     assert torch.equal(pending.tokens, tokens) and torch.equal(pending.host_ids[1], status)
     assert pending.host_ids[1].tolist()[:3] == [_OK, _NAN, _MASKED]
     assert np.array_equal(sampler.row_keys(requests), planned.row_keys(requests))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sampling_probs_is_the_distribution_the_pass_draws_from(dtype, device):
+    """`sampling_probs` (speculative verification's target) is the reference's distribution, row for row, on
+    the batch's rows that sample (edited as the pass edits them), and where ties meet a cut: a tie at the
+    k-th place keeps the lower id, equal probabilities at the top-p boundary keep the lower ids."""
+    from tierlm.engine.sampler import sampling_probs
+    from tierlm.engine.sampler_reference import reference_sampling_probs
+
+    logits, requests = _batch()
+    tie = torch.zeros(2, VOCAB)
+    tie[:, [5, 9]] = torch.tensor([3.0, 2.0])  # 5, 9, then equal logits: 298 in the top-p row,
+    tie[0, [100, 40, 70, 20]], tie[0, 200:] = 1.0, -5.0  # 4 in the top-k row (within best_first's TIE_MARGIN)
+    params = [SamplingParams(temperature=1.0, top_k=3), SamplingParams(temperature=1.0, top_p=0.5)]
+    logits = torch.cat([logits, tie]).to(dtype).float().to(device)
+    requests += [Request(f"t{i}", [1], p.with_defaults(None, None, None), frozenset({0}), 1024)
+                 for i, p in enumerate(params)]
+    edited = edit_logits(logits, plan_rows(requests, VOCAB, Sampler(0).row_keys(requests)))
+    rows = [i for i in range(len(requests)) if i not in (9, 10)]  # not NaN, not all masked
+    probs = sampling_probs(edited[rows], [requests[i] for i in rows])
+    torch.testing.assert_close(probs, reference_sampling_probs(edited[rows], [requests[i] for i in rows]))
+    top_k, top_p = probs[-2].nonzero().flatten().tolist(), probs[-1].nonzero().flatten().tolist()
+    assert top_k == [5, 9, 20]
+    lowest = [i for i in range(VOCAB) if i not in (5, 9)][: len(top_p) - 2]
+    assert top_p == sorted([5, 9, *lowest]) and 100 < len(top_p) < 200

@@ -24,6 +24,22 @@ def test_prepared_sizes():
     assert prepared_sizes(20) == [1, 2, 4, 8, 16, 20]
 
 
+def test_logits_every_row_only_when_the_rows_are_all_in_order():
+    """A batch skips the logits-row gather (`wanted_rows`) exactly when logits_rows is 0..N-1."""
+    def batch(chunks, logits):
+        return ForwardBatch.build(chunks, [0] * len(chunks), list(range(len(chunks))), [[0]] * len(chunks),
+                                  BLOCK_SIZE, logits=logits)
+
+    rows = torch.arange(12.0).view(4, 3)
+    for chunks, logits, every in (([[1], [2], [3]], "last", True), ([[1, 2], [3]], "last", False),
+                                  ([[1, 2], [3]], "all", True), ([[1], [2], [3]], [0, 2], False),
+                                  ([[1], [2], [3]], [1, 0, 2], False), ([[1], [2], [3]], [0, 1, 2], True)):
+        b = batch(chunks, logits)
+        assert b.logits_every_row == every, (chunks, logits)
+        n = b.token_ids.shape[0]
+        assert torch.equal(b.wanted_rows(rows[:n]), rows[:n][b.logits_rows])
+
+
 def compare_with_plain_decode(folder, device: str, mode: str, steps: int, max_batch: int, sizes=None):
     build_reference("hc4_ple", folder)
     model, config = load_model(folder, dtype="float32", device=device)
@@ -130,3 +146,5 @@ def test_run_decode_from_host_lists_matches_plain_decode(tmp_path, device, mode)
             assert runner.block_tables[row].tolist() == lists[r] + [-1] * (width - len(lists[r])), (step, row)
         for r in active:
             positions[r] += 1
+    with pytest.raises(ValueError, match="token_sources: one per row, each < 4"):
+        runner.run_decode([0], [positions[0]], [0], [lists[0]], [4], previous)

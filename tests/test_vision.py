@@ -90,6 +90,7 @@ def test_streamed_tower_equals_the_resident_tower_bit_for_bit(dtype, device):
 # ---- the whole model: an image in the prompt -------------------------------------------------------
 IMAGE, START, END = 500, 501, 502  # token ids of the tiny vocabulary (512)
 PROMPT_GRID = (1, 4, 6)  # 6 merged features: a 2 x 3 grid, so text resumes 3 positions after the image
+SECOND_GRID = (1, 6, 4)  # a 3 x 2 grid: the other way round
 
 
 @pytest.fixture(scope="module")
@@ -113,18 +114,25 @@ def vlm(tmp_path_factory):
     return model, folder
 
 
-def image_prompt(text_after: int) -> list[int]:
-    """Text, <vision_start>, the image's placeholders, <vision_end>, text: 13 + 8 + text_after tokens."""
+def image_prompt(grids: list[tuple[int, int, int]], text_after: int) -> list[int]:
+    """Text, then per image <vision_start>, its placeholders, <vision_end> and 4 text tokens between two
+    images, then text_after tokens."""
     gen = torch.Generator().manual_seed(3)
-    before, after = torch.randint(4, IMAGE, (13,), generator=gen), torch.randint(4, IMAGE, (text_after,), generator=gen)
-    before[5] = 1  # an EOS: the PLE n-gram context restarts
-    return [*before.tolist(), START, *[IMAGE] * (PROMPT_GRID[1] * PROMPT_GRID[2] // 4), END, *after.tolist()]
+    ids = torch.randint(4, IMAGE, (13,), generator=gen).tolist()
+    ids[5] = 1  # an EOS: the PLE n-gram context restarts
+    for index, (t, h, w) in enumerate(grids):
+        if index:
+            ids += torch.randint(4, IMAGE, (4,), generator=gen).tolist()
+        ids += [START, *[IMAGE] * (t * h * w // 4), END]
+    return ids + torch.randint(4, IMAGE, (text_after,), generator=gen).tolist()
 
 
-def test_model_with_an_image_matches_reference_fp32(vlm):
-    """Logits of every row of a prompt with one image, prefilled in chunks (the second starting inside the
-    image, in the middle of an indexer group) and then decoded a token at a time past the prompt; against
-    transformers' one forward over the whole sequence."""
+@pytest.mark.parametrize("grids", [[PROMPT_GRID], [PROMPT_GRID, SECOND_GRID]], ids=["one image", "two images"])
+def test_model_with_images_matches_reference_fp32(vlm, grids):
+    """Logits of every row of a prompt with one image, or two of different sizes, prefilled in chunks (the
+    second starting inside the first image, in the middle of an indexer group) and then decoded a token at
+    a time past the prompt (text after the images: M-RoPE's delta); against transformers' one forward over
+    the whole sequence."""
     from reference_models import BLOCK_SIZE
 
     from tierlm.model.forward_batch import ForwardBatch
@@ -133,20 +141,20 @@ def test_model_with_an_image_matches_reference_fp32(vlm):
     from tierlm.model.vision.mrope import MropePositions
 
     reference, folder = vlm
-    ids = image_prompt(text_after=19)  # 40 tokens
-    prompt_len = 30
+    ids = image_prompt(grids, text_after=19)
+    prompt_len = len(ids) - 10
     c = reference.config.vision_config
-    patches = torch.randn(PROMPT_GRID[0] * PROMPT_GRID[1] * PROMPT_GRID[2], 3 * 2 * 2 * 2,
+    patches = torch.randn(sum(t * h * w for t, h, w in grids), 3 * 2 * 2 * 2,
                           generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         expected = reference(
-            input_ids=torch.tensor([ids]), pixel_values=patches, image_grid_thw=torch.tensor([PROMPT_GRID]),
+            input_ids=torch.tensor([ids]), pixel_values=patches, image_grid_thw=torch.tensor(grids),
             mm_token_type_ids=torch.tensor([[int(t == IMAGE) for t in ids]]), use_cache=False,
         ).logits[0]
 
     model, config = load_model(folder, dtype="float32", device="cpu")
-    features = model.encode_images(patches, [PROMPT_GRID])
-    mrope = MropePositions.of_prompt(ids[:prompt_len], IMAGE, [PROMPT_GRID], c.spatial_merge_size)
+    features = model.encode_images(patches, grids)
+    mrope = MropePositions.of_prompt(ids[:prompt_len], IMAGE, grids, c.spatial_merge_size)
     cache = ModelCache(config, 1, 8, BLOCK_SIZE, torch.float32)
     cache.reset_slot(0)
     image_rows = [i for i, t in enumerate(ids) if t == IMAGE]
@@ -159,7 +167,7 @@ def test_model_with_an_image_matches_reference_fp32(vlm):
             compress_ratio=config.indexer_compress_ratio,
         )
         if rows:
-            batch.image_features = features[rows[0] - image_rows[0] : rows[-1] - image_rows[0] + 1]
+            batch.image_features = features[[image_rows.index(i) for i in rows]]
             batch.image_rows = torch.tensor([i - start for i in rows])
         logits.append(model(batch, cache))
     torch.testing.assert_close(torch.cat(logits), expected, rtol=0, atol=1e-4)

@@ -306,29 +306,57 @@ def sample_rows(logits: torch.Tensor, plan: RowPlan) -> tuple[torch.Tensor, torc
     """(token per row, status per row) of fp32 `logits` [rows, vocab] on their device, every row at once:
     `edit_logits`, then greedy rows the argmax and the others their draw (top-k rows over their k best,
     the rest over the vocabulary). Queues work only: no value is read back."""
-    device = logits.device
-    sent = _Sent(plan, device)
+    sent = _Sent(plan, logits.device)
     x = edit_logits(logits, plan, sent)
     top, greedy_tokens, status = _argmax_status(x, logits)
     if not sent.sampling:
         return greedy_tokens, status
-    cut_p = bool((plan.top_p[~plan.greedy] < 1).any())
-    cut_min = bool((plan.min_p[~plan.greedy] > 0).any())
-    top_p, min_p = (sent.top_p if cut_p else None), (sent.min_p if cut_min else None)
+    candidates = _Candidates(x, top, greedy_tokens, plan, sent)
     tokens = greedy_tokens
-    if plan.full_rows.any():
-        index = None if plan.full_rows.all() else on_device(np.flatnonzero(plan.full_rows), device)
-        part = (lambda t: t) if index is None else (lambda t: None if t is None else t[index])
-        drawn = _draw_full(part(x), part(top), part(sent.temperature), part(top_p), part(min_p),
-                           part(greedy_tokens), part(sent.keys))
-        tokens = drawn if index is None else tokens.index_copy(0, index, drawn)
-    if sent.k_max:
-        drawn = _draw_top_k(x, top, sent.temperature, top_p, min_p, sent.noise_k, sent.rank_cut, sent.k_max)
-        tokens = torch.where(sent.is_top_k.bool(), drawn, tokens) if plan.full_rows.any() else drawn
-    greedy = (status != _OK) | (top == float("inf"))  # failures take any token; a +inf logit is taken
-    if plan.greedy.any():
-        greedy |= sent.greedy.bool()
-    return torch.where(greedy, greedy_tokens, tokens), status
+    if candidates.full is not None:  # noise keyed by token id
+        keys = sent.keys if candidates.full_index is None else sent.keys[candidates.full_index]
+        noise = exponential_noise(keys, torch.arange(x.shape[1], device=x.device))
+        drawn = (candidates.full / noise).argmax(dim=-1)
+        tokens = drawn if candidates.full_index is None else tokens.index_copy(0, candidates.full_index, drawn)
+    if candidates.ranked is not None:  # noise by rank
+        rank = (candidates.ranked / sent.noise_k).argmax(dim=-1, keepdim=True)
+        drawn = candidates.ranked_ids.gather(1, rank)[:, 0]
+        tokens = torch.where(sent.is_top_k.bool(), drawn, tokens) if candidates.full is not None else drawn
+    argmax = _takes_argmax(top, plan, sent) | (status != _OK)  # a failed row's token is never used
+    return torch.where(argmax, greedy_tokens, tokens), status
+
+
+def _takes_argmax(top: torch.Tensor, plan: RowPlan, sent: _Sent) -> torch.Tensor:
+    """[rows] bool: the rows whose token is the argmax, not a draw: greedy ones, and those whose maximum is
+    +inf."""
+    argmax = top == float("inf")
+    return argmax | sent.greedy.bool() if plan.greedy.any() else argmax
+
+
+class _Candidates:
+    """What a pass's sampled rows draw among, and with which probabilities (cut by top-p and min-p, not
+    renormalized: a draw only compares them): `sample_rows` races its noise against them, `sampling_probs`
+    returns them. Rows without top-k over the vocabulary (`full`, [full rows, vocab] by token id; the rows
+    are `full_index`, None for every row); every row over its k_max best (`ranked`, [rows, k_max] best
+    first, ids `ranked_ids`; a top-k row's probabilities are 0 past its k; read for top-k rows alone).
+    `full` / `ranked` are None when no row draws that way."""
+
+    def __init__(self, x: torch.Tensor, top: torch.Tensor, greedy_tokens: torch.Tensor, plan: RowPlan,
+                 sent: _Sent) -> None:
+        cut_p = bool((plan.top_p[~plan.greedy] < 1).any())
+        cut_min = bool((plan.min_p[~plan.greedy] > 0).any())
+        top_p, min_p = (sent.top_p if cut_p else None), (sent.min_p if cut_min else None)
+        self.full = self.full_index = self.ranked = self.ranked_ids = None
+        if plan.full_rows.any():
+            if not plan.full_rows.all():
+                self.full_index = on_device(np.flatnonzero(plan.full_rows), x.device)
+            index = self.full_index
+            part = (lambda t: t) if index is None else (lambda t: None if t is None else t[index])
+            self.full = _full_probs(part(x), part(top), part(sent.temperature), part(top_p), part(min_p),
+                                    part(greedy_tokens))
+        if sent.k_max:
+            self.ranked, self.ranked_ids = _top_k_probs(x, top, sent.temperature, top_p, min_p, sent.rank_cut,
+                                                        sent.k_max)
 
 
 def _argmax_status(x: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -373,29 +401,26 @@ def best_first(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return values[:, :k], ids.gather(1, order)[:, :k]
 
 
-def _draw_top_k(x, top, temperature, top_p, min_p, noise, rank_cut, k_max: int) -> torch.Tensor:
-    """Every row's draw among its k best (rank_cut: -inf past its k; None: every row's k is k_max): scaled
-    by its temperature below its maximum, softmax, top-p and min-p on the sorted slice, then the race
-    against the ranked noise."""
+def _top_k_probs(x, top, temperature, top_p, min_p, rank_cut, k_max: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(probabilities, ids) of every row's k best (`best_first`; rank_cut: -inf past its k, None: every row's
+    k is k_max): scaled by its temperature below its maximum, softmax, top-p and min-p on the sorted slice."""
     values, ids = best_first(x, k_max)
     scaled = (values - top[:, None]) / temperature[:, None]
     probs = torch.softmax(scaled if rank_cut is None else scaled + rank_cut, dim=-1)
-    probs = _cut_top_p_min_p(probs, top_p, min_p)
-    return ids.gather(1, (probs / noise).argmax(dim=-1, keepdim=True))[:, 0]
+    return _cut_top_p_min_p(probs, top_p, min_p), ids
 
 
-def _draw_full(x, top, temperature, top_p, min_p, greedy_tokens, keys) -> torch.Tensor:
-    """Every row's draw over the whole vocabulary (noise keyed by token id); top-p sorts the rows, min-p
-    compares with the argmax's probability."""
+def _full_probs(x, top, temperature, top_p, min_p, greedy_tokens) -> torch.Tensor:
+    """Every row's probabilities over the whole vocabulary, by token id: top-p sorts the rows (stably: ties
+    by id, whatever the batch), min-p compares with the argmax's probability."""
     probs = torch.softmax((x - top[:, None]) / temperature[:, None], dim=-1)
     threshold = None if min_p is None else min_p[:, None] * probs.gather(1, greedy_tokens[:, None])
     if top_p is not None:
-        sorted_probs, order = probs.sort(dim=-1, descending=True, stable=True)  # ties by id, whatever the batch
+        sorted_probs, order = probs.sort(dim=-1, descending=True, stable=True)
         probs = torch.zeros_like(probs).scatter_(1, order, _cut_top_p_min_p(sorted_probs, top_p, None))
     if threshold is not None:
         probs = probs.masked_fill(probs < threshold, 0.0)
-    noise = exponential_noise(keys, torch.arange(x.shape[1], device=x.device))
-    return (probs / noise).argmax(dim=-1)
+    return probs
 
 
 class Sampler:
@@ -472,33 +497,28 @@ class Sampler:
 
 
 def sampling_probs(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-    """The normalized fp32 distribution [R, V] that `Sampler` draws row i from for requests[i], given logits
-    already through `edit_logits` (temperature, top-k, top-p, min-p; speculative decoding, its one user,
-    applies the penalties first, `speculative.penalized_logits`, and takes no request with biases, bans or
-    a grammar). A top-k row keeps every token tied with its k-th best."""
-    device, vocab = logits.device, logits.shape[1]
-    temperature = torch.tensor([max(r.params.temperature, MIN_TEMPERATURE) for r in requests], device=device)
+    """The normalized fp32 distribution [R, V] that `sample_rows` draws row i from for requests[i], given
+    logits already through `edit_logits` (speculative decoding, its one user, applies the penalties first,
+    `speculative.penalized_logits`, and takes no request with biases, bans or a grammar): the sampler's own
+    candidates and cuts (`_Candidates`), so a top-k row keeps its k best with ties by lower id; a row the
+    sampler takes the argmax of (greedy, or a +inf maximum) is one-hot there."""
     x = logits.float()
-    x = (x - x.max(dim=-1, keepdim=True).values) / temperature[:, None]
-    k = torch.tensor([r.params.top_k if 0 < r.params.top_k < vocab else vocab for r in requests], device=device)
-    if bool((k < vocab).any()):
-        values = x.topk(int(k.max()), dim=-1).values
-        x = x.masked_fill(x < values.gather(1, (k - 1).clamp(max=values.shape[1] - 1)[:, None]), float("-inf"))
-    probs = torch.softmax(x, dim=-1)
-    sorted_probs, order = probs.sort(dim=-1, descending=True)
-    probs = torch.zeros_like(probs).scatter_(1, order, _top_p_min_p(sorted_probs, requests))
+    plan = plan_rows(requests, x.shape[1], np.zeros(len(requests), dtype=np.uint64))  # keys: no draw here
+    sent = _Sent(plan, x.device)
+    top, greedy_tokens = x.max(dim=-1)
+    one_hot = torch.zeros_like(x).scatter_(1, greedy_tokens[:, None], 1.0)
+    if not sent.sampling:
+        return one_hot
+    candidates = _Candidates(x, top, greedy_tokens, plan, sent)
+    probs = torch.zeros_like(x)
+    if candidates.full is not None:
+        index = candidates.full_index
+        probs = candidates.full if index is None else probs.index_copy(0, index, candidates.full)
+    if candidates.ranked is not None:
+        ranked = torch.zeros_like(x).scatter_(1, candidates.ranked_ids, candidates.ranked)
+        probs = torch.where(sent.is_top_k.bool()[:, None], ranked, probs)
+    probs = torch.where(_takes_argmax(top, plan, sent)[:, None], one_hot, probs)
     return probs / probs.sum(dim=-1, keepdim=True)
-
-
-def _top_p_min_p(sorted_probs: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-    """`_cut_top_p_min_p` with the requests' top-p and min-p (None where no row cuts)."""
-    device = sorted_probs.device
-    top_p = on_device(_top_p_bounds(np.array([r.params.top_p for r in requests], dtype=np.float32)), device,
-                      torch.float32) if any(
-        r.params.top_p < 1 for r in requests) else None
-    min_p = on_device([r.params.min_p for r in requests], device, torch.float32) if any(
-        r.params.min_p > 0 for r in requests) else None
-    return _cut_top_p_min_p(sorted_probs, top_p, min_p)
 
 
 def _cut_top_p_min_p(sorted_probs: torch.Tensor, top_p: torch.Tensor | None,

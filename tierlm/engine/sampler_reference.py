@@ -1,8 +1,10 @@
 """The sampler's pass written plainly, one row at a time: what `sampler.sample_rows` must give, token for
 token (tests compare them; nothing in the engine runs it).
 
-`reference_sample_rows` has the signature of `sample_rows`, `reference_edit_logits` that of `edit_logits`: fp32 logits [rows, vocab] and the host's `RowPlan`, -> (token per row,
-status per row). Each row, in order: repetition penalty on every id it has seen (prompt and output),
+`reference_sample_rows` has the signature of `sample_rows`, `reference_edit_logits` that of `edit_logits`:
+fp32 logits [rows, vocab] and the host's `RowPlan`, -> (token per row, status per row);
+`reference_sampling_probs` that of `sampling_probs` (the distribution each row draws from, speculative
+decoding's target). Each row, in order: repetition penalty on every id it has seen (prompt and output),
 frequency and presence penalties by its output counts, logit bias, bans, its bitmask (grammar and
 allowed ids); NaN or nothing left is its status; a greedy row (or one whose maximum is +inf) takes the
 argmax; a top-k row draws among its k best logits (equal ones by lower id), the rest over the vocabulary, each scaled by its
@@ -15,42 +17,65 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from tierlm.engine.sampler import _MASKED, _NAN, _OK, RowPlan
+from tierlm.engine.request import Request
+from tierlm.engine.sampler import _MASKED, _NAN, _OK, RowPlan, plan_rows
 from tierlm.engine.sampling_noise import exponential_noise, exponential_noise_np
 
 
 def reference_sample_rows(logits: torch.Tensor, plan: RowPlan) -> tuple[torch.Tensor, torch.Tensor]:
-    rows, vocab = logits.shape
     tokens, status = [], []
-    for i in range(rows):
+    for i in range(logits.shape[0]):
         raw = logits[i]
         x = _edited_row(raw.clone(), i, plan)
         top = x.max()
         state = _NAN if bool(torch.isnan(raw).any()) else _MASKED if top == float("-inf") else _OK
         status.append(state)
-        greedy_token = int(x.argmax())
         if plan.greedy[i] or state != _OK or top == float("inf"):
-            tokens.append(greedy_token)
+            tokens.append(int(x.argmax()))
             continue
-        temperature = float(plan.temperature[i])
-        k = int(plan.top_k[i])
-        if k:
-            values, ids = x.sort(descending=True, stable=True)  # ties by lower id
-            values, ids = values[:k], ids[:k]
-            probs = _cut(torch.softmax((values - top) / temperature, dim=0), float(plan.top_p[i]), float(plan.min_p[i]), 0)
-            noise = torch.from_numpy(exponential_noise_np(plan.keys[i : i + 1], k)[0]).to(x.device)
-            tokens.append(int(ids[int((probs / noise).argmax())]))
-        else:
-            probs = torch.softmax((x - top) / temperature, dim=0)
-            ordered, order = probs.sort(descending=True, stable=True)
-            most_likely = int((order == greedy_token).nonzero()[0, 0])
-            ordered = _cut(ordered, float(plan.top_p[i]), float(plan.min_p[i]), most_likely)
-            probs = torch.zeros_like(probs).scatter_(0, order, ordered)
+        probs, ids = _row_candidates(x, i, plan)
+        if plan.top_k[i]:  # noise by rank
+            noise = torch.from_numpy(exponential_noise_np(plan.keys[i : i + 1], len(ids))[0]).to(x.device)
+        else:  # by token id
             key = torch.from_numpy(plan.keys[i : i + 1].view(np.int64)).to(x.device)
-            noise = exponential_noise(key, torch.arange(vocab, device=x.device))[0]
-            tokens.append(int((probs / noise).argmax()))
+            noise = exponential_noise(key, ids)[0]
+        tokens.append(int(ids[int((probs / noise).argmax())]))
     device = logits.device
     return torch.tensor(tokens, device=device), torch.tensor(status, device=device)
+
+
+def reference_sampling_probs(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """What `sampler.sampling_probs` gives: each row's distribution (its candidates' probabilities,
+    normalized; one-hot at the argmax for a greedy row or one whose maximum is +inf), from logits already
+    edited."""
+    rows, vocab = logits.shape
+    plan = plan_rows(requests, vocab, np.zeros(rows, dtype=np.uint64))
+    out = torch.zeros(rows, vocab, device=logits.device)
+    for i in range(rows):
+        x = logits[i].float()
+        if plan.greedy[i] or x.max() == float("inf"):
+            out[i, int(x.argmax())] = 1.0
+            continue
+        probs, ids = _row_candidates(x, i, plan)
+        out[i, ids] = probs / probs.sum()
+    return out
+
+
+def _row_candidates(x: torch.Tensor, i: int, plan: RowPlan) -> tuple[torch.Tensor, torch.Tensor]:
+    """(probabilities, ids) of what row i (edited logits `x`) draws among: with top-k its k best, equal
+    ones by lower id, else the vocabulary by id; scaled by its temperature below its maximum, softmax, cut
+    by top-p then min-p (not renormalized)."""
+    top, temperature, top_p, min_p = x.max(), float(plan.temperature[i]), float(plan.top_p[i]), float(plan.min_p[i])
+    k = int(plan.top_k[i])
+    if k:
+        values, ids = x.sort(descending=True, stable=True)  # ties by lower id
+        values, ids = values[:k], ids[:k]
+        return _cut(torch.softmax((values - top) / temperature, dim=0), top_p, min_p, 0), ids
+    probs = torch.softmax((x - top) / temperature, dim=0)
+    ordered, order = probs.sort(descending=True, stable=True)
+    most_likely = int((order == int(x.argmax())).nonzero()[0, 0])
+    ordered = _cut(ordered, top_p, min_p, most_likely)
+    return torch.zeros_like(probs).scatter_(0, order, ordered), torch.arange(len(x), device=x.device)
 
 
 def reference_edit_logits(logits: torch.Tensor, plan: RowPlan) -> torch.Tensor:

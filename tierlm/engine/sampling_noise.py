@@ -10,8 +10,9 @@ candidate of probability 0 never wins (0 / E is 0, never NaN).
 
 Two forms of the same hash: numpy on the host (`exponential_noise_np`: the few ranked candidates of a
 top-k draw, sent up with the step's parameters) and torch on the logits' device (`exponential_noise`:
-one variate per vocabulary id, for a draw over the whole vocabulary); their hash bits are identical,
-the final float32 logarithm is each library's own.
+one variate per vocabulary id, for a draw over the whole vocabulary, computed in place in two int64
+buffers and the float32 result); their hash bits are identical, the final float32 logarithm is each
+library's own.
 """
 
 from __future__ import annotations
@@ -34,15 +35,19 @@ def _mix_np(z: np.ndarray) -> np.ndarray:
     return z ^ (z >> np.uint64(31))
 
 
-def _shift_right(z: torch.Tensor, bits: int) -> torch.Tensor:
-    """Logical right shift of int64 bit patterns (torch's >> is arithmetic)."""
-    return (z >> bits) & ((1 << (64 - bits)) - 1)
+def _shift_right(z: torch.Tensor, bits: int, out: torch.Tensor) -> torch.Tensor:
+    """Logical right shift of int64 bit patterns (torch's >> is arithmetic), written into `out`."""
+    return torch.bitwise_right_shift(z, bits, out=out).bitwise_and_((1 << (64 - bits)) - 1)
 
 
-def _mix_torch(z: torch.Tensor) -> torch.Tensor:
-    z = (z ^ _shift_right(z, 30)) * _signed(_MIX1)
-    z = (z ^ _shift_right(z, 27)) * _signed(_MIX2)
-    return z ^ _shift_right(z, 31)
+def _mix_torch_(z: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
+    """`_mix_np` on int64 bit patterns, in place (scratch: a buffer of z's shape for the shifted bits)."""
+    z ^= _shift_right(z, 30, scratch)
+    z *= _signed(_MIX1)
+    z ^= _shift_right(z, 27, scratch)
+    z *= _signed(_MIX2)
+    z ^= _shift_right(z, 31, scratch)
+    return z
 
 
 def seeded_keys(seeds: list[int], positions: list[int]) -> np.ndarray:
@@ -64,6 +69,7 @@ def exponential_noise_np(keys: np.ndarray, count: int) -> np.ndarray:
 def exponential_noise(keys: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """float32 [rows, len(index)]: candidate index[j]'s variate for each key (int64 bit patterns of the
     uint64 keys), on their device (torch form of `exponential_noise_np`)."""
-    z = _mix_torch(keys[:, None] + index[None, :] * _signed(GOLDEN))
-    top = _shift_right(z, 41).float()
-    return -torch.log((top * 2 + 1) * 2.0**-24)
+    z = keys[:, None] + index[None, :] * _signed(GOLDEN)
+    scratch = torch.empty_like(z)  # with z and the result, the pass's only buffers of the noise's shape
+    top = _shift_right(_mix_torch_(z, scratch), 41, scratch).float()
+    return top.mul_(2).add_(1).mul_(2.0**-24).log_().neg_()

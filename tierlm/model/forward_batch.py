@@ -36,6 +36,10 @@ class ForwardBatch:
     block_tables: torch.Tensor  # [B, max_blocks] int64 physical block ids (-1 past the end)
     slot_mapping: torch.Tensor  # [N] int64 physical K/V row (block * block_size + offset) of each token
     logits_rows: torch.Tensor  # [M] int64 packed rows whose logits are wanted
+    # True when logits_rows is every packed row in order (0..N-1): the rows are then taken as they are,
+    # with no gather (`wanted_rows`); a static batch says so for its fixed logits_rows (a batch copied with
+    # other logits_rows, as dataclasses.replace does, must give it again)
+    logits_every_row: bool = False
     bounds: list[tuple[int, int]] = field(init=False)
     # the per-request lists as tensors on the batch's device (what decode paths index with); given
     # explicitly only by a static batch whose tensors are a CUDA graph's input buffers
@@ -112,9 +116,13 @@ class ForwardBatch:
             query_lens=[1] * self.token_ids.shape[0],
             state_slots=[s for after, own in zip(self.position_slots, self.state_slots) for s in (*after, own)],
             block_tables=self.block_tables.repeat_interleave(width, dim=0), slot_mapping=self.slot_mapping,
-            logits_rows=self.logits_rows, slots=self.verify_slots.flatten(), context_lens_tensor=self.positions,
-            static=self.static,
+            logits_rows=self.logits_rows, logits_every_row=self.logits_every_row, slots=self.verify_slots.flatten(),
+            context_lens_tensor=self.positions, static=self.static,
         )
+
+    def wanted_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """Of a tensor of every packed row [N, ...], the rows `logits_rows` names (all: `rows` itself)."""
+        return rows if self.logits_every_row else rows[self.logits_rows]
 
     @property
     def num_requests(self) -> int:
@@ -169,6 +177,7 @@ class ForwardBatch:
             block_tables=on_device(padded, device).reshape(len(chunks), width),
             slot_mapping=on_device(slots, device),
             logits_rows=on_device(logits_rows, device),
+            logits_every_row=logits_rows == list(range(total)),
             position_slots=position_slots,
             **(_mrope_fields(mrope, chunks, context_lens, compress_ratio, device) if mrope else {}),
         )

@@ -110,5 +110,5 @@ class PipelineStage(nn.Module):
         streams = run_decoder_layers(self.decoder_layers(), streams, batch, cache, self.config, text.rotary)
         if not self.layout.is_last:
             return streams
-        mixed, _ = text.hyper_connection_mixer.mix(streams[batch.logits_rows])
+        mixed, _ = text.hyper_connection_mixer.mix(batch.wanted_rows(streams))
         return self.lm_head(mixed)

@@ -16,6 +16,8 @@ before the final mixer (the draft's input), and `draft` runs the head.
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 
@@ -50,7 +52,7 @@ class Qwen4ExpTextModel(nn.Module):
 
     def forward(self, batch: ForwardBatch, cache: ModelCache) -> torch.Tensor:
         """Returns the final mixer's output [M, H] for `batch.logits_rows`."""
-        return self.mix(self.run_layers(batch, cache)[batch.logits_rows])
+        return self.mix(batch.wanted_rows(self.run_layers(batch, cache)))
 
     def mix(self, streams: torch.Tensor) -> torch.Tensor:
         """The final mixer: streams [M, hc*H] -> [M, H] (lm_head's input)."""
@@ -65,7 +67,14 @@ class Qwen4ExpTextModel(nn.Module):
 
 def embed_streams(embed_tokens: Embedding, batch: ForwardBatch, hc_count: int) -> torch.Tensor:
     """The token embeddings (image placeholders' rows replaced by the batch's image features) copied into
-    the hc residual streams: [N, hc_count * H]."""
+    the hc residual streams: [N, hc_count * H]. On CUDA a dense table's rows go into the streams in one
+    launch (`kernels/embed_streams`; TIERLM_NO_FUSED_EMBED_STREAMS=1 turns it off)."""
+    table = embed_tokens.dense_weight()
+    if (table is not None and batch.image_features is None and batch.token_ids.is_cuda
+            and not os.environ.get("TIERLM_NO_FUSED_EMBED_STREAMS")):
+        from tierlm.kernels.embed_streams import triton as kernels
+
+        return kernels.embed_streams(table, batch.token_ids, hc_count)
     embeddings = embed_tokens(batch.token_ids)
     if batch.image_features is not None:
         embeddings = embeddings.index_copy(0, batch.image_rows, batch.image_features.to(embeddings.dtype))
@@ -148,7 +157,7 @@ class Qwen4ExpForCausalLM(nn.Module):
         hidden state the draft head reads (with token t+1) to propose token t+2. rope: rotary tables the
         caller shares with the draft head's pass over the same rows."""
         streams = self.model.run_layers(batch, cache, rope)
-        return self.lm_head(self.model.mix(streams[batch.logits_rows])), streams
+        return self.lm_head(self.model.mix(batch.wanted_rows(streams))), streams
 
     @torch.no_grad()
     def draft(
@@ -166,6 +175,6 @@ class Qwen4ExpForCausalLM(nn.Module):
         embeddings = self.model.embed_tokens(batch.token_ids)
         if rope is None or rope.dtype != embeddings.dtype:  # rope: the verify forward's, at the same rows
             rope = Rope(self.model.rotary, batch, embeddings.dtype)
-        streams = self.mtp(embeddings, hidden_streams, batch, cache.draft_layers, rope, step)[batch.logits_rows]
+        streams = batch.wanted_rows(self.mtp(embeddings, hidden_streams, batch, cache.draft_layers, rope, step))
         mixed = self.mtp.hyper_connection_mixer.mix(streams)[0]
         return self.mtp.head(self.lm_head)(mixed), streams

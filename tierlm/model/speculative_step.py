@@ -69,8 +69,8 @@ class GreedySpeculation:
         # row j's next token: draft j+1 (= its argmax) while j < a, the final token (its argmax) at a; the
         # rows past a are overwritten before anything reads them, so every row takes its own argmax
         at = torch.arange(0, n * width, width, device=accepted.device) + accepted  # row a of each request
-        logits, out_streams = self.model.draft(
-            dataclasses.replace(batch, token_ids=best.flatten(), logits_rows=at), streams, self.cache, 0, rope)
+        rows_a = dataclasses.replace(batch, token_ids=best.flatten(), logits_rows=at, logits_every_row=False)
+        logits, out_streams = self.model.draft(rows_a, streams, self.cache, 0, rope)
         proposed = [logits.argmax(dim=-1)]
         if k > 1:
             proposed += self._draft_steps(batch, accepted, proposed[0], out_streams)
@@ -100,7 +100,7 @@ class GreedySpeculation:
             step_batch = ForwardBatch(
                 token_ids=tokens, positions=positions[s - 1], context_lens=[0] * n, query_lens=[1] * n,
                 state_slots=[cache.scratch_slot] * n, block_tables=batch.block_tables,
-                slot_mapping=kv_rows[s - 1], logits_rows=rows, slots=step_slots,
+                slot_mapping=kv_rows[s - 1], logits_rows=rows, logits_every_row=True, slots=step_slots,
                 context_lens_tensor=positions[s - 1], static=True)
             logits, streams = self.model.draft(step_batch, streams, cache, s)
             tokens = logits.argmax(dim=-1)

@@ -27,12 +27,14 @@ verify forward, on scores the host wrote (penalized logits; `replay_accept`).
 Inputs come two ways. `run(batch)` copies a built `ForwardBatch`'s device tensors into the buffers (the
 pipeline stages and the speculative runners use it). `run_decode(...)` (plain decode, one row per request)
 takes the engine's host lists and writes them straight into the buffers: each step fills a pinned host
-staging buffer (ids, positions, context lengths, slots, K/V rows, token sources, and the block-table
+staging buffer (ids, positions, context lengths, slots, K/V rows, token picks, and the block-table
 entries that changed since the last step: a host mirror remembers which request's block list each row
 holds and how much of it is on the device) and sends it in one host-to-device copy; the changed table
 entries are scattered from there. A row's token source >= 0 takes its input id from the previous step's
 sampled ids on the device (overlap scheduling: the host launches a step before it has read the ids of the
-one before); the ids are resolved inside the graph. `stage_verify` does the same for a verification step
+one before); the ids are resolved inside the graph, by one gather: the previous step's sampled ids are
+copied into the buffer right before the input ids, and each row's pick (staged by the host) indexes that
+pair, its source or its own input id. `stage_verify` does the same for a verification step
 (T rows per request and their row-state slots), returning the batch its buffers hold.
 """
 
@@ -41,6 +43,7 @@ from __future__ import annotations
 import math
 import os
 
+import numpy as np
 import torch
 
 from tierlm.model.forward_batch import ForwardBatch
@@ -122,11 +125,16 @@ class StaticDecodeRunner:
         m = self.row_capacity = max_rows
         verifies = rows_per_request > 1
         self._updates_at = (NUM_ROW_INPUTS + verifies) * m  # where the block-table updates start
-        self.inputs = torch.zeros(self._updates_at + 2 * max_batch * max_blocks_per_request, **as_long)
-        self.input_ids, self.positions, self.context_lens, self.slots, self.slot_mapping, self.token_sources = (
+        # the previous step's sampled ids (what token sources name) sit right before the inputs, so that
+        # [previous sampled ids | input ids] is one tensor each row's token pick indexes (`_resolve_tokens`)
+        buffer = torch.zeros(m + self._updates_at + 2 * max_batch * max_blocks_per_request, **as_long)
+        self.previous_tokens, self.inputs = buffer[:m], buffer[m:]
+        self._token_candidates = buffer[: 2 * m]
+        self.input_ids, self.positions, self.context_lens, self.slots, self.slot_mapping, self.token_picks = (
             self.inputs[i * m : (i + 1) * m] for i in range(NUM_ROW_INPUTS))
         self.token_ids = torch.zeros(m, **as_long)  # what the model reads: input ids, sources resolved
-        self.previous_tokens = torch.zeros(m, **as_long)  # the previous step's sampled ids (token sources)
+        self._own_picks = torch.arange(m, 2 * m, **as_long)  # row r's own input id: candidate m + r
+        self._own_picks_host = self._own_picks.cpu().numpy()
         self.verify_slots = self.inputs[NUM_ROW_INPUTS * m : self._updates_at].view(
             max_batch, rows_per_request) if verifies else None
         self.block_tables = torch.zeros(max_batch, max_blocks_per_request, **as_long)
@@ -192,8 +200,8 @@ class StaticDecodeRunner:
             token_ids=self.token_ids[:rows], positions=self.positions[:rows], context_lens=[0] * size,
             query_lens=[per_request] * size, state_slots=[scratch] * size,
             block_tables=self.tables_at[width][:size], slot_mapping=self.slot_mapping[:rows],
-            logits_rows=self.logits_rows[:rows], slots=self.slots[:size], context_lens_tensor=self.context_lens[:size],
-            static=True,
+            logits_rows=self.logits_rows[:rows], logits_every_row=True, slots=self.slots[:size],
+            context_lens_tensor=self.context_lens[:size], static=True,
             ple_embeddings={i: e[:rows] for i, e in self.ple_embeddings.items()} if self.ple_embeddings else None,
             stage_input=None if self.stage_input is None else self.stage_input[:rows],
             position_slots=[[scratch] * (per_request - 1)] * size if per_request > 1 else None,
@@ -209,7 +217,7 @@ class StaticDecodeRunner:
         for buffer in (self.input_ids, self.positions):
             buffer[rows].zero_()
         self.context_lens[start:size].zero_()
-        self.token_sources[rows] = -1
+        self.token_picks[rows] = self._own_picks[rows]
         for buffer in (self.stage_input, self.hidden):
             if buffer is not None:
                 buffer[rows].zero_()
@@ -265,8 +273,8 @@ class StaticDecodeRunner:
         n, rows = batch.num_requests, batch.token_ids.shape[0]
         size, width = shape = self.shape_for(batch)
         self.input_ids[:rows].copy_(batch.token_ids)
-        if self.takes_decode_lists:  # only `stage_decode` sets token sources
-            self.token_sources[:rows] = -1
+        if self.takes_decode_lists:  # only `stage_decode` picks previous sampled ids
+            self.token_picks[:rows] = self._own_picks[:rows]
         self.positions[:rows].copy_(batch.positions)
         self.context_lens[:n].copy_(batch.context_lens_tensor)
         self.slots[:n].copy_(batch.slots)
@@ -344,7 +352,11 @@ class StaticDecodeRunner:
         stage = self._staging.next()
         self._stage_rows(stage, token_ids, positions, positions, slots, tables)  # context: every token before
         if token_sources is not None:
-            stage[5 * m : 5 * m + n] = token_sources
+            if len(token_sources) != n or max(token_sources) >= m:
+                raise ValueError(f"token_sources: one per row, each < {m} (the previous step's sampled ids this "
+                                 f"runner holds); got {len(token_sources)} for {n} rows, largest {max(token_sources)}")
+            sources = np.asarray(token_sources, dtype=np.int64)
+            stage[5 * m : 5 * m + n] = np.where(sources >= 0, sources, self._own_picks_host[:n])
         self._send(stage, tables, size)
         if previous_tokens is not None:
             self.previous_tokens[: previous_tokens.shape[0]].copy_(previous_tokens)
@@ -381,9 +393,9 @@ class StaticDecodeRunner:
         batch = ForwardBatch(
             token_ids=self.input_ids[:rows], positions=self.positions[:rows], context_lens=list(starts),
             query_lens=[width] * n, state_slots=list(slots), block_tables=self.block_tables[:n, :longest],
-            slot_mapping=self.slot_mapping[:rows], logits_rows=self.logits_rows[:rows], slots=self.slots[:n],
-            context_lens_tensor=self.context_lens[:n], position_slots=[v[:-1] for v in verify_slots],
-            verify_slots=self.verify_slots[:n],
+            slot_mapping=self.slot_mapping[:rows], logits_rows=self.logits_rows[:rows], logits_every_row=True,
+            slots=self.slots[:n], context_lens_tensor=self.context_lens[:n],
+            position_slots=[v[:-1] for v in verify_slots], verify_slots=self.verify_slots[:n],
         )
         return shape, batch
 
@@ -401,7 +413,7 @@ class StaticDecodeRunner:
         stage[4 * m : 4 * m + rows] = [t[p // block_size] * block_size + p % block_size
                                        for t, p in zip(row_tables, positions, strict=True)]
         stage[4 * m + rows : 5 * m] = self.cache.scratch_block * block_size
-        stage[5 * m : 6 * m] = -1
+        stage[5 * m : 6 * m] = self._own_picks_host
 
     def _send(self, stage, tables: list[list[int]], size: int) -> None:
         """The staged vectors and the block-table entries rows 0:size need changed to the device (one copy),
@@ -426,9 +438,9 @@ class StaticDecodeRunner:
         return out
 
     def _resolve_tokens(self) -> None:
-        """Each row's input id: the host's, or (token source >= 0) the previous step's sampled id."""
-        sources = self.token_sources
-        torch.where(sources >= 0, self.previous_tokens[sources.clamp(min=0)], self.input_ids, out=self.token_ids)
+        """Each row's input id: the host's, or (a token source) the previous step's sampled id; one gather
+        from [previous sampled ids | input ids] by the picks the host staged (row r's own id: pick m + r)."""
+        torch.index_select(self._token_candidates, 0, self.token_picks, out=self.token_ids)
 
     # ---- the host mirror of the block tables (run_decode) ---------------------------------------------
     def _reset_tables(self) -> None:
@@ -464,7 +476,7 @@ class StaticDecodeRunner:
         return columns, values
 
 
-NUM_ROW_INPUTS = 6  # input ids, positions, context lengths, slots, K/V rows, token sources
+NUM_ROW_INPUTS = 6  # input ids, positions, context lengths, slots, K/V rows, token picks
 
 
 class _Staging:

@@ -14,10 +14,14 @@ format and width).
              place; decode: two GEMV launches, one pair per program row, the shared expert one more
              pair per token; prefill: pairs sorted by expert into padded blocks
              (align_pairs_to_blocks) for a grouped GEMM, the shared expert apart
-  packed_decode.py  the decode form for experts packed in 4 or 8 bits: x and the activations read in
-             a split layout (value j of every word beside x's column of it), 3 instructions a value
-  decode_parts.py  what the two decode forms share (the shared expert's columns in any format; the end
-             of a down program whose token's experts are split over several programs)
+  packed_decode.py  the decode form for experts packed in 4 or 8 bits: one tile per program, all its
+             loads up front, K split over programs and summed in order by the last to arrive; x and the
+             activations read in a split, pre-scaled layout, 2 instructions a value; the shared expert's
+             tiles in its own format beside the experts' (below PACKED_SHARED_MIN_TOKENS tokens,
+             `triton.fused_moe` runs it apart)
+  decode_parts.py  what the two decode forms share (`SharedArgs`, the two-phase launch; for the
+             unquantized / INT6 form the shared expert's columns in any format and the end of a down
+             program whose token's experts are split over several programs)
 """
 
 from tierlm.kernels.fused_moe.naive import SharedExpert, fused_moe

@@ -1,11 +1,11 @@
-"""Pieces the two decode forms of `fused_moe` share (`triton._decode` and `packed_decode`): one expert's
-SwiGLU columns and down columns for one row of input, by `quant_linear.triton.gemv_loop` in any weight
-format (unquantized, or packed 4 / 6 / 8 bits: the shared expert takes these whatever the routed
-experts' format, so it can differ from theirs); the order a down program takes a token's experts in
-(`expert_ranks`); and the end of a down program, whose token's experts are split over several programs:
-the last program to arrive adds the splits' fp32 partials in split order and rounds the output once
-(`split_reduce` arrival counters), in the same launch; and `SharedArgs`, a checked `SharedExpert` as
-both forms' launches take it.
+"""Pieces the two decode forms of `fused_moe` share (`triton._decode` and `packed_decode`): `SharedArgs`,
+a checked `SharedExpert` as both forms' launches take it (its tensors and compile-time constants), and
+`launch_phases`, the two launches of a form's two-phase kernel (gate_up, then down); `round_as`. Then,
+for the unquantized / INT6 form: one expert's SwiGLU columns and down columns for one row of input, by
+`quant_linear.triton.gemv_loop` in any weight format; the order a down program takes a token's experts in
+(`expert_ranks`); and the end of a down program whose token's experts are split over several programs
+(the last to arrive adds the splits' fp32 partials in split order and rounds the output once:
+`split_reduce` arrival counters), in the same launch.
 """
 
 from __future__ import annotations
@@ -94,6 +94,25 @@ def finish_down(result, out_ptr, partial_ptr, counter_ptr, token, pid_n, n_block
             tl.atomic_xchg(counter, 0)  # ready for the next launch
 
 
+DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}  # `round_as`'s DTYPE
+
+
+@triton.jit
+def round_as(x, DTYPE: tl.constexpr, PRECISION: tl.constexpr):
+    """fp32 x rounded to x's dtype (`DTYPE_NAMES`: "bf16", "fp16" or "fp32"), kept in fp32."""
+    if DTYPE == "bf16":
+        x = round_to(x, tl.bfloat16, PRECISION).to(tl.float32)
+    elif DTYPE == "fp16":
+        x = round_to(x, tl.float16, PRECISION).to(tl.float32)
+    return x
+
+
+def launch_phases(kernel, args: tuple, constants: dict, gate_up: tuple[int, int], down: tuple[int, int]) -> None:
+    """A decode form's two launches of its two-phase kernel: gate_up then down, each (programs, warps)."""
+    for phase, (programs, warps) in (("gate_up", gate_up), ("down", down)):
+        kernel[(programs,)](*args, PHASE=phase, num_warps=warps, **constants)
+
+
 class SharedArgs(NamedTuple):
     """A `SharedExpert` checked, as the decode launches take it: tensors contiguous, gate flat [T],
     bits 0 when unquantized (then the scales are the weights: unused). Without one (present 0) every
@@ -121,14 +140,18 @@ class SharedArgs(NamedTuple):
         return cls(1, shared.gate.reshape(-1).contiguous(), w_gate_up, gate_up_scales, w_down, down_scales, bits or 0,
                    width, gate_up_group, down_group)
 
-    def k_tiles(self, gate_up_block_k: int, down_block_k: int, h: int) -> tuple[int, bool, int, bool]:
-        """(gate_up's K tile, H a whole number of them, down's K tile, S a whole number of them); fixed
-        stand-ins without a shared expert (no extra compiled variants)."""
-        if not self.present:
-            return 16, True, 16, True
-        gate_up_k, down_k = (min(block, triton.next_power_of_2(k)) for block, k in
-                             ((gate_up_block_k, h), (down_block_k, self.width)))
-        return gate_up_k, h % gate_up_k == 0, down_k, self.width % down_k == 0
+    def constants(self, gate_up_block_k: int, down_block_k: int, h: int) -> dict:
+        """The decode kernels' compile-time constants for it: its format, groups and K tiles (at most the
+        given ones, and whether H and S are whole numbers of them); fixed stand-ins without a shared
+        expert (no extra compiled variants)."""
+        gate_up_k, down_k = 16, 16
+        if self.present:
+            gate_up_k, down_k = (min(block, triton.next_power_of_2(k)) for block, k in
+                                 ((gate_up_block_k, h), (down_block_k, self.width)))
+        return {"HAS_SHARED": self.present, "SHARED_BITS": self.bits, "GU_SHARED_GROUP_SIZE": self.gate_up_group,
+                "GU_SHARED_BLOCK_K": gate_up_k, "GU_SHARED_EVEN_K": not self.present or h % gate_up_k == 0,
+                "DN_SHARED_GROUP_SIZE": self.down_group, "DN_SHARED_BLOCK_K": down_k,
+                "DN_SHARED_EVEN_K": not self.present or self.width % down_k == 0}
 
     def separately(self, x: torch.Tensor) -> torch.Tensor:
         """gate x the shared expert's SwiGLU through `quant_linear` launches (a GEMM for prefill rows), in

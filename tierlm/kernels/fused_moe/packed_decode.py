@@ -1,28 +1,35 @@
 """The decode form of `fused_moe` (a few tokens) for experts packed in 4 or 8 bits (`quant_linear.packing`):
-two GEMV launches that read the selected experts' words in place, built so that INT4 weights can stream
-at memory speed rather than at the speed of their unpacking. What it is built on (checked in the sm_90
-SASS that triton 3.9 compiles; timed on a GPU by bench/moe_decode_kernel.py --packed-sweep):
-  - x is read in its *split* layout, x_split[t, j, w] = x[t, w * values_per_word + j] in fp32 (one copy
-    launch for the tokens; the down launch reads `act`, which gate_up writes split already). Value j of
-    every word of a tile then meets x_split[t, j, words] loaded as one [BLOCK_W] vector, which Triton
-    loads straight into the layout the words are in: no shared memory, no barrier, no layout conversion
-    in the loop (the older packed GEMV split x in registers, through shared memory, 8 barriers a tile).
-    split_x=False reads x as it is, each value gathered (more load instructions, one launch fewer);
-  - the words are a [rows, BLOCK_W] tile, 16-byte loads (4 consecutive words per thread), each tile
-    loaded while the one before is computed, or (unroll) every tile's loads issued up front;
-  - a value costs 3 instructions: its field masked into a float's mantissa, the bias subtracted (both in
-    `quant_linear.triton.word_value`), one FMA with x; a word's sum is then scaled once (so the weights
-    are q * scale exactly, not rounded to x's dtype first as `naive` does: as the older packed GEMV);
-    with loads and addresses about 3.9 a value at gate_up 8 x 64 words (the older form: 5.6);
-  - the down launch folds each expert's routing weight into its scales, so one reduction over threads
-    ends a program, not one per expert.
-Launches: (split copy), `_packed_gate_up_kernel` over (pair, block of I), `_packed_down_kernel` over
-(block of H, token, group of `down_ranks` experts); with fewer than top-k experts per down program the
-last program to finish a token's columns adds the groups' fp32 partials in the same launch (arrival
-counters: `kernels/split_reduce`, `decode_parts.finish_down`). A shared expert is one more row of
-gate_up per token (x read in place) and one more split of down, in its own format (INT6 in int4-mixed)
-through `decode_parts`' `gemv_loop` helpers, with its own K tiles. gate_up and down are phases of one
-kernel (`_packed_decode_kernel`). Tiles: `PackedDecodeTiles`.
+three launches that read the selected experts' words in place, built so that INT4 weights stream at memory
+speed at 1-4 tokens, where the work is too small to hide a long chain of dependent loads per program.
+
+  - Every program is one tile: its loads (words, scales, x) depend on nothing but the expert id and are
+    all written before its first product, and the products' sum over K is split over programs
+    (split-K: gate_up over H, down over I), so many programs each wait on memory about once. The fp32
+    partial sums go to a workspace; the last program to arrive for an output tile (arrival counters,
+    `kernels/split_reduce`) adds them in a fixed order (one [parts, columns] tile summed: deterministic;
+    down's parts in top-k slot order, then the shared expert's) and finishes the tile in the same
+    launch: gate_up's SiLU-and-mul, down's top-k sum and rounding.
+  - Two instructions a value: a field masked in place (bits [p, p + BITS) of the word, p < 24: the high
+    fields from the word shifted right by 8, once per word) *is* a float, the denormal q * 2^(p - 149)
+    (a bit pattern below 2^24 weighs its integer value times 2^-149, across the denormal/normal edge).
+    It meets x's value stored times 2^(149 - E - p) (`_split_x_kernel`), so one FMA adds q * x * 2^-E to
+    the word's sum, which starts at -2^(BITS-1) * 2^-E * (the sum of the word's x values): the bias of
+    every field removed at once, per word, not per value. A word's sum is then scaled by its group scale,
+    and the row's sum by 2^E (so the weights are q * scale exactly, not rounded to x's dtype first as
+    `naive` does). E = PRODUCT_EXPONENT keeps x's scaled copy and every product in the normal range for
+    |x| in [2^-62, 2^43]. (The older form: the field ORed into the mantissa of a power of two,
+    the power and bias subtracted, then the FMA: three instructions a value.)
+  - x is read in its *split* layout: xs[t, j, w] = x[t, w * values_per_word + j] times plane j's factor,
+    so value j of every word of a tile meets a [BLOCK_W] vector of x loaded straight into the words'
+    layout (no shared memory, no barrier); `_split_x_kernel` writes it and the per-word bias sums for
+    the tokens, gate_up's finishing programs write the activations the same way for down.
+Launches: `_split_x_kernel` over (token, block of words); `_packed_decode_kernel` PHASE "gate_up" over
+(row, column block, K split), rows being the tokens' shared expert (with one) then the (token, expert)
+pairs; PHASE "down" over (token, column block of H, partial), the partials being each top-k slot's K
+splits then the shared expert's. The shared expert takes its own format (INT6 in int4-mixed) through
+`quant_linear.triton.gemv_loop`, one K tile of its own per program (its own split counts), so its work
+spreads over programs like an expert's: it costs its bytes, not a long tail (the looped-tile form before
+this one fused it at 0.74x of running it apart at batch 1 on an H200). Tiles: `PackedDecodeTiles`.
 """
 from __future__ import annotations
 
@@ -32,309 +39,403 @@ import torch
 import triton
 import triton.language as tl
 
-from tierlm.kernels.fused_moe.decode_parts import (
-    SharedArgs,
-    down_columns,
-    expert_ranks,
-    finish_down,
-    swiglu_columns,
-)
-from tierlm.kernels.quant_linear.triton import FLOAT_ONE_BITS, dot_precision, round_to, word_value
+from tierlm.kernels.fused_moe.decode_parts import DTYPE_NAMES, SharedArgs, launch_phases, round_as
+from tierlm.kernels.quant_linear.triton import dot_precision, gemv_loop, gemv_sum, gemv_zeros, round_to
 from tierlm.kernels.split_reduce import arrival_counters
+
+PRODUCT_EXPONENT = tl.constexpr(64)  # E: each product is q * x * 2^-E (module docstring)
+SPLIT_X_BLOCK_W = 64  # words per `_split_x_kernel` program
 
 
 class PackedDecodeTiles(NamedTuple):
-    """The packed decode form's launch shape (module constant in `fused_moe.triton.DECODE_TILES`)."""
-    gate_up_block_n: int  # of the expert's I columns per gate_up program (gate and up rows each)
-    gate_up_block_w: int  # packed words of K per step (x 32 / bits input columns)
+    """The packed decode form's launch shape (module constant in `fused_moe.triton.DECODE_TILES`); each
+    program reads one [rows, words] tile."""
+    gate_up_block_n: int  # of the expert's I columns per gate_up program (rows: gate and up, 2x); a
+    #                       multiple of the values per word (its activations' word sums are its own)
+    gate_up_block_w: int  # packed words of H per gate_up program (H split over cdiv(H / values, this))
     gate_up_warps: int
-    down_block_n: int  # of the H output columns per down program
-    down_block_w: int
+    down_block_n: int  # of the H output rows per down program
+    down_block_w: int  # packed words of I per down program (I split over cdiv(I / values, this))
     down_warps: int
-    down_ranks: int  # of a token's top-k experts per down program (fewer: fp32 partials, summed by the last)
-    split_x: bool  # x read split (one copy launch first) or gathered in place
-    unroll: bool  # each program's K tiles unrolled (all loads issued up front, as registers allow) or a loop
-    # the shared expert's K tiles, in values (its format may differ from the routed experts':
-    # `decode_parts`; it takes their BLOCK_N). INT6 beside INT4 at 8 x 64 and 32 x 32 adds no registers
-    # to the routed programs (80 and 48 for sm_90, triton 3.9: 96 at 128 for gate_up, 128 at 64 for down)
-    shared_gate_up_block_k: int = 64
-    shared_down_block_k: int = 32
+    # the shared expert's K tile per program, in values (its own format: `gemv_loop`, one product per
+    # accumulator, so rows x this sets its registers, which every program of the launch then takes: sm_90,
+    # triton 3.9, INT6 beside gate_up 16 x 64 words: 72 registers at 32, 95 at 64; beside down 64 rows: 64
+    # at 16, 128 at 32); it takes the routed programs' rows
+    shared_gate_up_block_k: int = 32
+    shared_down_block_k: int = 16
 
 
 @triton.jit
-def _round_as(x, DTYPE: tl.constexpr, PRECISION: tl.constexpr):
-    """fp32 x rounded to x's dtype ("bf16", "fp16" or "fp32"; the split copies hold fp32), kept in fp32."""
-    if DTYPE == "bf16":
-        x = round_to(x, tl.bfloat16, PRECISION).to(tl.float32)
-    elif DTYPE == "fp16":
-        x = round_to(x, tl.float16, PRECISION).to(tl.float32)
-    return x
+def _plane_factor(j, BITS: tl.constexpr):
+    """2^(149 - E - p) for fields j (int32 tensor): p, the bit where field j is read (`_field`)."""
+    p = j * BITS
+    p = tl.where(p + BITS > 24, p - 8, p)
+    return ((-p + (127 + 149 - PRODUCT_EXPONENT)) << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def _x_values(x_ptr, row, offs_w, WORDS: tl.constexpr, j: tl.constexpr, VALUES: tl.constexpr,
-              SPLIT: tl.constexpr, EVEN_W: tl.constexpr):
-    """x's values at position j of words offs_w ([BLOCK_W]) of one row (int64 offset `row`), as fp32:
-    from the split layout (plane j: contiguous) or gathered from x itself; 0 past the row's words."""
-    if SPLIT:
-        ptrs = x_ptr + row + j * WORDS + offs_w
+def _field(words, high, j: tl.constexpr, BITS: tl.constexpr):
+    """Field j of each word as the denormal float q * 2^(p - 149) (p: its bit in `words`, or, for a field
+    that reaches bit 24, in `high` = words >> 8)."""
+    if (j + 1) * BITS <= 24:
+        field = words & (((1 << BITS) - 1) << (j * BITS))
     else:
-        ptrs = x_ptr + row + offs_w * VALUES + j
-    if EVEN_W:
-        values = tl.load(ptrs)
-    else:
-        values = tl.load(ptrs, mask=offs_w < WORDS, other=0.0)
-    return values.to(tl.float32)
+        field = high & (((1 << BITS) - 1) << (j * BITS - 8))
+    return field.to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def _tile_dot(words, x_ptr, row, offs_w, one_bits, WORDS: tl.constexpr, BITS: tl.constexpr, SPLIT: tl.constexpr,
-              EVEN_W: tl.constexpr):
-    """For each word of the tile ([rows, BLOCK_W] uint32, at words offs_w), the sum over its values of
-    value j (bias removed) times x's column of it: [rows, BLOCK_W] fp32, not yet scaled."""
+def _split_x_kernel(x_ptr, xs_ptr, bias_ptr, stride_xt, bias_scale, WORDS: tl.constexpr, BITS: tl.constexpr,
+                    BLOCK_W: tl.constexpr):
+    """x [T, H] -> xs [T, values, WORDS] (fp32, plane j times `_plane_factor`) and bias [T, WORDS] (the
+    word's x values summed, times bias_scale = 2^(BITS-1) * 2^-E). Program (token, block of words)."""
     VALUES: tl.constexpr = 32 // BITS
-    high = words >> 16
-    x_0 = _x_values(x_ptr, row, offs_w, WORDS, 0, VALUES, SPLIT, EVEN_W)
-    per_word = word_value(words, high, 0, BITS, one_bits) * x_0[None, :]
-    for j in tl.static_range(1, VALUES):
-        x_j = _x_values(x_ptr, row, offs_w, WORDS, j, VALUES, SPLIT, EVEN_W)
-        per_word += word_value(words, high, j, BITS, one_bits) * x_j[None, :]
-    return per_word
+    token = tl.program_id(0).to(tl.int64)
+    offs_w = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
+    j = tl.arange(0, VALUES)
+    mask = (offs_w < WORDS)[None, :]
+    x = tl.load(x_ptr + token * stride_xt + offs_w[None, :] * VALUES + j[:, None], mask=mask, other=0.0)
+    x = x.to(tl.float32)
+    tl.store(xs_ptr + token * (VALUES * WORDS) + j[:, None] * WORDS + offs_w[None, :],
+             x * _plane_factor(j, BITS)[:, None], mask=mask)
+    tl.store(bias_ptr + token * WORDS + offs_w, tl.sum(x, axis=0) * bias_scale, mask=offs_w < WORDS)
 
 
 @triton.jit
-def _load_tile(w_ptr, s_ptr, rows, w0, WORDS: tl.constexpr, stride_wn, stride_sn, BITS: tl.constexpr,
-               GROUP_SIZE: tl.constexpr, BLOCK_W: tl.constexpr, EVEN_W: tl.constexpr):
-    """(words [R, BLOCK_W] as uint32, each word's group scale [R, BLOCK_W] in fp32) of weight rows `rows`
-    ([R, 1] int64, in range) at words [w0, w0 + BLOCK_W) (w0 a multiple of BLOCK_W); 0 past the row."""
-    offs_w = tl.max_contiguous(tl.multiple_of(w0 + tl.arange(0, BLOCK_W), BLOCK_W), BLOCK_W)
-    group = offs_w // (GROUP_SIZE // (32 // BITS))  # groups hold whole words
-    if EVEN_W:
-        words = tl.load(w_ptr + rows * stride_wn + offs_w[None, :])
-        scale = tl.load(s_ptr + rows * stride_sn + group[None, :])
+def _plane(ptr, j: tl.constexpr, offs_w, inside, WORDS: tl.constexpr, BLOCK_W: tl.constexpr):
+    """Plane j of a split row (values j of words offs_w, [BLOCK_W]), 0 past the row's words."""
+    if WORDS % BLOCK_W == 0:
+        plane = tl.load(ptr + j * WORDS + offs_w)
     else:
-        inside = (offs_w < WORDS)[None, :]
-        words = tl.load(w_ptr + rows * stride_wn + offs_w[None, :], mask=inside, other=0)
-        scale = tl.load(s_ptr + rows * stride_sn + group[None, :], mask=inside, other=0.0)
-    return words.to(tl.uint32, bitcast=True), scale.to(tl.float32)
+        plane = tl.load(ptr + j * WORDS + offs_w, mask=inside, other=0.0)
+    return plane
 
 
 @triton.jit
-def _rows_dot(acc, w_ptr, s_ptr, rows, x_ptr, x_row, stride_wn, stride_sn, one_bits, WORDS: tl.constexpr,
-              BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, BLOCK_W: tl.constexpr, SPLIT_X: tl.constexpr,
-              UNROLL: tl.constexpr, SCALE_BY):
-    """acc [R, BLOCK_W] + per word, over all of the rows' WORDS words, x's row (at x_ptr + x_row) times the
-    weight rows `rows` ([R, 1] int64, in range), each word's sum times its group scale times SCALE_BY.
-    UNROLL: the tiles unrolled (the compiler issues every tile's loads before the first is computed, as
-    registers allow: the most bytes in flight); else a loop, each tile loaded one tile ahead (the last
-    one twice)."""
-    EVEN_W: tl.constexpr = WORDS % BLOCK_W == 0
-    if UNROLL:
-        for w0 in tl.static_range(0, WORDS, BLOCK_W):
-            words, scale = _load_tile(w_ptr, s_ptr, rows, w0, WORDS, stride_wn, stride_sn, BITS, GROUP_SIZE, BLOCK_W,
-                                      EVEN_W)
-            offs_w = w0 + tl.arange(0, BLOCK_W)
-            acc += _tile_dot(words, x_ptr, x_row, offs_w, one_bits, WORDS, BITS, SPLIT_X, EVEN_W) * (scale * SCALE_BY)
-    else:
-        LAST: tl.constexpr = (WORDS - 1) // BLOCK_W * BLOCK_W
-        words, scale = _load_tile(w_ptr, s_ptr, rows, 0, WORDS, stride_wn, stride_sn, BITS, GROUP_SIZE, BLOCK_W,
-                                  EVEN_W)
-        for w0 in range(0, WORDS, BLOCK_W):
-            next_words, next_scale = _load_tile(w_ptr, s_ptr, rows, tl.minimum(w0 + BLOCK_W, LAST), WORDS, stride_wn,
-                                                stride_sn, BITS, GROUP_SIZE, BLOCK_W, EVEN_W)
-            offs_w = w0 + tl.arange(0, BLOCK_W)
-            acc += _tile_dot(words, x_ptr, x_row, offs_w, one_bits, WORDS, BITS, SPLIT_X, EVEN_W) * (scale * SCALE_BY)
-            words, scale = next_words, next_scale
-    return acc
-
-
-@triton.jit
-def _packed_gate_up_program(
-    row, pid_n, x_ptr, w_ptr, s_ptr, act_ptr, ids_ptr, x_in_place_ptr, shared_w_ptr, shared_s_ptr, shared_act_ptr, S,
-    num_shared, stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_ap, stride_x_in_place, stride_swn,
-    stride_ssn, stride_sap, one_bits,
-    H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, BITS: tl.constexpr, GROUP_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, SPLIT_X: tl.constexpr, UNROLL: tl.constexpr, DTYPE: tl.constexpr,
-    HAS_SHARED: tl.constexpr, SHARED_BITS: tl.constexpr, SHARED_GROUP_SIZE: tl.constexpr,
-    SHARED_BLOCK_K: tl.constexpr, SHARED_EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
-):
-    """gate_up's work item (row, pid_n): columns [pid_n * BLOCK_N, +BLOCK_N) of row `row`. Rows below
-    num_shared (T with a shared expert, else 0) are the tokens' shared expert, in its own format
-    (`decode_parts.swiglu_columns` on x in place): shared_act[token, n] = silu(gate) * up of its S columns,
-    in x's dtype. The others are pairs (pair = row - num_shared: token pair // TOP_K, expert ids[pair]),
-    the gate rows and the up rows as one tile of 2 * BLOCK_N rows: act[pair] = silu(gate) * up rounded to
-    x's dtype (DTYPE), stored split in fp32 (column n at [n % values per word, n // values per word])."""
+def _tile_sums(w_ptr, s_ptr, rows, xs_ptr, bias_ptr, split, WORDS: tl.constexpr, BITS: tl.constexpr,
+               GROUP_SIZE: tl.constexpr, BLOCK_W: tl.constexpr):
+    """Each row's sum, times 2^-E, over words [split * BLOCK_W, +BLOCK_W) of weight rows `rows` ([R]
+    int64, in range; the weights' rows WORDS words long, their scales' WORDS / words per group: contiguous,
+    so every offset is a constant) against one row of split x (planes at xs_ptr, word sums at bias_ptr):
+    [R] fp32. The words, their scales and x are loaded together, then each word's fields are multiplied in
+    place."""
     VALUES: tl.constexpr = 32 // BITS
+    stride_wn: tl.constexpr = WORDS
+    stride_sn: tl.constexpr = WORDS * VALUES // GROUP_SIZE
+    offs_w = split * BLOCK_W + tl.arange(0, BLOCK_W)
+    offs_w = tl.max_contiguous(tl.multiple_of(offs_w, BLOCK_W), BLOCK_W)
+    inside = offs_w < WORDS
+    # x's planes first, in program order (they need no expert id): ptxas then issues them up front (a loop
+    # over the planes left most of them between the products: sm_90, triton 3.9); it still issues some of
+    # the words after the first products at 4 rows a thread (other programs on the SM cover that wait)
+    x0 = _plane(xs_ptr, 0, offs_w, inside, WORDS, BLOCK_W)
+    x1 = _plane(xs_ptr, 1, offs_w, inside, WORDS, BLOCK_W)
+    x2 = _plane(xs_ptr, 2, offs_w, inside, WORDS, BLOCK_W)
+    x3 = _plane(xs_ptr, 3, offs_w, inside, WORDS, BLOCK_W)
+    if VALUES == 8:
+        x4 = _plane(xs_ptr, 4, offs_w, inside, WORDS, BLOCK_W)
+        x5 = _plane(xs_ptr, 5, offs_w, inside, WORDS, BLOCK_W)
+        x6 = _plane(xs_ptr, 6, offs_w, inside, WORDS, BLOCK_W)
+        x7 = _plane(xs_ptr, 7, offs_w, inside, WORDS, BLOCK_W)
+    word_bias = _plane(bias_ptr, 0, offs_w, inside, WORDS, BLOCK_W)
+    word_ptrs = w_ptr + rows[:, None] * stride_wn + offs_w[None, :]
+    scale_ptrs = s_ptr + rows[:, None] * stride_sn + (offs_w // (GROUP_SIZE // VALUES))[None, :]
+    if WORDS % BLOCK_W == 0:
+        words = tl.load(word_ptrs).to(tl.uint32, bitcast=True)
+        scale = tl.load(scale_ptrs).to(tl.float32)
+    else:
+        words = tl.load(word_ptrs, mask=inside[None, :], other=0).to(tl.uint32, bitcast=True)
+        scale = tl.load(scale_ptrs, mask=inside[None, :], other=0.0).to(tl.float32)
+    high = words >> 8
+    acc = _field(words, high, 0, BITS) * x0[None, :] - word_bias[None, :]
+    acc += _field(words, high, 1, BITS) * x1[None, :]
+    acc += _field(words, high, 2, BITS) * x2[None, :]
+    acc += _field(words, high, 3, BITS) * x3[None, :]
+    if VALUES == 8:
+        acc += _field(words, high, 4, BITS) * x4[None, :]
+        acc += _field(words, high, 5, BITS) * x5[None, :]
+        acc += _field(words, high, 6, BITS) * x6[None, :]
+        acc += _field(words, high, 7, BITS) * x7[None, :]
+    return tl.sum(acc * scale, axis=1)
+
+
+@triton.jit
+def _arrive(result, partial_ptr, counter_ptr, tile, part, PARTS: tl.constexpr, PARTS_P2: tl.constexpr,
+            SLOTS: tl.constexpr, WIDTH: tl.constexpr):
+    """Part `part` of PARTS of output tile `tile` ([WIDTH] fp32 `result`): stored at partial[tile, part]
+    (SLOTS >= PARTS parts a tile), then the program counts itself in; returns (whether it arrived last, the
+    parts summed in order: valid for the last one only, which also sets the tile's counter back to zero)."""
+    offs = tl.arange(0, WIDTH)
+    base = partial_ptr + tile.to(tl.int64) * (SLOTS * WIDTH)
+    tl.store(base + part * WIDTH + offs, result)
+    tl.debug_barrier()  # every thread's stores are issued before the program counts itself in
+    last = tl.atomic_add(counter_ptr + tile, 1, sem="acq_rel") == PARTS - 1
+    parts = tl.arange(0, PARTS_P2)
+    total = tl.zeros((WIDTH,), dtype=tl.float32)
+    if last:
+        tile_parts = tl.load(base + parts[:, None] * WIDTH + offs[None, :], mask=(parts < PARTS)[:, None], other=0.0,
+                             cache_modifier=".cg")
+        total = tl.sum(tile_parts, axis=0)
+        tl.atomic_xchg(counter_ptr + tile, 0)  # ready for the next launch
+    return last, total
+
+
+@triton.jit
+def _gate_up_finish(total, row, pid_n, num_shared, act_ptr, act_bias_ptr, shared_act_ptr, S, bias_scale,
+                    stride_sap, I: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr, DTYPE: tl.constexpr,
+                    PRECISION: tl.constexpr):
+    """total [2 * BLOCK_N]: row's gate sums then its up sums at columns [pid_n * BLOCK_N, +BLOCK_N).
+    A pair's activations (rounded to x's dtype) go to act in the split layout, times the plane factors,
+    with their word sums times bias_scale; the shared expert's to shared_act in x's dtype."""
+    VALUES: tl.constexpr = 32 // BITS
+    gate, up = tl.split(tl.trans(tl.reshape(total, (2, BLOCK_N))))
+    act = round_as(gate / (1.0 + tl.exp(-gate)) * up, DTYPE, PRECISION)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     pair = row - num_shared
     if pair >= 0:
-        if pid_n * BLOCK_N < I:
-            expert = tl.load(ids_ptr + pair).to(tl.int64)
-            both = tl.arange(0, 2 * BLOCK_N)
-            n = pid_n * BLOCK_N + both % BLOCK_N
-            rows = tl.where(n < I, tl.where(both < BLOCK_N, n, I + n), 0)[:, None].to(tl.int64)  # clamped
-            acc = _rows_dot(tl.zeros((2 * BLOCK_N, BLOCK_W), dtype=tl.float32), w_ptr + expert * stride_we,
-                            s_ptr + expert * stride_se, rows, x_ptr, (pair // TOP_K).to(tl.int64) * stride_xt,
-                            stride_wn, stride_sn, one_bits, H // VALUES, BITS, GROUP_SIZE, BLOCK_W, SPLIT_X, UNROLL,
-                            1.0)
-            sums = tl.sum(acc, axis=1)  # [2 * BLOCK_N]
-            gate, up = tl.split(tl.trans(tl.reshape(sums, (2, BLOCK_N))))
-            act = _round_as(gate / (1.0 + tl.exp(-gate)) * up, DTYPE, PRECISION)
-            offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-            tl.store(act_ptr + pair.to(tl.int64) * stride_ap + (offs_n % VALUES) * (I // VALUES) + offs_n // VALUES,
-                     act, mask=offs_n < I)
+        plane = offs_n % VALUES
+        tl.store(act_ptr + pair.to(tl.int64) * I + plane * (I // VALUES) + offs_n // VALUES,
+                 act * _plane_factor(plane, BITS), mask=offs_n < I)
+        word_sums = tl.sum(tl.reshape(act, (BLOCK_N // VALUES, VALUES)), axis=1) * bias_scale
+        offs_w = pid_n * (BLOCK_N // VALUES) + tl.arange(0, BLOCK_N // VALUES)
+        tl.store(act_bias_ptr + pair.to(tl.int64) * (I // VALUES) + offs_w, word_sums, mask=offs_w < I // VALUES)
     else:
-        if HAS_SHARED:  # noqa: SIM102 - a constexpr: without a shared expert its branch is not compiled
-            if pid_n * BLOCK_N < S:
-                offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-                act = swiglu_columns(x_in_place_ptr, row.to(tl.int64) * stride_x_in_place, shared_w_ptr,
-                                     shared_s_ptr, S, offs_n, stride_swn, stride_ssn, H, SHARED_BITS,
-                                     SHARED_GROUP_SIZE, BLOCK_N, SHARED_BLOCK_K, SHARED_EVEN_K, PRECISION)
-                tl.store(shared_act_ptr + row.to(tl.int64) * stride_sap + offs_n[None, :],
-                         round_to(act, shared_act_ptr.dtype.element_ty, PRECISION), mask=(offs_n < S)[None, :])
+        tl.store(shared_act_ptr + row.to(tl.int64) * stride_sap + offs_n,
+                 round_to(act, shared_act_ptr.dtype.element_ty, PRECISION), mask=offs_n < S)
 
 
 @triton.jit
-def _packed_down_program(
-    pid_n, token, split, n_blocks, act_ptr, w_ptr, s_ptr, routing_ptr, ids_ptr, shared_act_ptr, shared_w_ptr,
-    shared_s_ptr, shared_gate_ptr, out_ptr, partial_ptr, counter_ptr, S, stride_ap, stride_we, stride_wn, stride_se,
-    stride_sn, stride_sap, stride_swn, stride_ssn, one_bits,
-    H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, SLOTS: tl.constexpr, RANKS: tl.constexpr,
-    BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
-    UNROLL: tl.constexpr, DTYPE: tl.constexpr, HAS_SHARED: tl.constexpr, SHARED_BITS: tl.constexpr,
-    SHARED_GROUP_SIZE: tl.constexpr, SHARED_BLOCK_K: tl.constexpr, SHARED_EVEN_K: tl.constexpr,
-    PRECISION: tl.constexpr,
+def _gate_up_end(sums, row, pid_n, split, num_shared, act_ptr, act_bias_ptr, shared_act_ptr, partial_ptr, counter_ptr,
+                 S, bias_scale, stride_sap, I: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr,
+                 N_BLOCKS: tl.constexpr, SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, SLOTS: tl.constexpr,
+                 DTYPE: tl.constexpr, PRECISION: tl.constexpr):
+    """A gate_up item's end: its sums are split `split` of SPLITS of row's column block pid_n; one split
+    finishes the columns itself, several through `_arrive` (the last to arrive finishes them)."""
+    if SPLITS == 1:
+        _gate_up_finish(sums, row, pid_n, num_shared, act_ptr, act_bias_ptr, shared_act_ptr, S, bias_scale, stride_sap,
+                        I, BITS, BLOCK_N, DTYPE, PRECISION)
+    else:
+        last, total = _arrive(sums, partial_ptr, counter_ptr, row * N_BLOCKS + pid_n, split, SPLITS, SPLITS_P2, SLOTS,
+                              2 * BLOCK_N)
+        if last:
+            _gate_up_finish(total, row, pid_n, num_shared, act_ptr, act_bias_ptr, shared_act_ptr, S, bias_scale,
+                            stride_sap, I, BITS, BLOCK_N, DTYPE, PRECISION)
+
+
+@triton.jit
+def _gate_up_program(
+    row, pid_n, split, x_ptr, xs_ptr, x_bias_ptr, w_ptr, s_ptr, ids_ptr, act_ptr, act_bias_ptr, shared_w_ptr,
+    shared_s_ptr, shared_act_ptr, partial_ptr, counter_ptr, num_shared, S, product_scale, bias_scale, stride_xt,
+    stride_swn, stride_ssn, stride_sap,
+    H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, BITS: tl.constexpr, GROUP_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr, N_BLOCKS: tl.constexpr, BLOCK_W: tl.constexpr, SPLITS: tl.constexpr,
+    SPLITS_P2: tl.constexpr, SHARED_SPLITS: tl.constexpr, SHARED_SPLITS_P2: tl.constexpr, SLOTS: tl.constexpr,
+    DTYPE: tl.constexpr, HAS_SHARED: tl.constexpr, SHARED_BITS: tl.constexpr, SHARED_GROUP_SIZE: tl.constexpr,
+    SHARED_BLOCK_K: tl.constexpr, SHARED_EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """down's work item (pid_n, token, split) of n_blocks column blocks: columns [pid_n * BLOCK_N,
-    +BLOCK_N) of H for token `token` (int64). With a shared expert split 0 is it: gate x
-    (shared_act[token] W_shared_down[h]) in its own format (`decode_parts.down_columns`). The other
-    splits (all of them without one) take the token's experts of ranks [routed split * RANKS, +RANKS)
-    (those below TOP_K) in ascending id (SLOTS: TOP_K rounded up to a power of 2): the sum over those
-    experts of routing x (act[pair] W_down[e, h]) in fp32 (each expert's routing weight, rounded to x's
-    dtype, folded into its scales). The splits' results end in `decode_parts.finish_down`: out[token]
-    rounded once, by the item itself (one split) or by the token's last item to arrive for these
-    columns."""
+    """gate_up's item (row, pid_n, split): the gate and up sums of columns [pid_n * BLOCK_N, +BLOCK_N) over
+    one K split. Rows below num_shared (T with a shared expert, else 0) are the tokens' shared expert: its
+    own format, x read in place, `gemv_loop` over H's values [split * SHARED_BLOCK_K, +SHARED_BLOCK_K) (of
+    SHARED_SPLITS); the others are pairs (pair = row - num_shared: token pair // TOP_K, expert ids[pair]):
+    gate and up rows in one [2 * BLOCK_N, BLOCK_W] tile of H's words [split * BLOCK_W, +BLOCK_W) (of
+    SPLITS). SLOTS: partials a column block holds (the larger split count). The split that arrives last
+    finishes the columns (`_gate_up_end`)."""
     VALUES: tl.constexpr = 32 // BITS
+    WORDS: tl.constexpr = H // VALUES
+    pair = row - num_shared
+    width = tl.where(pair >= 0, I, S)
+    if pid_n * BLOCK_N < width:
+        both = tl.arange(0, 2 * BLOCK_N)
+        n = pid_n * BLOCK_N + both % BLOCK_N
+        if pair >= 0:
+            expert = tl.load(ids_ptr + pair).to(tl.int64)
+            token = (pair // TOP_K).to(tl.int64)
+            rows = n + (both >= BLOCK_N).to(tl.int32) * I
+            if I % BLOCK_N != 0:
+                rows = tl.where(n < I, rows, 0)  # clamped
+            sums = _tile_sums(w_ptr + expert * (2 * I * WORDS), s_ptr + expert * (2 * I * (H // GROUP_SIZE)),
+                              rows.to(tl.int64), xs_ptr + token * H, x_bias_ptr + token * WORDS, split, WORDS, BITS,
+                              GROUP_SIZE, BLOCK_W) * product_scale
+            _gate_up_end(sums, row, pid_n, split, num_shared, act_ptr, act_bias_ptr, shared_act_ptr, partial_ptr,
+                         counter_ptr, S, bias_scale, stride_sap, I, BITS, BLOCK_N, N_BLOCKS, SPLITS, SPLITS_P2, SLOTS,
+                         DTYPE, PRECISION)
+        else:
+            if HAS_SHARED:
+                offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+                n_mask = offs_n < S
+                x_rows = row.to(tl.int64) * stride_xt + tl.zeros((1,), dtype=tl.int64)
+                one_row = tl.full((1,), 1, tl.int1)
+                k_start = split * SHARED_BLOCK_K
+                gate = gemv_loop(gemv_zeros(1, BLOCK_N, SHARED_BLOCK_K, SHARED_BITS), x_ptr, x_rows, one_row,
+                                 shared_w_ptr, shared_s_ptr, k_start, k_start + SHARED_BLOCK_K, offs_n, n_mask,
+                                 stride_swn, stride_ssn, H, SHARED_BITS, SHARED_GROUP_SIZE, SHARED_BLOCK_K,
+                                 SHARED_EVEN_K, PRECISION)
+                gate_sum = tl.reshape(gemv_sum(gate, SHARED_BITS), (BLOCK_N,))
+                up = gemv_loop(gemv_zeros(1, BLOCK_N, SHARED_BLOCK_K, SHARED_BITS), x_ptr, x_rows, one_row,
+                               shared_w_ptr + S * stride_swn, shared_s_ptr + S * stride_ssn, k_start,
+                               k_start + SHARED_BLOCK_K, offs_n, n_mask, stride_swn, stride_ssn, H, SHARED_BITS,
+                               SHARED_GROUP_SIZE, SHARED_BLOCK_K, SHARED_EVEN_K, PRECISION)
+                up_sum = tl.reshape(gemv_sum(up, SHARED_BITS), (BLOCK_N,))
+                sums = tl.reshape(tl.trans(tl.join(gate_sum, up_sum)), (2 * BLOCK_N,))
+                _gate_up_end(sums, row, pid_n, split, num_shared, act_ptr, act_bias_ptr, shared_act_ptr, partial_ptr,
+                             counter_ptr, S, bias_scale, stride_sap, I, BITS, BLOCK_N, N_BLOCKS, SHARED_SPLITS,
+                             SHARED_SPLITS_P2, SLOTS, DTYPE, PRECISION)
+
+
+@triton.jit
+def _down_program(
+    pid_n, token, part, act_ptr, act_bias_ptr, w_ptr, s_ptr, routing_ptr, ids_ptr, shared_act_ptr, shared_w_ptr,
+    shared_s_ptr, shared_gate_ptr, out_ptr, partial_ptr, counter_ptr, S, product_scale, stride_sap, stride_swn,
+    stride_ssn,
+    H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, BITS: tl.constexpr, GROUP_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr, N_BLOCKS: tl.constexpr, BLOCK_W: tl.constexpr, SPLITS: tl.constexpr, SHARED_SPLITS: tl.constexpr,
+    PARTS_P2: tl.constexpr, DTYPE: tl.constexpr, HAS_SHARED: tl.constexpr, SHARED_BITS: tl.constexpr, SHARED_GROUP_SIZE: tl.constexpr,
+    SHARED_BLOCK_K: tl.constexpr, SHARED_EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """down's item (pid_n, token (int64), part): rows [pid_n * BLOCK_N, +BLOCK_N) of H for one token. Parts
+    below TOP_K * SPLITS are slot part // SPLITS's expert over I's words [(part % SPLITS) * BLOCK_W,
+    +BLOCK_W), times its routing weight (rounded to x's dtype); the rest the shared expert's K ranges of
+    S, times its gate (`gemv_loop`, its own format). The token's part that arrives last adds all parts in
+    order and rounds out[token] once."""
+    VALUES: tl.constexpr = 32 // BITS
+    WORDS: tl.constexpr = I // VALUES
+    PARTS: tl.constexpr = TOP_K * SPLITS + HAS_SHARED * SHARED_SPLITS
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < H
+    rows = offs_n
+    if H % BLOCK_N != 0:
+        rows = tl.where(n_mask, offs_n, 0)  # clamped
     result = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    routed_split = split - HAS_SHARED
-    if routed_split >= 0:
-        slots, valid, rank = expert_ranks(ids_ptr, token, TOP_K, SLOTS)
-        rows = tl.where(n_mask, offs_n, 0)[:, None].to(tl.int64)
-        acc = tl.zeros((BLOCK_N, BLOCK_W), dtype=tl.float32)
-        for r in tl.static_range(RANKS):
-            if routed_split * RANKS + r < TOP_K:
-                slot = tl.sum(tl.where(valid & (rank == routed_split * RANKS + r), slots, 0), axis=0)
-                pair = token * TOP_K + slot
-                expert = tl.load(ids_ptr + pair).to(tl.int64)
-                routing = _round_as(tl.load(routing_ptr + pair).to(tl.float32), DTYPE, PRECISION)
-                acc = _rows_dot(acc, w_ptr + expert * stride_we, s_ptr + expert * stride_se, rows, act_ptr,
-                                pair * stride_ap, stride_wn, stride_sn, one_bits, I // VALUES, BITS, GROUP_SIZE,
-                                BLOCK_W, True, UNROLL, routing)
-        result += tl.sum(acc, axis=1)
+    if part < TOP_K * SPLITS:
+        pair = token * TOP_K + part // SPLITS
+        expert = tl.load(ids_ptr + pair).to(tl.int64)
+        routing = round_as(tl.load(routing_ptr + pair).to(tl.float32), DTYPE, PRECISION)
+        result = _tile_sums(w_ptr + expert * (H * WORDS), s_ptr + expert * (H * (I // GROUP_SIZE)), rows.to(tl.int64),
+                            act_ptr + pair * I, act_bias_ptr + pair * WORDS, part % SPLITS, WORDS, BITS, GROUP_SIZE,
+                            BLOCK_W) * (routing * product_scale)
     else:
         if HAS_SHARED:
-            gate = _round_as(tl.load(shared_gate_ptr + token).to(tl.float32), DTYPE, PRECISION)
-            result += gate * down_columns(shared_act_ptr, token * stride_sap, shared_w_ptr, shared_s_ptr, offs_n,
-                                          n_mask, stride_swn, stride_ssn, S, SHARED_BITS, SHARED_GROUP_SIZE, BLOCK_N,
-                                          SHARED_BLOCK_K, SHARED_EVEN_K, PRECISION)
-    finish_down(result, out_ptr, partial_ptr, counter_ptr, token, pid_n, n_blocks, split, offs_n, n_mask, H,
-                HAS_SHARED + (TOP_K + RANKS - 1) // RANKS, PRECISION)
+            k_start = (part - TOP_K * SPLITS) * SHARED_BLOCK_K
+            acc = gemv_loop(gemv_zeros(1, BLOCK_N, SHARED_BLOCK_K, SHARED_BITS), shared_act_ptr,
+                            token * stride_sap + tl.zeros((1,), dtype=tl.int64), tl.full((1,), 1, tl.int1),
+                            shared_w_ptr, shared_s_ptr, k_start, k_start + SHARED_BLOCK_K, offs_n,
+                            n_mask, stride_swn, stride_ssn, S, SHARED_BITS, SHARED_GROUP_SIZE, SHARED_BLOCK_K,
+                            SHARED_EVEN_K, PRECISION)
+            gate = round_as(tl.load(shared_gate_ptr + token).to(tl.float32), DTYPE, PRECISION)
+            result = tl.reshape(gemv_sum(acc, SHARED_BITS), (BLOCK_N,)) * gate
+    if PARTS == 1:
+        tl.store(out_ptr + token * H + offs_n, round_to(result, out_ptr.dtype.element_ty, PRECISION), mask=n_mask)
+    else:
+        last, total = _arrive(result, partial_ptr, counter_ptr, token * N_BLOCKS + pid_n, part, PARTS, PARTS_P2,
+                              PARTS, BLOCK_N)
+        if last:
+            tl.store(out_ptr + token * H + offs_n, round_to(total, out_ptr.dtype.element_ty, PRECISION), mask=n_mask)
 
 
 @triton.jit
 def _packed_decode_kernel(
-    x_ptr, gu_w_ptr, gu_s_ptr, act_ptr, ids_ptr, x_in_place_ptr, gu_shared_w_ptr, gu_shared_s_ptr, shared_act_ptr,
-    dn_w_ptr, dn_s_ptr, routing_ptr, dn_shared_w_ptr, dn_shared_s_ptr, shared_gate_ptr, out_ptr, partial_ptr,
-    counter_ptr, T, S, num_shared, gate_up_blocks, down_blocks,
-    stride_xt, gu_stride_we, gu_stride_wn, gu_stride_se, gu_stride_sn, stride_ap, stride_x_in_place, gu_stride_swn,
-    gu_stride_ssn, stride_sap, dn_stride_we, dn_stride_wn, dn_stride_se, dn_stride_sn, dn_stride_swn, dn_stride_ssn,
-    one_bits,
-    H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, SLOTS: tl.constexpr, RANKS: tl.constexpr,
-    BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, GU_BLOCK_N: tl.constexpr, GU_BLOCK_W: tl.constexpr,
-    DN_BLOCK_N: tl.constexpr, DN_BLOCK_W: tl.constexpr, SPLIT_X: tl.constexpr, UNROLL: tl.constexpr,
-    DTYPE: tl.constexpr, HAS_SHARED: tl.constexpr, SHARED_BITS: tl.constexpr, GU_SHARED_GROUP_SIZE: tl.constexpr,
+    x_ptr, xs_ptr, x_bias_ptr, gu_w_ptr, gu_s_ptr, ids_ptr, act_ptr, act_bias_ptr, gu_shared_w_ptr, gu_shared_s_ptr,
+    shared_act_ptr, gu_partial_ptr, gu_counter_ptr, dn_w_ptr, dn_s_ptr, routing_ptr, dn_shared_w_ptr, dn_shared_s_ptr,
+    shared_gate_ptr, out_ptr, dn_partial_ptr, dn_counter_ptr, S, num_shared, product_scale, bias_scale, stride_xt,
+    gu_stride_swn, gu_stride_ssn, stride_sap, dn_stride_swn, dn_stride_ssn,
+    H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, BITS: tl.constexpr, GROUP_SIZE: tl.constexpr,
+    GU_BLOCK_N: tl.constexpr, GU_BLOCKS: tl.constexpr, GU_BLOCK_W: tl.constexpr, GU_SPLITS: tl.constexpr,
+    GU_SPLITS_P2: tl.constexpr, GU_SHARED_SPLITS: tl.constexpr, GU_SHARED_SPLITS_P2: tl.constexpr,
+    DN_BLOCK_N: tl.constexpr, DN_BLOCKS: tl.constexpr, DN_BLOCK_W: tl.constexpr, DN_SPLITS: tl.constexpr, DN_SHARED_SPLITS: tl.constexpr,
+    DN_PARTS_P2: tl.constexpr, DTYPE: tl.constexpr,
+    HAS_SHARED: tl.constexpr, SHARED_BITS: tl.constexpr, GU_SHARED_GROUP_SIZE: tl.constexpr,
     GU_SHARED_BLOCK_K: tl.constexpr, GU_SHARED_EVEN_K: tl.constexpr, DN_SHARED_GROUP_SIZE: tl.constexpr,
     DN_SHARED_BLOCK_K: tl.constexpr, DN_SHARED_EVEN_K: tl.constexpr, PHASE: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    """PHASE "gate_up": program i is gate_up's item (row i % rows, block i // rows; rows: num_shared + T *
-    TOP_K); "down": down's item (block i % down_blocks, token (i // down_blocks) % T, split
-    i // (down_blocks * T)) (a constexpr: each phase compiles only its own items' code)."""
+    """PHASE "gate_up": program i is gate_up's item (split i % GU_SPLITS, column block (i // GU_SPLITS) %
+    GU_BLOCKS, row i // (GU_SPLITS * GU_BLOCKS)); "down": down's item (part i % parts, column block
+    (i // parts) % DN_BLOCKS, token i // (parts * DN_BLOCKS)): a tile's splits are neighbours. The experts'
+    weights and scales are contiguous: their strides are constants."""
     index = tl.program_id(0)
     if PHASE == "gate_up":
-        rows = num_shared + T * TOP_K
-        _packed_gate_up_program(
-            index % rows, index // rows, x_ptr, gu_w_ptr, gu_s_ptr, act_ptr, ids_ptr, x_in_place_ptr, gu_shared_w_ptr,
-            gu_shared_s_ptr, shared_act_ptr, S, num_shared, stride_xt, gu_stride_we, gu_stride_wn, gu_stride_se,
-            gu_stride_sn, stride_ap, stride_x_in_place, gu_stride_swn, gu_stride_ssn, stride_sap, one_bits, H, I,
-            TOP_K, BITS, GROUP_SIZE, GU_BLOCK_N, GU_BLOCK_W, SPLIT_X, UNROLL, DTYPE, HAS_SHARED, SHARED_BITS,
+        row_items = GU_BLOCKS * GU_SPLITS  # the items of a pair's row; a shared expert's row has its own count
+        first_pair, first = 0, 0
+        if HAS_SHARED:
+            first_pair, first = num_shared, num_shared * (GU_BLOCKS * GU_SHARED_SPLITS)
+            if index < first:
+                row_items = GU_BLOCKS * GU_SHARED_SPLITS
+        if index < first:
+            row, item = index // row_items, index % row_items
+        else:
+            row, item = first_pair + (index - first) // row_items, (index - first) % row_items
+        splits = row_items // GU_BLOCKS
+        _gate_up_program(
+            row, item // splits, item % splits, x_ptr, xs_ptr, x_bias_ptr, gu_w_ptr, gu_s_ptr, ids_ptr, act_ptr,
+            act_bias_ptr, gu_shared_w_ptr, gu_shared_s_ptr, shared_act_ptr, gu_partial_ptr, gu_counter_ptr, num_shared,
+            S, product_scale, bias_scale, stride_xt, gu_stride_swn, gu_stride_ssn, stride_sap, H, I, TOP_K, BITS,
+            GROUP_SIZE, GU_BLOCK_N, GU_BLOCKS, GU_BLOCK_W, GU_SPLITS, GU_SPLITS_P2, GU_SHARED_SPLITS,
+            GU_SHARED_SPLITS_P2, max(GU_SPLITS, GU_SHARED_SPLITS), DTYPE, HAS_SHARED, SHARED_BITS,
             GU_SHARED_GROUP_SIZE, GU_SHARED_BLOCK_K, GU_SHARED_EVEN_K, PRECISION)
     else:
-        _packed_down_program(
-            index % down_blocks, ((index // down_blocks) % T).to(tl.int64), index // (down_blocks * T), down_blocks,
-            act_ptr, dn_w_ptr, dn_s_ptr, routing_ptr, ids_ptr, shared_act_ptr, dn_shared_w_ptr, dn_shared_s_ptr,
-            shared_gate_ptr, out_ptr, partial_ptr, counter_ptr, S, stride_ap, dn_stride_we, dn_stride_wn,
-            dn_stride_se, dn_stride_sn, stride_sap, dn_stride_swn, dn_stride_ssn, one_bits, H, I, TOP_K, SLOTS, RANKS,
-            BITS, GROUP_SIZE, DN_BLOCK_N, DN_BLOCK_W, UNROLL, DTYPE, HAS_SHARED, SHARED_BITS, DN_SHARED_GROUP_SIZE,
-            DN_SHARED_BLOCK_K, DN_SHARED_EVEN_K, PRECISION)
-
-
-DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+        PARTS: tl.constexpr = TOP_K * DN_SPLITS + HAS_SHARED * DN_SHARED_SPLITS
+        _down_program(
+            (index // PARTS) % DN_BLOCKS, (index // (PARTS * DN_BLOCKS)).to(tl.int64), index % PARTS, act_ptr,
+            act_bias_ptr, dn_w_ptr, dn_s_ptr, routing_ptr, ids_ptr, shared_act_ptr, dn_shared_w_ptr, dn_shared_s_ptr,
+            shared_gate_ptr, out_ptr, dn_partial_ptr, dn_counter_ptr, S, product_scale, stride_sap, dn_stride_swn,
+            dn_stride_ssn, H, I, TOP_K, BITS, GROUP_SIZE, DN_BLOCK_N, DN_BLOCKS, DN_BLOCK_W, DN_SPLITS, DN_SHARED_SPLITS, DN_PARTS_P2, DTYPE,
+            HAS_SHARED, SHARED_BITS, DN_SHARED_GROUP_SIZE, DN_SHARED_BLOCK_K, DN_SHARED_EVEN_K, PRECISION)
 
 
 def packed_decode(x: torch.Tensor, weights: tuple, topk_weights: torch.Tensor, topk_ids: torch.Tensor, bits: int,
                   group: int, inter: int, tiles: PackedDecodeTiles, max_tokens: int, shared: SharedArgs
                   ) -> torch.Tensor:
-    """The two launches (plus the split copy with `split_x`) for x [T, H]
-    (contiguous); weights (w_gate_up, gate_up_scales, w_down, down_scales) packed in `bits` (4 or 8),
-    contiguous; `shared`: the shared expert (or its absence), one more row of gate_up and one more split
-    of down per token. Returns [T, H] in x's dtype. max_tokens: the most tokens a call can bring (the arrival counters are made for that
-    many once, so a captured graph never sees them remade)."""
+    """The three launches for x [T, H] (contiguous); weights (w_gate_up, gate_up_scales, w_down,
+    down_scales) packed in `bits` (4 or 8), contiguous (the kernels take their strides from the shapes),
+    groups of whole words; `shared`: the shared expert
+    (or its absence). Returns [T, H] in x's dtype. max_tokens: the most tokens a call can bring (the
+    arrival counters are made for that many once, so a captured graph never sees them remade)."""
     w_gate_up, gate_up_scales, w_down, down_scales = weights
     (t, h), top_k = x.shape, topk_ids.shape[1]
     values = 32 // bits
-    precision, dtype = dot_precision(x), DTYPE_NAMES[x.dtype]
-    ranks = min(tiles.down_ranks, top_k)
-    splits = shared.present + triton.cdiv(top_k, ranks)
-    # one fp32 workspace: x split (when asked), act split, the down partials (when several splits)
-    x_numel = t * h if tiles.split_x else 0
-    act_numel = t * top_k * inter
-    partial_numel = t * splits * h if splits > 1 else 0
-    workspace = torch.empty(x_numel + act_numel + partial_numel, dtype=torch.float32, device=x.device)
-    if tiles.split_x:
-        x_in = workspace[:x_numel].view(t, values, h // values)
-        x_in.copy_(x.view(t, h // values, values).transpose(1, 2))
-    else:
-        x_in = x
-    act = workspace[x_numel:x_numel + act_numel].view(t * top_k, inter)
-    shared_act = torch.empty((t, shared.width), dtype=x.dtype, device=x.device) if shared.present else x
-    shared_gate_up_k, shared_gate_up_even, shared_down_k, shared_down_even = shared.k_tiles(
-        tiles.shared_gate_up_block_k, tiles.shared_down_block_k, h)
-    out = torch.empty_like(x)
+    if tiles.gate_up_block_n % values:
+        raise ValueError(f"gate_up_block_n {tiles.gate_up_block_n} must be a multiple of {values} (values per word)")
+    words_h, words_i = h // values, inter // values
+    gate_up_splits = triton.cdiv(words_h, tiles.gate_up_block_w)
+    down_splits = triton.cdiv(words_i, tiles.down_block_w)
+    # the shared expert: one K tile of its own format per program (`shared.constants` caps the tiles)
+    shared_constants = shared.constants(tiles.shared_gate_up_block_k, tiles.shared_down_block_k, h)
+    shared_gate_up_splits = triton.cdiv(h, shared_constants["GU_SHARED_BLOCK_K"]) if shared.present else 0
+    shared_down_splits = triton.cdiv(shared.width, shared_constants["DN_SHARED_BLOCK_K"]) if shared.present else 0
     num_shared = t * shared.present  # rows of gate_up's items that are the tokens' shared expert
+    rows = num_shared + t * top_k
     gate_up_blocks = triton.cdiv(max(inter, shared.width), tiles.gate_up_block_n)
     down_blocks = triton.cdiv(h, tiles.down_block_n)
-    counters = arrival_counters("fused_moe_packed_down", x.device, max(t, max_tokens) * down_blocks)
-    partial = workspace[x_numel + act_numel:] if splits > 1 else out  # (unused with one split)
-    args = (x_in, w_gate_up, gate_up_scales, act, topk_ids, x, shared.w_gate_up, shared.gate_up_scales, shared_act,
-            w_down, down_scales, topk_weights, shared.w_down, shared.down_scales, shared.gate, out, partial, counters,
-            t, shared.width, num_shared, gate_up_blocks, down_blocks, x_in.stride(0), w_gate_up.stride(0),
-            w_gate_up.stride(1), gate_up_scales.stride(0), gate_up_scales.stride(1), act.stride(0), x.stride(0),
-            shared.w_gate_up.stride(0), shared.gate_up_scales.stride(0), shared_act.stride(0), w_down.stride(0),
-            w_down.stride(1), down_scales.stride(0), down_scales.stride(1), shared.w_down.stride(0),
-            shared.down_scales.stride(0), FLOAT_ONE_BITS.value)
+    parts = top_k * down_splits + shared_down_splits
+    sizes = {"xs": t * h, "x_bias": t * words_h, "act": t * top_k * inter, "act_bias": t * top_k * words_i,
+             "gate_up_partial": rows * gate_up_blocks * max(gate_up_splits, shared_gate_up_splits) * 2
+             * tiles.gate_up_block_n,
+             "down_partial": t * down_blocks * parts * tiles.down_block_n}
+    workspace = torch.empty(sum(sizes.values()), dtype=torch.float32, device=x.device)
+    buffers = dict(zip(sizes, workspace.split(list(sizes.values()))))
+    product_scale, bias_scale = 2.0 ** PRODUCT_EXPONENT.value, 2.0 ** (bits - 1 - PRODUCT_EXPONENT.value)
+    _split_x_kernel[(t, triton.cdiv(words_h, SPLIT_X_BLOCK_W))](
+        x, buffers["xs"], buffers["x_bias"], x.stride(0), bias_scale, WORDS=words_h, BITS=bits, BLOCK_W=SPLIT_X_BLOCK_W)
+    shared_act = torch.empty((t, shared.width), dtype=x.dtype, device=x.device) if shared.present else x
+    out = torch.empty_like(x)
+    most_rows = max(t, max_tokens) * (1 + top_k)  # (as if with a shared expert: one size for both)
+    gate_up_counters = arrival_counters("fused_moe_packed_gate_up", x.device, most_rows * gate_up_blocks)
+    down_counters = arrival_counters("fused_moe_packed_down", x.device, max(t, max_tokens) * down_blocks)
+    args = (x, buffers["xs"], buffers["x_bias"], w_gate_up, gate_up_scales, topk_ids, buffers["act"],
+            buffers["act_bias"], shared.w_gate_up, shared.gate_up_scales, shared_act, buffers["gate_up_partial"],
+            gate_up_counters, w_down, down_scales, topk_weights, shared.w_down, shared.down_scales, shared.gate, out,
+            buffers["down_partial"], down_counters, shared.width, num_shared, product_scale, bias_scale, x.stride(0),
+            shared.w_gate_up.stride(0), shared.gate_up_scales.stride(0), shared_act.stride(0),
+            shared.w_down.stride(0), shared.down_scales.stride(0))
     constants = {
-        "H": h, "I": inter, "TOP_K": top_k, "SLOTS": triton.next_power_of_2(top_k), "RANKS": ranks, "BITS": bits,
-        "GROUP_SIZE": group, "GU_BLOCK_N": tiles.gate_up_block_n, "GU_BLOCK_W": tiles.gate_up_block_w,
-        "DN_BLOCK_N": tiles.down_block_n, "DN_BLOCK_W": tiles.down_block_w, "SPLIT_X": tiles.split_x,
-        "UNROLL": tiles.unroll, "DTYPE": dtype, "HAS_SHARED": shared.present, "SHARED_BITS": shared.bits,
-        "GU_SHARED_GROUP_SIZE": shared.gate_up_group, "GU_SHARED_BLOCK_K": shared_gate_up_k,
-        "GU_SHARED_EVEN_K": shared_gate_up_even, "DN_SHARED_GROUP_SIZE": shared.down_group,
-        "DN_SHARED_BLOCK_K": shared_down_k, "DN_SHARED_EVEN_K": shared_down_even,
-        "PRECISION": precision}
-    gate_up_items = (num_shared + t * top_k) * gate_up_blocks
-    down_items = down_blocks * t * splits
-    _packed_decode_kernel[(gate_up_items,)](*args, PHASE="gate_up", num_warps=tiles.gate_up_warps, **constants)
-    _packed_decode_kernel[(down_items,)](*args, PHASE="down", num_warps=tiles.down_warps, **constants)
+        "H": h, "I": inter, "TOP_K": top_k, "BITS": bits, "GROUP_SIZE": group, "GU_BLOCK_N": tiles.gate_up_block_n,
+        "GU_BLOCKS": gate_up_blocks, "GU_BLOCK_W": tiles.gate_up_block_w, "GU_SPLITS": gate_up_splits,
+        "GU_SPLITS_P2": triton.next_power_of_2(gate_up_splits), "GU_SHARED_SPLITS": shared_gate_up_splits,
+        "GU_SHARED_SPLITS_P2": triton.next_power_of_2(shared_gate_up_splits), "DN_BLOCK_N": tiles.down_block_n,
+        "DN_BLOCKS": down_blocks, "DN_BLOCK_W": tiles.down_block_w, "DN_SPLITS": down_splits,
+        "DN_SHARED_SPLITS": shared_down_splits, "DN_PARTS_P2": triton.next_power_of_2(parts),
+        "DTYPE": DTYPE_NAMES[x.dtype], "PRECISION": dot_precision(x), **shared_constants}
+    gate_up_items = gate_up_blocks * (num_shared * shared_gate_up_splits + t * top_k * gate_up_splits)
+    launch_phases(_packed_decode_kernel, args, constants, (gate_up_items, tiles.gate_up_warps),
+                  (t * down_blocks * parts, tiles.down_warps))
     return out

@@ -4,8 +4,8 @@ variant (unquantized, or packed INT4 / INT6 / INT8 with group scales: `quant_lin
 Every launch reads the selected experts' weights in place (no copy of an expert's weights is ever made),
 and no launch needs a host sync, so a decode step can be captured in a CUDA graph. Two forms:
   - decode (up to DECODE_MAX_PAIRS (token, expert) pairs): GEMVs, one pair per program row (no tl.dot
-    padding M to 16). Experts packed in 4 or 8 bits take `packed_decode` (its own pair of kernels, x
-    read in a split layout); unquantized and INT6 ones two launches here, each product in its own fp32
+    padding M to 16). Experts packed in 4 or 8 bits take `packed_decode` (split-K tiles, x read in a
+    split layout: its docstring); unquantized and INT6 ones two launches here, each product in its own fp32
     accumulator summed once at the end (`quant_linear.triton.gemv_loop`), with no sort or gather first:
       1. `_gate_up_gemv_kernel`: program (n block, pair) computes silu(x W_gate^T) * (x W_up^T) for
          `gate_up_block_n` of the expert's I columns, stored in x's dtype as `naive` rounds it;
@@ -42,6 +42,7 @@ from tierlm.kernels.fused_moe.decode_parts import (
     down_columns,
     expert_ranks,
     finish_down,
+    launch_phases,
     swiglu_columns,
 )
 from tierlm.kernels.fused_moe.naive import SharedExpert, check_moe_args
@@ -74,10 +75,11 @@ class DecodeTiles(NamedTuple):
 # Chosen on an H200 by bench/moe_decode_kernel.py --sweep (bench/results/moe_decode_kernel_nvidia_h200.json)
 # for bf16 (INT6 the same) and INT4 (INT8 the same: the same packed-word GEMV)
 DECODE_MAX_PAIRS = 160  # up to this many (token, expert) pairs (16 tokens of top-10), the GEMV form
-# (4 and 8 bits: `packed_decode`, first guesses checked only by compiling for sm_90: to be swept on an H200;
-# the shared expert's K tiles, not measured on a GPU yet: bench/moe_decode_kernel.py --shared)
+# (4 and 8 bits: `packed_decode`'s split-K form, first guesses checked only by compiling for sm_90 (72 / 64
+# registers with an INT6 shared expert, 67 / 56 without): to be swept on an H200 by
+# bench/moe_decode_kernel.py --packed-sweep; the shared expert's K tiles by --shared --shared-sweep)
 DECODE_TILES = {**dict.fromkeys((0, 6), DecodeTiles(8, 512, 4, 16, 128, 4, 2)),
-                **dict.fromkeys((4, 8), PackedDecodeTiles(8, 64, 4, 32, 16, 4, 1, True, False))}
+                **dict.fromkeys((4, 8), PackedDecodeTiles(16, 64, 4, 64, 16, 4))}
 PREFILL_BLOCK_M, PREFILL_BLOCK_N, PREFILL_BLOCK_K, PREFILL_NUM_WARPS = 32, 64, 64, 4
 SUM_BLOCK = 256
 
@@ -294,18 +296,18 @@ def align_pairs_to_blocks(expert_of_pair: torch.Tensor, num_experts: int, block_
     return pair_ids, block_expert
 
 
-# Packed (INT4/6/8) routed experts take the shared expert into their launches from this many tokens on.
-# H200, real widths, INT4 routed + INT6 shared (bench/moe_decode_kernel.py --shared): fused vs apart 0.74x at
-# batch 1, 0.81x at 4, 2.39x at 16 (group 32; group 128 alike).
-PACKED_SHARED_MIN_TOKENS = 8
+# Packed (INT4/8) routed experts take the shared expert into their decode launches from this many tokens
+# on; below, `fused_moe` runs it apart (`SharedArgs.separately`). 1: always (the packed decode form splits
+# the shared expert's work over as many programs as an expert's; the form before it fused at batch 1 / 4 at
+# 0.74x / 0.81x of apart on an H200, INT4 + INT6 g32, and took 8 here). To be confirmed on an H200 with
+# bench/moe_decode_kernel.py --shared (fused vs apart, same run).
+PACKED_SHARED_MIN_TOKENS = 1
 
 
-def fuses_shared_expert(topk_ids: torch.Tensor, packed: bool = False) -> bool:
-    """Whether `fused_moe` computes a shared expert inside its launches for these ids (the decode form:
-    one more pair per token; packed routed experts only from PACKED_SHARED_MIN_TOKENS tokens on); else the
-    caller runs it apart, as prefill sizes do (`SharedArgs.separately`)."""
-    if packed and topk_ids.shape[0] < PACKED_SHARED_MIN_TOKENS:
-        return False
+def fuses_shared_expert(topk_ids: torch.Tensor) -> bool:
+    """Whether `fused_moe`'s decode form runs these ids (the only form that can take a shared expert
+    into its launches): callers check it before building a shared expert's kernel view they would not
+    need (`fused_moe` itself decides whether to fuse it or run it apart)."""
     return topk_ids.numel() <= DECODE_MAX_PAIRS
 
 
@@ -314,7 +316,8 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, to
               shared: SharedExpert | None = None) -> torch.Tensor:
     """As `naive.fused_moe` (see there for shapes and formats). topk_ids must lie in [0, E): they are not
     checked here (that would cost a host sync). A shared expert is one more pair per token in the decode
-    form's two launches; the prefill form runs it beside the grouped GEMM (`quant_linear` launches)."""
+    form's launches (packed routed experts: from PACKED_SHARED_MIN_TOKENS tokens on); otherwise, and in
+    the prefill form, it runs beside them (`quant_linear` launches)."""
     bits, inter, group = check_moe_args(x, w_gate_up, w_down, topk_weights, topk_ids, format, scales, group_size)
     check_whole_word_groups(bits, group)
     shared_expert = SharedArgs.of(x, shared)
@@ -327,8 +330,11 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, to
     gate_up_scales, down_scales = (w_gate_up, w_down) if bits is None else (s.contiguous() for s in scales)
     weights = (w_gate_up, gate_up_scales, w_down, down_scales)
     if num_pairs <= DECODE_MAX_PAIRS:
-        return _decode(x, weights, topk_weights.contiguous(), topk_ids.contiguous(), bits or 0, group, inter,
-                       shared_expert)
+        packed = bits in (4, 8)
+        fused = shared_expert if not packed or t >= PACKED_SHARED_MIN_TOKENS else SharedArgs.of(x, None)
+        routed = _decode(x, weights, topk_weights.contiguous(), topk_ids.contiguous(), bits or 0, group, inter,
+                         fused)
+        return routed if shared is None or fused.present else routed + shared_expert.separately(x)
     routed = _grouped(x, weights, topk_weights, topk_ids, bits or 0, group, inter)
     return routed if shared is None else routed + shared_expert.separately(x)
 
@@ -342,11 +348,8 @@ def _decode(x, weights, topk_weights, topk_ids, bits: int, group: int, inter: in
         return packed_decode(x, weights, topk_weights, topk_ids, bits, group, inter, tiles, max_tokens, shared)
     w_gate_up, gate_up_scales, w_down, down_scales = weights
     (t, h), top_k = x.shape, topk_ids.shape[1]
-    precision = dot_precision(x)
     gate_up_k = min(tiles.gate_up_block_k, triton.next_power_of_2(h))
     down_k = min(tiles.down_block_k, triton.next_power_of_2(inter))
-    shared_gate_up_k, shared_gate_up_even, shared_down_k, shared_down_even = shared.k_tiles(
-        tiles.shared_gate_up_block_k, tiles.shared_down_block_k, h)
     act = torch.empty((t * top_k, inter), dtype=x.dtype, device=x.device)
     shared_act = torch.empty((t, shared.width), dtype=x.dtype, device=x.device) if shared.present else act
     ranks = min(tiles.down_ranks, top_k)
@@ -368,14 +371,9 @@ def _decode(x, weights, topk_weights, topk_ids, bits: int, group: int, inter: in
         "TOP_K": top_k, "SLOTS": triton.next_power_of_2(top_k), "RANKS": ranks, "BITS": bits, "GROUP_SIZE": group,
         "GU_BLOCK_N": tiles.gate_up_block_n, "GU_BLOCK_K": gate_up_k, "GU_EVEN_K": h % gate_up_k == 0,
         "DN_BLOCK_N": tiles.down_block_n, "DN_BLOCK_K": down_k, "DN_EVEN_K": inter % down_k == 0,
-        "HAS_SHARED": shared.present, "SHARED_BITS": shared.bits, "GU_SHARED_GROUP_SIZE": shared.gate_up_group,
-        "GU_SHARED_BLOCK_K": shared_gate_up_k, "GU_SHARED_EVEN_K": shared_gate_up_even,
-        "DN_SHARED_GROUP_SIZE": shared.down_group, "DN_SHARED_BLOCK_K": shared_down_k,
-        "DN_SHARED_EVEN_K": shared_down_even, "PRECISION": precision}
-    gate_up_items = (num_shared + t * top_k) * gate_up_blocks
-    down_items = down_blocks * t * splits
-    _decode_gemv_kernel[(gate_up_items,)](*args, PHASE="gate_up", num_warps=tiles.gate_up_warps, **constants)
-    _decode_gemv_kernel[(down_items,)](*args, PHASE="down", num_warps=tiles.down_warps, **constants)
+        "PRECISION": dot_precision(x), **shared.constants(tiles.shared_gate_up_block_k, tiles.shared_down_block_k, h)}
+    launch_phases(_decode_gemv_kernel, args, constants, ((num_shared + t * top_k) * gate_up_blocks, tiles.gate_up_warps),
+                  (down_blocks * t * splits, tiles.down_warps))
     return out
 
 

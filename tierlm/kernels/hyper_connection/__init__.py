@@ -13,14 +13,18 @@ Signatures (every form):
       the kernels read the words in place and scale each row's fp32 dot product.
   combine(streams [N, hc*H], block_output [N, H], inject [N, hc]) -> streams + inject[:, s] * block_output
       on each stream s.
+  combine_and_mix(streams, block_output, inject, norm_weight, down_weight, up_weight, hc_count, eps,
+      down_scale=None, up_scale=None) -> (combine's new streams, then mix's block input and gates on them):
+      a decoder layer's attention residual and its MoE block's mix (the kernels save combine's launch).
   naive.py   plain torch (the reference)
   triton.py  decode batches (up to MAX_TOKENS tokens): mix in two launches (the norm folded into the down
-             projection, whose last program to arrive applies each stream's rms and the mixer's
-             activations; then the up projection, the gates and the mean over streams), combine in one;
-             the weights read once per 16 tokens (INT8: the packed words, split in registers), the streams
-             read in place (no copies)
+             projection; each row block's last program applies the streams' rms and the mixer's
+             activations to its rows; then the up projection, the gates and the mean over streams),
+             combine in one (or folded into the next mix: combine_and_mix); every program reads one tile of weights with all its loads up front, by
+             tl.dot from 16 tokens a program and as a GEMV (broadcast multiply + sum) below (MIX_TILES);
+             INT8 words read packed and split in registers; the streams read in place (no copies)
 """
 
-from tierlm.kernels.hyper_connection.naive import combine, mix
+from tierlm.kernels.hyper_connection.naive import combine, combine_and_mix, mix
 
-__all__ = ["combine", "mix"]
+__all__ = ["combine", "combine_and_mix", "mix"]

@@ -38,6 +38,17 @@ def combine(streams: torch.Tensor, block_output: torch.Tensor, inject: torch.Ten
     return streams + (block_output.unsqueeze(-2) * inject.unsqueeze(-1)).flatten(-2)
 
 
+def combine_and_mix(
+    streams: torch.Tensor, block_output: torch.Tensor, inject: torch.Tensor, norm_weight: torch.Tensor,
+    down_weight: torch.Tensor, up_weight: torch.Tensor, hc_count: int, eps: float,
+    down_scale: torch.Tensor | None = None, up_scale: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """combine(streams, block_output, inject), then `mix` of the result: (the new streams, block input,
+    injection gates or None)."""
+    streams = combine(streams, block_output, inject)
+    return (streams, *mix(streams, norm_weight, down_weight, up_weight, hc_count, eps, down_scale, up_scale))
+
+
 def int8_weight_shape(weight: torch.Tensor, scale: torch.Tensor | None) -> tuple[int, ...]:
     """The shape [N, K] of the weight `weight` stands for. Without a scale, weight is W itself; with one,
     W is INT8 per channel as compressed-tensors `pack-quantized` stores it (`kernels/quant_linear/packing`):

@@ -1,29 +1,46 @@
 """Hyper-connections' mix and combine as Triton kernels (same signatures as `naive`), for decode batches.
 
-mix, two launches (at the real widths, hc 4 x H 2560, r 320: W_down|inj 6.6 MB and W_up 6.6 MB, each read
-once per BLOCK_N tokens, by enough programs to read them at the memory's pace):
-  1. `_mix_down_kernel`, programs over (BLOCK_J rows of W_down|inj, one of hc * SPLIT slices of the
-     streams (each inside one stream), token block): the RMSNorm is linear in x once each stream's rms is
-     known, so a program multiplies x * (1 + w_norm) (rounded to the streams' dtype, as the reference
-     rounds the normed input) by its weight tile and stores an fp32 partial per slice, plus the slice's
-     sum of squares. The last program to arrive (`split_reduce.arrival_counters`) adds each stream's
-     partials times its 1/rms and applies the mixer's activations: silu(. / hc) (stored for launch 2)
-     and the injection gates 2 sigmoid(. / hc).
-  2. `_mix_up_kernel`, programs over (BLOCK_H of the H columns, token block): for each stream s, the
-     gates sigmoid(W_up[s] . low) of its columns, the normed streams (x / rms * (1 + w)), and the mean
-     over streams of their products.
-INT8 per-channel mixer weights (int4-mixed checkpoints; half the bytes) are a compile-time variant of
-both launches: each int32 word is loaded once and split into its 4 signed values in registers
-(`int8_tile`, exact in the streams' dtype, so tl.dot multiplies them as it multiplies bf16 weights), and
-each row's fp32 dot product is multiplied by the row's scale (launch 1: in the finishing program, after
-the sum over slices; launch 2: before the sigmoid). The reference rounds q * scale to the streams' dtype
-first: in fp32 the two agree to fp32 roundoff, in bf16 the kernel skips one rounding of the weight.
+mix, two launches. At the real widths (hc 4 x H 2560, r 320) W_down|inj and W_up are 6.6 MB each in bf16
+(half that INT8): ~1.6 us each at copy bandwidth, so a mix costs its chain of dependent steps, not its
+bytes. Here no program loops over its weights: each reads one tile, with every load issued up front (the
+loop over streams is unrolled), then computes and stores. (The form before this one took
+15 + 10.5 us on an H200 at one token: launch 1's last program summed hc x SPLIT partial tiles one after
+another, and each launch-2 program walked 4 streams x 5 low-rank tiles, one memory round trip each.)
+  1. `_mix_down_kernel`, programs over (slice, row block, token block); a slice is BLOCK_K columns of one
+     stream. The RMSNorm is linear in x once each stream's rms is known, so a program multiplies
+     x * (1 + w_norm) (rounded to the streams' dtype, as the reference rounds the normed input) by its
+     tile of BLOCK_J rows of W_down|inj and stores an fp32 partial per (token, slice, row), and the slice's
+     sum of squares (each row block its own copy). The last of a row block's programs to arrive
+     (`split_reduce.arrival_counters`, a counter per row block and token block) loads all of the row
+     block's partials and sums of squares in one tile each, takes each stream's 1/rms, sums the partials
+     times their stream's 1/rms and applies the mixer's activations to its rows: silu(. / hc) -> the
+     low-rank vector, 2 sigmoid(. / hc) -> the injection gates; row block 0's also stores each stream's
+     1/rms for launch 2. The row blocks finish in parallel, each in one more round trip to L2.
+  2. `_mix_up_kernel`, programs over (BLOCK_H of the H columns, token block): for each stream, its BLOCK_H
+     rows of W_up (the whole low rank in one tile), the gates sigmoid(W_up . low), the normed streams
+     x / rms * (1 + w), and the mean over streams of their products.
+  Products (`_times_rows`), by MixTiles.block_n, the tokens per program: from 16 (tl.dot's least M, fewer
+  tokens padded) tl.dot; below 16 a broadcast multiply and a sum over K in fp32 (a GEMV: for 1-8 tokens
+  no padded tensor-core tile and no shared-memory staging). Tiles by batch: MIX_TILES, picked on an H200
+  with `bench/decode_fusions.py --sweep-hc`.
+INT8 per-channel mixer weights (int4-mixed checkpoints; half the bytes) are a compile-time variant of both
+launches: each int32 word is loaded once and split into its 4 signed values in registers (`_int8_values`,
+exact in the streams' dtype, so both product forms multiply them as they multiply bf16 weights), and each
+row's fp32 dot product is multiplied by the row's scale (launch 1: in the finishing program, after the sum
+over slices; launch 2: before the sigmoid). The reference rounds q * scale to the streams' dtype first: in
+fp32 the two agree to fp32 roundoff, in bf16 the kernel skips one rounding of the weight.
 combine, one launch (`_combine_kernel`): streams + inject[s] * block_output, the streams read in place.
-Values are rounded to the streams' dtype where the reference rounds them; sums are fp32. No host sync:
-CUDA graphs capture all three. Up to MAX_TOKENS tokens (prefill chunks take the reference's GEMMs).
+combine_and_mix: a combine folded into the next mix (`_mix_down_kernel`'s COMBINE): its programs add the
+block output to the streams as they read them, row block 0's store the new streams, launch 2 reads those.
+Values are rounded to the streams' dtype where the reference rounds them; sums are fp32 in a fixed order
+(no float atomics: the same bits on every call). No host sync: CUDA graphs capture them all. Up to
+MAX_TOKENS tokens (prefill chunks take the reference's GEMMs).
 """
 
 from __future__ import annotations
+
+import functools
+from typing import NamedTuple
 
 import torch
 import triton
@@ -34,58 +51,145 @@ from tierlm.kernels.quant_linear.triton import dot_precision, round_to
 from tierlm.kernels.split_reduce import arrival_counters, dot_acc
 
 MAX_TOKENS = 64
-BLOCK_N = 16  # tokens per program: tl.dot's least M
-# launch 1's tiles by batch, the first entry whose token bound covers it: (BLOCK_J rows of W_down|inj,
-# BLOCK_K columns per step, SPLIT slices per stream, warps). H200, real widths (bench/decode_fusions.py
-# --sweep-hc): one token 21.3 us with its own tiles (440 programs) vs 30.2 us with the batch tiles (168
-# programs), which stay best from 4 tokens (34.6 vs 36.0 us at 4, 33.7 vs 42.4 at 16)
-DOWN_TILES = ((1, (32, 256, 10, 4)), (MAX_TOKENS, (16, 128, 2, 4)))
-BLOCK_H, BLOCK_R = 16, 64  # launch 2: 160 programs at the real widths; BLOCK_R: low-rank columns per step
-UP_WARPS = 4
+DOT_MIN = 16  # tl.dot's least size of each dimension on a GPU
 COMBINE_BLOCK = 256
 
 
-@triton.jit
-def int8_tile(w_ptr, rows, r_mask, k0, k_end, ROW_WORDS: tl.constexpr, BLOCK_ROWS: tl.constexpr,
-              BLOCK_K: tl.constexpr):
-    """INT8 per-channel weights (`naive.int8_weight_shape`: int32 words [N, ROW_WORDS], 4 values each):
-    the signed values q = stored - 128 of rows `rows` (int64, masked by r_mask) at columns
-    [k0, k0 + BLOCK_K) (k0 and k_end multiples of 4), as fp32 [BLOCK_ROWS, BLOCK_K] (exact: small
-    integers), 0 at columns >= k_end. Each word is loaded once and split in registers."""
-    words_at = k0 // 4 + tl.arange(0, BLOCK_K // 4)
-    mask = r_mask[:, None] & (words_at * 4 < k_end)[None, :]
-    words = tl.load(w_ptr + rows[:, None] * ROW_WORDS + words_at[None, :], mask=mask, other=0)
-    shifts = (tl.arange(0, 4) * 8).to(tl.uint32)
-    stored = (words.to(tl.uint32, bitcast=True)[:, :, None] >> shifts[None, None, :]) & 0xFF
-    q = tl.where(mask[:, :, None], stored.to(tl.int32) - 128, 0)
-    return tl.reshape(q.to(tl.float32), (BLOCK_ROWS, BLOCK_K))  # value j of word i: column 4 i + j
+class MixTiles(NamedTuple):
+    """The mix's launch shape; every entry a power of 2. The tl.dot form (block_n >= DOT_MIN) needs block_j,
+    block_h and block_k >= DOT_MIN; INT8 weights block_k >= 4 (whole words)."""
+    block_n: int  # tokens per program: from DOT_MIN products by tl.dot, below by broadcast multiply + sum
+    block_j: int  # rows of W_down|inj per down program
+    block_k: int  # stream columns per down program: hc x cdiv(H, block_k) slices
+    down_warps: int
+    block_h: int  # H columns per up program (its rows of W_up: hc x block_h, each the whole low rank)
+    up_warps: int
+
+
+# by batch, the first entry whose token bound covers it: the candidate nearest each batch's best over real
+# and demo-small widths, bf16 and INT8 (H200, `bench/decode_fusions.py --sweep-hc`, session 8;
+# bench/results/decode_fusions_hc_sweep_nvidia-h200.json). Real widths, bf16, one token: 12.2 us a mix
+# (two-launch form before it: 21.2); 4 tokens 21.0 (34.6), 16 tokens 18.1 (33.9); INT8 13.5, 21.9, 29.6
+# (29.9, 41.6, 42.1). One token: 20 slices x 41 row blocks = 820 down programs of 8 KB of W_down|inj,
+# 320 up programs of 4 x 8 rows x 320 of W_up (20 KB)
+MIX_TILES = ((1, MixTiles(1, 8, 512, 4, 8, 4)), (4, MixTiles(4, 8, 512, 4, 8, 4)),
+             (MAX_TOKENS, MixTiles(16, 32, 256, 4, 16, 4)))
 
 
 @triton.jit
-def _finish_mix_down(partial_ptr, sumsq_ptr, down_scale_ptr, low_ptr, rstd_ptr, inject_ptr, tokens, t_mask,
-                     num_slices, eps, HIDDEN: tl.constexpr, HC: tl.constexpr, SPLIT: tl.constexpr,
-                     LOWRANK: tl.constexpr, OUT_ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_OUT: tl.constexpr,
-                     DOWN_INT8: tl.constexpr, DTYPE: tl.constexpr, PRECISION: tl.constexpr):
-    """The last program of a token block: each stream's 1/rms (stored for launch 2), the projection as
-    the sum over streams of 1/rms times their partials (INT8: times each row's scale), then
-    silu(. / hc) -> low, 2 sigmoid(. / hc) -> inject. Partials are read past L1 (.cg): other programs
-    wrote them."""
-    rows = tl.arange(0, BLOCK_OUT)
-    projected = tl.zeros((BLOCK_N, BLOCK_OUT), dtype=tl.float32)
-    token_rows = tokens.to(tl.int64) * num_slices
-    for stream in range(HC):
-        squares = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        partial = tl.zeros((BLOCK_N, BLOCK_OUT), dtype=tl.float32)
-        for part in range(SPLIT):
-            slice_rows = token_rows + stream * SPLIT + part
-            squares += tl.load(sumsq_ptr + slice_rows, mask=t_mask, other=0.0, cache_modifier=".cg")
-            partial += tl.load(partial_ptr + slice_rows[:, None] * OUT_ROWS + rows[None, :],
-                               mask=t_mask[:, None] & (rows < OUT_ROWS)[None, :], other=0.0, cache_modifier=".cg")
-        rstd = 1.0 / tl.sqrt(squares / HIDDEN + eps)
-        tl.store(rstd_ptr + tokens * HC + stream, rstd, mask=t_mask)
-        projected += rstd[:, None] * partial
-    if DOWN_INT8:
-        projected *= tl.load(down_scale_ptr + rows, mask=rows < OUT_ROWS, other=0.0).to(tl.float32)[None, :]
+def _int8_values(words, ROWS: tl.constexpr, WORDS: tl.constexpr, DTYPE: tl.constexpr):
+    """INT8 per-channel weights' int32 words [ROWS, WORDS] (`naive.int8_weight_shape`) -> their signed values
+    q = stored - 128 [ROWS, 4 WORDS] in DTYPE (exact: small integers), value j of word w at column 4 w + j.
+    Split in registers: tl.join puts its new dimension inside each thread, so the reshape moves nothing.
+    (Through fp32: the interpreter's int32 -> bf16 conversion is wrong, triton 3.9.)"""
+    bits = words.to(tl.uint32, bitcast=True)
+    v0 = ((bits & 0xFF).to(tl.int32) - 128).to(tl.float32).to(DTYPE)
+    v1 = (((bits >> 8) & 0xFF).to(tl.int32) - 128).to(tl.float32).to(DTYPE)
+    v2 = (((bits >> 16) & 0xFF).to(tl.int32) - 128).to(tl.float32).to(DTYPE)
+    v3 = ((bits >> 24).to(tl.int32) - 128).to(tl.float32).to(DTYPE)
+    values = tl.join(tl.join(v0, v2), tl.join(v1, v3))  # [ROWS, WORDS, 2, 2]: [r, w, i, k] = value 2 i + k of word w
+    return tl.reshape(values, (ROWS, 4 * WORDS))
+
+
+@triton.jit
+def _times_rows(acc, x, w, DOT: tl.constexpr, PRECISION: tl.constexpr):
+    """acc [BLOCK_N, J] + x [BLOCK_N, K] times the rows of w [J, K], in fp32. DOT: tl.dot; else a broadcast
+    multiply and a sum over K (the products of two values of the streams' dtype are exact in fp32)."""
+    if DOT:
+        result = dot_acc(acc, x, w, PRECISION)
+    else:
+        result = acc + tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+    return result
+
+
+@triton.jit
+def _mix_down_kernel(x_ptr, stride_x, block_ptr, stride_block, gate_ptr, stride_gate, combined_ptr, norm_ptr, w_ptr,
+                     w_scale_ptr, partial_ptr, sumsq_ptr, counter_ptr, low_ptr, rstd_ptr, inject_ptr, n_tokens, eps,
+                     HIDDEN: tl.constexpr, HC: tl.constexpr, SPLIT: tl.constexpr, LOWRANK: tl.constexpr,
+                     OUT_ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_K: tl.constexpr,
+                     SLICES_P2: tl.constexpr, INT8: tl.constexpr, DOT: tl.constexpr, COMBINE: tl.constexpr,
+                     PRECISION: tl.constexpr):
+    """Program (slice, row block, token block): partial [token, slice, row] of W_down|inj times
+    x * (1 + w_norm) over one slice of one stream, and the slice's sum of squares [row block, token,
+    slice]; the row block's last program to arrive finishes its rows (`_finish_rows`). INT8: the weight's
+    signed values q, its row scales (w_scale_ptr) applied by the finishing program. COMBINE: x is the
+    streams plus the previous block's output times its gate for the stream (gate_ptr), rounded as
+    `_combine_kernel` rounds; row block 0's programs store it (combined_ptr, [N, hc*H])."""
+    SLICES: tl.constexpr = HC * SPLIT
+    slice_id, row_block, token_block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    dtype = x_ptr.dtype.element_ty
+    tokens = token_block * BLOCK_N + tl.arange(0, BLOCK_N)
+    t_mask = tokens < n_tokens
+    rows = row_block * BLOCK_J + tl.arange(0, BLOCK_J)
+    r_mask = rows < OUT_ROWS
+    stream, part = slice_id // SPLIT, slice_id % SPLIT
+    in_stream = part * BLOCK_K + tl.arange(0, BLOCK_K)
+    c_mask = in_stream < HIDDEN
+    columns = stream * HIDDEN + in_stream
+    if INT8:  # H % 4 == 0: a word lies wholly inside the stream or wholly past it
+        word_at = (stream * HIDDEN + part * BLOCK_K) // 4 + tl.arange(0, BLOCK_K // 4)
+        words = tl.load(w_ptr + rows.to(tl.int64)[:, None] * (HC * HIDDEN // 4) + word_at[None, :],
+                        mask=r_mask[:, None] & (part * BLOCK_K + 4 * tl.arange(0, BLOCK_K // 4) < HIDDEN)[None, :],
+                        other=0)
+        w = _int8_values(words, BLOCK_J, BLOCK_K // 4, dtype)
+    else:
+        w = tl.load(w_ptr + rows.to(tl.int64)[:, None] * (HC * HIDDEN) + columns[None, :],
+                    mask=r_mask[:, None] & c_mask[None, :], other=0.0)
+    x = tl.load(x_ptr + tokens.to(tl.int64)[:, None] * stride_x + columns[None, :],
+                mask=t_mask[:, None] & c_mask[None, :], other=0.0).to(tl.float32)
+    if COMBINE:
+        block_output = tl.load(block_ptr + tokens.to(tl.int64)[:, None] * stride_block + in_stream[None, :],
+                               mask=t_mask[:, None] & c_mask[None, :], other=0.0).to(tl.float32)
+        gate = tl.load(gate_ptr + tokens.to(tl.int64) * stride_gate + stream, mask=t_mask, other=0.0).to(tl.float32)
+        combined = round_to(x + round_to(block_output * gate[:, None], dtype, PRECISION).to(tl.float32), dtype,
+                            PRECISION)
+        if row_block == 0:
+            tl.store(combined_ptr + tokens.to(tl.int64)[:, None] * (HC * HIDDEN) + columns[None, :], combined,
+                     mask=t_mask[:, None] & c_mask[None, :])
+        x = combined.to(tl.float32)
+    scale = 1.0 + tl.load(norm_ptr + columns, mask=c_mask, other=0.0).to(tl.float32)
+    squares = tl.sum(x * x, axis=1)
+    acc = _times_rows(tl.zeros((BLOCK_N, BLOCK_J), dtype=tl.float32), round_to(x * scale[None, :], dtype, PRECISION),
+                      w, DOT, PRECISION)
+    slice_rows = tokens.to(tl.int64) * SLICES + slice_id
+    tl.store(partial_ptr + slice_rows[:, None] * OUT_ROWS + rows[None, :], acc, mask=t_mask[:, None] & r_mask[None, :])
+    row_sumsq_ptr = sumsq_ptr + row_block * n_tokens * SLICES
+    tl.store(row_sumsq_ptr + slice_rows, squares, mask=t_mask)
+    tl.debug_barrier()  # every thread's stores are issued before the program counts itself in
+    arrivals = counter_ptr + token_block * tl.num_programs(1) + row_block
+    if tl.atomic_add(arrivals, 1, sem="acq_rel") == SLICES - 1:
+        _finish_rows(partial_ptr, row_sumsq_ptr, w_scale_ptr, low_ptr, rstd_ptr, inject_ptr, tokens, t_mask, rows,
+                     r_mask, row_block, eps, HIDDEN, HC, SPLIT, LOWRANK, OUT_ROWS, SLICES_P2, INT8, dtype, PRECISION)
+        tl.atomic_xchg(arrivals, 0)  # ready for the next launch
+
+
+@triton.jit
+def _finish_rows(partial_ptr, sumsq_ptr, w_scale_ptr, low_ptr, rstd_ptr, inject_ptr, tokens, t_mask, rows, r_mask,
+                 row_block, eps, HIDDEN: tl.constexpr, HC: tl.constexpr, SPLIT: tl.constexpr, LOWRANK: tl.constexpr,
+                 OUT_ROWS: tl.constexpr, SLICES_P2: tl.constexpr, INT8: tl.constexpr, DTYPE: tl.constexpr,
+                 PRECISION: tl.constexpr):
+    """A row block's last program: every slice's partial and sum of squares in one load each (read past
+    L1, .cg: other programs wrote them), each stream's 1/rms (row block 0 stores it), the projection as
+    the sum over slices of their stream's 1/rms times the partial (INT8: times each row's scale), then
+    silu(. / hc) -> low, 2 sigmoid(. / hc) -> inject."""
+    SLICES: tl.constexpr = HC * SPLIT
+    slices = tl.arange(0, SLICES_P2)
+    slice_rows = tokens.to(tl.int64)[:, None] * SLICES + slices[None, :]  # [BLOCK_N, SLICES_P2]
+    ts_mask = t_mask[:, None] & (slices < SLICES)[None, :]
+    partial = tl.load(partial_ptr + slice_rows[:, :, None] * OUT_ROWS + rows[None, None, :],
+                      mask=ts_mask[:, :, None] & r_mask[None, None, :], other=0.0, cache_modifier=".cg")
+    squares = tl.load(sumsq_ptr + slice_rows, mask=ts_mask, other=0.0, cache_modifier=".cg")
+    stream_of = slices // SPLIT
+    slice_rstd = tl.zeros_like(squares)
+    for stream in tl.static_range(HC):
+        in_stream = (stream_of == stream)[None, :]
+        rstd = 1.0 / tl.sqrt(tl.sum(tl.where(in_stream, squares, 0.0), axis=1) / HIDDEN + eps)
+        if row_block == 0:
+            tl.store(rstd_ptr + tokens * HC + stream, rstd, mask=t_mask)
+        slice_rstd = tl.where(in_stream, rstd[:, None], slice_rstd)
+    projected = tl.sum(partial * slice_rstd[:, :, None], axis=1)
+    if INT8:
+        projected *= tl.load(w_scale_ptr + rows, mask=r_mask, other=0.0).to(tl.float32)[None, :]
     projected = round_to(projected, DTYPE, PRECISION).to(tl.float32)  # the linear's output dtype
     scaled = round_to(projected / HC, DTYPE, PRECISION).to(tl.float32)
     low = round_to(scaled * tl.sigmoid(scaled), DTYPE, PRECISION)
@@ -94,87 +198,39 @@ def _finish_mix_down(partial_ptr, sumsq_ptr, down_scale_ptr, low_ptr, rstd_ptr, 
     if OUT_ROWS > LOWRANK:
         inject = 2.0 * round_to(tl.sigmoid(scaled), DTYPE, PRECISION).to(tl.float32)
         tl.store(inject_ptr + tokens.to(tl.int64)[:, None] * HC + (rows - LOWRANK)[None, :],
-                 round_to(inject, DTYPE, PRECISION),
-                 mask=t_mask[:, None] & ((rows >= LOWRANK) & (rows < OUT_ROWS))[None, :])
-
-
-@triton.jit
-def _mix_down_kernel(x_ptr, stride_x, norm_ptr, w_ptr, w_scale_ptr, partial_ptr, sumsq_ptr, counter_ptr, low_ptr,
-                     rstd_ptr, inject_ptr, n_tokens, slice_width, eps, HIDDEN: tl.constexpr, HC: tl.constexpr,
-                     SPLIT: tl.constexpr, LOWRANK: tl.constexpr, OUT_ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_J: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_OUT: tl.constexpr, INT8: tl.constexpr,
-                     PRECISION: tl.constexpr):
-    """Program (row block, slice, token block): partial [token, slice, row] of W_down|inj times
-    x * (1 + w_norm) over one slice of one stream; row block 0 also stores the slice's sum of squares.
-    INT8: the weight's signed values q (exact in the streams' dtype), its row scales (w_scale_ptr)
-    applied by the finishing program."""
-    row_block, slice_id, token_block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    num_slices = tl.num_programs(1)
-    dtype = x_ptr.dtype.element_ty
-    tokens = token_block * BLOCK_N + tl.arange(0, BLOCK_N)
-    t_mask = tokens < n_tokens
-    rows = row_block * BLOCK_J + tl.arange(0, BLOCK_J)
-    r_mask = rows < OUT_ROWS
-    stream, part = slice_id // SPLIT, slice_id % SPLIT
-    start = stream * HIDDEN + part * slice_width
-    end = stream * HIDDEN + tl.minimum((part + 1) * slice_width, HIDDEN)
-    acc = tl.zeros((BLOCK_N, BLOCK_J), dtype=tl.float32)
-    squares = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(start, end, BLOCK_K):
-        columns = k0 + tl.arange(0, BLOCK_K)
-        c_mask = columns < end
-        x = tl.load(x_ptr + tokens.to(tl.int64)[:, None] * stride_x + columns[None, :],
-                    mask=t_mask[:, None] & c_mask[None, :], other=0.0).to(tl.float32)
-        squares += x * x
-        scale = 1.0 + tl.load(norm_ptr + columns, mask=c_mask, other=0.0).to(tl.float32)
-        if INT8:
-            w = int8_tile(w_ptr, rows.to(tl.int64), r_mask, k0, end, HC * HIDDEN // 4, BLOCK_J, BLOCK_K).to(dtype)
-        else:
-            w = tl.load(w_ptr + rows.to(tl.int64)[:, None] * (HC * HIDDEN) + columns[None, :],
-                        mask=r_mask[:, None] & c_mask[None, :], other=0.0)
-        acc = dot_acc(acc, round_to(x * scale[None, :], dtype, PRECISION), w, PRECISION)
-    slice_rows = tokens.to(tl.int64) * num_slices + slice_id
-    tl.store(partial_ptr + slice_rows[:, None] * OUT_ROWS + rows[None, :], acc, mask=t_mask[:, None] & r_mask[None, :])
-    if row_block == 0:
-        tl.store(sumsq_ptr + slice_rows, tl.sum(squares, axis=1), mask=t_mask)
-    tl.debug_barrier()  # every thread's stores are issued before the program counts itself in
-    arrived = tl.atomic_add(counter_ptr + token_block, 1, sem="acq_rel")
-    if arrived == tl.num_programs(0) * num_slices - 1:
-        _finish_mix_down(partial_ptr, sumsq_ptr, w_scale_ptr, low_ptr, rstd_ptr, inject_ptr, tokens, t_mask,
-                         num_slices, eps, HIDDEN, HC, SPLIT, LOWRANK, OUT_ROWS, BLOCK_N, BLOCK_OUT, INT8, dtype,
-                         PRECISION)
-        tl.atomic_xchg(counter_ptr + token_block, 0)  # ready for the next launch
+                 round_to(inject, DTYPE, PRECISION), mask=t_mask[:, None] & ((rows >= LOWRANK) & r_mask)[None, :])
 
 
 @triton.jit
 def _mix_up_kernel(x_ptr, stride_x, norm_ptr, up_ptr, up_scale_ptr, low_ptr, rstd_ptr, out_ptr, n_tokens,
                    HIDDEN: tl.constexpr, HC: tl.constexpr, LOWRANK: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, INT8: tl.constexpr, PRECISION: tl.constexpr):
+                   BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, INT8: tl.constexpr, DOT: tl.constexpr,
+                   PRECISION: tl.constexpr):
     """Program (column block, token block): block input [tokens, columns] = mean over streams s of
-    sigmoid(W_up[s*H + columns] . low) * normed stream s at those columns. INT8: W_up's signed values,
-    each row's dot product times its scale (up_scale_ptr)."""
+    sigmoid(W_up[s*H + columns] . low) * normed stream s at those columns; each stream's rows of W_up are
+    one tile [BLOCK_H, BLOCK_R] (the streams unrolled: their loads all in flight together). INT8: W_up's
+    signed values, each row's dot product times its scale (up_scale_ptr)."""
     column_block, token_block = tl.program_id(0), tl.program_id(1)
     dtype = x_ptr.dtype.element_ty
     tokens = token_block * BLOCK_N + tl.arange(0, BLOCK_N)
     t_mask = tokens < n_tokens
     columns = column_block * BLOCK_H + tl.arange(0, BLOCK_H)
     h_mask = columns < HIDDEN
+    ranks = tl.arange(0, BLOCK_R)
+    low = tl.load(low_ptr + tokens.to(tl.int64)[:, None] * LOWRANK + ranks[None, :],
+                  mask=t_mask[:, None] & (ranks < LOWRANK)[None, :], other=0.0)
     total = tl.zeros((BLOCK_N, BLOCK_H), dtype=tl.float32)
-    for stream in range(HC):
+    for stream in tl.static_range(HC):
         channels = stream * HIDDEN + columns
-        acc = tl.zeros((BLOCK_N, BLOCK_H), dtype=tl.float32)
-        for r0 in range(0, LOWRANK, BLOCK_R):
-            ranks = r0 + tl.arange(0, BLOCK_R)
-            r_mask = ranks < LOWRANK
-            low = tl.load(low_ptr + tokens.to(tl.int64)[:, None] * LOWRANK + ranks[None, :],
-                          mask=t_mask[:, None] & r_mask[None, :], other=0.0)
-            if INT8:
-                up = int8_tile(up_ptr, channels.to(tl.int64), h_mask, r0, LOWRANK, LOWRANK // 4, BLOCK_H,
-                               BLOCK_R).to(dtype)
-            else:
-                up = tl.load(up_ptr + channels.to(tl.int64)[:, None] * LOWRANK + ranks[None, :],
-                             mask=h_mask[:, None] & r_mask[None, :], other=0.0)
-            acc = dot_acc(acc, low, up, PRECISION)
+        if INT8:  # r % 4 == 0 (r = 4 x words)
+            word_at = tl.arange(0, BLOCK_R // 4)
+            words = tl.load(up_ptr + channels.to(tl.int64)[:, None] * (LOWRANK // 4) + word_at[None, :],
+                            mask=h_mask[:, None] & (word_at < LOWRANK // 4)[None, :], other=0)
+            w = _int8_values(words, BLOCK_H, BLOCK_R // 4, dtype)
+        else:
+            w = tl.load(up_ptr + channels.to(tl.int64)[:, None] * LOWRANK + ranks[None, :],
+                        mask=h_mask[:, None] & (ranks < LOWRANK)[None, :], other=0.0)
+        acc = _times_rows(tl.zeros((BLOCK_N, BLOCK_H), dtype=tl.float32), low, w, DOT, PRECISION)
         if INT8:
             acc *= tl.load(up_scale_ptr + channels, mask=h_mask, other=0.0).to(tl.float32)[None, :]
         gate = round_to(tl.sigmoid(round_to(acc, dtype, PRECISION).to(tl.float32)), dtype, PRECISION).to(tl.float32)
@@ -191,13 +247,14 @@ def _mix_up_kernel(x_ptr, stride_x, norm_ptr, up_ptr, up_scale_ptr, low_ptr, rst
 @triton.jit
 def _combine_kernel(x_ptr, stride_x, block_ptr, stride_block, inject_ptr, stride_inject, out_ptr,
                     HIDDEN: tl.constexpr, HC: tl.constexpr, BLOCK: tl.constexpr, PRECISION: tl.constexpr):
-    """Program (token, column block): every stream's columns + inject[s] * block output there."""
+    """Program (token, column block): every stream's columns + inject[s] * block output there (the streams
+    unrolled: their loads all in flight together)."""
     token, column_block = tl.program_id(0).to(tl.int64), tl.program_id(1)
     dtype = out_ptr.dtype.element_ty
     columns = column_block * BLOCK + tl.arange(0, BLOCK)
     mask = columns < HIDDEN
     block_output = tl.load(block_ptr + token * stride_block + columns, mask=mask, other=0.0).to(tl.float32)
-    for stream in range(HC):
+    for stream in tl.static_range(HC):
         inject = tl.load(inject_ptr + token * stride_inject + stream).to(tl.float32)
         x = tl.load(x_ptr + token * stride_x + stream * HIDDEN + columns, mask=mask, other=0.0).to(tl.float32)
         added = round_to(block_output * inject, dtype, PRECISION).to(tl.float32)
@@ -205,66 +262,100 @@ def _combine_kernel(x_ptr, stride_x, block_ptr, stride_block, inject_ptr, stride
                  mask=mask)
 
 
+def mix_tiles(n_tokens: int) -> MixTiles:
+    """MIX_TILES' tiles for a batch of n_tokens."""
+    return next(tiles for bound, tiles in MIX_TILES if n_tokens <= bound)
+
+
+@functools.cache
+def check_tiles(tiles: MixTiles, int8: bool) -> None:
+    """A clear error for tiles the kernels cannot take (see MixTiles)."""
+    powers = all(v > 0 and v & (v - 1) == 0 for v in tiles)
+    dot_fits = tiles.block_n < DOT_MIN or min(tiles.block_j, tiles.block_h, tiles.block_k) >= DOT_MIN
+    if not powers or not dot_fits or (int8 and tiles.block_k < 4):
+        raise ValueError(f"hyper-connection kernel: tiles {tiles} must be powers of 2, with block_j, block_h and "
+                         f"block_k at least {DOT_MIN} when block_n is (tl.dot), block_k at least 4 for INT8 weights "
+                         f"(INT8 here: {int8})")
+
+
 def mix(
     streams: torch.Tensor, norm_weight: torch.Tensor, down_weight: torch.Tensor, up_weight: torch.Tensor,
     hc_count: int, eps: float, down_scale: torch.Tensor | None = None, up_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """As `naive.mix`, for up to MAX_TOKENS tokens, in two launches; INT8 weights (given with their
-    scales) are read packed, in place."""
+    """As `naive.mix`, for up to MAX_TOKENS tokens, in two launches (tiles: MIX_TILES); INT8 weights (given
+    with their scales) are read packed, in place."""
+    return _mix(streams, None, norm_weight, down_weight, up_weight, hc_count, eps, down_scale, up_scale)[1:]
+
+
+def combine_and_mix(
+    streams: torch.Tensor, block_output: torch.Tensor, inject: torch.Tensor, norm_weight: torch.Tensor,
+    down_weight: torch.Tensor, up_weight: torch.Tensor, hc_count: int, eps: float,
+    down_scale: torch.Tensor | None = None, up_scale: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """As `naive.combine_and_mix`, in mix's two launches (the combine's launch saved): the down programs add
+    the block output to the streams as they read them, and row block 0's store the new streams."""
+    check_combine_args(streams, block_output, inject)
+    return _mix(streams, (block_output, inject), norm_weight, down_weight, up_weight, hc_count, eps, down_scale,
+                up_scale)
+
+
+def _mix(streams, residual, norm_weight, down_weight, up_weight, hc_count, eps, down_scale, up_scale):
+    """(the streams the mix read: combined with `residual` = (block output, gates) when given, else
+    `streams` itself; block input; injection gates or None)."""
     lowrank, with_inject = check_mix_args(streams, norm_weight, int8_weight_shape(down_weight, down_scale),
                                           int8_weight_shape(up_weight, up_scale), hc_count)
     n, width = streams.shape
     hidden, out_rows = width // hc_count, down_weight.shape[0]
-    if (down_scale is not None or up_scale is not None) and hidden % 4:
+    down_int8, up_int8 = down_scale is not None, up_scale is not None
+    if (down_int8 or up_int8) and hidden % 4:
         raise ValueError(f"hyper-connection kernel: INT8 weights need a stream width divisible by 4, got {hidden}")
     if n > MAX_TOKENS:
         raise ValueError(f"hyper-connection kernel: {n} tokens, at most {MAX_TOKENS} (larger batches take the "
                          "reference)")
     block_input = streams.new_empty(n, hidden)
     inject = streams.new_empty(n, hc_count) if with_inject else None
+    mixed = streams if residual is None else streams.new_empty(n, width)
     if n == 0:
-        return block_input, inject
+        return mixed, block_input, inject
     if streams.stride(1) != 1:
         raise ValueError("hyper-connection kernel: the streams' last dimension must be contiguous")
+    tiles = mix_tiles(n)
+    check_tiles(tiles, down_int8 or up_int8)
     down_weight, up_weight, norm_weight = down_weight.contiguous(), up_weight.contiguous(), norm_weight.contiguous()
-    down_int8, up_int8 = down_scale is not None, up_scale is not None
     down_scale = down_scale.contiguous() if down_int8 else down_weight  # (a dense weight's is never read)
     up_scale = up_scale.contiguous() if up_int8 else up_weight
-    block_j, block_k, split_goal, down_warps = next(tiles for bound, tiles in DOWN_TILES if n <= bound)
-    slice_width = triton.cdiv(triton.cdiv(hidden, split_goal), block_k) * block_k
-    slices = hc_count * triton.cdiv(hidden, slice_width)
-    split = slices // hc_count
-    token_blocks = triton.cdiv(n, BLOCK_N)
+    block_output, gates = residual if residual is not None else (streams, streams)  # (read only with COMBINE)
+    dot = tiles.block_n >= DOT_MIN
+    split = triton.cdiv(hidden, tiles.block_k)
+    row_blocks, token_blocks = triton.cdiv(out_rows, tiles.block_j), triton.cdiv(n, tiles.block_n)
     f32 = {"dtype": torch.float32, "device": streams.device}
-    partial, sumsq = torch.empty(n, slices, out_rows, **f32), torch.empty(n, slices, **f32)
+    partial = torch.empty(n, hc_count * split, out_rows, **f32)
+    sumsq = torch.empty(row_blocks, n, hc_count * split, **f32)
     low, rstd = streams.new_empty(n, lowrank), torch.empty(n, hc_count, **f32)
-    counters = arrival_counters("hyper_connection", streams.device, triton.cdiv(MAX_TOKENS, BLOCK_N))
+    counters = arrival_counters("hyper_connection", streams.device, token_blocks * row_blocks)
     precision = dot_precision(streams)
-    _mix_down_kernel[(triton.cdiv(out_rows, block_j), slices, token_blocks)](
-        streams, streams.stride(0), norm_weight, down_weight, down_scale, partial, sumsq, counters, low, rstd,
-        inject if with_inject else low, n, slice_width, eps, HIDDEN=hidden, HC=hc_count, SPLIT=split,
-        LOWRANK=lowrank, OUT_ROWS=out_rows, BLOCK_N=BLOCK_N, BLOCK_J=block_j, BLOCK_K=block_k,
-        BLOCK_OUT=triton.next_power_of_2(out_rows), INT8=down_int8, PRECISION=precision,
-        num_warps=down_warps,
+    _mix_down_kernel[(hc_count * split, row_blocks, token_blocks)](
+        streams, streams.stride(0), block_output, block_output.stride(0), gates, gates.stride(0), mixed, norm_weight,
+        down_weight, down_scale, partial, sumsq, counters, low, rstd, inject if with_inject else low, n, eps,
+        HIDDEN=hidden, HC=hc_count, SPLIT=split, LOWRANK=lowrank, OUT_ROWS=out_rows, BLOCK_N=tiles.block_n,
+        BLOCK_J=tiles.block_j, BLOCK_K=tiles.block_k, SLICES_P2=triton.next_power_of_2(hc_count * split),
+        INT8=down_int8, DOT=dot, COMBINE=residual is not None, PRECISION=precision, num_warps=tiles.down_warps,
     )
-    _mix_up_kernel[(triton.cdiv(hidden, BLOCK_H), token_blocks)](
-        streams, streams.stride(0), norm_weight, up_weight, up_scale, low, rstd, block_input, n, HIDDEN=hidden,
-        HC=hc_count, LOWRANK=lowrank, BLOCK_N=BLOCK_N, BLOCK_H=BLOCK_H, BLOCK_R=BLOCK_R,
-        INT8=up_int8, PRECISION=precision, num_warps=UP_WARPS,
+    block_r = max(triton.next_power_of_2(lowrank), DOT_MIN if dot else 1)  # the whole low rank in one tile
+    _mix_up_kernel[(triton.cdiv(hidden, tiles.block_h), token_blocks)](
+        mixed, mixed.stride(0), norm_weight, up_weight, up_scale, low, rstd, block_input, n, HIDDEN=hidden,
+        HC=hc_count, LOWRANK=lowrank, BLOCK_N=tiles.block_n, BLOCK_H=tiles.block_h, BLOCK_R=block_r,
+        INT8=up_int8, DOT=dot, PRECISION=precision, num_warps=tiles.up_warps,
     )
-    return block_input, inject
+    return mixed, block_input, inject
 
 
 def combine(streams: torch.Tensor, block_output: torch.Tensor, inject: torch.Tensor) -> torch.Tensor:
     """As `naive.combine`, in one launch."""
+    check_combine_args(streams, block_output, inject)
     n, width = streams.shape
     hc_count = inject.shape[1]
     hidden = width // hc_count
-    if block_output.shape != (n, hidden) or inject.shape != (n, hc_count) or width != hc_count * hidden:
-        raise ValueError(f"hyper-connection combine: streams {tuple(streams.shape)}, block output "
-                         f"{tuple(block_output.shape)} and inject {tuple(inject.shape)} do not fit together")
-    if streams.stride(1) != 1 or block_output.stride(1) != 1 or inject.stride(1) != 1:
-        raise ValueError("hyper-connection combine: every input's last dimension must be contiguous")
     out = torch.empty(n, width, dtype=streams.dtype, device=streams.device)
     if n:
         _combine_kernel[(n, triton.cdiv(hidden, COMBINE_BLOCK))](
@@ -272,3 +363,15 @@ def combine(streams: torch.Tensor, block_output: torch.Tensor, inject: torch.Ten
             HIDDEN=hidden, HC=hc_count, BLOCK=COMBINE_BLOCK, PRECISION=dot_precision(streams), num_warps=4,
         )
     return out
+
+
+def check_combine_args(streams: torch.Tensor, block_output: torch.Tensor, inject: torch.Tensor) -> None:
+    """A clear error for combine's inputs that do not fit together or are not contiguous in their last dimension."""
+    n, width = streams.shape
+    hc_count = inject.shape[1] if inject.dim() == 2 else 1
+    hidden = width // hc_count
+    if block_output.shape != (n, hidden) or inject.shape != (n, hc_count) or width != hc_count * hidden:
+        raise ValueError(f"hyper-connection combine: streams {tuple(streams.shape)}, block output "
+                         f"{tuple(block_output.shape)} and inject {tuple(inject.shape)} do not fit together")
+    if streams.stride(1) != 1 or block_output.stride(1) != 1 or inject.stride(1) != 1:
+        raise ValueError("hyper-connection combine: every input's last dimension must be contiguous")

@@ -12,7 +12,9 @@ written to the scratch block where its group is still open: static shapes, ~25 l
 `triton.triton_store_decode_block_keys` is one launch, one program per request, that writes a compressed
 key only where a group closes (the scratch block's contents are unspecified in both) and computes the
 rotary angles itself. The ring is bit-identical; the keys differ only by the norm's summation order (the
-kernel's products rounded as torch rounds them, see `kernels/norm_rope`).
+kernel's products rounded as torch rounds them, see `kernels/norm_rope`). Where a group's key goes (its
+row in the block table's block, or the scratch block's) is one definition for every QSA key store:
+`naive.group_key_rows` (torch) and `triton.group_key_row` (kernels).
 """
 
 from tierlm.kernels.qsa_block_keys.naive import store_decode_block_keys

@@ -14,6 +14,15 @@ from tierlm.kernels.norm_rope.triton import norm_rotate, rotary_at, rotate_half_
 
 
 @triton.jit
+def group_key_row(table_row_ptr, start, closes, scratch_block, BLOCK_SIZE: tl.constexpr, RATIO: tl.constexpr):
+    """`naive.group_key_rows` for one request's group starting at `start` (table_row_ptr: its block table's
+    row): the pool row (viewed [-1, id]) its key goes to."""
+    block = tl.load(table_row_ptr + start // BLOCK_SIZE)
+    row = block * (BLOCK_SIZE // RATIO) + (start % BLOCK_SIZE) // RATIO
+    return tl.where(closes & (block >= 0), row, scratch_block * (BLOCK_SIZE // RATIO))
+
+
+@triton.jit
 def _store_kernel(raw_ptr, ring_ptr, keys_ptr, slots_ptr, context_ptr, tables_ptr, weight_ptr, inv_freq_ptr,
                   raw_stride, table_stride, scratch_block, eps, RATIO: tl.constexpr, D: tl.constexpr, RD: tl.constexpr, BLOCK_D: tl.constexpr,
                   BLOCK_SIZE: tl.constexpr, ROUND: tl.constexpr):
@@ -26,7 +35,8 @@ def _store_kernel(raw_ptr, ring_ptr, keys_ptr, slots_ptr, context_ptr, tables_pt
     raw = tl.load(raw_row + columns, mask=inside, other=0.0)
     ring_row = ring_ptr + tl.load(slots_ptr + request) * (RATIO * D)
     tl.store(ring_row + offset * D + columns, raw, mask=inside)
-    if offset == RATIO - 1:
+    closes = offset == RATIO - 1
+    if closes:
         dtype = raw.dtype if ROUND else tl.float32
         partner = rotate_half_partner(columns, RD)
         total = tl.zeros([BLOCK_D], tl.float32)
@@ -41,9 +51,7 @@ def _store_kernel(raw_ptr, ring_ptr, keys_ptr, slots_ptr, context_ptr, tables_pt
         start = context - offset
         cos, sin = rotary_at(start, inv_freq_ptr, columns, RD, dtype)
         key = norm_rotate(pooled, pooled_partner, weight_ptr, columns, partner, inside, cos, sin, eps, D, RD, dtype)
-        block = tl.load(tables_ptr + request * table_stride + start // BLOCK_SIZE)
-        block = tl.where(block < 0, scratch_block, block)  # (a table always holds its open group's block)
-        row = block * (BLOCK_SIZE // RATIO) + (start % BLOCK_SIZE) // RATIO
+        row = group_key_row(tables_ptr + request * table_stride, start, closes, scratch_block, BLOCK_SIZE, RATIO)
         tl.store(keys_ptr + row * D + columns, key, mask=inside)
 
 

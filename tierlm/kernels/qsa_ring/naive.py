@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import torch
 
+from tierlm.kernels.qsa_block_keys.naive import group_key_rows
+
 
 def ring_after_rows(
     ring: torch.Tensor, slots: torch.Tensor, raw_keys: torch.Tensor, positions: torch.Tensor,
     context_lens: torch.Tensor, state_slots: torch.Tensor, block_tables: torch.Tensor, block_size: int,
     scratch_block: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor]:
     requests, width = state_slots.shape
     r = ring.shape[1]
     context = context_lens[:, None, None]  # [B, 1, 1]
@@ -24,7 +26,5 @@ def ring_after_rows(
     rings = source.gather(1, index.view(requests, width * r, 1).expand(-1, -1, source.shape[-1]))
     rings = rings.view(requests * width, r, -1)
     ring.index_copy_(0, state_slots.flatten(), rings)
-    block = block_tables.gather(1, starts // block_size)  # [B, T]
-    per_block = block_size // r
-    rows = torch.where(offset == r - 1, block * per_block + (starts % block_size) // r, scratch_block * per_block)
-    return rings, rows.flatten(), starts.flatten()
+    rows = group_key_rows(block_tables, starts, offset == r - 1, block_size, r, scratch_block)
+    return rings, rows.flatten()

@@ -1,8 +1,8 @@
 """The indexer rings after each verified row as one Triton launch (same signature as `naive.ring_after_rows`):
 a program per request reads its ring once, then for each of its rows in turn writes the ring after it
 (entries before the context from that ring, the others from the request's rows) to the row's slot and to
-the output, and the row's group start and key row. The request's own slot is among the targets: every
-read of it comes before the first write (a barrier between). No host sync."""
+the output, and the row's key row (`qsa_block_keys.triton.group_key_row`). The request's own slot is among
+the targets: every read of it comes before the first write (a barrier between). No host sync."""
 
 from __future__ import annotations
 
@@ -10,10 +10,12 @@ import torch
 import triton
 import triton.language as tl
 
+from tierlm.kernels.qsa_block_keys.triton import group_key_row
+
 
 @triton.jit
 def _ring_kernel(ring_ptr, slots_ptr, raw_ptr, positions_ptr, context_ptr, state_slots_ptr, tables_ptr, rings_ptr,
-                 rows_ptr, starts_ptr, raw_stride, table_stride, ring_stride, scratch_block,
+                 rows_ptr, raw_stride, table_stride, ring_stride, scratch_block,
                  R: tl.constexpr, ID: tl.constexpr, ROWS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                  BLOCK_R: tl.constexpr, BLOCK_ID: tl.constexpr):
     request = tl.program_id(0).to(tl.int64)
@@ -37,18 +39,16 @@ def _ring_kernel(ring_ptr, slots_ptr, raw_ptr, positions_ptr, context_ptr, state
         target = tl.load(state_slots_ptr + row).to(tl.int64)
         tl.store(ring_ptr + target * ring_stride + entry[:, None] * ID + d[None, :], values, mask=tile)
         tl.store(rings_ptr + row * R * ID + entry[:, None] * ID + d[None, :], values, mask=tile)
-        block = tl.load(tables_ptr + request * table_stride + start // BLOCK_SIZE)
-        key_row = tl.where(offset == R - 1, block * (BLOCK_SIZE // R) + (start % BLOCK_SIZE) // R,
-                           scratch_block * (BLOCK_SIZE // R))
+        key_row = group_key_row(tables_ptr + request * table_stride, start, offset == R - 1, scratch_block,
+                                BLOCK_SIZE, R)
         tl.store(rows_ptr + row, key_row)
-        tl.store(starts_ptr + row, start)
 
 
 def triton_ring_after_rows(
     ring: torch.Tensor, slots: torch.Tensor, raw_keys: torch.Tensor, positions: torch.Tensor,
     context_lens: torch.Tensor, state_slots: torch.Tensor, block_tables: torch.Tensor, block_size: int,
     scratch_block: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """As `naive.ring_after_rows`, in one launch."""
     requests, width = state_slots.shape
     _, r, head_dim = ring.shape
@@ -56,11 +56,10 @@ def triton_ring_after_rows(
         raise ValueError("QSA ring kernel: the ring pool must be contiguous and the raw keys' rows too")
     rings = torch.empty(requests * width, r, head_dim, dtype=ring.dtype, device=ring.device)
     rows = torch.empty(requests * width, dtype=torch.int64, device=ring.device)
-    starts = torch.empty_like(rows)
     if requests:
         _ring_kernel[(requests,)](
             ring, slots, raw_keys, positions, context_lens, state_slots.contiguous(), block_tables, rings, rows,
-            starts, raw_keys.stride(0), block_tables.stride(0), ring.stride(0), scratch_block, R=r, ID=head_dim,
+            raw_keys.stride(0), block_tables.stride(0), ring.stride(0), scratch_block, R=r, ID=head_dim,
             ROWS=width, BLOCK_SIZE=block_size, BLOCK_R=triton.next_power_of_2(r),
             BLOCK_ID=triton.next_power_of_2(head_dim), num_warps=2)
-    return rings, rows, starts
+    return rings, rows

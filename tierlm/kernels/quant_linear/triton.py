@@ -369,6 +369,23 @@ def accumulate_tile(acc, a, w_ptr, s_ptr, k0, offs_n, n_mask, stride_wn, stride_
 
 
 @triton.jit
+def sum_splits(result, out_ptrs, partial_ptrs, split_stride, mask, counter_ptr, split, splits,
+               PRECISION: tl.constexpr):
+    """The end of a program that computed split `split` of `splits` of an output tile's reduction: result
+    (fp32) is stored at partial_ptrs + split * split_stride, then the program counts itself in (counter_ptr:
+    the tile's counter, `split_reduce.arrival_counters`); the last to arrive adds the splits in order,
+    rounds them into out_ptrs once (where mask) and sets the counter back to zero."""
+    tl.store(partial_ptrs + split * split_stride, result, mask=mask)
+    tl.debug_barrier()  # every thread's stores are issued before the program counts itself in
+    if tl.atomic_add(counter_ptr, 1, sem="acq_rel") == splits - 1:
+        total = tl.zeros_like(result)
+        for other in range(splits):
+            total += tl.load(partial_ptrs + other * split_stride, mask=mask, other=0.0, cache_modifier=".cg")
+        tl.store(out_ptrs, round_to(total, out_ptrs.dtype.element_ty, PRECISION), mask=mask)
+        tl.atomic_xchg(counter_ptr, 0)  # ready for the next launch
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, s_ptr, y_ptr, partial_ptr, counter_ptr, M, N, K, k_per_split, stride_xm, stride_wn, stride_sn,
     stride_ym, stride_ps, BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -376,8 +393,8 @@ def _gemv_kernel(
 ):
     """One program: rows [pid(0) * BLOCK_M, +BLOCK_M), columns [pid(1) * BLOCK_N, +BLOCK_N), input columns
     [split * k_per_split, +k_per_split) (a multiple of BLOCK_K), by `gemv_loop`. Writes y; split over K
-    (SPLIT), stores its fp32 partial (partial_ptr: [splits, M, N], split stride stride_ps) and counts itself in (one counter per
-    output tile); the tile's last program sums the partials in split order and writes y."""
+    (SPLIT), it ends in `sum_splits` (partial_ptr: [splits, M, N], split stride stride_ps; one counter per
+    output tile)."""
     pid_m, pid_n, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -389,16 +406,8 @@ def _gemv_kernel(
                     BLOCK_K, EVEN_K, PRECISION)
     offsets, mask = offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :], m_mask[:, None] & n_mask[None, :]
     if SPLIT:
-        splits = tl.num_programs(2)
-        tl.store(partial_ptr + split * stride_ps + offsets, gemv_sum(acc, BITS), mask=mask)
-        counter = counter_ptr + pid_m * tl.num_programs(1) + pid_n
-        tl.debug_barrier()  # every thread's stores are issued before the program counts itself in
-        if tl.atomic_add(counter, 1, sem="acq_rel") == splits - 1:
-            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for other in range(splits):
-                total += tl.load(partial_ptr + other * stride_ps + offsets, mask=mask, other=0.0, cache_modifier=".cg")
-            tl.store(y_ptr + offsets, round_to(total, y_ptr.dtype.element_ty, PRECISION), mask=mask)
-            tl.atomic_xchg(counter, 0)  # ready for the next launch
+        sum_splits(gemv_sum(acc, BITS), y_ptr + offsets, partial_ptr + offsets, stride_ps, mask,
+                   counter_ptr + pid_m * tl.num_programs(1) + pid_n, split, tl.num_programs(2), PRECISION)
     else:
         tl.store(y_ptr + offsets, round_to(gemv_sum(acc, BITS), y_ptr.dtype.element_ty, PRECISION), mask=mask)
 

@@ -51,6 +51,5 @@ class DecoderLayer(nn.Module):
             out = self.linear_attn(x, batch, caches.gdn)
         else:
             out = self.self_attn(x, batch, caches.kv, caches.indexer, rope)
-        streams = HyperConnection.combine(streams, out, inject)
-        x, inject = self.mlp_hyper_connection.mix(streams)
+        streams, x, inject = self.mlp_hyper_connection.combine_and_mix(streams, out, inject)
         return HyperConnection.combine(streams, self.mlp(x, batch.static), inject)

@@ -33,6 +33,10 @@ class Embedding(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.quant_method.apply(self, ids)
 
+    def dense_weight(self) -> torch.Tensor | None:
+        """The table [V, H] when it is held unquantized (a fused kernel may read it in place), else None."""
+        return self.weight if self.quant_method.format == DENSE else None
+
     def checkpoint_modules(self, path: str) -> list[ModulePart]:
         return [ModulePart(path, 0, self.num_embeddings, self.embedding_dim)]
 

@@ -5,7 +5,8 @@ streams) and, for a block, per-stream injection gates; `combine` adds the block 
 with its gate. The final mixer (no injection) feeds lm_head and stands in for the final norm.
 
 On CUDA both run as fused kernels (`kernels/hyper_connection`: mix in two launches for decode batches,
-reading the mixer weights in place whether bf16 or INT8 per channel, combine in one for any batch;
+reading the mixer weights in place whether bf16 or INT8 per channel, combine in one for any batch, or
+inside the next mix's launches, `combine_and_mix`, as a decoder layer's attention residual is;
 TIERLM_NO_FUSED_HC=1 turns them off); elsewhere, and for mixer weights in other formats or prefill
 batches, mix runs in torch through the layers' quant methods, the same math as
 `kernels/hyper_connection/naive.py`.
@@ -39,13 +40,10 @@ class HyperConnection(nn.Module):
 
     def mix(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """streams [N, hc*H] -> (block input [N, H], injection gates [N, hc] or None)."""
-        if fused(streams):
-            from tierlm.kernels.hyper_connection import triton as kernels
-
-            down, up = kernel_weight(self.down_and_inject), kernel_weight(self.input_mix_weight_up)
-            if streams.shape[0] <= kernels.MAX_TOKENS and down is not None and up is not None:
-                return kernels.mix(streams, self.hc_norm.weight, down[0], up[0], self.hc_count, self.hc_norm.eps,
-                                   down_scale=down[1], up_scale=up[1])
+        kernel_call = self.kernel_call(streams)
+        if kernel_call is not None:
+            kernels, args = kernel_call
+            return kernels.mix(streams, *args)
         normed = self.hc_norm(streams)
         projected = self.down_and_inject(normed)
         low = F.silu(projected[0] / self.hc_count)
@@ -54,6 +52,29 @@ class HyperConnection(nn.Module):
         if not self.with_inject:
             return block_input, None
         return block_input, 2 * torch.sigmoid(projected[1] / self.hc_count)
+
+    def combine_and_mix(self, streams: torch.Tensor, block_output: torch.Tensor,
+                        inject: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """`combine(streams, block_output, inject)`, then this mixer's `mix` of the result: (the new streams,
+        block input, injection gates or None). The fused kernels do both in the mix's launches."""
+        kernel_call = self.kernel_call(streams)
+        if kernel_call is not None and all(t.stride(-1) == 1 for t in (streams, block_output, inject)):
+            kernels, args = kernel_call
+            return kernels.combine_and_mix(streams, block_output, inject, *args)
+        streams = self.combine(streams, block_output, inject)
+        return (streams, *self.mix(streams))
+
+    def kernel_call(self, streams: torch.Tensor):
+        """(the fused kernels' module, the mix's arguments after the streams) when the kernels take this
+        call: on CUDA (`fused`), a decode batch, mixer weights dense or INT8 per channel; else None."""
+        if not fused(streams):
+            return None
+        from tierlm.kernels.hyper_connection import triton as kernels
+
+        down, up = kernel_weight(self.down_and_inject), kernel_weight(self.input_mix_weight_up)
+        if streams.shape[0] > kernels.MAX_TOKENS or down is None or up is None:
+            return None
+        return kernels, (self.hc_norm.weight, down[0], up[0], self.hc_count, self.hc_norm.eps, down[1], up[1])
 
     @staticmethod
     def combine(streams: torch.Tensor, block_output: torch.Tensor, inject: torch.Tensor) -> torch.Tensor:

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from tierlm.kernels.norm_rope.naive import apply_rotary
+from tierlm.kernels.qsa_block_keys.naive import group_key_rows
 from tierlm.kernels.qsa_block_scores import block_scores
 from tierlm.kernels.qsa_block_scores.naive import ranking_keys
 from tierlm.kernels.qsa_ring import ring_after_rows
@@ -113,6 +114,18 @@ def block_key_store_fuses(x: torch.Tensor, rope: Rope) -> bool:
     return x.is_cuda and rope.positions is not None and not os.environ.get("TIERLM_NO_FUSED_QSA_BLOCK_KEYS")
 
 
+def ring_fuses(x: torch.Tensor) -> bool:
+    """A verification batch's indexer rings and key rows as one launch (`kernels/qsa_ring`): on CUDA, unless
+    TIERLM_NO_FUSED_QSA_RING=1."""
+    return x.is_cuda and not os.environ.get("TIERLM_NO_FUSED_QSA_RING")
+
+
+def gate_fuses() -> bool:
+    """The output gate applied by decode attention itself (on CUDA in its merge kernel), unless
+    TIERLM_NO_FUSED_QSA_GATE=1 (then by the layer's torch ops, as in prefill)."""
+    return not os.environ.get("TIERLM_NO_FUSED_QSA_GATE")
+
+
 def gather_rows(pool: torch.Tensor, block_table: torch.Tensor, count: int, rows_per_block: int) -> torch.Tensor:
     """The first `count` logical rows of a paged pool [num_blocks, rows_per_block, ...] for one request."""
     if count == 0:
@@ -166,9 +179,8 @@ class QSAIndexer(nn.Module):
             starts = torch.arange(first_block, first_block + complete, device=raw_keys.device) * r
             cos, sin = rope.at(starts, request)
             keys = self.compress(pending[: complete * r].unflatten(0, (complete, r)), cos, sin)
-            per_block = state.block_size // r
-            physical = block_table[starts // state.block_size] * per_block + (starts % state.block_size) // r
-            state.keys.view(-1, self.head_dim)[physical] = keys
+            rows = group_key_rows(block_table[None], starts[None], True, state.block_size, r, state.scratch_block)
+            state.keys.view(-1, self.head_dim)[rows[0]] = keys
         left = pending[complete * r :]
         state.ring[slot, : left.shape[0]] = left
 
@@ -204,17 +216,16 @@ class QSAIndexer(nn.Module):
                 self.k_layernorm.weight, self.k_layernorm.eps, rope.inv_freq, state.block_size, state.scratch_block,
             )
             return
-        r, bs = self.ratio, state.block_size
+        r = self.ratio
         context = batch.context_lens_tensor
         offset = context % r
         state.ring[batch.slots, offset] = raw_keys
         starts = context - offset  # first position of the open block (the decode row's group start)
         cos, sin = rope.group_starts_at(r)
         keys = self.compress(state.ring[batch.slots], cos, sin)
-        block = batch.block_tables.gather(1, (starts // bs)[:, None]).squeeze(1)
-        row = block * (bs // r) + (starts % bs) // r
-        row = torch.where(offset == r - 1, row, state.scratch_block * (bs // r))
-        state.keys.view(-1, self.head_dim)[row] = keys
+        row = group_key_rows(batch.block_tables, starts[:, None], (offset == r - 1)[:, None], state.block_size, r,
+                             state.scratch_block)
+        state.keys.view(-1, self.head_dim)[row[:, 0]] = keys
 
     def store_block_keys_verify(
         self, raw_keys: torch.Tensor, batch: ForwardBatch, state: QSAIndexerState, rope: Rope
@@ -224,9 +235,9 @@ class QSAIndexer(nn.Module):
         (`batch.verify_slots`), and a row that closes a block writes the block's key. Static shapes; on
         CUDA the rings and key rows in one launch (`kernels/qsa_ring`; TIERLM_NO_FUSED_QSA_RING=1: torch)."""
         ring_rows = ring_after_rows
-        if raw_keys.is_cuda and not os.environ.get("TIERLM_NO_FUSED_QSA_RING"):
+        if ring_fuses(raw_keys):
             from tierlm.kernels.qsa_ring.triton import triton_ring_after_rows as ring_rows
-        rings, key_rows, _ = ring_rows(
+        rings, key_rows = ring_rows(
             state.ring, batch.slots, raw_keys, batch.positions, batch.context_lens_tensor, batch.verify_slots,
             batch.block_tables, state.block_size, state.scratch_block)
         cos, sin = rope.group_starts_at(self.ratio, rows_per_request=batch.verify_slots.shape[1])
@@ -368,7 +379,7 @@ class QSAAttention(nn.Module):
             for lo, hi in groups:
                 keys, values = read(lo - start, hi - start)
                 out[lo:hi] = attend_rows(q[lo:hi], keys, values, valid[lo - start : hi - start], self.scale)
-        return self.o_proj((out * torch.sigmoid(gate)).reshape(n, -1))
+        return self._output(out, gate)
 
     def query_group(self, num_block_keys: int, dtype: torch.dtype) -> int:
         """How many prefill queries to score, select and attend at once so that their working tensors
@@ -388,9 +399,12 @@ class QSAAttention(nn.Module):
         return self._attend_decode(q, gate, self.indexer.select_decode(raw_index_q, batch, state, rope), kv)
 
     def _attend_decode(self, q, gate, selection: Selection, kv: QSADeviceKV | OffloadedKV) -> torch.Tensor:
-        """Decode attention over the selected rows, gated, through o_proj: the gate applied by the attention
-        itself (on CUDA in its merge kernel), unless TIERLM_NO_FUSED_QSA_GATE=1 (then by torch ops)."""
-        if os.environ.get("TIERLM_NO_FUSED_QSA_GATE"):
-            out = kv.decode_attention(q, selection.rows, selection.valid, self.scale)
-            return self.o_proj((out * torch.sigmoid(gate)).flatten(1))
-        return self.o_proj(kv.decode_attention(q, selection.rows, selection.valid, self.scale, gate).flatten(1))
+        """Decode attention over the selected rows, gated (`gate_fuses`: by the attention itself), through
+        o_proj."""
+        fused = gate_fuses()
+        out = kv.decode_attention(q, selection.rows, selection.valid, self.scale, gate if fused else None)
+        return self._output(out, None if fused else gate)
+
+    def _output(self, out: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+        """Attention output [N, nh, hd] times sigmoid(gate) (None: applied already), through o_proj."""
+        return self.o_proj((out if gate is None else out * torch.sigmoid(gate)).flatten(1))

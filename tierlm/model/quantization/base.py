@@ -109,9 +109,8 @@ class WeightFormat(ABC):
     def kernel_experts(self, x, gate_up: Mapping[str, torch.Tensor], down: Mapping[str, torch.Tensor],
                        weights: torch.Tensor, experts: torch.Tensor, shared=None):
         """The routed experts' sum through the fused MoE kernel over stacked runtime tensors, or None.
-        shared (a `kernels.fused_moe.SharedExpert`): the sum with the shared expert's added, as one more
-        expert of every token, or None where the kernel does not take it (prefill sizes: the caller runs
-        it apart). This default has none."""
+        shared (a `kernels.fused_moe.SharedExpert`): the sum with the shared expert's added (`fused_moe`
+        decides whether it runs inside the routed launches or beside them). This default has none."""
 
     def kernel_weight(self, tensors: Mapping[str, torch.Tensor]):
         """(the fused MoE kernels' format name, the weight or its packed words, the scales or None) when
@@ -158,12 +157,10 @@ class DenseFormat(WeightFormat):
         return self.experts_kernel(x, gate_up, down, weights, experts, shared)
 
     def experts_kernel(self, x, gate_up, down, weights, experts, shared=None):
-        """The fused Triton MoE over the stacked unquantized experts (any device Triton runs on); with
-        `shared`, None unless the call is decode-sized (`fused_moe.triton.fuses_shared_expert`)."""
-        from tierlm.kernels.fused_moe.triton import fused_moe, fuses_shared_expert
+        """The fused Triton MoE over the stacked unquantized experts (any device Triton runs on), with
+        `shared`'s sum added (`fused_moe` runs it inside its launches or beside them)."""
+        from tierlm.kernels.fused_moe.triton import fused_moe
 
-        if shared is not None and not fuses_shared_expert(experts):
-            return None
         return fused_moe(x, gate_up["weight"], down["weight"], weights, experts, shared=shared)
 
     def kernel_weight(self, tensors):

@@ -132,12 +132,10 @@ class PackQuantizedFormat(WeightFormat):
         return self.experts_kernel(x, gate_up, down, weights, experts, shared)
 
     def experts_kernel(self, x, gate_up, down, weights, experts, shared=None):
-        """The fused Triton MoE over stacked runtime tensors (any device Triton runs on); with `shared`,
-        None unless the call is decode-sized (`fused_moe.triton.fuses_shared_expert`)."""
-        from tierlm.kernels.fused_moe.triton import fused_moe, fuses_shared_expert
+        """The fused Triton MoE over stacked runtime tensors (any device Triton runs on), with `shared`'s
+        sum added (`fused_moe` runs it inside its launches or beside them)."""
+        from tierlm.kernels.fused_moe.triton import fused_moe
 
-        if shared is not None and not fuses_shared_expert(experts, packed=True):
-            return None
         return fused_moe(x, gate_up["weight_packed"], down["weight_packed"], weights, experts,
                          format=f"int{self.bits}", scales=(gate_up["weight_scale"], down["weight_scale"]),
                          group_size=self.group_size, shared=shared)

@@ -85,8 +85,8 @@ class FusedExpertsMethod:
     def apply_with_shared(self, layer: nn.Module, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
                           shared) -> torch.Tensor | None:
         """The routed sum plus the shared expert's (`kernels.fused_moe.SharedExpert`: its weights and
-        gate) in the fused kernel's launches, or None where the kernel does not take it (no kernel for
-        this format or device, or a prefill-sized call): then the caller runs the two apart."""
+        gate) through the fused kernel (which runs it in its launches or beside them), or None where this
+        format or device has no kernel: then the caller runs the two apart."""
         gate_up, down = self._stack(layer, "gate_up"), self._stack(layer, "down")
         return self.format.kernel_experts(x, gate_up, down, weights, experts, shared)
 
