@@ -57,6 +57,7 @@ Start-up (every rank) is `stage_setup.build_stage`. Not supported yet: memory-ma
 from __future__ import annotations
 
 import atexit
+import functools
 import logging
 import math
 import os
@@ -106,7 +107,8 @@ RESULT_POLL_S = 0.2  # how often rank 0 checks its workers while it waits for a 
 WATCH_INTERVAL_S = 1.0  # how often rank 0 checks its workers between steps
 # where rank 0's pipeline time goes on the host, summed over steps (`timing`): scheduling (micro-batches;
 # with overlap scheduling the engine schedules); waiting for the previous step's sampled ids (with
-# overlap: on CUDA only the stream waits, on CPU the host); building the step message; pickling and
+# overlap: on CPU the host; on CUDA the stream waits, queued inside "own layers" once the step's other inputs
+# are); building the step message; pickling and
 # sending it to every rank; its own layers (inputs into the static runner's buffers or the batch to the
 # device, the layers launched, their output and ids packed and sent on, the ids' receive posted);
 # reading the step's sampled ids back (and waiting for the last rank's answer when it has one)
@@ -145,13 +147,22 @@ class RecordingCache:
         return ops
 
 
-@dataclass
 class _SampledOnDevice:
     """A step's sampled ids as rank 0 receives them from the last rank, on its device (row k: the k-th
     sampling chunk's): what the next step's placeholder inputs are taken from (`ModelRunner`'s
-    `previous.pending.tokens`)."""
+    `previous.pending.tokens`). The first read of `tokens` makes this device's stream wait for their
+    receive (`wait`; CUDA), so the next step's other inputs are queued before that wait, off the path from
+    the last rank's sampling to this rank's layers."""
 
-    tokens: torch.Tensor
+    def __init__(self, ids: torch.Tensor, wait) -> None:
+        self._ids, self._wait = ids, wait
+
+    @property
+    def tokens(self) -> torch.Tensor:
+        if self._wait is not None:
+            self._wait, wait = None, self._wait
+            wait()
+        return self._ids
 
 
 @dataclass(eq=False)
@@ -327,7 +338,7 @@ class PipelineDriver:
         whose sampled ids (on this device) this one's placeholder inputs are (overlap scheduling)."""
         self._check_alive()
         runner, waited = self.runner, time.perf_counter()
-        if previous is not None:
+        if previous is not None and previous.host_ids is None:  # CPU: the host waits (CUDA: at first read)
             self._wait_ids(previous)
         began = time.perf_counter()
         self._launched += 1
@@ -376,7 +387,9 @@ class PipelineDriver:
         except Exception as exc:  # noqa: BLE001
             self._fail(f"sending the hidden state to rank 1 failed: {_first_line(exc)}")
         host_ids = None if self._host_ids is None else self._host_ids.start(receive, ids)
-        entry = PipelineStep(plan, sampling, _SampledOnDevice(ids[0]), StepResult(), requests=requests, sends=sends,
+        # CUDA: the next step's stream waits for the ids when it first reads them (CPU: `launch` waited)
+        sampled = _SampledOnDevice(ids[0], None if host_ids is None else functools.partial(self._wait_receive, receive))
+        entry = PipelineStep(plan, sampling, sampled, StepResult(), requests=requests, sends=sends,
                              output=output, ids_receive=receive, number=self._launched, ids=ids, host_ids=host_ids)
         self.in_flight.append(entry)
         timing, done = self._timing, time.perf_counter()
@@ -434,15 +447,19 @@ class PipelineDriver:
         return result
 
     def _wait_ids(self, entry: PipelineStep) -> None:
-        """The step's sampled ids on this device (on CUDA the stream waits, not the host)."""
+        """The step's sampled ids on this device (CPU: the host waits for them)."""
         if entry.ids_receive is None:
             return
+        self._wait_receive(entry.ids_receive)
+        entry.ids_receive = None
+
+    def _wait_receive(self, receive) -> None:
+        """A receive of sampled ids waited for (on CUDA the current stream waits, not the host)."""
         try:
-            entry.ids_receive.wait()
+            receive.wait()
         except Exception as exc:  # noqa: BLE001
             self._fail(self._peer_failure(f"lost the connection to pipeline rank {self.world_size - 1}: "
                                           f"{_first_line(exc)}"))
-        entry.ids_receive = None
 
     def _read_ids(self, entry: PipelineStep) -> tuple[list[int], list[int]]:
         """The step's sampled ids and their statuses, one per sampling row, on the host (CPU: waits for
