@@ -107,9 +107,8 @@ RESULT_POLL_S = 0.2  # how often rank 0 checks its workers while it waits for a 
 WATCH_INTERVAL_S = 1.0  # how often rank 0 checks its workers between steps
 # where rank 0's pipeline time goes on the host, summed over steps (`timing`): scheduling (micro-batches;
 # with overlap scheduling the engine schedules); waiting for the previous step's sampled ids (with
-# overlap: on CPU the host; on CUDA the stream waits, queued inside "own layers" once the step's other inputs
-# are); building the step message; pickling and
-# sending it to every rank; its own layers (inputs into the static runner's buffers or the batch to the
+# overlap, on CPU: the host waits; on CUDA the stream waits, queued in "own layers" once the step's other
+# inputs are); building the step message; pickling and sending it to every rank; its own layers (inputs into the static runner's buffers or the batch to the
 # device, the layers launched, their output and ids packed and sent on, the ids' receive posted);
 # reading the step's sampled ids back (and waiting for the last rank's answer when it has one)
 DRIVER_PHASES = ("schedule_seconds", "ids_wait_seconds", "prepare_seconds", "send_seconds", "forward_seconds",
