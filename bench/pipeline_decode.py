@@ -16,8 +16,8 @@ after their prefills and prints decode tok/s side by side with the PP=2 / PP=1 r
   whole layers and sampling here): a step cannot take less than the larger host, nor less than the
   device chain (both stages' layers, the sampling, two copies);
 - where each rank's time goes per pipeline step (`PipelineDriver.timing`, the workers' phases): rank 0
-  schedules (micro-batches only), waits for the previous step's sampled ids (overlap scheduling: on CUDA
-  a stream wait, on CPU the host's), prepares the step, sends it, runs its layers and reads the step's
+  schedules (micro-batches only), waits for the previous step's sampled ids (overlap scheduling, CPU: the
+  host's wait; CUDA: ~0, the stream's wait is queued in own layers), prepares the step, sends it, runs its layers and reads the step's
   sampled ids (and the last rank's answer, for log-probabilities only) (the rest of its step is the
   engine's own work: scheduling with overlap, applying tokens, detokenizing); rank 1 waits for the
   message, does its host work, launches its layers, launches the sampling (the ids go to rank 0's device),
