@@ -9,13 +9,21 @@ after their prefills and prints decode tok/s side by side with the PP=2 / PP=1 r
 - how much of that the deferred receive hides: per step, rank 1's host work done while its receive was
   posted (builds the batch, replays cache ops) and the time its compute still waited for the hidden
   state after that work (the stream's stall on CUDA, measured with events);
+- each rank's host time per step that is its own work, waits left out (r0 host, r1 host), and rank 1's
+  host held by its device (r1 held: after launching step t+1 it waits for its device to have sampled
+  step t, then reads t back; harmless while that ends before the next step's message comes, which rank
+  0 sends only once it has t's ids; a last rank that read t back before launching t+1 would show its
+  whole layers and sampling here): a step cannot take less than the larger host, nor less than the
+  device chain (both stages' layers, the sampling, two copies);
 - where each rank's time goes per pipeline step (`PipelineDriver.timing`, the workers' phases): rank 0
-  schedules (micro-batches only), waits for the previous step's sampled ids (overlap scheduling: on CUDA
-  a stream wait, on CPU the host's), prepares the step, sends it, runs its layers and waits for the answer
-  (the rest of its step is the engine's own work: scheduling with overlap, applying tokens,
-  detokenizing); rank 1 waits for the message, does its host work, launches its layers, samples (on CUDA
-  waiting for its layers; the ids go to rank 0's device first) and sends the answer back; on CUDA also its
-  stream's time in the layers, and how many steps ran from the static decode runners on each rank.
+  schedules (micro-batches only), waits for the previous step's sampled ids (overlap scheduling, CPU: the
+  host's wait; CUDA: ~0, the stream's wait is queued in own layers), prepares the step, sends it, runs its layers and reads the step's
+  sampled ids (and the last rank's answer, for log-probabilities only) (the rest of its step is the
+  engine's own work: scheduling with overlap, applying tokens, detokenizing); rank 1 waits for the
+  message, does its host work, launches its layers, launches the sampling (the ids go to rank 0's device),
+  waits for its device to have sampled the step before ("read wait") and reads it back (+ its answer, if
+  any); on CUDA also its stream's time in the layers, and how many steps ran from the static decode runners
+  on each rank.
 With overlap scheduling (the default) a step is one batch of every stream, launched before the host has
 read the previous step's ids; --no-async-scheduling runs micro-batches instead (up to 2 in flight).
 Results go to bench/results/pipeline_decode_<device>_<model>.json (e.g. nvidia-h200-x2_demo-small). On CPU
@@ -146,17 +154,21 @@ def _memory(engine) -> list[dict]:
 def report(results: dict[int, dict]) -> None:
     one, two = results[1], results[2]
     print(f"\n{'streams':>8} {'PP=1 tok/s':>11} {'PP=2 tok/s':>11} {'PP2/PP1':>8} {'copy ms':>8} "
-          f"{'host ms':>8} {'stall ms':>9} {'hidden':>7} {'tokens':>7}")
+          f"{'host ms':>8} {'stall ms':>9} {'hidden':>7} {'tokens':>7} {'r0 host':>8} {'r1 host':>8} {'r1 held':>8}")
     for a, b in zip(one["rates"], two["rates"]):
         r1, copy = b["rank1"], b["transfer_s"]
         hidden = min(r1["host_seconds"], copy) / copy if copy else 0.0
         same = "same" if b["same_tokens_as_pp1"] else "differ"
         print(f"{a['streams']:>8} {a['tok_s']:>11.1f} {b['tok_s']:>11.1f} {b['tok_s'] / a['tok_s']:>8.2f} "
               f"{copy * 1e3:>8.3f} {r1['host_seconds'] * 1e3:>8.3f} {r1['stall_seconds'] * 1e3:>9.3f} {hidden:>7.0%} "
-              f"{same:>7}")
+              f"{same:>7} {_rank0_host(b) * 1e3:>8.3f} {_rank1_host(r1) * 1e3:>8.3f} "
+              f"{r1.get('read_wait_seconds', 0.0) * 1e3:>8.3f}")
     print("  copy: one stage-to-stage hidden state copy; host: rank 1's work per step while its receive was "
           "posted; stall: what its compute still waited after that; hidden: share of the copy the host work covers; "
-          "tokens: PP=2's greedy tokens against PP=1's (micro-batches change the batch shapes, so bf16 may differ)")
+          "tokens: PP=2's greedy tokens against PP=1's (micro-batches change the batch shapes, so bf16 may differ); "
+          "r0 host / r1 host: each rank's own host work per step, its waits for the other rank left out (a step "
+          "takes at least the larger); r1 held: rank 1's host waiting for its device before reading step t back, "
+          "after launching t+1 (small unless its host lags its device)")
     print("\nPP=2, where a pipeline step's time goes (ms per step; host phases, then the device streams):")
     for a, b in zip(one["rates"], two["rates"]):
         print(_phases(a, b))
@@ -165,6 +177,19 @@ def report(results: dict[int, dict]) -> None:
             allocated = rank["device_memory_allocated"]
             measured = "n/a (CPU)" if allocated is None else f"{allocated:,} B ({allocated / rank['plan_device_bytes']:.2f}x)"
             print(f"PP={pp} rank {rank['rank']}: planned {rank['plan_device_bytes']:,} B, allocated {measured}")
+
+
+def _rank0_host(two: dict) -> float:
+    """Rank 0's host work per step: the step's time less its waits for the last rank (ids, answer)."""
+    r0, steps = two["rank0"], max(two["steps"], 1)
+    return two["seconds"] / steps - r0["ids_wait_seconds"] - r0["wait_seconds"]
+
+
+def _rank1_host(r1: dict) -> float:
+    """Rank 1's host work per step: its phases less its waits (message, hidden state, its device)."""
+    waits = ("idle_seconds", "receive_wait_seconds", "read_wait_seconds")
+    return sum(v for k, v in r1.items() if k.endswith("_seconds") and k not in waits
+               and k not in ("stall_seconds", "layers_seconds"))
 
 
 def _phases(one: dict, two: dict) -> str:
@@ -181,11 +206,12 @@ def _phases(one: dict, two: dict) -> str:
             f"{one['seconds'] / max(one['steps'], 1) * 1e3:.3f} per step of all streams)\n"
             f"    rank 0: schedule {ms(r0, 'schedule_seconds')}, ids wait {ms(r0, 'ids_wait_seconds')}, prepare "
             f"{ms(r0, 'prepare_seconds')}, send "
-            f"{ms(r0, 'send_seconds')}, own layers {ms(r0, 'forward_seconds')}, wait for answer "
+            f"{ms(r0, 'send_seconds')}, own layers {ms(r0, 'forward_seconds')}, read ids "
             f"{ms(r0, 'wait_seconds')}, engine rest {(two['seconds'] - host0) / steps * 1e3:.3f}\n"
             f"    rank 1: wait for message {ms(r1, 'idle_seconds')}, host {ms(r1, 'host_seconds')}, receive wait "
             f"{ms(r1, 'receive_wait_seconds')}, launch layers {ms(r1, 'forward_seconds')}, sample "
-            f"{ms(r1, 'sample_seconds')}, send answer {ms(r1, 'send_seconds')}\n"
+            f"{ms(r1, 'sample_seconds')}, read wait {ms(r1, 'read_wait_seconds')}, read back "
+            f"{ms(r1, 'send_seconds')}\n"
             f"    streams: rank 0 layers {ms(r0, 'layers_seconds')}; rank 1 stall {ms(r1, 'stall_seconds')}, layers "
             f"{ms(r1, 'layers_seconds')}; steps from graphs: rank 0 {r0['static_steps']}/{r0['steps']}, rank 1 "
             f"{r1['static_steps']}/{r1['steps']} (PP=1 {one['static_steps']}/{one['steps']})")

@@ -97,3 +97,43 @@ def test_stage_output_and_ids_share_one_buffer(dtype):
     received = torch.empty_like(packed).copy_(packed)  # what the next stage's receive fills
     got_hidden, got_ids = unpack_stage_input(received, 3, 5, dtype)
     assert torch.equal(got_hidden, hidden) and torch.equal(got_ids, ids)
+
+
+def test_step_message_pickles_whole():
+    """A step message travels as plain tuples (`StepMessage.__reduce__`) and comes back equal."""
+    import pickle
+
+    from tierlm.engine.pipeline_messages import DecodeRows, SampleSpec, StepMessage
+
+    bitmask = np.array([-1, 5], dtype=np.int32)
+    message = StepMessage(step=7, decode=DecodeRows([9, 40], [0, 3], [(0, 0, [1]), (4, 1, [6])]), cache_ops=[("reset_slot", (3,))],
+                          released=[2], samples=[SampleSpec(0, 0, 1, 9, 1, True), SampleSpec(4, 1, 1, 40, 1, True, bitmask)])
+    back = pickle.loads(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+    assert np.array_equal(back.samples[1].bitmask, bitmask)
+    back.samples[1].bitmask = message.samples[1].bitmask = None
+    assert back == message
+    echo = pickle.loads(pickle.dumps(StepMessage(kind="echo", echo_shape=(2, 8), echo_repeats=3)))
+    assert (echo.kind, echo.echo_shape, echo.echo_repeats, echo.decode) == ("echo", (2, 8), 3, None)
+
+
+def test_block_lists_travel_as_changes():
+    """A decode step carries each request's new blocks only; the receiving rank keeps one list per request
+    while it grows (the static runner then sends only the new entries), a new one when it was replaced."""
+    from tierlm.engine.pipeline_messages import BlockListChanges, BlockLists
+
+    changes, lists = BlockListChanges(), BlockLists()
+    blocks = [4, 9]
+    first = changes.change(0, blocks)
+    held = lists.apply([first])[0]
+    blocks += [11]
+    grown = changes.change(0, blocks)
+    assert first == (0, 0, [4, 9]) and grown == (0, 2, [11])
+    assert lists.apply([grown])[0] is held and held == [4, 9, 11]
+    readmitted = [7]  # preempted and readmitted: another list object, sent whole
+    again = lists.apply([changes.change(0, readmitted)])[0]
+    assert again == [7] and again is not held
+    changes.forget([0])
+    lists.forget([0])
+    assert changes.change(0, readmitted) == (0, 0, [7])
+    with pytest.raises(RuntimeError, match="rank 0 counts on 3"):
+        BlockLists().apply([(5, 0, [1, 2]), (5, 3, [8])])  # out of step with rank 0: an error, not a wrong table

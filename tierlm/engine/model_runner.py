@@ -156,12 +156,16 @@ class ModelRunner:
     def _stage_static(self, step: SchedulerOutput, sources: dict[int, int], previous: LaunchedStep | None):
         chunks: list[ScheduledChunk] = step.chunks
         positions = [c.start for c in chunks]
-        return self.static_decode.stage_decode(
+        static = self.static_decode
+        staged = static.stage_decode(
             [c.request.token_slice(p, p + 1)[0] for c, p in zip(chunks, positions, strict=True)], positions,
             [c.request.state_slot for c in chunks], [c.request.block_ids for c in chunks],
             [sources.get(row, -1) for row in range(len(chunks))] if sources else None,
-            previous.pending.tokens if sources else None,
         )
+        if sources:  # read after the other inputs are queued (a pipeline's rank 0 waits for them at the read)
+            tokens = previous.pending.tokens
+            static.previous_tokens[: tokens.shape[0]].copy_(tokens)
+        return staged
 
     def prepare(self, step: SchedulerOutput, device=None) -> tuple[ForwardBatch, list[tuple]]:
         """The step's batch (on `device`, default the cache's), and which of its logits rows each chunk

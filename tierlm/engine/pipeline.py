@@ -15,11 +15,18 @@ static decode runner, and follows rank 0's step descriptions. Each step (`launch
    the batch's input ids, to rank 1, which runs its layers (its input ids from that buffer) and sends it
    on; each rank posts its receive as soon as the step message is in, before its host work, so the copy
    overlaps that work (deferred receive);
-3. the last rank computes the logits, samples them on its device (as one process does), sends the
-   sampled ids straight to rank 0's device (`PipelineGroup.send_ids`), then the ids and the requested
-   log-probabilities to its host (`StageResult`).
+3. the last rank computes the logits, samples them on its device (as one process does) and sends the
+   sampled ids with each row's status straight to rank 0's device (`PipelineGroup.send_ids`); rank 0
+   reads the step's tokens there (on CUDA a pinned copy queued on a side stream as they arrive). Only a
+   step whose requests report log-probabilities (or prompt log-probabilities), or whose rows failed, is
+   also answered on rank 0's host (`StageResult`, `pipeline_messages.reports_logprobs`): a greedy
+   decode step costs no host-to-host message back, and rank 0 never waits for the last rank's host.
+   The last rank reads a step back (into its mirrors; the answer, if any) only once it has launched the
+   next step, or when a message that is not a step comes (rank 0 sends `answer` when it waits for the
+   answer of the newest step it launched): it blocks on its inbox, never on its device, so its host
+   prepares step t+1 while its device samples step t.
 Overlap scheduling (the engine's, on by default): rank 0 launches step t+1 before it has read step t's
-answer; the inputs of t+1 that t samples (placeholders) are taken on rank 0's device from the ids the
+tokens; the inputs of t+1 that t samples (placeholders) are taken on rank 0's device from the ids the
 last rank sent there, and reach the other ranks with the hidden state. So no host sits between the
 ranks' devices: with one stream a token costs the two stages' layers, the sampling and two small copies,
 while the hosts prepare the next step. Without overlap, micro-batches are in flight instead (below).
@@ -50,6 +57,7 @@ Start-up (every rank) is `stage_setup.build_stage`. Not supported yet: memory-ma
 from __future__ import annotations
 
 import atexit
+import functools
 import logging
 import math
 import os
@@ -77,12 +85,14 @@ from tierlm.distributed.group import (
 from tierlm.engine.model_runner import LaunchedStep, ModelRunner, StepResult
 from tierlm.engine.pipeline_messages import (
     BatchArrays,
+    BlockListChanges,
     DecodeRows,
     NewRequest,
     SampleSpec,
     StageResult,
     StepMessage,
     pack_stage_output,
+    reports_logprobs,
     sampled_ids_buffer,
 )
 from tierlm.engine.request import Request
@@ -97,10 +107,10 @@ RESULT_POLL_S = 0.2  # how often rank 0 checks its workers while it waits for a 
 WATCH_INTERVAL_S = 1.0  # how often rank 0 checks its workers between steps
 # where rank 0's pipeline time goes on the host, summed over steps (`timing`): scheduling (micro-batches;
 # with overlap scheduling the engine schedules); waiting for the previous step's sampled ids (with
-# overlap: on CUDA only the stream waits, on CPU the host); building the step message; pickling and
-# sending it to every rank; its own layers (inputs into the static runner's buffers or the batch to the
+# overlap, on CPU: the host waits; on CUDA the stream waits, queued in "own layers" once the step's other
+# inputs are); building the step message; pickling and sending it to every rank; its own layers (inputs into the static runner's buffers or the batch to the
 # device, the layers launched, their output and ids packed and sent on, the ids' receive posted);
-# waiting for the last rank's answer
+# reading the step's sampled ids back (and waiting for the last rank's answer when it has one)
 DRIVER_PHASES = ("schedule_seconds", "ids_wait_seconds", "prepare_seconds", "send_seconds", "forward_seconds",
                  "wait_seconds")
 
@@ -136,13 +146,22 @@ class RecordingCache:
         return ops
 
 
-@dataclass
 class _SampledOnDevice:
     """A step's sampled ids as rank 0 receives them from the last rank, on its device (row k: the k-th
     sampling chunk's): what the next step's placeholder inputs are taken from (`ModelRunner`'s
-    `previous.pending.tokens`)."""
+    `previous.pending.tokens`). The first read of `tokens` makes this device's stream wait for their
+    receive (`wait`; CUDA), so the next step's other inputs are queued before that wait, off the path from
+    the last rank's sampling to this rank's layers."""
 
-    tokens: torch.Tensor
+    def __init__(self, ids: torch.Tensor, wait) -> None:
+        self._ids, self._wait = ids, wait
+
+    @property
+    def tokens(self) -> torch.Tensor:
+        if self._wait is not None:
+            self._wait, wait = None, self._wait
+            wait()
+        return self._ids
 
 
 @dataclass(eq=False)
@@ -153,6 +172,31 @@ class PipelineStep(LaunchedStep):
     sends: list = field(default_factory=list)  # the step message's sends and the stage output's
     output: torch.Tensor | None = None  # the packed stage output being sent, kept alive until then
     ids_receive: object = None  # the sampled ids' receive (None once waited for)
+    number: int = 0  # StepMessage.step
+    ids: torch.Tensor | None = None  # [2, max rows] the sampled ids and statuses, on this device
+    host_ids: tuple | None = None  # CUDA: (their pinned host copy, its event), queued as they arrive
+
+
+class _HostIds:
+    """CUDA: rank 0's host copies of the sampled ids, a ring of pinned buffers; each step's is copied on a
+    side stream as soon as its receive is in (never behind the next step's layers on the main stream),
+    with an event the host polls."""
+
+    def __init__(self, max_rows: int, depth: int, device: torch.device) -> None:
+        self.stream = torch.cuda.Stream(device)
+        self.buffers = [(torch.empty((2, max_rows), dtype=torch.int64, pin_memory=True), torch.cuda.Event())
+                        for _ in range(depth)]
+        self.turn = 0
+
+    def start(self, receive, ids: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event]:
+        self.turn = (self.turn + 1) % len(self.buffers)
+        host, ready = self.buffers[self.turn]
+        with torch.cuda.stream(self.stream):
+            receive.wait()  # this stream waits for the ids (NCCL: the host does not)
+            host = host[:, : ids.shape[1]]
+            host.copy_(ids, non_blocking=True)
+            ready.record()
+        return host, ready
 
 
 class PipelineDriver:
@@ -207,6 +251,14 @@ class PipelineDriver:
         self.exit_process_on_failure = False  # the server sets it: a dead rank ends the process
         self._timing = dict.fromkeys(DRIVER_PHASES, 0.0) | {"steps": 0}
         self._layers = StreamClock(self.stage.cache.device)
+        # a step's pinned ids copy is reused max_in_flight + 1 steps later: by then it was read (`finish`)
+        device = self.stage.cache.device
+        depth = max(self.max_in_flight, 2) + 1
+        self._host_ids = _HostIds(config.max_num_seqs, depth, device) if device.type == "cuda" else None
+        self._launched = 0  # steps launched (StepMessage.step)
+        self._block_changes = BlockListChanges()  # what the other ranks hold of each request's block list
+        self._peer_error: str | None = None  # the last rank's error, or its connection lost (result thread)
+        self._peer_failed = threading.Event()
         self._results: queue.Queue = queue.Queue()
         # posted before any step is sent: the last rank's answers never wait for this process
         self._result_inbox = self.group.inbox(self.world_size - 1, RESULT_TAG, self.group.result_group,
@@ -285,15 +337,15 @@ class PipelineDriver:
         whose sampled ids (on this device) this one's placeholder inputs are (overlap scheduling)."""
         self._check_alive()
         runner, waited = self.runner, time.perf_counter()
-        if previous is not None:
+        if previous is not None and previous.host_ids is None:  # CPU: the host waits (CUDA: at first read)
             self._wait_ids(previous)
         began = time.perf_counter()
-        message = StepMessage(cache_ops=self.cache.drain(), released=self._release_finished())
-        if runner.fits_static(plan):  # every rank runs it from its static runner, given host lists
-            chunks = plan.chunks
-            message.decode = DecodeRows([c.start for c in chunks], [c.request.state_slot for c in chunks],
-                                        [c.request.block_ids for c in chunks])
-            wanted = [(chunk, row, 1) for row, chunk in enumerate(chunks)]
+        self._launched += 1
+        message = StepMessage(step=self._launched, cache_ops=self.cache.drain(), released=self._release_finished())
+        self._block_changes.forget(message.released)
+        static = runner.fits_static(plan)  # every rank runs it from its static runner, given host lists
+        if static:
+            wanted = [(chunk, row, 1) for row, chunk in enumerate(plan.chunks)]
         else:
             batch, wanted = runner.prepare(plan, device="cpu")
             message.batch = BatchArrays.of(batch)
@@ -316,6 +368,10 @@ class PipelineDriver:
             requests[key] = request
             if chunk.samples:
                 sampling.append(request)
+        if static:  # after the loop: every request has its key
+            chunks, changes = plan.chunks, self._block_changes
+            message.decode = DecodeRows([c.start for c in chunks], [c.request.state_slot for c in chunks],
+                                        [changes.change(self.keys[c.request], c.request.block_ids) for c in chunks])
         sent = time.perf_counter()
         sends = self._send_all(message)
         launched = time.perf_counter()
@@ -323,14 +379,17 @@ class PipelineDriver:
             hidden, _, token_ids = runner.run_forward(plan, previous)
             # the ids go with the hidden state: placeholders resolved on this device reach every rank
             output = pack_stage_output(hidden, token_ids)
-        ids = sampled_ids_buffer(self.config.max_num_seqs, self.stage.cache.device)
+        ids = sampled_ids_buffer(len(sampling), self.stage.cache.device)
         try:
             sends.append(self.group.isend(output, 1))
             receive = self.group.recv_ids(ids)
         except Exception as exc:  # noqa: BLE001
             self._fail(f"sending the hidden state to rank 1 failed: {_first_line(exc)}")
-        entry = PipelineStep(plan, sampling, _SampledOnDevice(ids), StepResult(), requests=requests, sends=sends,
-                             output=output, ids_receive=receive)
+        host_ids = None if self._host_ids is None else self._host_ids.start(receive, ids)
+        # CUDA: the next step's stream waits for the ids when it first reads them (CPU: `launch` waited)
+        sampled = _SampledOnDevice(ids[0], None if host_ids is None else functools.partial(self._wait_receive, receive))
+        entry = PipelineStep(plan, sampling, sampled, StepResult(), requests=requests, sends=sends,
+                             output=output, ids_receive=receive, number=self._launched, ids=ids, host_ids=host_ids)
         self.in_flight.append(entry)
         timing, done = self._timing, time.perf_counter()
         timing["ids_wait_seconds"] += began - waited
@@ -341,23 +400,36 @@ class PipelineDriver:
         return entry
 
     def finish(self, entry: PipelineStep) -> StepResult:
-        """The step's sampled tokens and log-probabilities (waits for the last rank's answer, which comes
-        in order: `entry` is the oldest step in flight). Requests finished meanwhile are left out."""
+        """The step's sampled tokens (read from the sampled ids on this device) and, when a request reports
+        log-probabilities or a row failed, the last rank's answer (`reports_logprobs`; answers come in
+        order: `entry` is the oldest step in flight). Requests finished meanwhile are left out."""
         if not self.in_flight or self.in_flight[0] is not entry:
             raise RuntimeError("pipeline steps are read back in the order they were launched")
         self.in_flight.popleft()
         began = time.perf_counter()
-        answer = self._wait_result()
+        tokens, statuses = self._read_ids(entry)
+        answer = None
+        if any(statuses) or any(reports_logprobs(request.params) for request in entry.requests.values()):
+            if not self.in_flight:  # no later step: the last rank reads this one back when told to
+                self._send_last(StepMessage(kind="answer"))
+            answer = self._wait_result()
         try:
             for work in entry.sends:  # done: every rank has received its step
                 work.wait()
         except Exception as exc:  # noqa: BLE001
             self._fail(f"sending a step or its hidden state failed: {_first_line(exc)}")
-        self._wait_ids(entry)
         self._timing["wait_seconds"] += time.perf_counter() - began
+        result = StepResult()
+        if answer is None:  # every row sampled, nothing more to report: the ids are the answer
+            for request, token in zip(entry.sampling, tokens, strict=True):
+                if not request.is_finished:  # aborted, or (overlap) finished by the step before: discarded
+                    result.sampled[request] = token
+            return result
         if answer.error is not None:
             self._fail(f"pipeline rank {self.world_size - 1} failed during a step: {answer.error}")
-        result = StepResult()
+        if answer.step != entry.number:
+            self._fail(f"pipeline rank {self.world_size - 1} answered step {answer.step} where rank 0 expected "
+                       f"step {entry.number}'s answer")
         for key, request in entry.requests.items():
             if request.is_finished:  # aborted, or (overlap) finished by the step before: discarded
                 continue
@@ -374,14 +446,54 @@ class PipelineDriver:
         return result
 
     def _wait_ids(self, entry: PipelineStep) -> None:
-        """The step's sampled ids on this device (on CUDA the stream waits, not the host)."""
+        """The step's sampled ids on this device (CPU: the host waits for them)."""
         if entry.ids_receive is None:
             return
-        try:
-            entry.ids_receive.wait()
-        except Exception as exc:  # noqa: BLE001
-            self._fail(f"lost the connection to pipeline rank {self.world_size - 1}: {_first_line(exc)}")
+        self._wait_receive(entry.ids_receive)
         entry.ids_receive = None
+
+    def _wait_receive(self, receive) -> None:
+        """A receive of sampled ids waited for (on CUDA the current stream waits, not the host)."""
+        try:
+            receive.wait()
+        except Exception as exc:  # noqa: BLE001
+            self._fail(self._peer_failure(f"lost the connection to pipeline rank {self.world_size - 1}: "
+                                          f"{_first_line(exc)}"))
+
+    def _read_ids(self, entry: PipelineStep) -> tuple[list[int], list[int]]:
+        """The step's sampled ids and their statuses, one per sampling row, on the host (CPU: waits for
+        their receive; CUDA: polls their copy's event, watching the last rank meanwhile)."""
+        rows = len(entry.sampling)
+        if entry.host_ids is None:
+            self._wait_ids(entry)
+            return entry.ids[:, :rows].tolist()
+        host, ready = entry.host_ids
+        deadline = time.monotonic() + self.config.pipeline_timeout_s
+        check = time.monotonic() + RESULT_POLL_S
+        while not ready.query():  # a few hundred microseconds: polled (a dead last rank never sends them)
+            if self._peer_error is not None:
+                self._fail(self._peer_error)
+            if time.monotonic() > check:
+                self._check_alive()
+                if time.monotonic() > deadline:
+                    self._fail(f"no sampled ids from pipeline rank {self.world_size - 1} in "
+                               f"{self.config.pipeline_timeout_s:g} s (pipeline_timeout_s)")
+                check = time.monotonic() + RESULT_POLL_S
+            time.sleep(0)
+        return host[:, :rows].tolist()
+
+    def _peer_failure(self, why: str) -> str:
+        """Why the last rank went away: its own error when its answer says so (it sends one before it
+        exits), else `why`."""
+        self._peer_failed.wait(timeout=1.0)
+        return self._peer_error or why
+
+    def _send_last(self, message: StepMessage) -> None:
+        last = self.world_size - 1
+        try:
+            self.group.send_object(message, last)
+        except Exception as exc:  # noqa: BLE001
+            self._fail(self._peer_failure(f"sending to pipeline rank {last} failed: {_first_line(exc)}"))
 
     def _release_finished(self) -> list[int]:
         """The keys of requests that finished (or were aborted) and are in no batch in flight: the last rank
@@ -402,13 +514,21 @@ class PipelineDriver:
 
     # ---- waiting, and failures ----
     def _receive_results(self) -> None:
-        """The result thread: the last rank's answers, in order, into a queue (an error ends it)."""
+        """The result thread: the last rank's answers, in order, into a queue (an error ends it; the last
+        rank's error, or the lost connection, is also kept for a wait on the sampled ids)."""
+        last = self.world_size - 1
         while True:
             try:
-                self._results.put(self._result_inbox.get())
+                answer = self._result_inbox.get()
             except Exception as exc:  # noqa: BLE001
+                self._peer_error = self._peer_error or f"lost the connection to pipeline rank {last}: {_first_line(exc)}"
+                self._peer_failed.set()
                 self._results.put(exc)
                 return
+            if answer.error is not None:
+                self._peer_error = f"pipeline rank {last} failed during a step: {answer.error}"
+                self._peer_failed.set()
+            self._results.put(answer)
 
     def _wait_result(self) -> StageResult:
         deadline = time.monotonic() + self.config.pipeline_timeout_s

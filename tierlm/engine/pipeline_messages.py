@@ -13,7 +13,9 @@ step that fits the static decode runners travels as `DecodeRows` (host lists, wh
 What crosses ranks on the device (never through the host): each stage's output, packed with the batch's
 token ids as one buffer (`pack_stage_output` / `unpack_stage_input`: the stages after the first take
 their input ids from it, so an id sampled on the device reaches every rank without the host), and the
-last rank's sampled ids back to rank 0 (`sampled_ids_buffer`, one fixed size for every step).
+last rank's sampled ids and their statuses back to rank 0 (`sampled_ids_buffer`: one column per
+sampling row, so the sampler's own [2, rows] result goes as it is): rank 0 reads a step's tokens there, and the last rank answers on the host (`StageResult`)
+only a step whose requests report log-probabilities or whose rows failed (`reports_logprobs`).
 """
 
 from __future__ import annotations
@@ -49,16 +51,63 @@ class BatchArrays:
 
 @dataclass
 class DecodeRows:
-    """A decode-only step as host lists, one row per request: positions, state slots, block lists (the
-    input ids come with the hidden state)."""
+    """A decode-only step as host lists, one row per request: positions, state slots, and each row's block
+    list as what changed since the last decode step sent it (`BlockListChanges`): (request key, entries
+    kept, entries after them). The input ids come with the hidden state."""
 
     positions: list[int]
     slots: list[int]
-    tables: list[list[int]]
+    tables: list[tuple[int, int, list[int]]]
 
     @property
     def num_tokens(self) -> int:
         return len(self.positions)
+
+
+class BlockListChanges:
+    """Rank 0's side of the block lists in `DecodeRows`: a request's list goes whole the first time (or when
+    the request holds another list: preempted and readmitted), then only the blocks it gained, so a decode
+    step's message does not grow with its context. (The cache manager only appends to a request's list,
+    and gives it a new one when it frees its blocks: what the static decode runner counts on too.)"""
+
+    def __init__(self) -> None:
+        self._sent: dict[int, tuple[list[int], int]] = {}  # request key -> (its list object, entries sent)
+
+    def change(self, key: int, blocks: list[int]) -> tuple[int, int, list[int]]:
+        held = self._sent.get(key)
+        kept = held[1] if held is not None and held[0] is blocks and held[1] <= len(blocks) else 0
+        self._sent[key] = (blocks, len(blocks))
+        return key, kept, blocks[kept:]
+
+    def forget(self, keys: list[int]) -> None:
+        for key in keys:
+            self._sent.pop(key, None)
+
+
+class BlockLists:
+    """The other ranks' side: each request's block list rebuilt from the changes, one list object per
+    request while it only grows (the static decode runner then sends only its new entries to the device:
+    `StaticDecodeRunner.stage_decode`), a new object when it was sent whole."""
+
+    def __init__(self) -> None:
+        self._lists: dict[int, list[int]] = {}
+
+    def apply(self, tables: list[tuple[int, int, list[int]]]) -> list[list[int]]:
+        out = []
+        for key, kept, new in tables:
+            if kept == 0:
+                blocks = self._lists[key] = list(new)
+            else:
+                blocks = self._lists[key]
+                if len(blocks) != kept:
+                    raise RuntimeError(f"request key {key}: {len(blocks)} blocks held, rank 0 counts on {kept}")
+                blocks.extend(new)
+            out.append(blocks)
+        return out
+
+    def forget(self, keys: list[int]) -> None:
+        for key in keys:
+            self._lists.pop(key, None)
 
 
 def _ids_offset(num_tokens: int, width: int, dtype: torch.dtype) -> int:
@@ -90,9 +139,21 @@ def unpack_stage_input(buffer: torch.Tensor, num_tokens: int, width: int,
     return hidden, buffer[offset : offset + 8 * num_tokens].view(torch.int64)
 
 
-def sampled_ids_buffer(max_rows: int, device: torch.device) -> torch.Tensor:
-    """The last rank's sampled ids of one step, row k the k-th sampling chunk's (zeros past them)."""
-    return torch.zeros(max_rows, dtype=torch.int64, device=device)
+ROW_FAILED = 3  # a sampled row's status: its preparation failed on the last rank (the sampler's: 0 ok, 1 NaN, 2 masked)
+
+
+def sampled_ids_buffer(rows: int, device: torch.device) -> torch.Tensor:
+    """The last rank's sampled ids of one step [2, max(rows, 1)] (both ranks know `rows`, the step's
+    sampling rows; a step with none sends one unused column): row 0 the ids, row 1 each row's status (0:
+    sampled), column k the k-th sampling chunk's; zeros until written."""
+    return torch.zeros((2, max(rows, 1)), dtype=torch.int64, device=device)
+
+
+def reports_logprobs(params) -> bool:
+    """Whether a request (its `SamplingParams`) reports log-probabilities or prompt log-probabilities: a
+    step with one (or with a row whose status is not 0) is answered on rank 0's host (`StageResult`); any
+    other step's tokens are read from the sampled ids on rank 0's device, and the last rank sends no answer."""
+    return params.logprobs is not None or params.prompt_logprobs is not None
 
 
 @dataclass
@@ -125,7 +186,8 @@ class SampleSpec:
 
 @dataclass
 class StepMessage:
-    kind: str = "step"  # step | stats | echo | stop
+    kind: str = "step"  # step | answer (read the unread step back and answer it) | stats | echo | stop
+    step: int = 0  # rank 0's count of the steps it launched (its answer, if any, names it)
     batch: BatchArrays | None = None
     decode: DecodeRows | None = None  # instead of `batch`: a decode step the static runners take
     cache_ops: list[tuple[str, tuple]] = field(default_factory=list)
@@ -135,11 +197,30 @@ class StepMessage:
     echo_shape: tuple[int, ...] | None = None  # kind "echo": a tensor rank 1 sends straight back,
     echo_repeats: int = 0  # this many times
 
+    def __reduce__(self):
+        """Pickled as plain tuples, rebuilt by `_step_message`: pickle writes a dataclass instance field by
+        field through copyreg, 3x slower to write and to read than a tuple (~20 us each way for a decode
+        step of 4 rows, on both ends of every step)."""
+        decode = None if self.decode is None else (self.decode.positions, self.decode.slots, self.decode.tables)
+        samples = [(s.key, s.first, s.count, s.start, s.num_tokens, s.samples, s.bitmask) for s in self.samples]
+        return _step_message, (self.kind, self.step, self.batch, decode, self.cache_ops, self.new_requests,
+                               self.released, samples, self.echo_shape, self.echo_repeats)
+
+
+def _step_message(kind, step, batch, decode, cache_ops, new_requests, released, samples, echo_shape,
+                  echo_repeats) -> StepMessage:
+    return StepMessage(kind=kind, step=step, batch=batch, decode=None if decode is None else DecodeRows(*decode),
+                       cache_ops=cache_ops, new_requests=new_requests, released=released,
+                       samples=[SampleSpec(*spec) for spec in samples], echo_shape=echo_shape,
+                       echo_repeats=echo_repeats)
+
 
 @dataclass
 class StageResult:
-    """The last rank's answer to one step, by request key."""
+    """The last rank's answer to one step, by request key (only for a step that `reports_logprobs` or had a
+    row fail; or the error that ended the last rank)."""
 
+    step: int = 0  # the StepMessage.step it answers
     sampled: dict[int, int] = field(default_factory=dict)
     failed: dict[int, str] = field(default_factory=dict)
     logprobs: dict[int, dict] = field(default_factory=dict)

@@ -3,14 +3,19 @@
 The loop: receive a `StepMessage` from rank 0; post the receive of the previous stage's output (hidden
 state and input ids in one device buffer) at once (deferred receive: the copy overlaps what follows);
 replay rank 0's cache operations on this rank's layers; move the batch to the device (a decode step:
-its host lists into the static runner's buffers, the input ids taken from the received buffer on the
-device); wait for the receive (on CUDA only the stream waits); run the layers; send the output on. The
-last rank samples, sends the sampled ids to rank 0's device (its next step may already wait for them
-there), then the tokens and log-probabilities to rank 0's host.
+its host lists into the static runner's buffers, queued before the stream waits for the hidden state;
+the input ids are taken from the received buffer on the device); wait for the receive (on CUDA only the stream waits); run the layers; send the output on. The
+last rank samples and sends the sampled ids and their statuses to rank 0's device (its next step may
+already wait for them there, and rank 0 reads the step's tokens there). It reads a step back into its
+mirrors only after it has launched the next one (or when a message that is not a step comes: rank 0 sends
+`answer` when it waits for the newest step's answer): between two steps it blocks on its inbox, never on
+its device, so its host prepares step t+1 while its device samples step t. A step that reports
+log-probabilities or had a row fail is then answered on rank 0's host (`StageResult`).
 
 The last rank samples with the engine's own `ModelRunner` sampling on mirrors of the requests (`_Mirror`:
 parameters, output tokens), on its device, so sampling is the code PP=1 runs: the same ops on the same
-values and noise keys, and only the ids and log-probabilities come to the host.
+values and noise keys, and only the ids and log-probabilities come to the host. A mirror's output ids are
+read back before a step whose sampling reads them (penalties, bad words).
 Structured-output rows come with rank 0's grammar bitmask. Messages from rank 0 arrive in an `Inbox`
 (receives always posted), so rank 0 can send the next micro-batch while this rank works.
 
@@ -40,10 +45,14 @@ from tierlm.distributed.group import (
 )
 from tierlm.engine.model_runner import LaunchedStep, ModelRunner
 from tierlm.engine.pipeline_messages import (
+    ROW_FAILED,
+    BlockLists,
+    DecodeRows,
     SampleSpec,
     StageResult,
     StepMessage,
     pack_stage_output,
+    reports_logprobs,
     sampled_ids_buffer,
     stage_buffer,
     unpack_stage_input,
@@ -112,7 +121,8 @@ class _Chunk:
 class _Mirror:
     """The last rank's copy of each request's sampling state, kept in step with rank 0 by the messages."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
         self.requests: dict[int, Request] = {}
 
     def update(self, message: StepMessage) -> None:
@@ -128,10 +138,20 @@ class _Mirror:
                 request.structured_output = BitmaskGrammar(None)
             self.requests[new.key] = request
 
-    def launch(self, runner: ModelRunner, specs: list[SampleSpec], logits: torch.Tensor) -> _Sampling:
+    def reads_outputs(self, unread: _Sampling, message: StepMessage) -> bool:
+        """Whether the step's sampling reads the output ids of a request the unread step sampled (penalties,
+        bad words): those must be read back first."""
+        sampled = set(unread.launched.sampling)
+        for spec in message.samples:
+            request = self.requests.get(spec.key)  # None: new in this message
+            if spec.samples and request in sampled and _reads_outputs(request):
+                return True
+        return False
+
+    def launch(self, runner: ModelRunner, message: StepMessage, logits: torch.Tensor) -> _Sampling:
         """Queue the sampling of the step's rows on the device (as one process does: `ModelRunner`); prompt
         log-probabilities are read at once."""
-        wanted, before = [], {}
+        wanted, before, specs = [], {}, message.samples
         for spec in specs:
             request = self.requests[spec.key]
             request.num_computed_tokens = spec.start
@@ -151,29 +171,42 @@ class _Mirror:
             request = self.requests[spec.key]
             if request.prompt_logprobs is not None and len(request.prompt_logprobs) > before[spec.key]:
                 prompt_logprobs[spec.key] = request.prompt_logprobs[before[spec.key]:]
-        return _Sampling(specs, launched, rows, prompt_logprobs)
+        requests = [self.requests[spec.key] for spec in specs]  # kept: a key may be released before read back
+        reports = any(reports_logprobs(request.params) for request in requests)
+        return _Sampling(message.step, specs, requests, launched, rows, prompt_logprobs, reports)
 
-    def sampled_ids(self, sampling: _Sampling, out: torch.Tensor) -> torch.Tensor:
-        """The launched step's sampled ids into `out`, row k the k-th sampling spec's (what rank 0 counts on;
-        a request whose prompt log-probabilities failed has no sampling row, its row stays 0)."""
-        launched = sampling.launched
-        if launched.pending is None:
+    def sampled_ids(self, sampling: _Sampling) -> torch.Tensor:
+        """The launched step's sampled ids and statuses as rank 0 receives them (`sampled_ids_buffer`),
+        column k the k-th sampling spec's: the sampler's own [2, rows] result when every spec's row was
+        sampled (the usual step: nothing more queued); else a buffer where a request whose prompt
+        log-probabilities failed (it has no sampling row) keeps a 0 column (it reports prompt
+        log-probabilities, so its step is answered), and a row whose preparation failed gets the status
+        ROW_FAILED."""
+        requests = [request for spec, request in zip(sampling.specs, sampling.requests, strict=True) if spec.samples]
+        launched, pending = sampling.launched, sampling.launched.pending
+        if pending is not None and not pending.failed and launched.sampling == requests:
+            return pending.device_ids
+        out = sampled_ids_buffer(len(requests), self.device)
+        if pending is None:
             return out
-        requests = [self.requests[spec.key] for spec in sampling.specs if spec.samples]
-        tokens = launched.pending.tokens
         if launched.sampling == requests:
-            out[: len(requests)].copy_(tokens)
+            out.copy_(pending.device_ids)
+            columns = list(range(len(requests)))
         else:
             index = {request: k for k, request in enumerate(requests)}
-            out[on_device([index[r] for r in launched.sampling], out.device)] = tokens
+            columns = [index[r] for r in launched.sampling]
+            out[:, on_device(columns, out.device)] = pending.device_ids
+        if pending.failed:  # rare: the sampler's own preparation of a row raised (its grammar)
+            out[1, on_device([columns[row] for row in pending.failed], out.device)] = ROW_FAILED
         return out
 
     def finish(self, runner: ModelRunner, sampling: _Sampling) -> StageResult:
-        """The launched sampling read back (waits for its ids) as the answer to rank 0."""
+        """The launched sampling read back (waits for its ids) into the mirrors, and as the answer to rank
+        0 (sent only when `sampling.answered`)."""
         result = runner.finish(sampling.launched)
-        out = StageResult(prompt_logprobs=sampling.prompt_logprobs)
-        for spec in sampling.specs:
-            key, request = spec.key, self.requests[spec.key]
+        out = StageResult(step=sampling.step, prompt_logprobs=sampling.prompt_logprobs)
+        for spec, request in zip(sampling.specs, sampling.requests, strict=True):
+            key = spec.key
             if request in result.failed:
                 out.failed[key] = result.failed[request]
             elif request in result.sampled:
@@ -182,34 +215,48 @@ class _Mirror:
                 if request.logprobs is not None:
                     out.logprobs[key] = request.logprobs[-1]
                     out.cumulative_logprob[key] = request.cumulative_logprob
+        sampling.answered = sampling.reports or bool(out.failed)
         return out
+
+
+def _reads_outputs(request: Request) -> bool:
+    """Whether sampling the request reads its output ids on the host (the engine does not overlap it)."""
+    return request.params.has_penalties or bool(request.bad_words_token_ids)
 
 
 @dataclass
 class _Sampling:
     """A step's sampling on the last rank, launched on the device and not read back yet."""
 
+    step: int  # rank 0's number of the step
     specs: list[SampleSpec]
+    requests: list[Request]  # each spec's mirror
     launched: LaunchedStep
     rows: dict[Request, int]  # each sampling request's place in its output ids (a placeholder until read)
     prompt_logprobs: dict[int, list]
+    reports: bool  # a request reports (prompt) log-probabilities: rank 0 waits for the answer
+    answered: bool = False  # read back: whether rank 0 gets an answer (it reports, or a row failed)
 
 
 # where a worker's host time goes, summed over steps (`PipelineDriver.worker_stats`): waiting for the
-# next step's message; host work while the hidden state's receive is posted (cache ops, the batch); on
+# next step's message; host work while the hidden state's receive is posted (cache ops, the batch, a
+# decode step's inputs into the static runner's buffers); on
 # CPU the wait for the hidden state; launching the layers (CPU: running them) and sending the result on;
-# the last rank: launching the sampling and the ids' send to rank 0's device, then reading the ids back
-# (on CUDA this waits for the layers and the sampling) and sending the answer to rank 0's host. Beside
-# them (on CUDA, the stream's time): stall_seconds (waiting for the hidden state after the host work),
-# layers_seconds (the layers), and static_steps (forwards replayed from the static decode runner)
+# the last rank: launching the sampling and the ids' send to rank 0's device; then, for the step before
+# (launched one step earlier), the wait for its device to have sampled it (CUDA: usually done by then;
+# time here is the host held by its device), reading it back and, when it has one, sending its answer to
+# rank 0's host. Beside them (on CUDA, the stream's time): stall_seconds (waiting for the hidden state
+# after the host work), layers_seconds (the layers), and static_steps (forwards replayed from the static
+# decode runner)
 WORKER_PHASES = ("idle_seconds", "host_seconds", "receive_wait_seconds", "forward_seconds", "sample_seconds",
-                 "send_seconds")
+                 "read_wait_seconds", "send_seconds")
 
 
 def run_worker(group: PipelineGroup, stage: Stage, config) -> None:
     """Follow rank 0's messages until it says stop. The last rank reads a step's sampled ids back only
-    once it has launched the next step, when that step's message is already in: its host prepares the
-    next step while its device samples this one."""
+    once it has launched the next step (or a message that is not a step comes): between steps it waits
+    for rank 0's next message, not for its device, so its host prepares the next step while its device
+    samples this one."""
     rank, device = group.rank, group.device
     mc = stage.model_config
     decode = None
@@ -220,11 +267,12 @@ def run_worker(group: PipelineGroup, stage: Stage, config) -> None:
         tokenizer = Tokenizer.from_pretrained(resolve_model_path(config.model))
         decode = lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False)
     runner = ModelRunner(stage.model, stage.cache, Sampler(config.seed), decode, stage.static_decode)
-    mirror = _Mirror() if group.is_last else None
+    mirror = _Mirror(device) if group.is_last else None
     width, dtype = mc.hc_count * mc.hidden_size, stage.cache.dtype
     stall, layers = StreamClock(device), StreamClock(device)
     # rank 0 sends up to world_size steps ahead of the last rank: each finds its receive posted
     inbox = group.inbox(0, depth=group.world_size)
+    block_lists = BlockLists()  # each request's block list, from the decode steps' changes
     stats = dict.fromkeys(WORKER_PHASES, 0.0) | {"steps": 0}
     sending: list = []  # the previous step's sends and their buffers (waited for before the next ones)
     unread: _Sampling | None = None  # the last rank: a step whose sampling is launched, not read back yet
@@ -243,24 +291,36 @@ def run_worker(group: PipelineGroup, stage: Stage, config) -> None:
         sending = list(works_and_buffers)
 
     def answer() -> None:
-        """Read the unread step's ids back and send rank 0 its answer."""
+        """Read the unread step's ids back into the mirrors and, if it reports log-probabilities or a row
+        failed, send rank 0 its answer (otherwise rank 0 reads its tokens on its device)."""
         nonlocal unread
         sampling, unread = unread, None
+        pending = sampling.launched.pending
+        if pending is not None and pending.ready is not None:
+            pending.ready.synchronize()
+        lap("read_wait_seconds")
         try:
             result = mirror.finish(runner, sampling)
         except Exception as exc:
             _comm(group.send_object, StageResult(error=f"{type(exc).__name__}: {exc}"), 0, RESULT_TAG,
                   group.result_group)
             raise
-        _comm(group.send_object, result, 0, RESULT_TAG, group.result_group)
+        if sampling.answered:
+            _comm(group.send_object, result, 0, RESULT_TAG, group.result_group)
         lap("send_seconds")
 
     while True:
         message: StepMessage = _comm(inbox.get)
-        if unread is not None and message.kind != "step":
-            answer()
+        if message.kind in ("step", "answer"):
+            lap("idle_seconds")
+        else:  # a control message: the wait for it is no step's
+            clock = time.perf_counter()
+        if unread is not None and (message.kind != "step" or mirror.reads_outputs(unread, message)):
+            answer()  # a step whose sampling reads a request's output ids: those on the host first
         if message.kind == "stop":
             return
+        if message.kind == "answer":
+            continue
         if message.kind == "stats":
             _comm(group.send_object, dict(stats, rank=rank, stall_seconds=stall.total(), layers_seconds=layers.total(),
                                           static_steps=runner.static_steps, **memory_report(stage)), 0, CONTROL_TAG)
@@ -270,7 +330,6 @@ def run_worker(group: PipelineGroup, stage: Stage, config) -> None:
             _echo(group, message, dtype)
             clock = time.perf_counter()
             continue
-        lap("idle_seconds")
         rows = (message.decode or message.batch).num_tokens
         received = stage_buffer(rows, width, dtype, device)
         receive = _comm(group.irecv, received, rank - 1)  # posted before the host work it overlaps
@@ -278,6 +337,11 @@ def run_worker(group: PipelineGroup, stage: Stage, config) -> None:
             getattr(stage.cache, name)(*args)
         if mirror is not None:
             mirror.update(message)
+        block_lists.forget(message.released)
+        tables = None if message.decode is None else block_lists.apply(message.decode.tables)
+        # a decode step's inputs go up before the stream waits for the hidden state: off the path from the
+        # previous stage's output to this stage's layers
+        staged = None if message.decode is None else _stage_decode(runner, message.decode, tables)
         batch = None if message.batch is None else message.batch.batch(device)
         lap("host_seconds")
         with stall.timed():
@@ -286,19 +350,19 @@ def run_worker(group: PipelineGroup, stage: Stage, config) -> None:
         lap("receive_wait_seconds")
         if mirror is None:
             with layers.timed():
-                out = pack_stage_output(_run_layers(runner, message, batch, hidden, token_ids), token_ids)
+                out = pack_stage_output(_run_layers(runner, staged, batch, hidden, token_ids), token_ids)
             send(_comm(group.isend, out, rank + 1), out)
             lap("forward_seconds")
             stats["steps"] += 1
             continue
         try:
             with layers.timed():
-                logits = _run_layers(runner, message, batch, hidden, token_ids)
+                logits = _run_layers(runner, staged, batch, hidden, token_ids)
             lap("forward_seconds")
             # on the device, as one process samples; the ids go to rank 0's device at once (its next step
             # may already wait for them there), to its host with the log-probabilities when read back
-            sampling = mirror.launch(runner, message.samples, logits)
-            ids = mirror.sampled_ids(sampling, sampled_ids_buffer(config.max_num_seqs, device))
+            sampling = mirror.launch(runner, message, logits)
+            ids = mirror.sampled_ids(sampling)
             send(_comm(group.send_ids, ids), ids)
             lap("sample_seconds")
         except _PeerLost:
@@ -307,25 +371,30 @@ def run_worker(group: PipelineGroup, stage: Stage, config) -> None:
             _comm(group.send_object, StageResult(error=f"{type(exc).__name__}: {exc}"), 0, RESULT_TAG,
                   group.result_group)
             raise
-        if unread is not None:  # the step before, launched ahead of this one: its answer first
+        if unread is not None:  # the step before, now that this one is launched behind it
             answer()
-        unread = sampling
+        unread = sampling  # read back once the next step is launched, or a message that is not a step comes
         stats["steps"] += 1
-        if not inbox.ready():  # no next step to launch first: read this one back now
-            answer()
 
 
-def _run_layers(runner: ModelRunner, message: StepMessage, batch, hidden: torch.Tensor,
+def _stage_decode(runner: ModelRunner, rows: DecodeRows, tables: list[list[int]]) -> tuple:
+    """A decode step's host lists (`tables`: the rows' block lists, rebuilt from the message's changes) into
+    the static runner's buffers; each row's input id is taken from the previous stage's buffer
+    (`_run_layers`)."""
+    n = rows.num_tokens
+    return runner.static_decode.stage_decode([0] * n, rows.positions, rows.slots, tables, list(range(n)))
+
+
+def _run_layers(runner: ModelRunner, staged: tuple | None, batch, hidden: torch.Tensor,
                 token_ids: torch.Tensor) -> torch.Tensor:
-    """This rank's layers on the step: a decode step (`DecodeRows`) from the static runner, given host
-    lists, the input ids and hidden state from the previous stage's buffer; else the batch."""
-    rows = message.decode
-    if rows is None:
+    """This rank's layers on the step: a decode step staged by `_stage_decode`, replayed from the static
+    runner with the hidden state and input ids of the previous stage's buffer; else the batch."""
+    if staged is None:
         batch.token_ids, batch.stage_input = token_ids, hidden
         return runner.forward(batch)
-    static, n = runner.static_decode, rows.num_tokens
+    static, n = runner.static_decode, staged[1]
     static.stage_input[:n].copy_(hidden)
-    staged = static.stage_decode([0] * n, rows.positions, rows.slots, rows.tables, list(range(n)), token_ids)
+    static.previous_tokens[:n].copy_(token_ids)  # what the rows' token sources (0 .. n-1) point at
     runner.static_steps += 1
     return static.replay(*staged)
 

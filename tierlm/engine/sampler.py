@@ -99,6 +99,7 @@ class PendingSample:
     failed: dict[int, str]  # row -> why its preparation failed
     wanted: list[int]  # rows that report log-probabilities
     tokens: torch.Tensor  # [rows] the sampled ids on the device (what a next step can take as input)
+    device_ids: torch.Tensor  # [2, rows] ids and statuses on the device (a pipeline's last rank sends them)
     host_ids: torch.Tensor  # [2, rows] ids and statuses, on the host
     host_logprobs: tuple[torch.Tensor, ...]  # chosen, ranks, top values, top ids of the `wanted` rows
     ready: torch.cuda.Event | None  # recorded after the copies (None on CPU: they are done)
@@ -458,7 +459,8 @@ class Sampler:
         wanted = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
         top = max((requests[i].params.logprobs for i in wanted), default=0)
         logprobs = self._logprobs(raw, tokens, wanted, top) if wanted else ()
-        return PendingSample(requests, failed, wanted, tokens, _to_host(torch.stack([tokens, status])),
+        device_ids = torch.stack([tokens, status])
+        return PendingSample(requests, failed, wanted, tokens, device_ids, _to_host(device_ids),
                              tuple(_to_host(t) for t in logprobs), _ready_event(device))
 
     def collect(self, pending: PendingSample, decode) -> list[Sampled]:
