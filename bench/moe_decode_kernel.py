@@ -24,9 +24,9 @@ the reference on every routing (max |diff| relative to max |reference|).
 bf16 experts, INT6 with the experts' group beside INT4 ones, as `tierlm quantize --scheme int4-mixed`
 writes it) as the model ran them before (the routed kernel, then the shared SwiGLU through its own layers:
 cuBLAS or the INT6 GEMV, SiLU, mul, the gate's product, the add) and fused (the shared expert one more
-expert of every token in the routed launches, whatever PACKED_SHARED_MIN_TOKENS says), each with its %
-of the copy bandwidth on the distinct routed experts' bytes plus the shared expert's, and the smallest
-batch from which fused wins (what `fused_moe.triton.PACKED_SHARED_MIN_TOKENS` should be);
+expert of every token in the routed launches, whatever PACKED_SHARED_APART_TOKENS says), each with its %
+of the copy bandwidth on the distinct routed experts' bytes plus the shared expert's, and the batches at
+which fused wins and loses (what `fused_moe.triton.PACKED_SHARED_APART_TOKENS` should say);
 --shared-sweep also tries SHARED_SWEEP's K tiles first.
 The packed sweep times the INT4 decode form's tiles (`packed_decode`) phase by phase at every batch size
 and group (PACKED_GATE_UP_SWEEP with the default down, PACKED_DOWN_SWEEP with the default gate_up, then the
@@ -367,8 +367,8 @@ def measure_shared(run: SimpleNamespace, experts: tuple, label: str, batch: int,
     def fused(i: int) -> torch.Tensor:
         return kernels.fused_moe(x[i], w_gate_up, w_down, *routes[i], **kw, shared=swiglu.as_fused_expert(gates[i]))
 
-    saved_min_tokens = kernels.PACKED_SHARED_MIN_TOKENS
-    kernels.PACKED_SHARED_MIN_TOKENS = 1  # fused at every batch size (restored once timed)
+    saved_apart = kernels.PACKED_SHARED_APART_TOKENS
+    kernels.PACKED_SHARED_APART_TOKENS = range(0)  # fused at every batch size (restored once timed)
 
     bits = 0 if not kw else int(kw["format"][3:])
     if run.packed_best is not None and (label, batch) in run.packed_best:  # the routed tiles --packed-sweep chose
@@ -390,7 +390,7 @@ def measure_shared(run: SimpleNamespace, experts: tuple, label: str, batch: int,
     tiles = kernels.DECODE_TILES[bits]
     apart_s = timed(apart, ROUTINGS, device, run.use_graph)
     fused_s = timed(fused, ROUTINGS, device, run.use_graph)
-    kernels.PACKED_SHARED_MIN_TOKENS = saved_min_tokens
+    kernels.PACKED_SHARED_APART_TOKENS = saved_apart
     fused_diff = 0.0
     for i in range(ROUTINGS):
         ref = naive.fused_moe(x[i], w_gate_up, w_down, *routes[i], **kw, shared=swiglu.as_fused_expert(gates[i])).float()
@@ -458,9 +458,8 @@ def measure(args, device: torch.device) -> dict:
                                            shared_bytes) for batch in args.batches]
             wins = [row["batch"] for row in shared_rows if row["format"] == label and row["apart_over_fused"] > 1]
             losses = [row["batch"] for row in shared_rows if row["format"] == label and row["apart_over_fused"] <= 1]
-            from_batch = min((b for b in wins if all(loss < b for loss in losses)), default=None)
-            print(f"{label}: fused beats apart from batch {from_batch} on (fused_moe.triton.PACKED_SHARED_MIN_TOKENS)"
-                  if from_batch is not None else f"{label}: fused never beats apart at these batch sizes")
+            print(f"{label}: fused beats apart at batches {wins or 'none'}, loses at {losses or 'none'} "
+                  "(fused_moe.triton.PACKED_SHARED_APART_TOKENS)")
             swiglu = None
         w_gate_up = w_down = scales = kw = None  # free this format's experts before the next one's
     from tierlm.kernels.fused_moe import triton as kernels

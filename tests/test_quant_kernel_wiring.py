@@ -44,12 +44,12 @@ def _compare(base: Path, int4_mixed: Path, int8: Path, device: str) -> dict[str,
 
     from tierlm.kernels.fused_moe import triton as fused_moe_triton
 
-    min_tokens = fused_moe_triton.PACKED_SHARED_MIN_TOKENS
-    fused_moe_triton.PACKED_SHARED_MIN_TOKENS = 1  # (a speed choice: here the fused form's numbers at 3 tokens)
+    apart = fused_moe_triton.PACKED_SHARED_APART_TOKENS
+    fused_moe_triton.PACKED_SHARED_APART_TOKENS = range(0)  # (a speed choice: here the fused form's numbers at 3 tokens)
     try:
         return _compare_formats(base, int4_mixed, int8, device, on)
     finally:
-        fused_moe_triton.PACKED_SHARED_MIN_TOKENS = min_tokens
+        fused_moe_triton.PACKED_SHARED_APART_TOKENS = apart
 
 
 def _compare_formats(base: Path, int4_mixed: Path, int8: Path, device: str, on) -> dict[str, list[float]]:

@@ -17,8 +17,8 @@ format and width).
   packed_decode.py  the decode form for experts packed in 4 or 8 bits: one tile per program, all its
              loads up front, K split over programs and summed in order by the last to arrive; x and the
              activations read in a split, pre-scaled layout, 2 instructions a value; the shared expert's
-             tiles in its own format beside the experts' (below PACKED_SHARED_MIN_TOKENS tokens,
-             `triton.fused_moe` runs it apart)
+             tiles in its own format beside the experts' (at the token counts of
+             PACKED_SHARED_APART_TOKENS `triton.fused_moe` runs it apart)
   decode_parts.py  what the two decode forms share (`SharedArgs`, the two-phase launch; for the
              unquantized / INT6 form the shared expert's columns in any format and the end of a down
              program whose token's experts are split over several programs)

@@ -296,12 +296,11 @@ def align_pairs_to_blocks(expert_of_pair: torch.Tensor, num_experts: int, block_
     return pair_ids, block_expert
 
 
-# Packed (INT4/8) routed experts take the shared expert into their decode launches from this many tokens
-# on; below, `fused_moe` runs it apart (`SharedArgs.separately`). 1: always (the packed decode form splits
-# the shared expert's work over as many programs as an expert's; the form before it fused at batch 1 / 4 at
-# 0.74x / 0.81x of apart on an H200, INT4 + INT6 g32, and took 8 here). To be confirmed on an H200 with
-# bench/moe_decode_kernel.py --shared (fused vs apart, same run).
-PACKED_SHARED_MIN_TOKENS = 1
+# Token counts at which packed (INT4/8) routed experts run the shared expert apart (`SharedArgs.separately`);
+# at the others it joins their decode launches. Measured on an H200 (bench/moe_decode_kernel.py --shared,
+# session 8, INT4 experts + INT6 shared expert, fused vs apart in one run): fused 1.41x / 1.26x faster at
+# 1 token (g128 / g32), 0.70x / 0.63x at 4, 1.66x / 1.64x at 16.
+PACKED_SHARED_APART_TOKENS = range(2, 16)
 
 
 def fuses_shared_expert(topk_ids: torch.Tensor) -> bool:
@@ -316,7 +315,7 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, to
               shared: SharedExpert | None = None) -> torch.Tensor:
     """As `naive.fused_moe` (see there for shapes and formats). topk_ids must lie in [0, E): they are not
     checked here (that would cost a host sync). A shared expert is one more pair per token in the decode
-    form's launches (packed routed experts: from PACKED_SHARED_MIN_TOKENS tokens on); otherwise, and in
+    form's launches (packed routed experts: outside PACKED_SHARED_APART_TOKENS); otherwise, and in
     the prefill form, it runs beside them (`quant_linear` launches)."""
     bits, inter, group = check_moe_args(x, w_gate_up, w_down, topk_weights, topk_ids, format, scales, group_size)
     check_whole_word_groups(bits, group)
@@ -331,7 +330,7 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, to
     weights = (w_gate_up, gate_up_scales, w_down, down_scales)
     if num_pairs <= DECODE_MAX_PAIRS:
         packed = bits in (4, 8)
-        fused = shared_expert if not packed or t >= PACKED_SHARED_MIN_TOKENS else SharedArgs.of(x, None)
+        fused = SharedArgs.of(x, None) if packed and t in PACKED_SHARED_APART_TOKENS else shared_expert
         routed = _decode(x, weights, topk_weights.contiguous(), topk_ids.contiguous(), bits or 0, group, inter,
                          fused)
         return routed if shared is None or fused.present else routed + shared_expert.separately(x)
