@@ -140,6 +140,7 @@ def main() -> int:
         untimed = argparse.Namespace(**{**vars(args), "phases": False})
         run(untimed, speculative=False, eager=False)
         run(untimed, speculative=True, eager=False)
+        run(untimed, speculative=True, eager=False, overlap=False)  # the serial steps' own kernels and shapes
     base, base_s, _ = run(args, speculative=False, eager=False)
     eager, eager_s, _ = run(args, speculative=False, eager=True)
     own, own_s, own_stats = run(args, speculative=True, eager=False)
