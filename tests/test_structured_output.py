@@ -165,3 +165,23 @@ def test_a_token_the_grammar_rejects_fails_only_that_request(llm, manager):
     request = _request(SamplingParams(max_tokens=5), manager.new_state(schema_request(SCHEMAS[1])))
     request.append_token(llm.get_tokenizer().encode("x")[0])
     assert request.status == RequestStatus.FINISHED_ERROR
+
+
+def test_rollback_returns_to_the_earlier_state_across_the_reasoning_end(llm, manager):
+    """`GrammarState.rollback` (speculative decoding walks matchers over drafts and back): rolled back by n
+    tokens, a state allows exactly what it allowed before them, the reasoning reopened if its end token was
+    among them; a terminated state rolls back too."""
+    tokenizer = llm.get_tokenizer()
+    end, thinking, json_ids = 7, tokenizer.encode("so"), tokenizer.encode('{"unit": "cm"}')
+    request = StructuredOutputRequest(json_schema=json.dumps(SCHEMAS[1]), reasoning_end_token_id=end)
+    state, fresh = manager.new_state(request), manager.new_state(request)
+    for token in thinking + [end] + json_ids[:2]:
+        assert state.accept(token) and fresh.accept(token)
+    assert all(state.accept(t) for t in json_ids[2:]) and state.accept(2) and state.is_terminated
+    state.rollback(len(json_ids) - 2 + 1)
+    assert not state.is_terminated and torch.equal(state.token_bitmask(), fresh.token_bitmask())
+    state.rollback(3)  # the two JSON tokens and the end token
+    assert state.phase == "open" and state.token_bitmask() is None
+    plain = manager.new_state(schema_request(SCHEMAS[1]))
+    assert state.accept(end) and state.accept(json_ids[0]) and plain.accept(json_ids[0])
+    assert torch.equal(state.token_bitmask(), plain.token_bitmask())

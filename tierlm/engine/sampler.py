@@ -163,10 +163,11 @@ class RowPlan:
 
 
 def plan_rows(requests: list[Request], vocab: int, keys: np.ndarray, pinned: bool = False,
-              appended: list[list[int]] | None = None) -> RowPlan:
+              appended: list[list[int]] | None = None, grammars: bool = True) -> RowPlan:
     """The host side of a step's sampling pass (nothing here touches a device). appended: per row, ids
     the penalties count as output after the request's own (speculative verification: the drafts before
-    the row; a request may fill several rows)."""
+    the row; a request may fill several rows). grammars False: no row takes its grammar's mask (the
+    caller masks: speculative verification, each row after the drafts before it)."""
     rows = len(requests)
     failed: dict[int, str] = {}
     params = [r.params for r in requests]
@@ -186,7 +187,7 @@ def plan_rows(requests: list[Request], vocab: int, keys: np.ndarray, pinned: boo
             row_mask = None
             if p.allowed_token_ids:
                 row_mask = _allowed_bitmask(p.allowed_token_ids, vocab, words)
-            grammar = request.structured_output
+            grammar = request.structured_output if grammars else None
             if grammar is not None or row_mask is not None:
                 if bitmask is None:  # rows are written as they come: the grammar's, or all allowed (-1)
                     bitmask = torch.empty((rows, words), dtype=torch.int32, pin_memory=pinned)
@@ -498,12 +499,13 @@ class Sampler:
 
 def sampling_probs(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
     """The normalized fp32 distribution [R, V] that `sample_rows` draws row i from for requests[i], given
-    logits already through `edit_logits` (speculative decoding, its one user, applies the penalties first,
-    `speculative.penalized_logits`, and takes no request with biases, bans or a grammar): the sampler's own
+    logits already through `edit_logits` (speculative decoding, its one user, applies the penalties and
+    grammar masks first, `speculative.verify_logits`; no request with biases or bans): the sampler's own
     candidates and cuts (`_Candidates`), so a top-k row keeps its k best with ties by lower id; a row the
     sampler takes the argmax of (greedy, or a +inf maximum) is one-hot there."""
     x = logits.float()
-    plan = plan_rows(requests, x.shape[1], np.zeros(len(requests), dtype=np.uint64))  # keys: no draw here
+    keys = np.zeros(len(requests), dtype=np.uint64)  # no draw here
+    plan = plan_rows(requests, x.shape[1], keys, grammars=False)  # the logits are masked already
     sent = _Sent(plan, x.device)
     top, greedy_tokens = x.max(dim=-1)
     one_hot = torch.zeros_like(x).scatter_(1, greedy_tokens[:, None], 1.0)

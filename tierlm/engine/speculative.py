@@ -144,12 +144,12 @@ def is_greedy(request: Request) -> bool:
 
 
 def speculates(request: Request) -> bool:
-    """Whether the request decodes with drafts: nothing but its temperature, top-k, top-p, min-p and
-    penalties shape the distribution it samples from (greedy: the argmax)."""
+    """Whether the request decodes with drafts: nothing but its temperature, top-k, top-p, min-p,
+    penalties and grammar shape the distribution it samples from (greedy: the argmax)."""
     p = request.params
     return (
         p.logprobs is None and p.prompt_logprobs is None and p.min_tokens == 0
-        and not p.logit_bias and not p.bad_words and p.allowed_token_ids is None and p.structured_output is None
+        and not p.logit_bias and not p.bad_words and p.allowed_token_ids is None
     )
 
 
@@ -164,12 +164,13 @@ def verify_rows(requests: list[Request], drafts: list[list[int]]) -> tuple[list[
 
 
 def plan_penalties(requests: list[Request], drafts_before: list[list[int]], vocab: int, device: torch.device):
-    """The sampler's plan (`plan_rows`) of verification rows, row i's output grown by drafts_before[i];
-    None when no row's request has penalties (nothing to edit)."""
+    """The sampler's plan (`plan_rows`) of verification rows' penalties, row i's output grown by
+    drafts_before[i] (no grammar mask: the matcher's state is the output's, not the row's; `grammar_bitmask`
+    masks each row); None when no row's request has penalties (nothing to edit)."""
     if not any(request.params.has_penalties for request in requests):
         return None
     keys = np.zeros(len(requests), dtype=np.uint64)  # never read: the plan only edits logits here
-    return plan_rows(requests, vocab, keys, pinned=device.type == "cuda", appended=drafts_before)
+    return plan_rows(requests, vocab, keys, pinned=device.type == "cuda", appended=drafts_before, grammars=False)
 
 
 def penalized_logits(logits: torch.Tensor, requests: list[Request], drafts_before: list[list[int]]) -> torch.Tensor:
@@ -178,6 +179,89 @@ def penalized_logits(logits: torch.Tensor, requests: list[Request], drafts_befor
     x = logits.float()
     plan = plan_penalties(requests, drafts_before, x.shape[1], x.device)
     return x if plan is None else edit_logits(x, plan)
+
+
+def grammar_bitmask(requests: list[Request], drafts: list[list[int]], vocab: int, pinned: bool = False
+                    ) -> torch.Tensor | None:
+    """The token bitmask [rows, ceil(vocab / 32)] (xgrammar's int32 layout) of verify chunks' rows, in
+    `verify_rows`' order: request i's row j allows what its grammar allows after its output and
+    drafts[i][:j], its matcher walked over exactly the drafts being verified and then rolled back to the
+    output. Rows of requests without a grammar (or still reasoning) allow everything, and so do rows past
+    a draft the grammar refuses (the row before masks that draft: it is rejected) or ends on (the request
+    ends there if it is accepted): their tokens are never kept. None: no request has a grammar."""
+    if all(request.structured_output is None for request in requests):
+        return None
+    rows = sum(1 + len(tokens) for tokens in drafts)
+    bitmask = torch.full((rows, (vocab + 31) // 32), -1, dtype=torch.int32, pin_memory=pinned)
+    row = 0
+    for request, tokens in zip(requests, drafts, strict=True):
+        grammar = request.structured_output
+        if grammar is not None:
+            walked = 0
+            for j in range(1 + len(tokens)):
+                if not grammar.fill_token_bitmask(bitmask, row + j):
+                    bitmask[row + j] = -1
+                if j == len(tokens) or not grammar.accept(tokens[j]):
+                    break
+                walked += 1
+                if grammar.is_terminated:
+                    break
+            grammar.rollback(walked)
+        row += 1 + len(tokens)
+    return bitmask
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """-inf, in place in fp32 `logits` [rows, vocab], at every token a row of `bitmask` (on the host) forbids."""
+    import xgrammar  # slow to import: only once a grammar request speculates
+
+    xgrammar.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True))
+
+
+def verify_logits(logits: torch.Tensor, requests: list[Request], drafts: list[list[int]]) -> torch.Tensor:
+    """fp32 logits [rows, vocab] of verify chunks' rows (request i's last token, then its drafts: `verify_rows`)
+    as the sampler edits them once the output has grown by the drafts before each row: the penalties
+    (`penalized_logits`), then the grammar's mask (`grammar_bitmask`). A new tensor where it edits."""
+    x = penalized_logits(logits, *verify_rows(requests, drafts))
+    bitmask = grammar_bitmask(requests, drafts, x.shape[1], pinned=x.device.type == "cuda")
+    if bitmask is not None:
+        x = x.clone() if x is logits else x
+        apply_bitmask(x, bitmask)
+    return x
+
+
+class _GrammarWalk:
+    """The grammar matchers of proposing requests, walked ahead while the draft head proposes: over the
+    tokens the step adds to each output (its accepted drafts, then the token after them), then over each
+    draft as it is picked (`take`); `undo` rolls every matcher back to its request's output (the engine
+    then advances it over the step's tokens as it appends them). A request stops drafting at a draft its
+    grammar refuses (dropped) or ends on (kept: the last)."""
+
+    def __init__(self, requests: list[Request], ahead: list[list[int]]) -> None:
+        self.grammars = [request.structured_output for request in requests]
+        self.walked = [0] * len(requests)
+        self.open = [True] * len(requests)  # may still draft
+        for i, tokens in enumerate(ahead):
+            for token in tokens if self.grammars[i] is not None else ():
+                if not self.take(i, token):
+                    break
+
+    def take(self, i: int, token: int) -> bool:
+        """Advance request i's matcher past `token`: whether it is kept."""
+        grammar = self.grammars[i]
+        if grammar is None:
+            return True
+        if not self.open[i] or not grammar.accept(token):
+            self.open[i] = False
+            return False
+        self.walked[i] += 1
+        self.open[i] = not grammar.is_terminated
+        return True
+
+    def undo(self) -> None:
+        for grammar, walked in zip(self.grammars, self.walked, strict=True):
+            if grammar is not None:
+                grammar.rollback(walked)
 
 
 @dataclass
@@ -278,7 +362,8 @@ class SpeculativeRunner:
             and 0 < len(step.chunks) <= verify.max_batch
             and all(len(chunk.draft_token_ids) == k and chunk.num_tokens == 1 and chunk.samples
                     and len(chunk.request.block_ids) <= verify.block_tables.shape[1]
-                    and speculates(chunk.request) and is_greedy(chunk.request) for chunk in step.chunks)
+                    and speculates(chunk.request) and is_greedy(chunk.request)
+                    and chunk.request.structured_output is None for chunk in step.chunks)
         )
 
     def _greedy_step(self, step: SchedulerOutput) -> StepResult:
@@ -407,10 +492,10 @@ class SpeculativeRunner:
         if not all(greedy):
             draft_probs = torch.zeros(len(verify), k_max, vocab, dtype=torch.float32, device=device)
         requests = [chunk.request for chunk, _, _ in verify]
-        if any(request.params.has_penalties for request in requests):  # every verify row, penalized
+        if any(request.params.has_penalties or request.structured_output is not None for request in requests):
+            # every verify row, penalized and masked as decoding would after the drafts before it
             index = torch.cat([torch.arange(first, first + count) for _, first, count in verify]).to(device)
-            logits = penalized_logits(logits[index], *verify_rows(
-                requests, [chunk.draft_token_ids for chunk, _, _ in verify]))
+            logits = verify_logits(logits[index], requests, [chunk.draft_token_ids for chunk, _, _ in verify])
             starts = np.cumsum([0] + [count for _, _, count in verify])
             verify = [(chunk, int(start), count) for (chunk, _, count), start in zip(verify, starts[:-1], strict=True)]
         for i, (chunk, first, count) in enumerate(verify):
@@ -522,9 +607,14 @@ class SpeculativeRunner:
         if not proposers:
             return
         requests = [item.chunk.request for item in proposers]
+        # grammars: drafts are picked under each matcher's mask, the matcher walked past the step's own tokens
+        walk = _GrammarWalk(requests, [item.tokens[item.chunk.num_tokens :] + [item.next_token] for item in proposers])
+        drafts, draft_probs = [[] for _ in proposers], [[] for _ in proposers]
         first, probs = self._pick(logits, requests)
-        drafts = [[token] for token in first]
-        draft_probs = [[row] for row in probs]
+        for i, (token, row) in enumerate(zip(first, probs, strict=True)):
+            if walk.take(i, token):
+                drafts[i].append(token)
+                draft_probs[i].append(row)
         # draft step s (1..K-1) reads draft s and writes the head's K/V at position start + len(tokens) + s - 1;
         # a request stops drafting where its blocks end (the scheduler reserves K positions past the chunk)
         positions = [item.chunk.start + len(item.tokens) for item in proposers]
@@ -538,8 +628,8 @@ class SpeculativeRunner:
                 state.copy_slots(torch.tensor([r.state_slot for r in requests], device=device),
                                  torch.tensor(step_slots, device=device))
         for s in range(1, self.k):
-            live = [j for j, i in enumerate(active)
-                    if positions[i] + s - 1 < len(proposers[i].chunk.request.block_ids) * block_size]
+            live = [j for j, i in enumerate(active) if walk.open[i]
+                    and positions[i] + s - 1 < len(proposers[i].chunk.request.block_ids) * block_size]
             if not live:
                 break
             if len(live) < len(active):
@@ -554,11 +644,13 @@ class SpeculativeRunner:
             logits, out_streams = self._draft(step_batch, out_streams, s)
             tokens, probs = self._pick(logits, requests)
             for i, token, row in zip(active, tokens, probs, strict=True):
-                drafts[i].append(token)
-                draft_probs[i].append(row)
+                if walk.take(i, token):
+                    drafts[i].append(token)
+                    draft_probs[i].append(row)
+        walk.undo()
         for item, tokens, rows in zip(proposers, drafts, draft_probs, strict=True):
             item.chunk.request.draft_token_ids = tokens
-            item.chunk.request.draft_probs = None if rows[0] is None else torch.stack(rows)
+            item.chunk.request.draft_probs = None if not rows or rows[0] is None else torch.stack(rows)
 
     def _draft(self, batch: ForwardBatch, hidden: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One draft-head forward: replayed at a fixed shape where one is prepared, else eager."""
@@ -571,7 +663,8 @@ class SpeculativeRunner:
     def _pick(self, logits: torch.Tensor, requests: list[Request]) -> tuple[list[int], list[torch.Tensor | None]]:
         """Each row's draft: the argmax for a greedy request; for a sampled one a draw from the draft's
         distribution q (the request's temperature, top-k/p, min-p), from its own generator, with q kept for
-        verification."""
+        verification. A request with a grammar picks under its matcher's current mask."""
+        logits = _grammar_masked(logits, requests)
         tokens = logits.argmax(dim=-1)
         probs: list[torch.Tensor | None] = [None] * len(requests)
         sampled = [i for i, request in enumerate(requests) if not is_greedy(request)]
@@ -595,6 +688,23 @@ class SpeculativeRunner:
         group = row_slot_group(request.home_slot, self.position_slot_base, self.k)
         at = group.index(request.state_slot)
         return group[(at + 1 + j) % len(group)]
+
+
+def _grammar_masked(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """Draft logits [rows, vocab] with row i masked (-inf, in an fp32 copy) by requests[i]'s grammar in its
+    matcher's current state; the logits themselves when no row has a grammar still open."""
+    rows = [i for i, request in enumerate(requests)
+            if request.structured_output is not None and not request.structured_output.is_terminated]
+    if not rows:
+        return logits
+    bitmask = torch.full((len(requests), (logits.shape[1] + 31) // 32), -1, dtype=torch.int32,
+                         pin_memory=logits.device.type == "cuda")
+    for i in rows:
+        if not requests[i].structured_output.fill_token_bitmask(bitmask, i):
+            bitmask[i] = -1
+    x = logits.to(torch.float32, copy=True)
+    apply_bitmask(x, bitmask)
+    return x
 
 
 def row_slot_group(home_slot: int, position_slot_base: int, k: int) -> list[int]:

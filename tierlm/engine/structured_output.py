@@ -64,6 +64,7 @@ class GrammarState:
         self._bitmask = xgrammar.allocate_token_bitmask(1, vocab_size)
         self._end = request.reasoning_end_token_id if request is not None else None
         self.phase = "grammar" if self._end is None else "open"
+        self._matched = 0  # tokens the matcher accepted (those after the reasoning's end): what it can roll back
 
     def token_bitmask(self) -> torch.Tensor | None:
         """The tokens allowed next as xgrammar's int32 bitmask row (a fresh CPU tensor: also what a pipeline's
@@ -84,7 +85,23 @@ class GrammarState:
             if token_id == self._end:
                 self.phase = "grammar"
             return True
-        return self._matcher.accept_token(token_id)
+        if self.is_terminated:  # nothing follows the stop token (xgrammar would only warn)
+            return False
+        accepted = self._matcher.accept_token(token_id)
+        self._matched += accepted
+        return accepted
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last `num_tokens` accepted tokens (speculative decoding walks the matcher over drafts
+        and steps back): a rollback past the reasoning's end token reopens the reasoning."""
+        if num_tokens <= 0:
+            return
+        matched = min(num_tokens, self._matched)
+        if matched:
+            self._matcher.rollback(matched)
+            self._matched -= matched
+        if num_tokens > matched and self._end is not None:
+            self.phase = "open"
 
     @property
     def is_terminated(self) -> bool:
