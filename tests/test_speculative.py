@@ -4,7 +4,8 @@ path) or accepted (drafts from an oracle that knows the greedy continuation, som
 path, partial runs, and stops and max_tokens inside an accepted run); bad configurations are refused.
 With overlap scheduling greedy steps chain on the device's own outputs: forced acceptance there comes from
 drafts made on the device (`device_oracle`), and stops, aborts and prefix-cache checkpoints are checked
-with a step in flight.
+with a step in flight. Structured-output requests speculate under their grammars: greedy tokens those of no
+drafts, many concurrent requests valid, drafts the grammar forbids never accepted.
 """
 
 from __future__ import annotations

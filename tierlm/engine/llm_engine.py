@@ -380,7 +380,7 @@ class LLMEngine:
             self.runner = SpeculativeRunner(self.runner, speculative, plan.num_slots, config.seed, static_decode,
                                             static_drafts)
             logger.info("speculative decoding: %s, %d draft tokens per step (%d MTP layer(s)); requests with "
-                        "penalties, biases, bans, min_tokens, logprobs or a grammar decode one token per step",
+                        "biases, bans, allowed ids, min_tokens or logprobs decode one token per step",
                         speculative.method, k, mc.num_mtp_layers)
         self._finish_init()
 

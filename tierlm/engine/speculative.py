@@ -67,15 +67,30 @@ positions are rolled back exactly.
   rows; ~1.5 us each on an H200): one Triton kernel would take them to one launch; a step where a request
   finishes or one is admitted reads back before scheduling (one serial step, then the chain restarts);
   penalized, sampled and grammar requests stay serial (verification needs the drafts or output ids on
-  the host).
-Which requests speculate: those with nothing but temperature, top-k/p, min-p and the repetition,
-frequency and presence penalties shaping their distribution (no biases, bans, allowed ids, min_tokens,
-log-probabilities, grammar); the others decode one token per step in the same batches, unchanged. A
+  the host; a grammar's masks, its matcher).
+Which requests speculate: those with nothing but temperature, top-k/p, min-p, the repetition,
+frequency and presence penalties and a grammar shaping their distribution (no biases, bans, allowed ids,
+min_tokens, log-probabilities); the others decode one token per step in the same batches, unchanged. A
 penalized request's verify row j is penalized as the sampler would penalize it once the output had grown
 by drafts 1..j (`penalized_logits`: the sampler's own `plan_rows` / `edit_logits`, the drafts before each
 row appended to the output ids it counts), so greedy and sampled rows verify against exactly the
 distribution decoding without drafts samples from; the drafts themselves are proposed unpenalized (any
-proposal is exact; penalties only move acceptance). Steps that mix widths (a prefill chunk,
+proposal is exact; penalties only move acceptance).
+Grammars (structured output: json_schema, json_object, structural tags; `GrammarState`, xgrammar's
+matcher): a grammar request speculates on the general path (`_on_device` leaves it out: no mask inside
+the greedy graph; so overlap scheduling too). Its drafts are proposed under the grammar: the matcher is
+walked past the step's own tokens (accepted drafts, the token after them), each draft picked from the
+head's logits masked by the matcher's bitmask (argmax, or a draw from the masked draft distribution,
+which is the q verification takes) and accepted into the matcher; a draft that ends the grammar is the
+last, one it refuses ends the list; then the matcher is rolled back (`GrammarState.rollback`) to the
+request's output (`_GrammarWalk`). Verification masks verify row j by the matcher after exactly the
+drafts this step verifies before it (`grammar_bitmask`: walked over the chunk's drafts, rolled back),
+after the row's penalties (the sampler's order), so greedy rows take the sampler's masked argmax and
+sampled rows verify against the sampler's masked distribution (`sampling_probs`): a draft the grammar
+forbids has p = 0 there and is never accepted. The engine then appends the accepted drafts and the token
+after them, advancing the matcher as for any sampled token: it ends exactly at the accepted output.
+(The seed's vLLM answered HTTP 500 with MTP, grammars and 2+ running requests: its masks were built from other
+drafts than the ones verified.) Steps that mix widths (a prefill chunk,
 a request with fewer drafts or none) run eagerly, the layers then keeping the per-position states request
 by request. The draft head's forwards replay CUDA graphs too (`static_drafts`) where every request has
 one row (the K-1 draft steps; the pass over the kept rows when no draft was accepted) or 1+K rows (the
