@@ -633,6 +633,24 @@ def test_grammar_requests_speculate_exactly(demo, json_reference, k):
     assert 0 < llm.stats().num_accepted_tokens < llm.stats().num_draft_tokens
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_grammar_requests_speculate_on_a_gpu(demo):
+    """On a GPU (fp32; the verify and draft forwards replayed from CUDA graphs, the greedy graph step left out
+    for grammar requests) the masks go up from pinned memory: the tokens of no drafts, valid JSON."""
+    def cuda(speculative_config=None):
+        return LLMEngine(EngineConfig(model=str(demo), dtype="float32", device="cuda", max_num_seqs=2,
+                                      kv_cache_memory_bytes=32 << 20, speculative_config=speculative_config))
+
+    expected = generate(cuda(), penalized_json())
+    for k in (1, 3):
+        llm = cuda(spec(k))
+        assert llm.runner.static_verify is not None
+        got = generate(llm, penalized_json())
+        assert [o.token_ids for o in got] == [o.token_ids for o in expected]
+        assert_valid(got, GRAMMAR_SCHEMAS[:2])
+        assert llm.stats().num_accepted_tokens > 0
+
+
 def test_concurrent_grammar_requests_with_drafts_stay_valid(demo):
     """Twelve json_schema requests, four running at a time (greedy and seeded sampled, different schemas), with
     drafts, for 100+ steps: no error, every output parses and validates against its own schema."""
