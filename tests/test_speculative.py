@@ -487,6 +487,49 @@ def test_prefix_cache_hits_and_preemption_keep_the_tokens(demo):
     assert stats.prefix_cache_hits > 0 and 0 < stats.num_accepted_tokens < stats.num_draft_tokens
 
 
+@pytest.mark.parametrize("k", [1, 3])
+def test_offloaded_kv_gives_the_same_tokens(demo, reference, k):
+    """QSA K/V in host pools (--qsa-kv-offload; the target's layers and the draft head's) through a tiny row
+    cache (61 rows: evictions every step): the tokens of no drafts, with the head's own drafts (rejected:
+    rolled back on the general path) and with forced acceptance on the fixed-shape greedy steps under
+    overlap (accepted runs, a wrong draft each step). Rows that rejected drafts wrote are read (and cached) in their verify step and
+    rewritten in the next: after every step each cached row holds its pool row's bytes (a stale copy moves
+    the random model's logits, rarely its argmax). A request with logprobs decodes without drafts beside
+    them: its logprobs are the bits of device pools (the same batches), and those of no drafts within
+    rounding (verify rows in its batches change the matmul shapes)."""
+    offload = {"qsa_kv_offload": True, "qsa_row_cache_rows": 61, "max_num_seqs": 3}
+    params = [greedy(), greedy(logprobs=2)]
+    plain = generate(engine(demo, **offload), params)
+    on_device = generate(engine(demo, spec(k), max_num_seqs=3), params)
+    own = engine(demo, spec(k), **offload)
+    assert all(c.offload is not None for c in own.cache.layers + own.cache.draft_layers if c.kv is not None)
+    got = generate(own, params, cached_rows_are_pool_rows)
+    assert [out.token_ids for out in got] == [out.token_ids for out in plain] == reference
+    assert [list(p.items()) for p in got[1].logprobs] == [list(p.items()) for p in on_device[1].logprobs]
+    for a, b in zip(got[1].logprobs, plain[1].logprobs, strict=True):
+        assert list(a) == list(b)
+        assert [p.logprob for p in a.values()] == pytest.approx([p.logprob for p in b.values()], abs=1e-5)
+    assert own.stats().num_draft_tokens > 0
+    forced = engine(demo, spec(k), **offload)
+    oracle, chained = device_oracle(forced, k, {"0": reference[0], "1": reference[1]}, wrong=k - 1)
+    got = generate(forced, [greedy(), greedy()], lambda llm: oracle(llm) or cached_rows_are_pool_rows(llm))
+    assert [out.token_ids for out in got] == reference
+    assert chained and 0 < forced.stats().num_accepted_tokens < forced.stats().num_draft_tokens
+    draft_hits, _ = forced.cache.draft_layers[0].offload.cache.counters()  # the stats count the head's layer too
+    assert 0 < draft_hits < forced.stats().qsa_row_cache_hits == sum(kv.cache.counters()[0]
+                                                                     for kv in forced.cache.offloaded)
+
+
+def cached_rows_are_pool_rows(llm: LLMEngine) -> None:
+    """Every row an offloaded layer's row cache holds (target and draft head) is its pool row's K and V."""
+    for layer in llm.cache.offloaded:
+        cache = layer.cache
+        slots = (cache.tags >= 0).nonzero().flatten()
+        rows = cache.tags[slots]
+        assert torch.equal(cache.keys[slots], layer.host_k[rows])
+        assert torch.equal(cache.values[slots], layer.host_v[rows])
+
+
 def test_generate_cli_takes_the_flag(demo, capsys):
     from tierlm.cli import main as cli_main
 
