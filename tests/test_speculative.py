@@ -520,14 +520,47 @@ def test_offloaded_kv_gives_the_same_tokens(demo, reference, k):
                                                                      for kv in forced.cache.offloaded)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("k", [1, 3])
+def test_offloaded_kv_graph_steps_on_a_gpu(demo, k):
+    """On a GPU (fp32) with the K/V offloaded (pinned host pools read over UVA; the row cache planned, read
+    and invalidated inside each greedy step's CUDA graph): the head's own drafts and oracle drafts (made
+    on the device, chained) give the tokens of no drafts, and every cached row is its pool row after each
+    step."""
+    from tierlm.model import static_decode
+    from tierlm.model.speculative_step import OracleSpeculation
+
+    def cuda(speculative_config=None):
+        return LLMEngine(EngineConfig(model=str(demo), dtype="float32", device="cuda", max_num_seqs=2,
+                                      kv_cache_memory_bytes=32 << 20, speculative_config=speculative_config,
+                                      qsa_kv_offload=True, qsa_row_cache_rows=61))
+
+    expected = [out.token_ids for out in generate(cuda(), [greedy(), greedy()])]
+    for oracle in (False, True):
+        with pytest.MonkeyPatch.context() as patch:
+            if oracle:  # the greedy graphs draft the known continuation (what chained steps verify)
+                patch.setattr(static_decode, "GreedySpeculation", OracleSpeculation)
+            llm = cuda(spec(k))
+        verify = llm.runner.static_verify
+        assert verify.mode == "cuda_graph" and verify.greedy_graphs and llm.cache.offloaded
+        after, chained = cached_rows_are_pool_rows, []
+        if oracle:
+            hook, chained = device_oracle(llm, k, {"0": expected[0], "1": expected[1]}, wrong=k - 1)
+            after = lambda llm, hook=hook: hook(llm) or cached_rows_are_pool_rows(llm)
+        assert [out.token_ids for out in generate(llm, [greedy(), greedy()], after)] == expected
+        assert not oracle or (chained and llm.stats().num_accepted_tokens > 0)
+        assert llm.stats().qsa_row_cache_hits > 0
+
+
 def cached_rows_are_pool_rows(llm: LLMEngine) -> None:
-    """Every row an offloaded layer's row cache holds (target and draft head) is its pool row's K and V."""
+    """Every row an offloaded layer's row cache holds (target and draft head) is its pool row's K and V
+    (on CUDA the tags' read waits for the steps in flight)."""
     for layer in llm.cache.offloaded:
         cache = layer.cache
         slots = (cache.tags >= 0).nonzero().flatten()
-        rows = cache.tags[slots]
-        assert torch.equal(cache.keys[slots], layer.host_k[rows])
-        assert torch.equal(cache.values[slots], layer.host_v[rows])
+        rows = cache.tags[slots].cpu()
+        assert torch.equal(cache.keys[slots].cpu(), layer.host_k[rows])
+        assert torch.equal(cache.values[slots].cpu(), layer.host_v[rows])
 
 
 def test_generate_cli_takes_the_flag(demo, capsys):
@@ -596,12 +629,14 @@ def test_acceptance_is_logged(demo, reference, monkeypatch, caplog):
 
 def test_the_planned_weights_include_the_draft_head(demo, capsys):
     """`tierlm plan --speculative-config` counts the draft head's weights (the checkpoint's, from its
-    headers): exactly the mtp.* tensors' bytes more than the plan without drafts."""
+    headers): exactly the mtp.* tensors' bytes more than the plan without drafts; in bf16, exactly the
+    bytes of the head the loader places (`model.mtp`, cast to the model dtype)."""
     import re
 
     from safetensors import safe_open
 
     from tierlm.cli import main as cli_main
+    from tierlm.model.loader import load_model
 
     def planned_weights(*flags: str) -> int:
         assert cli_main(["plan", str(demo), "--kv-cache-memory-bytes", str(32 << 20), *flags]) == 0
@@ -616,3 +651,7 @@ def test_the_planned_weights_include_the_draft_head(demo, capsys):
                 head += math.prod(view.get_shape()) * item[view.get_dtype()]
     assert head > 0
     assert planned_weights("--speculative-config", spec(2)) - planned_weights() == head
+    loaded = load_model(demo, "bfloat16", "cpu", load_mtp=True)[0].mtp
+    placed = sum(t.numel() * t.element_size() for t in [*loaded.parameters(), *loaded.buffers()])
+    bf16 = ("--dtype", "bfloat16")
+    assert planned_weights(*bf16, "--speculative-config", spec(2)) - planned_weights(*bf16) == placed
