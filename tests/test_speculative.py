@@ -488,6 +488,82 @@ def test_prefix_cache_hits_and_preemption_keep_the_tokens(demo):
     assert stats.prefix_cache_hits > 0 and 0 < stats.num_accepted_tokens < stats.num_draft_tokens
 
 
+@pytest.mark.parametrize("k", [1, 3])
+def test_offloaded_kv_gives_the_same_tokens(demo, reference, k):
+    """QSA K/V in host pools (--qsa-kv-offload; the target's layers and the draft head's) through a tiny row
+    cache (61 rows: evictions every step): the tokens of no drafts, with the head's own drafts (rejected:
+    rolled back on the general path) and with forced acceptance on the fixed-shape greedy steps under
+    overlap (accepted runs, a wrong draft each step). Rows that rejected drafts wrote are read (and cached) in their verify step and
+    rewritten in the next: after every step each cached row holds its pool row's bytes (a stale copy moves
+    the random model's logits, rarely its argmax). A request with logprobs decodes without drafts beside
+    them: its logprobs are the bits of device pools (the same batches), and those of no drafts within
+    rounding (verify rows in its batches change the matmul shapes)."""
+    offload = {"qsa_kv_offload": True, "qsa_row_cache_rows": 61, "max_num_seqs": 3}
+    params = [greedy(), greedy(logprobs=2)]
+    plain = generate(engine(demo, **offload), params)
+    on_device = generate(engine(demo, spec(k), max_num_seqs=3), params)
+    own = engine(demo, spec(k), **offload)
+    assert all(c.offload is not None for c in own.cache.layers + own.cache.draft_layers if c.kv is not None)
+    got = generate(own, params, cached_rows_are_pool_rows)
+    assert [out.token_ids for out in got] == [out.token_ids for out in plain] == reference
+    assert [list(p.items()) for p in got[1].logprobs] == [list(p.items()) for p in on_device[1].logprobs]
+    for a, b in zip(got[1].logprobs, plain[1].logprobs, strict=True):
+        assert list(a) == list(b)
+        assert [p.logprob for p in a.values()] == pytest.approx([p.logprob for p in b.values()], abs=1e-5)
+    assert own.stats().num_draft_tokens > 0
+    forced = engine(demo, spec(k), **offload)
+    oracle, chained = device_oracle(forced, k, {"0": reference[0], "1": reference[1]}, wrong=k - 1)
+    got = generate(forced, [greedy(), greedy()], lambda llm: oracle(llm) or cached_rows_are_pool_rows(llm))
+    assert [out.token_ids for out in got] == reference
+    assert chained and 0 < forced.stats().num_accepted_tokens < forced.stats().num_draft_tokens
+    draft_hits, _ = forced.cache.draft_layers[0].offload.cache.counters()  # the stats count the head's layer too
+    assert 0 < draft_hits < forced.stats().qsa_row_cache_hits == sum(kv.cache.counters()[0]
+                                                                     for kv in forced.cache.offloaded)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("k", [1, 3])
+def test_offloaded_kv_graph_steps_on_a_gpu(demo, k):
+    """On a GPU (fp32) with the K/V offloaded (pinned host pools read over UVA; the row cache planned, read
+    and invalidated inside each greedy step's CUDA graph): the head's own drafts and oracle drafts (made
+    on the device, chained) give the tokens of no drafts, and every cached row is its pool row after each
+    step."""
+    from tierlm.model import static_decode
+    from tierlm.model.speculative_step import OracleSpeculation
+
+    def cuda(speculative_config=None):
+        return LLMEngine(EngineConfig(model=str(demo), dtype="float32", device="cuda", max_num_seqs=2,
+                                      kv_cache_memory_bytes=32 << 20, speculative_config=speculative_config,
+                                      qsa_kv_offload=True, qsa_row_cache_rows=61))
+
+    expected = [out.token_ids for out in generate(cuda(), [greedy(), greedy()])]
+    for oracle in (False, True):
+        with pytest.MonkeyPatch.context() as patch:
+            if oracle:  # the greedy graphs draft the known continuation (what chained steps verify)
+                patch.setattr(static_decode, "GreedySpeculation", OracleSpeculation)
+            llm = cuda(spec(k))
+        verify = llm.runner.static_verify
+        assert verify.mode == "cuda_graph" and verify.greedy_graphs and llm.cache.offloaded
+        after, chained = cached_rows_are_pool_rows, []
+        if oracle:
+            hook, chained = device_oracle(llm, k, {"0": expected[0], "1": expected[1]}, wrong=k - 1)
+            after = lambda llm, hook=hook: hook(llm) or cached_rows_are_pool_rows(llm)
+        assert [out.token_ids for out in generate(llm, [greedy(), greedy()], after)] == expected
+        assert not oracle or (chained and llm.stats().num_accepted_tokens > 0)
+        assert llm.stats().qsa_row_cache_hits > 0
+
+
+def cached_rows_are_pool_rows(llm: LLMEngine) -> None:
+    """Every row an offloaded layer's row cache holds (target and draft head) is its pool row's K and V
+    (on CUDA the tags' read waits for the steps in flight)."""
+    for layer in llm.cache.offloaded:
+        cache = layer.cache
+        slots = (cache.tags >= 0).nonzero().flatten()
+        rows = cache.tags[slots].cpu()
+        assert torch.equal(cache.keys[slots].cpu(), layer.host_k[rows])
+        assert torch.equal(cache.values[slots].cpu(), layer.host_v[rows])
+
+
 def test_generate_cli_takes_the_flag(demo, capsys):
     from tierlm.cli import main as cli_main
 
@@ -554,12 +630,14 @@ def test_acceptance_is_logged(demo, reference, monkeypatch, caplog):
 
 def test_the_planned_weights_include_the_draft_head(demo, capsys):
     """`tierlm plan --speculative-config` counts the draft head's weights (the checkpoint's, from its
-    headers): exactly the mtp.* tensors' bytes more than the plan without drafts."""
+    headers): exactly the mtp.* tensors' bytes more than the plan without drafts; in bf16, exactly the
+    bytes of the head the loader places (`model.mtp`, cast to the model dtype)."""
     import re
 
     from safetensors import safe_open
 
     from tierlm.cli import main as cli_main
+    from tierlm.model.loader import load_model
 
     def planned_weights(*flags: str) -> int:
         assert cli_main(["plan", str(demo), "--kv-cache-memory-bytes", str(32 << 20), *flags]) == 0
@@ -574,6 +652,10 @@ def test_the_planned_weights_include_the_draft_head(demo, capsys):
                 head += math.prod(view.get_shape()) * item[view.get_dtype()]
     assert head > 0
     assert planned_weights("--speculative-config", spec(2)) - planned_weights() == head
+    loaded = load_model(demo, "bfloat16", "cpu", load_mtp=True)[0].mtp
+    placed = sum(t.numel() * t.element_size() for t in [*loaded.parameters(), *loaded.buffers()])
+    bf16 = ("--dtype", "bfloat16")
+    assert planned_weights(*bf16, "--speculative-config", spec(2)) - planned_weights(*bf16) == placed
 
 
 # ---- structured output with drafts ----------------------------------------------------------------------

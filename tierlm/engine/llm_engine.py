@@ -574,7 +574,7 @@ class LLMEngine:
         }
 
     def _row_cache_stats(self) -> dict:
-        offloaded = [state.offload for state in self.cache.layers if state.offload is not None]
+        offloaded = self.cache.offloaded  # the draft head's layers read through their row caches too
         if not offloaded or not self.config.qsa_row_cache:
             return {}
         # one device read for all layers: the server snapshots the stats after every step

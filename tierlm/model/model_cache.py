@@ -189,11 +189,15 @@ class ModelCache:
         """One request's state over every layer (what a checkpoint copies)."""
         return sum(state.slot_bytes for state in self.slot_states)
 
+    @property
+    def offloaded(self) -> list[OffloadedKV]:
+        """The host-pool K/V of every offloaded QSA layer, the draft head's included."""
+        return [caches.offload for caches in self.layers + self.draft_layers if caches.offload is not None]
+
     def reset_row_cache_counters(self) -> None:
         """Zero every offloaded layer's row-cache hit and miss counts (warm-up forwards are not serving)."""
-        for state in self.layers:
-            if state.offload is not None:
-                state.offload.cache.reset_counters()
+        for kv in self.offloaded:
+            kv.cache.reset_counters()
 
     def reset_slot(self, slot: int) -> None:
         """Give a slot the state of a request that has seen no tokens yet."""

@@ -14,7 +14,8 @@ of V, allocated once at start-up, with two uses that never overlap in time:
 - decode: the arena is the row cache (`kernels/qsa_row_cache`): the attention kernel reads each selected
   row from the arena if it is cached there, else straight from the pool over UVA, and keeps it. Only
   decode-shaped batches (at most `max_cached_batch` requests) use the cache; larger ones read every row
-  from the pool, and their writes still invalidate.
+  from the pool, and their writes still invalidate. A row written again (a freed block handed out anew,
+  a position a rejected speculative draft wrote, rewritten by the next step) is never read stale.
 A staged prefill overwrites the arena's first rows, so it drops their tags. On CPU the pools are plain
 memory and the torch reference forms of the same steps run. The indexer's compressed keys stay on the
 device: they are tens of bytes per token and every step reads them all.
