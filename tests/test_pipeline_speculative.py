@@ -1,0 +1,105 @@
+"""MTP speculative decoding with pipeline parallelism (engine/pipeline_speculative.py), on CPU (gloo ranks as
+processes, demo tiny with an MTP head, fp32): the draft head on the last rank, verify rows through both
+stages, the accepted count back on rank 0 and the rollback replayed on rank 1. Greedy output is exactly one
+process's without drafts, whether the drafts are the head's own (random: rejected, every step rolls back
+on both ranks) or an oracle's (forced acceptance, partial runs); requests that do not speculate under
+pipeline parallelism (log-probabilities, seeded sampling) decode one token per step beside them, with the
+same tokens, and log-probabilities within fp32 rounding of batches that differ (as tests/test_pipeline.py
+allows for concurrent requests).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tierlm.demo_model import build_demo_model
+from tierlm.engine.llm_engine import EngineConfig, LLMEngine
+from tierlm.engine.pipeline_speculative import PipelineSpeculation
+from tierlm.sampling_params import SamplingParams
+
+# a prompt longer than a step's tokens: its prefill is chunked (the draft head runs over every chunk)
+PROMPTS = ["Hello there, how are you", "def parse(tokens):\n    return [t for t in tokens if t]\n" * 2,
+           "The quick brown fox", "JSON please:"]
+OPTIONS = {"dtype": "float32", "device": "cpu", "max_model_len": 256, "max_num_seqs": 4,
+           "max_num_batched_tokens": 24, "kv_cache_memory_bytes": 32 << 20}
+MAX_TOKENS = 10
+SPECULATING = ("0", "1")  # greedy without logprobs: the requests that carry drafts
+
+
+def params() -> list[SamplingParams]:
+    """Two speculating greedy requests, one with log-probabilities and one seeded sampled (no drafts)."""
+    greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    return [greedy, greedy, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2),
+            SamplingParams(temperature=0.9, top_p=0.95, max_tokens=MAX_TOKENS, ignore_eos=True, seed=7)]
+
+
+def generate(llm: LLMEngine, after_step=None) -> list:
+    ids = [llm.add_request(prompt, p) for prompt, p in zip(PROMPTS, params(), strict=True)]
+    done = {}
+    while llm.has_unfinished_requests():
+        for output in llm.step():
+            if output.finished:
+                done[output.request_id] = output.outputs[0]
+        if after_step is not None:
+            after_step(llm)
+    return [done[i] for i in ids]
+
+
+def logprob_rows(completion) -> list:
+    return [sorted((token, entry.logprob, entry.rank) for token, entry in position.items())
+            for position in completion.logprobs]
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    return build_demo_model(tmp_path_factory.mktemp("pp-spec") / "demo", "tiny", mtp=True)
+
+
+@pytest.fixture(scope="module")
+def reference(demo) -> list:
+    """One process, no drafts."""
+    return generate(LLMEngine(EngineConfig(model=str(demo), **OPTIONS)))
+
+
+class Oracle:
+    """After each step, the speculating requests' drafts become their reference continuation, the first
+    draft made wrong every second step (accepted runs, and rejections right after them)."""
+
+    def __init__(self, reference: list, k: int) -> None:
+        self.truth = {request_id: reference[int(request_id)].token_ids for request_id in SPECULATING}
+        self.k, self.steps = k, 0
+
+    def __call__(self, llm: LLMEngine) -> None:
+        self.steps += 1
+        for request in llm.scheduler.running:
+            if request.request_id in self.truth and request.draft_token_ids:
+                drafts = list(self.truth[request.request_id][len(request.output_token_ids):][: self.k])
+                if self.steps % 2 and drafts:
+                    drafts[0] = (drafts[0] + 1) % llm.model_config.vocab_size
+                if drafts:
+                    request.draft_token_ids = drafts
+
+
+@pytest.mark.parametrize("k, oracle", [(1, False), (3, True)], ids=["k1-head-drafts", "k3-forced-acceptance"])
+def test_pipeline_with_drafts_gives_one_process_tokens_and_logprobs(demo, reference, k, oracle):
+    llm = LLMEngine(EngineConfig(model=str(demo), **OPTIONS, pipeline_parallel_size=2,
+                                 speculative_config=json.dumps({"method": "mtp", "num_speculative_tokens": k})))
+    try:
+        assert isinstance(llm.runner, PipelineSpeculation)
+        forcing = Oracle(reference, k) if oracle else None
+        got = generate(llm, forcing)
+        assert [out.token_ids for out in got] == [out.token_ids for out in reference]
+        # batches differ from one process's (verify rows, two ranks' threads): fp32 sums may round
+        # differently in the last bits, as in tests/test_pipeline.py's concurrent requests
+        for row, expected in zip(logprob_rows(got[2]), logprob_rows(reference[2]), strict=True):
+            assert [entry[::2] for entry in row] == [entry[::2] for entry in expected]  # tokens and ranks
+            assert max(abs(a[1] - b[1]) for a, b in zip(row, expected, strict=True)) <= 1e-4
+        stats = llm.stats()
+        assert stats.num_draft_tokens > 0
+        if oracle:  # both paths ran, and accepted drafts saved steps
+            assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+            assert forcing.steps < len(PROMPTS) * MAX_TOKENS
+    finally:
+        llm.close()
