@@ -2,7 +2,7 @@
 processes, demo tiny with an MTP head, fp32): the draft head on the last rank, verify rows through both
 stages, the accepted count back on rank 0 and the rollback replayed on rank 1. Greedy output is exactly one
 process's without drafts, whether the drafts are the head's own (random: rejected, every step rolls back
-on both ranks) or an oracle's (forced acceptance, partial runs); requests that do not speculate under
+on both ranks) or an oracle's (forced acceptance, partial runs; a preemption), and after a prefix-cache hit; requests that do not speculate under
 pipeline parallelism (log-probabilities, seeded sampling) decode one token per step beside them, with the
 same tokens, and log-probabilities within fp32 rounding of batches that differ (as tests/test_pipeline.py
 allows for concurrent requests).
@@ -23,7 +23,7 @@ from tierlm.sampling_params import SamplingParams
 PROMPTS = ["Hello there, how are you", "def parse(tokens):\n    return [t for t in tokens if t]\n" * 2,
            "The quick brown fox", "JSON please:"]
 OPTIONS = {"dtype": "float32", "device": "cpu", "max_model_len": 256, "max_num_seqs": 4,
-           "max_num_batched_tokens": 24, "kv_cache_memory_bytes": 32 << 20}
+           "max_num_batched_tokens": 24, "kv_cache_memory_bytes": 32 << 20, "max_state_checkpoints": 4}
 MAX_TOKENS = 10
 SPECULATING = ("0", "1")  # greedy without logprobs: the requests that carry drafts
 
@@ -45,6 +45,14 @@ def generate(llm: LLMEngine, after_step=None) -> list:
         if after_step is not None:
             after_step(llm)
     return [done[i] for i in ids]
+
+
+def generate_one(llm: LLMEngine):
+    while llm.has_unfinished_requests():
+        for output in llm.step():
+            if output.finished:
+                return output
+    raise AssertionError("no request finished")
 
 
 def logprob_rows(completion) -> list:
@@ -73,6 +81,10 @@ class Oracle:
 
     def __call__(self, llm: LLMEngine) -> None:
         self.steps += 1
+        if self.steps == 4:  # a speculating request preempted mid-decode: recomputed on every rank, then drafts again
+            victim = next(r for r in llm.scheduler.running if r.request_id in self.truth)
+            llm.scheduler.running.remove(victim)
+            llm.scheduler._preempt(victim)  # the scheduler's own preemption (a budget would differ per rank)
         for request in llm.scheduler.running:
             if request.request_id in self.truth and request.draft_token_ids:
                 drafts = list(self.truth[request.request_id][len(request.output_token_ids):][: self.k])
@@ -99,7 +111,13 @@ def test_pipeline_with_drafts_gives_one_process_tokens_and_logprobs(demo, refere
         stats = llm.stats()
         assert stats.num_draft_tokens > 0
         if oracle:  # both paths ran, and accepted drafts saved steps
+            assert llm.scheduler.num_preemptions == 1
             assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
             assert forcing.steps < len(PROMPTS) * MAX_TOKENS
+        else:  # a prefix-cache hit restores every rank's state, the draft head's caches on the last rank too
+            llm.add_request(PROMPTS[1], params()[1], request_id="again")
+            again = generate_one(llm)
+            assert again.num_cached_tokens > 0
+            assert again.outputs[0].token_ids == reference[1].token_ids
     finally:
         llm.close()
