@@ -51,6 +51,9 @@ the worker processes it spawned (also between steps), so a dead rank ends the st
 watch the others' processes: a rank that dies shows as the last rank's connection lost (torchrun names
 the rank that failed).
 
+MTP speculative decoding: the draft head on the last rank; its steps run serially through
+`run_with_drafts` (`engine/pipeline_speculative.py`).
+
 Start-up (every rank) is `stage_setup.build_stage`. Not supported yet: memory-mapped PLE tables.
 """
 
