@@ -38,7 +38,10 @@ def device_capacity(device: torch.device) -> int:
 
 
 def pipeline_layouts(config, model_config, dtype: str, capacities: list[int], quantization=None) -> list[StageLayout]:
-    """Every rank's layers: `pp_layer_partition` if given, else balanced by bytes against capacities."""
+    """Every rank's layers: `pp_layer_partition` if given, else balanced by bytes against capacities (the
+    layers only); under --speculative-config the last rank holds the MTP draft head."""
+    from tierlm.engine.speculative import SpeculativeConfig
+
     world = len(capacities)
     counts = parse_partition(config.pp_layer_partition)
     if counts is not None:
@@ -48,7 +51,10 @@ def pipeline_layouts(config, model_config, dtype: str, capacities: list[int], qu
         per_layer, first, last = rank_loads(model_config, dtype, world, config.max_num_seqs, max_model_len,
                                             quantization)
         counts = balanced_partition(per_layer, first, last, capacities)
-    return layouts(model_config, counts)
+    out = layouts(model_config, counts)
+    if SpeculativeConfig.parse(config.speculative_config) is not None:
+        out[-1] = dataclasses.replace(out[-1], draft_head=True)
+    return out
 
 
 def check_pipeline_config(config, model_config) -> None:
@@ -92,8 +98,6 @@ def build_stage(config, group: PipelineGroup) -> Stage:
     chosen = pipeline_layouts(config, model_config, dtype_name, capacities, quantization) if group.rank == 0 else None
     layout = group.all_gather_object(chosen)[0][group.rank]
     speculative = SpeculativeConfig.parse(config.speculative_config) is not None
-    if speculative and layout.is_last:
-        layout = dataclasses.replace(layout, draft_head=True)
     model, model_config = load_model(
         model_dir, config.dtype, group.device, stage=layout, load_format=config.load_format, load_mtp=speculative
     )
