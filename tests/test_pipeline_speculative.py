@@ -1,11 +1,12 @@
 """MTP speculative decoding with pipeline parallelism (engine/pipeline_speculative.py), on CPU (gloo ranks as
 processes, demo tiny with an MTP head, fp32): the draft head on the last rank, verify rows through both
-stages, the accepted count back on rank 0 and the rollback replayed on rank 1. Greedy output is exactly one
-process's without drafts, whether the drafts are the head's own (random: rejected, every step rolls back
-on both ranks) or an oracle's (forced acceptance, partial runs; a preemption), and after a prefix-cache hit; requests that do not speculate under
-pipeline parallelism (log-probabilities, seeded sampling) decode one token per step beside them, with the
-same tokens, and log-probabilities within fp32 rounding of batches that differ (as tests/test_pipeline.py
-allows for concurrent requests).
+stages, the accepted count back on rank 0 and the rollback replayed on rank 1. Greedy output (a penalized
+request too) is exactly one process's without drafts, whether the drafts are the head's own (random:
+rejected, every step rolls back on both ranks) or an oracle's (forced acceptance, partial runs; a
+preemption), and after a prefix-cache hit; a seeded sampled request with penalties gives one process's
+output with drafts (rejection sampling on the last rank); a request with log-probabilities decodes one
+token per step beside them, its log-probabilities within fp32 rounding of batches that differ (as
+tests/test_pipeline.py allows for concurrent requests).
 """
 
 from __future__ import annotations
@@ -25,14 +26,20 @@ PROMPTS = ["Hello there, how are you", "def parse(tokens):\n    return [t for t 
 OPTIONS = {"dtype": "float32", "device": "cpu", "max_model_len": 256, "max_num_seqs": 4,
            "max_num_batched_tokens": 24, "kv_cache_memory_bytes": 32 << 20, "max_state_checkpoints": 4}
 MAX_TOKENS = 10
-SPECULATING = ("0", "1")  # greedy without logprobs: the requests that carry drafts
+GREEDY = ("0", "1")  # speculating greedy requests (1 with a repetition penalty)
+LOGPROBS, SAMPLED = 2, 3
 
 
 def params() -> list[SamplingParams]:
-    """Two speculating greedy requests, one with log-probabilities and one seeded sampled (no drafts)."""
-    greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    return [greedy, greedy, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2),
-            SamplingParams(temperature=0.9, top_p=0.95, max_tokens=MAX_TOKENS, ignore_eos=True, seed=7)]
+    return [SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
+            SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, repetition_penalty=1.3),
+            SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2),
+            SamplingParams(temperature=0.9, top_p=0.95, max_tokens=MAX_TOKENS, ignore_eos=True, seed=7,
+                           presence_penalty=0.5)]
+
+
+def spec(k: int) -> str:
+    return json.dumps({"method": "mtp", "num_speculative_tokens": k})
 
 
 def generate(llm: LLMEngine, after_step=None) -> list:
@@ -72,16 +79,17 @@ def reference(demo) -> list:
 
 
 class Oracle:
-    """After each step, the speculating requests' drafts become their reference continuation, the first
-    draft made wrong every second step (accepted runs, and rejections right after them)."""
+    """After each step, the greedy requests' drafts become their reference continuation, the first draft made
+    wrong every second step (accepted runs, and rejections right after them); at step 4 one of them is
+    preempted mid-decode (recomputed on every rank, then drafting again)."""
 
     def __init__(self, reference: list, k: int) -> None:
-        self.truth = {request_id: reference[int(request_id)].token_ids for request_id in SPECULATING}
+        self.truth = {request_id: reference[int(request_id)].token_ids for request_id in GREEDY}
         self.k, self.steps = k, 0
 
     def __call__(self, llm: LLMEngine) -> None:
         self.steps += 1
-        if self.steps == 4:  # a speculating request preempted mid-decode: recomputed on every rank, then drafts again
+        if self.steps == 4:
             victim = next(r for r in llm.scheduler.running if r.request_id in self.truth)
             llm.scheduler.running.remove(victim)
             llm.scheduler._preempt(victim)  # the scheduler's own preemption (a budget would differ per rank)
@@ -95,17 +103,16 @@ class Oracle:
 
 
 @pytest.mark.parametrize("k, oracle", [(1, False), (3, True)], ids=["k1-head-drafts", "k3-forced-acceptance"])
-def test_pipeline_with_drafts_gives_one_process_tokens_and_logprobs(demo, reference, k, oracle):
-    llm = LLMEngine(EngineConfig(model=str(demo), **OPTIONS, pipeline_parallel_size=2,
-                                 speculative_config=json.dumps({"method": "mtp", "num_speculative_tokens": k})))
+def test_pipeline_with_drafts_gives_one_process_output(demo, reference, k, oracle):
+    llm = LLMEngine(EngineConfig(model=str(demo), **OPTIONS, pipeline_parallel_size=2, speculative_config=spec(k)))
     try:
         assert isinstance(llm.runner, PipelineSpeculation)
         forcing = Oracle(reference, k) if oracle else None
         got = generate(llm, forcing)
-        assert [out.token_ids for out in got] == [out.token_ids for out in reference]
-        # batches differ from one process's (verify rows, two ranks' threads): fp32 sums may round
-        # differently in the last bits, as in tests/test_pipeline.py's concurrent requests
-        for row, expected in zip(logprob_rows(got[2]), logprob_rows(reference[2]), strict=True):
+        tokens = [out.token_ids for out in got]
+        assert tokens[:SAMPLED] == [out.token_ids for out in reference[:SAMPLED]]
+        # batches differ from one process's (verify rows, two ranks' threads): fp32 sums may round differently
+        for row, expected in zip(logprob_rows(got[LOGPROBS]), logprob_rows(reference[LOGPROBS]), strict=True):
             assert [entry[::2] for entry in row] == [entry[::2] for entry in expected]  # tokens and ranks
             assert max(abs(a[1] - b[1]) for a, b in zip(row, expected, strict=True)) <= 1e-4
         stats = llm.stats()
@@ -114,10 +121,14 @@ def test_pipeline_with_drafts_gives_one_process_tokens_and_logprobs(demo, refere
             assert llm.scheduler.num_preemptions == 1
             assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
             assert forcing.steps < len(PROMPTS) * MAX_TOKENS
-        else:  # a prefix-cache hit restores every rank's state, the draft head's caches on the last rank too
-            llm.add_request(PROMPTS[1], params()[1], request_id="again")
-            again = generate_one(llm)
-            assert again.num_cached_tokens > 0
-            assert again.outputs[0].token_ids == reference[1].token_ids
+            return
+        # the seeded sampled request: one process's output with drafts (not without: drafts change the draws)
+        one_process = generate(LLMEngine(EngineConfig(model=str(demo), **OPTIONS, speculative_config=spec(k))))
+        assert tokens[SAMPLED] == one_process[SAMPLED].token_ids != reference[SAMPLED].token_ids
+        # a prefix-cache hit restores every rank's state, the draft head's caches on the last rank too
+        llm.add_request(PROMPTS[1], params()[1], request_id="again")
+        again = generate_one(llm)
+        assert again.num_cached_tokens > 0
+        assert again.outputs[0].token_ids == reference[1].token_ids
     finally:
         llm.close()

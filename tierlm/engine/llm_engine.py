@@ -419,8 +419,8 @@ class LLMEngine:
 
             self.runner = PipelineSpeculation(driver, speculative, stage.plan.num_slots, config.seed)
             logger.info("speculative decoding: %s, %d draft tokens per step (%d MTP layer(s), on the last pipeline "
-                        "rank); greedy requests without penalties, biases, bans, min_tokens, logprobs or a grammar "
-                        "speculate, the others decode one token per step", speculative.method, k, mc.num_mtp_layers)
+                        "rank; steps run serially and eagerly); requests with biases, bans, min_tokens, logprobs or "
+                        "a grammar decode one token per step", speculative.method, k, mc.num_mtp_layers)
         self._finish_init()
 
     def close(self) -> None:

@@ -8,20 +8,21 @@ A step (serial: launched and read back before the next one is scheduled):
    (`PipelineDriver.run_with_drafts`).
 2. Every rank runs its layers on it; a layer with per-request state (GDN, PLE, n-gram context) keeps the
    state after each verify row in that row's position slot, as in one process.
-3. The last rank samples the rows without drafts (its mirrors, as any pipeline step), verifies the drafts
-   (greedy: accept while the draft is the argmax), runs the draft head over every kept row and proposes
-   each request's next K drafts (`SpeculativeRunner`'s own `_verify`, `_kept`, `_propose` on its mirrors),
-   and answers rank 0 on the host: sampled ids, accepted drafts, next drafts (`StageResult`).
+3. The last rank samples the rows without drafts (its mirrors, as any pipeline step), verifies the drafts,
+   runs the draft head over every kept row and proposes each request's next K drafts: one process's
+   `SpeculativeRunner` code (`_verify`, `_kept`, `_propose`) on its mirrors, whose output ids it keeps
+   (accepted drafts too: penalties count them), with their generators and the draft distributions it
+   proposed from (sampled requests: rejection sampling, a seeded request's output that of one process
+   with drafts), and answers rank 0 on the host: sampled ids, accepted drafts, next drafts (`StageResult`).
 4. Rank 0 rolls back a request that rejected a draft: its position slot of the last accepted row copied
    into its state slot, on its own layers now and, recorded as a cache operation
    (`ModelCache.copy_target_states`), on every other rank's before the next step's forward. The accepted
    count thus reaches every rank in the next step's message, before anything reads the state; the draft
    head's caches need no rollback (it only ever runs over kept rows).
 
-What is not done here yet: only greedy requests without penalties speculate under pipeline parallelism
-(`drafts_in_pipeline`; sampled or penalized requests decode one token per step beside them); no overlap
-scheduling or micro-batches with drafts, and every rank runs these steps eagerly (no static decode runner,
-so no CUDA graphs: `stage_setup.build_stage`).
+The requests that speculate are one process's (`speculative.speculates`). Not done here yet: overlap
+scheduling or micro-batches with drafts (each step is read back before the next is scheduled), and every
+rank runs these steps eagerly (no static decode runner, so no CUDA graphs: `stage_setup.build_stage`).
 """
 
 from __future__ import annotations
@@ -33,20 +34,12 @@ from tierlm.engine.model_runner import StepResult
 from tierlm.engine.pipeline_messages import StageResult, StepMessage
 from tierlm.engine.request import Request
 from tierlm.engine.scheduler import SchedulerOutput
-from tierlm.engine.speculative import SpeculativeRunner, is_greedy, speculates
-
-
-def drafts_in_pipeline(request: Request) -> bool:
-    """Whether a request decodes with drafts under pipeline parallelism: it speculates and is greedy without
-    penalties (the last rank verifies by the argmax alone)."""
-    return speculates(request) and is_greedy(request) and not request.params.has_penalties
+from tierlm.engine.speculative import SpeculativeRunner
 
 
 class PipelineSpeculation(SpeculativeRunner):
     """Rank 0's `SpeculativeRunner`: each step through the pipeline (`PipelineDriver.run_with_drafts`); the
     engine calls `execute` as with one process."""
-
-    proposes_for = staticmethod(drafts_in_pipeline)
 
     def __init__(self, driver, config, position_slot_base: int, seed: int = 0) -> None:
         super().__init__(driver.runner, config, position_slot_base, seed)
@@ -110,8 +103,6 @@ class _DraftedChunk:
 
 class LastRankDrafts(SpeculativeRunner):
     """The last rank's side of a speculative step: sample, verify, draft (see the module docstring)."""
-
-    proposes_for = staticmethod(drafts_in_pipeline)
 
     def step(self, mirror, message: StepMessage, batch) -> StageResult:
         """The step's answer to rank 0; `batch` carries the previous stage's output (`stage_input`)."""

@@ -236,12 +236,6 @@ class SpeculativeRunner:
         self.num_accepted_tokens = 0  # of which accepted, total
         self._logged_at, self._logged = time.monotonic(), (0, 0, 0)
 
-    @staticmethod
-    def proposes_for(request: Request) -> bool:
-        """Whether the draft head proposes drafts for the request (`speculates`; pipeline parallelism
-        narrows it: `engine/pipeline_speculative.py`)."""
-        return speculates(request)
-
     @property
     def trace(self):
         return self.runner.trace
@@ -483,7 +477,7 @@ class SpeculativeRunner:
         kept, row = [], 0
         for chunk in step.chunks:
             request = chunk.request
-            if self.proposes_for(request) and request not in result.failed:
+            if speculates(request) and request not in result.failed:
                 n = chunk.num_tokens + accepted.get(chunk, 0)
                 if chunk.samples:
                     next_token, proposes = result.sampled.get(request), True
