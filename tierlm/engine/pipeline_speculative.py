@@ -20,9 +20,11 @@ A step (serial: launched and read back before the next one is scheduled):
    count thus reaches every rank in the next step's message, before anything reads the state; the draft
    head's caches need no rollback (it only ever runs over kept rows).
 
-The requests that speculate are one process's (`speculative.speculates`). Not done here yet: overlap
-scheduling or micro-batches with drafts (each step is read back before the next is scheduled), and every
-rank runs these steps eagerly (no static decode runner, so no CUDA graphs: `stage_setup.build_stage`).
+The requests that speculate are one process's (`speculative.speculates`), but for structured output (its
+bitmask is rank 0's; the verify rows do not carry one yet): those decode one token per step. Not done here
+yet: overlap scheduling or micro-batches with drafts (each step is read back before the next is
+scheduled), and every rank runs these steps eagerly (no static decode runner, so no CUDA graphs:
+`stage_setup.build_stage`).
 """
 
 from __future__ import annotations
@@ -133,7 +135,9 @@ class LastRankDrafts(SpeculativeRunner):
             request.output_token_ids.extend([*result.accepted[request], result.sampled[request]])
         self._propose(self._kept(SchedulerOutput(chunks), streams, accepted, result))
         for chunk in chunks:
-            if chunk.samples and chunk.request.draft_token_ids:
+            # a grammar's rows are verified against rank 0's bitmask, which no verify row carries here yet:
+            # a constrained request decodes without drafts under pipeline parallelism
+            if chunk.samples and chunk.request.draft_token_ids and chunk.request.structured_output is None:
                 out.next_drafts[key_of[chunk.request]] = list(chunk.request.draft_token_ids)
         return out
 
