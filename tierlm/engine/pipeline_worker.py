@@ -17,8 +17,9 @@ parameters, output tokens), on its device, so sampling is the code PP=1 runs: th
 values and noise keys, and only the ids and log-probabilities come to the host. A mirror's output ids are
 read back before a step whose sampling reads them (penalties, bad words).
 Structured-output rows come with rank 0's grammar bitmask. A speculative decoding step (its message
-carries `drafts`) is verified, drafted and answered at once (`engine/pipeline_speculative.py`). Messages from rank 0 arrive in an `Inbox`
-(receives always posted), so rank 0 can send the next micro-batch while this rank works.
+carries `drafts`) is verified, drafted and answered at once (`engine/pipeline_speculative.py`). Messages
+from rank 0 arrive in an `Inbox` (receives always posted), so rank 0 can send the next micro-batch while
+this rank works.
 
 Exit status: 0 when rank 0 says stop (or on Ctrl-C), EXIT_PEER_LOST when another rank went away first
 (a send or receive failed), 1 when this rank failed itself (its error is printed, and the last rank
