@@ -132,3 +132,21 @@ def test_pipeline_with_drafts_gives_one_process_output(demo, reference, k, oracl
         assert again.outputs[0].token_ids == reference[1].token_ids
     finally:
         llm.close()
+
+
+def test_the_balanced_split_counts_the_draft_head_on_the_last_rank(demo):
+    """The last rank's load has the draft head, the embedding it reads and its layer's caches; every layer's
+    per-request states count K more times (the per-position slots)."""
+    from tierlm.config import ModelConfig
+    from tierlm.memory.partition import rank_loads
+    from tierlm.memory.plan import weight_bytes
+    from tierlm.model.checkpoint_layout import MTPLayout
+
+    config = ModelConfig.from_pretrained(demo)
+    mtp = MTPLayout(config.num_mtp_layers)
+    layers, first, last = rank_loads(config, "float32", 2, 4, 256)
+    layers_k, first_k, last_k = rank_loads(config, "float32", 2, 4, 256, mtp=mtp, num_speculative_tokens=2)
+    head = sum(weight_bytes(config, "float32", mtp=mtp).values()) - sum(weight_bytes(config, "float32").values())
+    assert not config.tie_word_embeddings and first_k == first  # the first rank's extra: the embedding
+    assert last_k > last + head + first  # the head, the embedding, and the draft layer's caches
+    assert all(with_k > plain for with_k, plain in zip(layers_k, layers, strict=True))  # every layer keeps state

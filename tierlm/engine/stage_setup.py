@@ -38,9 +38,12 @@ def device_capacity(device: torch.device) -> int:
 
 
 def pipeline_layouts(config, model_config, dtype: str, capacities: list[int], quantization=None) -> list[StageLayout]:
-    """Every rank's layers: `pp_layer_partition` if given, else balanced by bytes against capacities (the
-    layers only); under --speculative-config the last rank holds the MTP draft head."""
+    """Every rank's layers: `pp_layer_partition` if given, else balanced by bytes against capacities; under
+    --speculative-config the last rank holds the MTP draft head (counted in its load)."""
     from tierlm.engine.speculative import SpeculativeConfig
+    from tierlm.model.checkpoint_layout import MTPLayout
+
+    speculative = SpeculativeConfig.parse(config.speculative_config)
 
     world = len(capacities)
     counts = parse_partition(config.pp_layer_partition)
@@ -48,11 +51,13 @@ def pipeline_layouts(config, model_config, dtype: str, capacities: list[int], qu
         check_partition(counts, model_config.num_hidden_layers, world)
     else:
         max_model_len = config.max_model_len or model_config.max_position_embeddings
+        mtp = MTPLayout(model_config.num_mtp_layers) if speculative is not None else None
         per_layer, first, last = rank_loads(model_config, dtype, world, config.max_num_seqs, max_model_len,
-                                            quantization)
+                                            quantization, mtp=mtp, num_speculative_tokens=0 if mtp is None else
+                                            speculative.num_speculative_tokens)
         counts = balanced_partition(per_layer, first, last, capacities)
     out = layouts(model_config, counts)
-    if SpeculativeConfig.parse(config.speculative_config) is not None:
+    if speculative is not None:
         out[-1] = dataclasses.replace(out[-1], draft_head=True)
     return out
 
