@@ -413,12 +413,10 @@ def test_bad_configs_are_named(value, message):
         SpeculativeConfig.parse(value)
 
 
-def test_refused_without_a_draft_head_or_with_pipeline_parallel(demo, tmp_path):
+def test_refused_without_a_draft_head(tmp_path):
     plain = build_demo_model(tmp_path / "plain", "tiny")
     with pytest.raises(ValueError, match="has no MTP draft head"):
         engine(plain, spec(1))
-    with pytest.raises(ValueError, match="pipeline-parallel-size"):
-        engine(demo, spec(1), pipeline_parallel_size=2)
 
 
 def sampled(seed: int | None) -> SamplingParams:

@@ -98,6 +98,9 @@ def engine_cache_plan(
         mtp = MTPLayout(model_config.num_mtp_layers)
     if stage is not None:
         layer_ids, ranks_on_host = stage.layer_ids, stage.world_size
+        if speculative is not None and stage.is_last:  # the draft head (and the embedding it reads) is there
+            stage = dataclasses.replace(stage, draft_head=True)
+    draft_layers = model_config.num_mtp_layers if speculative is not None and (stage is None or stage.is_last) else 0
     if config.qsa_row_cache_rows is not None and config.qsa_row_cache_rows < 1:
         raise CapacityError(f"--qsa-row-cache-rows must be at least 1, got {config.qsa_row_cache_rows}")
     if config.qsa_row_cache_max_batch < 0:
@@ -136,7 +139,7 @@ def engine_cache_plan(
         ).values()),
         ple_mapped=ple_mapped,
         prefix_caching=caching and checkpoints > 0, layer_ids=layer_ids,
-        num_draft_layers=model_config.num_mtp_layers if speculative is not None else 0,
+        num_draft_layers=draft_layers,
         spare_slots=spare_slots_needed(speculative, config.max_num_seqs),
     ))
 
@@ -301,14 +304,11 @@ class LLMEngine:
         table_dir = find_table_dir(str(model_dir), config.ple_table)
         self.tokenizer = Tokenizer.from_pretrained(model_dir)
         speculative = SpeculativeConfig.parse(config.speculative_config)
-        if speculative is not None:
-            if config.pipeline_parallel_size != 1:
-                raise ValueError("--speculative-config is not supported with --pipeline-parallel-size > 1 yet")
-            if table_dir is not None:
-                raise ValueError("--speculative-config is not supported with memory-mapped PLE tables "
-                                 "(--ple-table, or <model>/ple_tables) yet: serve the tables in memory")
+        if speculative is not None and table_dir is not None:
+            raise ValueError("--speculative-config is not supported with memory-mapped PLE tables "
+                             "(--ple-table, or <model>/ple_tables) yet: serve the tables in memory")
         if config.pipeline_parallel_size != 1:
-            self._start_pipeline(model_dir, table_dir)
+            self._start_pipeline(model_dir, table_dir, speculative)
             return
         self.model, self.model_config = load_model(
             model_dir, config.dtype, config.device, mapped_ple_tables=table_dir is not None,
@@ -384,9 +384,10 @@ class LLMEngine:
                         speculative.method, k, mc.num_mtp_layers)
         self._finish_init()
 
-    def _start_pipeline(self, model_dir, table_dir) -> None:
+    def _start_pipeline(self, model_dir, table_dir, speculative: SpeculativeConfig | None) -> None:
         """--pipeline-parallel-size N: this process is rank 0 (scheduler and first stage); the other ranks
-        are spawned (or, under torchrun, ranks > 0 serve their stage in `serve_if_worker` and never return)."""
+        are spawned (or, under torchrun, ranks > 0 serve their stage in `serve_if_worker` and never return).
+        With --speculative-config the last rank holds the draft head (engine/pipeline_speculative.py)."""
         from tierlm.config import ModelConfig
         from tierlm.engine.pipeline import PipelineDriver
         from tierlm.engine.pipeline_worker import serve_if_worker
@@ -409,8 +410,17 @@ class LLMEngine:
             driver.cache, config.max_num_seqs, stage.plan.num_checkpoints, config.enable_prefix_caching
         )
         self.ngram_store = self.prefetcher = self.encoder_cache = None  # images are refused with PP
-        self.scheduler = Scheduler(self.cache_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        k = speculative.num_speculative_tokens if speculative is not None else 0
+        self.scheduler = Scheduler(self.cache_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   num_speculative_tokens=k)
         self.runner = driver.runner
+        if speculative is not None:
+            from tierlm.engine.pipeline_speculative import PipelineSpeculation
+
+            self.runner = PipelineSpeculation(driver, speculative, stage.plan.num_slots, config.seed)
+            logger.info("speculative decoding: %s, %d draft tokens per step (%d MTP layer(s), on the last pipeline "
+                        "rank; steps run serially and eagerly); requests with biases, bans, min_tokens, logprobs or "
+                        "a grammar decode one token per step", speculative.method, k, mc.num_mtp_layers)
         self._finish_init()
 
     def close(self) -> None:

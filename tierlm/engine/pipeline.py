@@ -51,6 +51,9 @@ the worker processes it spawned (also between steps), so a dead rank ends the st
 watch the others' processes: a rank that dies shows as the last rank's connection lost (torchrun names
 the rank that failed).
 
+MTP speculative decoding: the draft head on the last rank; its steps run serially through
+`run_with_drafts` (`engine/pipeline_speculative.py`).
+
 Start-up (every rank) is `stage_setup.build_stage`. Not supported yet: memory-mapped PLE tables.
 """
 
@@ -87,6 +90,7 @@ from tierlm.engine.pipeline_messages import (
     BatchArrays,
     BlockListChanges,
     DecodeRows,
+    DraftChunk,
     NewRequest,
     SampleSpec,
     StageResult,
@@ -126,7 +130,7 @@ class RecordingCache:
     """Rank 0's `ModelCache` as the cache manager sees it: every slot reset and checkpoint save or
     restore runs here and is also recorded, to be replayed by the other ranks on their layers."""
 
-    RECORDED = ("reset_slot", "save_checkpoint", "restore_checkpoint")
+    RECORDED = ("reset_slot", "save_checkpoint", "restore_checkpoint", "copy_target_states")
 
     def __init__(self, cache) -> None:
         self._cache = cache
@@ -349,25 +353,10 @@ class PipelineDriver:
         else:
             batch, wanted = runner.prepare(plan, device="cpu")
             message.batch = BatchArrays.of(batch)
-        requests, sampling = {}, []
-        for chunk, first, count in wanted:
-            request = chunk.request
-            key = self.keys.get(request)
-            if key is None:
-                key = self.keys[request] = self._next_key
-                self._next_key += 1
-                message.new_requests.append(NewRequest(
-                    key, request.request_id, request.prompt_token_ids, request.params, request.eos_token_ids,
-                    request.max_model_len, list(request.known_output_token_ids), request.structured_output is not None,
-                    request.bad_words_token_ids,
-                ))
-            grammar = request.structured_output
-            bitmask = grammar.token_bitmask() if grammar is not None and chunk.samples else None
-            bitmask = None if bitmask is None else bitmask.numpy()
-            message.samples.append(SampleSpec(key, first, count, chunk.start, chunk.num_tokens, chunk.samples, bitmask))
-            requests[key] = request
+        requests, sampling = self._add_samples(message, wanted), []
+        for chunk, _, _ in wanted:
             if chunk.samples:
-                sampling.append(request)
+                sampling.append(chunk.request)
         if static:  # after the loop: every request has its key
             chunks, changes = plan.chunks, self._block_changes
             message.decode = DecodeRows([c.start for c in chunks], [c.request.state_slot for c in chunks],
@@ -398,6 +387,76 @@ class PipelineDriver:
         timing["forward_seconds"] += done - launched
         timing["steps"] += 1
         return entry
+
+    def _key(self, request: Request, message: StepMessage) -> int:
+        """The request's key; a request new to the last rank is added to the message (`NewRequest`)."""
+        key = self.keys.get(request)
+        if key is None:
+            key = self.keys[request] = self._next_key
+            self._next_key += 1
+            message.new_requests.append(NewRequest(
+                key, request.request_id, request.prompt_token_ids, request.params, request.eos_token_ids,
+                request.max_model_len, list(request.known_output_token_ids), request.structured_output is not None,
+                request.bad_words_token_ids,
+            ))
+        return key
+
+    def _add_samples(self, message: StepMessage, wanted: list[tuple]) -> dict[int, Request]:
+        """The logits rows each chunk wants (`SampleSpec`, with a constrained row's grammar bitmask) into the
+        message; returns those chunks' requests by key."""
+        requests = {}
+        for chunk, first, count in wanted:
+            request = chunk.request
+            key = self._key(request, message)
+            grammar = request.structured_output
+            bitmask = grammar.token_bitmask() if grammar is not None and chunk.samples else None
+            bitmask = None if bitmask is None else bitmask.numpy()
+            message.samples.append(SampleSpec(key, first, count, chunk.start, chunk.num_tokens, chunk.samples, bitmask))
+            requests[key] = request
+        return requests
+
+    def run_with_drafts(self, plan: SchedulerOutput, batch, wanted: list[tuple]) -> tuple[StageResult, dict]:
+        """A speculative decoding step (engine/pipeline_speculative.py), run to its end: every rank gets the
+        batch (verify rows, per-position slots) and each chunk's `DraftChunk`; rank 0 runs its layers and
+        sends them on; the last rank verifies, drafts, and answers on the host. Returns the answer and the
+        step's requests by key. Serial: no step may be in flight."""
+        self._check_alive()
+        if self.in_flight:
+            raise RuntimeError("a speculative pipeline step runs alone: steps are in flight")
+        self._launched += 1
+        message = StepMessage(step=self._launched, cache_ops=self.cache.drain(), released=self._release_finished(),
+                              batch=BatchArrays.of(batch))
+        self._block_changes.forget(message.released)
+        self._add_samples(message, wanted)
+        requests, message.drafts = {}, []
+        for chunk in plan.chunks:
+            request = chunk.request
+            key = self._key(request, message)
+            requests[key] = request
+            message.drafts.append(DraftChunk(key, chunk.start, chunk.num_tokens, chunk.samples,
+                                             list(chunk.draft_token_ids), request.state_slot, request.home_slot,
+                                             list(request.block_ids)))
+        sends = self._send_all(message)
+        with self._layers.timed():
+            on_device = message.batch.batch(self.stage.cache.device)
+            output = pack_stage_output(self.runner.forward(on_device), on_device.token_ids)
+        try:
+            sends.append(self.group.isend(output, 1))
+        except Exception as exc:  # noqa: BLE001
+            self._fail(f"sending the hidden state to rank 1 failed: {_first_line(exc)}")
+        answer = self._wait_result()
+        try:
+            for work in sends:
+                work.wait()
+        except Exception as exc:  # noqa: BLE001
+            self._fail(f"sending a step or its hidden state failed: {_first_line(exc)}")
+        if answer.error is not None:
+            self._fail(f"pipeline rank {self.world_size - 1} failed during a step: {answer.error}")
+        if answer.step != message.step:
+            self._fail(f"pipeline rank {self.world_size - 1} answered step {answer.step} where rank 0 expected "
+                       f"step {message.step}'s answer")
+        self._timing["steps"] += 1
+        return answer, requests
 
     def finish(self, entry: PipelineStep) -> StepResult:
         """The step's sampled tokens (read from the sampled ids on this device) and, when a request reports

@@ -16,6 +16,10 @@ their input ids from it, so an id sampled on the device reaches every rank witho
 last rank's sampled ids and their statuses back to rank 0 (`sampled_ids_buffer`: one column per
 sampling row, so the sampler's own [2, rows] result goes as it is): rank 0 reads a step's tokens there, and the last rank answers on the host (`StageResult`)
 only a step whose requests report log-probabilities or whose rows failed (`reports_logprobs`).
+
+Speculative decoding (`engine/pipeline_speculative.py`): a step's message also carries every chunk's
+`DraftChunk` (its drafts, slots and blocks: what the last rank verifies and drafts from), and every such
+step is answered on the host, with each request's accepted drafts and next drafts (`StageResult`).
 """
 
 from __future__ import annotations
@@ -185,6 +189,21 @@ class SampleSpec:
 
 
 @dataclass
+class DraftChunk:
+    """Speculative decoding: one chunk of a step as the last rank verifies and drafts from it (every chunk of
+    the step, in batch order; rank 0's slot and block numbers)."""
+
+    key: int
+    start: int
+    num_tokens: int
+    samples: bool
+    draft_token_ids: list[int]
+    state_slot: int
+    home_slot: int
+    block_ids: list[int]
+
+
+@dataclass
 class StepMessage:
     kind: str = "step"  # step | answer (read the unread step back and answer it) | stats | echo | stop
     step: int = 0  # rank 0's count of the steps it launched (its answer, if any, names it)
@@ -196,6 +215,7 @@ class StepMessage:
     samples: list[SampleSpec] = field(default_factory=list)
     echo_shape: tuple[int, ...] | None = None  # kind "echo": a tensor rank 1 sends straight back,
     echo_repeats: int = 0  # this many times
+    drafts: list[DraftChunk] | None = None  # speculative decoding: every chunk (the step is answered)
 
     def __reduce__(self):
         """Pickled as plain tuples, rebuilt by `_step_message`: pickle writes a dataclass instance field by
@@ -203,16 +223,17 @@ class StepMessage:
         step of 4 rows, on both ends of every step)."""
         decode = None if self.decode is None else (self.decode.positions, self.decode.slots, self.decode.tables)
         samples = [(s.key, s.first, s.count, s.start, s.num_tokens, s.samples, s.bitmask) for s in self.samples]
+        drafts = None if self.drafts is None else [dataclasses.astuple(chunk) for chunk in self.drafts]
         return _step_message, (self.kind, self.step, self.batch, decode, self.cache_ops, self.new_requests,
-                               self.released, samples, self.echo_shape, self.echo_repeats)
+                               self.released, samples, self.echo_shape, self.echo_repeats, drafts)
 
 
 def _step_message(kind, step, batch, decode, cache_ops, new_requests, released, samples, echo_shape,
-                  echo_repeats) -> StepMessage:
+                  echo_repeats, drafts) -> StepMessage:
     return StepMessage(kind=kind, step=step, batch=batch, decode=None if decode is None else DecodeRows(*decode),
                        cache_ops=cache_ops, new_requests=new_requests, released=released,
                        samples=[SampleSpec(*spec) for spec in samples], echo_shape=echo_shape,
-                       echo_repeats=echo_repeats)
+                       echo_repeats=echo_repeats, drafts=None if drafts is None else [DraftChunk(*c) for c in drafts])
 
 
 @dataclass
@@ -226,4 +247,6 @@ class StageResult:
     logprobs: dict[int, dict] = field(default_factory=dict)
     cumulative_logprob: dict[int, float] = field(default_factory=dict)
     prompt_logprobs: dict[int, list] = field(default_factory=dict)
+    accepted: dict[int, list[int]] = field(default_factory=dict)  # speculative: drafts accepted before `sampled`
+    next_drafts: dict[int, list[int]] = field(default_factory=dict)  # speculative: what the next step verifies
     error: str | None = None  # the step itself failed on the last rank

@@ -16,8 +16,10 @@ The last rank samples with the engine's own `ModelRunner` sampling on mirrors of
 parameters, output tokens), on its device, so sampling is the code PP=1 runs: the same ops on the same
 values and noise keys, and only the ids and log-probabilities come to the host. A mirror's output ids are
 read back before a step whose sampling reads them (penalties, bad words).
-Structured-output rows come with rank 0's grammar bitmask. Messages from rank 0 arrive in an `Inbox`
-(receives always posted), so rank 0 can send the next micro-batch while this rank works.
+Structured-output rows come with rank 0's grammar bitmask. A speculative decoding step (its message
+carries `drafts`) is verified, drafted and answered at once (`engine/pipeline_speculative.py`). Messages
+from rank 0 arrive in an `Inbox` (receives always posted), so rank 0 can send the next micro-batch while
+this rank works.
 
 Exit status: 0 when rank 0 says stop (or on Ctrl-C), EXIT_PEER_LOST when another rank went away first
 (a send or receive failed), 1 when this rank failed itself (its error is printed, and the last rank
@@ -268,6 +270,13 @@ def run_worker(group: PipelineGroup, stage: Stage, config) -> None:
         decode = lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False)
     runner = ModelRunner(stage.model, stage.cache, Sampler(config.seed), decode, stage.static_decode)
     mirror = _Mirror(device) if group.is_last else None
+    drafts = None  # speculative decoding: the last rank verifies and drafts (engine/pipeline_speculative.py)
+    if group.is_last and config.speculative_config is not None:
+        from tierlm.engine.pipeline_speculative import LastRankDrafts
+        from tierlm.engine.speculative import SpeculativeConfig
+
+        drafts = LastRankDrafts(runner, SpeculativeConfig.parse(config.speculative_config), stage.plan.num_slots,
+                                config.seed)
     width, dtype = mc.hc_count * mc.hidden_size, stage.cache.dtype
     stall, layers = StreamClock(device), StreamClock(device)
     # rank 0 sends up to world_size steps ahead of the last rank: each finds its receive posted
@@ -315,7 +324,8 @@ def run_worker(group: PipelineGroup, stage: Stage, config) -> None:
             lap("idle_seconds")
         else:  # a control message: the wait for it is no step's
             clock = time.perf_counter()
-        if unread is not None and (message.kind != "step" or mirror.reads_outputs(unread, message)):
+        if unread is not None and (message.kind != "step" or message.drafts is not None
+                                   or mirror.reads_outputs(unread, message)):
             answer()  # a step whose sampling reads a request's output ids: those on the host first
         if message.kind == "stop":
             return
@@ -353,6 +363,20 @@ def run_worker(group: PipelineGroup, stage: Stage, config) -> None:
                 out = pack_stage_output(_run_layers(runner, staged, batch, hidden, token_ids), token_ids)
             send(_comm(group.isend, out, rank + 1), out)
             lap("forward_seconds")
+            stats["steps"] += 1
+            continue
+        if message.drafts is not None:  # a speculative step: verified, drafted and answered now
+            try:
+                batch.token_ids, batch.stage_input = token_ids, hidden
+                with layers.timed():
+                    result = drafts.step(mirror, message, batch)
+            except Exception as exc:
+                _comm(group.send_object, StageResult(error=f"{type(exc).__name__}: {exc}"), 0, RESULT_TAG,
+                      group.result_group)
+                raise
+            lap("forward_seconds")
+            _comm(group.send_object, result, 0, RESULT_TAG, group.result_group)
+            lap("send_seconds")
             stats["steps"] += 1
             continue
         try:

@@ -5,6 +5,9 @@ device memory, rank 0 picks the layer split (`--pp-layer-partition`, or balanced
 `memory/partition.py`), each rank loads its tensors and plans its memory with its own budget, and then
 all take the fewest blocks and checkpoint rows any rank can hold (rank 0's cache manager numbers them for
 everyone). `tierlm plan --pipeline-parallel-size` plans every rank the same way without loading weights.
+Under --speculative-config every rank keeps K per-position state slots per running request (its own
+GDN/PLE layers'), the last rank also the MTP draft head and its caches, and no rank runs a static decode
+runner (speculative steps under pipeline parallelism run eagerly: `engine/pipeline_speculative.py`).
 """
 
 from __future__ import annotations
@@ -35,17 +38,28 @@ def device_capacity(device: torch.device) -> int:
 
 
 def pipeline_layouts(config, model_config, dtype: str, capacities: list[int], quantization=None) -> list[StageLayout]:
-    """Every rank's layers: `pp_layer_partition` if given, else balanced by bytes against capacities."""
+    """Every rank's layers: `pp_layer_partition` if given, else balanced by bytes against capacities; under
+    --speculative-config the last rank holds the MTP draft head (counted in its load)."""
+    from tierlm.engine.speculative import SpeculativeConfig
+    from tierlm.model.checkpoint_layout import MTPLayout
+
+    speculative = SpeculativeConfig.parse(config.speculative_config)
+
     world = len(capacities)
     counts = parse_partition(config.pp_layer_partition)
     if counts is not None:
         check_partition(counts, model_config.num_hidden_layers, world)
     else:
         max_model_len = config.max_model_len or model_config.max_position_embeddings
+        mtp = MTPLayout(model_config.num_mtp_layers) if speculative is not None else None
         per_layer, first, last = rank_loads(model_config, dtype, world, config.max_num_seqs, max_model_len,
-                                            quantization)
+                                            quantization, mtp=mtp, num_speculative_tokens=0 if mtp is None else
+                                            speculative.num_speculative_tokens)
         counts = balanced_partition(per_layer, first, last, capacities)
-    return layouts(model_config, counts)
+    out = layouts(model_config, counts)
+    if speculative is not None:
+        out[-1] = dataclasses.replace(out[-1], draft_head=True)
+    return out
 
 
 def check_pipeline_config(config, model_config) -> None:
@@ -77,6 +91,7 @@ def build_stage(config, group: PipelineGroup) -> Stage:
     and allocate its cache. Every rank calls this at start-up (it holds collectives)."""
     from tierlm.config import ModelConfig
     from tierlm.engine.llm_engine import engine_cache_plan
+    from tierlm.engine.speculative import SpeculativeConfig
     from tierlm.model.loader import load_model, read_quantization_config, resolve_dtype, resolve_model_path
     from tierlm.model.model_cache import ModelCache
 
@@ -87,20 +102,21 @@ def build_stage(config, group: PipelineGroup) -> Stage:
     capacities = group.all_gather_object(device_capacity(group.device))
     chosen = pipeline_layouts(config, model_config, dtype_name, capacities, quantization) if group.rank == 0 else None
     layout = group.all_gather_object(chosen)[0][group.rank]
+    speculative = SpeculativeConfig.parse(config.speculative_config) is not None
     model, model_config = load_model(
-        model_dir, config.dtype, group.device, stage=layout, load_format=config.load_format
+        model_dir, config.dtype, group.device, stage=layout, load_format=config.load_format, load_mtp=speculative
     )
     plan = engine_cache_plan(config, model_config, dtype_name, str(group.device), 0, stage=layout,
                              quantization=quantization)
     plan = agreed_plan(plan, group.all_gather_object(plan_limits(plan)), model_config, layout)
     dtype = next(model.parameters()).dtype
     cache = ModelCache(
-        model_config, plan.num_slots, plan.num_blocks, plan.block_size, dtype, group.device,
+        model_config, plan.num_slots + plan.spare_slots, plan.num_blocks, plan.block_size, dtype, group.device,
         kv_offload=plan.kv_offload, arena_rows=plan.arena_rows, row_cache=config.qsa_row_cache,
         row_cache_max_batch=config.qsa_row_cache_max_batch, num_host_checkpoints=plan.num_checkpoints,
-        layer_ids=layout.layer_ids,
+        layer_ids=layout.layer_ids, num_draft_layers=plan.num_draft_layers,
     )
-    static_decode = _static_decode(config, model, model_config, cache, layout)
+    static_decode = None if speculative else _static_decode(config, model, model_config, cache, layout)
     summary = rank_summary(layout, str(group.device), plan)
     if group.device.type == "cuda":
         summary += f"; device memory allocated {torch.cuda.memory_allocated(group.device):,} B"

@@ -54,19 +54,25 @@ def layouts(config: ModelConfig, counts: tuple[int, ...]) -> list[StageLayout]:
 
 def rank_loads(
     config: ModelConfig, dtype: str, world_size: int, max_num_seqs: int, max_model_len: int,
-    quantization=None, ple_mapped: bool = False,
+    quantization=None, ple_mapped: bool = False, mtp=None, num_speculative_tokens: int = 0,
 ) -> tuple[list[int], int, int]:
-    """(bytes of each layer, bytes only the first rank holds, bytes only the last rank holds)."""
+    """(bytes of each layer, bytes only the first rank holds, bytes only the last rank holds). mtp (an
+    `MTPLayout`, speculative decoding): the last rank also holds the draft head, the embedding it reads and
+    its layers' caches; every layer keeps num_speculative_tokens more per-request states."""
     def held(layout: StageLayout) -> int:
-        return sum(weight_bytes(config, dtype, quantization, ple_mapped, stage=layout).values())
+        return sum(weight_bytes(config, dtype, quantization, ple_mapped, stage=layout, mtp=mtp).values())
 
-    per_layer = []
-    for i in range(config.num_hidden_layers):
-        cache = sum(lb.per_request + lb.per_token * max_model_len for lb in layer_bytes(config, dtype, (i,)))
-        per_layer.append(held(StageLayout(1, 3, (i,))) + int(max_num_seqs * cache))
+    def cache(layer: int) -> float:
+        return sum(lb.per_request * (1 + num_speculative_tokens) + lb.per_token * max_model_len
+                   for lb in layer_bytes(config, dtype, (layer,)))
+
+    per_layer = [held(StageLayout(1, 3, (i,))) + int(max_num_seqs * cache(i)) for i in range(config.num_hidden_layers)]
     tied = config.tie_word_embeddings
     first = held(StageLayout(0, world_size, (), tied))
-    last = held(StageLayout(world_size - 1, world_size, (), tied))
+    last = held(StageLayout(world_size - 1, world_size, (), tied, draft_head=mtp is not None))
+    if mtp is not None:  # the draft head's layers: QSA layers' caches
+        qsa = config.layer_types.index("indexed_attention")
+        last += int(mtp.num_layers * max_num_seqs * cache(qsa))
     return per_layer, first, last
 
 

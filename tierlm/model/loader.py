@@ -233,11 +233,9 @@ def load_model(
     `device` (`model/random_weights.py`, seed 0; on the CPU the very values `tierlm demo-model` writes),
     so a model of any size runs from its config.json alone. load_mtp: load the checkpoint's MTP draft head
     too (`model.mtp`); a checkpoint without one is an error (with "dummy": a random head of the config's
-    mtp_num_hidden_layers layers)."""
+    mtp_num_hidden_layers layers); with a stage, the rank whose layout holds the draft head loads it."""
     if load_format not in LOAD_FORMATS:
         raise CheckpointError(f"load_format: unknown {load_format!r}; choose one of {', '.join(LOAD_FORMATS)}")
-    if load_mtp and stage is not None:
-        raise CheckpointError("load_mtp: the MTP draft head is not supported with pipeline parallelism yet")
     model_dir = resolve_model_path(model_dir)
     config = ModelConfig.from_pretrained(model_dir)
     target_dtype = resolve_dtype(dtype, config)

@@ -204,6 +204,15 @@ class ModelCache:
         for state in self.slot_states:
             state.reset_slot(slot)
 
+    def copy_target_states(self, sources: list[int], targets: list[int]) -> None:
+        """The target layers' states of slot sources[i] into slot targets[i] (speculative decoding's rollback
+        when the pipeline's ranks replay it: `engine/pipeline_speculative.py`)."""
+        if not sources:
+            return
+        sources, targets = (torch.tensor(x, dtype=torch.int64, device=self.device) for x in (sources, targets))
+        for state in self.target_slot_states:
+            state.copy_slots(sources, targets)
+
     def save_checkpoint(self, slot: int, index: int) -> None:
         """The slot's state into host checkpoint `index` (asynchronous on CUDA)."""
         self.checkpoints.save(slot, index)

@@ -2,7 +2,9 @@
 (`PipelineStage`).
 
 A rank holds a contiguous range of decoder layers; the first rank also the token embedding, the last
-rank the final hyper-connection mixer and lm_head (and the embedding too when lm_head is tied to it).
+rank the final hyper-connection mixer and lm_head (and the embedding too when lm_head is tied to it), and
+under speculative decoding the MTP draft head (`mtp.*`; it embeds the tokens too, so the last rank then
+holds the embedding as well).
 `PipelineStage` is cut out of a `Qwen4ExpForCausalLM` built on the meta device, so its modules keep the
 checkpoint's names (`model.layers.17.mlp...`) and the loader fills it as it fills the whole model.
 
@@ -10,7 +12,8 @@ Its forward takes the same `ForwardBatch` and the rank's own `ModelCache` (whose
 rank's layers, in order). The first stage starts from the embedding, the others from
 `batch.stage_input`: the multi-stream residual [N, hc_count * hidden] the previous stage returned. A
 stage that is not the last returns that residual for every row; the last returns the logits of
-`batch.logits_rows`. What crosses ranks, and how, is `engine/pipeline.py`'s business.
+`batch.logits_rows` (`forward_with_streams`: and every row's streams before the final mixer, what the
+draft head reads; `draft`: the draft head's forward, as the whole model's). What crosses ranks, and how, is `engine/pipeline.py`'s business.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ class StageLayout:
     world_size: int
     layer_ids: tuple[int, ...]
     tie_word_embeddings: bool = False
+    draft_head: bool = False  # the last rank holds the MTP draft head (speculative decoding)
 
     @property
     def is_first(self) -> bool:
@@ -44,8 +48,9 @@ class StageLayout:
 
     @property
     def has_embedding(self) -> bool:
-        """The first stage embeds the tokens; the last one needs the table too when lm_head is tied to it."""
-        return self.is_first or (self.is_last and self.tie_word_embeddings)
+        """The first stage embeds the tokens; the last one needs the table too when lm_head is tied to it, or
+        when it holds the draft head (which embeds each row's next token)."""
+        return self.is_first or (self.is_last and (self.tie_word_embeddings or self.draft_head))
 
     def holds(self, name: str) -> bool:
         """Whether a checkpoint tensor (its canonical `model.`-prefixed name) is loaded on this rank."""
@@ -56,10 +61,13 @@ class StageLayout:
             return self.has_embedding
         if name.startswith(("model.hyper_connection_mixer.", "lm_head.")):
             return self.is_last
+        if name.startswith("mtp."):
+            return self.draft_head and self.is_last
         return True
 
     def describe(self) -> str:
-        ends = [part for part, held in (("embedding", self.has_embedding), ("lm_head", self.is_last)) if held]
+        ends = [part for part, held in (("embedding", self.has_embedding), ("lm_head", self.is_last),
+                                        ("MTP draft head", self.draft_head and self.is_last)) if held]
         extra = f" + {', '.join(ends)}" if ends else ""
         return f"layers {self.layer_ids[0]}-{self.layer_ids[-1]} ({len(self.layer_ids)}){extra}"
 
@@ -91,6 +99,7 @@ class PipelineStage(nn.Module):
             self.visual = full.visual
         if layout.is_last:
             self.lm_head = full.lm_head
+        self.mtp = full.mtp if layout.draft_head and layout.is_last else None
 
     def decoder_layers(self) -> list[nn.Module]:
         return list(self.model.layers.values())
@@ -102,13 +111,32 @@ class PipelineStage(nn.Module):
     @torch.no_grad()
     def forward(self, batch: ForwardBatch, cache: ModelCache) -> torch.Tensor:
         """The next stage's input [N, hc * hidden], or on the last stage the logits [M, vocab]."""
+        streams = self._run_layers(batch, cache)
+        if not self.layout.is_last:
+            return streams
+        return self._logits(batch, streams)
+
+    @torch.no_grad()
+    def forward_with_streams(self, batch: ForwardBatch, cache: ModelCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """The last stage: the logits [M, vocab] and every row's streams before the final mixer [N, hc*H]
+        (as `Qwen4ExpForCausalLM.forward_with_streams`: what the draft head reads)."""
+        streams = self._run_layers(batch, cache)
+        return self._logits(batch, streams), streams
+
+    def draft(self, batch: ForwardBatch, hidden_streams: torch.Tensor, cache: ModelCache, step: int = 0
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The draft head's forward on the last stage: the whole model's (`Qwen4ExpForCausalLM.draft`), on
+        the parts this stage holds (embedding, rotary, draft head, lm_head)."""
+        return Qwen4ExpForCausalLM.draft(self, batch, hidden_streams, cache, step)
+
+    def _run_layers(self, batch: ForwardBatch, cache: ModelCache) -> torch.Tensor:
         text = self.model
         if self.layout.is_first:
             streams = embed_streams(text.embed_tokens, batch, self.config.hc_count)
         else:
             streams = batch.stage_input
-        streams = run_decoder_layers(self.decoder_layers(), streams, batch, cache, self.config, text.rotary)
-        if not self.layout.is_last:
-            return streams
-        mixed, _ = text.hyper_connection_mixer.mix(batch.wanted_rows(streams))
+        return run_decoder_layers(self.decoder_layers(), streams, batch, cache, self.config, text.rotary)
+
+    def _logits(self, batch: ForwardBatch, streams: torch.Tensor) -> torch.Tensor:
+        mixed, _ = self.model.hyper_connection_mixer.mix(batch.wanted_rows(streams))
         return self.lm_head(mixed)
