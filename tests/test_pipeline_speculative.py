@@ -6,7 +6,8 @@ rejected, every step rolls back on both ranks) or an oracle's (forced acceptance
 preemption), and after a prefix-cache hit; a seeded sampled request with penalties gives one process's
 output with drafts (rejection sampling on the last rank); a request with log-probabilities decodes one
 token per step beside them, its log-probabilities within fp32 rounding of batches that differ (as
-tests/test_pipeline.py allows for concurrent requests).
+tests/test_pipeline.py allows for concurrent requests); a json_schema request decodes without drafts, its
+greedy tokens one process's.
 """
 
 from __future__ import annotations
@@ -18,16 +19,17 @@ import pytest
 from tierlm.demo_model import build_demo_model
 from tierlm.engine.llm_engine import EngineConfig, LLMEngine
 from tierlm.engine.pipeline_speculative import PipelineSpeculation
-from tierlm.sampling_params import SamplingParams
+from tierlm.sampling_params import SamplingParams, StructuredOutputRequest
 
 # a prompt longer than a step's tokens: its prefill is chunked (the draft head runs over every chunk)
 PROMPTS = ["Hello there, how are you", "def parse(tokens):\n    return [t for t in tokens if t]\n" * 2,
-           "The quick brown fox", "JSON please:"]
+           "The quick brown fox", "JSON please:", "Give JSON:"]
 OPTIONS = {"dtype": "float32", "device": "cpu", "max_model_len": 256, "max_num_seqs": 4,
            "max_num_batched_tokens": 24, "kv_cache_memory_bytes": 32 << 20, "max_state_checkpoints": 4}
 MAX_TOKENS = 10
 GREEDY = ("0", "1")  # speculating greedy requests (1 with a repetition penalty)
-LOGPROBS, SAMPLED = 2, 3
+LOGPROBS, SAMPLED, GRAMMAR = 2, 3, 4
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 
 
 def params() -> list[SamplingParams]:
@@ -35,7 +37,9 @@ def params() -> list[SamplingParams]:
             SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, repetition_penalty=1.3),
             SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2),
             SamplingParams(temperature=0.9, top_p=0.95, max_tokens=MAX_TOKENS, ignore_eos=True, seed=7,
-                           presence_penalty=0.5)]
+                           presence_penalty=0.5),
+            SamplingParams(temperature=0, max_tokens=MAX_TOKENS,
+                           structured_output=StructuredOutputRequest(json_schema=json.dumps(SCHEMA)))]
 
 
 def spec(k: int) -> str:
@@ -111,6 +115,8 @@ def test_pipeline_with_drafts_gives_one_process_output(demo, reference, k, oracl
         got = generate(llm, forcing)
         tokens = [out.token_ids for out in got]
         assert tokens[:SAMPLED] == [out.token_ids for out in reference[:SAMPLED]]
+        # a grammar request decodes without drafts here (the last rank's grammar is rank 0's bitmask only)
+        assert tokens[GRAMMAR] == reference[GRAMMAR].token_ids
         # batches differ from one process's (verify rows, two ranks' threads): fp32 sums may round differently
         for row, expected in zip(logprob_rows(got[LOGPROBS]), logprob_rows(reference[LOGPROBS]), strict=True):
             assert [entry[::2] for entry in row] == [entry[::2] for entry in expected]  # tokens and ranks

@@ -106,6 +106,12 @@ class _DraftedChunk:
 class LastRankDrafts(SpeculativeRunner):
     """The last rank's side of a speculative step: sample, verify, draft (see the module docstring)."""
 
+    def drafts_for(self, request) -> bool:
+        """A constrained request decodes without drafts under pipeline parallelism: its verify rows would
+        need rank 0's bitmask per row, which no message carries, and the mirror's grammar (a bitmask copy,
+        `BitmaskGrammar`) cannot walk drafts."""
+        return super().drafts_for(request) and request.structured_output is None
+
     def step(self, mirror, message: StepMessage, batch) -> StageResult:
         """The step's answer to rank 0; `batch` carries the previous stage's output (`stage_input`)."""
         logits, streams = self.model.forward_with_streams(batch, self.cache)
@@ -135,9 +141,7 @@ class LastRankDrafts(SpeculativeRunner):
             request.output_token_ids.extend([*result.accepted[request], result.sampled[request]])
         self._propose(self._kept(SchedulerOutput(chunks), streams, accepted, result))
         for chunk in chunks:
-            # a grammar's rows are verified against rank 0's bitmask, which no verify row carries here yet:
-            # a constrained request decodes without drafts under pipeline parallelism
-            if chunk.samples and chunk.request.draft_token_ids and chunk.request.structured_output is None:
+            if chunk.samples and chunk.request.draft_token_ids:
                 out.next_drafts[key_of[chunk.request]] = list(chunk.request.draft_token_ids)
         return out
 

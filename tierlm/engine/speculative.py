@@ -367,6 +367,10 @@ class SpeculativeRunner:
             self._propose(self._kept(step, streams, accepted, result))
         return result
 
+    def drafts_for(self, request: Request) -> bool:
+        """Whether this runner drafts for the request (`speculates`; a pipeline's last rank narrows it)."""
+        return speculates(request)
+
     # ---- the greedy step on the device ------------------------------------------------------------------
     def _on_device(self, step: SchedulerOutput) -> bool:
         """Whether the step runs as `_greedy_step`: every request greedy and verifying K drafts, and the
@@ -377,7 +381,7 @@ class SpeculativeRunner:
             and 0 < len(step.chunks) <= verify.max_batch
             and all(len(chunk.draft_token_ids) == k and chunk.num_tokens == 1 and chunk.samples
                     and len(chunk.request.block_ids) <= verify.block_tables.shape[1]
-                    and speculates(chunk.request) and is_greedy(chunk.request)
+                    and self.drafts_for(chunk.request) and is_greedy(chunk.request)
                     and chunk.request.structured_output is None for chunk in step.chunks)
         )
 
@@ -577,7 +581,7 @@ class SpeculativeRunner:
         kept, row = [], 0
         for chunk in step.chunks:
             request = chunk.request
-            if speculates(request) and request not in result.failed:
+            if self.drafts_for(request) and request not in result.failed:
                 n = chunk.num_tokens + accepted.get(chunk, 0)
                 if chunk.samples:
                     next_token, proposes = result.sampled.get(request), True
