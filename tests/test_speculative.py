@@ -370,7 +370,7 @@ def test_penalized_logits_count_the_drafts_before_each_row():
     from tierlm.engine.request import Request
     from tierlm.engine.sampler import plan_rows
     from tierlm.engine.sampler_reference import reference_edit_logits
-    from tierlm.engine.speculative import penalized_logits, verify_rows
+    from tierlm.engine.speculative_constraints import penalized_logits, verify_rows
 
     vocab, drafts = 12, [[3, 3, 7], [5]]
     params = [SamplingParams(temperature=0.8, repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.2),

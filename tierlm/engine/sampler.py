@@ -500,7 +500,7 @@ class Sampler:
 def sampling_probs(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
     """The normalized fp32 distribution [R, V] that `sample_rows` draws row i from for requests[i], given
     logits already through `edit_logits` (speculative decoding, its one user, applies the penalties and
-    grammar masks first, `speculative.verify_logits`; no request with biases or bans): the sampler's own
+    grammar masks first, `speculative_constraints.verify_logits`; no request with biases or bans): the sampler's own
     candidates and cuts (`_Candidates`), so a top-k row keeps its k best with ties by lower id; a row the
     sampler takes the argmax of (greedy, or a +inf maximum) is one-hot there."""
     x = logits.float()
