@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from test_speculative import generate as generate_all
 
 from tierlm.demo_model import build_demo_model
 from tierlm.engine.llm_engine import EngineConfig, LLMEngine
@@ -47,15 +48,7 @@ def spec(k: int) -> str:
 
 
 def generate(llm: LLMEngine, after_step=None) -> list:
-    ids = [llm.add_request(prompt, p) for prompt, p in zip(PROMPTS, params(), strict=True)]
-    done = {}
-    while llm.has_unfinished_requests():
-        for output in llm.step():
-            if output.finished:
-                done[output.request_id] = output.outputs[0]
-        if after_step is not None:
-            after_step(llm)
-    return [done[i] for i in ids]
+    return generate_all(llm, params(), after_step, PROMPTS)
 
 
 def generate_one(llm: LLMEngine):

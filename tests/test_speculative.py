@@ -51,8 +51,9 @@ def engine(folder, speculative_config=None, **options) -> LLMEngine:
                                   speculative_config=speculative_config, **options))
 
 
-def generate(llm: LLMEngine, params: list[SamplingParams], after_step=None) -> list[list[int]]:
-    ids = [llm.add_request(prompt, p) for prompt, p in zip(PROMPTS, params)]
+def generate(llm: LLMEngine, params: list[SamplingParams], after_step=None, prompts: list[str] = PROMPTS) -> list:
+    """Every prompt with its params; the completions in prompt order (after_step(llm) after each step)."""
+    ids = [llm.add_request(prompt, p) for prompt, p in zip(prompts, params)]
     done = {}
     while llm.has_unfinished_requests():
         for output in llm.step():

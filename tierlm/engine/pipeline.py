@@ -490,18 +490,8 @@ class PipelineDriver:
             self._fail(f"pipeline rank {self.world_size - 1} answered step {answer.step} where rank 0 expected "
                        f"step {entry.number}'s answer")
         for key, request in entry.requests.items():
-            if request.is_finished:  # aborted, or (overlap) finished by the step before: discarded
-                continue
-            if key in answer.failed:
-                result.failed[request] = answer.failed[key]
-                continue
-            if key in answer.prompt_logprobs:
-                request.prompt_logprobs.extend(answer.prompt_logprobs[key])
-            if key in answer.sampled:
-                result.sampled[request] = answer.sampled[key]
-                if key in answer.logprobs:
-                    request.logprobs.append(answer.logprobs[key])
-                    request.cumulative_logprob = answer.cumulative_logprob[key]
+            if not request.is_finished:  # aborted, or (overlap) finished by the step before: discarded
+                take_answer(answer, key, request, result)
         return result
 
     def _wait_ids(self, entry: PipelineStep) -> None:
@@ -680,3 +670,19 @@ class PipelineDriver:
                 torch.cuda.synchronize(tensor.device)
             times.append(time.perf_counter() - start)
         return sorted(times)[len(times) // 2] / 2
+
+
+def take_answer(answer, key, request: Request, result: StepResult) -> bool:
+    """The last rank's answer (`StageResult`) for the request keyed `key` into the request and `result`: a
+    failure, or its prompt log-probabilities, sampled id and log-probabilities; False when it failed."""
+    if key in answer.failed:
+        result.failed[request] = answer.failed[key]
+        return False
+    if key in answer.prompt_logprobs:
+        request.prompt_logprobs.extend(answer.prompt_logprobs[key])
+    if key in answer.sampled:
+        result.sampled[request] = answer.sampled[key]
+        if key in answer.logprobs:
+            request.logprobs.append(answer.logprobs[key])
+            request.cumulative_logprob = answer.cumulative_logprob[key]
+    return True

@@ -33,6 +33,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from tierlm.engine.model_runner import StepResult
+from tierlm.engine.pipeline import take_answer
 from tierlm.engine.pipeline_messages import StageResult, StepMessage
 from tierlm.engine.request import Request
 from tierlm.engine.scheduler import SchedulerOutput
@@ -63,16 +64,8 @@ class PipelineSpeculation(SpeculativeRunner):
         result, verify, accepted = StepResult(), [], {}
         for chunk in step.chunks:
             request, key = chunk.request, keys[chunk.request]
-            if key in answer.failed:
-                result.failed[request] = answer.failed[key]
+            if not take_answer(answer, key, request, result):
                 continue
-            if key in answer.prompt_logprobs:
-                request.prompt_logprobs.extend(answer.prompt_logprobs[key])
-            if key in answer.sampled:
-                result.sampled[request] = answer.sampled[key]
-                if key in answer.logprobs:
-                    request.logprobs.append(answer.logprobs[key])
-                    request.cumulative_logprob = answer.cumulative_logprob[key]
             if chunk.draft_token_ids:
                 verify.append((chunk, None, None))
                 result.accepted[request] = answer.accepted[key]
