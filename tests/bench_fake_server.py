@@ -113,6 +113,12 @@ class FakeOpenAIServer:
                 f"tierlm:requests_total {served}\n"
                 f'tierlm:kv_blocks_used{{tier="gpu"}} {served * 2}\n'
                 "process_cpu_seconds_total 1.5\n"
+                # speculative decoding, K = 2: per request 3 verify steps, 4 of 6 drafts accepted (3 first, 1 second)
+                f'tierlm:spec_decode_num_drafts_total{{model_name="m"}} {served * 3}\n'
+                f'tierlm:spec_decode_num_draft_tokens_total{{model_name="m"}} {served * 6}\n'
+                f'tierlm:spec_decode_num_accepted_tokens_total{{model_name="m"}} {served * 4}\n'
+                f'tierlm:spec_decode_num_accepted_tokens_per_pos_total{{model_name="m",position="0"}} {served * 3}\n'
+                f'tierlm:spec_decode_num_accepted_tokens_per_pos_total{{model_name="m",position="1"}} {served}\n'
             )
             await self._send_whole(writer, 200, "text/plain", text)
             return True

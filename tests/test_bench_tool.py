@@ -345,14 +345,19 @@ def test_output_tokens_without_usage_come_from_the_tokenizer_or_the_chunks(tmp_p
     assert by_tokenizer["input_lens"] == [20, 20]
 
 
-def test_tierlm_metrics_snapshot_before_and_after(tmp_path):
+def test_tierlm_metrics_snapshot_before_and_after(tmp_path, capsys):
     with FakeOpenAIServer(FakeServerConfig(serve_metrics=True)) as server:
         _, result = bench(server, tmp_path, "--num-requests", "2", "--warmup", "1")
-    assert result["server_metrics_before"] == {
-        "tierlm:requests_total": 2,
-        'tierlm:kv_blocks_used{tier="gpu"}': 4,
-    }
+    before = result["server_metrics_before"]
+    assert before["tierlm:requests_total"] == 2 and before['tierlm:kv_blocks_used{tier="gpu"}'] == 4
+    assert "process_cpu_seconds_total" not in before
     assert result["server_metrics_after"]["tierlm:requests_total"] == 4
+    # the 2 measured requests' speculative decoding: 6 verify steps, 8 of 12 drafts accepted (6 first, 2 second)
+    assert result["speculative_decoding"] == {
+        "num_drafts": 6, "num_draft_tokens": 12, "num_accepted_tokens": 8, "acceptance_rate": 8 / 12,
+        "acceptance_length": 1 + 8 / 6, "acceptance_rate_per_position": [1.0, 2 / 6],
+    }
+    assert "acceptance length 2.33 tokens per verify step" in " ".join(capsys.readouterr().out.split())
     with FakeOpenAIServer() as server:  # /metrics answers 404: no snapshot, no complaint
         status, result = bench(server, tmp_path, "--num-requests", "1")
     assert status == 0 and "server_metrics_before" not in result

@@ -119,6 +119,7 @@ def test_pipeline_with_drafts_gives_one_process_output(demo, reference, k, oracl
         if oracle:  # both paths ran, and accepted drafts saved steps
             assert llm.scheduler.num_preemptions == 1
             assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+            assert sum(stats.num_accepted_tokens_per_pos) == stats.num_accepted_tokens
             assert forcing.steps < len(PROMPTS) * MAX_TOKENS
             return
         # the seeded sampled request: one process's output with drafts (not without: drafts change the draws)

@@ -112,6 +112,16 @@ def test_accepted_drafts_give_the_same_tokens(demo, reference):
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens  # both paths ran
     # accepted drafts save steps: fewer than one step per token after the prompt
     assert oracle.steps < 1 + MAX_TOKENS
+    # per draft position (vLLM's ..._per_pos): draft 2 is wrong every other step, so fewer get past it
+    per_pos = stats.num_accepted_tokens_per_pos
+    assert len(per_pos) == 3 and sum(per_pos) == stats.num_accepted_tokens
+    assert per_pos[0] >= per_pos[1] > per_pos[2] >= 0 and per_pos[1] < stats.num_drafts
+    from tierlm.server.metrics import Metrics
+
+    text = Metrics("demo", llm.stats).render().decode()
+    for position, count in enumerate(per_pos):
+        line = f'tierlm:spec_decode_num_accepted_tokens_per_pos_total{{model_name="demo",position="{position}"}}'
+        assert f"{line} {float(count)}" in text
 
 
 @pytest.mark.parametrize("k", [1, 3])
@@ -130,7 +140,10 @@ def test_fixed_shape_verify_steps_give_the_same_tokens(demo, reference, k):
     assert sorted(llm.cache_manager.free_slots) == [0, 1, 2]
     # greedy steps verifying K drafts each run on the device (`_greedy_step`), as one step of 2 requests
     assert ("step", 2) in runs
-    assert 0 < llm.stats().num_accepted_tokens < llm.stats().num_draft_tokens
+    stats = llm.stats()
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    assert sum(stats.num_accepted_tokens_per_pos) == stats.num_accepted_tokens  # counted on the device path too
+    assert stats.num_accepted_tokens_per_pos[0] < stats.num_drafts  # draft 1 is wrong every other step
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")

@@ -172,6 +172,7 @@ class EngineStats:
     num_drafts: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: tuple[int, ...] = ()  # [j]: drafts accepted at draft position j (0-based)
 
 
 @dataclass(frozen=True)
@@ -571,7 +572,8 @@ class LLMEngine:
         if not isinstance(runner, SpeculativeRunner):
             return {}
         return {"num_drafts": runner.num_drafts, "num_draft_tokens": runner.num_draft_tokens,
-                    "num_accepted_tokens": runner.num_accepted_tokens}
+                "num_accepted_tokens": runner.num_accepted_tokens,
+                "num_accepted_tokens_per_pos": tuple(runner.accepted_per_position)}
 
     def _device_memory(self) -> dict:
         if self.cache.device.type != "cuda":

@@ -73,10 +73,7 @@ class PipelineSpeculation(SpeculativeRunner):
             if chunk.samples:
                 request.draft_token_ids = answer.next_drafts.get(key, [])
         self._roll_back(verify, accepted)
-        self.num_drafts += len(verify)
-        self.num_draft_tokens += sum(len(chunk.draft_token_ids) for chunk, _, _ in verify)
-        self.num_accepted_tokens += sum(accepted.values())
-        self._log_acceptance()
+        self._count([len(chunk.draft_token_ids) for chunk, _, _ in verify], [accepted[chunk] for chunk, _, _ in verify])
         return result
 
     def _restore(self, sources: list[int], targets: list[int]) -> None:

@@ -229,6 +229,7 @@ class SpeculativeRunner:
         self.num_drafts = 0  # verify chunks (requests that carried drafts into a step), total
         self.num_draft_tokens = 0  # drafts verified, total
         self.num_accepted_tokens = 0  # of which accepted, total
+        self.accepted_per_position = [0] * self.k  # [j]: verify chunks that accepted their draft j + 1
         self._logged_at, self._logged = time.monotonic(), (0, 0, 0)
 
     @property
@@ -375,7 +376,7 @@ class SpeculativeRunner:
         and a `StepResult`."""
         result = StepResult()
         next_chunks = following.step.chunks if following is not None else [None] * len(step.chunks)
-        counted = 0
+        counted = []  # accepted counts of the requests still running
         for chunk, after, (count, token, *new_drafts) in zip(step.chunks, next_chunks, readback, strict=True):
             request = chunk.request
             if request.is_finished:
@@ -386,11 +387,8 @@ class SpeculativeRunner:
             request.draft_token_ids, request.draft_probs = new_drafts, None
             if after is not None:
                 after.draft_token_ids = list(new_drafts)
-            counted += 1
-            self.num_accepted_tokens += count
-        self.num_drafts += counted
-        self.num_draft_tokens += counted * self.k
-        self._log_acceptance()
+            counted.append(count)
+        self._count([self.k] * len(counted), counted)
         return result
 
     # ---- verification -------------------------------------------------------------------------------
@@ -430,11 +428,19 @@ class SpeculativeRunner:
             accepted[chunk] = len(tokens) - 1
             result.accepted[chunk.request] = tokens[:-1]
             result.sampled[chunk.request] = tokens[-1]
-        self.num_drafts += len(verify)
-        self.num_draft_tokens += sum(counts)
-        self.num_accepted_tokens += sum(accepted.values())
-        self._log_acceptance()
+        self._count(counts, list(accepted.values()))
         return accepted
+
+    def _count(self, drafted: list[int], accepted: list[int]) -> None:
+        """A step's verify chunks into the counters (vLLM's spec_decode metrics): drafts verified and
+        accepted per chunk."""
+        self.num_drafts += len(drafted)
+        self.num_draft_tokens += sum(drafted)
+        self.num_accepted_tokens += sum(accepted)
+        for count in accepted:
+            for j in range(count):
+                self.accepted_per_position[j] += 1
+        self._log_acceptance()
 
     def _log_acceptance(self) -> None:
         """Since the last line: drafts accepted, and tokens per verify step (vLLM's acceptance length)."""

@@ -138,6 +138,13 @@ class _EngineStatsCollector(Collector):
             metric = family(name, doc, labels=["model_name"])
             metric.add_metric([self._model_name], value)
             yield metric
+        if stats.num_accepted_tokens_per_pos:  # with --speculative-config: one series per draft position
+            metric = counter("tierlm:spec_decode_num_accepted_tokens_per_pos",
+                             "Drafts accepted at each draft position (0: the first draft).",
+                             labels=["model_name", "position"])
+            for position, value in enumerate(stats.num_accepted_tokens_per_pos):
+                metric.add_metric([self._model_name, str(position)], value)
+            yield metric
 
 
 def _share(hits: int, misses: int) -> float:

@@ -229,10 +229,11 @@ def run_bench(args: argparse.Namespace) -> int:
         print_failures,
         print_notes,
         print_results,
+        print_speculative_decoding,
         write_plot,
     )
     from tierlm.tools.bench.runner import Schedule, run_benchmark
-    from tierlm.tools.bench.stats import build_result, compare_results
+    from tierlm.tools.bench.stats import build_result, compare_results, speculative_decoding
     from tierlm.tools.bench.workload import (
         DEFAULT_STATE_FILE,
         CorpusText,
@@ -307,10 +308,15 @@ def run_bench(args: argparse.Namespace) -> int:
     if outcome.server_metrics_before is not None or outcome.server_metrics_after is not None:
         result["server_metrics_before"] = outcome.server_metrics_before
         result["server_metrics_after"] = outcome.server_metrics_after
+    speculation = speculative_decoding(outcome.server_metrics_before, outcome.server_metrics_after)
+    if speculation is not None:
+        result["speculative_decoding"] = speculation
 
     console = Console()
     print_notes(console, outcome.notes)
     print_results(console, result)
+    if speculation is not None:
+        print_speculative_decoding(console, speculation)
     print_failures(console, outcome.measured)
     if other is not None:
         print_comparison(console, compare_results(result, other), args.compare)

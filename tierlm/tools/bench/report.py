@@ -80,6 +80,17 @@ def print_results(console: Console, result: dict) -> None:
     console.print(table)
 
 
+def print_speculative_decoding(console: Console, summary: dict) -> None:
+    """One line: the server's speculative decoding during the benchmark (`stats.speculative_decoding`)."""
+    rate = summary["acceptance_rate"]
+    line = (f"speculative decoding (server /metrics): acceptance length {summary['acceptance_length']:.2f} "
+            f"tokens per verify step; {summary['num_accepted_tokens']:,} of {summary['num_draft_tokens']:,} "
+            f"drafts accepted ({'-' if rate is None else f'{rate:.1%}'})")
+    if summary["acceptance_rate_per_position"]:
+        line += "; by draft position " + ", ".join(f"{r:.1%}" for r in summary["acceptance_rate_per_position"])
+    console.print(line)
+
+
 def print_failures(console: Console, runs: list[RunMeasurement]) -> None:
     failed = [record for run in runs for record in run.records if not record.ok]
     if not failed:

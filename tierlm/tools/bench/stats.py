@@ -178,6 +178,38 @@ def build_result(runs: list[RunMeasurement], turns: int, settings: dict) -> dict
     return result
 
 
+def speculative_decoding(before: dict[str, float] | None, after: dict[str, float] | None) -> dict | None:
+    """What the server's speculative decoding did during the benchmark, from its `/metrics` snapshots
+    (vLLM's spec_decode counters, summed over label sets): verify steps that carried drafts, drafts, accepted
+    drafts, the acceptance rate, the acceptance length (tokens per verify step: 1 + accepted / verify
+    steps, vLLM's definition) and the acceptance rate at each draft position. None without snapshots or
+    without drafts in between."""
+    if before is None or after is None:
+        return None
+
+    def grew(name: str) -> float:
+        return sum(value - before.get(key, 0.0) for key, value in after.items() if key.split("{")[0] == name)
+
+    drafts = grew("tierlm:spec_decode_num_drafts_total")
+    if drafts <= 0:
+        return None
+    draft_tokens = grew("tierlm:spec_decode_num_draft_tokens_total")
+    accepted = grew("tierlm:spec_decode_num_accepted_tokens_total")
+    by_position: dict[int, float] = {}
+    for key, value in after.items():
+        if key.split("{")[0] == "tierlm:spec_decode_num_accepted_tokens_per_pos_total" and 'position="' in key:
+            position = int(key.split('position="')[1].split('"')[0])
+            by_position[position] = value - before.get(key, 0.0)
+    return {
+        "num_drafts": int(drafts),
+        "num_draft_tokens": int(draft_tokens),
+        "num_accepted_tokens": int(accepted),
+        "acceptance_rate": accepted / draft_tokens if draft_tokens else None,
+        "acceptance_length": 1.0 + accepted / drafts,
+        "acceptance_rate_per_position": [by_position[j] / drafts for j in sorted(by_position)],
+    }
+
+
 @dataclass(frozen=True)
 class ComparisonRow:
     name: str
