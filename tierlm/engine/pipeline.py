@@ -344,19 +344,15 @@ class PipelineDriver:
         if previous is not None and previous.host_ids is None:  # CPU: the host waits (CUDA: at first read)
             self._wait_ids(previous)
         began = time.perf_counter()
-        self._launched += 1
-        message = StepMessage(step=self._launched, cache_ops=self.cache.drain(), released=self._release_finished())
-        self._block_changes.forget(message.released)
+        message = self._new_message()
         static = runner.fits_static(plan)  # every rank runs it from its static runner, given host lists
         if static:
             wanted = [(chunk, row, 1) for row, chunk in enumerate(plan.chunks)]
         else:
             batch, wanted = runner.prepare(plan, device="cpu")
             message.batch = BatchArrays.of(batch)
-        requests, sampling = self._add_samples(message, wanted), []
-        for chunk, _, _ in wanted:
-            if chunk.samples:
-                sampling.append(chunk.request)
+        requests = self._add_samples(message, wanted)
+        sampling = [chunk.request for chunk, _, _ in wanted if chunk.samples]
         if static:  # after the loop: every request has its key
             chunks, changes = plan.chunks, self._block_changes
             message.decode = DecodeRows([c.start for c in chunks], [c.request.state_slot for c in chunks],
@@ -387,6 +383,15 @@ class PipelineDriver:
         timing["forward_seconds"] += done - launched
         timing["steps"] += 1
         return entry
+
+    def _new_message(self, **fields) -> StepMessage:
+        """The next step's message (numbered; the cache operations since the last one, the requests released),
+        the released requests' block lists forgotten."""
+        self._launched += 1
+        message = StepMessage(step=self._launched, cache_ops=self.cache.drain(), released=self._release_finished(),
+                              **fields)
+        self._block_changes.forget(message.released)
+        return message
 
     def _key(self, request: Request, message: StepMessage) -> int:
         """The request's key; a request new to the last rank is added to the message (`NewRequest`)."""
@@ -423,10 +428,7 @@ class PipelineDriver:
         self._check_alive()
         if self.in_flight:
             raise RuntimeError("a speculative pipeline step runs alone: steps are in flight")
-        self._launched += 1
-        message = StepMessage(step=self._launched, cache_ops=self.cache.drain(), released=self._release_finished(),
-                              batch=BatchArrays.of(batch))
-        self._block_changes.forget(message.released)
+        message = self._new_message(batch=BatchArrays.of(batch))
         self._add_samples(message, wanted)
         requests, message.drafts = {}, []
         for chunk in plan.chunks:
@@ -445,16 +447,8 @@ class PipelineDriver:
         except Exception as exc:  # noqa: BLE001
             self._fail(f"sending the hidden state to rank 1 failed: {_first_line(exc)}")
         answer = self._wait_result()
-        try:
-            for work in sends:
-                work.wait()
-        except Exception as exc:  # noqa: BLE001
-            self._fail(f"sending a step or its hidden state failed: {_first_line(exc)}")
-        if answer.error is not None:
-            self._fail(f"pipeline rank {self.world_size - 1} failed during a step: {answer.error}")
-        if answer.step != message.step:
-            self._fail(f"pipeline rank {self.world_size - 1} answered step {answer.step} where rank 0 expected "
-                       f"step {message.step}'s answer")
+        self._wait_sends(sends)
+        self._check_answer(answer, message.step)
         self._timing["steps"] += 1
         return answer, requests
 
@@ -472,11 +466,7 @@ class PipelineDriver:
             if not self.in_flight:  # no later step: the last rank reads this one back when told to
                 self._send_last(StepMessage(kind="answer"))
             answer = self._wait_result()
-        try:
-            for work in entry.sends:  # done: every rank has received its step
-                work.wait()
-        except Exception as exc:  # noqa: BLE001
-            self._fail(f"sending a step or its hidden state failed: {_first_line(exc)}")
+        self._wait_sends(entry.sends)
         self._timing["wait_seconds"] += time.perf_counter() - began
         result = StepResult()
         if answer is None:  # every row sampled, nothing more to report: the ids are the answer
@@ -484,15 +474,27 @@ class PipelineDriver:
                 if not request.is_finished:  # aborted, or (overlap) finished by the step before: discarded
                     result.sampled[request] = token
             return result
-        if answer.error is not None:
-            self._fail(f"pipeline rank {self.world_size - 1} failed during a step: {answer.error}")
-        if answer.step != entry.number:
-            self._fail(f"pipeline rank {self.world_size - 1} answered step {answer.step} where rank 0 expected "
-                       f"step {entry.number}'s answer")
+        self._check_answer(answer, entry.number)
         for key, request in entry.requests.items():
             if not request.is_finished:  # aborted, or (overlap) finished by the step before: discarded
                 take_answer(answer, key, request, result)
         return result
+
+    def _wait_sends(self, sends: list) -> None:
+        """A step's sends waited for: every rank has received its message and hidden state."""
+        try:
+            for work in sends:
+                work.wait()
+        except Exception as exc:  # noqa: BLE001
+            self._fail(f"sending a step or its hidden state failed: {_first_line(exc)}")
+
+    def _check_answer(self, answer: StageResult, step: int) -> None:
+        """Fail on the last rank's error, or on an answer to another step than `step`."""
+        if answer.error is not None:
+            self._fail(f"pipeline rank {self.world_size - 1} failed during a step: {answer.error}")
+        if answer.step != step:
+            self._fail(f"pipeline rank {self.world_size - 1} answered step {answer.step} where rank 0 expected "
+                       f"step {step}'s answer")
 
     def _wait_ids(self, entry: PipelineStep) -> None:
         """The step's sampled ids on this device (CPU: the host waits for them)."""
