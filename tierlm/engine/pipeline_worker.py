@@ -143,10 +143,10 @@ class _Mirror:
     def reads_outputs(self, unread: _Sampling, message: StepMessage) -> bool:
         """Whether the step's sampling reads the output ids of a request the unread step sampled (penalties,
         bad words): those must be read back first."""
-        sampled = set(unread.launched.sampling)
         for spec in message.samples:
             request = self.requests.get(spec.key)  # None: new in this message
-            if spec.samples and request in sampled and _reads_outputs(request):
+            # the cheap test first: a step of requests without penalties or bad words builds nothing
+            if spec.samples and request is not None and _reads_outputs(request) and request in unread.launched.row_of:
                 return True
         return False
 
