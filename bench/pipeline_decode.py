@@ -89,7 +89,7 @@ def decode_rate(llm: LLM, streams: int, tokens: int, snapshot=dict) -> dict:
 
 def run(model: str, pp: int, args) -> dict:
     options = {"dtype": args.dtype, "device": args.device, "max_model_len": args.max_model_len, "max_num_seqs": 4,
-                   "async_scheduling": args.async_scheduling}
+               "async_scheduling": args.async_scheduling}
     if args.real_width:
         options["load_format"] = "dummy"  # random weights drawn at load: nothing written to disk
     if args.kv_cache_memory_bytes:

@@ -24,7 +24,7 @@ from tierlm.sampling_params import StructuredOutputRequest
 
 # chunked prefill (prompts longer than a step's tokens), prefix caching on
 OPTIONS = {"dtype": "float32", "device": "cpu", "max_model_len": 256, "max_num_seqs": 4, "max_num_batched_tokens": 24,
-               "max_state_checkpoints": 4}
+           "max_state_checkpoints": 4}
 PARTITION = (1, 1, 2)  # the QSA layer (3) on the last rank
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
 
