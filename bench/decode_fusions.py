@@ -49,6 +49,7 @@ from types import ModuleType
 
 import torch
 from decode_roofline import real_width_config
+from device_timing import kernels_per_call
 
 from tierlm.config import ModelConfig
 from tierlm.model.cache import PLEState
@@ -200,13 +201,6 @@ def per_call_seconds(fn, reps: int) -> float:
         end.synchronize()
         best = min(best, begin.elapsed_time(end) / 1000 / reps)
     return best
-
-
-def kernels_per_call(fn) -> int:
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
 
 
 def hc_candidates(batch: int) -> list:
