@@ -49,12 +49,12 @@ from types import ModuleType
 
 import torch
 from decode_roofline import real_width_config
+from device_timing import kernels_per_call
 
 from tierlm.config import ModelConfig
 from tierlm.model.cache import PLEState
 from tierlm.model.forward_batch import ForwardBatch
-from tierlm.model.layers.hyper_connection import HyperConnection, kernel_weight
-from tierlm.model.layers.hyper_connection import fused as hc_kernels_on
+from tierlm.model.layers.hyper_connection import HyperConnection
 from tierlm.model.layers.moe import SparseMoeBlock
 from tierlm.model.layers.ple import NgramIds, PLELayer
 from tierlm.model.quantization.compressed_tensors import PackQuantizedFormat
@@ -112,14 +112,14 @@ def hc_mixer(device, dtype, hidden: int, lowrank: int, with_inject: bool = True,
 
 def baseline_mix(kernels: ModuleType, hc: HyperConnection, streams: torch.Tensor):
     """hc.mix(streams) through another checkout's mix kernels (`kernels`, --baseline) in place of this
-    one's (the torch form when the fused kernels are switched off, as hc.mix)."""
-    down, up = kernel_weight(hc.down_and_inject), kernel_weight(hc.input_mix_weight_up)
+    one's, with the arguments `HyperConnection.kernel_call` gives this one's (the torch form where that
+    takes no kernel, as hc.mix)."""
 
     def call():
-        if not hc_kernels_on(streams):
+        kernel_call = hc.kernel_call(streams)
+        if kernel_call is None:
             return hc.mix(streams)
-        return kernels.mix(streams, hc.hc_norm.weight, down[0], up[0], hc.hc_count, hc.hc_norm.eps,
-                           down_scale=down[1], up_scale=up[1])
+        return kernels.mix(streams, *kernel_call[1])
 
     return call
 
@@ -200,13 +200,6 @@ def per_call_seconds(fn, reps: int) -> float:
         end.synchronize()
         best = min(best, begin.elapsed_time(end) / 1000 / reps)
     return best
-
-
-def kernels_per_call(fn) -> int:
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
 
 
 def hc_candidates(batch: int) -> list:

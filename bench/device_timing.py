@@ -3,7 +3,8 @@
 `timed`: seconds per call of fn(i), i in range(calls), replayed from one CUDA graph (or eagerly), best of 5
 rounds; on a CPU one plain pass after a warm-up call. `copy_bandwidth`: the device's copy bandwidth, the
 bytes read plus the bytes written of a large eager copy per second, best of 12 (a graph replays a copy as
-a memcpy node, slower than the copy kernel).
+a memcpy node, slower than the copy kernel). `kernels_per_call`: the CUDA kernels one eager call of fn
+launches (profiled). `device_label`: the device's name in results files.
 """
 
 from __future__ import annotations
@@ -68,3 +69,10 @@ def device_label(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device).replace(" ", "-").lower()
     return f"cpu-{platform.machine()}"
+
+
+def kernels_per_call(fn) -> int:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)

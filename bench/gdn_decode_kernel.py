@@ -28,12 +28,11 @@ import argparse
 import json
 import math
 import os
-import platform
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
 
 import torch
-from device_timing import copy_bandwidth, timed
+from device_timing import copy_bandwidth, device_label, timed
 
 from tierlm.kernels.gated_delta_rule import decode_triton
 from tierlm.kernels.gated_delta_rule.decode import gated_delta_decode
@@ -157,8 +156,7 @@ def main() -> None:
     if args.small:
         args.cold_bytes = 0
     shape = SMALL if args.small else TARGET
-    name = torch.cuda.get_device_name(device).replace(" ", "-").lower() if device.type == "cuda" else (
-        f"cpu-{platform.machine()}")
+    name = device_label(device)
     copy = copy_bandwidth(device, 2 << 30 if device.type == "cuda" else 16 << 20)
     layer = real_layer(shape, dtype, device)
     print(f"{name}: GDN {shape}, bf16; copy bandwidth {copy / 1e9:.0f} GB/s (read + write)")

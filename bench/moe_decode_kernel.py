@@ -109,6 +109,12 @@ def make_experts(shape: dict, fmt: str, group: int | None, device: torch.device,
     return w_gate_up, w_down, s, per_expert
 
 
+def rel_diff(out: torch.Tensor, reference: torch.Tensor) -> float:
+    """max |out - reference| over max |reference|, in fp32."""
+    out, reference = out.float(), reference.float()
+    return ((out - reference).abs().max() / reference.abs().max().clamp_min(1e-30)).item()
+
+
 def routings(batch: int, shape: dict, device: torch.device, gen: torch.Generator):
     """ROUTINGS random (weights, ids) of a decode batch: distinct experts per token, renormalised weights."""
     out = []
@@ -178,8 +184,7 @@ def measure_batch(run: SimpleNamespace, experts: tuple, label: str, batch: int) 
                            run.use_graph)
     diff = 0.0
     for i in range(ROUTINGS):
-        ref, out = reference(i).float(), kernel(i).float()
-        diff = max(diff, ((out - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item())
+        diff = max(diff, rel_diff(kernel(i), reference(i)))
     row = {
         "format": label, "batch": batch, "path": "decode" if decode else "grouped", "distinct_experts": distinct,
         "weight_bytes_per_call": nbytes, "kernel_us": kernel_s * 1e6, "kernel_GBps": nbytes / kernel_s / 1e9,
@@ -271,8 +276,7 @@ def sweep_packed(run: SimpleNamespace, experts: tuple, label: str, batches: list
 
     def measure_tiles(tiles, x, routes, reference, nbytes, batch):
         kernels.DECODE_TILES[bits] = tiles
-        out = kernels.fused_moe(x[0], w_gate_up, w_down, *routes[0], **kw).float()
-        diff = ((out - reference).abs().max() / reference.abs().max().clamp_min(1e-30)).item()
+        diff = rel_diff(kernels.fused_moe(x[0], w_gate_up, w_down, *routes[0], **kw), reference)
         seconds = timed(lambda i: kernels.fused_moe(x[i], w_gate_up, w_down, *routes[i], **kw), ROUTINGS, device,
                         run.use_graph)
         results.append({"format": label, "batch": batch, "tiles": tiles._asdict(), "us": seconds * 1e6,
@@ -391,15 +395,11 @@ def measure_shared(run: SimpleNamespace, experts: tuple, label: str, batch: int,
     apart_s = timed(apart, ROUTINGS, device, run.use_graph)
     fused_s = timed(fused, ROUTINGS, device, run.use_graph)
     kernels.PACKED_SHARED_APART_TOKENS = saved_apart
-    fused_diff = 0.0
-    for i in range(ROUTINGS):
-        ref = naive.fused_moe(x[i], w_gate_up, w_down, *routes[i], **kw, shared=swiglu.as_fused_expert(gates[i])).float()
-        fused_diff = max(fused_diff, ((fused(i).float() - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item())
-    apart_diff = 0.0
-    for i in range(ROUTINGS):  # (the model's path before, for scale: its own bf16 roundings)
+    fused_diff = apart_diff = 0.0
+    for i in range(ROUTINGS):  # apart: the model's path before, for scale (its own bf16 roundings)
         ref = naive.fused_moe(x[i], w_gate_up, w_down, *routes[i], **kw, shared=swiglu.as_fused_expert(gates[i]))
-        apart_diff = max(apart_diff, ((apart(i).float() - ref.float()).abs().max()
-                                      / ref.float().abs().max().clamp_min(1e-30)).item())
+        fused_diff = max(fused_diff, rel_diff(fused(i), ref))
+        apart_diff = max(apart_diff, rel_diff(apart(i), ref))
     row = {"format": label, "batch": batch, "shared_bytes": shared_bytes, "weight_bytes_per_call": nbytes,
            "apart_us": apart_s * 1e6, "apart_vs_copy": nbytes / apart_s / run.copy, "fused_us": fused_s * 1e6,
            "fused_vs_copy": nbytes / fused_s / run.copy, "apart_over_fused": apart_s / fused_s,

@@ -49,6 +49,7 @@ import time
 from pathlib import Path
 
 import torch
+from device_timing import device_label
 from long_context_resident import model_dir
 
 from tierlm import LLM, SamplingParams
@@ -242,10 +243,9 @@ def main() -> None:
     for a, b in zip(results[1]["rates"], results[2]["rates"]):
         b["same_tokens_as_pp1"] = a.pop("token_ids") == b.pop("token_ids")
     report(results)
+    device = device_label(torch.device(args.device))
     if args.device == "cuda":  # e.g. nvidia-h200-x2
-        device = f"{torch.cuda.get_device_name().replace(' ', '-').lower()}-x{torch.cuda.device_count()}"
-    else:
-        device = f"cpu-{platform.machine()}"
+        device += f"-x{torch.cuda.device_count()}"
     which = (f"real{args.real_width}" if args.real_width
              else "model" if args.model else f"demo-{'tiny' if args.small else 'small'}")
     tag = f"_{which}" + ("" if args.async_scheduling else "_serial")

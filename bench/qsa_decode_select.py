@@ -22,7 +22,7 @@ import argparse
 import itertools
 
 import torch
-from device_timing import timed
+from device_timing import kernels_per_call, timed
 
 import tierlm.kernels.qsa_selection.triton as kernels
 from tierlm.kernels.qsa_block_scores.triton import triton_block_scores
@@ -55,13 +55,6 @@ def fused_path(q, keys, tables, positions, scratch):
     if tables.shape[1] * (BLOCK_SIZE // RATIO) > TOP:
         scores = triton_block_scores(q, keys, tables, positions, RATIO, skip_up_to=TOP)
     return kernels.triton_selection_rows(scores, positions, tables, RATIO, BLOCK_SIZE, scratch, TOP)
-
-
-def kernels_per_call(fn) -> int:
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
 
 
 def measure(work: tuple, device) -> tuple[float, float, str]:

@@ -106,8 +106,11 @@ class PackQuantizedFormat(WeightFormat):
 
     # ---- fused kernels (tierlm/kernels): symmetric INT4/6/8 on CUDA ------------------------------------
     def _has_kernel(self, x: torch.Tensor) -> bool:
-        return (x.is_cuda and self.symmetric and self.bits in KERNEL_BITS
-                and os.environ.get("TIERLM_QUANT_KERNELS", "1") != "0")
+        return x.is_cuda and self._kernels_read()
+
+    def _kernels_read(self) -> bool:
+        """Symmetric INT4 / INT6 / INT8 the Triton kernels read in place (unless TIERLM_QUANT_KERNELS=0)."""
+        return self.symmetric and self.bits in KERNEL_BITS and os.environ.get("TIERLM_QUANT_KERNELS", "1") != "0"
 
     def kernel_linear(self, x, tensors, in_features):
         if not self._has_kernel(x):
@@ -143,7 +146,7 @@ class PackQuantizedFormat(WeightFormat):
     def kernel_weight(self, tensors):
         """Symmetric INT4 / INT6 / INT8 (group or per-channel scales): the fused MoE kernels read it
         (unless TIERLM_QUANT_KERNELS=0)."""
-        if not self.symmetric or self.bits not in KERNEL_BITS or os.environ.get("TIERLM_QUANT_KERNELS", "1") == "0":
+        if not self._kernels_read():
             return None
         return f"int{self.bits}", tensors["weight_packed"], tensors["weight_scale"]
 

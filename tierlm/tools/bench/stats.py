@@ -187,19 +187,18 @@ def speculative_decoding(before: dict[str, float] | None, after: dict[str, float
     if before is None or after is None:
         return None
 
-    def grew(name: str) -> float:
-        return sum(value - before.get(key, 0.0) for key, value in after.items() if key.split("{")[0] == name)
+    def grew(name: str) -> dict[str, float]:
+        """Each series (key with labels) of `name`: its growth."""
+        return {key: value - before.get(key, 0.0) for key, value in after.items() if key.split("{")[0] == name}
 
-    drafts = grew("tierlm:spec_decode_num_drafts_total")
+    drafts = sum(grew("tierlm:spec_decode_num_drafts_total").values())
     if drafts <= 0:
         return None
-    draft_tokens = grew("tierlm:spec_decode_num_draft_tokens_total")
-    accepted = grew("tierlm:spec_decode_num_accepted_tokens_total")
-    by_position: dict[int, float] = {}
-    for key, value in after.items():
-        if key.split("{")[0] == "tierlm:spec_decode_num_accepted_tokens_per_pos_total" and 'position="' in key:
-            position = int(key.split('position="')[1].split('"')[0])
-            by_position[position] = value - before.get(key, 0.0)
+    draft_tokens = sum(grew("tierlm:spec_decode_num_draft_tokens_total").values())
+    accepted = sum(grew("tierlm:spec_decode_num_accepted_tokens_total").values())
+    by_position = {int(key.split('position="')[1].split('"')[0]): value
+                   for key, value in grew("tierlm:spec_decode_num_accepted_tokens_per_pos_total").items()
+                   if 'position="' in key}
     return {
         "num_drafts": int(drafts),
         "num_draft_tokens": int(draft_tokens),
