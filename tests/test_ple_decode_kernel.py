@@ -240,6 +240,8 @@ def test_bad_arguments_are_named():
         context, slots, tokens, table, multipliers, sizes, offsets = embedding_inputs(2, 2, 4)
         naive.decode_embeddings(context, slots, tokens, table, None, multipliers[:2], sizes, offsets, 2, EOS,
                                 torch.float32)
+    with pytest.raises(ValueError, match="state_slots"):  # 2 requests, 4 tokens: state_slots must be [2, 2]
+        naive.advance_context(context, slots, torch.zeros(4, dtype=torch.int64), slots.repeat(3).view(3, 2))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")

@@ -15,15 +15,18 @@ RATIO, HEAD_DIM, BLOCK_SIZE, SCRATCH, ROWS = 4, 8, 8, 9, 3
 def workload(dtype: torch.dtype, rows: int):
     """3 requests at ring offsets 1, 0 and 2 (rows that close a group, and groups opened inside the batch),
     their own slots last in their row slots, raw keys a view with a row stride (as the projection's split).
-    rows 1: a decode batch (contexts 7, 8, 3: one closes its group)."""
+    rows 1: a decode batch (contexts 7, 11, 3: two close their groups, one in its table's second
+    block), its block table column-major."""
     gen = torch.Generator().manual_seed(0)
-    contexts = torch.tensor([5, 8, 2]) if rows > 1 else torch.tensor([7, 8, 3])
+    contexts = torch.tensor([5, 8, 2]) if rows > 1 else torch.tensor([7, 11, 3])
     ring = torch.randn(12, RATIO, HEAD_DIM, generator=gen).to(dtype)
     slots = torch.tensor([2, 5, 0])
     raw_keys = torch.randn(3 * rows, HEAD_DIM + 5, generator=gen).to(dtype)[:, :HEAD_DIM]
     positions = (contexts[:, None] + torch.arange(rows)).flatten()
     state_slots = torch.tensor([[6, 7, 2], [8, 9, 5], [10, 11, 0]])[:, ROWS - rows :]
     tables = torch.tensor([[3, 1, -1, -1], [0, 4, 2, -1], [5, -1, -1, -1]])
+    if rows == 1:  # a column-major table (the kernel's launch makes its rows contiguous)
+        tables = tables.t().contiguous().t()
     return ring, slots, raw_keys, positions, contexts, state_slots, tables
 
 

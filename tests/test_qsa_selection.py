@@ -4,6 +4,9 @@ GPU). Integer work on the scores' bits: bit-identical, in fp32 and bf16 workload
 
 from __future__ import annotations
 
+import importlib.util
+
+import pytest
 import torch
 from interpreted import on_cuda_else_interpreted
 from test_qsa_block_scores import RATIO, workload
@@ -71,3 +74,15 @@ def test_reference_rows_are_the_top_blocks_tokens_in_block_order_and_the_open_ta
         logical = tables[i][torch.tensor(tokens) // BLOCK_SIZE] * BLOCK_SIZE + torch.tensor(tokens) % BLOCK_SIZE
         assert rows[i][valid[i]].tolist() == logical.tolist()
         assert (rows[i][~valid[i]] == SCRATCH * BLOCK_SIZE).all()
+
+
+def test_both_forms_need_scores_when_the_table_holds_more_blocks_than_the_budget():
+    forms = [selection_rows]
+    if importlib.util.find_spec("triton") is not None:
+        from tierlm.kernels.qsa_selection.triton import triton_selection_rows
+
+        forms.append(triton_selection_rows)
+    tables = torch.zeros(1, 3, dtype=torch.int64)  # 3 blocks of 8 tokens: 6 compressed keys, more than TOP
+    for form in forms:
+        with pytest.raises(ValueError, match="scores are needed"):
+            form(None, torch.tensor([20]), tables, RATIO, BLOCK_SIZE, SCRATCH, TOP)

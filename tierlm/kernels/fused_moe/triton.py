@@ -5,12 +5,13 @@ Every launch reads the selected experts' weights in place (no copy of an expert'
 and no launch needs a host sync, so a decode step can be captured in a CUDA graph. Two forms:
   - decode (up to DECODE_MAX_PAIRS (token, expert) pairs): GEMVs, one pair per program row (no tl.dot
     padding M to 16). Experts packed in 4 or 8 bits take `packed_decode` (split-K tiles, x read in a
-    split layout: its docstring); unquantized and INT6 ones two launches here, each product in its own fp32
-    accumulator summed once at the end (`quant_linear.triton.gemv_loop`), with no sort or gather first:
-      1. `_gate_up_gemv_kernel`: program (n block, pair) computes silu(x W_gate^T) * (x W_up^T) for
-         `gate_up_block_n` of the expert's I columns, stored in x's dtype as `naive` rounds it;
-      2. `_down_sum_gemv_kernel`: program (n block, token, split) ranks the token's k experts by id in
-         registers and, in ascending id (the reference's order), adds routing weight x (act W_down^T)
+    split layout: its docstring); unquantized and INT6 ones two launches here (the two phases of
+    `_decode_gemv_kernel`), each product in its own fp32 accumulator summed once at the end
+    (`quant_linear.triton.gemv_loop`), with no sort or gather first:
+      1. "gate_up" (`_gate_up_gemv_program`): item (pair, n block) computes silu(x W_gate^T) *
+         (x W_up^T) for `gate_up_block_n` of the expert's I columns, stored in x's dtype as `naive` rounds it;
+      2. "down" (`_down_sum_gemv_program`): item (n block, token, split) ranks the token's k experts by id
+         in registers and, in ascending id (the reference's order), adds routing weight x (act W_down^T)
          over `down_ranks` of them in fp32; when that is all k (and no shared expert) it rounds the
          token's output once (the top-k sum fused), else it stores its fp32 partial and the token's last
          program to arrive for these columns adds the splits in order (`decode_parts.finish_down`: on
@@ -18,8 +19,7 @@ and no launch needs a host sync, so a decode step can be captured in a CUDA grap
     A shared expert (`SharedExpert`, the MoE block's, in any of the formats, its own width) is one more
     pair per token: the first T rows of gate_up's grid (its act stored apart) and split 0 of down's
     (gate x its down product), by `decode_parts`' helpers, so its gated output joins the same sum and
-    the block needs no launch of its own for it. Both launches are phases of one kernel
-    (`_decode_gemv_kernel`). Tiles per weight format: DECODE_TILES.
+    the block needs no launch of its own for it. Tiles per weight format: DECODE_TILES.
     Two pairs on one expert read its weights twice, which at 10 of 512 experts per token is rare.
   - prefill: each token's experts sorted by id, then `align_pairs_to_blocks` (vLLM's
     moe_align_block_size, in torch) sorts the pairs by expert into blocks of PREFILL_BLOCK_M rows, each

@@ -40,12 +40,8 @@ def advance_context(
 ) -> None:
     """The context moved past each request's token (or, state_slots [B, T]: its T tokens [B*T], the context
     after row t into slot state_slots[i, t])."""
-    check_context_args(context, slots, tokens, rows_per_request=state_slots is not None)
-    state_slots = slots[:, None] if state_slots is None else state_slots
+    state_slots = check_advance_args(context, slots, tokens, state_slots)
     requests, width = state_slots.shape
-    if state_slots.shape[0] != slots.shape[0] or tokens.shape[0] != requests * width:
-        raise ValueError(f"PLE context: state_slots {tuple(state_slots.shape)} must be [B, T] for slots "
-                         f"{tuple(slots.shape)} and tokens {tuple(tokens.shape)} [B*T]")
     keep = context.shape[1]
     if keep == 0:
         return
@@ -95,6 +91,16 @@ def check_context_args(context, slots, tokens, rows_per_request: bool = False) -
     if context.dim() != 2 or slots.dim() != 1 or not shaped:
         raise ValueError(f"PLE context: context {tuple(context.shape)} must be [S, P], slots {tuple(slots.shape)} "
                          f"[B] and tokens {tuple(tokens.shape)} [B]" + (" or [B*T]" if rows_per_request else ""))
+
+
+def check_advance_args(context, slots, tokens, state_slots) -> torch.Tensor:
+    """`advance_context`'s checks (both forms); returns state_slots as [B, T] (slots[:, None] when None)."""
+    check_context_args(context, slots, tokens, rows_per_request=state_slots is not None)
+    state_slots = slots[:, None] if state_slots is None else state_slots
+    if state_slots.dim() != 2 or state_slots.shape[0] != slots.shape[0] or tokens.shape[0] != state_slots.numel():
+        raise ValueError(f"PLE context: state_slots {tuple(state_slots.shape)} must be [B, T] for slots "
+                         f"{tuple(slots.shape)} and tokens {tuple(tokens.shape)} [B*T]")
+    return state_slots
 
 
 def check_embedding_args(context, slots, tokens, table, multipliers, sizes, offsets, heads_per_ngram) -> None:

@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tierlm.kernels.ple.naive import check_context_args, check_embedding_args, check_residual_args
+from tierlm.kernels.ple.naive import check_advance_args, check_embedding_args, check_residual_args
 from tierlm.kernels.quant_linear.triton import dot_precision, round_to
 
 BLOCK_C = 128  # channels per residual program: 80 programs at the real widths, batch 1
@@ -228,13 +228,9 @@ def _advance_context_kernel(context_ptr, slots_ptr, tokens_ptr, state_slots_ptr,
 def advance_context(
     context: torch.Tensor, slots: torch.Tensor, tokens: torch.Tensor, state_slots: torch.Tensor | None = None,
 ) -> None:
-    check_context_args(context, slots, tokens, rows_per_request=state_slots is not None)
+    state_slots = check_advance_args(context, slots, tokens, state_slots).contiguous()
     if not context.is_contiguous():
         raise ValueError("PLE context kernel: the context must be contiguous (it is updated in place)")
-    state_slots = (slots[:, None] if state_slots is None else state_slots).contiguous()
-    if state_slots.shape[0] != slots.shape[0] or tokens.shape[0] != state_slots.numel():
-        raise ValueError(f"PLE context: state_slots {tuple(state_slots.shape)} must be [B, T] for slots "
-                         f"{tuple(slots.shape)} and tokens {tuple(tokens.shape)} [B*T]")
     if slots.shape[0] and context.shape[1]:
         _advance_context_kernel[(slots.shape[0],)](context, slots, tokens, state_slots, CONTEXT=context.shape[1],
                                                   BLOCK=triton.next_power_of_2(context.shape[1]),

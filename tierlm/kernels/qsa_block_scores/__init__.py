@@ -12,7 +12,9 @@ W * per_block] fp32.
 `naive.block_scores` gathers every key of the table and masks the unseen ones (what a static decode
 step on CPU runs); `triton.triton_block_scores` reads each request's visible keys in place through its
 block table and skips the rest (varlen: a short request beside a long one reads its own few keys), with
-no host sync, so a CUDA graph captures it. Equal up to fp32 summation order.
+no host sync, so a CUDA graph captures it; given skip_up_to (the selection's budget), it leaves the rows
+of requests that see at most that many blocks unwritten (they choose every block they see, whatever it
+scores). Equal up to fp32 summation order.
 """
 
 from tierlm.kernels.qsa_block_scores.naive import block_scores

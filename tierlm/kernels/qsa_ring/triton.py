@@ -54,6 +54,8 @@ def triton_ring_after_rows(
     _, r, head_dim = ring.shape
     if not ring.is_contiguous() or raw_keys.stride(1) != 1:
         raise ValueError("QSA ring kernel: the ring pool must be contiguous and the raw keys' rows too")
+    if block_tables.stride(1) != 1:  # (`group_key_row` reads a table row as contiguous)
+        block_tables = block_tables.contiguous()
     rings = torch.empty(requests * width, r, head_dim, dtype=ring.dtype, device=ring.device)
     rows = torch.empty(requests * width, dtype=torch.int64, device=ring.device)
     if requests:

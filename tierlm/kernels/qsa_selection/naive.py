@@ -35,16 +35,23 @@ def physical_rows(
     return torch.where(valid, block * bs + token_pos % bs, scratch_block * bs)
 
 
+def table_groups(scores: torch.Tensor | None, tables: torch.Tensor, ratio: int, block_size: int, top: int) -> int:
+    """G, the blocks (compressed keys) a row of `tables` holds; scores may be None only when G <= top
+    (both forms' check)."""
+    groups = tables.shape[1] * (block_size // ratio)
+    if scores is None and groups > top:
+        raise ValueError(f"scores are needed: {groups} blocks in the table, {top} chosen")
+    return groups
+
+
 def selection_rows(
     scores: torch.Tensor | None, positions: torch.Tensor, tables: torch.Tensor, ratio: int, block_size: int,
     scratch_block: int, top: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rows, valid) [M, S]: see the package docstring. scores None: every query chooses all the blocks it
     sees (only when G <= top)."""
-    groups = tables.shape[1] * (block_size // ratio)
+    groups = table_groups(scores, tables, ratio, block_size, top)
     if scores is None:
-        if groups > top:
-            raise ValueError(f"scores are needed: {groups} blocks in the table, {top} chosen")
         seen = torch.arange(groups, device=positions.device) < ((positions + 1) // ratio)[:, None]
         scores = torch.zeros(seen.shape, device=positions.device).masked_fill(~seen, float("-inf"))
     token_pos, valid = chosen_positions(top_keys(ranking_keys(scores), top), positions, ratio)

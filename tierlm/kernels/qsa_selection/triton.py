@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tierlm.kernels.qsa_selection.naive import table_groups
+
 BLOCK_G = 512  # scores per tile of the select (a [16, BLOCK_G] comparison per pass)
 BLOCK_E = 512  # entries per tile when every seen block is chosen
 SELECT_WARPS = 4  # (bench/qsa_decode_select.py --sweep times the candidates of these three)
@@ -133,10 +135,8 @@ def triton_selection_rows(
     """As `naive.selection_rows`, in one launch. Only the scores of queries that see more than
     K = min(top, G) blocks are read (`triton_block_scores(..., skip_up_to=top)` leaves the others out)."""
     m = positions.shape[0]
-    groups = tables.shape[1] * (block_size // ratio)
+    groups = table_groups(scores, tables, ratio, block_size, top)
     k = min(top, groups)
-    if scores is None and groups > top:
-        raise ValueError(f"scores are needed: {groups} blocks in the table, {top} chosen")
     if scores is not None and (scores.shape != (m, groups) or scores.dtype != torch.float32 or scores.stride(1) != 1):
         raise ValueError(f"scores must be fp32 [{m}, {groups}] with a contiguous last dim, got "
                          f"{scores.dtype} {tuple(scores.shape)}")
