@@ -208,7 +208,7 @@ class StaticDecodeRunner:
         scheduling chains steps on them: `stage_chained`): request i's tokens are the token after its accepted
         drafts and its K new drafts, from position start + 1 + a_i; its state is in verify_slots[i, a_i], and
         its row slots move round by a_i + 1, so that one comes last (the host's order: engine/speculative.py
-        `_position_slot`). Padding requests stay padding (their row slots are all the scratch slot)."""
+        `SpeculativeRunner.row_slots`). Padding requests stay padding (their row slots are all the scratch slot)."""
         size, width = readback.shape[0], self.rows_per_request
         steps = self._row_steps
         real = self.slots[:size] != self.cache.scratch_slot
