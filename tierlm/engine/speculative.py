@@ -478,10 +478,7 @@ class SpeculativeRunner:
         if self.static_rollback is not None and len(sources) <= self.static_rollback.max_batch:
             self.static_rollback.copy(sources, targets)
             return
-        device = self.cache.device
-        sources, targets = (torch.tensor(x, dtype=torch.int64, device=device) for x in (sources, targets))
-        for state in self.cache.target_slot_states:
-            state.copy_slots(sources, targets)
+        self.cache.copy_target_states(sources, targets)
 
     def _kept(
         self, step: SchedulerOutput, streams: torch.Tensor, accepted: dict[ScheduledChunk, int], result: StepResult,
