@@ -439,12 +439,10 @@ class LLMEngine:
         self.last_step_num_tokens = 0
         self.trace = StepTrace(self.config.trace, device) if self.config.trace else NoTrace()
         self.runner.trace = self.trace
-        self.overlap = (self.config.async_scheduling and not os.environ.get("TIERLM_NO_ASYNC_SCHEDULING")
-                        and type(self.runner) is ModelRunner
-                        and self.runner.ngram_store is None)
+        asynchronous = self.config.async_scheduling and not os.environ.get("TIERLM_NO_ASYNC_SCHEDULING")
+        self.overlap = asynchronous and type(self.runner) is ModelRunner and self.runner.ngram_store is None
         # with drafts: greedy steps on the device chain on the device's own outputs (`_speculative_step`)
-        self.speculative_overlap = (self.config.async_scheduling and not os.environ.get("TIERLM_NO_ASYNC_SCHEDULING")
-                                    and isinstance(self.runner, SpeculativeRunner))
+        self.speculative_overlap = asynchronous and isinstance(self.runner, SpeculativeRunner)
         # overlap: the launched step not read back yet (with drafts: a `LaunchedSpeculation`)
         self._in_flight: LaunchedStep | LaunchedSpeculation | None = None
         if device.type == "cuda":

@@ -55,9 +55,7 @@ class PipelineSpeculation(SpeculativeRunner):
         with self.trace.phase("prepare batch"):
             batch, wanted = self.runner.prepare(step, device="cpu")
             if any(chunk.draft_token_ids for chunk in step.chunks):
-                batch = dataclasses.replace(batch, position_slots=[
-                    [self._position_slot(chunk.request, j) for j in range(len(chunk.draft_token_ids))]
-                    for chunk in step.chunks])
+                batch = dataclasses.replace(batch, position_slots=self._position_slots(step))
         with self.trace.phase("pipeline step"):
             answer, requests = self.driver.run_with_drafts(step, batch, wanted)
         keys = {request: key for key, request in requests.items()}

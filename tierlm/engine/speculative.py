@@ -248,9 +248,7 @@ class SpeculativeRunner:
             batch, wanted = runner.prepare(step)
             verify = [w for w in wanted if w[0].draft_token_ids]
             if verify:
-                batch = dataclasses.replace(batch, position_slots=[
-                    [self._position_slot(chunk.request, j) for j in range(len(chunk.draft_token_ids))]
-                    for chunk in step.chunks])
+                batch = dataclasses.replace(batch, position_slots=self._position_slots(step))
         with self.trace.phase("launch forward"), self.trace.gpu("forward"):
             if self.static_verify is not None and self.static_verify.can_run(batch):
                 logits, streams = self.static_verify.run(batch)
@@ -318,8 +316,17 @@ class SpeculativeRunner:
         return shape
 
     def row_slots(self, request: Request) -> list[int]:
-        """The slots keeping the state after each verify row: its K position slots, then its state slot."""
-        return [*(self._position_slot(request, j) for j in range(self.k)), request.state_slot]
+        """The slots keeping the state after each verify row: its K position slots (row j's, j < K), then
+        its state slot. They are the slots of its group (`row_slot_group`) after its state slot, in turn
+        (the group taken as a ring), so a greedy step that keeps row a's state moves the ring by a + 1
+        (`StaticDecodeRunner._advance` does it on the device)."""
+        group = row_slot_group(request.home_slot, self.position_slot_base, self.k)
+        at = group.index(request.state_slot) + 1
+        return group[at:] + group[:at]
+
+    def _position_slots(self, step: SchedulerOutput) -> list[list[int]]:
+        """Each chunk's position slots: those of its rows before the last (one per draft it verifies)."""
+        return [self.row_slots(chunk.request)[: len(chunk.draft_token_ids)] for chunk in step.chunks]
 
     # ---- overlap scheduling: greedy steps launched before the one before them is read -------------------
     def overlaps(self, step: SchedulerOutput) -> bool:
@@ -460,7 +467,7 @@ class SpeculativeRunner:
         for chunk, _, _ in verify:
             kept = accepted[chunk]
             if kept < len(chunk.draft_token_ids):
-                sources.append(self._position_slot(chunk.request, kept))
+                sources.append(self.row_slots(chunk.request)[kept])
                 targets.append(chunk.request.state_slot)
         self._restore(sources, targets)
 
@@ -471,10 +478,7 @@ class SpeculativeRunner:
         if self.static_rollback is not None and len(sources) <= self.static_rollback.max_batch:
             self.static_rollback.copy(sources, targets)
             return
-        device = self.cache.device
-        sources, targets = (torch.tensor(x, dtype=torch.int64, device=device) for x in (sources, targets))
-        for state in self.cache.target_slot_states:
-            state.copy_slots(sources, targets)
+        self.cache.copy_target_states(sources, targets)
 
     def _kept(
         self, step: SchedulerOutput, streams: torch.Tensor, accepted: dict[ScheduledChunk, int], result: StepResult,
@@ -516,7 +520,7 @@ class SpeculativeRunner:
             rows, [item.chunk.start for item in kept], [item.chunk.request.state_slot for item in kept],
             [item.chunk.request.block_ids for item in kept], block_size, device=self.cache.device,
             logits="all" if shaped else last_rows,
-            position_slots=[[self._position_slot(item.chunk.request, j) for j in range(width - 1)] for item in kept]
+            position_slots=[self.row_slots(item.chunk.request)[: width - 1] for item in kept]
             if shaped else None,
         )
         hidden = torch.cat([item.streams for item in kept])
@@ -542,7 +546,7 @@ class SpeculativeRunner:
         active = list(range(len(proposers)))  # the proposers still drafting; out_streams' rows, in order
         # the draft steps advance the head's indexer rings past the kept rows, which the next step's draft
         # pass starts from: they work on a copy in the request's first position slot
-        step_slots = [self._position_slot(request, 0) for request in requests]
+        step_slots = [self.row_slots(request)[0] for request in requests]
         if self.k > 1:
             device = self.cache.device
             for state in self.cache.draft_slot_states:
@@ -599,16 +603,6 @@ class SpeculativeRunner:
                 tokens[i] = (q[row] / noise).argmax()  # an exponential race: a draw from q
                 probs[i] = q[row]
         return tokens.tolist(), probs
-
-    # ---- slots --------------------------------------------------------------------------------------
-    def _position_slot(self, request: Request, j: int) -> int:
-        """The slot that keeps the request's state after row j of its verify chunk (j < K): the slots of its
-        group (`row_slot_group`) after its state slot, in turn (the group taken as a ring), so a greedy step
-        that keeps row a's state moves the ring by a + 1 (`StaticDecodeRunner._advance` does it on the
-        device)."""
-        group = row_slot_group(request.home_slot, self.position_slot_base, self.k)
-        at = group.index(request.state_slot)
-        return group[(at + 1 + j) % len(group)]
 
 
 def row_slot_group(home_slot: int, position_slot_base: int, k: int) -> list[int]:

@@ -206,7 +206,8 @@ class ModelCache:
 
     def copy_target_states(self, sources: list[int], targets: list[int]) -> None:
         """The target layers' states of slot sources[i] into slot targets[i] (speculative decoding's rollback
-        when the pipeline's ranks replay it: `engine/pipeline_speculative.py`)."""
+        `SpeculativeRunner._restore` where no graph is prepared; the pipeline's ranks replay it:
+        `engine/pipeline_speculative.py`)."""
         if not sources:
             return
         sources, targets = (torch.tensor(x, dtype=torch.int64, device=self.device) for x in (sources, targets))

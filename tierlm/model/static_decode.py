@@ -208,7 +208,7 @@ class StaticDecodeRunner:
         scheduling chains steps on them: `stage_chained`): request i's tokens are the token after its accepted
         drafts and its K new drafts, from position start + 1 + a_i; its state is in verify_slots[i, a_i], and
         its row slots move round by a_i + 1, so that one comes last (the host's order: engine/speculative.py
-        `_position_slot`). Padding requests stay padding (their row slots are all the scratch slot)."""
+        `SpeculativeRunner.row_slots`). Padding requests stay padding (their row slots are all the scratch slot)."""
         size, width = readback.shape[0], self.rows_per_request
         steps = self._row_steps
         real = self.slots[:size] != self.cache.scratch_slot
@@ -295,8 +295,14 @@ class StaticDecodeRunner:
 
     def shape_for(self, batch: ForwardBatch) -> tuple[int, int]:
         """The prepared (size, width) a decode batch runs at: the smallest that hold it."""
-        size = next(s for s in self.sizes if s >= batch.num_requests)
-        return size, next(w for w in self.widths if w >= batch.block_tables.shape[1])
+        return self._shape(batch.num_requests, batch.block_tables.shape[1])
+
+    def _shape(self, num_requests: int, longest: int) -> tuple[int, int]:
+        """The smallest prepared (size, width) holding num_requests requests whose longest block table has
+        `longest` blocks."""
+        if longest > self.block_tables.shape[1]:
+            raise ValueError(f"a block table of {longest} blocks > the {self.block_tables.shape[1]} prepared")
+        return next(s for s in self.sizes if s >= num_requests), next(w for w in self.widths if w >= longest)
 
     def run(
         self, batch: ForwardBatch, hidden: torch.Tensor | None = None
@@ -378,11 +384,7 @@ class StaticDecodeRunner:
             raise ValueError("run_decode takes plain decode rows: this runner prepares verification or draft steps")
         if n > self.max_batch:
             raise ValueError(f"{n} decode rows > the {self.max_batch} this runner was prepared for")
-        longest = max(len(t) for t in tables)
-        if longest > self.block_tables.shape[1]:
-            raise ValueError(f"a block table of {longest} blocks > the {self.block_tables.shape[1]} prepared")
-        size = next(s for s in self.sizes if s >= n)
-        shape = size, next(w for w in self.widths if w >= longest)
+        size, _ = shape = self._shape(n, max(len(t) for t in tables))
         stage = self._staging.next()
         self._stage_rows(stage, token_ids, positions, positions, slots, tables)  # context: every token before
         if token_sources is not None:
@@ -411,10 +413,7 @@ class StaticDecodeRunner:
         if n > self.max_batch or any(len(t) != width for t in token_ids) or any(len(v) != width for v in verify_slots):
             raise ValueError(f"stage_verify: at most {self.max_batch} requests of {width} tokens and row slots each")
         longest = max(len(t) for t in tables)
-        if longest > self.block_tables.shape[1]:
-            raise ValueError(f"a block table of {longest} blocks > the {self.block_tables.shape[1]} prepared")
-        size = next(s for s in self.sizes if s >= n)
-        shape = size, next(w for w in self.widths if w >= longest)
+        size, _ = shape = self._shape(n, longest)
         rows = n * width
         positions = [start + t for start in starts for t in range(width)]
         row_tables = [table for table in tables for _ in range(width)]
@@ -438,12 +437,9 @@ class StaticDecodeRunner:
         rows (overlap scheduling): the ids, positions and slots are already in the buffers (that step's
         `_advance` writes them on the device); only the block-table entries that changed are sent (one copy).
         Returns the shape to `replay_greedy`: the same size, the width the tables need now."""
-        n, longest = len(tables), max(len(t) for t in tables)
-        if longest > self.block_tables.shape[1]:
-            raise ValueError(f"a block table of {longest} blocks > the {self.block_tables.shape[1]} prepared")
-        size = next(s for s in self.sizes if s >= n)
+        size, _ = shape = self._shape(len(tables), max(len(t) for t in tables))
         self._send(self._staging.next(), tables, size, tables_only=True)
-        return size, next(w for w in self.widths if w >= longest)
+        return shape
 
     def _stage_rows(self, stage, token_ids: list[int], positions: list[int], context_lens: list[int],
                     slots: list[int], row_tables: list[list[int]]) -> None:
