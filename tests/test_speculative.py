@@ -264,7 +264,7 @@ def device_oracle(llm: LLMEngine, k: int, continuations: dict[str, list[int]], w
     CPU; on a GPU an engine built with `OracleSpeculation` for its graphs) draft the known continuation on
     the device (`OracleSpeculation`: a chained step verifies drafts the host has
     not read), the host `Oracle` drafts the steps that start on the host. Returns (the after_step hook,
-    the list of chained launches)."""
+    the steps `launch_chained` queued)."""
     from tierlm.model.speculative_step import OracleSpeculation
 
     verify = llm.runner.static_verify
@@ -275,7 +275,7 @@ def device_oracle(llm: LLMEngine, k: int, continuations: dict[str, list[int]], w
     on_device.wrong = wrong
     on_host, told, chained = Oracle(continuations, k, wrong=0), set(), []
     launch = llm.runner.launch_chained
-    llm.runner.launch_chained = lambda previous: chained.append(previous) or launch(previous)
+    llm.runner.launch_chained = lambda previous: chained.append(launch(previous)) or chained[-1]
 
     def after_step(llm):
         on_host(llm)
@@ -311,12 +311,12 @@ def test_overlapped_steps_stop_inside_accepted_drafts(demo, stops):
         params = [greedy(9), greedy(20, stop_token_ids=[long[1][14]])]
     expected = generate(engine(demo), params)
     llm = engine(demo, spec(3), max_num_seqs=3)
-    after_step, _ = device_oracle(llm, 3, {"0": long[0], "1": long[1]}, wrong=None)
+    after_step, chained = device_oracle(llm, 3, {"0": long[0], "1": long[1]}, wrong=None)
     behind, collect = [], llm._collect  # the requests that finish while a chained step is in flight
 
     def collected(request_id, collect=collect):
         output = collect(request_id)
-        if output.finished and llm._in_flight is not None and llm._in_flight.chained:
+        if output.finished and any(llm._in_flight is step for step in chained):
             behind.append(output.outputs[0].finish_reason)
         return output
 
@@ -363,7 +363,7 @@ def test_abort_while_a_step_is_in_flight(demo, reference):
     for prompt, request_id in zip(PROMPTS, "01", strict=True):
         llm.add_request(prompt, greedy(), request_id=request_id)
     done = {}
-    while not chained or llm._in_flight is None or not llm._in_flight.chained:
+    while not any(llm._in_flight is step for step in chained):
         done.update({o.request_id: o for o in llm.step() if o.finished})
         after_step(llm)
     llm.abort_request("0")

@@ -184,7 +184,6 @@ class LaunchedSpeculation:
     step: SchedulerOutput  # its requests, in row order (a chained step's drafts filled in on the step before's read)
     readback: torch.Tensor
     ready: torch.cuda.Event | None  # None: on CPU, copied already
-    chained: bool  # its inputs came from the step before it, on the device
 
     @property
     def num_tokens(self) -> int:
@@ -349,9 +348,9 @@ class SpeculativeRunner:
         with self.trace.phase("prepare batch"):
             shape = self.static_verify.stage_chained([request.block_ids for request in requests])
         step = SchedulerOutput([ScheduledChunk(request, 1, [PLACEHOLDER] * self.k) for request in requests])
-        return self._launch(step, shape, chained=True)
+        return self._launch(step, shape)
 
-    def _launch(self, step: SchedulerOutput, shape: tuple[int, int], chained: bool = False) -> LaunchedSpeculation:
+    def _launch(self, step: SchedulerOutput, shape: tuple[int, int]) -> LaunchedSpeculation:
         n = len(step.chunks)
         # the device span is "forward" as a plain decode step's is: "between forwards" is then the time
         # the device waits for the host between steps, with or without drafts
@@ -364,7 +363,7 @@ class SpeculativeRunner:
             if cuda:
                 ready = torch.cuda.Event()
                 ready.record()
-        return LaunchedSpeculation(step, host, ready, chained)
+        return LaunchedSpeculation(step, host, ready)
 
     def finish_greedy(self, launched: LaunchedSpeculation, following: LaunchedSpeculation | None = None
                       ) -> StepResult:
