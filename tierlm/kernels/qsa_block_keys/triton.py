@@ -2,7 +2,9 @@
 one program per request writes its raw key into the ring and, if that closes its group, sums the group
 (the ring's R - 1 earlier keys and the new one, in ring order, as torch's mean does), then norms and ropes
 the mean with `kernels/norm_rope`'s helpers (angles from the group's first position) and stores it in the
-pool. No host sync; the CPU interpreter path keeps fp32 and lets torch round once (see `norm_rope`)."""
+pool. No host sync; the CPU interpreter path keeps fp32 and lets torch round once (see `norm_rope`).
+Launched with programmatic dependent launch (`kernels/dependent_launch`): the norm weight and the inverse
+frequencies (module constants) are loaded before the wait for the kernel before, everything else after."""
 
 from __future__ import annotations
 
@@ -10,7 +12,14 @@ import torch
 import triton
 import triton.language as tl
 
-from tierlm.kernels.norm_rope.triton import norm_rotate, rotary_at, rotate_half_partner
+from tierlm.kernels.dependent_launch import allow_dependents, launch_options, wait_for_inputs
+from tierlm.kernels.norm_rope.triton import (
+    column_frequencies,
+    norm_rotate,
+    norm_scales,
+    rotary_at,
+    rotate_half_partner,
+)
 
 
 @triton.jit
@@ -25,12 +34,17 @@ def group_key_row(table_row_ptr, start, closes, scratch_block, BLOCK_SIZE: tl.co
 @triton.jit
 def _store_kernel(raw_ptr, ring_ptr, keys_ptr, slots_ptr, context_ptr, tables_ptr, weight_ptr, inv_freq_ptr,
                   raw_stride, table_stride, scratch_block, eps, RATIO: tl.constexpr, D: tl.constexpr, RD: tl.constexpr, BLOCK_D: tl.constexpr,
-                  BLOCK_SIZE: tl.constexpr, ROUND: tl.constexpr):
+                  BLOCK_SIZE: tl.constexpr, ROUND: tl.constexpr, PDL: tl.constexpr):
+    allow_dependents(PDL)
     request = tl.program_id(0).to(tl.int64)
-    context = tl.load(context_ptr + request)
-    offset = context % RATIO
     columns = tl.arange(0, BLOCK_D)
     inside = columns < D
+    partner = rotate_half_partner(columns, RD)
+    scale, partner_scale = norm_scales(weight_ptr, columns, partner, inside)  # constants: before the wait
+    frequencies = column_frequencies(inv_freq_ptr, columns, RD)
+    wait_for_inputs(PDL)
+    context = tl.load(context_ptr + request)
+    offset = context % RATIO
     raw_row = raw_ptr + request * raw_stride
     raw = tl.load(raw_row + columns, mask=inside, other=0.0)
     ring_row = ring_ptr + tl.load(slots_ptr + request) * (RATIO * D)
@@ -38,7 +52,6 @@ def _store_kernel(raw_ptr, ring_ptr, keys_ptr, slots_ptr, context_ptr, tables_pt
     closes = offset == RATIO - 1
     if closes:
         dtype = raw.dtype if ROUND else tl.float32
-        partner = rotate_half_partner(columns, RD)
         total = tl.zeros([BLOCK_D], tl.float32)
         total_partner = tl.zeros([BLOCK_D], tl.float32)
         for t in tl.static_range(RATIO - 1):
@@ -49,8 +62,8 @@ def _store_kernel(raw_ptr, ring_ptr, keys_ptr, slots_ptr, context_ptr, tables_pt
         pooled = (total / RATIO).to(dtype).to(tl.float32)
         pooled_partner = (total_partner / RATIO).to(dtype).to(tl.float32)
         start = context - offset
-        cos, sin = rotary_at(start, inv_freq_ptr, columns, RD, dtype)
-        key = norm_rotate(pooled, pooled_partner, weight_ptr, columns, partner, inside, cos, sin, eps, D, RD, dtype)
+        cos, sin = rotary_at(start, frequencies, columns, RD, dtype)
+        key = norm_rotate(pooled, pooled_partner, scale, partner_scale, columns, cos, sin, eps, D, RD, dtype)
         row = group_key_row(tables_ptr + request * table_stride, start, closes, scratch_block, BLOCK_SIZE, RATIO)
         tl.store(keys_ptr + row * D + columns, key, mask=inside)
 
@@ -77,6 +90,7 @@ def triton_store_decode_block_keys(
             raw_keys, ring, pool, slots.contiguous(), context_lens.contiguous(), block_tables, weight, inv_freq,
             raw_keys.stride(0), block_tables.stride(0), scratch_block, eps, RATIO=ratio, D=dim, RD=2 * inv_freq.shape[0],
             BLOCK_D=triton.next_power_of_2(dim), BLOCK_SIZE=block_size, ROUND=raw_keys.device.type != "cpu",
+            **launch_options(raw_keys.device),
         )
     if pool is not index_keys:
         index_keys.copy_(pool)

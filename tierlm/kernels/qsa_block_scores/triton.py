@@ -6,6 +6,8 @@ the request's ih query heads, and writes sum_h relu(q_h . K_j) / sqrt(id), or -i
 into a [B, G, id] copy, and a short request in a batch with a long one costs its own length in memory
 traffic. With skip_up_to (the selection's block budget), a request that sees at most that many blocks
 (it chooses them all, whatever they score) reads and writes nothing. Equal to the reference up to fp32 summation order (tested under TRITON_INTERPRET=1 on CPU).
+Launched with programmatic dependent launch (`kernels/dependent_launch`); it has no weights to load early
+(queries, the keys pool, block tables and positions: the step writes or stages them), so it waits first.
 """
 
 from __future__ import annotations
@@ -16,13 +18,17 @@ import torch
 import triton
 import triton.language as tl
 
+from tierlm.kernels.dependent_launch import allow_dependents, launch_options, wait_for_inputs
+
 BLOCK_G = 64  # compressed keys per program
 
 
 @triton.jit
 def _block_scores_kernel(q_ptr, keys_ptr, tables_ptr, positions_ptr, out_ptr, table_stride, num_groups, sqrt_dim,
                          skip_up_to, RATIO: tl.constexpr, PER_BLOCK: tl.constexpr, N_HEADS: tl.constexpr,
-                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr):
+                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, PDL: tl.constexpr):
+    allow_dependents(PDL)
+    wait_for_inputs(PDL)  # (before the early return too: see `kernels/dependent_launch`)
     request = tl.program_id(0).to(tl.int64)
     visible = (tl.load(positions_ptr + request) + 1) // RATIO
     if tl.minimum(visible, num_groups) <= skip_up_to:
@@ -59,6 +65,6 @@ def triton_block_scores(
     _block_scores_kernel[grid](
         q.contiguous(), index_keys.contiguous(), block_tables, positions.contiguous(), out, block_tables.stride(0),
         num_groups, math.sqrt(dim), skip_up_to, RATIO=ratio, PER_BLOCK=per_block, N_HEADS=heads, HEAD_DIM=dim,
-        BLOCK_D=triton.next_power_of_2(dim), BLOCK_G=BLOCK_G,
+        BLOCK_D=triton.next_power_of_2(dim), BLOCK_G=BLOCK_G, **launch_options(q.device),
     )
     return out

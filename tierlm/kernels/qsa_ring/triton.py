@@ -2,7 +2,9 @@
 a program per request reads its ring once, then for each of its rows in turn writes the ring after it
 (entries before the context from that ring, the others from the request's rows) to the row's slot and to
 the output, and the row's key row (`qsa_block_keys.triton.group_key_row`). The request's own slot is among
-the targets: every read of it comes before the first write (a barrier between). No host sync."""
+the targets: every read of it comes before the first write (a barrier between). No host sync.
+Launched with programmatic dependent launch (`kernels/dependent_launch`); nothing it reads is a constant,
+so it waits first."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tierlm.kernels.dependent_launch import allow_dependents, launch_options, wait_for_inputs
 from tierlm.kernels.qsa_block_keys.triton import group_key_row
 
 
@@ -17,7 +20,9 @@ from tierlm.kernels.qsa_block_keys.triton import group_key_row
 def _ring_kernel(ring_ptr, slots_ptr, raw_ptr, positions_ptr, context_ptr, state_slots_ptr, tables_ptr, rings_ptr,
                  rows_ptr, raw_stride, table_stride, ring_stride, scratch_block,
                  R: tl.constexpr, ID: tl.constexpr, ROWS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                 BLOCK_R: tl.constexpr, BLOCK_ID: tl.constexpr):
+                 BLOCK_R: tl.constexpr, BLOCK_ID: tl.constexpr, PDL: tl.constexpr):
+    allow_dependents(PDL)
+    wait_for_inputs(PDL)
     request = tl.program_id(0).to(tl.int64)
     entry = tl.arange(0, BLOCK_R)
     d = tl.arange(0, BLOCK_ID)
@@ -63,5 +68,5 @@ def triton_ring_after_rows(
             ring, slots, raw_keys, positions, context_lens, state_slots.contiguous(), block_tables, rings, rows,
             raw_keys.stride(0), block_tables.stride(0), ring.stride(0), scratch_block, R=r, ID=head_dim,
             ROWS=width, BLOCK_SIZE=block_size, BLOCK_R=triton.next_power_of_2(r),
-            BLOCK_ID=triton.next_power_of_2(head_dim), num_warps=2)
+            BLOCK_ID=triton.next_power_of_2(head_dim), num_warps=2, **launch_options(ring.device))
     return rings, rows

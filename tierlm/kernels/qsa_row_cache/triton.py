@@ -6,6 +6,9 @@ On CUDA the cache and the selection live on the device and the pool in registere
 (`memory/host_pool`): the attention kernel loads each miss's row straight from host RAM over UVA and
 nothing else crosses PCIe. The launch boundary between plan and attention is the step's only grid-wide
 synchronisation: every hit mark and claim is in place before any entry decides to write.
+Every kernel here is launched with programmatic dependent launch (`kernels/dependent_launch`) and waits
+first (nothing it reads is a constant); so under PDL that boundary is the attention kernel's wait, which
+returns once the plan kernel has finished and its atomics are visible.
 Store is one kernel rather than the reference's handful of torch ops, and the splits' merge is one
 more: at 2 KiB rows a step's kernels are short, and each launch is a visible share of the step.
 Store, plan and the cache state the attention kernel leaves are bit-identical to `naive`; its
@@ -19,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tierlm.kernels.dependent_launch import allow_dependents, launch_options, wait_for_inputs
 from tierlm.kernels.qsa_row_cache.naive import EPOCH_SHIFT, QSARowCache
 
 PLAN_BLOCK = 64  # entries per plan program: ~32 programs for one request's 2k entries
@@ -26,8 +30,10 @@ PLAN_BLOCK = 64  # entries per plan program: ~32 programs for one request's 2k e
 
 @triton.jit
 def _store_kernel(rows_ptr, keys_ptr, values_ptr, host_k_ptr, host_v_ptr, tags_ptr, epoch_ptr, num_rows, num_slots,
-                  ROW_WIDTH: tl.constexpr, BLOCK_D: tl.constexpr):
+                  ROW_WIDTH: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
     """One program per new row: its K and V into the pool (over UVA), its slot emptied if it holds the row."""
+    allow_dependents(PDL)
+    wait_for_inputs(PDL)
     entry = tl.program_id(0).to(tl.int64)
     if entry < num_rows:
         row = tl.load(rows_ptr + entry)
@@ -58,15 +64,17 @@ def triton_store_rows(
     row_width = host_keys.shape[1:].numel()
     _store_kernel[(max(1, rows.numel()),)](
         rows, keys, values, host_keys, host_values, cache.tags, cache.epoch, rows.numel(), cache.num_slots,
-        ROW_WIDTH=row_width, BLOCK_D=triton.next_power_of_2(row_width),
+        ROW_WIDTH=row_width, BLOCK_D=triton.next_power_of_2(row_width), **launch_options(rows.device),
     )
 
 
 @triton.jit
 def _plan_kernel(
     rows_ptr, valid_ptr, hit_ptr, tags_ptr, hitmark_ptr, claims_ptr, epoch_ptr, hits_ptr, misses_ptr,
-    num_entries, num_slots, EPOCH_SHIFT: tl.constexpr, BLOCK: tl.constexpr,
+    num_entries, num_slots, EPOCH_SHIFT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
+    allow_dependents(PDL)
+    wait_for_inputs(PDL)
     offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     inside = offsets < num_entries
     rows = tl.load(rows_ptr + offsets, mask=inside, other=0)
@@ -90,7 +98,7 @@ def triton_plan_rows(cache: QSARowCache, rows: torch.Tensor, valid: torch.Tensor
     n = rows.numel()
     _plan_kernel[(triton.cdiv(n, PLAN_BLOCK),)](
         rows, valid, hit, cache.tags, cache.hitmark, cache.claims, cache.epoch, cache.hits, cache.misses,
-        n, cache.num_slots, EPOCH_SHIFT=EPOCH_SHIFT, BLOCK=PLAN_BLOCK,
+        n, cache.num_slots, EPOCH_SHIFT=EPOCH_SHIFT, BLOCK=PLAN_BLOCK, **launch_options(rows.device),
     )
     return hit
 
@@ -102,12 +110,14 @@ def _decode_attention_kernel(
     num_entries, num_slots, scale,
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, EPOCH_SHIFT: tl.constexpr,
-    PRECISION: tl.constexpr, HITS: tl.constexpr,
+    PRECISION: tl.constexpr, HITS: tl.constexpr, PDL: tl.constexpr,
 ):
     """One program: one request, one KV head and its GROUP query heads, entries [split * SPLIT,
     (split + 1) * SPLIT) of the request's selection. Writes the split's unnormalised output, running
     max and running sum per query head; a winning miss writes its head's part of the row (and, in the
     head-0 program, the tag: nothing reads a slot in the step that fills it)."""
+    allow_dependents(PDL)
+    wait_for_inputs(PDL)
     request = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     kv_head = tl.program_id(2)
@@ -205,6 +215,7 @@ def triton_decode_attention(
         HEAD_DIM=head_dim, HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)), SPLIT=DECODE_SPLIT,
         BLOCK_N=DECODE_BLOCK_N, EPOCH_SHIFT=EPOCH_SHIFT,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", HITS=hit is not None, num_warps=DECODE_WARPS,
+        **launch_options(q.device),
     )
     out = torch.empty_like(q)
     splits_pad = triton.next_power_of_2(num_splits)
@@ -215,6 +226,7 @@ def triton_decode_attention(
         acc, running_max, running_sum, out, gate, num_splits, num_heads, 0 if gate is None else gate.stride(0),
         0 if gate is None else gate.stride(1), HEAD_DIM=head_dim, SPLITS_PAD=splits_pad,
         CHUNK=min(MERGE_CHUNK, splits_pad), DIM_BLOCK=dim_block, GATED=gate is not None,
+        **launch_options(q.device),
     )
     return out
 
@@ -222,10 +234,12 @@ def triton_decode_attention(
 @triton.jit
 def _merge_kernel(acc_ptr, max_ptr, sum_ptr, out_ptr, gate_ptr, num_splits, num_heads, gate_stride_b, gate_stride_h,
                   HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr, CHUNK: tl.constexpr, DIM_BLOCK: tl.constexpr,
-                  GATED: tl.constexpr):
+                  GATED: tl.constexpr, PDL: tl.constexpr):
     """One program per (request, head, DIM_BLOCK dims): the softmax partials of its splits, rescaled to
     the overall max and summed; GATED: times sigmoid(gate), each rounded to the output dtype first, as
     torch's out * torch.sigmoid(gate) rounds."""
+    allow_dependents(PDL)
+    wait_for_inputs(PDL)
     request = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     dims = tl.program_id(2) * DIM_BLOCK + tl.arange(0, DIM_BLOCK)
@@ -253,7 +267,10 @@ def _merge_kernel(acc_ptr, max_ptr, sum_ptr, out_ptr, gate_ptr, num_splits, num_
 
 
 @triton.jit
-def _gather_rows_kernel(pool_ptr, rows_ptr, out_ptr, ROW_WIDTH: tl.constexpr, BLOCK_D: tl.constexpr):
+def _gather_rows_kernel(pool_ptr, rows_ptr, out_ptr, ROW_WIDTH: tl.constexpr, BLOCK_D: tl.constexpr,
+                        PDL: tl.constexpr):
+    allow_dependents(PDL)
+    wait_for_inputs(PDL)
     entry = tl.program_id(0).to(tl.int64)
     columns = tl.arange(0, BLOCK_D)
     inside = columns < ROW_WIDTH
@@ -269,4 +286,5 @@ def triton_gather_rows(out: torch.Tensor, pool: torch.Tensor, rows: torch.Tensor
     row_width = pool.shape[1:].numel()
     if rows.numel():
         _gather_rows_kernel[(rows.numel(),)](pool, rows, out, ROW_WIDTH=row_width,
-                                             BLOCK_D=triton.next_power_of_2(row_width))
+                                             BLOCK_D=triton.next_power_of_2(row_width),
+                                             **launch_options(out.device))

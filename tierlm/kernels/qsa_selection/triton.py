@@ -7,7 +7,8 @@ no sort. One program per query:
   blocks at T in index order until K are (ties to the lower block, as `naive.ranking_keys` orders them);
   a prefix sum over the chosen places each one's R tokens in block order;
 then the open tail. Rows through the block table, invalid entries at the scratch row. No host sync.
-Bit-identical to the reference (integer work on the scores' bits)."""
+Bit-identical to the reference (integer work on the scores' bits). Launched with programmatic dependent
+launch (`kernels/dependent_launch`); nothing it reads is a constant, so a program waits first."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tierlm.kernels.dependent_launch import allow_dependents, launch_options, wait_for_inputs
 from tierlm.kernels.qsa_selection.naive import table_groups
 
 BLOCK_G = 512  # scores per tile of the select (a [16, BLOCK_G] comparison per pass)
@@ -101,7 +103,9 @@ def _choose_top(scores_row, rows_out, valid_out, tables_row, table_width, scratc
 def _selection_kernel(scores_ptr, positions_ptr, tables_ptr, rows_ptr, valid_ptr, num_groups, num_top, num_entries,
                       scores_stride, table_stride, table_width, scratch_block,
                       SCORES: tl.constexpr, RATIO: tl.constexpr, RATIO_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                      BLOCK_G: tl.constexpr, BLOCK_E: tl.constexpr):
+                      BLOCK_G: tl.constexpr, BLOCK_E: tl.constexpr, PDL: tl.constexpr):
+    allow_dependents(PDL)
+    wait_for_inputs(PDL)
     query = tl.program_id(0).to(tl.int64)
     position = tl.load(positions_ptr + query)
     visible = (position + 1) // RATIO
@@ -150,6 +154,6 @@ def triton_selection_rows(
             rows if scores is None else scores, positions.contiguous(), tables, rows, valid, groups, k, entries,
             0 if scores is None else scores.stride(0), tables.stride(0), tables.shape[1], scratch_block,
             SCORES=scores is not None, RATIO=ratio, RATIO_PAD=triton.next_power_of_2(ratio), BLOCK_SIZE=block_size,
-            BLOCK_G=BLOCK_G, BLOCK_E=BLOCK_E, num_warps=SELECT_WARPS,
+            BLOCK_G=BLOCK_G, BLOCK_E=BLOCK_E, num_warps=SELECT_WARPS, **launch_options(positions.device),
         )
     return rows, valid.view(torch.bool)

@@ -15,6 +15,9 @@ With `with_lse` it also returns each (query, head)'s log-sum-exp of its scaled s
 a set of rows can be computed in parts and merged (`naive.merge_parts`): the offloaded prefill
 (`model/qsa_offload.py`) stages a chunk's rows into the device arena a part at a time when they do not fit
 at once. A query with no valid entry in a part gets zeros and a log-sum-exp of -inf.
+
+It runs in prefill only, and is launched with programmatic dependent launch like the decode kernels
+(`kernels/dependent_launch`), for uniformity: it has no constants to load early, so it waits first.
 """
 
 from __future__ import annotations
@@ -23,13 +26,18 @@ import torch
 import triton
 import triton.language as tl
 
+from tierlm.kernels.dependent_launch import allow_dependents, launch_options, wait_for_inputs
+
 ROW_BLOCK = 32
 
 
 @triton.jit
 def _sparse_attention_kernel(q_ptr, key_ptr, value_ptr, rows_ptr, valid_ptr, out_ptr, lse_ptr, num_selected, scale,
                              NH: tl.constexpr, NKV: tl.constexpr, HD: tl.constexpr, BG: tl.constexpr,
-                             BD: tl.constexpr, BS: tl.constexpr, PRODUCTS: tl.constexpr, WITH_LSE: tl.constexpr):
+                             BD: tl.constexpr, BS: tl.constexpr, PRODUCTS: tl.constexpr, WITH_LSE: tl.constexpr,
+                             PDL: tl.constexpr):
+    allow_dependents(PDL)
+    wait_for_inputs(PDL)
     query, kv_head = tl.program_id(0).to(tl.int64), tl.program_id(1)
     group = NH // NKV
     heads = tl.arange(0, BG)
@@ -117,6 +125,6 @@ def triton_sparse_attention(
             lse, rows.shape[1], scale, NH=num_heads, NKV=num_kv_heads, HD=head_dim,
             BG=max(16, triton.next_power_of_2(num_heads // num_kv_heads)),
             BD=max(16, triton.next_power_of_2(head_dim)), BS=ROW_BLOCK, PRODUCTS=mode, WITH_LSE=with_lse,
-            num_warps=4, num_stages=2,
+            num_warps=4, num_stages=2, **launch_options(q.device),
         )
     return (out, lse) if with_lse else out.to(q.dtype)
