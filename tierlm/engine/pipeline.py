@@ -46,8 +46,8 @@ flight (vLLM's virtual engines), each with about 1/N of the running requests; a 
 at a time (`Scheduler.schedule(busy=)`). TIERLM_PP_MAX_IN_FLIGHT=1 turns this off (one batch at a time).
 
 Failure: every collective has `pipeline_timeout_s`; rank 0 waits for results on a thread and watches
-the worker processes it spawned (also between steps), so a dead rank ends the step, or with
-`exit_process_on_failure` the server, with a `PipelineError` naming it. Under torchrun rank 0 cannot
+the worker processes it spawned (also between steps), so a dead rank ends the step with a `PipelineError`
+naming it (and calls `on_failure`: the server stops, then exits with that error). Under torchrun rank 0 cannot
 watch the others' processes: a rank that dies shows as the last rank's connection lost (torchrun names
 the rank that failed).
 
@@ -252,7 +252,7 @@ class PipelineDriver:
         self.in_flight: deque[PipelineStep] = deque()  # launched, oldest first
         self.keys: dict[Request, int] = {}  # requests the last rank mirrors
         self._next_key = 0
-        self.exit_process_on_failure = False  # the server sets it: a dead rank ends the process
+        self.on_failure = None  # called once the pipeline has failed (from any thread): the server stops
         self._timing = dict.fromkeys(DRIVER_PHASES, 0.0) | {"steps": 0}
         self._layers = StreamClock(self.stage.cache.device)
         # a step's pinned ids copy is reused max_in_flight + 1 steps later: by then it was read (`finish`)
@@ -597,8 +597,8 @@ class PipelineDriver:
             return answer
 
     def _watch_workers(self) -> None:
-        """Between steps too (an idle server): a worker that exits unasked fails the pipeline, and with
-        exit_process_on_failure ends this process, within WATCH_INTERVAL_S."""
+        """Between steps too (an idle server): a worker that exits unasked fails the pipeline (and calls
+        on_failure) within WATCH_INTERVAL_S."""
         while not self.closing and self.failure is None:
             time.sleep(WATCH_INTERVAL_S)
             for rank, process in enumerate(self.processes, start=1):
@@ -637,10 +637,8 @@ class PipelineDriver:
             for process in self.processes:
                 if process.poll() is None:
                     process.terminate()
-            if self.exit_process_on_failure:
-                import signal
-
-                os.kill(os.getpid(), signal.SIGTERM)
+            if self.on_failure is not None:
+                self.on_failure()
 
     # ---- measurements (bench/pipeline_decode.py) ----
     @property
