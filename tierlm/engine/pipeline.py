@@ -125,6 +125,10 @@ def _first_line(exc: BaseException) -> str:
     return text.split(". This is typically caused")[0]
 
 
+def _rank_exit(rank: int, exitcode: int | None) -> str:
+    return f"pipeline rank {rank} {describe_exit(exitcode)}"
+
+
 # ---- rank 0 ------------------------------------------------------------------------------------------
 class RecordingCache:
     """Rank 0's `ModelCache` as the cache manager sees it: every slot reset and checkpoint save or
@@ -491,7 +495,7 @@ class PipelineDriver:
     def _check_answer(self, answer: StageResult, step: int) -> None:
         """Fail on the last rank's error, or on an answer to another step than `step`."""
         if answer.error is not None:
-            self._fail(f"pipeline rank {self.world_size - 1} failed during a step: {answer.error}")
+            self._fail(self._last_rank_failed(answer.error))
         if answer.step != step:
             self._fail(f"pipeline rank {self.world_size - 1} answered step {answer.step} where rank 0 expected "
                        f"step {step}'s answer")
@@ -508,8 +512,7 @@ class PipelineDriver:
         try:
             receive.wait()
         except Exception as exc:  # noqa: BLE001
-            self._fail(self._peer_failure(f"lost the connection to pipeline rank {self.world_size - 1}: "
-                                          f"{_first_line(exc)}"))
+            self._fail(self._peer_failure(self._lost_last_rank(exc)))
 
     def _read_ids(self, entry: PipelineStep) -> tuple[list[int], list[int]]:
         """The step's sampled ids and their statuses, one per sampling row, on the host (CPU: waits for
@@ -567,17 +570,16 @@ class PipelineDriver:
     def _receive_results(self) -> None:
         """The result thread: the last rank's answers, in order, into a queue (an error ends it; the last
         rank's error, or the lost connection, is also kept for a wait on the sampled ids)."""
-        last = self.world_size - 1
         while True:
             try:
                 answer = self._result_inbox.get()
             except Exception as exc:  # noqa: BLE001
-                self._peer_error = self._peer_error or f"lost the connection to pipeline rank {last}: {_first_line(exc)}"
+                self._peer_error = self._peer_error or self._lost_last_rank(exc)
                 self._peer_failed.set()
                 self._results.put(exc)
                 return
             if answer.error is not None:
-                self._peer_error = f"pipeline rank {last} failed during a step: {answer.error}"
+                self._peer_error = self._last_rank_failed(answer.error)
                 self._peer_failed.set()
             self._results.put(answer)
 
@@ -593,7 +595,7 @@ class PipelineDriver:
                                f"{self.config.pipeline_timeout_s:g} s (pipeline_timeout_s)")
                 continue
             if isinstance(answer, Exception):
-                self._fail(f"lost the connection to pipeline rank {self.world_size - 1}: {_first_line(answer)}")
+                self._fail(self._lost_last_rank(answer))
             return answer
 
     def _watch_workers(self) -> None:
@@ -601,19 +603,34 @@ class PipelineDriver:
         on_failure) within WATCH_INTERVAL_S."""
         while not self.closing and self.failure is None:
             time.sleep(WATCH_INTERVAL_S)
-            for rank, process in enumerate(self.processes, start=1):
-                if process.poll() is not None and not self.closing and self.failure is None:
-                    try:
-                        self._fail(f"pipeline rank {rank} {describe_exit(process.returncode)}")
-                    except PipelineError:
-                        return
+            exited = self._exited_worker()
+            if exited is not None and not self.closing and self.failure is None:
+                try:
+                    self._fail(exited)
+                except PipelineError:
+                    return
 
     def _check_alive(self) -> None:
         if self.failure is not None:
             raise PipelineError(self.failure)
+        exited = self._exited_worker()
+        if exited is not None:
+            self._fail(exited)
+
+    def _exited_worker(self) -> str | None:
+        """The first spawned worker that has exited, as a failure naming it ("pipeline rank 1 killed by
+        SIGKILL"); None while all run."""
         for rank, process in enumerate(self.processes, start=1):
             if process.poll() is not None:
-                self._fail(f"pipeline rank {rank} {describe_exit(process.returncode)}")
+                return _rank_exit(rank, process.returncode)
+        return None
+
+    def _lost_last_rank(self, exc: BaseException) -> str:
+        return f"lost the connection to pipeline rank {self.world_size - 1}: {_first_line(exc)}"
+
+    def _last_rank_failed(self, error: str) -> str:
+        """The last rank's own error (`StageResult.error`) as a failure naming it."""
+        return f"pipeline rank {self.world_size - 1} failed during a step: {error}"
 
     def _fail(self, why: str) -> None:
         """Name the rank that went first (a worker that saw another go exits with EXIT_PEER_LOST), stop
@@ -630,7 +647,7 @@ class PipelineDriver:
             dead = [(rank, p.returncode) for rank, p in enumerate(self.processes, start=1) if p.poll() is not None]
             first = sorted(dead, key=lambda item: item[1] == EXIT_PEER_LOST)  # who saw another go: last
             if first:
-                named = f"pipeline rank {first[0][0]} {describe_exit(first[0][1])}"
+                named = _rank_exit(*first[0])
                 why = why if why.startswith(named) else f"{named} ({why})"
             self.failure = why
             logger.error("%s; stopping the pipeline", why)

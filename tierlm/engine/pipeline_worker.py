@@ -312,7 +312,7 @@ def run_worker(group: PipelineGroup, stage: Stage, config) -> None:
         with _failure_told_to_rank0(group):
             result = mirror.finish(runner, sampling)
         if sampling.answered:
-            _comm(group.send_object, result, 0, RESULT_TAG, group.result_group)
+            _answer_rank0(group, result)
         lap("send_seconds")
 
     while True:
@@ -368,7 +368,7 @@ def run_worker(group: PipelineGroup, stage: Stage, config) -> None:
                 with layers.timed():
                     result = drafts.step(mirror, message, batch)
             lap("forward_seconds")
-            _comm(group.send_object, result, 0, RESULT_TAG, group.result_group)
+            _answer_rank0(group, result)
             lap("send_seconds")
             stats["steps"] += 1
             continue
@@ -397,8 +397,13 @@ def _failure_told_to_rank0(group: PipelineGroup):
     except _PeerLost:
         raise
     except Exception as exc:
-        _comm(group.send_object, StageResult(error=f"{type(exc).__name__}: {exc}"), 0, RESULT_TAG, group.result_group)
+        _answer_rank0(group, StageResult(error=f"{type(exc).__name__}: {exc}"))
         raise
+
+
+def _answer_rank0(group: PipelineGroup, result: StageResult) -> None:
+    """The last rank's answer to a step, to rank 0's result thread (its own group: rank 0 waits for it there)."""
+    _comm(group.send_object, result, 0, RESULT_TAG, group.result_group)
 
 
 def _stage_decode(runner: ModelRunner, rows: DecodeRows, tables: list[list[int]]) -> tuple:
