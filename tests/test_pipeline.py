@@ -1,10 +1,11 @@
 """Pipeline parallelism on CPU (gloo ranks as processes, demo model, fp32): the same tokens and
 log-probabilities as one process, with chunked prefill, preemption, prefix caching, structured output
-and QSA K/V offload; a rank that dies ends generation with an error naming it; the layer split and
+and QSA K/V offload; a rank that dies, or the last rank's own error, ends generation with an error naming
+it, and a killed rank ends `tierlm serve` (exit 2, the error naming it); the layer split and
 `tierlm plan --pipeline-parallel-size`.
 
-Starting ranks costs seconds on a small machine, so one PP=3 engine serves several tests and one PP=2
-engine is killed at the end.
+Starting ranks costs seconds on a small machine, so one PP=3 engine serves several tests; the PP=2
+engines that fail come after it (one pipeline per process).
 """
 
 from __future__ import annotations
