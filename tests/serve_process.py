@@ -22,6 +22,7 @@ class ServerProcess:
     url: str
     port: int
     pid: int
+    popen: subprocess.Popen  # for a test that waits for the server to end by itself
 
 
 def free_port() -> int:
@@ -49,7 +50,7 @@ def serving(flags: list[str], log_path: Path, env: dict[str, str] | None = None)
                         break
                 except httpx.TransportError:
                     time.sleep(0.2)
-            yield ServerProcess(url, port, process.pid)
+            yield ServerProcess(url, port, process.pid, process)
         finally:
             process.terminate()
             process.wait(timeout=30)

@@ -1,10 +1,11 @@
 """Pipeline parallelism on CPU (gloo ranks as processes, demo model, fp32): the same tokens and
 log-probabilities as one process, with chunked prefill, preemption, prefix caching, structured output
-and QSA K/V offload; a rank that dies ends generation with an error naming it; the layer split and
+and QSA K/V offload; a rank that dies, or the last rank's own error, ends generation with an error naming
+it, and a killed rank ends `tierlm serve` (exit 2, the error naming it); the layer split and
 `tierlm plan --pipeline-parallel-size`.
 
-Starting ranks costs seconds on a small machine, so one PP=3 engine serves several tests and one PP=2
-engine is killed at the end.
+Starting ranks costs seconds on a small machine, so one PP=3 engine serves several tests; the PP=2
+engines that fail come after it (one pipeline per process).
 """
 
 from __future__ import annotations
@@ -13,9 +14,13 @@ import json
 import os
 import signal
 import time
+from pathlib import Path
 
+import httpx
 import pytest
+from serve_process import serving
 
+import tierlm
 from tierlm import LLM, SamplingParams
 from tierlm.demo_model import build_demo_model
 from tierlm.distributed.group import PipelineError
@@ -162,6 +167,99 @@ def test_qsa_kv_offload_then_a_killed_rank_ends_generation_with_an_error_naming_
     finally:
         engine.close()
     assert [process.poll() is not None for process in engine.pipeline.processes] == [True]  # no rank left behind
+
+
+# the last rank fails with an error of its own: rank 0 spawns its workers with this process's environment,
+# so this sitecustomize on PYTHONPATH patches them as they start (tierlm has no failure hook of its own)
+LAST_RANK_FAILS = """
+import os
+
+from tierlm.engine.model_runner import ModelRunner
+
+method = os.environ["TIERLM_TEST_FAILING_METHOD"]
+real, calls = getattr(ModelRunner, method), []
+
+
+def failing(self, *args, **kwargs):
+    calls.append(None)
+    if len(calls) == int(os.environ["TIERLM_TEST_FAILING_CALL"]):
+        raise RuntimeError(f"injected failure in ModelRunner.{method}")
+    return real(self, *args, **kwargs)
+
+
+setattr(ModelRunner, method, failing)
+"""
+FAILURE_GUARD_S = 90  # the issue asks for 30 s; the guard leaves room for a loaded machine
+
+
+@pytest.mark.parametrize("method", ["launch_sampling", "finish"], ids=["in-a-step", "reading-a-step-back"])
+def test_an_error_on_the_last_rank_ends_generation_with_it_and_the_rank(demo_dir, tmp_path, monkeypatch, method):
+    """The last rank's own error, raised in a step (its sampling launched) or while it reads a step back
+    (the step before, once the next is launched), reaches rank 0 with its text and the rank named, and no
+    rank is left behind. Runs after the tests of the PP=3 engine (one pipeline per process)."""
+    (tmp_path / "sitecustomize.py").write_text(LAST_RANK_FAILS)
+    # it imports tierlm before `python -m` puts the working folder on the path: this tierlm, not another install
+    tierlm_root = str(Path(tierlm.__file__).parents[1])
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(tmp_path), tierlm_root,
+                                                                    os.environ.get("PYTHONPATH")])))
+    monkeypatch.setenv("TIERLM_TEST_FAILING_METHOD", method)
+    monkeypatch.setenv("TIERLM_TEST_FAILING_CALL", "4")  # mid-request: after its prefill and a few tokens
+    engine = LLM(str(demo_dir), **OPTIONS, pipeline_parallel_size=2).engine
+    try:
+        engine.add_request("def f(x):", SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
+        began, outputs = time.monotonic(), []
+        with pytest.raises(PipelineError, match=rf"pipeline rank 1 .*RuntimeError: injected failure in "
+                                                rf"ModelRunner\.{method}"):
+            while engine.has_unfinished_requests():
+                outputs += engine.step()
+        assert time.monotonic() - began < FAILURE_GUARD_S
+        assert outputs and not any(output.finished for output in outputs)  # it failed mid-request
+    finally:
+        engine.close()
+    assert [process.poll() is not None for process in engine.pipeline.processes] == [True]
+
+
+def _pipeline_workers(server_pid: int) -> list[int]:
+    """The pids of a server's pipeline workers: its children that run pipeline_worker (/proc: Linux)."""
+    workers = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])  # the field after the state
+            command = (stat.parent / "cmdline").read_bytes()
+        except (OSError, ValueError, IndexError):  # a process that ended meanwhile
+            continue
+        if parent == server_pid and b"tierlm.engine.pipeline_worker" in command:
+            workers.append(int(stat.parent.name))
+    return workers
+
+
+def test_a_killed_last_rank_ends_the_server_with_an_error_naming_it(demo_dir, tmp_path):
+    """`tierlm serve --pipeline-parallel-size 2`, its last rank killed while a request streams: the stream
+    ends without finishing, and the server stops and exits with an error naming the rank (status 2)."""
+    flags = [str(demo_dir), "--dtype", "float32", "--device", "cpu", "--max-model-len", "256",
+             "--pipeline-parallel-size", "2"]
+    log_path = tmp_path / "server.log"
+    with serving(flags, log_path) as server:
+        [worker] = _pipeline_workers(server.pid)
+        body = {"model": demo_dir.name, "prompt": "def f(x):", "max_tokens": 240, "temperature": 0,
+                "ignore_eos": True, "stream": True}
+        finish_reasons = []
+        try:
+            with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=FAILURE_GUARD_S) as stream:
+                for line in stream.iter_lines():
+                    if line.startswith("data: {"):
+                        if not finish_reasons:  # its first token is out: the rank dies mid-request
+                            os.kill(worker, signal.SIGKILL)
+                            began = time.monotonic()
+                        finish_reasons.append(json.loads(line[6:]).get("choices", [{}])[0].get("finish_reason"))
+        except httpx.TransportError:  # the server went away before the stream's end
+            pass
+        status = server.popen.wait(timeout=FAILURE_GUARD_S)
+        assert finish_reasons, "no token streamed before the server ended"
+        assert time.monotonic() - began < FAILURE_GUARD_S
+    assert "length" not in finish_reasons  # killed mid-request
+    assert status == 2  # the CLI's error status, not a signal's
+    assert "tierlm serve: error: pipeline rank 1 killed by SIGKILL" in log_path.read_text()
 
 
 def test_balanced_partition_and_given_partitions():

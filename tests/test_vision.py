@@ -272,10 +272,10 @@ def test_chat_images_refused_with_a_400_naming_the_part(urls, param, words):
 
     inputs = ImageInputs.for_model("/nonexistent", processor_vision(), '{"image": 2}')
     with pytest.raises(ApiError) as caught:
-        load_images(inputs, "m", chat_with_images(*urls))
+        load_images(inputs, "m", chat_with_images(*urls), {})
     assert caught.value.status == 400 and caught.value.param == param and words in caught.value.message
     with pytest.raises(ApiError, match="model 'm' has no vision tower"):
-        load_images(None, "m", chat_with_images(*urls))
+        load_images(None, "m", chat_with_images(*urls), {})
 
 
 def test_chat_images_decoded_and_prompt_expanded():
@@ -283,7 +283,7 @@ def test_chat_images_decoded_and_prompt_expanded():
     from tierlm.server.protocol import ApiError
 
     inputs = ImageInputs.for_model("/nonexistent", processor_vision(), None, '{"min_pixels": 16, "max_pixels": 64}')
-    images = load_images(inputs, "m", chat_with_images(png_data_url(30, 12), png_data_url(5, 5)))
+    images = load_images(inputs, "m", chat_with_images(png_data_url(30, 12), png_data_url(5, 5)), {})
     # 30 x 12 shrunk to 12 x 4 pixels (<= 64), 5 x 5 rounded to 4 x 4; sides multiples of patch x merge = 4
     assert [image.grid for image in images] == [(1, 2, 6), (1, 2, 2)]
     assert expand_prompt([7, START, IMAGE, END, START, IMAGE, END], inputs, images) == [
@@ -305,17 +305,17 @@ def test_local_files_are_read_only_inside_the_allowed_folder(tmp_path):
     (tmp_path / "secret.png").write_bytes(png)
     (allowed / "link.png").symlink_to(tmp_path / "secret.png")
     inputs = ImageInputs.for_model("/nonexistent", processor_vision(), None, resize, str(allowed))
-    [from_file] = load_images(inputs, "m", chat_with_images((allowed / "cat.png").as_uri()))
-    [from_data] = load_images(inputs, "m", chat_with_images(png_data_url(30, 12)))
+    [from_file] = load_images(inputs, "m", chat_with_images((allowed / "cat.png").as_uri()), {})
+    [from_data] = load_images(inputs, "m", chat_with_images(png_data_url(30, 12)), {})
     assert from_file.grid == from_data.grid and torch.equal(from_file.patches, from_data.patches)
     for path, words in ((tmp_path / "secret.png", "outside"), (allowed / "link.png", "outside"),
                         (allowed / "none.png", "not a file")):
         with pytest.raises(ApiError, match=words) as caught:
-            load_images(inputs, "m", chat_with_images(path.as_uri()))
+            load_images(inputs, "m", chat_with_images(path.as_uri()), {})
         assert caught.value.status == 400 and caught.value.param == "messages[1].content[0]"
     without = ImageInputs.for_model("/nonexistent", processor_vision(), None, resize)
     with pytest.raises(ApiError, match="not enabled"):
-        load_images(without, "m", chat_with_images((allowed / "cat.png").as_uri()))
+        load_images(without, "m", chat_with_images((allowed / "cat.png").as_uri()), {})
     with pytest.raises(ValueError, match="--allowed-local-media-path"):
         ImageInputs.for_model("/nonexistent", processor_vision(), None, None, str(tmp_path / "missing"))
 
@@ -379,8 +379,10 @@ def test_http_images_fetched_from_allowed_domains_only(image_host):
         return load_images(images, "m", request, asyncio.run(fetch_remote_images(images, "m", request)))
 
     [fetched] = load(f"{image_host}/cat.png")
-    [expected] = load_images(inputs, "m", chat_with_images(png_data_url(30, 12)))
+    [expected] = load_images(inputs, "m", chat_with_images(png_data_url(30, 12)), {})
     assert fetched.grid == expected.grid and torch.equal(fetched.patches, expected.patches)
+    with pytest.raises(TypeError, match="fetched"):  # no caller can leave out fetch_remote_images's bytes
+        load_images(inputs, "m", chat_with_images(f"{image_host}/cat.png"))
     port = image_host.rsplit(":", 1)[1]
     for url, words in [(f"http://localhost:{port}/cat.png", "host 'localhost' is not in --allowed-media-domains"),
                        (f"{image_host}/moved", "redirected to http://localhost"),

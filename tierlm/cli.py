@@ -54,4 +54,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # `python -m tierlm.cli` runs this file as __main__, a second copy of the module: the subcommands raise
+    # tierlm.cli's CliError, which this copy's main would not catch, so run the imported module's main
+    sys.exit(importlib.import_module("tierlm.cli").main())

@@ -46,8 +46,8 @@ flight (vLLM's virtual engines), each with about 1/N of the running requests; a 
 at a time (`Scheduler.schedule(busy=)`). TIERLM_PP_MAX_IN_FLIGHT=1 turns this off (one batch at a time).
 
 Failure: every collective has `pipeline_timeout_s`; rank 0 waits for results on a thread and watches
-the worker processes it spawned (also between steps), so a dead rank ends the step, or with
-`exit_process_on_failure` the server, with a `PipelineError` naming it. Under torchrun rank 0 cannot
+the worker processes it spawned (also between steps), so a dead rank ends the step with a `PipelineError`
+naming it (and calls `on_failure`: the server stops, then exits with that error). Under torchrun rank 0 cannot
 watch the others' processes: a rank that dies shows as the last rank's connection lost (torchrun names
 the rank that failed).
 
@@ -123,6 +123,10 @@ def _first_line(exc: BaseException) -> str:
     """An error's first line, without gloo's advice (the rank it names is what matters here)."""
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     return text.split(". This is typically caused")[0]
+
+
+def _rank_exit(rank: int, exitcode: int | None) -> str:
+    return f"pipeline rank {rank} {describe_exit(exitcode)}"
 
 
 # ---- rank 0 ------------------------------------------------------------------------------------------
@@ -252,7 +256,7 @@ class PipelineDriver:
         self.in_flight: deque[PipelineStep] = deque()  # launched, oldest first
         self.keys: dict[Request, int] = {}  # requests the last rank mirrors
         self._next_key = 0
-        self.exit_process_on_failure = False  # the server sets it: a dead rank ends the process
+        self.on_failure = None  # called once the pipeline has failed (from any thread): the server stops
         self._timing = dict.fromkeys(DRIVER_PHASES, 0.0) | {"steps": 0}
         self._layers = StreamClock(self.stage.cache.device)
         # a step's pinned ids copy is reused max_in_flight + 1 steps later: by then it was read (`finish`)
@@ -491,7 +495,7 @@ class PipelineDriver:
     def _check_answer(self, answer: StageResult, step: int) -> None:
         """Fail on the last rank's error, or on an answer to another step than `step`."""
         if answer.error is not None:
-            self._fail(f"pipeline rank {self.world_size - 1} failed during a step: {answer.error}")
+            self._fail(self._last_rank_failed(answer.error))
         if answer.step != step:
             self._fail(f"pipeline rank {self.world_size - 1} answered step {answer.step} where rank 0 expected "
                        f"step {step}'s answer")
@@ -508,8 +512,7 @@ class PipelineDriver:
         try:
             receive.wait()
         except Exception as exc:  # noqa: BLE001
-            self._fail(self._peer_failure(f"lost the connection to pipeline rank {self.world_size - 1}: "
-                                          f"{_first_line(exc)}"))
+            self._fail(self._peer_failure(self._lost_last_rank(exc)))
 
     def _read_ids(self, entry: PipelineStep) -> tuple[list[int], list[int]]:
         """The step's sampled ids and their statuses, one per sampling row, on the host (CPU: waits for
@@ -567,17 +570,16 @@ class PipelineDriver:
     def _receive_results(self) -> None:
         """The result thread: the last rank's answers, in order, into a queue (an error ends it; the last
         rank's error, or the lost connection, is also kept for a wait on the sampled ids)."""
-        last = self.world_size - 1
         while True:
             try:
                 answer = self._result_inbox.get()
             except Exception as exc:  # noqa: BLE001
-                self._peer_error = self._peer_error or f"lost the connection to pipeline rank {last}: {_first_line(exc)}"
+                self._peer_error = self._peer_error or self._lost_last_rank(exc)
                 self._peer_failed.set()
                 self._results.put(exc)
                 return
             if answer.error is not None:
-                self._peer_error = f"pipeline rank {last} failed during a step: {answer.error}"
+                self._peer_error = self._last_rank_failed(answer.error)
                 self._peer_failed.set()
             self._results.put(answer)
 
@@ -593,27 +595,42 @@ class PipelineDriver:
                                f"{self.config.pipeline_timeout_s:g} s (pipeline_timeout_s)")
                 continue
             if isinstance(answer, Exception):
-                self._fail(f"lost the connection to pipeline rank {self.world_size - 1}: {_first_line(answer)}")
+                self._fail(self._lost_last_rank(answer))
             return answer
 
     def _watch_workers(self) -> None:
-        """Between steps too (an idle server): a worker that exits unasked fails the pipeline, and with
-        exit_process_on_failure ends this process, within WATCH_INTERVAL_S."""
+        """Between steps too (an idle server): a worker that exits unasked fails the pipeline (and calls
+        on_failure) within WATCH_INTERVAL_S."""
         while not self.closing and self.failure is None:
             time.sleep(WATCH_INTERVAL_S)
-            for rank, process in enumerate(self.processes, start=1):
-                if process.poll() is not None and not self.closing and self.failure is None:
-                    try:
-                        self._fail(f"pipeline rank {rank} {describe_exit(process.returncode)}")
-                    except PipelineError:
-                        return
+            exited = self._exited_worker()
+            if exited is not None and not self.closing and self.failure is None:
+                try:
+                    self._fail(exited)
+                except PipelineError:
+                    return
 
     def _check_alive(self) -> None:
         if self.failure is not None:
             raise PipelineError(self.failure)
+        exited = self._exited_worker()
+        if exited is not None:
+            self._fail(exited)
+
+    def _exited_worker(self) -> str | None:
+        """The first spawned worker that has exited, as a failure naming it ("pipeline rank 1 killed by
+        SIGKILL"); None while all run."""
         for rank, process in enumerate(self.processes, start=1):
             if process.poll() is not None:
-                self._fail(f"pipeline rank {rank} {describe_exit(process.returncode)}")
+                return _rank_exit(rank, process.returncode)
+        return None
+
+    def _lost_last_rank(self, exc: BaseException) -> str:
+        return f"lost the connection to pipeline rank {self.world_size - 1}: {_first_line(exc)}"
+
+    def _last_rank_failed(self, error: str) -> str:
+        """The last rank's own error (`StageResult.error`) as a failure naming it."""
+        return f"pipeline rank {self.world_size - 1} failed during a step: {error}"
 
     def _fail(self, why: str) -> None:
         """Name the rank that went first (a worker that saw another go exits with EXIT_PEER_LOST), stop
@@ -630,17 +647,15 @@ class PipelineDriver:
             dead = [(rank, p.returncode) for rank, p in enumerate(self.processes, start=1) if p.poll() is not None]
             first = sorted(dead, key=lambda item: item[1] == EXIT_PEER_LOST)  # who saw another go: last
             if first:
-                named = f"pipeline rank {first[0][0]} {describe_exit(first[0][1])}"
+                named = _rank_exit(*first[0])
                 why = why if why.startswith(named) else f"{named} ({why})"
             self.failure = why
             logger.error("%s; stopping the pipeline", why)
             for process in self.processes:
                 if process.poll() is None:
                     process.terminate()
-            if self.exit_process_on_failure:
-                import signal
-
-                os.kill(os.getpid(), signal.SIGTERM)
+            if self.on_failure is not None:
+                self.on_failure()
 
     # ---- measurements (bench/pipeline_decode.py) ----
     @property

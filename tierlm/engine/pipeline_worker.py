@@ -33,6 +33,7 @@ import os
 import sys
 import time
 import traceback
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -308,14 +309,10 @@ def run_worker(group: PipelineGroup, stage: Stage, config) -> None:
         if pending is not None and pending.ready is not None:
             pending.ready.synchronize()
         lap("read_wait_seconds")
-        try:
+        with _failure_told_to_rank0(group):
             result = mirror.finish(runner, sampling)
-        except Exception as exc:
-            _comm(group.send_object, StageResult(error=f"{type(exc).__name__}: {exc}"), 0, RESULT_TAG,
-                  group.result_group)
-            raise
         if sampling.answered:
-            _comm(group.send_object, result, 0, RESULT_TAG, group.result_group)
+            _answer_rank0(group, result)
         lap("send_seconds")
 
     while True:
@@ -366,20 +363,16 @@ def run_worker(group: PipelineGroup, stage: Stage, config) -> None:
             stats["steps"] += 1
             continue
         if message.drafts is not None:  # a speculative step: verified, drafted and answered now
-            try:
+            with _failure_told_to_rank0(group):
                 batch.token_ids, batch.stage_input = token_ids, hidden
                 with layers.timed():
                     result = drafts.step(mirror, message, batch)
-            except Exception as exc:
-                _comm(group.send_object, StageResult(error=f"{type(exc).__name__}: {exc}"), 0, RESULT_TAG,
-                      group.result_group)
-                raise
             lap("forward_seconds")
-            _comm(group.send_object, result, 0, RESULT_TAG, group.result_group)
+            _answer_rank0(group, result)
             lap("send_seconds")
             stats["steps"] += 1
             continue
-        try:
+        with _failure_told_to_rank0(group):
             with layers.timed():
                 logits = _run_layers(runner, staged, batch, hidden, token_ids)
             lap("forward_seconds")
@@ -389,16 +382,28 @@ def run_worker(group: PipelineGroup, stage: Stage, config) -> None:
             ids = mirror.sampled_ids(sampling)
             send(_comm(group.send_ids, ids), ids)
             lap("sample_seconds")
-        except _PeerLost:
-            raise
-        except Exception as exc:
-            _comm(group.send_object, StageResult(error=f"{type(exc).__name__}: {exc}"), 0, RESULT_TAG,
-                  group.result_group)
-            raise
         if unread is not None:  # the step before, now that this one is launched behind it
             answer()
         unread = sampling  # read back once the next step is launched, or a message that is not a step comes
         stats["steps"] += 1
+
+
+@contextmanager
+def _failure_told_to_rank0(group: PipelineGroup):
+    """The last rank: an error of its own inside (not a lost peer) goes to rank 0 as an answer's error before
+    it ends this process, so rank 0 reports what failed on which rank, not only that the rank went away."""
+    try:
+        yield
+    except _PeerLost:
+        raise
+    except Exception as exc:
+        _answer_rank0(group, StageResult(error=f"{type(exc).__name__}: {exc}"))
+        raise
+
+
+def _answer_rank0(group: PipelineGroup, result: StageResult) -> None:
+    """The last rank's answer to a step, to rank 0's result thread (its own group: rank 0 waits for it there)."""
+    _comm(group.send_object, result, 0, RESULT_TAG, group.result_group)
 
 
 def _stage_decode(runner: ModelRunner, rows: DecodeRows, tables: list[list[int]]) -> tuple:

@@ -182,6 +182,7 @@ def set_cpu_threads(requested: int | None) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import uvicorn
+    from uvicorn.main import STARTUP_FAILURE
 
     from tierlm.engine.llm_engine import LLMEngine
     from tierlm.model.loader import ModelNotFoundError
@@ -202,8 +203,6 @@ def run(args: argparse.Namespace) -> int:
     try:
         http = protocol_with_read_timeout(args.request_read_timeout)
         engine = LLMEngine(engine_config(model, args))
-        if engine.pipeline is not None:  # a pipeline rank that dies ends the server
-            engine.pipeline.exit_process_on_failure = True
         limits = {"max_stream_buffer_bytes": args.max_stream_buffer_bytes,
                   "stream_stall_timeout_s": args.stream_stall_timeout}
         async_engine = AsyncEngine(engine, name, **{k: v for k, v in limits.items() if v is not None})
@@ -220,11 +219,21 @@ def run(args: argparse.Namespace) -> int:
         )
     except ValueError as exc:
         raise CliError(str(exc)) from None
-    print(f"tierlm serve: {model} as {name!r} on http://{args.host}:{args.port}/v1", file=sys.stderr)
-    uvicorn.run(
+    server = uvicorn.Server(uvicorn.Config(
         app, host=args.host, port=args.port, log_level="info", http=http, limit_concurrency=args.limit_concurrency,
         timeout_keep_alive=args.timeout_keep_alive,
-    )
+    ))
+    if engine.pipeline is not None:
+        # a pipeline rank that dies stops the server, which then exits with the error naming it (below); not
+        # a signal to this process: uvicorn raises a signal again once it has stopped, which would end it there
+        engine.pipeline.on_failure = lambda: setattr(server, "should_exit", True)
+        if engine.pipeline.failure is not None:  # it failed before the callback was set
+            raise CliError(engine.pipeline.failure)
+    print(f"tierlm serve: {model} as {name!r} on http://{args.host}:{args.port}/v1", file=sys.stderr)
+    try:
+        server.run()
+    except KeyboardInterrupt:
+        pass
     if engine.pipeline is not None and engine.pipeline.failure is not None:
         raise CliError(engine.pipeline.failure)
-    return 0
+    return 0 if server.started else STARTUP_FAILURE

@@ -138,11 +138,12 @@ async def fetch_remote_images(
 
 
 def load_images(
-    images: ImageInputs | None, model_name: str, request: ChatCompletionRequest, fetched: dict[str, bytes] | None = None
+    images: ImageInputs | None, model_name: str, request: ChatCompletionRequest, fetched: dict[str, bytes]
 ) -> list[ProcessedImage]:
     """The request's images as patches, or an ApiError (400) naming the part that cannot be used.
-    fetched: http(s) parts' bytes by parameter path (fetch_remote_images: never fetched here, on the text pool)."""
-    return [_load(images, part, param, fetched or {}) for param, part in checked_image_parts(images, model_name, request)]
+    fetched: what fetch_remote_images returned for the request (its http(s) parts' bytes by parameter path),
+    required: they are never fetched here, on the text pool."""
+    return [_load(images, part, param, fetched) for param, part in checked_image_parts(images, model_name, request)]
 
 
 def _load(images: ImageInputs, part: ImageUrlPart, param: str, fetched: dict[str, bytes]) -> ProcessedImage:
