@@ -35,6 +35,11 @@ block output to the streams as they read them, row block 0's store the new strea
 Values are rounded to the streams' dtype where the reference rounds them; sums are fp32 in a fixed order
 (no float atomics: the same bits on every call). No host sync: CUDA graphs capture them all. Up to
 MAX_TOKENS tokens (prefill chunks take the reference's GEMMs).
+Every launch uses programmatic dependent launch (`kernels/dependent_launch`): a down program loads its
+weight tile and norm weight before it waits for the kernel before it; an up program every stream's W_up
+tile, scales and norm weight in the GEMV form, the first stream's in the tl.dot form (DOT_PRELOADED_STREAMS:
+more would spill); so at one token most of a mix's 13 MB stream in while the kernel before it finishes.
+combine has no weights and waits first.
 """
 
 from __future__ import annotations
