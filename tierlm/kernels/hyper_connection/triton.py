@@ -38,8 +38,8 @@ MAX_TOKENS tokens (prefill chunks take the reference's GEMMs).
 Every launch uses programmatic dependent launch (`kernels/dependent_launch`): a down program loads its
 weight tile and norm weight before it waits for the kernel before it; an up program every stream's W_up
 tile, scales and norm weight in the GEMV form, the first stream's in the tl.dot form (DOT_PRELOADED_STREAMS:
-more would spill); so at one token most of a mix's 13 MB stream in while the kernel before it finishes.
-combine has no weights and waits first.
+more would spill), so those bytes can stream in while the kernel before it finishes. combine has no
+weights and waits first.
 """
 
 from __future__ import annotations
