@@ -23,8 +23,14 @@ projections), round-to-nearest (`kernels/quant_linear/packing.quantize`; `tierlm
 search, which changes values, not bytes or speed), runs the same measurements and prints both side by
 side with their tok/s ratio (results: decode_roofline_<device>_<scheme>.json).
 
+`--ab SWITCH` (an environment variable the step reads as it launches or captures, e.g. TIERLM_NO_PDL)
+measures every (context, batch) twice in the same process: with SWITCH unset (the table above it), then
+set to 1 (its graphs captured again), and prints both tok/s and their ratio (unset / set: what the
+feature a kill switch turns off gains); the results JSON holds both sides (each row's "ab").
+
     python bench/decode_roofline.py --device cuda                 # 4 layers, contexts 512 and 8192, batches 1/4/16
     python bench/decode_roofline.py --device cuda --quantize int4-mixed --contexts 512 --batches 1
+    python bench/decode_roofline.py --device cuda --ab TIERLM_NO_PDL  # with and without PDL, row by row
     python bench/decode_roofline.py --device cpu --small          # a shrunk config, to check the script runs
 """
 
@@ -35,7 +41,7 @@ import json
 import os
 import time
 from collections import defaultdict
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -279,21 +285,52 @@ def measure(model, config, dtype, device, batch: int, context: int, steps: int, 
     }
 
 
+@contextmanager
+def environment(name: str, value: str | None):
+    """The environment variable `name` set to value (None: unset) inside the block, restored after."""
+    saved = os.environ.get(name)
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = saved
+
+
 def run_all(model, config, dtype, device, args, bandwidth: float) -> list[dict]:
-    """Every (context, batch) of args, printed as one table."""
+    """Every (context, batch) of args, printed as one table (with --ab: with the switch unset, and after
+    it their A/B table)."""
     results = []
     print(f"{'ctx':>6} {'batch':>5} {'tok/s':>9} {'step ms':>8} {'GB/step':>8} {'roofline':>9} {'kernels':>8} "
           f"{'host ms':>8}")
     for context in args.contexts:
         for batch in args.batches:
             listing = [] if args.kernels and not results else None
-            r = measure(model, config, dtype, device, batch, context, args.steps, listing)
+            with environment(args.ab, None) if args.ab else nullcontext():
+                r = measure(model, config, dtype, device, batch, context, args.steps, listing)
             if listing:
                 r["kernels"] = listing
             r["roofline_fraction"] = r["bytes_per_step"] / bandwidth / (r["step_ms"] / 1000)
+            if args.ab:
+                with environment(args.ab, "1"):
+                    switched = measure(model, config, dtype, device, batch, context, args.steps)
+                switched["roofline_fraction"] = switched["bytes_per_step"] / bandwidth / (switched["step_ms"] / 1000)
+                r["ab"] = {"switch": args.ab, "set": switched, "tok_s_ratio": r["tok_s"] / switched["tok_s"]}
             results.append(r)
             print(f"{context:>6} {batch:>5} {r['tok_s']:>9.1f} {r['step_ms']:>8.3f} {r['bytes_per_step'] / 1e9:>8.3f} "
                   f"{100 * r['roofline_fraction']:>8.1f}% {r['kernels_per_step']:>8} {r['host_ms']:>8.3f}")
+    if args.ab:
+        print(f"\n{'ctx':>6} {'batch':>5} {'tok/s':>9} {'tok/s ' + args.ab + '=1':>{len(args.ab) + 8}} "
+              f"{'unset/set':>9} {'GPU ms':>7} {'GPU ms set':>10}")
+        for r in results:
+            switched = r["ab"]["set"]
+            print(f"{r['context']:>6} {r['batch']:>5} {r['tok_s']:>9.1f} {switched['tok_s']:>{len(args.ab) + 8}.1f} "
+                  f"{r['ab']['tok_s_ratio']:>8.3f}x {r['gpu_step_ms']:>7.3f} {switched['gpu_step_ms']:>10.3f}")
     first = results[0]
     print(f"\nwhere a step's kernel time goes (ctx {first['context']}, batch {first['batch']}, eager fixed-shape step):")
     total = sum(t for _, t in first["parts"].values()) or 1.0
@@ -321,6 +358,9 @@ def main() -> None:
                         help="also run the same model quantized in memory with this `tierlm quantize` scheme "
                              "(int4-mixed, int8, int4) and print the two side by side")
     parser.add_argument("--group-size", type=int, default=32, help="--quantize's group size (INT4/INT6)")
+    parser.add_argument("--ab", default=None, metavar="SWITCH",
+                        help="measure each row with the environment variable SWITCH unset and set to 1 (e.g. "
+                             "TIERLM_NO_PDL), in this process, and print both tok/s and their ratio")
     parser.add_argument("--tag", default="", help="appended to the results file's name (e.g. an A/B's side: "
                         "run once as is and once with TIERLM_NO_FUSED_* set)")
     args = parser.parse_args()
@@ -344,7 +384,7 @@ def main() -> None:
         four = next((r for r in results if r["batch"] == 4 and one and r["context"] == one["context"]), None)
         if one and four:
             print(f"batch 4 / batch 1 total tok/s at ctx {one['context']}: {four['tok_s'] / one['tok_s']:.2f}x")
-    report = {"device": name, "dtype": args.dtype, "layers": args.layers, "switches": switches,
+    report = {"device": name, "dtype": args.dtype, "layers": args.layers, "switches": switches, "ab": args.ab,
               "copy_bandwidth": bandwidth, "results": results}
     tag = f"_{args.tag}" if args.tag else ""
     out = Path(__file__).parent / "results" / f"decode_roofline_{name}{tag}.json"

@@ -2,7 +2,9 @@
 
 A program per (row, BLOCK_H columns of the table): it loads the row's id, then its slice of the table row
 once, and stores the slice into each of the row's hc streams. Ids are not range-checked on the device
-(no host read in a decode step); the callers' ids come from the tokenizer or the sampler.
+(no host read in a decode step); the callers' ids come from the tokenizer or the sampler. Launched with
+programmatic dependent launch (`kernels/dependent_launch`): the table row it reads depends on the id, an
+input, so it waits first; it still lets the kernel after it start early.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tierlm.kernels.dependent_launch import allow_dependents, launch_options, wait_for_inputs
 from tierlm.kernels.embed_streams.naive import check_args
 
 BLOCK_H = 1024  # columns per program: 3 programs a row at hidden 2560
@@ -18,7 +21,9 @@ BLOCK_H = 1024  # columns per program: 3 programs a row at hidden 2560
 
 @triton.jit
 def _embed_streams_kernel(table_ptr, ids_ptr, out_ptr, table_stride, HIDDEN: tl.constexpr, HC: tl.constexpr,
-                          BLOCK: tl.constexpr):
+                          BLOCK: tl.constexpr, PDL: tl.constexpr):
+    allow_dependents(PDL)
+    wait_for_inputs(PDL)
     row, part = tl.program_id(0), tl.program_id(1)
     columns = part * BLOCK + tl.arange(0, BLOCK)
     inside = columns < HIDDEN
@@ -38,5 +43,6 @@ def embed_streams(table: torch.Tensor, ids: torch.Tensor, hc_count: int) -> torc
     block = min(BLOCK_H, triton.next_power_of_2(hidden))
     if ids.shape[0]:
         _embed_streams_kernel[(ids.shape[0], triton.cdiv(hidden, block))](
-            table, ids, out, table.stride(0), HIDDEN=hidden, HC=hc_count, BLOCK=block, num_warps=4)
+            table, ids, out, table.stride(0), HIDDEN=hidden, HC=hc_count, BLOCK=block, num_warps=4,
+            **launch_options(table.device))
     return out

@@ -35,6 +35,13 @@ kernel at 4 warps uses 255 registers and 808 bytes of stack a thread and moves i
 through 16 KB of shared memory (its [BD, 4] conv windows anchored a second layout for the tile), where
 the same kernel before speculative verification (47aba87) needed no stack. This kernel at tile 32 and 4
 warps: 80 registers, no stack, no tile through shared memory (`_conv_silu`: 1-D taps).
+
+Launched with programmatic dependent launch (`kernels/dependent_launch`): a program loads its weights (the
+conv taps of its q, k and v channels, as 1-D vectors: `_conv_taps`; its head's A_log and dt_bias) before
+it waits for the kernel before it, and only then its slot, the state and the inputs. The recurrent state
+and the conv windows are not weights: earlier kernels of the step wrote them. Compiled for sm_90 (triton
+3.6, real widths, tile 32, 2 warps): 166 registers at T = 1 and 242 at T = 3, no spills (155 and 241
+before, when each row's conv loaded its taps again).
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tierlm.kernels.dependent_launch import allow_dependents, launch_options, wait_for_inputs
 from tierlm.kernels.gated_delta_rule.decode import GATE_ACTIVATIONS, decode_head_counts
 from tierlm.kernels.split_reduce import arrival_counters
 
@@ -69,19 +77,28 @@ def _conv_window(mixed_rows, mixed_stride, t, conv_slot, channels, inside, KC: t
 
 
 @triton.jit
-def _conv_silu(mixed_rows, mixed_stride, t: tl.constexpr, conv_slot, weight, channels, inside, KC: tl.constexpr):
-    """silu(causal conv) of `channels` ([BD] ids) at a request's row t, as fp32 values of the model dtype:
-    the products and their sum in fp32, rounded once (as the reference), then SiLU, rounded. Tap by tap,
-    [BD] vectors only: small 1-D loads never anchor a layout, so the compiler lays these values out to
-    suit the state tile they multiply (a [BD, KP] window here once made it move the whole tile through
-    shared memory instead)."""
+def _conv_taps(weight, channels, inside, KC: tl.constexpr):
+    """The conv weights of `channels` ([BD] ids), a tuple of Kc [BD] vectors (tap j: weight[:, j])."""
+    taps = ()
+    for j in tl.static_range(KC):
+        taps += (tl.load(weight + channels * KC + j, mask=inside, other=0.0),)
+    return taps
+
+
+@triton.jit
+def _conv_silu(mixed_rows, mixed_stride, t: tl.constexpr, conv_slot, taps, channels, inside, KC: tl.constexpr):
+    """silu(causal conv) of `channels` ([BD] ids, their weights `taps` from `_conv_taps`) at a request's row
+    t, as fp32 values of the model dtype: the products and their sum in fp32, rounded once (as the
+    reference), then SiLU, rounded. Tap by tap, [BD] vectors only: small 1-D loads never anchor a layout,
+    so the compiler lays these values out to suit the state tile they multiply (a [BD, KP] window here
+    once made it move the whole tile through shared memory instead)."""
     conv = tl.zeros(channels.shape, dtype=tl.float32)
     for j in tl.static_range(KC):
         if t - (KC - 1) + j >= 0:  # a row of this call
             x = tl.load(mixed_rows + (t - (KC - 1) + j) * mixed_stride + channels, mask=inside, other=0.0)
         else:  # before row 0: the slot's window
             x = tl.load(conv_slot + channels * (KC - 1) + t + j, mask=inside, other=0.0)
-        conv += x.to(tl.float32) * tl.load(weight + channels * KC + j, mask=inside, other=0.0).to(tl.float32)
+        conv += x.to(tl.float32) * taps[j].to(tl.float32)
     conv = conv.to(x.dtype).to(tl.float32)
     return (conv / (1.0 + tl.exp(-conv))).to(x.dtype).to(tl.float32)
 
@@ -135,28 +152,36 @@ def _decode_kernel(mixed, mixed_stride, z, z_stride, b, b_stride, a, a_stride, w
                    norm_weight, conv_pool, state_pool, slots, state_slots, out, arrivals, eps,
                    HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr,
                    BV: tl.constexpr, NV: tl.constexpr, BH: tl.constexpr, GP: tl.constexpr, KC: tl.constexpr,
-                   KP: tl.constexpr, T: tl.constexpr, EVEN: tl.constexpr, SILU_GATE: tl.constexpr):
+                   KP: tl.constexpr, T: tl.constexpr, EVEN: tl.constexpr, SILU_GATE: tl.constexpr,
+                   PDL: tl.constexpr):
     """One program per (value head x NV tiles of BV channels, request), over the request's T rows; the
     last of a key head's programs to finish also runs `_finish_key_head`. EVEN: Dk = BK and BV divides Dv
-    (the state tile needs no mask)."""
+    (the state tile needs no mask). PDL: its weights (the conv taps of its q, k and v channels, A_log and
+    dt_bias of its head) are loaded before `wait_for_inputs`; the norm weight, read only by the finishing
+    program, after it."""
+    allow_dependents(PDL)
     head_tile, request = tl.program_id(0), tl.program_id(1).to(tl.int64)
     head, tile = head_tile // NV, head_tile % NV
     key_head = head // (HV // HK)
     slot_stride = (2 * HK * DK + HV * DV) * (KC - 1)
+    dk, dv = tl.arange(0, BK), tile * BV + tl.arange(0, BV)
+    k_inside, v_inside = dk < DK, dv < DV
+    q_channels, k_channels, v_channels = key_head * DK + dk, (HK + key_head) * DK + dk, 2 * HK * DK + dv + head * DV
+    q_taps = _conv_taps(weight, q_channels, k_inside, KC)
+    k_taps = _conv_taps(weight, k_channels, k_inside, KC)
+    v_taps = _conv_taps(weight, v_channels, v_inside, KC)
+    decay_rate = -tl.exp(tl.load(A_log + head).to(tl.float32))
+    bias = tl.load(dt_bias + head).to(tl.float32)
+    wait_for_inputs(PDL)
     slot = tl.load(slots + request).to(tl.int64)
     conv_slot = conv_pool + slot * slot_stride
     mixed_rows = mixed + request * T * mixed_stride
-    dk, dv = tl.arange(0, BK), tile * BV + tl.arange(0, BV)
-    k_inside, v_inside = dk < DK, dv < DV
     state_offsets = head * DK * DV + dk[:, None] * DV + dv[None, :]
     state_mask = k_inside[:, None] & v_inside[None, :]
     if EVEN:  # unmasked: 16-byte loads and stores
         state = tl.load(state_pool + slot * HV * DK * DV + state_offsets)
     else:
         state = tl.load(state_pool + slot * HV * DK * DV + state_offsets, mask=state_mask, other=0.0)
-    decay_rate = -tl.exp(tl.load(A_log + head).to(tl.float32))
-    bias = tl.load(dt_bias + head).to(tl.float32)
-    q_channels, k_channels, v_channels = key_head * DK + dk, (HK + key_head) * DK + dk, 2 * HK * DK + dv + head * DV
     model_dtype = out.dtype.element_ty
     # ptxas would issue the state tile's loads only after the first conv's taps arrive (two memory
     # latencies in a row); it keeps loads on their side of a barrier, which waits for none of them
@@ -164,9 +189,9 @@ def _decode_kernel(mixed, mixed_stride, z, z_stride, b, b_stride, a, a_stride, w
     for t in tl.static_range(T):  # unrolled: T = 1 is the plain decode step
         row = request * T + t
         target = tl.load(state_slots + row).to(tl.int64)  # the slot that keeps the state after this row
-        q = _conv_silu(mixed_rows, mixed_stride, t, conv_slot, weight, q_channels, k_inside, KC)
-        k = _conv_silu(mixed_rows, mixed_stride, t, conv_slot, weight, k_channels, k_inside, KC)
-        v = _conv_silu(mixed_rows, mixed_stride, t, conv_slot, weight, v_channels, v_inside, KC)
+        q = _conv_silu(mixed_rows, mixed_stride, t, conv_slot, q_taps, q_channels, k_inside, KC)
+        k = _conv_silu(mixed_rows, mixed_stride, t, conv_slot, k_taps, k_channels, k_inside, KC)
+        v = _conv_silu(mixed_rows, mixed_stride, t, conv_slot, v_taps, v_channels, v_inside, KC)
         v_window = _conv_window(mixed_rows, mixed_stride, t, conv_slot, v_channels, v_inside, KC, KP)
         tl.debug_barrier()  # this tile's v window is read (by every thread holding a copy) before overwritten
         _store_window(conv_pool + target * slot_stride, v_window, v_channels, v_inside, KC, KP)
@@ -282,6 +307,6 @@ def triton_gated_delta_verify(
         KC=kernel, KP=triton.next_power_of_2(kernel), T=width,
         EVEN=head_k_dim == triton.next_power_of_2(head_k_dim) and head_v_dim % tile == 0,
         SILU_GATE=gate_activation == "silu",
-        num_warps=DECODE_WARPS,
+        num_warps=DECODE_WARPS, **launch_options(mixed.device),
     )
     return out

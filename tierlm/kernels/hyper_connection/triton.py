@@ -35,6 +35,11 @@ block output to the streams as they read them, row block 0's store the new strea
 Values are rounded to the streams' dtype where the reference rounds them; sums are fp32 in a fixed order
 (no float atomics: the same bits on every call). No host sync: CUDA graphs capture them all. Up to
 MAX_TOKENS tokens (prefill chunks take the reference's GEMMs).
+Every launch uses programmatic dependent launch (`kernels/dependent_launch`): a down program loads its
+weight tile and norm weight before it waits for the kernel before it; an up program every stream's W_up
+tile, scales and norm weight in the GEMV form, the first stream's in the tl.dot form (DOT_PRELOADED_STREAMS:
+more would spill), so those bytes can stream in while the kernel before it finishes. combine has no
+weights and waits first.
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tierlm.kernels.dependent_launch import allow_dependents, launch_options, wait_for_inputs
 from tierlm.kernels.hyper_connection.naive import check_mix_args, int8_weight_shape
 from tierlm.kernels.quant_linear.triton import dot_precision, round_to
 from tierlm.kernels.split_reduce import arrival_counters, dot_acc
@@ -53,6 +59,10 @@ from tierlm.kernels.split_reduce import arrival_counters, dot_acc
 MAX_TOKENS = 64
 DOT_MIN = 16  # tl.dot's least size of each dimension on a GPU
 COMBINE_BLOCK = 256
+# the up programs' streams whose W_up tiles load before the wait (PDL) in the tl.dot form (block_n >= DOT_MIN);
+# the GEMV form loads every stream's. Compiled for sm_90 (ptxas, triton 3.6, real widths, 16 tokens): with
+# more, the [16, 512] tiles no longer fit in registers beside the products (2: 512 bytes of spills, 4: 1,856)
+DOT_PRELOADED_STREAMS = 1
 
 
 class MixTiles(NamedTuple):
@@ -108,13 +118,15 @@ def _mix_down_kernel(x_ptr, stride_x, block_ptr, stride_block, gate_ptr, stride_
                      HIDDEN: tl.constexpr, HC: tl.constexpr, SPLIT: tl.constexpr, LOWRANK: tl.constexpr,
                      OUT_ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_K: tl.constexpr,
                      SLICES_P2: tl.constexpr, INT8: tl.constexpr, DOT: tl.constexpr, COMBINE: tl.constexpr,
-                     PRECISION: tl.constexpr):
+                     PRECISION: tl.constexpr, PDL: tl.constexpr):
     """Program (slice, row block, token block): partial [token, slice, row] of W_down|inj times
     x * (1 + w_norm) over one slice of one stream, and the slice's sum of squares [row block, token,
     slice]; the row block's last program to arrive finishes its rows (`_finish_rows`). INT8: the weight's
     signed values q, its row scales (w_scale_ptr) applied by the finishing program. COMBINE: x is the
     streams plus the previous block's output times its gate for the stream (gate_ptr), rounded as
-    `_combine_kernel` rounds; row block 0's programs store it (combined_ptr, [N, hc*H])."""
+    `_combine_kernel` rounds; row block 0's programs store it (combined_ptr, [N, hc*H]). PDL: the weight
+    tile and the norm weight are loaded before `wait_for_inputs`."""
+    allow_dependents(PDL)
     SLICES: tl.constexpr = HC * SPLIT
     slice_id, row_block, token_block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     dtype = x_ptr.dtype.element_ty
@@ -135,6 +147,8 @@ def _mix_down_kernel(x_ptr, stride_x, block_ptr, stride_block, gate_ptr, stride_
     else:
         w = tl.load(w_ptr + rows.to(tl.int64)[:, None] * (HC * HIDDEN) + columns[None, :],
                     mask=r_mask[:, None] & c_mask[None, :], other=0.0)
+    scale = 1.0 + tl.load(norm_ptr + columns, mask=c_mask, other=0.0).to(tl.float32)
+    wait_for_inputs(PDL)
     x = tl.load(x_ptr + tokens.to(tl.int64)[:, None] * stride_x + columns[None, :],
                 mask=t_mask[:, None] & c_mask[None, :], other=0.0).to(tl.float32)
     if COMBINE:
@@ -147,7 +161,6 @@ def _mix_down_kernel(x_ptr, stride_x, block_ptr, stride_block, gate_ptr, stride_
             tl.store(combined_ptr + tokens.to(tl.int64)[:, None] * (HC * HIDDEN) + columns[None, :], combined,
                      mask=t_mask[:, None] & c_mask[None, :])
         x = combined.to(tl.float32)
-    scale = 1.0 + tl.load(norm_ptr + columns, mask=c_mask, other=0.0).to(tl.float32)
     squares = tl.sum(x * x, axis=1)
     acc = _times_rows(tl.zeros((BLOCK_N, BLOCK_J), dtype=tl.float32), round_to(x * scale[None, :], dtype, PRECISION),
                       w, DOT, PRECISION)
@@ -202,14 +215,35 @@ def _finish_rows(partial_ptr, sumsq_ptr, w_scale_ptr, low_ptr, rstd_ptr, inject_
 
 
 @triton.jit
+def _up_weights(up_ptr, up_scale_ptr, norm_ptr, channels, h_mask, ranks, LOWRANK: tl.constexpr,
+                BLOCK_R: tl.constexpr, INT8: tl.constexpr):
+    """What `_mix_up_kernel` reads of one stream's weights at `channels`: its W_up tile [BLOCK_H, BLOCK_R]
+    (INT8: the int32 words [BLOCK_H, BLOCK_R / 4], split later), each row's scale (INT8; else 1) and
+    1 + the norm weight, the last two in fp32."""
+    if INT8:  # r % 4 == 0 (r = 4 x words)
+        word_at = tl.arange(0, BLOCK_R // 4)
+        tile = tl.load(up_ptr + channels.to(tl.int64)[:, None] * (LOWRANK // 4) + word_at[None, :],
+                       mask=h_mask[:, None] & (word_at < LOWRANK // 4)[None, :], other=0)
+        row_scale = tl.load(up_scale_ptr + channels, mask=h_mask, other=0.0).to(tl.float32)
+    else:
+        tile = tl.load(up_ptr + channels.to(tl.int64)[:, None] * LOWRANK + ranks[None, :],
+                       mask=h_mask[:, None] & (ranks < LOWRANK)[None, :], other=0.0)
+        row_scale = tl.full(channels.shape, 1.0, tl.float32)
+    norm_scale = 1.0 + tl.load(norm_ptr + channels, mask=h_mask, other=0.0).to(tl.float32)
+    return tile, row_scale, norm_scale
+
+
+@triton.jit
 def _mix_up_kernel(x_ptr, stride_x, norm_ptr, up_ptr, up_scale_ptr, low_ptr, rstd_ptr, out_ptr, n_tokens,
                    HIDDEN: tl.constexpr, HC: tl.constexpr, LOWRANK: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, INT8: tl.constexpr, DOT: tl.constexpr,
-                   PRECISION: tl.constexpr):
+                   PRELOADED: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
     """Program (column block, token block): block input [tokens, columns] = mean over streams s of
     sigmoid(W_up[s*H + columns] . low) * normed stream s at those columns; each stream's rows of W_up are
     one tile [BLOCK_H, BLOCK_R] (the streams unrolled: their loads all in flight together). INT8: W_up's
-    signed values, each row's dot product times its scale (up_scale_ptr)."""
+    signed values, each row's dot product times its scale (up_scale_ptr). The weights of the first
+    PRELOADED streams (`_up_weights`) are loaded before `wait_for_inputs` (PDL), the others' in the loop."""
+    allow_dependents(PDL)
     column_block, token_block = tl.program_id(0), tl.program_id(1)
     dtype = x_ptr.dtype.element_ty
     tokens = token_block * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -217,28 +251,33 @@ def _mix_up_kernel(x_ptr, stride_x, norm_ptr, up_ptr, up_scale_ptr, low_ptr, rst
     columns = column_block * BLOCK_H + tl.arange(0, BLOCK_H)
     h_mask = columns < HIDDEN
     ranks = tl.arange(0, BLOCK_R)
+    preloaded = ()
+    for stream in tl.static_range(PRELOADED):
+        preloaded += (_up_weights(up_ptr, up_scale_ptr, norm_ptr, stream * HIDDEN + columns, h_mask, ranks, LOWRANK,
+                                  BLOCK_R, INT8),)
+    wait_for_inputs(PDL)
     low = tl.load(low_ptr + tokens.to(tl.int64)[:, None] * LOWRANK + ranks[None, :],
                   mask=t_mask[:, None] & (ranks < LOWRANK)[None, :], other=0.0)
     total = tl.zeros((BLOCK_N, BLOCK_H), dtype=tl.float32)
     for stream in tl.static_range(HC):
         channels = stream * HIDDEN + columns
-        if INT8:  # r % 4 == 0 (r = 4 x words)
-            word_at = tl.arange(0, BLOCK_R // 4)
-            words = tl.load(up_ptr + channels.to(tl.int64)[:, None] * (LOWRANK // 4) + word_at[None, :],
-                            mask=h_mask[:, None] & (word_at < LOWRANK // 4)[None, :], other=0)
-            w = _int8_values(words, BLOCK_H, BLOCK_R // 4, dtype)
+        if stream < PRELOADED:
+            tile, row_scale, norm_scale = preloaded[stream]
         else:
-            w = tl.load(up_ptr + channels.to(tl.int64)[:, None] * LOWRANK + ranks[None, :],
-                        mask=h_mask[:, None] & (ranks < LOWRANK)[None, :], other=0.0)
+            tile, row_scale, norm_scale = _up_weights(up_ptr, up_scale_ptr, norm_ptr, channels, h_mask, ranks,
+                                                      LOWRANK, BLOCK_R, INT8)
+        if INT8:
+            w = _int8_values(tile, BLOCK_H, BLOCK_R // 4, dtype)
+        else:
+            w = tile
         acc = _times_rows(tl.zeros((BLOCK_N, BLOCK_H), dtype=tl.float32), low, w, DOT, PRECISION)
         if INT8:
-            acc *= tl.load(up_scale_ptr + channels, mask=h_mask, other=0.0).to(tl.float32)[None, :]
+            acc *= row_scale[None, :]
         gate = round_to(tl.sigmoid(round_to(acc, dtype, PRECISION).to(tl.float32)), dtype, PRECISION).to(tl.float32)
         x = tl.load(x_ptr + tokens.to(tl.int64)[:, None] * stride_x + channels[None, :],
                     mask=t_mask[:, None] & h_mask[None, :], other=0.0).to(tl.float32)
         rstd = tl.load(rstd_ptr + tokens * HC + stream, mask=t_mask, other=0.0)
-        scale = 1.0 + tl.load(norm_ptr + channels, mask=h_mask, other=0.0).to(tl.float32)
-        normed = round_to(x * rstd[:, None] * scale[None, :], dtype, PRECISION).to(tl.float32)
+        normed = round_to(x * rstd[:, None] * norm_scale[None, :], dtype, PRECISION).to(tl.float32)
         total += round_to(gate * normed, dtype, PRECISION).to(tl.float32)
     tl.store(out_ptr + tokens.to(tl.int64)[:, None] * HIDDEN + columns[None, :],
              round_to(total / HC, dtype, PRECISION), mask=t_mask[:, None] & h_mask[None, :])
@@ -246,9 +285,12 @@ def _mix_up_kernel(x_ptr, stride_x, norm_ptr, up_ptr, up_scale_ptr, low_ptr, rst
 
 @triton.jit
 def _combine_kernel(x_ptr, stride_x, block_ptr, stride_block, inject_ptr, stride_inject, out_ptr,
-                    HIDDEN: tl.constexpr, HC: tl.constexpr, BLOCK: tl.constexpr, PRECISION: tl.constexpr):
+                    HIDDEN: tl.constexpr, HC: tl.constexpr, BLOCK: tl.constexpr, PRECISION: tl.constexpr,
+                    PDL: tl.constexpr):
     """Program (token, column block): every stream's columns + inject[s] * block output there (the streams
-    unrolled: their loads all in flight together)."""
+    unrolled: their loads all in flight together). No weights: it waits first (PDL)."""
+    allow_dependents(PDL)
+    wait_for_inputs(PDL)
     token, column_block = tl.program_id(0).to(tl.int64), tl.program_id(1)
     dtype = out_ptr.dtype.element_ty
     columns = column_block * BLOCK + tl.arange(0, BLOCK)
@@ -340,12 +382,14 @@ def _mix(streams, residual, norm_weight, down_weight, up_weight, hc_count, eps, 
         HIDDEN=hidden, HC=hc_count, SPLIT=split, LOWRANK=lowrank, OUT_ROWS=out_rows, BLOCK_N=tiles.block_n,
         BLOCK_J=tiles.block_j, BLOCK_K=tiles.block_k, SLICES_P2=triton.next_power_of_2(hc_count * split),
         INT8=down_int8, DOT=dot, COMBINE=residual is not None, PRECISION=precision, num_warps=tiles.down_warps,
+        **launch_options(streams.device),
     )
     block_r = max(triton.next_power_of_2(lowrank), DOT_MIN if dot else 1)  # the whole low rank in one tile
     _mix_up_kernel[(triton.cdiv(hidden, tiles.block_h), token_blocks)](
         mixed, mixed.stride(0), norm_weight, up_weight, up_scale, low, rstd, block_input, n, HIDDEN=hidden,
         HC=hc_count, LOWRANK=lowrank, BLOCK_N=tiles.block_n, BLOCK_H=tiles.block_h, BLOCK_R=block_r,
-        INT8=up_int8, DOT=dot, PRECISION=precision, num_warps=tiles.up_warps,
+        INT8=up_int8, DOT=dot, PRELOADED=DOT_PRELOADED_STREAMS if dot else hc_count, PRECISION=precision,
+        num_warps=tiles.up_warps, **launch_options(streams.device),
     )
     return mixed, block_input, inject
 
@@ -361,6 +405,7 @@ def combine(streams: torch.Tensor, block_output: torch.Tensor, inject: torch.Ten
         _combine_kernel[(n, triton.cdiv(hidden, COMBINE_BLOCK))](
             streams, streams.stride(0), block_output, block_output.stride(0), inject, inject.stride(0), out,
             HIDDEN=hidden, HC=hc_count, BLOCK=COMBINE_BLOCK, PRECISION=dot_precision(streams), num_warps=4,
+            **launch_options(streams.device),
         )
     return out
 

@@ -12,7 +12,9 @@
    parallel (the one-launch form before did this for a block of 16 tokens in one 8-warp program, behind
    two levels of arrival counters: ~16 us per call on an H200 at batch 1).
 No host sync and fixed shapes, so a CUDA graph captures both. Up to MAX_TOKENS tokens (a weight read per
-BLOCK_N of them): prefill chunks take the reference's GEMM.
+BLOCK_N of them): prefill chunks take the reference's GEMM. Both launch with programmatic dependent launch
+(`kernels/dependent_launch`): the GEMV's programs load their weight tile before they wait for x, so the
+weight streams in while the kernel before them finishes.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tierlm.kernels.dependent_launch import allow_dependents, launch_options, wait_for_inputs
 from tierlm.kernels.moe_router.naive import check_router_args
 from tierlm.kernels.quant_linear.triton import dot_precision, round_to
 from tierlm.kernels.split_reduce import dot_acc
@@ -36,8 +39,10 @@ ROUTE_WARPS = 1
 @triton.jit
 def _partial_logits_kernel(x_ptr, w_ptr, partial_ptr, n_tokens, stride_x, HIDDEN: tl.constexpr, ROWS: tl.constexpr,
                            BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
-                           PRECISION: tl.constexpr):
-    """Program (row block, K slice, token block): partial[token, slice, rows] of one weight tile."""
+                           PRECISION: tl.constexpr, PDL: tl.constexpr):
+    """Program (row block, K slice, token block): partial[token, slice, rows] of one weight tile, the tile
+    loaded before `wait_for_inputs` (PDL)."""
+    allow_dependents(PDL)
     row_block, k_slice, token_block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     num_slices = tl.num_programs(1)
     tokens = token_block * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -46,10 +51,11 @@ def _partial_logits_kernel(x_ptr, w_ptr, partial_ptr, n_tokens, stride_x, HIDDEN
     r_mask = rows < ROWS
     columns = k_slice * BLOCK_K + tl.arange(0, BLOCK_K)
     c_mask = columns < HIDDEN
-    x = tl.load(x_ptr + tokens.to(tl.int64)[:, None] * stride_x + columns[None, :],
-                mask=t_mask[:, None] & c_mask[None, :], other=0.0)
     w = tl.load(w_ptr + rows.to(tl.int64)[:, None] * HIDDEN + columns[None, :],
                 mask=r_mask[:, None] & c_mask[None, :], other=0.0)
+    wait_for_inputs(PDL)
+    x = tl.load(x_ptr + tokens.to(tl.int64)[:, None] * stride_x + columns[None, :],
+                mask=t_mask[:, None] & c_mask[None, :], other=0.0)
     acc = dot_acc(tl.zeros((BLOCK_N, BLOCK_E), dtype=tl.float32), x, w, PRECISION)
     tl.store(partial_ptr + (tokens.to(tl.int64)[:, None] * num_slices + k_slice) * ROWS + rows[None, :], acc,
              mask=t_mask[:, None] & r_mask[None, :])
@@ -58,8 +64,11 @@ def _partial_logits_kernel(x_ptr, w_ptr, partial_ptr, n_tokens, stride_x, HIDDEN
 @triton.jit
 def _route_kernel(partial_ptr, weights_ptr, ids_ptr, gate_ptr, SLICES: tl.constexpr, NUM_EXPERTS: tl.constexpr,
                   TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_ALL: tl.constexpr, BLOCK_TOPK: tl.constexpr,
-                  PRECISION: tl.constexpr):
-    """Program per token: its logits from the slices' partials, then softmax, top-k, renormalisation, gate."""
+                  PRECISION: tl.constexpr, PDL: tl.constexpr):
+    """Program per token: its logits from the slices' partials, then softmax, top-k, renormalisation, gate.
+    No weights: it waits first (PDL)."""
+    allow_dependents(PDL)
+    wait_for_inputs(PDL)
     DTYPE = weights_ptr.dtype.element_ty  # x's
     token = tl.program_id(0).to(tl.int64)
     experts = tl.arange(0, BLOCK_ALL)
@@ -113,11 +122,11 @@ def route_and_gate(
     precision = dot_precision(x)
     _partial_logits_kernel[(triton.cdiv(rows, BLOCK_E), slices, triton.cdiv(n, BLOCK_N))](
         x, weight, partial, n, x.stride(0), HIDDEN=hidden, ROWS=rows, BLOCK_N=BLOCK_N, BLOCK_E=BLOCK_E,
-        BLOCK_K=BLOCK_K, PRECISION=precision, num_warps=GEMV_WARPS,
+        BLOCK_K=BLOCK_K, PRECISION=precision, num_warps=GEMV_WARPS, **launch_options(x.device),
     )
     _route_kernel[(n,)](
         partial, weights, ids, gate, SLICES=slices, NUM_EXPERTS=rows - 1, TOP_K=top_k, RENORMALIZE=renormalize,
         BLOCK_ALL=triton.next_power_of_2(rows - 1), BLOCK_TOPK=triton.next_power_of_2(top_k), PRECISION=precision,
-        num_warps=ROUTE_WARPS,
+        num_warps=ROUTE_WARPS, **launch_options(x.device),
     )
     return weights, ids, gate

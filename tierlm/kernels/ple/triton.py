@@ -23,6 +23,12 @@ from the request's rows before it, then from its context; `decode_residual`'s pr
 channels through the request's rows in order, row t reading the history row t-1 wrote (a barrier
 between); `advance_context` writes the context after each row. Each row computes what a one-token step
 after the rows before it computes, bit for bit.
+
+All three launch with programmatic dependent launch (`kernels/dependent_launch`). Before they wait for
+the kernel before them, `decode_embeddings`' programs load the hash constants (multipliers, their head's
+size and offset) and an fp8 table's scale (the table row itself depends on the ids: after the wait), and
+`decode_residual`'s the conv taps and norm_conv weight of their channels (norm_key and norm_query are read
+in the sums' loop, after it); `advance_context` has no weights and waits first.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tierlm.kernels.dependent_launch import allow_dependents, launch_options, wait_for_inputs
 from tierlm.kernels.ple.naive import check_advance_args, check_embedding_args, check_residual_args
 from tierlm.kernels.quant_linear.triton import dot_precision, round_to
 
@@ -54,13 +61,23 @@ def _fp8_e4m3_to_float(byte):
 def _embeddings_kernel(context_ptr, slots_ptr, tokens_ptr, table_ptr, scale_ptr, multipliers_ptr, sizes_ptr,
                        offsets_ptr, out_ptr, CONTEXT: tl.constexpr, HEADS_PER_NGRAM: tl.constexpr, DIM: tl.constexpr,
                        EOS: tl.constexpr, FP8: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
-                       ROWS: tl.constexpr):
+                       ROWS: tl.constexpr, PDL: tl.constexpr):
+    allow_dependents(PDL)
     row, head = tl.program_id(0), tl.program_id(1)  # row t = row % ROWS of request row // ROWS
     num_heads = tl.num_programs(1)
     t = row % ROWS
+    # the constants (before the wait): multiplier of each shift, this head's size and offset, the fp8 scale
+    multipliers = ()
+    for shift in tl.static_range(CONTEXT + 1):
+        multipliers += (tl.load(multipliers_ptr + shift),)
+    size = tl.load(sizes_ptr + head)
+    offset = tl.load(offsets_ptr + head)
+    if FP8:
+        scale = tl.load(scale_ptr)
+    wait_for_inputs(PDL)
     slot = tl.load(slots_ptr + row // ROWS).to(tl.int64)
     order = head // HEADS_PER_NGRAM + 2  # this head hashes t_0 .. t_{order-1}
-    mixed = tl.load(tokens_ptr + row).to(tl.int64) * tl.load(multipliers_ptr)
+    mixed = tl.load(tokens_ptr + row).to(tl.int64) * multipliers[0]
     seen_eos = False
     for shift in tl.static_range(1, CONTEXT + 1):
         # the id `shift` before this row's: one of the request's rows before it, else from its context
@@ -69,15 +86,14 @@ def _embeddings_kernel(context_ptr, slots_ptr, tokens_ptr, table_ptr, scale_ptr,
             in_rows, tl.load(tokens_ptr + row - shift, mask=in_rows, other=0).to(tl.int64),
             tl.load(context_ptr + slot * CONTEXT + (CONTEXT - shift + t), mask=shift > t, other=0).to(tl.int64))
         seen_eos = seen_eos | (previous == EOS)
-        term = tl.where(seen_eos, EOS, previous) * tl.load(multipliers_ptr + shift)
+        term = tl.where(seen_eos, EOS, previous) * multipliers[shift]
         mixed = tl.where(order > shift, mixed ^ term, mixed)
-    size = tl.load(sizes_ptr + head)
     entry = mixed % size  # C's remainder; out-of-vocabulary ids may wrap mixed below 0: the floor mod is then + size
-    entry = tl.where(entry < 0, entry + size, entry) + tl.load(offsets_ptr + head)
+    entry = tl.where(entry < 0, entry + size, entry) + offset
     d = tl.arange(0, BLOCK_D)
     stored = tl.load(table_ptr + entry * DIM + d, mask=d < DIM, other=0)
     if FP8:
-        values = _fp8_e4m3_to_float(stored) * tl.load(scale_ptr)
+        values = _fp8_e4m3_to_float(stored) * scale
     else:
         values = stored.to(tl.float32)
     out = out_ptr + (row.to(tl.int64) * num_heads + head) * DIM + d
@@ -100,6 +116,7 @@ def decode_embeddings(
         scale if fp8 else table, multipliers, sizes, offsets, out, CONTEXT=context.shape[1],
         HEADS_PER_NGRAM=heads_per_ngram, DIM=dim, EOS=eos, FP8=fp8, BLOCK_D=triton.next_power_of_2(dim),
         PRECISION=dot_precision(out), ROWS=rows // slots.shape[0], num_warps=GATHER_WARPS,
+        **launch_options(table.device),
     )
     return out
 
@@ -109,10 +126,11 @@ def _residual_kernel(streams_ptr, key_ptr, value_ptr, norm_key_ptr, norm_query_p
                      state_ptr, slots_ptr, state_slots_ptr, out_ptr, stride_streams, stride_key, stride_value,
                      stride_state, eps, inv_sqrt_hidden, HIDDEN: tl.constexpr, HC: tl.constexpr, KERNEL: tl.constexpr,
                      DILATION: tl.constexpr, HISTORY: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_STATS: tl.constexpr,
-                     BLOCK_HISTORY: tl.constexpr, PRECISION: tl.constexpr, ROWS: tl.constexpr):
+                     BLOCK_HISTORY: tl.constexpr, PRECISION: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr):
+    allow_dependents(PDL)
     request, stream, block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     DTYPE = out_ptr.dtype.element_ty
-    # this program's channels, and what they read that every row shares
+    # this program's channels, and the weights they read that every row shares (before the wait)
     j = block * BLOCK_C + tl.arange(0, BLOCK_C)
     inside = j < HIDDEN
     channels = stream * HIDDEN + j
@@ -123,6 +141,7 @@ def _residual_kernel(streams_ptr, key_ptr, value_ptr, norm_key_ptr, norm_query_p
     tap_weight = tl.load(conv_weight_ptr + channels[:, None] * KERNEL + (past // DILATION)[None, :], mask=is_tap,
                          other=0.0).to(tl.float32)
     newest_weight = tl.load(conv_weight_ptr + channels * KERNEL + KERNEL - 1, mask=inside, other=0.0).to(tl.float32)
+    wait_for_inputs(PDL)
     # the request's rows in order: row t reads the history row t-1 left (the slot's for row 0) and writes its
     # own into state_slots[request, t] (the slot itself for a decode row)
     source = tl.load(slots_ptr + request).to(tl.int64)
@@ -203,14 +222,16 @@ def decode_residual(
         BLOCK_C=BLOCK_C,
         BLOCK_STATS=min(BLOCK_STATS, triton.next_power_of_2(hidden)),
         BLOCK_HISTORY=triton.next_power_of_2((kernel - 1) * dilation), PRECISION=dot_precision(streams),
-        ROWS=rows, num_warps=RESIDUAL_WARPS,
+        ROWS=rows, num_warps=RESIDUAL_WARPS, **launch_options(streams.device),
     )
     return out
 
 
 @triton.jit
 def _advance_context_kernel(context_ptr, slots_ptr, tokens_ptr, state_slots_ptr, CONTEXT: tl.constexpr,
-                            BLOCK: tl.constexpr, ROWS: tl.constexpr):
+                            BLOCK: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr):
+    allow_dependents(PDL)
+    wait_for_inputs(PDL)
     request = tl.program_id(0)
     row = context_ptr + tl.load(slots_ptr + request).to(tl.int64) * CONTEXT
     tokens = tokens_ptr + request * ROWS
@@ -234,4 +255,5 @@ def advance_context(
     if slots.shape[0] and context.shape[1]:
         _advance_context_kernel[(slots.shape[0],)](context, slots, tokens, state_slots, CONTEXT=context.shape[1],
                                                   BLOCK=triton.next_power_of_2(context.shape[1]),
-                                                  ROWS=state_slots.shape[1], num_warps=1)
+                                                  ROWS=state_slots.shape[1], num_warps=1,
+                                                  **launch_options(context.device))
