@@ -88,12 +88,12 @@ def replayed_decode_steps(batch_size: int, offload: bool) -> tuple[list[torch.Te
         send(step)
         graph.replay()
         outputs.append(out.clone())
+    torch.cuda.synchronize()  # the host pools are read by the CPU below: after the device is done with them
     state = {name: getattr(caches, name).clone() for name in ("key_cache", "value_cache", "index_keys", "index_ring")}
     if offload:
         row_cache = caches.offload.cache
         state |= {name: getattr(row_cache, name).clone() for name in (
             "keys", "values", "tags", "hitmark", "claims", "epoch", "hits", "misses")}
-    torch.cuda.synchronize()
     return outputs, state
 
 
