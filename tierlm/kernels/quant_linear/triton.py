@@ -17,8 +17,11 @@ order (products accumulate in fp32 here).
     sum, the cast: INT6 shared expert's gate_up at decode).
   - prefill chunks, `_gemm_kernel`: tl.dot tiles (fp32 in IEEE precision, so fp32 results match the
     reference closely).
-`gemv_loop`, `accumulate_tile`, `word_value` and `round_to` are shared with the fused MoE kernels
-(kernels/fused_moe). On the CPU the kernels run in Triton's interpreter, which needs two workarounds
+Both are launched with programmatic dependent launch where the device has it (`dependent_launch`): a
+GEMV program loads its first tile of weights (and scales) before it waits for the kernel before it, so
+W must be a tensor no kernel of the step writes (a layer's weight); the GEMM waits first.
+`gemv_loop` (and its two halves `gemv_weights`, `gemv_step`), `accumulate_tile`, `word_value` and
+`round_to` are shared with the fused MoE kernels (kernels/fused_moe). On the CPU the kernels run in Triton's interpreter, which needs two workarounds
 (PRECISION "interpreter": see `round_to` and `accumulate_tile`).
 """
 
@@ -30,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tierlm.kernels.dependent_launch import allow_dependents, launch_options, wait_for_inputs
 from tierlm.kernels.quant_linear.naive import check_weight
 from tierlm.kernels.quant_linear.packing import check_packed
 from tierlm.kernels.split_reduce import arrival_counters
@@ -250,22 +254,55 @@ def gemv_loop(acc, x_ptr, x_rows, m_mask, w_ptr, s_ptr, k_start, k_end, offs_n, 
               PRECISION: tl.constexpr):
     """The GEMV form (a few rows of x; no tensor cores): acc (`gemv_zeros`) + x's rows (x_rows: [BLOCK_M]
     int64 offsets of each row from x_ptr, masked by m_mask) at input columns [k_start, k_end) (k_start a
-    multiple of BLOCK_K) times the weight rows offs_n, in fp32, tile by tile. No reduction across threads
-    here: the sum over K is taken once at the end (`gemv_sum`).
-    Packed 4 and 8 bits: `packed_tile` loads a tile's words and scales, `packed_gemv_accumulate` computes
-    it (loading each tile one tile ahead measured no better on an H200: the INT8 lm_head GEMV 83% of the
-    copy bandwidth without it, 74% with it). Unquantized and 6 bits: `gemv_accumulate` per tile."""
+    multiple of BLOCK_K) times the weight rows offs_n, in fp32, tile by tile: `gemv_weights` loads a
+    tile, `gemv_step` computes it. No reduction across threads here: the sum over K is taken once at the
+    end (`gemv_sum`). (Packed 4 and 8 bits: loading each tile one tile ahead measured no better on an
+    H200: the INT8 lm_head GEMV 83% of the copy bandwidth without it, 74% with it.)
+    Under PDL a kernel loads its first tile before `wait_for_inputs` (`gemv_weights` reads no x), steps
+    it after, and loops over the rest from k_start + BLOCK_K."""
+    for k0 in range(k_start, k_end, BLOCK_K):
+        tile, scale = gemv_weights(w_ptr, s_ptr, k0, offs_n, n_mask, stride_wn, stride_sn, K, BITS, GROUP_SIZE, BLOCK_K,
+                                   EVEN_K, x_ptr.dtype.element_ty, PRECISION)
+        acc = gemv_step(acc, tile, scale, x_ptr, x_rows, m_mask, k0, K, BITS, BLOCK_K, EVEN_K)
+    return acc
+
+
+@triton.jit
+def gemv_weights(w_ptr, s_ptr, k0, offs_n, n_mask, stride_wn, stride_sn, K, BITS: tl.constexpr,
+                 GROUP_SIZE: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, DTYPE: tl.constexpr,
+                 PRECISION: tl.constexpr):
+    """One K tile of `gemv_loop`'s weights (rows offs_n, masked by n_mask; input columns [k0, k0 + BLOCK_K)),
+    as `gemv_step` takes it: packed 4 and 8 bits (the words, their group scales) (`packed_tile`);
+    unquantized (the tile [BLOCK_N, BLOCK_K] as stored, a stand-in scale); 6 bits (the tile dequantized
+    as `load_weight_rows`, rounded to DTYPE: x's dtype, a stand-in scale). It reads the weights alone."""
+    rows = tl.where(n_mask, offs_n, 0)[:, None].to(tl.int64)  # clamped: loads need no row mask
     if BITS != 0 and 32 % BITS == 0:
-        rows = tl.where(n_mask, offs_n, 0)[:, None].to(tl.int64)  # clamped: loads need no row mask
-        for k0 in range(k_start, k_end, BLOCK_K):
-            words, scale = packed_tile(w_ptr, s_ptr, k0, rows, stride_wn, stride_sn, K, BITS, GROUP_SIZE,
-                                       BLOCK_K, EVEN_K)
-            acc = packed_gemv_accumulate(acc, words, scale, x_ptr, x_rows, m_mask, k0, K, BITS, BLOCK_K,
-                                         EVEN_K)
+        tile, scale = packed_tile(w_ptr, s_ptr, k0, rows, stride_wn, stride_sn, K, BITS, GROUP_SIZE, BLOCK_K, EVEN_K)
     else:
-        for k0 in range(k_start, k_end, BLOCK_K):
-            acc = gemv_accumulate(acc, x_ptr, x_rows, m_mask, w_ptr, s_ptr, k0, offs_n, n_mask, stride_wn, stride_sn,
-                                  K, BITS, GROUP_SIZE, BLOCK_K, EVEN_K, PRECISION)
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = column_mask(offs_k, K, EVEN_K)
+        if BITS == 0:
+            tile = tl.load(w_ptr + rows * stride_wn + offs_k[None, :], mask=k_mask[None, :], other=0.0)
+        else:
+            tile = load_straddling_values(w_ptr, s_ptr, k0, offs_k, k_mask, rows, stride_wn, stride_sn, BITS,
+                                          GROUP_SIZE, BLOCK_K, DTYPE, PRECISION)
+        scale = tl.full((1, 1), 1.0, tl.float32)  # (unused)
+    return tile, scale
+
+
+@triton.jit
+def gemv_step(acc, tile, scale, x_ptr, x_rows, m_mask, k0, K, BITS: tl.constexpr, BLOCK_K: tl.constexpr,
+              EVEN_K: tl.constexpr):
+    """One tile of `gemv_loop`: acc + x's rows at input columns [k0, k0 + BLOCK_K) times a `gemv_weights`
+    tile, in fp32: packed 4 and 8 bits by `packed_gemv_accumulate`; else one fp32 accumulator per product
+    ([BLOCK_M, BLOCK_N, BLOCK_K])."""
+    if BITS != 0 and 32 % BITS == 0:
+        acc = packed_gemv_accumulate(acc, tile, scale, x_ptr, x_rows, m_mask, k0, K, BITS, BLOCK_K, EVEN_K)
+    else:
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        a = tl.load(x_ptr + x_rows[:, None] + offs_k[None, :],
+                    mask=m_mask[:, None] & column_mask(offs_k, K, EVEN_K)[None, :], other=0.0)
+        acc += a.to(tl.float32)[:, None, :] * tile.to(tl.float32)[None, :, :]
     return acc
 
 
@@ -332,25 +369,6 @@ def packed_gemv_accumulate(acc, words, scale, x_ptr, x_rows, m_mask, k0, K, BITS
 
 
 @triton.jit
-def gemv_accumulate(acc, x_ptr, x_rows, m_mask, w_ptr, s_ptr, k0, offs_n, n_mask, stride_wn, stride_sn, K,
-                    BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                    PRECISION: tl.constexpr):
-    """Unquantized and 6 bits, one tile of `gemv_loop`: acc [BLOCK_M, BLOCK_N, BLOCK_K] + x's rows at
-    columns [k0, k0 + BLOCK_K) times the weight tile of rows offs_n, one fp32 accumulator per product;
-    6-bit weights dequantized as `load_weight_rows`."""
-    rows = tl.where(n_mask, offs_n, 0)[:, None].to(tl.int64)  # clamped: loads need no row mask
-    offs_k = k0 + tl.arange(0, BLOCK_K)
-    k_mask = column_mask(offs_k, K, EVEN_K)
-    a = tl.load(x_ptr + x_rows[:, None] + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-    if BITS == 0:
-        w = tl.load(w_ptr + rows * stride_wn + offs_k[None, :], mask=k_mask[None, :], other=0.0)
-    else:
-        w = load_straddling_values(w_ptr, s_ptr, k0, offs_k, k_mask, rows, stride_wn, stride_sn, BITS, GROUP_SIZE,
-                                   BLOCK_K, x_ptr.dtype.element_ty, PRECISION)
-    return acc + a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
-
-
-@triton.jit
 def accumulate_tile(acc, a, w_ptr, s_ptr, k0, offs_n, n_mask, stride_wn, stride_sn, K, BITS: tl.constexpr,
                     GROUP_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
                     PRECISION: tl.constexpr):
@@ -389,21 +407,26 @@ def sum_splits(result, out_ptrs, partial_ptrs, split_stride, mask, counter_ptr, 
 def _gemv_kernel(
     x_ptr, w_ptr, s_ptr, y_ptr, partial_ptr, counter_ptr, M, N, K, k_per_split, stride_xm, stride_wn, stride_sn,
     stride_ym, stride_ps, BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
     """One program: rows [pid(0) * BLOCK_M, +BLOCK_M), columns [pid(1) * BLOCK_N, +BLOCK_N), input columns
-    [split * k_per_split, +k_per_split) (a multiple of BLOCK_K), by `gemv_loop`. Writes y; split over K
-    (SPLIT), it ends in `sum_splits` (partial_ptr: [splits, M, N], split stride stride_ps; one counter per
-    output tile)."""
+    [split * k_per_split, +k_per_split) (a multiple of BLOCK_K), by `gemv_loop`, its first tile of weights
+    loaded before `wait_for_inputs` (PDL). Writes y; split over K (SPLIT), it ends in `sum_splits`
+    (partial_ptr: [splits, M, N], split stride stride_ps; one counter per output tile)."""
+    allow_dependents(PDL)
     pid_m, pid_n, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask, n_mask = offs_m < M, offs_n < N
     x_rows = tl.where(m_mask, offs_m, 0).to(tl.int64) * stride_xm
-    k_start = split * k_per_split
-    acc = gemv_loop(gemv_zeros(BLOCK_M, BLOCK_N, BLOCK_K, BITS), x_ptr, x_rows, m_mask, w_ptr, s_ptr, k_start,
-                    tl.minimum(k_start + k_per_split, K), offs_n, n_mask, stride_wn, stride_sn, K, BITS, GROUP_SIZE,
-                    BLOCK_K, EVEN_K, PRECISION)
+    k_start = split * k_per_split  # < K: every split has a tile
+    tile, scale = gemv_weights(w_ptr, s_ptr, k_start, offs_n, n_mask, stride_wn, stride_sn, K, BITS, GROUP_SIZE,
+                               BLOCK_K, EVEN_K, x_ptr.dtype.element_ty, PRECISION)
+    wait_for_inputs(PDL)
+    acc = gemv_step(gemv_zeros(BLOCK_M, BLOCK_N, BLOCK_K, BITS), tile, scale, x_ptr, x_rows, m_mask, k_start, K, BITS,
+                    BLOCK_K, EVEN_K)
+    acc = gemv_loop(acc, x_ptr, x_rows, m_mask, w_ptr, s_ptr, k_start + BLOCK_K, tl.minimum(k_start + k_per_split, K),
+                    offs_n, n_mask, stride_wn, stride_sn, K, BITS, GROUP_SIZE, BLOCK_K, EVEN_K, PRECISION)
     offsets, mask = offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :], m_mask[:, None] & n_mask[None, :]
     if SPLIT:
         sum_splits(gemv_sum(acc, BITS), y_ptr + offsets, partial_ptr + offsets, stride_ps, mask,
@@ -416,9 +439,12 @@ def _gemv_kernel(
 def _gemm_kernel(
     x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_sn, stride_ym,
     BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
-    """One program: the [BLOCK_M, BLOCK_N] tile (pid_m, pid_n) of y over all of K, by `accumulate_tile`."""
+    """One program: the [BLOCK_M, BLOCK_N] tile (pid_m, pid_n) of y over all of K, by `accumulate_tile`
+    (prefill chunks: under PDL it waits first, a tile's weights are one step of a long loop)."""
+    allow_dependents(PDL)
+    wait_for_inputs(PDL)
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -454,7 +480,9 @@ def dot_precision(x: torch.Tensor) -> str:
 def quant_linear(x: torch.Tensor, weight_or_packed: torch.Tensor, *, scales: torch.Tensor | None = None,
                  bits: int | None = None, group_size: int | None = None) -> torch.Tensor:
     """As `naive.quant_linear`: y = x W^T, x [..., K] -> [..., N] in x's dtype, for W [N, K] in x's dtype or
-    packed int32 [N, ceil(K * bits / 32)] with scales [N, K / group_size] (or [N, 1])."""
+    packed int32 [N, ceil(K * bits / 32)] with scales [N, K / group_size] (or [N, 1]). Under PDL the
+    GEMV reads W and the scales before the previous kernel has finished: they must be weights, not a
+    tensor the step computes."""
     check_weight(x, weight_or_packed, scales, bits)
     k = x.shape[-1]
     n = weight_or_packed.shape[0]
@@ -472,7 +500,7 @@ def quant_linear(x: torch.Tensor, weight_or_packed: torch.Tensor, *, scales: tor
     s_arg, stride_sn = (scales, scales.stride(0)) if scales is not None else (weight, 0)
     common = {"BITS": bits or 0, "GROUP_SIZE": 0 if bits is None else group_size, "BLOCK_M": cfg.block_m,
               "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "EVEN_K": k % cfg.block_k == 0,
-              "PRECISION": dot_precision(x), "num_warps": cfg.num_warps}
+              "PRECISION": dot_precision(x), "num_warps": cfg.num_warps, **launch_options(x.device)}
     if cfg.use_dot:
         y = torch.empty((m, n), dtype=x.dtype, device=x.device)
         _gemm_kernel[(triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n))](
