@@ -33,14 +33,31 @@ this one fused it at 0.74x of running it apart at batch 1 on an H200). Tiles: `P
 """
 from __future__ import annotations
 
+import functools
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-from tierlm.kernels.fused_moe.decode_parts import DTYPE_NAMES, SharedArgs, launch_phases, round_as
-from tierlm.kernels.quant_linear.triton import dot_precision, gemv_loop, gemv_sum, gemv_zeros, round_to
+from tierlm.kernels.dependent_launch import allow_dependents, launch_options, wait_for_inputs
+from tierlm.kernels.fused_moe.decode_parts import (
+    DTYPE_NAMES,
+    SharedArgs,
+    SharedShape,
+    launch_phases,
+    round_as,
+)
+from tierlm.kernels.quant_linear.triton import (
+    dot_precision,
+    gemv_step,
+    gemv_sum,
+    gemv_weights,
+    gemv_zeros,
+    round_to,
+)
 from tierlm.kernels.split_reduce import arrival_counters
 
 PRODUCT_EXPONENT = tl.constexpr(64)  # E: each product is q * x * 2^-E (module docstring)
@@ -86,9 +103,12 @@ def _field(words, high, j: tl.constexpr, BITS: tl.constexpr):
 
 @triton.jit
 def _split_x_kernel(x_ptr, xs_ptr, bias_ptr, stride_xt, bias_scale, WORDS: tl.constexpr, BITS: tl.constexpr,
-                    BLOCK_W: tl.constexpr):
+                    BLOCK_W: tl.constexpr, PDL: tl.constexpr):
     """x [T, H] -> xs [T, values, WORDS] (fp32, plane j times `_plane_factor`) and bias [T, WORDS] (the
-    word's x values summed, times bias_scale = 2^(BITS-1) * 2^-E). Program (token, block of words)."""
+    word's x values summed, times bias_scale = 2^(BITS-1) * 2^-E). Program (token, block of words).
+    (Under PDL it waits first: it reads nothing but x.)"""
+    allow_dependents(PDL)
+    wait_for_inputs(PDL)
     VALUES: tl.constexpr = 32 // BITS
     token = tl.program_id(0).to(tl.int64)
     offs_w = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
@@ -231,7 +251,7 @@ def _gate_up_program(
     BLOCK_N: tl.constexpr, N_BLOCKS: tl.constexpr, BLOCK_W: tl.constexpr, SPLITS: tl.constexpr,
     SPLITS_P2: tl.constexpr, SHARED_SPLITS: tl.constexpr, SHARED_SPLITS_P2: tl.constexpr, SLOTS: tl.constexpr,
     DTYPE: tl.constexpr, HAS_SHARED: tl.constexpr, SHARED_BITS: tl.constexpr, SHARED_GROUP_SIZE: tl.constexpr,
-    SHARED_BLOCK_K: tl.constexpr, SHARED_EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+    SHARED_BLOCK_K: tl.constexpr, SHARED_EVEN_K: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
     """gate_up's item (row, pid_n, split): the gate and up sums of columns [pid_n * BLOCK_N, +BLOCK_N) over
     one K split. Rows below num_shared (T with a shared expert, else 0) are the tokens' shared expert: its
@@ -239,15 +259,44 @@ def _gate_up_program(
     SHARED_SPLITS); the others are pairs (pair = row - num_shared: token pair // TOP_K, expert ids[pair]):
     gate and up rows in one [2 * BLOCK_N, BLOCK_W] tile of H's words [split * BLOCK_W, +BLOCK_W) (of
     SPLITS). SLOTS: partials a column block holds (the larger split count). The split that arrives last
-    finishes the columns (`_gate_up_end`)."""
+    finishes the columns (`_gate_up_end`). Under PDL the shared expert's items load their weight tiles
+    before `wait_for_inputs` (its weights are constants); a pair's item waits first (its expert id is
+    the router's output)."""
     VALUES: tl.constexpr = 32 // BITS
     WORDS: tl.constexpr = H // VALUES
     pair = row - num_shared
-    width = tl.where(pair >= 0, I, S)
-    if pid_n * BLOCK_N < width:
-        both = tl.arange(0, 2 * BLOCK_N)
-        n = pid_n * BLOCK_N + both % BLOCK_N
-        if pair >= 0:
+    if HAS_SHARED:
+        shared_columns = (pair < 0) & (pid_n * BLOCK_N < S)
+    else:
+        shared_columns: tl.constexpr = False  # without a shared expert its branch is not compiled
+    if shared_columns:
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < S
+        k_start = split * SHARED_BLOCK_K
+        gate_tile, gate_scale = gemv_weights(shared_w_ptr, shared_s_ptr, k_start, offs_n, n_mask, stride_swn,
+                                             stride_ssn, H, SHARED_BITS, SHARED_GROUP_SIZE, SHARED_BLOCK_K,
+                                             SHARED_EVEN_K, x_ptr.dtype.element_ty, PRECISION)
+        up_tile, up_scale = gemv_weights(shared_w_ptr + S * stride_swn, shared_s_ptr + S * stride_ssn, k_start, offs_n,
+                                         n_mask, stride_swn, stride_ssn, H, SHARED_BITS, SHARED_GROUP_SIZE,
+                                         SHARED_BLOCK_K, SHARED_EVEN_K, x_ptr.dtype.element_ty, PRECISION)
+        wait_for_inputs(PDL)
+        x_rows = row.to(tl.int64) * stride_xt + tl.zeros((1,), dtype=tl.int64)
+        one_row = tl.full((1,), 1, tl.int1)
+        gate = gemv_step(gemv_zeros(1, BLOCK_N, SHARED_BLOCK_K, SHARED_BITS), gate_tile, gate_scale, x_ptr, x_rows,
+                         one_row, k_start, H, SHARED_BITS, SHARED_BLOCK_K, SHARED_EVEN_K)
+        up = gemv_step(gemv_zeros(1, BLOCK_N, SHARED_BLOCK_K, SHARED_BITS), up_tile, up_scale, x_ptr, x_rows, one_row,
+                       k_start, H, SHARED_BITS, SHARED_BLOCK_K, SHARED_EVEN_K)
+        gate_sum = tl.reshape(gemv_sum(gate, SHARED_BITS), (BLOCK_N,))
+        up_sum = tl.reshape(gemv_sum(up, SHARED_BITS), (BLOCK_N,))
+        sums = tl.reshape(tl.trans(tl.join(gate_sum, up_sum)), (2 * BLOCK_N,))
+        _gate_up_end(sums, row, pid_n, split, num_shared, act_ptr, act_bias_ptr, shared_act_ptr, partial_ptr,
+                     counter_ptr, S, bias_scale, stride_sap, I, BITS, BLOCK_N, N_BLOCKS, SHARED_SPLITS,
+                     SHARED_SPLITS_P2, SLOTS, DTYPE, PRECISION)
+    else:
+        wait_for_inputs(PDL)
+        if (pair >= 0) & (pid_n * BLOCK_N < I):
+            both = tl.arange(0, 2 * BLOCK_N)
+            n = pid_n * BLOCK_N + both % BLOCK_N
             expert = tl.load(ids_ptr + pair).to(tl.int64)
             token = (pair // TOP_K).to(tl.int64)
             rows = n + (both >= BLOCK_N).to(tl.int32) * I
@@ -259,27 +308,6 @@ def _gate_up_program(
             _gate_up_end(sums, row, pid_n, split, num_shared, act_ptr, act_bias_ptr, shared_act_ptr, partial_ptr,
                          counter_ptr, S, bias_scale, stride_sap, I, BITS, BLOCK_N, N_BLOCKS, SPLITS, SPLITS_P2, SLOTS,
                          DTYPE, PRECISION)
-        else:
-            if HAS_SHARED:
-                offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-                n_mask = offs_n < S
-                x_rows = row.to(tl.int64) * stride_xt + tl.zeros((1,), dtype=tl.int64)
-                one_row = tl.full((1,), 1, tl.int1)
-                k_start = split * SHARED_BLOCK_K
-                gate = gemv_loop(gemv_zeros(1, BLOCK_N, SHARED_BLOCK_K, SHARED_BITS), x_ptr, x_rows, one_row,
-                                 shared_w_ptr, shared_s_ptr, k_start, k_start + SHARED_BLOCK_K, offs_n, n_mask,
-                                 stride_swn, stride_ssn, H, SHARED_BITS, SHARED_GROUP_SIZE, SHARED_BLOCK_K,
-                                 SHARED_EVEN_K, PRECISION)
-                gate_sum = tl.reshape(gemv_sum(gate, SHARED_BITS), (BLOCK_N,))
-                up = gemv_loop(gemv_zeros(1, BLOCK_N, SHARED_BLOCK_K, SHARED_BITS), x_ptr, x_rows, one_row,
-                               shared_w_ptr + S * stride_swn, shared_s_ptr + S * stride_ssn, k_start,
-                               k_start + SHARED_BLOCK_K, offs_n, n_mask, stride_swn, stride_ssn, H, SHARED_BITS,
-                               SHARED_GROUP_SIZE, SHARED_BLOCK_K, SHARED_EVEN_K, PRECISION)
-                up_sum = tl.reshape(gemv_sum(up, SHARED_BITS), (BLOCK_N,))
-                sums = tl.reshape(tl.trans(tl.join(gate_sum, up_sum)), (2 * BLOCK_N,))
-                _gate_up_end(sums, row, pid_n, split, num_shared, act_ptr, act_bias_ptr, shared_act_ptr, partial_ptr,
-                             counter_ptr, S, bias_scale, stride_sap, I, BITS, BLOCK_N, N_BLOCKS, SHARED_SPLITS,
-                             SHARED_SPLITS_P2, SLOTS, DTYPE, PRECISION)
 
 
 @triton.jit
@@ -290,13 +318,14 @@ def _down_program(
     H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, BITS: tl.constexpr, GROUP_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, N_BLOCKS: tl.constexpr, BLOCK_W: tl.constexpr, SPLITS: tl.constexpr, SHARED_SPLITS: tl.constexpr,
     PARTS_P2: tl.constexpr, DTYPE: tl.constexpr, HAS_SHARED: tl.constexpr, SHARED_BITS: tl.constexpr, SHARED_GROUP_SIZE: tl.constexpr,
-    SHARED_BLOCK_K: tl.constexpr, SHARED_EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+    SHARED_BLOCK_K: tl.constexpr, SHARED_EVEN_K: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
     """down's item (pid_n, token (int64), part): rows [pid_n * BLOCK_N, +BLOCK_N) of H for one token. Parts
     below TOP_K * SPLITS are slot part // SPLITS's expert over I's words [(part % SPLITS) * BLOCK_W,
     +BLOCK_W), times its routing weight (rounded to x's dtype); the rest the shared expert's K ranges of
-    S, times its gate (`gemv_loop`, its own format). The token's part that arrives last adds all parts in
-    order and rounds out[token] once."""
+    S, times its gate (`gemv_step`, its own format: its weight tile loaded before `wait_for_inputs` under
+    PDL; the experts' parts wait first). The token's part that arrives last adds all parts in order and
+    rounds out[token] once."""
     VALUES: tl.constexpr = 32 // BITS
     WORDS: tl.constexpr = I // VALUES
     PARTS: tl.constexpr = TOP_K * SPLITS + HAS_SHARED * SHARED_SPLITS
@@ -305,24 +334,30 @@ def _down_program(
     rows = offs_n
     if H % BLOCK_N != 0:
         rows = tl.where(n_mask, offs_n, 0)  # clamped
+    if HAS_SHARED:
+        shared_part = part >= TOP_K * SPLITS
+    else:
+        shared_part: tl.constexpr = False  # without a shared expert its branch is not compiled
     result = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    if part < TOP_K * SPLITS:
+    if shared_part:
+        k_start = (part - TOP_K * SPLITS) * SHARED_BLOCK_K
+        tile, scale = gemv_weights(shared_w_ptr, shared_s_ptr, k_start, offs_n, n_mask, stride_swn, stride_ssn, S,
+                                   SHARED_BITS, SHARED_GROUP_SIZE, SHARED_BLOCK_K, SHARED_EVEN_K,
+                                   shared_act_ptr.dtype.element_ty, PRECISION)
+        wait_for_inputs(PDL)
+        acc = gemv_step(gemv_zeros(1, BLOCK_N, SHARED_BLOCK_K, SHARED_BITS), tile, scale, shared_act_ptr,
+                        token * stride_sap + tl.zeros((1,), dtype=tl.int64), tl.full((1,), 1, tl.int1), k_start, S,
+                        SHARED_BITS, SHARED_BLOCK_K, SHARED_EVEN_K)
+        gate = round_as(tl.load(shared_gate_ptr + token).to(tl.float32), DTYPE, PRECISION)
+        result = tl.reshape(gemv_sum(acc, SHARED_BITS), (BLOCK_N,)) * gate
+    else:
+        wait_for_inputs(PDL)
         pair = token * TOP_K + part // SPLITS
         expert = tl.load(ids_ptr + pair).to(tl.int64)
         routing = round_as(tl.load(routing_ptr + pair).to(tl.float32), DTYPE, PRECISION)
         result = _tile_sums(w_ptr + expert * (H * WORDS), s_ptr + expert * (H * (I // GROUP_SIZE)), rows.to(tl.int64),
                             act_ptr + pair * I, act_bias_ptr + pair * WORDS, part % SPLITS, WORDS, BITS, GROUP_SIZE,
                             BLOCK_W) * (routing * product_scale)
-    else:
-        if HAS_SHARED:
-            k_start = (part - TOP_K * SPLITS) * SHARED_BLOCK_K
-            acc = gemv_loop(gemv_zeros(1, BLOCK_N, SHARED_BLOCK_K, SHARED_BITS), shared_act_ptr,
-                            token * stride_sap + tl.zeros((1,), dtype=tl.int64), tl.full((1,), 1, tl.int1),
-                            shared_w_ptr, shared_s_ptr, k_start, k_start + SHARED_BLOCK_K, offs_n,
-                            n_mask, stride_swn, stride_ssn, S, SHARED_BITS, SHARED_GROUP_SIZE, SHARED_BLOCK_K,
-                            SHARED_EVEN_K, PRECISION)
-            gate = round_as(tl.load(shared_gate_ptr + token).to(tl.float32), DTYPE, PRECISION)
-            result = tl.reshape(gemv_sum(acc, SHARED_BITS), (BLOCK_N,)) * gate
     if PARTS == 1:
         tl.store(out_ptr + token * H + offs_n, round_to(result, out_ptr.dtype.element_ty, PRECISION), mask=n_mask)
     else:
@@ -346,12 +381,14 @@ def _packed_decode_kernel(
     HAS_SHARED: tl.constexpr, SHARED_BITS: tl.constexpr, GU_SHARED_GROUP_SIZE: tl.constexpr,
     GU_SHARED_BLOCK_K: tl.constexpr, GU_SHARED_EVEN_K: tl.constexpr, DN_SHARED_GROUP_SIZE: tl.constexpr,
     DN_SHARED_BLOCK_K: tl.constexpr, DN_SHARED_EVEN_K: tl.constexpr, PHASE: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
     """PHASE "gate_up": program i is gate_up's item (split i % GU_SPLITS, column block (i // GU_SPLITS) %
     GU_BLOCKS, row i // (GU_SPLITS * GU_BLOCKS)); "down": down's item (part i % parts, column block
     (i // parts) % DN_BLOCKS, token i // (parts * DN_BLOCKS)): a tile's splits are neighbours. The experts'
-    weights and scales are contiguous: their strides are constants."""
+    weights and scales are contiguous: their strides are constants. Each item waits for the kernel
+    before it (PDL) on its own: the shared expert's after loading its weight tiles."""
+    allow_dependents(PDL)
     index = tl.program_id(0)
     if PHASE == "gate_up":
         row_items = GU_BLOCKS * GU_SPLITS  # the items of a pair's row; a shared expert's row has its own count
@@ -371,7 +408,7 @@ def _packed_decode_kernel(
             S, product_scale, bias_scale, stride_xt, gu_stride_swn, gu_stride_ssn, stride_sap, H, I, TOP_K, BITS,
             GROUP_SIZE, GU_BLOCK_N, GU_BLOCKS, GU_BLOCK_W, GU_SPLITS, GU_SPLITS_P2, GU_SHARED_SPLITS,
             GU_SHARED_SPLITS_P2, max(GU_SPLITS, GU_SHARED_SPLITS), DTYPE, HAS_SHARED, SHARED_BITS,
-            GU_SHARED_GROUP_SIZE, GU_SHARED_BLOCK_K, GU_SHARED_EVEN_K, PRECISION)
+            GU_SHARED_GROUP_SIZE, GU_SHARED_BLOCK_K, GU_SHARED_EVEN_K, PRECISION, PDL)
     else:
         PARTS: tl.constexpr = TOP_K * DN_SPLITS + HAS_SHARED * DN_SHARED_SPLITS
         _down_program(
@@ -379,7 +416,63 @@ def _packed_decode_kernel(
             act_bias_ptr, dn_w_ptr, dn_s_ptr, routing_ptr, ids_ptr, shared_act_ptr, dn_shared_w_ptr, dn_shared_s_ptr,
             shared_gate_ptr, out_ptr, dn_partial_ptr, dn_counter_ptr, S, product_scale, stride_sap, dn_stride_swn,
             dn_stride_ssn, H, I, TOP_K, BITS, GROUP_SIZE, DN_BLOCK_N, DN_BLOCKS, DN_BLOCK_W, DN_SPLITS, DN_SHARED_SPLITS, DN_PARTS_P2, DTYPE,
-            HAS_SHARED, SHARED_BITS, DN_SHARED_GROUP_SIZE, DN_SHARED_BLOCK_K, DN_SHARED_EVEN_K, PRECISION)
+            HAS_SHARED, SHARED_BITS, DN_SHARED_GROUP_SIZE, DN_SHARED_BLOCK_K, DN_SHARED_EVEN_K, PRECISION, PDL)
+
+
+class PackedLaunch(NamedTuple):
+    """The packed decode form's launch shape for one call shape (`_packed_launch`)."""
+    buffer_sizes: tuple[int, ...]  # fp32 workspace: xs, x_bias, act, act_bias, gate_up_partial, down_partial
+    split_x_grid: tuple[int, int]
+    split_x_constants: Mapping
+    num_shared: int  # rows of gate_up's items that are the tokens' shared expert (T with one, else 0)
+    gate_up_counters: int  # arrival counters each phase needs (for max_tokens tokens)
+    down_counters: int
+    product_scale: float
+    bias_scale: float
+    gate_up: tuple[int, int]  # (programs, warps)
+    down: tuple[int, int]
+    constants: Mapping  # `_packed_decode_kernel`'s compile-time constants (read-only: shared by every call)
+
+
+@functools.cache
+def _packed_launch(t: int, h: int, inter: int, top_k: int, bits: int, group: int, tiles: PackedDecodeTiles,
+                   max_tokens: int, shared: SharedShape, dtype: str, precision: str) -> PackedLaunch:
+    """The three launches' shapes and constants for T tokens of top-k over experts [H -> I] packed in
+    `bits`, worked out once per shape (eager decode calls this every layer of every step)."""
+    values = 32 // bits
+    if tiles.gate_up_block_n % values:
+        raise ValueError(f"gate_up_block_n {tiles.gate_up_block_n} must be a multiple of {values} (values per word)")
+    words_h, words_i = h // values, inter // values
+    gate_up_splits = triton.cdiv(words_h, tiles.gate_up_block_w)
+    down_splits = triton.cdiv(words_i, tiles.down_block_w)
+    # the shared expert: one K tile of its own format per program (`shared.constants` caps the tiles)
+    shared_constants = shared.constants(tiles.shared_gate_up_block_k, tiles.shared_down_block_k, h)
+    shared_gate_up_splits = triton.cdiv(h, shared_constants["GU_SHARED_BLOCK_K"]) if shared.present else 0
+    shared_down_splits = triton.cdiv(shared.width, shared_constants["DN_SHARED_BLOCK_K"]) if shared.present else 0
+    num_shared = t * shared.present
+    rows = num_shared + t * top_k
+    gate_up_blocks = triton.cdiv(max(inter, shared.width), tiles.gate_up_block_n)
+    down_blocks = triton.cdiv(h, tiles.down_block_n)
+    parts = top_k * down_splits + shared_down_splits
+    buffer_sizes = (t * h, t * words_h, t * top_k * inter, t * top_k * words_i,
+                    rows * gate_up_blocks * max(gate_up_splits, shared_gate_up_splits) * 2 * tiles.gate_up_block_n,
+                    t * down_blocks * parts * tiles.down_block_n)
+    most_rows = max(t, max_tokens) * (1 + top_k)  # (as if with a shared expert: one size for both)
+    constants = {
+        "H": h, "I": inter, "TOP_K": top_k, "BITS": bits, "GROUP_SIZE": group, "GU_BLOCK_N": tiles.gate_up_block_n,
+        "GU_BLOCKS": gate_up_blocks, "GU_BLOCK_W": tiles.gate_up_block_w, "GU_SPLITS": gate_up_splits,
+        "GU_SPLITS_P2": triton.next_power_of_2(gate_up_splits), "GU_SHARED_SPLITS": shared_gate_up_splits,
+        "GU_SHARED_SPLITS_P2": triton.next_power_of_2(shared_gate_up_splits), "DN_BLOCK_N": tiles.down_block_n,
+        "DN_BLOCKS": down_blocks, "DN_BLOCK_W": tiles.down_block_w, "DN_SPLITS": down_splits,
+        "DN_SHARED_SPLITS": shared_down_splits, "DN_PARTS_P2": triton.next_power_of_2(parts),
+        "DTYPE": dtype, "PRECISION": precision, **shared_constants}
+    gate_up_items = gate_up_blocks * (num_shared * shared_gate_up_splits + t * top_k * gate_up_splits)
+    return PackedLaunch(
+        buffer_sizes, (t, triton.cdiv(words_h, SPLIT_X_BLOCK_W)),
+        MappingProxyType({"WORDS": words_h, "BITS": bits, "BLOCK_W": SPLIT_X_BLOCK_W}), num_shared,
+        most_rows * gate_up_blocks, max(t, max_tokens) * down_blocks, 2.0 ** PRODUCT_EXPONENT.value,
+        2.0 ** (bits - 1 - PRODUCT_EXPONENT.value), (gate_up_items, tiles.gate_up_warps),
+        (t * down_blocks * parts, tiles.down_warps), MappingProxyType(constants))
 
 
 def packed_decode(x: torch.Tensor, weights: tuple, topk_weights: torch.Tensor, topk_ids: torch.Tensor, bits: int,
@@ -392,50 +485,22 @@ def packed_decode(x: torch.Tensor, weights: tuple, topk_weights: torch.Tensor, t
     arrival counters are made for that many once, so a captured graph never sees them remade)."""
     w_gate_up, gate_up_scales, w_down, down_scales = weights
     (t, h), top_k = x.shape, topk_ids.shape[1]
-    values = 32 // bits
-    if tiles.gate_up_block_n % values:
-        raise ValueError(f"gate_up_block_n {tiles.gate_up_block_n} must be a multiple of {values} (values per word)")
-    words_h, words_i = h // values, inter // values
-    gate_up_splits = triton.cdiv(words_h, tiles.gate_up_block_w)
-    down_splits = triton.cdiv(words_i, tiles.down_block_w)
-    # the shared expert: one K tile of its own format per program (`shared.constants` caps the tiles)
-    shared_constants = shared.constants(tiles.shared_gate_up_block_k, tiles.shared_down_block_k, h)
-    shared_gate_up_splits = triton.cdiv(h, shared_constants["GU_SHARED_BLOCK_K"]) if shared.present else 0
-    shared_down_splits = triton.cdiv(shared.width, shared_constants["DN_SHARED_BLOCK_K"]) if shared.present else 0
-    num_shared = t * shared.present  # rows of gate_up's items that are the tokens' shared expert
-    rows = num_shared + t * top_k
-    gate_up_blocks = triton.cdiv(max(inter, shared.width), tiles.gate_up_block_n)
-    down_blocks = triton.cdiv(h, tiles.down_block_n)
-    parts = top_k * down_splits + shared_down_splits
-    sizes = {"xs": t * h, "x_bias": t * words_h, "act": t * top_k * inter, "act_bias": t * top_k * words_i,
-             "gate_up_partial": rows * gate_up_blocks * max(gate_up_splits, shared_gate_up_splits) * 2
-             * tiles.gate_up_block_n,
-             "down_partial": t * down_blocks * parts * tiles.down_block_n}
-    workspace = torch.empty(sum(sizes.values()), dtype=torch.float32, device=x.device)
-    buffers = dict(zip(sizes, workspace.split(list(sizes.values()))))
-    product_scale, bias_scale = 2.0 ** PRODUCT_EXPONENT.value, 2.0 ** (bits - 1 - PRODUCT_EXPONENT.value)
-    _split_x_kernel[(t, triton.cdiv(words_h, SPLIT_X_BLOCK_W))](
-        x, buffers["xs"], buffers["x_bias"], x.stride(0), bias_scale, WORDS=words_h, BITS=bits, BLOCK_W=SPLIT_X_BLOCK_W)
+    launch = _packed_launch(t, h, inter, top_k, bits, group, tiles, max_tokens, shared.shape, DTYPE_NAMES[x.dtype],
+                            dot_precision(x))
+    options = launch_options(x.device)
+    workspace = torch.empty(sum(launch.buffer_sizes), dtype=torch.float32, device=x.device)
+    xs, x_bias, act, act_bias, gate_up_partial, down_partial = workspace.split(launch.buffer_sizes)
+    _split_x_kernel[launch.split_x_grid](x, xs, x_bias, x.stride(0), launch.bias_scale, **launch.split_x_constants,
+                                         **options)
     shared_act = torch.empty((t, shared.width), dtype=x.dtype, device=x.device) if shared.present else x
     out = torch.empty_like(x)
-    most_rows = max(t, max_tokens) * (1 + top_k)  # (as if with a shared expert: one size for both)
-    gate_up_counters = arrival_counters("fused_moe_packed_gate_up", x.device, most_rows * gate_up_blocks)
-    down_counters = arrival_counters("fused_moe_packed_down", x.device, max(t, max_tokens) * down_blocks)
-    args = (x, buffers["xs"], buffers["x_bias"], w_gate_up, gate_up_scales, topk_ids, buffers["act"],
-            buffers["act_bias"], shared.w_gate_up, shared.gate_up_scales, shared_act, buffers["gate_up_partial"],
-            gate_up_counters, w_down, down_scales, topk_weights, shared.w_down, shared.down_scales, shared.gate, out,
-            buffers["down_partial"], down_counters, shared.width, num_shared, product_scale, bias_scale, x.stride(0),
-            shared.w_gate_up.stride(0), shared.gate_up_scales.stride(0), shared_act.stride(0),
-            shared.w_down.stride(0), shared.down_scales.stride(0))
-    constants = {
-        "H": h, "I": inter, "TOP_K": top_k, "BITS": bits, "GROUP_SIZE": group, "GU_BLOCK_N": tiles.gate_up_block_n,
-        "GU_BLOCKS": gate_up_blocks, "GU_BLOCK_W": tiles.gate_up_block_w, "GU_SPLITS": gate_up_splits,
-        "GU_SPLITS_P2": triton.next_power_of_2(gate_up_splits), "GU_SHARED_SPLITS": shared_gate_up_splits,
-        "GU_SHARED_SPLITS_P2": triton.next_power_of_2(shared_gate_up_splits), "DN_BLOCK_N": tiles.down_block_n,
-        "DN_BLOCKS": down_blocks, "DN_BLOCK_W": tiles.down_block_w, "DN_SPLITS": down_splits,
-        "DN_SHARED_SPLITS": shared_down_splits, "DN_PARTS_P2": triton.next_power_of_2(parts),
-        "DTYPE": DTYPE_NAMES[x.dtype], "PRECISION": dot_precision(x), **shared_constants}
-    gate_up_items = gate_up_blocks * (num_shared * shared_gate_up_splits + t * top_k * gate_up_splits)
-    launch_phases(_packed_decode_kernel, args, constants, (gate_up_items, tiles.gate_up_warps),
-                  (t * down_blocks * parts, tiles.down_warps))
+    gate_up_counters = arrival_counters("fused_moe_packed_gate_up", x.device, launch.gate_up_counters)
+    down_counters = arrival_counters("fused_moe_packed_down", x.device, launch.down_counters)
+    args = (x, xs, x_bias, w_gate_up, gate_up_scales, topk_ids, act, act_bias, shared.w_gate_up, shared.gate_up_scales,
+            shared_act, gate_up_partial, gate_up_counters, w_down, down_scales, topk_weights, shared.w_down,
+            shared.down_scales, shared.gate, out, down_partial, down_counters, shared.width, launch.num_shared,
+            launch.product_scale, launch.bias_scale, x.stride(0), shared.w_gate_up.stride(0),
+            shared.gate_up_scales.stride(0), shared_act.stride(0), shared.w_down.stride(0),
+            shared.down_scales.stride(0))
+    launch_phases(_packed_decode_kernel, args, launch.constants, options, launch.gate_up, launch.down)
     return out

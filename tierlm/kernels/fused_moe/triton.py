@@ -31,14 +31,19 @@ and no launch needs a host sync, so a decode step can be captured in a CUDA grap
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
+from tierlm.kernels.dependent_launch import allow_dependents, launch_options, wait_for_inputs
 from tierlm.kernels.fused_moe.decode_parts import (
     SharedArgs,
+    SharedShape,
     down_columns,
     expert_ranks,
     finish_down,
@@ -91,30 +96,35 @@ def _gate_up_gemv_program(
     TOP_K: tl.constexpr, BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, HAS_SHARED: tl.constexpr, SHARED_BITS: tl.constexpr,
     SHARED_GROUP_SIZE: tl.constexpr, SHARED_BLOCK_K: tl.constexpr, SHARED_EVEN_K: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
     """gate_up's item (row, pid_n): columns [pid_n * BLOCK_N, +BLOCK_N) of row `row`. Rows below
     num_shared (T with a shared expert, else 0) are the tokens' shared expert: shared_out[token, n] =
     silu(gate) * up of the shared expert's S columns; the others are pairs (pair = row - num_shared: token
-    pair // TOP_K, expert ids[pair]): out[pair, n] = silu(gate) * up, gate = x W[e, n], up = x W[e, I + n]."""
+    pair // TOP_K, expert ids[pair]): out[pair, n] = silu(gate) * up, gate = x W[e, n], up = x W[e, I + n].
+    Under PDL the shared expert's items load their first weight tile before `wait_for_inputs` (its
+    weights are constants); every other item waits first (a pair's expert id is the router's output)."""
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     pair = row - num_shared
-    if pair >= 0:
-        if pid_n * BLOCK_N < I:
+    if HAS_SHARED:
+        shared_columns = (pair < 0) & (pid_n * BLOCK_N < S)
+    else:
+        shared_columns: tl.constexpr = False  # without a shared expert its branch is not compiled
+    if shared_columns:
+        act = swiglu_columns(x_ptr, row.to(tl.int64) * stride_xt, shared_w_ptr, shared_s_ptr, S, offs_n, stride_swn,
+                             stride_ssn, H, SHARED_BITS, SHARED_GROUP_SIZE, BLOCK_N, SHARED_BLOCK_K, SHARED_EVEN_K,
+                             PRECISION, PDL)
+        tl.store(shared_out_ptr + row.to(tl.int64) * stride_sop + offs_n[None, :],
+                 round_to(act, shared_out_ptr.dtype.element_ty, PRECISION), mask=(offs_n < S)[None, :])
+    else:
+        wait_for_inputs(PDL)
+        if (pair >= 0) & (pid_n * BLOCK_N < I):
             expert = tl.load(ids_ptr + pair).to(tl.int64)
             act = swiglu_columns(x_ptr, (pair // TOP_K).to(tl.int64) * stride_xt, w_ptr + expert * stride_we,
                                  s_ptr + expert * stride_se, I, offs_n, stride_wn, stride_sn, H, BITS, GROUP_SIZE,
-                                 BLOCK_N, BLOCK_K, EVEN_K, PRECISION)
+                                 BLOCK_N, BLOCK_K, EVEN_K, PRECISION, False)
             tl.store(out_ptr + pair.to(tl.int64) * stride_op + offs_n[None, :],
                      round_to(act, out_ptr.dtype.element_ty, PRECISION), mask=(offs_n < I)[None, :])
-    else:
-        if HAS_SHARED:  # noqa: SIM102 - a constexpr: without a shared expert its branch is not compiled
-            if pid_n * BLOCK_N < S:
-                act = swiglu_columns(x_ptr, row.to(tl.int64) * stride_xt, shared_w_ptr, shared_s_ptr, S, offs_n,
-                                     stride_swn, stride_ssn, H, SHARED_BITS, SHARED_GROUP_SIZE, BLOCK_N,
-                                     SHARED_BLOCK_K, SHARED_EVEN_K, PRECISION)
-                tl.store(shared_out_ptr + row.to(tl.int64) * stride_sop + offs_n[None, :],
-                         round_to(act, shared_out_ptr.dtype.element_ty, PRECISION), mask=(offs_n < S)[None, :])
 
 
 @triton.jit
@@ -125,19 +135,31 @@ def _down_sum_gemv_program(
     TOP_K: tl.constexpr, SLOTS: tl.constexpr, RANKS: tl.constexpr, BITS: tl.constexpr, GROUP_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, HAS_SHARED: tl.constexpr,
     SHARED_BITS: tl.constexpr, SHARED_GROUP_SIZE: tl.constexpr, SHARED_BLOCK_K: tl.constexpr,
-    SHARED_EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+    SHARED_EVEN_K: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
     """down's item (pid_n of n_blocks, token (int64), split): columns [pid_n * BLOCK_N, +BLOCK_N) of H.
     With a shared expert split 0 is it: gate x (shared_act[token] W_shared_down[h]); the other splits (all
     of them without one) take the token's experts of ranks [routed split * RANKS, +RANKS) (those below
     TOP_K) by ascending id (SLOTS: TOP_K rounded up to a power of 2): the sum over those ranks, in order,
     of routing x (act[pair] W_down[e, h]) in fp32. The splits' results end in `finish_down`: out[token]
-    rounded once, by the item itself (one split) or by the token's last item to arrive."""
+    rounded once, by the item itself (one split) or by the token's last item to arrive. Under PDL the
+    shared expert's split loads its first weight tile before `wait_for_inputs`; the others wait first."""
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < H
     result = tl.zeros((BLOCK_N,), dtype=tl.float32)
     routed_split = split - HAS_SHARED
-    if routed_split >= 0:
+    if HAS_SHARED:
+        shared_split = routed_split < 0
+    else:
+        shared_split: tl.constexpr = False  # without a shared expert its branch is not compiled
+    if shared_split:
+        products = down_columns(shared_act_ptr, token * stride_sap, shared_w_ptr, shared_s_ptr, offs_n, n_mask,
+                                stride_swn, stride_ssn, S, SHARED_BITS, SHARED_GROUP_SIZE, BLOCK_N, SHARED_BLOCK_K,
+                                SHARED_EVEN_K, PRECISION, PDL)
+        gate = round_to(tl.load(shared_gate_ptr + token).to(tl.float32), act_ptr.dtype.element_ty, PRECISION)
+        result += gate.to(tl.float32) * products
+    else:
+        wait_for_inputs(PDL)
         slots, valid, rank = expert_ranks(ids_ptr, token, TOP_K, SLOTS)
         for r in tl.static_range(RANKS):
             if routed_split * RANKS + r < TOP_K:
@@ -147,13 +169,7 @@ def _down_sum_gemv_program(
                 routing = round_to(tl.load(routing_ptr + pair).to(tl.float32), act_ptr.dtype.element_ty, PRECISION)
                 result += routing.to(tl.float32) * down_columns(
                     act_ptr, pair * stride_ap, w_ptr + expert * stride_we, s_ptr + expert * stride_se, offs_n,
-                    n_mask, stride_wn, stride_sn, I, BITS, GROUP_SIZE, BLOCK_N, BLOCK_K, EVEN_K, PRECISION)
-    else:
-        if HAS_SHARED:
-            gate = round_to(tl.load(shared_gate_ptr + token).to(tl.float32), act_ptr.dtype.element_ty, PRECISION)
-            result += gate.to(tl.float32) * down_columns(
-                shared_act_ptr, token * stride_sap, shared_w_ptr, shared_s_ptr, offs_n, n_mask, stride_swn,
-                stride_ssn, S, SHARED_BITS, SHARED_GROUP_SIZE, BLOCK_N, SHARED_BLOCK_K, SHARED_EVEN_K, PRECISION)
+                    n_mask, stride_wn, stride_sn, I, BITS, GROUP_SIZE, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, False)
     finish_down(result, out_ptr, partial_ptr, counter_ptr, token, pid_n, n_blocks, split, offs_n, n_mask, H,
                 HAS_SHARED + (TOP_K + RANKS - 1) // RANKS, PRECISION)
 
@@ -170,11 +186,13 @@ def _decode_gemv_kernel(
     DN_BLOCK_K: tl.constexpr, DN_EVEN_K: tl.constexpr, HAS_SHARED: tl.constexpr, SHARED_BITS: tl.constexpr,
     GU_SHARED_GROUP_SIZE: tl.constexpr, GU_SHARED_BLOCK_K: tl.constexpr, GU_SHARED_EVEN_K: tl.constexpr,
     DN_SHARED_GROUP_SIZE: tl.constexpr, DN_SHARED_BLOCK_K: tl.constexpr, DN_SHARED_EVEN_K: tl.constexpr,
-    PHASE: tl.constexpr, PRECISION: tl.constexpr,
+    PHASE: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
     """PHASE "gate_up": program i is gate_up's item (block i % gate_up_blocks, row i // gate_up_blocks);
     "down": down's item (block i % down_blocks, token (i // down_blocks) % T, split i // (down_blocks * T))
-    (a constexpr: each phase compiles only its own items' code)."""
+    (a constexpr: each phase compiles only its own items' code). Each item waits for the kernel before it
+    (PDL) on its own: the shared expert's after loading its first weight tile."""
+    allow_dependents(PDL)
     index = tl.program_id(0)
     if PHASE == "gate_up":
         _gate_up_gemv_program(
@@ -182,7 +200,7 @@ def _decode_gemv_kernel(
             gu_shared_w_ptr, gu_shared_s_ptr, shared_act_ptr, H, I, S, num_shared, stride_xt, gu_stride_we,
             gu_stride_wn, gu_stride_se, gu_stride_sn, stride_ap, gu_stride_swn, gu_stride_ssn, stride_sap, TOP_K, BITS,
             GROUP_SIZE, GU_BLOCK_N, GU_BLOCK_K, GU_EVEN_K, HAS_SHARED, SHARED_BITS, GU_SHARED_GROUP_SIZE,
-            GU_SHARED_BLOCK_K, GU_SHARED_EVEN_K, PRECISION)
+            GU_SHARED_BLOCK_K, GU_SHARED_EVEN_K, PRECISION, PDL)
     else:
         _down_sum_gemv_program(
             index % down_blocks, ((index // down_blocks) % T).to(tl.int64), index // (down_blocks * T), down_blocks,
@@ -190,7 +208,7 @@ def _decode_gemv_kernel(
             shared_gate_ptr, out_ptr, partial_ptr, counter_ptr, H, I, S, stride_ap, dn_stride_we, dn_stride_wn,
             dn_stride_se, dn_stride_sn, stride_sap, dn_stride_swn, dn_stride_ssn, TOP_K, SLOTS, RANKS, BITS,
             GROUP_SIZE, DN_BLOCK_N, DN_BLOCK_K, DN_EVEN_K, HAS_SHARED, SHARED_BITS, DN_SHARED_GROUP_SIZE,
-            DN_SHARED_BLOCK_K, DN_SHARED_EVEN_K, PRECISION)
+            DN_SHARED_BLOCK_K, DN_SHARED_EVEN_K, PRECISION, PDL)
 
 
 @triton.jit
@@ -199,9 +217,13 @@ def _gate_up_kernel(
     stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_op,
     TOP_K: tl.constexpr, BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """The grouped GEMM's gate_up. One program: the pairs of block pid(0) (all on one expert; ids >= num_pairs are padding), columns
-    [pid(1) * BLOCK_N, +BLOCK_N) of I. out[pair, n] = silu(gate) * up, gate = x W[e, n], up = x W[e, I + n]."""
+    [pid(1) * BLOCK_N, +BLOCK_N) of I. out[pair, n] = silu(gate) * up, gate = x W[e, n], up = x W[e, I + n].
+    (Under PDL it waits first: the blocks' experts are inputs.)"""
+    allow_dependents(PDL)
+    wait_for_inputs(PDL)
     block, pid_n = tl.program_id(0), tl.program_id(1)
     expert = tl.load(block_expert_ptr + block).to(tl.int64)
     if expert >= 0:
@@ -232,10 +254,12 @@ def _down_kernel(
     act_ptr, w_ptr, s_ptr, routing_ptr, out_ptr, pair_ids_ptr, block_expert_ptr, num_pairs, H, I,
     stride_ap, stride_we, stride_wn, stride_se, stride_sn, stride_op,
     BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
     """The grouped GEMM's down. One program: the pairs of block pid(0), columns [pid(1) * BLOCK_N, +BLOCK_N) of H.
-    out[pair, h] = routing[pair] * (act[pair] W_down[e, h]), in fp32."""
+    out[pair, h] = routing[pair] * (act[pair] W_down[e, h]), in fp32. (Under PDL it waits first.)"""
+    allow_dependents(PDL)
+    wait_for_inputs(PDL)
     block, pid_n = tl.program_id(0), tl.program_id(1)
     expert = tl.load(block_expert_ptr + block).to(tl.int64)
     if expert >= 0:
@@ -259,8 +283,11 @@ def _down_kernel(
 
 
 @triton.jit
-def _sum_chunks_kernel(partial_ptr, out_ptr, H, CHUNKS: tl.constexpr, BLOCK: tl.constexpr, PRECISION: tl.constexpr):
+def _sum_chunks_kernel(partial_ptr, out_ptr, H, CHUNKS: tl.constexpr, BLOCK: tl.constexpr, PRECISION: tl.constexpr,
+                       PDL: tl.constexpr):
     """out[t, h] = sum over c < CHUNKS, in order, of partial[t * CHUNKS + c, h] (fp32), rounded once."""
+    allow_dependents(PDL)
+    wait_for_inputs(PDL)
     token, pid_h = tl.program_id(0).to(tl.int64), tl.program_id(1)
     offs = pid_h * BLOCK + tl.arange(0, BLOCK)
     mask = offs < H
@@ -338,6 +365,39 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, to
     return routed if shared is None else routed + shared_expert.separately(x)
 
 
+class DecodeLaunch(NamedTuple):
+    """The unquantized / INT6 decode form's launch shape for one call shape (`_decode_launch`)."""
+    splits: int  # down's items per (column block, token): the shared expert's, then the routed ranks'
+    num_shared: int  # rows of gate_up's items that are the tokens' shared expert (T with one, else 0)
+    gate_up_blocks: int
+    down_blocks: int
+    gate_up: tuple[int, int]  # (programs, warps)
+    down: tuple[int, int]
+    constants: Mapping  # the kernel's compile-time constants (read-only: shared by every call of the shape)
+
+
+@functools.cache
+def _decode_launch(t: int, h: int, inter: int, top_k: int, bits: int, group: int, tiles: DecodeTiles,
+                   shared: SharedShape, precision: str) -> DecodeLaunch:
+    """The decode form's launch for T tokens of top-k over experts [H -> I] in `bits` (0 or 6), worked
+    out once per shape (eager decode calls this every layer of every step)."""
+    gate_up_k = min(tiles.gate_up_block_k, triton.next_power_of_2(h))
+    down_k = min(tiles.down_block_k, triton.next_power_of_2(inter))
+    ranks = min(tiles.down_ranks, top_k)
+    splits = shared.present + triton.cdiv(top_k, ranks)
+    num_shared = t * shared.present
+    gate_up_blocks = triton.cdiv(max(inter, shared.width), tiles.gate_up_block_n)
+    down_blocks = triton.cdiv(h, tiles.down_block_n)
+    constants = {
+        "TOP_K": top_k, "SLOTS": triton.next_power_of_2(top_k), "RANKS": ranks, "BITS": bits, "GROUP_SIZE": group,
+        "GU_BLOCK_N": tiles.gate_up_block_n, "GU_BLOCK_K": gate_up_k, "GU_EVEN_K": h % gate_up_k == 0,
+        "DN_BLOCK_N": tiles.down_block_n, "DN_BLOCK_K": down_k, "DN_EVEN_K": inter % down_k == 0,
+        "PRECISION": precision, **shared.constants(tiles.shared_gate_up_block_k, tiles.shared_down_block_k, h)}
+    return DecodeLaunch(splits, num_shared, gate_up_blocks, down_blocks,
+                        ((num_shared + t * top_k) * gate_up_blocks, tiles.gate_up_warps),
+                        (down_blocks * t * splits, tiles.down_warps), MappingProxyType(constants))
+
+
 def _decode(x, weights, topk_weights, topk_ids, bits: int, group: int, inter: int, shared: SharedArgs
             ) -> torch.Tensor:
     """The GEMV form: two launches, no sort; packed 4/8-bit experts: `packed_decode`."""
@@ -347,32 +407,20 @@ def _decode(x, weights, topk_weights, topk_ids, bits: int, group: int, inter: in
         return packed_decode(x, weights, topk_weights, topk_ids, bits, group, inter, tiles, max_tokens, shared)
     w_gate_up, gate_up_scales, w_down, down_scales = weights
     (t, h), top_k = x.shape, topk_ids.shape[1]
-    gate_up_k = min(tiles.gate_up_block_k, triton.next_power_of_2(h))
-    down_k = min(tiles.down_block_k, triton.next_power_of_2(inter))
+    launch = _decode_launch(t, h, inter, top_k, bits, group, tiles, shared.shape, dot_precision(x))
     act = torch.empty((t * top_k, inter), dtype=x.dtype, device=x.device)
     shared_act = torch.empty((t, shared.width), dtype=x.dtype, device=x.device) if shared.present else act
-    ranks = min(tiles.down_ranks, top_k)
-    splits = shared.present + triton.cdiv(top_k, ranks)
     out = torch.empty_like(x)
-    num_shared = t * shared.present  # rows of gate_up's items that are the tokens' shared expert
-    gate_up_blocks = triton.cdiv(max(inter, shared.width), tiles.gate_up_block_n)
-    down_blocks = triton.cdiv(h, tiles.down_block_n)
-    partial = torch.empty((t * splits, h), dtype=torch.float32, device=x.device) if splits > 1 else out
-    counters = arrival_counters("fused_moe_down", x.device, max(t, max_tokens) * down_blocks)
+    partial = torch.empty((t * launch.splits, h), dtype=torch.float32, device=x.device) if launch.splits > 1 else out
+    counters = arrival_counters("fused_moe_down", x.device, max(t, max_tokens) * launch.down_blocks)
     args = (x, w_gate_up, gate_up_scales, act, topk_ids, shared.w_gate_up, shared.gate_up_scales, shared_act, w_down,
             down_scales, topk_weights, shared.w_down, shared.down_scales, shared.gate, out, partial, counters, t, h,
-            inter, shared.width, num_shared, gate_up_blocks, down_blocks, x.stride(0), w_gate_up.stride(0),
-            w_gate_up.stride(1), gate_up_scales.stride(0), gate_up_scales.stride(1), act.stride(0),
-            shared.w_gate_up.stride(0), shared.gate_up_scales.stride(0), shared_act.stride(0), w_down.stride(0),
-            w_down.stride(1), down_scales.stride(0), down_scales.stride(1), shared.w_down.stride(0),
+            inter, shared.width, launch.num_shared, launch.gate_up_blocks, launch.down_blocks, x.stride(0),
+            w_gate_up.stride(0), w_gate_up.stride(1), gate_up_scales.stride(0), gate_up_scales.stride(1),
+            act.stride(0), shared.w_gate_up.stride(0), shared.gate_up_scales.stride(0), shared_act.stride(0),
+            w_down.stride(0), w_down.stride(1), down_scales.stride(0), down_scales.stride(1), shared.w_down.stride(0),
             shared.down_scales.stride(0))
-    constants = {
-        "TOP_K": top_k, "SLOTS": triton.next_power_of_2(top_k), "RANKS": ranks, "BITS": bits, "GROUP_SIZE": group,
-        "GU_BLOCK_N": tiles.gate_up_block_n, "GU_BLOCK_K": gate_up_k, "GU_EVEN_K": h % gate_up_k == 0,
-        "DN_BLOCK_N": tiles.down_block_n, "DN_BLOCK_K": down_k, "DN_EVEN_K": inter % down_k == 0,
-        "PRECISION": dot_precision(x), **shared.constants(tiles.shared_gate_up_block_k, tiles.shared_down_block_k, h)}
-    launch_phases(_decode_gemv_kernel, args, constants, ((num_shared + t * top_k) * gate_up_blocks, tiles.gate_up_warps),
-                  (down_blocks * t * splits, tiles.down_warps))
+    launch_phases(_decode_gemv_kernel, args, launch.constants, launch_options(x.device), launch.gate_up, launch.down)
     return out
 
 
@@ -381,7 +429,7 @@ def _sum_chunks(partial: torch.Tensor, x: torch.Tensor, chunks: int) -> torch.Te
     t, h = x.shape
     out = torch.empty_like(x)
     _sum_chunks_kernel[(t, triton.cdiv(h, SUM_BLOCK))](partial, out, h, CHUNKS=chunks, BLOCK=SUM_BLOCK,
-                                                       PRECISION=dot_precision(x))
+                                                       PRECISION=dot_precision(x), **launch_options(x.device))
     return out
 
 
@@ -398,7 +446,7 @@ def _grouped(x, weights, topk_weights, topk_ids, bits: int, group: int, inter: i
     num_blocks = block_expert.numel()
     gate_up_k, down_k = (min(PREFILL_BLOCK_K, max(16, triton.next_power_of_2(k))) for k in (h, inter))
     common = {"BITS": bits, "GROUP_SIZE": group, "BLOCK_M": block_m, "BLOCK_N": PREFILL_BLOCK_N,
-              "PRECISION": dot_precision(x), "num_warps": PREFILL_NUM_WARPS}
+              "PRECISION": dot_precision(x), "num_warps": PREFILL_NUM_WARPS, **launch_options(x.device)}
     act = torch.empty((num_pairs, inter), dtype=x.dtype, device=x.device)
     _gate_up_kernel[(num_blocks, triton.cdiv(inter, PREFILL_BLOCK_N))](
         x, w_gate_up, gate_up_scales, act, pair_ids, block_expert, num_pairs, h, inter,
