@@ -22,6 +22,9 @@ format and width).
   decode_parts.py  what the two decode forms share (`SharedArgs`, the two-phase launch; for the
              unquantized / INT6 form the shared expert's columns in any format and the end of a down
              program whose token's experts are split over several programs)
+Every Triton launch uses programmatic dependent launch where the device has it (`kernels/dependent_launch`):
+the shared expert's programs load their first weight tile before waiting for the kernel before them;
+the routed experts' wait first (which expert a program reads is the router's output).
 """
 
 from tierlm.kernels.fused_moe.naive import SharedExpert, fused_moe

@@ -27,6 +27,10 @@ and no launch needs a host sync, so a decode step can be captured in a CUDA grap
     those blocks (tl.dot), one expert's weights per block, blocks past the end idle; the down products
     times the routing weight are stored per pair in fp32 and `_sum_chunks_kernel` adds each token's k of
     them in ascending expert id, rounding once.
+Launches use programmatic dependent launch (`dependent_launch`): a program waits for the kernel before
+it before reading anything but weights, so a routed expert's program waits first (its expert id is an
+input); the shared expert's loads its first weight tile, then waits. The decode form's launch shape and
+constants are worked out once per call shape (`_decode_launch`, `packed_decode._packed_launch`).
 """
 
 from __future__ import annotations
