@@ -48,8 +48,9 @@ class MultiTokenPredictor(nn.Module):
         self.pre_fc_norm_hidden = RMSNorm(c.hc_count * h, c.rms_norm_eps)
         self.layers = nn.ModuleList(DecoderLayer(c, "indexed_attention") for _ in range(layout.num_layers))
         self.hyper_connection_mixer = HyperConnection(h, c.hc_count, c.hc_lowrank, c.rms_norm_eps, with_inject=False)
-        # checkpoint name mtp.shared_head.head.weight
-        self.shared_head = nn.ModuleDict({"head": Linear(h, c.vocab_size)}) if layout.shared_head else None
+        # checkpoint name mtp.shared_head.head.weight (vocab-wide: on cuBLAS at decode, as the target's lm_head)
+        self.shared_head = (nn.ModuleDict({"head": Linear(h, c.vocab_size, decode_gemv=False)}) if layout.shared_head
+                            else None)
 
     def forward(
         self, embeddings: torch.Tensor, hidden_streams: torch.Tensor, batch: ForwardBatch,

@@ -22,9 +22,12 @@ from tierlm.model.quantization.base import DENSE, ModulePart, WeightFormat, line
 class PackedLinear(nn.Module):
     kind = "linear"
 
-    def __init__(self, in_features: int, parts: dict[str, int], bias: bool = False) -> None:
-        """parts: checkpoint name (relative to the parent module) -> output rows, in packing order."""
+    def __init__(self, in_features: int, parts: dict[str, int], bias: bool = False, decode_gemv: bool = True) -> None:
+        """parts: checkpoint name (relative to the parent module) -> output rows, in packing order.
+        decode_gemv: held unquantized, its decode rows run through quant_linear's Triton GEMV on CUDA (in
+        the step's chain of dependent launches; `quantization.base`); False keeps them on F.linear."""
         super().__init__()
+        self.decode_gemv = decode_gemv
         self.part_names = list(parts)
         self.part_sizes = list(parts.values())
         self.in_features, self.out_features = in_features, sum(self.part_sizes)
@@ -76,8 +79,8 @@ class PackedLinear(nn.Module):
 class Linear(PackedLinear):
     """y = x W^T (+ b), the checkpoint module being this layer itself."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
-        super().__init__(in_features, {"": out_features}, bias)
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, decode_gemv: bool = True) -> None:
+        super().__init__(in_features, {"": out_features}, bias, decode_gemv)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.quant_method.apply(self, x)

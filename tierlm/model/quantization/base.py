@@ -18,11 +18,17 @@ The quantized `apply` runs the format's fused kernel where there is one (`kernel
 [N, K / group] scales, [E, ...] for stacked experts; TIERLM_QUANT_KERNELS=0 turns them off). Elsewhere
 it is the torch reference: it dequantizes one layer's weight (one expert's, in the MoE) on the fly,
 inside the op, and drops it after; nothing keeps a dequantized copy. Unquantized experts on CUDA run the
-same fused MoE kernel (TIERLM_NO_FUSED_MOE=1: the torch path); unquantized linear layers are F.linear.
+same fused MoE kernel (TIERLM_NO_FUSED_MOE=1: the torch path). Unquantized linear layers are F.linear,
+except on CUDA at decode rows (up to quant_linear's GEMV_MAX_ROWS), where a layer that takes it
+(`decode_gemv`: all but the vocab-wide output heads) runs quant_linear's Triton GEMV over its weight:
+there the step's projections chain to their neighbours with programmatic dependent launch (cuBLAS
+would break the chain and, for the long-K ones, add a split-K reduce kernel);
+TIERLM_NO_TRITON_DENSE_GEMV=1 turns it off.
 """
 
 from __future__ import annotations
 
+import math
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
@@ -149,6 +155,22 @@ class DenseFormat(WeightFormat):
     def dequantize(self, tensors, in_features):
         return tensors["weight"].float()
 
+    def kernel_linear(self, x, tensors, in_features):
+        """On CUDA the decode rows' Triton GEMV (`linear_kernel`), unless TIERLM_NO_TRITON_DENSE_GEMV=1;
+        elsewhere None (F.linear)."""
+        if not x.is_cuda or os.environ.get("TIERLM_NO_TRITON_DENSE_GEMV", "0") not in ("", "0"):
+            return None
+        return self.linear_kernel(x, tensors, in_features)
+
+    def linear_kernel(self, x, tensors, in_features):
+        """Up to GEMV_MAX_ROWS rows (decode), y = x W^T by quant_linear's Triton GEMV over the weight in
+        place (any device Triton runs on); more rows: None (F.linear: cuBLAS's GEMM serves prefill)."""
+        from tierlm.kernels.quant_linear.triton import GEMV_MAX_ROWS, quant_linear
+
+        if math.prod(x.shape[:-1]) > GEMV_MAX_ROWS:
+            return None
+        return quant_linear(x, tensors["weight"])
+
     def kernel_experts(self, x, gate_up, down, weights, experts, shared=None):
         """On CUDA the fused MoE kernel (`tierlm/kernels/fused_moe`) over the stacked experts, read in
         place (TIERLM_NO_FUSED_MOE=1: the torch path instead); elsewhere None (the torch path)."""
@@ -210,11 +232,17 @@ class LinearMethod(ABC):
 
 
 class UnquantizedLinearMethod(LinearMethod):
+    """F.linear; on CUDA, a `decode_gemv` layer's decode rows through the Triton GEMV
+    (`DenseFormat.kernel_linear`)."""
+
     def __init__(self) -> None:
         super().__init__(DENSE)
 
     def apply(self, layer, x):
-        return F.linear(x, layer.weight, layer.bias)
+        y = self.format.kernel_linear(x, runtime_view(layer, DENSE), layer.in_features) if layer.decode_gemv else None
+        if y is None:
+            return F.linear(x, layer.weight, layer.bias)
+        return y if layer.bias is None else y + layer.bias
 
 
 class QuantizedLinearMethod(LinearMethod):
