@@ -202,3 +202,69 @@ def test_split_gemv_replays_in_a_cuda_graph(bits):
 def exact_of(x: torch.Tensor, w: torch.Tensor):
     """(x W^T in fp64, the sums of |products|): `within_tolerance`'s exact result for dequantized W."""
     return x.double() @ w.double().T, x.double().abs() @ w.double().abs().T
+
+
+def replay_with_and_without_pdl(monkeypatch, step, set_inputs, replays: int = 16) -> list[list[torch.Tensor]]:
+    """step() captured in a CUDA graph with programmatic dependent launch, and again with TIERLM_NO_PDL=1
+    (each warmed up eagerly first: compiles, arrival counters); replayed `replays` times each after
+    set_inputs(i) writes replay i's inputs into the captured buffers. Returns [with PDL, without]: each
+    a list of replay outputs (step's result, cloned)."""
+    from tierlm.kernels.dependent_launch import pdl_enabled
+
+    assert pdl_enabled(torch.device("cuda")), "the device has no programmatic dependent launch (compute capability < 9)"
+    outputs = []
+    for no_pdl in (False, True):
+        if no_pdl:
+            monkeypatch.setenv("TIERLM_NO_PDL", "1")
+        else:
+            monkeypatch.delenv("TIERLM_NO_PDL", raising=False)
+        set_inputs(0)
+        step()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            result = step()
+        runs = []
+        for i in range(replays):
+            set_inputs(i)
+            graph.replay()
+            runs.append(result.clone())
+        outputs.append(runs)
+    return outputs
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("rows", [1, 4])
+@pytest.mark.parametrize("bits", [None, 4])
+def test_dependent_launch_is_bit_identical_in_a_cuda_graph(monkeypatch, rows, bits):
+    """A chain of decode GEMVs, each reading the one before it (the model's 2560 -> 16384, 16384 -> 2560,
+    2560 -> 6144, 6144 -> 2560 widths: split over K and not; bf16 or INT4 g128), captured with
+    programmatic dependent launch (each GEMV's first weight tile loaded before it waits) and without:
+    16 replays on new inputs give bit-identical outputs, equal to eager calls (a kernel that read its
+    input before the wait would race the one before it)."""
+    import tierlm.kernels.quant_linear.triton as kernels
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    layers = []
+    for n, k in ((16384, 2560), (2560, 16384), (6144, 2560), (2560, 6144)):
+        w = torch.randn(n, k, generator=gen, device="cuda") * k**-0.5
+        if bits is None:
+            layers.append((w.bfloat16(), {}))
+        else:
+            packed, scales = packing.quantize(w, bits, 128)
+            layers.append((packed, {"scales": scales.bfloat16(), "bits": bits, "group_size": 128}))
+    x = torch.empty(rows, 2560, device="cuda", dtype=torch.bfloat16)
+
+    def step():
+        y = x
+        for weight, kwargs in layers * 2:
+            y = kernels.quant_linear(y, weight, **kwargs)
+        return y
+
+    def set_inputs(i):
+        x.copy_(torch.randn(rows, 2560, generator=torch.Generator(device="cuda").manual_seed(100 + i), device="cuda"))
+
+    with_pdl, without = replay_with_and_without_pdl(monkeypatch, step, set_inputs)
+    for i, (a, b) in enumerate(zip(with_pdl, without)):
+        set_inputs(i)
+        assert torch.equal(a, b) and torch.equal(a, step()), f"replay {i}"
+        assert a.abs().max() > 0
