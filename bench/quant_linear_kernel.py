@@ -19,7 +19,18 @@ reference (`naive`: the weight dequantized, then F.linear): max |diff| relative 
     python bench/quant_linear_kernel.py --small    # CPU: Triton's interpreter, tiny shapes
     python bench/quant_linear_kernel.py --formats bf16 int6-g32 --shapes 1280x2560 2560x640 --batches 1 4 \
         --baseline ../main   # the INT6 shared expert's gate_up and down (int4-mixed), before and after
+    python bench/quant_linear_kernel.py --sweep-dense           # CUDA: the bf16 GEMV's tiles, see below
+    python bench/quant_linear_kernel.py --sweep-dense --small   # CPU: the same on tiny shapes, 2 candidates
 Results go to bench/results/quant_linear_kernel_<device>.json.
+
+--sweep-dense: the unquantized GEMV's tiles for the model's dense bf16 decode projections, which run it
+on CUDA (`DenseFormat.kernel_linear`): GDN's in_proj (16384 x 2560) and out_proj (2560 x 6144), PLE's
+key/value projection (12800 x 2560), at 1 and 4 rows. For each row count, first the tiles (BLOCK_N,
+BLOCK_K, warps; `DENSE_TILE_SWEEP`), then, with the best of them, the programs K is split to fill
+(`GEMV_TARGET_PROGRAMS`): each candidate's time on every shape against torch.matmul's (cuBLAS), its
+output checked against the reference (a candidate off by more than DENSE_TOLERANCE is reported and never
+chosen); the best is the least total time over the shapes (what a decode step pays). Results go to
+bench/results/quant_linear_kernel_dense_sweep_<device>.json.
 """
 
 from __future__ import annotations
@@ -49,6 +60,14 @@ PACKED_GEMV_SWEEP = [{"PACKED_GEMV_BLOCK_N": n, "PACKED_GEMV_BLOCK_K": k, "PACKE
                      for n in (8, 16, 32) for k in (256, 512, 1024) for w in (4, 8)
                      if 2 <= n * k // 8 // (32 * w) <= 16]  # 4-bit words per thread (8-bit: twice as many)
 SPLIT_SWEEP = [{"GEMV_TARGET_PROGRAMS": t, "GEMV_MIN_TILES_PER_SPLIT": m} for t in (264, 528, 1056) for m in (2, 4)]
+# --sweep-dense (module docstring): the shapes, then (BLOCK_N, BLOCK_K, warps) with 16 to 64 fp32
+# accumulators a thread (rows x BLOCK_N x BLOCK_K / threads: the GEMV's per-product accumulators), then
+# the target programs
+DENSE_SHAPES = {"target": [(16384, 2560), (2560, 6144), (12800, 2560)], "small": [(48, 256), (40, 384)]}
+DENSE_TILE_SWEEP = {rows: [(n, k, w) for n in (4, 8, 16, 32) for k in (128, 256, 512, 1024) for w in (4, 8)
+                           if 16 <= rows * n * k // (32 * w) <= 64] for rows in (1, 4)}
+DENSE_PROGRAMS_SWEEP = (264, 528, 1056, 2112)
+DENSE_TOLERANCE = 1e-2  # max |kernel - reference| / max |reference| (bf16: a few units of roundoff)
 GEMM_SWEEP = [(64, 64, 4), (32, 128, 4), (64, 128, 4), (128, 64, 4), (32, 64, 2), (64, 128, 8)]  # N, K, warps
 
 
@@ -180,6 +199,96 @@ def measure(args, device: torch.device) -> dict:
             "swept_tiles": chosen, "rows": rows}
 
 
+def sweep_dense(args, device: torch.device) -> dict:
+    """--sweep-dense (module docstring): every candidate's row per (rows, shape), and the best per rows."""
+    from tierlm.kernels.dependent_launch import pdl_enabled
+    from tierlm.kernels.quant_linear import naive
+    from tierlm.kernels.quant_linear import triton as kernels
+
+    small = args.small
+    shapes = DENSE_SHAPES["small" if small else "target"]
+    l2_bytes = (SMALL if small else TARGET)["l2_bytes"]
+    gen = torch.Generator(device=device).manual_seed(0)
+    copy = copy_bandwidth(device, args.copy_bytes)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (Triton interpreter)"
+    print(f"device: {name}; copy bandwidth {copy / 1e9:.1f} GB/s (read + write)")
+    run = SimpleNamespace(device=device, copy=copy, xs={}, nbytes={}, baseline=None)
+    weights_of, cublas_us = {}, {}
+    for n, k in shapes:
+        one = make_weights(n, k, "bf16", 1, device, gen)[1]
+        copies = 1 if device.type != "cuda" else max(2, min(8, math.ceil(l2_bytes / one)))
+        weights_of[(n, k)], run.nbytes[(n, k, "bf16")] = make_weights(n, k, "bf16", copies + 1, device, gen)
+    rows_out, best_of = [], {}
+    for rows in (1, 4):
+        block_m = rows  # (1 or 4: GEMV_BLOCK_K's key)
+        for k in {k for _, k in shapes}:
+            run.xs[(k, rows)] = [torch.randn(rows, k, generator=gen, device=device).to(torch.bfloat16) for _ in range(4)]
+        for n, k in shapes:
+            x, weights = run.xs[(k, rows)], weights_of[(n, k)]
+            cublas_us[(n, k, rows)] = timed(lambda i, x=x, weights=weights: torch.matmul(
+                x[i % len(x)], weights[i][0].t()), len(weights) - 1, device) * 1e6
+        saved = {name: getattr(kernels, name) for name in ("GEMV_BLOCK_N", "GEMV_BLOCK_K", "GEMV_NUM_WARPS",
+                                                           "GEMV_TARGET_PROGRAMS")}
+        tiles = DENSE_TILE_SWEEP[rows][:2] if small else DENSE_TILE_SWEEP[rows]
+        programs = DENSE_PROGRAMS_SWEEP[:2] if small else DENSE_PROGRAMS_SWEEP
+        stages = [[{"GEMV_BLOCK_N": n, "GEMV_BLOCK_K": {**saved["GEMV_BLOCK_K"], block_m: k}, "GEMV_NUM_WARPS": w}
+                   for n, k, w in tiles],
+                  [{"GEMV_TARGET_PROGRAMS": p} for p in programs]]
+        print(f"\n{rows} row(s): {'tiles (N, K, warps), programs':<34}" + "".join(
+            f"{f'{n}x{k} us':>14}{'vs cuBLAS':>10}" for n, k in shapes) + f"{'total us':>10}{'max rel diff':>13}")
+        print(f"{'torch.matmul (cuBLAS)':>45}" + "".join(f"{cublas_us[(n, k, rows)]:>14.1f}{'':>10}" for n, k in shapes)
+              + f"{sum(cublas_us[(n, k, rows)] for n, k in shapes):>10.1f}")
+        chosen, best_row = {}, None
+        for stage in stages:
+            best = None
+            for candidate in stage:
+                for attr, value in {**chosen, **candidate}.items():
+                    setattr(kernels, attr, value)
+                row = measure_dense_candidate(run, kernels, naive, shapes, rows, weights_of, cublas_us)
+                rows_out.append(row)
+                print(f"{row['label']:>45}" + "".join(f"{s['kernel_us']:>14.1f}{s['speedup_over_cublas']:>9.2f}x"
+                                                      for s in row["shapes"])
+                      + f"{row['total_us']:>10.1f}{row['max_rel_diff']:>13.2e}" + ("" if row["ok"] else "  WRONG"))
+                if row["ok"] and (best is None or row["total_us"] < best[0]["total_us"]):
+                    best = (row, candidate)
+            if best is not None:
+                best_row = best[0]
+                chosen.update(best[1])
+        for attr, value in saved.items():
+            setattr(kernels, attr, value)
+        if best_row is not None:
+            cublas_total = sum(cublas_us[(n, k, rows)] for n, k in shapes)
+            best_of[rows] = {**best_row["config"], "total_us": best_row["total_us"], "cublas_total_us": cublas_total}
+            print(f"best for {rows} row(s): {best_row['label']}: {best_row['total_us']:.1f} us vs cuBLAS "
+                  f"{cublas_total:.1f} us ({cublas_total / best_row['total_us']:.2f}x)")
+    return {"device": name, "copy_bandwidth_GBps": copy / 1e9, "torch": torch.__version__, "cuda_graph": True,
+            "pdl": pdl_enabled(device), "best": best_of, "rows": rows_out}
+
+
+def measure_dense_candidate(run, kernels, naive, shapes, rows: int, weights_of: dict, cublas_us: dict) -> dict:
+    """The tiles as set now in quant_linear.triton, on every shape at `rows`: time and check each."""
+    cfg_of = {(n, k): kernels.launch_config(rows, n, k) for n, k in shapes}
+    per_shape, worst = [], 0.0
+    for n, k in shapes:
+        weights = weights_of[(n, k)]
+        result = measure_shape(run, n, k, "bf16", rows, weights)
+        x = run.xs[(k, rows)][0]
+        ref = naive.quant_linear(x, weights[0][0]).float()
+        out = kernels.quant_linear(x, weights[0][0]).float()
+        diff = ((out - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
+        worst = max(worst, diff)
+        us = result["kernel_s"] * 1e6
+        per_shape.append({"N": n, "K": k, "kernel_us": us, "kernel_vs_copy": result["fraction"],
+                          "cublas_us": cublas_us[(n, k, rows)], "speedup_over_cublas": cublas_us[(n, k, rows)] / us,
+                          "max_rel_diff": diff, "splits": cfg_of[(n, k)].splits})
+    cfg = next(iter(cfg_of.values()))
+    config = {"block_n": cfg.block_n, "block_k": kernels.GEMV_BLOCK_K[cfg.block_m], "warps": cfg.num_warps,
+              "target_programs": kernels.GEMV_TARGET_PROGRAMS}
+    label = f"{config['block_n']}, {config['block_k']}, {config['warps']}; {config['target_programs']}"
+    return {"rows": rows, "config": config, "label": label, "shapes": per_shape,
+            "total_us": sum(s["kernel_us"] for s in per_shape), "max_rel_diff": worst, "ok": worst <= DENSE_TOLERANCE}
+
+
 def n_by_k(text: str) -> tuple[int, int]:
     """'1280x2560' -> (1280, 2560): a weight shape N x K on the command line."""
     try:
@@ -197,6 +306,8 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="+", default=None, metavar="NxK", type=n_by_k,
                         help="weight shapes instead of the target model's (e.g. 1280x2560)")
     parser.add_argument("--sweep", action="store_true", help="also sweep the tile sizes (best one reported)")
+    parser.add_argument("--sweep-dense", action="store_true",
+                        help="only sweep the bf16 GEMV's tiles at the model's dense decode projections (docstring)")
     parser.add_argument("--baseline", type=Path, default=None, metavar="ROOT",
                         help="also time ROOT's quant_linear kernel (another checkout: before/after in one run)")
     parser.add_argument("--copy-bytes", type=int, default=None, help="size of the copy-bandwidth tensor")
@@ -210,9 +321,10 @@ def main() -> None:
         torch.set_num_threads(1)
     if args.copy_bytes is None:
         args.copy_bytes = 2 << 30 if device.type == "cuda" else 64 << 20
-    result = measure(args, device)
+    result = sweep_dense(args, device) if args.sweep_dense else measure(args, device)
     slug = re.sub(r"[^a-z0-9]+", "_", result["device"].lower()).strip("_")
-    out = args.out or Path(__file__).parent / "results" / f"quant_linear_kernel_{slug}{'_small' if args.small else ''}.json"
+    kind = "_dense_sweep" if args.sweep_dense else ""
+    out = args.out or Path(__file__).parent / "results" / f"quant_linear_kernel{kind}_{slug}{'_small' if args.small else ''}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {out}")
