@@ -24,8 +24,8 @@ BLOCK_SIZE, DECODE_STEPS = 16, 3
 
 def test_dense_decode_rows_take_the_gemv_on_cuda_only_unless_switched_off(monkeypatch):
     """CPU: no kernel (F.linear). CUDA: the GEMV up to GEMV_MAX_ROWS rows, none above (prefill stays on
-    cuBLAS), none with TIERLM_NO_TRITON_DENSE_GEMV=1 (all checked before a kernel would run, so stand-ins
-    show it)."""
+    cuBLAS), none where autograd records the product (training), none with TIERLM_NO_TRITON_DENSE_GEMV=1
+    (all checked before a kernel would run, so stand-ins show it)."""
     from tierlm.kernels.quant_linear.triton import GEMV_MAX_ROWS
     from tierlm.model.quantization.base import DENSE
 
@@ -33,6 +33,8 @@ def test_dense_decode_rows_take_the_gemv_on_cuda_only_unless_switched_off(monkey
     assert DENSE.kernel_linear(torch.zeros(1, 8), {"weight": torch.zeros(4, 8)}, 8) is None
     assert DENSE.linear_kernel(torch.zeros(GEMV_MAX_ROWS + 1, 8), {"weight": torch.zeros(4, 8)}, 8) is None
     assert DENSE.linear_kernel(torch.zeros(3, GEMV_MAX_ROWS, 8), {"weight": torch.zeros(4, 8)}, 8) is None
+    trained = torch.zeros(4, 8, requires_grad=True)
+    assert DENSE.kernel_linear(SimpleNamespace(is_cuda=True, requires_grad=False), {"weight": trained}, 8) is None
     monkeypatch.setenv("TIERLM_NO_TRITON_DENSE_GEMV", "1")
     assert DENSE.kernel_linear(SimpleNamespace(is_cuda=True), {}, 8) is None
 

@@ -157,8 +157,11 @@ class DenseFormat(WeightFormat):
 
     def kernel_linear(self, x, tensors, in_features):
         """On CUDA the decode rows' Triton GEMV (`linear_kernel`), unless TIERLM_NO_TRITON_DENSE_GEMV=1;
-        elsewhere None (F.linear)."""
+        elsewhere None (F.linear). Also None where autograd records the product (training: the kernel
+        has no backward)."""
         if not x.is_cuda or os.environ.get("TIERLM_NO_TRITON_DENSE_GEMV", "0") not in ("", "0"):
+            return None
+        if torch.is_grad_enabled() and (x.requires_grad or tensors["weight"].requires_grad):
             return None
         return self.linear_kernel(x, tensors, in_features)
 
