@@ -23,7 +23,9 @@ import torch
 
 KERNELS = Path(__file__).parent.parent / "tierlm" / "kernels"
 PDL_FILES = [*(path for folder in ("hyper_connection", "moe_router", "ple", "embed_streams")
-               for path in sorted((KERNELS / folder).glob("*.py"))), KERNELS / "gated_delta_rule" / "decode_triton.py"]
+               for path in sorted((KERNELS / folder).glob("*.py"))), KERNELS / "gated_delta_rule" / "decode_triton.py",
+             KERNELS / "quant_linear" / "triton.py", KERNELS / "fused_moe" / "triton.py",
+             KERNELS / "fused_moe" / "packed_decode.py"]
 # each launched kernel: the arguments it may read before `wait_for_inputs` (weights no kernel of a step
 # writes, and scalars); a pointer's `.dtype` is no read
 WEIGHTS = {
@@ -37,6 +39,14 @@ WEIGHTS = {
     "_residual_kernel": {"norm_conv_ptr", "conv_weight_ptr"},
     "_advance_context_kernel": set(),
     "_decode_kernel": {"weight", "A_log", "dt_bias"},
+    "_gemv_kernel": {"w_ptr", "s_ptr", "M", "N", "K", "k_per_split", "stride_xm", "stride_wn", "stride_sn"},
+    "_gemm_kernel": set(),
+    "_decode_gemv_kernel": set(),  # (which expert a program reads is an input)
+    "_gate_up_kernel": set(),
+    "_down_kernel": set(),
+    "_sum_chunks_kernel": set(),
+    "_split_x_kernel": set(),
+    "_packed_decode_kernel": set(),
 }
 
 

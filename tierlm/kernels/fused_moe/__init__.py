@@ -19,12 +19,11 @@ format and width).
              activations read in a split, pre-scaled layout, 2 instructions a value; the shared expert's
              tiles in its own format beside the experts' (at the token counts of
              PACKED_SHARED_APART_TOKENS `triton.fused_moe` runs it apart)
-  decode_parts.py  what the two decode forms share (`SharedArgs`, the two-phase launch; for the
+  decode_parts.py  what the two decode forms share (`SharedArgs`, `SharedShape`; for the
              unquantized / INT6 form the shared expert's columns in any format and the end of a down
              program whose token's experts are split over several programs)
-Every Triton launch uses programmatic dependent launch where the device has it (`kernels/dependent_launch`):
-the shared expert's programs load their first weight tile before waiting for the kernel before them;
-the routed experts' wait first (which expert a program reads is the router's output).
+Every Triton launch uses programmatic dependent launch where the device has it (`kernels/dependent_launch`);
+its programs wait for the kernel before them first (which expert a program reads is the router's output).
 """
 
 from tierlm.kernels.fused_moe.naive import SharedExpert, fused_moe

@@ -1,10 +1,8 @@
 """Pieces the two decode forms of `fused_moe` share (`triton._decode` and `packed_decode`): `SharedArgs`,
 a checked `SharedExpert` as both forms' launches take it (its tensors; `SharedShape`, what its
-compile-time constants depend on, hashable so the forms cache their launch constants by it), and
-`launch_phases`, the two launches of a form's two-phase kernel (gate_up, then down); `round_as`. Then,
-for the unquantized / INT6 form: one expert's SwiGLU columns and down columns for one row of input, by
-`quant_linear.triton.gemv_loop` in any weight format (for the shared expert, whose weights no kernel of
-the step writes, the first K tile loaded before the PDL wait); the order a down program takes a token's experts in
+compile-time constants depend on, hashable so the forms cache their launch constants by it); `round_as`.
+Then, for the unquantized / INT6 form: one expert's SwiGLU columns and down columns for one row of input, by
+`quant_linear.triton.gemv_loop` in any weight format; the order a down program takes a token's experts in
 (`expert_ranks`); and the end of a down program whose token's experts are split over several programs
 (the last to arrive adds the splits' fp32 partials in split order and rounds the output once:
 `split_reduce` arrival counters), in the same launch.
@@ -12,7 +10,6 @@ the step writes, the first K tile loaded before the PDL wait); the order a down 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import NamedTuple
 
 import torch
@@ -20,14 +17,11 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from tierlm.kernels.dependent_launch import wait_for_inputs
 from tierlm.kernels.fused_moe.naive import SharedExpert, check_shared_args
 from tierlm.kernels.quant_linear.triton import (
     check_whole_word_groups,
     gemv_loop,
-    gemv_step,
     gemv_sum,
-    gemv_weights,
     gemv_zeros,
     quant_linear,
     round_to,
@@ -49,51 +43,31 @@ def expert_ranks(ids_ptr, token, TOP_K: tl.constexpr, SLOTS: tl.constexpr):
 @triton.jit
 def swiglu_columns(x_ptr, x_row, w_ptr, s_ptr, width, offs_n, stride_wn, stride_sn, K, BITS: tl.constexpr,
                    GROUP_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                   PRECISION: tl.constexpr, WAIT: tl.constexpr):
+                   PRECISION: tl.constexpr):
     """silu(x W[n]) * (x W[width + n]) in fp32, [1, BLOCK_N], for columns offs_n of one expert's gate_up
     (W: `width` gate rows then `width` up rows over K inputs, at w_ptr / its scales at s_ptr) and one row
-    of x (int64 offset x_row from x_ptr); columns past `width` are garbage (callers mask the store).
-    WAIT (the PDL constexpr, for weights no kernel of the step writes: the shared expert's): the gate
-    rows' first K tile is loaded, then `wait_for_inputs`, then x is read; False: the caller has waited,
-    and the gate rows take the plain loop (peeled, the routed experts' gate_up took 78 -> 96 registers
-    for bf16 on sm_90, triton 3.9: the gate's sum is taken before the up rows' loop for the same reason)."""
+    of x (int64 offset x_row from x_ptr); columns past `width` are garbage (callers mask the store)."""
     n_mask = offs_n < width
     x_rows = x_row + tl.zeros((1,), dtype=tl.int64)
     one_row = tl.full((1,), 1, tl.int1)
-    if WAIT:
-        tile, scale = gemv_weights(w_ptr, s_ptr, 0, offs_n, n_mask, stride_wn, stride_sn, K, BITS, GROUP_SIZE, BLOCK_K,
-                                   EVEN_K, x_ptr.dtype.element_ty, PRECISION)
-        wait_for_inputs(WAIT)
-        gate = gemv_step(gemv_zeros(1, BLOCK_N, BLOCK_K, BITS), tile, scale, x_ptr, x_rows, one_row, 0, K, BITS,
-                         BLOCK_K, EVEN_K)
-        gate = gemv_loop(gate, x_ptr, x_rows, one_row, w_ptr, s_ptr, BLOCK_K, K, offs_n, n_mask, stride_wn, stride_sn,
-                         K, BITS, GROUP_SIZE, BLOCK_K, EVEN_K, PRECISION)
-    else:
-        gate = gemv_loop(gemv_zeros(1, BLOCK_N, BLOCK_K, BITS), x_ptr, x_rows, one_row, w_ptr, s_ptr, 0, K, offs_n,
-                         n_mask, stride_wn, stride_sn, K, BITS, GROUP_SIZE, BLOCK_K, EVEN_K, PRECISION)
-    gate_sum = gemv_sum(gate, BITS)
+    gate = gemv_loop(gemv_zeros(1, BLOCK_N, BLOCK_K, BITS), x_ptr, x_rows, one_row, w_ptr, s_ptr, 0, K, offs_n, n_mask,
+                     stride_wn, stride_sn, K, BITS, GROUP_SIZE, BLOCK_K, EVEN_K, PRECISION)
     up = gemv_loop(gemv_zeros(1, BLOCK_N, BLOCK_K, BITS), x_ptr, x_rows, one_row, w_ptr + width * stride_wn,
                    s_ptr + width * stride_sn, 0, K, offs_n, n_mask, stride_wn, stride_sn, K, BITS, GROUP_SIZE, BLOCK_K,
                    EVEN_K, PRECISION)
-    up_sum = gemv_sum(up, BITS)
+    gate_sum, up_sum = gemv_sum(gate, BITS), gemv_sum(up, BITS)
     return gate_sum / (1.0 + tl.exp(-gate_sum)) * up_sum
 
 
 @triton.jit
 def down_columns(act_ptr, act_row, w_ptr, s_ptr, offs_n, n_mask, stride_wn, stride_sn, K, BITS: tl.constexpr,
                  GROUP_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                 PRECISION: tl.constexpr, WAIT: tl.constexpr):
+                 PRECISION: tl.constexpr):
     """act's row (int64 offset act_row) times the down rows offs_n (masked by n_mask) over K inputs, in
-    fp32, [BLOCK_N]. WAIT: as `swiglu_columns` (the first K tile of W, then `wait_for_inputs`, then act)."""
-    act_rows = act_row + tl.zeros((1,), dtype=tl.int64)
-    one_row = tl.full((1,), 1, tl.int1)
-    tile, scale = gemv_weights(w_ptr, s_ptr, 0, offs_n, n_mask, stride_wn, stride_sn, K, BITS, GROUP_SIZE, BLOCK_K,
-                               EVEN_K, act_ptr.dtype.element_ty, PRECISION)
-    wait_for_inputs(WAIT)
-    acc = gemv_step(gemv_zeros(1, BLOCK_N, BLOCK_K, BITS), tile, scale, act_ptr, act_rows, one_row, 0, K, BITS, BLOCK_K,
-                    EVEN_K)
-    acc = gemv_loop(acc, act_ptr, act_rows, one_row, w_ptr, s_ptr, BLOCK_K, K, offs_n, n_mask, stride_wn, stride_sn, K,
-                    BITS, GROUP_SIZE, BLOCK_K, EVEN_K, PRECISION)
+    fp32, [BLOCK_N]."""
+    acc = gemv_loop(gemv_zeros(1, BLOCK_N, BLOCK_K, BITS), act_ptr, act_row + tl.zeros((1,), dtype=tl.int64),
+                    tl.full((1,), 1, tl.int1), w_ptr, s_ptr, 0, K, offs_n, n_mask, stride_wn, stride_sn, K, BITS,
+                    GROUP_SIZE, BLOCK_K, EVEN_K, PRECISION)
     return tl.reshape(gemv_sum(acc, BITS), (BLOCK_N,))
 
 
@@ -131,14 +105,6 @@ def round_as(x, DTYPE: tl.constexpr, PRECISION: tl.constexpr):
     elif DTYPE == "fp16":
         x = round_to(x, tl.float16, PRECISION).to(tl.float32)
     return x
-
-
-def launch_phases(kernel, args: tuple, constants: Mapping, options: dict, gate_up: tuple[int, int],
-                  down: tuple[int, int]) -> None:
-    """A decode form's two launches of its two-phase kernel: gate_up then down, each (programs, warps);
-    constants: its compile-time constants; options: `dependent_launch.launch_options`."""
-    for phase, (programs, warps) in (("gate_up", gate_up), ("down", down)):
-        kernel[(programs,)](*args, PHASE=phase, num_warps=warps, **constants, **options)
 
 
 class SharedShape(NamedTuple):

@@ -47,17 +47,9 @@ from tierlm.kernels.fused_moe.decode_parts import (
     DTYPE_NAMES,
     SharedArgs,
     SharedShape,
-    launch_phases,
     round_as,
 )
-from tierlm.kernels.quant_linear.triton import (
-    dot_precision,
-    gemv_step,
-    gemv_sum,
-    gemv_weights,
-    gemv_zeros,
-    round_to,
-)
+from tierlm.kernels.quant_linear.triton import dot_precision, gemv_loop, gemv_sum, gemv_zeros, round_to
 from tierlm.kernels.split_reduce import arrival_counters
 
 PRODUCT_EXPONENT = tl.constexpr(64)  # E: each product is q * x * 2^-E (module docstring)
@@ -251,7 +243,7 @@ def _gate_up_program(
     BLOCK_N: tl.constexpr, N_BLOCKS: tl.constexpr, BLOCK_W: tl.constexpr, SPLITS: tl.constexpr,
     SPLITS_P2: tl.constexpr, SHARED_SPLITS: tl.constexpr, SHARED_SPLITS_P2: tl.constexpr, SLOTS: tl.constexpr,
     DTYPE: tl.constexpr, HAS_SHARED: tl.constexpr, SHARED_BITS: tl.constexpr, SHARED_GROUP_SIZE: tl.constexpr,
-    SHARED_BLOCK_K: tl.constexpr, SHARED_EVEN_K: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
+    SHARED_BLOCK_K: tl.constexpr, SHARED_EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """gate_up's item (row, pid_n, split): the gate and up sums of columns [pid_n * BLOCK_N, +BLOCK_N) over
     one K split. Rows below num_shared (T with a shared expert, else 0) are the tokens' shared expert: its
@@ -259,44 +251,15 @@ def _gate_up_program(
     SHARED_SPLITS); the others are pairs (pair = row - num_shared: token pair // TOP_K, expert ids[pair]):
     gate and up rows in one [2 * BLOCK_N, BLOCK_W] tile of H's words [split * BLOCK_W, +BLOCK_W) (of
     SPLITS). SLOTS: partials a column block holds (the larger split count). The split that arrives last
-    finishes the columns (`_gate_up_end`). Under PDL the shared expert's items load their weight tiles
-    before `wait_for_inputs` (its weights are constants); a pair's item waits first (its expert id is
-    the router's output)."""
+    finishes the columns (`_gate_up_end`)."""
     VALUES: tl.constexpr = 32 // BITS
     WORDS: tl.constexpr = H // VALUES
     pair = row - num_shared
-    if HAS_SHARED:
-        shared_columns = (pair < 0) & (pid_n * BLOCK_N < S)
-    else:
-        shared_columns: tl.constexpr = False  # without a shared expert its branch is not compiled
-    if shared_columns:
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < S
-        k_start = split * SHARED_BLOCK_K
-        gate_tile, gate_scale = gemv_weights(shared_w_ptr, shared_s_ptr, k_start, offs_n, n_mask, stride_swn,
-                                             stride_ssn, H, SHARED_BITS, SHARED_GROUP_SIZE, SHARED_BLOCK_K,
-                                             SHARED_EVEN_K, x_ptr.dtype.element_ty, PRECISION)
-        up_tile, up_scale = gemv_weights(shared_w_ptr + S * stride_swn, shared_s_ptr + S * stride_ssn, k_start, offs_n,
-                                         n_mask, stride_swn, stride_ssn, H, SHARED_BITS, SHARED_GROUP_SIZE,
-                                         SHARED_BLOCK_K, SHARED_EVEN_K, x_ptr.dtype.element_ty, PRECISION)
-        wait_for_inputs(PDL)
-        x_rows = row.to(tl.int64) * stride_xt + tl.zeros((1,), dtype=tl.int64)
-        one_row = tl.full((1,), 1, tl.int1)
-        gate = gemv_step(gemv_zeros(1, BLOCK_N, SHARED_BLOCK_K, SHARED_BITS), gate_tile, gate_scale, x_ptr, x_rows,
-                         one_row, k_start, H, SHARED_BITS, SHARED_BLOCK_K, SHARED_EVEN_K)
-        up = gemv_step(gemv_zeros(1, BLOCK_N, SHARED_BLOCK_K, SHARED_BITS), up_tile, up_scale, x_ptr, x_rows, one_row,
-                       k_start, H, SHARED_BITS, SHARED_BLOCK_K, SHARED_EVEN_K)
-        gate_sum = tl.reshape(gemv_sum(gate, SHARED_BITS), (BLOCK_N,))
-        up_sum = tl.reshape(gemv_sum(up, SHARED_BITS), (BLOCK_N,))
-        sums = tl.reshape(tl.trans(tl.join(gate_sum, up_sum)), (2 * BLOCK_N,))
-        _gate_up_end(sums, row, pid_n, split, num_shared, act_ptr, act_bias_ptr, shared_act_ptr, partial_ptr,
-                     counter_ptr, S, bias_scale, stride_sap, I, BITS, BLOCK_N, N_BLOCKS, SHARED_SPLITS,
-                     SHARED_SPLITS_P2, SLOTS, DTYPE, PRECISION)
-    else:
-        wait_for_inputs(PDL)
-        if (pair >= 0) & (pid_n * BLOCK_N < I):
-            both = tl.arange(0, 2 * BLOCK_N)
-            n = pid_n * BLOCK_N + both % BLOCK_N
+    width = tl.where(pair >= 0, I, S)
+    if pid_n * BLOCK_N < width:
+        both = tl.arange(0, 2 * BLOCK_N)
+        n = pid_n * BLOCK_N + both % BLOCK_N
+        if pair >= 0:
             expert = tl.load(ids_ptr + pair).to(tl.int64)
             token = (pair // TOP_K).to(tl.int64)
             rows = n + (both >= BLOCK_N).to(tl.int32) * I
@@ -308,6 +271,27 @@ def _gate_up_program(
             _gate_up_end(sums, row, pid_n, split, num_shared, act_ptr, act_bias_ptr, shared_act_ptr, partial_ptr,
                          counter_ptr, S, bias_scale, stride_sap, I, BITS, BLOCK_N, N_BLOCKS, SPLITS, SPLITS_P2, SLOTS,
                          DTYPE, PRECISION)
+        else:
+            if HAS_SHARED:
+                offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+                n_mask = offs_n < S
+                x_rows = row.to(tl.int64) * stride_xt + tl.zeros((1,), dtype=tl.int64)
+                one_row = tl.full((1,), 1, tl.int1)
+                k_start = split * SHARED_BLOCK_K
+                gate = gemv_loop(gemv_zeros(1, BLOCK_N, SHARED_BLOCK_K, SHARED_BITS), x_ptr, x_rows, one_row,
+                                 shared_w_ptr, shared_s_ptr, k_start, k_start + SHARED_BLOCK_K, offs_n, n_mask,
+                                 stride_swn, stride_ssn, H, SHARED_BITS, SHARED_GROUP_SIZE, SHARED_BLOCK_K,
+                                 SHARED_EVEN_K, PRECISION)
+                gate_sum = tl.reshape(gemv_sum(gate, SHARED_BITS), (BLOCK_N,))
+                up = gemv_loop(gemv_zeros(1, BLOCK_N, SHARED_BLOCK_K, SHARED_BITS), x_ptr, x_rows, one_row,
+                               shared_w_ptr + S * stride_swn, shared_s_ptr + S * stride_ssn, k_start,
+                               k_start + SHARED_BLOCK_K, offs_n, n_mask, stride_swn, stride_ssn, H, SHARED_BITS,
+                               SHARED_GROUP_SIZE, SHARED_BLOCK_K, SHARED_EVEN_K, PRECISION)
+                up_sum = tl.reshape(gemv_sum(up, SHARED_BITS), (BLOCK_N,))
+                sums = tl.reshape(tl.trans(tl.join(gate_sum, up_sum)), (2 * BLOCK_N,))
+                _gate_up_end(sums, row, pid_n, split, num_shared, act_ptr, act_bias_ptr, shared_act_ptr, partial_ptr,
+                             counter_ptr, S, bias_scale, stride_sap, I, BITS, BLOCK_N, N_BLOCKS, SHARED_SPLITS,
+                             SHARED_SPLITS_P2, SLOTS, DTYPE, PRECISION)
 
 
 @triton.jit
@@ -318,14 +302,13 @@ def _down_program(
     H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, BITS: tl.constexpr, GROUP_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, N_BLOCKS: tl.constexpr, BLOCK_W: tl.constexpr, SPLITS: tl.constexpr, SHARED_SPLITS: tl.constexpr,
     PARTS_P2: tl.constexpr, DTYPE: tl.constexpr, HAS_SHARED: tl.constexpr, SHARED_BITS: tl.constexpr, SHARED_GROUP_SIZE: tl.constexpr,
-    SHARED_BLOCK_K: tl.constexpr, SHARED_EVEN_K: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
+    SHARED_BLOCK_K: tl.constexpr, SHARED_EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """down's item (pid_n, token (int64), part): rows [pid_n * BLOCK_N, +BLOCK_N) of H for one token. Parts
     below TOP_K * SPLITS are slot part // SPLITS's expert over I's words [(part % SPLITS) * BLOCK_W,
     +BLOCK_W), times its routing weight (rounded to x's dtype); the rest the shared expert's K ranges of
-    S, times its gate (`gemv_step`, its own format: its weight tile loaded before `wait_for_inputs` under
-    PDL; the experts' parts wait first). The token's part that arrives last adds all parts in order and
-    rounds out[token] once."""
+    S, times its gate (`gemv_loop`, its own format). The token's part that arrives last adds all parts in
+    order and rounds out[token] once."""
     VALUES: tl.constexpr = 32 // BITS
     WORDS: tl.constexpr = I // VALUES
     PARTS: tl.constexpr = TOP_K * SPLITS + HAS_SHARED * SHARED_SPLITS
@@ -334,30 +317,24 @@ def _down_program(
     rows = offs_n
     if H % BLOCK_N != 0:
         rows = tl.where(n_mask, offs_n, 0)  # clamped
-    if HAS_SHARED:
-        shared_part = part >= TOP_K * SPLITS
-    else:
-        shared_part: tl.constexpr = False  # without a shared expert its branch is not compiled
     result = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    if shared_part:
-        k_start = (part - TOP_K * SPLITS) * SHARED_BLOCK_K
-        tile, scale = gemv_weights(shared_w_ptr, shared_s_ptr, k_start, offs_n, n_mask, stride_swn, stride_ssn, S,
-                                   SHARED_BITS, SHARED_GROUP_SIZE, SHARED_BLOCK_K, SHARED_EVEN_K,
-                                   shared_act_ptr.dtype.element_ty, PRECISION)
-        wait_for_inputs(PDL)
-        acc = gemv_step(gemv_zeros(1, BLOCK_N, SHARED_BLOCK_K, SHARED_BITS), tile, scale, shared_act_ptr,
-                        token * stride_sap + tl.zeros((1,), dtype=tl.int64), tl.full((1,), 1, tl.int1), k_start, S,
-                        SHARED_BITS, SHARED_BLOCK_K, SHARED_EVEN_K)
-        gate = round_as(tl.load(shared_gate_ptr + token).to(tl.float32), DTYPE, PRECISION)
-        result = tl.reshape(gemv_sum(acc, SHARED_BITS), (BLOCK_N,)) * gate
-    else:
-        wait_for_inputs(PDL)
+    if part < TOP_K * SPLITS:
         pair = token * TOP_K + part // SPLITS
         expert = tl.load(ids_ptr + pair).to(tl.int64)
         routing = round_as(tl.load(routing_ptr + pair).to(tl.float32), DTYPE, PRECISION)
         result = _tile_sums(w_ptr + expert * (H * WORDS), s_ptr + expert * (H * (I // GROUP_SIZE)), rows.to(tl.int64),
                             act_ptr + pair * I, act_bias_ptr + pair * WORDS, part % SPLITS, WORDS, BITS, GROUP_SIZE,
                             BLOCK_W) * (routing * product_scale)
+    else:
+        if HAS_SHARED:
+            k_start = (part - TOP_K * SPLITS) * SHARED_BLOCK_K
+            acc = gemv_loop(gemv_zeros(1, BLOCK_N, SHARED_BLOCK_K, SHARED_BITS), shared_act_ptr,
+                            token * stride_sap + tl.zeros((1,), dtype=tl.int64), tl.full((1,), 1, tl.int1),
+                            shared_w_ptr, shared_s_ptr, k_start, k_start + SHARED_BLOCK_K, offs_n,
+                            n_mask, stride_swn, stride_ssn, S, SHARED_BITS, SHARED_GROUP_SIZE, SHARED_BLOCK_K,
+                            SHARED_EVEN_K, PRECISION)
+            gate = round_as(tl.load(shared_gate_ptr + token).to(tl.float32), DTYPE, PRECISION)
+            result = tl.reshape(gemv_sum(acc, SHARED_BITS), (BLOCK_N,)) * gate
     if PARTS == 1:
         tl.store(out_ptr + token * H + offs_n, round_to(result, out_ptr.dtype.element_ty, PRECISION), mask=n_mask)
     else:
@@ -386,10 +363,11 @@ def _packed_decode_kernel(
     """PHASE "gate_up": program i is gate_up's item (split i % GU_SPLITS, column block (i // GU_SPLITS) %
     GU_BLOCKS, row i // (GU_SPLITS * GU_BLOCKS)); "down": down's item (part i % parts, column block
     (i // parts) % DN_BLOCKS, token i // (parts * DN_BLOCKS)): a tile's splits are neighbours. The experts'
-    weights and scales are contiguous: their strides are constants. Each item waits for the kernel
-    before it (PDL) on its own: the shared expert's after loading its weight tiles."""
+    weights and scales are contiguous: their strides are constants. Under PDL every program waits first:
+    which expert an item reads is the router's output (a shared expert's items, a few of them, wait too)."""
     allow_dependents(PDL)
     index = tl.program_id(0)
+    wait_for_inputs(PDL)
     if PHASE == "gate_up":
         row_items = GU_BLOCKS * GU_SPLITS  # the items of a pair's row; a shared expert's row has its own count
         first_pair, first = 0, 0
@@ -408,7 +386,7 @@ def _packed_decode_kernel(
             S, product_scale, bias_scale, stride_xt, gu_stride_swn, gu_stride_ssn, stride_sap, H, I, TOP_K, BITS,
             GROUP_SIZE, GU_BLOCK_N, GU_BLOCKS, GU_BLOCK_W, GU_SPLITS, GU_SPLITS_P2, GU_SHARED_SPLITS,
             GU_SHARED_SPLITS_P2, max(GU_SPLITS, GU_SHARED_SPLITS), DTYPE, HAS_SHARED, SHARED_BITS,
-            GU_SHARED_GROUP_SIZE, GU_SHARED_BLOCK_K, GU_SHARED_EVEN_K, PRECISION, PDL)
+            GU_SHARED_GROUP_SIZE, GU_SHARED_BLOCK_K, GU_SHARED_EVEN_K, PRECISION)
     else:
         PARTS: tl.constexpr = TOP_K * DN_SPLITS + HAS_SHARED * DN_SHARED_SPLITS
         _down_program(
@@ -416,7 +394,7 @@ def _packed_decode_kernel(
             act_bias_ptr, dn_w_ptr, dn_s_ptr, routing_ptr, ids_ptr, shared_act_ptr, dn_shared_w_ptr, dn_shared_s_ptr,
             shared_gate_ptr, out_ptr, dn_partial_ptr, dn_counter_ptr, S, product_scale, stride_sap, dn_stride_swn,
             dn_stride_ssn, H, I, TOP_K, BITS, GROUP_SIZE, DN_BLOCK_N, DN_BLOCKS, DN_BLOCK_W, DN_SPLITS, DN_SHARED_SPLITS, DN_PARTS_P2, DTYPE,
-            HAS_SHARED, SHARED_BITS, DN_SHARED_GROUP_SIZE, DN_SHARED_BLOCK_K, DN_SHARED_EVEN_K, PRECISION, PDL)
+            HAS_SHARED, SHARED_BITS, DN_SHARED_GROUP_SIZE, DN_SHARED_BLOCK_K, DN_SHARED_EVEN_K, PRECISION)
 
 
 class PackedLaunch(NamedTuple):
@@ -487,11 +465,10 @@ def packed_decode(x: torch.Tensor, weights: tuple, topk_weights: torch.Tensor, t
     (t, h), top_k = x.shape, topk_ids.shape[1]
     launch = _packed_launch(t, h, inter, top_k, bits, group, tiles, max_tokens, shared.shape, DTYPE_NAMES[x.dtype],
                             dot_precision(x))
-    options = launch_options(x.device)
     workspace = torch.empty(sum(launch.buffer_sizes), dtype=torch.float32, device=x.device)
     xs, x_bias, act, act_bias, gate_up_partial, down_partial = workspace.split(launch.buffer_sizes)
     _split_x_kernel[launch.split_x_grid](x, xs, x_bias, x.stride(0), launch.bias_scale, **launch.split_x_constants,
-                                         **options)
+                                         **launch_options(x.device))
     shared_act = torch.empty((t, shared.width), dtype=x.dtype, device=x.device) if shared.present else x
     out = torch.empty_like(x)
     gate_up_counters = arrival_counters("fused_moe_packed_gate_up", x.device, launch.gate_up_counters)
@@ -502,5 +479,7 @@ def packed_decode(x: torch.Tensor, weights: tuple, topk_weights: torch.Tensor, t
             launch.product_scale, launch.bias_scale, x.stride(0), shared.w_gate_up.stride(0),
             shared.gate_up_scales.stride(0), shared_act.stride(0), shared.w_down.stride(0),
             shared.down_scales.stride(0))
-    launch_phases(_packed_decode_kernel, args, launch.constants, options, launch.gate_up, launch.down)
+    for phase, (programs, warps) in (("gate_up", launch.gate_up), ("down", launch.down)):
+        _packed_decode_kernel[(programs,)](*args, PHASE=phase, num_warps=warps, **launch.constants,
+                                           **launch_options(x.device))
     return out

@@ -27,10 +27,11 @@ and no launch needs a host sync, so a decode step can be captured in a CUDA grap
     those blocks (tl.dot), one expert's weights per block, blocks past the end idle; the down products
     times the routing weight are stored per pair in fp32 and `_sum_chunks_kernel` adds each token's k of
     them in ascending expert id, rounding once.
-Launches use programmatic dependent launch (`dependent_launch`): a program waits for the kernel before
-it before reading anything but weights, so a routed expert's program waits first (its expert id is an
-input); the shared expert's loads its first weight tile, then waits. The decode form's launch shape and
-constants are worked out once per call shape (`_decode_launch`, `packed_decode._packed_launch`).
+Launches use programmatic dependent launch (`dependent_launch`): every program waits for the kernel
+before it first, as which expert it reads is the router's output (the shared expert's items, a few of
+them, could load a tile before the wait, but only on a path of their own: the kernels keep one wait,
+first). The decode form's launch shape and constants are worked out once per call shape
+(`_decode_launch`, `packed_decode._packed_launch`).
 """
 
 from __future__ import annotations
@@ -51,7 +52,6 @@ from tierlm.kernels.fused_moe.decode_parts import (
     down_columns,
     expert_ranks,
     finish_down,
-    launch_phases,
     swiglu_columns,
 )
 from tierlm.kernels.fused_moe.naive import SharedExpert, check_moe_args
@@ -100,35 +100,30 @@ def _gate_up_gemv_program(
     TOP_K: tl.constexpr, BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, HAS_SHARED: tl.constexpr, SHARED_BITS: tl.constexpr,
     SHARED_GROUP_SIZE: tl.constexpr, SHARED_BLOCK_K: tl.constexpr, SHARED_EVEN_K: tl.constexpr,
-    PRECISION: tl.constexpr, PDL: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     """gate_up's item (row, pid_n): columns [pid_n * BLOCK_N, +BLOCK_N) of row `row`. Rows below
     num_shared (T with a shared expert, else 0) are the tokens' shared expert: shared_out[token, n] =
     silu(gate) * up of the shared expert's S columns; the others are pairs (pair = row - num_shared: token
-    pair // TOP_K, expert ids[pair]): out[pair, n] = silu(gate) * up, gate = x W[e, n], up = x W[e, I + n].
-    Under PDL the shared expert's items load their first weight tile before `wait_for_inputs` (its
-    weights are constants); every other item waits first (a pair's expert id is the router's output)."""
+    pair // TOP_K, expert ids[pair]): out[pair, n] = silu(gate) * up, gate = x W[e, n], up = x W[e, I + n]."""
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     pair = row - num_shared
-    if HAS_SHARED:
-        shared_columns = (pair < 0) & (pid_n * BLOCK_N < S)
-    else:
-        shared_columns: tl.constexpr = False  # without a shared expert its branch is not compiled
-    if shared_columns:
-        act = swiglu_columns(x_ptr, row.to(tl.int64) * stride_xt, shared_w_ptr, shared_s_ptr, S, offs_n, stride_swn,
-                             stride_ssn, H, SHARED_BITS, SHARED_GROUP_SIZE, BLOCK_N, SHARED_BLOCK_K, SHARED_EVEN_K,
-                             PRECISION, PDL)
-        tl.store(shared_out_ptr + row.to(tl.int64) * stride_sop + offs_n[None, :],
-                 round_to(act, shared_out_ptr.dtype.element_ty, PRECISION), mask=(offs_n < S)[None, :])
-    else:
-        wait_for_inputs(PDL)
-        if (pair >= 0) & (pid_n * BLOCK_N < I):
+    if pair >= 0:
+        if pid_n * BLOCK_N < I:
             expert = tl.load(ids_ptr + pair).to(tl.int64)
             act = swiglu_columns(x_ptr, (pair // TOP_K).to(tl.int64) * stride_xt, w_ptr + expert * stride_we,
                                  s_ptr + expert * stride_se, I, offs_n, stride_wn, stride_sn, H, BITS, GROUP_SIZE,
-                                 BLOCK_N, BLOCK_K, EVEN_K, PRECISION, False)
+                                 BLOCK_N, BLOCK_K, EVEN_K, PRECISION)
             tl.store(out_ptr + pair.to(tl.int64) * stride_op + offs_n[None, :],
                      round_to(act, out_ptr.dtype.element_ty, PRECISION), mask=(offs_n < I)[None, :])
+    else:
+        if HAS_SHARED:  # noqa: SIM102 - a constexpr: without a shared expert its branch is not compiled
+            if pid_n * BLOCK_N < S:
+                act = swiglu_columns(x_ptr, row.to(tl.int64) * stride_xt, shared_w_ptr, shared_s_ptr, S, offs_n,
+                                     stride_swn, stride_ssn, H, SHARED_BITS, SHARED_GROUP_SIZE, BLOCK_N,
+                                     SHARED_BLOCK_K, SHARED_EVEN_K, PRECISION)
+                tl.store(shared_out_ptr + row.to(tl.int64) * stride_sop + offs_n[None, :],
+                         round_to(act, shared_out_ptr.dtype.element_ty, PRECISION), mask=(offs_n < S)[None, :])
 
 
 @triton.jit
@@ -139,31 +134,19 @@ def _down_sum_gemv_program(
     TOP_K: tl.constexpr, SLOTS: tl.constexpr, RANKS: tl.constexpr, BITS: tl.constexpr, GROUP_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, HAS_SHARED: tl.constexpr,
     SHARED_BITS: tl.constexpr, SHARED_GROUP_SIZE: tl.constexpr, SHARED_BLOCK_K: tl.constexpr,
-    SHARED_EVEN_K: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
+    SHARED_EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """down's item (pid_n of n_blocks, token (int64), split): columns [pid_n * BLOCK_N, +BLOCK_N) of H.
     With a shared expert split 0 is it: gate x (shared_act[token] W_shared_down[h]); the other splits (all
     of them without one) take the token's experts of ranks [routed split * RANKS, +RANKS) (those below
     TOP_K) by ascending id (SLOTS: TOP_K rounded up to a power of 2): the sum over those ranks, in order,
     of routing x (act[pair] W_down[e, h]) in fp32. The splits' results end in `finish_down`: out[token]
-    rounded once, by the item itself (one split) or by the token's last item to arrive. Under PDL the
-    shared expert's split loads its first weight tile before `wait_for_inputs`; the others wait first."""
+    rounded once, by the item itself (one split) or by the token's last item to arrive."""
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < H
     result = tl.zeros((BLOCK_N,), dtype=tl.float32)
     routed_split = split - HAS_SHARED
-    if HAS_SHARED:
-        shared_split = routed_split < 0
-    else:
-        shared_split: tl.constexpr = False  # without a shared expert its branch is not compiled
-    if shared_split:
-        products = down_columns(shared_act_ptr, token * stride_sap, shared_w_ptr, shared_s_ptr, offs_n, n_mask,
-                                stride_swn, stride_ssn, S, SHARED_BITS, SHARED_GROUP_SIZE, BLOCK_N, SHARED_BLOCK_K,
-                                SHARED_EVEN_K, PRECISION, PDL)
-        gate = round_to(tl.load(shared_gate_ptr + token).to(tl.float32), act_ptr.dtype.element_ty, PRECISION)
-        result += gate.to(tl.float32) * products
-    else:
-        wait_for_inputs(PDL)
+    if routed_split >= 0:
         slots, valid, rank = expert_ranks(ids_ptr, token, TOP_K, SLOTS)
         for r in tl.static_range(RANKS):
             if routed_split * RANKS + r < TOP_K:
@@ -173,7 +156,13 @@ def _down_sum_gemv_program(
                 routing = round_to(tl.load(routing_ptr + pair).to(tl.float32), act_ptr.dtype.element_ty, PRECISION)
                 result += routing.to(tl.float32) * down_columns(
                     act_ptr, pair * stride_ap, w_ptr + expert * stride_we, s_ptr + expert * stride_se, offs_n,
-                    n_mask, stride_wn, stride_sn, I, BITS, GROUP_SIZE, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, False)
+                    n_mask, stride_wn, stride_sn, I, BITS, GROUP_SIZE, BLOCK_N, BLOCK_K, EVEN_K, PRECISION)
+    else:
+        if HAS_SHARED:
+            gate = round_to(tl.load(shared_gate_ptr + token).to(tl.float32), act_ptr.dtype.element_ty, PRECISION)
+            result += gate.to(tl.float32) * down_columns(
+                shared_act_ptr, token * stride_sap, shared_w_ptr, shared_s_ptr, offs_n, n_mask, stride_swn,
+                stride_ssn, S, SHARED_BITS, SHARED_GROUP_SIZE, BLOCK_N, SHARED_BLOCK_K, SHARED_EVEN_K, PRECISION)
     finish_down(result, out_ptr, partial_ptr, counter_ptr, token, pid_n, n_blocks, split, offs_n, n_mask, H,
                 HAS_SHARED + (TOP_K + RANKS - 1) // RANKS, PRECISION)
 
@@ -194,17 +183,18 @@ def _decode_gemv_kernel(
 ):
     """PHASE "gate_up": program i is gate_up's item (block i % gate_up_blocks, row i // gate_up_blocks);
     "down": down's item (block i % down_blocks, token (i // down_blocks) % T, split i // (down_blocks * T))
-    (a constexpr: each phase compiles only its own items' code). Each item waits for the kernel before it
-    (PDL) on its own: the shared expert's after loading its first weight tile."""
+    (a constexpr: each phase compiles only its own items' code). Under PDL every program waits first: which
+    expert an item reads is the router's output (a shared expert's items, a few of them, wait too)."""
     allow_dependents(PDL)
     index = tl.program_id(0)
+    wait_for_inputs(PDL)
     if PHASE == "gate_up":
         _gate_up_gemv_program(
             index // gate_up_blocks, index % gate_up_blocks, x_ptr, gu_w_ptr, gu_s_ptr, act_ptr, ids_ptr,
             gu_shared_w_ptr, gu_shared_s_ptr, shared_act_ptr, H, I, S, num_shared, stride_xt, gu_stride_we,
             gu_stride_wn, gu_stride_se, gu_stride_sn, stride_ap, gu_stride_swn, gu_stride_ssn, stride_sap, TOP_K, BITS,
             GROUP_SIZE, GU_BLOCK_N, GU_BLOCK_K, GU_EVEN_K, HAS_SHARED, SHARED_BITS, GU_SHARED_GROUP_SIZE,
-            GU_SHARED_BLOCK_K, GU_SHARED_EVEN_K, PRECISION, PDL)
+            GU_SHARED_BLOCK_K, GU_SHARED_EVEN_K, PRECISION)
     else:
         _down_sum_gemv_program(
             index % down_blocks, ((index // down_blocks) % T).to(tl.int64), index // (down_blocks * T), down_blocks,
@@ -212,7 +202,7 @@ def _decode_gemv_kernel(
             shared_gate_ptr, out_ptr, partial_ptr, counter_ptr, H, I, S, stride_ap, dn_stride_we, dn_stride_wn,
             dn_stride_se, dn_stride_sn, stride_sap, dn_stride_swn, dn_stride_ssn, TOP_K, SLOTS, RANKS, BITS,
             GROUP_SIZE, DN_BLOCK_N, DN_BLOCK_K, DN_EVEN_K, HAS_SHARED, SHARED_BITS, DN_SHARED_GROUP_SIZE,
-            DN_SHARED_BLOCK_K, DN_SHARED_EVEN_K, PRECISION, PDL)
+            DN_SHARED_BLOCK_K, DN_SHARED_EVEN_K, PRECISION)
 
 
 @triton.jit
@@ -424,7 +414,9 @@ def _decode(x, weights, topk_weights, topk_ids, bits: int, group: int, inter: in
             act.stride(0), shared.w_gate_up.stride(0), shared.gate_up_scales.stride(0), shared_act.stride(0),
             w_down.stride(0), w_down.stride(1), down_scales.stride(0), down_scales.stride(1), shared.w_down.stride(0),
             shared.down_scales.stride(0))
-    launch_phases(_decode_gemv_kernel, args, launch.constants, launch_options(x.device), launch.gate_up, launch.down)
+    for phase, (programs, warps) in (("gate_up", launch.gate_up), ("down", launch.down)):
+        _decode_gemv_kernel[(programs,)](*args, PHASE=phase, num_warps=warps, **launch.constants,
+                                         **launch_options(x.device))
     return out
 
 
@@ -450,17 +442,17 @@ def _grouped(x, weights, topk_weights, topk_ids, bits: int, group: int, inter: i
     num_blocks = block_expert.numel()
     gate_up_k, down_k = (min(PREFILL_BLOCK_K, max(16, triton.next_power_of_2(k))) for k in (h, inter))
     common = {"BITS": bits, "GROUP_SIZE": group, "BLOCK_M": block_m, "BLOCK_N": PREFILL_BLOCK_N,
-              "PRECISION": dot_precision(x), "num_warps": PREFILL_NUM_WARPS, **launch_options(x.device)}
+              "PRECISION": dot_precision(x), "num_warps": PREFILL_NUM_WARPS}
     act = torch.empty((num_pairs, inter), dtype=x.dtype, device=x.device)
     _gate_up_kernel[(num_blocks, triton.cdiv(inter, PREFILL_BLOCK_N))](
         x, w_gate_up, gate_up_scales, act, pair_ids, block_expert, num_pairs, h, inter,
         x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), gate_up_scales.stride(0), gate_up_scales.stride(1),
-        act.stride(0), TOP_K=top_k, BLOCK_K=gate_up_k, EVEN_K=h % gate_up_k == 0, **common,
+        act.stride(0), TOP_K=top_k, BLOCK_K=gate_up_k, EVEN_K=h % gate_up_k == 0, **common, **launch_options(x.device),
     )
     pair_out = torch.empty((num_pairs, h), dtype=torch.float32, device=x.device)
     _down_kernel[(num_blocks, triton.cdiv(h, PREFILL_BLOCK_N))](
         act, w_down, down_scales, routing, pair_out, pair_ids, block_expert, num_pairs, h, inter,
         act.stride(0), w_down.stride(0), w_down.stride(1), down_scales.stride(0), down_scales.stride(1),
-        pair_out.stride(0), BLOCK_K=down_k, EVEN_K=inter % down_k == 0, **common,
+        pair_out.stride(0), BLOCK_K=down_k, EVEN_K=inter % down_k == 0, **common, **launch_options(x.device),
     )
     return _sum_chunks(pair_out, x, top_k)

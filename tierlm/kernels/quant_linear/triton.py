@@ -500,11 +500,12 @@ def quant_linear(x: torch.Tensor, weight_or_packed: torch.Tensor, *, scales: tor
     s_arg, stride_sn = (scales, scales.stride(0)) if scales is not None else (weight, 0)
     common = {"BITS": bits or 0, "GROUP_SIZE": 0 if bits is None else group_size, "BLOCK_M": cfg.block_m,
               "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "EVEN_K": k % cfg.block_k == 0,
-              "PRECISION": dot_precision(x), "num_warps": cfg.num_warps, **launch_options(x.device)}
+              "PRECISION": dot_precision(x), "num_warps": cfg.num_warps}
     if cfg.use_dot:
         y = torch.empty((m, n), dtype=x.dtype, device=x.device)
         _gemm_kernel[(triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n))](
-            x2, weight, s_arg, y, m, n, k, x2.stride(0), weight.stride(0), stride_sn, y.stride(0), **common)
+            x2, weight, s_arg, y, m, n, k, x2.stride(0), weight.stride(0), stride_sn, y.stride(0), **common,
+            **launch_options(x.device))
         return y.view(out_shape)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n), cfg.splits)
@@ -513,5 +514,5 @@ def quant_linear(x: torch.Tensor, weight_or_packed: torch.Tensor, *, scales: tor
     partial = torch.empty((cfg.splits, m, n), dtype=torch.float32, device=x.device) if split else y
     counters = arrival_counters("quant_linear", x.device, grid[0] * grid[1]) if split else y
     _gemv_kernel[grid](x2, weight, s_arg, y, partial, counters, m, n, k, cfg.k_per_split, x2.stride(0),
-                       weight.stride(0), stride_sn, y.stride(0), m * n, SPLIT=split, **common)
+                       weight.stride(0), stride_sn, y.stride(0), m * n, SPLIT=split, **common, **launch_options(x.device))
     return y.view(out_shape)
