@@ -286,8 +286,8 @@ def test_dependent_launch_is_bit_identical_in_a_cuda_graph(monkeypatch, tokens, 
     programmatic dependent launch), 64 experts of 1024 -> 256 top-8 with a shared expert (bf16 experts
     and a bf16 shared expert; INT4 g128 experts and an INT6 one: int4-mixed, beside them at 4 tokens),
     captured with PDL and without (TIERLM_NO_PDL=1): 16 replays on new inputs and new routing give
-    bit-identical outputs, equal to eager calls (the routed experts' programs wait before reading which
-    expert they run; the shared expert's load their first tile first)."""
+    bit-identical outputs, equal to eager calls (a program that read its input, or which expert it runs,
+    before its wait would race the kernel before it)."""
     from test_quant_linear_kernel import replay_with_and_without_pdl
 
     from tierlm.kernels.fused_moe.triton import fused_moe
