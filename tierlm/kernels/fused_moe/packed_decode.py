@@ -43,12 +43,7 @@ import triton
 import triton.language as tl
 
 from tierlm.kernels.dependent_launch import allow_dependents, launch_options, wait_for_inputs
-from tierlm.kernels.fused_moe.decode_parts import (
-    DTYPE_NAMES,
-    SharedArgs,
-    SharedShape,
-    round_as,
-)
+from tierlm.kernels.fused_moe.decode_parts import DTYPE_NAMES, SharedArgs, SharedShape, round_as
 from tierlm.kernels.quant_linear.triton import dot_precision, gemv_loop, gemv_sum, gemv_zeros, round_to
 from tierlm.kernels.split_reduce import arrival_counters
 

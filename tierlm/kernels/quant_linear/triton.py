@@ -18,10 +18,11 @@ order (products accumulate in fp32 here).
   - prefill chunks, `_gemm_kernel`: tl.dot tiles (fp32 in IEEE precision, so fp32 results match the
     reference closely).
 Both are launched with programmatic dependent launch where the device has it (`dependent_launch`): a
-GEMV program loads its first tile of weights (and scales) before it waits for the kernel before it, so
-W must be a tensor no kernel of the step writes (a layer's weight); the GEMM waits first.
-`gemv_loop` (and its two halves `gemv_weights`, `gemv_step`), `accumulate_tile`, `word_value` and
-`round_to` are shared with the fused MoE kernels (kernels/fused_moe). On the CPU the kernels run in Triton's interpreter, which needs two workarounds
+GEMV program loads its first tile of weights (and scales) before it waits for the kernel before it
+(`gemv_weights`, then `gemv_step`), so W must be a tensor no kernel of the step writes (a layer's
+weight); the GEMM waits first.
+`gemv_loop`, `accumulate_tile`, `word_value` and `round_to` are shared with the fused MoE kernels
+(kernels/fused_moe). On the CPU the kernels run in Triton's interpreter, which needs two workarounds
 (PRECISION "interpreter": see `round_to` and `accumulate_tile`).
 """
 
