@@ -19,7 +19,7 @@ The quantized `apply` runs the format's fused kernel where there is one (`kernel
 it is the torch reference: it dequantizes one layer's weight (one expert's, in the MoE) on the fly,
 inside the op, and drops it after; nothing keeps a dequantized copy. Unquantized experts on CUDA run the
 same fused MoE kernel (TIERLM_NO_FUSED_MOE=1: the torch path). Unquantized linear layers are F.linear,
-except on CUDA at decode rows (up to quant_linear's GEMV_MAX_ROWS), where a layer that takes it
+except on CUDA at a one-row decode step (DENSE_GEMV_MAX_ROWS), where a layer that takes it
 (`decode_gemv`: all but the vocab-wide output heads) runs quant_linear's Triton GEMV over its weight:
 there the step's projections chain to their neighbours with programmatic dependent launch (cuBLAS
 would break the chain and, for the long-K ones, add a split-K reduce kernel);
@@ -133,6 +133,13 @@ class WeightFormat(ABC):
         return all(t.out_dim == 0 for t in self.runtime_tensors(out_features, in_features).values())
 
 
+# the rows up to which a dense projection takes the Triton GEMV on CUDA. H200, real widths, bf16, session 9
+# (bench/decode_roofline.py --ab TIERLM_NO_TRITON_DENSE_GEMV, PDL on): one row 1.11x the step's tok/s with
+# it (cuBLAS's kernels break the PDL chain), four rows 0.91x (quant_linear_kernel.py --sweep-dense: the
+# GEMV at 4 rows reads 0.58x as fast as cuBLAS at best; at 1 row 0.94x alone)
+DENSE_GEMV_MAX_ROWS = 1
+
+
 class DenseFormat(WeightFormat):
     """An unquantized weight: `weight` [N, K] in the model's dtype, on disk and in memory."""
 
@@ -156,12 +163,14 @@ class DenseFormat(WeightFormat):
         return tensors["weight"].float()
 
     def kernel_linear(self, x, tensors, in_features):
-        """On CUDA the decode rows' Triton GEMV (`linear_kernel`), unless TIERLM_NO_TRITON_DENSE_GEMV=1;
+        """On CUDA one decode row's Triton GEMV (`linear_kernel`; DENSE_GEMV_MAX_ROWS), unless TIERLM_NO_TRITON_DENSE_GEMV=1;
         elsewhere None (F.linear). Also None where autograd records the product (training: the kernel
         has no backward)."""
         if not x.is_cuda or os.environ.get("TIERLM_NO_TRITON_DENSE_GEMV", "0") not in ("", "0"):
             return None
         if torch.is_grad_enabled() and (x.requires_grad or tensors["weight"].requires_grad):
+            return None
+        if math.prod(x.shape[:-1]) > DENSE_GEMV_MAX_ROWS:
             return None
         return self.linear_kernel(x, tensors, in_features)
 
