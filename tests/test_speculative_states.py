@@ -196,7 +196,7 @@ def test_whole_greedy_step_at_a_fixed_shape_equals_the_eager_one(demo, device, m
     state in the slot of each request's last accepted row (target, and the head's rings; the host makes
     that slot the request's) and in every real block. One request's drafts are the greedy continuation (all accepted), the other's
     wrong at the first (a rollback). The step split after its verify forward (`replay` then
-    `replay_accept` on the logits, as penalized steps run) does the same."""
+    `replay_accept` on the logits' argmaxes, as penalized steps run) does the same."""
     from tierlm.model.speculative_step import GreedySpeculation
 
     k = 2
@@ -218,7 +218,7 @@ def test_whole_greedy_step_at_a_fixed_shape_equals_the_eager_one(demo, device, m
                                sizes=[3], widths=[4])
     shape, _ = split.stage_verify(rows, contexts, [0, 1], [[2, 3, 0], [4, 5, 1]], tables)
     logits, _ = split.replay(shape, 2 * (1 + k))
-    assert split.replay_accept(shape, 2, logits.float()).tolist() == expected.tolist()
+    assert split.replay_accept(shape, 2, logits.float().argmax(dim=-1)).tolist() == expected.tolist()
     assert expected[:, 0].tolist() == [0, k]  # a rollback and a full acceptance
     kept = [row_slots[accepted] for row_slots, accepted in zip(([2, 3, 0], [4, 5, 1]), expected[:, 0].tolist())]
     assert kept == [2, 1]
