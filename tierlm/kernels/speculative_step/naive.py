@@ -61,11 +61,13 @@ def accept_drafts(
     readback[:, 0] = accepted
     readback[:, 1] = best.gather(1, accepted[:, None])[:, 0]
     slots = verify_slots.gather(1, torch.stack([accepted, (accepted + 1) % width], dim=1))
-    steps = torch.arange(1, k, device=best.device)
-    step_positions = positions.view(n, width)[:, :1] + accepted[:, None] + steps  # [n, K-1]
-    return Accepted(
-        torch.arange(0, n * width, width, device=best.device) + accepted, slots[:, 0], slots[:, 1],
-        step_positions.T, kv_rows(block_tables, step_positions, block_size, scratch_block).T)
+    rows = torch.arange(0, n * width, width, device=best.device) + accepted
+    if k == 1:  # no draft steps
+        none = torch.empty(0, n, dtype=torch.int64, device=best.device)
+        return Accepted(rows, slots[:, 0], slots[:, 1], none, none)
+    step_positions = positions.view(n, width)[:, :1] + accepted[:, None] + torch.arange(1, k, device=best.device)
+    return Accepted(rows, slots[:, 0], slots[:, 1], step_positions.T,
+                    kv_rows(block_tables, step_positions, block_size, scratch_block).T)
 
 
 def finish_step(readback: torch.Tensor, drafts: torch.Tensor, following: NextInputs | None) -> None:
