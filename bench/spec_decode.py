@@ -16,8 +16,9 @@ not, its later drafts are wrong, and its acceptance, printed beside its time, is
 column must give the same tokens (the script exits non-zero otherwise); other dtypes: differences are
 reported. The prefill and the first token are outside the timing: every chunk of it (with prefix caching
 the prompt is split at its last block boundary, where its checkpoint is taken: the demo-small prompt's 21
-tokens are two chunks, 16 + 5), which run eagerly, tens of ms each on a GPU; the timed loop took the
-second chunk in before (37-51 ms a run on the H200: 0.14-0.2 ms per token of 255, in every column). Each
+tokens are two chunks, 16 + 5), which run eagerly, tens of ms each on a GPU. The timed loop took the
+second chunk in before: on the H200 the wall time then exceeded the median step's device time by 37-51 ms
+a run in every column (0.14-0.2 ms per token of 255), about what one eager chunk costs there. Each
 timed loop starts after a garbage collection: an engine holds reference cycles, so the
 earlier columns' engines (their CUDA graphs, pinned pools) are freed by the cyclic collector, which must not
 run inside another column's timing.
