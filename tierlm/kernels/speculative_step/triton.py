@@ -9,7 +9,8 @@
   It reads the row slots, state slot and start it rewrites: every load comes before a barrier, every
   store after it.
 Launched with programmatic dependent launch (kernels/dependent_launch): nothing they read is a weight, so
-each program waits first. Requests are few and rows short: one warp a program.
+each program waits before anything else, after letting the next kernel start. Requests are few and rows
+short: one warp a program.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ def _kv_rows(tables_ptr, table_stride, width, request, positions, mask, scratch_
 def _step_inputs_kernel(candidates_ptr, picks_ptr, positions_ptr, tables_ptr, token_ids_ptr, slot_mapping_ptr,
                         rows, table_stride, width, scratch_block, T: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                         BLOCK: tl.constexpr, PDL: tl.constexpr):
+    allow_dependents(PDL)  # the next kernel may start its weight loads now
     wait_for_inputs(PDL)
     offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < rows
@@ -47,7 +49,6 @@ def _step_inputs_kernel(candidates_ptr, picks_ptr, positions_ptr, tables_ptr, to
     positions = tl.load(positions_ptr + offsets, mask=mask, other=0)
     kv = _kv_rows(tables_ptr, table_stride, width, offsets // T, positions, mask, scratch_block, BLOCK_SIZE)
     tl.store(slot_mapping_ptr + offsets, kv, mask=mask)
-    allow_dependents(PDL)
 
 
 @triton.jit
@@ -55,6 +56,7 @@ def _accept_kernel(best_ptr, token_ids_ptr, positions_ptr, verify_slots_ptr, tab
                    rows_ptr, kept_ptr, step_slots_ptr, step_positions_ptr, step_kv_ptr, n, verify_stride,
                    table_stride, width, readback_stride, scratch_block, T: tl.constexpr, T_POW2: tl.constexpr,
                    BLOCK_SIZE: tl.constexpr, PDL: tl.constexpr):
+    allow_dependents(PDL)  # the next kernel may start its weight loads now
     wait_for_inputs(PDL)
     request = tl.program_id(0)
     j = tl.arange(0, T_POW2)
@@ -74,13 +76,13 @@ def _accept_kernel(best_ptr, token_ids_ptr, positions_ptr, verify_slots_ptr, tab
         kv = _kv_rows(tables_ptr, table_stride, width, request, positions, steps, scratch_block, BLOCK_SIZE)
         tl.store(step_positions_ptr + j * n + request, positions, mask=steps)
         tl.store(step_kv_ptr + j * n + request, kv, mask=steps)
-    allow_dependents(PDL)
 
 
 @triton.jit
 def _finish_kernel(readback_ptr, drafts_ptr, input_ids_ptr, positions_ptr, context_lens_ptr, slots_ptr,
                    verify_slots_ptr, readback_stride, drafts_stride_k, drafts_stride_n, verify_stride,
                    scratch_slot, T: tl.constexpr, T_POW2: tl.constexpr, ADVANCE: tl.constexpr, PDL: tl.constexpr):
+    allow_dependents(PDL)  # the next kernel may start its weight loads now
     wait_for_inputs(PDL)
     request = tl.program_id(0)
     j = tl.arange(0, T_POW2)
@@ -100,14 +102,13 @@ def _finish_kernel(readback_ptr, drafts_ptr, input_ids_ptr, positions_ptr, conte
         source = (accepted + 1 + j) % T
         turned = tl.sum(tl.where(j[None, :] == source[:, None], row_slots[None, :], 0), axis=1)
         state_slot = tl.sum(tl.where(j == T - 1, turned, 0), axis=0)
-        tl.debug_barrier()  # every program's loads of what it rewrites are done
+        tl.debug_barrier()  # all of this program's loads of what it rewrites are done before any store
         tl.store(verify_slots_ptr + request * verify_stride + j, turned, mask=j < T)
         tl.store(slots_ptr + request, state_slot)
         tl.store(context_lens_ptr + request, start)
         tl.store(positions_ptr + request * T + j, (start + j) * real, mask=j < T)
         tl.store(input_ids_ptr + request * T + j, ids, mask=j < T)
     tl.store(readback_ptr + request * readback_stride + 2 + j, drafts, mask=j < k)
-    allow_dependents(PDL)
 
 
 def _check(name: str, **tensors: torch.Tensor) -> None:
