@@ -50,7 +50,7 @@ positions are rolled back exactly.
   `_chains`): everything that depends on the unread outcome (the bonus token, the K new drafts, the
   positions start + 1 + a, the state slot the kept row's state is in and the order of the other row slots,
   the K/V rows) is made on the device by the step before, at the end of its graph
-  (`StaticDecodeRunner._advance`; the K/V rows at the start of each greedy graph from the block table);
+  (`StaticDecodeRunner._greedy_step`; the K/V rows at the start of each greedy graph from the block table);
   the host sends only the block-table entries it reserved for the worst case (every draft accepted: K + 1
   tokens, then a full step and the draft head's K positions). Reading a step back (`finish_greedy`) applies
   it as a serial step is applied and hands its drafts to the chained step as the ones that step verifies;
@@ -347,7 +347,7 @@ class SpeculativeRunner:
         """The slots keeping the state after each verify row: its K position slots (row j's, j < K), then
         its state slot. They are the slots of its group (`row_slot_group`) after its state slot, in turn
         (the group taken as a ring), so a greedy step that keeps row a's state moves the ring by a + 1
-        (`StaticDecodeRunner._advance` does it on the device)."""
+        (the greedy graph does it on the device: `StaticDecodeRunner._greedy_step`)."""
         group = row_slot_group(request.home_slot, self.position_slot_base, self.k)
         at = group.index(request.state_slot) + 1
         return group[at:] + group[:at]
@@ -370,7 +370,7 @@ class SpeculativeRunner:
 
     def launch_chained(self, previous: LaunchedSpeculation) -> LaunchedSpeculation:
         """Queue the greedy step after `previous` (not read back yet) for the same requests, its inputs made
-        on the device by `previous` (`StaticDecodeRunner._advance`): the host sends only the block-table
+        on the device by `previous` (`StaticDecodeRunner._greedy_step`): the host sends only the block-table
         entries that changed; the caller reserved blocks for every accepted count (see the module). The
         step's drafts are known when `previous` is read back (`finish_greedy` fills them in)."""
         requests = [chunk.request for chunk in previous.step.chunks]
