@@ -9,8 +9,8 @@
   It reads the row slots, state slot and start it rewrites: every load comes before a barrier, every
   store after it.
 Launched with programmatic dependent launch (kernels/dependent_launch): nothing they read is a weight, so
-each program waits before anything else, after letting the next kernel start. Requests are few and rows
-short: one warp a program.
+each program waits before any memory access (after `allow_dependents`, which lets the next kernel start
+under TIERLM_PDL_TRIGGER=start). Requests are few and rows short: one warp a program.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def _kv_rows(tables_ptr, table_stride, width, request, positions, mask, scratch_
 def _step_inputs_kernel(candidates_ptr, picks_ptr, positions_ptr, tables_ptr, token_ids_ptr, slot_mapping_ptr,
                         rows, table_stride, width, scratch_block, T: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                         BLOCK: tl.constexpr, PDL: tl.constexpr):
-    allow_dependents(PDL)  # the next kernel may start its weight loads now
+    allow_dependents(PDL)
     wait_for_inputs(PDL)
     offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < rows
@@ -56,7 +56,7 @@ def _accept_kernel(best_ptr, token_ids_ptr, positions_ptr, verify_slots_ptr, tab
                    rows_ptr, kept_ptr, step_slots_ptr, step_positions_ptr, step_kv_ptr, n, verify_stride,
                    table_stride, width, readback_stride, scratch_block, T: tl.constexpr, T_POW2: tl.constexpr,
                    BLOCK_SIZE: tl.constexpr, PDL: tl.constexpr):
-    allow_dependents(PDL)  # the next kernel may start its weight loads now
+    allow_dependents(PDL)
     wait_for_inputs(PDL)
     request = tl.program_id(0)
     j = tl.arange(0, T_POW2)
@@ -82,7 +82,7 @@ def _accept_kernel(best_ptr, token_ids_ptr, positions_ptr, verify_slots_ptr, tab
 def _finish_kernel(readback_ptr, drafts_ptr, input_ids_ptr, positions_ptr, context_lens_ptr, slots_ptr,
                    verify_slots_ptr, readback_stride, drafts_stride_k, drafts_stride_n, verify_stride,
                    scratch_slot, T: tl.constexpr, T_POW2: tl.constexpr, ADVANCE: tl.constexpr, PDL: tl.constexpr):
-    allow_dependents(PDL)  # the next kernel may start its weight loads now
+    allow_dependents(PDL)
     wait_for_inputs(PDL)
     request = tl.program_id(0)
     j = tl.arange(0, T_POW2)
