@@ -11,8 +11,17 @@ The drafting columns run as the engine does by default too (on GPU the verify st
 The oracle's continuation is the speculative path's own greedy output: a first oracle run takes the
 no-draft tokens, and while its output differs from the continuation it was given (bf16: verify rows and
 decode rows may round differently, and one flipped argmax puts every later draft out of step) the run is
-repeated with that output (at most ORACLE_RUNS), the last one timed. fp32: every column must give the same
-tokens (the script exits non-zero otherwise); other dtypes: differences are reported.
+repeated with that output (at most ORACLE_RUNS), the last one timed (a line says whether it converged: if
+not, its later drafts are wrong, and its acceptance, printed beside its time, is below 100%). fp32: every
+column must give the same tokens (the script exits non-zero otherwise); other dtypes: differences are
+reported. The prefill and the first token are outside the timing: every chunk of it (with prefix caching
+the prompt is split at its last block boundary, where its checkpoint is taken: the demo-small prompt's 21
+tokens are two chunks, 16 + 5), which run eagerly, tens of ms each on a GPU. The timed loop took the
+second chunk in before: on the H200 the wall time then exceeded the median step's device time by 37-51 ms
+a run in every column (0.14-0.2 ms per token of 255), about what one eager chunk costs there. Each
+timed loop starts after a garbage collection: an engine holds reference cycles, so the
+earlier columns' engines (their CUDA graphs, pinned pools) are freed by the cyclic collector, which must not
+run inside another column's timing.
 
     python bench/spec_decode.py                          # CPU
     python bench/spec_decode.py --device cuda --size small --tokens 256 -k 1
@@ -26,17 +35,21 @@ On CUDA an untimed run of the same length without and with drafts comes first, s
 includes Triton compiles (a cold cache put seconds of them into the first columns; a 48-token warm-up was
 not enough: the block-table widths a longer run reaches compile their own kernels).
 
---phases: each column runs under the engine's --trace and prints, per step, the medians of its host phases
-and (CUDA) of its device spans: "forward" (the decode replay, or a greedy drafting step's one replay: verify,
-accept, roll back, draft; a penalized step's verify replay alone), "accept, draft" (a penalized step's work
-queued after that) and "between forwards" (device time from the end of the last span before a forward to
-its start: the time the device waited for the host).
+--phases: each column runs under the engine's --trace and prints, per step, the median, mean and largest of
+its host phases and (CUDA) of its device spans, and in how many steps each ran: "forward" (the decode
+replay, or a greedy drafting step's one replay: verify, accept, roll back, draft; a penalized step's verify
+replay alone), "accept, draft" (a penalized step's work queued after that) and "between forwards" (device
+time from the end of the last span before a forward to its start: the time the device waited for the
+host). The device spans tile the device's time from the first forward to the last, so their means per step
+add up to the wall time per step (printed beside them); medians alone hide the steps that take far longer
+(a stall of the host, a step that is not chained: "schedule" runs in every step that is not).
 """
 
 from __future__ import annotations
 
 import argparse
 import atexit
+import gc
 import json
 import shutil
 import statistics
@@ -54,7 +67,7 @@ from tierlm.model import static_decode
 from tierlm.model.speculative_step import OracleSpeculation
 from tierlm.sampling_params import SamplingParams
 
-ORACLE_RUNS = 4
+ORACLE_RUNS = 8
 PROMPT = "The history of the city begins with a small settlement on the river, where"
 
 
@@ -81,19 +94,25 @@ def run(args, speculative: bool, eager: bool, oracle: list[int] | None = None, o
     params = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True,
                             repetition_penalty=args.repetition_penalty)
     engine.add_request(PROMPT, params)
-    engine.step()  # the prefill (and first token) outside the timing
+    engine.step()
+    request = engine.scheduler.running[0]
+    while request.num_computed_tokens < request.num_prompt_tokens:  # the prefill's other chunks (see above)
+        engine.step()
     verify = getattr(engine.runner, "static_verify", None)
     if oracle is not None and verify is not None and verify.greedy is not None:
-        request = engine.scheduler.running[0]
         verify.greedy.know(request.home_slot, request.prompt_token_ids + oracle)
+    gc.collect()  # the earlier columns' engines (see the module docstring)
+    if args.device.startswith("cuda"):
+        torch.cuda.synchronize()  # the last prefill chunk may be in flight (overlap scheduling)
     start = time.perf_counter()
-    out = None
+    out, steps = None, 0
     while engine.has_unfinished_requests():
+        if oracle is not None:  # the drafts the host has, as the engine drafts (a chained step's: the graph's)
+            for running in filter(speculates, engine.scheduler.running):
+                running.draft_token_ids = oracle[len(running.output_token_ids) :][: args.k]
+        steps += 1
         for output in engine.step():
             out = output
-        if oracle is not None:
-            for request in filter(speculates, engine.scheduler.running):  # as the engine drafts
-                request.draft_token_ids = oracle[len(request.output_token_ids) :][: args.k]
     if args.device.startswith("cuda"):
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
@@ -101,22 +120,28 @@ def run(args, speculative: bool, eager: bool, oracle: list[int] | None = None, o
         engine.close()
         atexit.unregister(engine.trace.flush)
         print_phases(("drafts, " if speculative else "no drafts, ") + ("eager" if eager else "default")
-                     + (", oracle" if oracle is not None else "") + ("" if overlap else ", serial"), trace)
+                     + (", oracle" if oracle is not None else "") + ("" if overlap else ", serial"), trace,
+                     1000 * seconds / steps, steps)
         shutil.rmtree(trace.parent)
     return out.outputs[0].token_ids, seconds, engine.stats()
 
 
-def print_phases(name: str, trace: Path) -> None:
-    """Median ms per step of each host phase and device span in the trace (the prefill step left out)."""
+def print_phases(name: str, trace: Path, wall_ms: float, steps: int) -> None:
+    """Each host phase and device span of the trace in ms per step: median, mean (over every step after the
+    first timed one: a phase a step skips counts 0 there) and largest, and in how many steps it ran."""
     events = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("ph") == "X"
               and e["args"].get("step", 0) > 1]
     spans: dict[tuple[str, str], dict[int, float]] = {}
     for event in events:
         per_step = spans.setdefault((event["tid"], event["name"]), {})
         per_step[event["args"]["step"]] = per_step.get(event["args"]["step"], 0.0) + event["dur"] / 1000
-    print(f"  {name}: median ms per step")
+    counted = len({event["args"]["step"] for event in events})
+    print(f"  {name}: {steps} steps, {wall_ms:.3f} ms per step of wall time; ms per step:")
+    print(f"    {'':4s} {'':28s} {'median':>8s} {'mean':>8s} {'max':>8s} {'steps':>6s}")
     for (track, phase), per_step in spans.items():
-        print(f"    {track:4s} {phase:28s} {statistics.median(per_step.values()):8.3f}")
+        values = list(per_step.values())
+        print(f"    {track:4s} {phase:28s} {statistics.median(values):8.3f} {sum(values) / counted:8.3f} "
+              f"{max(values):8.3f} {len(values):6d}")
 
 
 def main() -> int:
@@ -146,10 +171,13 @@ def main() -> int:
     own, own_s, own_stats = run(args, speculative=True, eager=False)
     own_serial, own_serial_s, own_serial_stats = run(args, speculative=True, eager=False, overlap=False)
     continuation = base
-    for _ in range(ORACLE_RUNS):
+    for runs in range(1, ORACLE_RUNS + 1):
         oracle, oracle_s, oracle_stats = run(args, speculative=True, eager=False, oracle=continuation)
         if oracle == continuation:
+            print(f"oracle continuation: the output of its own run {runs} (timed)")
             break
+        first = next((i for i, (a, b) in enumerate(zip(continuation, oracle)) if a != b), None)
+        print(f"oracle run {runs}: its output left the continuation at token {first}")
         continuation = oracle
     oracle_serial, oracle_serial_s, oracle_serial_stats = run(args, speculative=True, eager=False,
                                                               oracle=continuation, overlap=False)

@@ -111,8 +111,8 @@ def watch_forwards(counter: OpCounter, timing: list[float], replays: list[int], 
                 counter.counting = True
         return replay
 
-    # what a GPU replays as one graph each (the greedy step's eager forms: `replay_greedy` resolves the ids
-    # and runs the step; `replay_accept` copies the scores in, then runs `_accept_step`)
+    # what a GPU replays as one graph each (the greedy step's eager forms: `replay_greedy` runs the step;
+    # `replay_accept` copies the penalized rows' argmaxes in, then runs `_accept_step`)
     for name in ("_forward", "replay_greedy", "_accept_step"):
         setattr(StaticDecodeRunner, name, as_replay(getattr(StaticDecodeRunner, name)))
     tolist = torch.Tensor.tolist

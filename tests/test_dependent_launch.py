@@ -25,7 +25,7 @@ KERNELS = Path(__file__).parent.parent / "tierlm" / "kernels"
 PDL_FILES = [*(path for folder in ("hyper_connection", "moe_router", "ple", "embed_streams")
                for path in sorted((KERNELS / folder).glob("*.py"))), KERNELS / "gated_delta_rule" / "decode_triton.py",
              KERNELS / "quant_linear" / "triton.py", KERNELS / "fused_moe" / "triton.py",
-             KERNELS / "fused_moe" / "packed_decode.py"]
+             KERNELS / "fused_moe" / "packed_decode.py", KERNELS / "speculative_step" / "triton.py"]
 # each launched kernel: the arguments it may read before `wait_for_inputs` (weights no kernel of a step
 # writes, and scalars); a pointer's `.dtype` is no read
 WEIGHTS = {
@@ -47,6 +47,9 @@ WEIGHTS = {
     "_sum_chunks_kernel": set(),
     "_split_x_kernel": set(),
     "_packed_decode_kernel": set(),
+    "_step_inputs_kernel": set(),
+    "_accept_kernel": set(),
+    "_finish_kernel": set(),
 }
 
 

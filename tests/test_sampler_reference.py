@@ -89,14 +89,20 @@ def test_the_noise_is_one_hash_on_host_and_device_and_exponential():
     assert seeded_keys([7], [3]) != seeded_keys([7], [4])
 
 
-def test_plain_greedy_rows_skip_the_plan_and_sample_the_same():
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_plain_greedy_rows_skip_the_plan_and_sample_the_same(dtype, device):
     """Greedy rows with no edit take `Sampler.launch`'s unplanned path (a row with an edit, here min_tokens'
     EOS ban, does not); it gives the planned pass's tokens and statuses (a NaN row, a row of -inf), and the
-    generator's keys advance the same either way (the next batch's draws are equal)."""
+    generator's keys advance the same either way (the next batch's draws are equal). bf16 logits: the
+    unplanned path takes their argmax as they are, the planned one of their fp32 copy; ties (row 3's two
+    best, equal) go to the lower id in both."""
     from tierlm.engine.sampler import plain_greedy
 
     logits = torch.randn(4, VOCAB, generator=torch.Generator().manual_seed(1))
     logits[1, 3], logits[2] = math.nan, -math.inf
+    logits[3, 40] = logits[3, 200] = logits[3].max() + 1
+    logits = logits.to(dtype).to(device)
     banned = SamplingParams(temperature=0, min_tokens=10).with_defaults(None, None, None)
     assert not plain_greedy(Request("b", [1, 2], banned, frozenset({0}), 1024, output_token_ids=[5]))
     params = SamplingParams(temperature=0).with_defaults(None, None, None)
@@ -104,9 +110,11 @@ def test_plain_greedy_rows_skip_the_plan_and_sample_the_same():
     assert all(plain_greedy(r) for r in requests)
     sampler, planned = Sampler(7), Sampler(7)
     pending = sampler.launch(logits, requests)
-    tokens, status = sample_rows(logits, plan_rows(requests, VOCAB, planned.row_keys(requests)))
-    assert torch.equal(pending.tokens, tokens) and torch.equal(pending.host_ids[1], status)
-    assert pending.host_ids[1].tolist()[:3] == [_OK, _NAN, _MASKED]
+    tokens, status = sample_rows(logits.float(), plan_rows(requests, VOCAB, planned.row_keys(requests)))
+    if pending.ready is not None:
+        pending.ready.synchronize()
+    assert torch.equal(pending.tokens, tokens) and torch.equal(pending.host_ids[1], status.cpu())
+    assert pending.host_ids[1].tolist() == [_OK, _NAN, _MASKED, _OK] and tokens[3].item() == 40
     assert np.array_equal(sampler.row_keys(requests), planned.row_keys(requests))
 
 

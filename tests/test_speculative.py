@@ -200,8 +200,8 @@ def fixed_shapes(llm: LLMEngine, k: int) -> list:
     static.run = lambda batch, run=static.run: runs.append(batch.token_ids.shape[0]) or run(batch)
     static.replay = lambda shape, rows, replay=static.replay: runs.append(rows) or replay(shape, rows)
     static.replay_greedy = lambda shape, n, replay=static.replay_greedy: runs.append(("step", n)) or replay(shape, n)
-    static.replay_accept = lambda shape, n, scores, replay=static.replay_accept: (
-        runs.append(("accept", n)) or replay(shape, n, scores))
+    static.replay_accept = lambda shape, n, best, replay=static.replay_accept: (
+        runs.append(("accept", n)) or replay(shape, n, best))
     drafts = {}
     for rows in (1, 1 + k):
         drafts[0, rows] = StaticDecodeRunner(llm.runner.model, llm.cache, 3, 8, "eager", sizes=[3], widths=[8],

@@ -189,14 +189,16 @@ def test_fixed_shape_verify_and_draft_steps_equal_the_eager_ones(demo, device, m
     ("cpu", "eager"),
     pytest.param("cuda", "cuda_graph", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")),
 ])
-def test_whole_greedy_step_at_a_fixed_shape_equals_the_eager_one(demo, device, mode):
+def test_whole_greedy_step_at_a_fixed_shape_equals_the_eager_one(demo, device, mode, monkeypatch):
     """`GreedySpeculation` (verify, accept, roll back, draft) staged into a fixed-shape runner and replayed
     (one CUDA graph on a GPU; padded to a prepared size of 3 and a wider block table) against the same step
     run eagerly on a plain batch: the same readback (accepted counts, tokens, next drafts) and the same
     state in the slot of each request's last accepted row (target, and the head's rings; the host makes
     that slot the request's) and in every real block. One request's drafts are the greedy continuation (all accepted), the other's
     wrong at the first (a rollback). The step split after its verify forward (`replay` then
-    `replay_accept` on the logits, as penalized steps run) does the same."""
+    `replay_accept` on the logits' argmaxes, as penalized steps run) does the same. On a GPU the eager step
+    takes the torch ops of kernels/speculative_step (TIERLM_NO_FUSED_SPECULATIVE_STEP=1), the graphs their
+    Triton launches."""
     from tierlm.model.speculative_step import GreedySpeculation
 
     k = 2
@@ -209,7 +211,9 @@ def test_whole_greedy_step_at_a_fixed_shape_equals_the_eager_one(demo, device, m
     static_cache, split_cache = copy.deepcopy(cache), copy.deepcopy(cache)
     batch = ForwardBatch.build(rows, contexts, [0, 1], tables, BLOCK, device=device, logits="all",
                                position_slots=[[2, 3], [4, 5]])
-    expected = GreedySpeculation(model, cache, k)(batch, cache)
+    with monkeypatch.context() as patch:
+        patch.setenv("TIERLM_NO_FUSED_SPECULATIVE_STEP", "1")
+        expected = GreedySpeculation(model, cache, k)(batch, cache)
     runner = StaticDecodeRunner(model, static_cache, 3, 4, mode, rows_per_request=1 + k, greedy_speculation=True,
                                 sizes=[3], widths=[4])
     shape, _ = runner.stage_verify(rows, contexts, [0, 1], [[2, 3, 0], [4, 5, 1]], tables)
@@ -218,7 +222,7 @@ def test_whole_greedy_step_at_a_fixed_shape_equals_the_eager_one(demo, device, m
                                sizes=[3], widths=[4])
     shape, _ = split.stage_verify(rows, contexts, [0, 1], [[2, 3, 0], [4, 5, 1]], tables)
     logits, _ = split.replay(shape, 2 * (1 + k))
-    assert split.replay_accept(shape, 2, logits.float()).tolist() == expected.tolist()
+    assert split.replay_accept(shape, 2, logits.float().argmax(dim=-1)).tolist() == expected.tolist()
     assert expected[:, 0].tolist() == [0, k]  # a rollback and a full acceptance
     kept = [row_slots[accepted] for row_slots, accepted in zip(([2, 3, 0], [4, 5, 1]), expected[:, 0].tolist())]
     assert kept == [2, 1]

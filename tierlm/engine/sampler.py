@@ -447,17 +447,20 @@ class Sampler:
     def launch(self, logits: torch.Tensor, requests: list[Request]) -> PendingSample:
         """Queue the pass on the logits' device and the copy of its results to the host, without waiting
         for either (nothing here reads a device value back); `collect` reads them."""
-        raw = logits.float()
-        device = raw.device
+        device = logits.device
         keys = self.row_keys(requests)  # drawn for every batch: later draws do not depend on the rows' kinds
-        if all(plain_greedy(request) for request in requests):  # what sample_rows does for them, unplanned
+        wanted = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
+        plain = all(plain_greedy(request) for request in requests)
+        # plain greedy rows take the argmax of the logits in their own dtype (fp32 orders and ties bf16 values
+        # the same): no fp32 copy unless log-probabilities are asked for (a launch, and [rows, vocab] fp32)
+        raw = logits if plain and not wanted else logits.float()
+        if plain:  # what sample_rows does for them, unplanned
             _, tokens, status = _argmax_status(raw, raw)
             failed = {}
         else:
             plan = plan_rows(requests, raw.shape[1], keys, pinned=device.type == "cuda")
             tokens, status = sample_rows(raw, plan)
             failed = plan.failed
-        wanted = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
         top = max((requests[i].params.logprobs for i in wanted), default=0)
         logprobs = self._logprobs(raw, tokens, wanted, top) if wanted else ()
         device_ids = torch.stack([tokens, status])

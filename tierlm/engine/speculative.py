@@ -50,7 +50,7 @@ positions are rolled back exactly.
   `_chains`): everything that depends on the unread outcome (the bonus token, the K new drafts, the
   positions start + 1 + a, the state slot the kept row's state is in and the order of the other row slots,
   the K/V rows) is made on the device by the step before, at the end of its graph
-  (`StaticDecodeRunner._advance`; the K/V rows at the start of each greedy graph from the block table);
+  (`StaticDecodeRunner._greedy_step`; the K/V rows at the start of each greedy graph from the block table);
   the host sends only the block-table entries it reserved for the worst case (every draft accepted: K + 1
   tokens, then a full step and the draft head's K positions). Reading a step back (`finish_greedy`) applies
   it as a serial step is applied and hands its drafts to the chained step as the ones that step verifies;
@@ -63,9 +63,12 @@ positions are rolled back exactly.
   (`CacheManager.save_ahead` / `settle_ahead`). CPU, demo tiny, one thread (bench/spec_host_cost.py,
   loaded machine): host work per greedy step 0.38-0.48 ms serial, all of it between two device steps;
   0.26-0.37 ms with overlap, done while the next step runs (the H200's K=1 step is 0.77 ms of GPU).
-  Left to do: the inputs of a chained step are ~25 tiny ops in the greedy graph (`_advance` and the K/V
-  rows; ~1.5 us each on an H200): one Triton kernel would take them to one launch; a step where a request
-  finishes or one is admitted reads back before scheduling (one serial step, then the chain restarts);
+  The chained step's inputs, the acceptance and the readback are three launches on CUDA, one Triton
+  kernel each (kernels/speculative_step; ~30 torch ops at K = 1 before). A launched step's readback is
+  copied into one of two pinned host buffers, used in turn with an event each (`_Readbacks`): at most
+  two greedy steps are unread at a time (the one in flight and the one chained after it).
+  Left to do: a step where a request finishes or one is admitted reads back before scheduling (one
+  serial step, then the chain restarts);
   penalized, sampled and grammar requests stay serial (verification needs the drafts or output ids on
   the host; a grammar's masks, its matcher).
 Which requests speculate: those with nothing but temperature, top-k/p, min-p, the repetition,
@@ -190,6 +193,30 @@ class LaunchedSpeculation:
         return self.step.num_tokens
 
 
+class _Readbacks:
+    """The host side of launched greedy steps' readbacks: two [max_batch, 2 + K] buffers (pinned on CUDA) used
+    in turn, each with the event recorded after its copy, made once. At most two launched steps are unread
+    at a time (overlap scheduling reads the step in flight before it launches the second one after it;
+    a serial step is read at once), so a buffer's last step has been read by the time its turn comes back."""
+
+    def __init__(self, max_batch: int, k: int, device: torch.device) -> None:
+        cuda = device.type == "cuda"
+        self.max_batch = max_batch
+        self.buffers = [torch.zeros(max_batch, 2 + k, dtype=torch.int64, pin_memory=cuda) for _ in range(2)]
+        self.copied = [torch.cuda.Event() if cuda else None for _ in range(2)]
+        self.turn = 0
+
+    def copy(self, readback: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """Queue the copy of a step's readback [B, 2 + K] into the next buffer: its rows there, and the event
+        that says the copy has run (None on CPU: it has)."""
+        self.turn ^= 1
+        host, event = self.buffers[self.turn][: readback.shape[0]], self.copied[self.turn]
+        host.copy_(readback, non_blocking=event is not None)
+        if event is not None:
+            event.record()
+        return host, event
+
+
 @dataclass
 class _Kept:
     """One chunk after verification: the rows whose state stays, and what the draft head reads there."""
@@ -224,6 +251,7 @@ class SpeculativeRunner:
         self.static_rollback = None if static_verify is None else StaticSlotCopy(
             self.cache.target_slot_states, static_verify.max_batch, self.cache.scratch_slot, self.cache.device,
             "cuda_graph" if static_verify.mode == "cuda_graph" else "eager")
+        self._readbacks: _Readbacks | None = None  # made at the first greedy launch, for static_verify's batches
         self.generator = torch.Generator(device=self.cache.device).manual_seed(seed)
         self.num_drafts = 0  # verify chunks (requests that carried drafts into a step), total
         self.num_draft_tokens = 0  # drafts verified, total
@@ -301,7 +329,8 @@ class SpeculativeRunner:
             # penalized rows: the host plans them from the drafts it has (while the device runs the forward)
             penalties = plan_penalties(*verify_rows(requests, [chunk.draft_token_ids for chunk in chunks]),
                                        logits.shape[1], logits.device)
-            readback = verify.replay_accept(shape, n, edit_logits(logits.float(), penalties))
+            best = edit_logits(logits.float(), penalties).argmax(dim=-1)
+            readback = verify.replay_accept(shape, n, best)
         with self.trace.phase("read accepted ids"):
             return self._accepted(step, readback.tolist())
 
@@ -318,7 +347,7 @@ class SpeculativeRunner:
         """The slots keeping the state after each verify row: its K position slots (row j's, j < K), then
         its state slot. They are the slots of its group (`row_slot_group`) after its state slot, in turn
         (the group taken as a ring), so a greedy step that keeps row a's state moves the ring by a + 1
-        (`StaticDecodeRunner._advance` does it on the device)."""
+        (the greedy graph does it on the device: `StaticDecodeRunner._greedy_step`)."""
         group = row_slot_group(request.home_slot, self.position_slot_base, self.k)
         at = group.index(request.state_slot) + 1
         return group[at:] + group[:at]
@@ -341,7 +370,7 @@ class SpeculativeRunner:
 
     def launch_chained(self, previous: LaunchedSpeculation) -> LaunchedSpeculation:
         """Queue the greedy step after `previous` (not read back yet) for the same requests, its inputs made
-        on the device by `previous` (`StaticDecodeRunner._advance`): the host sends only the block-table
+        on the device by `previous` (`StaticDecodeRunner._greedy_step`): the host sends only the block-table
         entries that changed; the caller reserved blocks for every accepted count (see the module). The
         step's drafts are known when `previous` is read back (`finish_greedy` fills them in)."""
         requests = [chunk.request for chunk in previous.step.chunks]
@@ -354,15 +383,11 @@ class SpeculativeRunner:
         n = len(step.chunks)
         # the device span is "forward" as a plain decode step's is: "between forwards" is then the time
         # the device waits for the host between steps, with or without drafts
+        if self._readbacks is None or self._readbacks.max_batch < self.static_verify.max_batch:
+            self._readbacks = _Readbacks(self.static_verify.max_batch, self.k, self.cache.device)
         with self.trace.phase("launch forward"), self.trace.gpu("forward"):
-            readback = self.static_verify.replay_greedy(shape, n)
-            cuda = readback.device.type == "cuda"
-            host = torch.empty(readback.shape, dtype=readback.dtype, pin_memory=cuda)
-            host.copy_(readback, non_blocking=cuda)  # the buffer is the next replay's: copied out in order
-            ready = None
-            if cuda:
-                ready = torch.cuda.Event()
-                ready.record()
+            # the device buffer is the next replay's: copied out in order
+            host, ready = self._readbacks.copy(self.static_verify.replay_greedy(shape, n))
         return LaunchedSpeculation(step, host, ready)
 
     def finish_greedy(self, launched: LaunchedSpeculation, following: LaunchedSpeculation | None = None

@@ -22,10 +22,11 @@ the slots that keep the state after each row), and its forwards return every row
 and output streams come back. A verification runner with `greedy_speculation` also prepares, per shape,
 the whole greedy speculative step (`GreedySpeculation`: verify, accept, roll back, draft, one readback
 tensor) as a second graph in the same memory pool (`replay_greedy`), and as a third its part after the
-verify forward, on scores the host wrote (penalized logits; `replay_accept`). The greedy graph takes its
-K/V rows from the block table on the device and ends by writing the next greedy step's inputs into the
-buffers from its own outcome (`_advance`): overlap scheduling launches that step before the host has read
-this one (`stage_chained` then sends only the block-table entries that changed).
+verify forward, on the verify rows' argmaxes the host wrote (of penalized logits; `replay_accept`). The
+greedy graph resolves its input ids and takes its K/V rows from the block table on the device (one launch
+on CUDA: kernels/speculative_step) and ends by writing the next greedy step's inputs into the buffers from
+its own outcome (`GreedySpeculation`'s `following`): overlap scheduling launches that step before the host
+has read this one (`stage_chained` then sends only the block-table entries that changed).
 
 Inputs come two ways. `run(batch)` copies a built `ForwardBatch`'s device tensors into the buffers (the
 pipeline stages and the speculative runners use it). `run_decode(...)` (plain decode, one row per request)
@@ -51,7 +52,7 @@ import torch
 
 from tierlm.model.forward_batch import ForwardBatch
 from tierlm.model.model_cache import ModelCache
-from tierlm.model.speculative_step import GreedySpeculation
+from tierlm.model.speculative_step import GreedySpeculation, NextInputs, step_kernels
 
 MODES = ("cuda_graph", "compile", "eager")
 # the narrowest prepared block table, in tokens: scoring this many tokens' compressed keys costs little
@@ -144,9 +145,6 @@ class StaticDecodeRunner:
         self.tables_at = {width: self.block_tables[:, :width] for width in self.widths}  # the columns a width reads
         self._staging = _Staging(self.inputs.numel(), cache.device)
         self.logits_rows = torch.arange(max_rows, **as_long)
-        # a greedy step's: each row's request (its K/V rows from the block table) and row index in the request
-        self._request_of_row = torch.arange(max_rows, **as_long) // rows_per_request
-        self._row_steps = torch.arange(rows_per_request, **as_long)
         self.ple_embeddings = {
             index: torch.zeros(max_rows, width, dtype=cache.dtype, device=cache.device)
             for index, width in (ple_embedding_dims or {}).items()
@@ -161,10 +159,10 @@ class StaticDecodeRunner:
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int, int], torch.Tensor | tuple[torch.Tensor, torch.Tensor]] = {}
         # greedy_speculation: per shape, the whole greedy speculative step, and its part after the verify
-        # forward (on penalized scores the host writes into `scores`, and the verify graph's streams)
+        # forward (on the argmaxes of penalized logits the host writes into `penalized_best`, and the verify
+        # graph's streams)
         self.greedy = GreedySpeculation(model, cache, rows_per_request - 1) if greedy_speculation else None
-        self.scores = torch.zeros(max_rows, cache.config.vocab_size, dtype=torch.float32, device=cache.device) if (
-            greedy_speculation) else None
+        self.penalized_best = torch.zeros(max_rows, **as_long) if greedy_speculation else None
         self.greedy_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.greedy_outputs: dict[tuple[int, int], torch.Tensor] = {}
         self.accept_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
@@ -186,44 +184,34 @@ class StaticDecodeRunner:
         elif mode == "cuda_graph":
             pool = self._capture(self.step, self.graphs, self.outputs)
             if self.greedy is not None:  # the same pool: one graph runs at a time, each read before the next
-                pool = self._capture(self._greedy_step, self.greedy_graphs, self.greedy_outputs, pool)
-                self._capture(self._accept_step, self.accept_graphs, self.accept_outputs, pool)
+                # (the greedy step resolves its ids itself; the accept step's were resolved by the verify's)
+                pool = self._capture(self._greedy_step, self.greedy_graphs, self.greedy_outputs, pool, resolve=False)
+                self._capture(self._accept_step, self.accept_graphs, self.accept_outputs, pool, resolve=False)
         self._reset_tables()
         cache.reset_row_cache_counters()  # the warm-up and capture forwards served no request
 
     def _greedy_step(self, batch: ForwardBatch, cache: ModelCache) -> torch.Tensor:
-        """The whole greedy speculative step on the staged inputs (its K/V rows taken from the block table on
-        the device), then the next step's inputs from its readback (`_advance`)."""
-        rows, block_size = batch.token_ids.shape[0], self.cache.block_size
-        positions = self.positions[:rows]
-        blocks = batch.block_tables[self._request_of_row[:rows], positions // block_size]
-        blocks = torch.where(blocks < 0, self.cache.scratch_block, blocks)  # none of a real row's: reserved
-        self.slot_mapping[:rows] = blocks * block_size + positions % block_size
-        readback = self.greedy(batch, cache)
-        self._advance(readback)
-        return readback
-
-    def _advance(self, readback: torch.Tensor) -> None:
-        """The inputs of the step after a greedy step, from its readback [size, 2 + K], into the buffers (overlap
-        scheduling chains steps on them: `stage_chained`): request i's tokens are the token after its accepted
-        drafts and its K new drafts, from position start + 1 + a_i; its state is in verify_slots[i, a_i], and
-        its row slots move round by a_i + 1, so that one comes last (the host's order: engine/speculative.py
-        `SpeculativeRunner.row_slots`). Padding requests stay padding (their row slots are all the scratch slot)."""
-        size, width = readback.shape[0], self.rows_per_request
-        steps = self._row_steps
-        real = self.slots[:size] != self.cache.scratch_slot
-        accepted = readback[:, 0] * real
-        self.verify_slots[:size] = self.verify_slots[:size].gather(1, (accepted[:, None] + 1 + steps) % width)
-        self.slots[:size] = self.verify_slots[:size, -1]
-        self.context_lens[:size] += (1 + accepted) * real
-        self.positions[: size * width] = ((self.context_lens[:size, None] + steps) * real[:, None]).flatten()
-        self.input_ids[: size * width] = (readback[:, 1:] * real[:, None]).flatten()
+        """The whole greedy speculative step on the staged inputs (its ids resolved and its K/V rows taken
+        from the block table on the device), ending with the next step's inputs in the buffers (overlap
+        scheduling chains steps on them: `stage_chained`): request i's tokens are the token after its
+        accepted drafts and its K new drafts, from position start + 1 + a_i; its state is in
+        verify_slots[i, a_i], and its row slots move round by a_i + 1, so that one comes last (the host's
+        order: engine/speculative.py `SpeculativeRunner.row_slots`). Padding requests stay padding (their
+        row slots are all the scratch slot)."""
+        rows, size = batch.token_ids.shape[0], batch.num_requests
+        step_kernels(self.positions).step_inputs(
+            self._token_candidates, self.token_picks[:rows], self.positions[:rows], batch.block_tables,
+            self.cache.block_size, self.cache.scratch_block, self.token_ids[:rows], self.slot_mapping[:rows])
+        following = NextInputs(self.input_ids[:rows], self.positions[:rows], self.context_lens[:size],
+                               self.slots[:size], self.verify_slots[:size], self.cache.scratch_slot)
+        return self.greedy(batch, cache, following)
 
     def _accept_step(self, batch: ForwardBatch, cache: ModelCache) -> torch.Tensor:
-        """The greedy step after its verify forward: on `scores` and the streams of this shape's forward."""
-        rows = batch.token_ids.shape[0]
-        streams = self.outputs[batch.num_requests, batch.block_tables.shape[1]][1]
-        return self.greedy.accept_and_draft(batch, self.scores[:rows], streams[:rows])
+        """The greedy step after its verify forward: on `penalized_best` and the streams of this shape's forward."""
+        rows, size = batch.token_ids.shape[0], batch.num_requests
+        streams = self.outputs[size, batch.block_tables.shape[1]][1]
+        return self.greedy.accept_and_draft(batch, self.penalized_best[:rows].view(size, self.rows_per_request),
+                                            streams[:rows])
 
     def _draft_step(self, batch: ForwardBatch, cache: ModelCache) -> tuple[torch.Tensor, torch.Tensor]:
         return self.model.draft(batch, self.hidden[: batch.token_ids.shape[0]], cache, self.draft_layer)
@@ -261,20 +249,23 @@ class StaticDecodeRunner:
         self.tables_at[width][start:size] = self.cache.scratch_block
         self.slot_mapping[rows] = self.cache.scratch_block * self.cache.block_size
 
-    def _capture(self, step, graphs: dict, outputs: dict, pool=None):
-        """`step(batch, cache)` captured at every prepared shape into graphs / outputs; the memory pool."""
+    def _capture(self, step, graphs: dict, outputs: dict, pool=None, resolve: bool = True):
+        """`step(batch, cache)` captured at every prepared shape into graphs / outputs; the memory pool.
+        resolve: the input ids resolved first (`_resolve_tokens`; False: the step does it, or needs not)."""
         for shape in reversed(self.shapes):  # largest first, so smaller graphs reuse its memory pool
             batch = self.batches[shape]
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
                 for _ in range(2):  # warm up lazily built tensors and kernels outside the capture
-                    self._resolve_tokens()
+                    if resolve:
+                        self._resolve_tokens()
                     step(batch, self.cache)
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self._resolve_tokens()
+                if resolve:
+                    self._resolve_tokens()
                 outputs[shape] = step(batch, self.cache)
             pool = graph.pool()
             graphs[shape] = graph
@@ -360,15 +351,15 @@ class StaticDecodeRunner:
         if shape in self.greedy_graphs:
             self.greedy_graphs[shape].replay()
             return self.greedy_outputs[shape][:num_requests]
-        self._resolve_tokens()
         return self._greedy_step(self.batches[shape], self.cache)[:num_requests]
 
-    def replay_accept(self, shape: tuple[int, int], num_requests: int, scores: torch.Tensor) -> torch.Tensor:
-        """The greedy step's part after the verify forward (`replay` of this shape just ran), on `scores`
-        [rows, vocab] (its logits, penalized): one graph replay; the readback as `replay_greedy`'s."""
+    def replay_accept(self, shape: tuple[int, int], num_requests: int, best: torch.Tensor) -> torch.Tensor:
+        """The greedy step's part after the verify forward (`replay` of this shape just ran), on `best` [rows]
+        (each verify row's argmax of its penalized logits): one graph replay; the readback as
+        `replay_greedy`'s."""
         if self.greedy is None:
             raise ValueError("replay_accept: this runner was prepared without greedy_speculation")
-        self.scores[: scores.shape[0]].copy_(scores)
+        self.penalized_best[: best.shape[0]].copy_(best)
         if shape in self.accept_graphs:
             self.accept_graphs[shape].replay()
             return self.accept_outputs[shape][:num_requests]
@@ -434,9 +425,9 @@ class StaticDecodeRunner:
 
     def stage_chained(self, tables: list[list[int]]) -> tuple[int, int]:
         """The inputs of a greedy step that follows the last `replay_greedy` of the same requests in the same
-        rows (overlap scheduling): the ids, positions and slots are already in the buffers (that step's
-        `_advance` writes them on the device); only the block-table entries that changed are sent (one copy).
-        Returns the shape to `replay_greedy`: the same size, the width the tables need now."""
+        rows (overlap scheduling): the ids, positions and slots are already in the buffers (that step's graph
+        wrote them on the device, `_greedy_step`); only the block-table entries that changed are sent (one
+        copy). Returns the shape to `replay_greedy`: the same size, the width the tables need now."""
         size, _ = shape = self._shape(len(tables), max(len(t) for t in tables))
         self._send(self._staging.next(), tables, size, tables_only=True)
         return shape
