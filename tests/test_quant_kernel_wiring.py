@@ -1,7 +1,8 @@
 """The quant methods hand the loaded runtime tensors to the fused Triton kernels in the layout those read:
 the kernel path of a loaded pack-quantized linear layer and MoE layer, and of an unquantized MoE layer,
 each MoE layer also with its block's shared expert inside the kernel (unquantized; INT6 beside INT4 in
-int4-mixed), against the torch reference path of the same layer (the kernels' own accuracy against their reference is
+int4-mixed), and the INT8 embedding gathered into the hc streams by `kernels/embed_streams` (the whole
+model's logits, bit for bit), against the torch reference path of the same layer (the kernels' own accuracy against their reference is
 tests/test_*_kernel.py's); which path a layer takes (the kernel on CUDA, unless switched off).
 
 Without a GPU the kernels run in Triton's interpreter (TRITON_INTERPRET=1 before triton is first
@@ -98,8 +99,12 @@ def kernel_results():
     return interpreted_json(*INTERPRETED_EARLY["test_kernel_path_equals_reference_path"])
 
 
-# (queued when collection ends, see tests/interpreted.py): the child builds and quantizes its checkpoints
-INTERPRETED_EARLY = {"test_kernel_path_equals_reference_path": (CHILD,)}
+EMBEDDING_CHILD = ("import json, test_quant_kernel_wiring as t; "
+                   "print(json.dumps(t.fused_embedding_vs_torch_path('cpu')))")
+
+# (queued when collection ends, see tests/interpreted.py): the children build and quantize their checkpoints
+INTERPRETED_EARLY = {"test_kernel_path_equals_reference_path": (CHILD,),
+                     "test_int8_embedding_kernel_path_gives_the_torch_paths_logits": (EMBEDDING_CHILD,)}
 
 
 @pytest.mark.parametrize("layer", ["experts", "dense experts", "experts + shared", "dense experts + shared", "lm_head",
@@ -222,3 +227,98 @@ def test_moe_block_on_cuda_fuses_its_shared_expert(monkeypatch, dtype):
         apart_error = (apart.float() - exact).abs().max()
         bound = 2 * apart_error + torch.finfo(dtype).eps * exact.abs().max()
         assert (out.float() - exact).abs().max() <= bound
+
+
+def test_int8_embedding_takes_the_embed_streams_kernel_on_cuda_only_unless_switched_off(monkeypatch, tmp_path):
+    """An int4-mixed model's INT8 per-row embedding hands its packed words and scales to the embed-streams
+    kernel (a dense table itself; another format nothing: the torch path), and the model asks for that kernel
+    on CUDA only, unless TIERLM_NO_FUSED_EMBED_STREAMS=1 (checked on a stand-in for a CUDA tensor)."""
+    from reference_models import build_reference
+
+    from tierlm.model.layers.embedding import Embedding
+    from tierlm.model.loader import load_model
+    from tierlm.model.quantization.compressed_tensors import PackQuantizedFormat
+    from tierlm.model.qwen4_exp import fused_embed_streams
+    from tierlm.tools.quantize import quantize_checkpoint
+
+    build_reference("hc4_ple", tmp_path / "base")
+    model, config = load_model(quantize_checkpoint(tmp_path / "base", tmp_path / "q", "int4-mixed", 16),
+                               dtype="float32", device="cpu")
+    embedding = model.model.embed_tokens
+    words, scales = embedding.kernel_table()
+    assert words is embedding.weight_packed and words.shape == (config.vocab_size, config.hidden_size // 4)
+    assert scales is embedding.weight_scale and scales.shape == (config.vocab_size, 1)
+    dense = Embedding(10, 8)
+    assert dense.kernel_table() == (dense.weight, None)
+    dense.set_format(PackQuantizedFormat(8, 4))  # INT8 in groups: not the kernel's form
+    assert dense.kernel_table() is None
+    monkeypatch.delenv("TIERLM_NO_FUSED_EMBED_STREAMS", raising=False)
+    assert not fused_embed_streams(torch.zeros(1, dtype=torch.int64))
+    assert fused_embed_streams(SimpleNamespace(is_cuda=True))
+    monkeypatch.setenv("TIERLM_NO_FUSED_EMBED_STREAMS", "1")
+    assert not fused_embed_streams(SimpleNamespace(is_cuda=True))
+
+
+def fused_embedding_vs_torch_path(device: str) -> dict[str, dict]:
+    """{dtype: {"int8 launches": embed-streams kernel launches given an INT8 table, "dense launches": given a
+    dense one, "equal": the logits bit for bit equal to the torch path's}} for an int4-mixed model on
+    `device` over a 9-token prefill then 2 decode steps, with the kernel switched on (CPU: the interpreter
+    runs it; the model's other layers keep their CPU paths) and then off."""
+    import tempfile
+
+    from reference_models import build_reference
+
+    from tierlm.kernels.embed_streams import triton as kernels
+    from tierlm.model import qwen4_exp
+    from tierlm.model.loader import load_model
+    from tierlm.tools.quantize import quantize_checkpoint
+
+    launches = []
+    real_kernel = kernels.embed_streams
+
+    def spy(table, ids, hc_count, scales=None):
+        launches.append("int8" if scales is not None else "dense")
+        return real_kernel(table, ids, hc_count, scales)
+
+    kernels.embed_streams = spy
+    results = {}
+    with tempfile.TemporaryDirectory() as folder:
+        build_reference("hc4_ple", Path(folder) / "base")
+        int4_mixed = quantize_checkpoint(Path(folder) / "base", Path(folder) / "q", "int4-mixed", 16)
+        for dtype in ("float32", "bfloat16"):
+            model, config = load_model(int4_mixed, dtype=dtype, device=device)
+            launches.clear()
+            qwen4_exp.fused_embed_streams = lambda token_ids: True
+            fused = _prefill_then_decode(model, config, device)
+            counts = {f"{form} launches": launches.count(form) for form in ("int8", "dense")}
+            qwen4_exp.fused_embed_streams = lambda token_ids: False
+            results[dtype] = {**counts, "equal": torch.equal(fused, _prefill_then_decode(model, config, device))}
+    return results
+
+
+def _prefill_then_decode(model, config, device: str) -> torch.Tensor:
+    """The logits (fp32, on the CPU) of a 9-token prefill and 2 one-token decode steps through one slot."""
+    from tierlm.model.forward_batch import ForwardBatch
+    from tierlm.model.model_cache import ModelCache
+
+    block_size = 12
+    cache = ModelCache(config, 1, 4, block_size, next(model.parameters()).dtype, device)
+    cache.reset_slot(0)
+    ids = torch.randint(2, config.vocab_size, (11,), generator=torch.Generator().manual_seed(4)).tolist()
+    out = []
+    for start, end in ((0, 9), (9, 10), (10, 11)):
+        batch = ForwardBatch.build([ids[start:end]], [start], [0], [list(range(4))], block_size, logits="all",
+                                   device=device)
+        out.append(model(batch, cache).float().cpu())
+    return torch.cat(out)
+
+
+def test_int8_embedding_kernel_path_gives_the_torch_paths_logits():
+    """The int4-mixed model's logits with its INT8 embedding gathered by the embed-streams kernel (one launch
+    a forward) equal the torch path's bit for bit, in fp32 and bf16 (CPU: in the interpreter child)."""
+    if torch.cuda.is_available():
+        results = fused_embedding_vs_torch_path("cuda")
+    else:
+        results = interpreted_json(*INTERPRETED_EARLY["test_int8_embedding_kernel_path_gives_the_torch_paths_logits"])
+    for dtype in ("float32", "bfloat16"):
+        assert results[dtype] == {"int8 launches": 3, "dense launches": 0, "equal": True}, dtype

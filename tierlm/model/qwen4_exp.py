@@ -67,18 +67,24 @@ class Qwen4ExpTextModel(nn.Module):
 
 def embed_streams(embed_tokens: Embedding, batch: ForwardBatch, hc_count: int) -> torch.Tensor:
     """The token embeddings (image placeholders' rows replaced by the batch's image features) copied into
-    the hc residual streams: [N, hc_count * H]. On CUDA a dense table's rows go into the streams in one
-    launch (`kernels/embed_streams`; TIERLM_NO_FUSED_EMBED_STREAMS=1 turns it off)."""
-    table = embed_tokens.dense_weight()
-    if (table is not None and batch.image_features is None and batch.token_ids.is_cuda
-            and not os.environ.get("TIERLM_NO_FUSED_EMBED_STREAMS")):
+    the hc residual streams: [N, hc_count * H]. On CUDA a dense or per-row INT8 table's rows go into the
+    streams in one launch (`kernels/embed_streams`, reading the table in place; the torch path of an INT8
+    table is ~26 small kernels); other formats, and batches with image features, take the torch path."""
+    weights = embed_tokens.kernel_table() if fused_embed_streams(batch.token_ids) else None
+    if weights is not None and batch.image_features is None:
         from tierlm.kernels.embed_streams import triton as kernels
 
-        return kernels.embed_streams(table, batch.token_ids, hc_count)
+        table, scales = weights
+        return kernels.embed_streams(table, batch.token_ids, hc_count, scales)
     embeddings = embed_tokens(batch.token_ids)
     if batch.image_features is not None:
         embeddings = embeddings.index_copy(0, batch.image_rows, batch.image_features.to(embeddings.dtype))
     return embeddings.repeat(1, hc_count)
+
+
+def fused_embed_streams(token_ids: torch.Tensor) -> bool:
+    """Whether `embed_streams` may run its kernel: on CUDA, unless TIERLM_NO_FUSED_EMBED_STREAMS=1."""
+    return token_ids.is_cuda and not os.environ.get("TIERLM_NO_FUSED_EMBED_STREAMS")
 
 
 def run_decoder_layers(

@@ -11,7 +11,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tierlm.model.quantization.base import DENSE, EmbeddingMethod, ModulePart, QuantizationError, WeightFormat
+from tierlm.model.quantization.base import (
+    DENSE,
+    EmbeddingMethod,
+    ModulePart,
+    QuantizationError,
+    WeightFormat,
+    runtime_view,
+)
 
 
 class Embedding(nn.Module):
@@ -33,9 +40,14 @@ class Embedding(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.quant_method.apply(self, ids)
 
-    def dense_weight(self) -> torch.Tensor | None:
-        """The table [V, H] when it is held unquantized (a fused kernel may read it in place), else None."""
-        return self.weight if self.quant_method.format == DENSE else None
+    def kernel_table(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """What `kernels/embed_streams` reads in place: (table [V, H], None) when held unquantized, (packed
+        words [V, H / 4] int32, scales [V, 1]) when held as symmetric INT8 with one scale per row
+        (`WeightFormat.int8_per_channel`); None for any other format (the torch path gathers then)."""
+        fmt = self.quant_method.format
+        if fmt == DENSE:
+            return self.weight, None
+        return fmt.int8_per_channel(runtime_view(self, fmt), self.embedding_dim)
 
     def checkpoint_modules(self, path: str) -> list[ModulePart]:
         return [ModulePart(path, 0, self.num_embeddings, self.embedding_dim)]
