@@ -357,7 +357,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.cache_manager, config.max_num_seqs, config.max_num_batched_tokens, listener,
                                    num_speculative_tokens=k, encoder_cache=self.encoder_cache)
         block_size = plan.block_size
-        static_decode, static_drafts = None, None
+        static_decode, static_plain, static_drafts = None, None, None
         mode = runner_mode(device, config.compile_decode, config.enforce_eager)
         if mode:
             max_blocks = math.ceil(self.max_model_len / block_size)
@@ -373,9 +373,14 @@ class LLMEngine:
                 static_drafts = {(i, rows): StaticDecodeRunner(
                     self.model, self.cache, config.max_num_seqs, max_blocks, mode, draft_layer=i,
                     rows_per_request=rows) for i in range(len(self.model.mtp.layers)) for rows in (1, 1 + k)}
+                # and the steps without drafts (a request's last token, requests that do not speculate): one
+                # row per request with its streams (the draft head reads them), in the verify graphs' pool
+                static_plain = StaticDecodeRunner(
+                    self.model, self.cache, config.max_num_seqs, max_blocks, mode, with_streams=True,
+                    graph_pool=static_decode.graph_pool)
         self.runner = ModelRunner(
             self.model, self.cache, Sampler(config.seed), self._decode_token,
-            static_decode if speculative is None else None, self.ngram_store, self.encoder_cache,
+            static_decode if speculative is None else static_plain, self.ngram_store, self.encoder_cache,
         )
         if speculative is not None:
             self.runner = SpeculativeRunner(self.runner, speculative, plan.num_slots, config.seed, static_decode,

@@ -95,7 +95,9 @@ after them, advancing the matcher as for any sampled token: it ends exactly at t
 (The seed's vLLM answered HTTP 500 with MTP, grammars and 2+ running requests: its masks were built from other
 drafts than the ones verified.) Steps that mix widths (a prefill chunk,
 a request with fewer drafts or none) run eagerly, the layers then keeping the per-position states request
-by request. The draft head's forwards replay CUDA graphs too (`static_drafts`) where every request has
+by request. A decode step that carries no drafts at all (a request's last token, requests that do not
+speculate) replays the plain decode graphs as without speculation: the `ModelRunner`'s static runner,
+prepared `with_streams` (the draft head reads its rows) and captured in the verify graphs' memory pool. The draft head's forwards replay CUDA graphs too (`static_drafts`) where every request has
 one row (the K-1 draft steps; the pass over the kept rows when no draft was accepted) or 1+K rows (the
 pass when every draft was accepted: it then runs as a verification-shaped batch, the head's indexer
 rings kept per row like the target's, and its logits taken at each request's last row).
@@ -238,7 +240,8 @@ class SpeculativeRunner:
     ) -> None:
         """position_slot_base: slot s's K position slots are position_slot_base + s K + j (the cache has those).
         static_verify: a `StaticDecodeRunner` of 1 + K rows per request (CUDA graphs) for the steps where
-        every request verifies K drafts; None: every forward eager. static_drafts: (MTP layer, rows per
+        every request verifies K drafts; None: every forward eager. Steps without drafts go to `runner`'s
+        static runner when it has one (prepared `with_streams`: the draft head reads the rows' streams). static_drafts: (MTP layer, rows per
         request) -> a `StaticDecodeRunner` of the draft head's forwards at fixed shapes (rows per request 1
         and 1+K; see the module docstring)."""
         self.runner = runner
@@ -271,16 +274,20 @@ class SpeculativeRunner:
         runner = self.runner
         if self._on_device(step):
             return self._greedy_step(step)
-        with self.trace.phase("prepare batch"):
-            batch, wanted = runner.prepare(step)
-            verify = [w for w in wanted if w[0].draft_token_ids]
-            if verify:
-                batch = dataclasses.replace(batch, position_slots=self._position_slots(step))
-        with self.trace.phase("launch forward"), self.trace.gpu("forward"):
-            if self.static_verify is not None and self.static_verify.can_run(batch):
-                logits, streams = self.static_verify.run(batch)
-            else:
-                logits, streams = self.model.forward_with_streams(batch, self.cache)
+        if runner.fits_static(step):  # no drafts, one row per request: the runner's decode graphs (and streams)
+            (logits, streams), wanted, _ = runner.run_forward(step)
+            verify = []
+        else:
+            with self.trace.phase("prepare batch"):
+                batch, wanted = runner.prepare(step)
+                verify = [w for w in wanted if w[0].draft_token_ids]
+                if verify:
+                    batch = dataclasses.replace(batch, position_slots=self._position_slots(step))
+            with self.trace.phase("launch forward"), self.trace.gpu("forward"):
+                if self.static_verify is not None and self.static_verify.can_run(batch):
+                    logits, streams = self.static_verify.run(batch)
+                else:
+                    logits, streams = self.model.forward_with_streams(batch, self.cache)
         with self.trace.phase("sample"):
             result = runner.sample([w for w in wanted if not w[0].draft_token_ids], logits)
             accepted = self._verify(verify, logits, result)

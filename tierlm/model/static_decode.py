@@ -93,7 +93,8 @@ class StaticDecodeRunner:
         self, model, cache: ModelCache, max_batch: int, max_blocks_per_request: int, mode: str,
         sizes: list[int] | None = None, ple_embedding_dims: dict[int, int] | None = None,
         widths: list[int] | None = None, stage_input_width: int | None = None, rows_per_request: int = 1,
-        draft_layer: int | None = None, greedy_speculation: bool = False,
+        draft_layer: int | None = None, greedy_speculation: bool = False, with_streams: bool = False,
+        graph_pool=None,
     ) -> None:
         """sizes: the batch sizes to prepare (default `prepared_sizes(max_batch)`); the largest is max_batch.
         widths: the block-table widths to prepare (default `prepared_widths` from FIRST_WIDTH_TOKENS); the
@@ -108,12 +109,20 @@ class StaticDecodeRunner:
         greedy_speculation: with T = 1 + K rows per request, also prepares each shape's whole greedy
         speculative step (`GreedySpeculation`: verify, accept, roll back, draft; `replay_greedy`) and its
         part after the verify forward (`replay_accept`), a CUDA graph each per shape (modes "cuda_graph" and
-        "eager"; not "compile")."""
+        "eager"; not "compile").
+        with_streams: decode steps (one row per request) that also return every row's streams
+        (`forward_with_streams`): the speculative engine's steps without drafts, whose rows the draft head
+        reads next.
+        graph_pool: the CUDA graph memory pool to capture into (another runner's `graph_pool`, whose graphs
+        never run at the same time as these: one stream, every output kept): the forwards' temporaries
+        then share its memory; only the outputs are new."""
         if mode not in MODES:
             raise ValueError(f"mode {mode!r}: choose one of {MODES}")
         if greedy_speculation and (rows_per_request < 2 or draft_layer is not None or mode == "compile"):
             raise ValueError("greedy_speculation: a verification runner (rows_per_request > 1, no draft_layer), "
                              "in mode cuda_graph or eager")
+        if with_streams and (rows_per_request != 1 or draft_layer is not None):
+            raise ValueError("with_streams: a decode runner (rows_per_request 1, no draft_layer)")
         self.model, self.cache, self.mode = model, cache, mode
         self.sizes = sorted(set(sizes or prepared_sizes(max_batch)) | {max_batch})
         first = math.ceil(FIRST_WIDTH_TOKENS / cache.block_size)
@@ -172,8 +181,10 @@ class StaticDecodeRunner:
         if draft_layer is not None:
             self.step = self._draft_step
         else:
-            self.step = model if rows_per_request == 1 else model.forward_with_streams  # what a shape runs
+            # what a shape runs
+            self.step = model if rows_per_request == 1 and not with_streams else model.forward_with_streams
         self.forward = self.step
+        self.graph_pool = graph_pool  # mode "cuda_graph": the memory pool its graphs were captured into
         if mode == "compile":
             # one compiled graph per prepared shape; shapes never change for a given (size, width)
             self.forward = torch.compile(self.step, dynamic=False)
@@ -182,11 +193,12 @@ class StaticDecodeRunner:
                 for shape in self.shapes:
                     self.forward(self.batches[shape], cache)
         elif mode == "cuda_graph":
-            pool = self._capture(self.step, self.graphs, self.outputs)
+            pool = self._capture(self.step, self.graphs, self.outputs, graph_pool)
             if self.greedy is not None:  # the same pool: one graph runs at a time, each read before the next
                 # (the greedy step resolves its ids itself; the accept step's were resolved by the verify's)
                 pool = self._capture(self._greedy_step, self.greedy_graphs, self.greedy_outputs, pool, resolve=False)
-                self._capture(self._accept_step, self.accept_graphs, self.accept_outputs, pool, resolve=False)
+                pool = self._capture(self._accept_step, self.accept_graphs, self.accept_outputs, pool, resolve=False)
+            self.graph_pool = pool
         self._reset_tables()
         cache.reset_row_cache_counters()  # the warm-up and capture forwards served no request
 
@@ -337,8 +349,8 @@ class StaticDecodeRunner:
         return self.replay(*self.stage_decode(token_ids, positions, slots, tables, token_sources, previous_tokens))
 
     def replay(self, shape: tuple[int, int], num_rows: int) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """The forward at a prepared shape on what `stage_decode` (logits of its rows) or `stage_verify`
-        (logits and streams of its rows) staged."""
+        """The forward at a prepared shape on what `stage_decode` (logits of its rows; with_streams: and their
+        streams) or `stage_verify` (logits and streams of its rows) staged."""
         out = self._forward(shape)
         return (out[0][:num_rows], out[1][:num_rows]) if isinstance(out, tuple) else out[:num_rows]
 
