@@ -39,7 +39,7 @@ from tierlm.engine.encoder import DEFAULT_ENCODER_CACHE_BYTES, EncoderCache, pla
 from tierlm.engine.images import RequestImage, request_images
 from tierlm.engine.model_runner import LaunchedStep, ModelRunner, StepResult
 from tierlm.engine.request import Request, RequestStatus
-from tierlm.engine.sampler import Sampler
+from tierlm.engine.sampler import Sampler, greedy_readback
 from tierlm.engine.scheduler import RequestListener, Scheduler
 from tierlm.engine.speculative import (
     LaunchedSpeculation,
@@ -365,9 +365,13 @@ class LLMEngine:
                 self.ngram_store) else None
             # speculative decoding: the verification steps (1 + K rows per request) are the fixed shapes
             # (and, but for torch.compile, each shape's whole greedy step: verify, accept, roll back, draft)
+            # without: each decode graph also takes its rows' argmax, a plain greedy step's whole sampling
+            # (TIERLM_NO_GRAPH_ARGMAX=1: the sampler's launches after the replay)
+            argmax = speculative is None and not os.environ.get("TIERLM_NO_GRAPH_ARGMAX")
             static_decode = StaticDecodeRunner(
                 self.model, self.cache, config.max_num_seqs, max_blocks, mode, ple_embedding_dims=ple_dims,
                 rows_per_request=1 + k, greedy_speculation=speculative is not None and mode != "compile",
+                greedy_readback=greedy_readback if argmax else None,
             )
             if speculative is not None:  # and the draft head's, per MTP layer, at 1 and 1 + K rows per request
                 static_drafts = {(i, rows): StaticDecodeRunner(

@@ -65,8 +65,8 @@ positions are rolled back exactly.
   0.26-0.37 ms with overlap, done while the next step runs (the H200's K=1 step is 0.77 ms of GPU).
   The chained step's inputs, the acceptance and the readback are three launches on CUDA, one Triton
   kernel each (kernels/speculative_step; ~30 torch ops at K = 1 before). A launched step's readback is
-  copied into one of two pinned host buffers, used in turn with an event each (`_Readbacks`): at most
-  two greedy steps are unread at a time (the one in flight and the one chained after it).
+  copied into one of two pinned host buffers, used in turn with an event each (engine/readbacks.py): at
+  most two greedy steps are unread at a time (the one in flight and the one chained after it).
   Left to do: a step where a request finishes or one is admitted reads back before scheduling (one
   serial step, then the chain restarts);
   penalized, sampled and grammar requests stay serial (verification needs the drafts or output ids on
@@ -115,6 +115,7 @@ import numpy as np
 import torch
 
 from tierlm.engine.model_runner import ModelRunner, StepResult
+from tierlm.engine.readbacks import Readbacks
 from tierlm.engine.rejection_sampler import rejection_sample
 from tierlm.engine.request import PLACEHOLDER, Request
 from tierlm.engine.sampler import MIN_TEMPERATURE, edit_logits, sampling_probs
@@ -195,30 +196,6 @@ class LaunchedSpeculation:
         return self.step.num_tokens
 
 
-class _Readbacks:
-    """The host side of launched greedy steps' readbacks: two [max_batch, 2 + K] buffers (pinned on CUDA) used
-    in turn, each with the event recorded after its copy, made once. At most two launched steps are unread
-    at a time (overlap scheduling reads the step in flight before it launches the second one after it;
-    a serial step is read at once), so a buffer's last step has been read by the time its turn comes back."""
-
-    def __init__(self, max_batch: int, k: int, device: torch.device) -> None:
-        cuda = device.type == "cuda"
-        self.max_batch = max_batch
-        self.buffers = [torch.zeros(max_batch, 2 + k, dtype=torch.int64, pin_memory=cuda) for _ in range(2)]
-        self.copied = [torch.cuda.Event() if cuda else None for _ in range(2)]
-        self.turn = 0
-
-    def copy(self, readback: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-        """Queue the copy of a step's readback [B, 2 + K] into the next buffer: its rows there, and the event
-        that says the copy has run (None on CPU: it has)."""
-        self.turn ^= 1
-        host, event = self.buffers[self.turn][: readback.shape[0]], self.copied[self.turn]
-        host.copy_(readback, non_blocking=event is not None)
-        if event is not None:
-            event.record()
-        return host, event
-
-
 @dataclass
 class _Kept:
     """One chunk after verification: the rows whose state stays, and what the draft head reads there."""
@@ -254,7 +231,7 @@ class SpeculativeRunner:
         self.static_rollback = None if static_verify is None else StaticSlotCopy(
             self.cache.target_slot_states, static_verify.max_batch, self.cache.scratch_slot, self.cache.device,
             "cuda_graph" if static_verify.mode == "cuda_graph" else "eager")
-        self._readbacks: _Readbacks | None = None  # made at the first greedy launch, for static_verify's batches
+        self._readbacks: Readbacks | None = None  # made at the first greedy launch, for static_verify's batches
         self.generator = torch.Generator(device=self.cache.device).manual_seed(seed)
         self.num_drafts = 0  # verify chunks (requests that carried drafts into a step), total
         self.num_draft_tokens = 0  # drafts verified, total
@@ -391,7 +368,7 @@ class SpeculativeRunner:
         # the device span is "forward" as a plain decode step's is: "between forwards" is then the time
         # the device waits for the host between steps, with or without drafts
         if self._readbacks is None or self._readbacks.max_batch < self.static_verify.max_batch:
-            self._readbacks = _Readbacks(self.static_verify.max_batch, self.k, self.cache.device)
+            self._readbacks = Readbacks(self.static_verify.max_batch, 2 + self.k, self.cache.device)
         with self.trace.phase("launch forward"), self.trace.gpu("forward"):
             # the device buffer is the next replay's: copied out in order
             host, ready = self._readbacks.copy(self.static_verify.replay_greedy(shape, n))
