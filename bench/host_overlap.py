@@ -22,7 +22,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import json
-import math
+import os
 import statistics
 import tempfile
 from pathlib import Path
@@ -31,20 +31,18 @@ import torch
 
 from tierlm.demo_model import build_demo_model
 from tierlm.engine.llm_engine import EngineConfig, LLMEngine
-from tierlm.model.static_decode import StaticDecodeRunner
 from tierlm.sampling_params import SamplingParams
 
 
 def run(args, model: str, batch: int, overlap: bool, trace_path: Path) -> dict[str, float]:
+    if args.static_eager:  # CPU: the engine's own static runner (the graphs' host-list path), run eagerly
+        os.environ["TIERLM_STATIC_DECODE_EAGER"] = "1"
     engine = LLMEngine(EngineConfig(
         model=model, dtype=args.dtype, device=args.device, max_num_seqs=batch, max_model_len=args.max_model_len,
         max_num_batched_tokens=max(256, batch * args.prompt_tokens), trace=str(trace_path),
         async_scheduling=overlap, load_format=args.load_format, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
     ))
     assert engine.overlap is overlap
-    if args.static_eager and engine.runner.static_decode is None:  # CPU: the graphs' host-list path, eagerly
-        engine.runner.static_decode = StaticDecodeRunner(
-            engine.model, engine.cache, batch, math.ceil(engine.max_model_len / engine.cache.block_size), "eager")
     params = SamplingParams(temperature=0, max_tokens=args.warmup + args.steps + 1, ignore_eos=True)
     vocab = engine.model_config.vocab_size
     for i in range(batch):

@@ -42,7 +42,7 @@ def make_engine(demo_dir, overlap: bool, static: bool, eos: frozenset[int] = fro
         options["enforce_eager"] = True
     engine = LLMEngine(EngineConfig(str(demo_dir), **options, async_scheduling=overlap))
     assert engine.overlap is overlap
-    if static and options["device"] == "cpu":
+    if static and options["device"] == "cpu" and engine.runner.static_decode is None:
         engine.runner.static_decode = StaticDecodeRunner(
             engine.model, engine.cache, engine.config.max_num_seqs,
             math.ceil(engine.max_model_len / engine.cache.block_size), "eager")
@@ -155,6 +155,37 @@ def test_overlap_on_the_gpu_is_bit_identical_when_requests_end_on_max_tokens(dem
     serial, overlapped = run_both(demo_dir, static, script(), device="cuda")
     for request_id in serial:
         assert outcome(overlapped[request_id]) == outcome(serial[request_id]), request_id
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param(
+    "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU"))])
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
+def test_argmax_in_the_decode_graph_gives_the_sampler_outputs(demo_dir, monkeypatch, device, overlap):
+    """Decode steps of plain greedy rows take the argmax the engine's decode graph computed after its forward
+    (one replay and one copy; CPU: TIERLM_STATIC_DECODE_EAGER, the same runner run eagerly): the outputs
+    are those of the sampler's pass after the replay (TIERLM_NO_GRAPH_ARGMAX=1), greedy requests alone and
+    then beside an unseeded sampled one (its draws unchanged: the skipped passes drew their keys too) and
+    one with log-probabilities (the sampler's pass)."""
+    arrivals = {0: [("a", "import os\n", greedy(max_tokens=12)), ("b", "class Parser:\n", greedy(max_tokens=9))],
+                14: [("sampled", "x = ", SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True)),
+                     ("logprobs", "def main():\n", greedy(max_tokens=6, logprobs=2)),
+                     ("c", "while True:\n", greedy(max_tokens=8))]}
+    monkeypatch.setenv("TIERLM_STATIC_DECODE_EAGER", "1")
+    runs, taken = {}, {}
+    for in_graph in (True, False):
+        if not in_graph:
+            monkeypatch.setenv("TIERLM_NO_GRAPH_ARGMAX", "1")
+        engine = make_engine(demo_dir, overlap, static=True, device=device, enable_prefix_caching=False)
+        assert (engine.runner.static_decode.argmax_readback is not None) is in_graph
+        taken[in_graph] = []
+        launch = engine.runner._launch_taken_argmax
+        engine.runner._launch_taken_argmax = lambda step, launch=launch, calls=taken[in_graph]: (
+            calls.append(len(step.chunks)) or launch(step))
+        runs[in_graph] = run_script(engine, arrivals)
+    assert 2 in taken[True] and not taken[False]
+    assert sorted(runs[True]) == sorted(runs[False]) == ["a", "b", "c", "logprobs", "sampled"]
+    for request_id in runs[False]:
+        assert outcome(runs[True][request_id]) == outcome(runs[False][request_id]), request_id
 
 
 def test_overlap_under_preemption_gives_the_serial_outputs(demo_dir):

@@ -416,6 +416,66 @@ def test_other_requests_decode_without_drafts(demo, reference):
     assert len(got[0].logprobs) == MAX_TOKENS
 
 
+def count_draftless_steps(llm: LLMEngine) -> list[bool]:
+    """Record, for each step the speculative runner executes serially, whether it is a decode step that
+    carries no drafts (what the plain decode runner takes)."""
+    steps, execute = [], llm.runner.execute
+
+    def recorded(plan):
+        steps.append(all(c.num_tokens == 1 and not c.draft_token_ids and c.samples for c in plan.chunks))
+        return execute(plan)
+
+    llm.runner.execute = recorded
+    return steps
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_steps_without_drafts_replay_the_decode_runner(demo, reference, monkeypatch, k):
+    """Under --speculative-config a decode step that carries no drafts goes through the engine's plain decode
+    runner (TIERLM_STATIC_DECODE_EAGER: the fixed shapes CUDA graphs replay, run eagerly on CPU), its rows'
+    streams going to the draft head: requests with logprobs (they do not speculate), and greedy requests'
+    last tokens (no room for drafts). Tokens and log-probabilities are the bits of the same runner without
+    MTP; greedy tokens those of eager decoding."""
+    monkeypatch.setenv("TIERLM_STATIC_DECODE_EAGER", "1")
+    logprobs = [greedy(logprobs=2), greedy(logprobs=2)]
+    expected = generate(engine(demo), logprobs)
+    assert [out.token_ids for out in expected] == reference
+    for params in (logprobs, [greedy(), greedy()]):
+        llm = engine(demo, spec(k))
+        plain = llm.runner.runner.static_decode
+        assert plain.takes_decode_lists and plain.step == llm.model.forward_with_streams
+        draftless = count_draftless_steps(llm)
+        got = generate(llm, params)
+        assert [out.token_ids for out in got] == reference
+        assert sum(draftless) >= (MAX_TOKENS - 1 if params is logprobs else 1)
+        assert llm.runner.runner.static_steps == sum(draftless)  # every one of them, and nothing else
+        for out, want in zip(got, expected if params is logprobs else (), strict=False):
+            assert len(out.logprobs) == MAX_TOKENS
+            assert [list(p.items()) for p in out.logprobs] == [list(p.items()) for p in want.logprobs]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_steps_without_drafts_replay_graphs_on_a_gpu(demo):
+    """On a GPU (fp32) the speculative engine's steps without drafts are CUDA graph replays of the plain
+    decode runner (captured in the verify graphs' pool): logprobs requests and greedy requests' last tokens
+    give the tokens and log-probabilities of the engine without MTP."""
+    def cuda(speculative_config=None):
+        return LLMEngine(EngineConfig(model=str(demo), dtype="float32", device="cuda", max_num_seqs=2,
+                                      kv_cache_memory_bytes=32 << 20, speculative_config=speculative_config))
+
+    for params in ([greedy(logprobs=2), greedy(logprobs=2)], [greedy(), greedy()]):
+        expected = generate(cuda(), params)
+        llm = cuda(spec(1))
+        plain = llm.runner.runner.static_decode
+        assert plain.graphs and plain.graph_pool == llm.runner.static_verify.graph_pool
+        draftless = count_draftless_steps(llm)
+        got = generate(llm, params)
+        assert [out.token_ids for out in got] == [out.token_ids for out in expected]
+        for out, want in zip(got, expected, strict=True):
+            assert [list(p.items()) for p in out.logprobs or []] == [list(p.items()) for p in want.logprobs or []]
+        assert sum(draftless) >= 1 and llm.runner.runner.static_steps == sum(draftless)
+
+
 @pytest.mark.parametrize("value, message", [
     ('{"method": "eagle", "num_speculative_tokens": 1}', "method must be one of"),
     ('{"method": "mtp", "num_speculative_tokens": 0}', "num_speculative_tokens must be an integer >= 1"),

@@ -105,10 +105,12 @@ def test_captured_graphs_match_plain_decode_on_gpu(tmp_path):
     ("cpu", "eager"),
     pytest.param("cuda", "cuda_graph", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")),
 ])
-def test_run_decode_from_host_lists_matches_plain_decode(tmp_path, device, mode):
+@pytest.mark.parametrize("with_streams", [False, True])
+def test_run_decode_from_host_lists_matches_plain_decode(tmp_path, device, mode, with_streams):
     """`run_decode` (host lists into the buffers, one staging copy, block tables sent as they change, ids
     taken from the device by token source) gives the plain decode's logits while rows change requests,
-    block lists grow and a batch shrinks to padding."""
+    block lists grow and a batch shrinks to padding; with_streams (the speculative engine's steps without
+    drafts): and every row's streams, as `forward_with_streams` gives them."""
     build_reference("hc4_ple", tmp_path)
     model, config = load_model(tmp_path, dtype="float32", device=device)
     cache = ModelCache(config, REQUESTS + 1, REQUESTS * WIDTH, BLOCK_SIZE, torch.float32, device)
@@ -120,7 +122,7 @@ def test_run_decode_from_host_lists_matches_plain_decode(tmp_path, device, mode)
     model(ForwardBatch.build(prompts, [0] * REQUESTS, list(range(REQUESTS)), full_tables, BLOCK_SIZE, device=device),
           cache)
     static_cache = copy.deepcopy(cache)
-    runner = StaticDecodeRunner(model, static_cache, 4, WIDTH, mode, widths=[2, 4, WIDTH])
+    runner = StaticDecodeRunner(model, static_cache, 4, WIDTH, mode, widths=[2, 4, WIDTH], with_streams=with_streams)
     positions = [len(p) for p in prompts]
     # each request's own growing block list (what the engine hands over: the same list object every step)
     lists = [full_tables[r][: positions[r] // BLOCK_SIZE + 1] for r in range(REQUESTS)]
@@ -135,10 +137,13 @@ def test_run_decode_from_host_lists_matches_plain_decode(tmp_path, device, mode)
         ids = [int(previous[s]) if s >= 0 else t for s, t in zip(sources, host_ids)]
         batch = ForwardBatch.build([[t] for t in ids], [positions[r] for r in active], active,
                                    [lists[r] for r in active], BLOCK_SIZE, device=device)
-        plain = model(batch, cache)
+        plain = (model.forward_with_streams if with_streams else model)(batch, cache)
         direct = runner.run_decode([-1 if s >= 0 else t for s, t in zip(sources, host_ids)],
                                    [positions[r] for r in active], active, [lists[r] for r in active],
                                    sources, previous)
+        if with_streams:
+            (plain, plain_streams), (direct, direct_streams) = plain, direct
+            assert torch.allclose(plain_streams, direct_streams, atol=1e-4, rtol=0), step
         assert torch.allclose(plain, direct, atol=1e-4, rtol=0), step
         # the device table holds each active row's list, then -1
         width = runner.block_tables.shape[1]

@@ -39,7 +39,7 @@ from tierlm.engine.encoder import DEFAULT_ENCODER_CACHE_BYTES, EncoderCache, pla
 from tierlm.engine.images import RequestImage, request_images
 from tierlm.engine.model_runner import LaunchedStep, ModelRunner, StepResult
 from tierlm.engine.request import Request, RequestStatus
-from tierlm.engine.sampler import Sampler
+from tierlm.engine.sampler import Sampler, greedy_readback
 from tierlm.engine.scheduler import RequestListener, Scheduler
 from tierlm.engine.speculative import (
     LaunchedSpeculation,
@@ -357,7 +357,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.cache_manager, config.max_num_seqs, config.max_num_batched_tokens, listener,
                                    num_speculative_tokens=k, encoder_cache=self.encoder_cache)
         block_size = plan.block_size
-        static_decode, static_drafts = None, None
+        static_decode, static_plain, static_drafts = None, None, None
         mode = runner_mode(device, config.compile_decode, config.enforce_eager)
         if mode:
             max_blocks = math.ceil(self.max_model_len / block_size)
@@ -365,17 +365,26 @@ class LLMEngine:
                 self.ngram_store) else None
             # speculative decoding: the verification steps (1 + K rows per request) are the fixed shapes
             # (and, but for torch.compile, each shape's whole greedy step: verify, accept, roll back, draft)
+            # without: each decode graph also takes its rows' argmax, a plain greedy step's whole sampling
+            # (TIERLM_NO_GRAPH_ARGMAX=1: the sampler's launches after the replay)
+            argmax = speculative is None and not os.environ.get("TIERLM_NO_GRAPH_ARGMAX")
             static_decode = StaticDecodeRunner(
                 self.model, self.cache, config.max_num_seqs, max_blocks, mode, ple_embedding_dims=ple_dims,
                 rows_per_request=1 + k, greedy_speculation=speculative is not None and mode != "compile",
+                greedy_readback=greedy_readback if argmax else None,
             )
             if speculative is not None:  # and the draft head's, per MTP layer, at 1 and 1 + K rows per request
                 static_drafts = {(i, rows): StaticDecodeRunner(
                     self.model, self.cache, config.max_num_seqs, max_blocks, mode, draft_layer=i,
                     rows_per_request=rows) for i in range(len(self.model.mtp.layers)) for rows in (1, 1 + k)}
+                # and the steps without drafts (a request's last token, requests that do not speculate): one
+                # row per request with its streams (the draft head reads them), in the verify graphs' pool
+                static_plain = StaticDecodeRunner(
+                    self.model, self.cache, config.max_num_seqs, max_blocks, mode, with_streams=True,
+                    graph_pool=static_decode.graph_pool)
         self.runner = ModelRunner(
             self.model, self.cache, Sampler(config.seed), self._decode_token,
-            static_decode if speculative is None else None, self.ngram_store, self.encoder_cache,
+            static_decode if speculative is None else static_plain, self.ngram_store, self.encoder_cache,
         )
         if speculative is not None:
             self.runner = SpeculativeRunner(self.runner, speculative, plan.num_slots, config.seed, static_decode,

@@ -11,7 +11,9 @@ are sampled together (`Sampler.sample`); only prompt log-probability rows are co
 device value back; `finish` waits for the sampled ids. Between the two the engine may schedule and launch
 the next step (overlap scheduling): an input that is still a placeholder (engine/request.py) is the
 previous launched step's sampled id for that request, taken on the device. A decode-only step that fits
-the `StaticDecodeRunner` goes to it as host lists (`stage_decode`, then `replay`), without a `ForwardBatch`.
+the `StaticDecodeRunner` goes to it as host lists (`stage_decode`, then `replay`), without a `ForwardBatch`;
+when its rows are all plain greedy without log-probabilities, the argmax its graph took is their sample
+(`greedy_readback`: one replay and one small copy into a reused pinned buffer per step).
 A request with images (engine/images.py) always runs eagerly: its rows take M-RoPE positions (decode
 rows: position + the prompt's delta) and its prefill chunks the vision tower's features.
 """
@@ -25,8 +27,9 @@ import numpy as np
 import torch
 
 from tierlm.engine.images import chunk_image_rows
+from tierlm.engine.readbacks import Readbacks
 from tierlm.engine.request import Request
-from tierlm.engine.sampler import PendingSample, Sampler, position_logprobs
+from tierlm.engine.sampler import PendingSample, Sampler, plain_greedy, position_logprobs
 from tierlm.engine.scheduler import ScheduledChunk, SchedulerOutput
 from tierlm.engine.trace import NoTrace
 from tierlm.model.forward_batch import ForwardBatch, on_device
@@ -77,6 +80,7 @@ class ModelRunner:
         self.device = cache.device
         self.trace = NoTrace()  # the engine's StepTrace under --trace
         self.static_steps = 0  # forwards run by static_decode (a pipeline's measurements read it)
+        self._readbacks: Readbacks | None = None  # made at the first step whose argmax the static graph took
 
     def execute(self, step: SchedulerOutput) -> StepResult:
         return self.finish(self.launch(step))
@@ -84,14 +88,32 @@ class ModelRunner:
     def launch(self, step: SchedulerOutput, previous: LaunchedStep | None = None) -> LaunchedStep:
         """Queue the step's forward and sampling. previous: the step launched before, whose sampled ids
         this one's placeholder inputs are (required when the step has any)."""
-        logits, wanted, _ = self.run_forward(step, previous)
+        logits, wanted, _, static = self._run_forward(step, previous)
         with self.trace.phase("sample"):
+            if static and self.static_decode.argmax_readback is not None and all(
+                    plain_greedy(chunk.request) and chunk.request.params.logprobs is None for chunk in step.chunks):
+                return self._launch_taken_argmax(step)
             return self._launch_sampling(step, wanted, logits)
+
+    def _launch_taken_argmax(self, step: SchedulerOutput) -> LaunchedStep:
+        """A static step of plain greedy rows: the argmax its graph took (`StaticDecodeRunner.greedy_readback`)
+        copied to the host (one copy into a reused pinned buffer, `Readbacks`), nothing else launched."""
+        static, requests = self.static_decode, [chunk.request for chunk in step.chunks]
+        if self._readbacks is None:
+            self._readbacks = Readbacks(static.max_batch, 2, self.device)
+        readback = static.argmax_readback[: len(requests)]
+        host, ready = self._readbacks.copy(readback)
+        return LaunchedStep(step, requests, self.sampler.taken_argmax(requests, readback.T, host.T, ready),
+                            StepResult())
 
     def run_forward(self, step: SchedulerOutput, previous: LaunchedStep | None = None):
         """Queue the step's forward (the model, or a pipeline stage): (its output, which logits rows each
         chunk wants: (chunk, first row, count), the batch's input ids on the device with the placeholders
         taken from `previous`'s sampled ids)."""
+        return self._run_forward(step, previous)[:3]
+
+    def _run_forward(self, step: SchedulerOutput, previous: LaunchedStep | None = None):
+        """`run_forward`'s three, and whether the static runner ran it."""
         trace = self.trace
         with trace.phase("prepare batch"):
             sources = self._placeholder_sources(step, previous)
@@ -109,8 +131,8 @@ class ModelRunner:
             # always run: a chunk fills the cache even with no logits rows
             if staged:
                 self.static_steps += 1
-                return self.static_decode.replay(*staged), wanted, self.static_decode.token_ids[: staged[1]]
-            return self.forward(batch), wanted, batch.token_ids
+                return self.static_decode.replay(*staged), wanted, self.static_decode.token_ids[: staged[1]], True
+            return self.forward(batch), wanted, batch.token_ids, False
 
     def finish(self, launched: LaunchedStep) -> StepResult:
         """The launched step's sampled tokens and log-probabilities (waits for their copy to the host)."""

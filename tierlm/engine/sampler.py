@@ -368,6 +368,14 @@ def _argmax_status(x: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor,
     return top, greedy_tokens, torch.where(nan, _NAN, torch.where(top == float("-inf"), _MASKED, _OK))
 
 
+def greedy_readback(logits: torch.Tensor) -> torch.Tensor:
+    """[rows, 2]: each row's argmax and status (`launch`'s pass for plain greedy rows, in the logits' own
+    dtype): what a static decode graph computes after its forward, so that a step of plain greedy rows
+    without log-probabilities is one replay and one small copy to the host (`Sampler.taken_argmax`)."""
+    _, tokens, status = _argmax_status(logits, logits)
+    return torch.stack([tokens, status], dim=1)
+
+
 def plain_greedy(request: Request) -> bool:
     """Whether `plan_rows` would make the request's row greedy with no edit (no penalty, bias, ban, mask)
     and nothing that can fail: its token is the argmax, and the sampler skips the plan (decode steps of
@@ -466,6 +474,15 @@ class Sampler:
         device_ids = torch.stack([tokens, status])
         return PendingSample(requests, failed, wanted, tokens, device_ids, _to_host(device_ids),
                              tuple(_to_host(t) for t in logprobs), _ready_event(device))
+
+    def taken_argmax(self, requests: list[Request], device_ids: torch.Tensor, host_ids: torch.Tensor,
+                     ready: torch.cuda.Event | None) -> PendingSample:
+        """The pass of rows that are all plain greedy, without log-probabilities, whose argmax and status the
+        static decode graph took (`greedy_readback`): device_ids [2, rows] (ids, statuses), host_ids their
+        copy, ready its event. The rows' noise keys are drawn as `launch` draws them, so later draws are
+        those of the same steps without the graph's argmax."""
+        self.row_keys(requests)
+        return PendingSample(requests, {}, [], device_ids[0], device_ids, host_ids, (), ready)
 
     def collect(self, pending: PendingSample, decode) -> list[Sampled]:
         """The outcomes of a launched pass (waits for its copy to the host)."""

@@ -65,8 +65,8 @@ positions are rolled back exactly.
   0.26-0.37 ms with overlap, done while the next step runs (the H200's K=1 step is 0.77 ms of GPU).
   The chained step's inputs, the acceptance and the readback are three launches on CUDA, one Triton
   kernel each (kernels/speculative_step; ~30 torch ops at K = 1 before). A launched step's readback is
-  copied into one of two pinned host buffers, used in turn with an event each (`_Readbacks`): at most
-  two greedy steps are unread at a time (the one in flight and the one chained after it).
+  copied into one of two pinned host buffers, used in turn with an event each (engine/readbacks.py): at
+  most two greedy steps are unread at a time (the one in flight and the one chained after it).
   Left to do: a step where a request finishes or one is admitted reads back before scheduling (one
   serial step, then the chain restarts);
   penalized, sampled and grammar requests stay serial (verification needs the drafts or output ids on
@@ -95,7 +95,9 @@ after them, advancing the matcher as for any sampled token: it ends exactly at t
 (The seed's vLLM answered HTTP 500 with MTP, grammars and 2+ running requests: its masks were built from other
 drafts than the ones verified.) Steps that mix widths (a prefill chunk,
 a request with fewer drafts or none) run eagerly, the layers then keeping the per-position states request
-by request. The draft head's forwards replay CUDA graphs too (`static_drafts`) where every request has
+by request. A decode step that carries no drafts at all (a request's last token, requests that do not
+speculate) replays the plain decode graphs as without speculation: the `ModelRunner`'s static runner,
+prepared `with_streams` (the draft head reads its rows) and captured in the verify graphs' memory pool. The draft head's forwards replay CUDA graphs too (`static_drafts`) where every request has
 one row (the K-1 draft steps; the pass over the kept rows when no draft was accepted) or 1+K rows (the
 pass when every draft was accepted: it then runs as a verification-shaped batch, the head's indexer
 rings kept per row like the target's, and its logits taken at each request's last row).
@@ -113,6 +115,7 @@ import numpy as np
 import torch
 
 from tierlm.engine.model_runner import ModelRunner, StepResult
+from tierlm.engine.readbacks import Readbacks
 from tierlm.engine.rejection_sampler import rejection_sample
 from tierlm.engine.request import PLACEHOLDER, Request
 from tierlm.engine.sampler import MIN_TEMPERATURE, edit_logits, sampling_probs
@@ -193,30 +196,6 @@ class LaunchedSpeculation:
         return self.step.num_tokens
 
 
-class _Readbacks:
-    """The host side of launched greedy steps' readbacks: two [max_batch, 2 + K] buffers (pinned on CUDA) used
-    in turn, each with the event recorded after its copy, made once. At most two launched steps are unread
-    at a time (overlap scheduling reads the step in flight before it launches the second one after it;
-    a serial step is read at once), so a buffer's last step has been read by the time its turn comes back."""
-
-    def __init__(self, max_batch: int, k: int, device: torch.device) -> None:
-        cuda = device.type == "cuda"
-        self.max_batch = max_batch
-        self.buffers = [torch.zeros(max_batch, 2 + k, dtype=torch.int64, pin_memory=cuda) for _ in range(2)]
-        self.copied = [torch.cuda.Event() if cuda else None for _ in range(2)]
-        self.turn = 0
-
-    def copy(self, readback: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-        """Queue the copy of a step's readback [B, 2 + K] into the next buffer: its rows there, and the event
-        that says the copy has run (None on CPU: it has)."""
-        self.turn ^= 1
-        host, event = self.buffers[self.turn][: readback.shape[0]], self.copied[self.turn]
-        host.copy_(readback, non_blocking=event is not None)
-        if event is not None:
-            event.record()
-        return host, event
-
-
 @dataclass
 class _Kept:
     """One chunk after verification: the rows whose state stays, and what the draft head reads there."""
@@ -238,7 +217,8 @@ class SpeculativeRunner:
     ) -> None:
         """position_slot_base: slot s's K position slots are position_slot_base + s K + j (the cache has those).
         static_verify: a `StaticDecodeRunner` of 1 + K rows per request (CUDA graphs) for the steps where
-        every request verifies K drafts; None: every forward eager. static_drafts: (MTP layer, rows per
+        every request verifies K drafts; None: every forward eager. Steps without drafts go to `runner`'s
+        static runner when it has one (prepared `with_streams`: the draft head reads the rows' streams). static_drafts: (MTP layer, rows per
         request) -> a `StaticDecodeRunner` of the draft head's forwards at fixed shapes (rows per request 1
         and 1+K; see the module docstring)."""
         self.runner = runner
@@ -251,7 +231,7 @@ class SpeculativeRunner:
         self.static_rollback = None if static_verify is None else StaticSlotCopy(
             self.cache.target_slot_states, static_verify.max_batch, self.cache.scratch_slot, self.cache.device,
             "cuda_graph" if static_verify.mode == "cuda_graph" else "eager")
-        self._readbacks: _Readbacks | None = None  # made at the first greedy launch, for static_verify's batches
+        self._readbacks: Readbacks | None = None  # made at the first greedy launch, for static_verify's batches
         self.generator = torch.Generator(device=self.cache.device).manual_seed(seed)
         self.num_drafts = 0  # verify chunks (requests that carried drafts into a step), total
         self.num_draft_tokens = 0  # drafts verified, total
@@ -271,16 +251,20 @@ class SpeculativeRunner:
         runner = self.runner
         if self._on_device(step):
             return self._greedy_step(step)
-        with self.trace.phase("prepare batch"):
-            batch, wanted = runner.prepare(step)
-            verify = [w for w in wanted if w[0].draft_token_ids]
-            if verify:
-                batch = dataclasses.replace(batch, position_slots=self._position_slots(step))
-        with self.trace.phase("launch forward"), self.trace.gpu("forward"):
-            if self.static_verify is not None and self.static_verify.can_run(batch):
-                logits, streams = self.static_verify.run(batch)
-            else:
-                logits, streams = self.model.forward_with_streams(batch, self.cache)
+        if runner.fits_static(step):  # no drafts, one row per request: the runner's decode graphs (and streams)
+            (logits, streams), wanted, _ = runner.run_forward(step)
+            verify = []
+        else:
+            with self.trace.phase("prepare batch"):
+                batch, wanted = runner.prepare(step)
+                verify = [w for w in wanted if w[0].draft_token_ids]
+                if verify:
+                    batch = dataclasses.replace(batch, position_slots=self._position_slots(step))
+            with self.trace.phase("launch forward"), self.trace.gpu("forward"):
+                if self.static_verify is not None and self.static_verify.can_run(batch):
+                    logits, streams = self.static_verify.run(batch)
+                else:
+                    logits, streams = self.model.forward_with_streams(batch, self.cache)
         with self.trace.phase("sample"):
             result = runner.sample([w for w in wanted if not w[0].draft_token_ids], logits)
             accepted = self._verify(verify, logits, result)
@@ -384,7 +368,7 @@ class SpeculativeRunner:
         # the device span is "forward" as a plain decode step's is: "between forwards" is then the time
         # the device waits for the host between steps, with or without drafts
         if self._readbacks is None or self._readbacks.max_batch < self.static_verify.max_batch:
-            self._readbacks = _Readbacks(self.static_verify.max_batch, self.k, self.cache.device)
+            self._readbacks = Readbacks(self.static_verify.max_batch, 2 + self.k, self.cache.device)
         with self.trace.phase("launch forward"), self.trace.gpu("forward"):
             # the device buffer is the next replay's: copied out in order
             host, ready = self._readbacks.copy(self.static_verify.replay_greedy(shape, n))

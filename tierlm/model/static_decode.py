@@ -40,6 +40,12 @@ one before); the ids are resolved inside the graph, by one gather: the previous 
 copied into the buffer right before the input ids, and each row's pick (staged by the host) indexes that
 pair, its source or its own input id. `stage_verify` does the same for a verification step
 (T rows per request and their row-state slots), returning the batch its buffers hold.
+
+A decode runner with `greedy_readback` (the engine's, without speculation) also takes every row's argmax
+and status inside its graph, after the forward, into `argmax_readback`: a step whose rows are all plain
+greedy without log-probabilities (engine/model_runner.py) then samples with nothing launched after the
+replay but one small copy to the host. A speculative engine's decode runner (`with_streams`: its steps
+without drafts) returns the rows' streams too, and captures its graphs in the verify runner's memory pool.
 """
 
 from __future__ import annotations
@@ -93,7 +99,8 @@ class StaticDecodeRunner:
         self, model, cache: ModelCache, max_batch: int, max_blocks_per_request: int, mode: str,
         sizes: list[int] | None = None, ple_embedding_dims: dict[int, int] | None = None,
         widths: list[int] | None = None, stage_input_width: int | None = None, rows_per_request: int = 1,
-        draft_layer: int | None = None, greedy_speculation: bool = False,
+        draft_layer: int | None = None, greedy_speculation: bool = False, with_streams: bool = False,
+        graph_pool=None, greedy_readback=None,
     ) -> None:
         """sizes: the batch sizes to prepare (default `prepared_sizes(max_batch)`); the largest is max_batch.
         widths: the block-table widths to prepare (default `prepared_widths` from FIRST_WIDTH_TOKENS); the
@@ -108,12 +115,25 @@ class StaticDecodeRunner:
         greedy_speculation: with T = 1 + K rows per request, also prepares each shape's whole greedy
         speculative step (`GreedySpeculation`: verify, accept, roll back, draft; `replay_greedy`) and its
         part after the verify forward (`replay_accept`), a CUDA graph each per shape (modes "cuda_graph" and
-        "eager"; not "compile")."""
+        "eager"; not "compile").
+        with_streams: decode steps (one row per request) that also return every row's streams
+        (`forward_with_streams`): the speculative engine's steps without drafts, whose rows the draft head
+        reads next.
+        graph_pool: the CUDA graph memory pool to capture into (another runner's `graph_pool`, whose graphs
+        never run at the same time as these: one stream, every output kept): the forwards' temporaries
+        then share its memory; only the outputs are new.
+        greedy_readback: a function of a decode step's logits [size, vocab] -> [size, 2] int64 (each row's
+        argmax and status: engine/sampler.py `greedy_readback`), run after every forward of a decode runner
+        (inside its graph) into `argmax_readback`: a step of plain greedy rows then needs no sampling launch."""
         if mode not in MODES:
             raise ValueError(f"mode {mode!r}: choose one of {MODES}")
         if greedy_speculation and (rows_per_request < 2 or draft_layer is not None or mode == "compile"):
             raise ValueError("greedy_speculation: a verification runner (rows_per_request > 1, no draft_layer), "
                              "in mode cuda_graph or eager")
+        if (with_streams or greedy_readback is not None) and (rows_per_request != 1 or draft_layer is not None):
+            raise ValueError("with_streams, greedy_readback: a decode runner (rows_per_request 1, no draft_layer)")
+        if with_streams and greedy_readback is not None:
+            raise ValueError("greedy_readback reads the logits alone: not with_streams")
         self.model, self.cache, self.mode = model, cache, mode
         self.sizes = sorted(set(sizes or prepared_sizes(max_batch)) | {max_batch})
         first = math.ceil(FIRST_WIDTH_TOKENS / cache.block_size)
@@ -172,8 +192,15 @@ class StaticDecodeRunner:
         if draft_layer is not None:
             self.step = self._draft_step
         else:
-            self.step = model if rows_per_request == 1 else model.forward_with_streams  # what a shape runs
+            # what a shape runs
+            self.step = model if rows_per_request == 1 and not with_streams else model.forward_with_streams
+        # greedy_readback: every decode forward's argmax and status, [max_batch, 2] (rows past the batch: padding)
+        self.greedy_readback = greedy_readback
+        self.argmax_readback = None if greedy_readback is None else torch.zeros(max_batch, 2, **as_long)
+        if greedy_readback is not None:
+            self.step = self._decode_with_argmax
         self.forward = self.step
+        self.graph_pool = graph_pool  # mode "cuda_graph": the memory pool its graphs were captured into
         if mode == "compile":
             # one compiled graph per prepared shape; shapes never change for a given (size, width)
             self.forward = torch.compile(self.step, dynamic=False)
@@ -182,11 +209,12 @@ class StaticDecodeRunner:
                 for shape in self.shapes:
                     self.forward(self.batches[shape], cache)
         elif mode == "cuda_graph":
-            pool = self._capture(self.step, self.graphs, self.outputs)
+            pool = self._capture(self.step, self.graphs, self.outputs, graph_pool)
             if self.greedy is not None:  # the same pool: one graph runs at a time, each read before the next
                 # (the greedy step resolves its ids itself; the accept step's were resolved by the verify's)
                 pool = self._capture(self._greedy_step, self.greedy_graphs, self.greedy_outputs, pool, resolve=False)
-                self._capture(self._accept_step, self.accept_graphs, self.accept_outputs, pool, resolve=False)
+                pool = self._capture(self._accept_step, self.accept_graphs, self.accept_outputs, pool, resolve=False)
+            self.graph_pool = pool
         self._reset_tables()
         cache.reset_row_cache_counters()  # the warm-up and capture forwards served no request
 
@@ -212,6 +240,12 @@ class StaticDecodeRunner:
         streams = self.outputs[size, batch.block_tables.shape[1]][1]
         return self.greedy.accept_and_draft(batch, self.penalized_best[:rows].view(size, self.rows_per_request),
                                             streams[:rows])
+
+    def _decode_with_argmax(self, batch: ForwardBatch, cache: ModelCache) -> torch.Tensor:
+        """The decode forward's logits, its rows' argmax and status written into `argmax_readback`."""
+        logits = self.model(batch, cache)
+        self.argmax_readback[: batch.num_requests].copy_(self.greedy_readback(logits))
+        return logits
 
     def _draft_step(self, batch: ForwardBatch, cache: ModelCache) -> tuple[torch.Tensor, torch.Tensor]:
         return self.model.draft(batch, self.hidden[: batch.token_ids.shape[0]], cache, self.draft_layer)
@@ -337,8 +371,8 @@ class StaticDecodeRunner:
         return self.replay(*self.stage_decode(token_ids, positions, slots, tables, token_sources, previous_tokens))
 
     def replay(self, shape: tuple[int, int], num_rows: int) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """The forward at a prepared shape on what `stage_decode` (logits of its rows) or `stage_verify`
-        (logits and streams of its rows) staged."""
+        """The forward at a prepared shape on what `stage_decode` (logits of its rows; with_streams: and their
+        streams) or `stage_verify` (logits and streams of its rows) staged."""
         out = self._forward(shape)
         return (out[0][:num_rows], out[1][:num_rows]) if isinstance(out, tuple) else out[:num_rows]
 
