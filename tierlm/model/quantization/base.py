@@ -19,7 +19,7 @@ The quantized `apply` runs the format's fused kernel where there is one (`kernel
 it is the torch reference: it dequantizes one layer's weight (one expert's, in the MoE) on the fly,
 inside the op, and drops it after; nothing keeps a dequantized copy. Unquantized experts on CUDA run the
 same fused MoE kernel (TIERLM_NO_FUSED_MOE=1: the torch path). Unquantized linear layers are F.linear,
-except on CUDA at a one-row decode step (or a few rows of a small weight), where a layer that takes it
+except on CUDA at a one-row decode step (DENSE_GEMV_MAX_ROWS), where a layer that takes it
 (`decode_gemv`: all but the vocab-wide output heads) runs quant_linear's Triton GEMV over its weight:
 there the step's projections chain to their neighbours with programmatic dependent launch (cuBLAS
 would break the chain and, for the long-K ones, add a split-K reduce kernel);
@@ -138,10 +138,6 @@ class WeightFormat(ABC):
 # it (cuBLAS's kernels break the PDL chain), four rows 0.91x (quant_linear_kernel.py --sweep-dense: the
 # GEMV at 4 rows reads 0.58x as fast as cuBLAS at best; at 1 row 0.94x alone)
 DENSE_GEMV_MAX_ROWS = 1
-# ... and up to quant_linear's GEMV_MAX_ROWS rows for a weight of at most this many bytes: a small product
-# costs its launch and its first round trip, not its bytes, so its place in the PDL chain counts most
-# (the demo-small model's projections, 0.5-1.5 MB, at a speculative step's 1 + K verify rows)
-DENSE_GEMV_SMALL_BYTES = 4 << 20
 
 
 class DenseFormat(WeightFormat):
@@ -167,17 +163,14 @@ class DenseFormat(WeightFormat):
         return tensors["weight"].float()
 
     def kernel_linear(self, x, tensors, in_features):
-        """On CUDA the Triton GEMV (`linear_kernel`) for one decode row (DENSE_GEMV_MAX_ROWS), or a few of a
-        small weight (DENSE_GEMV_SMALL_BYTES), unless TIERLM_NO_TRITON_DENSE_GEMV=1;
+        """On CUDA one decode row's Triton GEMV (`linear_kernel`; DENSE_GEMV_MAX_ROWS), unless TIERLM_NO_TRITON_DENSE_GEMV=1;
         elsewhere None (F.linear). Also None where autograd records the product (training: the kernel
         has no backward)."""
         if not x.is_cuda or os.environ.get("TIERLM_NO_TRITON_DENSE_GEMV", "0") not in ("", "0"):
             return None
         if torch.is_grad_enabled() and (x.requires_grad or tensors["weight"].requires_grad):
             return None
-        weight = tensors["weight"]
-        if (math.prod(x.shape[:-1]) > DENSE_GEMV_MAX_ROWS
-                and weight.numel() * weight.element_size() > DENSE_GEMV_SMALL_BYTES):
+        if math.prod(x.shape[:-1]) > DENSE_GEMV_MAX_ROWS:
             return None
         return self.linear_kernel(x, tensors, in_features)
 
