@@ -114,9 +114,139 @@ def test_kernels_wait_before_reading_inputs():
     assert checked == set(WEIGHTS)
 
 
-# ---- GPU: decode and verification graphs with and without PDL, bit for bit --------------------------------
+# ---- CPU: the trigger by decode rows (PDL_TRIGGERS_BY_ROWS), its overrides, static_decode's contexts -------
 
 BLOCK_SIZE, STEPS = 16, 16
+CUDA = torch.device("cuda", 0)
+# a table whose every entry differs from the others and from the default outside a decode step ("start")
+DISTINCT_TABLE = ((1, "exit"), (3, "wait"), (None, "off"))
+
+
+@pytest.fixture
+def pdl_hardware(monkeypatch):
+    """launch_options as on a Hopper GPU (compute capability 9 faked), the distinct table, no env override."""
+    from tierlm.kernels import dependent_launch
+
+    monkeypatch.setattr(dependent_launch, "_compute_capability", lambda index: 9)
+    monkeypatch.setattr(dependent_launch, "PDL_TRIGGERS_BY_ROWS", DISTINCT_TABLE)
+    monkeypatch.delenv("TIERLM_NO_PDL", raising=False)
+    monkeypatch.delenv("TIERLM_PDL_TRIGGER", raising=False)
+    return dependent_launch
+
+
+def test_the_table_names_a_trigger_for_every_row_count():
+    from tierlm.kernels.dependent_launch import PDL_TRIGGERS_BY_ROWS, TRIGGERS
+
+    bounds = [bound for bound, _ in PDL_TRIGGERS_BY_ROWS]
+    assert bounds[-1] is None and all(b is not None for b in bounds[:-1]), bounds
+    assert bounds[:-1] == sorted(bounds[:-1]), bounds
+    assert all(trigger in TRIGGERS for _, trigger in PDL_TRIGGERS_BY_ROWS)
+
+
+def test_launch_options_take_the_tables_trigger_inside_a_decode_step(pdl_hardware):
+    options, rows_of = pdl_hardware.launch_options, pdl_hardware.decode_step_rows
+    assert options(CUDA) == {"PDL": 3, "launch_pdl": True}  # outside a decode step: DEFAULT_TRIGGER
+    expected = {1: (1, True), 2: (2, True), 3: (2, True), 4: (0, False), 64: (0, False)}
+    for rows, (value, launch) in expected.items():
+        with rows_of(rows):
+            assert options(CUDA) == {"PDL": value, "launch_pdl": launch}, rows
+    with rows_of(1):
+        with rows_of(4):  # the innermost step counts; leaving it restores the outer one
+            assert options(CUDA)["PDL"] == 0
+        assert options(CUDA)["PDL"] == 1
+    assert options(CUDA)["PDL"] == 3
+    with rows_of(1):
+        assert options(torch.device("cpu")) == {"PDL": 0, "launch_pdl": False}  # never on the CPU
+
+
+def test_environment_overrides_the_table(pdl_hardware, monkeypatch):
+    options, rows_of = pdl_hardware.launch_options, pdl_hardware.decode_step_rows
+    monkeypatch.setenv("TIERLM_PDL_TRIGGER", "wait")
+    for rows in (1, 4):
+        with rows_of(rows):
+            assert options(CUDA) == {"PDL": 2, "launch_pdl": True}, rows
+    assert options(CUDA)["PDL"] == 2
+    monkeypatch.setenv("TIERLM_PDL_TRIGGER", "sometimes")
+    with rows_of(1), pytest.raises(ValueError, match="sometimes"):
+        options(CUDA)
+    monkeypatch.delenv("TIERLM_PDL_TRIGGER")
+    monkeypatch.setenv("TIERLM_NO_PDL", "1")
+    for rows in (1, 2):
+        with rows_of(rows):
+            assert options(CUDA) == {"PDL": 0, "launch_pdl": False}, rows
+
+
+@pytest.fixture(scope="module")
+def tiny_cpu_model(tmp_path_factory):
+    from tierlm.demo_model import demo_config
+    from tierlm.model.loader import load_model
+
+    folder = tmp_path_factory.mktemp("demo_tiny")
+    (folder / "config.json").write_text(json.dumps(demo_config("tiny", 512, eos_token_id=1)))
+    return load_model(folder, dtype="float32", device="cpu", load_format="dummy")
+
+
+def _runner(model, config, rows_per_request: int):
+    from tierlm.model.model_cache import ModelCache
+    from tierlm.model.static_decode import StaticDecodeRunner
+
+    cache = ModelCache(config, 4 * rows_per_request, 4 * 4, BLOCK_SIZE, torch.float32, "cpu")
+    return StaticDecodeRunner(model, cache, 4, 4, "eager", sizes=[1, 2, 4], widths=[4],
+                              rows_per_request=rows_per_request)
+
+
+def _recording(seen: list):
+    """A step that records (its rows, the PDL value a kernel launched on a GPU would take) and does nothing."""
+    from tierlm.kernels.dependent_launch import launch_options
+
+    def step(batch, cache):
+        seen.append((batch.token_ids.shape[0], launch_options(CUDA)["PDL"]))
+        return torch.zeros(1)
+    return step
+
+
+@pytest.mark.parametrize("rows_per_request", [1, 2])
+def test_capture_launches_each_shape_as_a_step_of_its_rows(pdl_hardware, tiny_cpu_model, monkeypatch,
+                                                          rows_per_request):
+    """`_capture` (CUDA's stream and graph calls faked: the step only records) warms up and captures each
+    shape inside decode_step_rows(size x rows_per_request)."""
+    from contextlib import nullcontext
+    from types import SimpleNamespace
+
+    class Graph:
+        def pool(self):
+            return None
+
+    stream = SimpleNamespace(wait_stream=lambda other: None)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda: stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: stream)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: nullcontext())
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+    monkeypatch.setattr(torch.cuda, "graph", lambda graph, pool=None: nullcontext())
+    model, config = tiny_cpu_model
+    runner, seen = _runner(model, config, rows_per_request), []
+    graphs, outputs = {}, {}
+    runner._capture(_recording(seen), graphs, outputs)
+    assert set(graphs) == {(1, 4), (2, 4), (4, 4)}
+    trigger = {1: 1, 2: 2, 3: 2}  # DISTINCT_TABLE as PDL values; more rows: 0
+    expected = [(size * rows_per_request, trigger.get(size * rows_per_request, 0))
+                for size in (4, 2, 1) for _ in range(3)]  # largest first; two warm-up forwards, one captured
+    assert seen == expected
+
+
+def test_eager_steps_launch_as_steps_of_their_rows(pdl_hardware, tiny_cpu_model):
+    model, config = tiny_cpu_model
+    runner, seen = _runner(model, config, 1), []
+    runner.forward = _recording(seen)
+    for n in (1, 2, 3):
+        runner.run_decode([5] * n, [0] * n, list(range(n)), [[i] for i in range(n)])
+    assert seen == [(1, 1), (2, 2), (4, 0)]  # 3 rows run at the prepared size 4
+    from tierlm.kernels.dependent_launch import launch_options
+
+    assert launch_options(CUDA)["PDL"] == 3  # after the steps: the default again
+
+
+# ---- GPU: decode and verification graphs with and without PDL, bit for bit --------------------------------
 
 
 def _pdl_on_here() -> bool:

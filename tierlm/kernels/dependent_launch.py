@@ -18,12 +18,23 @@ The rules every kernel launched here follows (a kernel that breaks them races it
 Because each kernel waits for its predecessor to finish, and a kernel finishes only after its own wait,
 "finished" is transitive: after the wait, every earlier kernel of the stream has finished too.
 
-Where a kernel lets the next one start is TIERLM_PDL_TRIGGER (`launch_options`): "start" (its programs
-allow it first thing, so the next kernel's weight loads overlap this kernel's whole run; the next one may
-in turn allow its own successor before its wait returns, so several kernels can be resident ahead),
-"wait" (once this kernel's own wait has returned: at most one kernel ahead) or "exit" (only as its
-programs end: the next kernel's launch overlaps this one's tail and the memory flush). Measured A/B:
-`bench/decode_roofline.py --ab TIERLM_NO_PDL` under each.
+Where a kernel lets the next one start is its trigger (`launch_options`): "start" (its programs allow it
+first thing, so the next kernel's weight loads overlap this kernel's whole run; the next one may in turn
+allow its own successor before its wait returns, so several kernels can be resident ahead), "wait" (once
+this kernel's own wait has returned: at most one kernel ahead), "exit" (only as its programs end: the next
+kernel's launch overlaps this one's tail and the memory flush) or "off" (no PDL).
+
+Which trigger pays may depend on the step (H200, "start" against no PDL: 1.07-1.22x at batch 1, 0.88-1.04x
+at batch 4, in noisy runs): with one row a kernel's run is short and its weight loads are most of it; with
+more rows each kernel runs longer and kernels resident ahead compete with it for bandwidth and slots. So
+the trigger is chosen per decode step by its number of rows: a static decode runner (model/static_decode.py)
+captures, compiles or runs each of its batch sizes inside `decode_step_rows(rows)`, and `launch_options`
+then takes the first entry of PDL_TRIGGERS_BY_ROWS whose bound is >= rows (a CUDA graph keeps the trigger
+its capture saw). Outside such a step (prefill, the eager paths) DEFAULT_TRIGGER applies.
+TIERLM_PDL_TRIGGER (one of TRIGGERS) overrides the table and the default everywhere; TIERLM_NO_PDL=1 turns
+PDL off everywhere. The table is filled from each trigger measured at each batch size, interleaved:
+`bench/decode_roofline.py --variants base TIERLM_NO_PDL=1 TIERLM_PDL_TRIGGER=wait TIERLM_PDL_TRIGGER=exit`
+(base: this table; while it is all "start", base is the "start" variant).
 
 The kernels take a `PDL: tl.constexpr` argument and their launchers pass `**launch_options(device)`:
 PDL is on for CUDA devices of compute capability 9 or more, unless TIERLM_NO_PDL=1; off on the CPU
@@ -35,13 +46,21 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-TRIGGERS = {"exit": 1, "wait": 2, "start": 3}  # TIERLM_PDL_TRIGGER -> the PDL constexpr's value
+TRIGGERS = {"off": 0, "exit": 1, "wait": 2, "start": 3}  # a trigger -> the PDL constexpr's value
+DEFAULT_TRIGGER = "start"  # outside a static decode step (prefill, eager paths)
+# (most rows of a decode step, None: any number; its trigger), first match wins; all "start" until measured
+PDL_TRIGGERS_BY_ROWS: tuple[tuple[int | None, str], ...] = ((1, "start"), (None, "start"))
+
+_step_rows: ContextVar[int | None] = ContextVar("pdl_step_rows", default=None)  # the decode step being launched
 
 
 def pdl_enabled(device: torch.device) -> bool:
@@ -57,16 +76,36 @@ def _compute_capability(index: int) -> int:
     return torch.cuda.get_device_capability(index)[0]
 
 
+@contextmanager
+def decode_step_rows(rows: int) -> Iterator[None]:
+    """Kernels launched inside take the trigger of a decode step of `rows` rows (PDL_TRIGGERS_BY_ROWS)."""
+    token = _step_rows.set(rows)
+    try:
+        yield
+    finally:
+        _step_rows.reset(token)
+
+
+def trigger_for_rows(rows: int | None) -> str:
+    """The trigger of a decode step of `rows` rows (None: outside a decode step), TIERLM_PDL_TRIGGER first."""
+    trigger = os.environ.get("TIERLM_PDL_TRIGGER")
+    if trigger is None:
+        trigger = DEFAULT_TRIGGER if rows is None else next(
+            t for bound, t in PDL_TRIGGERS_BY_ROWS if bound is None or rows <= bound)
+    if trigger not in TRIGGERS:
+        raise ValueError(f"PDL trigger {trigger!r} (TIERLM_PDL_TRIGGER or the table): choose one of "
+                         f"{', '.join(TRIGGERS)}")
+    return trigger
+
+
 def launch_options(device: torch.device) -> dict:
     """The PDL constexpr and launch flag for a kernel launched on `device`: `kernel[grid](..., **launch_options(x.device))`.
-    PDL is 0 when off, else where a kernel lets the next one start (TIERLM_PDL_TRIGGER, default "start"):
-    1 "exit" (only as each program ends), 2 "wait" (once its own wait has returned), 3 "start"."""
+    PDL is 0 when off, else where a kernel lets the next one start (`trigger_for_rows` of the decode step
+    being launched): 1 "exit" (only as each program ends), 2 "wait" (once its own wait has returned), 3 "start"."""
     if not pdl_enabled(device):
         return {"PDL": 0, "launch_pdl": False}
-    trigger = os.environ.get("TIERLM_PDL_TRIGGER", "start")
-    if trigger not in TRIGGERS:
-        raise ValueError(f"TIERLM_PDL_TRIGGER={trigger!r}: choose one of {', '.join(TRIGGERS)}")
-    return {"PDL": TRIGGERS[trigger], "launch_pdl": True}
+    value = TRIGGERS[trigger_for_rows(_step_rows.get())]
+    return {"PDL": value, "launch_pdl": value > 0}
 
 
 @triton.jit

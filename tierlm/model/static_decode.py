@@ -46,6 +46,10 @@ and status inside its graph, after the forward, into `argmax_readback`: a step w
 greedy without log-probabilities (engine/model_runner.py) then samples with nothing launched after the
 replay but one small copy to the host. A speculative engine's decode runner (`with_streams`: its steps
 without drafts) returns the rows' streams too, and captures its graphs in the verify runner's memory pool.
+
+Every forward of a prepared shape is captured, compiled or run inside `decode_step_rows(rows)` (its size
+x rows_per_request rows): its kernels take the programmatic dependent launch trigger of a step of that
+many rows (kernels/dependent_launch.py `PDL_TRIGGERS_BY_ROWS`), which a graph keeps from its capture.
 """
 
 from __future__ import annotations
@@ -56,6 +60,7 @@ import os
 import numpy as np
 import torch
 
+from tierlm.kernels.dependent_launch import decode_step_rows
 from tierlm.model.forward_batch import ForwardBatch
 from tierlm.model.model_cache import ModelCache
 from tierlm.model.speculative_step import GreedySpeculation, NextInputs, step_kernels
@@ -207,7 +212,8 @@ class StaticDecodeRunner:
             # each shape is a recompile of the same code: let all of them be compiled, not run eagerly
             with torch._dynamo.config.patch(recompile_limit=max(8, len(self.shapes))):
                 for shape in self.shapes:
-                    self.forward(self.batches[shape], cache)
+                    with self._launching(shape):
+                        self.forward(self.batches[shape], cache)
         elif mode == "cuda_graph":
             pool = self._capture(self.step, self.graphs, self.outputs, graph_pool)
             if self.greedy is not None:  # the same pool: one graph runs at a time, each read before the next
@@ -250,6 +256,11 @@ class StaticDecodeRunner:
     def _draft_step(self, batch: ForwardBatch, cache: ModelCache) -> tuple[torch.Tensor, torch.Tensor]:
         return self.model.draft(batch, self.hidden[: batch.token_ids.shape[0]], cache, self.draft_layer)
 
+    def _launching(self, shape: tuple[int, int]):
+        """The context a forward of `shape` is captured or run in: its kernels launched as a decode step of
+        its rows (their PDL trigger: kernels/dependent_launch.py)."""
+        return decode_step_rows(shape[0] * self.rows_per_request)
+
     def _static_batch(self, size: int, width: int) -> ForwardBatch:
         rows, per_request, scratch = size * self.rows_per_request, self.rows_per_request, self.cache.scratch_slot
         return ForwardBatch(
@@ -290,14 +301,14 @@ class StaticDecodeRunner:
             batch = self.batches[shape]
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
+            with torch.cuda.stream(side), self._launching(shape):
                 for _ in range(2):  # warm up lazily built tensors and kernels outside the capture
                     if resolve:
                         self._resolve_tokens()
                     step(batch, self.cache)
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            with torch.cuda.graph(graph, pool=pool), self._launching(shape):
                 if resolve:
                     self._resolve_tokens()
                 outputs[shape] = step(batch, self.cache)
@@ -385,7 +396,8 @@ class StaticDecodeRunner:
         if shape in self.greedy_graphs:
             self.greedy_graphs[shape].replay()
             return self.greedy_outputs[shape][:num_requests]
-        return self._greedy_step(self.batches[shape], self.cache)[:num_requests]
+        with self._launching(shape):
+            return self._greedy_step(self.batches[shape], self.cache)[:num_requests]
 
     def replay_accept(self, shape: tuple[int, int], num_requests: int, best: torch.Tensor) -> torch.Tensor:
         """The greedy step's part after the verify forward (`replay` of this shape just ran), on `best` [rows]
@@ -397,7 +409,8 @@ class StaticDecodeRunner:
         if shape in self.accept_graphs:
             self.accept_graphs[shape].replay()
             return self.accept_outputs[shape][:num_requests]
-        return self._accept_step(self.batches[shape], self.cache)[:num_requests]
+        with self._launching(shape):
+            return self._accept_step(self.batches[shape], self.cache)[:num_requests]
 
     def stage_decode(
         self, token_ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]],
@@ -498,8 +511,9 @@ class StaticDecodeRunner:
         if shape in self.graphs:
             self.graphs[shape].replay()
             return self.outputs[shape]
-        self._resolve_tokens()
-        out = self.forward(self.batches[shape], self.cache)
+        with self._launching(shape):
+            self._resolve_tokens()
+            out = self.forward(self.batches[shape], self.cache)
         if self.greedy is not None:  # what `replay_accept` reads the streams from
             self.outputs[shape] = out
         return out
