@@ -23,14 +23,25 @@ projections), round-to-nearest (`kernels/quant_linear/packing.quantize`; `tierlm
 search, which changes values, not bytes or speed), runs the same measurements and prints both side by
 side with their tok/s ratio (results: decode_roofline_<device>_<scheme>.json).
 
-`--ab SWITCH` (an environment variable the step reads as it launches or captures, e.g. TIERLM_NO_PDL)
-measures every (context, batch) twice in the same process: with SWITCH unset (the table above it), then
-set to 1 (its graphs captured again), and prints both tok/s and their ratio (unset / set: what the
-feature a kill switch turns off gains); the results JSON holds both sides (each row's "ab").
+Every (context, batch) is timed in --rounds rounds of --steps steps (default 5 x 50); the tables print
+the median tok/s and its range over the rounds. The same build reads up to 10-15% apart from one process
+to the next, so switches are compared within one process, interleaved: `--variants SPEC [SPEC ...]`
+measures every (context, batch) under each variant of the environment, a SPEC being `base` (none of the
+variables the variants name set) or NAME=VALUE[,NAME=VALUE...] (the other variables the variants name
+unset). Each variant's graphs are captured once, under its environment (`DecodeSetup`: one cache, the
+runners captured apart from their timing); then each round times every variant on that cache, in an
+order rotated by one each round, so none always goes first. Per variant it prints the median tok/s, the
+min-max over the rounds, the ratio of its median to the first variant's, and the range of the same
+round's ratios (a drift over the rounds moves both sides of a round alike), GPU and host ms and kernels
+per step; the results JSON holds every round (each row's "variants"; the row's own figures are the first
+variant's). `--ab SWITCH` is `--variants base SWITCH=1` (its ratio is set / unset: what turning the
+feature off costs is 1 / it).
 
     python bench/decode_roofline.py --device cuda                 # 4 layers, contexts 512 and 8192, batches 1/4/16
     python bench/decode_roofline.py --device cuda --quantize int4-mixed --contexts 512 --batches 1
-    python bench/decode_roofline.py --device cuda --ab TIERLM_NO_PDL  # with and without PDL, row by row
+    python bench/decode_roofline.py --device cuda --ab TIERLM_NO_PDL  # with and without PDL, interleaved
+    python bench/decode_roofline.py --device cuda --contexts 512 --batches 1 4 \
+        --variants base TIERLM_NO_PDL=1 TIERLM_PDL_TRIGGER=wait TIERLM_PDL_TRIGGER=exit  # PDL triggers
     python bench/decode_roofline.py --device cpu --small          # a shrunk config, to check the script runs
 """
 
@@ -39,9 +50,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import time
 from collections import defaultdict
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -244,101 +256,199 @@ def kernel_table(fn, device: torch.device, listing: list | None = None) -> tuple
     return sum(n for n, _ in parts.values()), {k: (n, t) for k, (n, t) in parts.items()}
 
 
-def measure(model, config, dtype, device, batch: int, context: int, steps: int, listing: list | None = None) -> dict:
-    blocks_each = (context + steps + BLOCK_SIZE) // BLOCK_SIZE + 1
-    cache = ModelCache(config, batch, batch * blocks_each, BLOCK_SIZE, dtype, device)
-    for state in cache.layers:  # the context's K/V, indexer keys and states: random contents
-        for tensor in vars(state).values():
-            if isinstance(tensor, torch.Tensor) and tensor.is_floating_point():
-                tensor.normal_(0.0, 0.02)
-    tables = [list(range(i * blocks_each, (i + 1) * blocks_each)) for i in range(batch)]
-    mode = "cuda_graph" if device.type == "cuda" else "eager"
-    runner = StaticDecodeRunner(model, cache, batch, blocks_each, mode, sizes=[batch])
-    gen = torch.Generator().manual_seed(batch)
-    rows = list(range(batch))
+class DecodeSetup:
+    """One (context, batch) of the benchmark: a cache holding `context` tokens of random K/V, indexer keys and
+    states for each of `batch` requests, and the decode steps' inputs as the engine stages them. Runners are
+    captured on it (`capture`, under the environment as it is then) apart from their timing (`time`), so
+    several variants' graphs, each captured once, take turns on the same cache: every timing decodes the same
+    positions (context + 3 ...), rewriting the same K/V rows, so each does the same work."""
 
-    def inputs_at(step: int) -> tuple:
+    WARMUP_STEPS = 3  # untimed steps before each timing: the first replays after another graph ran
+
+    def __init__(self, model, config, dtype, device, batch: int, context: int, steps: int) -> None:
+        self.model, self.config, self.device = model, config, device
+        self.batch, self.context, self.steps = batch, context, steps
+        self.blocks_each = (context + steps + BLOCK_SIZE) // BLOCK_SIZE + 1  # warm-up, timed and profiled steps
+        self.cache = ModelCache(config, batch, batch * self.blocks_each, BLOCK_SIZE, dtype, device)
+        for state in self.cache.layers:  # the context's K/V, indexer keys and states: random contents
+            for tensor in vars(state).values():
+                if isinstance(tensor, torch.Tensor) and tensor.is_floating_point():
+                    tensor.normal_(0.0, 0.02)
+        self.tables = [list(range(i * self.blocks_each, (i + 1) * self.blocks_each)) for i in range(batch)]
+        self.rows = list(range(batch))
+        self.gen = torch.Generator().manual_seed(batch)
+
+    def inputs_at(self, step: int) -> tuple:
         """A decode step's `run_decode` arguments as the engine stages them under overlap scheduling: host
         lists, every row's input id the previous step's sampled id (on the device: `previous`)."""
-        previous = torch.randint(2, config.vocab_size, (batch,), generator=gen).to(device)
-        return [0] * batch, [context + step] * batch, rows, tables, rows, previous
+        previous = torch.randint(2, self.config.vocab_size, (self.batch,), generator=self.gen).to(self.device)
+        return [0] * self.batch, [self.context + step] * self.batch, self.rows, self.tables, self.rows, previous
 
-    for step in range(3):
-        runner.run_decode(*inputs_at(step))
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    wall, gpu = 0.0, 0.0
-    for step in range(steps):
-        inputs = inputs_at(3 + step)
-        start = time.perf_counter()
-        gpu += gpu_time(lambda inputs=inputs: runner.run_decode(*inputs), device)
-        wall += time.perf_counter() - start
-    eager = StaticDecodeRunner(model, cache, batch, blocks_each, "eager", sizes=[batch])
-    eager.run_decode(*inputs_at(steps + 3))  # its block tables sent: the profiled step is a steady one
-    inputs = inputs_at(steps + 4)
-    kernels, parts = kernel_table(lambda: eager.run_decode(*inputs), device, listing)
-    nbytes = step_bytes(model, config, batch, context)
-    return {
-        "batch": batch, "context": context, "tok_s": batch * steps / wall, "step_ms": 1000 * wall / steps,
-        "gpu_step_ms": 1000 * gpu / steps, "host_ms": 1000 * max(0.0, wall - gpu) / steps, "bytes_per_step": nbytes,
-        "kernels_per_step": kernels, "parts": parts,
-    }
+    def capture(self, mode: str | None = None) -> StaticDecodeRunner:
+        """A static decode runner of this batch size (CUDA graphs on a GPU, unless `mode`), built now."""
+        mode = mode or ("cuda_graph" if self.device.type == "cuda" else "eager")
+        return StaticDecodeRunner(self.model, self.cache, self.batch, self.blocks_each, mode, sizes=[self.batch])
+
+    def time(self, runner: StaticDecodeRunner) -> dict:
+        """`steps` decode steps through `runner` after WARMUP_STEPS: tok/s, wall and GPU ms a step, and the
+        host ms a step (wall beyond the GPU time)."""
+        for step in range(self.WARMUP_STEPS):
+            runner.run_decode(*self.inputs_at(step))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        wall, gpu = 0.0, 0.0
+        for step in range(self.steps):
+            inputs = self.inputs_at(self.WARMUP_STEPS + step)
+            start = time.perf_counter()
+            gpu += gpu_time(lambda inputs=inputs: runner.run_decode(*inputs), self.device)
+            wall += time.perf_counter() - start
+        return {"tok_s": self.batch * self.steps / wall, "step_ms": 1000 * wall / self.steps,
+                "gpu_step_ms": 1000 * gpu / self.steps, "host_ms": 1000 * max(0.0, wall - gpu) / self.steps}
+
+    def profile(self, listing: list | None = None) -> tuple[int, dict[str, tuple[int, float]]]:
+        """`kernel_table` of one step of the same fixed shape run eagerly (after one step that sends its block
+        tables: the profiled step is a steady one)."""
+        eager = self.capture("eager")
+        after = self.WARMUP_STEPS + self.steps
+        eager.run_decode(*self.inputs_at(after))
+        inputs = self.inputs_at(after + 1)
+        return kernel_table(lambda: eager.run_decode(*inputs), self.device, listing)
+
+
+def measure(model, config, dtype, device, batch: int, context: int, steps: int, listing: list | None = None) -> dict:
+    """One (context, batch) timed once under the environment as it is (sampler_cost.py's step)."""
+    setup = DecodeSetup(model, config, dtype, device, batch, context, steps)
+    timing = setup.time(setup.capture())
+    kernels, parts = setup.profile(listing)
+    return {"batch": batch, "context": context, **timing, "bytes_per_step": step_bytes(model, config, batch, context),
+            "kernels_per_step": kernels, "parts": parts}
+
+
+class Variant:
+    """One side of a comparison: environment assignments, from a SPEC `base` (none) or
+    NAME=VALUE[,NAME=VALUE...]. A variant runs with its own assignments set and every other variable that
+    some variant of the comparison names unset (so `base` is none of them set)."""
+
+    def __init__(self, spec: str) -> None:
+        self.spec, self.assignments = spec, {}
+        if spec == "base":
+            return
+        for assignment in spec.split(","):
+            name, equals, value = assignment.partition("=")
+            if not equals or not name or name in self.assignments:
+                raise ValueError(f"variant {spec!r}: `base`, or NAME=VALUE assignments joined by commas, each "
+                                 "name once")
+            self.assignments[name] = value
+
+    def environment(self, names: set[str]) -> dict[str, str | None]:
+        """{name: value, None for unset} for every one of `names` (the variables the comparison names)."""
+        return {name: self.assignments.get(name) for name in sorted(names)}
+
+
+def parse_variants(specs: list[str]) -> list[Variant]:
+    variants = [Variant(spec) for spec in specs]
+    if len({v.spec for v in variants}) < len(variants):
+        raise ValueError(f"variants {specs}: each one once")
+    return variants
 
 
 @contextmanager
-def environment(name: str, value: str | None):
-    """The environment variable `name` set to value (None: unset) inside the block, restored after."""
-    saved = os.environ.get(name)
-    if value is None:
-        os.environ.pop(name, None)
-    else:
-        os.environ[name] = value
+def environment(values: dict[str, str | None]):
+    """Each environment variable of `values` set to its value (None: unset) inside the block, restored after."""
+    saved = {name: os.environ.get(name) for name in values}
+
+    def assign(pairs: dict[str, str | None]) -> None:
+        for name, value in pairs.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+    assign(values)
     try:
         yield
     finally:
-        if saved is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = saved
+        assign(saved)
+
+
+def measure_variants(model, config, dtype, device, batch: int, context: int, variants: list[Variant], steps: int,
+                     rounds: int, listing: list | None = None) -> list[dict]:
+    """One (context, batch) under every variant: each variant's graphs captured once (under its environment),
+    then `rounds` rounds, each timing every variant for `steps` steps, the order rotated by one each round
+    (so no variant always runs first, or always after the same one). Per variant: every round's timing, the
+    medians over the rounds, the tok/s range, its eager step's kernel table (the first variant's with
+    `listing`)."""
+    setup = DecodeSetup(model, config, dtype, device, batch, context, steps)
+    names = {name for variant in variants for name in variant.assignments}
+    sides = []
+    for variant in variants:
+        with environment(variant.environment(names)):
+            runner = setup.capture()
+            kernels, parts = setup.profile(listing if not sides else None)
+        sides.append({"variant": variant.spec, "env": variant.assignments, "runner": runner,
+                      "kernels_per_step": kernels, "parts": parts, "rounds": []})
+    for round_index in range(rounds):
+        shift = round_index % len(sides)
+        for side, variant in [*zip(sides, variants)][shift:] + [*zip(sides, variants)][:shift]:
+            with environment(variant.environment(names)):
+                side["rounds"].append(setup.time(side["runner"]))
+    for side in sides:
+        del side["runner"]  # its graphs freed before the next (context, batch) captures its own
+        for key in ("tok_s", "step_ms", "gpu_step_ms", "host_ms"):
+            side[key] = statistics.median(r[key] for r in side["rounds"])
+        side["tok_s_min"], side["tok_s_max"] = (f(r["tok_s"] for r in side["rounds"]) for f in (min, max))
+        # against the first variant: of the medians, and the range of the same round's ratios (drift across
+        # rounds hits both sides of a round alike)
+        pairs = [mine["tok_s"] / first["tok_s"] for mine, first in zip(side["rounds"], sides[0]["rounds"])]
+        side["tok_s_ratio"] = side["tok_s"] / sides[0]["tok_s"]
+        side["round_ratio_min"], side["round_ratio_max"] = min(pairs), max(pairs)
+    return sides
 
 
 def run_all(model, config, dtype, device, args, bandwidth: float) -> list[dict]:
-    """Every (context, batch) of args, printed as one table (with --ab: with the switch unset, and after
-    it their A/B table)."""
+    """Every (context, batch) of args under every variant, printed as one table of the first variant's medians
+    (with several variants, then their comparison)."""
     results = []
-    print(f"{'ctx':>6} {'batch':>5} {'tok/s':>9} {'step ms':>8} {'GB/step':>8} {'roofline':>9} {'kernels':>8} "
-          f"{'host ms':>8}")
+    first = args.variants[0].spec
+    print(f"{'ctx':>6} {'batch':>5} {'tok/s':>9} {'min-max':>17} {'step ms':>8} {'GB/step':>8} {'roofline':>9} "
+          f"{'kernels':>8} {'host ms':>8}   (variant {first}: medians of {args.rounds} rounds of {args.steps} steps)")
     for context in args.contexts:
         for batch in args.batches:
             listing = [] if args.kernels and not results else None
-            with environment(args.ab, None) if args.ab else nullcontext():
-                r = measure(model, config, dtype, device, batch, context, args.steps, listing)
+            sides = measure_variants(model, config, dtype, device, batch, context, args.variants, args.steps,
+                                     args.rounds, listing)
+            nbytes = step_bytes(model, config, batch, context)
+            for side in sides:
+                side["roofline_fraction"] = nbytes / bandwidth / (side["step_ms"] / 1000)
+            r = {"batch": batch, "context": context, "bytes_per_step": nbytes,  # the first variant's figures
+                 **{k: sides[0][k] for k in ("tok_s", "tok_s_min", "tok_s_max", "step_ms", "gpu_step_ms", "host_ms",
+                                             "roofline_fraction", "kernels_per_step", "parts")}, "variants": sides}
             if listing:
                 r["kernels"] = listing
-            r["roofline_fraction"] = r["bytes_per_step"] / bandwidth / (r["step_ms"] / 1000)
-            if args.ab:
-                with environment(args.ab, "1"):
-                    switched = measure(model, config, dtype, device, batch, context, args.steps)
-                switched["roofline_fraction"] = switched["bytes_per_step"] / bandwidth / (switched["step_ms"] / 1000)
-                r["ab"] = {"switch": args.ab, "set": switched, "tok_s_ratio": r["tok_s"] / switched["tok_s"]}
             results.append(r)
-            print(f"{context:>6} {batch:>5} {r['tok_s']:>9.1f} {r['step_ms']:>8.3f} {r['bytes_per_step'] / 1e9:>8.3f} "
+            spread = f"{r['tok_s_min']:.1f}-{r['tok_s_max']:.1f}"
+            print(f"{context:>6} {batch:>5} {r['tok_s']:>9.1f} {spread:>17} {r['step_ms']:>8.3f} {nbytes / 1e9:>8.3f} "
                   f"{100 * r['roofline_fraction']:>8.1f}% {r['kernels_per_step']:>8} {r['host_ms']:>8.3f}")
-    if args.ab:
-        print(f"\n{'ctx':>6} {'batch':>5} {'tok/s':>9} {'tok/s ' + args.ab + '=1':>{len(args.ab) + 8}} "
-              f"{'unset/set':>9} {'GPU ms':>7} {'GPU ms set':>10}")
+    if len(args.variants) > 1:
+        width = max(len(v.spec) for v in args.variants)
+        print(f"\n{'ctx':>6} {'batch':>5} {'variant':<{width}} {'tok/s':>9} {'min-max':>17} {'/ ' + first:>{len(first) + 3}} "
+              f"{'round ratios':>15} {'GPU ms':>7} {'host ms':>7} {'kernels':>7}")
         for r in results:
-            switched = r["ab"]["set"]
-            print(f"{r['context']:>6} {r['batch']:>5} {r['tok_s']:>9.1f} {switched['tok_s']:>{len(args.ab) + 8}.1f} "
-                  f"{r['ab']['tok_s_ratio']:>8.3f}x {r['gpu_step_ms']:>7.3f} {switched['gpu_step_ms']:>10.3f}")
-    first = results[0]
-    print(f"\nwhere a step's kernel time goes (ctx {first['context']}, batch {first['batch']}, eager fixed-shape step):")
-    total = sum(t for _, t in first["parts"].values()) or 1.0
-    for part, (n, t) in sorted(first["parts"].items(), key=lambda kv: -kv[1][1]):
+            for side in r["variants"]:
+                spread = f"{side['tok_s_min']:.1f}-{side['tok_s_max']:.1f}"
+                ratios = f"{side['round_ratio_min']:.3f}-{side['round_ratio_max']:.3f}"
+                print(f"{r['context']:>6} {r['batch']:>5} {side['variant']:<{width}} {side['tok_s']:>9.1f} "
+                      f"{spread:>17} {side['tok_s_ratio']:>{len(first) + 2}.3f}x {ratios:>15} "
+                      f"{side['gpu_step_ms']:>7.3f} {side['host_ms']:>7.3f} {side['kernels_per_step']:>7}")
+    first_row = results[0]
+    print(f"\nwhere a step's kernel time goes (ctx {first_row['context']}, batch {first_row['batch']}, eager "
+          f"fixed-shape step, variant {first}):")
+    total = sum(t for _, t in first_row["parts"].values()) or 1.0
+    for part, (n, t) in sorted(first_row["parts"].items(), key=lambda kv: -kv[1][1]):
         print(f"  {part:<44} {n:>5} kernels {1e3 * t:>8.3f} ms {100 * t / total:>5.1f}%")
-    if "kernels" in first:
+    if "kernels" in first_row:
         print("\nevery kernel of that step in launch order (part, us, name):")
-        for part, name, seconds in first["kernels"]:
+        for part, name, seconds in first_row["kernels"]:
             print(f"  {part[:16]:<16} {1e6 * seconds:>7.1f}  {name[:110]}")
     return results
 
@@ -358,12 +468,25 @@ def main() -> None:
                         help="also run the same model quantized in memory with this `tierlm quantize` scheme "
                              "(int4-mixed, int8, int4) and print the two side by side")
     parser.add_argument("--group-size", type=int, default=32, help="--quantize's group size (INT4/INT6)")
+    parser.add_argument("--variants", nargs="+", default=None, metavar="SPEC",
+                        help="measure each row under each environment variant, interleaved: `base` (none of "
+                             "the variables the variants name set) or NAME=VALUE[,NAME=VALUE...]; ratios are "
+                             "to the first (default: base alone)")
     parser.add_argument("--ab", default=None, metavar="SWITCH",
-                        help="measure each row with the environment variable SWITCH unset and set to 1 (e.g. "
-                             "TIERLM_NO_PDL), in this process, and print both tok/s and their ratio")
+                        help="the same as --variants base SWITCH=1 (e.g. TIERLM_NO_PDL)")
+    parser.add_argument("--rounds", type=int, default=5,
+                        help="timings of each variant per row, --steps steps each, in rotating order")
     parser.add_argument("--tag", default="", help="appended to the results file's name (e.g. an A/B's side: "
                         "run once as is and once with TIERLM_NO_FUSED_* set)")
     args = parser.parse_args()
+    if args.ab is not None and args.variants is not None:
+        parser.error("--ab SWITCH is --variants base SWITCH=1: give one of them")
+    try:
+        args.variants = parse_variants(args.variants or (["base", f"{args.ab}=1"] if args.ab else ["base"]))
+    except ValueError as error:
+        parser.error(str(error))
+    if args.rounds < 1 or args.steps < 1:
+        parser.error("--rounds and --steps: at least 1")
     if args.quantize is not None:
         from tierlm.tools.quantize import SCHEMES
 
@@ -384,8 +507,9 @@ def main() -> None:
         four = next((r for r in results if r["batch"] == 4 and one and r["context"] == one["context"]), None)
         if one and four:
             print(f"batch 4 / batch 1 total tok/s at ctx {one['context']}: {four['tok_s'] / one['tok_s']:.2f}x")
-    report = {"device": name, "dtype": args.dtype, "layers": args.layers, "switches": switches, "ab": args.ab,
-              "copy_bandwidth": bandwidth, "results": results}
+    report = {"device": name, "dtype": args.dtype, "layers": args.layers, "switches": switches,
+              "variants": [{"spec": v.spec, "env": v.assignments} for v in args.variants], "rounds": args.rounds,
+              "steps": args.steps, "copy_bandwidth": bandwidth, "results": results}
     tag = f"_{args.tag}" if args.tag else ""
     out = Path(__file__).parent / "results" / f"decode_roofline_{name}{tag}.json"
     if args.quantize is not None:
