@@ -314,3 +314,19 @@ def test_graphs_with_pdl_equal_those_without_bit_for_bit(small_model, monkeypatc
     with_pdl = greedy_logits(model, config, batch, rows)
     differ = (with_pdl != without).flatten(1).any(-1).nonzero().flatten().tolist()
     assert not differ, f"logits with PDL differ from those without at steps {differ} (a race)"
+
+
+@pytest.mark.skipif(not _pdl_on_here(), reason="PDL runs on CUDA devices of compute capability 9+ only")
+def test_graphs_under_a_mixed_table_equal_those_without_pdl(small_model, monkeypatch):
+    """Each trigger the table may choose, taken by the graphs of the batch size it names (batch 1 "wait",
+    batch 4 "exit", verification steps of 4 x 3 rows "start"), gives the logits of graphs without PDL."""
+    from tierlm.kernels import dependent_launch
+
+    model, config = small_model
+    monkeypatch.delenv("TIERLM_PDL_TRIGGER", raising=False)
+    monkeypatch.setattr(dependent_launch, "PDL_TRIGGERS_BY_ROWS", ((1, "wait"), (4, "exit"), (None, "start")))
+    for batch, rows in ((1, 1), (4, 1), (4, 3)):
+        monkeypatch.setenv("TIERLM_NO_PDL", "1")
+        without = greedy_logits(model, config, batch, rows)
+        monkeypatch.delenv("TIERLM_NO_PDL")
+        assert torch.equal(greedy_logits(model, config, batch, rows), without), (batch, rows)
