@@ -293,9 +293,11 @@ class DecodeSetup:
         """`steps` decode steps through `runner` after WARMUP_STEPS: tok/s, wall and GPU ms a step, and the
         host ms a step (wall beyond the GPU time)."""
         for step in range(self.WARMUP_STEPS):
-            runner.run_decode(*self.inputs_at(step))
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
+            logits = runner.run_decode(*self.inputs_at(step))
+        # the cache has run many steps by now (every round of every variant): a state that overflowed
+        # would route every row to the same experts, and time another step (reading it waits for the device)
+        if not torch.isfinite(logits).all():
+            raise RuntimeError(f"ctx {self.context} batch {self.batch}: the decode step's logits are not finite")
         wall, gpu = 0.0, 0.0
         for step in range(self.steps):
             inputs = self.inputs_at(self.WARMUP_STEPS + step)
