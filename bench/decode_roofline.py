@@ -377,7 +377,7 @@ def measure_variants(model, config, dtype, device, batch: int, context: int, var
                      rounds: int, listing: list | None = None) -> list[dict]:
     """One (context, batch) under every variant: each variant's graphs captured once (under its environment),
     then `rounds` rounds, each timing every variant for `steps` steps, the order rotated by one each round
-    (so no variant always runs first, or always after the same one). Per variant: every round's timing, the
+    (so no variant always runs first after another (context, batch)'s captures). Per variant: every round's timing, the
     medians over the rounds, the tok/s range, its eager step's kernel table (the first variant's with
     `listing`)."""
     setup = DecodeSetup(model, config, dtype, device, batch, context, steps)
@@ -389,9 +389,10 @@ def measure_variants(model, config, dtype, device, batch: int, context: int, var
             kernels, parts = setup.profile(listing if not sides else None)
         sides.append({"variant": variant.spec, "env": variant.assignments, "runner": runner,
                       "kernels_per_step": kernels, "parts": parts, "rounds": []})
+    order = list(zip(sides, variants))
     for round_index in range(rounds):
-        shift = round_index % len(sides)
-        for side, variant in [*zip(sides, variants)][shift:] + [*zip(sides, variants)][:shift]:
+        shift = round_index % len(order)
+        for side, variant in order[shift:] + order[:shift]:
             with environment(variant.environment(names)):
                 side["rounds"].append(setup.time(side["runner"]))
     for side in sides:
