@@ -18,6 +18,8 @@ overwrites it. With several layers, draft step k runs layer k % n, as vLLM's mod
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 
@@ -30,6 +32,10 @@ from tierlm.model.layers.norm import RMSNorm
 from tierlm.model.layers.packed_linear import Linear
 from tierlm.model.layers.rotary import Rope
 from tierlm.model.model_cache import LayerCaches
+
+# the most rows `layer_input` runs as one kernel: each row re-reads fc_embedding and fc_hidden (see
+# kernels/mtp_input/triton.py), cheap while launches dominate (a decode step's 1 + K rows per request)
+FUSED_INPUT_MAX_ROWS = 16
 
 
 class MultiTokenPredictor(nn.Module):
@@ -65,10 +71,27 @@ class MultiTokenPredictor(nn.Module):
         """The draft layer's input streams [N, hc*H]: fc_hidden of the normed hidden streams plus the
         projected embedding on every stream."""
         n = embeddings.shape[0]
+        if self._fused_input_applies(embeddings):
+            from tierlm.kernels.mtp_input.triton import mtp_layer_input
+
+            return mtp_layer_input(embeddings, hidden_streams, self.pre_fc_norm_embedding.weight,
+                                   self.pre_fc_norm_hidden.weight, self.pre_fc_norm_hidden.eps,
+                                   self.fc_embedding.dense_weight(), self.fc_hidden.dense_weight())
         e = self.fc_embedding(self.pre_fc_norm_embedding(embeddings))
         u = self.pre_fc_norm_hidden(hidden_streams).reshape(n * self.hc_count, self.hidden_size)
         u = self.fc_hidden(u).reshape(n, self.hc_count, self.hidden_size)
         return (u + e[:, None, :]).flatten(1)
+
+    def _fused_input_applies(self, embeddings: torch.Tensor) -> bool:
+        """`layer_input` as one launch (`kernels/mtp_input`, ~20 small kernels otherwise): on CUDA, at most
+        FUSED_INPUT_MAX_ROWS rows, both fc layers held unquantized in the activations' dtype, unless
+        TIERLM_NO_FUSED_MTP_INPUT=1."""
+        if not embeddings.is_cuda or os.environ.get("TIERLM_NO_FUSED_MTP_INPUT"):
+            return False
+        weights = (self.fc_embedding.dense_weight(), self.fc_hidden.dense_weight(),
+                   self.pre_fc_norm_embedding.weight, self.pre_fc_norm_hidden.weight)
+        return (embeddings.shape[0] <= FUSED_INPUT_MAX_ROWS and self.pre_fc_norm_embedding.eps == self.pre_fc_norm_hidden.eps
+                and all(w is not None and w.dtype == embeddings.dtype for w in weights))
 
     def head(self, target_lm_head: Linear) -> Linear:
         """The lm_head the draft's logits come from."""

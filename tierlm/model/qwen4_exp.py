@@ -82,8 +82,21 @@ def embed_streams(embed_tokens: Embedding, batch: ForwardBatch, hc_count: int) -
     return embeddings.repeat(1, hc_count)
 
 
+def embed_rows(embed_tokens: Embedding, token_ids: torch.Tensor) -> torch.Tensor:
+    """The token embeddings [N, H] (the MTP draft head's input; no image features): on CUDA a dense or
+    per-row INT8 table's rows in one launch (`kernels/embed_streams` with one stream; an INT8 table's torch
+    gather is ~24 small kernels), else the layer's own gather."""
+    weights = embed_tokens.kernel_table() if fused_embed_streams(token_ids) else None
+    if weights is None:
+        return embed_tokens(token_ids)
+    from tierlm.kernels.embed_streams import triton as kernels
+
+    table, scales = weights
+    return kernels.embed_streams(table, token_ids.contiguous(), 1, scales)
+
+
 def fused_embed_streams(token_ids: torch.Tensor) -> bool:
-    """Whether `embed_streams` may run its kernel: on CUDA, unless TIERLM_NO_FUSED_EMBED_STREAMS=1."""
+    """Whether `embed_streams` (and `embed_rows`) may run its kernel: on CUDA, unless TIERLM_NO_FUSED_EMBED_STREAMS=1."""
     return token_ids.is_cuda and not os.environ.get("TIERLM_NO_FUSED_EMBED_STREAMS")
 
 
@@ -180,7 +193,7 @@ class Qwen4ExpForCausalLM(nn.Module):
         and the output streams [M, hc*H] of `batch.logits_rows` (the next step's hidden input)."""
         if self.mtp is None:
             raise RuntimeError("this model was loaded without its MTP draft head (load_model(..., load_mtp=True))")
-        embeddings = self.model.embed_tokens(batch.token_ids)
+        embeddings = embed_rows(self.model.embed_tokens, batch.token_ids)
         if rope is None or rope.dtype != embeddings.dtype:  # rope: the verify forward's, at the same rows
             rope = Rope(self.model.rotary, batch, embeddings.dtype)
         streams = batch.wanted_rows(self.mtp(embeddings, hidden_streams, batch, cache.draft_layers, rope, step))

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from tierlm.kernels.norm_rope.naive import apply_rotary
-from tierlm.kernels.qsa_block_keys.naive import group_key_rows
+from tierlm.kernels.qsa_block_keys.naive import group_key_rows, store_decode_block_keys
 from tierlm.kernels.qsa_block_scores import block_scores
 from tierlm.kernels.qsa_block_scores.naive import ranking_keys
 from tierlm.kernels.qsa_ring import ring_after_rows
@@ -112,6 +112,30 @@ def block_key_store_fuses(x: torch.Tensor, rope: Rope) -> bool:
     """A decode step's indexer key store as one launch (`kernels/qsa_block_keys`): a text batch on CUDA,
     unless TIERLM_NO_FUSED_QSA_BLOCK_KEYS=1."""
     return x.is_cuda and rope.positions is not None and not os.environ.get("TIERLM_NO_FUSED_QSA_BLOCK_KEYS")
+
+
+def verify_keys_fuse(x: torch.Tensor, rope: Rope) -> bool:
+    """A verification batch's block keys through the decode key store's kernel, a row at a time
+    (`store_verify_keys_by_row`): where the decode key store fuses, unless TIERLM_NO_FUSED_QSA_VERIFY_KEYS=1."""
+    return block_key_store_fuses(x, rope) and not os.environ.get("TIERLM_NO_FUSED_QSA_VERIFY_KEYS")
+
+
+def store_verify_keys_by_row(
+    raw_keys: torch.Tensor, ring: torch.Tensor, index_keys: torch.Tensor, row_slots: torch.Tensor,
+    positions: torch.Tensor, block_tables: torch.Tensor, weight: torch.Tensor, eps: float, inv_freq: torch.Tensor,
+    block_size: int, scratch_block: int, store=store_decode_block_keys,
+) -> None:
+    """A verification batch's block keys, once its rings are in its row slots (`kernels/qsa_ring`): each row
+    taken as a decode step of its own (its raw key, its row slot's ring, its position, its request's block
+    table), so the decode key store (`store`: `kernels/qsa_block_keys`' reference or its one launch) writes
+    the keys of the rows that close a group, from the angles at the group's start. Its write of the row's
+    raw key into the ring rewrites the value already there. row_slots [B, T]; raw_keys, positions [B*T];
+    block_tables [B, W] (each request's row repeated T times: one small copy). In place of the rotary
+    tables at the group starts (7 small kernels a forward) and the torch compress (4 to 6 a layer)."""
+    rows_per_request = row_slots.shape[1]
+    tables = block_tables[:, None, :].expand(-1, rows_per_request, -1).reshape(-1, block_tables.shape[1])
+    store(raw_keys, ring, index_keys, row_slots.flatten(), positions, tables, weight, eps, inv_freq, block_size,
+          scratch_block)
 
 
 def ring_fuses(x: torch.Tensor) -> bool:
@@ -233,13 +257,22 @@ class QSAIndexer(nn.Module):
         """`store_block_key_decode` for a verification batch's T rows per request: the ring after each row
         (its open group's raw keys: from the request's ring, then from its rows) goes to that row's slot
         (`batch.verify_slots`), and a row that closes a block writes the block's key. Static shapes; on
-        CUDA the rings and key rows in one launch (`kernels/qsa_ring`; TIERLM_NO_FUSED_QSA_RING=1: torch)."""
+        CUDA the rings and key rows in one launch (`kernels/qsa_ring`; TIERLM_NO_FUSED_QSA_RING=1: torch), and
+        the keys through the decode key store's kernel, row by row (`store_verify_keys_by_row`)."""
         ring_rows = ring_after_rows
         if ring_fuses(raw_keys):
             from tierlm.kernels.qsa_ring.triton import triton_ring_after_rows as ring_rows
         rings, key_rows = ring_rows(
             state.ring, batch.slots, raw_keys, batch.positions, batch.context_lens_tensor, batch.verify_slots,
             batch.block_tables, state.block_size, state.scratch_block)
+        if verify_keys_fuse(raw_keys, rope):
+            from tierlm.kernels.qsa_block_keys.triton import triton_store_decode_block_keys
+
+            store_verify_keys_by_row(
+                raw_keys, state.ring, state.keys, batch.verify_slots, batch.positions, batch.block_tables,
+                self.k_layernorm.weight, self.k_layernorm.eps, rope.inv_freq, state.block_size, state.scratch_block,
+                triton_store_decode_block_keys)
+            return
         cos, sin = rope.group_starts_at(self.ratio, rows_per_request=batch.verify_slots.shape[1])
         state.keys.view(-1, self.head_dim)[key_rows] = self.compress(rings, cos, sin)
 
