@@ -116,13 +116,6 @@ class PendingStreams(NamedTuple):
             return self.streams
         return HyperConnection.combine(*self)
 
-    def wanted_rows(self, batch) -> PendingStreams:
-        """`batch.wanted_rows` of the streams they stand for: as they are when those are every row; else
-        combined first (every row's combine, then the gather: as without the fold)."""
-        if batch.logits_every_row:
-            return self
-        return PendingStreams(batch.wanted_rows(self.combined()))
-
 
 def fold_layer_combine() -> bool:
     """Whether a decoder layer leaves its MoE combine to the next mix (`PendingStreams`), unless
