@@ -7,7 +7,8 @@ mixer ([hc*H]; at later draft steps, the previous draft step's output streams in
 - u = fc_hidden on each stream of pre_fc_norm_hidden(h), that norm over the whole hc*H vector (not one
   per stream: vLLM's GemmaRMSNorm(hc*H)); fc_hidden [H, H] is shared by the streams;
 - streams = u + e on every stream (a hyper-connection combine with unit weight), then a QSA decoder layer
-  without PLE (`DecoderLayer`, with its own K/V and indexer caches: `ModelCache.draft_layers`);
+  without PLE (`DecoderLayer`, with its own K/V and indexer caches: `ModelCache.draft_layers`), whose MoE
+  combine its final mixer does (`qwen4_exp.final_mix`, as the target's);
 - its own final mixer, then the target's lm_head unless the checkpoint has `mtp.shared_head.head`
   (`Qwen4ExpForCausalLM.draft` does this last part and picks the head).
 A draft row at position t takes the target's position t (rotary angle, K/V row, indexer group), so the
@@ -27,7 +28,7 @@ from tierlm.config import ModelConfig
 from tierlm.model.checkpoint_layout import MTPLayout
 from tierlm.model.forward_batch import ForwardBatch
 from tierlm.model.layers.decoder_layer import DecoderLayer
-from tierlm.model.layers.hyper_connection import HyperConnection
+from tierlm.model.layers.hyper_connection import HyperConnection, PendingStreams
 from tierlm.model.layers.norm import RMSNorm
 from tierlm.model.layers.packed_linear import Linear
 from tierlm.model.layers.rotary import Rope
@@ -61,11 +62,13 @@ class MultiTokenPredictor(nn.Module):
     def forward(
         self, embeddings: torch.Tensor, hidden_streams: torch.Tensor, batch: ForwardBatch,
         caches: list[LayerCaches], rope: Rope, step: int = 0,
-    ) -> torch.Tensor:
+    ) -> PendingStreams:
         """embeddings [N, H] of each row's next token; hidden_streams [N, hc*H] -> the draft layer's output
-        streams [N, hc*H] (before the draft's final mixer). step: the draft step (picks the layer)."""
+        streams [N, hc*H] (before the draft's final mixer; its MoE combine pending). step: the draft step
+        (picks the layer)."""
         index = step % len(self.layers)
-        return self.layers[index](self.layer_input(embeddings, hidden_streams), batch, caches[index], rope, None)
+        return self.layers[index](PendingStreams(self.layer_input(embeddings, hidden_streams)), batch, caches[index],
+                                  rope, None)
 
     def layer_input(self, embeddings: torch.Tensor, hidden_streams: torch.Tensor) -> torch.Tensor:
         """The draft layer's input streams [N, hc*H]: fc_hidden of the normed hidden streams plus the

@@ -13,7 +13,9 @@ rank's layers, in order). The first stage starts from the embedding, the others 
 `batch.stage_input`: the multi-stream residual [N, hc_count * hidden] the previous stage returned. A
 stage that is not the last returns that residual for every row; the last returns the logits of
 `batch.logits_rows` (`forward_with_streams`: and every row's streams before the final mixer, what the
-draft head reads; `draft`: the draft head's forward, as the whole model's). What crosses ranks, and how, is `engine/pipeline.py`'s business.
+draft head reads; `draft`: the draft head's forward, as the whole model's). The last layer's MoE combine
+is done before a stage hands its residual on (the next rank receives whole streams); on the last stage
+the final mixer does it, as in the whole model (`final_mix`). What crosses ranks, and how, is `engine/pipeline.py`'s business.
 """
 
 from __future__ import annotations
@@ -24,8 +26,9 @@ import torch
 from torch import nn
 
 from tierlm.model.forward_batch import ForwardBatch
+from tierlm.model.layers.hyper_connection import PendingStreams
 from tierlm.model.model_cache import ModelCache
-from tierlm.model.qwen4_exp import Qwen4ExpForCausalLM, embed_streams, run_decoder_layers
+from tierlm.model.qwen4_exp import Qwen4ExpForCausalLM, embed_streams, final_mix, run_decoder_layers
 
 
 @dataclass(frozen=True)
@@ -111,17 +114,18 @@ class PipelineStage(nn.Module):
     @torch.no_grad()
     def forward(self, batch: ForwardBatch, cache: ModelCache) -> torch.Tensor:
         """The next stage's input [N, hc * hidden], or on the last stage the logits [M, vocab]."""
-        streams = self._run_layers(batch, cache)
+        pending = self._run_layers(batch, cache)
         if not self.layout.is_last:
-            return streams
-        return self._logits(batch, streams)
+            return pending.combined()
+        return self.lm_head(final_mix(self.model.hyper_connection_mixer, pending, batch)[1])
 
     @torch.no_grad()
     def forward_with_streams(self, batch: ForwardBatch, cache: ModelCache) -> tuple[torch.Tensor, torch.Tensor]:
         """The last stage: the logits [M, vocab] and every row's streams before the final mixer [N, hc*H]
         (as `Qwen4ExpForCausalLM.forward_with_streams`: what the draft head reads)."""
-        streams = self._run_layers(batch, cache)
-        return self._logits(batch, streams), streams
+        pending = self._run_layers(batch, cache)
+        streams, mixed = final_mix(self.model.hyper_connection_mixer, pending, batch, every_row_streams=True)
+        return self.lm_head(mixed), streams
 
     def draft(self, batch: ForwardBatch, hidden_streams: torch.Tensor, cache: ModelCache, step: int = 0
               ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -129,14 +133,10 @@ class PipelineStage(nn.Module):
         the parts this stage holds (embedding, rotary, draft head, lm_head)."""
         return Qwen4ExpForCausalLM.draft(self, batch, hidden_streams, cache, step)
 
-    def _run_layers(self, batch: ForwardBatch, cache: ModelCache) -> torch.Tensor:
+    def _run_layers(self, batch: ForwardBatch, cache: ModelCache) -> PendingStreams:
         text = self.model
         if self.layout.is_first:
             streams = embed_streams(text.embed_tokens, batch, self.config.hc_count)
         else:
             streams = batch.stage_input
         return run_decoder_layers(self.decoder_layers(), streams, batch, cache, self.config, text.rotary)
-
-    def _logits(self, batch: ForwardBatch, streams: torch.Tensor) -> torch.Tensor:
-        mixed, _ = self.model.hyper_connection_mixer.mix(batch.wanted_rows(streams))
-        return self.lm_head(mixed)

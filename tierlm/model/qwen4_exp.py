@@ -12,6 +12,9 @@ into features, which a forward takes in place of the image placeholders' embeddi
 With an MTP draft head (`model/mtp.py`, built when the loader is asked for it) the model also serves
 speculative decoding: `forward_with_streams` returns, beside the logits, every row's multi-stream state
 before the final mixer (the draft's input), and `draft` runs the head.
+
+The last decoder layer's MoE combine is left to the final mixer (`final_mix`: in its launches when the
+logits rows are every row, as in a decode step); the streams returned to a caller are always combined.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from tierlm.model.checkpoint_layout import MTPLayout
 from tierlm.model.forward_batch import ForwardBatch
 from tierlm.model.layers.decoder_layer import DecoderLayer
 from tierlm.model.layers.embedding import Embedding
-from tierlm.model.layers.hyper_connection import HyperConnection
+from tierlm.model.layers.hyper_connection import HyperConnection, PendingStreams
 from tierlm.model.layers.packed_linear import Linear
 from tierlm.model.layers.ple import NgramIds, fused_decode_applies
 from tierlm.model.layers.rotary import Rope, RotaryEmbedding
@@ -52,15 +55,15 @@ class Qwen4ExpTextModel(nn.Module):
 
     def forward(self, batch: ForwardBatch, cache: ModelCache) -> torch.Tensor:
         """Returns the final mixer's output [M, H] for `batch.logits_rows`."""
-        return self.mix(batch.wanted_rows(self.run_layers(batch, cache)))
+        return final_mix(self.hyper_connection_mixer, self.run_layers(batch, cache), batch)[1]
 
     def mix(self, streams: torch.Tensor) -> torch.Tensor:
         """The final mixer: streams [M, hc*H] -> [M, H] (lm_head's input)."""
         return self.hyper_connection_mixer.mix(streams)[0]
 
-    def run_layers(self, batch: ForwardBatch, cache: ModelCache, rope: Rope | None = None) -> torch.Tensor:
-        """Every row's streams [N, hc*H] after the last decoder layer (the caches updated). rope: the batch's
-        rotary tables, when the caller shares them (see `run_decoder_layers`)."""
+    def run_layers(self, batch: ForwardBatch, cache: ModelCache, rope: Rope | None = None) -> PendingStreams:
+        """Every row's streams [N, hc*H] after the last decoder layer, its combine pending (the caches
+        updated). rope: the batch's rotary tables, when the caller shares them (see `run_decoder_layers`)."""
         streams = embed_streams(self.embed_tokens, batch, self.config.hc_count)
         return run_decoder_layers(self.layers, streams, batch, cache, self.config, self.rotary, rope)
 
@@ -103,9 +106,10 @@ def fused_embed_streams(token_ids: torch.Tensor) -> bool:
 def run_decoder_layers(
     layers, streams: torch.Tensor, batch: ForwardBatch, cache: ModelCache, config: ModelConfig,
     rotary: RotaryEmbedding, rope: Rope | None = None,
-) -> torch.Tensor:
-    """The streams through `layers` (whose caches are `cache.layers`, in order); then the requests'
-    n-gram context moves past this batch's tokens (and a verification batch keeps it after each row).
+) -> PendingStreams:
+    """The streams through `layers` (whose caches are `cache.layers`, in order), the last layer's combine
+    pending (each layer's is done by the next one's first mix); then the requests' n-gram context moves
+    past this batch's tokens (and a verification batch keeps it after each row).
     rope: the batch's rotary tables made by the caller (shared with another forward at the same
     positions); made here when absent or of another dtype."""
     ngram_ids = None
@@ -113,10 +117,25 @@ def run_decoder_layers(
         ngram_ids = NgramIds(batch, cache.ngram_context, config.eos_token_id, config.ngram_size)
     if rope is None or rope.dtype != streams.dtype:
         rope = Rope(rotary, batch, streams.dtype)
+    pending = PendingStreams(streams)
     for layer, caches in zip(layers, cache.layers):
-        streams = layer(streams, batch, caches, rope, ngram_ids)
+        pending = layer(pending, batch, caches, rope, ngram_ids)
     _advance_ngram_context(batch, cache)
-    return streams
+    return pending
+
+
+def final_mix(mixer: HyperConnection, pending: PendingStreams, batch: ForwardBatch,
+              every_row_streams: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The final mixer over `batch`'s logits rows of `pending`: (the streams, combined: every row's when
+    every_row_streams, else the logits rows'; the mixer's output [M, H]). When the logits rows are every
+    row (a decode step) the pending combine runs in the mixer's launches; else every row is combined, then
+    the logits rows gathered, as without the fold."""
+    if batch.logits_every_row:
+        streams, mixed, _ = mixer.mix_pending(pending)
+        return streams, mixed
+    streams = pending.combined()
+    wanted = batch.wanted_rows(streams)
+    return (streams if every_row_streams else wanted), mixer.mix(wanted)[0]
 
 
 def _advance_ngram_context(batch: ForwardBatch, cache: ModelCache) -> None:
@@ -177,8 +196,9 @@ class Qwen4ExpForCausalLM(nn.Module):
         """The forward, also returning every row's streams before the final mixer [N, hc*H]: at row t, the
         hidden state the draft head reads (with token t+1) to propose token t+2. rope: rotary tables the
         caller shares with the draft head's pass over the same rows."""
-        streams = self.model.run_layers(batch, cache, rope)
-        return self.lm_head(self.model.mix(batch.wanted_rows(streams))), streams
+        pending = self.model.run_layers(batch, cache, rope)
+        streams, mixed = final_mix(self.model.hyper_connection_mixer, pending, batch, every_row_streams=True)
+        return self.lm_head(mixed), streams
 
     @torch.no_grad()
     def draft(
@@ -196,6 +216,6 @@ class Qwen4ExpForCausalLM(nn.Module):
         embeddings = embed_rows(self.model.embed_tokens, batch.token_ids)
         if rope is None or rope.dtype != embeddings.dtype:  # rope: the verify forward's, at the same rows
             rope = Rope(self.model.rotary, batch, embeddings.dtype)
-        streams = batch.wanted_rows(self.mtp(embeddings, hidden_streams, batch, cache.draft_layers, rope, step))
-        mixed = self.mtp.hyper_connection_mixer.mix(streams)[0]
+        pending = self.mtp(embeddings, hidden_streams, batch, cache.draft_layers, rope, step)
+        streams, mixed = final_mix(self.mtp.hyper_connection_mixer, pending, batch)
         return self.mtp.head(self.lm_head)(mixed), streams

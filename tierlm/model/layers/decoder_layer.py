@@ -1,19 +1,21 @@
 """One Qwen4-Exp decoder layer: [PLE] -> hyper-connection mix -> GDN or QSA -> combine -> mix -> MoE -> combine.
 
-There are no pre-layer norms: the hyper-connections' mixes normalise. The target model stacks these
+There are no pre-layer norms: the hyper-connections' mixes normalise. Both combines are done by the mix
+after them, in its launches: the attention's by the MoE's mix (`combine_and_mix`), the MoE's by the next
+layer's first mix or the final mixer (the layer takes and returns `PendingStreams`; a PLE layer, which
+reads the streams itself, gets them combined first). The target model stacks these
 (`model/qwen4_exp.py`); the MTP draft head runs QSA ones without PLE (`model/mtp.py`). A layer reads and
 writes only the caches it is handed (`LayerCaches`).
 """
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 from tierlm.config import ModelConfig
 from tierlm.model.forward_batch import ForwardBatch
 from tierlm.model.layers.gated_deltanet import GatedDeltaNet
-from tierlm.model.layers.hyper_connection import HyperConnection
+from tierlm.model.layers.hyper_connection import HyperConnection, PendingStreams, fold_layer_combine
 from tierlm.model.layers.moe import SparseMoeBlock
 from tierlm.model.layers.ple import NgramIds, PLELayer
 from tierlm.model.layers.qsa_attention import QSAAttention
@@ -39,17 +41,21 @@ class DecoderLayer(nn.Module):
         self.mlp = SparseMoeBlock(c)
 
     def forward(
-        self, streams: torch.Tensor, batch: ForwardBatch, caches: LayerCaches, rope: Rope,
+        self, streams: PendingStreams, batch: ForwardBatch, caches: LayerCaches, rope: Rope,
         ngram_ids: NgramIds | None,
-    ) -> torch.Tensor:
-        """streams [N, hc*H] -> [N, hc*H]; ngram_ids: the PLE layers' n-gram ids (None without PLE, or
-        when the host gathered the PLE embeddings)."""
+    ) -> PendingStreams:
+        """streams [N, hc*H] (a combine maybe pending) -> [N, hc*H] with the MoE's combine pending (done
+        here under TIERLM_NO_FOLD_LAYER_COMBINE=1); ngram_ids: the PLE layers' n-gram ids (None without
+        PLE, or when the host gathered the PLE embeddings)."""
         if self.ple is not None:
-            streams = self.ple(streams, batch, caches.ple, ngram_ids)
-        x, inject = self.attn_hyper_connection.mix(streams)
+            streams = PendingStreams(self.ple(streams.combined(), batch, caches.ple, ngram_ids))
+        streams, x, inject = self.attn_hyper_connection.mix_pending(streams)
         if self.layer_type == "linear_attention":
             out = self.linear_attn(x, batch, caches.gdn)
         else:
             out = self.self_attn(x, batch, caches.kv, caches.indexer, rope)
         streams, x, inject = self.mlp_hyper_connection.combine_and_mix(streams, out, inject)
-        return HyperConnection.combine(streams, self.mlp(x, batch.static), inject)
+        moe_output = self.mlp(x, batch.static)
+        if fold_layer_combine():
+            return PendingStreams(streams, moe_output, inject)
+        return PendingStreams(HyperConnection.combine(streams, moe_output, inject))

@@ -10,11 +10,18 @@ inside the next mix's launches, `combine_and_mix`, as a decoder layer's attentio
 TIERLM_NO_FUSED_HC=1 turns them off); elsewhere, and for mixer weights in other formats or prefill
 batches, mix runs in torch through the layers' quant methods, the same math as
 `kernels/hyper_connection/naive.py`.
+
+A decoder layer's MoE residual crosses the layer boundary the same way: the layer returns its streams
+with the combine still owed (`PendingStreams`), and the next layer's first mix (`mix_pending`), or the
+final mixer, does it in its launches; whoever needs the streams themselves (a PLE layer, a pipeline
+stage's end, the MTP draft head's input) combines first. The torch path runs the same ops in the same
+order either way. TIERLM_NO_FOLD_LAYER_COMBINE=1 combines at the layer's end instead (`fold_layer_combine`).
 """
 
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -53,6 +60,13 @@ class HyperConnection(nn.Module):
             return block_input, None
         return block_input, 2 * torch.sigmoid(projected[1] / self.hc_count)
 
+    def mix_pending(self, pending: PendingStreams) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """`mix` of `pending.combined()`, also returning those streams: (streams, block input, injection gates
+        or None). A pending combine runs in the mix's launches (`combine_and_mix`)."""
+        if pending.block_output is None:
+            return (pending.streams, *self.mix(pending.streams))
+        return self.combine_and_mix(*pending)
+
     def combine_and_mix(self, streams: torch.Tensor, block_output: torch.Tensor,
                         inject: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """`combine(streams, block_output, inject)`, then this mixer's `mix` of the result: (the new streams,
@@ -84,6 +98,29 @@ class HyperConnection(nn.Module):
 
             return kernels.combine(streams, block_output, inject)
         return naive.combine(streams, block_output, inject)
+
+
+class PendingStreams(NamedTuple):
+    """The hc streams [N, hc*H], and when a block's combine is left to whoever reads them next, that block's
+    output [N, H] and injection gates [N, hc]: the streams stand for streams + inject[:, s] * block_output
+    on each stream s. A decoder layer returns its MoE residual this way, so that the next mix does the
+    combine in its own launches (`HyperConnection.mix_pending`) instead of a launch of its own."""
+
+    streams: torch.Tensor
+    block_output: torch.Tensor | None = None
+    inject: torch.Tensor | None = None
+
+    def combined(self) -> torch.Tensor:
+        """The streams with the pending combine done (`HyperConnection.combine`)."""
+        if self.block_output is None:
+            return self.streams
+        return HyperConnection.combine(*self)
+
+
+def fold_layer_combine() -> bool:
+    """Whether a decoder layer leaves its MoE combine to the next mix (`PendingStreams`), unless
+    TIERLM_NO_FOLD_LAYER_COMBINE=1 (then it combines at its end: one more launch per layer on CUDA)."""
+    return not os.environ.get("TIERLM_NO_FOLD_LAYER_COMBINE")
 
 
 def kernel_weight(layer: PackedLinear) -> tuple[torch.Tensor, torch.Tensor | None] | None:
