@@ -21,7 +21,7 @@ from interpreted import interpreted_json
 
 BLOCK_SIZE = 12
 PROMPTS = ([5, 9, 17, 33, 2, 8, 40, 11, 3], [7, 21, 4, 19, 6])  # prefill: logits of the last rows only
-DECODE_STEPS = 2
+DECODE_STEPS = 1
 # combine launches (`kernels.combine`) over the run of `fold_vs_unfolded`: a prefill, DECODE_STEPS decode
 # steps (forward_with_streams) with a draft-head forward after each, one plain decode forward. Unfolded,
 # every decoder layer's own (4 target, 1 draft layer). Folded: only where the streams themselves are read,
