@@ -29,8 +29,11 @@ key/value projection (12800 x 2560), at 1 and 4 rows. For each row count, first 
 BLOCK_K, warps; `DENSE_TILE_SWEEP`), then, with the best of them, the programs K is split to fill
 (`GEMV_TARGET_PROGRAMS`): each candidate's time on every shape against torch.matmul's (cuBLAS), its
 output checked against the reference (a candidate off by more than DENSE_TOLERANCE is reported and never
-chosen); the best is the least total time over the shapes (what a decode step pays). Results go to
-bench/results/quant_linear_kernel_dense_sweep_<device>.json.
+chosen); the best is the least total time over the shapes (what a decode step pays), and the best per
+shape is printed too. One row sweeps the unquantized one-row tiles (`DENSE_GEMV_*`; the first candidate is
+the shipped one, whose BLOCK_K depends on K; the others use one BLOCK_K at every K); 4 rows sweep the GEMV
+tiles that unquantized rows share with INT6 (`GEMV_BLOCK_N`, `GEMV_BLOCK_K`, `GEMV_NUM_WARPS`). Results go
+to bench/results/quant_linear_kernel_dense_sweep_<device>.json.
 """
 
 from __future__ import annotations
@@ -67,6 +70,8 @@ DENSE_SHAPES = {"target": [(16384, 2560), (2560, 6144), (12800, 2560)], "small":
 DENSE_TILE_SWEEP = {rows: [(n, k, w) for n in (4, 8, 16, 32) for k in (128, 256, 512, 1024) for w in (4, 8)
                            if 16 <= rows * n * k // (32 * w) <= 64] for rows in (1, 4)}
 DENSE_PROGRAMS_SWEEP = (264, 528, 1056, 2112)
+DENSE_SWEPT = ("DENSE_GEMV_BLOCK_N", "DENSE_GEMV_BLOCK_K", "DENSE_GEMV_LONG_BLOCK_K", "DENSE_GEMV_NUM_WARPS",
+               "GEMV_BLOCK_N", "GEMV_BLOCK_K", "GEMV_NUM_WARPS", "GEMV_TARGET_PROGRAMS")  # restored after each
 DENSE_TOLERANCE = 1e-2  # max |kernel - reference| / max |reference| (bf16: a few units of roundoff)
 GEMM_SWEEP = [(64, 64, 4), (32, 128, 4), (64, 128, 4), (128, 64, 4), (32, 64, 2), (64, 128, 8)]  # N, K, warps
 
@@ -227,18 +232,22 @@ def sweep_dense(args, device: torch.device) -> dict:
             x, weights = run.xs[(k, rows)], weights_of[(n, k)]
             cublas_us[(n, k, rows)] = timed(lambda i, x=x, weights=weights: torch.matmul(
                 x[i % len(x)], weights[i][0].t()), len(weights) - 1, device) * 1e6
-        saved = {name: getattr(kernels, name) for name in ("GEMV_BLOCK_N", "GEMV_BLOCK_K", "GEMV_NUM_WARPS",
-                                                           "GEMV_TARGET_PROGRAMS")}
+        saved = {name: getattr(kernels, name) for name in DENSE_SWEPT}
         tiles = DENSE_TILE_SWEEP[rows][:2] if small else DENSE_TILE_SWEEP[rows]
         programs = DENSE_PROGRAMS_SWEEP[:2] if small else DENSE_PROGRAMS_SWEEP
-        stages = [[{"GEMV_BLOCK_N": n, "GEMV_BLOCK_K": {**saved["GEMV_BLOCK_K"], block_m: k}, "GEMV_NUM_WARPS": w}
-                   for n, k, w in tiles],
-                  [{"GEMV_TARGET_PROGRAMS": p} for p in programs]]
+        if rows == 1:  # the unquantized one-row tiles (the shipped ones first)
+            tile_stage = [{name: saved[name] for name in DENSE_SWEPT if name.startswith("DENSE_")}] + [
+                {"DENSE_GEMV_BLOCK_N": n, "DENSE_GEMV_BLOCK_K": k, "DENSE_GEMV_LONG_BLOCK_K": k,
+                 "DENSE_GEMV_NUM_WARPS": w} for n, k, w in tiles]
+        else:  # the GEMV tiles shared with INT6
+            tile_stage = [{"GEMV_BLOCK_N": n, "GEMV_BLOCK_K": {**saved["GEMV_BLOCK_K"], block_m: k},
+                           "GEMV_NUM_WARPS": w} for n, k, w in tiles]
+        stages = [tile_stage, [{"GEMV_TARGET_PROGRAMS": p} for p in programs]]
         print(f"\n{rows} row(s): {'tiles (N, K, warps), programs':<34}" + "".join(
             f"{f'{n}x{k} us':>14}{'vs cuBLAS':>10}" for n, k in shapes) + f"{'total us':>10}{'max rel diff':>13}")
         print(f"{'torch.matmul (cuBLAS)':>45}" + "".join(f"{cublas_us[(n, k, rows)]:>14.1f}{'':>10}" for n, k in shapes)
               + f"{sum(cublas_us[(n, k, rows)] for n, k in shapes):>10.1f}")
-        chosen, best_row = {}, None
+        chosen, best_row, rows_of_count = {}, None, []
         for stage in stages:
             best = None
             for candidate in stage:
@@ -246,6 +255,7 @@ def sweep_dense(args, device: torch.device) -> dict:
                     setattr(kernels, attr, value)
                 row = measure_dense_candidate(run, kernels, naive, shapes, rows, weights_of, cublas_us)
                 rows_out.append(row)
+                rows_of_count.append(row)
                 print(f"{row['label']:>45}" + "".join(f"{s['kernel_us']:>14.1f}{s['speedup_over_cublas']:>9.2f}x"
                                                       for s in row["shapes"])
                       + f"{row['total_us']:>10.1f}{row['max_rel_diff']:>13.2e}" + ("" if row["ok"] else "  WRONG"))
@@ -261,6 +271,11 @@ def sweep_dense(args, device: torch.device) -> dict:
             best_of[rows] = {**best_row["config"], "total_us": best_row["total_us"], "cublas_total_us": cublas_total}
             print(f"best for {rows} row(s): {best_row['label']}: {best_row['total_us']:.1f} us vs cuBLAS "
                   f"{cublas_total:.1f} us ({cublas_total / best_row['total_us']:.2f}x)")
+        for index, (n, k) in enumerate(shapes):
+            fastest = min((row for row in rows_of_count if row["ok"]), key=lambda row: row["shapes"][index]["kernel_us"],
+                          default=None)
+            if fastest is not None:
+                print(f"  best at {n}x{k}: {fastest['label']}: {fastest['shapes'][index]['kernel_us']:.1f} us")
     return {"device": name, "copy_bandwidth_GBps": copy / 1e9, "torch": torch.__version__, "cuda_graph": True,
             "pdl": pdl_enabled(device), "best": best_of, "rows": rows_out}
 
@@ -282,9 +297,10 @@ def measure_dense_candidate(run, kernels, naive, shapes, rows: int, weights_of: 
                           "cublas_us": cublas_us[(n, k, rows)], "speedup_over_cublas": cublas_us[(n, k, rows)] / us,
                           "max_rel_diff": diff, "splits": cfg_of[(n, k)].splits})
     cfg = next(iter(cfg_of.values()))
-    config = {"block_n": cfg.block_n, "block_k": kernels.GEMV_BLOCK_K[cfg.block_m], "warps": cfg.num_warps,
+    block_ks = sorted({c.block_k for c in cfg_of.values()})  # (the shipped one-row tiles: BLOCK_K by K)
+    config = {"block_n": cfg.block_n, "block_k": block_ks, "warps": cfg.num_warps,
               "target_programs": kernels.GEMV_TARGET_PROGRAMS}
-    label = f"{config['block_n']}, {config['block_k']}, {config['warps']}; {config['target_programs']}"
+    label = f"{cfg.block_n}, {'/'.join(map(str, block_ks))}, {cfg.num_warps}; {config['target_programs']}"
     return {"rows": rows, "config": config, "label": label, "shapes": per_shape,
             "total_us": sum(s["kernel_us"] for s in per_shape), "max_rel_diff": worst, "ok": worst <= DENSE_TOLERANCE}
 

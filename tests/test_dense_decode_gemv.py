@@ -148,7 +148,8 @@ INTERPRETED_EARLY = {  # (queued when collection ends, see tests/interpreted.py)
         "import tempfile, test_dense_decode_gemv as t\n"
         "import tierlm.kernels.quant_linear.triton as kernels\n"
         "from reference_models import build_reference\n"
-        "kernels.GEMV_BLOCK_N = 64  # (fewer programs: each costs the interpreter about the same, whatever its tile)\n"
+        "kernels.GEMV_BLOCK_N = kernels.DENSE_GEMV_BLOCK_N = 64  # (fewer programs: each costs the interpreter "
+        "about the same, whatever its tile)\n"
         "with tempfile.TemporaryDirectory() as folder:\n"
         "    build_reference('hc4_ple', folder)\n"
         "    t.compare(folder, 'cpu')"),),

@@ -229,6 +229,49 @@ def test_later_draft_steps_read_the_previous_step_streams(checkpoint, loaded, se
     assert (logits[0] - expected[-1]).abs().max().item() <= TOLERANCE
 
 
+def test_a_draft_step_mixes_without_a_row_gather(loaded, sequences, monkeypatch):
+    """A decode-shaped draft step (one row per request, every row's logits) takes the final mixer over its
+    rows as they are, its layer's MoE combine folded into the mixer (`qwen4_exp.final_mix`: no
+    `wanted_rows` gather, `mix_pending` with the combine pending); the logits are those of the unfolded
+    path (the layer combines at its end, TIERLM_NO_FOLD_LAYER_COMBINE=1). A pass over 1 + K rows of which
+    one per request is wanted still gathers them (the mixer's kernels take no row index)."""
+    model, config = loaded
+    ids, hidden = sequences
+    gathers, pending_mixes = [], []
+    final_mixer = model.mtp.hyper_connection_mixer
+    wanted_rows, mix_pending = ForwardBatch.wanted_rows, final_mixer.mix_pending
+
+    def counted_gather(batch, rows):
+        gathers.append(batch.logits_every_row)
+        return wanted_rows(batch, rows)
+
+    def counted_mix(pending):
+        pending_mixes.append(pending.block_output is not None)
+        return mix_pending(pending)
+
+    monkeypatch.setattr(ForwardBatch, "wanted_rows", counted_gather)
+    monkeypatch.setattr(final_mixer, "mix_pending", counted_mix)
+    steps = {}
+    for fold in (True, False):
+        if fold:
+            monkeypatch.delenv("TIERLM_NO_FOLD_LAYER_COMBINE", raising=False)
+        else:
+            monkeypatch.setenv("TIERLM_NO_FOLD_LAYER_COMBINE", "1")
+        runner = DraftRunner(model, config, 2)
+        runner.draft({r: (ids[r, 1:21].tolist(), hidden[r, :20]) for r in (0, 1)})
+        gathers.clear()
+        pending_mixes.clear()
+        steps[fold] = runner.draft({r: (ids[r, 21:22].tolist(), hidden[r, 20:21]) for r in (0, 1)})
+        assert gathers == [] and pending_mixes == [fold], (fold, gathers, pending_mixes)
+    for r in (0, 1):
+        for ours, theirs in zip(steps[True][r], steps[False][r], strict=True):
+            torch.testing.assert_close(ours, theirs)
+    batch = ForwardBatch.build([[3, 4, 5], [6, 7, 8]], [21, 21], [0, 1], runner.tables, BLOCK_SIZE)  # last rows
+    gathers.clear()
+    model.draft(batch, hidden[:, 21:24].flatten(0, 1), runner.cache)
+    assert gathers == [False]
+
+
 def test_draft_bf16_within_the_reference_bf16_error(checkpoint, loaded, sequences, monkeypatch):
     """In bf16 the draft stays as close to the fp32 reference as the reference's own bf16 run does (the
     bf16 parity tests' rule), its top-k choices (indexer blocks, experts) clear of near-ties."""

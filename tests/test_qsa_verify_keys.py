@@ -74,7 +74,8 @@ def by_row(device: str, dtype: torch.dtype, store, inputs: torch.dtype | None = 
     inv_freq = RotaryEmbedding(BASE["head_dim"] // 2, BASE["rope_parameters"]["rope_theta"]).inv_freq
     ring, keys = state.ring.to(device), state.keys.to(device)
     store_verify_keys_by_row(raw_keys.to(device), ring, keys, batch.verify_slots.to(device),
-                             batch.positions.to(device), batch.block_tables.to(device), norm.weight.detach().to(device),
+                             batch.positions.to(device), batch.verify_row_tables().to(device),
+                             norm.weight.detach().to(device),
                              norm.eps, inv_freq.to(device), BLOCK_SIZE, SCRATCH, store)
     return ring.cpu(), keys[:SCRATCH].cpu()
 

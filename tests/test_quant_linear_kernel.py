@@ -33,7 +33,7 @@ FORMATS = [("unquantized", None, None), ("int4-g32", 4, 32), ("int8-g64", 8, 64)
 # N never a multiple of the tile
 SHAPES = [("decode-split", (1,), 320, 40, 1), ("decode", (3, 1), 192, 40, 4), ("prefill", (20,), 192, 72, 4)]
 # smaller than the kernel's own, so these small K take several tiles
-GEMV_BLOCK_K, PACKED_GEMV_BLOCK_K = {1: 256, 2: 128, 4: 64}, 128
+GEMV_BLOCK_K, PACKED_GEMV_BLOCK_K, DENSE_GEMV_BLOCK_K = {1: 256, 2: 128, 4: 64}, 128, 256
 CASES = {f"{d}-{f[0]}-{s[0]}": (DTYPES[d], f, s) for d in DTYPES for f in FORMATS for s in SHAPES}
 
 
@@ -75,8 +75,10 @@ def run_kernel_cases(names: list[str]) -> dict[str, str | None]:
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     results = {}
-    saved = kernels.GEMV_MIN_TILES_PER_SPLIT, kernels.GEMV_BLOCK_K, kernels.PACKED_GEMV_BLOCK_K
+    saved = (kernels.GEMV_MIN_TILES_PER_SPLIT, kernels.GEMV_BLOCK_K, kernels.PACKED_GEMV_BLOCK_K,
+             kernels.DENSE_GEMV_BLOCK_K)
     kernels.GEMV_BLOCK_K, kernels.PACKED_GEMV_BLOCK_K = GEMV_BLOCK_K, PACKED_GEMV_BLOCK_K
+    kernels.DENSE_GEMV_BLOCK_K = DENSE_GEMV_BLOCK_K
     try:
         for name in names:
             x, weight, kwargs, exact, min_tiles = make_case(name)
@@ -91,7 +93,8 @@ def run_kernel_cases(names: list[str]) -> dict[str, str | None]:
             out = kernels.quant_linear(x.to(device), weight.to(device), **on_device).cpu()
             results[name] = within_tolerance(out, reference, *exact)
     finally:
-        kernels.GEMV_MIN_TILES_PER_SPLIT, kernels.GEMV_BLOCK_K, kernels.PACKED_GEMV_BLOCK_K = saved
+        (kernels.GEMV_MIN_TILES_PER_SPLIT, kernels.GEMV_BLOCK_K, kernels.PACKED_GEMV_BLOCK_K,
+         kernels.DENSE_GEMV_BLOCK_K) = saved
     return results
 
 
@@ -114,6 +117,28 @@ INTERPRETED_EARLY = {  # (queued when collection ends, see tests/interpreted.py)
 @pytest.mark.parametrize("case", CASES)
 def test_triton_kernel_matches_reference(kernel_results, case):
     assert kernel_results[case] is None, kernel_results[case]
+
+
+def test_one_unquantized_row_takes_the_dense_gemv_tiles():
+    """One row of an unquantized weight (the model's dense decode projections): BLOCK_N 4, 4 warps, BLOCK_K
+    512 below K 4096 and 1024 from it (the H200 sweep). INT6 at one row, and unquantized rows at 2 to 4,
+    keep the shared GEMV tiles; packed 4/8 bits their own."""
+    import tierlm.kernels.quant_linear.triton as kernels
+
+    def tiles(m, n, k, bits=None):
+        cfg = kernels.launch_config(m, n, k, bits)
+        return cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.use_dot
+
+    assert tiles(1, 16384, 2560) == (1, 4, 512, 4, False)
+    assert tiles(1, 12800, 2560) == (1, 4, 512, 4, False)
+    assert tiles(1, 2560, 6144) == (1, 4, 1024, 4, False)
+    assert tiles(1, 2560, 4096) == (1, 4, 1024, 4, False)
+    assert tiles(1, 2560, 4095) == (1, 4, 512, 4, False)
+    assert tiles(1, 1280, 2560, 6) == (1, 8, 512, 4, False)  # INT6: the shared tiles, unchanged
+    assert tiles(1, 2560, 6144, 6) == (1, 8, 512, 4, False)
+    assert tiles(4, 16384, 2560) == (4, 8, 256, 4, False)
+    assert tiles(1, 2560, 6144, 4) == (1, 16, 512, 4, False)
+    assert tiles(20, 2560, 6144)[-1]  # prefill: tl.dot
 
 
 def test_packing_layout_is_lsb_first_and_dense():

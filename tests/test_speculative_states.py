@@ -238,3 +238,61 @@ def test_whole_greedy_step_at_a_fixed_shape_equals_the_eager_one(demo, device, m
             if want.kv is not None:
                 torch.testing.assert_close(got.key_cache[:4], want.key_cache[:4])
                 torch.testing.assert_close(got.index_keys[:4], want.index_keys[:4])
+
+
+def count_row_table_copies(monkeypatch) -> list[int]:
+    """A spy on `ForwardBatch.verify_row_tables` (the one copy of the block tables a verify forward makes):
+    its calls are appended to the returned list."""
+    calls, copy_tables = [], ForwardBatch.verify_row_tables
+
+    def spy(batch):
+        calls.append(1)
+        return copy_tables(batch)
+
+    monkeypatch.setattr(ForwardBatch, "verify_row_tables", spy)
+    return calls
+
+
+def test_a_verify_forward_copies_the_block_tables_once(demo, monkeypatch):
+    """The block tables one per verify row are copied once a forward, whatever its QSA layers (2 here),
+    and once for a greedy step whose draft head's pass shares the verify forward's Rope; the logits are
+    the same as when each layer makes its own copy."""
+    from reference_models import CONFIGS
+
+    from tierlm.config import ModelConfig
+    from tierlm.model.layers.rotary import Rope
+    from tierlm.model.qwen4_exp import Qwen4ExpForCausalLM
+    from tierlm.model.speculative_step import GreedySpeculation
+
+    config = ModelConfig.from_dict(CONFIGS["hc3_4gram"])
+    assert config.layer_types.count("indexed_attention") == 2
+    model = Qwen4ExpForCausalLM(config).eval()
+    gen = torch.Generator().manual_seed(0)
+    for param in model.parameters():
+        param.data.copy_(0.05 * torch.randn(param.shape, generator=gen))
+    block = 4 * config.indexer_compress_ratio
+    cache = ModelCache(config, num_slots=6, num_blocks=4, block_size=block, dtype=torch.float32)
+    prompts = [torch.randint(3, config.vocab_size, (n,), generator=gen).tolist() for n in (block + 1, 6)]
+    with torch.no_grad():
+        model(ForwardBatch.build(prompts, [0, 0], [0, 1], [[0, 1], [2, 3]], block), cache)
+        rows = torch.randint(3, config.vocab_size, (2, 3), generator=gen).tolist()
+        batch = ForwardBatch.build(rows, [len(p) for p in prompts], [0, 1], [[0, 1], [2, 3]], block, logits="all",
+                                   position_slots=[[2, 3], [4, 5]])
+        per_layer = copy.deepcopy(cache)
+        with monkeypatch.context() as patch:  # every QSA layer its own copy (as before the Rope shared it)
+            patch.setattr(Rope, "verify_row_tables", property(lambda rope: rope.batch.verify_row_tables()))
+            calls = count_row_table_copies(patch)
+            expected = model(batch, per_layer)
+            assert len(calls) == 2
+        calls = count_row_table_copies(monkeypatch)
+        torch.testing.assert_close(model(batch, cache), expected, rtol=0, atol=0)
+        assert len(calls) == 1
+
+    k = 2
+    model, config, cache, gen, prompts, tables = _two_prefilled_requests(demo, "cpu", k, seed=3)
+    rows = torch.randint(3, config.vocab_size, (2, 1 + k), generator=gen).tolist()
+    batch = ForwardBatch.build(rows, [len(p) for p in prompts], [0, 1], tables, BLOCK, logits="all",
+                               position_slots=[[2, 3], [4, 5]])
+    calls.clear()
+    GreedySpeculation(model, cache, k)(batch, cache)
+    assert len(calls) == 1  # the verify forward's QSA layer and the draft head's pass over its rows

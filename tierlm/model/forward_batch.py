@@ -105,17 +105,23 @@ class ForwardBatch:
                 moved[name] = value.to(device, non_blocking=True)
         return ForwardBatch(**moved)
 
-    def verify_rows(self) -> ForwardBatch:
+    def verify_row_tables(self) -> torch.Tensor:
+        """A verification batch's block tables one per row [B*T, W] (request i's table T times): a copy, so a
+        forward makes it once for all its QSA layers (`Rope.verify_row_tables`), not once per layer."""
+        return self.block_tables.repeat_interleave(self.verify_slots.shape[1], dim=0)
+
+    def verify_rows(self, row_tables: torch.Tensor) -> ForwardBatch:
         """A verification batch's rows as one-token requests (row t of request i at its position, with its
-        block table and its slot verify_slots[i, t]): what the QSA layers' decode path runs on. Made anew
-        by each call (a static batch's buffers change between its forwards)."""
+        block table, from row_tables (`verify_row_tables`), and its slot verify_slots[i, t]): what the QSA
+        layers' decode path runs on. Made anew by each call (a static batch's buffers change between its
+        forwards)."""
         width = self.verify_slots.shape[1]
         return ForwardBatch(
             token_ids=self.token_ids, positions=self.positions,
             context_lens=[context + t for context in self.context_lens for t in range(width)],
             query_lens=[1] * self.token_ids.shape[0],
             state_slots=[s for after, own in zip(self.position_slots, self.state_slots) for s in (*after, own)],
-            block_tables=self.block_tables.repeat_interleave(width, dim=0), slot_mapping=self.slot_mapping,
+            block_tables=row_tables, slot_mapping=self.slot_mapping,
             logits_rows=self.logits_rows, logits_every_row=self.logits_every_row, slots=self.verify_slots.flatten(),
             context_lens_tensor=self.positions, static=self.static,
         )

@@ -43,6 +43,13 @@ from tierlm.kernels.split_reduce import arrival_counters
 GEMV_MAX_ROWS = 4  # up to this many rows, the GEMV form (no padding of M to 16 for tensor cores)
 GEMV_BLOCK_N, GEMV_NUM_WARPS = 8, 4  # output columns per program (few: the accumulators are per product)
 GEMV_BLOCK_K = {1: 512, 2: 512, 4: 256}  # input columns per step, by rows per program
+# unquantized weights at one row (the model's dense bf16 decode projections, `DenseFormat.kernel_linear`) have
+# their own tiles, from --sweep-dense on an H200 (bench/results/quant_linear_kernel_dense_sweep_nvidia-h200.txt,
+# at 528 programs; us at 16384x2560, 12800x2560, 2560x6144): (BLOCK_N 4, BLOCK_K 512, 4 warps) 25.1, 20.2,
+# 12.9 and (4, 1024, 4) 26.8, 21.7, 10.3, against 24.8, 20.7, 14.1 for the shared (8, 512, 4) (at 264
+# programs (4, 512, 4) gives 24.8, 20.3, 12.8: K 2560 is a tie within noise); so BLOCK_K 1024 from K 4096
+DENSE_GEMV_BLOCK_N, DENSE_GEMV_NUM_WARPS = 4, 4
+DENSE_GEMV_BLOCK_K, DENSE_GEMV_LONG_K, DENSE_GEMV_LONG_BLOCK_K = 512, 4096, 1024  # BLOCK_K below / from LONG_K
 # packed 4/8-bit weights: one row of x per program (the rows of a batch are neighbouring programs, so a
 # weight tile read for one is in L2 for the others), accumulators per word; these tiles were measured on
 # an H200 (bench/results/quant_linear_kernel_nvidia_h200.json) but not swept yet (PACKED_GEMV_SWEEP)
@@ -66,11 +73,15 @@ class LaunchConfig(NamedTuple):
 
 def launch_config(m: int, n: int, k: int, bits: int | None = None, itemsize: int = 2) -> LaunchConfig:
     """Tiles for y [m, n] = x [m, k] W^T (W packed in `bits`, or unquantized; x's elements `itemsize`
-    bytes): the GEMV form up to GEMV_MAX_ROWS rows, else tl.dot tiles (GEMM_TILES' K is for 2-byte x:
-    fp32 takes half as many columns per step, or its pipelined tiles outgrow shared memory)."""
+    bytes): the GEMV form up to GEMV_MAX_ROWS rows (one row of an unquantized W: the DENSE_GEMV tiles),
+    else tl.dot tiles (GEMM_TILES' K is for 2-byte x: fp32 takes half as many columns per step, or its
+    pipelined tiles outgrow shared memory)."""
     if m <= GEMV_MAX_ROWS and bits in (4, 8):
         block_m, block_n, block_k, use_dot = 1, PACKED_GEMV_BLOCK_N, PACKED_GEMV_BLOCK_K, False
         warps = PACKED_GEMV_NUM_WARPS
+    elif m == 1 and not bits:
+        block_m, block_n, use_dot, warps = 1, DENSE_GEMV_BLOCK_N, False, DENSE_GEMV_NUM_WARPS
+        block_k = DENSE_GEMV_LONG_BLOCK_K if k >= DENSE_GEMV_LONG_K else DENSE_GEMV_BLOCK_K
     elif m <= GEMV_MAX_ROWS:
         block_m = triton.next_power_of_2(m)
         block_n, block_k, use_dot, warps = GEMV_BLOCK_N, GEMV_BLOCK_K[block_m], False, GEMV_NUM_WARPS

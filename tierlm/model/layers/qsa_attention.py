@@ -122,7 +122,7 @@ def verify_keys_fuse(x: torch.Tensor, rope: Rope) -> bool:
 
 def store_verify_keys_by_row(
     raw_keys: torch.Tensor, ring: torch.Tensor, index_keys: torch.Tensor, row_slots: torch.Tensor,
-    positions: torch.Tensor, block_tables: torch.Tensor, weight: torch.Tensor, eps: float, inv_freq: torch.Tensor,
+    positions: torch.Tensor, row_tables: torch.Tensor, weight: torch.Tensor, eps: float, inv_freq: torch.Tensor,
     block_size: int, scratch_block: int, store=store_decode_block_keys,
 ) -> None:
     """A verification batch's block keys, once its rings are in its row slots (`kernels/qsa_ring`): each row
@@ -130,11 +130,10 @@ def store_verify_keys_by_row(
     table), so the decode key store (`store`: `kernels/qsa_block_keys`' reference or its one launch) writes
     the keys of the rows that close a group, from the angles at the group's start. Its write of the row's
     raw key into the ring rewrites the value already there. row_slots [B, T]; raw_keys, positions [B*T];
-    block_tables [B, W] (each request's row repeated T times: one small copy). In place of the rotary
-    tables at the group starts (7 small kernels a forward) and the torch compress (4 to 6 a layer)."""
-    rows_per_request = row_slots.shape[1]
-    tables = block_tables[:, None, :].expand(-1, rows_per_request, -1).reshape(-1, block_tables.shape[1])
-    store(raw_keys, ring, index_keys, row_slots.flatten(), positions, tables, weight, eps, inv_freq, block_size,
+    row_tables [B*T, W] each row's block table (`ForwardBatch.verify_row_tables`: made once a forward). In
+    place of the rotary tables at the group starts (7 small kernels a forward) and the torch compress (4 to
+    6 a layer)."""
+    store(raw_keys, ring, index_keys, row_slots.flatten(), positions, row_tables, weight, eps, inv_freq, block_size,
           scratch_block)
 
 
@@ -269,7 +268,7 @@ class QSAIndexer(nn.Module):
             from tierlm.kernels.qsa_block_keys.triton import triton_store_decode_block_keys
 
             store_verify_keys_by_row(
-                raw_keys, state.ring, state.keys, batch.verify_slots, batch.positions, batch.block_tables,
+                raw_keys, state.ring, state.keys, batch.verify_slots, batch.positions, rope.verify_row_tables,
                 self.k_layernorm.weight, self.k_layernorm.eps, rope.inv_freq, state.block_size, state.scratch_block,
                 triton_store_decode_block_keys)
             return
@@ -377,7 +376,8 @@ class QSAAttention(nn.Module):
             return self._decode(q, gate, raw_index_q, raw_keys, batch, kv, state, rope)
         if batch.verify_slots is not None:  # every row as a decode query (their K/V are all written above)
             self.indexer.store_block_keys_verify(raw_keys, batch, state, rope)
-            selection = self.indexer.select_decode(raw_index_q, batch.verify_rows(), state, rope)
+            selection = self.indexer.select_decode(raw_index_q, batch.verify_rows(rope.verify_row_tables), state,
+                                                   rope)
             return self._attend_decode(q, gate, selection, kv)
         index_q = self.indexer.queries(raw_index_q, rope)
         out = torch.empty(n, self.num_heads, self.head_dim, dtype=x.dtype, device=x.device)

@@ -56,7 +56,10 @@ class Rope:
     kernels compute the angles themselves (then no table is computed at all); an M-RoPE batch
     (`ForwardBatch.mrope_positions`; `positions` None) takes a block start's (t, h, w) from its row, or,
     for the group still open when the forward began, from `mrope_group_starts`.
-    `group_starts_at`: cos/sin at each row's indexer group start, once per forward for all QSA layers."""
+    `group_starts_at`: cos/sin at each row's indexer group start, once per forward for all QSA layers; and,
+    not rotary but made once per forward for all QSA layers as well, a verification batch's block tables one
+    per row (`verify_row_tables`). A Rope is shared only by forwards over the same rows and block tables
+    (the verify forward and the draft head's pass over it, `GreedySpeculation`)."""
 
     def __init__(self, rotary: RotaryEmbedding, batch, dtype: torch.dtype) -> None:
         self.rotary, self.dtype, self.batch = rotary, dtype, batch
@@ -83,6 +86,12 @@ class Rope:
     def sin(self) -> torch.Tensor:
         """sin [N, rotary_dim] at the batch's rows."""
         return self._rows[1]
+
+    @cached_property
+    def verify_row_tables(self) -> torch.Tensor:
+        """The verification batch's block tables one per row [B*T, W] (`ForwardBatch.verify_row_tables`),
+        copied by the first QSA layer of the forward that asks."""
+        return self.batch.verify_row_tables()
 
     def group_starts_at(self, ratio: int, rows_per_request: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin at each of the batch's rows' indexer group start (its position rounded down to a multiple
