@@ -82,8 +82,8 @@ class PackedDecodeTiles(NamedTuple):
     shared_down_block_k: int = 16
     # "v2" only (`packed_variant`): a program loops over this many tiles of *_block_w words, the next
     # tile's loads issued before the current one's products (v1 reads one tile a program)
-    gate_up_chunks: int = 5
-    down_chunks: int = 5
+    gate_up_chunks: int = 1
+    down_chunks: int = 1
 
 
 @triton.jit
@@ -520,7 +520,9 @@ def _packed_launch(t: int, h: int, inter: int, top_k: int, bits: int, group: int
     values = 32 // bits
     if tiles.gate_up_block_n % values:
         raise ValueError(f"gate_up_block_n {tiles.gate_up_block_n} must be a multiple of {values} (values per word)")
-    gate_up_chunks, down_chunks = (tiles.gate_up_chunks, tiles.down_chunks) if variant == "v2" else (1, 1)
+    gate_up_chunks, down_chunks = tiles.gate_up_chunks, tiles.down_chunks
+    if variant == "v1" and (gate_up_chunks, down_chunks) != (1, 1):
+        raise ValueError(f"v1 reads one tile a program: chunks {gate_up_chunks}, {down_chunks} are v2's")
     if variant == "v2":  # (its tiles are [rows, groups, words of a group]: each side a power of two)
         group_words = group // values
         for name, block_w in (("gate_up_block_w", tiles.gate_up_block_w), ("down_block_w", tiles.down_block_w)):
@@ -563,17 +565,17 @@ def _packed_launch(t: int, h: int, inter: int, top_k: int, bits: int, group: int
 
 
 def packed_decode(x: torch.Tensor, weights: tuple, topk_weights: torch.Tensor, topk_ids: torch.Tensor, bits: int,
-                  group: int, inter: int, tiles: PackedDecodeTiles, max_tokens: int, shared: SharedArgs
-                  ) -> torch.Tensor:
+                  group: int, inter: int, tiles: PackedDecodeTiles, max_tokens: int, shared: SharedArgs,
+                  variant: str = "v1") -> torch.Tensor:
     """The three launches for x [T, H] (contiguous); weights (w_gate_up, gate_up_scales, w_down,
     down_scales) packed in `bits` (4 or 8), contiguous (the kernels take their strides from the shapes),
-    groups of whole words; `shared`: the shared expert
-    (or its absence). Returns [T, H] in x's dtype. max_tokens: the most tokens a call can bring (the
+    groups of whole words; `shared`: the shared expert (or its absence); `variant`: the routed experts'
+    K loop (`packed_variant`). Returns [T, H] in x's dtype. max_tokens: the most tokens a call can bring (the
     arrival counters are made for that many once, so a captured graph never sees them remade)."""
     w_gate_up, gate_up_scales, w_down, down_scales = weights
     (t, h), top_k = x.shape, topk_ids.shape[1]
     launch = _packed_launch(t, h, inter, top_k, bits, group, tiles, max_tokens, shared.shape, DTYPE_NAMES[x.dtype],
-                            dot_precision(x), packed_variant(bits))
+                            dot_precision(x), variant)
     workspace = torch.empty(sum(launch.buffer_sizes), dtype=torch.float32, device=x.device)
     xs, x_bias, act, act_bias, gate_up_partial, down_partial = workspace.split(launch.buffer_sizes)
     _split_x_kernel[launch.split_x_grid](x, xs, x_bias, x.stride(0), launch.bias_scale, **launch.split_x_constants,
