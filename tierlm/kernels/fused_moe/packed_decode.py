@@ -30,6 +30,22 @@ splits then the shared expert's. The shared expert takes its own format (INT6 in
 `quant_linear.triton.gemv_loop`, one K tile of its own per program (its own split counts), so its work
 spreads over programs like an expert's: it costs its bytes, not a long tail (the looped-tile form before
 this one fused it at 0.74x of running it apart at batch 1 on an H200). Tiles: `PackedDecodeTiles`.
+
+Two K loops for the routed INT4 experts (TIERLM_PACKED_MOE_VARIANT, `packed_variant`; everything else is
+shared):
+  - v1 (default): one [rows, words] tile a program (`_tile_sums`), a scale loaded per word; its tiles
+    (16 columns: 32 rows x 64 words) give a thread 4 rows x 4 words against 32 registers of x's planes,
+    so x costs twice the registers of the weight bytes in flight.
+  - v2 (`_looped_tile_sums`): tall tiles of whole groups, [rows, groups, words of a group], a thread one
+    16-byte vector of each of its 8 rows (so the planes of x it holds serve 8 rows, not 4), one scale a
+    group applied to the group's sum (not a product a value), and CHUNKS such tiles a program with the
+    next one's loads issued before the current one's products (two tiles in flight a program, and the
+    arrival round trip paid once per CHUNKS tiles). Ideas from public W4A16 GEMVs: gemlite's M = 1
+    GEMVs (wide in N, thin in K a program: its H100 default 256 columns x 16 values, 2 warps; its
+    revsplitK form two K steps a program, the second's loads issued after the first's math, partial
+    sums added by atomics, which we keep out for a fixed order), and the W4A16 fused MoE kernels of
+    vLLM / SGLang (`use_int4_w4a16`: the scale read once per group along K, fp32 accumulation; they pad
+    M to a tl.dot tile, nothing to take for one row). Its tiles: `fused_moe.triton.PACKED_V2_TILES`.
 """
 from __future__ import annotations
 
