@@ -20,6 +20,8 @@ the reference on every routing (max |diff| relative to max |reference|).
     python bench/moe_decode_kernel.py --small         # CPU: Triton's interpreter, tiny shapes
     python bench/moe_decode_kernel.py --packed-sweep --no-reference   # CUDA: INT4 tile sweep, phase by phase
     python bench/moe_decode_kernel.py --shared --no-reference   # CUDA: also the MoE block's shared expert
+    python bench/moe_decode_kernel.py --formats int4-g32 int4-g128 --batches 1 4 --no-reference \
+        --packed-variants v1 v2 v2:gate_up_chunks=1 v2:gate_up_block_n=64   # CUDA: the K loops side by side
 --shared adds, per format and batch, the experts with the block's shared expert (width 640; bf16 beside
 bf16 experts, INT6 with the experts' group beside INT4 ones, as `tierlm quantize --scheme int4-mixed`
 writes it) as the model ran them before (the routed kernel, then the shared SwiGLU through its own layers:
@@ -33,6 +35,10 @@ and group (PACKED_GATE_UP_SWEEP with the default down, PACKED_DOWN_SWEEP with th
 best of each together), prints their % of the copy bandwidth side by side with bf16's and with the INT4
 kernel's recorded figures (RECORDED: session 7's H200 run), picks the best per batch size and measures the
 rows with it; the shapes are compiled first by --compile-workers processes (Triton's disk cache).
+--packed-variants times the INT4 decode form under each TIERLM_PACKED_MOE_VARIANT (`packed_decode.packed_variant`),
+NAME or NAME:FIELD=VALUE,... (fields of the variant's tiles replaced: DECODE_TILES[4] for v1, PACKED_V2_TILES
+for v2), side by side per format and batch: each one's time, % of the copy bandwidth and max rel diff, and its speed-up over the first
+(instead of the usual rows: they would time the default variant again).
 Results go to bench/results/moe_decode_kernel_<device>.json.
 """
 
@@ -321,6 +327,51 @@ def sweep_packed(run: SimpleNamespace, experts: tuple, label: str, batches: list
     return results
 
 
+def measure_packed_variants(run: SimpleNamespace, experts: tuple, label: str, batch: int, specs: list[str]) -> dict:
+    """--packed-variants: one INT4 format at one batch size, the routed experts under each variant spec
+    (NAME[:FIELD=VALUE,...], fields of the variant's PackedDecodeTiles) on the same inputs; prints one
+    line, returns the row."""
+    from tierlm.kernels.fused_moe import naive
+    from tierlm.kernels.fused_moe import triton as kernels
+
+    w_gate_up, w_down, kw, per_expert = experts
+    shape, device = run.shape, run.device
+    x = [torch.randn(batch, shape["hidden"], generator=run.gen, device=device).to(torch.bfloat16)
+         for _ in range(ROUTINGS)]
+    routes = routings(batch, shape, device, run.gen)
+    nbytes = sum(torch.unique(ids).numel() for _, ids in routes) / ROUTINGS * per_expert
+    saved = {"v1": kernels.DECODE_TILES[4], "v2": kernels.PACKED_V2_TILES}
+    saved_variant = os.environ.get("TIERLM_PACKED_MOE_VARIANT")
+    cells = {}
+    try:
+        for spec in specs:
+            name, _, fields = spec.partition(":")
+            tiles = saved[name]._replace(**{field: int(value) for field, value in
+                                            (item.split("=") for item in fields.split(",") if item)})
+            kernels.DECODE_TILES[4], kernels.PACKED_V2_TILES = saved["v1"], saved["v2"]
+            if name == "v2":
+                kernels.PACKED_V2_TILES = tiles
+            else:
+                kernels.DECODE_TILES[4] = tiles
+            os.environ["TIERLM_PACKED_MOE_VARIANT"] = name
+            seconds = timed(lambda i: kernels.fused_moe(x[i], w_gate_up, w_down, *routes[i], **kw), ROUTINGS, device,
+                            run.use_graph)
+            diff = max(rel_diff(kernels.fused_moe(x[i], w_gate_up, w_down, *routes[i], **kw),
+                                naive.fused_moe(x[i], w_gate_up, w_down, *routes[i], **kw)) for i in range(ROUTINGS))
+            cells[spec] = {"us": seconds * 1e6, "vs_copy": nbytes / seconds / run.copy, "max_rel_diff": diff,
+                           "tiles": tiles._asdict()}
+    finally:
+        kernels.DECODE_TILES[4], kernels.PACKED_V2_TILES = saved["v1"], saved["v2"]
+        if saved_variant is None:
+            os.environ.pop("TIERLM_PACKED_MOE_VARIANT", None)
+        else:
+            os.environ["TIERLM_PACKED_MOE_VARIANT"] = saved_variant
+    first = cells[specs[0]]["us"]
+    print(f"{label:>10}{batch:>6}{nbytes / 1e6:>9.2f}  " + "  ".join(
+        f"{c['us']:>10.1f}{c['vs_copy']:>7.1%}{first / c['us']:>7.2f}x{c['max_rel_diff']:>9.1e}" for c in cells.values()))
+    return {"format": label, "batch": batch, "weight_bytes_per_call": nbytes, "variants": cells}
+
+
 def make_shared_expert(shape: dict, fmt: str, group: int | None, device: torch.device, gen: torch.Generator):
     """(the model's SwiGLU shared expert of width `shared` with random weights: bf16 beside bf16 experts,
     INT6 with the experts' group beside INT4 ones, as int4-mixed quantizes it; its weight bytes)."""
@@ -431,10 +482,10 @@ def measure(args, device: torch.device) -> dict:
         precompile_packed(shape, args.compile_workers, device)
     print(f"device: {name}; copy bandwidth {copy / 1e9:.1f} GB/s (read + write)")
     print(f"shapes: {shape}; each call one of {ROUTINGS} routings; GB/s on the distinct experts' weight bytes")
-    if not args.shared_only:
+    if not args.shared_only and not args.packed_variants:
         print(f"{'format':>10}{'batch':>6}{'path':>8}{'experts':>8}{'MB/call':>9}{'kernel us':>11}{'GB/s':>8}"
               f"{'of copy':>8}{'before us':>11}{'of copy':>8}{'speed-up':>9}{'ref us':>10}{'ref/kern':>9}{'gathered us':>12}{'gath/kern':>10}{'max rel diff':>13}")
-    rows, sweeps, shared_rows = [], [], []
+    rows, sweeps, shared_rows, variant_rows = [], [], [], []
     for fmt, group in (("bf16", None), *(("int4", g) for g in shape["groups"])):
         if args.formats and (fmt if group is None else f"{fmt}-g{group}") not in args.formats:
             continue
@@ -443,7 +494,13 @@ def measure(args, device: torch.device) -> dict:
         label = fmt if group is None else f"{fmt}-g{group}"
         if args.packed_sweep and fmt == "int4":
             sweeps += sweep_packed(run, (w_gate_up, w_down, kw, per_expert), label, args.batches)
-        if not args.shared_only:
+        if args.packed_variants and fmt == "int4":
+            print(f"{label}: the packed decode form's variants (us, % of copy, speed-up over {args.packed_variants[0]}, "
+                  "max rel diff)")
+            print(f"{'format':>10}{'batch':>6}{'MB/call':>9}  " + "  ".join(f"{spec:>33}" for spec in args.packed_variants))
+            variant_rows += [measure_packed_variants(run, (w_gate_up, w_down, kw, per_expert), label, batch,
+                                                     args.packed_variants) for batch in args.batches]
+        if not args.shared_only and not args.packed_variants:
             rows += [measure_batch(run, (w_gate_up, w_down, kw, per_expert), label, batch) for batch in args.batches]
         if fmt == "bf16":
             run.bf16_share = {row["batch"]: row["kernel_vs_copy"] for row in rows}
@@ -467,7 +524,7 @@ def measure(args, device: torch.device) -> dict:
     return {"device": name, "copy_bandwidth_GBps": copy / 1e9, "shapes": shape, "routings_per_timing": ROUTINGS,
             "cuda_graph": use_graph, "torch": torch.__version__, "decode_max_pairs": kernels.DECODE_MAX_PAIRS,
             "grouped_block_m": kernels.PREFILL_BLOCK_M, "rows": rows, "packed_sweep": sweeps,
-            "shared_rows": shared_rows}
+            "shared_rows": shared_rows, "packed_variant_rows": variant_rows}
 
 
 def main() -> None:
@@ -485,6 +542,9 @@ def main() -> None:
     parser.add_argument("--shared-only", action="store_true", help="--shared without the routed-only rows")
     parser.add_argument("--shared-sweep", action="store_true",
                         help="with --shared: sweep the shared expert's K tiles (SHARED_SWEEP) at the first batch size")
+    parser.add_argument("--packed-variants", nargs="+", default=None, metavar="SPEC",
+                        help="time the INT4 decode form under each TIERLM_PACKED_MOE_VARIANT, NAME or "
+                             "NAME:GATE_UP_CHUNKS,DOWN_CHUNKS, side by side (the first is the baseline)")
     parser.add_argument("--no-reference", action="store_true",
                         help="skip timing the torch reference (outputs are still checked against it)")
     parser.add_argument("--baseline", type=Path, default=None, metavar="ROOT",

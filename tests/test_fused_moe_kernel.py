@@ -18,6 +18,7 @@ first imported), so every kernel case runs in one child process and each test re
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import pytest
 import torch
@@ -67,6 +68,15 @@ SHARED_CASES = {"unquantized-decode-split-shared": ("unquantized", "decode-split
                 "unquantized-prefill-shared": ("unquantized", "prefill", "unquantized", ["bf16"])}
 for _case, (_routed, _path, _shared, _dtypes) in SHARED_CASES.items():
     CASES.update({f"{d}-{_case}": (DTYPES[d], FORMATS[_routed], PATHS[_path], _shared) for d in _dtypes})
+# the packed decode form's v2 K loop (TIERLM_PACKED_MOE_VARIANT=v2, INT4: fused_moe.triton.PACKED_V2_TILES
+# with DECODE_BLOCK_N and SHARED_BLOCK_K): each INT4 decode case again with gate_up looping over 2 tiles
+# of one group (4 words) a program, so H's 12 words take two programs (the second's tile 2 wholly past H:
+# masked), and down one tile a program (no loop, two programs); the whole-k case with 2 groups a tile, 5
+# tiles a program (one program each: H and I, some tiles wholly masked)
+V2_TILES = {"gate_up_block_w": 4, "down_block_w": 4, "gate_up_chunks": 2, "down_chunks": 1}
+V2_WHOLE_K_TILES = {"gate_up_block_w": 8, "down_block_w": 8, "gate_up_chunks": 5, "down_chunks": 5}
+CASES.update({f"{name}-v2": case for name, case in list(CASES.items())
+              if "-int4-" in name and case[2] != PATHS["prefill"]})
 
 
 def route(tokens: int, top_k: int, skewed: bool, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -154,7 +164,7 @@ def run_kernel_cases(names: list[str]) -> dict[str, str | None]:
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     results = {}
-    saved = kernels.DECODE_MAX_PAIRS, kernels.PREFILL_BLOCK_M, kernels.DECODE_TILES
+    saved = kernels.DECODE_MAX_PAIRS, kernels.PREFILL_BLOCK_M, kernels.DECODE_TILES, kernels.PACKED_V2_TILES
     kernels.DECODE_MAX_PAIRS, kernels.PREFILL_BLOCK_M = DECODE_MAX_PAIRS, PREFILL_BLOCK_M
     try:
         for name in names:
@@ -167,8 +177,11 @@ def run_kernel_cases(names: list[str]) -> dict[str, str | None]:
                 for bits, tiles in saved[2].items()}
             kernels.DECODE_TILES = {bits: tiles._replace(**DECODE_BLOCK_N, **SHARED_BLOCK_K)
                                     for bits, tiles in kernels.DECODE_TILES.items()}
-            if name.endswith("whole-k"):
+            if "whole-k" in name:
                 kernels.DECODE_TILES[4] = kernels.DECODE_TILES[4]._replace(**WHOLE_K)
+            kernels.PACKED_V2_TILES = saved[3]._replace(**DECODE_BLOCK_N, **SHARED_BLOCK_K,
+                                                        **(V2_WHOLE_K_TILES if "whole-k" in name else V2_TILES))
+            os.environ["TIERLM_PACKED_MOE_VARIANT"] = "v2" if name.endswith("-v2") else "v1"
             prefill = CASES[name][2] == PATHS["prefill"]
             if (ids.numel() <= DECODE_MAX_PAIRS) == prefill:
                 results[name] = f"{ids.numel()} pairs do not take the path of {name}"
@@ -180,7 +193,8 @@ def run_kernel_cases(names: list[str]) -> dict[str, str | None]:
             out = kernels.fused_moe(*(a.to(device) for a in args), **on_device(kwargs, device)).cpu()
             results[name] = within_tolerance(out, reference, *exact)
     finally:
-        kernels.DECODE_MAX_PAIRS, kernels.PREFILL_BLOCK_M, kernels.DECODE_TILES = saved
+        kernels.DECODE_MAX_PAIRS, kernels.PREFILL_BLOCK_M, kernels.DECODE_TILES, kernels.PACKED_V2_TILES = saved
+        os.environ.pop("TIERLM_PACKED_MOE_VARIANT", None)
     return results
 
 
@@ -278,9 +292,34 @@ def test_bad_arguments_name_the_problem():
         naive.fused_moe(x, gu, dn, weights, ids, format="int4", scales=(gu_s, dn_s))
 
 
+def test_packed_variant_is_checked(monkeypatch):
+    """TIERLM_PACKED_MOE_VARIANT picks the INT4 K loop (INT8 keeps v1); v2's tiles must be whole groups."""
+    from tierlm.kernels.fused_moe.decode_parts import SharedShape
+    from tierlm.kernels.fused_moe.packed_decode import PackedDecodeTiles, _packed_launch, packed_variant
+
+    assert packed_variant(4) == "v1"
+    monkeypatch.setenv("TIERLM_PACKED_MOE_VARIANT", "v2")
+    assert (packed_variant(4), packed_variant(8)) == ("v2", "v1")
+    monkeypatch.setenv("TIERLM_PACKED_MOE_VARIANT", "v3")
+    with pytest.raises(ValueError, match="choose one of v1, v2"):
+        packed_variant(4)
+    # 8 and 4 words a tile: 2 and 1 groups of 32 INT4 values; H = 256: 32 words, in 2 x 8 a v2 program
+    tiles = PackedDecodeTiles(16, 8, 4, 64, 4, 4, gate_up_chunks=2)
+    args = (1, 256, 64, 2, 4, 32, tiles, 1, SharedShape(0, 0, 0, 0, 0), "bf16", "ieee")
+    assert _packed_launch(*args, "v2").constants["GU_SPLITS"] == 2
+    with pytest.raises(ValueError, match="v1 reads one tile a program"):
+        _packed_launch(*args, "v1")
+    assert _packed_launch(*args[:6], tiles._replace(gate_up_chunks=1), *args[7:], "v1").constants["GU_SPLITS"] == 4
+    with pytest.raises(ValueError, match="whole groups of 16 words"):
+        _packed_launch(*args[:5], 128, *args[6:], "v2")  # 8 words: half a group of 128
+    assert _packed_launch(*args[:6], tiles._replace(gate_up_block_w=12, gate_up_chunks=1), *args[7:], "v1")
+    with pytest.raises(ValueError, match="gate_up_block_w 12 must be a power of two"):
+        _packed_launch(*args[:6], tiles._replace(gate_up_block_w=12), *args[7:], "v2")
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 @pytest.mark.parametrize("tokens", [1, 4])
-@pytest.mark.parametrize("experts_format", ["bf16", "int4"])
+@pytest.mark.parametrize("experts_format", ["bf16", "int4", "int4-v2"])
 def test_dependent_launch_is_bit_identical_in_a_cuda_graph(monkeypatch, tokens, experts_format):
     """A decode chain GEMV -> MoE -> GEMV -> MoE (the MoE's input the GEMV's output, launched with
     programmatic dependent launch), 64 experts of 1024 -> 256 top-8 with a shared expert (bf16 experts
@@ -293,6 +332,8 @@ def test_dependent_launch_is_bit_identical_in_a_cuda_graph(monkeypatch, tokens, 
     from tierlm.kernels.fused_moe.triton import fused_moe
     from tierlm.kernels.quant_linear.triton import quant_linear
 
+    if experts_format == "int4-v2":  # the packed form's v2 K loop (`packed_decode.packed_variant`)
+        monkeypatch.setenv("TIERLM_PACKED_MOE_VARIANT", "v2")
     experts, hidden, inter, top_k = 64, 1024, 256, 8
     gen = torch.Generator(device="cuda").manual_seed(0)
 

@@ -30,10 +30,27 @@ splits then the shared expert's. The shared expert takes its own format (INT6 in
 `quant_linear.triton.gemv_loop`, one K tile of its own per program (its own split counts), so its work
 spreads over programs like an expert's: it costs its bytes, not a long tail (the looped-tile form before
 this one fused it at 0.74x of running it apart at batch 1 on an H200). Tiles: `PackedDecodeTiles`.
+
+Two K loops for the routed INT4 experts (TIERLM_PACKED_MOE_VARIANT, `packed_variant`; everything else is
+shared):
+  - v1 (default): one [rows, words] tile a program (`_tile_sums`), a scale loaded per word; its tiles
+    (16 columns: 32 rows x 64 words) give a thread 4 rows x 4 words against 32 registers of x's planes,
+    so x costs twice the registers of the weight bytes in flight.
+  - v2 (`_looped_tile_sums`): tall tiles of whole groups, [rows, groups, words of a group], a thread one
+    16-byte vector of each of its 8 rows (so the planes of x it holds serve 8 rows, not 4), one scale a
+    group applied to the group's sum (not a product a value), and CHUNKS such tiles a program with the
+    next one's loads issued before the current one's products (two tiles in flight a program, and the
+    arrival round trip paid once per CHUNKS tiles). Ideas from public W4A16 GEMVs: gemlite's M = 1
+    GEMVs (wide in N, thin in K a program: its H100 default 256 columns x 16 values, 2 warps; its
+    revsplitK form two K steps a program, the second's loads issued after the first's math, partial
+    sums added by atomics, which we keep out for a fixed order), and the W4A16 fused MoE kernels of
+    vLLM / SGLang (`use_int4_w4a16`: the scale read once per group along K, fp32 accumulation; they pad
+    M to a tl.dot tile, nothing to take for one row). Its tiles: `fused_moe.triton.PACKED_V2_TILES`.
 """
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import NamedTuple
@@ -49,6 +66,18 @@ from tierlm.kernels.split_reduce import arrival_counters
 
 PRODUCT_EXPONENT = tl.constexpr(64)  # E: each product is q * x * 2^-E (module docstring)
 SPLIT_X_BLOCK_W = 64  # words per `_split_x_kernel` program
+VARIANTS = ("v1", "v2")  # TIERLM_PACKED_MOE_VARIANT (`packed_variant`)
+
+
+def packed_variant(bits: int) -> str:
+    """The routed experts' K loop for experts packed in `bits`: TIERLM_PACKED_MOE_VARIANT, "v1" (default:
+    one tile of words a program, `_tile_sums`) or "v2" (INT4 only, INT8 keeps v1: several tiles a program,
+    double-buffered, one scale a group, `_looped_tile_sums`). An A/B of the two is one flag; v1 stays the
+    default until v2 is measured faster (`bench/moe_decode_kernel.py --packed-variants v1 v2`)."""
+    variant = os.environ.get("TIERLM_PACKED_MOE_VARIANT", "v1")
+    if variant not in VARIANTS:
+        raise ValueError(f"TIERLM_PACKED_MOE_VARIANT={variant!r}: choose one of {', '.join(VARIANTS)}")
+    return variant if bits == 4 else "v1"
 
 
 class PackedDecodeTiles(NamedTuple):
@@ -67,6 +96,10 @@ class PackedDecodeTiles(NamedTuple):
     # at 16, 128 at 32); it takes the routed programs' rows
     shared_gate_up_block_k: int = 32
     shared_down_block_k: int = 16
+    # "v2" only (`packed_variant`): a program loops over this many tiles of *_block_w words, the next
+    # tile's loads issued before the current one's products (v1 reads one tile a program)
+    gate_up_chunks: int = 1
+    down_chunks: int = 1
 
 
 @triton.jit
@@ -167,6 +200,85 @@ def _tile_sums(w_ptr, s_ptr, rows, xs_ptr, bias_ptr, split, WORDS: tl.constexpr,
 
 
 @triton.jit
+def _chunk_loads(w_ptr, s_ptr, rows, xs_ptr, bias_ptr, first_word, WORDS: tl.constexpr, GROUP_WORDS: tl.constexpr,
+                 BLOCK_G: tl.constexpr):
+    """v2: one chunk's loads, INT4, BLOCK_G whole groups of GROUP_WORDS words from word first_word (a
+    multiple of GROUP_WORDS): the words [R, BLOCK_G, GROUP_WORDS] (each row's group a run of whole 16-byte
+    vectors), one scale a group [R, BLOCK_G], and x's eight planes and word sums [BLOCK_G, GROUP_WORDS]
+    in the same order. Masked past the row (every group is whole: a run of words never straddles it)."""
+    offs_g = first_word // GROUP_WORDS + tl.arange(0, BLOCK_G)
+    offs_w = offs_g[:, None] * GROUP_WORDS + tl.arange(0, GROUP_WORDS)[None, :]
+    inside = offs_w < WORDS
+    x0 = tl.load(xs_ptr + 0 * WORDS + offs_w, mask=inside, other=0.0)
+    x1 = tl.load(xs_ptr + 1 * WORDS + offs_w, mask=inside, other=0.0)
+    x2 = tl.load(xs_ptr + 2 * WORDS + offs_w, mask=inside, other=0.0)
+    x3 = tl.load(xs_ptr + 3 * WORDS + offs_w, mask=inside, other=0.0)
+    x4 = tl.load(xs_ptr + 4 * WORDS + offs_w, mask=inside, other=0.0)
+    x5 = tl.load(xs_ptr + 5 * WORDS + offs_w, mask=inside, other=0.0)
+    x6 = tl.load(xs_ptr + 6 * WORDS + offs_w, mask=inside, other=0.0)
+    x7 = tl.load(xs_ptr + 7 * WORDS + offs_w, mask=inside, other=0.0)
+    word_bias = tl.load(bias_ptr + offs_w, mask=inside, other=0.0)
+    words = tl.load(w_ptr + rows[:, None, None] * WORDS + offs_w[None, :, :], mask=inside[None, :, :],
+                    other=0).to(tl.uint32, bitcast=True)
+    scale = tl.load(s_ptr + rows[:, None] * (WORDS // GROUP_WORDS) + offs_g[None, :],
+                    mask=(offs_g < WORDS // GROUP_WORDS)[None, :], other=0.0)
+    return words, scale, word_bias, x0, x1, x2, x3, x4, x5, x6, x7
+
+
+@triton.jit
+def _chunk_sums(words, scale, word_bias, x0, x1, x2, x3, x4, x5, x6, x7):
+    """v2: one chunk's group sums [R, BLOCK_G] (times 2^-E): each word's eight fields against x's planes
+    (`_field`: the fields are the products' operands as they lie), the bias taken off per word, the
+    group's words summed within the thread that loaded them, then one product by the group's scale."""
+    high = words >> 8
+    acc = _field(words, high, 0, 4) * x0[None, :, :] - word_bias[None, :, :]
+    acc += _field(words, high, 1, 4) * x1[None, :, :]
+    acc += _field(words, high, 2, 4) * x2[None, :, :]
+    acc += _field(words, high, 3, 4) * x3[None, :, :]
+    acc += _field(words, high, 4, 4) * x4[None, :, :]
+    acc += _field(words, high, 5, 4) * x5[None, :, :]
+    acc += _field(words, high, 6, 4) * x6[None, :, :]
+    acc += _field(words, high, 7, 4) * x7[None, :, :]
+    return tl.sum(acc, axis=2) * scale.to(tl.float32)
+
+
+@triton.jit
+def _looped_tile_sums(w_ptr, s_ptr, rows, xs_ptr, bias_ptr, split, WORDS: tl.constexpr, GROUP_SIZE: tl.constexpr,
+                      BLOCK_W: tl.constexpr, CHUNKS: tl.constexpr):
+    """v2 (INT4): what `_tile_sums` returns, over words [split * BLOCK_W * CHUNKS, +BLOCK_W * CHUNKS) in
+    CHUNKS chunks of BLOCK_W: each chunk's loads are issued before the chunk before it is multiplied
+    (registers double-buffered: two chunks in flight a program all through its run, where a one-tile
+    program has one, then waits on its arrival round trip with nothing loading); fp32 group sums
+    accumulate over the chunks and are summed across the tile once, at the end."""
+    GROUP_WORDS: tl.constexpr = GROUP_SIZE // 8
+    BLOCK_G: tl.constexpr = BLOCK_W // GROUP_WORDS
+    first = split * (BLOCK_W * CHUNKS)
+    words, scale, word_bias, x0, x1, x2, x3, x4, x5, x6, x7 = _chunk_loads(
+        w_ptr, s_ptr, rows, xs_ptr, bias_ptr, first, WORDS, GROUP_WORDS, BLOCK_G)
+    acc = tl.zeros(scale.shape, dtype=tl.float32)
+    for chunk in range(1, CHUNKS):
+        n_words, n_scale, n_bias, n0, n1, n2, n3, n4, n5, n6, n7 = _chunk_loads(
+            w_ptr, s_ptr, rows, xs_ptr, bias_ptr, first + chunk * BLOCK_W, WORDS, GROUP_WORDS, BLOCK_G)
+        acc += _chunk_sums(words, scale, word_bias, x0, x1, x2, x3, x4, x5, x6, x7)
+        words, scale, word_bias, x0, x1, x2, x3, x4, x5, x6, x7 = (
+            n_words, n_scale, n_bias, n0, n1, n2, n3, n4, n5, n6, n7)
+    acc += _chunk_sums(words, scale, word_bias, x0, x1, x2, x3, x4, x5, x6, x7)
+    return tl.sum(acc, axis=1)
+
+
+@triton.jit
+def _split_sums(w_ptr, s_ptr, rows, xs_ptr, bias_ptr, split, WORDS: tl.constexpr, BITS: tl.constexpr,
+                GROUP_SIZE: tl.constexpr, BLOCK_W: tl.constexpr, CHUNKS: tl.constexpr, VARIANT: tl.constexpr):
+    """The rows' sums (times 2^-E) over K split `split`: v1 one tile (`_tile_sums`), v2 CHUNKS tiles
+    (`_looped_tile_sums`)."""
+    if VARIANT == "v2":
+        sums = _looped_tile_sums(w_ptr, s_ptr, rows, xs_ptr, bias_ptr, split, WORDS, GROUP_SIZE, BLOCK_W, CHUNKS)
+    else:
+        sums = _tile_sums(w_ptr, s_ptr, rows, xs_ptr, bias_ptr, split, WORDS, BITS, GROUP_SIZE, BLOCK_W)
+    return sums
+
+
+@triton.jit
 def _arrive(result, partial_ptr, counter_ptr, tile, part, PARTS: tl.constexpr, PARTS_P2: tl.constexpr,
             SLOTS: tl.constexpr, WIDTH: tl.constexpr):
     """Part `part` of PARTS of output tile `tile` ([WIDTH] fp32 `result`): stored at partial[tile, part]
@@ -238,7 +350,8 @@ def _gate_up_program(
     BLOCK_N: tl.constexpr, N_BLOCKS: tl.constexpr, BLOCK_W: tl.constexpr, SPLITS: tl.constexpr,
     SPLITS_P2: tl.constexpr, SHARED_SPLITS: tl.constexpr, SHARED_SPLITS_P2: tl.constexpr, SLOTS: tl.constexpr,
     DTYPE: tl.constexpr, HAS_SHARED: tl.constexpr, SHARED_BITS: tl.constexpr, SHARED_GROUP_SIZE: tl.constexpr,
-    SHARED_BLOCK_K: tl.constexpr, SHARED_EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+    SHARED_BLOCK_K: tl.constexpr, SHARED_EVEN_K: tl.constexpr, PRECISION: tl.constexpr, CHUNKS: tl.constexpr,
+    VARIANT: tl.constexpr,
 ):
     """gate_up's item (row, pid_n, split): the gate and up sums of columns [pid_n * BLOCK_N, +BLOCK_N) over
     one K split. Rows below num_shared (T with a shared expert, else 0) are the tokens' shared expert: its
@@ -260,9 +373,9 @@ def _gate_up_program(
             rows = n + (both >= BLOCK_N).to(tl.int32) * I
             if I % BLOCK_N != 0:
                 rows = tl.where(n < I, rows, 0)  # clamped
-            sums = _tile_sums(w_ptr + expert * (2 * I * WORDS), s_ptr + expert * (2 * I * (H // GROUP_SIZE)),
-                              rows.to(tl.int64), xs_ptr + token * H, x_bias_ptr + token * WORDS, split, WORDS, BITS,
-                              GROUP_SIZE, BLOCK_W) * product_scale
+            sums = _split_sums(w_ptr + expert * (2 * I * WORDS), s_ptr + expert * (2 * I * (H // GROUP_SIZE)),
+                               rows.to(tl.int64), xs_ptr + token * H, x_bias_ptr + token * WORDS, split, WORDS, BITS,
+                               GROUP_SIZE, BLOCK_W, CHUNKS, VARIANT) * product_scale
             _gate_up_end(sums, row, pid_n, split, num_shared, act_ptr, act_bias_ptr, shared_act_ptr, partial_ptr,
                          counter_ptr, S, bias_scale, stride_sap, I, BITS, BLOCK_N, N_BLOCKS, SPLITS, SPLITS_P2, SLOTS,
                          DTYPE, PRECISION)
@@ -297,7 +410,8 @@ def _down_program(
     H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, BITS: tl.constexpr, GROUP_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, N_BLOCKS: tl.constexpr, BLOCK_W: tl.constexpr, SPLITS: tl.constexpr, SHARED_SPLITS: tl.constexpr,
     PARTS_P2: tl.constexpr, DTYPE: tl.constexpr, HAS_SHARED: tl.constexpr, SHARED_BITS: tl.constexpr, SHARED_GROUP_SIZE: tl.constexpr,
-    SHARED_BLOCK_K: tl.constexpr, SHARED_EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+    SHARED_BLOCK_K: tl.constexpr, SHARED_EVEN_K: tl.constexpr, PRECISION: tl.constexpr, CHUNKS: tl.constexpr,
+    VARIANT: tl.constexpr,
 ):
     """down's item (pid_n, token (int64), part): rows [pid_n * BLOCK_N, +BLOCK_N) of H for one token. Parts
     below TOP_K * SPLITS are slot part // SPLITS's expert over I's words [(part % SPLITS) * BLOCK_W,
@@ -317,9 +431,9 @@ def _down_program(
         pair = token * TOP_K + part // SPLITS
         expert = tl.load(ids_ptr + pair).to(tl.int64)
         routing = round_as(tl.load(routing_ptr + pair).to(tl.float32), DTYPE, PRECISION)
-        result = _tile_sums(w_ptr + expert * (H * WORDS), s_ptr + expert * (H * (I // GROUP_SIZE)), rows.to(tl.int64),
-                            act_ptr + pair * I, act_bias_ptr + pair * WORDS, part % SPLITS, WORDS, BITS, GROUP_SIZE,
-                            BLOCK_W) * (routing * product_scale)
+        result = _split_sums(w_ptr + expert * (H * WORDS), s_ptr + expert * (H * (I // GROUP_SIZE)),
+                             rows.to(tl.int64), act_ptr + pair * I, act_bias_ptr + pair * WORDS, part % SPLITS, WORDS,
+                             BITS, GROUP_SIZE, BLOCK_W, CHUNKS, VARIANT) * (routing * product_scale)
     else:
         if HAS_SHARED:
             k_start = (part - TOP_K * SPLITS) * SHARED_BLOCK_K
@@ -353,7 +467,8 @@ def _packed_decode_kernel(
     HAS_SHARED: tl.constexpr, SHARED_BITS: tl.constexpr, GU_SHARED_GROUP_SIZE: tl.constexpr,
     GU_SHARED_BLOCK_K: tl.constexpr, GU_SHARED_EVEN_K: tl.constexpr, DN_SHARED_GROUP_SIZE: tl.constexpr,
     DN_SHARED_BLOCK_K: tl.constexpr, DN_SHARED_EVEN_K: tl.constexpr, PHASE: tl.constexpr,
-    PRECISION: tl.constexpr, PDL: tl.constexpr,
+    PRECISION: tl.constexpr, GU_CHUNKS: tl.constexpr, DN_CHUNKS: tl.constexpr, VARIANT: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """PHASE "gate_up": program i is gate_up's item (split i % GU_SPLITS, column block (i // GU_SPLITS) %
     GU_BLOCKS, row i // (GU_SPLITS * GU_BLOCKS)); "down": down's item (part i % parts, column block
@@ -381,7 +496,7 @@ def _packed_decode_kernel(
             S, product_scale, bias_scale, stride_xt, gu_stride_swn, gu_stride_ssn, stride_sap, H, I, TOP_K, BITS,
             GROUP_SIZE, GU_BLOCK_N, GU_BLOCKS, GU_BLOCK_W, GU_SPLITS, GU_SPLITS_P2, GU_SHARED_SPLITS,
             GU_SHARED_SPLITS_P2, max(GU_SPLITS, GU_SHARED_SPLITS), DTYPE, HAS_SHARED, SHARED_BITS,
-            GU_SHARED_GROUP_SIZE, GU_SHARED_BLOCK_K, GU_SHARED_EVEN_K, PRECISION)
+            GU_SHARED_GROUP_SIZE, GU_SHARED_BLOCK_K, GU_SHARED_EVEN_K, PRECISION, GU_CHUNKS, VARIANT)
     else:
         PARTS: tl.constexpr = TOP_K * DN_SPLITS + HAS_SHARED * DN_SHARED_SPLITS
         _down_program(
@@ -389,7 +504,8 @@ def _packed_decode_kernel(
             act_bias_ptr, dn_w_ptr, dn_s_ptr, routing_ptr, ids_ptr, shared_act_ptr, dn_shared_w_ptr, dn_shared_s_ptr,
             shared_gate_ptr, out_ptr, dn_partial_ptr, dn_counter_ptr, S, product_scale, stride_sap, dn_stride_swn,
             dn_stride_ssn, H, I, TOP_K, BITS, GROUP_SIZE, DN_BLOCK_N, DN_BLOCKS, DN_BLOCK_W, DN_SPLITS, DN_SHARED_SPLITS, DN_PARTS_P2, DTYPE,
-            HAS_SHARED, SHARED_BITS, DN_SHARED_GROUP_SIZE, DN_SHARED_BLOCK_K, DN_SHARED_EVEN_K, PRECISION)
+            HAS_SHARED, SHARED_BITS, DN_SHARED_GROUP_SIZE, DN_SHARED_BLOCK_K, DN_SHARED_EVEN_K, PRECISION, DN_CHUNKS,
+            VARIANT)
 
 
 class PackedLaunch(NamedTuple):
@@ -407,17 +523,32 @@ class PackedLaunch(NamedTuple):
     constants: Mapping  # `_packed_decode_kernel`'s compile-time constants (read-only: shared by every call)
 
 
+def _power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
 @functools.cache
 def _packed_launch(t: int, h: int, inter: int, top_k: int, bits: int, group: int, tiles: PackedDecodeTiles,
-                   max_tokens: int, shared: SharedShape, dtype: str, precision: str) -> PackedLaunch:
+                   max_tokens: int, shared: SharedShape, dtype: str, precision: str, variant: str) -> PackedLaunch:
     """The three launches' shapes and constants for T tokens of top-k over experts [H -> I] packed in
-    `bits`, worked out once per shape (eager decode calls this every layer of every step)."""
+    `bits`, worked out once per shape (eager decode calls this every layer of every step); `variant`:
+    `packed_variant`'s."""
     values = 32 // bits
     if tiles.gate_up_block_n % values:
         raise ValueError(f"gate_up_block_n {tiles.gate_up_block_n} must be a multiple of {values} (values per word)")
+    gate_up_chunks, down_chunks = tiles.gate_up_chunks, tiles.down_chunks
+    if variant == "v1" and (gate_up_chunks, down_chunks) != (1, 1):
+        raise ValueError(f"v1 reads one tile a program: chunks {gate_up_chunks}, {down_chunks} are v2's")
+    if variant == "v2":  # (its tiles are [rows, groups, words of a group]: each side a power of two)
+        group_words = group // values
+        for name, block_w in (("gate_up_block_w", tiles.gate_up_block_w), ("down_block_w", tiles.down_block_w)):
+            groups = block_w // group_words
+            if group_words * groups != block_w or not _power_of_two(group_words) or not _power_of_two(groups):
+                raise ValueError(f"v2: {name} {block_w} must be a power of two of whole groups of {group_words} "
+                                 "words (a power of two)")
     words_h, words_i = h // values, inter // values
-    gate_up_splits = triton.cdiv(words_h, tiles.gate_up_block_w)
-    down_splits = triton.cdiv(words_i, tiles.down_block_w)
+    gate_up_splits = triton.cdiv(words_h, tiles.gate_up_block_w * gate_up_chunks)
+    down_splits = triton.cdiv(words_i, tiles.down_block_w * down_chunks)
     # the shared expert: one K tile of its own format per program (`shared.constants` caps the tiles)
     shared_constants = shared.constants(tiles.shared_gate_up_block_k, tiles.shared_down_block_k, h)
     shared_gate_up_splits = triton.cdiv(h, shared_constants["GU_SHARED_BLOCK_K"]) if shared.present else 0
@@ -438,7 +569,8 @@ def _packed_launch(t: int, h: int, inter: int, top_k: int, bits: int, group: int
         "GU_SHARED_SPLITS_P2": triton.next_power_of_2(shared_gate_up_splits), "DN_BLOCK_N": tiles.down_block_n,
         "DN_BLOCKS": down_blocks, "DN_BLOCK_W": tiles.down_block_w, "DN_SPLITS": down_splits,
         "DN_SHARED_SPLITS": shared_down_splits, "DN_PARTS_P2": triton.next_power_of_2(parts),
-        "DTYPE": dtype, "PRECISION": precision, **shared_constants}
+        "DTYPE": dtype, "PRECISION": precision, "GU_CHUNKS": gate_up_chunks, "DN_CHUNKS": down_chunks,
+        "VARIANT": variant, **shared_constants}
     gate_up_items = gate_up_blocks * (num_shared * shared_gate_up_splits + t * top_k * gate_up_splits)
     return PackedLaunch(
         buffer_sizes, (t, triton.cdiv(words_h, SPLIT_X_BLOCK_W)),
@@ -449,17 +581,17 @@ def _packed_launch(t: int, h: int, inter: int, top_k: int, bits: int, group: int
 
 
 def packed_decode(x: torch.Tensor, weights: tuple, topk_weights: torch.Tensor, topk_ids: torch.Tensor, bits: int,
-                  group: int, inter: int, tiles: PackedDecodeTiles, max_tokens: int, shared: SharedArgs
-                  ) -> torch.Tensor:
+                  group: int, inter: int, tiles: PackedDecodeTiles, max_tokens: int, shared: SharedArgs,
+                  variant: str = "v1") -> torch.Tensor:
     """The three launches for x [T, H] (contiguous); weights (w_gate_up, gate_up_scales, w_down,
     down_scales) packed in `bits` (4 or 8), contiguous (the kernels take their strides from the shapes),
-    groups of whole words; `shared`: the shared expert
-    (or its absence). Returns [T, H] in x's dtype. max_tokens: the most tokens a call can bring (the
+    groups of whole words; `shared`: the shared expert (or its absence); `variant`: the routed experts'
+    K loop (`packed_variant`). Returns [T, H] in x's dtype. max_tokens: the most tokens a call can bring (the
     arrival counters are made for that many once, so a captured graph never sees them remade)."""
     w_gate_up, gate_up_scales, w_down, down_scales = weights
     (t, h), top_k = x.shape, topk_ids.shape[1]
     launch = _packed_launch(t, h, inter, top_k, bits, group, tiles, max_tokens, shared.shape, DTYPE_NAMES[x.dtype],
-                            dot_precision(x))
+                            dot_precision(x), variant)
     workspace = torch.empty(sum(launch.buffer_sizes), dtype=torch.float32, device=x.device)
     xs, x_bias, act, act_bias, gate_up_partial, down_partial = workspace.split(launch.buffer_sizes)
     _split_x_kernel[launch.split_x_grid](x, xs, x_bias, x.stride(0), launch.bias_scale, **launch.split_x_constants,

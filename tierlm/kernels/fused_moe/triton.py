@@ -55,7 +55,7 @@ from tierlm.kernels.fused_moe.decode_parts import (
     swiglu_columns,
 )
 from tierlm.kernels.fused_moe.naive import SharedExpert, check_moe_args
-from tierlm.kernels.fused_moe.packed_decode import PackedDecodeTiles, packed_decode
+from tierlm.kernels.fused_moe.packed_decode import PackedDecodeTiles, packed_decode, packed_variant
 from tierlm.kernels.quant_linear.triton import (
     accumulate_tile,
     check_whole_word_groups,
@@ -89,6 +89,13 @@ DECODE_MAX_PAIRS = 160  # up to this many (token, expert) pairs (16 tokens of to
 # bench/moe_decode_kernel.py --packed-sweep; the shared expert's K tiles by --shared --shared-sweep)
 DECODE_TILES = {**dict.fromkeys((0, 6), DecodeTiles(8, 512, 4, 16, 128, 4, 2)),
                 **dict.fromkeys((4, 8), PackedDecodeTiles(16, 64, 4, 64, 16, 4))}
+# INT4 under TIERLM_PACKED_MOE_VARIANT=v2 (`packed_decode.packed_variant`): tall tiles of 16 words (one
+# 16-byte vector of each row a thread, 8 rows a thread sharing x's planes): gate_up 128 rows (64 columns)
+# on 2 warps looping over 2 tiles (16 KB a program), down 256 rows on 4 warps, one tile. First guesses,
+# checked only by compiling for sm_90 without a GPU (triton 3.9, g32 and g128): gate_up 124 registers
+# (134 with the INT6 shared expert: its branch takes the routed rows; at 128 columns on 4 warps it takes
+# 255), down 96, no spills; to be measured on an H200 by bench/moe_decode_kernel.py --packed-variants
+PACKED_V2_TILES = PackedDecodeTiles(64, 16, 2, 256, 16, 4, gate_up_chunks=2, down_chunks=1)
 PREFILL_BLOCK_M, PREFILL_BLOCK_N, PREFILL_BLOCK_K, PREFILL_NUM_WARPS = 32, 64, 64, 4
 SUM_BLOCK = 256
 
@@ -398,7 +405,9 @@ def _decode(x, weights, topk_weights, topk_ids, bits: int, group: int, inter: in
     tiles = DECODE_TILES[bits]
     max_tokens = DECODE_MAX_PAIRS // topk_ids.shape[1]
     if bits in (4, 8):
-        return packed_decode(x, weights, topk_weights, topk_ids, bits, group, inter, tiles, max_tokens, shared)
+        variant = packed_variant(bits)
+        return packed_decode(x, weights, topk_weights, topk_ids, bits, group, inter,
+                             PACKED_V2_TILES if variant == "v2" else tiles, max_tokens, shared, variant)
     w_gate_up, gate_up_scales, w_down, down_scales = weights
     (t, h), top_k = x.shape, topk_ids.shape[1]
     launch = _decode_launch(t, h, inter, top_k, bits, group, tiles, shared.shape, dot_precision(x))

@@ -1,0 +1,104 @@
+"""The INT4 packed decode kernel (kernels/fused_moe/packed_decode.py) compiled for sm_90 without a GPU.
+
+For each variant (TIERLM_PACKED_MOE_VARIANT: v1 with fused_moe.triton.DECODE_TILES[4], v2 with
+PACKED_V2_TILES, fields replaceable as in moe_decode_kernel.py --packed-variants), group and batch at the
+target's widths (hidden 2560, intermediate 640, top-10; with the INT6 shared expert of width 640 unless
+--no-shared), each phase's programs, warps, registers a thread, stack bytes (spills), and global loads in
+the PTX (16-byte vector loads among them): what decides how many programs an SM holds, and so how many
+weight bytes are in flight, before any GPU time is spent. The launch is specialised as a real one is
+(16-byte aligned pointers, strides multiples of 16), or the loads come out scalar.
+
+    python bench/packed_decode_registers.py                     # v1 and v2, g32 and g128, b1 and b4
+    python bench/packed_decode_registers.py --variants v2:gate_up_block_n=128,gate_up_warps=4 --no-shared
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from tierlm.kernels.fused_moe import packed_decode
+from tierlm.kernels.fused_moe import triton as kernels
+from tierlm.kernels.fused_moe.decode_parts import SharedShape
+
+HIDDEN, INTERMEDIATE, TOP_K, SHARED_WIDTH = 2560, 640, 10, 640
+POINTER_TYPES = {"x_ptr": "*bf16", "xs_ptr": "*fp32", "x_bias_ptr": "*fp32", "gu_w_ptr": "*i32", "gu_s_ptr": "*bf16",
+                 "ids_ptr": "*i64", "act_ptr": "*fp32", "act_bias_ptr": "*fp32", "gu_shared_w_ptr": "*i32",
+                 "gu_shared_s_ptr": "*bf16", "shared_act_ptr": "*bf16", "gu_partial_ptr": "*fp32",
+                 "gu_counter_ptr": "*i32", "dn_w_ptr": "*i32", "dn_s_ptr": "*bf16", "routing_ptr": "*bf16",
+                 "dn_shared_w_ptr": "*i32", "dn_shared_s_ptr": "*bf16", "shared_gate_ptr": "*bf16", "out_ptr": "*bf16",
+                 "dn_partial_ptr": "*fp32", "dn_counter_ptr": "*i32"}
+FLOAT_ARGS = {"product_scale", "bias_scale"}
+
+
+def variant_tiles(spec: str) -> tuple[str, packed_decode.PackedDecodeTiles]:
+    """NAME[:FIELD=VALUE,...] -> (variant, its tiles with those fields replaced)."""
+    name, _, fields = spec.partition(":")
+    tiles = kernels.PACKED_V2_TILES if name == "v2" else kernels.DECODE_TILES[4]
+    return name, tiles._replace(**{field: int(value) for field, value in
+                                   (item.split("=") for item in fields.split(",") if item)})
+
+
+def resources(cubin: bytes) -> tuple[int, int]:
+    """(registers a thread, stack bytes) of a cubin, read by the cuobjdump triton ships."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        usage = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True, check=True)
+    found = re.search(r"REG:(\d+).*?STACK:(\d+)", usage.stdout)
+    return int(found.group(1)), int(found.group(2))
+
+
+def compile_phase(launch: packed_decode.PackedLaunch, phase: str, warps: int):
+    """One phase of `_packed_decode_kernel` compiled for sm_90 as `packed_decode` launches it (PDL on)."""
+    kernel = packed_decode._packed_decode_kernel
+    constants = {**launch.constants, "PHASE": phase, "PDL": 3}
+    signature, constexprs, attrs = {}, {}, {}
+    for index, name in enumerate(kernel.arg_names):
+        if name in constants:
+            signature[name] = "constexpr"
+            constexprs[(index,)] = constants[name]
+            continue
+        signature[name] = POINTER_TYPES.get(name, "fp32" if name in FLOAT_ARGS else "i32")
+        if name in POINTER_TYPES or "stride" in name or name == "S":
+            attrs[(index,)] = [["tt.divisibility", 16]]
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--variants", nargs="+", default=["v1", "v2"], metavar="SPEC")
+    parser.add_argument("--groups", type=int, nargs="+", default=[32, 128])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 4])
+    parser.add_argument("--no-shared", action="store_true", help="the routed experts alone")
+    args = parser.parse_args()
+    print(f"{'variant':<40}{'group':>6}{'batch':>6}{'phase':>9}{'programs':>10}{'warps':>6}{'regs':>6}{'stack':>6}"
+          f"{'loads':>7}{'16 B':>6}")
+    for spec in args.variants:
+        variant, tiles = variant_tiles(spec)
+        for group in args.groups:
+            shared = (SharedShape(0, 0, 0, 0, 0) if args.no_shared else
+                      SharedShape(1, 6, SHARED_WIDTH, group, group))
+            for batch in args.batches:
+                launch = packed_decode._packed_launch(batch, HIDDEN, INTERMEDIATE, TOP_K, 4, group, tiles, 16, shared,
+                                                      "bf16", "ieee", variant)
+                for phase, (programs, warps) in (("gate_up", launch.gate_up), ("down", launch.down)):
+                    compiled = compile_phase(launch, phase, warps)
+                    registers, stack = resources(compiled.asm["cubin"])
+                    ptx = compiled.asm["ptx"]
+                    loads, vectors = len(re.findall(r"ld\.global", ptx)), len(re.findall(r"ld\.global[.a-z0-9]*\.v4", ptx))
+                    print(f"{spec:<40}{group:>6}{batch:>6}{phase:>9}{programs:>10}{warps:>6}{registers:>6}{stack:>6}"
+                          f"{loads:>7}{vectors:>6}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
