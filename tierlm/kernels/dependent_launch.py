@@ -6,7 +6,7 @@ and the first round trip to memory. Launched with PDL (`launch_pdl=True`), a ker
 every program of its predecessor has called `gdc_launch_dependents`; it then loads what no kernel of the
 step writes (its weights), calls `gdc_wait` (which returns once the predecessor has finished and its writes
 are visible), and only then reads its inputs and writes anything. CUDA graphs keep these edges.
-Measured on an H200 (`.scratch/pdl_probe.py`, session 9: 60 dependent GEMVs of 2.1 MB in one graph):
+Measured on an H200 (`bench/pdl_probe.py`, session 9, bench/results/pdl_probe_nvidia_h200.txt: 60 dependent GEMVs of 2.1 MB in one graph):
 3.24 us a kernel plain, 2.64 with PDL waiting first, 1.53 with the weights loaded before the wait.
 
 The rules every kernel launched here follows (a kernel that breaks them races its neighbours):
