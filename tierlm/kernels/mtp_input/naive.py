@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from tierlm.kernels.ple.naive import rms_norm
+
 
 def check_args(embeddings: torch.Tensor, hidden_streams: torch.Tensor, embedding_norm: torch.Tensor,
                hidden_norm: torch.Tensor, fc_embedding: torch.Tensor, fc_hidden: torch.Tensor) -> int:
@@ -22,18 +24,11 @@ def check_args(embeddings: torch.Tensor, hidden_streams: torch.Tensor, embedding
     return hc
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Gemma RMS norm over the last dim, in fp32, rounded to x's dtype (`model/layers/norm.py` RMSNorm)."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (xf * (1.0 + weight.float())).to(x.dtype)
-
-
 def mtp_layer_input(embeddings: torch.Tensor, hidden_streams: torch.Tensor, embedding_norm: torch.Tensor,
                     hidden_norm: torch.Tensor, eps: float, fc_embedding: torch.Tensor,
                     fc_hidden: torch.Tensor) -> torch.Tensor:
     hc = check_args(embeddings, hidden_streams, embedding_norm, hidden_norm, fc_embedding, fc_hidden)
     n, h = embeddings.shape
-    e = F.linear(rms_norm(embeddings, embedding_norm, eps), fc_embedding)
-    u = F.linear(rms_norm(hidden_streams, hidden_norm, eps).reshape(n * hc, h), fc_hidden).reshape(n, hc, h)
+    e = F.linear(rms_norm(embeddings, embedding_norm, eps, h), fc_embedding)
+    u = F.linear(rms_norm(hidden_streams, hidden_norm, eps, hc * h).reshape(n * hc, h), fc_hidden).reshape(n, hc, h)
     return (u + e[:, None, :]).flatten(1)
