@@ -49,7 +49,7 @@ from types import ModuleType
 
 import torch
 from decode_roofline import real_width_config
-from device_timing import kernels_per_call
+from device_timing import device_label, kernels_per_call
 
 from tierlm.config import ModelConfig
 from tierlm.model.cache import PLEState
@@ -376,7 +376,7 @@ def main() -> None:
 
         baseline = load_baseline(args.baseline, "hyper_connection")
     device, dtype = torch.device("cuda"), torch.bfloat16
-    name = torch.cuda.get_device_name(device).replace(" ", "-").lower()
+    name = device_label(device)
     print(f"{name}: bf16, hidden {HIDDEN}, {EXPERTS} experts top-{TOP_K}, hc {HC} x lowrank {LOWRANK}; "
           "us per call replayed from CUDA graphs")
     if args.sweep_hc or args.sweep_router:

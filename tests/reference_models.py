@@ -82,6 +82,27 @@ def build_reference(config: str | dict, out_dir: Path, seed: int = 0):
     return model
 
 
+def rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt()).item()
+
+
+def assert_kernel_path_close(logits, device: str, config: str = "hc4_ple") -> None:
+    """A model-level kernel test's check: `logits(folder, dtype, kernels, device)` (fp32 on the CPU) over the
+    reference checkpoint of `config`, kernels on against off. fp32: equal up to summation order; bf16: the
+    kernel path's distance from the fp32 run within 2x the torch bf16 path's own."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as folder:
+        build_reference(config, Path(folder))
+        exact = logits(Path(folder), "float32", False, device)
+        kernel_fp32 = logits(Path(folder), "float32", True, device)
+        assert rel_rms(kernel_fp32, exact) < 1e-5, rel_rms(kernel_fp32, exact)
+        torch_bf16 = logits(Path(folder), "bfloat16", False, device)
+        kernel_bf16 = logits(Path(folder), "bfloat16", True, device)
+    assert rel_rms(kernel_bf16, exact) <= 2 * rel_rms(torch_bf16, exact), (rel_rms(kernel_bf16, exact),
+                                                                           rel_rms(torch_bf16, exact))
+
+
 def reference_logits(model, ids: torch.Tensor) -> torch.Tensor:
     """Full-sequence logits [B, T, V] of the reference, without cache."""
     with torch.no_grad():

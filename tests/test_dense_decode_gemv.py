@@ -11,13 +11,12 @@ expert's projections take it too: their fused CUDA kernels are off).
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 from types import SimpleNamespace
 
-import pytest
 import torch
-from interpreted import run_interpreted
+from interpreted import on_cuda_else_interpreted
+from reference_models import assert_kernel_path_close
 
 BLOCK_SIZE, DECODE_STEPS = 16, 3
 
@@ -73,8 +72,9 @@ def test_output_heads_stay_on_f_linear(monkeypatch):
         assert id(model.model.layers[3].get_submodule(name).weight) in asked, name
 
 
-def decode_logits(folder: Path, dtype: str, gemv: bool, device: str) -> tuple[torch.Tensor, int]:
-    """(the decode steps' logits [steps * 2, V] in fp32 on the CPU, how many projections ran the GEMV)."""
+def decode_logits(folder: Path, dtype: str, gemv: bool, device: str) -> torch.Tensor:
+    """The decode steps' logits [steps * 2, V] in fp32 on the CPU; with gemv, checked to have run the GEMV in
+    at least GDN's 2, QSA's 3 and PLE's 1 projection per step."""
     from tierlm.model.quantization.base import DenseFormat
 
     calls = []
@@ -87,9 +87,11 @@ def decode_logits(folder: Path, dtype: str, gemv: bool, device: str) -> tuple[to
     saved = DenseFormat.kernel_linear
     DenseFormat.kernel_linear = through_gemv if gemv else (lambda self, x, tensors, in_features: None)
     try:
-        return run_decode(folder, dtype, device), sum(calls)
+        logits = run_decode(folder, dtype, device)
     finally:
         DenseFormat.kernel_linear = saved
+    assert not gemv or sum(calls) >= DECODE_STEPS * 6, sum(calls)
+    return logits
 
 
 def run_decode(folder: Path, dtype: str, device: str) -> torch.Tensor:
@@ -115,42 +117,17 @@ def run_decode(folder: Path, dtype: str, device: str) -> torch.Tensor:
     return torch.cat(logits).float().cpu()
 
 
-def rel_rms(a, b):
-    return ((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt()).item()
-
-
-def compare(folder: str, device: str) -> None:
-    folder = Path(folder)
-    exact, none = decode_logits(folder, "float32", False, device)
-    gemv_fp32, calls = decode_logits(folder, "float32", True, device)
-    assert none == 0 and calls >= DECODE_STEPS * 6, calls  # 6: GDN's 2, QSA's 3, PLE's 1, at least
-    assert rel_rms(gemv_fp32, exact) < 1e-5, rel_rms(gemv_fp32, exact)
-    torch_bf16, _ = decode_logits(folder, "bfloat16", False, device)
-    gemv_bf16, _ = decode_logits(folder, "bfloat16", True, device)
-    assert rel_rms(gemv_bf16, exact) <= 2 * rel_rms(torch_bf16, exact), (rel_rms(gemv_bf16, exact),
-                                                                         rel_rms(torch_bf16, exact))
-
-
-def test_model_decode_through_the_dense_gemv_equals_the_torch_path(tmp_path):
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("triton is not installed")
-    if torch.cuda.is_available():
-        from reference_models import build_reference
-
-        build_reference("hc4_ple", tmp_path)
-        compare(str(tmp_path), "cuda")
-        return
-    run_interpreted(*INTERPRETED_EARLY["test_model_decode_through_the_dense_gemv_equals_the_torch_path"])
+def test_model_decode_through_the_dense_gemv_equals_the_torch_path():
+    on_cuda_else_interpreted(lambda: assert_kernel_path_close(decode_logits, "cuda"), INTERPRETED_EARLY,
+                             "test_model_decode_through_the_dense_gemv_equals_the_torch_path")
 
 
 INTERPRETED_EARLY = {  # (queued when collection ends, see tests/interpreted.py): the child builds its model
     "test_model_decode_through_the_dense_gemv_equals_the_torch_path": ((
-        "import tempfile, test_dense_decode_gemv as t\n"
+        "import test_dense_decode_gemv as t\n"
         "import tierlm.kernels.quant_linear.triton as kernels\n"
-        "from reference_models import build_reference\n"
+        "from reference_models import assert_kernel_path_close\n"
         "kernels.GEMV_BLOCK_N = kernels.DENSE_GEMV_BLOCK_N = 64  # (fewer programs: each costs the interpreter "
         "about the same, whatever its tile)\n"
-        "with tempfile.TemporaryDirectory() as folder:\n"
-        "    build_reference('hc4_ple', folder)\n"
-        "    t.compare(folder, 'cpu')"),),
+        "assert_kernel_path_close(t.decode_logits, 'cpu')"),),
 }

@@ -8,13 +8,12 @@ the kernel path's distance from the fp32 run within 2x the torch bf16 path's own
 
 from __future__ import annotations
 
-import importlib.util
 import math
 from pathlib import Path
 
-import pytest
 import torch
-from interpreted import run_interpreted
+from interpreted import on_cuda_else_interpreted
+from reference_models import assert_kernel_path_close
 
 BLOCK_SIZE = 16
 
@@ -50,38 +49,14 @@ def run_prefill(folder: Path, dtype: str, device: str) -> torch.Tensor:
     return torch.cat([a, b]).float().cpu()
 
 
-def rel_rms(a, b):
-    return ((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt()).item()
-
-
-def compare(folder: str, device: str) -> None:
-    folder = Path(folder)
-    exact = prefill_logits(folder, "float32", False, device)
-    kernel_fp32 = prefill_logits(folder, "float32", True, device)
-    assert rel_rms(kernel_fp32, exact) < 1e-5, rel_rms(kernel_fp32, exact)
-    torch_bf16 = prefill_logits(folder, "bfloat16", False, device)
-    kernel_bf16 = prefill_logits(folder, "bfloat16", True, device)
-    assert rel_rms(kernel_bf16, exact) <= 2 * rel_rms(torch_bf16, exact), (rel_rms(kernel_bf16, exact),
-                                                                           rel_rms(torch_bf16, exact))
-
-
-def test_model_prefill_through_the_kernels_equals_the_torch_path(tmp_path):
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("triton is not installed")
-    if torch.cuda.is_available():
-        from reference_models import build_reference
-
-        build_reference("hc4_ple", tmp_path)
-        compare(str(tmp_path), "cuda")
-        return
-    run_interpreted(*INTERPRETED_EARLY["test_model_prefill_through_the_kernels_equals_the_torch_path"])
+def test_model_prefill_through_the_kernels_equals_the_torch_path():
+    on_cuda_else_interpreted(lambda: assert_kernel_path_close(prefill_logits, "cuda"), INTERPRETED_EARLY,
+                             "test_model_prefill_through_the_kernels_equals_the_torch_path")
 
 
 INTERPRETED_EARLY = {  # (queued when collection ends, see tests/interpreted.py): the child builds its model
     "test_model_prefill_through_the_kernels_equals_the_torch_path": ((
-        "import tempfile, test_prefill_kernels_model as t\n"
-        "from reference_models import build_reference\n"
-        "with tempfile.TemporaryDirectory() as folder:\n"
-        "    build_reference('hc4_ple', folder)\n"
-        "    t.compare(folder, 'cpu')"),),
+        "import test_prefill_kernels_model as t\n"
+        "from reference_models import assert_kernel_path_close\n"
+        "assert_kernel_path_close(t.prefill_logits, 'cpu')"),),
 }

@@ -280,19 +280,23 @@ def fused_embedding_vs_torch_path(device: str) -> dict[str, dict]:
         launches.append("int8" if scales is not None else "dense")
         return real_kernel(table, ids, hc_count, scales)
 
+    real_applies = qwen4_exp.fused_embed_streams
     kernels.embed_streams = spy
     results = {}
-    with tempfile.TemporaryDirectory() as folder:
-        build_reference("hc4_ple", Path(folder) / "base")
-        int4_mixed = quantize_checkpoint(Path(folder) / "base", Path(folder) / "q", "int4-mixed", 16)
-        for dtype in ("float32", "bfloat16"):
-            model, config = load_model(int4_mixed, dtype=dtype, device=device)
-            launches.clear()
-            qwen4_exp.fused_embed_streams = lambda token_ids: True
-            fused = _prefill_then_decode(model, config, device)
-            counts = {f"{form} launches": launches.count(form) for form in ("int8", "dense")}
-            qwen4_exp.fused_embed_streams = lambda token_ids: False
-            results[dtype] = {**counts, "equal": torch.equal(fused, _prefill_then_decode(model, config, device))}
+    try:  # (restored after: on CUDA this runs in the test process, beside the other GPU tests)
+        with tempfile.TemporaryDirectory() as folder:
+            build_reference("hc4_ple", Path(folder) / "base")
+            int4_mixed = quantize_checkpoint(Path(folder) / "base", Path(folder) / "q", "int4-mixed", 16)
+            for dtype in ("float32", "bfloat16"):
+                model, config = load_model(int4_mixed, dtype=dtype, device=device)
+                launches.clear()
+                qwen4_exp.fused_embed_streams = lambda token_ids: True
+                fused = _prefill_then_decode(model, config, device)
+                counts = {f"{form} launches": launches.count(form) for form in ("int8", "dense")}
+                qwen4_exp.fused_embed_streams = lambda token_ids: False
+                results[dtype] = {**counts, "equal": torch.equal(fused, _prefill_then_decode(model, config, device))}
+    finally:
+        kernels.embed_streams, qwen4_exp.fused_embed_streams = real_kernel, real_applies
     return results
 
 

@@ -471,7 +471,8 @@ def test_steps_without_drafts_replay_graphs_on_a_gpu(demo):
         draftless = count_draftless_steps(llm)
         got = generate(llm, params)
         assert [out.token_ids for out in got] == [out.token_ids for out in expected]
-        for out, want in zip(got, expected, strict=True):
+        for out, want, asked in zip(got, expected, params, strict=True):
+            assert len(out.logprobs or []) == (len(out.token_ids) if asked.logprobs else 0)  # (not both empty)
             assert [list(p.items()) for p in out.logprobs or []] == [list(p.items()) for p in want.logprobs or []]
         assert sum(draftless) >= 1 and llm.runner.runner.static_steps == sum(draftless)
 
