@@ -34,7 +34,7 @@ import sys
 import time
 import traceback
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -111,14 +111,16 @@ def serve_if_worker(config) -> None:
         worker_main(launched[0], launched[1], "env://", config)
 
 
-@dataclass
+@dataclass(eq=False)
 class _Chunk:
-    """What `ModelRunner.sample` reads of a scheduled chunk."""
+    """What `ModelRunner.sample` reads of a scheduled chunk, over its mirror request (and `SpeculativeRunner`:
+    with its drafts, engine/pipeline_speculative.py)."""
 
     request: Request
     start: int
     num_tokens: int
     samples: bool
+    draft_token_ids: list[int] = field(default_factory=list)
 
 
 class _Mirror:
