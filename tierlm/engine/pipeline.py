@@ -424,22 +424,20 @@ class PipelineDriver:
             requests[key] = request
         return requests
 
-    def run_with_drafts(self, plan: SchedulerOutput, batch, wanted: list[tuple]) -> tuple[StageResult, dict]:
+    def run_with_drafts(self, plan: SchedulerOutput, batch, wanted: list[tuple]) -> StageResult:
         """A speculative decoding step (engine/pipeline_speculative.py), run to its end: every rank gets the
         batch (verify rows, per-position slots) and each chunk's `DraftChunk`; rank 0 runs its layers and
-        sends them on; the last rank verifies, drafts, and answers on the host. Returns the answer and the
-        step's requests by key. Serial: no step may be in flight."""
+        sends them on; the last rank verifies, drafts, and answers on the host, by request key (`keys`).
+        Serial: no step may be in flight."""
         self._check_alive()
         if self.in_flight:
             raise RuntimeError("a speculative pipeline step runs alone: steps are in flight")
         message = self._new_message(batch=BatchArrays.of(batch))
         self._add_samples(message, wanted)
-        requests, message.drafts = {}, []
+        message.drafts = []
         for chunk in plan.chunks:
             request = chunk.request
-            key = self._key(request, message)
-            requests[key] = request
-            message.drafts.append(DraftChunk(key, chunk.start, chunk.num_tokens, chunk.samples,
+            message.drafts.append(DraftChunk(self._key(request, message), chunk.start, chunk.num_tokens, chunk.samples,
                                              list(chunk.draft_token_ids), request.state_slot, request.home_slot,
                                              list(request.block_ids)))
         sends = self._send_all(message)
@@ -454,7 +452,7 @@ class PipelineDriver:
         self._wait_sends(sends)
         self._check_answer(answer, message.step)
         self._timing["steps"] += 1
-        return answer, requests
+        return answer
 
     def finish(self, entry: PipelineStep) -> StepResult:
         """The step's sampled tokens (read from the sampled ids on this device) and, when a request reports

@@ -56,8 +56,8 @@ class PipelineSpeculation(SpeculativeRunner):
             if any(chunk.draft_token_ids for chunk in step.chunks):
                 batch = dataclasses.replace(batch, position_slots=self._position_slots(step))
         with self.trace.phase("pipeline step"):
-            answer, requests = self.driver.run_with_drafts(step, batch, wanted)
-        keys = {request: key for key, request in requests.items()}
+            answer = self.driver.run_with_drafts(step, batch, wanted)
+        keys = self.driver.keys  # every chunk's request has one: none is released during a serial step
         result, verify, accepted = StepResult(), [], {}
         for chunk in step.chunks:
             request, key = chunk.request, keys[chunk.request]
