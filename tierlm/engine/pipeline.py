@@ -368,7 +368,7 @@ class PipelineDriver:
             hidden, _, token_ids = runner.run_forward(plan, previous)
             # the ids go with the hidden state: placeholders resolved on this device reach every rank
             output = pack_stage_output(hidden, token_ids)
-        ids = sampled_ids_buffer(len(sampling), self.stage.cache.device)
+        ids = sampled_ids_buffer(len(sampling), self.stage.cache.device, zeroed=False)  # the receive fills it
         try:
             sends.append(self.group.isend(output, 1))
             receive = self.group.recv_ids(ids)
