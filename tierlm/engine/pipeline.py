@@ -192,7 +192,9 @@ class _HostIds:
 
     def __init__(self, max_rows: int, depth: int, device: torch.device) -> None:
         self.stream = torch.cuda.Stream(device)
-        self.buffers = [(torch.empty((2, max_rows), dtype=torch.int64, pin_memory=True), torch.cuda.Event())
+        # flat: a step's [2, rows] is a contiguous view (a column slice of [2, max_rows] is strided, which torch
+        # copies through a pageable temporary: a copy the host waits for)
+        self.buffers = [(torch.empty(2 * max_rows, dtype=torch.int64, pin_memory=True), torch.cuda.Event())
                         for _ in range(depth)]
         self.turn = 0
 
@@ -201,7 +203,7 @@ class _HostIds:
         host, ready = self.buffers[self.turn]
         with torch.cuda.stream(self.stream):
             receive.wait()  # this stream waits for the ids (NCCL: the host does not)
-            host = host[:, : ids.shape[1]]
+            host = host[: ids.numel()].view_as(ids)
             host.copy_(ids, non_blocking=True)
             ready.record()
         return host, ready
