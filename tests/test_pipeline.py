@@ -172,22 +172,19 @@ def test_qsa_kv_offload_then_a_killed_rank_ends_generation_with_an_error_naming_
 # the last rank fails with an error of its own: rank 0 spawns its workers with this process's environment,
 # so this sitecustomize on PYTHONPATH patches them as they start (tierlm has no failure hook of its own)
 LAST_RANK_FAILS = """
-import os
-
 from tierlm.engine.model_runner import ModelRunner
 
-method = os.environ["TIERLM_TEST_FAILING_METHOD"]
-real, calls = getattr(ModelRunner, method), []
+real, calls = ModelRunner.{method}, []
 
 
 def failing(self, *args, **kwargs):
     calls.append(None)
-    if len(calls) == int(os.environ["TIERLM_TEST_FAILING_CALL"]):
-        raise RuntimeError(f"injected failure in ModelRunner.{method}")
+    if len(calls) == {call}:
+        raise RuntimeError("injected failure in ModelRunner.{method}")
     return real(self, *args, **kwargs)
 
 
-setattr(ModelRunner, method, failing)
+ModelRunner.{method} = failing
 """
 FAILURE_GUARD_S = 90  # the issue asks for 30 s; the guard leaves room for a loaded machine
 
@@ -197,13 +194,12 @@ def test_an_error_on_the_last_rank_ends_generation_with_it_and_the_rank(demo_dir
     """The last rank's own error, raised in a step (its sampling launched) or while it reads a step back
     (the step before, once the next is launched), reaches rank 0 with its text and the rank named, and no
     rank is left behind. Runs after the tests of the PP=3 engine (one pipeline per process)."""
-    (tmp_path / "sitecustomize.py").write_text(LAST_RANK_FAILS)
+    # fails at its 4th call: mid-request, after its prefill and a few tokens
+    (tmp_path / "sitecustomize.py").write_text(LAST_RANK_FAILS.format(method=method, call=4))
     # it imports tierlm before `python -m` puts the working folder on the path: this tierlm, not another install
     tierlm_root = str(Path(tierlm.__file__).parents[1])
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(tmp_path), tierlm_root,
                                                                     os.environ.get("PYTHONPATH")])))
-    monkeypatch.setenv("TIERLM_TEST_FAILING_METHOD", method)
-    monkeypatch.setenv("TIERLM_TEST_FAILING_CALL", "4")  # mid-request: after its prefill and a few tokens
     engine = LLM(str(demo_dir), **OPTIONS, pipeline_parallel_size=2).engine
     try:
         engine.add_request("def f(x):", SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))

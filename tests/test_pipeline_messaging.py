@@ -103,11 +103,12 @@ def test_step_message_pickles_whole():
     """A step message travels as plain tuples (`StepMessage.__reduce__`) and comes back equal."""
     import pickle
 
-    from tierlm.engine.pipeline_messages import DecodeRows, SampleSpec, StepMessage
+    from tierlm.engine.pipeline_messages import DecodeRows, DraftChunk, SampleSpec, StepMessage
 
     bitmask = np.array([-1, 5], dtype=np.int32)
     message = StepMessage(step=7, decode=DecodeRows([9, 40], [0, 3], [(0, 0, [1]), (4, 1, [6])]), cache_ops=[("reset_slot", (3,))],
-                          released=[2], samples=[SampleSpec(0, 0, 1, 9, 1, True), SampleSpec(4, 1, 1, 40, 1, True, bitmask)])
+                          released=[2], samples=[SampleSpec(0, 0, 1, 9, 1, True), SampleSpec(4, 1, 1, 40, 1, True, bitmask)],
+                          drafts=[DraftChunk(0, 9, 1, True, [5, 8], 0, 0, [1]), DraftChunk(4, 40, 1, False, [], 3, 3, [6, 2])])
     back = pickle.loads(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
     assert np.array_equal(back.samples[1].bitmask, bitmask)
     back.samples[1].bitmask = message.samples[1].bitmask = None

@@ -192,7 +192,9 @@ class _HostIds:
 
     def __init__(self, max_rows: int, depth: int, device: torch.device) -> None:
         self.stream = torch.cuda.Stream(device)
-        self.buffers = [(torch.empty((2, max_rows), dtype=torch.int64, pin_memory=True), torch.cuda.Event())
+        # flat: a step's [2, rows] is a contiguous view (a column slice of [2, max_rows] is strided, which torch
+        # copies through a pageable temporary: a copy the host waits for)
+        self.buffers = [(torch.empty(2 * max_rows, dtype=torch.int64, pin_memory=True), torch.cuda.Event())
                         for _ in range(depth)]
         self.turn = 0
 
@@ -201,7 +203,7 @@ class _HostIds:
         host, ready = self.buffers[self.turn]
         with torch.cuda.stream(self.stream):
             receive.wait()  # this stream waits for the ids (NCCL: the host does not)
-            host = host[:, : ids.shape[1]]
+            host = host[: ids.numel()].view_as(ids)
             host.copy_(ids, non_blocking=True)
             ready.record()
         return host, ready
@@ -368,7 +370,7 @@ class PipelineDriver:
             hidden, _, token_ids = runner.run_forward(plan, previous)
             # the ids go with the hidden state: placeholders resolved on this device reach every rank
             output = pack_stage_output(hidden, token_ids)
-        ids = sampled_ids_buffer(len(sampling), self.stage.cache.device)
+        ids = sampled_ids_buffer(len(sampling), self.stage.cache.device, zeroed=False)  # the receive fills it
         try:
             sends.append(self.group.isend(output, 1))
             receive = self.group.recv_ids(ids)
@@ -424,22 +426,20 @@ class PipelineDriver:
             requests[key] = request
         return requests
 
-    def run_with_drafts(self, plan: SchedulerOutput, batch, wanted: list[tuple]) -> tuple[StageResult, dict]:
+    def run_with_drafts(self, plan: SchedulerOutput, batch, wanted: list[tuple]) -> StageResult:
         """A speculative decoding step (engine/pipeline_speculative.py), run to its end: every rank gets the
         batch (verify rows, per-position slots) and each chunk's `DraftChunk`; rank 0 runs its layers and
-        sends them on; the last rank verifies, drafts, and answers on the host. Returns the answer and the
-        step's requests by key. Serial: no step may be in flight."""
+        sends them on; the last rank verifies, drafts, and answers on the host, by request key (`keys`).
+        Serial: no step may be in flight."""
         self._check_alive()
         if self.in_flight:
             raise RuntimeError("a speculative pipeline step runs alone: steps are in flight")
         message = self._new_message(batch=BatchArrays.of(batch))
         self._add_samples(message, wanted)
-        requests, message.drafts = {}, []
+        message.drafts = []
         for chunk in plan.chunks:
             request = chunk.request
-            key = self._key(request, message)
-            requests[key] = request
-            message.drafts.append(DraftChunk(key, chunk.start, chunk.num_tokens, chunk.samples,
+            message.drafts.append(DraftChunk(self._key(request, message), chunk.start, chunk.num_tokens, chunk.samples,
                                              list(chunk.draft_token_ids), request.state_slot, request.home_slot,
                                              list(request.block_ids)))
         sends = self._send_all(message)
@@ -454,7 +454,7 @@ class PipelineDriver:
         self._wait_sends(sends)
         self._check_answer(answer, message.step)
         self._timing["steps"] += 1
-        return answer, requests
+        return answer
 
     def finish(self, entry: PipelineStep) -> StepResult:
         """The step's sampled tokens (read from the sampled ids on this device) and, when a request reports

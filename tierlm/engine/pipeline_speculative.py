@@ -30,12 +30,11 @@ scheduled), and every rank runs these steps eagerly (no static decode runner, so
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
 
 from tierlm.engine.model_runner import StepResult
 from tierlm.engine.pipeline import take_answer
 from tierlm.engine.pipeline_messages import StageResult, StepMessage
-from tierlm.engine.request import Request
+from tierlm.engine.pipeline_worker import _Chunk
 from tierlm.engine.scheduler import SchedulerOutput
 from tierlm.engine.speculative import SpeculativeRunner
 
@@ -57,8 +56,8 @@ class PipelineSpeculation(SpeculativeRunner):
             if any(chunk.draft_token_ids for chunk in step.chunks):
                 batch = dataclasses.replace(batch, position_slots=self._position_slots(step))
         with self.trace.phase("pipeline step"):
-            answer, requests = self.driver.run_with_drafts(step, batch, wanted)
-        keys = {request: key for key, request in requests.items()}
+            answer = self.driver.run_with_drafts(step, batch, wanted)
+        keys = self.driver.keys  # every chunk's request has one: none is released during a serial step
         result, verify, accepted = StepResult(), [], {}
         for chunk in step.chunks:
             request, key = chunk.request, keys[chunk.request]
@@ -78,17 +77,6 @@ class PipelineSpeculation(SpeculativeRunner):
         """The rollback's slot copies: on rank 0's layers now, recorded for the other ranks' (`RecordingCache`),
         which replay them before the next step's forward."""
         self.driver.cache.copy_target_states(sources, targets)
-
-
-@dataclass(eq=False)
-class _DraftedChunk:
-    """A step's chunk on the last rank, over its mirror request (what `SpeculativeRunner` reads of one)."""
-
-    request: Request
-    start: int
-    num_tokens: int
-    samples: bool
-    draft_token_ids: list[int] = field(default_factory=list)
 
 
 class LastRankDrafts(SpeculativeRunner):
@@ -113,7 +101,7 @@ class LastRankDrafts(SpeculativeRunner):
             key_of[request] = sent.key
             request.state_slot, request.home_slot, request.block_ids = sent.state_slot, sent.home_slot, sent.block_ids
             request.draft_token_ids = []
-            chunk = _DraftedChunk(request, sent.start, sent.num_tokens, sent.samples, sent.draft_token_ids)
+            chunk = _Chunk(request, sent.start, sent.num_tokens, sent.samples, sent.draft_token_ids)
             chunks.append(chunk)
             if sent.key in out.failed:
                 result.failed[request] = out.failed[sent.key]

@@ -34,7 +34,7 @@ import sys
 import time
 import traceback
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -111,14 +111,16 @@ def serve_if_worker(config) -> None:
         worker_main(launched[0], launched[1], "env://", config)
 
 
-@dataclass
+@dataclass(eq=False)
 class _Chunk:
-    """What `ModelRunner.sample` reads of a scheduled chunk."""
+    """What `ModelRunner.sample` reads of a scheduled chunk, over its mirror request (and `SpeculativeRunner`:
+    with its drafts, engine/pipeline_speculative.py)."""
 
     request: Request
     start: int
     num_tokens: int
     samples: bool
+    draft_token_ids: list[int] = field(default_factory=list)
 
 
 class _Mirror:
@@ -205,7 +207,7 @@ class _Mirror:
 
     def finish(self, runner: ModelRunner, sampling: _Sampling) -> StageResult:
         """The launched sampling read back (waits for its ids) into the mirrors, and as the answer to rank
-        0 (sent only when `sampling.answered`)."""
+        0 (sent only when the step reports log-probabilities or a row failed)."""
         result = runner.finish(sampling.launched)
         out = StageResult(step=sampling.step, prompt_logprobs=sampling.prompt_logprobs)
         for spec, request in zip(sampling.specs, sampling.requests, strict=True):
@@ -218,7 +220,6 @@ class _Mirror:
                 if request.logprobs is not None:
                     out.logprobs[key] = request.logprobs[-1]
                     out.cumulative_logprob[key] = request.cumulative_logprob
-        sampling.answered = sampling.reports or bool(out.failed)
         return out
 
 
@@ -238,7 +239,6 @@ class _Sampling:
     rows: dict[Request, int]  # each sampling request's place in its output ids (a placeholder until read)
     prompt_logprobs: dict[int, list]
     reports: bool  # a request reports (prompt) log-probabilities: rank 0 waits for the answer
-    answered: bool = False  # read back: whether rank 0 gets an answer (it reports, or a row failed)
 
 
 # where a worker's host time goes, summed over steps (`PipelineDriver.worker_stats`): waiting for the
@@ -311,7 +311,7 @@ def run_worker(group: PipelineGroup, stage: Stage, config) -> None:
         lap("read_wait_seconds")
         with _failure_told_to_rank0(group):
             result = mirror.finish(runner, sampling)
-        if sampling.answered:
+        if sampling.reports or result.failed:
             _answer_rank0(group, result)
         lap("send_seconds")
 
