@@ -118,12 +118,12 @@ from tierlm.engine.model_runner import ModelRunner, StepResult
 from tierlm.engine.readbacks import Readbacks
 from tierlm.engine.rejection_sampler import rejection_sample
 from tierlm.engine.request import PLACEHOLDER, Request
-from tierlm.engine.sampler import MIN_TEMPERATURE, edit_logits, sampling_probs
+from tierlm.engine.sampler import MIN_TEMPERATURE, sampling_probs
 from tierlm.engine.scheduler import ScheduledChunk, SchedulerOutput
 from tierlm.engine.speculative_constraints import (
     GrammarWalk,
     grammar_masked,
-    plan_penalties,
+    penalized_logits,
     verify_logits,
     verify_rows,
 )
@@ -311,9 +311,8 @@ class SpeculativeRunner:
             logits, _ = verify.replay(shape, n * width)  # its streams stay where the rest reads them
         with self.trace.phase("accept, draft"), self.trace.gpu("accept, draft"):
             # penalized rows: the host plans them from the drafts it has (while the device runs the forward)
-            penalties = plan_penalties(*verify_rows(requests, [chunk.draft_token_ids for chunk in chunks]),
-                                       logits.shape[1], logits.device)
-            best = edit_logits(logits.float(), penalties).argmax(dim=-1)
+            drafts = [chunk.draft_token_ids for chunk in chunks]
+            best = penalized_logits(logits, *verify_rows(requests, drafts)).argmax(dim=-1)
             readback = verify.replay_accept(shape, n, best)
         with self.trace.phase("read accepted ids"):
             return self._accepted(step, readback.tolist())

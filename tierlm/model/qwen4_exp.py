@@ -73,12 +73,9 @@ def embed_streams(embed_tokens: Embedding, batch: ForwardBatch, hc_count: int) -
     the hc residual streams: [N, hc_count * H]. On CUDA a dense or per-row INT8 table's rows go into the
     streams in one launch (`kernels/embed_streams`, reading the table in place; the torch path of an INT8
     table is ~26 small kernels); other formats, and batches with image features, take the torch path."""
-    weights = embed_tokens.kernel_table() if fused_embed_streams(batch.token_ids) else None
-    if weights is not None and batch.image_features is None:
-        from tierlm.kernels.embed_streams import triton as kernels
-
-        table, scales = weights
-        return kernels.embed_streams(table, batch.token_ids, hc_count, scales)
+    fused = None if batch.image_features is not None else _kernel_rows(embed_tokens, batch.token_ids, hc_count)
+    if fused is not None:
+        return fused
     embeddings = embed_tokens(batch.token_ids)
     if batch.image_features is not None:
         embeddings = embeddings.index_copy(0, batch.image_rows, batch.image_features.to(embeddings.dtype))
@@ -89,13 +86,20 @@ def embed_rows(embed_tokens: Embedding, token_ids: torch.Tensor) -> torch.Tensor
     """The token embeddings [N, H] (the MTP draft head's input; no image features): on CUDA a dense or
     per-row INT8 table's rows in one launch (`kernels/embed_streams` with one stream; an INT8 table's torch
     gather is ~24 small kernels), else the layer's own gather."""
+    fused = _kernel_rows(embed_tokens, token_ids, 1)
+    return embed_tokens(token_ids) if fused is None else fused
+
+
+def _kernel_rows(embed_tokens: Embedding, token_ids: torch.Tensor, hc_count: int) -> torch.Tensor | None:
+    """The token embeddings copied into hc_count streams [N, hc_count * H] by `kernels/embed_streams` (one
+    launch), or None where it does not run (`fused_embed_streams`, `Embedding.kernel_table`)."""
     weights = embed_tokens.kernel_table() if fused_embed_streams(token_ids) else None
     if weights is None:
-        return embed_tokens(token_ids)
+        return None
     from tierlm.kernels.embed_streams import triton as kernels
 
     table, scales = weights
-    return kernels.embed_streams(table, token_ids.contiguous(), 1, scales)
+    return kernels.embed_streams(table, token_ids.contiguous(), hc_count, scales)
 
 
 def fused_embed_streams(token_ids: torch.Tensor) -> bool:

@@ -379,7 +379,10 @@ class StaticDecodeRunner:
         computes token_ids[i] at positions[i] of the request in state slot slots[i] whose block list is
         tables[i] (the request's own list object: rows remember it, so a grown list sends only its new
         entries). token_sources[i] >= 0: row i's input is previous_tokens[token_sources[i]] instead."""
-        return self.replay(*self.stage_decode(token_ids, positions, slots, tables, token_sources, previous_tokens))
+        staged = self.stage_decode(token_ids, positions, slots, tables, token_sources)
+        if previous_tokens is not None:  # what the token sources name (the engine's callers copy it themselves)
+            self.previous_tokens[: previous_tokens.shape[0]].copy_(previous_tokens)
+        return self.replay(*staged)
 
     def replay(self, shape: tuple[int, int], num_rows: int) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """The forward at a prepared shape on what `stage_decode` (logits of its rows; with_streams: and their
@@ -414,9 +417,11 @@ class StaticDecodeRunner:
 
     def stage_decode(
         self, token_ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]],
-        token_sources: list[int] | None = None, previous_tokens: torch.Tensor | None = None,
+        token_sources: list[int] | None = None,
     ) -> tuple[tuple[int, int], int]:
-        """`run_decode`'s inputs into the buffers (queued on the device); the shape to replay, the rows."""
+        """`run_decode`'s inputs into the buffers (queued on the device); the shape to replay, the rows. The
+        ids the token sources name go into `previous_tokens` by the caller, after this (a pipeline's rank 0
+        waits for them there)."""
         n, m = len(token_ids), self.row_capacity
         if not self.takes_decode_lists:
             raise ValueError("run_decode takes plain decode rows: this runner prepares verification or draft steps")
@@ -432,8 +437,6 @@ class StaticDecodeRunner:
             sources = np.asarray(token_sources, dtype=np.int64)
             stage[5 * m : 5 * m + n] = np.where(sources >= 0, sources, self._own_picks_host[:n])
         self._send(stage, tables, size)
-        if previous_tokens is not None:
-            self.previous_tokens[: previous_tokens.shape[0]].copy_(previous_tokens)
         return shape, n
 
     def stage_verify(
