@@ -8,10 +8,17 @@ run, then for each context and batch size decodes through `StaticDecodeRunner` (
 prints: tok/s, bytes read per step (the weights a step touches: every dense weight, the routed experts'
 rows, one embedding row per token, the PLE rows; plus the GDN state read and written and the QSA rows the
 attention and indexer read), % of the roofline (those bytes at the copy bandwidth), kernels per step,
-host time per step (wall time of `run_decode` beyond the GPU time of the replay), and a per-part table of
-kernel time from one profiled step of the same fixed-shape batch run eagerly. A step is staged as the
-engine stages a decode step under overlap scheduling (`StaticDecodeRunner.run_decode`: host lists in one
-copy, each row's input id the previous step's sampled id, taken on the device).
+and a per-part table of kernel time from one profiled step of the same fixed-shape batch run eagerly. A
+step is staged as the engine stages a decode step under overlap scheduling (`StaticDecodeRunner.run_decode`:
+host lists in one copy, each row's input id the previous step's sampled id, taken on the device), and
+queued while the step before it runs, as the engine's overlap scheduling queues decode steps: tok/s and
+"step ms" are that loop's wall time, "host ms" the host's time to stage and queue a step (hidden while it
+is below the step's). "replay" is the device time of the step's graph replay alone (the same steps again,
+one at a time, each waited for before the next is staged), "gap ms" the step's wall time beyond it: device
+time between replays (the issue's host time between steps). Until session 10 each step was waited for
+before the next was staged, and its "GPU ms" counted the staging too: the host's share then moved the
+figures 10-20% from one process to the next (bench/results/decode_roofline_nvidia-h200_bisect_s10.txt),
+while the eager kernels' sum did not move.
 
 The PLE table is shrunk (n-gram vocab 100,000 rows per head instead of 20,000,000): a step reads 16 rows
 of it per token either way. Results go to bench/results/decode_roofline_<device>.json.
@@ -32,7 +39,7 @@ unset). Each variant's graphs are captured once, under its environment (`DecodeS
 runners captured apart from their timing); then each round times every variant on that cache, in an
 order rotated by one each round, so none always goes first. Per variant it prints the median tok/s, the
 min-max over the rounds, the ratio of its median to the first variant's, and the range of the same
-round's ratios (a drift over the rounds moves both sides of a round alike), GPU and host ms and kernels
+round's ratios (a drift over the rounds moves both sides of a round alike), replay, gap and host ms and kernels
 per step; the results JSON holds every round (each row's "variants"; the row's own figures are the first
 variant's). `--ab SWITCH` is `--variants base SWITCH=1` (its ratio is set / unset: what turning the
 feature off costs is 1 / it).
@@ -138,6 +145,11 @@ def quantize_in_memory(model: Qwen4ExpForCausalLM, scheme: str, group_size: int)
     return dict(counts)
 
 
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def gpu_time(fn, device: torch.device) -> float:
@@ -276,12 +288,17 @@ class DecodeSetup:
                     tensor.normal_(0.0, 0.02)
         self.tables = [list(range(i * self.blocks_each, (i + 1) * self.blocks_each)) for i in range(batch)]
         self.rows = list(range(batch))
-        self.gen = torch.Generator().manual_seed(batch)
+        # the "sampled" ids steps take as input, made once on the device (a copy from the host inside the
+        # timing would wait for the step before it, which the engine's device-sampled ids never do)
+        gen = torch.Generator().manual_seed(batch)
+        self.sampled = torch.randint(2, config.vocab_size, (self.SAMPLED_STEPS, batch), generator=gen).to(device)
+
+    SAMPLED_STEPS = 64  # distinct input-id rows the steps cycle through
 
     def inputs_at(self, step: int) -> tuple:
         """A decode step's `run_decode` arguments as the engine stages them under overlap scheduling: host
         lists, every row's input id the previous step's sampled id (on the device: `previous`)."""
-        previous = torch.randint(2, self.config.vocab_size, (self.batch,), generator=self.gen).to(self.device)
+        previous = self.sampled[step % self.SAMPLED_STEPS]
         return [0] * self.batch, [self.context + step] * self.batch, self.rows, self.tables, self.rows, previous
 
     def capture(self, mode: str | None = None) -> StaticDecodeRunner:
@@ -290,22 +307,37 @@ class DecodeSetup:
         return StaticDecodeRunner(self.model, self.cache, self.batch, self.blocks_each, mode, sizes=[self.batch])
 
     def time(self, runner: StaticDecodeRunner) -> dict:
-        """`steps` decode steps through `runner` after WARMUP_STEPS: tok/s, wall and GPU ms a step, and the
-        host ms a step (wall beyond the GPU time)."""
+        """`steps` decode steps through `runner` after WARMUP_STEPS, each queued while the one before it runs
+        (as the engine's overlap scheduling runs decode: nothing waits for a step's result before the next
+        is staged): tok/s and wall ms a step, the host's ms a step to stage and launch one (hidden while
+        below the step's), then the same steps one at a time, each waited for, with only its graph replay
+        timed: the replay's device ms (`gap_ms`, the wall step beyond it: device time no kernel of the
+        step's graph used)."""
         for step in range(self.WARMUP_STEPS):
             logits = runner.run_decode(*self.inputs_at(step))
         # the cache has run many steps by now (every round of every variant): a state that overflowed
         # would route every row to the same experts, and time another step (reading it waits for the device)
         if not torch.isfinite(logits).all():
             raise RuntimeError(f"ctx {self.context} batch {self.batch}: the decode step's logits are not finite")
-        wall, gpu = 0.0, 0.0
+        host = 0.0
+        start = time.perf_counter()
         for step in range(self.steps):
             inputs = self.inputs_at(self.WARMUP_STEPS + step)
-            start = time.perf_counter()
-            gpu += gpu_time(lambda inputs=inputs: runner.run_decode(*inputs), self.device)
-            wall += time.perf_counter() - start
-        return {"tok_s": self.batch * self.steps / wall, "step_ms": 1000 * wall / self.steps,
-                "gpu_step_ms": 1000 * gpu / self.steps, "host_ms": 1000 * max(0.0, wall - gpu) / self.steps}
+            queued = time.perf_counter()
+            runner.run_decode(*inputs)
+            host += time.perf_counter() - queued
+        synchronize(self.device)
+        wall = time.perf_counter() - start
+        replay = 0.0
+        for step in range(self.steps):
+            token_ids, positions, slots, tables, sources, previous = self.inputs_at(self.WARMUP_STEPS + step)
+            staged = runner.stage_decode(token_ids, positions, slots, tables, sources)
+            runner.previous_tokens[: previous.shape[0]].copy_(previous)
+            synchronize(self.device)
+            replay += gpu_time(lambda staged=staged: runner.replay(*staged), self.device)
+        step_ms, replay_ms = 1000 * wall / self.steps, 1000 * replay / self.steps
+        return {"tok_s": self.batch * self.steps / wall, "step_ms": step_ms, "replay_ms": replay_ms,
+                "gap_ms": max(0.0, step_ms - replay_ms), "host_ms": 1000 * host / self.steps}
 
     def profile(self, listing: list | None = None) -> tuple[int, dict[str, tuple[int, float]]]:
         """`kernel_table` of one step of the same fixed shape run eagerly (after one step that sends its block
@@ -397,7 +429,7 @@ def measure_variants(model, config, dtype, device, batch: int, context: int, var
                 side["rounds"].append(setup.time(side["runner"]))
     for side in sides:
         del side["runner"]  # its graphs freed before the next (context, batch) captures its own
-        for key in ("tok_s", "step_ms", "gpu_step_ms", "host_ms"):
+        for key in ("tok_s", "step_ms", "replay_ms", "gap_ms", "host_ms"):
             side[key] = statistics.median(r[key] for r in side["rounds"])
         side["tok_s_min"], side["tok_s_max"] = (f(r["tok_s"] for r in side["rounds"]) for f in (min, max))
         # against the first variant: of the medians, and the range of the same round's ratios (drift across
@@ -413,8 +445,9 @@ def run_all(model, config, dtype, device, args, bandwidth: float) -> list[dict]:
     (with several variants, then their comparison)."""
     results = []
     first = args.variants[0].spec
-    print(f"{'ctx':>6} {'batch':>5} {'tok/s':>9} {'min-max':>17} {'step ms':>8} {'GB/step':>8} {'roofline':>9} "
-          f"{'kernels':>8} {'host ms':>8}   (variant {first}: medians of {args.rounds} rounds of {args.steps} steps)")
+    print(f"{'ctx':>6} {'batch':>5} {'tok/s':>9} {'min-max':>17} {'step ms':>8} {'replay':>7} {'gap ms':>7} "
+          f"{'GB/step':>8} {'roofline':>9} {'kernels':>8} {'host ms':>8}   (variant {first}: medians of {args.rounds} "
+          f"rounds of {args.steps} steps)")
     for context in args.contexts:
         for batch in args.batches:
             listing = [] if args.kernels and not results else None
@@ -424,25 +457,26 @@ def run_all(model, config, dtype, device, args, bandwidth: float) -> list[dict]:
             for side in sides:
                 side["roofline_fraction"] = nbytes / bandwidth / (side["step_ms"] / 1000)
             r = {"batch": batch, "context": context, "bytes_per_step": nbytes,  # the first variant's figures
-                 **{k: sides[0][k] for k in ("tok_s", "tok_s_min", "tok_s_max", "step_ms", "gpu_step_ms", "host_ms",
+                 **{k: sides[0][k] for k in ("tok_s", "tok_s_min", "tok_s_max", "step_ms", "replay_ms", "gap_ms", "host_ms",
                                              "roofline_fraction", "kernels_per_step", "parts")}, "variants": sides}
             if listing:
                 r["kernels"] = listing
             results.append(r)
             spread = f"{r['tok_s_min']:.1f}-{r['tok_s_max']:.1f}"
-            print(f"{context:>6} {batch:>5} {r['tok_s']:>9.1f} {spread:>17} {r['step_ms']:>8.3f} {nbytes / 1e9:>8.3f} "
+            print(f"{context:>6} {batch:>5} {r['tok_s']:>9.1f} {spread:>17} {r['step_ms']:>8.3f} {r['replay_ms']:>7.3f} "
+                  f"{r['gap_ms']:>7.3f} {nbytes / 1e9:>8.3f} "
                   f"{100 * r['roofline_fraction']:>8.1f}% {r['kernels_per_step']:>8} {r['host_ms']:>8.3f}")
     if len(args.variants) > 1:
         width = max(len(v.spec) for v in args.variants)
         print(f"\n{'ctx':>6} {'batch':>5} {'variant':<{width}} {'tok/s':>9} {'min-max':>17} {'/ ' + first:>{len(first) + 3}} "
-              f"{'round ratios':>15} {'GPU ms':>7} {'host ms':>7} {'kernels':>7}")
+              f"{'round ratios':>15} {'replay':>7} {'gap ms':>7} {'host ms':>7} {'kernels':>7}")
         for r in results:
             for side in r["variants"]:
                 spread = f"{side['tok_s_min']:.1f}-{side['tok_s_max']:.1f}"
                 ratios = f"{side['round_ratio_min']:.3f}-{side['round_ratio_max']:.3f}"
                 print(f"{r['context']:>6} {r['batch']:>5} {side['variant']:<{width}} {side['tok_s']:>9.1f} "
                       f"{spread:>17} {side['tok_s_ratio']:>{len(first) + 2}.3f}x {ratios:>15} "
-                      f"{side['gpu_step_ms']:>7.3f} {side['host_ms']:>7.3f} {side['kernels_per_step']:>7}")
+                      f"{side['replay_ms']:>7.3f} {side['gap_ms']:>7.3f} {side['host_ms']:>7.3f} {side['kernels_per_step']:>7}")
     first_row = results[0]
     print(f"\nwhere a step's kernel time goes (ctx {first_row['context']}, batch {first_row['batch']}, eager "
           f"fixed-shape step, variant {first}):")
