@@ -12,10 +12,10 @@ and a per-part table of kernel time from one profiled step of the same fixed-sha
 step is staged as the engine stages a decode step under overlap scheduling (`StaticDecodeRunner.run_decode`:
 host lists in one copy, each row's input id the previous step's sampled id, taken on the device), and
 queued while the step before it runs, as the engine's overlap scheduling queues decode steps: tok/s and
-"step ms" are that loop's wall time, "host ms" the host's time to stage and queue a step (hidden while it
-is below the step's). "replay" is the device time of the step's graph replay alone (the same steps again,
-one at a time, each waited for before the next is staged), "gap ms" the step's wall time beyond it: device
-time between replays (the issue's host time between steps). Until session 10 each step was waited for
+"step ms" are that loop's wall time. The same steps again, one at a time, each waited for before the next
+is staged, give "replay", the device time of a step's graph replay alone, and "host ms", the host's time
+to stage and launch a step (hidden while below the step's); "gap ms" is the queued step's wall time beyond
+its replay: device time between replays (the issue's host time between steps). Until session 10 each step was waited for
 before the next was staged, and its "GPU ms" counted the staging too: the host's share then moved the
 figures 10-20% from one process to the next (bench/results/decode_roofline_nvidia-h200_bisect_s10.txt),
 while the eager kernels' sum did not move.
@@ -150,19 +150,6 @@ def quantize_in_memory(model: Qwen4ExpForCausalLM, scheme: str, group_size: int)
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def gpu_time(fn, device: torch.device) -> float:
-    if device.type != "cuda":
-        start = time.perf_counter()
-        fn()
-        return time.perf_counter() - start
-    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    begin.record()
-    fn()
-    end.record()
-    end.synchronize()
-    return begin.elapsed_time(end) / 1000
 
 
 def step_bytes(model: Qwen4ExpForCausalLM, config: ModelConfig, batch: int, context: int) -> int:
@@ -309,32 +296,43 @@ class DecodeSetup:
     def time(self, runner: StaticDecodeRunner) -> dict:
         """`steps` decode steps through `runner` after WARMUP_STEPS, each queued while the one before it runs
         (as the engine's overlap scheduling runs decode: nothing waits for a step's result before the next
-        is staged): tok/s and wall ms a step, the host's ms a step to stage and launch one (hidden while
-        below the step's), then the same steps one at a time, each waited for, with only its graph replay
-        timed: the replay's device ms (`gap_ms`, the wall step beyond it: device time no kernel of the
-        step's graph used)."""
+        is staged): tok/s and wall ms a step. Then the same steps one at a time, each waited for before the
+        next is staged: the device ms of its graph replay alone (`gap_ms`: the wall step beyond it, device
+        time no kernel of the step's graph used) and the host ms to stage and launch it (nothing to wait for
+        then; in the queued loop the host also waits for a staging buffer's copy two steps back)."""
         for step in range(self.WARMUP_STEPS):
             logits = runner.run_decode(*self.inputs_at(step))
         # the cache has run many steps by now (every round of every variant): a state that overflowed
         # would route every row to the same experts, and time another step (reading it waits for the device)
         if not torch.isfinite(logits).all():
             raise RuntimeError(f"ctx {self.context} batch {self.batch}: the decode step's logits are not finite")
-        host = 0.0
         start = time.perf_counter()
         for step in range(self.steps):
-            inputs = self.inputs_at(self.WARMUP_STEPS + step)
-            queued = time.perf_counter()
-            runner.run_decode(*inputs)
-            host += time.perf_counter() - queued
+            runner.run_decode(*self.inputs_at(self.WARMUP_STEPS + step))
         synchronize(self.device)
         wall = time.perf_counter() - start
-        replay = 0.0
+        host = replay = 0.0
+        cuda = self.device.type == "cuda"
         for step in range(self.steps):
             token_ids, positions, slots, tables, sources, previous = self.inputs_at(self.WARMUP_STEPS + step)
+            synchronize(self.device)
+            begin, end = (torch.cuda.Event(enable_timing=True) for _ in range(2)) if cuda else (None, None)
+            staging = time.perf_counter()
             staged = runner.stage_decode(token_ids, positions, slots, tables, sources)
             runner.previous_tokens[: previous.shape[0]].copy_(previous)
-            synchronize(self.device)
-            replay += gpu_time(lambda staged=staged: runner.replay(*staged), self.device)
+            launch = time.perf_counter()
+            if cuda:
+                begin.record()
+            runner.replay(*staged)
+            if cuda:
+                end.record()
+            launched = time.perf_counter()
+            host += launched - staging
+            if cuda:
+                end.synchronize()
+                replay += begin.elapsed_time(end) / 1000
+            else:
+                replay += launched - launch
         step_ms, replay_ms = 1000 * wall / self.steps, 1000 * replay / self.steps
         return {"tok_s": self.batch * self.steps / wall, "step_ms": step_ms, "replay_ms": replay_ms,
                 "gap_ms": max(0.0, step_ms - replay_ms), "host_ms": 1000 * host / self.steps}
