@@ -293,16 +293,22 @@ def test_bad_arguments_name_the_problem():
 
 
 def test_packed_variant_is_checked(monkeypatch):
-    """TIERLM_PACKED_MOE_VARIANT picks the INT4 K loop (INT8 keeps v1); v2's tiles must be whole groups."""
+    """The INT4 K loop: v2 by default where its tiles are whole groups, but v1 where v1 measured faster (g32 at
+    one token); TIERLM_PACKED_MOE_VARIANT forces one (INT8 keeps v1); v2's tiles must be whole groups."""
     from tierlm.kernels.fused_moe.decode_parts import SharedShape
     from tierlm.kernels.fused_moe.packed_decode import PackedDecodeTiles, _packed_launch, packed_variant
 
-    assert packed_variant(4) == "v1"
+    monkeypatch.delenv("TIERLM_PACKED_MOE_VARIANT", raising=False)
+    defaults = {(4, 32, 1): "v1", (4, 32, 4): "v2", (4, 128, 1): "v2", (4, 64, 16): "v2", (4, 256, 4): "v1",
+                (4, 96, 4): "v1", (4, 4, 4): "v1", (8, 128, 4): "v1"}
+    assert {key: packed_variant(*key) for key in defaults} == defaults
     monkeypatch.setenv("TIERLM_PACKED_MOE_VARIANT", "v2")
-    assert (packed_variant(4), packed_variant(8)) == ("v2", "v1")
+    assert (packed_variant(4, 32, 1), packed_variant(8, 32, 4)) == ("v2", "v1")
+    monkeypatch.setenv("TIERLM_PACKED_MOE_VARIANT", "v1")
+    assert packed_variant(4, 128, 4) == "v1"
     monkeypatch.setenv("TIERLM_PACKED_MOE_VARIANT", "v3")
     with pytest.raises(ValueError, match="choose one of v1, v2"):
-        packed_variant(4)
+        packed_variant(4, 32, 4)
     # 8 and 4 words a tile: 2 and 1 groups of 32 INT4 values; H = 256: 32 words, in 2 x 8 a v2 program
     tiles = PackedDecodeTiles(16, 8, 4, 64, 4, 4, gate_up_chunks=2)
     args = (1, 256, 64, 2, 4, 32, tiles, 1, SharedShape(0, 0, 0, 0, 0), "bf16", "ieee")
@@ -332,8 +338,8 @@ def test_dependent_launch_is_bit_identical_in_a_cuda_graph(monkeypatch, tokens, 
     from tierlm.kernels.fused_moe.triton import fused_moe
     from tierlm.kernels.quant_linear.triton import quant_linear
 
-    if experts_format == "int4-v2":  # the packed form's v2 K loop (`packed_decode.packed_variant`)
-        monkeypatch.setenv("TIERLM_PACKED_MOE_VARIANT", "v2")
+    if experts_format.startswith("int4"):  # the packed form's K loop (`packed_decode.packed_variant`)
+        monkeypatch.setenv("TIERLM_PACKED_MOE_VARIANT", "v2" if experts_format == "int4-v2" else "v1")
     experts, hidden, inter, top_k = 64, 1024, 256, 8
     gen = torch.Generator(device="cuda").manual_seed(0)
 

@@ -19,7 +19,7 @@ format and width).
              activations read in a split, pre-scaled layout, 2 instructions a value; the shared expert's
              tiles in its own format beside the experts' (at the token counts of
              PACKED_SHARED_APART_TOKENS `triton.fused_moe` runs it apart); INT4's K loop v1 (one tile
-             a program) or v2 (tall tiles, several a program, double-buffered: TIERLM_PACKED_MOE_VARIANT)
+             a program) or v2 (tall tiles, several a program, double-buffered; `packed_variant` picks by group and tokens)
   decode_parts.py  what the two decode forms share (`SharedArgs`, `SharedShape`; for the
              unquantized / INT6 form the shared expert's columns in any format and the end of a down
              program whose token's experts are split over several programs)

@@ -31,9 +31,9 @@ splits then the shared expert's. The shared expert takes its own format (INT6 in
 spreads over programs like an expert's: it costs its bytes, not a long tail (the looped-tile form before
 this one fused it at 0.74x of running it apart at batch 1 on an H200). Tiles: `PackedDecodeTiles`.
 
-Two K loops for the routed INT4 experts (TIERLM_PACKED_MOE_VARIANT, `packed_variant`; everything else is
-shared):
-  - v1 (default): one [rows, words] tile a program (`_tile_sums`), a scale loaded per word; its tiles
+Two K loops for the routed INT4 experts (`packed_variant`: by group size and tokens, as measured;
+TIERLM_PACKED_MOE_VARIANT=v1|v2 forces one; everything else is shared):
+  - v1: one [rows, words] tile a program (`_tile_sums`), a scale loaded per word; its tiles
     (16 columns: 32 rows x 64 words) give a thread 4 rows x 4 words against 32 registers of x's planes,
     so x costs twice the registers of the weight bytes in flight.
   - v2 (`_looped_tile_sums`): tall tiles of whole groups, [rows, groups, words of a group], a thread one
@@ -69,15 +69,29 @@ SPLIT_X_BLOCK_W = 64  # words per `_split_x_kernel` program
 VARIANTS = ("v1", "v2")  # TIERLM_PACKED_MOE_VARIANT (`packed_variant`)
 
 
-def packed_variant(bits: int) -> str:
-    """The routed experts' K loop for experts packed in `bits`: TIERLM_PACKED_MOE_VARIANT, "v1" (default:
-    one tile of words a program, `_tile_sums`) or "v2" (INT4 only, INT8 keeps v1: several tiles a program,
-    double-buffered, one scale a group, `_looped_tile_sums`). An A/B of the two is one flag; v1 stays the
-    default until v2 is measured faster (`bench/moe_decode_kernel.py --packed-variants v1 v2`)."""
-    variant = os.environ.get("TIERLM_PACKED_MOE_VARIANT", "v1")
-    if variant not in VARIANTS:
+# where v1 stays the default for INT4 (group size, tokens): from `bench/moe_decode_kernel.py --formats int4-g32
+# int4-g128 --batches 1 4 --packed-variants v1 v2` on an H200 (session 10,
+# bench/results/moe_decode_kernel_packed_variants_nvidia_h200_s10.txt), v2 over v1: g128 1.09x at 1 token,
+# 1.20x at 4; g32 1.07x at 4, but 0.95x at 1 token
+PACKED_V1_DEFAULT = frozenset({(32, 1)})
+V2_TILE_VALUES = 128  # INT4 values in v2's 16-word tiles (`triton.PACKED_V2_TILES`): a whole number of groups
+
+
+def packed_variant(bits: int, group: int, tokens: int) -> str:
+    """The routed experts' K loop for experts packed in `bits` in groups of `group`, at a decode step of
+    `tokens` tokens: TIERLM_PACKED_MOE_VARIANT, "v1" (one tile of words a program, `_tile_sums`) or "v2"
+    (INT4 only, INT8 keeps v1: several tiles a program, double-buffered, one scale a group,
+    `_looped_tile_sums`). Unset: v2 for INT4 where its tiles are whole groups, except where v1 measured
+    faster (PACKED_V1_DEFAULT); v1 otherwise."""
+    variant = os.environ.get("TIERLM_PACKED_MOE_VARIANT")
+    if variant is not None and variant not in VARIANTS:
         raise ValueError(f"TIERLM_PACKED_MOE_VARIANT={variant!r}: choose one of {', '.join(VARIANTS)}")
-    return variant if bits == 4 else "v1"
+    if bits != 4:
+        return "v1"
+    if variant is None:
+        whole_groups = group % (32 // bits) == 0 and V2_TILE_VALUES % group == 0  # whole words, whole groups
+        return "v2" if whole_groups and (group, tokens) not in PACKED_V1_DEFAULT else "v1"
+    return variant
 
 
 class PackedDecodeTiles(NamedTuple):

@@ -89,7 +89,7 @@ DECODE_MAX_PAIRS = 160  # up to this many (token, expert) pairs (16 tokens of to
 # bench/moe_decode_kernel.py --packed-sweep; the shared expert's K tiles by --shared --shared-sweep)
 DECODE_TILES = {**dict.fromkeys((0, 6), DecodeTiles(8, 512, 4, 16, 128, 4, 2)),
                 **dict.fromkeys((4, 8), PackedDecodeTiles(16, 64, 4, 64, 16, 4))}
-# INT4 under TIERLM_PACKED_MOE_VARIANT=v2 (`packed_decode.packed_variant`): tall tiles of 16 words (one
+# INT4's v2 K loop (`packed_decode.packed_variant`: the default but at g32 one token): tall tiles of 16 words (one
 # 16-byte vector of each row a thread, 8 rows a thread sharing x's planes): gate_up 128 rows (64 columns)
 # on 2 warps looping over 2 tiles (16 KB a program), down 256 rows on 4 warps, one tile. First guesses,
 # checked only by compiling for sm_90 without a GPU (triton 3.9, g32 and g128): gate_up 124 registers
@@ -405,7 +405,7 @@ def _decode(x, weights, topk_weights, topk_ids, bits: int, group: int, inter: in
     tiles = DECODE_TILES[bits]
     max_tokens = DECODE_MAX_PAIRS // topk_ids.shape[1]
     if bits in (4, 8):
-        variant = packed_variant(bits)
+        variant = packed_variant(bits, group, x.shape[0])
         return packed_decode(x, weights, topk_weights, topk_ids, bits, group, inter,
                              PACKED_V2_TILES if variant == "v2" else tiles, max_tokens, shared, variant)
     w_gate_up, gate_up_scales, w_down, down_scales = weights
