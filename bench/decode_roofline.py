@@ -15,10 +15,9 @@ queued while the step before it runs, as the engine's overlap scheduling queues 
 "step ms" are that loop's wall time. The same steps again, one at a time, each waited for before the next
 is staged, give "replay", the device time of a step's graph replay alone, and "host ms", the host's time
 to stage and launch a step (hidden while below the step's); "gap ms" is the queued step's wall time beyond
-its replay: device time between replays (the issue's host time between steps). Until session 10 each step was waited for
-before the next was staged, and its "GPU ms" counted the staging too: the host's share then moved the
-figures 10-20% from one process to the next (bench/results/decode_roofline_nvidia-h200_bisect_s10.txt),
-while the eager kernels' sum did not move.
+its replay: device time between replays (the issue's host time between steps). (Timing each step waited
+for, staging included, moved the figures 10-20% from one process to the next with the host's share:
+bench/results/decode_roofline_nvidia-h200_bisect_s10.txt.)
 
 The PLE table is shrunk (n-gram vocab 100,000 rows per head instead of 20,000,000): a step reads 16 rows
 of it per token either way. Results go to bench/results/decode_roofline_<device>.json.
@@ -150,6 +149,23 @@ def quantize_in_memory(model: Qwen4ExpForCausalLM, scheme: str, group_size: int)
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def replay_timer(device: torch.device):
+    """Start timing what is launched on `device` from now; the returned function waits for it and gives its
+    seconds (CUDA: events around it on the stream; CPU: the wall time until called)."""
+    if device.type != "cuda":
+        start = time.perf_counter()
+        return lambda: time.perf_counter() - start
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+
+    def seconds() -> float:
+        end.record()
+        end.synchronize()
+        return begin.elapsed_time(end) / 1000
+
+    return seconds
 
 
 def step_bytes(model: Qwen4ExpForCausalLM, config: ModelConfig, batch: int, context: int) -> int:
@@ -297,9 +313,9 @@ class DecodeSetup:
         """`steps` decode steps through `runner` after WARMUP_STEPS, each queued while the one before it runs
         (as the engine's overlap scheduling runs decode: nothing waits for a step's result before the next
         is staged): tok/s and wall ms a step. Then the same steps one at a time, each waited for before the
-        next is staged: the device ms of its graph replay alone (`gap_ms`: the wall step beyond it, device
-        time no kernel of the step's graph used) and the host ms to stage and launch it (nothing to wait for
-        then; in the queued loop the host also waits for a staging buffer's copy two steps back)."""
+        next is staged: the device ms of its graph replay alone and the host ms to stage and launch it
+        (nothing to wait for then; in the queued loop the host also waits for a staging buffer's copy two
+        steps back)."""
         for step in range(self.WARMUP_STEPS):
             logits = runner.run_decode(*self.inputs_at(step))
         # the cache has run many steps by now (every round of every variant): a state that overflowed
@@ -312,30 +328,18 @@ class DecodeSetup:
         synchronize(self.device)
         wall = time.perf_counter() - start
         host = replay = 0.0
-        cuda = self.device.type == "cuda"
         for step in range(self.steps):
             token_ids, positions, slots, tables, sources, previous = self.inputs_at(self.WARMUP_STEPS + step)
             synchronize(self.device)
-            begin, end = (torch.cuda.Event(enable_timing=True) for _ in range(2)) if cuda else (None, None)
             staging = time.perf_counter()
             staged = runner.stage_decode(token_ids, positions, slots, tables, sources)
             runner.previous_tokens[: previous.shape[0]].copy_(previous)
-            launch = time.perf_counter()
-            if cuda:
-                begin.record()
+            seconds = replay_timer(self.device)
             runner.replay(*staged)
-            if cuda:
-                end.record()
-            launched = time.perf_counter()
-            host += launched - staging
-            if cuda:
-                end.synchronize()
-                replay += begin.elapsed_time(end) / 1000
-            else:
-                replay += launched - launch
-        step_ms, replay_ms = 1000 * wall / self.steps, 1000 * replay / self.steps
-        return {"tok_s": self.batch * self.steps / wall, "step_ms": step_ms, "replay_ms": replay_ms,
-                "gap_ms": max(0.0, step_ms - replay_ms), "host_ms": 1000 * host / self.steps}
+            host += time.perf_counter() - staging
+            replay += seconds()
+        return {"tok_s": self.batch * self.steps / wall, "step_ms": 1000 * wall / self.steps,
+                "replay_ms": 1000 * replay / self.steps, "host_ms": 1000 * host / self.steps}
 
     def profile(self, listing: list | None = None) -> tuple[int, dict[str, tuple[int, float]]]:
         """`kernel_table` of one step of the same fixed shape run eagerly (after one step that sends its block
@@ -427,8 +431,9 @@ def measure_variants(model, config, dtype, device, batch: int, context: int, var
                 side["rounds"].append(setup.time(side["runner"]))
     for side in sides:
         del side["runner"]  # its graphs freed before the next (context, batch) captures its own
-        for key in ("tok_s", "step_ms", "replay_ms", "gap_ms", "host_ms"):
+        for key in ("tok_s", "step_ms", "replay_ms", "host_ms"):
             side[key] = statistics.median(r[key] for r in side["rounds"])
+        side["gap_ms"] = max(0.0, side["step_ms"] - side["replay_ms"])  # device time between replays
         side["tok_s_min"], side["tok_s_max"] = (f(r["tok_s"] for r in side["rounds"]) for f in (min, max))
         # against the first variant: of the medians, and the range of the same round's ratios (drift across
         # rounds hits both sides of a round alike)

@@ -297,18 +297,26 @@ def test_packed_variant_is_checked(monkeypatch):
     one token); TIERLM_PACKED_MOE_VARIANT forces one (INT8 keeps v1); v2's tiles must be whole groups."""
     from tierlm.kernels.fused_moe.decode_parts import SharedShape
     from tierlm.kernels.fused_moe.packed_decode import PackedDecodeTiles, _packed_launch, packed_variant
+    from tierlm.kernels.fused_moe.triton import PACKED_V2_TILES
+
+    sixteen_words = PACKED_V2_TILES._replace(gate_up_block_w=16, down_block_w=16)
+
+    def variant(bits, group, tokens, v2_tiles=sixteen_words):
+        return packed_variant(bits, group, tokens, v2_tiles)
 
     monkeypatch.delenv("TIERLM_PACKED_MOE_VARIANT", raising=False)
+    # 16-word v2 tiles: 128 INT4 values, whole groups up to g128 (g96: 12 words a group, not a power of two)
     defaults = {(4, 32, 1): "v1", (4, 32, 4): "v2", (4, 128, 1): "v2", (4, 64, 16): "v2", (4, 256, 4): "v1",
                 (4, 96, 4): "v1", (4, 4, 4): "v1", (8, 128, 4): "v1"}
-    assert {key: packed_variant(*key) for key in defaults} == defaults
+    assert {key: variant(*key) for key in defaults} == defaults
+    assert variant(4, 256, 4, PACKED_V2_TILES._replace(gate_up_block_w=32, down_block_w=32)) == "v2"  # the tiles'
     monkeypatch.setenv("TIERLM_PACKED_MOE_VARIANT", "v2")
-    assert (packed_variant(4, 32, 1), packed_variant(8, 32, 4)) == ("v2", "v1")
+    assert (variant(4, 32, 1), variant(8, 32, 4)) == ("v2", "v1")
     monkeypatch.setenv("TIERLM_PACKED_MOE_VARIANT", "v1")
-    assert packed_variant(4, 128, 4) == "v1"
+    assert variant(4, 128, 4) == "v1"
     monkeypatch.setenv("TIERLM_PACKED_MOE_VARIANT", "v3")
     with pytest.raises(ValueError, match="choose one of v1, v2"):
-        packed_variant(4, 32, 4)
+        variant(4, 32, 4)
     # 8 and 4 words a tile: 2 and 1 groups of 32 INT4 values; H = 256: 32 words, in 2 x 8 a v2 program
     tiles = PackedDecodeTiles(16, 8, 4, 64, 4, 4, gate_up_chunks=2)
     args = (1, 256, 64, 2, 4, 32, tiles, 1, SharedShape(0, 0, 0, 0, 0), "bf16", "ieee")

@@ -74,23 +74,22 @@ VARIANTS = ("v1", "v2")  # TIERLM_PACKED_MOE_VARIANT (`packed_variant`)
 # bench/results/moe_decode_kernel_packed_variants_nvidia_h200_s10.txt), v2 over v1: g128 1.09x at 1 token,
 # 1.20x at 4; g32 1.07x at 4, but 0.95x at 1 token
 PACKED_V1_DEFAULT = frozenset({(32, 1)})
-V2_TILE_VALUES = 128  # INT4 values in v2's 16-word tiles (`triton.PACKED_V2_TILES`): a whole number of groups
 
 
-def packed_variant(bits: int, group: int, tokens: int) -> str:
+def packed_variant(bits: int, group: int, tokens: int, v2_tiles: PackedDecodeTiles) -> str:
     """The routed experts' K loop for experts packed in `bits` in groups of `group`, at a decode step of
     `tokens` tokens: TIERLM_PACKED_MOE_VARIANT, "v1" (one tile of words a program, `_tile_sums`) or "v2"
     (INT4 only, INT8 keeps v1: several tiles a program, double-buffered, one scale a group,
-    `_looped_tile_sums`). Unset: v2 for INT4 where its tiles are whole groups, except where v1 measured
-    faster (PACKED_V1_DEFAULT); v1 otherwise."""
+    `_looped_tile_sums`). Unset: v2 for INT4 where `v2_tiles` hold whole groups (`v2_misfit`), except where
+    v1 measured faster (PACKED_V1_DEFAULT); v1 otherwise."""
     variant = os.environ.get("TIERLM_PACKED_MOE_VARIANT")
     if variant is not None and variant not in VARIANTS:
         raise ValueError(f"TIERLM_PACKED_MOE_VARIANT={variant!r}: choose one of {', '.join(VARIANTS)}")
     if bits != 4:
         return "v1"
     if variant is None:
-        whole_groups = group % (32 // bits) == 0 and V2_TILE_VALUES % group == 0  # whole words, whole groups
-        return "v2" if whole_groups and (group, tokens) not in PACKED_V1_DEFAULT else "v1"
+        fits = v2_misfit(v2_tiles, bits, group) is None
+        return "v2" if fits and (group, tokens) not in PACKED_V1_DEFAULT else "v1"
     return variant
 
 
@@ -541,6 +540,18 @@ def _power_of_two(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
+def v2_misfit(tiles: PackedDecodeTiles, bits: int, group: int) -> str | None:
+    """Why v2 cannot take these tiles at this group size (None: it can). Its tiles are [rows, groups, words of
+    a group]: each side a power of two, so each tile's words must be a power of two of whole groups."""
+    group_words = group // (32 // bits)
+    for name, block_w in (("gate_up_block_w", tiles.gate_up_block_w), ("down_block_w", tiles.down_block_w)):
+        groups = block_w // group_words if group_words else 0
+        if group_words * groups != block_w or not _power_of_two(group_words) or not _power_of_two(groups):
+            return (f"v2: {name} {block_w} must be a power of two of whole groups of {group_words} words "
+                    "(a power of two)")
+    return None
+
+
 @functools.cache
 def _packed_launch(t: int, h: int, inter: int, top_k: int, bits: int, group: int, tiles: PackedDecodeTiles,
                    max_tokens: int, shared: SharedShape, dtype: str, precision: str, variant: str) -> PackedLaunch:
@@ -553,13 +564,8 @@ def _packed_launch(t: int, h: int, inter: int, top_k: int, bits: int, group: int
     gate_up_chunks, down_chunks = tiles.gate_up_chunks, tiles.down_chunks
     if variant == "v1" and (gate_up_chunks, down_chunks) != (1, 1):
         raise ValueError(f"v1 reads one tile a program: chunks {gate_up_chunks}, {down_chunks} are v2's")
-    if variant == "v2":  # (its tiles are [rows, groups, words of a group]: each side a power of two)
-        group_words = group // values
-        for name, block_w in (("gate_up_block_w", tiles.gate_up_block_w), ("down_block_w", tiles.down_block_w)):
-            groups = block_w // group_words
-            if group_words * groups != block_w or not _power_of_two(group_words) or not _power_of_two(groups):
-                raise ValueError(f"v2: {name} {block_w} must be a power of two of whole groups of {group_words} "
-                                 "words (a power of two)")
+    if variant == "v2" and (misfit := v2_misfit(tiles, bits, group)) is not None:
+        raise ValueError(misfit)
     words_h, words_i = h // values, inter // values
     gate_up_splits = triton.cdiv(words_h, tiles.gate_up_block_w * gate_up_chunks)
     down_splits = triton.cdiv(words_i, tiles.down_block_w * down_chunks)
