@@ -368,12 +368,12 @@ def _argmax_status(x: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor,
     return top, greedy_tokens, torch.where(nan, _NAN, torch.where(top == float("-inf"), _MASKED, _OK))
 
 
-def greedy_readback(logits: torch.Tensor) -> torch.Tensor:
-    """[rows, 2]: each row's argmax and status (`launch`'s pass for plain greedy rows, in the logits' own
-    dtype): what a static decode graph computes after its forward, so that a step of plain greedy rows
+def greedy_readback(logits: torch.Tensor, out: torch.Tensor) -> None:
+    """Each row's argmax and status into out [rows, 2] (`launch`'s pass for plain greedy rows, in the logits'
+    own dtype): what a static decode graph computes after its forward, so that a step of plain greedy rows
     without log-probabilities is one replay and one small copy to the host (`Sampler.taken_argmax`)."""
     _, tokens, status = _argmax_status(logits, logits)
-    return torch.stack([tokens, status], dim=1)
+    torch.stack([tokens, status], dim=1, out=out)
 
 
 def plain_greedy(request: Request) -> bool:

@@ -127,9 +127,9 @@ class StaticDecodeRunner:
         graph_pool: the CUDA graph memory pool to capture into (another runner's `graph_pool`, whose graphs
         never run at the same time as these: one stream, every output kept): the forwards' temporaries
         then share its memory; only the outputs are new.
-        greedy_readback: a function of a decode step's logits [size, vocab] -> [size, 2] int64 (each row's
-        argmax and status: engine/sampler.py `greedy_readback`), run after every forward of a decode runner
-        (inside its graph) into `argmax_readback`: a step of plain greedy rows then needs no sampling launch."""
+        greedy_readback: a function (logits [size, vocab], out [size, 2] int64) writing each row's argmax and
+        status into out (engine/sampler.py `greedy_readback`), run after every forward of a decode runner
+        (inside its graph) on `argmax_readback`: a step of plain greedy rows then needs no sampling launch."""
         if mode not in MODES:
             raise ValueError(f"mode {mode!r}: choose one of {MODES}")
         if greedy_speculation and (rows_per_request < 2 or draft_layer is not None or mode == "compile"):
@@ -250,7 +250,7 @@ class StaticDecodeRunner:
     def _decode_with_argmax(self, batch: ForwardBatch, cache: ModelCache) -> torch.Tensor:
         """The decode forward's logits, its rows' argmax and status written into `argmax_readback`."""
         logits = self.model(batch, cache)
-        self.argmax_readback[: batch.num_requests].copy_(self.greedy_readback(logits))
+        self.greedy_readback(logits, self.argmax_readback[: batch.num_requests])
         return logits
 
     def _draft_step(self, batch: ForwardBatch, cache: ModelCache) -> tuple[torch.Tensor, torch.Tensor]:
