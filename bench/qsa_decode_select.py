@@ -9,8 +9,9 @@ entries). Per context (the batch's block-table width follows it, as `static_deco
     holds <= 512 blocks), then the rows kernel's radix select (`kernels/qsa_selection.triton`), at every
     context (the layer takes it up to the kernel module's MAX_GROUPS blocks: set it where torch wins);
 each replayed from a CUDA graph; checks the two give the same rows bit for bit; prints microseconds per
-step, the ratio and kernels per step. `--sweep` times the rows kernel alone for each candidate (BLOCK_G,
-SELECT_WARPS) at the long contexts and prints the fastest per context (each checked).
+step, the ratio and kernels per step, and saves them to bench/results/qsa_decode_select_<device>.txt.
+`--sweep` times the rows kernel alone for each candidate (BLOCK_G, SELECT_WARPS) at the long contexts
+and prints the fastest per context (each checked; saved to ..._sweep_<device>.txt).
 
     python bench/qsa_decode_select.py
     python bench/qsa_decode_select.py --sweep
@@ -20,9 +21,10 @@ from __future__ import annotations
 
 import argparse
 import itertools
+from pathlib import Path
 
 import torch
-from device_timing import kernels_per_call, timed
+from device_timing import device_label, kernels_per_call, timed
 
 import tierlm.kernels.qsa_selection.triton as kernels
 from tierlm.kernels.qsa_block_scores.triton import triton_block_scores
@@ -67,21 +69,25 @@ def measure(work: tuple, device) -> tuple[float, float, str]:
     return slow, fast, f"{kernels_per_call(lambda: torch_path(*work))}->{kernels_per_call(lambda: fused_path(*work))}"
 
 
-def compare(contexts, batches, device) -> None:
-    print(f"{'ctx':>7} {'batch':>5} {'torch us':>9} {'fused us':>9} {'speedup':>8} {'kernels':>9}")
+def compare(contexts, batches, device) -> list[str]:
+    lines = [f"{'ctx':>7} {'batch':>5} {'torch us':>9} {'fused us':>9} {'speedup':>8} {'kernels':>9}"]
+    print(lines[0])
     for context, batch in itertools.product(contexts, batches):
         slow, fast, counts = measure(workload(context, batch, device), device)
-        print(f"{context:>7} {batch:>5} {1e6 * slow:>9.1f} {1e6 * fast:>9.1f} {slow / fast:>7.2f}x {counts:>9}")
+        lines.append(f"{context:>7} {batch:>5} {1e6 * slow:>9.1f} {1e6 * fast:>9.1f} {slow / fast:>7.2f}x {counts:>9}")
+        print(lines[-1])
+    return lines
 
 
-def sweep(contexts, batches, device) -> None:
+def sweep(contexts, batches, device) -> list[str]:
     defaults = kernels.BLOCK_G, kernels.SELECT_WARPS
+    lines = []
     for context, batch in itertools.product(contexts, batches):
         q, keys, tables, positions, scratch = workload(context, batch, device)
         scores = triton_block_scores(q, keys, tables, positions, RATIO)
         expected = selection_rows(scores, positions, tables, RATIO, BLOCK_SIZE, scratch, TOP)
         results = []
-        for block_g, warps in itertools.product((256, 512, 1024, 2048), (4, 8, 16)):
+        for block_g, warps in itertools.product((512, 1024, 2048, 4096), (4, 8, 16)):
             kernels.BLOCK_G, kernels.SELECT_WARPS = block_g, warps
             args = (scores, positions, tables, RATIO, BLOCK_SIZE, scratch, TOP)
             got = kernels.triton_selection_rows(*args)
@@ -90,9 +96,11 @@ def sweep(contexts, batches, device) -> None:
             results.append((timed(lambda i, args=args: kernels.triton_selection_rows(*args), 20, device), block_g, warps))
         best = min(results)
         default = next(r for r in results if r[1:] == defaults)
-        print(f"ctx {context:>7} batch {batch:>2}: best BLOCK_G {best[1]} warps {best[2]} {1e6 * best[0]:.1f} us "
-              f"(default {1e6 * default[0]:.1f} us)")
+        lines.append(f"ctx {context:>7} batch {batch:>2}: best BLOCK_G {best[1]} warps {best[2]} {1e6 * best[0]:.1f} us "
+                     f"(default {1e6 * default[0]:.1f} us)")
+        print(lines[-1])
     kernels.BLOCK_G, kernels.SELECT_WARPS = defaults
+    return lines
 
 
 def main() -> None:
@@ -104,12 +112,17 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA device")
     device = torch.device("cuda")
-    print(f"{torch.cuda.get_device_name(device)}: indexer {HEADS} x {DIM}, ratio {RATIO}, top {TOP} blocks, "
-          "us per step replayed from CUDA graphs")
+    head = (f"{torch.cuda.get_device_name(device)}: indexer {HEADS} x {DIM}, ratio {RATIO}, top {TOP} blocks, "
+            f"us per step replayed from CUDA graphs; rows kernel tiles BLOCK_G {kernels.BLOCK_G}, "
+            f"{kernels.SELECT_WARPS} warps")
+    print(head)
     if args.sweep:
-        sweep([c for c in args.contexts if c // RATIO > TOP], args.batches, device)
+        lines, name = sweep([c for c in args.contexts if c // RATIO > TOP], args.batches, device), "_sweep"
     else:
-        compare(args.contexts, args.batches, device)
+        lines, name = compare(args.contexts, args.batches, device), ""
+    path = Path(__file__).parent / "results" / f"qsa_decode_select{name}_{device_label(device)}.txt"
+    path.write_text("\n".join([head, *lines]) + "\n")
+    print(f"saved {path}")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,8 @@
 """QSA selection: the rows kernel (top-k by a radix select, no sort) against the torch path (scores ->
 ranking keys -> top-k -> block order -> positions -> rows), under TRITON_INTERPRET=1 on CPU (compiled on a
-GPU). Integer work on the scores' bits: bit-identical, in fp32 and bf16 workloads alike."""
+GPU), with the module's tile and a small one (rows over several tiles). Integer work on the scores' bits:
+bit-identical, in fp32 and bf16 workloads alike; random scores end the radix passes early, the tied ones
+below run them all."""
 
 from __future__ import annotations
 
@@ -27,6 +29,17 @@ def tied_scores(groups: int, seen: list[int], seed: int = 1) -> torch.Tensor:
 
 
 def compare(device: str) -> None:
+    import tierlm.kernels.qsa_selection.triton as kernels
+
+    block_g = kernels.BLOCK_G
+    try:
+        for kernels.BLOCK_G in {block_g, 256}:
+            compare_tile(device)
+    finally:
+        kernels.BLOCK_G = block_g
+
+
+def compare_tile(device: str) -> None:
     from tierlm.kernels.qsa_block_scores.triton import triton_block_scores
     from tierlm.kernels.qsa_selection.triton import triton_selection_rows
 

@@ -2,9 +2,10 @@
 no sort. One program per query:
 - a query that sees at most K blocks chooses all of them: blocks 0..K-1 (those past what it sees
   invalid), no score read;
-- else a radix select finds the K-th highest score's bits T (eight passes of 4 bits over its seen
-  scores, each counting against 16 candidate digits at once); every block above T is chosen, and the
-  blocks at T in index order until K are (ties to the lower block, as `naive.ranking_keys` orders them);
+- else a radix select finds the K-th highest score's bits T (passes of 4 bits over its seen scores, each
+  counting against 16 candidate digits at once, up to eight: they stop once no tie is left to break);
+  every block above T is chosen, and the blocks at T in index order until K are (ties to the lower
+  block, as `naive.ranking_keys` orders them);
   a prefix sum over the chosen places each one's R tokens in block order;
 then the open tail. Rows through the block table, invalid entries at the scratch row. No host sync.
 Bit-identical to the reference (integer work on the scores' bits). Launched with programmatic dependent
@@ -19,9 +20,15 @@ import triton.language as tl
 from tierlm.kernels.dependent_launch import allow_dependents, launch_options, wait_for_inputs
 from tierlm.kernels.qsa_selection.naive import table_groups
 
-BLOCK_G = 512  # scores per tile of the select (a [16, BLOCK_G] comparison per pass)
+# scores per tile of the select (a [16, BLOCK_G] comparison per pass) and its warps: H200, `bench/
+# qsa_decode_select.py --sweep` (session 11). Every pass run, at the earlier 512 x 4 warps: 33 us at an
+# 8k-token context, 61 at 16k; 2048 x 8: 35 at 16k. With the passes' early stop and 2048 x 8: 13.3 us at
+# 8k, 24 at 16k (4096 x 8: 22.4), 51 at 32k (bench/results/qsa_decode_select*_nvidia-h200.txt). Holding
+# the whole row in registers instead (a [16, row] comparison a pass, no reload) measured 26-38 us at 8k:
+# a row twice the seen scores wide (static decode's doubled tables) is twice the comparisons
+BLOCK_G = 2048
+SELECT_WARPS = 8
 BLOCK_E = 512  # entries per tile when every seen block is chosen
-SELECT_WARPS = 4  # (bench/qsa_decode_select.py --sweep times the candidates of these three)
 # the widest score row the one-program select takes (64k-token contexts): past it the layer takes the torch
 # path, whose torch.topk spreads a long row over many programs (bench/qsa_decode_select.py measures both)
 MAX_GROUPS = 16384
@@ -55,48 +62,71 @@ def _score_bits(scores_row, groups, inside):
 
 
 @triton.jit
+def _counts_at_or_above(keys, inside, candidates):
+    """How many of the keys (masked by inside) are at or above each candidate."""
+    return tl.sum(((keys[None, :] >= candidates[:, None]) & inside[None, :]).to(tl.int32), axis=1)
+
+
+@triton.jit
+def _store_chosen(keys, inside, groups, threshold, quota, ties, taken, rows_out, valid_out, tables_row, table_width,
+                  scratch_block, RATIO: tl.constexpr, RATIO_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """Of these keys (in block order, after `taken` chosen and `ties` at the threshold seen): every one
+    above the threshold, and those at it while the quota lasts; their tokens' entries stored at their
+    place among the chosen. Returns (ties, taken) past them."""
+    tie = (inside & (keys == threshold)).to(tl.int32)
+    take = (inside & (keys > threshold)) | ((tie != 0) & (ties + tl.cumsum(tie, axis=0) <= quota))
+    take_count = take.to(tl.int32)
+    rank = taken + tl.cumsum(take_count, axis=0) - 1  # its place among the chosen, in block order
+    in_block = tl.arange(0, RATIO_PAD)
+    entries = rank[:, None] * RATIO + in_block[None, :]
+    tokens = groups[:, None] * RATIO + in_block[None, :]
+    ok = take[:, None] & (in_block < RATIO)[None, :]
+    tl.store(rows_out + entries, _rows_of(tokens, ok, tables_row, table_width, scratch_block, BLOCK_SIZE), mask=ok)
+    tl.store(valid_out + entries, ok.to(tl.int8), mask=ok)
+    return ties + tl.sum(tie, axis=0), taken + tl.sum(take_count, axis=0)
+
+
+@triton.jit
 def _choose_top(scores_row, rows_out, valid_out, tables_row, table_width, scratch_block, seen, num_top,
                 RATIO: tl.constexpr, RATIO_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr):
-    """The num_top highest of the seen scores (seen > num_top), their tokens' entries in block order."""
-    # radix select: T is the highest bits value with at least num_top scores at or above it; before the pass
-    # at `shift`, T's bits below shift + 4 are 0, so (T >> shift) + digit never overflows
+    """The num_top highest of the seen scores (seen > num_top), their tokens' entries in block order. Each
+    pass reads the row again, BLOCK_G scores a tile."""
+    # radix select, 4 bits a pass from the top: T is the highest bits value with at least num_top scores at
+    # or above it; before the pass at `shift`, T's bits below shift + 4 are 0, so (T >> shift) + digit never
+    # overflows. The passes stop once exactly num_top scores have bits >> shift at or above T >> shift (no
+    # tie left to break below: in random scores, after 16-24 of the 32 bits); the choice then compares the
+    # bits above shift, which picks the same blocks as comparing them all
     threshold = 0
+    shift = 32
+    exact = 0
     digits = tl.arange(0, 16)
-    for i in tl.static_range(8):
-        shift = 28 - 4 * i
-        candidates = (threshold >> shift) + digits
+    while (shift > 0) & (exact == 0):
+        shift -= 4
         counts = tl.zeros([16], tl.int32)
         for start in range(0, seen, BLOCK_G):
             groups = start + tl.arange(0, BLOCK_G)
             inside = groups < seen
-            high = _score_bits(scores_row, groups, inside) >> shift
-            counts += tl.sum(((high[None, :] >= candidates[:, None]) & inside[None, :]).to(tl.int32), axis=1)
-        threshold = threshold + ((tl.sum((counts >= num_top).to(tl.int32), axis=0) - 1) << shift)
+            counts += _counts_at_or_above(_score_bits(scores_row, groups, inside) >> shift, inside,
+                                          (threshold >> shift) + digits)
+        digit = tl.sum((counts >= num_top).to(tl.int32), axis=0) - 1
+        threshold += digit << shift
+        exact = (tl.sum(tl.where(digits == digit, counts, 0), axis=0) == num_top).to(tl.int32)
+    key_threshold = threshold >> shift
     above = 0
     for start in range(0, seen, BLOCK_G):
         groups = start + tl.arange(0, BLOCK_G)
         inside = groups < seen
-        above += tl.sum((inside & (_score_bits(scores_row, groups, inside) > threshold)).to(tl.int32), axis=0)
+        above += tl.sum((inside & ((_score_bits(scores_row, groups, inside) >> shift) > key_threshold)).to(tl.int32),
+                        axis=0)
     quota = num_top - above  # blocks at the threshold still to choose, lowest index first
     taken = 0
     ties = 0
-    in_block = tl.arange(0, RATIO_PAD)
     for start in range(0, seen, BLOCK_G):
         groups = start + tl.arange(0, BLOCK_G)
         inside = groups < seen
-        bits = _score_bits(scores_row, groups, inside)
-        tie = (inside & (bits == threshold)).to(tl.int32)
-        take = (inside & (bits > threshold)) | ((tie != 0) & (ties + tl.cumsum(tie, axis=0) <= quota))
-        take_count = take.to(tl.int32)
-        rank = taken + tl.cumsum(take_count, axis=0) - 1  # its place among the chosen, in block order
-        entries = rank[:, None] * RATIO + in_block[None, :]
-        tokens = groups[:, None] * RATIO + in_block[None, :]
-        ok = take[:, None] & (in_block < RATIO)[None, :]
-        tl.store(rows_out + entries, _rows_of(tokens, ok, tables_row, table_width, scratch_block, BLOCK_SIZE),
-                 mask=ok)
-        tl.store(valid_out + entries, ok.to(tl.int8), mask=ok)
-        ties += tl.sum(tie, axis=0)
-        taken += tl.sum(take_count, axis=0)
+        ties, taken = _store_chosen(_score_bits(scores_row, groups, inside) >> shift, inside, groups, key_threshold,
+                                    quota, ties, taken, rows_out, valid_out, tables_row, table_width, scratch_block,
+                                    RATIO, RATIO_PAD, BLOCK_SIZE)
 
 
 @triton.jit
