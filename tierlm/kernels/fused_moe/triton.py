@@ -82,12 +82,16 @@ class DecodeTiles(NamedTuple):
 
 # Tile sizes, per weight format (bits; 0 unquantized): module constants so a benchmark can sweep them.
 # Chosen on an H200 by bench/moe_decode_kernel.py --sweep (bench/results/moe_decode_kernel_nvidia_h200.json)
-# for bf16 (INT6 the same) and INT4 (INT8 the same: the same packed-word GEMV)
+# for bf16 (INT6 the same) and INT4 (INT8 the same: the same packed-word GEMV). bf16 since session 11: the
+# best of a wider sweep (gate_up 4-16 columns x K 256-1024 x 2-8 warps, down 8-32 x 128-256 x ranks 1-2 x
+# 2-8 warps; bench/results/moe_decode_kernel_bf16_sweep_nvidia_h200_s11.txt) taken into the real-width stack,
+# interleaved with the earlier (8, 512, 4, 16, 128, 4, 2): 1.018x tok/s at batch 1, 1.010-1.012x at 4 and 16
+# (bench/results/decode_roofline_nvidia-h200_s11tiles.txt); INT6 experts keep the earlier tiles (not measured)
 DECODE_MAX_PAIRS = 160  # up to this many (token, expert) pairs (16 tokens of top-10), the GEMV form
 # (4 and 8 bits: `packed_decode`'s split-K form, first guesses checked only by compiling for sm_90 (72 / 64
 # registers with an INT6 shared expert, 67 / 56 without): to be swept on an H200 by
 # bench/moe_decode_kernel.py --packed-sweep; the shared expert's K tiles by --shared --shared-sweep)
-DECODE_TILES = {**dict.fromkeys((0, 6), DecodeTiles(8, 512, 4, 16, 128, 4, 2)),
+DECODE_TILES = {0: DecodeTiles(4, 512, 4, 16, 128, 2, 1), 6: DecodeTiles(8, 512, 4, 16, 128, 4, 2),
                 **dict.fromkeys((4, 8), PackedDecodeTiles(16, 64, 4, 64, 16, 4))}
 # INT4's v2 K loop (`packed_decode.packed_variant`: the default but at g32 one token): tall tiles of 16 words (one
 # 16-byte vector of each row a thread, 8 rows a thread sharing x's planes): gate_up 128 rows (64 columns)
