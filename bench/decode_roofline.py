@@ -271,6 +271,21 @@ def kernel_table(fn, device: torch.device, listing: list | None = None) -> tuple
     return sum(n for n, _ in parts.values()), {k: (n, t) for k, (n, t) in parts.items()}
 
 
+def randomize_caches(cache: ModelCache) -> None:
+    """The context's K/V, indexer keys and states (every floating pool of every layer's typed caches):
+    random contents, so the indexer's block scores differ as a trained model's do (zeros tie every score:
+    the selection's slowest case). Raises where a layer has no floating pool to fill."""
+    for index, caches in enumerate(cache.layers):
+        filled = 0
+        for typed in vars(caches).values():  # GDN, PLE, QSA K/V, indexer (None where the kind has none)
+            for tensor in vars(typed).values() if typed is not None else ():
+                if isinstance(tensor, torch.Tensor) and tensor.is_floating_point():
+                    tensor.normal_(0.0, 0.02)
+                    filled += 1
+        if not filled:
+            raise RuntimeError(f"layer {index}: no cache pool to fill with random contents")
+
+
 class DecodeSetup:
     """One (context, batch) of the benchmark: a cache holding `context` tokens of random K/V, indexer keys and
     states for each of `batch` requests, and the decode steps' inputs as the engine stages them. Runners are
@@ -285,10 +300,7 @@ class DecodeSetup:
         self.batch, self.context, self.steps = batch, context, steps
         self.blocks_each = (context + steps + BLOCK_SIZE) // BLOCK_SIZE + 1  # warm-up, timed and profiled steps
         self.cache = ModelCache(config, batch, batch * self.blocks_each, BLOCK_SIZE, dtype, device)
-        for state in self.cache.layers:  # the context's K/V, indexer keys and states: random contents
-            for tensor in vars(state).values():
-                if isinstance(tensor, torch.Tensor) and tensor.is_floating_point():
-                    tensor.normal_(0.0, 0.02)
+        randomize_caches(self.cache)
         self.tables = [list(range(i * self.blocks_each, (i + 1) * self.blocks_each)) for i in range(batch)]
         self.rows = list(range(batch))
         # the "sampled" ids steps take as input, made once on the device (a copy from the host inside the
