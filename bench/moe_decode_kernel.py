@@ -60,7 +60,7 @@ SMALL = {"hidden": 32, "experts": 8, "top_k": 2, "intermediate": 32, "shared": 3
 # --shared-sweep: the shared expert's K tiles (gate_up, down) per routed format's bits (DecodeTiles /
 # PackedDecodeTiles .shared_*_block_k), at the first batch size; later ones keep the best
 SHARED_SWEEP = {0: [(512, 128), (256, 128), (512, 256), (256, 64)],
-                4: [(32, 16), (64, 16), (16, 16), (64, 32), (128, 16)]}
+                4: [(32, 16), (64, 16), (16, 16), (64, 32), (128, 16), (128, 64), (256, 64), (512, 128)]}
 # --sweep: at the first batch size (later ones keep the tiles chosen there), the decode GEMV tiles of the
 # unquantized format (fused_moe.triton.DECODE_TILES), one kernel at a time (gate_up with the down tiles as
 # set, then down with the best gate_up), or the grouped GEMM's tiles (8 warps never won on an H200: not
