@@ -25,9 +25,10 @@ from interpreted import interpreted_json
 from tierlm.kernels.quant_linear import naive, packing
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-# (name, bits, group_size): group_size None = one scale per output channel
+# (name, bits, group_size): group_size None = one scale per output channel. INT6 in groups of whole 16-value
+# runs takes the runs' form at decode rows (`six_bit_tile`), in groups of 8 the per-value gather
 FORMATS = [("unquantized", None, None), ("int4-g32", 4, 32), ("int8-g64", 8, 64), ("int6-g32", 6, 32),
-           ("int4-channel", 4, None)]
+           ("int6-g8", 6, 8), ("int4-channel", 4, None)]
 # (name, leading shape of x, K, N, min tiles per split): 1 row (K in 2 splits, the second tile part-full,
 # groups smaller than a tile), 3 rows in a [3, 1] batch (no split, one scale per tile), 20 rows (tl.dot);
 # N never a multiple of the tile
@@ -122,7 +123,7 @@ def test_triton_kernel_matches_reference(kernel_results, case):
 def test_one_unquantized_row_takes_the_dense_gemv_tiles():
     """One row of an unquantized weight (the model's dense decode projections): BLOCK_N 4, 4 warps, BLOCK_K
     512 below K 4096 and 1024 from it (the H200 sweep). INT6 at one row, and unquantized rows at 2 to 4,
-    keep the shared GEMV tiles; packed 4/8 bits their own."""
+    keep the shared GEMV tiles; packed 4/6/8 bits their own (6 bits: a K tile that divides K)."""
     import tierlm.kernels.quant_linear.triton as kernels
 
     def tiles(m, n, k, bits=None):
@@ -134,8 +135,10 @@ def test_one_unquantized_row_takes_the_dense_gemv_tiles():
     assert tiles(1, 2560, 6144) == (1, 4, 1024, 4, False)
     assert tiles(1, 2560, 4096) == (1, 4, 1024, 4, False)
     assert tiles(1, 2560, 4095) == (1, 4, 512, 4, False)
-    assert tiles(1, 1280, 2560, 6) == (1, 8, 512, 4, False)  # INT6: the shared tiles, unchanged
-    assert tiles(1, 2560, 6144, 6) == (1, 8, 512, 4, False)
+    assert tiles(1, 1280, 2560, 6) == (1, 16, 512, 4, False)
+    assert tiles(1, 2560, 6144, 6) == (1, 16, 512, 4, False)
+    assert tiles(1, 2560, 640, 6) == (1, 16, 128, 4, False)
+    assert tiles(4, 2560, 640, 6) == (1, 16, 128, 4, False)
     assert tiles(4, 16384, 2560) == (4, 8, 256, 4, False)
     assert tiles(1, 2560, 6144, 4) == (1, 16, 512, 4, False)
     assert tiles(20, 2560, 6144)[-1]  # prefill: tl.dot

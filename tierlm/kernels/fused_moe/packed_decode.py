@@ -103,10 +103,10 @@ class PackedDecodeTiles(NamedTuple):
     down_block_n: int  # of the H output rows per down program
     down_block_w: int  # packed words of I per down program (I split over cdiv(I / values, this))
     down_warps: int
-    # the shared expert's K tile per program, in values (its own format: `gemv_loop`, one product per
-    # accumulator, so rows x this sets its registers, which every program of the launch then takes: sm_90,
-    # triton 3.9, INT6 beside gate_up 16 x 64 words: 72 registers at 32, 95 at 64; beside down 64 rows: 64
-    # at 16, 128 at 32); it takes the routed programs' rows
+    # the shared expert's K tile per program, in values (its own format: `gemv_loop`; INT6 accumulates per
+    # run of 16 values, so the tile costs few registers: sm_90, triton 3.9, v1's tiles, 72 / 64 registers a
+    # thread at 32 / 16 and at 128 / 64 alike, `bench/packed_decode_registers.py`); it takes the routed
+    # programs' rows
     shared_gate_up_block_k: int = 32
     shared_down_block_k: int = 16
     # "v2" only (`packed_variant`): a program loops over this many tiles of *_block_w words, the next

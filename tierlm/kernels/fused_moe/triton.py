@@ -90,9 +90,13 @@ class DecodeTiles(NamedTuple):
 DECODE_MAX_PAIRS = 160  # up to this many (token, expert) pairs (16 tokens of top-10), the GEMV form
 # (4 and 8 bits: `packed_decode`'s split-K form, first guesses checked only by compiling for sm_90 (72 / 64
 # registers with an INT6 shared expert, 67 / 56 without): to be swept on an H200 by
-# bench/moe_decode_kernel.py --packed-sweep; the shared expert's K tiles by --shared --shared-sweep)
+# bench/moe_decode_kernel.py --packed-sweep; the shared expert's K tiles by --shared --shared-sweep: with INT6
+# read by runs of 16 values (quant_linear's `six_bit_tile`, session 11) 128 / 64 at g32 one token, the v1 K
+# loop's case: the MoE block with its INT6 shared expert in 28.9 us against 35.9 at the earlier 32 / 16
+# (H200, bench/results/moe_decode_kernel_shared_int6_runs_nvidia_h200_s11.txt); v2's keep 32 / 16, unmeasured)
 DECODE_TILES = {0: DecodeTiles(4, 512, 4, 16, 128, 2, 1), 6: DecodeTiles(8, 512, 4, 16, 128, 4, 2),
-                **dict.fromkeys((4, 8), PackedDecodeTiles(16, 64, 4, 64, 16, 4))}
+                **dict.fromkeys((4, 8), PackedDecodeTiles(16, 64, 4, 64, 16, 4, shared_gate_up_block_k=128,
+                                                          shared_down_block_k=64))}
 # INT4's v2 K loop (`packed_decode.packed_variant`: the default but at g32 one token): tall tiles of 16 words (one
 # 16-byte vector of each row a thread, 8 rows a thread sharing x's planes): gate_up 128 rows (64 columns)
 # on 2 warps looping over 2 tiles (16 KB a program), down 256 rows on 4 warps, one tile. First guesses,

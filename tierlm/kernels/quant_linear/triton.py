@@ -10,7 +10,9 @@ order (products accumulate in fp32 here).
   - decode (M <= GEMV_MAX_ROWS), `_gemv_kernel`: no tensor-core dot (it would pad M to 16); each
     product lands in its own fp32 accumulator (`gemv_loop`) and the sum over K is taken once at
     the end (no reduction per tile); packed 4/8-bit weights take one row of x per program and keep
-    every tensor in the packed words' own 2-D shape, so nothing changes threads inside the loop. K is
+    every tensor in the packed words' own 2-D shape, so nothing changes threads inside the loop; 6-bit
+    ones the same by runs of 16 values (their 3 words: `six_bit_tile`, `six_bit_accumulate`) where K is
+    a whole number of tiles and groups hold whole runs (`launch_config` picks a K tile that divides K). K is
     split over several programs when N alone gives too few programs to keep the device's memory system
     busy; the fp32 partials are summed in the same launch by the last program of each output tile to
     finish (`split_reduce.arrival_counters`), so a split GEMV is one kernel, not three (partials, their
@@ -76,7 +78,7 @@ def launch_config(m: int, n: int, k: int, bits: int | None = None, itemsize: int
     bytes): the GEMV form up to GEMV_MAX_ROWS rows (one row of an unquantized W: the DENSE_GEMV tiles),
     else tl.dot tiles (GEMM_TILES' K is for 2-byte x: fp32 takes half as many columns per step, or its
     pipelined tiles outgrow shared memory)."""
-    if m <= GEMV_MAX_ROWS and bits in (4, 8):
+    if m <= GEMV_MAX_ROWS and bits in (4, 6, 8):
         block_m, block_n, block_k, use_dot = 1, PACKED_GEMV_BLOCK_N, PACKED_GEMV_BLOCK_K, False
         warps = PACKED_GEMV_NUM_WARPS
     elif m == 1 and not bits:
@@ -90,6 +92,8 @@ def launch_config(m: int, n: int, k: int, bits: int | None = None, itemsize: int
         (block_n, block_k, warps), use_dot = GEMM_TILES[bits or 0], True
         block_k = max(16, block_k * 2 // itemsize)
     block_k = min(block_k, max(16, triton.next_power_of_2(k)))
+    while bits == 6 and k % block_k and block_k > 16:  # whole tiles take the 6-bit runs' form (`six_bit_tile`)
+        block_k //= 2
     k_tiles = triton.cdiv(k, block_k)
     splits = 1
     if not use_dot:
@@ -211,11 +215,15 @@ def load_straddling_values(w_ptr, s_ptr, k0, offs_k, k_mask, rows, stride_wn, st
 @triton.jit
 def gemv_zeros(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BITS: tl.constexpr):
     """The fp32 accumulator of `gemv_loop` (the sum over K is taken once, by `gemv_sum`, not per
-    tile): for 4 and 8 bits one per packed word of the tile, [BLOCK_N, words] (one row of x: BLOCK_M
-    must be 1), else one per product, [BLOCK_M, BLOCK_N, BLOCK_K]."""
+    tile): for 4 and 8 bits one per packed word of the tile, [BLOCK_N, words], for 6 bits one per run of
+    16 values, [BLOCK_N, BLOCK_K / 16] (one row of x: BLOCK_M must be 1), else one per product,
+    [BLOCK_M, BLOCK_N, BLOCK_K]."""
     if BITS != 0 and 32 % BITS == 0:
         tl.static_assert(BLOCK_M == 1, "the packed 4/8-bit GEMV takes one row of x per program")
         acc = tl.zeros((BLOCK_N, BLOCK_K // (32 // BITS)), dtype=tl.float32)
+    elif BITS == 6:
+        tl.static_assert(BLOCK_M == 1, "the 6-bit GEMV takes one row of x per program")
+        acc = tl.zeros((BLOCK_N, BLOCK_K // 16), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
     return acc
@@ -224,7 +232,7 @@ def gemv_zeros(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constex
 @triton.jit
 def gemv_sum(acc, BITS: tl.constexpr):
     """[BLOCK_M, BLOCK_N]: a `gemv_zeros` accumulator summed over K."""
-    if BITS != 0 and 32 % BITS == 0:
+    if BITS != 0 and (32 % BITS == 0 or BITS == 6):
         total = tl.sum(acc, axis=1)[None, :]
     else:
         total = tl.sum(acc, axis=2)
@@ -275,7 +283,7 @@ def gemv_loop(acc, x_ptr, x_rows, m_mask, w_ptr, s_ptr, k_start, k_end, offs_n, 
     for k0 in range(k_start, k_end, BLOCK_K):
         tile, scale = gemv_weights(w_ptr, s_ptr, k0, offs_n, n_mask, stride_wn, stride_sn, K, BITS, GROUP_SIZE, BLOCK_K,
                                    EVEN_K, x_ptr.dtype.element_ty, PRECISION)
-        acc = gemv_step(acc, tile, scale, x_ptr, x_rows, m_mask, k0, K, BITS, BLOCK_K, EVEN_K)
+        acc = gemv_step(acc, tile, scale, x_ptr, x_rows, m_mask, k0, K, BITS, GROUP_SIZE, BLOCK_K, EVEN_K)
     return acc
 
 
@@ -284,12 +292,16 @@ def gemv_weights(w_ptr, s_ptr, k0, offs_n, n_mask, stride_wn, stride_sn, K, BITS
                  GROUP_SIZE: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, DTYPE: tl.constexpr,
                  PRECISION: tl.constexpr):
     """One K tile of `gemv_loop`'s weights (rows offs_n, masked by n_mask; input columns [k0, k0 + BLOCK_K)),
-    as `gemv_step` takes it: packed 4 and 8 bits (the words, their group scales) (`packed_tile`);
-    unquantized (the tile [BLOCK_N, BLOCK_K] as stored, a stand-in scale); 6 bits (the tile dequantized
+    as `gemv_step` takes it: packed 4 and 8 bits (the words, their group scales) (`packed_tile`); 6 bits
+    in whole runs (K a whole number of tiles, groups of whole runs: each run's three words, its group scale;
+    `six_bit_tile`);
+    unquantized (the tile [BLOCK_N, BLOCK_K] as stored, a stand-in scale); other 6-bit tiles (dequantized
     as `load_weight_rows`, rounded to DTYPE: x's dtype, a stand-in scale). It reads the weights alone."""
     rows = tl.where(n_mask, offs_n, 0)[:, None].to(tl.int64)  # clamped: loads need no row mask
     if BITS != 0 and 32 % BITS == 0:
         tile, scale = packed_tile(w_ptr, s_ptr, k0, rows, stride_wn, stride_sn, K, BITS, GROUP_SIZE, BLOCK_K, EVEN_K)
+    elif BITS == 6 and EVEN_K and GROUP_SIZE % 16 == 0:  # whole runs (K whole tiles, groups whole runs)
+        tile, scale = six_bit_tile(w_ptr, s_ptr, k0, rows, stride_wn, stride_sn, GROUP_SIZE, BLOCK_K)
     else:
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = column_mask(offs_k, K, EVEN_K)
@@ -303,19 +315,119 @@ def gemv_weights(w_ptr, s_ptr, k0, offs_n, n_mask, stride_wn, stride_sn, K, BITS
 
 
 @triton.jit
-def gemv_step(acc, tile, scale, x_ptr, x_rows, m_mask, k0, K, BITS: tl.constexpr, BLOCK_K: tl.constexpr,
-              EVEN_K: tl.constexpr):
+def gemv_step(acc, tile, scale, x_ptr, x_rows, m_mask, k0, K, BITS: tl.constexpr, GROUP_SIZE: tl.constexpr,
+              BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
     """One tile of `gemv_loop`: acc + x's rows at input columns [k0, k0 + BLOCK_K) times a `gemv_weights`
-    tile, in fp32: packed 4 and 8 bits by `packed_gemv_accumulate`; else one fp32 accumulator per product
-    ([BLOCK_M, BLOCK_N, BLOCK_K])."""
+    tile, in fp32: packed 4 and 8 bits by `packed_gemv_accumulate`, 6 bits in whole runs by
+    `six_bit_accumulate`; else one fp32 product per accumulator ([BLOCK_M, BLOCK_N, BLOCK_K]; other 6-bit
+    tiles: summed per run into the runs' accumulators)."""
     if BITS != 0 and 32 % BITS == 0:
         acc = packed_gemv_accumulate(acc, tile, scale, x_ptr, x_rows, m_mask, k0, K, BITS, BLOCK_K, EVEN_K)
+    elif BITS == 6 and EVEN_K and GROUP_SIZE % 16 == 0:  # whole runs (K whole tiles, groups whole runs)
+        acc = six_bit_accumulate(acc, tile, scale, x_ptr, x_rows, m_mask, k0, BLOCK_K)
     else:
         offs_k = k0 + tl.arange(0, BLOCK_K)
         a = tl.load(x_ptr + x_rows[:, None] + offs_k[None, :],
                     mask=m_mask[:, None] & column_mask(offs_k, K, EVEN_K)[None, :], other=0.0)
-        acc += a.to(tl.float32)[:, None, :] * tile.to(tl.float32)[None, :, :]
+        products = a.to(tl.float32)[:, None, :] * tile.to(tl.float32)[None, :, :]
+        if BITS == 6:
+            acc += tl.sum(tl.reshape(products, (acc.shape[0], acc.shape[1], 16)), axis=2)
+        else:
+            acc += products
     return acc
+
+
+@triton.jit
+def six_bit_tile(w_ptr, s_ptr, k0, rows, stride_wn, stride_sn, GROUP_SIZE: tl.constexpr, BLOCK_K: tl.constexpr):
+    """6 bits, a tile of whole runs (k0 a multiple of BLOCK_K, the tile inside K): a row's bit stream holds 16
+    values in every 3 words, so ((the runs' first, second and third words, each [BLOCK_N, runs] uint32),
+    each run's group scale in fp32, [BLOCK_N, runs] or [BLOCK_N, 1]) of rows `rows` ([BLOCK_N, 1] int64,
+    in range). Three loads of 4-byte words 12 bytes apart (a warp's together cover its words once)."""
+    RUNS: tl.constexpr = BLOCK_K // 16
+    run = tl.arange(0, RUNS)
+    first = rows * stride_wn + (k0 // 16 * 3 + 3 * run)[None, :]
+    w0 = tl.load(w_ptr + first).to(tl.uint32, bitcast=True)
+    w1 = tl.load(w_ptr + first + 1).to(tl.uint32, bitcast=True)
+    w2 = tl.load(w_ptr + first + 2).to(tl.uint32, bitcast=True)
+    columns = (k0 + 16 * run)[None, :]  # each run's first column: its group (groups hold whole runs)
+    scale = load_group_scales(s_ptr, rows, columns, k0, tl.full(columns.shape, 1, tl.int1), stride_sn, GROUP_SIZE,
+                              BLOCK_K)
+    return (w0, w1, w2), scale
+
+
+@triton.jit
+def _six_bit_value(w0, w1, w2, j: tl.constexpr, one_bits):
+    """Value j (0-15) of each run (its words w0, w1, w2: bits 6j to 6j + 5 of the three, LSB first) as fp32
+    with the bias 32 removed, by `field_value`: a field that reaches bit 23 is taken from its word shifted
+    right by 16, the two that straddle words (bits 30-35, 60-65) are put together first."""
+    if j == 5:
+        value = field_value((w0 >> 30) | ((w1 & 0xF) << 2), 0, one_bits)
+    elif j == 10:
+        value = field_value((w1 >> 28) | ((w2 & 0x3) << 4), 0, one_bits)
+    else:
+        WORD: tl.constexpr = 6 * j // 32
+        AT: tl.constexpr = 6 * j % 32
+        word = w0 if WORD == 0 else (w1 if WORD == 1 else w2)
+        if AT + 6 <= 23:
+            value = field_value(word, AT, one_bits)
+        else:
+            value = field_value(word >> 16, AT - 16, one_bits)
+    return value
+
+
+@triton.jit
+def field_value(source, AT: tl.constexpr, one_bits):
+    """The 6-bit field at bits [AT, AT + 6) of `source` (uint32, AT + 6 <= 23) as fp32 with the bias 32
+    removed, as `word_value` takes a value out: masked in place, ORed into the mantissa of the power of two
+    whose last mantissa bit weighs as the field's lowest bit, then that power plus the bias subtracted."""
+    POWER: tl.constexpr = 23 - AT
+    field = source & (0x3F << AT)
+    return (field | (one_bits + (POWER << 23))).to(tl.float32, bitcast=True) - ((1 << POWER) + 32)
+
+
+@triton.jit
+def six_bit_accumulate(acc, words, scale, x_ptr, x_rows, m_mask, k0, BLOCK_K: tl.constexpr):
+    """6 bits, one row of x: acc [BLOCK_N, runs] + per run, x's columns [k0, k0 + BLOCK_K) times the tile's
+    runs (`six_bit_tile`), in fp32. As `packed_gemv_accumulate` takes 4 and 8 bits: the weights stay in the
+    words' own shape, value j of every run taken out in place (`_six_bit_value`) and multiplied by x's
+    column j of that run (x's tile loaded once as [runs, 16] and split into one [runs] vector per j); a
+    run's products summed in fp32 and multiplied by its group scale (the weights q * scale exactly)."""
+    RUNS: tl.constexpr = BLOCK_K // 16
+    w0, w1, w2 = words
+    columns = (k0 + 16 * tl.arange(0, RUNS))[:, None] + tl.arange(0, 16)[None, :]
+    a = tl.load(x_ptr + x_rows[:, None] + columns, mask=m_mask[:, None], other=0.0).to(tl.float32)
+    even, odd = even_odd(a, RUNS, 16)
+    c0, c2 = even_odd(even, RUNS, 8)  # columns 0, 4, 8, 12 / 2, 6, 10, 14
+    c1, c3 = even_odd(odd, RUNS, 8)  # 1, 5, 9, 13 / 3, 7, 11, 15
+    d0, d4 = even_odd(c0, RUNS, 4)  # 0, 8 / 4, 12
+    d2, d6 = even_odd(c2, RUNS, 4)  # 2, 10 / 6, 14
+    d1, d5 = even_odd(c1, RUNS, 4)  # 1, 9 / 5, 13
+    d3, d7 = even_odd(c3, RUNS, 4)  # 3, 11 / 7, 15
+    x0, x8 = even_odd(d0, RUNS, 2)
+    x4, x12 = even_odd(d4, RUNS, 2)
+    x2, x10 = even_odd(d2, RUNS, 2)
+    x6, x14 = even_odd(d6, RUNS, 2)
+    x1, x9 = even_odd(d1, RUNS, 2)
+    x5, x13 = even_odd(d5, RUNS, 2)
+    x3, x11 = even_odd(d3, RUNS, 2)
+    x7, x15 = even_odd(d7, RUNS, 2)
+    per_run = _six_bit_value(w0, w1, w2, 0, FLOAT_ONE_BITS) * x0[None, :]
+    per_run += _six_bit_value(w0, w1, w2, 1, FLOAT_ONE_BITS) * x1[None, :]
+    per_run += _six_bit_value(w0, w1, w2, 2, FLOAT_ONE_BITS) * x2[None, :]
+    per_run += _six_bit_value(w0, w1, w2, 3, FLOAT_ONE_BITS) * x3[None, :]
+    per_run += _six_bit_value(w0, w1, w2, 4, FLOAT_ONE_BITS) * x4[None, :]
+    per_run += _six_bit_value(w0, w1, w2, 5, FLOAT_ONE_BITS) * x5[None, :]
+    per_run += _six_bit_value(w0, w1, w2, 6, FLOAT_ONE_BITS) * x6[None, :]
+    per_run += _six_bit_value(w0, w1, w2, 7, FLOAT_ONE_BITS) * x7[None, :]
+    per_run += _six_bit_value(w0, w1, w2, 8, FLOAT_ONE_BITS) * x8[None, :]
+    per_run += _six_bit_value(w0, w1, w2, 9, FLOAT_ONE_BITS) * x9[None, :]
+    per_run += _six_bit_value(w0, w1, w2, 10, FLOAT_ONE_BITS) * x10[None, :]
+    per_run += _six_bit_value(w0, w1, w2, 11, FLOAT_ONE_BITS) * x11[None, :]
+    per_run += _six_bit_value(w0, w1, w2, 12, FLOAT_ONE_BITS) * x12[None, :]
+    per_run += _six_bit_value(w0, w1, w2, 13, FLOAT_ONE_BITS) * x13[None, :]
+    per_run += _six_bit_value(w0, w1, w2, 14, FLOAT_ONE_BITS) * x14[None, :]
+    per_run += _six_bit_value(w0, w1, w2, 15, FLOAT_ONE_BITS) * x15[None, :]
+    return acc + per_run * scale
 
 
 @triton.jit
@@ -436,7 +548,7 @@ def _gemv_kernel(
                                BLOCK_K, EVEN_K, x_ptr.dtype.element_ty, PRECISION)
     wait_for_inputs(PDL)
     acc = gemv_step(gemv_zeros(BLOCK_M, BLOCK_N, BLOCK_K, BITS), tile, scale, x_ptr, x_rows, m_mask, k_start, K, BITS,
-                    BLOCK_K, EVEN_K)
+                    GROUP_SIZE, BLOCK_K, EVEN_K)
     acc = gemv_loop(acc, x_ptr, x_rows, m_mask, w_ptr, s_ptr, k_start + BLOCK_K, tl.minimum(k_start + k_per_split, K),
                     offs_n, n_mask, stride_wn, stride_sn, K, BITS, GROUP_SIZE, BLOCK_K, EVEN_K, PRECISION)
     offsets, mask = offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :], m_mask[:, None] & n_mask[None, :]
