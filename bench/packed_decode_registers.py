@@ -15,14 +15,9 @@ weight bytes are in flight, before any GPU time is spent. The launch is speciali
 from __future__ import annotations
 
 import argparse
-import os
 import re
-import subprocess
-import tempfile
 
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+from sm90_compile import compile_sm90, resources
 
 from tierlm.kernels.fused_moe import packed_decode
 from tierlm.kernels.fused_moe import triton as kernels
@@ -46,32 +41,10 @@ def variant_tiles(spec: str) -> tuple[str, packed_decode.PackedDecodeTiles]:
                                    (item.split("=") for item in fields.split(",") if item)})
 
 
-def resources(cubin: bytes) -> tuple[int, int]:
-    """(registers a thread, stack bytes) of a cubin, read by the cuobjdump triton ships."""
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        usage = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True, check=True)
-    found = re.search(r"REG:(\d+).*?STACK:(\d+)", usage.stdout)
-    return int(found.group(1)), int(found.group(2))
-
-
 def compile_phase(launch: packed_decode.PackedLaunch, phase: str, warps: int):
     """One phase of `_packed_decode_kernel` compiled for sm_90 as `packed_decode` launches it (PDL on)."""
-    kernel = packed_decode._packed_decode_kernel
-    constants = {**launch.constants, "PHASE": phase, "PDL": 3}
-    signature, constexprs, attrs = {}, {}, {}
-    for index, name in enumerate(kernel.arg_names):
-        if name in constants:
-            signature[name] = "constexpr"
-            constexprs[(index,)] = constants[name]
-            continue
-        signature[name] = POINTER_TYPES.get(name, "fp32" if name in FLOAT_ARGS else "i32")
-        if name in POINTER_TYPES or "stride" in name or name == "S":
-            attrs[(index,)] = [["tt.divisibility", 16]]
-    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    return compile_sm90(packed_decode._packed_decode_kernel, {**launch.constants, "PHASE": phase, "PDL": 3}, warps,
+                        POINTER_TYPES, FLOAT_ARGS, divisible={"S"})
 
 
 def main() -> None:

@@ -16,29 +16,12 @@ import argparse
 import re
 
 import triton
-from packed_decode_registers import resources
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+from sm90_compile import compile_sm90, resources
 
 from tierlm.kernels.quant_linear import triton as kernels
 
 POINTER_TYPES = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "y_ptr": "*bf16", "partial_ptr": "*fp32",
                  "counter_ptr": "*i32"}
-
-
-def compile_launch(kernel, constants: dict, warps: int):
-    """`kernel` compiled for sm_90 with these constexprs (pointers and strides 16-byte divisible, PDL on)."""
-    signature, constexprs, attrs = {}, {}, {}
-    for index, name in enumerate(kernel.arg_names):
-        if name in constants:
-            signature[name] = "constexpr"
-            constexprs[(index,)] = constants[name]
-            continue
-        signature[name] = POINTER_TYPES.get(name, "i32")
-        if name in POINTER_TYPES or "stride" in name:
-            attrs[(index,)] = [["tt.divisibility", 16]]
-    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
 
 
 def shape(text: str) -> tuple[int, int]:
@@ -65,7 +48,7 @@ def main() -> None:
             else:
                 kernel, constants["SPLIT"] = kernels._gemv_kernel, cfg.splits > 1
                 programs = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n) * cfg.splits
-            compiled = compile_launch(kernel, constants, cfg.num_warps)
+            compiled = compile_sm90(kernel, constants, cfg.num_warps, POINTER_TYPES)
             registers, stack = resources(compiled.asm["cubin"])
             loads = len(re.findall(r"ld\.global", compiled.asm["ptx"]))
             tiles = f"{cfg.block_m}, {cfg.block_n}, {cfg.block_k}"
