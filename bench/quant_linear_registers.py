@@ -8,6 +8,7 @@ check that a kernel compiles at all (Triton's CPU interpreter accepts Python its
 
     python bench/quant_linear_registers.py                          # INT6 g32 at the shared expert's shapes
     python bench/quant_linear_registers.py --bits 4 --group 128 --shapes 10240x2560 --rows 1 4 32
+    python bench/quant_linear_registers.py --bits 0 --shapes 16480x2560 2560x6144 12800x2560 --rows 1  # bf16
 """
 
 from __future__ import annotations
@@ -31,29 +32,33 @@ def shape(text: str) -> tuple[int, int]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--bits", type=int, default=6, choices=[4, 6, 8])
+    parser.add_argument("--bits", type=int, default=6, choices=[0, 4, 6, 8], help="0: unquantized bf16")
     parser.add_argument("--group", type=int, default=32)
     parser.add_argument("--shapes", type=shape, nargs="+", default=[(1280, 2560), (2560, 640)], metavar="NxK")
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 32])
     args = parser.parse_args()
     print(f"{'N x K':>12}{'rows':>6}{'kernel':>7}{'tiles (m, n, k)':>18}{'splits':>7}{'programs':>9}{'warps':>6}"
-          f"{'regs':>6}{'stack':>6}{'loads':>7}")
+          f"{'up front':>9}{'regs':>6}{'stack':>6}{'loads':>7}")
     for n, k in args.shapes:
         for m in args.rows:
-            cfg = kernels.launch_config(m, n, k, args.bits)
+            bits = args.bits or None
+            cfg = kernels.launch_config(m, n, k, bits)
             constants = {"BITS": args.bits, "GROUP_SIZE": args.group, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
                          "BLOCK_K": cfg.block_k, "EVEN_K": k % cfg.block_k == 0, "PRECISION": "tf32", "PDL": 3}
             if cfg.use_dot:
                 kernel, programs = kernels._gemm_kernel, triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
             else:
                 kernel, constants["SPLIT"] = kernels._gemv_kernel, cfg.splits > 1
+                constants["UP_FRONT_TILES"] = kernels.up_front_tiles(cfg, k, bits)
                 programs = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n) * cfg.splits
-            compiled = compile_sm90(kernel, constants, cfg.num_warps, POINTER_TYPES)
+            pointers = dict(POINTER_TYPES, w_ptr="*bf16") if bits is None else POINTER_TYPES
+            compiled = compile_sm90(kernel, constants, cfg.num_warps, pointers)
             registers, stack = resources(compiled.asm["cubin"])
             loads = len(re.findall(r"ld\.global", compiled.asm["ptx"]))
             tiles = f"{cfg.block_m}, {cfg.block_n}, {cfg.block_k}"
             print(f"{n:>6}x{k:<5}{m:>6}{'gemm' if cfg.use_dot else 'gemv':>7}{tiles:>18}{cfg.splits:>7}{programs:>9}"
-                  f"{cfg.num_warps:>6}{registers:>6}{stack:>6}{loads:>7}", flush=True)
+                  f"{cfg.num_warps:>6}{constants.get('UP_FRONT_TILES', 0):>9}{registers:>6}{stack:>6}{loads:>7}",
+                  flush=True)
 
 
 if __name__ == "__main__":

@@ -35,7 +35,11 @@ FORMATS = [("unquantized", None, None), ("int4-g32", 4, 32), ("int8-g64", 8, 64)
 SHAPES = [("decode-split", (1,), 320, 40, 1), ("decode", (3, 1), 192, 40, 4), ("prefill", (20,), 192, 72, 4)]
 # smaller than the kernel's own, so these small K take several tiles
 GEMV_BLOCK_K, PACKED_GEMV_BLOCK_K, DENSE_GEMV_BLOCK_K = {1: 256, 2: 128, 4: 64}, 128, 256
+# unquantized one-row GEMVs: a split of whole tiles, all loaded before the wait (`up_front_tiles`), and K not a
+# whole number of tiles (the loop)
+DENSE_SHAPES = [("decode-up-front", (1,), 512, 40, 4), ("decode-uneven-k", (1,), 1088, 24, 8)]
 CASES = {f"{d}-{f[0]}-{s[0]}": (DTYPES[d], f, s) for d in DTYPES for f in FORMATS for s in SHAPES}
+CASES |= {f"{d}-unquantized-{s[0]}": (DTYPES[d], FORMATS[0], s) for d in DTYPES for s in DENSE_SHAPES}
 
 
 def make_case(name: str, seed: int = 0):
@@ -88,6 +92,11 @@ def run_kernel_cases(names: list[str]) -> dict[str, str | None]:
             splits = kernels.launch_config(rows, weight.shape[0], x.shape[-1], kwargs.get("bits"), x.element_size()).splits
             if name.endswith("decode-split") and splits < 2:
                 results[name] = f"expected a split over K, got {splits}"
+                continue
+            up_front = kernels.up_front_tiles(kernels.launch_config(rows, weight.shape[0], x.shape[-1]), x.shape[-1],
+                                              kwargs.get("bits"))
+            if (name.endswith("up-front") and up_front != 2) or (name.endswith("uneven-k") and up_front):
+                results[name] = f"{up_front} tiles loaded up front"
                 continue
             reference = naive.quant_linear(x, weight, **kwargs)
             on_device = {key: v.to(device) if torch.is_tensor(v) else v for key, v in kwargs.items()}
@@ -142,6 +151,23 @@ def test_one_unquantized_row_takes_the_dense_gemv_tiles():
     assert tiles(4, 16384, 2560) == (4, 8, 256, 4, False)
     assert tiles(1, 2560, 6144, 4) == (1, 16, 512, 4, False)
     assert tiles(20, 2560, 6144)[-1]  # prefill: tl.dot
+
+
+def test_unquantized_gemv_loads_whole_splits_up_front(monkeypatch):
+    """An unquantized GEMV program loads all its split's K tiles before it waits where they are whole and
+    hold at most DENSE_GEMV_UP_FRONT_MAX_VALUES (the real widths' K 2560 at one row); packed weights, larger or
+    ragged splits and TIERLM_NO_GEMV_UP_FRONT=1 keep the loop."""
+    import tierlm.kernels.quant_linear.triton as kernels
+
+    def up_front(m, n, k, bits=None):
+        return kernels.up_front_tiles(kernels.launch_config(m, n, k, bits), k, bits)
+
+    assert up_front(1, 16480, 2560) == up_front(1, 12800, 2560) == 5
+    assert up_front(1, 2560, 6144) == 0  # 6 tiles of 4 x 1024
+    assert up_front(1, 2560, 1000) == 0  # ragged
+    assert up_front(1, 2560, 2560, 4) == up_front(1, 2560, 2560, 8) == 0
+    monkeypatch.setenv("TIERLM_NO_GEMV_UP_FRONT", "1")
+    assert up_front(1, 16480, 2560) == 0
 
 
 def test_packing_layout_is_lsb_first_and_dense():

@@ -30,6 +30,7 @@ weight); the GEMM waits first.
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import torch
@@ -52,6 +53,12 @@ GEMV_BLOCK_K = {1: 512, 2: 512, 4: 256}  # input columns per step, by rows per p
 # programs (4, 512, 4) gives 24.8, 20.3, 12.8: K 2560 is a tie within noise); so BLOCK_K 1024 from K 4096
 DENSE_GEMV_BLOCK_N, DENSE_GEMV_NUM_WARPS = 4, 4
 DENSE_GEMV_BLOCK_K, DENSE_GEMV_LONG_K, DENSE_GEMV_LONG_BLOCK_K = 512, 4096, 1024  # BLOCK_K below / from LONG_K
+# unquantized weights: a program whose split of K is whole tiles holding at most this many values loads them
+# all before it waits for x (`up_front_tiles`): at one row, K 2560 (5 tiles of 4 x 512: 122 registers a
+# thread for sm_90, against 48 for the loop); K 6144's 6 tiles of 4 x 1024 took 255, so those keep the loop.
+# H200, real-width stack, bf16 (bench/results/decode_roofline_nvidia-h200_s12upfront.json, --variants base
+# TIERLM_NO_GEMV_UP_FRONT=1): one stream 1.007x tok/s at ctx 8192 (every round), 1.001x at 512; 4 streams 1.000x
+DENSE_GEMV_UP_FRONT_MAX_VALUES = 4 * 2560
 # packed 4/8-bit weights: one row of x per program (the rows of a batch are neighbouring programs, so a
 # weight tile read for one is in L2 for the others), accumulators per word; these tiles were measured on
 # an H200 (bench/results/quant_linear_kernel_nvidia_h200.json) but not swept yet (PACKED_GEMV_SWEEP)
@@ -531,12 +538,14 @@ def sum_splits(result, out_ptrs, partial_ptrs, split_stride, mask, counter_ptr, 
 def _gemv_kernel(
     x_ptr, w_ptr, s_ptr, y_ptr, partial_ptr, counter_ptr, M, N, K, k_per_split, stride_xm, stride_wn, stride_sn,
     stride_ym, stride_ps, BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr, UP_FRONT_TILES: tl.constexpr,
+    PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
     """One program: rows [pid(0) * BLOCK_M, +BLOCK_M), columns [pid(1) * BLOCK_N, +BLOCK_N), input columns
     [split * k_per_split, +k_per_split) (a multiple of BLOCK_K), by `gemv_loop`, its first tile of weights
-    loaded before `wait_for_inputs` (PDL). Writes y; split over K (SPLIT), it ends in `sum_splits`
-    (partial_ptr: [splits, M, N], split stride stride_ps; one counter per output tile)."""
+    loaded before `wait_for_inputs` (PDL); with UP_FRONT_TILES (k_per_split is that many whole tiles) all its
+    tiles are loaded there, unrolled, and stepped after it. Writes y; split over K (SPLIT), it ends in
+    `sum_splits` (partial_ptr: [splits, M, N], split stride stride_ps; one counter per output tile)."""
     allow_dependents(PDL)
     pid_m, pid_n, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -544,13 +553,26 @@ def _gemv_kernel(
     m_mask, n_mask = offs_m < M, offs_n < N
     x_rows = tl.where(m_mask, offs_m, 0).to(tl.int64) * stride_xm
     k_start = split * k_per_split  # < K: every split has a tile
-    tile, scale = gemv_weights(w_ptr, s_ptr, k_start, offs_n, n_mask, stride_wn, stride_sn, K, BITS, GROUP_SIZE,
-                               BLOCK_K, EVEN_K, x_ptr.dtype.element_ty, PRECISION)
-    wait_for_inputs(PDL)
-    acc = gemv_step(gemv_zeros(BLOCK_M, BLOCK_N, BLOCK_K, BITS), tile, scale, x_ptr, x_rows, m_mask, k_start, K, BITS,
-                    GROUP_SIZE, BLOCK_K, EVEN_K)
-    acc = gemv_loop(acc, x_ptr, x_rows, m_mask, w_ptr, s_ptr, k_start + BLOCK_K, tl.minimum(k_start + k_per_split, K),
-                    offs_n, n_mask, stride_wn, stride_sn, K, BITS, GROUP_SIZE, BLOCK_K, EVEN_K, PRECISION)
+    if UP_FRONT_TILES:
+        tiles = ()
+        for t in tl.static_range(UP_FRONT_TILES):
+            tiles += (gemv_weights(w_ptr, s_ptr, k_start + t * BLOCK_K, offs_n, n_mask, stride_wn, stride_sn, K, BITS,
+                                   GROUP_SIZE, BLOCK_K, EVEN_K, x_ptr.dtype.element_ty, PRECISION),)
+        wait_for_inputs(PDL)
+        acc = gemv_zeros(BLOCK_M, BLOCK_N, BLOCK_K, BITS)
+        for t in tl.static_range(UP_FRONT_TILES):
+            tile, scale = tiles[t]
+            acc = gemv_step(acc, tile, scale, x_ptr, x_rows, m_mask, k_start + t * BLOCK_K, K, BITS, GROUP_SIZE,
+                            BLOCK_K, EVEN_K)
+    else:
+        tile, scale = gemv_weights(w_ptr, s_ptr, k_start, offs_n, n_mask, stride_wn, stride_sn, K, BITS, GROUP_SIZE,
+                                   BLOCK_K, EVEN_K, x_ptr.dtype.element_ty, PRECISION)
+        wait_for_inputs(PDL)
+        acc = gemv_step(gemv_zeros(BLOCK_M, BLOCK_N, BLOCK_K, BITS), tile, scale, x_ptr, x_rows, m_mask, k_start, K,
+                        BITS, GROUP_SIZE, BLOCK_K, EVEN_K)
+        acc = gemv_loop(acc, x_ptr, x_rows, m_mask, w_ptr, s_ptr, k_start + BLOCK_K,
+                        tl.minimum(k_start + k_per_split, K), offs_n, n_mask, stride_wn, stride_sn, K, BITS, GROUP_SIZE,
+                        BLOCK_K, EVEN_K, PRECISION)
     offsets, mask = offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :], m_mask[:, None] & n_mask[None, :]
     if SPLIT:
         sum_splits(gemv_sum(acc, BITS), y_ptr + offsets, partial_ptr + offsets, stride_ps, mask,
@@ -638,5 +660,17 @@ def quant_linear(x: torch.Tensor, weight_or_packed: torch.Tensor, *, scales: tor
     partial = torch.empty((cfg.splits, m, n), dtype=torch.float32, device=x.device) if split else y
     counters = arrival_counters("quant_linear", x.device, grid[0] * grid[1]) if split else y
     _gemv_kernel[grid](x2, weight, s_arg, y, partial, counters, m, n, k, cfg.k_per_split, x2.stride(0),
-                       weight.stride(0), stride_sn, y.stride(0), m * n, SPLIT=split, **common, **launch_options(x.device))
+                       weight.stride(0), stride_sn, y.stride(0), m * n, SPLIT=split,
+                       UP_FRONT_TILES=up_front_tiles(cfg, k, bits), **common, **launch_options(x.device))
     return y.view(out_shape)
+
+
+def up_front_tiles(cfg: LaunchConfig, k: int, bits: int | None) -> int:
+    """How many K tiles a GEMV program of an unquantized weight loads before it waits (all of its split's,
+    `_gemv_kernel`'s UP_FRONT_TILES) where every split is whole tiles and a program's weights are at most
+    DENSE_GEMV_UP_FRONT_MAX_VALUES; else 0 (one tile before the wait, the rest in `gemv_loop`).
+    TIERLM_NO_GEMV_UP_FRONT=1: always 0."""
+    tiles = cfg.k_per_split // cfg.block_k
+    if bits or k % cfg.k_per_split or cfg.block_n * cfg.k_per_split > DENSE_GEMV_UP_FRONT_MAX_VALUES:
+        return 0
+    return 0 if os.environ.get("TIERLM_NO_GEMV_UP_FRONT", "0") not in ("", "0") else tiles
