@@ -59,7 +59,9 @@ DEFAULT_FORMATS = ["bf16", "int8", "int4-g128"]
 # with the best mean fraction of the copy bandwidth kept (module constants of quant_linear.triton)
 GEMV_SWEEP = [{"GEMV_BLOCK_N": n, "GEMV_BLOCK_K": {1: k, 2: k, 4: k // 2}, "GEMV_NUM_WARPS": w}
               for n in (4, 8, 16) for k in (256, 512, 1024) for w in (4, 8) if w == 4 or k == 1024]
-PACKED_GEMV_SWEEP = [{"PACKED_GEMV_BLOCK_N": n, "PACKED_GEMV_BLOCK_K": k, "PACKED_GEMV_NUM_WARPS": w}
+# (the packed tiles are per rows a program, 1, 2 or 4: a candidate sets all three, the batch swept picks its own)
+PACKED_GEMV_SWEEP = [{"PACKED_GEMV_BLOCK_N": dict.fromkeys((1, 2, 4), n), "PACKED_GEMV_BLOCK_K": dict.fromkeys((1, 2, 4), k),
+                      "PACKED_GEMV_NUM_WARPS": dict.fromkeys((1, 2, 4), w)}
                      for n in (8, 16, 32) for k in (256, 512, 1024) for w in (4, 8)
                      if 2 <= n * k // 8 // (32 * w) <= 16]  # 4-bit words per thread (8-bit: twice as many)
 SPLIT_SWEEP = [{"GEMV_TARGET_PROGRAMS": t, "GEMV_MIN_TILES_PER_SPLIT": m} for t in (264, 528, 1056) for m in (2, 4)]

@@ -30,11 +30,13 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 FORMATS = [("unquantized", None, None), ("int4-g32", 4, 32), ("int8-g64", 8, 64), ("int6-g32", 6, 32),
            ("int6-g8", 6, 8), ("int4-channel", 4, None)]
 # (name, leading shape of x, K, N, min tiles per split): 1 row (K in 2 splits, the second tile part-full,
-# groups smaller than a tile), 3 rows in a [3, 1] batch (no split, one scale per tile), 20 rows (tl.dot);
-# N never a multiple of the tile
-SHAPES = [("decode-split", (1,), 320, 40, 1), ("decode", (3, 1), 192, 40, 4), ("prefill", (20,), 192, 72, 4)]
+# groups smaller than a tile), 3 rows in a [3, 1] batch (no split, one scale per tile; packed 4/8 bits: a
+# program of 4 rows, one masked), 2 rows, 20 rows (tl.dot); N never a multiple of the tile
+SHAPES = [("decode-split", (1,), 320, 40, 1), ("decode", (3, 1), 192, 40, 4), ("decode-two-rows", (2,), 192, 40, 4),
+          ("prefill", (20,), 192, 72, 4)]
 # smaller than the kernel's own, so these small K take several tiles
-GEMV_BLOCK_K, PACKED_GEMV_BLOCK_K, DENSE_GEMV_BLOCK_K = {1: 256, 2: 128, 4: 64}, 128, 256
+GEMV_BLOCK_K, PACKED_GEMV_BLOCK_K, DENSE_GEMV_BLOCK_K = {1: 256, 2: 128, 4: 64}, dict.fromkeys((1, 2, 4), 128), 256
+SIX_BIT_GEMV_BLOCK_K = 128
 # unquantized one-row GEMVs: a split of whole tiles, all loaded before the wait (`up_front_tiles`), and K not a
 # whole number of tiles (the loop)
 DENSE_SHAPES = [("decode-up-front", (1,), 512, 40, 4), ("decode-uneven-k", (1,), 1088, 24, 8)]
@@ -81,9 +83,9 @@ def run_kernel_cases(names: list[str]) -> dict[str, str | None]:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     results = {}
     saved = (kernels.GEMV_MIN_TILES_PER_SPLIT, kernels.GEMV_BLOCK_K, kernels.PACKED_GEMV_BLOCK_K,
-             kernels.DENSE_GEMV_BLOCK_K)
+             kernels.DENSE_GEMV_BLOCK_K, kernels.SIX_BIT_GEMV_BLOCK_K)
     kernels.GEMV_BLOCK_K, kernels.PACKED_GEMV_BLOCK_K = GEMV_BLOCK_K, PACKED_GEMV_BLOCK_K
-    kernels.DENSE_GEMV_BLOCK_K = DENSE_GEMV_BLOCK_K
+    kernels.DENSE_GEMV_BLOCK_K, kernels.SIX_BIT_GEMV_BLOCK_K = DENSE_GEMV_BLOCK_K, SIX_BIT_GEMV_BLOCK_K
     try:
         for name in names:
             x, weight, kwargs, exact, min_tiles = make_case(name)
@@ -104,7 +106,7 @@ def run_kernel_cases(names: list[str]) -> dict[str, str | None]:
             results[name] = within_tolerance(out, reference, *exact)
     finally:
         (kernels.GEMV_MIN_TILES_PER_SPLIT, kernels.GEMV_BLOCK_K, kernels.PACKED_GEMV_BLOCK_K,
-         kernels.DENSE_GEMV_BLOCK_K) = saved
+         kernels.DENSE_GEMV_BLOCK_K, kernels.SIX_BIT_GEMV_BLOCK_K) = saved
     return results
 
 
@@ -149,7 +151,9 @@ def test_one_unquantized_row_takes_the_dense_gemv_tiles():
     assert tiles(1, 2560, 640, 6) == (1, 16, 128, 4, False)
     assert tiles(4, 2560, 640, 6) == (1, 16, 128, 4, False)
     assert tiles(4, 16384, 2560) == (4, 8, 256, 4, False)
-    assert tiles(1, 2560, 6144, 4) == (1, 16, 512, 4, False)
+    assert tiles(1, 2560, 6144, 4) == (1, 32, 256, 4, False)
+    assert tiles(3, 248320, 2560, 8) == (4, 32, 512, 4, False)  # packed 4/8 bits: every row in each program
+    assert tiles(2, 248320, 2560, 8) == (2, 32, 256, 4, False)
     assert tiles(20, 2560, 6144)[-1]  # prefill: tl.dot
 
 

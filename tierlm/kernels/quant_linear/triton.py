@@ -9,7 +9,7 @@ then rounded to x's dtype: the same rounded weight `naive` builds, so the two di
 order (products accumulate in fp32 here).
   - decode (M <= GEMV_MAX_ROWS), `_gemv_kernel`: no tensor-core dot (it would pad M to 16); each
     product lands in its own fp32 accumulator (`gemv_loop`) and the sum over K is taken once at
-    the end (no reduction per tile); packed 4/8-bit weights take one row of x per program and keep
+    the end (no reduction per tile); packed 4/8-bit weights take every row of x in each program and keep
     every tensor in the packed words' own 2-D shape, so nothing changes threads inside the loop; 6-bit
     ones the same by runs of 16 values (their 3 words: `six_bit_tile`, `six_bit_accumulate`) where K is
     a whole number of tiles and groups hold whole runs (`launch_config` picks a K tile that divides K). K is
@@ -59,10 +59,19 @@ DENSE_GEMV_BLOCK_K, DENSE_GEMV_LONG_K, DENSE_GEMV_LONG_BLOCK_K = 512, 4096, 1024
 # H200, real-width stack, bf16 (bench/results/decode_roofline_nvidia-h200_s12upfront.json, --variants base
 # TIERLM_NO_GEMV_UP_FRONT=1): one stream 1.007x tok/s at ctx 8192 (every round), 1.001x at 512; 4 streams 1.000x
 DENSE_GEMV_UP_FRONT_MAX_VALUES = 4 * 2560
-# packed 4/8-bit weights: one row of x per program (the rows of a batch are neighbouring programs, so a
-# weight tile read for one is in L2 for the others), accumulators per word; these tiles were measured on
-# an H200 (bench/results/quant_linear_kernel_nvidia_h200.json) but not swept yet (PACKED_GEMV_SWEEP)
-PACKED_GEMV_BLOCK_N, PACKED_GEMV_BLOCK_K, PACKED_GEMV_NUM_WARPS = 16, 512, 4
+# packed 4/8-bit weights: every row of x (up to 4) in each program, each word's values taken out once for all
+# of them, accumulators per word and row. By rows per program (1, 2, 4): H200, bench/quant_linear_kernel.py
+# --sweep --formats int8 --shapes 248320x2560 --batches 1 2 4 (the INT8 lm_head; session 12,
+# bench/results/quant_linear_kernel_int8_sweep_nvidia_h200.json): 91.3% / 67.0% / 39.7% of the copy
+# bandwidth at 1 / 2 / 4 rows, against 80.6% / - / 24.5% for the earlier (16, 512, 4) tiles with one row of
+# x per program (the 4 rows' programs each read and unpacked the whole weight). 4 rows' (32, 512) tiles take 255
+# registers and spill 288 bytes for sm_90 (bench/quant_linear_registers.py) and still led: (32, 256) 36.5%
+PACKED_GEMV_BLOCK_N = {1: 32, 2: 32, 4: 32}
+PACKED_GEMV_BLOCK_K = {1: 256, 2: 256, 4: 512}
+PACKED_GEMV_NUM_WARPS = {1: 4, 2: 4, 4: 4}
+# 6-bit weights: one row of x per program (the rows of a batch are neighbouring programs, so a weight tile
+# read for one is in L2 for the others)
+SIX_BIT_GEMV_BLOCK_N, SIX_BIT_GEMV_BLOCK_K, SIX_BIT_GEMV_NUM_WARPS = 16, 512, 4
 GEMV_TARGET_PROGRAMS = 528  # decode: split K until about this many programs run (4 per SM on an H200)
 GEMV_MIN_TILES_PER_SPLIT = 2  # ... but give each split at least this many tiles of K
 GEMM_MAX_BLOCK_M = 64
@@ -85,9 +94,13 @@ def launch_config(m: int, n: int, k: int, bits: int | None = None, itemsize: int
     bytes): the GEMV form up to GEMV_MAX_ROWS rows (one row of an unquantized W: the DENSE_GEMV tiles),
     else tl.dot tiles (GEMM_TILES' K is for 2-byte x: fp32 takes half as many columns per step, or its
     pipelined tiles outgrow shared memory)."""
-    if m <= GEMV_MAX_ROWS and bits in (4, 6, 8):
-        block_m, block_n, block_k, use_dot = 1, PACKED_GEMV_BLOCK_N, PACKED_GEMV_BLOCK_K, False
-        warps = PACKED_GEMV_NUM_WARPS
+    if m <= GEMV_MAX_ROWS and bits in (4, 8):
+        block_m = triton.next_power_of_2(m)
+        block_n, block_k, use_dot = PACKED_GEMV_BLOCK_N[block_m], PACKED_GEMV_BLOCK_K[block_m], False
+        warps = PACKED_GEMV_NUM_WARPS[block_m]
+    elif m <= GEMV_MAX_ROWS and bits == 6:  # one row a program
+        block_m, block_n, block_k, use_dot = 1, SIX_BIT_GEMV_BLOCK_N, SIX_BIT_GEMV_BLOCK_K, False
+        warps = SIX_BIT_GEMV_NUM_WARPS
     elif m == 1 and not bits:
         block_m, block_n, use_dot, warps = 1, DENSE_GEMV_BLOCK_N, False, DENSE_GEMV_NUM_WARPS
         block_k = DENSE_GEMV_LONG_BLOCK_K if k >= DENSE_GEMV_LONG_K else DENSE_GEMV_BLOCK_K
@@ -222,12 +235,18 @@ def load_straddling_values(w_ptr, s_ptr, k0, offs_k, k_mask, rows, stride_wn, st
 @triton.jit
 def gemv_zeros(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BITS: tl.constexpr):
     """The fp32 accumulator of `gemv_loop` (the sum over K is taken once, by `gemv_sum`, not per
-    tile): for 4 and 8 bits one per packed word of the tile, [BLOCK_N, words], for 6 bits one per run of
+    tile): for 4 and 8 bits one per packed word of the tile and row of x, [BLOCK_N, words] (2 rows:
+    [BLOCK_N, words, 2]; 4: [BLOCK_N, words, 2, 2], `packed_gemv_accumulate`), for 6 bits one per run of
     16 values, [BLOCK_N, BLOCK_K / 16] (one row of x: BLOCK_M must be 1), else one per product,
     [BLOCK_M, BLOCK_N, BLOCK_K]."""
     if BITS != 0 and 32 % BITS == 0:
-        tl.static_assert(BLOCK_M == 1, "the packed 4/8-bit GEMV takes one row of x per program")
-        acc = tl.zeros((BLOCK_N, BLOCK_K // (32 // BITS)), dtype=tl.float32)
+        tl.static_assert(BLOCK_M == 1 or BLOCK_M == 2 or BLOCK_M == 4, "the packed 4/8-bit GEMV takes 1, 2 or 4 rows")
+        if BLOCK_M == 1:
+            acc = tl.zeros((BLOCK_N, BLOCK_K // (32 // BITS)), dtype=tl.float32)
+        elif BLOCK_M == 2:
+            acc = tl.zeros((BLOCK_N, BLOCK_K // (32 // BITS), 2), dtype=tl.float32)
+        else:
+            acc = tl.zeros((BLOCK_N, BLOCK_K // (32 // BITS), 2, 2), dtype=tl.float32)
     elif BITS == 6:
         tl.static_assert(BLOCK_M == 1, "the 6-bit GEMV takes one row of x per program")
         acc = tl.zeros((BLOCK_N, BLOCK_K // 16), dtype=tl.float32)
@@ -239,7 +258,12 @@ def gemv_zeros(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constex
 @triton.jit
 def gemv_sum(acc, BITS: tl.constexpr):
     """[BLOCK_M, BLOCK_N]: a `gemv_zeros` accumulator summed over K."""
-    if BITS != 0 and (32 % BITS == 0 or BITS == 6):
+    if BITS != 0 and 32 % BITS == 0 and len(acc.shape) == 3:  # packed, 2 rows side by side
+        total = tl.trans(tl.sum(acc, axis=1))
+    elif BITS != 0 and 32 % BITS == 0 and len(acc.shape) == 4:  # packed, 4 rows: row 2i + j at [..., i, j]
+        total = tl.sum(acc, axis=1)
+        total = tl.trans(tl.reshape(total, (total.shape[0], 4)))
+    elif BITS != 0 and (32 % BITS == 0 or BITS == 6):
         total = tl.sum(acc, axis=1)[None, :]
     else:
         total = tl.sum(acc, axis=2)
@@ -458,20 +482,55 @@ def packed_tile(w_ptr, s_ptr, k0, rows, stride_wn, stride_sn, K, BITS: tl.conste
 @triton.jit
 def packed_gemv_accumulate(acc, words, scale, x_ptr, x_rows, m_mask, k0, K, BITS: tl.constexpr,
                            BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
-    """4 and 8 bits, one row of x: acc [BLOCK_N, words] + per word, x's columns [k0, k0 + BLOCK_K) times the
-    tile's words (`packed_tile`), in fp32. The weights stay in the packed words' own shape (no value of
-    them moves between threads): value j of every word is taken out in place (`word_value`) and
-    multiplied by x's column j of that word. x's tile is loaded once as [words, values per word]
-    (contiguous) and split into one [words] vector per j (`even_odd`; one trip through shared memory per
-    tile brings them into the words' layout: x loaded per j instead takes 32 / BITS strided loads per
-    word, many times the weights' own L1 traffic). A word's products are summed in fp32 and multiplied by
-    the word's group scale: the weights are q * scale exactly, not rounded to x's dtype first as `naive`
-    and the GEMM form do (in bf16 a difference well under the output's own rounding; in fp32 at fp32
-    roundoff)."""
+    """4 and 8 bits, BLOCK_M (x_rows' length: 1, 2 or 4) rows of x: acc (`gemv_zeros`: [BLOCK_N, words] a
+    row, the rows side by side in the last dims) + per word, x's columns [k0, k0 + BLOCK_K) times the tile's
+    words (`packed_tile`), in fp32. The weights stay in the packed words' own shape (no value of them moves
+    between threads): value j of every word is taken out in place (`word_value`), once for all the rows,
+    and multiplied by each row's column j of that word. A row of x's tile is loaded once as [words, values
+    per word] (contiguous) and split into one [words] vector per j (`packed_columns`). A word's products are
+    summed in fp32 and multiplied by the word's group scale: the weights are q * scale exactly, not rounded
+    to x's dtype first as `naive` and the GEMM form do (in bf16 a difference well under the output's own
+    rounding; in fp32 at fp32 roundoff)."""
+    BLOCK_M: tl.constexpr = x_rows.shape[0]
+    VALUES: tl.constexpr = 32 // BITS
+    index = tl.arange(0, BLOCK_M)
+    columns = ()  # per row, its VALUES column vectors [words]
+    for r in tl.static_range(BLOCK_M):
+        offset = tl.sum(tl.where(index == r, x_rows, 0))
+        ok = tl.sum(tl.where(index == r, m_mask.to(tl.int32), 0))
+        columns += (packed_columns(x_ptr + offset, ok, k0, K, BITS, BLOCK_K, EVEN_K),)
     high = words >> 16
+    sums = ()
+    for j in tl.static_range(VALUES):
+        value = word_value(words, high, j, BITS, FLOAT_ONE_BITS)
+        summed = ()
+        for r in tl.static_range(BLOCK_M):
+            product = value * columns[r][j][None, :]
+            summed += (product if j == 0 else sums[r] + product,)
+        sums = summed
+    if BLOCK_M == 1:
+        per_word = sums[0]
+    elif BLOCK_M == 2:
+        per_word = tl.join(sums[0], sums[1])
+    else:  # [BLOCK_N, words, 2, 2]: row 2i + j at [..., i, j] (`gemv_sum` flattens it)
+        per_word = tl.join(tl.join(sums[0], sums[2]), tl.join(sums[1], sums[3]))
+    if BLOCK_M == 2:
+        scale = tl.expand_dims(scale, 2)
+    elif BLOCK_M == 4:
+        scale = tl.expand_dims(tl.expand_dims(scale, 2), 3)
+    return acc + per_word * scale
+
+
+@triton.jit
+def packed_columns(x_row_ptr, ok, k0, K, BITS: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """One row of x (from x_row_ptr; all 0 unless ok, an int32, is 1) at columns [k0, k0 + BLOCK_K) as 32 / BITS vectors
+    [words]: vector j holds column j of each word. Loaded once as [words, values per word] (contiguous)
+    and split in registers (`even_odd`; one trip through shared memory per tile brings them into the
+    words' layout: x loaded per j instead takes 32 / BITS strided loads per word, many times the weights'
+    own L1 traffic)."""
     offs_w = k0 // (32 // BITS) + tl.arange(0, BLOCK_K // (32 // BITS))
     columns = offs_w[:, None] * (32 // BITS) + tl.arange(0, 32 // BITS)[None, :]
-    a = tl.load(x_ptr + x_rows[:, None] + columns, mask=m_mask[:, None] & column_mask(columns, K, EVEN_K),
+    a = tl.load(x_row_ptr + columns, mask=(columns * 0 + ok != 0) & column_mask(columns, K, EVEN_K),
                 other=0.0).to(tl.float32)
     even, odd = even_odd(a, BLOCK_K // (32 // BITS), 32 // BITS)
     if BITS == 4:
@@ -481,22 +540,12 @@ def packed_gemv_accumulate(acc, words, scale, x_ptr, x_rows, m_mask, k0, K, BITS
         a2, a6 = even_odd(even1, BLOCK_K // 8, 2)
         a1, a5 = even_odd(odd0, BLOCK_K // 8, 2)
         a3, a7 = even_odd(odd1, BLOCK_K // 8, 2)
-        per_word = word_value(words, high, 0, BITS, FLOAT_ONE_BITS) * a0[None, :]
-        per_word += word_value(words, high, 1, BITS, FLOAT_ONE_BITS) * a1[None, :]
-        per_word += word_value(words, high, 2, BITS, FLOAT_ONE_BITS) * a2[None, :]
-        per_word += word_value(words, high, 3, BITS, FLOAT_ONE_BITS) * a3[None, :]
-        per_word += word_value(words, high, 4, BITS, FLOAT_ONE_BITS) * a4[None, :]
-        per_word += word_value(words, high, 5, BITS, FLOAT_ONE_BITS) * a5[None, :]
-        per_word += word_value(words, high, 6, BITS, FLOAT_ONE_BITS) * a6[None, :]
-        per_word += word_value(words, high, 7, BITS, FLOAT_ONE_BITS) * a7[None, :]
+        parts = (a0, a1, a2, a3, a4, a5, a6, a7)
     else:
         a0, a2 = even_odd(even, BLOCK_K // 4, 2)
         a1, a3 = even_odd(odd, BLOCK_K // 4, 2)
-        per_word = word_value(words, high, 0, BITS, FLOAT_ONE_BITS) * a0[None, :]
-        per_word += word_value(words, high, 1, BITS, FLOAT_ONE_BITS) * a1[None, :]
-        per_word += word_value(words, high, 2, BITS, FLOAT_ONE_BITS) * a2[None, :]
-        per_word += word_value(words, high, 3, BITS, FLOAT_ONE_BITS) * a3[None, :]
-    return acc + per_word * scale
+        parts = (a0, a1, a2, a3)
+    return parts
 
 
 @triton.jit
