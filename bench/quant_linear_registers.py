@@ -57,7 +57,7 @@ def main() -> None:
             loads = len(re.findall(r"ld\.global", compiled.asm["ptx"]))
             tiles = f"{cfg.block_m}, {cfg.block_n}, {cfg.block_k}"
             print(f"{n:>6}x{k:<5}{m:>6}{'gemm' if cfg.use_dot else 'gemv':>7}{tiles:>18}{cfg.splits:>7}{programs:>9}"
-                  f"{cfg.num_warps:>6}{constants.get('UP_FRONT_TILES', 0):>9}{registers:>6}{stack:>6}{loads:>7}",
+                  f"{cfg.num_warps:>6}{constants.get('UP_FRONT_TILES', '-'):>9}{registers:>6}{stack:>6}{loads:>7}",
                   flush=True)
 
 

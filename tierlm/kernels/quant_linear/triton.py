@@ -591,10 +591,10 @@ def _gemv_kernel(
     PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
     """One program: rows [pid(0) * BLOCK_M, +BLOCK_M), columns [pid(1) * BLOCK_N, +BLOCK_N), input columns
-    [split * k_per_split, +k_per_split) (a multiple of BLOCK_K), by `gemv_loop`, its first tile of weights
-    loaded before `wait_for_inputs` (PDL); with UP_FRONT_TILES (k_per_split is that many whole tiles) all its
-    tiles are loaded there, unrolled, and stepped after it. Writes y; split over K (SPLIT), it ends in
-    `sum_splits` (partial_ptr: [splits, M, N], split stride stride_ps; one counter per output tile)."""
+    [split * k_per_split, +k_per_split) (a multiple of BLOCK_K): its first UP_FRONT_TILES tiles of weights
+    loaded before `wait_for_inputs` (PDL; unrolled) and stepped after it, the rest by `gemv_loop`. Writes y;
+    split over K (SPLIT), it ends in `sum_splits` (partial_ptr: [splits, M, N], split stride stride_ps; one
+    counter per output tile)."""
     allow_dependents(PDL)
     pid_m, pid_n, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -602,26 +602,19 @@ def _gemv_kernel(
     m_mask, n_mask = offs_m < M, offs_n < N
     x_rows = tl.where(m_mask, offs_m, 0).to(tl.int64) * stride_xm
     k_start = split * k_per_split  # < K: every split has a tile
-    if UP_FRONT_TILES:
-        tiles = ()
-        for t in tl.static_range(UP_FRONT_TILES):
-            tiles += (gemv_weights(w_ptr, s_ptr, k_start + t * BLOCK_K, offs_n, n_mask, stride_wn, stride_sn, K, BITS,
-                                   GROUP_SIZE, BLOCK_K, EVEN_K, x_ptr.dtype.element_ty, PRECISION),)
-        wait_for_inputs(PDL)
-        acc = gemv_zeros(BLOCK_M, BLOCK_N, BLOCK_K, BITS)
-        for t in tl.static_range(UP_FRONT_TILES):
-            tile, scale = tiles[t]
-            acc = gemv_step(acc, tile, scale, x_ptr, x_rows, m_mask, k_start + t * BLOCK_K, K, BITS, GROUP_SIZE,
-                            BLOCK_K, EVEN_K)
-    else:
-        tile, scale = gemv_weights(w_ptr, s_ptr, k_start, offs_n, n_mask, stride_wn, stride_sn, K, BITS, GROUP_SIZE,
-                                   BLOCK_K, EVEN_K, x_ptr.dtype.element_ty, PRECISION)
-        wait_for_inputs(PDL)
-        acc = gemv_step(gemv_zeros(BLOCK_M, BLOCK_N, BLOCK_K, BITS), tile, scale, x_ptr, x_rows, m_mask, k_start, K,
-                        BITS, GROUP_SIZE, BLOCK_K, EVEN_K)
-        acc = gemv_loop(acc, x_ptr, x_rows, m_mask, w_ptr, s_ptr, k_start + BLOCK_K,
-                        tl.minimum(k_start + k_per_split, K), offs_n, n_mask, stride_wn, stride_sn, K, BITS, GROUP_SIZE,
-                        BLOCK_K, EVEN_K, PRECISION)
+    tiles = ()
+    for t in tl.static_range(UP_FRONT_TILES):
+        tiles += (gemv_weights(w_ptr, s_ptr, k_start + t * BLOCK_K, offs_n, n_mask, stride_wn, stride_sn, K, BITS,
+                               GROUP_SIZE, BLOCK_K, EVEN_K, x_ptr.dtype.element_ty, PRECISION),)
+    wait_for_inputs(PDL)
+    acc = gemv_zeros(BLOCK_M, BLOCK_N, BLOCK_K, BITS)
+    for t in tl.static_range(UP_FRONT_TILES):
+        tile, scale = tiles[t]
+        acc = gemv_step(acc, tile, scale, x_ptr, x_rows, m_mask, k_start + t * BLOCK_K, K, BITS, GROUP_SIZE, BLOCK_K,
+                        EVEN_K)
+    acc = gemv_loop(acc, x_ptr, x_rows, m_mask, w_ptr, s_ptr, k_start + UP_FRONT_TILES * BLOCK_K,
+                    tl.minimum(k_start + k_per_split, K), offs_n, n_mask, stride_wn, stride_sn, K, BITS, GROUP_SIZE,
+                    BLOCK_K, EVEN_K, PRECISION)
     offsets, mask = offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :], m_mask[:, None] & n_mask[None, :]
     if SPLIT:
         sum_splits(gemv_sum(acc, BITS), y_ptr + offsets, partial_ptr + offsets, stride_ps, mask,
@@ -715,11 +708,10 @@ def quant_linear(x: torch.Tensor, weight_or_packed: torch.Tensor, *, scales: tor
 
 
 def up_front_tiles(cfg: LaunchConfig, k: int, bits: int | None) -> int:
-    """How many K tiles a GEMV program of an unquantized weight loads before it waits (all of its split's,
-    `_gemv_kernel`'s UP_FRONT_TILES) where every split is whole tiles and a program's weights are at most
-    DENSE_GEMV_UP_FRONT_MAX_VALUES; else 0 (one tile before the wait, the rest in `gemv_loop`).
-    TIERLM_NO_GEMV_UP_FRONT=1: always 0."""
+    """How many K tiles a GEMV program loads before it waits (`_gemv_kernel`'s UP_FRONT_TILES): for an
+    unquantized weight whose splits are whole tiles of at most DENSE_GEMV_UP_FRONT_MAX_VALUES a program, all
+    of its split's; else 1 (the rest in `gemv_loop`). TIERLM_NO_GEMV_UP_FRONT=1: always 1."""
     tiles = cfg.k_per_split // cfg.block_k
     if bits or k % cfg.k_per_split or cfg.block_n * cfg.k_per_split > DENSE_GEMV_UP_FRONT_MAX_VALUES:
-        return 0
-    return 0 if os.environ.get("TIERLM_NO_GEMV_UP_FRONT", "0") not in ("", "0") else tiles
+        return 1
+    return 1 if os.environ.get("TIERLM_NO_GEMV_UP_FRONT", "0") not in ("", "0") else tiles
