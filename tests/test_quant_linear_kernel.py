@@ -31,9 +31,8 @@ FORMATS = [("unquantized", None, None), ("int4-g32", 4, 32), ("int8-g64", 8, 64)
            ("int6-g8", 6, 8), ("int4-channel", 4, None)]
 # (name, leading shape of x, K, N, min tiles per split): 1 row (K in 2 splits, the second tile part-full,
 # groups smaller than a tile), 3 rows in a [3, 1] batch (no split, one scale per tile; packed 4/8 bits: a
-# program of 4 rows, one masked), 2 rows, 20 rows (tl.dot); N never a multiple of the tile
-SHAPES = [("decode-split", (1,), 320, 40, 1), ("decode", (3, 1), 192, 40, 4), ("decode-two-rows", (2,), 192, 40, 4),
-          ("prefill", (20,), 192, 72, 4)]
+# program of 4 rows, one masked), 20 rows (tl.dot); N never a multiple of the tile
+SHAPES = [("decode-split", (1,), 320, 40, 1), ("decode", (3, 1), 192, 40, 4), ("prefill", (20,), 192, 72, 4)]
 # smaller than the kernel's own, so these small K take several tiles
 GEMV_BLOCK_K, PACKED_GEMV_BLOCK_K, DENSE_GEMV_BLOCK_K = {1: 256, 2: 128, 4: 64}, dict.fromkeys((1, 2, 4), 128), 256
 SIX_BIT_GEMV_BLOCK_K = 128
@@ -42,6 +41,9 @@ SIX_BIT_GEMV_BLOCK_K = 128
 DENSE_SHAPES = [("decode-up-front", (1,), 512, 40, 4), ("decode-uneven-k", (1,), 1088, 24, 8)]
 CASES = {f"{d}-{f[0]}-{s[0]}": (DTYPES[d], f, s) for d in DTYPES for f in FORMATS for s in SHAPES}
 CASES |= {f"{d}-unquantized-{s[0]}": (DTYPES[d], FORMATS[0], s) for d in DTYPES for s in DENSE_SHAPES}
+# packed 4/8 bits at 2 rows: a program of two rows side by side
+CASES |= {f"{d}-{f[0]}-decode-two-rows": (DTYPES[d], f, ("decode-two-rows", (2,), 192, 40, 4)) for d in DTYPES
+          for f in FORMATS if f[1] in (4, 8)}
 
 
 def make_case(name: str, seed: int = 0):
