@@ -65,6 +65,8 @@ PACKED_GEMV_SWEEP = [{"PACKED_GEMV_BLOCK_N": dict.fromkeys((1, 2, 4), n), "PACKE
                      for n in (8, 16, 32) for k in (256, 512, 1024) for w in (4, 8)
                      if 2 <= n * k // 8 // (32 * w) <= 16]  # 4-bit words per thread (8-bit: twice as many)
 SPLIT_SWEEP = [{"GEMV_TARGET_PROGRAMS": t, "GEMV_MIN_TILES_PER_SPLIT": m} for t in (264, 528, 1056) for m in (2, 4)]
+# then, packed 4/8 bits at 2 to GEMV_MAX_ROWS rows: the GEMV as swept against the tl.dot GEMM (PACKED_GEMV_MAX_ROWS
+# below the batch) with each of GEMM_SWEEP's tiles
 # --sweep-dense (module docstring): the shapes, then (BLOCK_N, BLOCK_K, warps) with 16 to 64 fp32
 # accumulators a thread (rows x BLOCK_N x BLOCK_K / threads: the GEMV's per-product accumulators), then
 # the target programs
@@ -172,7 +174,13 @@ def measure(args, device: torch.device) -> dict:
                 bits = FORMATS[fmt][0] or 0
                 gemm = [{"GEMM_TILES": {**kernels.GEMM_TILES, bits: tiles}} for tiles in GEMM_SWEEP]
                 gemv_sweep = PACKED_GEMV_SWEEP if bits in (4, 8) else GEMV_SWEEP
-                for stage in (gemv_sweep, SPLIT_SWEEP) if gemv else (gemm,):
+                stages = [gemv_sweep, SPLIT_SWEEP] if gemv else [gemm]
+                if bits in (4, 8) and gemv:
+                    kernels.PACKED_GEMV_MAX_ROWS = kernels.GEMV_MAX_ROWS  # (an earlier batch's GEMM winner undone)
+                    if batch > 1:
+                        stages.append([{"PACKED_GEMV_MAX_ROWS": kernels.GEMV_MAX_ROWS},
+                                       *({"PACKED_GEMV_MAX_ROWS": batch - 1, **candidate} for candidate in gemm)])
+                for stage in stages:
                     tiles.update(sweep(run, fmt, batch, stage, weights_of))
                 chosen[f"{fmt}-b{batch}"] = tiles
             for n, k in shapes:

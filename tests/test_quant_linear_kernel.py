@@ -156,6 +156,13 @@ def test_one_unquantized_row_takes_the_dense_gemv_tiles():
     assert tiles(1, 2560, 6144, 4) == (1, 32, 256, 4, False)
     assert tiles(3, 248320, 2560, 8) == (4, 32, 512, 4, False)  # packed 4/8 bits: every row in each program
     assert tiles(2, 248320, 2560, 8) == (2, 32, 256, 4, False)
+    saved = kernels.PACKED_GEMV_MAX_ROWS
+    try:  # packed rows above PACKED_GEMV_MAX_ROWS take the tl.dot GEMM
+        kernels.PACKED_GEMV_MAX_ROWS = 2
+        assert tiles(2, 248320, 2560, 8)[0] == 2 and tiles(3, 248320, 2560, 8)[-1]
+        assert not tiles(3, 2560, 640, 6)[-1] and not tiles(3, 16384, 2560)[-1]  # 6 bits, unquantized: the GEMV
+    finally:
+        kernels.PACKED_GEMV_MAX_ROWS = saved
     assert tiles(20, 2560, 6144)[-1]  # prefill: tl.dot
 
 

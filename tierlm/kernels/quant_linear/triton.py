@@ -66,6 +66,8 @@ DENSE_GEMV_UP_FRONT_MAX_VALUES = 4 * 2560
 # bandwidth at 1 / 2 / 4 rows, against 80.6% / - / 24.5% for the earlier (16, 512, 4) tiles with one row of
 # x per program (the 4 rows' programs each read and unpacked the whole weight). 4 rows' (32, 512) tiles take 255
 # registers and spill 288 bytes for sm_90 (bench/quant_linear_registers.py) and still led: (32, 256) 36.5%
+PACKED_GEMV_MAX_ROWS = 4  # packed 4/8 bits: the GEMV up to this many rows, above it the tl.dot GEMM (swept
+# against the GEMV by bench/quant_linear_kernel.py --sweep at 2 to 4 rows: not yet run)
 PACKED_GEMV_BLOCK_N = {1: 32, 2: 32, 4: 32}
 PACKED_GEMV_BLOCK_K = {1: 256, 2: 256, 4: 512}
 PACKED_GEMV_NUM_WARPS = {1: 4, 2: 4, 4: 4}
@@ -91,10 +93,10 @@ class LaunchConfig(NamedTuple):
 
 def launch_config(m: int, n: int, k: int, bits: int | None = None, itemsize: int = 2) -> LaunchConfig:
     """Tiles for y [m, n] = x [m, k] W^T (W packed in `bits`, or unquantized; x's elements `itemsize`
-    bytes): the GEMV form up to GEMV_MAX_ROWS rows (one row of an unquantized W: the DENSE_GEMV tiles),
-    else tl.dot tiles (GEMM_TILES' K is for 2-byte x: fp32 takes half as many columns per step, or its
+    bytes): the GEMV form up to GEMV_MAX_ROWS rows (packed 4/8 bits: PACKED_GEMV_MAX_ROWS; one row of an
+    unquantized W: the DENSE_GEMV tiles), else tl.dot tiles (GEMM_TILES' K is for 2-byte x: fp32 takes half as many columns per step, or its
     pipelined tiles outgrow shared memory)."""
-    if m <= GEMV_MAX_ROWS and bits in (4, 8):
+    if m <= min(PACKED_GEMV_MAX_ROWS, GEMV_MAX_ROWS) and bits in (4, 8):
         block_m = triton.next_power_of_2(m)
         block_n, block_k, use_dot = PACKED_GEMV_BLOCK_N[block_m], PACKED_GEMV_BLOCK_K[block_m], False
         warps = PACKED_GEMV_NUM_WARPS[block_m]
@@ -104,7 +106,7 @@ def launch_config(m: int, n: int, k: int, bits: int | None = None, itemsize: int
     elif m == 1 and not bits:
         block_m, block_n, use_dot, warps = 1, DENSE_GEMV_BLOCK_N, False, DENSE_GEMV_NUM_WARPS
         block_k = DENSE_GEMV_LONG_BLOCK_K if k >= DENSE_GEMV_LONG_K else DENSE_GEMV_BLOCK_K
-    elif m <= GEMV_MAX_ROWS:
+    elif m <= GEMV_MAX_ROWS and bits not in (4, 8):
         block_m = triton.next_power_of_2(m)
         block_n, block_k, use_dot, warps = GEMV_BLOCK_N, GEMV_BLOCK_K[block_m], False, GEMV_NUM_WARPS
     else:
