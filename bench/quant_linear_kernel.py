@@ -59,11 +59,10 @@ DEFAULT_FORMATS = ["bf16", "int8", "int4-g128"]
 # with the best mean fraction of the copy bandwidth kept (module constants of quant_linear.triton)
 GEMV_SWEEP = [{"GEMV_BLOCK_N": n, "GEMV_BLOCK_K": {1: k, 2: k, 4: k // 2}, "GEMV_NUM_WARPS": w}
               for n in (4, 8, 16) for k in (256, 512, 1024) for w in (4, 8) if w == 4 or k == 1024]
-# (the packed tiles are per rows a program, 1, 2 or 4: a candidate sets all three, the batch swept picks its own)
-PACKED_GEMV_SWEEP = [{"PACKED_GEMV_BLOCK_N": dict.fromkeys((1, 2, 4), n), "PACKED_GEMV_BLOCK_K": dict.fromkeys((1, 2, 4), k),
-                      "PACKED_GEMV_NUM_WARPS": dict.fromkeys((1, 2, 4), w)}
-                     for n in (8, 16, 32) for k in (256, 512, 1024) for w in (4, 8)
-                     if 2 <= n * k // 8 // (32 * w) <= 16]  # 4-bit words per thread (8-bit: twice as many)
+# packed (N, K, warps): 4-bit words per thread 2 to 16 (8-bit: twice as many); a candidate replaces the tiles of
+# the swept batch's rows a program only (`packed_gemv_sweep`)
+PACKED_GEMV_TILES = [(n, k, w) for n in (8, 16, 32) for k in (256, 512, 1024) for w in (4, 8)
+                     if 2 <= n * k // 8 // (32 * w) <= 16]
 SPLIT_SWEEP = [{"GEMV_TARGET_PROGRAMS": t, "GEMV_MIN_TILES_PER_SPLIT": m} for t in (264, 528, 1056) for m in (2, 4)]
 # then, packed 4/8 bits at 2 to GEMV_MAX_ROWS rows: the GEMV as swept against the tl.dot GEMM (PACKED_GEMV_MAX_ROWS
 # below the batch) with each of GEMM_SWEEP's tiles
@@ -122,6 +121,16 @@ def measure_shape(run: SimpleNamespace, n: int, k: int, fmt: str, batch: int, we
     return result
 
 
+def packed_gemv_sweep(batch: int) -> list[dict]:
+    """PACKED_GEMV_TILES as candidates for `sweep`: each replaces the entry of `batch`'s rows a program."""
+    from tierlm.kernels.quant_linear import triton as kernels
+
+    rows = 1 << (batch - 1).bit_length()  # (the next power of 2)
+    return [{"PACKED_GEMV_BLOCK_N": {**kernels.PACKED_GEMV_BLOCK_N, rows: n},
+             "PACKED_GEMV_BLOCK_K": {**kernels.PACKED_GEMV_BLOCK_K, rows: k},
+             "PACKED_GEMV_NUM_WARPS": {**kernels.PACKED_GEMV_NUM_WARPS, rows: w}} for n, k, w in PACKED_GEMV_TILES]
+
+
 def sweep(run: SimpleNamespace, fmt: str, batch: int, stage: list, weights_of: dict) -> dict:
     """Set the candidate of `stage` with the best mean fraction of the copy bandwidth over the shapes."""
     from tierlm.kernels.quant_linear import triton as kernels
@@ -173,13 +182,13 @@ def measure(args, device: torch.device) -> dict:
                 tiles = {}
                 bits = FORMATS[fmt][0] or 0
                 gemm = [{"GEMM_TILES": {**kernels.GEMM_TILES, bits: tiles}} for tiles in GEMM_SWEEP]
-                gemv_sweep = PACKED_GEMV_SWEEP if bits in (4, 8) else GEMV_SWEEP
-                stages = [gemv_sweep, SPLIT_SWEEP] if gemv else [gemm]
-                if bits in (4, 8) and gemv:
+                packed = bits in (4, 8)
+                if packed and gemv:
                     kernels.PACKED_GEMV_MAX_ROWS = kernels.GEMV_MAX_ROWS  # (an earlier batch's GEMM winner undone)
-                    if batch > 1:
-                        stages.append([{"PACKED_GEMV_MAX_ROWS": kernels.GEMV_MAX_ROWS},
-                                       *({"PACKED_GEMV_MAX_ROWS": batch - 1, **candidate} for candidate in gemm)])
+                stages = [packed_gemv_sweep(batch) if packed else GEMV_SWEEP, SPLIT_SWEEP] if gemv else [gemm]
+                if packed and gemv and batch > 1:
+                    stages.append([{"PACKED_GEMV_MAX_ROWS": kernels.GEMV_MAX_ROWS},
+                                   *({"PACKED_GEMV_MAX_ROWS": batch - 1, **candidate} for candidate in gemm)])
                 for stage in stages:
                     tiles.update(sweep(run, fmt, batch, stage, weights_of))
                 chosen[f"{fmt}-b{batch}"] = tiles

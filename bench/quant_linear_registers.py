@@ -49,7 +49,7 @@ def main() -> None:
                 kernel, programs = kernels._gemm_kernel, triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
             else:
                 kernel, constants["SPLIT"] = kernels._gemv_kernel, cfg.splits > 1
-                constants["UP_FRONT_TILES"] = kernels.up_front_tiles(cfg, k, bits)
+                constants["UP_FRONT_TILES"] = cfg.up_front_tiles
                 programs = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n) * cfg.splits
             pointers = dict(POINTER_TYPES, w_ptr="*bf16") if bits is None else POINTER_TYPES
             compiled = compile_sm90(kernel, constants, cfg.num_warps, pointers)

@@ -36,7 +36,7 @@ SHAPES = [("decode-split", (1,), 320, 40, 1), ("decode", (3, 1), 192, 40, 4), ("
 # smaller than the kernel's own, so these small K take several tiles
 GEMV_BLOCK_K, PACKED_GEMV_BLOCK_K, DENSE_GEMV_BLOCK_K = {1: 256, 2: 128, 4: 64}, dict.fromkeys((1, 2, 4), 128), 256
 SIX_BIT_GEMV_BLOCK_K = 128
-# unquantized one-row GEMVs: a split of whole tiles, all loaded before the wait (`up_front_tiles`), and K not a
+# unquantized one-row GEMVs: a split of whole tiles, all loaded before the wait (`LaunchConfig.up_front_tiles`), and K not a
 # whole number of tiles (the loop)
 DENSE_SHAPES = [("decode-up-front", (1,), 512, 40, 4), ("decode-uneven-k", (1,), 1088, 24, 8)]
 CASES = {f"{d}-{f[0]}-{s[0]}": (DTYPES[d], f, s) for d in DTYPES for f in FORMATS for s in SHAPES}
@@ -93,14 +93,13 @@ def run_kernel_cases(names: list[str]) -> dict[str, str | None]:
             x, weight, kwargs, exact, min_tiles = make_case(name)
             kernels.GEMV_MIN_TILES_PER_SPLIT = min_tiles
             rows = x.numel() // x.shape[-1]
-            splits = kernels.launch_config(rows, weight.shape[0], x.shape[-1], kwargs.get("bits"), x.element_size()).splits
-            if name.endswith("decode-split") and splits < 2:
-                results[name] = f"expected a split over K, got {splits}"
+            cfg = kernels.launch_config(rows, weight.shape[0], x.shape[-1], kwargs.get("bits"), x.element_size())
+            if name.endswith("decode-split") and cfg.splits < 2:
+                results[name] = f"expected a split over K, got {cfg.splits}"
                 continue
-            up_front = kernels.up_front_tiles(kernels.launch_config(rows, weight.shape[0], x.shape[-1]), x.shape[-1],
-                                              kwargs.get("bits"))
-            if (name.endswith("up-front") and up_front != 2) or (name.endswith("uneven-k") and up_front != 1):
-                results[name] = f"{up_front} tiles loaded up front"
+            if (name.endswith("up-front") and cfg.up_front_tiles != 2) or (name.endswith("uneven-k")
+                                                                           and cfg.up_front_tiles != 1):
+                results[name] = f"{cfg.up_front_tiles} tiles loaded up front"
                 continue
             reference = naive.quant_linear(x, weight, **kwargs)
             on_device = {key: v.to(device) if torch.is_tensor(v) else v for key, v in kwargs.items()}
@@ -173,7 +172,7 @@ def test_unquantized_gemv_loads_whole_splits_up_front(monkeypatch):
     import tierlm.kernels.quant_linear.triton as kernels
 
     def up_front(m, n, k, bits=None):
-        return kernels.up_front_tiles(kernels.launch_config(m, n, k, bits), k, bits)
+        return kernels.launch_config(m, n, k, bits).up_front_tiles
 
     assert up_front(1, 16480, 2560) == up_front(1, 12800, 2560) == 5
     assert up_front(1, 2560, 6144) == 1  # 6 tiles of 4 x 1024

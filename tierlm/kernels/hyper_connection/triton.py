@@ -36,8 +36,9 @@ Values are rounded to the streams' dtype where the reference rounds them; sums a
 (no float atomics: the same bits on every call). No host sync: CUDA graphs capture them all. Up to
 MAX_TOKENS tokens (prefill chunks take the reference's GEMMs).
 (One launch instead of two, measured on an H200 in session 12 and dropped: the down programs counted
-themselves in and the up programs, later in the grid, spun on that count before finishing; 18.8-19.7 us a
-mix at one token against 12.0, 48-58 against 22.8 at four, whatever the tiles or a nanosleep between polls.)
+themselves in and the up programs, later in the grid, spun on that count before finishing; in bf16 18.8-22.9
+us a mix at one token against 12.0, 40.9-58.5 against 22.8 at four, over the tiles tried, with a nanosleep of
+0-1000 ns between polls or none.)
 Every launch uses programmatic dependent launch (`kernels/dependent_launch`): a down program loads its
 weight tile and norm weight before it waits for the kernel before it; an up program every stream's W_up
 tile, scales and norm weight in the GEMV form, the first stream's in the tl.dot form (DOT_PRELOADED_STREAMS:

@@ -54,8 +54,8 @@ GEMV_BLOCK_K = {1: 512, 2: 512, 4: 256}  # input columns per step, by rows per p
 DENSE_GEMV_BLOCK_N, DENSE_GEMV_NUM_WARPS = 4, 4
 DENSE_GEMV_BLOCK_K, DENSE_GEMV_LONG_K, DENSE_GEMV_LONG_BLOCK_K = 512, 4096, 1024  # BLOCK_K below / from LONG_K
 # unquantized weights: a program whose split of K is whole tiles holding at most this many values loads them
-# all before it waits for x (`up_front_tiles`): at one row, K 2560 (5 tiles of 4 x 512: 122 registers a
-# thread for sm_90, against 48 for the loop); K 6144's 6 tiles of 4 x 1024 took 255, so those keep the loop.
+# all before it waits for x (`LaunchConfig.up_front_tiles`): at one row, K 2560 (5 tiles of 4 x 512: 122
+# registers a thread for sm_90, against 48 for the loop); K 6144's 6 tiles of 4 x 1024 took 255, so those keep the loop.
 # H200, real-width stack, bf16 (bench/results/decode_roofline_nvidia-h200_s12upfront.json, --variants base
 # TIERLM_NO_GEMV_UP_FRONT=1): one stream 1.007x tok/s at ctx 8192 (every round), 1.001x at 512; 4 streams 1.000x
 DENSE_GEMV_UP_FRONT_MAX_VALUES = 4 * 2560
@@ -89,30 +89,34 @@ class LaunchConfig(NamedTuple):
     splits: int  # programs along K
     k_per_split: int  # a multiple of block_k
     num_warps: int
+    up_front_tiles: int  # the GEMV's K tiles a program loads before it waits for x (the rest in `gemv_loop`)
 
 
 def launch_config(m: int, n: int, k: int, bits: int | None = None, itemsize: int = 2) -> LaunchConfig:
     """Tiles for y [m, n] = x [m, k] W^T (W packed in `bits`, or unquantized; x's elements `itemsize`
     bytes): the GEMV form up to GEMV_MAX_ROWS rows (packed 4/8 bits: PACKED_GEMV_MAX_ROWS; one row of an
-    unquantized W: the DENSE_GEMV tiles), else tl.dot tiles (GEMM_TILES' K is for 2-byte x: fp32 takes half as many columns per step, or its
-    pipelined tiles outgrow shared memory)."""
-    if m <= min(PACKED_GEMV_MAX_ROWS, GEMV_MAX_ROWS) and bits in (4, 8):
-        block_m = triton.next_power_of_2(m)
-        block_n, block_k, use_dot = PACKED_GEMV_BLOCK_N[block_m], PACKED_GEMV_BLOCK_K[block_m], False
-        warps = PACKED_GEMV_NUM_WARPS[block_m]
-    elif m <= GEMV_MAX_ROWS and bits == 6:  # one row a program
-        block_m, block_n, block_k, use_dot = 1, SIX_BIT_GEMV_BLOCK_N, SIX_BIT_GEMV_BLOCK_K, False
-        warps = SIX_BIT_GEMV_NUM_WARPS
-    elif m == 1 and not bits:
-        block_m, block_n, use_dot, warps = 1, DENSE_GEMV_BLOCK_N, False, DENSE_GEMV_NUM_WARPS
-        block_k = DENSE_GEMV_LONG_BLOCK_K if k >= DENSE_GEMV_LONG_K else DENSE_GEMV_BLOCK_K
-    elif m <= GEMV_MAX_ROWS and bits not in (4, 8):
-        block_m = triton.next_power_of_2(m)
-        block_n, block_k, use_dot, warps = GEMV_BLOCK_N, GEMV_BLOCK_K[block_m], False, GEMV_NUM_WARPS
-    else:
+    unquantized W: the DENSE_GEMV tiles), else tl.dot tiles (GEMM_TILES' K is for 2-byte x: fp32 takes half
+    as many columns per step, or its pipelined tiles outgrow shared memory). A GEMV program of an
+    unquantized W whose splits are whole tiles holding at most DENSE_GEMV_UP_FRONT_MAX_VALUES loads all of
+    its split before it waits (TIERLM_NO_GEMV_UP_FRONT=1: one tile, as every other GEMV)."""
+    packed = bits in (4, 8)
+    if m > (min(PACKED_GEMV_MAX_ROWS, GEMV_MAX_ROWS) if packed else GEMV_MAX_ROWS):
         block_m = min(GEMM_MAX_BLOCK_M, max(16, triton.next_power_of_2(m)))
         (block_n, block_k, warps), use_dot = GEMM_TILES[bits or 0], True
         block_k = max(16, block_k * 2 // itemsize)
+    elif packed:  # every row in each program
+        block_m, use_dot = triton.next_power_of_2(m), False
+        block_n, block_k = PACKED_GEMV_BLOCK_N[block_m], PACKED_GEMV_BLOCK_K[block_m]
+        warps = PACKED_GEMV_NUM_WARPS[block_m]
+    elif bits == 6:  # one row a program
+        block_m, block_n, block_k, use_dot = 1, SIX_BIT_GEMV_BLOCK_N, SIX_BIT_GEMV_BLOCK_K, False
+        warps = SIX_BIT_GEMV_NUM_WARPS
+    elif m == 1:
+        block_m, block_n, use_dot, warps = 1, DENSE_GEMV_BLOCK_N, False, DENSE_GEMV_NUM_WARPS
+        block_k = DENSE_GEMV_LONG_BLOCK_K if k >= DENSE_GEMV_LONG_K else DENSE_GEMV_BLOCK_K
+    else:
+        block_m = triton.next_power_of_2(m)
+        block_n, block_k, use_dot, warps = GEMV_BLOCK_N, GEMV_BLOCK_K[block_m], False, GEMV_NUM_WARPS
     block_k = min(block_k, max(16, triton.next_power_of_2(k)))
     while bits == 6 and k % block_k and block_k > 16:  # whole tiles take the 6-bit runs' form (`six_bit_tile`)
         block_k //= 2
@@ -122,7 +126,11 @@ def launch_config(m: int, n: int, k: int, bits: int | None = None, itemsize: int
         tiles_mn = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
         splits = max(1, min(k_tiles // GEMV_MIN_TILES_PER_SPLIT, GEMV_TARGET_PROGRAMS // tiles_mn))
     k_per_split = triton.cdiv(k_tiles, splits) * block_k
-    return LaunchConfig(block_m, block_n, block_k, use_dot, triton.cdiv(k, k_per_split), k_per_split, warps)
+    up_front = 1
+    if (not bits and not use_dot and k % k_per_split == 0 and block_n * k_per_split <= DENSE_GEMV_UP_FRONT_MAX_VALUES
+            and os.environ.get("TIERLM_NO_GEMV_UP_FRONT", "0") in ("", "0")):
+        up_front = k_per_split // block_k
+    return LaunchConfig(block_m, block_n, block_k, use_dot, triton.cdiv(k, k_per_split), k_per_split, warps, up_front)
 
 
 @triton.jit
@@ -260,11 +268,11 @@ def gemv_zeros(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constex
 @triton.jit
 def gemv_sum(acc, BITS: tl.constexpr):
     """[BLOCK_M, BLOCK_N]: a `gemv_zeros` accumulator summed over K."""
-    if BITS != 0 and 32 % BITS == 0 and len(acc.shape) == 3:  # packed, 2 rows side by side
-        total = tl.trans(tl.sum(acc, axis=1))
-    elif BITS != 0 and 32 % BITS == 0 and len(acc.shape) == 4:  # packed, 4 rows: row 2i + j at [..., i, j]
+    if BITS != 0 and 32 % BITS == 0 and len(acc.shape) > 2:  # packed, 2 or 4 rows side by side
         total = tl.sum(acc, axis=1)
-        total = tl.trans(tl.reshape(total, (total.shape[0], 4)))
+        if len(total.shape) == 3:  # 4 rows: row 2i + j at [..., i, j], row-major as the reshape reads them
+            total = tl.reshape(total, (total.shape[0], 4))
+        total = tl.trans(total)
     elif BITS != 0 and (32 % BITS == 0 or BITS == 6):
         total = tl.sum(acc, axis=1)[None, :]
     else:
@@ -705,15 +713,6 @@ def quant_linear(x: torch.Tensor, weight_or_packed: torch.Tensor, *, scales: tor
     counters = arrival_counters("quant_linear", x.device, grid[0] * grid[1]) if split else y
     _gemv_kernel[grid](x2, weight, s_arg, y, partial, counters, m, n, k, cfg.k_per_split, x2.stride(0),
                        weight.stride(0), stride_sn, y.stride(0), m * n, SPLIT=split,
-                       UP_FRONT_TILES=up_front_tiles(cfg, k, bits), **common, **launch_options(x.device))
+                       UP_FRONT_TILES=cfg.up_front_tiles, **common, **launch_options(x.device))
     return y.view(out_shape)
 
-
-def up_front_tiles(cfg: LaunchConfig, k: int, bits: int | None) -> int:
-    """How many K tiles a GEMV program loads before it waits (`_gemv_kernel`'s UP_FRONT_TILES): for an
-    unquantized weight whose splits are whole tiles of at most DENSE_GEMV_UP_FRONT_MAX_VALUES a program, all
-    of its split's; else 1 (the rest in `gemv_loop`). TIERLM_NO_GEMV_UP_FRONT=1: always 1."""
-    tiles = cfg.k_per_split // cfg.block_k
-    if bits or k % cfg.k_per_split or cfg.block_n * cfg.k_per_split > DENSE_GEMV_UP_FRONT_MAX_VALUES:
-        return 1
-    return 1 if os.environ.get("TIERLM_NO_GEMV_UP_FRONT", "0") not in ("", "0") else tiles
