@@ -65,7 +65,7 @@ PACKED_GEMV_TILES = [(n, k, w) for n in (8, 16, 32) for k in (256, 512, 1024) fo
                      if 2 <= n * k // 8 // (32 * w) <= 16]
 SPLIT_SWEEP = [{"GEMV_TARGET_PROGRAMS": t, "GEMV_MIN_TILES_PER_SPLIT": m} for t in (264, 528, 1056) for m in (2, 4)]
 # then, packed 4/8 bits at 2 to GEMV_MAX_ROWS rows: the GEMV as swept against the tl.dot GEMM (PACKED_GEMV_MAX_ROWS
-# below the batch) with each of GEMM_SWEEP's tiles
+# below the batch, PACKED_GEMM_MIN_N_TILES 0: every output width) with each of GEMM_SWEEP's tiles
 # --sweep-dense (module docstring): the shapes, then (BLOCK_N, BLOCK_K, warps) with 16 to 64 fp32
 # accumulators a thread (rows x BLOCK_N x BLOCK_K / threads: the GEMV's per-product accumulators), then
 # the target programs
@@ -135,16 +135,17 @@ def sweep(run: SimpleNamespace, fmt: str, batch: int, stage: list, weights_of: d
     """Set the candidate of `stage` with the best mean fraction of the copy bandwidth over the shapes."""
     from tierlm.kernels.quant_linear import triton as kernels
 
+    before = {name: getattr(kernels, name) for candidate in stage for name in candidate}
     best = None
     for candidate in stage:
-        for name, value in candidate.items():
+        for name, value in {**before, **candidate}.items():
             setattr(kernels, name, value)
         fractions = [measure_shape(run, n, k, fmt, batch, weights_of[(n, k)])["fraction"] for n, k in run.shapes]
         mean = sum(fractions) / len(fractions)
         print(f"{fmt:>10}{batch:>6}  {candidate}: " + ", ".join(f"{f:.1%}" for f in fractions) + f"  mean {mean:.1%}")
         if best is None or mean > best[0]:
             best = (mean, candidate)
-    for name, value in best[1].items():
+    for name, value in {**before, **best[1]}.items():  # (what the winner does not set, as it was before)
         setattr(kernels, name, value)
     return best[1]
 
@@ -185,6 +186,7 @@ def measure(args, device: torch.device) -> dict:
                 packed = bits in (4, 8)
                 if packed and gemv:
                     kernels.PACKED_GEMV_MAX_ROWS = kernels.GEMV_MAX_ROWS  # (an earlier batch's GEMM winner undone)
+                    kernels.PACKED_GEMM_MIN_N_TILES = 0
                 stages = [packed_gemv_sweep(batch) if packed else GEMV_SWEEP, SPLIT_SWEEP] if gemv else [gemm]
                 if packed and gemv and batch > 1:
                     stages.append([{"PACKED_GEMV_MAX_ROWS": kernels.GEMV_MAX_ROWS},

@@ -153,15 +153,11 @@ def test_one_unquantized_row_takes_the_dense_gemv_tiles():
     assert tiles(4, 2560, 640, 6) == (1, 16, 128, 4, False)
     assert tiles(4, 16384, 2560) == (4, 8, 256, 4, False)
     assert tiles(1, 2560, 6144, 4) == (1, 32, 256, 4, False)
-    assert tiles(3, 248320, 2560, 8) == (4, 32, 512, 4, False)  # packed 4/8 bits: every row in each program
-    assert tiles(2, 248320, 2560, 8) == (2, 32, 256, 4, False)
-    saved = kernels.PACKED_GEMV_MAX_ROWS
-    try:  # packed rows above PACKED_GEMV_MAX_ROWS take the tl.dot GEMM
-        kernels.PACKED_GEMV_MAX_ROWS = 2
-        assert tiles(2, 248320, 2560, 8)[0] == 2 and tiles(3, 248320, 2560, 8)[-1]
-        assert not tiles(3, 2560, 640, 6)[-1] and not tiles(3, 16384, 2560)[-1]  # 6 bits, unquantized: the GEMV
-    finally:
-        kernels.PACKED_GEMV_MAX_ROWS = saved
+    assert tiles(2, 248320, 2560, 8) == (2, 32, 256, 4, False)  # packed 4/8 bits: every row in each program
+    assert tiles(3, 2560, 6144, 4) == (4, 32, 512, 4, False)  # narrow output: the GEMV at any GEMV row count
+    assert tiles(4, 10240, 2560, 8) == (4, 32, 512, 4, False)
+    assert tiles(3, 248320, 2560, 8) == (16, 128, 64, 4, True)  # wide, above PACKED_GEMV_MAX_ROWS: the GEMM
+    assert not tiles(3, 2560, 640, 6)[-1] and not tiles(3, 16384, 2560)[-1]  # 6 bits, unquantized: the GEMV
     assert tiles(20, 2560, 6144)[-1]  # prefill: tl.dot
 
 

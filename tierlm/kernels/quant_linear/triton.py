@@ -66,8 +66,17 @@ DENSE_GEMV_UP_FRONT_MAX_VALUES = 4 * 2560
 # bandwidth at 1 / 2 / 4 rows, against 80.6% / - / 24.5% for the earlier (16, 512, 4) tiles with one row of
 # x per program (the 4 rows' programs each read and unpacked the whole weight). 4 rows' (32, 512) tiles take 255
 # registers and spill 288 bytes for sm_90 (bench/quant_linear_registers.py) and still led: (32, 256) 36.5%
-PACKED_GEMV_MAX_ROWS = 4  # packed 4/8 bits: the GEMV up to this many rows, above it the tl.dot GEMM (swept
-# against the GEMV by bench/quant_linear_kernel.py --sweep at 2 to 4 rows: not yet run)
+# Above PACKED_GEMV_MAX_ROWS rows, a packed weight whose output rows fill PACKED_GEMM_MIN_N_TILES of the GEMM's
+# BLOCK_N tiles takes the tl.dot GEMM instead (one program a tile: it has no K split, so a narrower output
+# leaves SMs idle; 132 SMs on an H200). H200, `bench/quant_linear_kernel.py --sweep --formats int8 int4-g128
+# --batches 2 4` (bench/results/quant_linear_kernel_packed_rows_nvidia-h200.txt), % of the copy bandwidth at
+# 4 rows, GEMV / GEMM (128, 64, 4) on 10240 x 2560 (80 tiles of N), 248320 x 2560 (1940), 2560 x 6144 (20):
+# INT8 19.4 / 19.6, 39.2 / 49.1, 22.5 / 5.7; INT4 g128 11.9 / 11.8, 19.4 / 29.1, 10.0 / 3.1; at 2 rows the
+# GEMV led everywhere (INT8 lm_head 66.1 / 48.2). The int4-mixed stack at 4 streams: 3,319 tok/s against
+# 3,086 with the GEMV up to 4 rows and 3,314 with every packed weight on the GEMM above 2 rows
+# (bench/results/decode_roofline_nvidia-h200_int4-mixed_s14.txt)
+PACKED_GEMV_MAX_ROWS = 2
+PACKED_GEMM_MIN_N_TILES = 132
 PACKED_GEMV_BLOCK_N = {1: 32, 2: 32, 4: 32}
 PACKED_GEMV_BLOCK_K = {1: 256, 2: 256, 4: 512}
 PACKED_GEMV_NUM_WARPS = {1: 4, 2: 4, 4: 4}
@@ -94,13 +103,17 @@ class LaunchConfig(NamedTuple):
 
 def launch_config(m: int, n: int, k: int, bits: int | None = None, itemsize: int = 2) -> LaunchConfig:
     """Tiles for y [m, n] = x [m, k] W^T (W packed in `bits`, or unquantized; x's elements `itemsize`
-    bytes): the GEMV form up to GEMV_MAX_ROWS rows (packed 4/8 bits: PACKED_GEMV_MAX_ROWS; one row of an
-    unquantized W: the DENSE_GEMV tiles), else tl.dot tiles (GEMM_TILES' K is for 2-byte x: fp32 takes half
+    bytes): the GEMV form up to GEMV_MAX_ROWS rows (packed 4/8 bits whose output fills
+    PACKED_GEMM_MIN_N_TILES GEMM tiles: PACKED_GEMV_MAX_ROWS; one row of an unquantized W: the DENSE_GEMV
+    tiles), else tl.dot tiles (GEMM_TILES' K is for 2-byte x: fp32 takes half
     as many columns per step, or its pipelined tiles outgrow shared memory). A GEMV program of an
     unquantized W whose splits are whole tiles holding at most DENSE_GEMV_UP_FRONT_MAX_VALUES loads all of
     its split before it waits (TIERLM_NO_GEMV_UP_FRONT=1: one tile, as every other GEMV)."""
     packed = bits in (4, 8)
-    if m > (min(PACKED_GEMV_MAX_ROWS, GEMV_MAX_ROWS) if packed else GEMV_MAX_ROWS):
+    gemv_rows = GEMV_MAX_ROWS
+    if packed and triton.cdiv(n, GEMM_TILES[bits][0]) >= PACKED_GEMM_MIN_N_TILES:
+        gemv_rows = min(PACKED_GEMV_MAX_ROWS, GEMV_MAX_ROWS)
+    if m > gemv_rows:
         block_m = min(GEMM_MAX_BLOCK_M, max(16, triton.next_power_of_2(m)))
         (block_n, block_k, warps), use_dot = GEMM_TILES[bits or 0], True
         block_k = max(16, block_k * 2 // itemsize)
