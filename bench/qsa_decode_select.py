@@ -11,10 +11,13 @@ entries). Per context (the batch's block-table width follows it, as `static_deco
 each replayed from a CUDA graph; checks the two give the same rows bit for bit; prints microseconds per
 step, the ratio and kernels per step, and saves them to bench/results/qsa_decode_select_<device>.txt.
 `--sweep` times the rows kernel alone for each candidate (BLOCK_G, SELECT_WARPS) at the long contexts
-and prints the fastest per context (each checked; saved to ..._sweep_<device>.txt).
+and prints the fastest per context (each checked; saved to ..._sweep_<device>.txt). `--baseline ROOT` also
+times the fused path with ROOT's rows kernel (another checkout, or a copy of its
+tierlm/kernels/qsa_selection/triton.py, e.g. from `git show`): before and after in one run, each checked.
 
     python bench/qsa_decode_select.py
     python bench/qsa_decode_select.py --sweep
+    python bench/qsa_decode_select.py --baseline ../main
 """
 
 from __future__ import annotations
@@ -52,29 +55,36 @@ def torch_path(q, keys, tables, positions, scratch):
     return selection_rows(scores, positions, tables, RATIO, BLOCK_SIZE, scratch, TOP)
 
 
-def fused_path(q, keys, tables, positions, scratch):
+def fused_path(q, keys, tables, positions, scratch, rows_kernel=kernels):
     scores = None
     if tables.shape[1] * (BLOCK_SIZE // RATIO) > TOP:
         scores = triton_block_scores(q, keys, tables, positions, RATIO, skip_up_to=TOP)
-    return kernels.triton_selection_rows(scores, positions, tables, RATIO, BLOCK_SIZE, scratch, TOP)
+    return rows_kernel.triton_selection_rows(scores, positions, tables, RATIO, BLOCK_SIZE, scratch, TOP)
 
 
-def measure(work: tuple, device) -> tuple[float, float, str]:
-    """(torch seconds, fused seconds, 'kernels torch->fused') of one step on `work`, checked equal."""
-    expected, got = torch_path(*work), fused_path(*work)
-    if not (torch.equal(expected[0], got[0]) and torch.equal(expected[1], got[1])):
-        raise SystemExit("the fused rows differ from the torch path's")
+def measure(work: tuple, device, baseline=None) -> tuple[float, float, float | None, str]:
+    """(torch seconds, fused seconds, fused seconds with the baseline's rows kernel or None, 'kernels
+    torch->fused') of one step on `work`, each checked equal to the torch path."""
+    expected = torch_path(*work)
+    for rows_kernel in (kernels, baseline) if baseline is not None else (kernels,):
+        got = fused_path(*work, rows_kernel=rows_kernel)
+        if not (torch.equal(expected[0], got[0]) and torch.equal(expected[1], got[1])):
+            raise SystemExit(f"the fused rows ({rows_kernel.__name__}) differ from the torch path's")
     slow = timed(lambda i: torch_path(*work), 20, device)
     fast = timed(lambda i: fused_path(*work), 20, device)
-    return slow, fast, f"{kernels_per_call(lambda: torch_path(*work))}->{kernels_per_call(lambda: fused_path(*work))}"
+    before = None if baseline is None else timed(lambda i: fused_path(*work, rows_kernel=baseline), 20, device)
+    return slow, fast, before, (f"{kernels_per_call(lambda: torch_path(*work))}->"
+                                f"{kernels_per_call(lambda: fused_path(*work))}")
 
 
-def compare(contexts, batches, device) -> list[str]:
-    lines = [f"{'ctx':>7} {'batch':>5} {'torch us':>9} {'fused us':>9} {'speedup':>8} {'kernels':>9}"]
+def compare(contexts, batches, device, baseline=None) -> list[str]:
+    lines = [f"{'ctx':>7} {'batch':>5} {'torch us':>9} {'fused us':>9} {'speedup':>8} {'kernels':>9}"
+             + ("" if baseline is None else f" {'before us':>10} {'after/before':>13}")]
     print(lines[0])
     for context, batch in itertools.product(contexts, batches):
-        slow, fast, counts = measure(workload(context, batch, device), device)
-        lines.append(f"{context:>7} {batch:>5} {1e6 * slow:>9.1f} {1e6 * fast:>9.1f} {slow / fast:>7.2f}x {counts:>9}")
+        slow, fast, before, counts = measure(workload(context, batch, device), device, baseline)
+        lines.append(f"{context:>7} {batch:>5} {1e6 * slow:>9.1f} {1e6 * fast:>9.1f} {slow / fast:>7.2f}x {counts:>9}"
+                     + ("" if before is None else f" {1e6 * before:>10.1f} {before / fast:>12.2f}x"))
         print(lines[-1])
     return lines
 
@@ -108,7 +118,11 @@ def main() -> None:
     parser.add_argument("--contexts", type=int, nargs="+", default=[512, 2048, 8192, 32768, 131072, 262144])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--sweep", action="store_true", help="the rows kernel's tile and warps (see above)")
+    parser.add_argument("--baseline", type=Path, default=None, metavar="ROOT",
+                        help="also time ROOT's rows kernel (a checkout, or a copy of its qsa_selection/triton.py)")
     args = parser.parse_args()
+    if args.sweep and args.baseline is not None:
+        parser.error("--baseline times the fused path: give it without --sweep")
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA device")
     device = torch.device("cuda")
@@ -119,7 +133,12 @@ def main() -> None:
     if args.sweep:
         lines, name = sweep([c for c in args.contexts if c // RATIO > TOP], args.batches, device), "_sweep"
     else:
-        lines, name = compare(args.contexts, args.batches, device), ""
+        baseline = None
+        if args.baseline is not None:
+            from kernel_baseline import load_baseline_module
+
+            baseline = load_baseline_module(args.baseline, "tierlm/kernels/qsa_selection/triton.py")
+        lines, name = compare(args.contexts, args.batches, device, baseline), ""
     path = Path(__file__).parent / "results" / f"qsa_decode_select{name}_{device_label(device)}.txt"
     path.write_text("\n".join([head, *lines]) + "\n")
     print(f"saved {path}")

@@ -2,8 +2,9 @@
 no sort. One program per query:
 - a query that sees at most K blocks chooses all of them: blocks 0..K-1 (those past what it sees
   invalid), no score read;
-- else a radix select finds the K-th highest score's bits T (passes of 4 bits over its seen scores, each
-  counting against 16 candidate digits at once, up to eight: they stop once no tie is left to break);
+- else a radix select finds the K-th highest score's bits T (passes of 8 bits over its seen scores, each
+  a 256-bin histogram of the next 8 bits of the scores that match T so far, up to four: they stop once
+  no tie is left to break);
   every block above T is chosen, and the blocks at T in index order until K are (ties to the lower
   block, as `naive.ranking_keys` orders them);
   a prefix sum over the chosen places each one's R tokens in block order;
@@ -20,12 +21,15 @@ import triton.language as tl
 from tierlm.kernels.dependent_launch import allow_dependents, launch_options, wait_for_inputs
 from tierlm.kernels.qsa_selection.naive import table_groups
 
-# scores per tile of the select (a [16, BLOCK_G] comparison per pass) and its warps: H200, `bench/
-# qsa_decode_select.py --sweep` (session 11). Every pass run, at the earlier 512 x 4 warps: 33 us at an
-# 8k-token context, 61 at 16k; 2048 x 8: 35 at 16k. With the passes' early stop and 2048 x 8: 13.3 us at
-# 8k, 24 at 16k (4096 x 8: 22.4), 51 at 32k (bench/results/qsa_decode_select*_nvidia-h200.txt). Holding
-# the whole row in registers instead (a [16, row] comparison a pass, no reload) measured 26-38 us at 8k:
-# a row twice the seen scores wide (static decode's doubled tables) is twice the comparisons
+# scores per tile of the select and its warps: H200, `bench/qsa_decode_select.py --sweep` (session 11, passes of
+# 4 bits counted against 16 candidate digits, a [16, BLOCK_G] comparison each: at 512 x 4 warps 33 us at an
+# 8k-token context, 61 at 16k; 2048 x 8 with the passes' early stop: 13.3 us at 8k, 24 at 16k). Holding the
+# whole row in registers instead (no reload a pass) measured 26-38 us at 8k: a row twice the seen scores wide
+# (static decode's doubled tables) is twice the work. Session 14, passes of 8 bits (a histogram each),
+# `bench/qsa_decode_select.py --baseline` against the 4-bit passes, fused path (scores + rows): 1.04-1.11x at
+# 8k, 1.20-1.31x at 32k, 1.21-1.39x at 64k (bench/results/qsa_decode_select_nvidia-h200.txt); the rows
+# kernel alone 11.5 us at 8k, where 2048 x 8 stays the best; 4096 x 8 leads by 1.08x at 32k and 64k
+# (bench/results/qsa_decode_select_sweep_nvidia-h200.txt)
 BLOCK_G = 2048
 SELECT_WARPS = 8
 BLOCK_E = 512  # entries per tile when every seen block is chosen
@@ -62,9 +66,11 @@ def _score_bits(scores_row, groups, inside):
 
 
 @triton.jit
-def _counts_at_or_above(keys, inside, candidates):
-    """How many of the keys (masked by inside) are at or above each candidate."""
-    return tl.sum(((keys[None, :] >= candidates[:, None]) & inside[None, :]).to(tl.int32), axis=1)
+def _digit_counts(keys, inside, threshold, shift):
+    """The 256-bin histogram of the keys' bits [shift, shift + 8) over the keys (masked by inside) whose
+    bits above shift + 8 are the threshold's."""
+    match = inside & ((keys >> shift) >> 8 == (threshold >> shift) >> 8)
+    return tl.histogram((keys >> shift) & 0xFF, 256, mask=match)
 
 
 @triton.jit
@@ -91,33 +97,32 @@ def _choose_top(scores_row, rows_out, valid_out, tables_row, table_width, scratc
                 RATIO: tl.constexpr, RATIO_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr):
     """The num_top highest of the seen scores (seen > num_top), their tokens' entries in block order. Each
     pass reads the row again, BLOCK_G scores a tile."""
-    # radix select, 4 bits a pass from the top: T is the highest bits value with at least num_top scores at
-    # or above it; before the pass at `shift`, T's bits below shift + 4 are 0, so (T >> shift) + digit never
-    # overflows. The passes stop once exactly num_top scores have bits >> shift at or above T >> shift (no
-    # tie left to break below: in random scores, after 16-24 of the 32 bits); the choice then compares the
-    # bits above shift, which picks the same blocks as comparing them all
+    # radix select, 8 bits a pass from the top: T is the highest bits value with at least num_top scores at
+    # or above it. A pass counts the scores whose bits above shift + 8 are T's by their next 8 bits (a
+    # histogram); `above` counts those above T's bits so far, so the scores at or above T's bits plus
+    # digit d number above + (the counts of digits >= d). The passes stop once exactly num_top scores have
+    # bits >> shift at or above T >> shift (no tie left to break below: in random scores, after 16-24 of
+    # the 32 bits); the choice then compares the bits above shift, which picks the same blocks as comparing
+    # them all
     threshold = 0
     shift = 32
     exact = 0
-    digits = tl.arange(0, 16)
+    above = 0
+    digits = tl.arange(0, 256)
     while (shift > 0) & (exact == 0):
-        shift -= 4
-        counts = tl.zeros([16], tl.int32)
+        shift -= 8
+        counts = tl.zeros([256], tl.int32)
         for start in range(0, seen, BLOCK_G):
             groups = start + tl.arange(0, BLOCK_G)
             inside = groups < seen
-            counts += _counts_at_or_above(_score_bits(scores_row, groups, inside) >> shift, inside,
-                                          (threshold >> shift) + digits)
-        digit = tl.sum((counts >= num_top).to(tl.int32), axis=0) - 1
+            counts += _digit_counts(_score_bits(scores_row, groups, inside), inside, threshold, shift)
+        at_or_above = above + tl.sum(counts, axis=0) - tl.cumsum(counts, axis=0) + counts
+        digit = tl.sum((at_or_above >= num_top).to(tl.int32), axis=0) - 1
         threshold += digit << shift
-        exact = (tl.sum(tl.where(digits == digit, counts, 0), axis=0) == num_top).to(tl.int32)
+        chosen = tl.sum(tl.where(digits == digit, at_or_above, 0), axis=0)
+        above = chosen - tl.sum(tl.where(digits == digit, counts, 0), axis=0)
+        exact = (chosen == num_top).to(tl.int32)
     key_threshold = threshold >> shift
-    above = 0
-    for start in range(0, seen, BLOCK_G):
-        groups = start + tl.arange(0, BLOCK_G)
-        inside = groups < seen
-        above += tl.sum((inside & ((_score_bits(scores_row, groups, inside) >> shift) > key_threshold)).to(tl.int32),
-                        axis=0)
     quota = num_top - above  # blocks at the threshold still to choose, lowest index first
     taken = 0
     ties = 0
