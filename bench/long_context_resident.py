@@ -47,8 +47,9 @@ def device_name(device: str) -> str:
     return f"cpu-{platform.machine()}"
 
 
-def model_dir(folder: Path, small: bool, max_len: int, layers: int = 4) -> Path:
-    """config.json of the real-width stack (`layers` layers) beside the demo tokenizer's files (the weights are drawn)."""
+def model_dir(folder: Path, small: bool, max_len: int, layers: int = 4, mtp: bool = False) -> Path:
+    """config.json of the real-width stack (`layers` layers; mtp: and an MTP draft head of one layer) beside
+    the demo tokenizer's files (the weights are drawn)."""
     demo = ROOT / "models" / "demo-tiny"
     if not (demo / "config.json").exists():
         build_demo_model(demo, "tiny")
@@ -57,7 +58,7 @@ def model_dir(folder: Path, small: bool, max_len: int, layers: int = 4) -> Path:
     config = real_width_config(layers, small) | {
         "architectures": ["Qwen4ExpForCausalLM"], "model_type": "qwen4_exp_text", "dtype": "bfloat16",
         "max_position_embeddings": max_len,
-    }
+    } | ({"mtp_num_hidden_layers": 1} if mtp else {})
     (folder / "config.json").write_text(json.dumps(config, indent=1))
     return folder
 

@@ -27,6 +27,11 @@ run inside another column's timing.
     python bench/spec_decode.py --device cuda --size small --tokens 256 -k 1
     python bench/spec_decode.py --device cuda --size small --tokens 256 -k 1 --phases   # + where a step's time goes
     python bench/spec_decode.py --model models/default_model --dtype float32 -k 1 --repetition-penalty 1
+    python bench/spec_decode.py --device cuda --real-width 4 --tokens 128 -k 1   # decode_roofline's stack
+
+--real-width LAYERS: instead of a demo model, the real-width stack of bench/decode_roofline.py (LAYERS layers,
+3 GDN : 1 QSA) with an MTP head of one QSA layer, random weights drawn at load (`--load-format dummy`):
+where a step costs its bytes, not its launches.
 
 --repetition-penalty: the request's (default: the model's generation_config; the trained default's is 1.05,
 so its verify rows are penalized with the drafts before them).
@@ -84,6 +89,7 @@ def run(args, speculative: bool, eager: bool, oracle: list[int] | None = None, o
         static_decode.GreedySpeculation = OracleSpeculation
     try:
         engine = LLMEngine(EngineConfig(model=str(args.model), dtype=args.dtype, device=args.device, max_num_seqs=1,
+                                        load_format="dummy" if args.real_width else "auto",
                                         max_model_len=args.max_model_len, enforce_eager=eager,
                                         speculative_config=config, trace=str(trace) if trace else None,
                                         async_scheduling=overlap))
@@ -156,7 +162,17 @@ def main() -> int:
     parser.add_argument("--repetition-penalty", type=float, default=None,
                         help="the request's repetition_penalty (default: the model's generation_config, if any)")
     parser.add_argument("--phases", action="store_true", help="per column, where a step's time goes (see above)")
+    parser.add_argument("--real-width", type=int, default=None, metavar="LAYERS",
+                        help="decode_roofline's real-width stack of LAYERS layers with an MTP head, random weights")
     args = parser.parse_args()
+    if args.real_width is not None:
+        if args.model is not None:
+            parser.error("--real-width draws its own model: give it without --model")
+        from long_context_resident import model_dir
+
+        folder = Path(tempfile.mkdtemp(prefix="tierlm-bench-real-width-mtp-"))
+        atexit.register(shutil.rmtree, folder, True)
+        args.model = model_dir(folder, False, args.max_model_len, args.real_width, mtp=True)
     if args.model is None:
         args.model = Path(f"/tmp/tierlm-bench-demo-{args.size}-mtp")
         if not (args.model / "config.json").is_file():
