@@ -29,7 +29,8 @@ from tierlm.kernels.qsa_selection.naive import table_groups
 # `bench/qsa_decode_select.py --baseline` against the 4-bit passes, fused path (scores + rows): 1.04-1.11x at
 # 8k, 1.20-1.31x at 32k, 1.21-1.39x at 64k (bench/results/qsa_decode_select_nvidia-h200.txt); the rows
 # kernel alone 11.5 us at 8k, where 2048 x 8 stays the best; 4096 x 8 leads by 1.08x at 32k and 64k
-# (bench/results/qsa_decode_select_sweep_nvidia-h200.txt)
+# (bench/results/qsa_decode_select_sweep_nvidia-h200.txt). Keeping the first tile's scores in registers
+# across the passes (later tiles reloaded) measured 0.95-0.99x of this at 8k-64k (session 14; dropped)
 BLOCK_G = 2048
 SELECT_WARPS = 8
 BLOCK_E = 512  # entries per tile when every seen block is chosen
