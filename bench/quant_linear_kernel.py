@@ -186,11 +186,11 @@ def measure(args, device: torch.device) -> dict:
                 packed = bits in (4, 8)
                 if packed and gemv:
                     kernels.PACKED_GEMV_MAX_ROWS = kernels.GEMV_MAX_ROWS  # (an earlier batch's GEMM winner undone)
-                    kernels.PACKED_GEMM_MIN_N_TILES = 0
                 stages = [packed_gemv_sweep(batch) if packed else GEMV_SWEEP, SPLIT_SWEEP] if gemv else [gemm]
                 if packed and gemv and batch > 1:
                     stages.append([{"PACKED_GEMV_MAX_ROWS": kernels.GEMV_MAX_ROWS},
-                                   *({"PACKED_GEMV_MAX_ROWS": batch - 1, **candidate} for candidate in gemm)])
+                                   *({"PACKED_GEMV_MAX_ROWS": batch - 1, "PACKED_GEMM_MIN_N_TILES": 0, **candidate}
+                                     for candidate in gemm)])
                 for stage in stages:
                     tiles.update(sweep(run, fmt, batch, stage, weights_of))
                 chosen[f"{fmt}-b{batch}"] = tiles

@@ -89,7 +89,7 @@ def run(args, speculative: bool, eager: bool, oracle: list[int] | None = None, o
         static_decode.GreedySpeculation = OracleSpeculation
     try:
         engine = LLMEngine(EngineConfig(model=str(args.model), dtype=args.dtype, device=args.device, max_num_seqs=1,
-                                        load_format="dummy" if args.real_width else "auto",
+                                        load_format="auto" if args.real_width is None else "dummy",
                                         max_model_len=args.max_model_len, enforce_eager=eager,
                                         speculative_config=config, trace=str(trace) if trace else None,
                                         async_scheduling=overlap))
@@ -168,6 +168,8 @@ def main() -> int:
     if args.real_width is not None:
         if args.model is not None:
             parser.error("--real-width draws its own model: give it without --model")
+        if args.real_width < 1:
+            parser.error(f"--real-width: layers must be at least 1, got {args.real_width}")
         from long_context_resident import model_dir
 
         folder = Path(tempfile.mkdtemp(prefix="tierlm-bench-real-width-mtp-"))

@@ -41,8 +41,11 @@ SIX_BIT_GEMV_BLOCK_K = 128
 DENSE_SHAPES = [("decode-up-front", (1,), 512, 40, 4), ("decode-uneven-k", (1,), 1088, 24, 8)]
 CASES = {f"{d}-{f[0]}-{s[0]}": (DTYPES[d], f, s) for d in DTYPES for f in FORMATS for s in SHAPES}
 CASES |= {f"{d}-unquantized-{s[0]}": (DTYPES[d], FORMATS[0], s) for d in DTYPES for s in DENSE_SHAPES}
-# packed 4/8 bits at 2 rows: a program of two rows side by side
+# packed 4/8 bits at 2 rows: a program of two rows side by side; at 3 rows the tl.dot GEMM a wide output takes
+# (PACKED_GEMM_MIN_N_TILES set to 0 for it, so this narrow one does)
 CASES |= {f"{d}-{f[0]}-decode-two-rows": (DTYPES[d], f, ("decode-two-rows", (2,), 192, 40, 4)) for d in DTYPES
+          for f in FORMATS if f[1] in (4, 8)}
+CASES |= {f"{d}-{f[0]}-decode-gemm": (DTYPES[d], f, ("decode-gemm", (3,), 192, 40, 4)) for d in DTYPES
           for f in FORMATS if f[1] in (4, 8)}
 
 
@@ -85,15 +88,19 @@ def run_kernel_cases(names: list[str]) -> dict[str, str | None]:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     results = {}
     saved = (kernels.GEMV_MIN_TILES_PER_SPLIT, kernels.GEMV_BLOCK_K, kernels.PACKED_GEMV_BLOCK_K,
-             kernels.DENSE_GEMV_BLOCK_K, kernels.SIX_BIT_GEMV_BLOCK_K)
+             kernels.DENSE_GEMV_BLOCK_K, kernels.SIX_BIT_GEMV_BLOCK_K, kernels.PACKED_GEMM_MIN_N_TILES)
     kernels.GEMV_BLOCK_K, kernels.PACKED_GEMV_BLOCK_K = GEMV_BLOCK_K, PACKED_GEMV_BLOCK_K
     kernels.DENSE_GEMV_BLOCK_K, kernels.SIX_BIT_GEMV_BLOCK_K = DENSE_GEMV_BLOCK_K, SIX_BIT_GEMV_BLOCK_K
     try:
         for name in names:
             x, weight, kwargs, exact, min_tiles = make_case(name)
             kernels.GEMV_MIN_TILES_PER_SPLIT = min_tiles
+            kernels.PACKED_GEMM_MIN_N_TILES = 0 if name.endswith("decode-gemm") else saved[-1]
             rows = x.numel() // x.shape[-1]
             cfg = kernels.launch_config(rows, weight.shape[0], x.shape[-1], kwargs.get("bits"), x.element_size())
+            if name.endswith("decode-gemm") and not cfg.use_dot:
+                results[name] = f"expected the tl.dot GEMM at {rows} rows, got {cfg}"
+                continue
             if name.endswith("decode-split") and cfg.splits < 2:
                 results[name] = f"expected a split over K, got {cfg.splits}"
                 continue
@@ -107,7 +114,7 @@ def run_kernel_cases(names: list[str]) -> dict[str, str | None]:
             results[name] = within_tolerance(out, reference, *exact)
     finally:
         (kernels.GEMV_MIN_TILES_PER_SPLIT, kernels.GEMV_BLOCK_K, kernels.PACKED_GEMV_BLOCK_K,
-         kernels.DENSE_GEMV_BLOCK_K, kernels.SIX_BIT_GEMV_BLOCK_K) = saved
+         kernels.DENSE_GEMV_BLOCK_K, kernels.SIX_BIT_GEMV_BLOCK_K, kernels.PACKED_GEMM_MIN_N_TILES) = saved
     return results
 
 
@@ -157,6 +164,8 @@ def test_one_unquantized_row_takes_the_dense_gemv_tiles():
     assert tiles(3, 2560, 6144, 4) == (4, 32, 512, 4, False)  # narrow output: the GEMV at any GEMV row count
     assert tiles(4, 10240, 2560, 8) == (4, 32, 512, 4, False)
     assert tiles(3, 248320, 2560, 8) == (16, 128, 64, 4, True)  # wide, above PACKED_GEMV_MAX_ROWS: the GEMM
+    wide = kernels.PACKED_GEMM_MIN_N_TILES * kernels.GEMM_TILES[4][0]  # the narrowest output that fills the tiles
+    assert tiles(3, wide, 2560, 4)[-1] and not tiles(3, wide - kernels.GEMM_TILES[4][0], 2560, 4)[-1]
     assert not tiles(3, 2560, 640, 6)[-1] and not tiles(3, 16384, 2560)[-1]  # 6 bits, unquantized: the GEMV
     assert tiles(20, 2560, 6144)[-1]  # prefill: tl.dot
 
