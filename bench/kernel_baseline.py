@@ -1,7 +1,7 @@
 """Another checkout's Triton kernel modules loaded beside this checkout's, so a benchmark can time the
 kernels before and after a change in one process (`--baseline ROOT` of bench/moe_decode_kernel.py,
-bench/decode_fusions.py, bench/quant_linear_kernel.py, bench/gdn_decode_kernel.py and
-bench/qsa_decode_select.py)."""
+bench/decode_fusions.py, bench/quant_linear_kernel.py, bench/gdn_decode_kernel.py,
+bench/qsa_decode_select.py and bench/mtp_input_kernel.py)."""
 
 from __future__ import annotations
 

@@ -29,6 +29,13 @@ run inside another column's timing.
     python bench/spec_decode.py --model models/default_model --dtype float32 -k 1 --repetition-penalty 1
     python bench/spec_decode.py --device cuda --real-width 4 --tokens 128 -k 1   # decode_roofline's stack
 
+--token-map FILE (a speculative token map, `tierlm draft-vocab`) or --token-map-size N (ids 0..N-1: with
+random weights any N ids cost the same): two more columns, the head's drafts and the oracle's, with the draft
+head's logits from the map's rows alone (its acceptance: how often the trained head's draft was in the map
+and right; its time: what the smaller head saves).
+
+    python bench/spec_decode.py --device cuda --real-width 4 --tokens 128 -k 1 --token-map-size 32768
+
 --real-width LAYERS: instead of a demo model, the real-width stack of bench/decode_roofline.py (LAYERS layers,
 3 GDN : 1 QSA) with an MTP head of one QSA layer, random weights drawn at load (`--load-format dummy`):
 where a step costs its bytes, not its launches.
@@ -76,9 +83,11 @@ ORACLE_RUNS = 8
 PROMPT = "The history of the city begins with a small settlement on the river, where"
 
 
-def run(args, speculative: bool, eager: bool, oracle: list[int] | None = None, overlap: bool = True
-        ) -> tuple[list[int], float, object]:
+def run(args, speculative: bool, eager: bool, oracle: list[int] | None = None, overlap: bool = True,
+        token_map: str | None = None) -> tuple[list[int], float, object]:
     config = {"method": "mtp", "num_speculative_tokens": args.k} if speculative else None
+    if token_map is not None:
+        config["speculative_token_map"] = token_map
     trace = None
     if args.phases:
         trace = Path(tempfile.mkdtemp(prefix="spec-trace-")) / "trace.json"
@@ -99,7 +108,7 @@ def run(args, speculative: bool, eager: bool, oracle: list[int] | None = None, o
     # --repetition-penalty unset: the model's generation_config default (the trained default's is 1.05)
     params = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True,
                             repetition_penalty=args.repetition_penalty)
-    engine.add_request(PROMPT, params)
+    engine.add_request(args.prompt, params)
     engine.step()
     request = engine.scheduler.running[0]
     while request.num_computed_tokens < request.num_prompt_tokens:  # the prefill's other chunks (see above)
@@ -161,10 +170,24 @@ def main() -> int:
     parser.add_argument("-k", type=int, default=1, help="num_speculative_tokens")
     parser.add_argument("--repetition-penalty", type=float, default=None,
                         help="the request's repetition_penalty (default: the model's generation_config, if any)")
+    parser.add_argument("--prompt", default=PROMPT, help="the one request's prompt (default: a line of prose)")
     parser.add_argument("--phases", action="store_true", help="per column, where a step's time goes (see above)")
     parser.add_argument("--real-width", type=int, default=None, metavar="LAYERS",
                         help="decode_roofline's real-width stack of LAYERS layers with an MTP head, random weights")
+    maps = parser.add_mutually_exclusive_group()
+    maps.add_argument("--token-map", default=None, metavar="FILE",
+                      help="also the drafting columns with this speculative token map (`tierlm draft-vocab`)")
+    maps.add_argument("--token-map-size", type=int, default=None, metavar="N",
+                      help="also the drafting columns with a map of token ids 0..N-1 (random weights: any N ids cost "
+                           "the same)")
     args = parser.parse_args()
+    if args.token_map_size is not None:
+        if args.token_map_size < 1:
+            parser.error(f"--token-map-size must be at least 1, got {args.token_map_size}")
+        handle, args.token_map = tempfile.mkstemp(prefix="tierlm-bench-token-map-", suffix=".json")
+        with open(handle, "w") as f:
+            json.dump(list(range(args.token_map_size)), f)
+        atexit.register(Path(args.token_map).unlink, True)
     if args.real_width is not None:
         if args.model is not None:
             parser.error("--real-width draws its own model: give it without --model")
@@ -184,6 +207,8 @@ def main() -> int:
         run(untimed, speculative=False, eager=False)
         run(untimed, speculative=True, eager=False)
         run(untimed, speculative=True, eager=False, overlap=False)  # the serial steps' own kernels and shapes
+        if args.token_map is not None:
+            run(untimed, speculative=True, eager=False, token_map=args.token_map)
     base, base_s, _ = run(args, speculative=False, eager=False)
     eager, eager_s, _ = run(args, speculative=False, eager=True)
     own, own_s, own_stats = run(args, speculative=True, eager=False)
@@ -205,6 +230,14 @@ def main() -> int:
             ("MTP head, no overlap scheduling", own_serial_s, own_serial_stats),
             ("oracle drafts (all accepted)", oracle_s, oracle_stats),
             ("oracle drafts, no overlap scheduling", oracle_serial_s, oracle_serial_stats)]
+    mapped = {}
+    if args.token_map is not None:  # the draft head's logits from the map's rows alone
+        mapped["MTP head, token map"] = run(args, speculative=True, eager=False, token_map=args.token_map)
+        mapped["oracle, token map"] = run(args, speculative=True, eager=False, oracle=continuation,
+                                          token_map=args.token_map)
+        with open(args.token_map) as f:
+            print(f"token map: {len(json.load(f)):,} token ids ({args.token_map})")
+        rows += [(name, seconds, stats) for name, (_, seconds, stats) in mapped.items()]
     print(f"{args.model}, {args.device}, K={args.k}, {n} tokens timed")
     for name, seconds, stats in rows:
         accept = ""
@@ -213,15 +246,17 @@ def main() -> int:
                       f"{(stats.num_accepted_tokens + stats.num_drafts) / stats.num_drafts:.2f} tokens/verify")
         print(f"  {name:38s} {1000 * seconds / n:8.2f} ms/token  x{base_s / seconds:5.2f} vs default, "
               f"x{eager_s / seconds:5.2f} vs eager{accept}")
-    same = base == eager == own == own_serial == oracle == oracle_serial
+    columns = [("eager", eager), ("MTP head", own), ("MTP head, serial", own_serial), ("oracle", oracle),
+               ("oracle, serial", oracle_serial), *((name, tokens) for name, (tokens, _, _) in mapped.items())]
+    same = all(tokens == base for _, tokens in columns)
     print("tokens identical in every column:", same)
     if not same:
-        for name, tokens in (("eager", eager), ("MTP head", own), ("MTP head, serial", own_serial),
-                             ("oracle", oracle), ("oracle, serial", oracle_serial)):
+        for name, tokens in columns:
             first = next((i for i, (a, b) in enumerate(zip(base, tokens)) if a != b), None)
             print(f"  {name}: {'same' if first is None else f'first differs at token {first}'}")
     print(json.dumps({"base_ms": 1000 * base_s / n, "own_ms": 1000 * own_s / n, "oracle_ms": 1000 * oracle_s / n,
-                      "own_serial_ms": 1000 * own_serial_s / n, "oracle_serial_ms": 1000 * oracle_serial_s / n}))
+                      "own_serial_ms": 1000 * own_serial_s / n, "oracle_serial_ms": 1000 * oracle_serial_s / n,
+                      **{f"{name}_ms": 1000 * seconds / n for name, (_, seconds, _) in mapped.items()}}))
     return 0 if same or args.resolved_dtype != torch.float32 else 1
 
 

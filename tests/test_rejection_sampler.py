@@ -82,6 +82,24 @@ def test_output_follows_the_target_distribution(with_draft_probs):
     assert abs(accept_rate - expected_rate) < 4 * math.sqrt(expected_rate * (1 - expected_rate) / len(outputs))
 
 
+def test_drafts_from_a_reduced_vocabulary_keep_the_target_distribution():
+    """A draft head with a speculative token map proposes from part of the vocabulary only (q is zero on
+    tokens 3-5, which the target can still produce): those tokens come from the recovery step at their
+    target rate, and the drafted ones are accepted at sum_x min(p, q)."""
+    reduced = torch.tensor([[0.5, 0.3, 0.2, 0.0, 0.0, 0.0], [0.1, 0.5, 0.4, 0.0, 0.0, 0.0]], dtype=torch.float64)
+    gen, trials = torch.Generator().manual_seed(31), 40_000
+    drafts = torch.stack([torch.multinomial(q, trials, replacement=True, generator=gen) for q in reduced], dim=1)
+    outputs = rejection_sample(TARGET.float().expand(trials, -1, -1), drafts, reduced.float().expand(trials, -1, -1),
+                               [2] * trials, [False] * trials, [None] * trials, torch.Generator().manual_seed(32))
+    for position in range(3):
+        tokens = [out[position] for out in outputs if len(out) > position]
+        statistic, df = chi2_statistic(tokens, TARGET[position])
+        assert statistic < chi2_critical(df, ALPHA), (position, statistic, len(tokens))
+    accept_rate = sum(len(out) > 1 for out in outputs) / trials
+    expected_rate = float(torch.minimum(TARGET[0], reduced[0]).sum())  # 0.30 + 0.25 + 0.20 = 0.75
+    assert abs(accept_rate - expected_rate) < 4 * math.sqrt(expected_rate * (1 - expected_rate) / trials)
+
+
 def test_greedy_accepts_while_drafts_are_the_argmax():
     gen = torch.Generator().manual_seed(0)
     batch, k, vocab = 6, 4, 50

@@ -247,6 +247,74 @@ def test_penalized_requests_speculate_exactly(trained_reference, k, on_device):
     assert not on_device or {2 * (1 + k), ("accept", 2)} <= set(runs)
 
 
+@pytest.fixture(scope="module")
+def trained_map(tmp_path_factory, trained_reference) -> tuple[str, set[int]]:
+    """A speculative token map of every other distinct token (by id) of the trained model's greedy outputs,
+    and its stop token: the head's drafts are right where the map holds the target's token, and the
+    others can never be drafted."""
+    tokens = sorted({t for out in trained_reference for t in out})
+    ids = set(tokens[::2]) | {2}  # eos_token_id
+    path = tmp_path_factory.mktemp("map") / "map.json"
+    path.write_text(json.dumps(sorted(ids)))
+    return str(path), ids
+
+
+@pytest.mark.parametrize("k, on_device", [(1, False), (3, True)])
+def test_a_reduced_draft_vocabulary_keeps_the_tokens(trained_reference, trained_map, k, on_device):
+    """With a speculative token map the head drafts from the map alone (on the general path and the device's
+    greedy step), some drafts are accepted, some targets lie outside it, and the tokens are those without
+    drafts: verification reads the target's full logits."""
+    path, ids = trained_map
+    speculative = json.dumps({"method": "mtp", "num_speculative_tokens": k, "speculative_token_map": path})
+    llm = engine(TRAINED, speculative, max_num_seqs=3 if on_device else 2)
+    assert llm.runner.model.mtp.draft_head.out_features == len(ids)
+    runs = fixed_shapes(llm, k) if on_device else []
+    drafted = []
+    got = generate(llm, trained_params(), lambda llm: drafted.extend(
+        t for r in llm.scheduler.running for t in r.draft_token_ids))
+    assert [out.token_ids for out in got] == trained_reference
+    assert drafted and set(drafted) <= ids
+    outside = [t for out in got for t in out.token_ids if t not in ids]
+    assert outside and 0 < llm.stats().num_accepted_tokens < llm.stats().num_draft_tokens
+    assert not on_device or ("accept", 2) in runs
+
+
+def test_a_reduced_draft_vocabulary_with_sampling(demo, reference, tmp_path):
+    """Sampled drafts come from the map too (q is zero outside it), a seed still reproduces the output, and
+    a greedy request beside it keeps its tokens."""
+    ids = set(range(0, 512, 3)) | {t for out in reference for t in out[::2]}
+    path = tmp_path / "map.json"
+    path.write_text(json.dumps(sorted(ids)))
+    speculative = json.dumps({"method": "mtp", "num_speculative_tokens": 2, "speculative_token_map": str(path)})
+    runs, drafted = [], []
+    for _ in range(2):
+        llm = engine(demo, speculative)
+        runs.append(generate(llm, [sampled(7), greedy()], lambda llm: drafted.extend(
+            t for r in llm.scheduler.running for t in r.draft_token_ids)))
+    assert runs[0][0].token_ids == runs[1][0].token_ids and len(runs[0][0].token_ids) == MAX_TOKENS
+    assert all(run[1].token_ids == reference[1] for run in runs)
+    assert drafted and set(drafted) <= ids
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_a_reduced_draft_vocabulary_on_a_gpu(trained_map):
+    """On a GPU (fp32, the greedy steps replayed from CUDA graphs, the map's head captured in them): the tokens
+    of no drafts, drafts from the map alone, some accepted."""
+    path, ids = trained_map
+
+    def cuda(speculative_config=None):
+        return LLMEngine(EngineConfig(model=TRAINED, dtype="float32", device="cuda", max_num_seqs=2,
+                                      kv_cache_memory_bytes=32 << 20, speculative_config=speculative_config))
+
+    params = [greedy(TRAINED_TOKENS, repetition_penalty=1.0)] * 2  # unpenalized: the chained greedy graphs
+    expected = [out.token_ids for out in generate(cuda(), params)]
+    llm = cuda(json.dumps({"method": "mtp", "num_speculative_tokens": 1, "speculative_token_map": path}))
+    drafted = []
+    got = generate(llm, params, lambda llm: drafted.extend(t for r in llm.scheduler.running for t in r.draft_token_ids))
+    assert [out.token_ids for out in got] == expected
+    assert drafted and set(drafted) - {-1} <= ids and llm.stats().num_accepted_tokens > 0
+
+
 def test_stops_inside_an_accepted_run(demo, reference):
     """max_tokens and a stop token id falling inside a run of accepted drafts end the request there."""
     stop_id = reference[1][4]

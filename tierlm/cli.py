@@ -24,6 +24,7 @@ SUBCOMMANDS = {
     "quantize": "tierlm.tools.quantize",
     "eval": "tierlm.tools.eval_kld",
     "train-demo": "tierlm.tools.train_demo",
+    "draft-vocab": "tierlm.tools.draft_vocab",
 }
 
 

@@ -45,6 +45,7 @@ from tierlm.engine.speculative import (
     LaunchedSpeculation,
     SpeculativeConfig,
     SpeculativeRunner,
+    draft_vocab_line,
     spare_slots_needed,
 )
 from tierlm.engine.trace import NoTrace, StepTrace
@@ -96,6 +97,8 @@ def engine_cache_plan(
     speculative = SpeculativeConfig.parse(config.speculative_config)
     if speculative is not None and mtp is None:
         mtp = MTPLayout(model_config.num_mtp_layers)
+    if speculative is not None and speculative.draft_token_ids is not None:
+        mtp = dataclasses.replace(mtp, draft_vocab_rows=len(speculative.draft_token_ids))
     if stage is not None:
         layer_ids, ranks_on_host = stage.layer_ids, stage.world_size
         if speculative is not None and stage.is_last:  # the draft head (and the embedding it reads) is there
@@ -315,6 +318,8 @@ class LLMEngine:
             model_dir, config.dtype, config.device, mapped_ple_tables=table_dir is not None,
             load_format=config.load_format, load_mtp=speculative is not None,
         )
+        if speculative is not None:
+            speculative.restrict_draft_vocab(self.model)
         mc = self.model_config
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
         dtype = next(self.model.parameters()).dtype
@@ -389,9 +394,9 @@ class LLMEngine:
         if speculative is not None:
             self.runner = SpeculativeRunner(self.runner, speculative, plan.num_slots, config.seed, static_decode,
                                             static_drafts)
-            logger.info("speculative decoding: %s, %d draft tokens per step (%d MTP layer(s)); requests with "
-                        "biases, bans, allowed ids, min_tokens or logprobs decode one token per step",
-                        speculative.method, k, mc.num_mtp_layers)
+            logger.info("speculative decoding: %s, %d draft tokens per step (%d MTP layer(s), drafting from %s); "
+                        "requests with biases, bans, allowed ids, min_tokens or logprobs decode one token per step",
+                        speculative.method, k, mc.num_mtp_layers, draft_vocab_line(speculative, mc.vocab_size))
         self._finish_init()
 
     def _start_pipeline(self, model_dir, table_dir, speculative: SpeculativeConfig | None) -> None:
@@ -428,9 +433,10 @@ class LLMEngine:
             from tierlm.engine.pipeline_speculative import PipelineSpeculation
 
             self.runner = PipelineSpeculation(driver, speculative, stage.plan.num_slots, config.seed)
-            logger.info("speculative decoding: %s, %d draft tokens per step (%d MTP layer(s), on the last pipeline "
-                        "rank; steps run serially and eagerly); requests with biases, bans, min_tokens, logprobs or "
-                        "a grammar decode one token per step", speculative.method, k, mc.num_mtp_layers)
+            logger.info("speculative decoding: %s, %d draft tokens per step (%d MTP layer(s), drafting from %s, on "
+                        "the last pipeline rank; steps run serially and eagerly); requests with biases, bans, "
+                        "min_tokens, logprobs or a grammar decode one token per step", speculative.method, k,
+                        mc.num_mtp_layers, draft_vocab_line(speculative, mc.vocab_size))
         self._finish_init()
 
     def close(self) -> None:

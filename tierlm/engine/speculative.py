@@ -108,6 +108,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import pickle
 import time
 from dataclasses import dataclass
 
@@ -141,6 +142,9 @@ LOG_INTERVAL_S = 30.0  # the acceptance log line, at most this often
 class SpeculativeConfig:
     method: str
     num_speculative_tokens: int
+    # "speculative_token_map" (SGLang's FR-Spec option): the draft head proposes from these tokens only
+    # (`MultiTokenPredictor.restrict_vocab`); None: the whole vocabulary
+    draft_token_ids: tuple[int, ...] | None = None
 
     @classmethod
     def parse(cls, value: str | dict | None) -> SpeculativeConfig | None:
@@ -154,17 +158,53 @@ class SpeculativeConfig:
                 raise ValueError(f"--speculative-config: not JSON ({exc}): {value!r}") from None
         if not isinstance(value, dict):
             raise ValueError(f"--speculative-config: expected a JSON object, got {value!r}")  # noqa: TRY004 (bad input)
-        unknown = sorted(set(value) - {"method", "num_speculative_tokens"})
+        unknown = sorted(set(value) - {"method", "num_speculative_tokens", "speculative_token_map"})
         if unknown:
             raise ValueError(f"--speculative-config: unsupported field(s) {unknown} (supported: method, "
-                             "num_speculative_tokens)")
+                             "num_speculative_tokens, speculative_token_map)")
         method = value.get("method")
         if method not in METHODS:
             raise ValueError(f"--speculative-config: method must be one of {list(METHODS)}, got {method!r}")
         k = value.get("num_speculative_tokens")
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise ValueError(f"--speculative-config: num_speculative_tokens must be an integer >= 1, got {k!r}")
-        return cls(method, k)
+        token_map = value.get("speculative_token_map")
+        return cls(method, k, None if token_map is None else read_token_map(token_map))
+
+    def restrict_draft_vocab(self, model) -> None:
+        """With a speculative_token_map, the model's draft head (where this process holds it) proposes
+        from those tokens only."""
+        if self.draft_token_ids is not None and getattr(model, "mtp", None) is not None:
+            model.mtp.restrict_vocab(torch.tensor(self.draft_token_ids), model.lm_head)
+
+
+def draft_vocab_line(config: SpeculativeConfig, vocab_size: int) -> str:
+    """What the start-up line says the drafts are proposed from."""
+    if config.draft_token_ids is None:
+        return f"the whole vocabulary of {vocab_size:,}"
+    return f"{len(config.draft_token_ids):,} of {vocab_size:,} tokens (speculative_token_map)"
+
+
+def read_token_map(path) -> tuple[int, ...]:
+    """A speculative token map file: a JSON list of token ids (what `tierlm draft-vocab` writes), or a
+    .pt file holding a 1-D integer tensor (SGLang's / FR-Spec's form, read with weights_only)."""
+    if not isinstance(path, str) or not path:
+        raise ValueError(f"--speculative-config: speculative_token_map must be a file path, got {path!r}")
+    try:
+        if path.endswith(".pt"):
+            ids = torch.load(path, map_location="cpu", weights_only=True)
+            if not isinstance(ids, torch.Tensor) or ids.dim() != 1 or ids.is_floating_point():
+                raise ValueError("expected a 1-D integer tensor")
+            ids = ids.tolist()
+        else:
+            with open(path) as f:
+                ids = json.load(f)
+    except (OSError, ValueError, RuntimeError, pickle.UnpicklingError) as exc:
+        raise ValueError(f"--speculative-config: speculative_token_map {path}: {exc}") from None
+    if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise ValueError(f"--speculative-config: speculative_token_map {path}: expected a non-empty JSON list of "
+                         "token ids (integers)")
+    return tuple(ids)
 
 
 def is_greedy(request: Request) -> bool:

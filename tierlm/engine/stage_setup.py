@@ -102,10 +102,13 @@ def build_stage(config, group: PipelineGroup) -> Stage:
     capacities = group.all_gather_object(device_capacity(group.device))
     chosen = pipeline_layouts(config, model_config, dtype_name, capacities, quantization) if group.rank == 0 else None
     layout = group.all_gather_object(chosen)[0][group.rank]
-    speculative = SpeculativeConfig.parse(config.speculative_config) is not None
+    speculative_config = SpeculativeConfig.parse(config.speculative_config)
+    speculative = speculative_config is not None
     model, model_config = load_model(
         model_dir, config.dtype, group.device, stage=layout, load_format=config.load_format, load_mtp=speculative
     )
+    if speculative:  # the last rank's draft head
+        speculative_config.restrict_draft_vocab(model)
     plan = engine_cache_plan(config, model_config, dtype_name, str(group.device), 0, stage=layout,
                              quantization=quantization)
     plan = agreed_plan(plan, group.all_gather_object(plan_limits(plan)), model_config, layout)

@@ -51,11 +51,16 @@ def weight_bytes(
     buffers at 8 bytes), the quantized modules counted by their packed runtime tensors; without the PLE
     tables when they are mapped files; with layer_ids only those decoder layers (and every tensor outside
     the layers); with stage (a pipeline rank's `StageLayout`) only the tensors that rank holds; with mtp
-    (an `MTPLayout`: speculative decoding loads the draft head) the draft head's too."""
+    (an `MTPLayout`: speculative decoding loads the draft head) the draft head's too, and the copy of its
+    lm_head's rows a reduced draft vocabulary makes (`draft_vocab_rows`, in the head's format)."""
     from tierlm.model.checkpoint_layout import VISION_PREFIX, checkpoint_layout, weight_module
     from tierlm.model.quantization.base import DENSE
 
     totals: dict[str, int] = {}
+    # the draft head's lm_head: its own, or the target's (held as the embedding when tied)
+    draft_head = None if mtp is None or not mtp.draft_vocab_rows else (
+        "mtp.shared_head.head.weight" if mtp.shared_head else
+        "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight")
     ids = None if layer_ids is None else set(layer_ids)
     ple_fp8 = config.extra.get("ple_embedding_dtype") == "float8_e4m3fn"  # vLLM's config field
     for spec in checkpoint_layout(config, ple_fp8=ple_fp8, mtp=mtp):
@@ -77,6 +82,8 @@ def weight_bytes(
                 for t in fmt.runtime_tensors(*spec.shape).values()
             )
         totals[fmt.label] = totals.get(fmt.label, 0) + nbytes
+        if spec.name == draft_head:
+            totals[fmt.label] += nbytes * mtp.draft_vocab_rows // spec.shape[0]
     return totals
 
 

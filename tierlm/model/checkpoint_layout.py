@@ -49,10 +49,12 @@ class TensorSpec:
 @dataclass(frozen=True)
 class MTPLayout:
     """The MTP draft head a checkpoint carries: its decoder layers (`mtp.layers.{k}`) and whether it has
-    its own lm_head (`mtp.shared_head.head`) instead of the target's."""
+    its own lm_head (`mtp.shared_head.head`) instead of the target's; and, not in the checkpoint, the rows
+    of that head a reduced draft vocabulary copies at load (`MultiTokenPredictor.restrict_vocab`; 0: none)."""
 
     num_layers: int = 1
     shared_head: bool = False
+    draft_vocab_rows: int = 0
 
 
 def ple_shard_rows(rows: int, parts: int) -> list[int]:

@@ -11,6 +11,12 @@ mixer ([hc*H]; at later draft steps, the previous draft step's output streams in
   combine its final mixer does (`qwen4_exp.final_mix`, as the target's);
 - its own final mixer, then the target's lm_head unless the checkpoint has `mtp.shared_head.head`
   (`Qwen4ExpForCausalLM.draft` does this last part and picks the head).
+A reduced draft vocabulary (`restrict_vocab`; FR-Spec, SGLang's speculative token map): the draft's logits
+come from the head's rows of a set of frequent tokens only, a copy of those rows in the head's format (at
+the real width the full head is 1.27 GB in bf16, 3/4 of the draft pass's bytes; 32k rows are 0.17 GB).
+The logits keep the full vocabulary's shape, every other token at NOT_DRAFTED, so whatever picks a draft
+(argmax, a draw, a grammar's mask) works unchanged, and verification, which reads the target's full
+logits, stays exact: a draft is only ever a proposal.
 A draft row at position t takes the target's position t (rotary angle, K/V row, indexer group), so the
 draft layer's caches are paged with the same block tables and slots as the target's. They hold nothing
 that is not addressed by position, so a rejected draft needs no undo: the next forward at that position
@@ -34,9 +40,15 @@ from tierlm.model.layers.packed_linear import Linear
 from tierlm.model.layers.rotary import Rope
 from tierlm.model.model_cache import LayerCaches
 
+# the logit of a token outside a reduced draft vocabulary (`restrict_vocab`): finite, so a row whose every
+# drafted token a grammar masks still has a distribution (its remaining tokens, uniformly), and low enough
+# that exp() of it after any temperature is 0 beside a drafted token's (fp16: its own lowest finite half)
+NOT_DRAFTED = -1e30
+
 # the most rows `layer_input` runs as one kernel: each row re-reads fc_embedding and fc_hidden (see
-# kernels/mtp_input/triton.py), cheap while launches dominate (a decode step's 1 + K rows per request)
-FUSED_INPUT_MAX_ROWS = 16
+# kernels/mtp_input/triton.py). H200, real width, bf16 (bench/mtp_input_kernel.py, session 15): the kernel
+# over torch 2.47x at 1 row, 1.64x at 2, 1.11x at 4, 0.36x at 16
+FUSED_INPUT_MAX_ROWS = 4
 
 
 class MultiTokenPredictor(nn.Module):
@@ -58,6 +70,10 @@ class MultiTokenPredictor(nn.Module):
         # checkpoint name mtp.shared_head.head.weight (vocab-wide: on cuBLAS at decode, as the target's lm_head)
         self.shared_head = (nn.ModuleDict({"head": Linear(h, c.vocab_size, decode_gemv=False)}) if layout.shared_head
                             else None)
+        self.vocab_size = c.vocab_size
+        # a reduced draft vocabulary (`restrict_vocab`): its token ids [R] and the head's rows for them
+        self.draft_token_ids: torch.Tensor | None = None
+        self.draft_head: Linear | None = None
 
     def forward(
         self, embeddings: torch.Tensor, hidden_streams: torch.Tensor, batch: ForwardBatch,
@@ -99,3 +115,30 @@ class MultiTokenPredictor(nn.Module):
     def head(self, target_lm_head: Linear) -> Linear:
         """The lm_head the draft's logits come from."""
         return self.shared_head["head"] if self.shared_head is not None else target_lm_head
+
+    def restrict_vocab(self, token_ids: torch.Tensor, target_lm_head: Linear) -> None:
+        """Draft from the tokens `token_ids` only (1-D, distinct, in the vocabulary): their rows of the head
+        (`head`) copied into a head of their own, in its format (see the module)."""
+        head = self.head(target_lm_head)
+        if token_ids.dim() != 1 or token_ids.numel() == 0 or token_ids.is_floating_point():
+            raise ValueError(f"speculative_token_map: expected a non-empty list of token ids, got a "
+                             f"{token_ids.dtype} tensor of shape {tuple(token_ids.shape)}")
+        low, high = int(token_ids.min()), int(token_ids.max())
+        if low < 0 or high >= self.vocab_size:
+            raise ValueError(f"speculative_token_map: token id {low if low < 0 else high} is outside the model's "
+                             f"vocabulary [0, {self.vocab_size})")
+        if token_ids.unique().numel() != token_ids.numel():
+            raise ValueError("speculative_token_map: a token id is listed more than once")
+        device = next(head.parameters()).device
+        self.draft_token_ids = token_ids.to(device=device, dtype=torch.int64)
+        self.draft_head = head.output_rows(self.draft_token_ids)
+
+    def logits(self, target_lm_head: Linear, x: torch.Tensor) -> torch.Tensor:
+        """The draft's logits [M, vocab] of the final mixer's output x [M, H]; with a reduced vocabulary,
+        NOT_DRAFTED outside it."""
+        if self.draft_head is None:
+            return self.head(target_lm_head)(x)
+        drafted = self.draft_head(x)
+        floor = max(NOT_DRAFTED, torch.finfo(drafted.dtype).min)
+        out = drafted.new_full((drafted.shape[0], self.vocab_size), floor)
+        return out.index_copy_(1, self.draft_token_ids, drafted)

@@ -222,4 +222,4 @@ class Qwen4ExpForCausalLM(nn.Module):
             rope = Rope(self.model.rotary, batch, embeddings.dtype)
         pending = self.mtp(embeddings, hidden_streams, batch, cache.draft_layers, rope, step)
         streams, mixed = final_mix(self.mtp.hyper_connection_mixer, pending, batch)
-        return self.mtp.head(self.lm_head)(mixed), streams
+        return self.mtp.logits(self.lm_head, mixed), streams

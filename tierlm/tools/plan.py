@@ -14,6 +14,7 @@ logs them at start-up, ranks on devices of equal memory), then rank 0's plan.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from pathlib import Path
 
 from tierlm.cli import CliError
@@ -83,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
         if args.pipeline_parallel_size != 1:
             return _print_ranks(args, settings, config, dtype, ple_mapped)
         quantization = read_quantization_config(model_dir)
-        mtp = _mtp_layout(model_dir, config) if args.speculative_config else None
+        mtp = _mtp_layout(model_dir, config, args.speculative_config) if args.speculative_config else None
         by_format = weight_bytes(config, dtype, quantization, ple_mapped, mtp=mtp)
         weights = sum(by_format.values())
         plan = engine_cache_plan(settings, config, dtype, args.device, weights, args.host_memory_bytes, ple_mapped,
@@ -100,15 +101,18 @@ def run(args: argparse.Namespace) -> int:
 
 
 
-def _mtp_layout(model_dir, config):
+def _mtp_layout(model_dir, config, speculative_config):
     """The draft head speculative decoding loads: the checkpoint's (its own lm_head or not, from the
-    safetensors headers) when its files are there, else the config's layers with the target's lm_head."""
+    safetensors headers) when its files are there, else the config's layers with the target's lm_head;
+    with a speculative_token_map, the rows its reduced vocabulary copies."""
+    from tierlm.engine.speculative import SpeculativeConfig
     from tierlm.model.checkpoint_layout import MTPLayout
     from tierlm.model.loader import index_tensors, mtp_layout
 
     files = sorted(Path(model_dir).glob("*.safetensors"))
     found = mtp_layout(config, index_tensors(files, with_mtp=True)) if files else None
-    return found or MTPLayout(config.num_mtp_layers)
+    ids = SpeculativeConfig.parse(speculative_config).draft_token_ids
+    return dataclasses.replace(found or MTPLayout(config.num_mtp_layers), draft_vocab_rows=len(ids or ()))
 
 
 def _print_ranks(args, settings, config, dtype: str, ple_mapped: bool) -> int:

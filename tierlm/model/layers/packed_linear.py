@@ -87,3 +87,24 @@ class Linear(PackedLinear):
 
     def checkpoint_modules(self, path: str) -> list[ModulePart]:
         return [ModulePart(path, 0, self.out_features, self.in_features)]
+
+    def output_rows(self, rows: torch.Tensor) -> Linear:
+        """A Linear of this layer's output rows `rows` (int64 [R]) alone, held in the same format: each
+        runtime tensor gathered along its output dimension (one shared by every row, as GPTQ's g_idx, is
+        kept). The MTP draft head's reduced-vocabulary lm_head (`MultiTokenPredictor.restrict_vocab`)."""
+        if self.bias is not None:
+            raise ValueError("output_rows: a layer with a bias is not supported")
+        fmt = self.quant_method.format
+        with torch.device("meta"):  # no full-size allocation before the gathered tensors replace it
+            part = Linear(self.in_features, rows.numel(), decode_gemv=self.decode_gemv)
+        # not set_format: a checkpoint's shape rules (GPTQ packs its zero points along N, so N % 8 == 0)
+        # are not the runtime tensors', which hold every row apart
+        for name in part.quant_method.format.runtime_names:
+            delattr(part, name)
+        part.quant_method = linear_method(fmt)
+        for name, spec in fmt.runtime_tensors(self.out_features, self.in_features).items():
+            tensor = getattr(self, name)
+            if spec.out_dim is not None:
+                tensor = tensor.index_select(spec.out_dim, rows.to(tensor.device))
+            setattr(part, name, nn.Parameter(tensor, requires_grad=False))
+        return part
