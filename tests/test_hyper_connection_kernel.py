@@ -137,6 +137,7 @@ def test_kernels_match_reference():
     def on_cuda():
         compare("cuda", **SMALL)
         compare("cuda", **dict(SMALL, tokens=1))
+        compare("cuda", **dict(SMALL, tokens=2))  # MIX_TILES' own entry for two tokens
         check_mix("cuda", SMALL["hc"], int8_inputs(**dict(SMALL, tokens=3)), "int8")
 
     on_cuda_else_interpreted(on_cuda, INTERPRETED_EARLY, "test_kernels_match_reference")
