@@ -43,8 +43,22 @@ def params() -> list[SamplingParams]:
                            structured_output=StructuredOutputRequest(json_schema=json.dumps(SCHEMA)))]
 
 
-def spec(k: int) -> str:
-    return json.dumps({"method": "mtp", "num_speculative_tokens": k})
+def spec(k: int, token_map: str | None = None) -> str:
+    config = {"method": "mtp", "num_speculative_tokens": k}
+    if token_map is not None:
+        config["speculative_token_map"] = token_map
+    return json.dumps(config)
+
+
+@pytest.fixture(scope="module")
+def even_ids(demo, tmp_path_factory) -> tuple[str, set[int]]:
+    """A speculative token map of the demo vocabulary's even ids."""
+    from tierlm.config import ModelConfig
+
+    ids = set(range(0, ModelConfig.from_pretrained(demo).vocab_size, 2))
+    path = tmp_path_factory.mktemp("pp-map") / "map.json"
+    path.write_text(json.dumps(sorted(ids)))
+    return str(path), ids
 
 
 def generate(llm: LLMEngine, after_step=None) -> list:
@@ -100,11 +114,16 @@ class Oracle:
 
 
 @pytest.mark.parametrize("k, oracle", [(1, False), (3, True)], ids=["k1-head-drafts", "k3-forced-acceptance"])
-def test_pipeline_with_drafts_gives_one_process_output(demo, reference, k, oracle):
-    llm = LLMEngine(EngineConfig(model=str(demo), **OPTIONS, pipeline_parallel_size=2, speculative_config=spec(k)))
+def test_pipeline_with_drafts_gives_one_process_output(demo, reference, even_ids, k, oracle):
+    """(The head-drafts case drafts from a speculative token map: the last rank's head restricted to it.)"""
+    token_map, allowed = even_ids if not oracle else (None, None)
+    llm = LLMEngine(EngineConfig(model=str(demo), **OPTIONS, pipeline_parallel_size=2,
+                                 speculative_config=spec(k, token_map)))
     try:
         assert isinstance(llm.runner, PipelineSpeculation)
-        forcing = Oracle(reference, k) if oracle else None
+        drafted = []
+        forcing = Oracle(reference, k) if oracle else (lambda llm: drafted.extend(
+            t for r in llm.scheduler.running for t in r.draft_token_ids))
         got = generate(llm, forcing)
         tokens = [out.token_ids for out in got]
         assert tokens[:SAMPLED] == [out.token_ids for out in reference[:SAMPLED]]
@@ -122,8 +141,10 @@ def test_pipeline_with_drafts_gives_one_process_output(demo, reference, k, oracl
             assert sum(stats.num_accepted_tokens_per_pos) == stats.num_accepted_tokens
             assert forcing.steps < len(PROMPTS) * MAX_TOKENS
             return
+        assert drafted and set(drafted) <= allowed
         # the seeded sampled request: one process's output with drafts (not without: drafts change the draws)
-        one_process = generate(LLMEngine(EngineConfig(model=str(demo), **OPTIONS, speculative_config=spec(k))))
+        one_process = generate(LLMEngine(EngineConfig(model=str(demo), **OPTIONS,
+                                                      speculative_config=spec(k, token_map))))
         assert tokens[SAMPLED] == one_process[SAMPLED].token_ids != reference[SAMPLED].token_ids
         # a prefix-cache hit restores every rank's state, the draft head's caches on the last rank too
         llm.add_request(PROMPTS[1], params()[1], request_id="again")
