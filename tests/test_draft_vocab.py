@@ -176,3 +176,29 @@ def test_the_plan_counts_the_maps_head(demo, tmp_path, capsys):
     base = {"method": "mtp", "num_speculative_tokens": 1}
     extra = planned({**base, "speculative_token_map": str(token_map)}) - planned(base)
     assert extra == 100 * config.hidden_size * 4  # fp32 rows of the head
+
+
+def test_a_map_over_a_packed_int8_head_keeps_the_tokens(tmp_path):
+    """int4-mixed holds the (tied) head as packed INT8: the map's rows are copied packed, and greedy output
+    with drafts from the map is the output without drafts."""
+    from tierlm.engine.llm_engine import EngineConfig, LLMEngine
+    from tierlm.model.quantization.compressed_tensors import PackQuantizedFormat
+
+    folder = build_demo_model(tmp_path / "int4", "tiny", quantize="int4-mixed", mtp=True)
+    token_map = tmp_path / "map.json"
+    token_map.write_text(json.dumps(list(range(0, 1024, 3))))
+
+    def run(speculative=None):
+        llm = LLMEngine(EngineConfig(model=str(folder), dtype="float32", device="cpu", max_num_seqs=1,
+                                     kv_cache_memory_bytes=32 << 20, speculative_config=speculative))
+        llm.add_request("The quick brown fox", SamplingParams(temperature=0, max_tokens=10))
+        while llm.has_unfinished_requests():
+            done = [o for o in llm.step() if o.finished]
+        return llm, done[0].outputs[0].token_ids
+
+    _, expected = run()
+    llm, got = run(json.dumps({"method": "mtp", "num_speculative_tokens": 2, "speculative_token_map": str(token_map)}))
+    head = llm.runner.model.mtp.draft_head
+    assert isinstance(head.quant_method.format, PackQuantizedFormat) and head.quant_method.format.bits == 8
+    assert head.weight_packed.dtype == torch.int32 and head.out_features == 342
+    assert got == expected and llm.stats().num_draft_tokens > 0
