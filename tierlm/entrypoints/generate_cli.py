@@ -40,7 +40,8 @@ def add_parser(subparsers) -> None:
                         help="torch threads on CPU (default: torch's own, one per core)")
     parser.add_argument("--speculative-config", default=None, metavar="JSON",
                         help='MTP speculative decoding with the checkpoint\'s draft head, e.g. '
-                        '\'{"method": "mtp", "num_speculative_tokens": 2}\' (greedy requests; runs eagerly)')
+                        '\'{"method": "mtp", "num_speculative_tokens": 2}\'; "speculative_token_map": FILE drafts '
+                        'from those token ids only (`tierlm draft-vocab`)')
     parser.set_defaults(func=run)
 
 

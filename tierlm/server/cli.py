@@ -145,10 +145,11 @@ def add_async_scheduling_flag(parser) -> None:
 
 
 def add_speculative_flag(parser) -> None:
-    """--speculative-config (serve and generate share it)."""
+    """--speculative-config (`tierlm generate` has the same flag)."""
     parser.add_argument("--speculative-config", default=None, metavar="JSON",
                         help='MTP speculative decoding with the checkpoint\'s draft head, e.g. '
-                        '\'{"method": "mtp", "num_speculative_tokens": 2}\' (greedy requests; runs eagerly)')
+                        '\'{"method": "mtp", "num_speculative_tokens": 2}\'; "speculative_token_map": FILE drafts '
+                        'from those token ids only (`tierlm draft-vocab`)')
 
 
 def add_pipeline_flags(parser) -> None:

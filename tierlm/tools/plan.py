@@ -50,7 +50,7 @@ def add_parser(subparsers) -> None:
                         help="layers per rank, e.g. 16,17,15 (default: balanced)")
     parser.add_argument("--speculative-config", default=None, metavar="JSON",
                         help="plan MTP speculative decoding's caches too (the draft head's layers, the "
-                        "per-position state slots)")
+                        "per-position state slots, a speculative_token_map's head rows)")
     parser.set_defaults(func=run)
 
 
