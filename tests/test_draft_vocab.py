@@ -143,7 +143,7 @@ def test_draft_vocab_puts_the_stop_tokens_first_then_the_most_frequent():
         draft_vocab(counts, 0, always=[])
 
 
-def test_the_cli_writes_a_map_the_engine_reads(demo, tmp_path, capsys):
+def test_the_cli_writes_a_map_with_its_stop_tokens_and_coverage(demo, tmp_path, capsys):
     text = tmp_path / "text.txt"
     text.write_text("the cat sat on the mat; the dog sat on the log.\n" * 20)
     out = tmp_path / "map.json"

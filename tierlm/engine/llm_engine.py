@@ -95,10 +95,8 @@ def engine_cache_plan(
     """
     ranks_on_host = 1
     speculative = SpeculativeConfig.parse(config.speculative_config)
-    if speculative is not None and mtp is None:
-        mtp = MTPLayout(model_config.num_mtp_layers)
-    if speculative is not None and speculative.draft_token_ids is not None:
-        mtp = dataclasses.replace(mtp, draft_vocab_rows=len(speculative.draft_token_ids))
+    if speculative is not None:
+        mtp = speculative.head_layout(mtp or MTPLayout(model_config.num_mtp_layers))
     if stage is not None:
         layer_ids, ranks_on_host = stage.layer_ids, stage.world_size
         if speculative is not None and stage.is_last:  # the draft head (and the embedding it reads) is there

@@ -128,6 +128,7 @@ from tierlm.engine.speculative_constraints import (
     verify_logits,
     verify_rows,
 )
+from tierlm.model.checkpoint_layout import MTPLayout
 from tierlm.model.forward_batch import ForwardBatch
 from tierlm.model.static_decode import StaticDecodeRunner
 from tierlm.model.static_slot_copy import StaticSlotCopy
@@ -170,6 +171,10 @@ class SpeculativeConfig:
             raise ValueError(f"--speculative-config: num_speculative_tokens must be an integer >= 1, got {k!r}")
         token_map = value.get("speculative_token_map")
         return cls(method, k, None if token_map is None else read_token_map(token_map))
+
+    def head_layout(self, mtp: MTPLayout) -> MTPLayout:
+        """`mtp` with the head rows this config's token map copies at load (`MTPLayout.draft_vocab_rows`)."""
+        return dataclasses.replace(mtp, draft_vocab_rows=len(self.draft_token_ids or ()))
 
     def restrict_draft_vocab(self, model) -> None:
         """With a speculative_token_map, the model's draft head (where this process holds it) proposes

@@ -14,7 +14,6 @@ logs them at start-up, ranks on devices of equal memory), then rank 0's plan.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 from pathlib import Path
 
 from tierlm.cli import CliError
@@ -57,6 +56,7 @@ def add_parser(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     from tierlm.config import ConfigError, ModelConfig
     from tierlm.engine.llm_engine import EngineConfig, engine_cache_plan
+    from tierlm.engine.speculative import SpeculativeConfig
     from tierlm.memory.ngram_store import find_table_dir
     from tierlm.memory.plan import CapacityError, weight_bytes
     from tierlm.model.loader import (
@@ -84,7 +84,8 @@ def run(args: argparse.Namespace) -> int:
         if args.pipeline_parallel_size != 1:
             return _print_ranks(args, settings, config, dtype, ple_mapped)
         quantization = read_quantization_config(model_dir)
-        mtp = _mtp_layout(model_dir, config, args.speculative_config) if args.speculative_config else None
+        speculative = SpeculativeConfig.parse(args.speculative_config)
+        mtp = None if speculative is None else speculative.head_layout(_mtp_layout(model_dir, config))
         by_format = weight_bytes(config, dtype, quantization, ple_mapped, mtp=mtp)
         weights = sum(by_format.values())
         plan = engine_cache_plan(settings, config, dtype, args.device, weights, args.host_memory_bytes, ple_mapped,
@@ -101,18 +102,15 @@ def run(args: argparse.Namespace) -> int:
 
 
 
-def _mtp_layout(model_dir, config, speculative_config):
+def _mtp_layout(model_dir, config):
     """The draft head speculative decoding loads: the checkpoint's (its own lm_head or not, from the
-    safetensors headers) when its files are there, else the config's layers with the target's lm_head;
-    with a speculative_token_map, the rows its reduced vocabulary copies."""
-    from tierlm.engine.speculative import SpeculativeConfig
+    safetensors headers) when its files are there, else the config's layers with the target's lm_head."""
     from tierlm.model.checkpoint_layout import MTPLayout
     from tierlm.model.loader import index_tensors, mtp_layout
 
     files = sorted(Path(model_dir).glob("*.safetensors"))
     found = mtp_layout(config, index_tensors(files, with_mtp=True)) if files else None
-    ids = SpeculativeConfig.parse(speculative_config).draft_token_ids
-    return dataclasses.replace(found or MTPLayout(config.num_mtp_layers), draft_vocab_rows=len(ids or ()))
+    return found or MTPLayout(config.num_mtp_layers)
 
 
 def _print_ranks(args, settings, config, dtype: str, ple_mapped: bool) -> int:

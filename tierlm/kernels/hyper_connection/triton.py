@@ -87,8 +87,9 @@ class MixTiles(NamedTuple):
 # (29.9, 41.6, 42.1). One token: 20 slices x 41 row blocks = 820 down programs of 8 KB of W_down|inj,
 # 320 up programs of 4 x 8 rows x 320 of W_up (20 KB)
 # Two tokens (a K=1 verify step, or two streams) have an entry of their own: session 15's sweep at batch 2
-# (`--sweep-hc --batches 2`, bench/results/decode_fusions_hc_sweep_b2_nvidia-h200.txt): real widths 22.7 ->
-# ~16 us bf16 and 26.4 -> 16.8 INT8 against the 4-token tiles, demo-small 6.4 -> 5.3 and 7.0 -> 5.8
+# (`--sweep-hc --batches 2`, bench/results/decode_fusions_hc_sweep_b2_nvidia-h200.txt), real widths, MIX_TILES
+# with the 4-token tiles then with this entry: bf16 22.7 -> 17.3 us, INT8 26.4 -> 16.4; demo-small, this
+# tile in the first run: bf16 6.4 -> 5.3, INT8 7.0 -> 5.8
 MIX_TILES = ((1, MixTiles(1, 8, 512, 4, 8, 4)), (2, MixTiles(2, 8, 512, 4, 8, 4)), (4, MixTiles(4, 8, 512, 4, 8, 4)),
              (MAX_TOKENS, MixTiles(16, 32, 256, 4, 16, 4)))
 

@@ -12,8 +12,9 @@ lets the kernel after it start early.
 Its time is the chain of dependent loads a program walks, not its bytes (26 MB of weights at the real
 width, ~6 us at an H200's copy bandwidth): both passes take wide tiles (`tiles`: the statistics 1,024
 values of each stream a step, the products 8 columns x 256 values, their sums kept per lane and reduced
-after the loop), so a program walks 3 + 10 steps at hidden 2560. The first form (32 x 64 tiles, one pass of 40 steps and one of 40) took 99.7 us a
-call at two rows on an H200 (eager profile of a K=1 speculative step at the real width, session 15).
+after the loop), so a program walks 3 + 10 steps at hidden 2560. The first form (32 x 64 tiles, two
+passes of 40 steps, a cross-warp sum each step) took 148.6 us at two rows, this one 29.8 (H200,
+`bench/mtp_input_kernel.py --baseline`, session 15).
 """
 
 from __future__ import annotations
