@@ -1,8 +1,10 @@
-"""Host time between decode steps, overlap scheduling off vs on, side by side (from the engine's --trace).
+"""Host time between decode steps, overlap scheduling off vs on (or, with --ab sampler-graphs, the sampler's
+passes launched eagerly vs replayed from CUDA graphs, overlap on), side by side (from the engine's --trace).
 
-For each batch size: B greedy requests decode --steps tokens each through the whole engine (scheduler,
-runner, sampler, detokenizer), once with --no-async-scheduling and once with overlap; the step trace of
-each run gives, over the decode steps after --warmup:
+For each batch size: B requests (greedy, or with --sampling default the default model's generation config:
+temperature 0.7, top-p 0.8, top-k 20, repetition penalty 1.05) decode --steps tokens each through the whole
+engine (scheduler, runner, sampler, detokenizer), once with each setting; the step trace of each run gives,
+over the decode steps after --warmup:
 - step ms: wall time from one step's end to the next's;
 - host ms: the part of a step the host is busy, not waiting for the device (CPU: the step minus the
   forward and the sampler, which run inline there; CUDA: the step minus the wait for the sampled ids);
@@ -15,6 +17,7 @@ each run gives, over the decode steps after --warmup:
     python bench/host_overlap.py --static-eager                    # CPU, through the graphs' input path
     python bench/host_overlap.py --device cuda --demo small --batch 1 16 --steps 256
     python bench/host_overlap.py --device cuda --model DIR --dtype bfloat16 --batch 1 16
+    python bench/host_overlap.py --device cuda --demo small --sampling default --ab sampler-graphs
 """
 
 from __future__ import annotations
@@ -33,8 +36,14 @@ from tierlm.demo_model import build_demo_model
 from tierlm.engine.llm_engine import EngineConfig, LLMEngine
 from tierlm.sampling_params import SamplingParams
 
+SAMPLING = {"greedy": {"temperature": 0},
+            "default": {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05, "seed": 0}}
 
-def run(args, model: str, batch: int, overlap: bool, trace_path: Path) -> dict[str, float]:
+
+def run(args, model: str, batch: int, on: bool, trace_path: Path) -> dict[str, float]:
+    """One engine run with the A/B's setting off or on."""
+    overlap = on or args.ab != "overlap"
+    os.environ["TIERLM_NO_SAMPLER_GRAPHS"] = "1" if args.ab == "sampler-graphs" and not on else "0"
     if args.static_eager:  # CPU: the engine's own static runner (the graphs' host-list path), run eagerly
         os.environ["TIERLM_STATIC_DECODE_EAGER"] = "1"
     engine = LLMEngine(EngineConfig(
@@ -43,7 +52,7 @@ def run(args, model: str, batch: int, overlap: bool, trace_path: Path) -> dict[s
         async_scheduling=overlap, load_format=args.load_format, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
     ))
     assert engine.overlap is overlap
-    params = SamplingParams(temperature=0, max_tokens=args.warmup + args.steps + 1, ignore_eos=True)
+    params = SamplingParams(**SAMPLING[args.sampling], max_tokens=args.warmup + args.steps + 1, ignore_eos=True)
     vocab = engine.model_config.vocab_size
     for i in range(batch):
         prompt = [(7 + 31 * i + 17 * j) % (vocab - 2) + 1 for j in range(args.prompt_tokens)]
@@ -104,6 +113,9 @@ def main() -> None:
                         help="CPU: decode steps through the StaticDecodeRunner's host-list path (what CUDA "
                         "graphs take), run eagerly, instead of the plain forward")
     parser.add_argument("--phases", action="store_true", help="also each host phase's median, off and on")
+    parser.add_argument("--sampling", default="greedy", choices=list(SAMPLING), help="the requests' sampling")
+    parser.add_argument("--ab", default="overlap", choices=["overlap", "sampler-graphs"],
+                        help="what is off and on: overlap scheduling, or the sampler's CUDA graphs (overlap on)")
     parser.add_argument("--cpu-threads", type=int, default=1, help="torch threads (1: no OpenMP spin on a busy host)")
     args = parser.parse_args()
     torch.set_num_threads(args.cpu_threads)
@@ -113,7 +125,8 @@ def main() -> None:
         device = args.device if args.device != "cuda" else torch.cuda.get_device_name()
         path = " (static runner, eager)" if args.static_eager and args.device == "cpu" else ""
         print(f"# host time between decode steps: {args.model or 'demo ' + args.demo}, {device}{path}, "
-              f"{args.steps} steps after {args.warmup}; medians in ms (gap: CUDA only)")
+              f"{args.sampling} sampling, {args.steps} steps after {args.warmup}; off / on: {args.ab}; "
+              "medians in ms (gap: CUDA only)")
         print(f"{'batch':>5} | {'step off':>8} {'step on':>8} {'ratio':>6} | {'host off':>8} {'host on':>8} | "
               f"{'gap off':>8} {'gap on':>8} {'ratio':>6} | {'forward':>8}")
         for batch in args.batch:

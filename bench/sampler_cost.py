@@ -1,9 +1,11 @@
 """What sampling costs a decode step: the batched sampler on one step's logits rows, side by side.
 
 Rows of --vocab logits (random, on --device) for --batch requests that each generated --output-tokens
-tokens; three columns, each the sampler's whole pass (host preparation, device math, the copy back):
-greedy (argmax only), temperature + top-p + top-k, and the issue-14 worst case: a json_schema grammar,
-presence / frequency / repetition penalties and a logit_bias on every row. The vocabulary is the demo
+tokens; one line per kind of request, each the sampler's whole pass (host preparation, device math, the
+copy back): greedy (argmax only), top-p (a sort over the vocabulary), top-p + top-k, the same with a
+repetition penalty (the default model's generation config), and the issue-14 worst case: a json_schema
+grammar, presence / frequency / repetition penalties and a logit_bias on every row. On CUDA each is timed
+launched eagerly and replayed from the sampler's CUDA graphs (`SamplingGraphs`), side by side. The vocabulary is the demo
 tokenizer's, padded to --vocab (xgrammar sees a real tokenizer; padded ids are never allowed).
 
 The decode step it is compared with is measured in the same run (`--step-layers`, on a GPU): the real-width
@@ -14,7 +16,7 @@ stack of `decode_roofline.py` (random weights, CUDA graphs, context 512) decodin
 model's decode step): the 8-layer step alone, and followed by each column's sampling on its own logits in
 the engine's order (the forward queued first, so the sampler's host work runs while the device computes;
 its kernels after; the ids read back), alternated step by step; the difference of the medians, as a
-fraction of the 48-layer step. Results go to bench/results/sampler_cost_<device>.json.
+fraction of the 48-layer step. Results go to bench/results/sampler_cost_<device>_b<batch>.json.
 
     python bench/sampler_cost.py                                              # CPU, tiny shapes
     python bench/sampler_cost.py --device cuda --vocab 248320 --batch 16 --step-layers
@@ -115,38 +117,49 @@ def main() -> None:
                                 output_token_ids=list(outputs[i]), structured_output=state))
         return rows
 
-    sampler = Sampler(0)
     columns = {
         "greedy": requests(temperature=0),
+        "top-p": requests(temperature=0.7, top_p=0.9),
         "top-p/top-k": requests(temperature=0.7, top_p=0.8, top_k=20),
+        "top-k+repetition": requests(temperature=0.7, top_p=0.8, top_k=20, repetition_penalty=1.05),
         "json+penalties+bias": requests(temperature=0.7, top_p=0.8, top_k=20, presence_penalty=0.5,
                                         frequency_penalty=0.5, repetition_penalty=1.1, logit_bias={5: 2.0, 9: -3.0},
                                         structured_output=grammar),
     }
-    results = {name: timed(lambda rows=rows: sampler.sample(logits, rows, str), args.repeats, device)
+    samplers = {"eager": Sampler(0, graphs=False)}
+    if device.type == "cuda" and Sampler(0).graphs is not None:
+        samplers["graphs"] = Sampler(0)
+    results = {name: {mode: timed(lambda rows=rows, s=sampler: s.sample(logits, rows, str), args.repeats, device)
+                      for mode, sampler in samplers.items()}
                for name, rows in columns.items()}
     if args.profile:
         for name, rows in columns.items():
-            print_profile(name, lambda rows=rows: sampler.sample(logits, rows, str), device)
-    base = results["greedy"]
+            for mode, sampler in samplers.items():
+                print_profile(f"{name} ({mode})", lambda rows=rows, s=sampler: s.sample(logits, rows, str), device)
+    base = results["greedy"]["eager"]
+    sampler = samplers.get("graphs", samplers["eager"])
     steps, added = decode_steps(args, device, sampler, columns) if args.step_layers else ({}, {})
     report = {"device": device_label(device), "batch": args.batch, "vocab": args.vocab, "sampler_ms": results,
-              "decode_step_ms": steps, "added_to_the_8_layer_step_ms": added}
-    print(f"sampler, {args.batch} rows x {args.vocab} vocab on {device} ({args.output_tokens} output tokens each)")
-    for name, ms in results.items():
-        line = f"  {name:<22} {ms:8.3f} ms   {ms / base:5.2f}x greedy"
+              "decode_step_ms": steps, "added_to_the_8_layer_step_ms": added, "added_by": list(samplers)[-1]}
+    print(f"sampler, {args.batch} rows x {args.vocab} vocab on {device} ({args.output_tokens} output tokens each); "
+          f"each pass launched, run and read back (ms, median of {args.repeats})")
+    for name, times in results.items():
+        line = f"  {name:<22}" + "".join(f" {mode} {ms:8.3f} ms" for mode, ms in times.items())
+        line += f"   eager {times['eager'] / base:5.2f}x eager greedy"
+        if "graphs" in times:
+            line += f"   graphs {times['eager'] / times['graphs']:5.2f}x faster than eager"
         for label, step in steps.items():
-            line += f"   {100 * ms / step:5.2f}% of {label}"
+            line += f"   {100 * min(times.values()) / step:5.2f}% of {label}"
         print(line)
     if steps:
         print("decode steps (ms): " + ", ".join(f"{label} {step:.3f}" for label, step in steps.items()))
         target = steps[f"a {args.target_layers}-layer step"]
     if added:
-        print("what sampling adds to a step (the 8-layer step, then the sampler on its logits, as the engine "
-              "orders them; minus the step alone, alternated):")
+        print(f"what sampling ({report['added_by']}) adds to a step (the 8-layer step, then the sampler on its "
+              "logits, as the engine orders them; minus the step alone, alternated):")
         for name, ms in added.items():
             print(f"  {name:<22} {ms:8.3f} ms   {100 * ms / target:5.2f}% of a {args.target_layers}-layer step")
-    out = Path(__file__).parent / "results" / f"sampler_cost_{report['device']}.json"
+    out = Path(__file__).parent / "results" / f"sampler_cost_{report['device']}_b{args.batch}.json"
     out.write_text(json.dumps(report, indent=1))
     print(f"saved {out}")
 

@@ -114,7 +114,7 @@ def _cut(ordered: torch.Tensor, top_p: float, min_p: float, most_likely: int) ->
     of the order) dropped."""
     threshold = min_p * ordered[most_likely]
     if top_p < 1:
-        before = ordered.cumsum(dim=0) - ordered
+        before = ordered.double().cumsum(dim=0) - ordered.double()  # float64 sums
         keep = before < top_p
         keep[0] = True
         ordered = torch.where(keep, ordered, 0.0)

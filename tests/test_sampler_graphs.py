@@ -1,0 +1,78 @@
+"""The sampling pass on fixed shapes (`PassShape`: padded edits and ranks), and replayed from CUDA graphs
+(`SamplingGraphs`): padding changes no token, shapes repeat within a bucket, and a replayed pass gives
+the eager pass's tokens, statuses and log-probabilities bit for bit."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from test_sampler_reference import VOCAB, _batch
+
+from tierlm.engine.request import Request
+from tierlm.engine.sampler import Sampler, _Sent, plan_rows, sample_rows
+from tierlm.engine.sampler_reference import reference_sample_rows
+from tierlm.sampling_params import SamplingParams
+
+
+def _penalized(outputs: int, params: SamplingParams | None = None) -> Request:
+    params = params or SamplingParams(temperature=0.9, top_k=7, repetition_penalty=1.3, frequency_penalty=0.4)
+    return Request("p", [3, 4], params.with_defaults(None, None, None), frozenset({0}), 1024,
+                   output_token_ids=[(7 * i) % VOCAB for i in range(outputs)])
+
+
+def test_shapes_repeat_within_a_bucket_and_padding_points_past_the_logits():
+    keys = np.zeros(1, dtype=np.uint64)
+
+    def sent(outputs: int) -> _Sent:
+        return _Sent(plan_rows([_penalized(outputs)], VOCAB, keys))
+
+    assert sent(17).shape == sent(32).shape != sent(33).shape  # outputs padded to 32, then 64
+    padded = sent(17)
+    seen = padded.ints[: dict(padded.shape.ints)["seen_flat"][0]]
+    assert padded.shape.outputs == 32 and (seen[17:32] == VOCAB).all()  # one row: index VOCAB is past it
+    assert padded.shape.k_max == 16  # top_k 7, ranks padded to 16 (the rest cut)
+    assert sent(5).shape != _Sent(plan_rows([_penalized(5)], VOCAB, keys), logprobs=2).shape
+
+
+@pytest.mark.parametrize("outputs", [1, 15, 16, 17, 40])
+def test_padding_changes_no_token(outputs):
+    """Rows whose penalized ids, biases and top-k ranks fill their buckets partly: the reference's tokens."""
+    generator = torch.Generator().manual_seed(outputs)
+    logits = torch.randn(3, VOCAB, generator=generator) * 2
+    logits[:, [(7 * i) % VOCAB for i in range(outputs)]] += 4  # the penalties decide among the seen ids
+    requests = [_penalized(outputs),
+                _penalized(outputs, SamplingParams(temperature=0.7, top_p=0.6, presence_penalty=1.0,
+                                                   logit_bias={i: 0.5 for i in range(outputs)})),
+                _penalized(outputs, SamplingParams(temperature=0))]
+    for seed in range(4):
+        plan = plan_rows(requests, VOCAB, Sampler(seed, graphs=False).row_keys(requests))
+        tokens, status = sample_rows(logits, plan)
+        expected_tokens, expected_status = reference_sample_rows(logits, plan)
+        assert tokens.tolist() == expected_tokens.tolist() and status.tolist() == expected_status.tolist()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (CUDA graphs)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_replayed_pass_is_the_eager_pass(dtype):
+    """Every kind of row (`_batch`: penalties, biases, bans, bitmasks, top-k, top-p, min-p, NaN, all masked,
+    +inf), some asking for log-probabilities: the graphs' outcomes equal the eager pass's, step after step
+    (the same shape replays its graph: no new capture); a batch of other rows captures one more."""
+    logits, requests = _batch()
+    logits = logits.to(dtype).cuda()
+    for i in (0, 2, 5):
+        requests[i].params.logprobs = 3
+    eager, graphed = Sampler(11, graphs=False), Sampler(11)
+    assert graphed.graphs is not None
+    for _ in range(3):
+        expected = eager.sample(logits, requests, str)
+        got = graphed.sample(logits, requests, str)
+        assert [(s.token_id, s.error, s.logprobs) for s in got] == [(s.token_id, s.error, s.logprobs)
+                                                                  for s in expected]
+    assert graphed.graphs.captures == 1
+    assert got[0].logprobs is not None and got[9].error is not None
+    top_k_rows = [requests[i] for i in (1, 7, 13)]  # top-k draws alone: no draw over the vocabulary
+    for _ in range(2):
+        assert ([s.token_id for s in graphed.sample(logits[[1, 7, 13]], top_k_rows, str)]
+                == [s.token_id for s in eager.sample(logits[[1, 7, 13]], top_k_rows, str)])
+    assert graphed.graphs.captures == 2

@@ -1,0 +1,106 @@
+"""The sampling pass replayed from CUDA graphs, one graph per `PassShape` (engine/sampler.py).
+
+Launched eagerly, a pass with a draw is 40-70 small kernels, and on an H200's host their launches cost
+1-2 ms a step: more than the forward of a small model, and more than the device spends on them. As a
+graph it is three copies up (the logits into a static fp32 buffer, which is also their conversion; the
+plan's integers and floats; the bitmask when there is one) and one replay. The outputs are the graph's
+own tensors: the caller copies what it keeps before the next replay.
+
+A graph is captured the first time its shape comes (a warm-up run on a side stream first, so that lazily
+built kernels, xgrammar's Triton one among them, are not built inside the capture), into one memory pool
+that every sampler graph shares: one replays at a time, on the engine's stream, and each one's outputs are
+read before the next. The static inputs are outside the pool: the logits and bitmask buffers are shared by
+the graphs of one row count. `MAX_GRAPHS` graphs are kept, the least recently used dropped (a shape is
+rows x which parts run x padded sizes, so a server meets a few dozen). TIERLM_NO_SAMPLER_GRAPHS=1 runs
+every pass eagerly (the A/B).
+"""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+if TYPE_CHECKING:
+    from tierlm.engine.sampler import PassShape
+
+MAX_GRAPHS = 64
+
+
+def sampler_graphs_enabled() -> bool:
+    return os.environ.get("TIERLM_NO_SAMPLER_GRAPHS", "") in ("", "0") and torch.cuda.is_available()
+
+
+class SamplingGraphs:
+    def __init__(self, sampling_pass: Callable, max_graphs: int = MAX_GRAPHS) -> None:
+        self.sampling_pass = sampling_pass  # (shape, logits, ints, floats, bitmask) -> tuple of tensors
+        self.max_graphs = max_graphs
+        self.graphs: OrderedDict[PassShape, tuple[torch.cuda.CUDAGraph, tuple, tuple[torch.Tensor, ...]]] = (
+            OrderedDict())
+        self.pool = None
+        self.buffers: dict[tuple, torch.Tensor] = {}  # static inputs, by (what, shape, dtype)
+        self.captures = 0  # graphs captured so far (tests and benches read it)
+
+    def run(self, shape: PassShape, logits: torch.Tensor, ints: np.ndarray, floats: np.ndarray,
+            bitmask: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+        """`sampling_pass(shape, ...)`'s outputs for these inputs (logits on the device in any float dtype;
+        the plan's arrays and bitmask on the host, the bitmask pinned), queued on the current stream."""
+        entry = self.graphs.get(shape)
+        if entry is None:
+            entry = self._capture(shape, logits, ints, floats, bitmask)
+        else:
+            _copy_in(entry[1], logits, ints, floats, bitmask)
+            self.graphs.move_to_end(shape)
+        entry[0].replay()
+        return entry[2]
+
+    def _buffer(self, what: str, size: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        key = (what, size, dtype)
+        if key not in self.buffers:
+            self.buffers[key] = torch.zeros(size, dtype=dtype, device=device)
+        return self.buffers[key]
+
+    def _capture(self, shape: PassShape, logits: torch.Tensor, ints: np.ndarray, floats: np.ndarray,
+                 bitmask: torch.Tensor | None) -> tuple:
+        """A graph of the pass at this shape, on static inputs (the logits and bitmask buffers shared by the
+        shapes of their size; the plan's integers and floats in one buffer, the floats as int64 words: one
+        copy up), holding these inputs."""
+        device = logits.device
+        words = (len(floats) + 1) // 2
+        static = (self._buffer("logits", (shape.rows, shape.vocab), torch.float32, device),
+                  self._buffer("plan", (len(ints) + words,), torch.int64, device),
+                  None if bitmask is None else self._buffer("bitmask", tuple(bitmask.shape), bitmask.dtype, device))
+        _copy_in(static, logits, ints, floats, bitmask)
+        plan = static[1]
+        inputs = (static[0], plan[: len(ints)], plan[len(ints):].view(torch.float32)[: len(floats)], static[2])
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm up outside the capture
+            self.sampling_pass(shape, *inputs)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+            outputs = self.sampling_pass(shape, *inputs)
+        self.pool = graph.pool()
+        self.captures += 1
+        entry = (graph, static, outputs)
+        self.graphs[shape] = entry
+        if len(self.graphs) > self.max_graphs:
+            self.graphs.popitem(last=False)
+        return entry
+
+
+def _copy_in(static: tuple, logits: torch.Tensor, ints: np.ndarray, floats: np.ndarray,
+             bitmask: torch.Tensor | None) -> None:
+    """The inputs into a graph's static buffers (host ones through pinned memory, without waiting)."""
+    static[0].copy_(logits, non_blocking=True)
+    if len(floats) % 2:
+        floats = np.append(floats, np.float32(0))
+    plan = torch.from_numpy(np.concatenate([ints, floats.view(np.int64)])).pin_memory()
+    static[1].copy_(plan, non_blocking=True)
+    if bitmask is not None:
+        static[2].copy_(bitmask, non_blocking=True)
