@@ -1,8 +1,8 @@
 """Overlap scheduling (async_scheduling) changes when the host reads a step back, never what is sampled:
 the same tokens, log-probabilities, texts and finish reasons as serial steps, for a mix of requests that
-stop on a stop id, a stop string, EOS and max_tokens, arrive mid-run, sample with a seed, hit the prefix
-cache, need a serial step (penalties), or get preempted; through the eager forward and through the
-static decode runner's host-list path."""
+stop on a stop id, a stop string, EOS and max_tokens, arrive mid-run, sample with a seed, take penalties
+(their last output id read on the device from the step in flight), hit the prefix cache, or get
+preempted; through the eager forward and through the static decode runner's host-list path."""
 
 from __future__ import annotations
 
@@ -83,6 +83,9 @@ def script(stop_id: int | None = None, stop_text: str | None = None) -> dict[int
             ("stop-string", "class Parser:\n", greedy(max_tokens=40, stop=[stop_text] if stop_text else None))],
         2: [("eos", "x = ", SamplingParams(temperature=0, max_tokens=40, logprobs=1))],
         3: [("penalties", "for i in range(", greedy(max_tokens=6, repetition_penalty=1.3, presence_penalty=0.5))],
+        4: [("seeded-penalties", "import re\n", SamplingParams(
+            temperature=0.9, top_k=30, seed=5, repetition_penalty=1.4, frequency_penalty=0.6, presence_penalty=0.3,
+            max_tokens=12, ignore_eos=True))],
         5: [("seeded", "def main():\n", seeded)],
         7: [("prefix-hit", LONG + "# more\n", greedy(max_tokens=10, logprobs=3))],
         9: [("n2", "while True:\n", SamplingParams(n=2, temperature=1.0, seed=11, max_tokens=8, ignore_eos=True))],
@@ -204,18 +207,21 @@ def test_overlap_under_preemption_gives_the_serial_outputs(demo_dir):
 
 
 def test_steps_with_host_side_sampling_state_stay_serial(demo_dir):
-    """A request with penalties needs its last id on the host: its steps are read back at once."""
+    """A request with bad_words needs its last id on the host: its steps are read back at once. One with
+    penalties reads it on the device: its steps stay in flight, and its tokens are the serial run's
+    (test_overlap_is_bit_identical_when_requests_end_on_max_tokens)."""
     engine = make_engine(demo_dir, overlap=True, static=False)
-    engine.add_request("for i in range(", greedy(max_tokens=5, frequency_penalty=0.5), request_id="p")
+    engine.add_request("for i in range(", greedy(max_tokens=5, bad_words=["zzz qq"]), request_id="b")
     while engine.has_unfinished_requests():
         engine.step()
         assert engine._in_flight is None
-    engine.add_request("for i in range(", greedy(max_tokens=5), request_id="plain")
-    in_flight = 0
-    while engine.has_unfinished_requests():
-        engine.step()
-        in_flight += engine._in_flight is not None
-    assert in_flight >= 4
+    for params in (greedy(max_tokens=5), greedy(max_tokens=5, frequency_penalty=0.5, repetition_penalty=1.2)):
+        engine.add_request("for i in range(", params)
+        in_flight = 0
+        while engine.has_unfinished_requests():
+            engine.step()
+            in_flight += engine._in_flight is not None
+        assert in_flight >= 4
 
 
 def test_switches(demo_dir, monkeypatch):

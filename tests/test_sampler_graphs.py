@@ -76,3 +76,43 @@ def test_a_replayed_pass_is_the_eager_pass(dtype):
         assert ([s.token_id for s in graphed.sample(logits[[1, 7, 13]], top_k_rows, str)]
                 == [s.token_id for s in eager.sample(logits[[1, 7, 13]], top_k_rows, str)])
     assert graphed.graphs.captures == 2
+
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_placeholder_read_on_the_device_is_the_id_appended_on_the_host(device):
+    """Overlap scheduling: a penalized request whose last output id is a placeholder (sampled by the step
+    in flight) samples, from the id read on the device, what it samples with that id on the host; padded
+    pending entries (two placeholders of four rows, bucket 16) change nothing. On CUDA through the
+    graphs, and the eager pass."""
+    generator = torch.Generator().manual_seed(5)
+    previous_logits = torch.randn(3, VOCAB, generator=generator).to(device)
+    params = SamplingParams(temperature=0.8, top_k=12, repetition_penalty=1.5, frequency_penalty=0.7,
+                            presence_penalty=0.4).with_defaults(None, None, None)
+    plain = SamplingParams(temperature=1.0).with_defaults(None, None, None)
+
+    def requests(known: list[int] | None) -> list[Request]:
+        """Rows 0 and 2 penalized, with output [9, 4] and then `known`'s id for the row."""
+        return [Request(f"r{i}", [3, 4], p, frozenset({0}), 1024, output_token_ids=[9, 4, *([] if known is None
+                                                                                              else [known[i]])])
+                for i, p in enumerate([params, plain, params, plain])]
+
+    for graphs in ([False, True] if device == "cuda" else [False]):
+        earlier = Sampler(0, graphs=graphs)
+        waiting = requests(None)
+        in_flight = earlier.launch(previous_logits, [waiting[2], waiting[0], waiting[1]])  # its rows 0, 1, 2
+        for request in waiting:  # as the engine counts them at launch
+            request.add_placeholder()
+        tokens = [s.token_id for s in earlier.collect(in_flight, str)]
+        known = [tokens[1], tokens[2], tokens[0], 0]  # row 3's placeholder (not penalized) is never read
+        logits = torch.randn(4, VOCAB, generator=generator).to(device)
+        logits[:, [known[0], known[2], 9, 4]] += 5  # the penalties decide among the ids seen
+        for seed in range(4):
+            sampler = Sampler(seed, graphs=graphs)
+            on_device = sampler.collect(sampler.launch(logits, waiting, in_flight), str)
+            on_host = Sampler(seed, graphs=False).sample(logits, requests(known), str)
+            assert [s.token_id for s in on_device] == [s.token_id for s in on_host], (graphs, seed)
+        with pytest.raises(RuntimeError, match="no step in flight"):
+            Sampler(0, graphs=graphs).launch(logits, waiting)

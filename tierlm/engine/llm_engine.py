@@ -12,7 +12,8 @@ placeholder (engine/request.py) and its computed count moves on; the next step t
 device. Reading a step back fills the placeholders, applies stop conditions (a request that finished has
 one more token computed by the step already launched, which is discarded), detokenizes and streams. A
 step keeps its results synchronous when a sampling request needs its own ids on the host to sample the
-next token (a grammar, penalties, bad_words); memory-mapped PLE tables (rows gathered on the host from the
+next token (a grammar, bad_words; penalties with pipeline parallelism: on one device the sampler reads the
+last id from the step in flight's sampled ids); memory-mapped PLE tables (rows gathered on the host from the
 ids) turn overlap off. With speculative decoding (`_speculative_step`) a greedy step on the device is left in
 flight and the next one is launched on its outputs on the device before it is read (engine/speculative.py);
 other drafting steps run serially. With pipeline parallelism the steps are launched
@@ -733,7 +734,7 @@ class LLMEngine:
         read back at once."""
         samples = [chunk.samples for chunk in plan.chunks]  # before the computed counts move on
         launched = (self.pipeline or self.runner).launch(plan, previous)
-        if self.overlap and all(self._overlaps(request) for request in launched.sampling):
+        if self.overlap and all(self._overlaps(request, self.pipeline is None) for request in launched.sampling):
             self._in_flight = launched
             for chunk, sampled in zip(plan.chunks, samples, strict=True):
                 request = chunk.request
@@ -748,9 +749,10 @@ class LLMEngine:
         return launched
 
     @staticmethod
-    def _overlaps(request: Request) -> bool:
-        """Whether the request samples its next token without its previous one's id on the host."""
-        return (request.structured_output is None and not request.params.has_penalties
+    def _overlaps(request: Request, device_penalties: bool) -> bool:
+        """Whether the request samples its next token without its previous one's id on the host (penalties
+        read it on the device, from the step in flight's sampled ids, when device_penalties: one device)."""
+        return (request.structured_output is None and (device_penalties or not request.params.has_penalties)
                 and not request.bad_words_token_ids)
 
     @staticmethod

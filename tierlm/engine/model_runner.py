@@ -93,7 +93,7 @@ class ModelRunner:
             if static and self.static_decode.argmax_readback is not None and all(
                     plain_greedy(chunk.request) and chunk.request.params.logprobs is None for chunk in step.chunks):
                 return self._launch_taken_argmax(step)
-            return self._launch_sampling(step, wanted, logits)
+            return self._launch_sampling(step, wanted, logits, previous)
 
     def _launch_taken_argmax(self, step: SchedulerOutput) -> LaunchedStep:
         """A static step of plain greedy rows: the argmax its graph took (`StaticDecodeRunner.greedy_readback`)
@@ -248,8 +248,10 @@ class ModelRunner:
         the next step first)."""
         return self._launch_sampling(None, wanted, logits)
 
-    def _launch_sampling(self, step, wanted: list[tuple], logits: torch.Tensor) -> LaunchedStep:
-        """Prompt log-probabilities (read back now), then the sampling rows' pass queued."""
+    def _launch_sampling(self, step, wanted: list[tuple], logits: torch.Tensor,
+                         previous: LaunchedStep | None = None) -> LaunchedStep:
+        """Prompt log-probabilities (read back now), then the sampling rows' pass queued (previous: the step
+        in flight, whose sampled ids a penalized request counts as its last output)."""
         result = StepResult()
         samplers: list[tuple[Request, int]] = []  # (request, its sampling row of `logits`)
         for chunk, first, count in wanted:
@@ -270,7 +272,7 @@ class ModelRunner:
             picked = [row for _, row in samplers]
             rows = logits[: len(picked)] if picked == list(range(len(picked))) else logits[
                 on_device(picked, logits.device)]
-            pending = self.sampler.launch(rows, requests)
+            pending = self.sampler.launch(rows, requests, None if previous is None else previous.pending)
         return LaunchedStep(step, requests, pending, result)
 
     def _ple_embeddings(self, step: SchedulerOutput) -> dict[int, torch.Tensor]:

@@ -9,7 +9,8 @@ once, in a fixed number of launches whatever the batch, on CUDA replayed from a 
 (engine/sampler_graphs.py: the host launches one replay instead of 40-70 kernels): penalties on the
 ids a request has seen (repetition on prompt and output, vLLM's rule: positive logits divided, negative
 multiplied; frequency and presence on the output, OpenAI's rule; only those entries are read and
-written), `logit_bias`, bans (`bad_words`, EOS and stop ids before `min_tokens`), the bitmask in one
+written; under overlap scheduling a request's last output id may still be on the device: the pass reads
+it from the step in flight's sampled ids, `Sampler.launch`'s previous), `logit_bias`, bans (`bad_words`, EOS and stop ids before `min_tokens`), the bitmask in one
 masked pass (xgrammar's `apply_token_bitmask_inplace`); then greedy rows take the argmax, top-k rows
 draw among their k best (one topk; ties ranked by lower id whatever the batch), the others over the
 vocabulary, each scaled by its temperature and cut by top-p (float64 mass sums) and min-p. A draw is an exponential race
@@ -35,6 +36,7 @@ Numerics, whatever the parameters (each limit is documented in the README):
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 
@@ -145,6 +147,10 @@ class RowPlan:
     bias_values: np.ndarray  # float32
     ban_flat: np.ndarray
     bitmask: torch.Tensor | None  # [rows, ceil(vocab / 32)] int32 on the host (pinned on CUDA)
+    # penalized rows whose last output id is a placeholder (overlap scheduling: sampled by the step in
+    # flight, on the device), and that id's row in the step's sampled ids (`Sampler.launch`'s previous)
+    pending_rows: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    pending_sources: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, dtype=np.int64))
 
     @property
     def sampled_rows(self) -> np.ndarray:
@@ -162,15 +168,18 @@ class RowPlan:
     @property
     def edited(self) -> bool:
         return bool(len(self.output_flat) or len(self.prompt_flat) or len(self.bias_flat) or len(self.ban_flat)
-                    or self.bitmask is not None)
+                    or len(self.pending_rows) or self.bitmask is not None)
 
 
 def plan_rows(requests: list[Request], vocab: int, keys: np.ndarray, pinned: bool = False,
-              appended: list[list[int]] | None = None, grammars: bool = True) -> RowPlan:
+              appended: list[list[int]] | None = None, grammars: bool = True,
+              previous: dict[Request, int] | None = None) -> RowPlan:
     """The host side of a step's sampling pass (nothing here touches a device). appended: per row, ids
     the penalties count as output after the request's own (speculative verification: the drafts before
     the row; a request may fill several rows). grammars False: no row takes its grammar's mask (the
-    caller masks: speculative verification, each row after the drafts before it)."""
+    caller masks: speculative verification, each row after the drafts before it). previous: the step in
+    flight's row of each request it samples (overlap scheduling): a penalized request's placeholder (one
+    at most) is that row's sampled id, which the pass reads on the device."""
     rows = len(requests)
     failed: dict[int, str] = {}
     params = [r.params for r in requests]
@@ -216,11 +225,17 @@ def plan_rows(requests: list[Request], vocab: int, keys: np.ndarray, pinned: boo
                    for ids, i in zip(outputs, penalized, strict=True)]
     prompts = [requests[i].prompt_ids_array for i in repeated]  # arrays made once per request
     output_flat, prompt_flat = _flat_ids(outputs, penalized, vocab), _flat_ids(prompts, repeated, vocab)
+    pending = [i for i in penalized if requests[i].num_placeholders]
+    for i in pending:
+        if requests[i].num_placeholders > 1 or previous is None or requests[i] not in previous:
+            raise RuntimeError(f"request {requests[i].request_id}: {requests[i].num_placeholders} output id(s) on "
+                               "the device and no step in flight that sampled them")
     return RowPlan(
         vocab, failed, greedy, np.where(greedy, 1.0, temperature).astype(np.float32), top_k,
         np.array([p.top_p for p in params], dtype=np.float32), np.array([p.min_p for p in params], dtype=np.float32),
         keys, penalties, output_flat, prompt_flat, np.array(bias_flat, dtype=np.int64),
-        np.array(bias_values, dtype=np.float32), np.array(ban_flat, dtype=np.int64), bitmask)
+        np.array(bias_values, dtype=np.float32), np.array(ban_flat, dtype=np.int64), bitmask,
+        np.array(pending, dtype=np.int64), np.array([previous[requests[i]] for i in pending], dtype=np.int64))
 
 
 def _flat_ids(ids_per_row: list[np.ndarray], rows: list[int], vocab: int) -> np.ndarray:
@@ -275,6 +290,8 @@ class PassShape:
     ints: tuple[tuple[str, tuple[int, ...]], ...]  # (name, shape) of each integer array, in the sent order
     floats: tuple[tuple[str, tuple[int, ...]], ...]
     outputs: int  # the first `outputs` of seen_flat are output ids (padded), the prompt ids follow
+    pending: int  # output ids read on the device from the step in flight's sampled ids (padded)
+    previous: int  # how many ids that step sampled (0: none read)
     bitmask: bool
     sampling: bool  # any row draws (else every row takes its argmax)
     full: bool  # some row draws over the vocabulary (computed for every row, taken for those)
@@ -285,7 +302,7 @@ class PassShape:
 
     @property
     def edited(self) -> bool:
-        return self.bitmask or any(size[0] for name, size in self.ints if name.endswith("_flat"))
+        return self.bitmask or self.pending or any(size[0] for name, size in self.ints if name.endswith("_flat"))
 
 
 class _Sent:
@@ -295,7 +312,8 @@ class _Sent:
     (1, 0, 0), its bias 0), top-k ranks to a bucket too (a rank past a row's k is cut). `views` names the
     parts of device copies of the two arrays."""
 
-    def __init__(self, plan: RowPlan, logprobs: int | None = None) -> None:
+    def __init__(self, plan: RowPlan, logprobs: int | None = None, previous: int = 0) -> None:
+        """previous: how many ids the step in flight sampled (the plan's pending ids are among them)."""
         rows, vocab = len(plan.greedy), plan.vocab
         past = rows * vocab
         sampled = plan.sampled_rows
@@ -303,10 +321,14 @@ class _Sent:
         seen = np.concatenate([_padded(plan.output_flat, outputs, past),
                                _padded(plan.prompt_flat, _bucket(len(plan.prompt_flat)), past)])
         bias = _bucket(len(plan.bias_flat))
-        ints = {"seen_flat": seen, "bias_flat": _padded(plan.bias_flat, bias, past),
+        pending = _bucket(len(plan.pending_rows))
+        ints = {"pending_base": _padded(plan.pending_rows * vocab, pending, past),
+                "pending_sources": _padded(plan.pending_sources, pending, 0),
+                "pending_real": _padded(np.ones(len(plan.pending_rows), dtype=np.int64), pending, 0),
+                "seen_flat": seen, "bias_flat": _padded(plan.bias_flat, bias, past),
                 "ban_flat": _padded(plan.ban_flat, _bucket(len(plan.ban_flat)), past)}
         floats = {"bias_values": _padded(plan.bias_values, bias, np.float32(0))}
-        if len(seen):  # read by the penalties alone
+        if len(seen) or pending:  # read by the penalties alone
             floats["penalties"] = np.concatenate([plan.penalties, np.array([[1, 0, 0]], dtype=np.float32)])
         k_max = min(_bucket(int(plan.top_k[plan.top_k_rows].max(initial=0))), vocab)
         if sampled.any():
@@ -319,8 +341,10 @@ class _Sent:
                               rank_cut=np.where(np.arange(k_max)[None, :] < k[:, None], 0, -np.inf))
         self.ints = _packed(ints, np.int64)
         self.floats = _packed(floats, np.float32)
+        previous = previous if pending else 0
         self.shape = PassShape(
-            rows, vocab, _layout(ints), _layout(floats), outputs, plan.bitmask is not None, bool(sampled.any()),
+            rows, vocab, _layout(ints), _layout(floats), outputs, pending, previous, plan.bitmask is not None,
+            bool(sampled.any()),
             bool(plan.full_rows.any()), k_max if sampled.any() else 0, bool((plan.top_p[sampled] < 1).any()),
             bool((plan.min_p[sampled] > 0).any()), logprobs)
 
@@ -360,14 +384,20 @@ def _bitmask_on(plan: RowPlan, logits: torch.Tensor) -> torch.Tensor | None:
     return plan.bitmask.to(logits.device, non_blocking=True)
 
 
-def _edited(logits: torch.Tensor, shape: PassShape, sent: _Views, bitmask: torch.Tensor | None) -> torch.Tensor:
+def _edited(logits: torch.Tensor, shape: PassShape, sent: _Views, bitmask: torch.Tensor | None,
+            previous: torch.Tensor | None = None) -> torch.Tensor:
     """`edit_logits` on sent views: flat indices into every row at once (a padded index points one past
-    the logits, at a slot the pass drops), the bitmask in one pass."""
+    the logits, at a slot the pass drops), the bitmask in one pass. previous: the step in flight's
+    sampled ids, where the pending output ids are read."""
     if not shape.edited:
         return logits
     flat = torch.nn.functional.pad(logits.view(-1), (0, 1))  # a copy, with the slot padded indices write
-    if len(sent.seen_flat):
-        _penalize(flat, shape.vocab, sent.seen_flat, shape.outputs, sent.penalties)
+    if shape.pending or len(sent.seen_flat):
+        seen, outputs = sent.seen_flat, shape.outputs
+        if shape.pending:  # output ids first: row * vocab + the id sampled for it (padded: the slot past)
+            pending = sent.pending_base + previous[sent.pending_sources] * sent.pending_real
+            seen, outputs = torch.cat([pending, seen]), shape.pending + outputs
+        _penalize(flat, shape.vocab, seen, outputs, sent.penalties)
     if len(sent.bias_flat):
         flat.index_put_((sent.bias_flat,), sent.bias_values, accumulate=True)
     if len(sent.ban_flat):
@@ -380,22 +410,24 @@ def _edited(logits: torch.Tensor, shape: PassShape, sent: _Views, bitmask: torch
     return x
 
 
-def sample_rows(logits: torch.Tensor, plan: RowPlan) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_rows(logits: torch.Tensor, plan: RowPlan, previous: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
     """(token per row, status per row) of fp32 `logits` [rows, vocab] on their device, every row at once
-    (`sampling_pass`, run eagerly). Queues work only: no value is read back."""
-    sent = _Sent(plan)
-    ids = sampling_pass(sent.shape, logits, *sent.upload(logits.device), _bitmask_on(plan, logits))[0]
+    (`sampling_pass`, run eagerly; previous: the ids the step in flight sampled, for the plan's pending
+    rows). Queues work only: no value is read back."""
+    sent = _Sent(plan, previous=0 if previous is None else len(previous))
+    ids = sampling_pass(sent.shape, logits, *sent.upload(logits.device), _bitmask_on(plan, logits), previous)[0]
     return ids[0], ids[1]
 
 
 def sampling_pass(shape: PassShape, logits: torch.Tensor, ints: torch.Tensor, floats: torch.Tensor,
-                  bitmask: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+                  bitmask: torch.Tensor | None, previous: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     """The pass on fixed shapes (what a CUDA graph captures): `edit_logits`, then greedy rows the argmax
     and the others their draw (top-k rows over their k best, the rest over the vocabulary). Returns
     [2, rows] (ids, statuses), then, when shape.logprobs is not None, the raw logits' log-probabilities:
     the sampled token's, its rank, the top values and ids (every row)."""
     sent = _Views(shape, ints, floats)
-    x = _edited(logits, shape, sent, bitmask)
+    x = _edited(logits, shape, sent, bitmask, previous)
     top, greedy_tokens, status = _argmax_status(x, logits)
     tokens = greedy_tokens
     if shape.sampling:
@@ -532,9 +564,11 @@ class Sampler:
         """One token per row of `logits` [rows, vocab] (row i is requests[i]'s), on the logits' device."""
         return self.collect(self.launch(logits, requests), decode)
 
-    def launch(self, logits: torch.Tensor, requests: list[Request]) -> PendingSample:
+    def launch(self, logits: torch.Tensor, requests: list[Request], previous: PendingSample | None = None
+               ) -> PendingSample:
         """Queue the pass on the logits' device and the copy of its results to the host, without waiting
-        for either (nothing here reads a device value back); `collect` reads them."""
+        for either (nothing here reads a device value back); `collect` reads them. previous: the pass of
+        the step in flight (overlap scheduling), whose ids are the placeholders of penalized requests."""
         device = logits.device
         keys = self.row_keys(requests)  # drawn for every batch: later draws do not depend on the rows' kinds
         wanted = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
@@ -545,15 +579,18 @@ class Sampler:
             _, tokens, status = _argmax_status(logits, logits)
             outputs = (torch.stack([tokens, status]),)
         else:
-            plan = plan_rows(requests, logits.shape[1], keys, pinned=device.type == "cuda")
+            rows_of = None if previous is None else {r: row for row, r in enumerate(previous.requests)}
+            plan = plan_rows(requests, logits.shape[1], keys, pinned=device.type == "cuda", previous=rows_of)
             failed = plan.failed
-            sent = _Sent(plan, max(requests[i].params.logprobs for i in wanted) if wanted else None)
+            sent = _Sent(plan, max(requests[i].params.logprobs for i in wanted) if wanted else None,
+                         0 if previous is None else len(previous.requests))
+            earlier = previous.tokens if sent.shape.pending else None
             if self.graphs is not None and device.type == "cuda":
-                outputs = self.graphs.run(sent.shape, logits, sent.ints, sent.floats, plan.bitmask)
+                outputs = self.graphs.run(sent.shape, logits, sent.ints, sent.floats, plan.bitmask, earlier)
                 outputs = (outputs[0].clone(), *outputs[1:])  # the ids outlive the next replay (next step's input)
             else:
                 raw = logits.float()
-                outputs = sampling_pass(sent.shape, raw, *sent.upload(device), _bitmask_on(plan, raw))
+                outputs = sampling_pass(sent.shape, raw, *sent.upload(device), _bitmask_on(plan, raw), earlier)
         device_ids = outputs[0]
         return PendingSample(requests, failed, wanted, device_ids[0], device_ids, _to_host(device_ids),
                              tuple(_to_host(t) for t in outputs[1:]), _ready_event(device))
