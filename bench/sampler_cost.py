@@ -1,7 +1,7 @@
 """What sampling costs a decode step: the batched sampler on one step's logits rows, side by side.
 
-Rows of --vocab logits (random, on --device) for --batch requests that each generated --output-tokens
-tokens; one line per kind of request, each the sampler's whole pass (host preparation, device math, the
+Rows of --vocab logits (random, on --device) for --batch requests of --prompt-tokens that each generated
+--output-tokens tokens; one line per kind of request, each the sampler's whole pass (host preparation, device math, the
 copy back): greedy (argmax only), top-p (a sort over the vocabulary), top-p + top-k, the same with a
 repetition penalty (the default model's generation config), and the issue-14 worst case: a json_schema
 grammar, presence / frequency / repetition penalties and a logit_bias on every row. On CUDA each is timed
@@ -88,6 +88,8 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=8192)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--output-tokens", type=int, default=200)
+    parser.add_argument("--prompt-tokens", type=int, default=1000,
+                        help="each request's prompt (a repetition penalty counts its ids as seen)")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--step-layers", action="store_true",
                         help="also measure the real-width decode step at 4 and 8 layers (a GPU run)")
@@ -106,6 +108,7 @@ def main() -> None:
     grammar = StructuredOutputRequest(json_schema=json.dumps(SCHEMA))
     generator = torch.Generator().manual_seed(0)
     outputs = torch.randint(0, tokenizer.vocab_size, (args.batch, args.output_tokens), generator=generator).tolist()
+    prompts = torch.randint(0, args.vocab, (args.batch, args.prompt_tokens), generator=generator).tolist()
     logits = torch.randn(args.batch, args.vocab, generator=generator).to(device) * 3
 
     def requests(**fields) -> list[Request]:
@@ -113,7 +116,7 @@ def main() -> None:
         for i in range(args.batch):
             params = SamplingParams(max_tokens=10**6, seed=i, **fields).with_defaults(None, None, None)
             state = manager.new_state(grammar) if params.structured_output else None
-            rows.append(Request(f"r{i}", [1, 2, 3], params, frozenset(tokenizer.eos_token_ids), 10**7,
+            rows.append(Request(f"r{i}", prompts[i], params, frozenset(tokenizer.eos_token_ids), 10**7,
                                 output_token_ids=list(outputs[i]), structured_output=state))
         return rows
 
@@ -139,9 +142,11 @@ def main() -> None:
     base = results["greedy"]["eager"]
     sampler = samplers.get("graphs", samplers["eager"])
     steps, added = decode_steps(args, device, sampler, columns) if args.step_layers else ({}, {})
-    report = {"device": device_label(device), "batch": args.batch, "vocab": args.vocab, "sampler_ms": results,
+    report = {"device": device_label(device), "batch": args.batch, "vocab": args.vocab,
+              "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens, "sampler_ms": results,
               "decode_step_ms": steps, "added_to_the_8_layer_step_ms": added, "added_by": list(samplers)[-1]}
-    print(f"sampler, {args.batch} rows x {args.vocab} vocab on {device} ({args.output_tokens} output tokens each); "
+    print(f"sampler, {args.batch} rows x {args.vocab} vocab on {device} ({args.prompt_tokens} prompt and "
+          f"{args.output_tokens} output tokens each); "
           f"each pass launched, run and read back (ms, median of {args.repeats})")
     for name, times in results.items():
         line = f"  {name:<22}" + "".join(f" {mode} {ms:8.3f} ms" for mode, ms in times.items())
@@ -159,7 +164,7 @@ def main() -> None:
               "logits, as the engine orders them; minus the step alone, alternated):")
         for name, ms in added.items():
             print(f"  {name:<22} {ms:8.3f} ms   {100 * ms / target:5.2f}% of a {args.target_layers}-layer step")
-    out = Path(__file__).parent / "results" / f"sampler_cost_{report['device']}_b{args.batch}.json"
+    out = Path(__file__).parent / "results" / f"sampler_cost_{report['device']}_b{args.batch}_p{args.prompt_tokens}.json"
     out.write_text(json.dumps(report, indent=1))
     print(f"saved {out}")
 

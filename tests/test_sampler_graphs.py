@@ -29,8 +29,10 @@ def test_shapes_repeat_within_a_bucket_and_padding_points_past_the_logits():
 
     assert sent(17).shape == sent(32).shape != sent(33).shape  # outputs padded to 32, then 64
     padded = sent(17)
-    seen = padded.ints[: dict(padded.shape.ints)["seen_flat"][0]]
-    assert padded.shape.outputs == 32 and (seen[17:32] == VOCAB).all()  # one row: index VOCAB is past it
+    offset = sum(size[0] for name, size in padded.shape.ints[: 3])  # after the pending entries
+    seen = padded.ints[offset : offset + dict(padded.shape.ints)["output_flat"][0]]
+    assert len(seen) == 32 and (seen[17:32] == VOCAB).all()  # one row: index VOCAB is past it
+    assert padded.shape.prompts  # its repetition penalty reads the prompt's bitmask (not its ids)
     assert padded.shape.k_max == 16  # top_k 7, ranks padded to 16 (the rest cut)
     assert sent(5).shape != _Sent(plan_rows([_penalized(5)], VOCAB, keys), logprobs=2).shape
 
@@ -116,3 +118,23 @@ def test_a_placeholder_read_on_the_device_is_the_id_appended_on_the_host(device)
             assert [s.token_id for s in on_device] == [s.token_id for s in on_host], (graphs, seed)
         with pytest.raises(RuntimeError, match="no step in flight"):
             Sampler(0, graphs=graphs).launch(logits, waiting)
+
+
+def test_a_prompt_is_sent_once_as_a_bitmask():
+    """A repetition penalty counts the prompt's ids as seen through the request's prompt bitmask, made once
+    and kept on the request (the step's plan sends no prompt ids); a row without one reads zeros."""
+    from tierlm.engine.sampler import prompt_bitmasks
+
+    prompt = [3, 40, 299, 40, 10**6]  # an id past the vocabulary is never seen
+    params = SamplingParams(temperature=1.0, repetition_penalty=1.2).with_defaults(None, None, None)
+    requests = [Request("a", prompt, params, frozenset({0}), 1024),
+                Request("b", prompt, SamplingParams(temperature=1.0).with_defaults(None, None, None), frozenset({0}),
+                        1024)]
+    keys = np.zeros(2, dtype=np.uint64)
+    first = prompt_bitmasks(plan_rows(requests, VOCAB, keys), torch.device("cpu"))
+    again = prompt_bitmasks(plan_rows(requests, VOCAB, keys), torch.device("cpu"))
+    assert again[0] is first[0]  # made once
+    bits = first[0].numpy().view(np.uint32)
+    seen = [t for t in range(VOCAB) if bits[t // 32] >> (t % 32) & 1]
+    assert seen == [3, 40, 299] and not first[1].any()
+    assert len(_Sent(plan_rows(requests, VOCAB, keys)).ints) < 3 * 16  # pending, outputs, bias, ban: no prompt

@@ -79,6 +79,9 @@ class Request:
     # the known output ids as int64 (the first `_output_ids_len` of a buffer grown by doubling)
     _output_ids: np.ndarray = field(default_factory=lambda: np.zeros(16, dtype=np.int64), init=False, repr=False)
     _output_ids_len: int = field(default=0, init=False, repr=False)
+    # the prompt's ids as a token bitmask on a device, by (vocab, device): made once, read by the sampler's
+    # repetition penalty each step
+    prompt_bitmasks: dict = field(default_factory=dict, init=False, repr=False)
     # overlap scheduling: a decode checkpoint saved (in stream order) before the ids of its block were
     # known: (the block boundary it was taken at, its host row); the cache manager keys it later
     pending_checkpoint: tuple[int, int] | None = None

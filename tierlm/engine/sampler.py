@@ -8,8 +8,9 @@ power of two, so the shapes repeat from step to step). The device pass (`samplin
 once, in a fixed number of launches whatever the batch, on CUDA replayed from a CUDA graph per shape
 (engine/sampler_graphs.py: the host launches one replay instead of 40-70 kernels): penalties on the
 ids a request has seen (repetition on prompt and output, vLLM's rule: positive logits divided, negative
-multiplied; frequency and presence on the output, OpenAI's rule; only those entries are read and
-written; under overlap scheduling a request's last output id may still be on the device: the pass reads
+multiplied; frequency and presence on the output, OpenAI's rule; the output entries are read and
+written by flat index, the prompt's through its token bitmask, made once per request on the device
+(`prompt_bitmasks`), so a step sends no prompt ids; under overlap scheduling a request's last output id may still be on the device: the pass reads
 it from the step in flight's sampled ids, `Sampler.launch`'s previous), `logit_bias`, bans (`bad_words`, EOS and stop ids before `min_tokens`), the bitmask in one
 masked pass (xgrammar's `apply_token_bitmask_inplace`); then greedy rows take the argmax, top-k rows
 draw among their k best (one topk; ties ranked by lower id whatever the batch), the others over the
@@ -37,6 +38,7 @@ Numerics, whatever the parameters (each limit is documented in the README):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from dataclasses import dataclass
 
@@ -142,7 +144,7 @@ class RowPlan:
     keys: np.ndarray  # [rows] uint64 noise keys (`sampling_noise`)
     penalties: np.ndarray  # [rows, 3] float32: repetition, frequency, presence (1, 0, 0: none)
     output_flat: np.ndarray  # row * vocab + id of every output token of a penalized row
-    prompt_flat: np.ndarray  # row * vocab + id of every prompt token of a row with a repetition penalty
+    repeated: list[tuple[int, Request]]  # rows with a repetition penalty: their prompt ids count as seen
     bias_flat: np.ndarray
     bias_values: np.ndarray  # float32
     ban_flat: np.ndarray
@@ -167,7 +169,7 @@ class RowPlan:
 
     @property
     def edited(self) -> bool:
-        return bool(len(self.output_flat) or len(self.prompt_flat) or len(self.bias_flat) or len(self.ban_flat)
+        return bool(len(self.output_flat) or self.repeated or len(self.bias_flat) or len(self.ban_flat)
                     or len(self.pending_rows) or self.bitmask is not None)
 
 
@@ -223,8 +225,7 @@ def plan_rows(requests: list[Request], vocab: int, keys: np.ndarray, pinned: boo
     if appended is not None:
         outputs = [np.concatenate([ids, np.asarray(appended[i], dtype=np.int64)]) if appended[i] else ids
                    for ids, i in zip(outputs, penalized, strict=True)]
-    prompts = [requests[i].prompt_ids_array for i in repeated]  # arrays made once per request
-    output_flat, prompt_flat = _flat_ids(outputs, penalized, vocab), _flat_ids(prompts, repeated, vocab)
+    output_flat = _flat_ids(outputs, penalized, vocab)
     pending = [i for i in penalized if requests[i].num_placeholders]
     for i in pending:
         if requests[i].num_placeholders > 1 or previous is None or requests[i] not in previous:
@@ -233,7 +234,7 @@ def plan_rows(requests: list[Request], vocab: int, keys: np.ndarray, pinned: boo
     return RowPlan(
         vocab, failed, greedy, np.where(greedy, 1.0, temperature).astype(np.float32), top_k,
         np.array([p.top_p for p in params], dtype=np.float32), np.array([p.min_p for p in params], dtype=np.float32),
-        keys, penalties, output_flat, prompt_flat, np.array(bias_flat, dtype=np.int64),
+        keys, penalties, output_flat, [(i, requests[i]) for i in repeated], np.array(bias_flat, dtype=np.int64),
         np.array(bias_values, dtype=np.float32), np.array(ban_flat, dtype=np.int64), bitmask,
         np.array(pending, dtype=np.int64), np.array([previous[requests[i]] for i in pending], dtype=np.int64))
 
@@ -289,9 +290,9 @@ class PassShape:
     vocab: int
     ints: tuple[tuple[str, tuple[int, ...]], ...]  # (name, shape) of each integer array, in the sent order
     floats: tuple[tuple[str, tuple[int, ...]], ...]
-    outputs: int  # the first `outputs` of seen_flat are output ids (padded), the prompt ids follow
     pending: int  # output ids read on the device from the step in flight's sampled ids (padded)
     previous: int  # how many ids that step sampled (0: none read)
+    prompts: bool  # some row's repetition penalty counts its prompt's ids (the prompts' bitmasks, [rows, words])
     bitmask: bool
     sampling: bool  # any row draws (else every row takes its argmax)
     full: bool  # some row draws over the vocabulary (computed for every row, taken for those)
@@ -302,7 +303,8 @@ class PassShape:
 
     @property
     def edited(self) -> bool:
-        return self.bitmask or self.pending or any(size[0] for name, size in self.ints if name.endswith("_flat"))
+        return (self.bitmask or self.pending or self.prompts
+                or any(size[0] for name, size in self.ints if name.endswith("_flat")))
 
 
 class _Sent:
@@ -317,18 +319,16 @@ class _Sent:
         rows, vocab = len(plan.greedy), plan.vocab
         past = rows * vocab
         sampled = plan.sampled_rows
-        outputs = _bucket(len(plan.output_flat))
-        seen = np.concatenate([_padded(plan.output_flat, outputs, past),
-                               _padded(plan.prompt_flat, _bucket(len(plan.prompt_flat)), past)])
+        outputs = _padded(plan.output_flat, _bucket(len(plan.output_flat)), past)
         bias = _bucket(len(plan.bias_flat))
         pending = _bucket(len(plan.pending_rows))
         ints = {"pending_base": _padded(plan.pending_rows * vocab, pending, past),
                 "pending_sources": _padded(plan.pending_sources, pending, 0),
                 "pending_real": _padded(np.ones(len(plan.pending_rows), dtype=np.int64), pending, 0),
-                "seen_flat": seen, "bias_flat": _padded(plan.bias_flat, bias, past),
+                "output_flat": outputs, "bias_flat": _padded(plan.bias_flat, bias, past),
                 "ban_flat": _padded(plan.ban_flat, _bucket(len(plan.ban_flat)), past)}
         floats = {"bias_values": _padded(plan.bias_values, bias, np.float32(0))}
-        if len(seen) or pending:  # read by the penalties alone
+        if len(outputs) or pending or plan.repeated:  # read by the penalties alone
             floats["penalties"] = np.concatenate([plan.penalties, np.array([[1, 0, 0]], dtype=np.float32)])
         k_max = min(_bucket(int(plan.top_k[plan.top_k_rows].max(initial=0))), vocab)
         if sampled.any():
@@ -343,7 +343,7 @@ class _Sent:
         self.floats = _packed(floats, np.float32)
         previous = previous if pending else 0
         self.shape = PassShape(
-            rows, vocab, _layout(ints), _layout(floats), outputs, pending, previous, plan.bitmask is not None,
+            rows, vocab, _layout(ints), _layout(floats), pending, previous, bool(plan.repeated), plan.bitmask is not None,
             bool(sampled.any()),
             bool(plan.full_rows.any()), k_max if sampled.any() else 0, bool((plan.top_p[sampled] < 1).any()),
             bool((plan.min_p[sampled] > 0).any()), logprobs)
@@ -375,7 +375,8 @@ def edit_logits(logits: torch.Tensor, plan: RowPlan) -> torch.Tensor:
     """`logits` (fp32 [rows, vocab]) after the plan's penalties, biases, bans and bitmask (a new tensor
     when any; `logits` itself when none)."""
     sent = _Sent(plan)
-    return _edited(logits, sent.shape, _Views(sent.shape, *sent.upload(logits.device)), _bitmask_on(plan, logits))
+    return _edited(logits, sent.shape, _Views(sent.shape, *sent.upload(logits.device)), _bitmask_on(plan, logits),
+                   prompts=_stacked(prompt_bitmasks(plan, logits.device)))
 
 
 def _bitmask_on(plan: RowPlan, logits: torch.Tensor) -> torch.Tensor | None:
@@ -384,25 +385,68 @@ def _bitmask_on(plan: RowPlan, logits: torch.Tensor) -> torch.Tensor | None:
     return plan.bitmask.to(logits.device, non_blocking=True)
 
 
+def prompt_bitmasks(plan: RowPlan, device: torch.device) -> list[torch.Tensor] | None:
+    """Each row's prompt ids as a token bitmask on `device` ([ceil(vocab / 32)] int32, xgrammar's layout),
+    for the rows whose repetition penalty counts them (their request's, made once and kept on it; a
+    zero row for the others); None when no row has one."""
+    if not plan.repeated:
+        return None
+    words = (plan.vocab + 31) // 32
+    rows = [_zero_words(words, device)] * len(plan.greedy)
+    for i, request in plan.repeated:
+        mask = request.prompt_bitmasks.get((plan.vocab, device))
+        if mask is None:
+            mask = _allowed_bitmask(request.prompt_ids_array, plan.vocab, words)
+            if device.type == "cuda":  # pinned, without waiting for the stream (once per request)
+                mask = mask.pin_memory().to(device, non_blocking=True)
+            request.prompt_bitmasks[(plan.vocab, device)] = mask
+        rows[i] = mask
+    return rows
+
+
+@functools.lru_cache(maxsize=8)
+def _zero_words(words: int, device: torch.device) -> torch.Tensor:
+    return torch.zeros(words, dtype=torch.int32, device=device)
+
+
+def _stacked(rows: list[torch.Tensor] | None) -> torch.Tensor | None:
+    return None if rows is None else torch.stack(rows)
+
+
+def _unpacked(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[rows, vocab] bool of a [rows, words] token bitmask (token t: bit t % 32 of word t // 32)."""
+    ids = torch.arange(vocab, device=bitmask.device)
+    return ((bitmask[:, ids >> 5] >> (ids & 31)) & 1).bool()
+
+
+def _repeated(values: torch.Tensor, repetition: torch.Tensor) -> torch.Tensor:
+    """The repetition penalty (vLLM's rule): positive values divided by it, negative ones multiplied."""
+    return torch.where(values > 0, values / repetition, values * repetition)
+
+
 def _edited(logits: torch.Tensor, shape: PassShape, sent: _Views, bitmask: torch.Tensor | None,
-            previous: torch.Tensor | None = None) -> torch.Tensor:
+            previous: torch.Tensor | None = None, prompts: torch.Tensor | None = None) -> torch.Tensor:
     """`edit_logits` on sent views: flat indices into every row at once (a padded index points one past
     the logits, at a slot the pass drops), the bitmask in one pass. previous: the step in flight's
-    sampled ids, where the pending output ids are read."""
+    sampled ids, where the pending output ids are read; prompts: the rows' prompt bitmasks."""
     if not shape.edited:
         return logits
     flat = torch.nn.functional.pad(logits.view(-1), (0, 1))  # a copy, with the slot padded indices write
-    if shape.pending or len(sent.seen_flat):
-        seen, outputs = sent.seen_flat, shape.outputs
-        if shape.pending:  # output ids first: row * vocab + the id sampled for it (padded: the slot past)
+    x = flat[:-1].view(logits.shape)
+    in_prompt = None
+    if shape.prompts:  # the repetition penalty on every prompt id of its rows, in place
+        in_prompt = _unpacked(prompts, shape.vocab)
+        x.copy_(torch.where(in_prompt, _repeated(x, sent.penalties[:-1, :1]), x))
+    if shape.pending or len(sent.output_flat):
+        outputs = sent.output_flat
+        if shape.pending:  # row * vocab + the id sampled for it (padded: the slot past)
             pending = sent.pending_base + previous[sent.pending_sources] * sent.pending_real
-            seen, outputs = torch.cat([pending, seen]), shape.pending + outputs
-        _penalize(flat, shape.vocab, seen, outputs, sent.penalties)
+            outputs = torch.cat([pending, outputs])
+        _penalize(flat, shape.vocab, outputs, sent.penalties, in_prompt)
     if len(sent.bias_flat):
         flat.index_put_((sent.bias_flat,), sent.bias_values, accumulate=True)
     if len(sent.ban_flat):
         flat.index_fill_(0, sent.ban_flat, float("-inf"))
-    x = flat[:-1].view(logits.shape)
     if bitmask is not None:
         import xgrammar
 
@@ -416,18 +460,20 @@ def sample_rows(logits: torch.Tensor, plan: RowPlan, previous: torch.Tensor | No
     (`sampling_pass`, run eagerly; previous: the ids the step in flight sampled, for the plan's pending
     rows). Queues work only: no value is read back."""
     sent = _Sent(plan, previous=0 if previous is None else len(previous))
-    ids = sampling_pass(sent.shape, logits, *sent.upload(logits.device), _bitmask_on(plan, logits), previous)[0]
+    ids = sampling_pass(sent.shape, logits, *sent.upload(logits.device), _bitmask_on(plan, logits), previous,
+                        _stacked(prompt_bitmasks(plan, logits.device)))[0]
     return ids[0], ids[1]
 
 
 def sampling_pass(shape: PassShape, logits: torch.Tensor, ints: torch.Tensor, floats: torch.Tensor,
-                  bitmask: torch.Tensor | None, previous: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+                  bitmask: torch.Tensor | None, previous: torch.Tensor | None = None,
+                  prompts: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     """The pass on fixed shapes (what a CUDA graph captures): `edit_logits`, then greedy rows the argmax
     and the others their draw (top-k rows over their k best, the rest over the vocabulary). Returns
     [2, rows] (ids, statuses), then, when shape.logprobs is not None, the raw logits' log-probabilities:
     the sampled token's, its rank, the top values and ids (every row)."""
     sent = _Views(shape, ints, floats)
-    x = _edited(logits, shape, sent, bitmask, previous)
+    x = _edited(logits, shape, sent, bitmask, previous, prompts)
     top, greedy_tokens, status = _argmax_status(x, logits)
     tokens = greedy_tokens
     if shape.sampling:
@@ -496,17 +542,20 @@ def plain_greedy(request: Request) -> bool:
             and len(request.output_token_ids) >= p.min_tokens)
 
 
-def _penalize(flat: torch.Tensor, vocab: int, seen: torch.Tensor, outputs: int, penalties: torch.Tensor) -> None:
-    """Repetition (vLLM: positive logits divided, negative multiplied) on every id a row has seen, then
-    frequency and presence (OpenAI) by its output counts, in place on the flat [rows * vocab] logits:
-    only the seen entries (flat indices: the first `outputs` are output ids, then prompt ids) are read and
-    written (an id seen twice writes the same value twice)."""
-    ones = torch.ones((), dtype=flat.dtype, device=flat.device).expand(outputs)
-    counts = torch.zeros_like(flat).scatter_add_(0, seen[:outputs], ones)  # atomics (exact: counts < 2^24)
-    value, count = flat[seen], counts[seen]
-    repetition, frequency, presence = penalties[seen // vocab].unbind(dim=1)
-    value = torch.where(value > 0, value / repetition, value * repetition)
-    flat[seen] = value - (frequency * count + presence * (count > 0))
+def _penalize(flat: torch.Tensor, vocab: int, outputs: torch.Tensor, penalties: torch.Tensor,
+              in_prompt: torch.Tensor | None) -> None:
+    """Repetition (`_repeated`) on every output id a row has, then frequency and presence (OpenAI) by its
+    output counts, in place on the flat [rows * vocab] logits: only those entries (flat indices) are read
+    and written (an id output twice writes the same value twice). in_prompt: [rows, vocab] bool, the ids
+    whose repetition penalty the prompt's pass applied already."""
+    ones = torch.ones((), dtype=flat.dtype, device=flat.device).expand(len(outputs))
+    counts = torch.zeros_like(flat).scatter_add_(0, outputs, ones)  # atomics (exact: counts < 2^24)
+    value, count = flat[outputs], counts[outputs]
+    repetition, frequency, presence = penalties[outputs // vocab].unbind(dim=1)
+    repeated = _repeated(value, repetition)
+    if in_prompt is not None:  # (the slot past the logits reads the last entry: its write is dropped)
+        repeated = torch.where(in_prompt.view(-1)[outputs.clamp(max=in_prompt.numel() - 1)], value, repeated)
+    flat[outputs] = repeated - (frequency * count + presence * (count > 0))
 
 
 def best_first(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -585,12 +634,14 @@ class Sampler:
             sent = _Sent(plan, max(requests[i].params.logprobs for i in wanted) if wanted else None,
                          0 if previous is None else len(previous.requests))
             earlier = previous.tokens if sent.shape.pending else None
+            prompts = prompt_bitmasks(plan, device)
             if self.graphs is not None and device.type == "cuda":
-                outputs = self.graphs.run(sent.shape, logits, sent.ints, sent.floats, plan.bitmask, earlier)
+                outputs = self.graphs.run(sent.shape, logits, sent.ints, sent.floats, plan.bitmask, earlier, prompts)
                 outputs = (outputs[0].clone(), *outputs[1:])  # the ids outlive the next replay (next step's input)
             else:
                 raw = logits.float()
-                outputs = sampling_pass(sent.shape, raw, *sent.upload(device), _bitmask_on(plan, raw), earlier)
+                outputs = sampling_pass(sent.shape, raw, *sent.upload(device), _bitmask_on(plan, raw), earlier,
+                                        _stacked(prompts))
         device_ids = outputs[0]
         return PendingSample(requests, failed, wanted, device_ids[0], device_ids, _to_host(device_ids),
                              tuple(_to_host(t) for t in outputs[1:]), _ready_event(device))

@@ -3,8 +3,8 @@
 Launched eagerly, a pass with a draw is 40-70 small kernels, and on an H200's host their launches cost
 1-2 ms a step: more than the forward of a small model, and more than the device spends on them. As a
 graph it is a few copies (the logits into a static fp32 buffer, which is also their conversion; the
-plan's integers and floats in one; the bitmask and the previous step's sampled ids when the pass reads
-them) and one replay. The outputs are the graph's
+plan's integers and floats in one; the bitmask, the previous step's sampled ids and the rows' prompt
+bitmasks when the pass reads them) and one replay. The outputs are the graph's
 own tensors: the caller copies what it keeps before the next replay.
 
 A graph is captured the first time its shape comes (a warm-up run on a side stream first, so that lazily
@@ -38,7 +38,7 @@ def sampler_graphs_enabled() -> bool:
 
 class SamplingGraphs:
     def __init__(self, sampling_pass: Callable, max_graphs: int = MAX_GRAPHS) -> None:
-        self.sampling_pass = sampling_pass  # (shape, logits, ints, floats, bitmask, previous) -> tensors
+        self.sampling_pass = sampling_pass  # (shape, logits, ints, floats, bitmask, previous, prompts) -> tensors
         self.max_graphs = max_graphs
         self.graphs: OrderedDict[PassShape, tuple[torch.cuda.CUDAGraph, tuple, tuple[torch.Tensor, ...]]] = (
             OrderedDict())
@@ -47,15 +47,17 @@ class SamplingGraphs:
         self.captures = 0  # graphs captured so far (tests and benches read it)
 
     def run(self, shape: PassShape, logits: torch.Tensor, ints: np.ndarray, floats: np.ndarray,
-            bitmask: torch.Tensor | None, previous: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
-        """`sampling_pass(shape, ...)`'s outputs for these inputs (logits and the previous step's sampled ids
-        on the device, the logits in any float dtype; the plan's arrays and bitmask on the host, the
-        bitmask pinned), queued on the current stream."""
+            bitmask: torch.Tensor | None, previous: torch.Tensor | None, prompts: list[torch.Tensor] | None
+            ) -> tuple[torch.Tensor, ...]:
+        """`sampling_pass(shape, ...)`'s outputs for these inputs (logits, the previous step's sampled ids and
+        each row's prompt bitmask on the device, the logits in any float dtype; the plan's arrays and
+        bitmask on the host, the bitmask pinned), queued on the current stream."""
+        inputs = (logits, ints, floats, bitmask, previous, prompts)
         entry = self.graphs.get(shape)
         if entry is None:
-            entry = self._capture(shape, logits, ints, floats, bitmask, previous)
+            entry = self._capture(shape, *inputs)
         else:
-            _copy_in(entry[1], logits, ints, floats, bitmask, previous)
+            _copy_in(entry[1], *inputs)
             self.graphs.move_to_end(shape)
         entry[0].replay()
         return entry[2]
@@ -67,7 +69,8 @@ class SamplingGraphs:
         return self.buffers[key]
 
     def _capture(self, shape: PassShape, logits: torch.Tensor, ints: np.ndarray, floats: np.ndarray,
-                 bitmask: torch.Tensor | None, previous: torch.Tensor | None) -> tuple:
+                 bitmask: torch.Tensor | None, previous: torch.Tensor | None, prompts: list[torch.Tensor] | None
+                 ) -> tuple:
         """A graph of the pass at this shape, on static inputs (the logits and bitmask buffers shared by the
         shapes of their size; the plan's integers and floats in one buffer, the floats as int64 words: one
         copy up), holding these inputs."""
@@ -76,8 +79,10 @@ class SamplingGraphs:
         static = (self._buffer("logits", (shape.rows, shape.vocab), torch.float32, device),
                   self._buffer("plan", (len(ints) + words,), torch.int64, device),
                   None if bitmask is None else self._buffer("bitmask", tuple(bitmask.shape), bitmask.dtype, device),
-                  None if previous is None else self._buffer("previous", tuple(previous.shape), previous.dtype, device))
-        _copy_in(static, logits, ints, floats, bitmask, previous)
+                  None if previous is None else self._buffer("previous", tuple(previous.shape), previous.dtype, device),
+                  None if prompts is None else self._buffer("prompts", (len(prompts), len(prompts[0])), torch.int32,
+                                                            device))
+        _copy_in(static, logits, ints, floats, bitmask, previous, prompts)
         plan = static[1]
         inputs = (static[0], plan[: len(ints)], plan[len(ints):].view(torch.float32)[: len(floats)], *static[2:])
         side = torch.cuda.Stream()
@@ -98,7 +103,7 @@ class SamplingGraphs:
 
 
 def _copy_in(static: tuple, logits: torch.Tensor, ints: np.ndarray, floats: np.ndarray,
-             bitmask: torch.Tensor | None, previous: torch.Tensor | None) -> None:
+             bitmask: torch.Tensor | None, previous: torch.Tensor | None, prompts: list[torch.Tensor] | None) -> None:
     """The inputs into a graph's static buffers (host ones through pinned memory, without waiting)."""
     static[0].copy_(logits, non_blocking=True)
     if len(floats) % 2:
@@ -109,3 +114,5 @@ def _copy_in(static: tuple, logits: torch.Tensor, ints: np.ndarray, floats: np.n
         static[2].copy_(bitmask, non_blocking=True)
     if previous is not None:
         static[3].copy_(previous, non_blocking=True)
+    if prompts is not None:
+        torch.stack(prompts, out=static[4])

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from tierlm.engine.request import Request
-from tierlm.engine.sampler import _MASKED, _NAN, _OK, RowPlan, plan_rows
+from tierlm.engine.sampler import _MASKED, _NAN, _OK, RowPlan, _ids_below, plan_rows
 from tierlm.engine.sampling_noise import exponential_noise, exponential_noise_np
 
 
@@ -88,7 +88,9 @@ def _edited_row(x: torch.Tensor, i: int, plan: RowPlan) -> torch.Tensor:
     def in_row(flat: np.ndarray) -> np.ndarray:
         return flat[flat // vocab == i] - i * vocab
 
-    outputs, prompts = in_row(plan.output_flat), in_row(plan.prompt_flat)
+    outputs = in_row(plan.output_flat)
+    prompts = next((_ids_below(r.prompt_ids_array, vocab) for row, r in plan.repeated if row == i),
+                   np.zeros(0, dtype=np.int64))
     if len(outputs) or len(prompts):
         repetition, frequency, presence = (float(v) for v in plan.penalties[i])
         seen = torch.zeros(vocab, dtype=torch.bool, device=x.device)
