@@ -1,12 +1,13 @@
 """What sampling costs a decode step: the batched sampler on one step's logits rows, side by side.
 
 Rows of --vocab logits (random, on --device) for --batch requests of --prompt-tokens that each generated
---output-tokens tokens; one line per kind of request, each the sampler's whole pass (host preparation, device math, the
-copy back): greedy (argmax only), top-p (a sort over the vocabulary), top-p + top-k, the same with a
-repetition penalty (the default model's generation config), and the issue-14 worst case: a json_schema
-grammar, presence / frequency / repetition penalties and a logit_bias on every row. On CUDA each is timed
-launched eagerly and replayed from the sampler's CUDA graphs (`SamplingGraphs`), side by side. The vocabulary is the demo
-tokenizer's, padded to --vocab (xgrammar sees a real tokenizer; padded ids are never allowed).
+--output-tokens tokens; one line per kind of request, each the sampler's whole pass (host preparation,
+device math, the copy back): greedy (argmax only), top-p (a sort over the vocabulary), top-p + top-k, the
+same with a repetition penalty (the default model's generation config), and the issue-14 worst case: a
+json_schema grammar, presence / frequency / repetition penalties and a logit_bias on every row. On CUDA
+each is timed launched eagerly and replayed from the sampler's CUDA graphs (`SamplingGraphs`), side by
+side. The vocabulary is the demo tokenizer's, padded to --vocab (xgrammar sees a real tokenizer; padded
+ids are never allowed).
 
 The decode step it is compared with is measured in the same run (`--step-layers`, on a GPU): the real-width
 stack of `decode_roofline.py` (random weights, CUDA graphs, context 512) decoding a batch of --batch at
@@ -16,7 +17,8 @@ stack of `decode_roofline.py` (random weights, CUDA graphs, context 512) decodin
 model's decode step): the 8-layer step alone, and followed by each column's sampling on its own logits in
 the engine's order (the forward queued first, so the sampler's host work runs while the device computes;
 its kernels after; the ids read back), alternated step by step; the difference of the medians, as a
-fraction of the 48-layer step. Results go to bench/results/sampler_cost_<device>_b<batch>.json.
+fraction of the 48-layer step. Results go to
+bench/results/sampler_cost_<device>_b<batch>_p<prompt tokens>.json.
 
     python bench/sampler_cost.py                                              # CPU, tiny shapes
     python bench/sampler_cost.py --device cuda --vocab 248320 --batch 16 --step-layers
@@ -164,7 +166,8 @@ def main() -> None:
               "logits, as the engine orders them; minus the step alone, alternated):")
         for name, ms in added.items():
             print(f"  {name:<22} {ms:8.3f} ms   {100 * ms / target:5.2f}% of a {args.target_layers}-layer step")
-    out = Path(__file__).parent / "results" / f"sampler_cost_{report['device']}_b{args.batch}_p{args.prompt_tokens}.json"
+    name = f"sampler_cost_{report['device']}_b{args.batch}_p{args.prompt_tokens}.json"
+    out = Path(__file__).parent / "results" / name
     out.write_text(json.dumps(report, indent=1))
     print(f"saved {out}")
 

@@ -6,23 +6,26 @@ into the [rows * vocab] logits, one token bitmask for grammars and `allowed_toke
 and packs it (`_Sent`) on fixed shapes (`PassShape`: the sparse edits and top-k ranks padded to a
 power of two, so the shapes repeat from step to step). The device pass (`sampling_pass`), every row at
 once, in a fixed number of launches whatever the batch, on CUDA replayed from a CUDA graph per shape
-(engine/sampler_graphs.py: the host launches one replay instead of 40-70 kernels): penalties on the
-ids a request has seen (repetition on prompt and output, vLLM's rule: positive logits divided, negative
-multiplied; frequency and presence on the output, OpenAI's rule; the output entries are read and
-written by flat index, the prompt's through its token bitmask, made once per request on the device
-(`prompt_bitmasks`), so a step sends no prompt ids; under overlap scheduling a request's last output id may still be on the device: the pass reads
-it from the step in flight's sampled ids, `Sampler.launch`'s previous), `logit_bias`, bans (`bad_words`, EOS and stop ids before `min_tokens`), the bitmask in one
-masked pass (xgrammar's `apply_token_bitmask_inplace`); then greedy rows take the argmax, top-k rows
-draw among their k best (one topk; ties ranked by lower id whatever the batch), the others over the
-vocabulary, each scaled by its temperature and cut by top-p (float64 mass sums) and min-p. A draw is an exponential race
-(argmax of p / E, E ~ Exp(1)) whose noise is a hash of the row's key and the candidate
-(`sampling_noise`): a seeded request's key comes from its seed and output position, so it is
-reproducible whatever else is in the batch; no generator, no launch per row. `sampler_reference.py` is
-the same pass written row by row (the tests hold them equal). Only the sampled ids, a status per row
+(engine/sampler_graphs.py: the host launches one replay instead of 40-70 kernels):
+- penalties on the ids a request has seen: repetition on prompt and output (vLLM's rule: positive logits
+  divided, negative multiplied), frequency and presence on the output (OpenAI's rule). The output
+  entries are read and written by flat index; the prompt's through its token bitmask, made once per
+  request on the device (`prompt_bitmasks`), so a step sends no prompt ids. Under overlap scheduling a
+  request's last output id may still be on the device: the pass reads it from the step in flight's
+  sampled ids (`Sampler.launch`'s previous);
+- `logit_bias`, bans (`bad_words`, EOS and stop ids before `min_tokens`), the bitmask in one masked pass
+  (xgrammar's `apply_token_bitmask_inplace`);
+- then greedy rows take the argmax, top-k rows draw among their k best (one topk; ties ranked by lower
+  id whatever the batch), the others over the vocabulary, each scaled by its temperature and cut by
+  top-p (float64 mass sums) and min-p.
+A draw is an exponential race (argmax of p / E, E ~ Exp(1)) whose noise is a hash of the row's key and
+the candidate (`sampling_noise`): a seeded request's key comes from its seed and output position, so it
+is reproducible whatever else is in the batch; no generator, no launch per row. `sampler_reference.py`
+is the same pass written row by row (the tests hold them equal). Only the sampled ids, a status per row
 and, when a row asks, every row's log-probabilities (those of the raw model distribution, as vLLM
-reports by default) come back to the host. `launch` queues the pass and those copies without reading any device value, so
-the host can go on while the device samples; `collect` waits for the copies and builds the outcomes
-(`sample` does both).
+reports by default) come back to the host. `launch` queues the pass and those copies without reading
+any device value, so the host can go on while the device samples; `collect` waits for the copies and
+builds the outcomes (`sample` does both).
 
 Numerics, whatever the parameters (each limit is documented in the README):
 - a temperature below `MIN_TEMPERATURE` samples greedily (dividing by a subnormal overflows fp32);
@@ -131,8 +134,8 @@ def _ready_event(device: torch.device) -> torch.cuda.Event | None:
 class RowPlan:
     """A step's sampling rows as the host prepares them: per-row parameters as arrays, the sparse edits
     (penalized ids, biases, bans) as flat indices into the [rows * vocab] logits, and the token bitmask
-    (grammar and allowed_token_ids; None when no row has one). What `sample_rows` sends up in three
-    copies (integers, floats, bitmask) and `reference_sample_rows` reads row by row."""
+    (grammar and allowed_token_ids; None when no row has one). What `_Sent` packs for the pass and
+    `reference_sample_rows` reads row by row."""
 
     vocab: int
     failed: dict[int, str]  # row -> why its preparation failed
@@ -311,8 +314,8 @@ class _Sent:
     """A plan's arrays as the pass reads them, packed in two host arrays (integers, floats: one copy up
     each) whose layout is its `PassShape`: the sparse edits padded to their `_bucket` with index
     rows * vocab (a slot past the logits that the pass writes and never reads; its penalties row is
-    (1, 0, 0), its bias 0), top-k ranks to a bucket too (a rank past a row's k is cut). `views` names the
-    parts of device copies of the two arrays."""
+    (1, 0, 0), its bias 0), top-k ranks to a bucket too (a rank past a row's k is cut). `_Views` names
+    the parts of their device copies."""
 
     def __init__(self, plan: RowPlan, logprobs: int | None = None, previous: int = 0) -> None:
         """previous: how many ids the step in flight sampled (the plan's pending ids are among them)."""
@@ -343,10 +346,9 @@ class _Sent:
         self.floats = _packed(floats, np.float32)
         previous = previous if pending else 0
         self.shape = PassShape(
-            rows, vocab, _layout(ints), _layout(floats), pending, previous, bool(plan.repeated), plan.bitmask is not None,
-            bool(sampled.any()),
-            bool(plan.full_rows.any()), k_max if sampled.any() else 0, bool((plan.top_p[sampled] < 1).any()),
-            bool((plan.min_p[sampled] > 0).any()), logprobs)
+            rows, vocab, _layout(ints), _layout(floats), pending, previous, bool(plan.repeated),
+            plan.bitmask is not None, bool(sampled.any()), bool(plan.full_rows.any()), k_max if sampled.any() else 0,
+            bool((plan.top_p[sampled] < 1).any()), bool((plan.min_p[sampled] > 0).any()), logprobs)
 
     def upload(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """The two arrays on `device` (through pinned memory on CUDA, without waiting)."""
