@@ -637,7 +637,7 @@ class Sampler:
                          0 if previous is None else len(previous.requests))
             earlier = previous.tokens if sent.shape.pending else None
             prompts = prompt_bitmasks(plan, device)
-            if self.graphs is not None and device.type == "cuda":
+            if self.graphs is not None and device.type == "cuda" and self.graphs.wants(sent.shape):
                 outputs = self.graphs.run(sent.shape, logits, sent.ints, sent.floats, plan.bitmask, earlier, prompts)
                 outputs = (outputs[0].clone(), *outputs[1:])  # the ids outlive the next replay (next step's input)
             else:

@@ -7,10 +7,11 @@ plan's integers and floats in one; the bitmask, the previous step's sampled ids 
 bitmasks when the pass reads them) and one replay. The outputs are the graph's
 own tensors: the caller copies what it keeps before the next replay.
 
-A graph is captured the first time its shape comes (a warm-up run on a side stream first, so that lazily
-built kernels, xgrammar's Triton one among them, are not built inside the capture), into one memory pool
-that every sampler graph shares: one replays at a time, on the engine's stream, and each one's outputs are
-read before the next. The static inputs are outside the pool: the logits and bitmask buffers are shared by
+A graph is captured the second time its shape comes (`wants`: the first pass of a shape runs eagerly, so
+a shape that comes once never costs a capture, which synchronizes the device and collects garbage); a
+warm-up run on a side stream comes first, so that lazily built kernels, xgrammar's Triton one among
+them, are not built inside the capture. The graphs share one memory pool
+(one replays at a time, on the engine's stream, and each one's outputs are read before the next). The static inputs are outside the pool: the logits and bitmask buffers are shared by
 the graphs of one row count. `MAX_GRAPHS` graphs are kept, the least recently used dropped (a shape is
 rows x which parts run x padded sizes, so a server meets a few dozen). TIERLM_NO_SAMPLER_GRAPHS=1 runs
 every pass eagerly (the A/B).
@@ -44,7 +45,18 @@ class SamplingGraphs:
             OrderedDict())
         self.pool = None
         self.buffers: dict[tuple, torch.Tensor] = {}  # static inputs, by (what, shape, dtype)
+        self.seen: OrderedDict[PassShape, None] = OrderedDict()  # shapes that ran once, eagerly
         self.captures = 0  # graphs captured so far (tests and benches read it)
+
+    def wants(self, shape: PassShape) -> bool:
+        """Whether `run` should take a pass of this shape: it has a graph, or it came before (and is
+        captured now); else the caller runs it eagerly, this once."""
+        if shape in self.graphs or shape in self.seen:
+            return True
+        self.seen[shape] = None
+        if len(self.seen) > 16 * self.max_graphs:
+            self.seen.popitem(last=False)
+        return False
 
     def run(self, shape: PassShape, logits: torch.Tensor, ints: np.ndarray, floats: np.ndarray,
             bitmask: torch.Tensor | None, previous: torch.Tensor | None, prompts: list[torch.Tensor] | None
