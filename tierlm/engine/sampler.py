@@ -279,7 +279,14 @@ def _bucket(count: int) -> int:
 
 
 def _padded(array: np.ndarray, size: int, fill) -> np.ndarray:
-    return np.concatenate([array, np.full(size - len(array), fill, dtype=array.dtype)])
+    if size == len(array):
+        return array
+    out = np.full(size, fill, dtype=array.dtype)
+    out[: len(array)] = array
+    return out
+
+
+_NO_PENALTIES = np.array([[1, 0, 0]], dtype=np.float32)  # the padded entries' row (the slot past the logits)
 
 
 @dataclass(frozen=True)
@@ -322,6 +329,8 @@ class _Sent:
         rows, vocab = len(plan.greedy), plan.vocab
         past = rows * vocab
         sampled = plan.sampled_rows
+        any_sampled = bool(sampled.any())
+        top_k_rows = plan.top_k_rows
         outputs = _padded(plan.output_flat, _bucket(len(plan.output_flat)), past)
         bias = _bucket(len(plan.bias_flat))
         pending = _bucket(len(plan.pending_rows))
@@ -330,25 +339,24 @@ class _Sent:
                 "pending_real": _padded(np.ones(len(plan.pending_rows), dtype=np.int64), pending, 0),
                 "output_flat": outputs, "bias_flat": _padded(plan.bias_flat, bias, past),
                 "ban_flat": _padded(plan.ban_flat, _bucket(len(plan.ban_flat)), past)}
-        floats = {"bias_values": _padded(plan.bias_values, bias, np.float32(0))}
+        floats = {"bias_values": _padded(plan.bias_values, bias, 0)}
         if len(outputs) or pending or plan.repeated:  # read by the penalties alone
-            floats["penalties"] = np.concatenate([plan.penalties, np.array([[1, 0, 0]], dtype=np.float32)])
-        k_max = min(_bucket(int(plan.top_k[plan.top_k_rows].max(initial=0))), vocab)
-        if sampled.any():
-            ints.update(keys=plan.keys.view(np.int64), is_top_k=plan.top_k_rows.astype(np.int64),
-                        greedy=plan.greedy.astype(np.int64))
+            floats["penalties"] = np.concatenate([plan.penalties, _NO_PENALTIES])
+        k_max = min(_bucket(int(plan.top_k[top_k_rows].max(initial=0))), vocab) if any_sampled else 0
+        if any_sampled:
+            ints.update(keys=plan.keys.view(np.int64), is_top_k=top_k_rows, greedy=plan.greedy)
             floats.update(temperature=plan.temperature, top_p=_top_p_bounds(plan.top_p), min_p=plan.min_p)
             if k_max:
-                k = np.where(plan.top_k_rows, plan.top_k, k_max)
+                k = np.where(top_k_rows, plan.top_k, k_max)
                 floats.update(noise_k=exponential_noise_np(plan.keys, k_max),  # by rank
-                              rank_cut=np.where(np.arange(k_max)[None, :] < k[:, None], 0, -np.inf))
+                              rank_cut=np.where(np.arange(k_max) < k[:, None], 0, -np.inf))
         self.ints = _packed(ints, np.int64)
         self.floats = _packed(floats, np.float32)
-        previous = previous if pending else 0
         self.shape = PassShape(
-            rows, vocab, _layout(ints), _layout(floats), pending, previous, bool(plan.repeated),
-            plan.bitmask is not None, bool(sampled.any()), bool(plan.full_rows.any()), k_max if sampled.any() else 0,
-            bool((plan.top_p[sampled] < 1).any()), bool((plan.min_p[sampled] > 0).any()), logprobs)
+            rows, vocab, _layout(ints), _layout(floats), pending, previous if pending else 0, bool(plan.repeated),
+            plan.bitmask is not None, any_sampled, any_sampled and bool((sampled & (plan.top_k == 0)).any()),
+            k_max, any_sampled and bool((plan.top_p[sampled] < 1).any()),
+            any_sampled and bool((plan.min_p[sampled] > 0).any()), logprobs)
 
     def upload(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """The two arrays on `device` (through pinned memory on CUDA, without waiting)."""
@@ -360,7 +368,7 @@ def _layout(arrays: dict[str, np.ndarray]) -> tuple[tuple[str, tuple[int, ...]],
 
 
 def _packed(arrays: dict[str, np.ndarray], dtype) -> np.ndarray:
-    return np.concatenate([np.asarray(a, dtype=dtype).ravel() for a in arrays.values()] + [np.zeros(0, dtype)])
+    return np.concatenate([a.ravel() for a in arrays.values()], dtype=dtype, casting="unsafe")
 
 
 class _Views:
