@@ -13,7 +13,7 @@ import torch
 
 from tierlm.cli import main as cli_main
 from tierlm.demo_model import build_demo_model
-from tierlm.engine.sampler import sampling_probs
+from tierlm.engine.sampling_pass import sampling_probs
 from tierlm.engine.speculative import SpeculativeConfig
 from tierlm.model.layers.packed_linear import Linear
 from tierlm.model.loader import load_model

@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 from tierlm import LLM, SamplingParams
 from tierlm.demo_model import build_demo_model
 from tierlm.engine.request import Request
-from tierlm.engine.sampler import MIN_TEMPERATURE, Sampler, SamplingError
+from tierlm.engine.sampler import Sampler
+from tierlm.engine.sampling_plan import MIN_TEMPERATURE
 
 VOCAB = 64
 EDGES = [0.0, 5e-324, 1e-46, 1e-39, 1e-38, MIN_TEMPERATURE / 2, MIN_TEMPERATURE, 1e-3, 0.7, 1.0, 2.0, 100.0,
@@ -21,6 +22,10 @@ EDGES = [0.0, 5e-324, 1e-46, 1e-39, 1e-38, MIN_TEMPERATURE / 2, MIN_TEMPERATURE,
 logit_values = st.one_of(
     st.floats(-1e4, 1e4), st.sampled_from([-3.4e38, 3.4e38, -math.inf, 0.0, 1e-45, -1e-45, 88.0, -88.0])
 )
+
+
+class SamplingError(RuntimeError):
+    """A row's failure (`Sampled.error`), raised by `sample_row`."""
 
 
 def _request(params: SamplingParams) -> Request:

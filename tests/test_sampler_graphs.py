@@ -10,8 +10,10 @@ import torch
 from test_sampler_reference import VOCAB, _batch
 
 from tierlm.engine.request import Request
-from tierlm.engine.sampler import Sampler, _Sent, plan_rows, sample_rows
+from tierlm.engine.sampler import Sampler
 from tierlm.engine.sampler_reference import reference_sample_rows
+from tierlm.engine.sampling_pass import PackedPlan, sample_rows
+from tierlm.engine.sampling_plan import plan_rows
 from tierlm.sampling_params import SamplingParams
 
 
@@ -24,8 +26,8 @@ def _penalized(outputs: int, params: SamplingParams | None = None) -> Request:
 def test_shapes_repeat_within_a_bucket_and_padding_points_past_the_logits():
     keys = np.zeros(1, dtype=np.uint64)
 
-    def sent(outputs: int) -> _Sent:
-        return _Sent(plan_rows([_penalized(outputs)], VOCAB, keys))
+    def sent(outputs: int) -> PackedPlan:
+        return PackedPlan(plan_rows([_penalized(outputs)], VOCAB, keys))
 
     assert sent(17).shape == sent(32).shape != sent(33).shape  # outputs padded to 32, then 64
     padded = sent(17)
@@ -34,7 +36,7 @@ def test_shapes_repeat_within_a_bucket_and_padding_points_past_the_logits():
     assert len(seen) == 32 and (seen[17:32] == VOCAB).all()  # one row: index VOCAB is past it
     assert padded.shape.prompts  # its repetition penalty reads the prompt's bitmask (not its ids)
     assert padded.shape.k_max == 16  # top_k 7, ranks padded to 16 (the rest cut)
-    assert sent(5).shape != _Sent(plan_rows([_penalized(5)], VOCAB, keys), logprobs=2).shape
+    assert sent(5).shape != PackedPlan(plan_rows([_penalized(5)], VOCAB, keys), logprobs=2).shape
 
 
 @pytest.mark.parametrize("outputs", [1, 15, 16, 17, 40])
@@ -126,7 +128,7 @@ def test_a_placeholder_read_on_the_device_is_the_id_appended_on_the_host(device)
 def test_a_prompt_is_sent_once_as_a_bitmask():
     """A repetition penalty counts the prompt's ids as seen through the request's prompt bitmask, made once
     and kept on the request (the step's plan sends no prompt ids); a row without one reads zeros."""
-    from tierlm.engine.sampler import prompt_bitmasks
+    from tierlm.engine.sampling_pass import prompt_bitmasks
 
     prompt = [3, 40, 299, 40, 10**6]  # an id past the vocabulary is never seen
     params = SamplingParams(temperature=1.0, repetition_penalty=1.2).with_defaults(None, None, None)
@@ -140,4 +142,4 @@ def test_a_prompt_is_sent_once_as_a_bitmask():
     bits = first[0].numpy().view(np.uint32)
     seen = [t for t in range(VOCAB) if bits[t // 32] >> (t % 32) & 1]
     assert seen == [3, 40, 299] and not first[1].any()
-    assert len(_Sent(plan_rows(requests, VOCAB, keys)).ints) < 3 * 16  # pending, outputs, bias, ban: no prompt
+    assert len(PackedPlan(plan_rows(requests, VOCAB, keys)).ints) < 3 * 16  # pending, outputs, bias, ban: no prompt

@@ -11,9 +11,11 @@ import pytest
 import torch
 
 from tierlm.engine.request import Request
-from tierlm.engine.sampler import _MASKED, _NAN, _OK, Sampler, edit_logits, plan_rows, sample_rows
+from tierlm.engine.sampler import Sampler
 from tierlm.engine.sampler_reference import reference_edit_logits, reference_sample_rows
 from tierlm.engine.sampling_noise import exponential_noise, exponential_noise_np, seeded_keys
+from tierlm.engine.sampling_pass import STATUS_MASKED, STATUS_NAN, STATUS_OK, edit_logits, sample_rows
+from tierlm.engine.sampling_plan import plan_rows
 from tierlm.engine.structured_output import BitmaskGrammar
 from tierlm.sampling_params import SamplingParams
 
@@ -75,7 +77,7 @@ def test_the_batched_pass_is_the_reference(dtype, device):
         assert status.tolist() == expected_status.tolist()
         assert tokens.tolist() == expected_tokens.tolist(), seed
     status, tokens = status.cpu(), tokens.cpu()
-    assert status[9] == _NAN and status[10] == _MASKED and (status[:9] == _OK).all()
+    assert status[9] == STATUS_NAN and status[10] == STATUS_MASKED and (status[:9] == STATUS_OK).all()
     assert tokens[3] == 7 and tokens[11] == 42 and tokens[6] in (3, 10, 200) and tokens[8] != 0
 
 
@@ -97,7 +99,7 @@ def test_plain_greedy_rows_skip_the_plan_and_sample_the_same(dtype, device):
     generator's keys advance the same either way (the next batch's draws are equal). bf16 logits: the
     unplanned path takes their argmax as they are, the planned one of their fp32 copy; ties (row 3's two
     best, equal) go to the lower id in both."""
-    from tierlm.engine.sampler import plain_greedy
+    from tierlm.engine.sampling_plan import plain_greedy
 
     logits = torch.randn(4, VOCAB, generator=torch.Generator().manual_seed(1))
     logits[1, 3], logits[2] = math.nan, -math.inf
@@ -114,7 +116,7 @@ def test_plain_greedy_rows_skip_the_plan_and_sample_the_same(dtype, device):
     if pending.ready is not None:
         pending.ready.synchronize()
     assert torch.equal(pending.tokens, tokens) and torch.equal(pending.host_ids[1], status.cpu())
-    assert pending.host_ids[1].tolist() == [_OK, _NAN, _MASKED, _OK] and tokens[3].item() == 40
+    assert pending.host_ids[1].tolist() == [STATUS_OK, STATUS_NAN, STATUS_MASKED, STATUS_OK] and tokens[3].item() == 40
     assert np.array_equal(sampler.row_keys(requests), planned.row_keys(requests))
 
 
@@ -124,8 +126,8 @@ def test_sampling_probs_is_the_distribution_the_pass_draws_from(dtype, device):
     """`sampling_probs` (speculative verification's target) is the reference's distribution, row for row, on
     the batch's rows that sample (edited as the pass edits them), and where ties meet a cut: a tie at the
     k-th place keeps the lower id, equal probabilities at the top-p boundary keep the lower ids."""
-    from tierlm.engine.sampler import sampling_probs
     from tierlm.engine.sampler_reference import reference_sampling_probs
+    from tierlm.engine.sampling_pass import sampling_probs
 
     logits, requests = _batch()
     tie = torch.zeros(2, VOCAB)

@@ -450,8 +450,8 @@ def test_penalized_logits_count_the_drafts_before_each_row():
     frequency and presence penalties: what greedy verification takes the argmax of, and sampled
     verification its target probabilities from."""
     from tierlm.engine.request import Request
-    from tierlm.engine.sampler import plan_rows
     from tierlm.engine.sampler_reference import reference_edit_logits
+    from tierlm.engine.sampling_plan import plan_rows
     from tierlm.engine.speculative_constraints import penalized_logits, verify_rows
 
     vocab, drafts = 12, [[3, 3, 7], [5]]
@@ -580,7 +580,8 @@ def test_sampling_probs_is_what_the_sampler_draws_from():
     """The target distribution speculative decoding verifies against (`sampling_probs`) is the one the
     sampler draws from without drafts: chi-square of 20000 sampler draws over a small vocabulary."""
     from tierlm.engine.request import Request
-    from tierlm.engine.sampler import Sampler, sampling_probs
+    from tierlm.engine.sampler import Sampler
+    from tierlm.engine.sampling_pass import sampling_probs
 
     logits = torch.tensor([2.0, 1.5, 1.0, 0.7, 0.2, -1.0, -3.0, 0.9])
     for params in (SamplingParams(temperature=0.7, top_k=5, top_p=0.9, min_p=0.05),

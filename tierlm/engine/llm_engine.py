@@ -40,7 +40,8 @@ from tierlm.engine.encoder import DEFAULT_ENCODER_CACHE_BYTES, EncoderCache, pla
 from tierlm.engine.images import RequestImage, request_images
 from tierlm.engine.model_runner import LaunchedStep, ModelRunner, StepResult
 from tierlm.engine.request import Request, RequestStatus
-from tierlm.engine.sampler import Sampler, greedy_readback
+from tierlm.engine.sampler import Sampler
+from tierlm.engine.sampling_pass import greedy_readback
 from tierlm.engine.scheduler import RequestListener, Scheduler
 from tierlm.engine.speculative import (
     LaunchedSpeculation,

@@ -29,7 +29,8 @@ import torch
 from tierlm.engine.images import chunk_image_rows
 from tierlm.engine.readbacks import Readbacks
 from tierlm.engine.request import Request
-from tierlm.engine.sampler import PendingSample, Sampler, plain_greedy, position_logprobs
+from tierlm.engine.sampler import PendingSample, Sampler, position_logprobs
+from tierlm.engine.sampling_plan import plain_greedy
 from tierlm.engine.scheduler import ScheduledChunk, SchedulerOutput
 from tierlm.engine.trace import NoTrace
 from tierlm.model.forward_batch import ForwardBatch, on_device

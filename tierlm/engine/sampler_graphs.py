@@ -1,4 +1,4 @@
-"""The sampling pass replayed from CUDA graphs, one graph per `PassShape` (engine/sampler.py).
+"""The sampling pass replayed from CUDA graphs, one graph per `PassShape` (engine/sampling_pass.py).
 
 Launched eagerly, a pass with a draw is 40-70 small kernels, and on an H200's host their launches cost
 1-2 ms a step: more than the forward of a small model, and more than the device spends on them. As a
@@ -10,11 +10,11 @@ own tensors: the caller copies what it keeps before the next replay.
 A graph is captured the second time its shape comes (`wants`: the first pass of a shape runs eagerly, so
 a shape that comes once never costs a capture, which synchronizes the device and collects garbage); a
 warm-up run on a side stream comes first, so that lazily built kernels, xgrammar's Triton one among
-them, are not built inside the capture. The graphs share one memory pool
-(one replays at a time, on the engine's stream, and each one's outputs are read before the next). The static inputs are outside the pool: the logits and bitmask buffers are shared by
-the graphs of one row count. `MAX_GRAPHS` graphs are kept, the least recently used dropped (a shape is
-rows x which parts run x padded sizes, so a server meets a few dozen). TIERLM_NO_SAMPLER_GRAPHS=1 runs
-every pass eagerly (the A/B).
+them, are not built inside the capture. The graphs share one memory pool (one replays at a time, on the
+engine's stream, and each one's outputs are read before the next). The static inputs are outside the
+pool, each shared by the graphs whose input has its shape. `MAX_GRAPHS` graphs are kept, the least
+recently used dropped (a shape is rows x which parts run x padded sizes, so a server meets a few dozen).
+TIERLM_NO_SAMPLER_GRAPHS=1 runs every pass eagerly (the A/B).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 if TYPE_CHECKING:
-    from tierlm.engine.sampler import PassShape
+    from tierlm.engine.sampling_pass import PassShape
 
 MAX_GRAPHS = 64
 

@@ -1,5 +1,5 @@
-"""The sampler's pass written plainly, one row at a time: what `sampler.sample_rows` must give, token for
-token (tests compare them; nothing in the engine runs it).
+"""The sampler's pass written plainly, one row at a time: what `sampling_pass.sample_rows` must give,
+token for token (tests compare them; nothing in the engine runs it).
 
 `reference_sample_rows` has the signature of `sample_rows`, `reference_edit_logits` that of `edit_logits`:
 fp32 logits [rows, vocab] and the host's `RowPlan`, -> (token per row, status per row);
@@ -7,8 +7,9 @@ fp32 logits [rows, vocab] and the host's `RowPlan`, -> (token per row, status pe
 decoding's target). Each row, in order: repetition penalty on every id it has seen (prompt and output),
 frequency and presence penalties by its output counts, logit bias, bans, its bitmask (grammar and
 allowed ids); NaN or nothing left is its status; a greedy row (or one whose maximum is +inf) takes the
-argmax; a top-k row draws among its k best logits (equal ones by lower id), the rest over the vocabulary, each scaled by its
-temperature below its maximum, cut by top-p then min-p, an exponential race against the row's noise
+argmax; a top-k row draws among its k best logits (equal ones by lower id), the rest over the vocabulary,
+each scaled by its temperature below its maximum, cut by top-p (float64 mass sums) then min-p, an
+exponential race against the row's noise
 (`sampling_noise`: by rank for a top-k draw, by token id otherwise).
 """
 
@@ -18,8 +19,9 @@ import numpy as np
 import torch
 
 from tierlm.engine.request import Request
-from tierlm.engine.sampler import _MASKED, _NAN, _OK, RowPlan, _ids_below, plan_rows
 from tierlm.engine.sampling_noise import exponential_noise, exponential_noise_np
+from tierlm.engine.sampling_pass import STATUS_MASKED, STATUS_NAN, STATUS_OK
+from tierlm.engine.sampling_plan import RowPlan, ids_below, plan_rows
 
 
 def reference_sample_rows(logits: torch.Tensor, plan: RowPlan) -> tuple[torch.Tensor, torch.Tensor]:
@@ -28,9 +30,9 @@ def reference_sample_rows(logits: torch.Tensor, plan: RowPlan) -> tuple[torch.Te
         raw = logits[i]
         x = _edited_row(raw.clone(), i, plan)
         top = x.max()
-        state = _NAN if bool(torch.isnan(raw).any()) else _MASKED if top == float("-inf") else _OK
+        state = STATUS_NAN if bool(torch.isnan(raw).any()) else STATUS_MASKED if top == float("-inf") else STATUS_OK
         status.append(state)
-        if plan.greedy[i] or state != _OK or top == float("inf"):
+        if plan.greedy[i] or state != STATUS_OK or top == float("inf"):
             tokens.append(int(x.argmax()))
             continue
         probs, ids = _row_candidates(x, i, plan)
@@ -45,7 +47,7 @@ def reference_sample_rows(logits: torch.Tensor, plan: RowPlan) -> tuple[torch.Te
 
 
 def reference_sampling_probs(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-    """What `sampler.sampling_probs` gives: each row's distribution (its candidates' probabilities,
+    """What `sampling_pass.sampling_probs` gives: each row's distribution (its candidates' probabilities,
     normalized; one-hot at the argmax for a greedy row or one whose maximum is +inf), from logits already
     edited."""
     rows, vocab = logits.shape
@@ -79,7 +81,7 @@ def _row_candidates(x: torch.Tensor, i: int, plan: RowPlan) -> tuple[torch.Tenso
 
 
 def reference_edit_logits(logits: torch.Tensor, plan: RowPlan) -> torch.Tensor:
-    """What `sampler.edit_logits` gives: every row through `_edited_row`."""
+    """What `sampling_pass.edit_logits` gives: every row through `_edited_row`."""
     return torch.stack([_edited_row(logits[i].clone(), i, plan) for i in range(logits.shape[0])])
 
 
@@ -89,7 +91,7 @@ def _edited_row(x: torch.Tensor, i: int, plan: RowPlan) -> torch.Tensor:
         return flat[flat // vocab == i] - i * vocab
 
     outputs = in_row(plan.output_flat)
-    prompts = next((_ids_below(r.prompt_ids_array, vocab) for row, r in plan.repeated if row == i),
+    prompts = next((ids_below(r.prompt_ids_array, vocab) for row, r in plan.repeated if row == i),
                    np.zeros(0, dtype=np.int64))
     if len(outputs) or len(prompts):
         repetition, frequency, presence = (float(v) for v in plan.penalties[i])

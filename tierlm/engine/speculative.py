@@ -119,7 +119,8 @@ from tierlm.engine.model_runner import ModelRunner, StepResult
 from tierlm.engine.readbacks import Readbacks
 from tierlm.engine.rejection_sampler import rejection_sample
 from tierlm.engine.request import PLACEHOLDER, Request
-from tierlm.engine.sampler import MIN_TEMPERATURE, sampling_probs
+from tierlm.engine.sampling_pass import sampling_probs
+from tierlm.engine.sampling_plan import MIN_TEMPERATURE
 from tierlm.engine.scheduler import ScheduledChunk, SchedulerOutput
 from tierlm.engine.speculative_constraints import (
     GrammarWalk,

@@ -14,7 +14,8 @@ import numpy as np
 import torch
 
 from tierlm.engine.request import Request
-from tierlm.engine.sampler import edit_logits, plan_rows
+from tierlm.engine.sampling_pass import edit_logits
+from tierlm.engine.sampling_plan import plan_rows
 
 
 def verify_rows(requests: list[Request], drafts: list[list[int]]) -> tuple[list[Request], list[list[int]]]:

@@ -128,7 +128,7 @@ class StaticDecodeRunner:
         never run at the same time as these: one stream, every output kept): the forwards' temporaries
         then share its memory; only the outputs are new.
         greedy_readback: a function (logits [size, vocab], out [size, 2] int64) writing each row's argmax and
-        status into out (engine/sampler.py `greedy_readback`), run after every forward of a decode runner
+        status into out (engine/sampling_pass.py `greedy_readback`), run after every forward of a decode runner
         (inside its graph) on `argmax_readback`: a step of plain greedy rows then needs no sampling launch."""
         if mode not in MODES:
             raise ValueError(f"mode {mode!r}: choose one of {MODES}")
