@@ -597,6 +597,24 @@ def test_sampling_probs_is_what_the_sampler_draws_from():
         assert chi2 < 30, (chi2, counts, expected)  # df <= 7: p < 1e-4
 
 
+def test_sampling_probs_of_several_requests_are_each_one_s():
+    """Verification takes every sampled request's rows in one `sampling_probs` pass: each row's distribution
+    is the one its request gives alone (top-k, top-p over the vocabulary, min-p, greedy, side by side)."""
+    from tierlm.engine.request import Request
+    from tierlm.engine.sampling_pass import sampling_probs
+
+    logits = torch.randn(6, 300, generator=torch.Generator().manual_seed(4)) * 3
+    requests = [Request(f"r{i}", [1], params.with_defaults(None, None, None), frozenset(), 100) for i, params in
+                enumerate([SamplingParams(temperature=0.8, top_k=20), SamplingParams(temperature=1.2, top_p=0.9),
+                           SamplingParams(temperature=1.0, min_p=0.1), SamplingParams(temperature=0.6, top_k=5,
+                                                                                      top_p=0.5),
+                           SamplingParams(temperature=0), SamplingParams(temperature=1.0, top_k=300)])]
+    together = sampling_probs(logits, requests)
+    alone = torch.cat([sampling_probs(logits[i : i + 1], [r]) for i, r in enumerate(requests)])
+    torch.testing.assert_close(together, alone, rtol=1e-6, atol=1e-9)
+    assert (together[0] > 0).sum() == 20 and (together[4] > 0).sum() == 1
+
+
 def test_prefix_cache_hits_and_preemption_keep_the_tokens(demo):
     """A prompt resent hits its checkpoint (the draft layer's rings are part of it, its K/V of the blocks);
     under a budget that forces preemption, recomputed requests speculate again: the greedy tokens stay."""

@@ -471,14 +471,18 @@ class SpeculativeRunner:
             logits = verify_logits(logits[index], requests, [chunk.draft_token_ids for chunk, _, _ in verify])
             starts = np.cumsum([0] + [count for _, _, count in verify])
             verify = [(chunk, int(start), count) for (chunk, _, count), start in zip(verify, starts[:-1], strict=True)]
+        # greedy: any scores with the argmax do; sampled: the distribution the request samples from, every
+        # sampled chunk's rows in one pass
+        sampled = [(i, first, count) for i, (_, first, count) in enumerate(verify) if not greedy[i]]
+        if sampled:
+            index = torch.cat([torch.arange(first, first + count) for _, first, count in sampled]).to(device)
+            targets = list(sampling_probs(logits[index], [verify[i][0].request for i, _, count in sampled
+                                                          for _ in range(count)]).split([c for _, _, c in sampled]))
         for i, (chunk, first, count) in enumerate(verify):
-            rows = logits[first : first + count]
-            request = chunk.request
-            # greedy: any scores with the argmax do; sampled: the distribution the request samples from
-            scores[i, :count] = rows.float() if greedy[i] else sampling_probs(rows, [request] * count)
+            scores[i, :count] = logits[first : first + count].float() if greedy[i] else targets.pop(0)
             drafts[i, : count - 1] = torch.tensor(chunk.draft_token_ids)
             if not greedy[i]:
-                draft_probs[i, : count - 1] = request.draft_probs[: count - 1]
+                draft_probs[i, : count - 1] = chunk.request.draft_probs[: count - 1]
         counts = [len(chunk.draft_token_ids) for chunk, _, _ in verify]
         generators = [None if greedy[i] else chunk.request.device_generator(device)
                       for i, (chunk, _, _) in enumerate(verify)]
