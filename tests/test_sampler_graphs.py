@@ -26,17 +26,17 @@ def _penalized(outputs: int, params: SamplingParams | None = None) -> Request:
 def test_shapes_repeat_within_a_bucket_and_padding_points_past_the_logits():
     keys = np.zeros(1, dtype=np.uint64)
 
-    def sent(outputs: int) -> PackedPlan:
+    def packed(outputs: int) -> PackedPlan:
         return PackedPlan(plan_rows([_penalized(outputs)], VOCAB, keys))
 
-    assert sent(17).shape == sent(32).shape != sent(33).shape  # outputs padded to 32, then 64
-    padded = sent(17)
+    assert packed(17).shape == packed(32).shape != packed(33).shape  # outputs padded to 32, then 64
+    padded = packed(17)
     offset = sum(size[0] for name, size in padded.shape.ints[: 3])  # after the pending entries
-    seen = padded.ints[offset : offset + dict(padded.shape.ints)["output_flat"][0]]
-    assert len(seen) == 32 and (seen[17:32] == VOCAB).all()  # one row: index VOCAB is past it
+    flat = padded.ints[offset : offset + dict(padded.shape.ints)["output_flat"][0]]
+    assert len(flat) == 32 and (flat[17:32] == VOCAB).all()  # one row: index VOCAB is past it
     assert padded.shape.prompts  # its repetition penalty reads the prompt's bitmask (not its ids)
     assert padded.shape.k_max == 16  # top_k 7, ranks padded to 16 (the rest cut)
-    assert sent(5).shape != PackedPlan(plan_rows([_penalized(5)], VOCAB, keys), logprobs=2).shape
+    assert packed(5).shape != PackedPlan(plan_rows([_penalized(5)], VOCAB, keys), logprobs=2).shape
 
 
 @pytest.mark.parametrize("outputs", [1, 15, 16, 17, 40])
