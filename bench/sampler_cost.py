@@ -6,8 +6,8 @@ device math, the copy back): greedy (argmax only), top-p (a sort over the vocabu
 same with a repetition penalty (the default model's generation config), and the issue-14 worst case: a
 json_schema grammar, presence / frequency / repetition penalties and a logit_bias on every row. On CUDA
 each is timed launched eagerly and replayed from the sampler's CUDA graphs (`SamplingGraphs`), side by
-side. The vocabulary is the demo tokenizer's, padded to --vocab (xgrammar sees a real tokenizer; padded
-ids are never allowed).
+side, with the host's planning alone (the plan and its packing, before any launch). The vocabulary is
+the demo tokenizer's, padded to --vocab (xgrammar sees a real tokenizer; padded ids are never allowed).
 
 The decode step it is compared with is measured in the same run (`--step-layers`, on a GPU): the real-width
 stack of `decode_roofline.py` (random weights, CUDA graphs, context 512) decoding a batch of --batch at
@@ -39,6 +39,8 @@ from tierlm.config import ModelConfig
 from tierlm.demo_model import build_demo_model
 from tierlm.engine.request import Request
 from tierlm.engine.sampler import Sampler
+from tierlm.engine.sampling_pass import PackedPlan
+from tierlm.engine.sampling_plan import plan_rows
 from tierlm.engine.structured_output import StructuredOutputManager
 from tierlm.model.forward_batch import ForwardBatch
 from tierlm.model.model_cache import ModelCache
@@ -137,6 +139,7 @@ def main() -> None:
     results = {name: {mode: timed(lambda rows=rows, s=sampler: s.sample(logits, rows, str), args.repeats, device)
                       for mode, sampler in samplers.items()}
                for name, rows in columns.items()}
+    planning = {name: host_planning_us(rows, args.vocab, args.repeats) for name, rows in columns.items()}
     if args.profile:
         for name, rows in columns.items():
             for mode, sampler in samplers.items():
@@ -146,6 +149,7 @@ def main() -> None:
     steps, added = decode_steps(args, device, sampler, columns) if args.step_layers else ({}, {})
     report = {"device": device_label(device), "batch": args.batch, "vocab": args.vocab,
               "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens, "sampler_ms": results,
+              "host_planning_us": planning,
               "decode_step_ms": steps, "added_to_the_8_layer_step_ms": added, "added_by": list(samplers)[-1]}
     print(f"sampler, {args.batch} rows x {args.vocab} vocab on {device} ({args.prompt_tokens} prompt and "
           f"{args.output_tokens} output tokens each); "
@@ -155,6 +159,7 @@ def main() -> None:
         line += f"   eager {times['eager'] / base:5.2f}x eager greedy"
         if "graphs" in times:
             line += f"   graphs {times['eager'] / times['graphs']:5.2f}x faster than eager"
+        line += f"   host planning {planning[name]:7.1f} us"
         for label, step in steps.items():
             line += f"   {100 * min(times.values()) / step:5.2f}% of {label}"
         print(line)
@@ -170,6 +175,17 @@ def main() -> None:
     out = Path(__file__).parent / "results" / name
     out.write_text(json.dumps(report, indent=1))
     print(f"saved {out}")
+
+
+def host_planning_us(rows: list[Request], vocab: int, repeats: int) -> float:
+    """Median us of the host's part before any launch: the plan (`plan_rows`) and its packing (`PackedPlan`)."""
+    keys = Sampler(0, graphs=False).row_keys(rows)
+    times = []
+    for _ in range(repeats + 2):
+        start = time.perf_counter()
+        PackedPlan(plan_rows(rows, vocab, keys))
+        times.append((time.perf_counter() - start) * 1e6)
+    return sorted(times[2:])[len(times[2:]) // 2]
 
 
 def decode_steps(args, device: torch.device, sampler: Sampler, columns: dict[str, list[Request]]

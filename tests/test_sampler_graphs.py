@@ -31,8 +31,8 @@ def test_shapes_repeat_within_a_bucket_and_padding_points_past_the_logits():
 
     assert packed(17).shape == packed(32).shape != packed(33).shape  # outputs padded to 32, then 64
     padded = packed(17)
-    offset = sum(size[0] for name, size in padded.shape.ints[: 3])  # after the pending entries
-    flat = padded.ints[offset : offset + dict(padded.shape.ints)["output_flat"][0]]
+    offset = sum(size[0] for name, size in padded.shape.ints[: 2])  # after the pending entries
+    flat = padded.words[offset : offset + dict(padded.shape.ints)["output_flat"][0]]
     assert len(flat) == 32 and (flat[17:32] == VOCAB).all()  # one row: index VOCAB is past it
     assert padded.shape.prompts  # its repetition penalty reads the prompt's bitmask (not its ids)
     assert padded.shape.k_max == 16  # top_k 7, ranks padded to 16 (the rest cut)
@@ -54,6 +54,18 @@ def test_padding_changes_no_token(outputs):
         tokens, status = sample_rows(logits, plan)
         expected_tokens, expected_status = reference_sample_rows(logits, plan)
         assert tokens.tolist() == expected_tokens.tolist() and status.tolist() == expected_status.tolist()
+
+
+def test_a_shape_s_first_pass_is_left_to_the_eager_pass():
+    """`SamplingGraphs.run` declines a shape it has not met (None: the caller runs it eagerly), so a shape
+    that comes once costs no capture; it remembers the shape (its next pass is captured, on a GPU)."""
+    from tierlm.engine.sampler_graphs import SamplingGraphs
+    from tierlm.engine.sampling_pass import sampling_pass
+
+    graphs = SamplingGraphs(sampling_pass)
+    packed = PackedPlan(plan_rows([_penalized(3)], VOCAB, np.zeros(1, dtype=np.uint64)))
+    assert graphs.run(packed.shape, torch.zeros(1, VOCAB), packed.words, None, None, None) is None
+    assert packed.shape in graphs.seen and graphs.captures == 0
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (CUDA graphs)")
@@ -142,4 +154,5 @@ def test_a_prompt_is_sent_once_as_a_bitmask():
     bits = first[0].numpy().view(np.uint32)
     seen = [t for t in range(VOCAB) if bits[t // 32] >> (t % 32) & 1]
     assert seen == [3, 40, 299] and not first[1].any()
-    assert len(PackedPlan(plan_rows(requests, VOCAB, keys)).ints) < 3 * 16  # pending, outputs, bias, ban: no prompt
+    layout = dict(PackedPlan(plan_rows(requests, VOCAB, keys)).shape.ints)
+    assert sum(size[0] for size in layout.values()) < 16  # keys and flags; no prompt id is sent

@@ -122,19 +122,20 @@ class Sampler:
             _, tokens, status = argmax_status(logits, logits)
             outputs = (torch.stack([tokens, status]),)
         else:
-            rows_of = None if previous is None else {r: row for row, r in enumerate(previous.requests)}
-            plan = plan_rows(requests, logits.shape[1], keys, pinned=device.type == "cuda", previous=rows_of)
+            plan = plan_rows(requests, logits.shape[1], keys, pinned=device.type == "cuda",
+                             previous=None if previous is None else previous.requests)
             failed = plan.failed
             packed = PackedPlan(plan, max(requests[i].params.logprobs for i in wanted) if wanted else None,
                          0 if previous is None else len(previous.requests))
             earlier = previous.tokens if packed.shape.pending else None
             prompts = prompt_bitmasks(plan, device)
-            if self.graphs is not None and device.type == "cuda" and self.graphs.wants(packed.shape):
-                outputs = self.graphs.run(packed.shape, logits, packed.ints, packed.floats, plan.bitmask, earlier,
-                                          prompts)
-                outputs = (outputs[0].clone(), *outputs[1:])  # the ids outlive the next replay (next step's input)
-            else:
+            outputs = None
+            if self.graphs is not None and device.type == "cuda":
+                outputs = self.graphs.run(packed.shape, logits, packed.words, plan.bitmask, earlier, prompts)
+            if outputs is None:
                 outputs = eager_pass(packed, plan, logits.float(), earlier, prompts)
+            else:  # the ids outlive the next replay (the next step's input)
+                outputs = (outputs[0].clone(), *outputs[1:])
         device_ids = outputs[0]
         return PendingSample(requests, failed, wanted, device_ids[0], device_ids, _to_host(device_ids),
                              tuple(_to_host(t) for t in outputs[1:]), _ready_event(device))

@@ -3,11 +3,11 @@
 Launched eagerly, a pass with a draw is 40-70 small kernels, and on an H200's host their launches cost
 1-2 ms a step: more than the forward of a small model, and more than the device spends on them. As a
 graph it is a few copies (the logits into a static fp32 buffer, which is also their conversion; the
-plan's integers and floats in one; the bitmask, the previous step's sampled ids and the rows' prompt
-bitmasks when the pass reads them) and one replay. The outputs are the graph's
+packed plan's words; the bitmask, the previous step's sampled ids and the rows' prompt bitmasks when the
+pass reads them) and one replay. The outputs are the graph's
 own tensors: the caller copies what it keeps before the next replay.
 
-A graph is captured the second time its shape comes (`wants`: the first pass of a shape runs eagerly, so
+A graph is captured the second time its shape comes (`run`: the first pass of a shape runs eagerly, so
 a shape that comes once never costs a capture, which synchronizes the device and collects garbage); a
 warm-up run on a side stream comes first, so that lazily built kernels, xgrammar's Triton one among
 them, are not built inside the capture. The graphs share one memory pool (one replays at a time, on the
@@ -39,7 +39,7 @@ def sampler_graphs_enabled() -> bool:
 
 class SamplingGraphs:
     def __init__(self, sampling_pass: Callable, max_graphs: int = MAX_GRAPHS) -> None:
-        self.sampling_pass = sampling_pass  # (shape, logits, ints, floats, bitmask, previous, prompts) -> tensors
+        self.sampling_pass = sampling_pass  # (shape, logits, words, bitmask, previous, prompts) -> tensors
         self.max_graphs = max_graphs
         self.graphs: OrderedDict[PassShape, tuple[torch.cuda.CUDAGraph, tuple, tuple[torch.Tensor, ...]]] = (
             OrderedDict())
@@ -48,29 +48,24 @@ class SamplingGraphs:
         self.seen: OrderedDict[PassShape, None] = OrderedDict()  # shapes that ran once, eagerly
         self.captures = 0  # graphs captured so far (tests and benches read it)
 
-    def wants(self, shape: PassShape) -> bool:
-        """Whether `run` should take a pass of this shape: it has a graph, or it came before (and is
-        captured now); else the caller runs it eagerly, this once."""
-        if shape in self.graphs or shape in self.seen:
-            return True
-        self.seen[shape] = None
-        if len(self.seen) > 16 * self.max_graphs:
-            self.seen.popitem(last=False)
-        return False
-
-    def run(self, shape: PassShape, logits: torch.Tensor, ints: np.ndarray, floats: np.ndarray,
-            bitmask: torch.Tensor | None, previous: torch.Tensor | None, prompts: list[torch.Tensor] | None
-            ) -> tuple[torch.Tensor, ...]:
+    def run(self, shape: PassShape, logits: torch.Tensor, words: np.ndarray, bitmask: torch.Tensor | None,
+            previous: torch.Tensor | None, prompts: list[torch.Tensor] | None) -> tuple[torch.Tensor, ...] | None:
         """`sampling_pass(shape, ...)`'s outputs for these inputs (logits, the previous step's sampled ids and
-        each row's prompt bitmask on the device, the logits in any float dtype; the plan's arrays and
-        bitmask on the host, the bitmask pinned), queued on the current stream."""
-        inputs = (logits, ints, floats, bitmask, previous, prompts)
+        each row's prompt bitmask on the device, the logits in any float dtype; the packed plan's words and
+        the bitmask on the host, the bitmask pinned), queued on the current stream; None the first time
+        this shape comes (the caller runs that pass eagerly)."""
+        inputs = (logits, words, bitmask, previous, prompts)
         entry = self.graphs.get(shape)
-        if entry is None:
-            entry = self._capture(shape, *inputs)
-        else:
+        if entry is not None:
             _copy_in(entry[1], *inputs)
             self.graphs.move_to_end(shape)
+        elif shape in self.seen:
+            entry = self._capture(shape, *inputs)
+        else:
+            self.seen[shape] = None
+            if len(self.seen) > 16 * self.max_graphs:
+                self.seen.popitem(last=False)
+            return None
         entry[0].replay()
         return entry[2]
 
@@ -80,31 +75,26 @@ class SamplingGraphs:
             self.buffers[key] = torch.zeros(size, dtype=dtype, device=device)
         return self.buffers[key]
 
-    def _capture(self, shape: PassShape, logits: torch.Tensor, ints: np.ndarray, floats: np.ndarray,
-                 bitmask: torch.Tensor | None, previous: torch.Tensor | None, prompts: list[torch.Tensor] | None
-                 ) -> tuple:
-        """A graph of the pass at this shape, on static inputs (the logits and bitmask buffers shared by the
-        shapes of their size; the plan's integers and floats in one buffer, the floats as int64 words: one
-        copy up), holding these inputs."""
+    def _capture(self, shape: PassShape, logits: torch.Tensor, words: np.ndarray, bitmask: torch.Tensor | None,
+                 previous: torch.Tensor | None, prompts: list[torch.Tensor] | None) -> tuple:
+        """A graph of the pass at this shape, on static inputs (each shared by the shapes whose input has
+        its size), holding these inputs."""
         device = logits.device
-        words = (len(floats) + 1) // 2
         static = (self._buffer("logits", (shape.rows, shape.vocab), torch.float32, device),
-                  self._buffer("plan", (len(ints) + words,), torch.int64, device),
+                  self._buffer("words", (len(words),), torch.int64, device),
                   None if bitmask is None else self._buffer("bitmask", tuple(bitmask.shape), bitmask.dtype, device),
                   None if previous is None else self._buffer("previous", tuple(previous.shape), previous.dtype, device),
                   None if prompts is None else self._buffer("prompts", (len(prompts), len(prompts[0])), torch.int32,
                                                             device))
-        _copy_in(static, logits, ints, floats, bitmask, previous, prompts)
-        plan = static[1]
-        inputs = (static[0], plan[: len(ints)], plan[len(ints):].view(torch.float32)[: len(floats)], *static[2:])
+        _copy_in(static, logits, words, bitmask, previous, prompts)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm up outside the capture
-            self.sampling_pass(shape, *inputs)
+            self.sampling_pass(shape, *static)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-            outputs = self.sampling_pass(shape, *inputs)
+            outputs = self.sampling_pass(shape, *static)
         self.pool = graph.pool()
         self.captures += 1
         entry = (graph, static, outputs)
@@ -114,14 +104,11 @@ class SamplingGraphs:
         return entry
 
 
-def _copy_in(static: tuple, logits: torch.Tensor, ints: np.ndarray, floats: np.ndarray,
-             bitmask: torch.Tensor | None, previous: torch.Tensor | None, prompts: list[torch.Tensor] | None) -> None:
+def _copy_in(static: tuple, logits: torch.Tensor, words: np.ndarray, bitmask: torch.Tensor | None,
+             previous: torch.Tensor | None, prompts: list[torch.Tensor] | None) -> None:
     """The inputs into a graph's static buffers (host ones through pinned memory, without waiting)."""
     static[0].copy_(logits, non_blocking=True)
-    if len(floats) % 2:
-        floats = np.append(floats, np.float32(0))
-    plan = torch.from_numpy(np.concatenate([ints, floats.view(np.int64)])).pin_memory()
-    static[1].copy_(plan, non_blocking=True)
+    static[1].copy_(torch.from_numpy(words).pin_memory(), non_blocking=True)
     if bitmask is not None:
         static[2].copy_(bitmask, non_blocking=True)
     if previous is not None:

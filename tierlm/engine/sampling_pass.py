@@ -90,6 +90,7 @@ class PassShape:
     previous: int  # how many ids that step sampled (0: none read)
     prompts: bool  # some row's repetition penalty counts its prompt's ids (the prompts' bitmasks, [rows, words])
     bitmask: bool
+    edited: bool  # any penalty, bias, ban or mask (`RowPlan.edited`)
     sampling: bool  # any row draws (else every row takes its argmax)
     full: bool  # some row draws over the vocabulary (computed for every row, taken for those)
     k_max: int  # ranks drawn among by top-k rows (0: none)
@@ -97,18 +98,13 @@ class PassShape:
     cut_min: bool
     logprobs: int | None  # top log-probabilities per row (None: no row asks for any)
 
-    @property
-    def edited(self) -> bool:
-        return (self.bitmask or self.pending or self.prompts
-                or any(size[0] for name, size in self.ints if name.endswith("_flat")))
-
 
 class PackedPlan:
-    """A plan's arrays as the pass reads them, packed in two host arrays (integers, floats: one copy up
-    each) whose layout is its `PassShape`: the sparse edits padded to their `_bucket` with index
-    rows * vocab (a slot past the logits that the pass writes and never reads; its penalties row is
-    (1, 0, 0), its bias 0), top-k ranks to a bucket too (a rank past a row's k is cut). `_Views` names
-    the parts of their device copies."""
+    """A plan's arrays as the pass reads them, packed in one host array of int64 words (`words`: the
+    integers, then the float32 values two a word; one copy up) whose layout is its `PassShape`: the
+    sparse edits padded to their `_bucket` with index rows * vocab (a slot past the logits that the pass
+    writes and never reads; its penalties row is (1, 0, 0), its bias 0), top-k ranks to a bucket too (a
+    rank past a row's k is cut). `_Views` names the parts of their device copy."""
 
     def __init__(self, plan: RowPlan, logprobs: int | None = None, previous: int = 0) -> None:
         """previous: how many ids the step in flight sampled (the plan's pending ids are among them)."""
@@ -122,7 +118,6 @@ class PackedPlan:
         pending = _bucket(len(plan.pending_rows))
         ints = {"pending_base": _padded(plan.pending_rows * vocab, pending, past),
                 "pending_sources": _padded(plan.pending_sources, pending, 0),
-                "pending_real": _padded(np.ones(len(plan.pending_rows), dtype=np.int64), pending, 0),
                 "output_flat": outputs, "bias_flat": _padded(plan.bias_flat, bias, past),
                 "ban_flat": _padded(plan.ban_flat, _bucket(len(plan.ban_flat)), past)}
         floats = {"bias_values": _padded(plan.bias_values, bias, 0)}
@@ -136,17 +131,16 @@ class PackedPlan:
                 k = np.where(top_k_rows, plan.top_k, k_max)
                 floats.update(noise_k=exponential_noise_np(plan.keys, k_max),  # by rank
                               rank_cut=np.where(np.arange(k_max) < k[:, None], 0, -np.inf))
-        self.ints = _packed(ints, np.int64)
-        self.floats = _packed(floats, np.float32)
+        floats_packed = _packed(floats, np.float32)
+        # whole int64 words, at least one (an empty slice of the words cannot be viewed as floats)
+        floats_packed = _padded(floats_packed, max(2, len(floats_packed) + len(floats_packed) % 2), 0)
+        self.words = np.concatenate([_packed(ints, np.int64), floats_packed.view(np.int64)])
         self.shape = PassShape(
             rows, vocab, _layout(ints), _layout(floats), pending, previous if pending else 0, bool(plan.repeated),
-            plan.bitmask is not None, any_sampled, any_sampled and bool((sampled & (plan.top_k == 0)).any()),
-            k_max, any_sampled and bool((plan.top_p[sampled] < 1).any()),
-            any_sampled and bool((plan.min_p[sampled] > 0).any()), logprobs)
-
-    def upload(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """The two arrays on `device` (through pinned memory on CUDA, without waiting)."""
-        return on_device(self.ints, device, torch.int64), on_device(self.floats, device, torch.float32)
+            plan.bitmask is not None, plan.edited, any_sampled,
+            any_sampled and bool((sampled & (plan.top_k == 0)).any()), k_max,
+            any_sampled and bool((plan.top_p[sampled] < 1).any()), any_sampled and bool((plan.min_p[sampled] > 0).any()),
+            logprobs)
 
 
 def _layout(arrays: dict[str, np.ndarray]) -> tuple[tuple[str, tuple[int, ...]], ...]:
@@ -158,11 +152,14 @@ def _packed(arrays: dict[str, np.ndarray], dtype) -> np.ndarray:
 
 
 class _Views:
-    """The parts of the sent integer and float tensors, by name (`PassShape.ints` / `.floats`)."""
+    """The parts of a device copy of `PackedPlan.words`, by name (`PassShape.ints` / `.floats`)."""
 
-    def __init__(self, shape: PassShape, ints: torch.Tensor, floats: torch.Tensor) -> None:
-        for layout, flat in ((shape.ints, ints), (shape.floats, floats)):
-            sizes = [int(np.prod(size)) for _, size in layout]
+    def __init__(self, shape: PassShape, words: torch.Tensor) -> None:
+        int_sizes = [int(np.prod(size)) for _, size in shape.ints]
+        float_sizes = [int(np.prod(size)) for _, size in shape.floats]
+        ints = words[: sum(int_sizes)]
+        floats = words[sum(int_sizes) :].view(torch.float32)[: sum(float_sizes)]
+        for layout, sizes, flat in ((shape.ints, int_sizes, ints), (shape.floats, float_sizes, floats)):
             for (name, size), view in zip(layout, flat.split_with_sizes(sizes), strict=True):
                 setattr(self, name, view.view(size))
 
@@ -171,15 +168,20 @@ def edit_logits(logits: torch.Tensor, plan: RowPlan) -> torch.Tensor:
     """`logits` (fp32 [rows, vocab]) after the plan's penalties, biases, bans and bitmask (a new tensor
     when any; `logits` itself when none)."""
     packed = PackedPlan(plan)
-    prompts = prompt_bitmasks(plan, logits.device)
-    return _edited(logits, packed.shape, _Views(packed.shape, *packed.upload(logits.device)),
-                   _bitmask_on(plan, logits), prompts=None if prompts is None else torch.stack(prompts))
+    words, bitmask, prompts = _sent(packed, plan, logits.device)
+    return _edited(logits, packed.shape, _Views(packed.shape, words), bitmask, prompts=prompts)
 
 
-def _bitmask_on(plan: RowPlan, logits: torch.Tensor) -> torch.Tensor | None:
-    if plan.bitmask is None or logits.device.type != "cuda":
-        return plan.bitmask
-    return plan.bitmask.to(logits.device, non_blocking=True)
+def _sent(packed: PackedPlan, plan: RowPlan, device: torch.device, prompts: list[torch.Tensor] | None = None
+          ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """An eager pass's inputs on `device`: the packed words, the bitmask, the rows' prompt bitmasks
+    stacked (`prompt_bitmasks`, made here unless given); through pinned memory on CUDA, without waiting."""
+    bitmask = plan.bitmask
+    if bitmask is not None and device.type == "cuda":
+        bitmask = bitmask.to(device, non_blocking=True)
+    if prompts is None:
+        prompts = prompt_bitmasks(plan, device)
+    return on_device(packed.words, device), bitmask, None if prompts is None else torch.stack(prompts)
 
 
 def prompt_bitmasks(plan: RowPlan, device: torch.device) -> list[torch.Tensor] | None:
@@ -233,8 +235,9 @@ def _edited(logits: torch.Tensor, shape: PassShape, sent: _Views, bitmask: torch
     if shape.pending or len(sent.output_flat):
         outputs = sent.output_flat
         if shape.pending:  # row * vocab + the id sampled for it (padded: the slot past)
-            pending = sent.pending_base + previous[sent.pending_sources] * sent.pending_real
-            outputs = torch.cat([pending, outputs])
+            base = sent.pending_base
+            outputs = torch.cat([torch.where(base < len(flat) - 1, base + previous[sent.pending_sources], base),
+                                 outputs])
         _penalize(flat, shape.vocab, outputs, sent.penalties, in_prompt)
     if len(sent.bias_flat):
         flat.index_put_((sent.bias_flat,), sent.bias_values, accumulate=True)
@@ -259,22 +262,19 @@ def sample_rows(logits: torch.Tensor, plan: RowPlan, previous: torch.Tensor | No
 
 def eager_pass(packed: PackedPlan, plan: RowPlan, logits: torch.Tensor, previous: torch.Tensor | None = None,
                prompts: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, ...]:
-    """`sampling_pass` launched op by op on fp32 `logits` (its inputs sent up here; prompts: the rows'
-    `prompt_bitmasks`, made here when not given)."""
-    if prompts is None:
-        prompts = prompt_bitmasks(plan, logits.device)
-    return sampling_pass(packed.shape, logits, *packed.upload(logits.device), _bitmask_on(plan, logits), previous,
-                         None if prompts is None else torch.stack(prompts))
+    """`sampling_pass` launched op by op on fp32 `logits` (its inputs sent up here: `_sent`)."""
+    words, bitmask, stacked = _sent(packed, plan, logits.device, prompts)
+    return sampling_pass(packed.shape, logits, words, bitmask, previous, stacked)
 
 
-def sampling_pass(shape: PassShape, logits: torch.Tensor, ints: torch.Tensor, floats: torch.Tensor,
-                  bitmask: torch.Tensor | None, previous: torch.Tensor | None = None,
-                  prompts: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+def sampling_pass(shape: PassShape, logits: torch.Tensor, words: torch.Tensor, bitmask: torch.Tensor | None,
+                  previous: torch.Tensor | None = None, prompts: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, ...]:
     """The pass on fixed shapes (what a CUDA graph captures): `edit_logits`, then greedy rows the argmax
     and the others their draw (top-k rows over their k best, the rest over the vocabulary). Returns
     [2, rows] (ids, statuses), then, when shape.logprobs is not None, the raw logits' log-probabilities:
     the sampled token's, its rank, the top values and ids (every row)."""
-    sent = _Views(shape, ints, floats)
+    sent = _Views(shape, words)
     x = _edited(logits, shape, sent, bitmask, previous, prompts)
     top, greedy_tokens, status = argmax_status(x, logits)
     tokens = greedy_tokens
@@ -406,7 +406,7 @@ def sampling_probs(logits: torch.Tensor, requests: list[Request]) -> torch.Tenso
     one_hot = torch.zeros_like(x).scatter_(1, greedy_tokens[:, None], 1.0)
     if not packed.shape.sampling:
         return one_hot
-    views = _Views(packed.shape, *packed.upload(x.device))
+    views = _Views(packed.shape, on_device(packed.words, x.device))
     candidates = _Candidates(x, top, greedy_tokens, packed.shape, views)
     probs = torch.zeros_like(x) if candidates.full is None else candidates.full
     if candidates.ranked is not None:

@@ -104,13 +104,13 @@ class RowPlan:
 
 def plan_rows(requests: list[Request], vocab: int, keys: np.ndarray, pinned: bool = False,
               appended: list[list[int]] | None = None, grammars: bool = True,
-              previous: dict[Request, int] | None = None) -> RowPlan:
+              previous: list[Request] | None = None) -> RowPlan:
     """The host side of a step's sampling pass (nothing here touches a device). appended: per row, ids
     the penalties count as output after the request's own (speculative verification: the drafts before
     the row; a request may fill several rows). grammars False: no row takes its grammar's mask (the
-    caller masks: speculative verification, each row after the drafts before it). previous: the step in
-    flight's row of each request it samples (overlap scheduling): a penalized request's placeholder (one
-    at most) is that row's sampled id, which the pass reads on the device."""
+    caller masks: speculative verification, each row after the drafts before it). previous: the requests
+    of the step in flight's rows (overlap scheduling): a penalized request's placeholder (one at most) is
+    its row's sampled id there, which the pass reads on the device."""
     rows = len(requests)
     failed: dict[int, str] = {}
     params = [r.params for r in requests]
@@ -156,16 +156,18 @@ def plan_rows(requests: list[Request], vocab: int, keys: np.ndarray, pinned: boo
                    for ids, i in zip(outputs, penalized, strict=True)]
     output_flat = _flat_ids(outputs, penalized, vocab)
     pending = [i for i in penalized if requests[i].num_placeholders]
+    sources = []
     for i in pending:
         if requests[i].num_placeholders > 1 or previous is None or requests[i] not in previous:
             raise RuntimeError(f"request {requests[i].request_id}: {requests[i].num_placeholders} output id(s) on "
                                "the device and no step in flight that sampled them")
+        sources.append(previous.index(requests[i]))
     return RowPlan(
         vocab, failed, greedy, np.where(greedy, 1.0, temperature).astype(np.float32), top_k,
         np.array([p.top_p for p in params], dtype=np.float32), np.array([p.min_p for p in params], dtype=np.float32),
         keys, penalties, output_flat, [(i, requests[i]) for i in repeated], np.array(bias_flat, dtype=np.int64),
         np.array(bias_values, dtype=np.float32), np.array(ban_flat, dtype=np.int64), bitmask,
-        np.array(pending, dtype=np.int64), np.array([previous[requests[i]] for i in pending], dtype=np.int64))
+        np.array(pending, dtype=np.int64), np.array(sources, dtype=np.int64))
 
 
 def _flat_ids(ids_per_row: list[np.ndarray], rows: list[int], vocab: int) -> np.ndarray:
