@@ -6,17 +6,21 @@ entries). Per context (the batch's block-table width follows it, as `static_deco
   - torch: the scores kernel, then `kernels/qsa_selection.naive` (ranking keys, torch.topk, a sort of the
     512 chosen into block order, positions, rows): what TIERLM_NO_FUSED_QSA_SELECT=1 runs;
   - fused: the scores kernel (requests that see <= 512 blocks skipped; no launch at all where the table
-    holds <= 512 blocks), then the rows kernel's radix select (`kernels/qsa_selection.triton`), at every
-    context (the layer takes it up to the kernel module's MAX_GROUPS blocks: set it where torch wins);
-each replayed from a CUDA graph; checks the two give the same rows bit for bit; prints microseconds per
-step, the ratio and kernels per step, and saves them to bench/results/qsa_decode_select_<device>.txt.
-`--sweep` times the rows kernel alone for each candidate (BLOCK_G, SELECT_WARPS) at the long contexts
-and prints the fastest per context (each checked; saved to ..._sweep_<device>.txt). `--baseline ROOT` also
-times the fused path with ROOT's rows kernel (another checkout, or a copy of its
-tierlm/kernels/qsa_selection/triton.py, e.g. from `git show`): before and after in one run, each checked.
+    holds <= 512 blocks), then the rows kernels' radix select (`kernels/qsa_selection.triton`) in each
+    form: "one" (one program a query), "split" (`split_triton`: each query's select over many programs, a
+    few launches) and "auto" (the form the layer takes: split for tables wider than SPLIT_FROM_GROUPS
+    blocks; set it where the one/split ratio crosses 1);
+each replayed from a CUDA graph; checks they all give the torch path's rows bit for bit; prints
+microseconds per step, the ratios and kernels per step, and saves them to
+bench/results/qsa_decode_select_<device>.txt. `--sweep` times the one-program form alone for each
+candidate (BLOCK_G, SELECT_WARPS) at the long contexts, `--sweep-split` the split form for each (CHUNK,
+DIGIT_BITS, SPLIT_WARPS), and print the fastest per context (each checked; saved to
+..._sweep[_split]_<device>.txt). `--baseline ROOT` also times the fused path with ROOT's rows kernel
+(another checkout, or a copy of its tierlm/kernels/qsa_selection/triton.py, e.g. from `git show`): before
+and after in one run, each checked.
 
     python bench/qsa_decode_select.py
-    python bench/qsa_decode_select.py --sweep
+    python bench/qsa_decode_select.py --sweep --sweep-split
     python bench/qsa_decode_select.py --baseline ../main
 """
 
@@ -24,16 +28,19 @@ from __future__ import annotations
 
 import argparse
 import itertools
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 from device_timing import device_label, kernels_per_call, timed
 
+import tierlm.kernels.qsa_selection.split_triton as split
 import tierlm.kernels.qsa_selection.triton as kernels
 from tierlm.kernels.qsa_block_scores.triton import triton_block_scores
 from tierlm.kernels.qsa_selection import selection_rows
 
 HEADS, DIM, RATIO, TOP, BLOCK_SIZE = 8, 128, 4, 512, 16
+FORMS = ("one", "split", "auto")
 
 
 def workload(context: int, batch: int, device) -> tuple:
@@ -62,54 +69,91 @@ def fused_path(q, keys, tables, positions, scratch, rows_kernel=kernels):
     return rows_kernel.triton_selection_rows(scores, positions, tables, RATIO, BLOCK_SIZE, scratch, TOP)
 
 
-def measure(work: tuple, device, baseline=None) -> tuple[float, float, float | None, str]:
-    """(torch seconds, fused seconds, fused seconds with the baseline's rows kernel or None, 'kernels
-    torch->fused') of one step on `work`, each checked equal to the torch path."""
+@contextmanager
+def select_form(form: str):
+    """The rows kernel's form for every width: "one" (a program a query), "split" (`split_triton`), or
+    "auto" (the module's SPLIT_FROM_GROUPS)."""
+    saved = kernels.SPLIT_FROM_GROUPS
+    kernels.SPLIT_FROM_GROUPS = {"one": 1 << 40, "split": 0, "auto": saved}[form]
+    try:
+        yield
+    finally:
+        kernels.SPLIT_FROM_GROUPS = saved
+
+
+def same_rows(a, b) -> bool:
+    return torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+def measure(work: tuple, device, baseline=None) -> tuple[dict, str]:
+    """Seconds per step of each path on `work` (torch, one, split, auto, and before: the baseline's rows
+    kernel), each checked equal to the torch path, and 'kernels torch->auto'."""
     expected = torch_path(*work)
-    for rows_kernel in (kernels, baseline) if baseline is not None else (kernels,):
-        got = fused_path(*work, rows_kernel=rows_kernel)
-        if not (torch.equal(expected[0], got[0]) and torch.equal(expected[1], got[1])):
-            raise SystemExit(f"the fused rows ({rows_kernel.__name__}) differ from the torch path's")
-    slow = timed(lambda i: torch_path(*work), 20, device)
-    fast = timed(lambda i: fused_path(*work), 20, device)
-    before = None if baseline is None else timed(lambda i: fused_path(*work, rows_kernel=baseline), 20, device)
-    return slow, fast, before, (f"{kernels_per_call(lambda: torch_path(*work))}->"
-                                f"{kernels_per_call(lambda: fused_path(*work))}")
+    times = {"torch": timed(lambda i: torch_path(*work), 20, device)}
+    for form in FORMS:
+        with select_form(form):
+            if not same_rows(expected, fused_path(*work)):
+                raise SystemExit(f"the {form} rows differ from the torch path's")
+            times[form] = timed(lambda i: fused_path(*work), 20, device)
+    if baseline is not None:
+        if not same_rows(expected, fused_path(*work, rows_kernel=baseline)):
+            raise SystemExit("the baseline's rows differ from the torch path's")
+        times["before"] = timed(lambda i: fused_path(*work, rows_kernel=baseline), 20, device)
+    return times, f"{kernels_per_call(lambda: torch_path(*work))}->{kernels_per_call(lambda: fused_path(*work))}"
 
 
 def compare(contexts, batches, device, baseline=None) -> list[str]:
-    lines = [f"{'ctx':>7} {'batch':>5} {'torch us':>9} {'fused us':>9} {'speedup':>8} {'kernels':>9}"
-             + ("" if baseline is None else f" {'before us':>10} {'after/before':>13}")]
+    lines = [f"{'ctx':>7} {'batch':>5} {'torch us':>9} {'one us':>8} {'split us':>9} {'auto us':>8} {'torch/auto':>11} "
+             f"{'one/split':>10} {'kernels':>9}" + ("" if baseline is None else f" {'before us':>10} {'before/auto':>12}")]
     print(lines[0])
     for context, batch in itertools.product(contexts, batches):
-        slow, fast, before, counts = measure(workload(context, batch, device), device, baseline)
-        lines.append(f"{context:>7} {batch:>5} {1e6 * slow:>9.1f} {1e6 * fast:>9.1f} {slow / fast:>7.2f}x {counts:>9}"
-                     + ("" if before is None else f" {1e6 * before:>10.1f} {before / fast:>12.2f}x"))
+        t, counts = measure(workload(context, batch, device), device, baseline)
+        us = {name: 1e6 * value for name, value in t.items()}
+        lines.append(f"{context:>7} {batch:>5} {us['torch']:>9.1f} {us['one']:>8.1f} {us['split']:>9.1f} "
+                     f"{us['auto']:>8.1f} {t['torch'] / t['auto']:>10.2f}x {t['one'] / t['split']:>9.2f}x {counts:>9}"
+                     + ("" if baseline is None else f" {us['before']:>10.1f} {t['before'] / t['auto']:>11.2f}x"))
         print(lines[-1])
     return lines
 
 
 def sweep(contexts, batches, device) -> list[str]:
-    defaults = kernels.BLOCK_G, kernels.SELECT_WARPS
+    """The one-program form's (BLOCK_G, SELECT_WARPS)."""
+    return _sweep(contexts, batches, device, "one", kernels, ("BLOCK_G", "SELECT_WARPS"),
+                  itertools.product((512, 1024, 2048, 4096), (4, 8, 16)))
+
+
+def sweep_split(contexts, batches, device) -> list[str]:
+    """The split form's (CHUNK, DIGIT_BITS, SPLIT_WARPS)."""
+    return _sweep(contexts, batches, device, "split", split, ("CHUNK", "DIGIT_BITS", "SPLIT_WARPS"),
+                  itertools.product((512, 1024, 2048, 4096), (8, 11), (4, 8)))
+
+
+def _sweep(contexts, batches, device, form: str, module, names: tuple[str, ...], candidates) -> list[str]:
+    candidates = list(candidates)
+    defaults = tuple(getattr(module, name) for name in names)
     lines = []
     for context, batch in itertools.product(contexts, batches):
         q, keys, tables, positions, scratch = workload(context, batch, device)
         scores = triton_block_scores(q, keys, tables, positions, RATIO)
-        expected = selection_rows(scores, positions, tables, RATIO, BLOCK_SIZE, scratch, TOP)
+        args = (scores, positions, tables, RATIO, BLOCK_SIZE, scratch, TOP)
+        expected = selection_rows(*args)
         results = []
-        for block_g, warps in itertools.product((512, 1024, 2048, 4096), (4, 8, 16)):
-            kernels.BLOCK_G, kernels.SELECT_WARPS = block_g, warps
-            args = (scores, positions, tables, RATIO, BLOCK_SIZE, scratch, TOP)
-            got = kernels.triton_selection_rows(*args)
-            if not (torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])):
-                raise SystemExit(f"BLOCK_G {block_g} warps {warps}: rows differ")
-            results.append((timed(lambda i, args=args: kernels.triton_selection_rows(*args), 20, device), block_g, warps))
+        try:
+            with select_form(form):
+                for values in candidates:
+                    for name, value in zip(names, values):
+                        setattr(module, name, value)
+                    if not same_rows(kernels.triton_selection_rows(*args), expected):
+                        raise SystemExit(f"{dict(zip(names, values))}: rows differ")
+                    results.append((timed(lambda i, args=args: kernels.triton_selection_rows(*args), 20, device), values))
+        finally:
+            for name, value in zip(names, defaults):
+                setattr(module, name, value)
         best = min(results)
-        default = next(r for r in results if r[1:] == defaults)
-        lines.append(f"ctx {context:>7} batch {batch:>2}: best BLOCK_G {best[1]} warps {best[2]} {1e6 * best[0]:.1f} us "
-                     f"(default {1e6 * default[0]:.1f} us)")
+        default = next(r for r in results if r[1] == defaults)
+        lines.append(f"{form} ctx {context:>7} batch {batch:>2}: best {dict(zip(names, best[1]))} "
+                     f"{1e6 * best[0]:.1f} us (default {1e6 * default[0]:.1f} us)")
         print(lines[-1])
-    kernels.BLOCK_G, kernels.SELECT_WARPS = defaults
     return lines
 
 
@@ -117,21 +161,28 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--contexts", type=int, nargs="+", default=[512, 2048, 8192, 32768, 131072, 262144])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
-    parser.add_argument("--sweep", action="store_true", help="the rows kernel's tile and warps (see above)")
+    parser.add_argument("--sweep", action="store_true", help="the one-program form's tile and warps (see above)")
+    parser.add_argument("--sweep-split", action="store_true", help="the split form's chunk, digit and warps")
     parser.add_argument("--baseline", type=Path, default=None, metavar="ROOT",
                         help="also time ROOT's rows kernel (a checkout, or a copy of its qsa_selection/triton.py)")
     args = parser.parse_args()
-    if args.sweep and args.baseline is not None:
-        parser.error("--baseline times the fused path: give it without --sweep")
+    if (args.sweep or args.sweep_split) and args.baseline is not None:
+        parser.error("--baseline times the fused path: give it without a sweep")
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA device")
     device = torch.device("cuda")
     head = (f"{torch.cuda.get_device_name(device)}: indexer {HEADS} x {DIM}, ratio {RATIO}, top {TOP} blocks, "
-            f"us per step replayed from CUDA graphs; rows kernel tiles BLOCK_G {kernels.BLOCK_G}, "
-            f"{kernels.SELECT_WARPS} warps")
+            f"us per step replayed from CUDA graphs; one-program tiles BLOCK_G {kernels.BLOCK_G}, "
+            f"{kernels.SELECT_WARPS} warps; split: CHUNK {split.CHUNK}, DIGIT_BITS {split.DIGIT_BITS}, "
+            f"{split.SPLIT_WARPS} warps, from {kernels.SPLIT_FROM_GROUPS} blocks")
     print(head)
-    if args.sweep:
-        lines, name = sweep([c for c in args.contexts if c // RATIO > TOP], args.batches, device), "_sweep"
+    long_contexts = [c for c in args.contexts if c // RATIO > TOP]
+    if args.sweep or args.sweep_split:
+        lines, name = [], "_sweep" + ("_split" if not args.sweep else "")
+        if args.sweep:
+            lines += sweep(long_contexts, args.batches, device)
+        if args.sweep_split:
+            lines += sweep_split(long_contexts, args.batches, device)
     else:
         baseline = None
         if args.baseline is not None:

@@ -33,7 +33,7 @@ FUSED_KERNELS = (  # (module, function) of every kernel a fused QSA decode step 
 def predicates(fused: bool) -> None:
     """The layer's choice of path, as on CUDA (fused) or as on CPU."""
     qsa.norm_rope_fuses = lambda x: fused
-    qsa.selection_fuses = lambda x, batch, groups: fused and batch.static
+    qsa.selection_fuses = lambda x, batch: fused and batch.static
     qsa.block_key_store_fuses = lambda x, rope: fused and rope.positions is not None
 
 

@@ -1,6 +1,7 @@
-"""QSA selection: the rows kernel (top-k by a radix select, no sort) against the torch path (scores ->
-ranking keys -> top-k -> block order -> positions -> rows), under TRITON_INTERPRET=1 on CPU (compiled on a
-GPU), with the module's tile and a small one (rows over several tiles). Integer work on the scores' bits:
+"""QSA selection: the rows kernels (top-k by a radix select, no sort: one program a query, or split over
+many) against the torch path (scores -> ranking keys -> top-k -> block order -> positions -> rows), under
+TRITON_INTERPRET=1 on CPU (compiled on a GPU), each with its module's tiles and small ones (rows over
+several tiles or chunks). Integer work on the scores' bits:
 bit-identical, in fp32 and bf16 workloads alike; random scores end the radix passes early, the tied ones
 below run them all."""
 
@@ -29,14 +30,24 @@ def tied_scores(groups: int, seen: list[int], seed: int = 1) -> torch.Tensor:
 
 
 def compare(device: str) -> None:
+    """The one-program select at its tile and a small one; the split select at its tiles and small chunks
+    (several a query) of 8 and 11 bits a pass. The split select leaves its histograms and counters at zero."""
+    import tierlm.kernels.qsa_selection.split_triton as split
     import tierlm.kernels.qsa_selection.triton as kernels
+    from tierlm.kernels.split_reduce import arrival_counters
 
-    block_g = kernels.BLOCK_G
+    saved = kernels.BLOCK_G, kernels.SPLIT_FROM_GROUPS, split.CHUNK, split.DIGIT_BITS
     try:
-        for kernels.BLOCK_G in {block_g, 256}:
+        kernels.SPLIT_FROM_GROUPS = 1 << 30
+        for kernels.BLOCK_G in {saved[0], 256}:
             compare_tile(device)
+        kernels.SPLIT_FROM_GROUPS = 0
+        for split.CHUNK, split.DIGIT_BITS in {saved[2:], (64, 8), (128, 11)}:
+            compare_tile(device)
+            for owner in ("qsa_selection.histograms", "qsa_selection.passes"):  # (the kernels' device, as keyed)
+                assert not arrival_counters(owner, torch.empty(0, device=device).device, 1).any(), owner
     finally:
-        kernels.BLOCK_G = block_g
+        kernels.BLOCK_G, kernels.SPLIT_FROM_GROUPS, split.CHUNK, split.DIGIT_BITS = saved
 
 
 def compare_tile(device: str) -> None:

@@ -20,6 +20,15 @@ import triton.language as tl
 
 from tierlm.kernels.dependent_launch import allow_dependents, launch_options, wait_for_inputs
 from tierlm.kernels.qsa_selection.naive import table_groups
+from tierlm.kernels.qsa_selection.select_parts import (
+    choose_all,
+    digit_counts,
+    pick_digit,
+    score_bits,
+    store_chosen,
+    store_tail,
+)
+from tierlm.kernels.qsa_selection.split_triton import split_selection_rows
 
 # scores per tile of the select and its warps: H200, `bench/qsa_decode_select.py --sweep` (session 11, passes of
 # 4 bits counted against 16 candidate digits, a [16, BLOCK_G] comparison each: at 512 x 4 warps 33 us at an
@@ -34,63 +43,8 @@ from tierlm.kernels.qsa_selection.naive import table_groups
 BLOCK_G = 2048
 SELECT_WARPS = 8
 BLOCK_E = 512  # entries per tile when every seen block is chosen
-# the widest score row the one-program select takes (64k-token contexts): past it the layer takes the torch
-# path, whose torch.topk spreads a long row over many programs (bench/qsa_decode_select.py measures both)
-MAX_GROUPS = 16384
-
-
-@triton.jit
-def _rows_of(tokens, ok, tables_row, table_width, scratch_block, BLOCK_SIZE: tl.constexpr):
-    """Pool rows of token positions through one query's block table; entries not ok: the scratch row."""
-    block = tl.load(tables_row + tl.minimum(tokens // BLOCK_SIZE, table_width - 1), mask=ok, other=0)
-    block = tl.where(block < 0, scratch_block, block)
-    return tl.where(ok, block * BLOCK_SIZE + tokens % BLOCK_SIZE, scratch_block * BLOCK_SIZE)
-
-
-@triton.jit
-def _choose_all(rows_out, valid_out, tables_row, table_width, scratch_block, seen, num_top,
-                RATIO: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_E: tl.constexpr):
-    """Entries of blocks 0..num_top-1: entry e is token e, valid when its block is seen."""
-    for start in range(0, num_top * RATIO, BLOCK_E):
-        entries = start + tl.arange(0, BLOCK_E)
-        inside = entries < num_top * RATIO
-        ok = inside & (entries // RATIO < seen)
-        tl.store(rows_out + entries, _rows_of(entries, ok, tables_row, table_width, scratch_block, BLOCK_SIZE),
-                 mask=inside)
-        tl.store(valid_out + entries, ok.to(tl.int8), mask=inside)
-
-
-@triton.jit
-def _score_bits(scores_row, groups, inside):
-    """A score's bits with the sign cleared (-0.0 ties with 0.0), as `naive.ranking_keys` takes them."""
-    return tl.load(scores_row + groups, mask=inside, other=0.0).to(tl.int32, bitcast=True) & 0x7FFFFFFF
-
-
-@triton.jit
-def _digit_counts(keys, inside, threshold, shift):
-    """The 256-bin histogram of the keys' bits [shift, shift + 8) over the keys (masked by inside) whose
-    bits above shift + 8 are the threshold's."""
-    match = inside & ((keys >> shift) >> 8 == (threshold >> shift) >> 8)
-    return tl.histogram((keys >> shift) & 0xFF, 256, mask=match)
-
-
-@triton.jit
-def _store_chosen(keys, inside, groups, threshold, quota, ties, taken, rows_out, valid_out, tables_row, table_width,
-                  scratch_block, RATIO: tl.constexpr, RATIO_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr):
-    """Of these keys (in block order, after `taken` chosen and `ties` at the threshold seen): every one
-    above the threshold, and those at it while the quota lasts; their tokens' entries stored at their
-    place among the chosen. Returns (ties, taken) past them."""
-    tie = (inside & (keys == threshold)).to(tl.int32)
-    take = (inside & (keys > threshold)) | ((tie != 0) & (ties + tl.cumsum(tie, axis=0) <= quota))
-    take_count = take.to(tl.int32)
-    rank = taken + tl.cumsum(take_count, axis=0) - 1  # its place among the chosen, in block order
-    in_block = tl.arange(0, RATIO_PAD)
-    entries = rank[:, None] * RATIO + in_block[None, :]
-    tokens = groups[:, None] * RATIO + in_block[None, :]
-    ok = take[:, None] & (in_block < RATIO)[None, :]
-    tl.store(rows_out + entries, _rows_of(tokens, ok, tables_row, table_width, scratch_block, BLOCK_SIZE), mask=ok)
-    tl.store(valid_out + entries, ok.to(tl.int8), mask=ok)
-    return ties + tl.sum(tie, axis=0), taken + tl.sum(take_count, axis=0)
+# wider score rows take `split_triton`'s select, each query's over many programs (bench/qsa_decode_select.py)
+SPLIT_FROM_GROUPS = 8192
 
 
 @triton.jit
@@ -116,13 +70,9 @@ def _choose_top(scores_row, rows_out, valid_out, tables_row, table_width, scratc
         for start in range(0, seen, BLOCK_G):
             groups = start + tl.arange(0, BLOCK_G)
             inside = groups < seen
-            counts += _digit_counts(_score_bits(scores_row, groups, inside), inside, threshold, shift)
-        at_or_above = above + tl.sum(counts, axis=0) - tl.cumsum(counts, axis=0) + counts
-        digit = tl.sum((at_or_above >= num_top).to(tl.int32), axis=0) - 1
+            counts += digit_counts(score_bits(scores_row, groups, inside), inside, threshold, shift, 8, 256)
+        digit, above, exact = pick_digit(counts, digits, above, num_top)
         threshold += digit << shift
-        chosen = tl.sum(tl.where(digits == digit, at_or_above, 0), axis=0)
-        above = chosen - tl.sum(tl.where(digits == digit, counts, 0), axis=0)
-        exact = (chosen == num_top).to(tl.int32)
     key_threshold = threshold >> shift
     quota = num_top - above  # blocks at the threshold still to choose, lowest index first
     taken = 0
@@ -130,9 +80,9 @@ def _choose_top(scores_row, rows_out, valid_out, tables_row, table_width, scratc
     for start in range(0, seen, BLOCK_G):
         groups = start + tl.arange(0, BLOCK_G)
         inside = groups < seen
-        ties, taken = _store_chosen(_score_bits(scores_row, groups, inside) >> shift, inside, groups, key_threshold,
-                                    quota, ties, taken, rows_out, valid_out, tables_row, table_width, scratch_block,
-                                    RATIO, RATIO_PAD, BLOCK_SIZE)
+        ties, taken = store_chosen(score_bits(scores_row, groups, inside) >> shift, inside, groups, key_threshold,
+                                   quota, ties, taken, rows_out, valid_out, tables_row, table_width, scratch_block,
+                                   RATIO, RATIO_PAD, BLOCK_SIZE)
 
 
 @triton.jit
@@ -153,27 +103,22 @@ def _selection_kernel(scores_ptr, positions_ptr, tables_ptr, rows_ptr, valid_ptr
             _choose_top(scores_ptr + query * scores_stride, rows_out, valid_out, tables_row, table_width,
                         scratch_block, seen, num_top, RATIO, RATIO_PAD, BLOCK_SIZE, BLOCK_G)
         else:
-            _choose_all(rows_out, valid_out, tables_row, table_width, scratch_block, seen, num_top, RATIO,
-                        BLOCK_SIZE, BLOCK_E)
+            choose_all(rows_out, valid_out, tables_row, table_width, scratch_block, seen, num_top, RATIO,
+                       BLOCK_SIZE, BLOCK_E)
     else:
-        _choose_all(rows_out, valid_out, tables_row, table_width, scratch_block, seen, num_top, RATIO, BLOCK_SIZE,
-                    BLOCK_E)
-    # the open tail [visible * R, p]: R - 1 entries after the chosen blocks'
-    in_tail = tl.arange(0, RATIO_PAD)
-    tail = in_tail < RATIO - 1
-    tokens = visible * RATIO + in_tail
-    ok = tail & (tokens <= position)
-    tl.store(rows_out + num_top * RATIO + in_tail,
-             _rows_of(tokens, ok, tables_row, table_width, scratch_block, BLOCK_SIZE), mask=tail)
-    tl.store(valid_out + num_top * RATIO + in_tail, ok.to(tl.int8), mask=tail)
+        choose_all(rows_out, valid_out, tables_row, table_width, scratch_block, seen, num_top, RATIO, BLOCK_SIZE,
+                   BLOCK_E)
+    store_tail(rows_out, valid_out, tables_row, table_width, scratch_block, position, visible, num_top, RATIO,
+               RATIO_PAD, BLOCK_SIZE)
 
 
 def triton_selection_rows(
     scores: torch.Tensor | None, positions: torch.Tensor, tables: torch.Tensor, ratio: int, block_size: int,
     scratch_block: int, top: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """As `naive.selection_rows`, in one launch. Only the scores of queries that see more than
-    K = min(top, G) blocks are read (`triton_block_scores(..., skip_up_to=top)` leaves the others out)."""
+    """As `naive.selection_rows`: one launch, or `split_triton`'s for rows wider than SPLIT_FROM_GROUPS. Only
+    the scores of queries that see more than K = min(top, G) blocks are read (`triton_block_scores(...,
+    skip_up_to=top)` leaves the others out)."""
     m = positions.shape[0]
     groups = table_groups(scores, tables, ratio, block_size, top)
     k = min(top, groups)
@@ -185,7 +130,9 @@ def triton_selection_rows(
     valid = torch.empty(m, entries, dtype=torch.int8, device=positions.device)
     if tables.stride(1) != 1:
         tables = tables.contiguous()
-    if m:
+    if m and groups > SPLIT_FROM_GROUPS:
+        split_selection_rows(scores, positions, tables, groups, top, ratio, block_size, scratch_block, rows, valid)
+    elif m:
         _selection_kernel[(m,)](
             rows if scores is None else scores, positions.contiguous(), tables, rows, valid, groups, k, entries,
             0 if scores is None else scores.stride(0), tables.stride(0), tables.shape[1], scratch_block,

@@ -98,14 +98,10 @@ def kv_write_fuses(kv: QSADeviceKV | OffloadedKV, x: torch.Tensor, rope: Rope) -
             and not os.environ.get("TIERLM_NO_FUSED_QSA_KV_WRITE"))
 
 
-def selection_fuses(x: torch.Tensor, batch: ForwardBatch, groups: int) -> bool:
-    """A static decode batch's selection over `groups` blocks per request through `kernels/qsa_selection`'s
-    kernel (top-k and rows in one launch): on CUDA up to its MAX_GROUPS, unless TIERLM_NO_FUSED_QSA_SELECT=1."""
-    if not (batch.static and x.is_cuda) or os.environ.get("TIERLM_NO_FUSED_QSA_SELECT"):
-        return False
-    from tierlm.kernels.qsa_selection.triton import MAX_GROUPS
-
-    return groups <= MAX_GROUPS
+def selection_fuses(x: torch.Tensor, batch: ForwardBatch) -> bool:
+    """A static decode batch's selection through `kernels/qsa_selection`'s kernels (top-k and rows without a
+    sort): on CUDA, unless TIERLM_NO_FUSED_QSA_SELECT=1."""
+    return batch.static and x.is_cuda and not os.environ.get("TIERLM_NO_FUSED_QSA_SELECT")
 
 
 def block_key_store_fuses(x: torch.Tensor, rope: Rope) -> bool:
@@ -283,15 +279,15 @@ class QSAIndexer(nn.Module):
         width per step from the batch's longest context), unseen ones -inf. A static batch scores in one
         sync-free call (`kernels/qsa_block_scores`: on CUDA a kernel that reads only each request's
         visible keys), any other batch request by request, each over its visible keys. On CUDA a static
-        batch goes scores -> rows (top-k without a sort, `kernels/qsa_selection`) in two launches, and in
-        one where the table holds at most budget / R blocks (every seen block is chosen: no scores), the
-        scores of requests that see at most that many left out (TIERLM_NO_FUSED_QSA_SELECT=1, or a table
-        wider than the kernel's MAX_GROUPS blocks: the torch ops)."""
-        groups = batch.block_tables.shape[1] * (state.block_size // self.ratio)
-        if selection_fuses(raw_q, batch, groups):
+        batch goes scores -> rows (top-k without a sort, `kernels/qsa_selection`: one launch for the rows,
+        or a few over many programs a request for long tables), the rows alone where the table holds at
+        most budget / R blocks (every seen block is chosen: no scores), the scores of requests that see at
+        most that many left out (TIERLM_NO_FUSED_QSA_SELECT=1: the torch ops)."""
+        if selection_fuses(raw_q, batch):
             from tierlm.kernels.qsa_block_scores.triton import triton_block_scores
             from tierlm.kernels.qsa_selection.triton import triton_selection_rows
 
+            groups = batch.block_tables.shape[1] * (state.block_size // self.ratio)
             scores = None
             if groups > self.block_topk:
                 scores = triton_block_scores(self.queries(raw_q, rope), state.keys, batch.block_tables,
