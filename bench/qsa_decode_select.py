@@ -15,9 +15,10 @@ microseconds per step, the ratios and kernels per step, and saves them to
 bench/results/qsa_decode_select_<device>.txt. `--sweep` times the one-program form alone for each
 candidate (BLOCK_G, SELECT_WARPS) at the long contexts, `--sweep-split` the split form for each (CHUNK,
 DIGIT_BITS, SPLIT_WARPS), and print the fastest per context (each checked; saved to
-..._sweep[_split]_<device>.txt). `--baseline ROOT` also times the fused path with ROOT's rows kernel
-(another checkout, or a copy of its tierlm/kernels/qsa_selection/triton.py, e.g. from `git show`): before
-and after in one run, each checked.
+..._sweep[_split]_<device>.txt). `--baseline ROOT` also times what ROOT's layer ran (another checkout,
+or a folder holding copies of its tierlm/kernels/qsa_block_scores/triton.py and qsa_selection/triton.py,
+e.g. from `git show`): its scores kernel, then its rows kernel, or the torch selection past its
+MAX_GROUPS blocks where it had one; before and after in one run, each checked.
 
     python bench/qsa_decode_select.py
     python bench/qsa_decode_select.py --sweep --sweep-split
@@ -62,10 +63,24 @@ def torch_path(q, keys, tables, positions, scratch):
     return selection_rows(scores, positions, tables, RATIO, BLOCK_SIZE, scratch, TOP)
 
 
-def fused_path(q, keys, tables, positions, scratch, rows_kernel=kernels):
+def fused_path(q, keys, tables, positions, scratch):
     scores = None
     if tables.shape[1] * (BLOCK_SIZE // RATIO) > TOP:
         scores = triton_block_scores(q, keys, tables, positions, RATIO, skip_up_to=TOP)
+    return kernels.triton_selection_rows(scores, positions, tables, RATIO, BLOCK_SIZE, scratch, TOP)
+
+
+def before_path(baseline, q, keys, tables, positions, scratch):
+    """What the baseline's layer ran: its scores kernel, then its rows kernel, or the torch selection
+    past its rows kernel's MAX_GROUPS blocks (where it had one)."""
+    scores_kernel, rows_kernel = baseline
+    groups = tables.shape[1] * (BLOCK_SIZE // RATIO)
+    if groups > getattr(rows_kernel, "MAX_GROUPS", groups):
+        scores = scores_kernel.triton_block_scores(q, keys, tables, positions, RATIO)
+        return selection_rows(scores, positions, tables, RATIO, BLOCK_SIZE, scratch, TOP)
+    scores = None
+    if groups > TOP:
+        scores = scores_kernel.triton_block_scores(q, keys, tables, positions, RATIO, skip_up_to=TOP)
     return rows_kernel.triton_selection_rows(scores, positions, tables, RATIO, BLOCK_SIZE, scratch, TOP)
 
 
@@ -86,8 +101,8 @@ def same_rows(a, b) -> bool:
 
 
 def measure(work: tuple, device, baseline=None) -> tuple[dict, str]:
-    """Seconds per step of each path on `work` (torch, one, split, auto, and before: the baseline's rows
-    kernel), each checked equal to the torch path, and 'kernels torch->auto'."""
+    """Seconds per step of each path on `work` (torch, one, split, auto, and before: the baseline's layer,
+    `before_path`), each checked equal to the torch path, and 'kernels torch->auto'."""
     expected = torch_path(*work)
     times = {"torch": timed(lambda i: torch_path(*work), 20, device)}
     for form in FORMS:
@@ -96,9 +111,9 @@ def measure(work: tuple, device, baseline=None) -> tuple[dict, str]:
                 raise SystemExit(f"the {form} rows differ from the torch path's")
             times[form] = timed(lambda i: fused_path(*work), 20, device)
     if baseline is not None:
-        if not same_rows(expected, fused_path(*work, rows_kernel=baseline)):
+        if not same_rows(expected, before_path(baseline, *work)):
             raise SystemExit("the baseline's rows differ from the torch path's")
-        times["before"] = timed(lambda i: fused_path(*work, rows_kernel=baseline), 20, device)
+        times["before"] = timed(lambda i: before_path(baseline, *work), 20, device)
     return times, f"{kernels_per_call(lambda: torch_path(*work))}->{kernels_per_call(lambda: fused_path(*work))}"
 
 
@@ -164,7 +179,7 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="the one-program form's tile and warps (see above)")
     parser.add_argument("--sweep-split", action="store_true", help="the split form's chunk, digit and warps")
     parser.add_argument("--baseline", type=Path, default=None, metavar="ROOT",
-                        help="also time ROOT's rows kernel (a checkout, or a copy of its qsa_selection/triton.py)")
+                        help="also time ROOT's layer: its scores and rows kernels (see above)")
     args = parser.parse_args()
     if (args.sweep or args.sweep_split) and args.baseline is not None:
         parser.error("--baseline times the fused path: give it without a sweep")
@@ -188,7 +203,8 @@ def main() -> None:
         if args.baseline is not None:
             from kernel_baseline import load_baseline_module
 
-            baseline = load_baseline_module(args.baseline, "tierlm/kernels/qsa_selection/triton.py")
+            baseline = tuple(load_baseline_module(args.baseline, f"tierlm/kernels/{op}/triton.py")
+                             for op in ("qsa_block_scores", "qsa_selection"))
         lines, name = compare(args.contexts, args.batches, device, baseline), ""
     path = Path(__file__).parent / "results" / f"qsa_decode_select{name}_{device_label(device)}.txt"
     path.write_text("\n".join([head, *lines]) + "\n")

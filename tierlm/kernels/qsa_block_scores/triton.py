@@ -2,10 +2,13 @@
 
 One program per (request, tile of BLOCK_G compressed keys): it loads the request's block ids for the
 tile, the keys they hold (only those the query sees: masked loads read nothing past nb = (p+1)//R), and
-the request's ih query heads, and writes sum_h relu(q_h . K_j) / sqrt(id), or -inf. Nothing is gathered
-into a [B, G, id] copy, and a short request in a batch with a long one costs its own length in memory
-traffic. With skip_up_to (the selection's block budget), a request that sees at most that many blocks
-(it chooses them all, whatever they score) reads and writes nothing. Equal to the reference up to fp32 summation order (tested under TRITON_INTERPRET=1 on CPU).
+the request's ih query heads, and writes sum_h relu(q_h . K_j) / sqrt(id), or -inf. The products are one
+tl.dot of the [BLOCK_G, id] keys by the heads padded to 16 (tensor cores; fp32 accumulation, IEEE for
+fp32 inputs): the broadcast multiply and sum over id it replaced was bound by its instructions, not its
+bytes. Nothing is gathered into a [B, G, id] copy, and a short request in a batch with a long one costs
+its own length in memory traffic. With skip_up_to (the selection's block budget), a request that sees at
+most that many blocks (it chooses them all, whatever they score) reads and writes nothing. Equal to the
+reference up to fp32 summation order (tested under TRITON_INTERPRET=1 on CPU).
 Launched with programmatic dependent launch (`kernels/dependent_launch`); it has no weights to load early
 (queries, the keys pool, block tables and positions: the step writes or stages them), so it waits first.
 """
@@ -19,14 +22,22 @@ import triton
 import triton.language as tl
 
 from tierlm.kernels.dependent_launch import allow_dependents, launch_options, wait_for_inputs
+from tierlm.kernels.quant_linear.triton import dot_precision
+from tierlm.kernels.split_reduce import dot_acc
 
-BLOCK_G = 64  # compressed keys per program
+# tiles: on an H200 (a scratch sweep of 32-256 keys x 4 and 8 warps at 8k-262k contexts, batches 1-16, against the
+# multiply-and-sum form: 1.5-3.3x, bench/results/qsa_block_scores_ab_nvidia-h200.txt), 128 x 4 the fastest at the
+# long contexts' batches 4 and 16, within 10% of the best elsewhere
+BLOCK_G = 128  # compressed keys per program
+SCORE_WARPS = 4
+DOT_MIN = 16  # tl.dot's least size of each dimension on a GPU
 
 
 @triton.jit
 def _block_scores_kernel(q_ptr, keys_ptr, tables_ptr, positions_ptr, out_ptr, table_stride, num_groups, sqrt_dim,
                          skip_up_to, RATIO: tl.constexpr, PER_BLOCK: tl.constexpr, N_HEADS: tl.constexpr,
-                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, PDL: tl.constexpr):
+                         HEADS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr,
+                         PRECISION: tl.constexpr, PDL: tl.constexpr):
     allow_dependents(PDL)
     wait_for_inputs(PDL)  # (before the early return too: see `kernels/dependent_launch`)
     request = tl.program_id(0).to(tl.int64)
@@ -41,11 +52,12 @@ def _block_scores_kernel(q_ptr, keys_ptr, tables_ptr, positions_ptr, out_ptr, ta
     block = tl.load(tables_ptr + request * table_stride + groups // PER_BLOCK, mask=seen, other=0)
     rows = block * PER_BLOCK + groups % PER_BLOCK
     keys = tl.load(keys_ptr + rows[:, None] * HEAD_DIM + columns[None, :], mask=seen[:, None] & in_dim[None, :],
-                   other=0.0).to(tl.float32)
-    total = tl.zeros([BLOCK_G], dtype=tl.float32)
-    for head in tl.static_range(N_HEADS):
-        q = tl.load(q_ptr + (request * N_HEADS + head) * HEAD_DIM + columns, mask=in_dim, other=0.0).to(tl.float32)
-        total += tl.maximum(tl.sum(keys * q[None, :], axis=1), 0.0)
+                   other=0.0)
+    heads = tl.arange(0, HEADS_PAD)
+    q = tl.load(q_ptr + (request * N_HEADS + heads[:, None]) * HEAD_DIM + columns[None, :],
+                mask=(heads < N_HEADS)[:, None] & in_dim[None, :], other=0.0).to(keys.dtype)
+    products = dot_acc(tl.zeros([BLOCK_G, HEADS_PAD], dtype=tl.float32), keys, q, PRECISION)  # padded heads: 0
+    total = tl.sum(tl.maximum(products, 0.0), axis=1)
     tl.store(out_ptr + request * num_groups + groups, tl.where(seen, total / sqrt_dim, float("-inf")), mask=inside)
 
 
@@ -64,7 +76,9 @@ def triton_block_scores(
     grid = (batch, triton.cdiv(num_groups, BLOCK_G))
     _block_scores_kernel[grid](
         q.contiguous(), index_keys.contiguous(), block_tables, positions.contiguous(), out, block_tables.stride(0),
-        num_groups, math.sqrt(dim), skip_up_to, RATIO=ratio, PER_BLOCK=per_block, N_HEADS=heads, HEAD_DIM=dim,
-        BLOCK_D=triton.next_power_of_2(dim), BLOCK_G=BLOCK_G, **launch_options(q.device),
+        num_groups, math.sqrt(dim), skip_up_to, RATIO=ratio, PER_BLOCK=per_block, N_HEADS=heads,
+        HEADS_PAD=max(triton.next_power_of_2(heads), DOT_MIN), HEAD_DIM=dim,
+        BLOCK_D=max(triton.next_power_of_2(dim), DOT_MIN), BLOCK_G=BLOCK_G, PRECISION=dot_precision(index_keys),
+        num_warps=SCORE_WARPS, **launch_options(q.device),
     )
     return out
