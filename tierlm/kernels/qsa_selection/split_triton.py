@@ -1,7 +1,8 @@
 """QSA selection with each query's select split over many programs (same result as `triton`'s one program
 a query, bit for bit): for long contexts, where one program reading a query's whole score row pass after
-pass is bound by its own latency (one program took 347 us at a 262,144-token context on an H200, torch's
-multi-program topk 202 us).
+pass is bound by its own latency. Scores and rows of one query at a 262,144-token context on an H200: one
+program 337.5 us, torch's selection 185.0, this 32.4 (`bench/qsa_decode_select.py`,
+bench/results/qsa_decode_select_nvidia-h200.txt; the split form leads from 16,384-token contexts).
 
 A query's seen scores are cut into chunks of CHUNK; every launch runs a program per (query, chunk):
   1. `_digits_kernel`, once per pass of the radix select (DIGIT_BITS bits a pass from the top, so
