@@ -43,8 +43,10 @@ from tierlm.kernels.qsa_selection.split_triton import split_selection_rows
 BLOCK_G = 2048
 SELECT_WARPS = 8
 BLOCK_E = 512  # entries per tile when every seen block is chosen
-# wider score rows take `split_triton`'s select, each query's over many programs (bench/qsa_decode_select.py)
-SPLIT_FROM_GROUPS = 8192
+# wider score rows take `split_triton`'s select, each query's over many programs: on an H200 it leads from tables of
+# 8,192 blocks (16k-token contexts: 1.02-1.23x), the one program up to 4,096 (8k: split 0.69-0.97x),
+# bench/results/qsa_decode_select_nvidia-h200.txt
+SPLIT_FROM_GROUPS = 4096
 
 
 @triton.jit
