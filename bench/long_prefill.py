@@ -8,7 +8,8 @@ residual stream (no MoE: its cost per token does not depend on the context). One
 is prefilled in chunks of --chunk tokens (what the scheduler hands the model), and its tok/s is the prompt
 length over the whole prefill's time, with the time of each layer kind beside it and, in parentheses,
 the part of the QSA time its indexer took (block scores and top-k: O(context) per query on both paths). The two paths are the
-kernels (default on CUDA) and the torch paths (TIERLM_NO_TRITON_GDN_PREFILL=1, TIERLM_NO_TRITON_QSA_PREFILL=1).
+kernels (default on CUDA) and the torch paths (TIERLM_NO_TRITON_GDN_PREFILL=1, TIERLM_NO_TRITON_QSA_PREFILL=1,
+TIERLM_NO_FUSED_QSA_SELECT=1).
 The issue's target: tok/s at 128k >= 50% of tok/s at 8k. Results go to bench/results/long_prefill_<device>.txt.
 
     python bench/long_prefill.py --device cuda                       # H200: real widths, 8k vs 128k
@@ -37,7 +38,7 @@ from tierlm.model.model_cache import ModelCache
 
 ROOT = Path(__file__).resolve().parent.parent
 BLOCK_SIZE = 64
-KILL_SWITCHES = ("TIERLM_NO_TRITON_GDN_PREFILL", "TIERLM_NO_TRITON_QSA_PREFILL")
+KILL_SWITCHES = ("TIERLM_NO_TRITON_GDN_PREFILL", "TIERLM_NO_TRITON_QSA_PREFILL", "TIERLM_NO_FUSED_QSA_SELECT")
 LAYER_TYPES = ("linear_attention",) * 3 + ("indexed_attention",)
 WIDTHS = {
     "real": {"hidden_size": 2560, "linear_num_key_heads": 16, "linear_num_value_heads": 48,
@@ -88,7 +89,7 @@ def time_indexer(layers, seconds: dict[str, float], sync) -> None:
     for layer in layers:
         if isinstance(layer, QSAAttention):
             layer.indexer.scores = timed(type(layer.indexer).scores.__get__(layer.indexer))
-            layer.indexer.choose = timed(type(layer.indexer).choose.__get__(layer.indexer))
+            layer.indexer.select = timed(type(layer.indexer).select.__get__(layer.indexer))
 
 
 def prefill(layers, config: ModelConfig, cache: ModelCache, rotary, length: int, chunk: int) -> dict[str, float]:
@@ -105,7 +106,7 @@ def prefill(layers, config: ModelConfig, cache: ModelCache, rotary, length: int,
         n = min(chunk, length - start)
         batch = ForwardBatch.build([[3] * n], [start], [0], [table], BLOCK_SIZE, device=device)
         x = torch.randn(n, config.hidden_size, generator=gen, device=device, dtype=cache.dtype)
-        rope = Rope(rotary, batch.positions, x.dtype)
+        rope = Rope(rotary, batch, x.dtype)
         for layer, kind, caches in zip(layers, config.layer_types, cache.layers):
             sync()
             began = time.perf_counter()

@@ -1,6 +1,7 @@
 """The QSA layer's decode step through its fused kernels against its torch path: static decode steps of a
 small model with the fused predicates forced on (CUDA's choice; on CPU under TRITON_INTERPRET=1), the torch
-path beside it from the same caches. Checks the wiring (which tensors each kernel is handed), not the
+path beside it from the same caches; first the prompts' prefill both ways (its selection through the
+kernels: the prompts see up to 16 blocks, the budget 2). Checks the wiring (which tensors each kernel is handed), not the
 kernels' numerics (their own tests do): fp32, logits and every real cache row within fp32 noise."""
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ FUSED_KERNELS = (  # (module, function) of every kernel a fused QSA decode step 
 def predicates(fused: bool) -> None:
     """The layer's choice of path, as on CUDA (fused) or as on CPU."""
     qsa.norm_rope_fuses = lambda x: fused
-    qsa.selection_fuses = lambda x, batch: fused and batch.static
+    qsa.selection_fuses = lambda x: fused
     qsa.block_key_store_fuses = lambda x, rope: fused and rope.positions is not None
 
 
@@ -64,8 +65,22 @@ def run_steps(steps: int, device: str) -> None:
     prompts = [torch.randint(2, config.vocab_size, (n,), generator=gen).tolist() for n in (30, 7, 64, 3)]
     for slot in range(REQUESTS):
         cache.reset_slot(slot)
+    fresh = copy.deepcopy(cache)
+    prefill = [ForwardBatch.build(prompts, [0] * REQUESTS, list(range(REQUESTS)), tables, BLOCK_SIZE, device=device)
+               for _ in range(2)]
+    outputs = []  # every QSA layer's output on every prompt row (the logits are the last rows' only)
+    hooks = [module.register_forward_hook(lambda module, args, out: outputs.append(out.clone()))
+             for module in model.modules() if isinstance(module, qsa.QSAAttention)]
     predicates(False)
-    model(ForwardBatch.build(prompts, [0] * REQUESTS, list(range(REQUESTS)), tables, BLOCK_SIZE, device=device), cache)
+    expected, torch_outputs = model(prefill[0], cache).clone(), outputs[:]
+    outputs.clear()
+    predicates(True)  # the prefill's selection (and K/V write) through the kernels: prompts of 3-64 tokens
+    torch.testing.assert_close(model(prefill[1], fresh), expected, rtol=1e-5, atol=1e-5)
+    for hook in hooks:
+        hook.remove()
+    assert len(outputs) == len(torch_outputs) > 0
+    for got, want in zip(outputs, torch_outputs):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     fused_cache = copy.deepcopy(cache)
     torch_runner = StaticDecodeRunner(model, cache, REQUESTS, WIDTH, "eager")
     fused_runner = StaticDecodeRunner(model, fused_cache, REQUESTS, WIDTH, "eager")

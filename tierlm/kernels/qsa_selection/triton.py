@@ -120,13 +120,17 @@ def triton_selection_rows(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """As `naive.selection_rows`: one launch, or `split_triton`'s for rows wider than SPLIT_FROM_GROUPS. Only
     the scores of queries that see more than K = min(top, G) blocks are read (`triton_block_scores(...,
-    skip_up_to=top)` leaves the others out)."""
+    skip_up_to=top)` leaves the others out). Scores may cover fewer blocks than the tables hold (G their
+    width: a prefill chunk's)."""
     m = positions.shape[0]
     groups = table_groups(scores, tables, ratio, block_size, top)
+    if scores is not None:  # (a prefill's scores cover the blocks complete at its chunk's end, <= the table's)
+        if scores.dim() != 2 or scores.shape[0] != m or scores.shape[1] > groups or scores.dtype != torch.float32 \
+                or scores.stride(1) != 1:
+            raise ValueError(f"scores must be fp32 [{m}, G <= {groups}] with a contiguous last dim, got "
+                             f"{scores.dtype} {tuple(scores.shape)}")
+        groups = scores.shape[1]
     k = min(top, groups)
-    if scores is not None and (scores.shape != (m, groups) or scores.dtype != torch.float32 or scores.stride(1) != 1):
-        raise ValueError(f"scores must be fp32 [{m}, {groups}] with a contiguous last dim, got "
-                         f"{scores.dtype} {tuple(scores.shape)}")
     entries = k * ratio + ratio - 1
     rows = torch.empty(m, entries, dtype=torch.int64, device=positions.device)
     valid = torch.empty(m, entries, dtype=torch.int8, device=positions.device)

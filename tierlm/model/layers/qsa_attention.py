@@ -98,10 +98,10 @@ def kv_write_fuses(kv: QSADeviceKV | OffloadedKV, x: torch.Tensor, rope: Rope) -
             and not os.environ.get("TIERLM_NO_FUSED_QSA_KV_WRITE"))
 
 
-def selection_fuses(x: torch.Tensor, batch: ForwardBatch) -> bool:
-    """A static decode batch's selection through `kernels/qsa_selection`'s kernels (top-k and rows without a
-    sort): on CUDA, unless TIERLM_NO_FUSED_QSA_SELECT=1."""
-    return batch.static and x.is_cuda and not os.environ.get("TIERLM_NO_FUSED_QSA_SELECT")
+def selection_fuses(x: torch.Tensor) -> bool:
+    """Selection through `kernels/qsa_selection`'s kernels (top-k and rows without a sort) for a static
+    decode batch or a prefill's query group: on CUDA, unless TIERLM_NO_FUSED_QSA_SELECT=1."""
+    return x.is_cuda and not os.environ.get("TIERLM_NO_FUSED_QSA_SELECT")
 
 
 def block_key_store_fuses(x: torch.Tensor, rope: Rope) -> bool:
@@ -211,6 +211,18 @@ class QSAIndexer(nn.Module):
         group_ids = torch.arange(scores.shape[1], device=q.device)
         return scores.masked_fill(group_ids >= ((positions + 1) // self.ratio)[:, None], float("-inf"))
 
+    def select(self, scores: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor,
+               state: QSAIndexerState) -> Selection:
+        """A prefill query group's selection from its block scores [M, G] (`scores`): the kernels where
+        `selection_fuses` (bit-identical rows; the torch top-k over a long context was most of a long
+        prefill's QSA time), else `choose`. tables: [M, W], the request's block table for each query."""
+        if selection_fuses(scores):
+            from tierlm.kernels.qsa_selection.triton import triton_selection_rows
+
+            return Selection(*triton_selection_rows(scores, positions, tables, self.ratio, state.block_size,
+                                                    state.scratch_block, self.block_topk))
+        return Selection.of(*self.choose(scores, positions), tables, state)
+
     def choose(self, scores: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Token positions [M, S] each query attends to and their validity [M, S], S = budget + R - 1:
         the tokens of its top blocks (ties to the lower block) in block order, then its open tail [nb*R, p]."""
@@ -283,7 +295,7 @@ class QSAIndexer(nn.Module):
         or a few over many programs a request for long tables), the rows alone where the table holds at
         most budget / R blocks (every seen block is chosen: no scores), the scores of requests that see at
         most that many left out (TIERLM_NO_FUSED_QSA_SELECT=1: the torch ops)."""
-        if selection_fuses(raw_q, batch):
+        if batch.static and selection_fuses(raw_q):
             from tierlm.kernels.qsa_block_scores.triton import triton_block_scores
             from tierlm.kernels.qsa_selection.triton import triton_selection_rows
 
@@ -391,9 +403,8 @@ class QSAAttention(nn.Module):
             selections = []
             for lo, hi in groups:
                 positions = batch.positions[lo:hi]
-                token_pos, valid = self.indexer.choose(self.indexer.scores(index_q[lo:hi], block_keys, positions),
-                                                       positions)
-                selections.append(Selection.of(token_pos, valid, tables.expand(hi - lo, -1), state))
+                scores = self.indexer.scores(index_q[lo:hi], block_keys, positions)
+                selections.append(self.indexer.select(scores, positions, tables.expand(hi - lo, -1), state))
             rows, valid = torch.cat([s.rows for s in selections]), torch.cat([s.valid for s in selections])
             if sparse_kernel_applies(q):  # rows read by index: no [queries x rows] copy
                 if isinstance(kv, OffloadedKV):
