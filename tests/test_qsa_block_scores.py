@@ -1,5 +1,6 @@
-"""QSA decode block scores: the Triton kernel (reading each request's visible keys through its block table)
-against the torch reference, under TRITON_INTERPRET=1 on CPU (compiled on a GPU), fp32 and bf16.
+"""QSA block scores: the Triton kernels (decode: reading each request's visible keys through its block table;
+prefill: a request's queries against its gathered keys) against the torch references, under
+TRITON_INTERPRET=1 on CPU (compiled on a GPU), fp32 and bf16.
 
 Both forms compute in fp32 from the same inputs (bf16 values upcast exactly), so in either dtype they may
 differ only by fp32 summation order: the tolerance is a few fp32 ulps of the scores, not a bf16 one."""
@@ -9,7 +10,7 @@ from __future__ import annotations
 import torch
 from interpreted import on_cuda_else_interpreted
 
-from tierlm.kernels.qsa_block_scores import block_scores
+from tierlm.kernels.qsa_block_scores import block_scores, request_scores
 from tierlm.model.layers.qsa_attention import top_blocks
 
 RATIO, PER_BLOCK, HEADS, DIM = 4, 2, 3, 24  # DIM not a power of two: the kernel masks its columns
@@ -53,8 +54,38 @@ def test_triton_block_scores_equal_the_reference():
     on_cuda_else_interpreted(lambda: compare("cuda"), INTERPRETED_EARLY, "test_triton_block_scores_equal_the_reference")
 
 
+def compare_request(device: str) -> None:
+    """The prefill form: a chunk of one request's queries (positions 37..96: some tiles of keys seen by no
+    query of a tile, the last key tile partial) against its gathered keys, at the module's tiles and small
+    ones, fp32 and bf16."""
+    import tierlm.kernels.qsa_block_scores.triton as kernels
+
+    gen = torch.Generator().manual_seed(3)
+    positions = torch.arange(37, 97)
+    saved = kernels.REQUEST_BLOCK_Q, kernels.REQUEST_BLOCK_K
+    try:
+        for kernels.REQUEST_BLOCK_Q, kernels.REQUEST_BLOCK_K in {saved, (16, 16)}:
+            for dtype in (torch.float32, torch.bfloat16):
+                q = torch.randn(len(positions), HEADS, DIM, generator=gen).to(dtype)
+                keys = torch.randn(97 // RATIO, DIM, generator=gen).to(dtype)
+                expected = request_scores(q, keys, positions, RATIO)
+                got = kernels.triton_request_scores(q.to(device), keys.to(device), positions.to(device), RATIO).cpu()
+                assert torch.equal(got == float("-inf"), expected == float("-inf"))
+                seen = expected > float("-inf")
+                assert (expected[seen] == 0).any() and (expected[seen] > 0).any()
+                torch.testing.assert_close(got[seen], expected[seen], rtol=1e-6, atol=1e-6)
+    finally:
+        kernels.REQUEST_BLOCK_Q, kernels.REQUEST_BLOCK_K = saved
+
+
+def test_triton_request_scores_equal_the_reference():
+    on_cuda_else_interpreted(lambda: compare_request("cuda"), INTERPRETED_EARLY,
+                             "test_triton_request_scores_equal_the_reference")
+
+
 INTERPRETED_EARLY = {  # (queued when collection ends, see tests/interpreted.py)
     "test_triton_block_scores_equal_the_reference": ("import test_qsa_block_scores as t; t.compare('cpu')",),
+    "test_triton_request_scores_equal_the_reference": ("import test_qsa_block_scores as t; t.compare_request('cpu')",),
 }
 
 

@@ -15,8 +15,14 @@ block table and skips the rest (varlen: a short request beside a long one reads 
 no host sync, so a CUDA graph captures it; given skip_up_to (the selection's budget), it leaves the rows
 of requests that see at most that many blocks unwritten (they choose every block they see, whatever it
 scores). Equal up to fp32 summation order.
+
+The prefill form, `request_scores`: a group of one request's queries q [M, ih, id] (positions [M])
+against that request's block keys gathered into [G, id] -> [M, G]; `naive.request_scores` (torch: the
+products of every head as one [M, ih, G] tensor) and `triton.triton_request_scores` (tiles of queries by
+tiles of keys, each head's products one tl.dot, relu and the heads' sum in registers: only [M, G] is
+written). Equal up to fp32 summation order.
 """
 
-from tierlm.kernels.qsa_block_scores.naive import block_scores
+from tierlm.kernels.qsa_block_scores.naive import block_scores, request_scores
 
-__all__ = ["block_scores"]
+__all__ = ["block_scores", "request_scores"]

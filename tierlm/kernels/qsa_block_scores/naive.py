@@ -20,6 +20,15 @@ def block_scores(
     return scores.masked_fill(groups >= ((positions + 1) // ratio)[:, None], float("-inf"))
 
 
+def request_scores(q: torch.Tensor, block_keys: torch.Tensor, positions: torch.Tensor, ratio: int) -> torch.Tensor:
+    """Scores [M, G] of M queries q [M, ih, id] of one request (a prefill's query group) against its
+    gathered block keys [G, id]; groups a query cannot see yet (j >= (p+1)//R) score -inf."""
+    products = torch.matmul(q.float(), block_keys.float().T)  # [M, ih, G]
+    scores = torch.relu(products).sum(dim=1) / math.sqrt(q.shape[-1])
+    groups = torch.arange(scores.shape[1], device=q.device)
+    return scores.masked_fill(groups >= ((positions + 1) // ratio)[:, None], float("-inf"))
+
+
 def ranking_keys(scores: torch.Tensor) -> torch.Tensor:
     """Unique int64 keys [B, G] that order blocks as top-k should take them: higher score first, ties to
     the lower block index, whatever the row's width (torch.topk alone breaks ties differently for

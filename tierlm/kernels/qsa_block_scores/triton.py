@@ -31,6 +31,10 @@ from tierlm.kernels.split_reduce import dot_acc
 BLOCK_G = 128  # compressed keys per program
 SCORE_WARPS = 4
 DOT_MIN = 16  # tl.dot's least size of each dimension on a GPU
+# the prefill form's tiles (queries x keys a program) and warps
+REQUEST_BLOCK_Q = 32
+REQUEST_BLOCK_K = 128
+REQUEST_WARPS = 4
 
 
 @triton.jit
@@ -81,4 +85,47 @@ def triton_block_scores(
         BLOCK_D=max(triton.next_power_of_2(dim), DOT_MIN), BLOCK_G=BLOCK_G, PRECISION=dot_precision(index_keys),
         num_warps=SCORE_WARPS, **launch_options(q.device),
     )
+    return out
+
+
+@triton.jit
+def _request_scores_kernel(q_ptr, keys_ptr, positions_ptr, out_ptr, num_queries, num_groups, sqrt_dim,
+                           RATIO: tl.constexpr, N_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                           BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    queries = tl.program_id(0) * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    groups = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    in_queries = queries < num_queries
+    visible = (tl.load(positions_ptr + queries, mask=in_queries, other=0) + 1) // RATIO
+    seen = (groups[None, :] < visible[:, None]) & (groups < num_groups)[None, :]
+    if tl.program_id(1) * BLOCK_K < tl.max(visible, axis=0):  # else no query of the tile sees a key of it
+        columns = tl.arange(0, BLOCK_D)
+        in_dim = columns < HEAD_DIM
+        keys = tl.load(keys_ptr + groups[:, None] * HEAD_DIM + columns[None, :],
+                       mask=(groups < num_groups)[:, None] & in_dim[None, :], other=0.0)
+        total = tl.zeros([BLOCK_Q, BLOCK_K], dtype=tl.float32)
+        for head in tl.static_range(N_HEADS):
+            q = tl.load(q_ptr + (queries[:, None] * N_HEADS + head) * HEAD_DIM + columns[None, :],
+                        mask=in_queries[:, None] & in_dim[None, :], other=0.0).to(keys.dtype)
+            total += tl.maximum(dot_acc(tl.zeros([BLOCK_Q, BLOCK_K], dtype=tl.float32), q, keys, PRECISION), 0.0)
+        scores = tl.where(seen, total / sqrt_dim, float("-inf"))
+    else:
+        scores = tl.full([BLOCK_Q, BLOCK_K], float("-inf"), dtype=tl.float32)
+    tl.store(out_ptr + queries[:, None].to(tl.int64) * num_groups + groups[None, :], scores,
+             mask=in_queries[:, None] & (groups < num_groups)[None, :])
+
+
+def triton_request_scores(q: torch.Tensor, block_keys: torch.Tensor, positions: torch.Tensor, ratio: int) -> torch.Tensor:
+    """As `naive.request_scores`, in one launch: programs over (tile of BLOCK_Q queries, tile of BLOCK_K
+    keys); a tile no query of which sees any key of is written -inf without a load."""
+    m, heads, dim = q.shape
+    groups = block_keys.shape[0]
+    out = torch.empty(m, groups, dtype=torch.float32, device=q.device)
+    if m and groups:
+        grid = (triton.cdiv(m, REQUEST_BLOCK_Q), triton.cdiv(groups, REQUEST_BLOCK_K))
+        _request_scores_kernel[grid](
+            q.contiguous(), block_keys.contiguous(), positions.contiguous(), out, m, groups, math.sqrt(dim),
+            RATIO=ratio, N_HEADS=heads, HEAD_DIM=dim, BLOCK_D=max(triton.next_power_of_2(dim), DOT_MIN),
+            BLOCK_Q=REQUEST_BLOCK_Q, BLOCK_K=REQUEST_BLOCK_K, PRECISION=dot_precision(block_keys),
+            num_warps=REQUEST_WARPS,
+        )
     return out

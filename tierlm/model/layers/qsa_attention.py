@@ -33,7 +33,7 @@ from torch import nn
 
 from tierlm.kernels.norm_rope.naive import apply_rotary
 from tierlm.kernels.qsa_block_keys.naive import group_key_rows, store_decode_block_keys
-from tierlm.kernels.qsa_block_scores import block_scores
+from tierlm.kernels.qsa_block_scores import block_scores, request_scores
 from tierlm.kernels.qsa_block_scores.naive import ranking_keys
 from tierlm.kernels.qsa_ring import ring_after_rows
 from tierlm.kernels.qsa_row_cache import attend_rows
@@ -61,7 +61,8 @@ def top_blocks(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor
 
 def sparse_kernel_applies(q: torch.Tensor) -> bool:
     """Prefill attention through `kernels/qsa_sparse_attention`'s Triton kernel (device pools read in
-    place; offloaded pools through the arena): on CUDA, unless TIERLM_NO_TRITON_QSA_PREFILL=1."""
+    place; offloaded pools through the arena), and the indexer's block scores of a request's queries
+    through `kernels/qsa_block_scores`' prefill kernel: on CUDA, unless TIERLM_NO_TRITON_QSA_PREFILL=1."""
     return q.is_cuda and not os.environ.get("TIERLM_NO_TRITON_QSA_PREFILL")
 
 
@@ -205,11 +206,13 @@ class QSAIndexer(nn.Module):
 
     def scores(self, q: torch.Tensor, block_keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Block scores [M, G] of queries q [M, ih, id] against one request's block keys [G, id]; blocks a
-        query cannot see yet (j >= (p+1)//R) score -inf. (Decode batches: `kernels/qsa_block_scores`.)"""
-        products = torch.matmul(q.float(), block_keys.float().T)  # [M, ih, G]
-        scores = torch.relu(products).sum(dim=1) / math.sqrt(self.head_dim)
-        group_ids = torch.arange(scores.shape[1], device=q.device)
-        return scores.masked_fill(group_ids >= ((positions + 1) // self.ratio)[:, None], float("-inf"))
+        query cannot see yet (j >= (p+1)//R) score -inf (`kernels/qsa_block_scores.request_scores`: on CUDA
+        its kernel, unless TIERLM_NO_TRITON_QSA_PREFILL=1). (Static decode batches: `block_scores`.)"""
+        if sparse_kernel_applies(q):
+            from tierlm.kernels.qsa_block_scores.triton import triton_request_scores
+
+            return triton_request_scores(q, block_keys, positions, self.ratio)
+        return request_scores(q, block_keys, positions, self.ratio)
 
     def select(self, scores: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor,
                state: QSAIndexerState) -> Selection:
