@@ -401,7 +401,8 @@ class QSAAttention(nn.Module):
             )
             block_keys = gather_rows(state.keys, table, (ctx + end - start) // r, bs // r)
             tables = torch.where(table < 0, state.scratch_block, table)
-            group = self.query_group(block_keys.shape[0], x.dtype)
+            in_place = sparse_kernel_applies(x) and selection_fuses(x) and not isinstance(kv, OffloadedKV)
+            group = self.query_group(block_keys.shape[0], x.dtype, in_place)
             groups = [(lo, min(lo + group, end)) for lo in range(start, end, group)]  # bounded working memory
             selections = []
             for lo, hi in groups:
@@ -424,14 +425,19 @@ class QSAAttention(nn.Module):
                 out[lo:hi] = attend_rows(q[lo:hi], keys, values, valid[lo - start : hi - start], self.scale)
         return self._output(out, gate)
 
-    def query_group(self, num_block_keys: int, dtype: torch.dtype) -> int:
+    def query_group(self, num_block_keys: int, dtype: torch.dtype, in_place: bool) -> int:
         """How many prefill queries to score, select and attend at once so that their working tensors
-        stay within PREFILL_GROUP_BYTES: per query the indexer's fp32 products and top-k keys over every
-        block key of the context, its S selected K and V rows, and its fp32 attention weights. At the target
-        model's shapes and 262k context that is ~10 MB per query (a whole chunk at once would take GBs)."""
+        stay within PREFILL_GROUP_BYTES. Per query: its fp32 scores over every block key of the context
+        and its S selected rows and their validity; on the torch paths also the indexer's fp32 products of
+        every head and its top-k keys, its S gathered K and V rows and its fp32 attention weights. At the
+        target model's shapes and 262k context that is ~10 MB a query on the torch paths (a whole chunk at
+        once would take GBs); in_place (the indexer's kernels, and attention reading the device pools in
+        place): ~0.3 MB, so a group holds ~30x the queries (fewer, larger launches)."""
         selected = self.indexer.block_topk * self.indexer.ratio + self.indexer.ratio - 1
-        per_query = num_block_keys * (4 * self.indexer.n_heads + 4 + 16)
-        per_query += selected * (2 * self.num_kv_heads * self.head_dim * dtype.itemsize + 4 * self.num_heads)
+        per_query = num_block_keys * 4 + selected * 9
+        if not in_place:
+            per_query += num_block_keys * (4 * self.indexer.n_heads + 16)
+            per_query += selected * (2 * self.num_kv_heads * self.head_dim * dtype.itemsize + 4 * self.num_heads)
         return max(1, PREFILL_GROUP_BYTES // per_query)
 
     def _decode(
