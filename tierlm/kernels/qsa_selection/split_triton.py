@@ -61,11 +61,15 @@ def pass_digit(step: int, digit_bits: int) -> tuple[int, int]:
 
 
 @triton.jit
-def _seen_chunks(positions_ptr, query, num_groups, RATIO: tl.constexpr, CHUNK: tl.constexpr):
-    """(position, blocks the query sees, chunks they fill)."""
+def _program(positions_ptr, num_groups, RATIO: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
+    """Every kernel's start (PDL's wait first): (query, chunk, the query's position, the blocks it sees,
+    the chunks they fill)."""
+    allow_dependents(PDL)
+    wait_for_inputs(PDL)
+    query = tl.program_id(0).to(tl.int64)
     position = tl.load(positions_ptr + query)
     seen = tl.minimum((position + 1) // RATIO, num_groups)
-    return position, seen, tl.cdiv(seen, CHUNK)
+    return query, tl.program_id(1), position, seen, tl.cdiv(seen, CHUNK)
 
 
 @triton.jit
@@ -73,11 +77,7 @@ def _digits_kernel(scores_ptr, positions_ptr, state_ptr, histograms_ptr, counter
                    scores_stride, PASS: tl.constexpr, PASSES: tl.constexpr, SHIFT: tl.constexpr, WIDTH: tl.constexpr,
                    BINS: tl.constexpr, RATIO: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
     """Pass PASS of the radix select: the digit of bits [SHIFT, SHIFT + WIDTH) (`pass_digit`)."""
-    allow_dependents(PDL)
-    wait_for_inputs(PDL)
-    query = tl.program_id(0).to(tl.int64)
-    chunk = tl.program_id(1)
-    _, seen, chunks = _seen_chunks(positions_ptr, query, num_groups, RATIO, CHUNK)
+    query, chunk, _, seen, chunks = _program(positions_ptr, num_groups, RATIO, CHUNK, PDL)
     state = state_ptr + query * STATE
     runs = (seen > num_top) & (chunk < chunks)
     threshold, above = 0, 0
@@ -109,11 +109,7 @@ def _digits_kernel(scores_ptr, positions_ptr, state_ptr, histograms_ptr, counter
 def _count_kernel(scores_ptr, positions_ptr, state_ptr, counts_ptr, num_groups, num_top, scores_stride, num_chunks,
                   RATIO: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
     """Each chunk's keys above the final threshold and at it (compared on the bits the passes resolved)."""
-    allow_dependents(PDL)
-    wait_for_inputs(PDL)
-    query = tl.program_id(0).to(tl.int64)
-    chunk = tl.program_id(1)
-    _, seen, chunks = _seen_chunks(positions_ptr, query, num_groups, RATIO, CHUNK)
+    query, chunk, _, seen, chunks = _program(positions_ptr, num_groups, RATIO, CHUNK, PDL)
     if (seen > num_top) & (chunk < chunks):
         state = state_ptr + query * STATE
         shift = tl.load(state + 3)
@@ -148,11 +144,7 @@ def _write_kernel(scores_ptr, positions_ptr, tables_ptr, state_ptr, counts_ptr, 
                   num_top, num_entries, scores_stride, table_stride, table_width, scratch_block, num_chunks,
                   SCORES: tl.constexpr, RATIO: tl.constexpr, RATIO_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                   CHUNK: tl.constexpr, CHUNKS_PAD: tl.constexpr, BLOCK_E: tl.constexpr, PDL: tl.constexpr):
-    allow_dependents(PDL)
-    wait_for_inputs(PDL)
-    query = tl.program_id(0).to(tl.int64)
-    chunk = tl.program_id(1)
-    position, seen, chunks = _seen_chunks(positions_ptr, query, num_groups, RATIO, CHUNK)
+    query, chunk, position, seen, chunks = _program(positions_ptr, num_groups, RATIO, CHUNK, PDL)
     rows_out, valid_out = rows_ptr + query * num_entries, valid_ptr + query * num_entries
     tables_row = tables_ptr + query * table_stride
     if SCORES:
