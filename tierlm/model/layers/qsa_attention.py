@@ -18,9 +18,10 @@ the selected rows in place (`kernels/qsa_sparse_attention`; TIERLM_NO_TRITON_QSA
 in a static-shape, sync-free form (what a CUDA graph captures). The indexer's work follows the context,
 not max_model_len: a request scores only the compressed keys up to its own position (a static batch up
 to its block-table width, which `static_decode` sizes from the batch's longest context), and keeps its
-top blocks in block order (`kernels/qsa_selection`: torch.topk and a sort of the chosen few; a static
-decode step on CUDA: a radix select in the rows kernel, no sort). The plain reference (a dense boolean
-mask over the whole context) lives in the tests.
+top blocks in block order (`kernels/qsa_selection`: torch.topk and a sort of the chosen few; on CUDA, a
+static decode step or a prefill's query group: a radix select in the rows kernels, no sort, the scores
+from `kernels/qsa_block_scores`' kernels). The plain reference (a dense boolean mask over the whole
+context) lives in the tests.
 """
 
 from __future__ import annotations
