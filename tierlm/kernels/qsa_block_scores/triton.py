@@ -1,6 +1,7 @@
-"""QSA decode block scores as one Triton kernel (same signature as `naive.block_scores`).
+"""QSA block scores as Triton kernels: decode (same signature as `naive.block_scores`) and prefill (as
+`naive.request_scores`).
 
-One program per (request, tile of BLOCK_G compressed keys): it loads the request's block ids for the
+Decode, one program per (request, tile of BLOCK_G compressed keys): it loads the request's block ids for the
 tile, the keys they hold (only those the query sees: masked loads read nothing past nb = (p+1)//R), and
 the request's ih query heads, and writes sum_h relu(q_h . K_j) / sqrt(id), or -inf. The products are one
 tl.dot of the [BLOCK_G, id] keys by the heads padded to 16 (tensor cores; fp32 accumulation, IEEE for
@@ -11,6 +12,11 @@ most that many blocks (it chooses them all, whatever they score) reads and write
 reference up to fp32 summation order (tested under TRITON_INTERPRET=1 on CPU).
 Launched with programmatic dependent launch (`kernels/dependent_launch`); it has no weights to load early
 (queries, the keys pool, block tables and positions: the step writes or stages them), so it waits first.
+
+Prefill, one program per (tile of a request's queries, tile of its gathered keys): each head's products
+one tl.dot of the queries' [BLOCK_Q, id] rows by the [BLOCK_K, id] keys, relu and the heads' sum in
+registers, so only the [M, G] scores are written (the torch form writes and reads the products of every
+head, [M, ih, G] fp32). A tile whose keys no query of its tile sees is written -inf without a load.
 """
 
 from __future__ import annotations
@@ -26,12 +32,12 @@ from tierlm.kernels.quant_linear.triton import dot_precision
 from tierlm.kernels.split_reduce import dot_acc
 
 # tiles: on an H200 (a scratch sweep of 32-256 keys x 4 and 8 warps at 8k-262k contexts, batches 1-16, against the
-# multiply-and-sum form: 1.5-3.3x, bench/results/qsa_block_scores_ab_nvidia-h200.txt), 128 x 4 the fastest at the
-# long contexts' batches 4 and 16, within 10% of the best elsewhere
+# multiply-and-sum form: 1.5-3.3x, bench/results/qsa_block_scores_ab_nvidia-h200.txt), 128 x 4 the fastest in 5 of
+# the 9 cells (8k batch 16, 65k batches 1 and 16, 262k batches 4 and 16), 64 x 4 or 32 x 4 in the others
 BLOCK_G = 128  # compressed keys per program
 SCORE_WARPS = 4
 DOT_MIN = 16  # tl.dot's least size of each dimension on a GPU
-# the prefill form's tiles (queries x keys a program) and warps
+# the prefill form's tiles (queries x keys a program) and warps: chosen, not swept (long_prefill.py times the whole)
 REQUEST_BLOCK_Q = 32
 REQUEST_BLOCK_K = 128
 REQUEST_WARPS = 4

@@ -51,6 +51,7 @@ STATE = tl.constexpr(4)  # per query: threshold, keys above it, exact, shift
 
 
 def passes(digit_bits: int) -> int:
+    """The radix select's passes (launches of `_digits_kernel`) at digit_bits a pass."""
     return triton.cdiv(KEY_BITS, digit_bits)
 
 
@@ -177,7 +178,7 @@ def split_selection_rows(scores: torch.Tensor | None, positions: torch.Tensor, t
     common = dict(RATIO=ratio, CHUNK=CHUNK, num_warps=SPLIT_WARPS, **launch_options(device))
     if scores is not None:
         n = passes(DIGIT_BITS)
-        state = torch.empty(m, STATE, dtype=torch.int32, device=device)
+        state = torch.empty(m, STATE.value, dtype=torch.int32, device=device)
         histograms = arrival_counters("qsa_selection.histograms", device, m * n << DIGIT_BITS)
         counters = arrival_counters("qsa_selection.passes", device, m * n)
         for p in range(n):
