@@ -13,9 +13,11 @@ one request's table); -> rows [M, S = K*R + R - 1] int64 (invalid entries point 
 first row, so every read stays in bounds) and valid [M, S] bool.
 
 `naive.selection_rows` is the torch path (`ranking_keys`, `top_keys`: torch.topk and a sort of the K
-chosen into block order, `chosen_positions`, `physical_rows`), what the layer runs on CPU, in prefill
-and with TIERLM_NO_FUSED_QSA_SELECT=1; `triton.triton_selection_rows` is one launch (a radix select over
-the scores' bits, no sort; bit-identical), run by static decode steps on CUDA.
+chosen into block order, `chosen_positions`, `physical_rows`), what the layer runs on CPU and with
+TIERLM_NO_FUSED_QSA_SELECT=1; `triton.triton_selection_rows` is a radix select over the scores' bits (no
+sort; bit-identical): one launch, a program a query, up to SPLIT_FROM_GROUPS blocks, past them each
+query's select split over many programs (`split_triton`), run by static decode steps and prefill query
+groups on CUDA (a prefill's scores may cover fewer blocks than its table holds).
 """
 
 from tierlm.kernels.qsa_selection.naive import chosen_positions, physical_rows, selection_rows, top_keys
