@@ -95,17 +95,18 @@ def test_gathered_attention_equals_dense_masked_attention():
 
 
 def test_prefill_query_groups_stay_within_their_working_memory():
-    """A group's working memory (the layer's own per-query estimate times the group) stays within
-    PREFILL_GROUP_BYTES with room for one more query to break it; the kernels' in-place group (scores and
-    rows only) is larger than the torch paths' (products of every head, gathered K/V)."""
+    """The tensors a prefill query group allocates fit PREFILL_GROUP_BYTES: in place, its fp32 scores
+    [group, keys] and its rows and validity [group, S]; on the torch paths also the fp32 products of every
+    indexer head [group, ih, keys] and its gathered K and V rows. At long context the in-place group holds
+    many times the queries."""
     import tierlm.model.layers.qsa_attention as qsa
 
     attention = QSAAttention(_Config())
     selected = 12 + 4 - 1  # budget + R - 1 rows a query
     for keys in (10, 5000, 65536):
-        torch_bytes = keys * (4 * 3 + 4 + 16) + selected * (9 + 2 * 2 * 8 * 4 + 4 * 4)
-        in_place_bytes = keys * 4 + selected * 9
-        for in_place, per_query in ((False, torch_bytes), (True, in_place_bytes)):
-            group = attention.query_group(keys, torch.float32, in_place)
-            assert group * per_query <= qsa.PREFILL_GROUP_BYTES < (group + 1) * per_query
-        assert attention.query_group(keys, torch.float32, True) > 5 * attention.query_group(keys, torch.float32, False)
+        in_place = attention.query_group(keys, torch.float32, True)
+        torch_paths = attention.query_group(keys, torch.float32, False)
+        assert in_place * (keys * 4 + selected * (8 + 1)) <= qsa.PREFILL_GROUP_BYTES
+        assert torch_paths * (keys * 3 * 4 + selected * 2 * 2 * 8 * 4) <= qsa.PREFILL_GROUP_BYTES
+        assert in_place >= torch_paths >= 1
+    assert attention.query_group(65536, torch.float32, True) > 5 * attention.query_group(65536, torch.float32, False)

@@ -1,4 +1,4 @@
-"""QSA decode block scores in plain torch, and the ranking keys top-k takes them by: the reference (see
+"""QSA block scores in plain torch (decode and prefill), and the ranking keys top-k takes them by: the reference (see
 the package docstring for shapes)."""
 
 from __future__ import annotations
@@ -14,18 +14,20 @@ def block_scores(
     """Scores [B, G] of each query q [B, ih, id] against every compressed key of its block table; groups
     j >= (p+1)//R (not complete yet, or past the table's end) score -inf."""
     keys = index_keys[block_tables.clamp_min(0)].flatten(1, 2)  # [B, G, id]; -1 entries read block 0, masked
-    products = torch.einsum("mhd,mgd->mhg", q.float(), keys.float())
-    scores = torch.relu(products).sum(dim=1) / math.sqrt(q.shape[-1])
-    groups = torch.arange(scores.shape[1], device=q.device)
-    return scores.masked_fill(groups >= ((positions + 1) // ratio)[:, None], float("-inf"))
+    return _visible_sums(torch.einsum("mhd,mgd->mhg", q.float(), keys.float()), q.shape[-1], positions, ratio)
 
 
 def request_scores(q: torch.Tensor, block_keys: torch.Tensor, positions: torch.Tensor, ratio: int) -> torch.Tensor:
     """Scores [M, G] of M queries q [M, ih, id] of one request (a prefill's query group) against its
     gathered block keys [G, id]; groups a query cannot see yet (j >= (p+1)//R) score -inf."""
-    products = torch.matmul(q.float(), block_keys.float().T)  # [M, ih, G]
-    scores = torch.relu(products).sum(dim=1) / math.sqrt(q.shape[-1])
-    groups = torch.arange(scores.shape[1], device=q.device)
+    return _visible_sums(torch.matmul(q.float(), block_keys.float().T), q.shape[-1], positions, ratio)
+
+
+def _visible_sums(products: torch.Tensor, head_dim: int, positions: torch.Tensor, ratio: int) -> torch.Tensor:
+    """Both forms' scores from their fp32 products [M, ih, G]: sum_h relu / sqrt(id), -inf where
+    j >= (p+1)//R."""
+    scores = torch.relu(products).sum(dim=1) / math.sqrt(head_dim)
+    groups = torch.arange(scores.shape[1], device=products.device)
     return scores.masked_fill(groups >= ((positions + 1) // ratio)[:, None], float("-inf"))
 
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+BLOCK_E = tl.constexpr(512)  # entries per tile of `choose_all`
+
 
 @triton.jit
 def rows_of(tokens, ok, tables_row, table_width, scratch_block, BLOCK_SIZE: tl.constexpr):
@@ -17,7 +19,7 @@ def rows_of(tokens, ok, tables_row, table_width, scratch_block, BLOCK_SIZE: tl.c
 
 @triton.jit
 def choose_all(rows_out, valid_out, tables_row, table_width, scratch_block, seen, num_top,
-               RATIO: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_E: tl.constexpr):
+               RATIO: tl.constexpr, BLOCK_SIZE: tl.constexpr):
     """Entries of blocks 0..num_top-1: entry e is token e, valid when its block is seen."""
     for start in range(0, num_top * RATIO, BLOCK_E):
         entries = start + tl.arange(0, BLOCK_E)

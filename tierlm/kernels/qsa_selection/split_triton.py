@@ -46,7 +46,6 @@ KEY_BITS = 31  # a ranking key's bits: the score's with the sign cleared
 CHUNK = 512  # scores per program
 DIGIT_BITS = 8  # bits a pass: 2^DIGIT_BITS bins a histogram
 SPLIT_WARPS = 4
-BLOCK_E = 512  # entries per tile when every seen block is chosen
 STATE = tl.constexpr(4)  # per query: threshold, keys above it, exact, shift
 
 
@@ -144,7 +143,7 @@ def _write_chosen(scores_row, state, counts, rows_out, valid_out, tables_row, ta
 def _write_kernel(scores_ptr, positions_ptr, tables_ptr, state_ptr, counts_ptr, rows_ptr, valid_ptr, num_groups,
                   num_top, num_entries, scores_stride, table_stride, table_width, scratch_block, num_chunks,
                   SCORES: tl.constexpr, RATIO: tl.constexpr, RATIO_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                  CHUNK: tl.constexpr, CHUNKS_PAD: tl.constexpr, BLOCK_E: tl.constexpr, PDL: tl.constexpr):
+                  CHUNK: tl.constexpr, CHUNKS_PAD: tl.constexpr, PDL: tl.constexpr):
     query, chunk, position, seen, chunks = _program(positions_ptr, num_groups, RATIO, CHUNK, PDL)
     rows_out, valid_out = rows_ptr + query * num_entries, valid_ptr + query * num_entries
     tables_row = tables_ptr + query * table_stride
@@ -155,23 +154,20 @@ def _write_kernel(scores_ptr, positions_ptr, tables_ptr, state_ptr, counts_ptr, 
                               counts_ptr + query * num_chunks * 2, rows_out, valid_out, tables_row, table_width,
                               scratch_block, seen, chunk, num_top, RATIO, RATIO_PAD, BLOCK_SIZE, CHUNK, CHUNKS_PAD)
         elif chunk == 0:
-            choose_all(rows_out, valid_out, tables_row, table_width, scratch_block, seen, num_top, RATIO, BLOCK_SIZE,
-                       BLOCK_E)
+            choose_all(rows_out, valid_out, tables_row, table_width, scratch_block, seen, num_top, RATIO, BLOCK_SIZE)
     elif chunk == 0:
-        choose_all(rows_out, valid_out, tables_row, table_width, scratch_block, seen, num_top, RATIO, BLOCK_SIZE,
-                   BLOCK_E)
+        choose_all(rows_out, valid_out, tables_row, table_width, scratch_block, seen, num_top, RATIO, BLOCK_SIZE)
     if chunk == 0:
         store_tail(rows_out, valid_out, tables_row, table_width, scratch_block, position, (position + 1) // RATIO,
                    num_top, RATIO, RATIO_PAD, BLOCK_SIZE)
 
 
 def split_selection_rows(scores: torch.Tensor | None, positions: torch.Tensor, tables: torch.Tensor, groups: int,
-                         top: int, ratio: int, block_size: int, scratch_block: int, rows: torch.Tensor,
+                         k: int, ratio: int, block_size: int, scratch_block: int, rows: torch.Tensor,
                          valid: torch.Tensor) -> None:
-    """Fills rows and valid [M, K * R + R - 1] (`triton.triton_selection_rows` checks the arguments and
-    makes them) with PASSES + 2 launches."""
+    """Fills rows and valid [M, K * R + R - 1] for the top K = min(top, G) of G = `groups` blocks
+    (`triton.triton_selection_rows` checks the arguments and makes them) with PASSES + 2 launches."""
     m, device = positions.shape[0], positions.device
-    k = min(top, groups)
     num_chunks = triton.cdiv(groups, CHUNK)
     positions = positions.contiguous()
     state = counts = rows  # (not read when there are no scores)
@@ -193,4 +189,4 @@ def split_selection_rows(scores: torch.Tensor | None, positions: torch.Tensor, t
         rows if scores is None else scores, positions, tables, state, counts, rows, valid, groups, k, rows.shape[1],
         0 if scores is None else scores.stride(0), tables.stride(0), tables.shape[1], scratch_block, num_chunks,
         SCORES=scores is not None, RATIO_PAD=triton.next_power_of_2(ratio), BLOCK_SIZE=block_size,
-        CHUNKS_PAD=triton.next_power_of_2(num_chunks), BLOCK_E=BLOCK_E, **common)
+        CHUNKS_PAD=triton.next_power_of_2(num_chunks), **common)

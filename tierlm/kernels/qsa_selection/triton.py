@@ -42,7 +42,6 @@ from tierlm.kernels.qsa_selection.split_triton import split_selection_rows
 # across the passes (later tiles reloaded) measured 0.95-0.99x of this at 8k-64k (session 14; dropped)
 BLOCK_G = 2048
 SELECT_WARPS = 8
-BLOCK_E = 512  # entries per tile when every seen block is chosen
 # wider score rows take `split_triton`'s select, each query's over many programs: on an H200 it leads from tables of
 # 8,192 blocks (16k-token contexts: 1.02-1.23x), the one program up to 4,096 (8k: split 0.69-0.97x),
 # bench/results/qsa_decode_select_nvidia-h200.txt
@@ -91,7 +90,7 @@ def _choose_top(scores_row, rows_out, valid_out, tables_row, table_width, scratc
 def _selection_kernel(scores_ptr, positions_ptr, tables_ptr, rows_ptr, valid_ptr, num_groups, num_top, num_entries,
                       scores_stride, table_stride, table_width, scratch_block,
                       SCORES: tl.constexpr, RATIO: tl.constexpr, RATIO_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                      BLOCK_G: tl.constexpr, BLOCK_E: tl.constexpr, PDL: tl.constexpr):
+                      BLOCK_G: tl.constexpr, PDL: tl.constexpr):
     allow_dependents(PDL)
     wait_for_inputs(PDL)
     query = tl.program_id(0).to(tl.int64)
@@ -106,10 +105,9 @@ def _selection_kernel(scores_ptr, positions_ptr, tables_ptr, rows_ptr, valid_ptr
                         scratch_block, seen, num_top, RATIO, RATIO_PAD, BLOCK_SIZE, BLOCK_G)
         else:
             choose_all(rows_out, valid_out, tables_row, table_width, scratch_block, seen, num_top, RATIO,
-                       BLOCK_SIZE, BLOCK_E)
+                       BLOCK_SIZE)
     else:
-        choose_all(rows_out, valid_out, tables_row, table_width, scratch_block, seen, num_top, RATIO, BLOCK_SIZE,
-                   BLOCK_E)
+        choose_all(rows_out, valid_out, tables_row, table_width, scratch_block, seen, num_top, RATIO, BLOCK_SIZE)
     store_tail(rows_out, valid_out, tables_row, table_width, scratch_block, position, visible, num_top, RATIO,
                RATIO_PAD, BLOCK_SIZE)
 
@@ -137,12 +135,12 @@ def triton_selection_rows(
     if tables.stride(1) != 1:
         tables = tables.contiguous()
     if m and groups > SPLIT_FROM_GROUPS:
-        split_selection_rows(scores, positions, tables, groups, top, ratio, block_size, scratch_block, rows, valid)
+        split_selection_rows(scores, positions, tables, groups, k, ratio, block_size, scratch_block, rows, valid)
     elif m:
         _selection_kernel[(m,)](
             rows if scores is None else scores, positions.contiguous(), tables, rows, valid, groups, k, entries,
             0 if scores is None else scores.stride(0), tables.stride(0), tables.shape[1], scratch_block,
             SCORES=scores is not None, RATIO=ratio, RATIO_PAD=triton.next_power_of_2(ratio), BLOCK_SIZE=block_size,
-            BLOCK_G=BLOCK_G, BLOCK_E=BLOCK_E, num_warps=SELECT_WARPS, **launch_options(positions.device),
+            BLOCK_G=BLOCK_G, num_warps=SELECT_WARPS, **launch_options(positions.device),
         )
     return rows, valid.view(torch.bool)

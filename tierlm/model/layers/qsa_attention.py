@@ -394,6 +394,7 @@ class QSAAttention(nn.Module):
         index_q = self.indexer.queries(raw_index_q, rope)
         out = torch.empty(n, self.num_heads, self.head_dim, dtype=x.dtype, device=x.device)
         r, bs = self.indexer.ratio, state.block_size
+        in_place = sparse_kernel_applies(x) and selection_fuses(x) and not isinstance(kv, OffloadedKV)
         for i, (start, end) in enumerate(batch.bounds):
             table, ctx = batch.block_tables[i], batch.context_lens[i]
             self.indexer.store_block_keys(
@@ -402,7 +403,6 @@ class QSAAttention(nn.Module):
             )
             block_keys = gather_rows(state.keys, table, (ctx + end - start) // r, bs // r)
             tables = torch.where(table < 0, state.scratch_block, table)
-            in_place = sparse_kernel_applies(x) and selection_fuses(x) and not isinstance(kv, OffloadedKV)
             group = self.query_group(block_keys.shape[0], x.dtype, in_place)
             groups = [(lo, min(lo + group, end)) for lo in range(start, end, group)]  # bounded working memory
             selections = []
