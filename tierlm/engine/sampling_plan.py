@@ -92,11 +92,6 @@ class RowPlan:
         return ~self.greedy & (self.top_k > 0)
 
     @property
-    def full_rows(self) -> np.ndarray:
-        """Sampled rows without top-k: drawn over the whole vocabulary."""
-        return ~self.greedy & (self.top_k == 0)
-
-    @property
     def edited(self) -> bool:
         return bool(len(self.output_flat) or self.repeated or len(self.bias_flat) or len(self.ban_flat)
                     or len(self.pending_rows) or self.bitmask is not None)
