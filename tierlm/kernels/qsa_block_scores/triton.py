@@ -32,7 +32,7 @@ from tierlm.kernels.quant_linear.triton import dot_precision
 from tierlm.kernels.split_reduce import dot_acc
 
 # tiles: on an H200 (a scratch sweep of 32-256 keys x 4 and 8 warps at 8k-262k contexts, batches 1-16, against the
-# multiply-and-sum form: 1.5-3.3x, bench/results/qsa_block_scores_ab_nvidia-h200.txt), 128 x 4 the fastest in 5 of
+# multiply-and-sum form: 1.47-3.25x, bench/results/qsa_block_scores_ab_nvidia-h200.txt), 128 x 4 the fastest in 5 of
 # the 9 cells (8k batch 16, 65k batches 1 and 16, 262k batches 4 and 16), 64 x 4 or 32 x 4 in the others
 BLOCK_G = 128  # compressed keys per program
 SCORE_WARPS = 4
