@@ -37,7 +37,7 @@ kernel's recorded figures (RECORDED: session 7's H200 run), picks the best per b
 rows with it; the shapes are compiled first by --compile-workers processes (Triton's disk cache).
 --packed-variants times the INT4 decode form under each TIERLM_PACKED_MOE_VARIANT (`packed_decode.packed_variant`),
 NAME or NAME:FIELD=VALUE,... (fields of the variant's tiles replaced: DECODE_TILES[4] for v1, PACKED_V2_TILES
-for v2), side by side per format and batch: each one's time, % of the copy bandwidth and max rel diff, and its speed-up over the first
+for v2; early=0: weights loaded after the wait, `packed_decode.early_weights`), side by side per format and batch: each one's time, % of the copy bandwidth and max rel diff, and its speed-up over the first
 (instead of the usual rows: they would time the default variant again).
 Results go to bench/results/moe_decode_kernel_<device>.json.
 """
@@ -329,8 +329,8 @@ def sweep_packed(run: SimpleNamespace, experts: tuple, label: str, batches: list
 
 def measure_packed_variants(run: SimpleNamespace, experts: tuple, label: str, batch: int, specs: list[str]) -> dict:
     """--packed-variants: one INT4 format at one batch size, the routed experts under each variant spec
-    (NAME[:FIELD=VALUE,...], fields of the variant's PackedDecodeTiles) on the same inputs; prints one
-    line, returns the row."""
+    (NAME[:FIELD=VALUE,...], fields of the variant's PackedDecodeTiles, or early=0: its weights loaded after
+    its wait, TIERLM_NO_EARLY_EXPERT_WEIGHTS=1) on the same inputs; prints one line, returns the row."""
     from tierlm.kernels.fused_moe import naive
     from tierlm.kernels.fused_moe import triton as kernels
 
@@ -342,12 +342,17 @@ def measure_packed_variants(run: SimpleNamespace, experts: tuple, label: str, ba
     nbytes = sum(torch.unique(ids).numel() for _, ids in routes) / ROUTINGS * per_expert
     saved = {"v1": kernels.DECODE_TILES[4], "v2": kernels.PACKED_V2_TILES}
     saved_variant = os.environ.get("TIERLM_PACKED_MOE_VARIANT")
+    saved_early = os.environ.get("TIERLM_NO_EARLY_EXPERT_WEIGHTS")
     cells = {}
     try:
         for spec in specs:
             name, _, fields = spec.partition(":")
-            tiles = saved[name]._replace(**{field: int(value) for field, value in
-                                            (item.split("=") for item in fields.split(",") if item)})
+            fields = {field: int(value) for field, value in (item.split("=") for item in fields.split(",") if item)}
+            if fields.pop("early", 1):
+                os.environ.pop("TIERLM_NO_EARLY_EXPERT_WEIGHTS", None)
+            else:
+                os.environ["TIERLM_NO_EARLY_EXPERT_WEIGHTS"] = "1"
+            tiles = saved[name]._replace(**fields)
             kernels.DECODE_TILES[4], kernels.PACKED_V2_TILES = saved["v1"], saved["v2"]
             if name == "v2":
                 kernels.PACKED_V2_TILES = tiles
@@ -362,6 +367,10 @@ def measure_packed_variants(run: SimpleNamespace, experts: tuple, label: str, ba
                            "tiles": tiles._asdict()}
     finally:
         kernels.DECODE_TILES[4], kernels.PACKED_V2_TILES = saved["v1"], saved["v2"]
+        if saved_early is None:
+            os.environ.pop("TIERLM_NO_EARLY_EXPERT_WEIGHTS", None)
+        else:
+            os.environ["TIERLM_NO_EARLY_EXPERT_WEIGHTS"] = saved_early
         if saved_variant is None:
             os.environ.pop("TIERLM_PACKED_MOE_VARIANT", None)
         else:

@@ -1,7 +1,7 @@
 """The INT4 packed decode kernel (kernels/fused_moe/packed_decode.py) compiled for sm_90 without a GPU.
 
 For each variant (TIERLM_PACKED_MOE_VARIANT: v1 with fused_moe.triton.DECODE_TILES[4], v2 with
-PACKED_V2_TILES, fields replaceable as in moe_decode_kernel.py --packed-variants), group and batch at the
+PACKED_V2_TILES, fields replaceable as in moe_decode_kernel.py --packed-variants, early=0 too), group and batch at the
 target's widths (hidden 2560, intermediate 640, top-10; with the INT6 shared expert of width 640 unless
 --no-shared), each phase's programs, warps, registers a thread, stack bytes (spills), and global loads in
 the PTX (16-byte vector loads among them): what decides how many programs an SM holds, and so how many
@@ -33,12 +33,14 @@ POINTER_TYPES = {"x_ptr": "*bf16", "xs_ptr": "*fp32", "x_bias_ptr": "*fp32", "gu
 FLOAT_ARGS = {"product_scale", "bias_scale"}
 
 
-def variant_tiles(spec: str) -> tuple[str, packed_decode.PackedDecodeTiles]:
-    """NAME[:FIELD=VALUE,...] -> (variant, its tiles with those fields replaced)."""
+def variant_tiles(spec: str) -> tuple[str, packed_decode.PackedDecodeTiles, bool]:
+    """NAME[:FIELD=VALUE,...] -> (variant, its tiles with those fields replaced, whether its weights load
+    early: early=0 says not, `packed_decode.early_weights`)."""
     name, _, fields = spec.partition(":")
     tiles = kernels.PACKED_V2_TILES if name == "v2" else kernels.DECODE_TILES[4]
-    return name, tiles._replace(**{field: int(value) for field, value in
-                                   (item.split("=") for item in fields.split(",") if item)})
+    fields = {field: int(value) for field, value in (item.split("=") for item in fields.split(",") if item)}
+    early = bool(fields.pop("early", 1))
+    return name, tiles._replace(**fields), early
 
 
 def compile_phase(launch: packed_decode.PackedLaunch, phase: str, warps: int):
@@ -57,13 +59,13 @@ def main() -> None:
     print(f"{'variant':<40}{'group':>6}{'batch':>6}{'phase':>9}{'programs':>10}{'warps':>6}{'regs':>6}{'stack':>6}"
           f"{'loads':>7}{'16 B':>6}")
     for spec in args.variants:
-        variant, tiles = variant_tiles(spec)
+        variant, tiles, early = variant_tiles(spec)
         for group in args.groups:
             shared = (SharedShape(0, 0, 0, 0, 0) if args.no_shared else
                       SharedShape(1, 6, SHARED_WIDTH, group, group))
             for batch in args.batches:
                 launch = packed_decode._packed_launch(batch, HIDDEN, INTERMEDIATE, TOP_K, 4, group, tiles, 16, shared,
-                                                      "bf16", "ieee", variant)
+                                                      "bf16", "ieee", variant, early)
                 for phase, (programs, warps) in (("gate_up", launch.gate_up), ("down", launch.down)):
                     compiled = compile_phase(launch, phase, warps)
                     registers, stack = resources(compiled.asm["cubin"])

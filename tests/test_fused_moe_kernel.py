@@ -77,6 +77,12 @@ V2_TILES = {"gate_up_block_w": 4, "down_block_w": 4, "gate_up_chunks": 2, "down_
 V2_WHOLE_K_TILES = {"gate_up_block_w": 8, "down_block_w": 8, "gate_up_chunks": 5, "down_chunks": 5}
 CASES.update({f"{name}-v2": case for name, case in list(CASES.items())
               if "-int4-" in name and case[2] != PATHS["prefill"]})
+# the packed decode form loads its first weights before its inputs (`packed_decode.early_weights`); these
+# cases take the other order (TIERLM_NO_EARLY_EXPERT_WEIGHTS=1), both K loops and both dtypes, with the
+# INT6 shared expert (INT8 experts share the v1 code)
+CASES.update({f"{name}-weights-late": CASES[name] for name in
+              ("fp32-int4-g32-decode-split-shared-int6", "bf16-int4-g32-decode-split-shared-int6-v2",
+               "bf16-int8-g16-decode")})
 
 
 def route(tokens: int, top_k: int, skewed: bool, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -181,7 +187,11 @@ def run_kernel_cases(names: list[str]) -> dict[str, str | None]:
                 kernels.DECODE_TILES[4] = kernels.DECODE_TILES[4]._replace(**WHOLE_K)
             kernels.PACKED_V2_TILES = saved[3]._replace(**DECODE_BLOCK_N, **SHARED_BLOCK_K,
                                                         **(V2_WHOLE_K_TILES if "whole-k" in name else V2_TILES))
-            os.environ["TIERLM_PACKED_MOE_VARIANT"] = "v2" if name.endswith("-v2") else "v1"
+            os.environ["TIERLM_PACKED_MOE_VARIANT"] = "v2" if "-v2" in name else "v1"
+            if name.endswith("-weights-late"):
+                os.environ["TIERLM_NO_EARLY_EXPERT_WEIGHTS"] = "1"
+            else:
+                os.environ.pop("TIERLM_NO_EARLY_EXPERT_WEIGHTS", None)
             prefill = CASES[name][2] == PATHS["prefill"]
             if (ids.numel() <= DECODE_MAX_PAIRS) == prefill:
                 results[name] = f"{ids.numel()} pairs do not take the path of {name}"
@@ -195,6 +205,7 @@ def run_kernel_cases(names: list[str]) -> dict[str, str | None]:
     finally:
         kernels.DECODE_MAX_PAIRS, kernels.PREFILL_BLOCK_M, kernels.DECODE_TILES, kernels.PACKED_V2_TILES = saved
         os.environ.pop("TIERLM_PACKED_MOE_VARIANT", None)
+        os.environ.pop("TIERLM_NO_EARLY_EXPERT_WEIGHTS", None)
     return results
 
 
@@ -335,15 +346,18 @@ def test_packed_variant_is_checked(monkeypatch):
 @pytest.mark.parametrize("tokens", [1, 4])
 @pytest.mark.parametrize("experts_format", ["bf16", "int4", "int4-v2"])
 def test_dependent_launch_is_bit_identical_in_a_cuda_graph(monkeypatch, tokens, experts_format):
-    """A decode chain GEMV -> MoE -> GEMV -> MoE (the MoE's input the GEMV's output, launched with
+    """A decode chain GEMV -> router -> MoE -> GEMV -> router -> MoE (the router's and the MoE's input
+    the GEMV's output, the MoE's experts and shared gate the router kernel's output, all launched with
     programmatic dependent launch), 64 experts of 1024 -> 256 top-8 with a shared expert (bf16 experts
     and a bf16 shared expert; INT4 g128 experts and an INT6 one: int4-mixed, beside them at 4 tokens),
-    captured with PDL and without (TIERLM_NO_PDL=1): 16 replays on new inputs and new routing give
+    captured with PDL and without (TIERLM_NO_PDL=1): 16 replays on new inputs, so new routing, give
     bit-identical outputs, equal to eager calls (a program that read its input, or which expert it runs,
-    before its wait would race the kernel before it)."""
+    before the kernel that writes it has finished would race it: the packed form's items read the
+    router's output before their own wait, `packed_decode`'s early weights)."""
     from test_quant_linear_kernel import replay_with_and_without_pdl
 
     from tierlm.kernels.fused_moe.triton import fused_moe
+    from tierlm.kernels.moe_router.triton import route_and_gate
     from tierlm.kernels.quant_linear.triton import quant_linear
 
     if experts_format.startswith("int4"):  # the packed form's K loop (`packed_decode.packed_variant`)
@@ -357,10 +371,9 @@ def test_dependent_launch_is_bit_identical_in_a_cuda_graph(monkeypatch, tokens, 
     gate_up, down = weight(experts, 2 * inter, hidden), weight(experts, hidden, inter)
     shared_gate_up, shared_down = weight(2 * inter, hidden), weight(hidden, inter)
     projection = weight(hidden, hidden).bfloat16()
+    router = weight(experts + 1, hidden).bfloat16()  # (the experts' rows, then the shared gate's)
     x = torch.empty(tokens, hidden, device="cuda", dtype=torch.bfloat16)
-    routing = torch.empty(tokens, top_k, device="cuda", dtype=torch.bfloat16)
-    ids = torch.empty(tokens, top_k, device="cuda", dtype=torch.int64)
-    shared_gate = torch.empty(tokens, 1, device="cuda", dtype=torch.bfloat16)
+    shared_gate = torch.empty(tokens, 1, device="cuda", dtype=torch.bfloat16)  # (replaced by the router's)
     if experts_format == "bf16":
         args, kwargs = (gate_up.bfloat16(), down.bfloat16()), {}
         shared = naive.SharedExpert(shared_gate, shared_gate_up.bfloat16(), shared_down.bfloat16())
@@ -374,16 +387,13 @@ def test_dependent_launch_is_bit_identical_in_a_cuda_graph(monkeypatch, tokens, 
     def step():
         y = x
         for _ in range(2):
-            y = fused_moe(quant_linear(y, projection), *args, routing, ids, **kwargs, shared=shared)
+            h = quant_linear(y, projection)
+            routing, ids, gate = route_and_gate(h, router, top_k, True)
+            y = fused_moe(h, *args, routing, ids, **kwargs, shared=shared._replace(gate=gate))
         return y
 
     def set_inputs(i):
-        g = torch.Generator().manual_seed(100 + i)
-        x.copy_(torch.randn(tokens, hidden, generator=g))
-        ids.copy_(torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)]))
-        weights = torch.rand(tokens, top_k, generator=g)
-        routing.copy_(weights / weights.sum(-1, keepdim=True))
-        shared_gate.copy_(torch.rand(tokens, 1, generator=g))
+        x.copy_(torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(100 + i)))
 
     with_pdl, without = replay_with_and_without_pdl(monkeypatch, step, set_inputs)
     for i, (a, b) in enumerate(zip(with_pdl, without)):

@@ -17,6 +17,12 @@ The rules every kernel launched here follows (a kernel that breaks them races it
     its own weight loads early.
 Because each kernel waits for its predecessor to finish, and a kernel finishes only after its own wait,
 "finished" is transitive: after the wait, every earlier kernel of the stream has finished too.
+One exception to the first rule: a kernel whose predecessor lets it start only once the predecessor's own
+wait has returned (`allow_dependents_once_waited`) can start only after the kernel before that one has
+finished, so it may load that kernel's output (and any earlier one's) before its own wait; and so may the
+kernel after it, which cannot start before it has. The packed fused MoE (`fused_moe.packed_decode`) uses
+this: its gate_up and down items read the router's output (which experts) and start their weight loads
+before they wait for x's split copy and for gate_up's activations.
 
 Where a kernel lets the next one start is its trigger (`launch_options`): "start" (its programs allow it
 first thing, so the next kernel's weight loads overlap this kernel's whole run; the next one may in turn
@@ -117,6 +123,14 @@ def wait_for_inputs(PDL: tl.constexpr):
     if PDL:
         gdc_wait()
     if PDL == 2:
+        gdc_launch_dependents()
+
+
+@triton.jit
+def allow_dependents_once_waited(PDL: tl.constexpr):
+    """Called after `wait_for_inputs`, in place of `allow_dependents`: under the "start" trigger, lets the next
+    kernel start only now (the exception to the rules above); the other triggers are as they were."""
+    if PDL == 3:
         gdc_launch_dependents()
 
 

@@ -31,6 +31,13 @@ splits then the shared expert's. The shared expert takes its own format (INT6 in
 spreads over programs like an expert's: it costs its bytes, not a long tail (the looped-tile form before
 this one fused it at 0.74x of running it apart at batch 1 on an H200). Tiles: `PackedDecodeTiles`.
 
+Early weights (PDL, `dependent_launch`; TIERLM_NO_EARLY_EXPERT_WEIGHTS=1 turns it off): `_split_x_kernel` lets
+gate_up start only once its own wait has returned, that is once the router has finished; so a routed item
+of gate_up, and of down (which starts after gate_up has), reads its expert id and issues its first weight
+loads before it waits for its inputs. gate_up's weights then stream in while split x runs, and down's
+while gate_up's last items finish, where each launch otherwise began with a round trip to memory after
+the kernel before it had ended. The shared expert's items, and items past a row's width, wait first.
+
 Two K loops for the routed INT4 experts (`packed_variant`: by group size and tokens, as measured;
 TIERLM_PACKED_MOE_VARIANT=v1|v2 forces one; everything else is shared):
   - v1: one [rows, words] tile a program (`_tile_sums`), a scale loaded per word; its tiles
@@ -59,7 +66,12 @@ import torch
 import triton
 import triton.language as tl
 
-from tierlm.kernels.dependent_launch import allow_dependents, launch_options, wait_for_inputs
+from tierlm.kernels.dependent_launch import (
+    allow_dependents,
+    allow_dependents_once_waited,
+    launch_options,
+    wait_for_inputs,
+)
 from tierlm.kernels.fused_moe.decode_parts import DTYPE_NAMES, SharedArgs, SharedShape, round_as
 from tierlm.kernels.quant_linear.triton import dot_precision, gemv_loop, gemv_sum, gemv_zeros, round_to
 from tierlm.kernels.split_reduce import arrival_counters
@@ -91,6 +103,12 @@ def packed_variant(bits: int, group: int, tokens: int, v2_tiles: PackedDecodeTil
         fits = v2_misfit(v2_tiles, bits, group) is None
         return "v2" if fits and (group, tokens) not in PACKED_V1_DEFAULT else "v1"
     return variant
+
+
+def early_weights() -> bool:
+    """Whether the routed experts' items load their first weights before they wait for their inputs (the
+    module docstring's "Early weights"); TIERLM_NO_EARLY_EXPERT_WEIGHTS=1: after, as every other kernel."""
+    return not os.environ.get("TIERLM_NO_EARLY_EXPERT_WEIGHTS")
 
 
 class PackedDecodeTiles(NamedTuple):
@@ -136,12 +154,17 @@ def _field(words, high, j: tl.constexpr, BITS: tl.constexpr):
 
 @triton.jit
 def _split_x_kernel(x_ptr, xs_ptr, bias_ptr, stride_xt, bias_scale, WORDS: tl.constexpr, BITS: tl.constexpr,
-                    BLOCK_W: tl.constexpr, PDL: tl.constexpr):
+                    BLOCK_W: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr):
     """x [T, H] -> xs [T, values, WORDS] (fp32, plane j times `_plane_factor`) and bias [T, WORDS] (the
     word's x values summed, times bias_scale = 2^(BITS-1) * 2^-E). Program (token, block of words).
-    (Under PDL it waits first: it reads nothing but x.)"""
-    allow_dependents(PDL)
-    wait_for_inputs(PDL)
+    (Under PDL it waits first: it reads nothing but x. EARLY: it lets gate_up start only once its wait has
+    returned, so gate_up may read the router's output before its own wait.)"""
+    if EARLY:
+        wait_for_inputs(PDL)
+        allow_dependents_once_waited(PDL)
+    else:
+        allow_dependents(PDL)
+        wait_for_inputs(PDL)
     VALUES: tl.constexpr = 32 // BITS
     token = tl.program_id(0).to(tl.int64)
     offs_w = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
@@ -165,32 +188,41 @@ def _plane(ptr, j: tl.constexpr, offs_w, inside, WORDS: tl.constexpr, BLOCK_W: t
 
 
 @triton.jit
-def _tile_sums(w_ptr, s_ptr, rows, xs_ptr, bias_ptr, split, WORDS: tl.constexpr, BITS: tl.constexpr,
-               GROUP_SIZE: tl.constexpr, BLOCK_W: tl.constexpr):
-    """Each row's sum, times 2^-E, over words [split * BLOCK_W, +BLOCK_W) of weight rows `rows` ([R]
-    int64, in range; the weights' rows WORDS words long, their scales' WORDS / words per group: contiguous,
-    so every offset is a constant) against one row of split x (planes at xs_ptr, word sums at bias_ptr):
-    [R] fp32. The words, their scales and x are loaded together, then each word's fields are multiplied in
-    place."""
-    VALUES: tl.constexpr = 32 // BITS
-    stride_wn: tl.constexpr = WORDS
-    stride_sn: tl.constexpr = WORDS * VALUES // GROUP_SIZE
+def _tile_words(split, WORDS: tl.constexpr, BLOCK_W: tl.constexpr):
+    """(the words [BLOCK_W] of K split `split`, which of them lie inside the row)."""
     offs_w = split * BLOCK_W + tl.arange(0, BLOCK_W)
     offs_w = tl.max_contiguous(tl.multiple_of(offs_w, BLOCK_W), BLOCK_W)
-    inside = offs_w < WORDS
-    # x's planes first, in program order (they need no expert id): ptxas then issues them up front (a loop
-    # over the planes left most of them between the products: sm_90, triton 3.9); it still issues some of
-    # the words after the first products at 4 rows a thread (other programs on the SM cover that wait)
+    return offs_w, offs_w < WORDS
+
+
+@triton.jit
+def _tile_planes(xs_ptr, bias_ptr, offs_w, inside, WORDS: tl.constexpr, BITS: tl.constexpr, BLOCK_W: tl.constexpr):
+    """One row of split x at words offs_w: (its word sums, its planes x0..x7 ([BLOCK_W] each; with 4 values
+    a word, x4..x7 repeat x0: not multiplied)), loaded in program order (ptxas then issues them up front: a
+    loop over the planes left most of them between the products: sm_90, triton 3.9)."""
     x0 = _plane(xs_ptr, 0, offs_w, inside, WORDS, BLOCK_W)
     x1 = _plane(xs_ptr, 1, offs_w, inside, WORDS, BLOCK_W)
     x2 = _plane(xs_ptr, 2, offs_w, inside, WORDS, BLOCK_W)
     x3 = _plane(xs_ptr, 3, offs_w, inside, WORDS, BLOCK_W)
-    if VALUES == 8:
+    x4, x5, x6, x7 = x0, x0, x0, x0
+    if BITS == 4:
         x4 = _plane(xs_ptr, 4, offs_w, inside, WORDS, BLOCK_W)
         x5 = _plane(xs_ptr, 5, offs_w, inside, WORDS, BLOCK_W)
         x6 = _plane(xs_ptr, 6, offs_w, inside, WORDS, BLOCK_W)
         x7 = _plane(xs_ptr, 7, offs_w, inside, WORDS, BLOCK_W)
     word_bias = _plane(bias_ptr, 0, offs_w, inside, WORDS, BLOCK_W)
+    return word_bias, x0, x1, x2, x3, x4, x5, x6, x7
+
+
+@triton.jit
+def _tile_weights(w_ptr, s_ptr, rows, offs_w, inside, WORDS: tl.constexpr, BITS: tl.constexpr,
+                  GROUP_SIZE: tl.constexpr, BLOCK_W: tl.constexpr):
+    """The words [R, BLOCK_W] of weight rows `rows` ([R] int64, in range) at offs_w, and each word's group
+    scale (fp32); the weights' rows WORDS words long, their scales' WORDS / words per group: contiguous, so
+    every offset is a constant."""
+    VALUES: tl.constexpr = 32 // BITS
+    stride_wn: tl.constexpr = WORDS
+    stride_sn: tl.constexpr = WORDS * VALUES // GROUP_SIZE
     word_ptrs = w_ptr + rows[:, None] * stride_wn + offs_w[None, :]
     scale_ptrs = s_ptr + rows[:, None] * stride_sn + (offs_w // (GROUP_SIZE // VALUES))[None, :]
     if WORDS % BLOCK_W == 0:
@@ -199,12 +231,19 @@ def _tile_sums(w_ptr, s_ptr, rows, xs_ptr, bias_ptr, split, WORDS: tl.constexpr,
     else:
         words = tl.load(word_ptrs, mask=inside[None, :], other=0).to(tl.uint32, bitcast=True)
         scale = tl.load(scale_ptrs, mask=inside[None, :], other=0.0).to(tl.float32)
+    return words, scale
+
+
+@triton.jit
+def _tile_products(words, scale, word_bias, x0, x1, x2, x3, x4, x5, x6, x7, BITS: tl.constexpr):
+    """Each row's sum (times 2^-E) of one tile: each word's fields multiplied in place against x's planes,
+    the bias taken off per word, each word's sum times its scale."""
     high = words >> 8
     acc = _field(words, high, 0, BITS) * x0[None, :] - word_bias[None, :]
     acc += _field(words, high, 1, BITS) * x1[None, :]
     acc += _field(words, high, 2, BITS) * x2[None, :]
     acc += _field(words, high, 3, BITS) * x3[None, :]
-    if VALUES == 8:
+    if BITS == 4:
         acc += _field(words, high, 4, BITS) * x4[None, :]
         acc += _field(words, high, 5, BITS) * x5[None, :]
         acc += _field(words, high, 6, BITS) * x6[None, :]
@@ -213,15 +252,46 @@ def _tile_sums(w_ptr, s_ptr, rows, xs_ptr, bias_ptr, split, WORDS: tl.constexpr,
 
 
 @triton.jit
-def _chunk_loads(w_ptr, s_ptr, rows, xs_ptr, bias_ptr, first_word, WORDS: tl.constexpr, GROUP_WORDS: tl.constexpr,
-                 BLOCK_G: tl.constexpr):
-    """v2: one chunk's loads, INT4, BLOCK_G whole groups of GROUP_WORDS words from word first_word (a
-    multiple of GROUP_WORDS): the words [R, BLOCK_G, GROUP_WORDS] (each row's group a run of whole 16-byte
-    vectors), one scale a group [R, BLOCK_G], and x's eight planes and word sums [BLOCK_G, GROUP_WORDS]
-    in the same order. Masked past the row (every group is whole: a run of words never straddles it)."""
+def _tile_sums(w_ptr, s_ptr, rows, xs_ptr, bias_ptr, split, WORDS: tl.constexpr, BITS: tl.constexpr,
+               GROUP_SIZE: tl.constexpr, BLOCK_W: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr):
+    """Each row's sum, times 2^-E, over words [split * BLOCK_W, +BLOCK_W) of weight rows `rows` against one
+    row of split x (planes at xs_ptr, word sums at bias_ptr): [R] fp32. The words, their scales and x are
+    loaded together, then each word's fields are multiplied in place. EARLY: the weights are loaded
+    first, then the program waits for its inputs (`_early_wait`), then x; else x's planes first (they need
+    no expert id; ptxas still issues some of the words after the first products at 4 rows a thread:
+    other programs on the SM cover that wait)."""
+    offs_w, inside = _tile_words(split, WORDS, BLOCK_W)
+    if EARLY:
+        words, scale = _tile_weights(w_ptr, s_ptr, rows, offs_w, inside, WORDS, BITS, GROUP_SIZE, BLOCK_W)
+        _early_wait(EARLY, PDL)
+        word_bias, x0, x1, x2, x3, x4, x5, x6, x7 = _tile_planes(xs_ptr, bias_ptr, offs_w, inside, WORDS, BITS,
+                                                                 BLOCK_W)
+    else:
+        word_bias, x0, x1, x2, x3, x4, x5, x6, x7 = _tile_planes(xs_ptr, bias_ptr, offs_w, inside, WORDS, BITS,
+                                                                 BLOCK_W)
+        words, scale = _tile_weights(w_ptr, s_ptr, rows, offs_w, inside, WORDS, BITS, GROUP_SIZE, BLOCK_W)
+    return _tile_products(words, scale, word_bias, x0, x1, x2, x3, x4, x5, x6, x7, BITS)
+
+
+@triton.jit
+def _early_wait(EARLY: tl.constexpr, PDL: tl.constexpr):
+    """Where an EARLY program waits for its inputs (its weights already loading); the others waited first."""
+    if EARLY:
+        wait_for_inputs(PDL)
+
+
+@triton.jit
+def _chunk_words(first_word, WORDS: tl.constexpr, GROUP_WORDS: tl.constexpr, BLOCK_G: tl.constexpr):
+    """v2: one chunk's BLOCK_G whole groups of GROUP_WORDS words from word first_word (a multiple of
+    GROUP_WORDS): (the groups [BLOCK_G], their words [BLOCK_G, GROUP_WORDS], which words lie inside the row)."""
     offs_g = first_word // GROUP_WORDS + tl.arange(0, BLOCK_G)
     offs_w = offs_g[:, None] * GROUP_WORDS + tl.arange(0, GROUP_WORDS)[None, :]
-    inside = offs_w < WORDS
+    return offs_g, offs_w, offs_w < WORDS
+
+
+@triton.jit
+def _chunk_planes(xs_ptr, bias_ptr, offs_w, inside, WORDS: tl.constexpr):
+    """v2: x's word sums and eight planes at one chunk's words [BLOCK_G, GROUP_WORDS] (0 past the row)."""
     x0 = tl.load(xs_ptr + 0 * WORDS + offs_w, mask=inside, other=0.0)
     x1 = tl.load(xs_ptr + 1 * WORDS + offs_w, mask=inside, other=0.0)
     x2 = tl.load(xs_ptr + 2 * WORDS + offs_w, mask=inside, other=0.0)
@@ -231,10 +301,35 @@ def _chunk_loads(w_ptr, s_ptr, rows, xs_ptr, bias_ptr, first_word, WORDS: tl.con
     x6 = tl.load(xs_ptr + 6 * WORDS + offs_w, mask=inside, other=0.0)
     x7 = tl.load(xs_ptr + 7 * WORDS + offs_w, mask=inside, other=0.0)
     word_bias = tl.load(bias_ptr + offs_w, mask=inside, other=0.0)
+    return word_bias, x0, x1, x2, x3, x4, x5, x6, x7
+
+
+@triton.jit
+def _chunk_weights(w_ptr, s_ptr, rows, offs_g, offs_w, inside, WORDS: tl.constexpr, GROUP_WORDS: tl.constexpr):
+    """v2: one chunk's words [R, BLOCK_G, GROUP_WORDS] (each row's group a run of whole 16-byte vectors) and
+    one scale a group [R, BLOCK_G]. Masked past the row (every group is whole: a run of words never
+    straddles it)."""
     words = tl.load(w_ptr + rows[:, None, None] * WORDS + offs_w[None, :, :], mask=inside[None, :, :],
                     other=0).to(tl.uint32, bitcast=True)
     scale = tl.load(s_ptr + rows[:, None] * (WORDS // GROUP_WORDS) + offs_g[None, :],
                     mask=(offs_g < WORDS // GROUP_WORDS)[None, :], other=0.0)
+    return words, scale
+
+
+@triton.jit
+def _chunk_loads(w_ptr, s_ptr, rows, xs_ptr, bias_ptr, first_word, WORDS: tl.constexpr, GROUP_WORDS: tl.constexpr,
+                 BLOCK_G: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr):
+    """v2: one chunk's loads, INT4 (`_chunk_words`): x's planes and word sums, then the words and scales;
+    EARLY: the words and scales first, then the wait for the inputs (`_early_wait`; the first chunk's
+    only), then x's."""
+    offs_g, offs_w, inside = _chunk_words(first_word, WORDS, GROUP_WORDS, BLOCK_G)
+    if EARLY:
+        words, scale = _chunk_weights(w_ptr, s_ptr, rows, offs_g, offs_w, inside, WORDS, GROUP_WORDS)
+        _early_wait(EARLY, PDL)
+        word_bias, x0, x1, x2, x3, x4, x5, x6, x7 = _chunk_planes(xs_ptr, bias_ptr, offs_w, inside, WORDS)
+    else:
+        word_bias, x0, x1, x2, x3, x4, x5, x6, x7 = _chunk_planes(xs_ptr, bias_ptr, offs_w, inside, WORDS)
+        words, scale = _chunk_weights(w_ptr, s_ptr, rows, offs_g, offs_w, inside, WORDS, GROUP_WORDS)
     return words, scale, word_bias, x0, x1, x2, x3, x4, x5, x6, x7
 
 
@@ -257,21 +352,22 @@ def _chunk_sums(words, scale, word_bias, x0, x1, x2, x3, x4, x5, x6, x7):
 
 @triton.jit
 def _looped_tile_sums(w_ptr, s_ptr, rows, xs_ptr, bias_ptr, split, WORDS: tl.constexpr, GROUP_SIZE: tl.constexpr,
-                      BLOCK_W: tl.constexpr, CHUNKS: tl.constexpr):
+                      BLOCK_W: tl.constexpr, CHUNKS: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr):
     """v2 (INT4): what `_tile_sums` returns, over words [split * BLOCK_W * CHUNKS, +BLOCK_W * CHUNKS) in
     CHUNKS chunks of BLOCK_W: each chunk's loads are issued before the chunk before it is multiplied
     (registers double-buffered: two chunks in flight a program all through its run, where a one-tile
     program has one, then waits on its arrival round trip with nothing loading); fp32 group sums
-    accumulate over the chunks and are summed across the tile once, at the end."""
+    accumulate over the chunks and are summed across the tile once, at the end. EARLY: the first chunk's
+    weights are loaded before the wait for the inputs (`_chunk_loads`)."""
     GROUP_WORDS: tl.constexpr = GROUP_SIZE // 8
     BLOCK_G: tl.constexpr = BLOCK_W // GROUP_WORDS
     first = split * (BLOCK_W * CHUNKS)
     words, scale, word_bias, x0, x1, x2, x3, x4, x5, x6, x7 = _chunk_loads(
-        w_ptr, s_ptr, rows, xs_ptr, bias_ptr, first, WORDS, GROUP_WORDS, BLOCK_G)
+        w_ptr, s_ptr, rows, xs_ptr, bias_ptr, first, WORDS, GROUP_WORDS, BLOCK_G, EARLY, PDL)
     acc = tl.zeros(scale.shape, dtype=tl.float32)
     for chunk in range(1, CHUNKS):
         n_words, n_scale, n_bias, n0, n1, n2, n3, n4, n5, n6, n7 = _chunk_loads(
-            w_ptr, s_ptr, rows, xs_ptr, bias_ptr, first + chunk * BLOCK_W, WORDS, GROUP_WORDS, BLOCK_G)
+            w_ptr, s_ptr, rows, xs_ptr, bias_ptr, first + chunk * BLOCK_W, WORDS, GROUP_WORDS, BLOCK_G, False, PDL)
         acc += _chunk_sums(words, scale, word_bias, x0, x1, x2, x3, x4, x5, x6, x7)
         words, scale, word_bias, x0, x1, x2, x3, x4, x5, x6, x7 = (
             n_words, n_scale, n_bias, n0, n1, n2, n3, n4, n5, n6, n7)
@@ -281,13 +377,15 @@ def _looped_tile_sums(w_ptr, s_ptr, rows, xs_ptr, bias_ptr, split, WORDS: tl.con
 
 @triton.jit
 def _split_sums(w_ptr, s_ptr, rows, xs_ptr, bias_ptr, split, WORDS: tl.constexpr, BITS: tl.constexpr,
-                GROUP_SIZE: tl.constexpr, BLOCK_W: tl.constexpr, CHUNKS: tl.constexpr, VARIANT: tl.constexpr):
+                GROUP_SIZE: tl.constexpr, BLOCK_W: tl.constexpr, CHUNKS: tl.constexpr, VARIANT: tl.constexpr,
+                EARLY: tl.constexpr, PDL: tl.constexpr):
     """The rows' sums (times 2^-E) over K split `split`: v1 one tile (`_tile_sums`), v2 CHUNKS tiles
-    (`_looped_tile_sums`)."""
+    (`_looped_tile_sums`). EARLY: the program waits for its inputs in here, its first weights loading."""
     if VARIANT == "v2":
-        sums = _looped_tile_sums(w_ptr, s_ptr, rows, xs_ptr, bias_ptr, split, WORDS, GROUP_SIZE, BLOCK_W, CHUNKS)
+        sums = _looped_tile_sums(w_ptr, s_ptr, rows, xs_ptr, bias_ptr, split, WORDS, GROUP_SIZE, BLOCK_W, CHUNKS,
+                                 EARLY, PDL)
     else:
-        sums = _tile_sums(w_ptr, s_ptr, rows, xs_ptr, bias_ptr, split, WORDS, BITS, GROUP_SIZE, BLOCK_W)
+        sums = _tile_sums(w_ptr, s_ptr, rows, xs_ptr, bias_ptr, split, WORDS, BITS, GROUP_SIZE, BLOCK_W, EARLY, PDL)
     return sums
 
 
@@ -364,7 +462,7 @@ def _gate_up_program(
     SPLITS_P2: tl.constexpr, SHARED_SPLITS: tl.constexpr, SHARED_SPLITS_P2: tl.constexpr, SLOTS: tl.constexpr,
     DTYPE: tl.constexpr, HAS_SHARED: tl.constexpr, SHARED_BITS: tl.constexpr, SHARED_GROUP_SIZE: tl.constexpr,
     SHARED_BLOCK_K: tl.constexpr, SHARED_EVEN_K: tl.constexpr, PRECISION: tl.constexpr, CHUNKS: tl.constexpr,
-    VARIANT: tl.constexpr,
+    VARIANT: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr,
 ):
     """gate_up's item (row, pid_n, split): the gate and up sums of columns [pid_n * BLOCK_N, +BLOCK_N) over
     one K split. Rows below num_shared (T with a shared expert, else 0) are the tokens' shared expert: its
@@ -372,7 +470,8 @@ def _gate_up_program(
     SHARED_SPLITS); the others are pairs (pair = row - num_shared: token pair // TOP_K, expert ids[pair]):
     gate and up rows in one [2 * BLOCK_N, BLOCK_W] tile of H's words [split * BLOCK_W, +BLOCK_W) (of
     SPLITS). SLOTS: partials a column block holds (the larger split count). The split that arrives last
-    finishes the columns (`_gate_up_end`)."""
+    finishes the columns (`_gate_up_end`). EARLY: a pair's item loads its expert id and weights before it
+    waits for its inputs (`_split_sums`); every other path waits first (`_early_wait`)."""
     VALUES: tl.constexpr = 32 // BITS
     WORDS: tl.constexpr = H // VALUES
     pair = row - num_shared
@@ -388,11 +487,12 @@ def _gate_up_program(
                 rows = tl.where(n < I, rows, 0)  # clamped
             sums = _split_sums(w_ptr + expert * (2 * I * WORDS), s_ptr + expert * (2 * I * (H // GROUP_SIZE)),
                                rows.to(tl.int64), xs_ptr + token * H, x_bias_ptr + token * WORDS, split, WORDS, BITS,
-                               GROUP_SIZE, BLOCK_W, CHUNKS, VARIANT) * product_scale
+                               GROUP_SIZE, BLOCK_W, CHUNKS, VARIANT, EARLY, PDL) * product_scale
             _gate_up_end(sums, row, pid_n, split, num_shared, act_ptr, act_bias_ptr, shared_act_ptr, partial_ptr,
                          counter_ptr, S, bias_scale, stride_sap, I, BITS, BLOCK_N, N_BLOCKS, SPLITS, SPLITS_P2, SLOTS,
                          DTYPE, PRECISION)
         else:
+            _early_wait(EARLY, PDL)
             if HAS_SHARED:
                 offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
                 n_mask = offs_n < S
@@ -413,6 +513,8 @@ def _gate_up_program(
                 _gate_up_end(sums, row, pid_n, split, num_shared, act_ptr, act_bias_ptr, shared_act_ptr, partial_ptr,
                              counter_ptr, S, bias_scale, stride_sap, I, BITS, BLOCK_N, N_BLOCKS, SHARED_SPLITS,
                              SHARED_SPLITS_P2, SLOTS, DTYPE, PRECISION)
+    else:
+        _early_wait(EARLY, PDL)  # (an item past its row's width: it reads and writes nothing)
 
 
 @triton.jit
@@ -424,13 +526,14 @@ def _down_program(
     BLOCK_N: tl.constexpr, N_BLOCKS: tl.constexpr, BLOCK_W: tl.constexpr, SPLITS: tl.constexpr, SHARED_SPLITS: tl.constexpr,
     PARTS_P2: tl.constexpr, DTYPE: tl.constexpr, HAS_SHARED: tl.constexpr, SHARED_BITS: tl.constexpr, SHARED_GROUP_SIZE: tl.constexpr,
     SHARED_BLOCK_K: tl.constexpr, SHARED_EVEN_K: tl.constexpr, PRECISION: tl.constexpr, CHUNKS: tl.constexpr,
-    VARIANT: tl.constexpr,
+    VARIANT: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr,
 ):
     """down's item (pid_n, token (int64), part): rows [pid_n * BLOCK_N, +BLOCK_N) of H for one token. Parts
     below TOP_K * SPLITS are slot part // SPLITS's expert over I's words [(part % SPLITS) * BLOCK_W,
     +BLOCK_W), times its routing weight (rounded to x's dtype); the rest the shared expert's K ranges of
     S, times its gate (`gemv_loop`, its own format). The token's part that arrives last adds all parts in
-    order and rounds out[token] once."""
+    order and rounds out[token] once. EARLY: a slot's item loads its expert id, routing weight and weights
+    before it waits for its inputs (`_split_sums`); the shared expert's items wait first (`_early_wait`)."""
     VALUES: tl.constexpr = 32 // BITS
     WORDS: tl.constexpr = I // VALUES
     PARTS: tl.constexpr = TOP_K * SPLITS + HAS_SHARED * SHARED_SPLITS
@@ -446,8 +549,9 @@ def _down_program(
         routing = round_as(tl.load(routing_ptr + pair).to(tl.float32), DTYPE, PRECISION)
         result = _split_sums(w_ptr + expert * (H * WORDS), s_ptr + expert * (H * (I // GROUP_SIZE)),
                              rows.to(tl.int64), act_ptr + pair * I, act_bias_ptr + pair * WORDS, part % SPLITS, WORDS,
-                             BITS, GROUP_SIZE, BLOCK_W, CHUNKS, VARIANT) * (routing * product_scale)
+                             BITS, GROUP_SIZE, BLOCK_W, CHUNKS, VARIANT, EARLY, PDL) * (routing * product_scale)
     else:
+        _early_wait(EARLY, PDL)
         if HAS_SHARED:
             k_start = (part - TOP_K * SPLITS) * SHARED_BLOCK_K
             acc = gemv_loop(gemv_zeros(1, BLOCK_N, SHARED_BLOCK_K, SHARED_BITS), shared_act_ptr,
@@ -481,16 +585,18 @@ def _packed_decode_kernel(
     GU_SHARED_BLOCK_K: tl.constexpr, GU_SHARED_EVEN_K: tl.constexpr, DN_SHARED_GROUP_SIZE: tl.constexpr,
     DN_SHARED_BLOCK_K: tl.constexpr, DN_SHARED_EVEN_K: tl.constexpr, PHASE: tl.constexpr,
     PRECISION: tl.constexpr, GU_CHUNKS: tl.constexpr, DN_CHUNKS: tl.constexpr, VARIANT: tl.constexpr,
-    PDL: tl.constexpr,
+    EARLY: tl.constexpr, PDL: tl.constexpr,
 ):
     """PHASE "gate_up": program i is gate_up's item (split i % GU_SPLITS, column block (i // GU_SPLITS) %
     GU_BLOCKS, row i // (GU_SPLITS * GU_BLOCKS)); "down": down's item (part i % parts, column block
     (i // parts) % DN_BLOCKS, token i // (parts * DN_BLOCKS)): a tile's splits are neighbours. The experts'
-    weights and scales are contiguous: their strides are constants. Under PDL every program waits first:
-    which expert an item reads is the router's output (a shared expert's items, a few of them, wait too)."""
+    weights and scales are contiguous: their strides are constants. Under PDL every program waits for its
+    inputs first, or with EARLY once its expert's first weights are loading (the module docstring says
+    why it may read the router's output before its wait)."""
     allow_dependents(PDL)
     index = tl.program_id(0)
-    wait_for_inputs(PDL)
+    if not EARLY:
+        wait_for_inputs(PDL)
     if PHASE == "gate_up":
         row_items = GU_BLOCKS * GU_SPLITS  # the items of a pair's row; a shared expert's row has its own count
         first_pair, first = 0, 0
@@ -509,7 +615,7 @@ def _packed_decode_kernel(
             S, product_scale, bias_scale, stride_xt, gu_stride_swn, gu_stride_ssn, stride_sap, H, I, TOP_K, BITS,
             GROUP_SIZE, GU_BLOCK_N, GU_BLOCKS, GU_BLOCK_W, GU_SPLITS, GU_SPLITS_P2, GU_SHARED_SPLITS,
             GU_SHARED_SPLITS_P2, max(GU_SPLITS, GU_SHARED_SPLITS), DTYPE, HAS_SHARED, SHARED_BITS,
-            GU_SHARED_GROUP_SIZE, GU_SHARED_BLOCK_K, GU_SHARED_EVEN_K, PRECISION, GU_CHUNKS, VARIANT)
+            GU_SHARED_GROUP_SIZE, GU_SHARED_BLOCK_K, GU_SHARED_EVEN_K, PRECISION, GU_CHUNKS, VARIANT, EARLY, PDL)
     else:
         PARTS: tl.constexpr = TOP_K * DN_SPLITS + HAS_SHARED * DN_SHARED_SPLITS
         _down_program(
@@ -518,7 +624,7 @@ def _packed_decode_kernel(
             shared_gate_ptr, out_ptr, dn_partial_ptr, dn_counter_ptr, S, product_scale, stride_sap, dn_stride_swn,
             dn_stride_ssn, H, I, TOP_K, BITS, GROUP_SIZE, DN_BLOCK_N, DN_BLOCKS, DN_BLOCK_W, DN_SPLITS, DN_SHARED_SPLITS, DN_PARTS_P2, DTYPE,
             HAS_SHARED, SHARED_BITS, DN_SHARED_GROUP_SIZE, DN_SHARED_BLOCK_K, DN_SHARED_EVEN_K, PRECISION, DN_CHUNKS,
-            VARIANT)
+            VARIANT, EARLY, PDL)
 
 
 class PackedLaunch(NamedTuple):
@@ -554,10 +660,11 @@ def v2_misfit(tiles: PackedDecodeTiles, bits: int, group: int) -> str | None:
 
 @functools.cache
 def _packed_launch(t: int, h: int, inter: int, top_k: int, bits: int, group: int, tiles: PackedDecodeTiles,
-                   max_tokens: int, shared: SharedShape, dtype: str, precision: str, variant: str) -> PackedLaunch:
+                   max_tokens: int, shared: SharedShape, dtype: str, precision: str, variant: str,
+                   early: bool = True) -> PackedLaunch:
     """The three launches' shapes and constants for T tokens of top-k over experts [H -> I] packed in
     `bits`, worked out once per shape (eager decode calls this every layer of every step); `variant`:
-    `packed_variant`'s."""
+    `packed_variant`'s; `early`: `early_weights`'."""
     values = 32 // bits
     if tiles.gate_up_block_n % values:
         raise ValueError(f"gate_up_block_n {tiles.gate_up_block_n} must be a multiple of {values} (values per word)")
@@ -590,11 +697,11 @@ def _packed_launch(t: int, h: int, inter: int, top_k: int, bits: int, group: int
         "DN_BLOCKS": down_blocks, "DN_BLOCK_W": tiles.down_block_w, "DN_SPLITS": down_splits,
         "DN_SHARED_SPLITS": shared_down_splits, "DN_PARTS_P2": triton.next_power_of_2(parts),
         "DTYPE": dtype, "PRECISION": precision, "GU_CHUNKS": gate_up_chunks, "DN_CHUNKS": down_chunks,
-        "VARIANT": variant, **shared_constants}
+        "VARIANT": variant, "EARLY": early, **shared_constants}
     gate_up_items = gate_up_blocks * (num_shared * shared_gate_up_splits + t * top_k * gate_up_splits)
     return PackedLaunch(
         buffer_sizes, (t, triton.cdiv(words_h, SPLIT_X_BLOCK_W)),
-        MappingProxyType({"WORDS": words_h, "BITS": bits, "BLOCK_W": SPLIT_X_BLOCK_W}), num_shared,
+        MappingProxyType({"WORDS": words_h, "BITS": bits, "BLOCK_W": SPLIT_X_BLOCK_W, "EARLY": early}), num_shared,
         most_rows * gate_up_blocks, max(t, max_tokens) * down_blocks, 2.0 ** PRODUCT_EXPONENT.value,
         2.0 ** (bits - 1 - PRODUCT_EXPONENT.value), (gate_up_items, tiles.gate_up_warps),
         (t * down_blocks * parts, tiles.down_warps), MappingProxyType(constants))
@@ -611,7 +718,7 @@ def packed_decode(x: torch.Tensor, weights: tuple, topk_weights: torch.Tensor, t
     w_gate_up, gate_up_scales, w_down, down_scales = weights
     (t, h), top_k = x.shape, topk_ids.shape[1]
     launch = _packed_launch(t, h, inter, top_k, bits, group, tiles, max_tokens, shared.shape, DTYPE_NAMES[x.dtype],
-                            dot_precision(x), variant)
+                            dot_precision(x), variant, early_weights())
     workspace = torch.empty(sum(launch.buffer_sizes), dtype=torch.float32, device=x.device)
     xs, x_bias, act, act_bias, gate_up_partial, down_partial = workspace.split(launch.buffer_sizes)
     _split_x_kernel[launch.split_x_grid](x, xs, x_bias, x.stride(0), launch.bias_scale, **launch.split_x_constants,
