@@ -22,6 +22,7 @@ the reference on every routing (max |diff| relative to max |reference|).
     python bench/moe_decode_kernel.py --shared --no-reference   # CUDA: also the MoE block's shared expert
     python bench/moe_decode_kernel.py --formats int4-g32 int4-g128 --batches 1 4 --no-reference \
         --packed-variants v1 v2 v2:gate_up_chunks=1 v2:gate_up_block_n=64   # CUDA: the K loops side by side
+    python bench/moe_decode_kernel.py --formats bf16 --early-down-tiles 0 1 2 3 --no-reference   # CUDA
 --shared adds, per format and batch, the experts with the block's shared expert (width 640; bf16 beside
 bf16 experts, INT6 with the experts' group beside INT4 ones, as `tierlm quantize --scheme int4-mixed`
 writes it) as the model ran them before (the routed kernel, then the shared SwiGLU through its own layers:
@@ -381,6 +382,46 @@ def measure_packed_variants(run: SimpleNamespace, experts: tuple, label: str, ba
     return {"format": label, "batch": batch, "weight_bytes_per_call": nbytes, "variants": cells}
 
 
+def measure_early_tiles(run: SimpleNamespace, experts: tuple, label: str, batch: int, counts: list[int]) -> dict:
+    """--early-down-tiles: the bf16 decode form at one batch size with down's first N tiles loaded before its
+    wait (fused_moe.triton.EARLY_DOWN_TILES; 0: early weights off, TIERLM_NO_EARLY_EXPERT_WEIGHTS=1) for each
+    N, on the same inputs; prints one line, returns the row."""
+    from tierlm.kernels.fused_moe import naive
+    from tierlm.kernels.fused_moe import triton as kernels
+
+    w_gate_up, w_down, kw, per_expert = experts
+    shape, device = run.shape, run.device
+    x = [torch.randn(batch, shape["hidden"], generator=run.gen, device=device).to(torch.bfloat16)
+         for _ in range(ROUTINGS)]
+    routes = routings(batch, shape, device, run.gen)
+    nbytes = sum(torch.unique(ids).numel() for _, ids in routes) / ROUTINGS * per_expert
+    saved, saved_switch = kernels.EARLY_DOWN_TILES, os.environ.get("TIERLM_NO_EARLY_EXPERT_WEIGHTS")
+    cells = {}
+    try:
+        for count in counts:
+            kernels.EARLY_DOWN_TILES = count
+            if count:
+                os.environ.pop("TIERLM_NO_EARLY_EXPERT_WEIGHTS", None)
+            else:
+                os.environ["TIERLM_NO_EARLY_EXPERT_WEIGHTS"] = "1"
+            seconds = timed(lambda i: kernels.fused_moe(x[i], w_gate_up, w_down, *routes[i], **kw), ROUTINGS, device,
+                            run.use_graph)
+            diff = max(rel_diff(kernels.fused_moe(x[i], w_gate_up, w_down, *routes[i], **kw),
+                                naive.fused_moe(x[i], w_gate_up, w_down, *routes[i], **kw)) for i in range(ROUTINGS))
+            cells[count] = {"us": seconds * 1e6, "vs_copy": nbytes / seconds / run.copy, "max_rel_diff": diff}
+    finally:
+        kernels.EARLY_DOWN_TILES = saved
+        if saved_switch is None:
+            os.environ.pop("TIERLM_NO_EARLY_EXPERT_WEIGHTS", None)
+        else:
+            os.environ["TIERLM_NO_EARLY_EXPERT_WEIGHTS"] = saved_switch
+    first = cells[counts[0]]["us"]
+    print(f"{label:>10}{batch:>6}{nbytes / 1e6:>9.2f}  " + "  ".join(
+        f"{c['us']:>10.1f}{c['vs_copy']:>7.1%}{first / c['us']:>7.2f}x{c['max_rel_diff']:>9.1e}" for c in cells.values()))
+    return {"format": label, "batch": batch, "weight_bytes_per_call": nbytes,
+            "early_down_tiles": {str(count): cell for count, cell in cells.items()}}
+
+
 def make_shared_expert(shape: dict, fmt: str, group: int | None, device: torch.device, gen: torch.Generator):
     """(the model's SwiGLU shared expert of width `shared` with random weights: bf16 beside bf16 experts,
     INT6 with the experts' group beside INT4 ones, as int4-mixed quantizes it; its weight bytes)."""
@@ -491,7 +532,7 @@ def measure(args, device: torch.device) -> dict:
         precompile_packed(shape, args.compile_workers, device)
     print(f"device: {name}; copy bandwidth {copy / 1e9:.1f} GB/s (read + write)")
     print(f"shapes: {shape}; each call one of {ROUTINGS} routings; GB/s on the distinct experts' weight bytes")
-    if not args.shared_only and not args.packed_variants:
+    if not args.shared_only and not args.packed_variants and not args.early_down_tiles:
         print(f"{'format':>10}{'batch':>6}{'path':>8}{'experts':>8}{'MB/call':>9}{'kernel us':>11}{'GB/s':>8}"
               f"{'of copy':>8}{'before us':>11}{'of copy':>8}{'speed-up':>9}{'ref us':>10}{'ref/kern':>9}{'gathered us':>12}{'gath/kern':>10}{'max rel diff':>13}")
     rows, sweeps, shared_rows, variant_rows = [], [], [], []
@@ -509,7 +550,14 @@ def measure(args, device: torch.device) -> dict:
             print(f"{'format':>10}{'batch':>6}{'MB/call':>9}  " + "  ".join(f"{spec:>33}" for spec in args.packed_variants))
             variant_rows += [measure_packed_variants(run, (w_gate_up, w_down, kw, per_expert), label, batch,
                                                      args.packed_variants) for batch in args.batches]
-        if not args.shared_only and not args.packed_variants:
+        if args.early_down_tiles and fmt == "bf16":
+            print(f"{label}: down's first tiles loaded before its wait (us, % of copy, speed-up over "
+                  f"{args.early_down_tiles[0]}, max rel diff)")
+            print(f"{'format':>10}{'batch':>6}{'MB/call':>9}  " + "  ".join(
+                f"{f'{count} tiles':>33}" for count in args.early_down_tiles))
+            variant_rows += [measure_early_tiles(run, (w_gate_up, w_down, kw, per_expert), label, batch,
+                                                 args.early_down_tiles) for batch in args.batches]
+        if not args.shared_only and not args.packed_variants and not args.early_down_tiles:
             rows += [measure_batch(run, (w_gate_up, w_down, kw, per_expert), label, batch) for batch in args.batches]
         if fmt == "bf16":
             run.bf16_share = {row["batch"]: row["kernel_vs_copy"] for row in rows}
@@ -554,6 +602,9 @@ def main() -> None:
     parser.add_argument("--packed-variants", nargs="+", default=None, metavar="SPEC",
                         help="time the INT4 decode form under each TIERLM_PACKED_MOE_VARIANT, NAME or "
                              "NAME:GATE_UP_CHUNKS,DOWN_CHUNKS, side by side (the first is the baseline)")
+    parser.add_argument("--early-down-tiles", type=int, nargs="+", default=None, metavar="N",
+                        help="time the bf16 decode form with down's first N tiles loaded before its wait, for each "
+                             "N (0: early weights off), side by side (the first is the baseline)")
     parser.add_argument("--no-reference", action="store_true",
                         help="skip timing the torch reference (outputs are still checked against it)")
     parser.add_argument("--baseline", type=Path, default=None, metavar="ROOT",

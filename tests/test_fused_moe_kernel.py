@@ -77,12 +77,15 @@ V2_TILES = {"gate_up_block_w": 4, "down_block_w": 4, "gate_up_chunks": 2, "down_
 V2_WHOLE_K_TILES = {"gate_up_block_w": 8, "down_block_w": 8, "gate_up_chunks": 5, "down_chunks": 5}
 CASES.update({f"{name}-v2": case for name, case in list(CASES.items())
               if "-int4-" in name and case[2] != PATHS["prefill"]})
-# the packed decode form loads its first weights before its inputs (`packed_decode.early_weights`); these
-# cases take the other order (TIERLM_NO_EARLY_EXPERT_WEIGHTS=1), both K loops and both dtypes, with the
-# INT6 shared expert (INT8 experts share the v1 code)
+# the decode forms load their first weights before their inputs (`decode_parts.early_weights`: the packed
+# form's routed items, the unquantized / INT6 form's down items: its first EARLY_DOWN_TILES tiles, here one of
+# I's two in fp32 and both in bf16); these cases take the other order (TIERLM_NO_EARLY_EXPERT_WEIGHTS=1):
+# both packed K loops and both dtypes with the INT6 shared expert (INT8 experts share the v1 code), and the
+# unquantized and INT6 forms
+EARLY_DOWN_TILES = {torch.float32: 1, torch.bfloat16: 2}
 CASES.update({f"{name}-weights-late": CASES[name] for name in
               ("fp32-int4-g32-decode-split-shared-int6", "bf16-int4-g32-decode-split-shared-int6-v2",
-               "bf16-int8-g16-decode")})
+               "bf16-int8-g16-decode", "bf16-unquantized-decode-split-shared", "fp32-int6-g16-decode")})
 
 
 def route(tokens: int, top_k: int, skewed: bool, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -170,7 +173,8 @@ def run_kernel_cases(names: list[str]) -> dict[str, str | None]:
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     results = {}
-    saved = kernels.DECODE_MAX_PAIRS, kernels.PREFILL_BLOCK_M, kernels.DECODE_TILES, kernels.PACKED_V2_TILES
+    saved = (kernels.DECODE_MAX_PAIRS, kernels.PREFILL_BLOCK_M, kernels.DECODE_TILES, kernels.PACKED_V2_TILES,
+             kernels.EARLY_DOWN_TILES)
     kernels.DECODE_MAX_PAIRS, kernels.PREFILL_BLOCK_M = DECODE_MAX_PAIRS, PREFILL_BLOCK_M
     try:
         for name in names:
@@ -188,6 +192,7 @@ def run_kernel_cases(names: list[str]) -> dict[str, str | None]:
             kernels.PACKED_V2_TILES = saved[3]._replace(**DECODE_BLOCK_N, **SHARED_BLOCK_K,
                                                         **(V2_WHOLE_K_TILES if "whole-k" in name else V2_TILES))
             os.environ["TIERLM_PACKED_MOE_VARIANT"] = "v2" if "-v2" in name else "v1"
+            kernels.EARLY_DOWN_TILES = EARLY_DOWN_TILES[CASES[name][0]]
             if name.endswith("-weights-late"):
                 os.environ["TIERLM_NO_EARLY_EXPERT_WEIGHTS"] = "1"
             else:
@@ -203,7 +208,8 @@ def run_kernel_cases(names: list[str]) -> dict[str, str | None]:
             out = kernels.fused_moe(*(a.to(device) for a in args), **on_device(kwargs, device)).cpu()
             results[name] = within_tolerance(out, reference, *exact)
     finally:
-        kernels.DECODE_MAX_PAIRS, kernels.PREFILL_BLOCK_M, kernels.DECODE_TILES, kernels.PACKED_V2_TILES = saved
+        (kernels.DECODE_MAX_PAIRS, kernels.PREFILL_BLOCK_M, kernels.DECODE_TILES, kernels.PACKED_V2_TILES,
+         kernels.EARLY_DOWN_TILES) = saved
         os.environ.pop("TIERLM_PACKED_MOE_VARIANT", None)
         os.environ.pop("TIERLM_NO_EARLY_EXPERT_WEIGHTS", None)
     return results

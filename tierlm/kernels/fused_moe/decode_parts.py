@@ -2,7 +2,8 @@
 a checked `SharedExpert` as both forms' launches take it (its tensors; `SharedShape`, what its
 compile-time constants depend on, hashable so the forms cache their launch constants by it); `round_as`.
 Then, for the unquantized / INT6 form: one expert's SwiGLU columns and down columns for one row of input, by
-`quant_linear.triton.gemv_loop` in any weight format; the order a down program takes a token's experts in
+`quant_linear.triton.gemv_loop` in any weight format (down's first tiles optionally before the program's
+wait: `early_weights`); the order a down program takes a token's experts in
 (`expert_ranks`); and the end of a down program whose token's experts are split over several programs
 (the last to arrive adds the splits' fp32 partials in split order and rounds the output once:
 `split_reduce` arrival counters), in the same launch.
@@ -10,6 +11,7 @@ Then, for the unquantized / INT6 form: one expert's SwiGLU columns and down colu
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import torch
@@ -17,11 +19,14 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from tierlm.kernels.dependent_launch import wait_for_inputs
 from tierlm.kernels.fused_moe.naive import SharedExpert, check_shared_args
 from tierlm.kernels.quant_linear.triton import (
     check_whole_word_groups,
     gemv_loop,
+    gemv_step,
     gemv_sum,
+    gemv_weights,
     gemv_zeros,
     quant_linear,
     round_to,
@@ -62,12 +67,23 @@ def swiglu_columns(x_ptr, x_row, w_ptr, s_ptr, width, offs_n, stride_wn, stride_
 @triton.jit
 def down_columns(act_ptr, act_row, w_ptr, s_ptr, offs_n, n_mask, stride_wn, stride_sn, K, BITS: tl.constexpr,
                  GROUP_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                 PRECISION: tl.constexpr):
+                 PRECISION: tl.constexpr, UP_FRONT: tl.constexpr, PDL: tl.constexpr):
     """act's row (int64 offset act_row) times the down rows offs_n (masked by n_mask) over K inputs, in
-    fp32, [BLOCK_N]."""
-    acc = gemv_loop(gemv_zeros(1, BLOCK_N, BLOCK_K, BITS), act_ptr, act_row + tl.zeros((1,), dtype=tl.int64),
-                    tl.full((1,), 1, tl.int1), w_ptr, s_ptr, 0, K, offs_n, n_mask, stride_wn, stride_sn, K, BITS,
-                    GROUP_SIZE, BLOCK_K, EVEN_K, PRECISION)
+    fp32, [BLOCK_N]. UP_FRONT > 0 (at most K's tiles): the program has not waited for its inputs yet; the
+    first UP_FRONT tiles of weights are loaded, then it waits (`wait_for_inputs`), then reads act."""
+    act_rows, one_row = act_row + tl.zeros((1,), dtype=tl.int64), tl.full((1,), 1, tl.int1)
+    tiles = ()
+    for t in tl.static_range(UP_FRONT):
+        tiles += (gemv_weights(w_ptr, s_ptr, t * BLOCK_K, offs_n, n_mask, stride_wn, stride_sn, K, BITS, GROUP_SIZE,
+                               BLOCK_K, EVEN_K, act_ptr.dtype.element_ty, PRECISION),)
+    if UP_FRONT > 0:
+        wait_for_inputs(PDL)
+    acc = gemv_zeros(1, BLOCK_N, BLOCK_K, BITS)
+    for t in tl.static_range(UP_FRONT):
+        tile, scale = tiles[t]
+        acc = gemv_step(acc, tile, scale, act_ptr, act_rows, one_row, t * BLOCK_K, K, BITS, GROUP_SIZE, BLOCK_K, EVEN_K)
+    acc = gemv_loop(acc, act_ptr, act_rows, one_row, w_ptr, s_ptr, UP_FRONT * BLOCK_K, K, offs_n, n_mask, stride_wn,
+                    stride_sn, K, BITS, GROUP_SIZE, BLOCK_K, EVEN_K, PRECISION)
     return tl.reshape(gemv_sum(acc, BITS), (BLOCK_N,))
 
 
@@ -92,6 +108,13 @@ def finish_down(result, out_ptr, partial_ptr, counter_ptr, token, pid_n, n_block
                                  cache_modifier=".cg")
             tl.store(out_ptr + token * H + offs_n, round_to(total, out_ptr.dtype.element_ty, PRECISION), mask=n_mask)
             tl.atomic_xchg(counter, 0)  # ready for the next launch
+
+
+def early_weights() -> bool:
+    """Whether a decode form's routed items load their expert's first weights before they wait for their
+    inputs (`packed_decode`'s "Early weights", and the unquantized / INT6 form's down items); with
+    TIERLM_NO_EARLY_EXPERT_WEIGHTS=1 they wait first, as every other kernel."""
+    return not os.environ.get("TIERLM_NO_EARLY_EXPERT_WEIGHTS")
 
 
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}  # `round_as`'s DTYPE

@@ -72,7 +72,13 @@ from tierlm.kernels.dependent_launch import (
     launch_options,
     wait_for_inputs,
 )
-from tierlm.kernels.fused_moe.decode_parts import DTYPE_NAMES, SharedArgs, SharedShape, round_as
+from tierlm.kernels.fused_moe.decode_parts import (
+    DTYPE_NAMES,
+    SharedArgs,
+    SharedShape,
+    early_weights,
+    round_as,
+)
 from tierlm.kernels.quant_linear.triton import dot_precision, gemv_loop, gemv_sum, gemv_zeros, round_to
 from tierlm.kernels.split_reduce import arrival_counters
 
@@ -103,12 +109,6 @@ def packed_variant(bits: int, group: int, tokens: int, v2_tiles: PackedDecodeTil
         fits = v2_misfit(v2_tiles, bits, group) is None
         return "v2" if fits and (group, tokens) not in PACKED_V1_DEFAULT else "v1"
     return variant
-
-
-def early_weights() -> bool:
-    """Whether the routed experts' items load their first weights before they wait for their inputs (the
-    module docstring's "Early weights"); TIERLM_NO_EARLY_EXPERT_WEIGHTS=1: after, as every other kernel."""
-    return not os.environ.get("TIERLM_NO_EARLY_EXPERT_WEIGHTS")
 
 
 class PackedDecodeTiles(NamedTuple):

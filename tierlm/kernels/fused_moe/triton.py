@@ -45,11 +45,17 @@ import torch
 import triton
 import triton.language as tl
 
-from tierlm.kernels.dependent_launch import allow_dependents, launch_options, wait_for_inputs
+from tierlm.kernels.dependent_launch import (
+    allow_dependents,
+    allow_dependents_once_waited,
+    launch_options,
+    wait_for_inputs,
+)
 from tierlm.kernels.fused_moe.decode_parts import (
     SharedArgs,
     SharedShape,
     down_columns,
+    early_weights,
     expert_ranks,
     finish_down,
     swiglu_columns,
@@ -104,6 +110,11 @@ DECODE_TILES = {0: DecodeTiles(4, 512, 4, 16, 128, 2, 1), 6: DecodeTiles(8, 512,
 # (134 with the INT6 shared expert: its branch takes the routed rows; at 128 columns on 4 warps it takes
 # 255), down 96, no spills; to be measured on an H200 by bench/moe_decode_kernel.py --packed-variants
 PACKED_V2_TILES = PackedDecodeTiles(64, 16, 2, 256, 16, 4, gate_up_chunks=2, down_chunks=1)
+# early weights (`decode_parts.early_weights`): down's K tiles of its first expert a program loads before its
+# wait (unquantized and INT6; bf16 at the target: 2 tiles of 16 rows x 128 values, 4 KB each, 32 registers a
+# thread on its 2 warps); a first guess, to be measured on an H200 (`bench/moe_decode_kernel.py
+# --early-down-tiles`)
+EARLY_DOWN_TILES = 2
 PREFILL_BLOCK_M, PREFILL_BLOCK_N, PREFILL_BLOCK_K, PREFILL_NUM_WARPS = 32, 64, 64, 4
 SUM_BLOCK = 256
 
@@ -149,14 +160,17 @@ def _down_sum_gemv_program(
     TOP_K: tl.constexpr, SLOTS: tl.constexpr, RANKS: tl.constexpr, BITS: tl.constexpr, GROUP_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, HAS_SHARED: tl.constexpr,
     SHARED_BITS: tl.constexpr, SHARED_GROUP_SIZE: tl.constexpr, SHARED_BLOCK_K: tl.constexpr,
-    SHARED_EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+    SHARED_EVEN_K: tl.constexpr, PRECISION: tl.constexpr, EARLY_TILES: tl.constexpr, PDL: tl.constexpr,
 ):
     """down's item (pid_n of n_blocks, token (int64), split): columns [pid_n * BLOCK_N, +BLOCK_N) of H.
     With a shared expert split 0 is it: gate x (shared_act[token] W_shared_down[h]); the other splits (all
     of them without one) take the token's experts of ranks [routed split * RANKS, +RANKS) (those below
     TOP_K) by ascending id (SLOTS: TOP_K rounded up to a power of 2): the sum over those ranks, in order,
     of routing x (act[pair] W_down[e, h]) in fp32. The splits' results end in `finish_down`: out[token]
-    rounded once, by the item itself (one split) or by the token's last item to arrive."""
+    rounded once, by the item itself (one split) or by the token's last item to arrive. EARLY_TILES > 0:
+    the program has not waited for its inputs yet; a routed item reads its token's experts and loads its
+    first expert's first EARLY_TILES tiles, then waits (`down_columns`), the shared expert's item waits
+    first."""
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < H
     result = tl.zeros((BLOCK_N,), dtype=tl.float32)
@@ -171,13 +185,17 @@ def _down_sum_gemv_program(
                 routing = round_to(tl.load(routing_ptr + pair).to(tl.float32), act_ptr.dtype.element_ty, PRECISION)
                 result += routing.to(tl.float32) * down_columns(
                     act_ptr, pair * stride_ap, w_ptr + expert * stride_we, s_ptr + expert * stride_se, offs_n,
-                    n_mask, stride_wn, stride_sn, I, BITS, GROUP_SIZE, BLOCK_N, BLOCK_K, EVEN_K, PRECISION)
+                    n_mask, stride_wn, stride_sn, I, BITS, GROUP_SIZE, BLOCK_N, BLOCK_K, EVEN_K, PRECISION,
+                    EARLY_TILES if r == 0 else 0, PDL)
     else:
+        if EARLY_TILES > 0:
+            wait_for_inputs(PDL)
         if HAS_SHARED:
             gate = round_to(tl.load(shared_gate_ptr + token).to(tl.float32), act_ptr.dtype.element_ty, PRECISION)
             result += gate.to(tl.float32) * down_columns(
                 shared_act_ptr, token * stride_sap, shared_w_ptr, shared_s_ptr, offs_n, n_mask, stride_swn,
-                stride_ssn, S, SHARED_BITS, SHARED_GROUP_SIZE, BLOCK_N, SHARED_BLOCK_K, SHARED_EVEN_K, PRECISION)
+                stride_ssn, S, SHARED_BITS, SHARED_GROUP_SIZE, BLOCK_N, SHARED_BLOCK_K, SHARED_EVEN_K, PRECISION, 0,
+                PDL)
     finish_down(result, out_ptr, partial_ptr, counter_ptr, token, pid_n, n_blocks, split, offs_n, n_mask, H,
                 HAS_SHARED + (TOP_K + RANKS - 1) // RANKS, PRECISION)
 
@@ -194,15 +212,23 @@ def _decode_gemv_kernel(
     DN_BLOCK_K: tl.constexpr, DN_EVEN_K: tl.constexpr, HAS_SHARED: tl.constexpr, SHARED_BITS: tl.constexpr,
     GU_SHARED_GROUP_SIZE: tl.constexpr, GU_SHARED_BLOCK_K: tl.constexpr, GU_SHARED_EVEN_K: tl.constexpr,
     DN_SHARED_GROUP_SIZE: tl.constexpr, DN_SHARED_BLOCK_K: tl.constexpr, DN_SHARED_EVEN_K: tl.constexpr,
-    PHASE: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
+    PHASE: tl.constexpr, PRECISION: tl.constexpr, EARLY_TILES: tl.constexpr, PDL: tl.constexpr,
 ):
     """PHASE "gate_up": program i is gate_up's item (block i % gate_up_blocks, row i // gate_up_blocks);
     "down": down's item (block i % down_blocks, token (i // down_blocks) % T, split i // (down_blocks * T))
     (a constexpr: each phase compiles only its own items' code). Under PDL every program waits first: which
-    expert an item reads is the router's output (a shared expert's items, a few of them, wait too)."""
-    allow_dependents(PDL)
+    expert an item reads is the router's output (a shared expert's items, a few of them, wait too). With
+    EARLY_TILES > 0 (early weights), gate_up lets down start only once its own wait has returned
+    (`dependent_launch`'s exception), so down's routed items read the router's output and load their
+    first weights before they wait (`_down_sum_gemv_program`)."""
     index = tl.program_id(0)
-    wait_for_inputs(PDL)
+    if PHASE == "gate_up" and EARLY_TILES > 0:
+        wait_for_inputs(PDL)
+        allow_dependents_once_waited(PDL)
+    else:
+        allow_dependents(PDL)
+        if PHASE == "gate_up" or EARLY_TILES == 0:
+            wait_for_inputs(PDL)
     if PHASE == "gate_up":
         _gate_up_gemv_program(
             index // gate_up_blocks, index % gate_up_blocks, x_ptr, gu_w_ptr, gu_s_ptr, act_ptr, ids_ptr,
@@ -217,7 +243,7 @@ def _decode_gemv_kernel(
             shared_gate_ptr, out_ptr, partial_ptr, counter_ptr, H, I, S, stride_ap, dn_stride_we, dn_stride_wn,
             dn_stride_se, dn_stride_sn, stride_sap, dn_stride_swn, dn_stride_ssn, TOP_K, SLOTS, RANKS, BITS,
             GROUP_SIZE, DN_BLOCK_N, DN_BLOCK_K, DN_EVEN_K, HAS_SHARED, SHARED_BITS, DN_SHARED_GROUP_SIZE,
-            DN_SHARED_BLOCK_K, DN_SHARED_EVEN_K, PRECISION)
+            DN_SHARED_BLOCK_K, DN_SHARED_EVEN_K, PRECISION, EARLY_TILES, PDL)
 
 
 @triton.jit
@@ -387,9 +413,10 @@ class DecodeLaunch(NamedTuple):
 
 @functools.cache
 def _decode_launch(t: int, h: int, inter: int, top_k: int, bits: int, group: int, tiles: DecodeTiles,
-                   shared: SharedShape, precision: str) -> DecodeLaunch:
+                   shared: SharedShape, precision: str, early: bool) -> DecodeLaunch:
     """The decode form's launch for T tokens of top-k over experts [H -> I] in `bits` (0 or 6), worked
-    out once per shape (eager decode calls this every layer of every step)."""
+    out once per shape (eager decode calls this every layer of every step); early: `early_weights`'
+    (down's first EARLY_DOWN_TILES tiles, at most I's, loaded before its wait)."""
     gate_up_k = min(tiles.gate_up_block_k, triton.next_power_of_2(h))
     down_k = min(tiles.down_block_k, triton.next_power_of_2(inter))
     ranks = min(tiles.down_ranks, top_k)
@@ -401,7 +428,8 @@ def _decode_launch(t: int, h: int, inter: int, top_k: int, bits: int, group: int
         "TOP_K": top_k, "SLOTS": triton.next_power_of_2(top_k), "RANKS": ranks, "BITS": bits, "GROUP_SIZE": group,
         "GU_BLOCK_N": tiles.gate_up_block_n, "GU_BLOCK_K": gate_up_k, "GU_EVEN_K": h % gate_up_k == 0,
         "DN_BLOCK_N": tiles.down_block_n, "DN_BLOCK_K": down_k, "DN_EVEN_K": inter % down_k == 0,
-        "PRECISION": precision, **shared.constants(tiles.shared_gate_up_block_k, tiles.shared_down_block_k, h)}
+        "PRECISION": precision, "EARLY_TILES": min(EARLY_DOWN_TILES, triton.cdiv(inter, down_k)) if early else 0,
+        **shared.constants(tiles.shared_gate_up_block_k, tiles.shared_down_block_k, h)}
     return DecodeLaunch(splits, num_shared, gate_up_blocks, down_blocks,
                         ((num_shared + t * top_k) * gate_up_blocks, tiles.gate_up_warps),
                         (down_blocks * t * splits, tiles.down_warps), MappingProxyType(constants))
@@ -418,7 +446,7 @@ def _decode(x, weights, topk_weights, topk_ids, bits: int, group: int, inter: in
                              PACKED_V2_TILES if variant == "v2" else tiles, max_tokens, shared, variant)
     w_gate_up, gate_up_scales, w_down, down_scales = weights
     (t, h), top_k = x.shape, topk_ids.shape[1]
-    launch = _decode_launch(t, h, inter, top_k, bits, group, tiles, shared.shape, dot_precision(x))
+    launch = _decode_launch(t, h, inter, top_k, bits, group, tiles, shared.shape, dot_precision(x), early_weights())
     act = torch.empty((t * top_k, inter), dtype=x.dtype, device=x.device)
     shared_act = torch.empty((t, shared.width), dtype=x.dtype, device=x.device) if shared.present else act
     out = torch.empty_like(x)
