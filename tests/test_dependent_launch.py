@@ -3,7 +3,12 @@
 On CPU: every launch in those kernel files passes `**launch_options(...)`, and every kernel it launches
 follows the rules of `dependent_launch`: `allow_dependents(PDL)` first, `wait_for_inputs(PDL)` on every
 path (a statement of the kernel's body itself, not inside a branch or loop), and before it no argument
-read but the kernel's weights (WEIGHTS) and scalars: no input loaded, nothing stored.
+read but the kernel's weights (WEIGHTS) and scalars: no input loaded, nothing stored. The fused MoE's
+kernels follow them with early weights off (EARLY_OFF: the kernel's body with those constexprs' branches
+taken); with it on, the kernel before each routed phase lets it start only once its own wait has returned
+(ONCE_WAITED: wait_for_inputs, then allow_dependents_once_waited, first), and the routed phase waits in
+its programs, not in its body (EARLY_READERS): the dependent_launch exception, which the GPU tests below
+and test_fused_moe_kernel's race test check on the device.
 
 On an H200 (compute capability 9+, where PDL is on): the same model's captured decode graphs, and its
 captured speculative verification graphs, with PDL and without (TIERLM_NO_PDL=1) give bit-identical
@@ -77,6 +82,43 @@ def _names_read(nodes: list[ast.stmt]) -> set[str]:
     return names
 
 
+# early weights (`fused_moe.decode_parts.early_weights`): the constexprs that turn them off (each binding
+# checked against the rules), that make a kernel let the next start once it has waited, and that make a
+# kernel's routed items read the router's output before their wait
+EARLY_OFF = {"_split_x_kernel": [{"EARLY": False}], "_packed_decode_kernel": [{"EARLY": False}],
+             "_decode_gemv_kernel": [{"PHASE": "gate_up", "EARLY_TILES": 0}, {"PHASE": "down", "EARLY_TILES": 0}]}
+ONCE_WAITED = {"_split_x_kernel": {"EARLY": True}, "_decode_gemv_kernel": {"PHASE": "gate_up", "EARLY_TILES": 2}}
+EARLY_READERS = {"_packed_decode_kernel": {"EARLY": True}, "_decode_gemv_kernel": {"PHASE": "down", "EARLY_TILES": 2}}
+
+
+def _taken(body: list[ast.stmt], constexprs: dict) -> list[ast.stmt]:
+    """The statements of `body` as compiled with these constexprs: each `if` whose test reads only them
+    replaced by the branch it takes (recursively), the rest as written."""
+    flat = []
+    for node in body:
+        if isinstance(node, ast.If) and _names_read([node.test]) <= set(constexprs):
+            taken = eval(compile(ast.Expression(node.test), "<test>", "eval"), {}, dict(constexprs))
+            flat += _taken(node.body if taken else node.orelse, constexprs)
+        else:
+            flat.append(node)
+    return flat
+
+
+def _kernel_bodies(constexprs_of: dict | None = None):
+    """(file, kernel, its body without the docstring, as compiled with constexprs_of[kernel] if given) for
+    every kernel in WEIGHTS (with constexprs_of: the kernels it names, once per binding it lists)."""
+    for path in PDL_FILES:
+        tree = ast.parse(path.read_text())
+        for kernel in (n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name in WEIGHTS):
+            body = [s for s in kernel.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
+            if constexprs_of is None:
+                yield path, kernel, body
+                continue
+            bindings = constexprs_of.get(kernel.name, [])
+            for constexprs in bindings if isinstance(bindings, list) else [bindings]:
+                yield path, kernel, _taken(body, constexprs)
+
+
 def _launches(tree: ast.Module) -> list[ast.Call]:
     """Every `kernel[grid](...)` call."""
     return [node for node in ast.walk(tree)
@@ -99,19 +141,43 @@ def test_every_launch_passes_launch_options():
 
 def test_kernels_wait_before_reading_inputs():
     checked = set()
-    for path in PDL_FILES:
-        tree = ast.parse(path.read_text())
-        for kernel in (n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name in WEIGHTS):
-            body = [s for s in kernel.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
-            assert _call_name(body[0]) == "allow_dependents", f"{kernel.name}: allow_dependents(PDL) must come first"
-            waits = [i for i, s in enumerate(body) if _call_name(s) == "wait_for_inputs"]
-            assert len(waits) == 1, f"{kernel.name}: one wait_for_inputs(PDL) in the kernel's own body, got {waits}"
-            constexprs = {a.arg for a in kernel.args.args if a.annotation is not None}
-            params = {a.arg for a in kernel.args.args} - constexprs
-            early = (_names_read(body[: waits[0]]) & params) - WEIGHTS[kernel.name]
-            assert not early, f"{kernel.name} reads {sorted(early)} before wait_for_inputs (not weights)"
-            checked.add(kernel.name)
+    for _, kernel, body in _kernel_bodies():
+        if kernel.name in EARLY_OFF:
+            continue
+        _check_waits_first(kernel, body)
+        checked.add(kernel.name)
+    for _, kernel, body in _kernel_bodies(EARLY_OFF):
+        _check_waits_first(kernel, body)
+        checked.add(kernel.name)
     assert checked == set(WEIGHTS)
+
+
+def test_early_weights_follow_the_exception():
+    """With early weights on, the kernel before a routed phase triggers only after its wait, and the routed
+    phase itself triggers first and does not wait in its body (its programs wait, after their first
+    weight loads); with them off, the test above holds each of these kernels to the rules."""
+    seen = set()
+    for _, kernel, body in _kernel_bodies(ONCE_WAITED):
+        assert [_call_name(s) for s in body[:2]] == ["wait_for_inputs", "allow_dependents_once_waited"], \
+            f"{kernel.name} with {ONCE_WAITED[kernel.name]}: must wait, then let the next kernel start"
+        seen.add(("once waited", kernel.name))
+    for _, kernel, body in _kernel_bodies(EARLY_READERS):
+        assert _call_name(body[0]) == "allow_dependents", f"{kernel.name}: allow_dependents(PDL) must come first"
+        assert "wait_for_inputs" not in [_call_name(s) for s in body], \
+            f"{kernel.name} with {EARLY_READERS[kernel.name]}: its programs wait, after their first weights"
+        seen.add(("early", kernel.name))
+    assert seen == {("once waited", k) for k in ONCE_WAITED} | {("early", k) for k in EARLY_READERS}
+
+
+def _check_waits_first(kernel: ast.FunctionDef, body: list[ast.stmt]) -> None:
+    """The rules of dependent_launch on a kernel's body (its own statements, branches on constexprs taken)."""
+    assert _call_name(body[0]) == "allow_dependents", f"{kernel.name}: allow_dependents(PDL) must come first"
+    waits = [i for i, s in enumerate(body) if _call_name(s) == "wait_for_inputs"]
+    assert len(waits) == 1, f"{kernel.name}: one wait_for_inputs(PDL) in the kernel's own body, got {waits}"
+    constexprs = {a.arg for a in kernel.args.args if a.annotation is not None}
+    params = {a.arg for a in kernel.args.args} - constexprs
+    early = (_names_read(body[: waits[0]]) & params) - WEIGHTS[kernel.name]
+    assert not early, f"{kernel.name} reads {sorted(early)} before wait_for_inputs (not weights)"
 
 
 # ---- CPU: the trigger by decode rows (PDL_TRIGGERS_BY_ROWS), its overrides, static_decode's contexts -------

@@ -594,9 +594,9 @@ def _packed_decode_kernel(
     inputs first, or with EARLY once its expert's first weights are loading (the module docstring says
     why it may read the router's output before its wait)."""
     allow_dependents(PDL)
-    index = tl.program_id(0)
     if not EARLY:
         wait_for_inputs(PDL)
+    index = tl.program_id(0)
     if PHASE == "gate_up":
         row_items = GU_BLOCKS * GU_SPLITS  # the items of a pair's row; a shared expert's row has its own count
         first_pair, first = 0, 0

@@ -221,7 +221,6 @@ def _decode_gemv_kernel(
     EARLY_TILES > 0 (early weights), gate_up lets down start only once its own wait has returned
     (`dependent_launch`'s exception), so down's routed items read the router's output and load their
     first weights before they wait (`_down_sum_gemv_program`)."""
-    index = tl.program_id(0)
     if PHASE == "gate_up" and EARLY_TILES > 0:
         wait_for_inputs(PDL)
         allow_dependents_once_waited(PDL)
@@ -229,6 +228,7 @@ def _decode_gemv_kernel(
         allow_dependents(PDL)
         if PHASE == "gate_up" or EARLY_TILES == 0:
             wait_for_inputs(PDL)
+    index = tl.program_id(0)
     if PHASE == "gate_up":
         _gate_up_gemv_program(
             index // gate_up_blocks, index % gate_up_blocks, x_ptr, gu_w_ptr, gu_s_ptr, act_ptr, ids_ptr,
