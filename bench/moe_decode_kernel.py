@@ -22,6 +22,8 @@ the reference on every routing (max |diff| relative to max |reference|).
     python bench/moe_decode_kernel.py --shared --no-reference   # CUDA: also the MoE block's shared expert
     python bench/moe_decode_kernel.py --formats int4-g32 int4-g128 --batches 1 4 --no-reference \
         --packed-variants v1 v2 v2:gate_up_chunks=1 v2:gate_up_block_n=64   # CUDA: the K loops side by side
+    python bench/moe_decode_kernel.py --formats int4-g32 int4-g128 --no-reference \
+        --packed-variants v1:early=1 v1:early=0 v2:early=1 v2:early=0   # CUDA: early weights on and off
     python bench/moe_decode_kernel.py --formats bf16 --early-down-tiles 0 1 2 3 --no-reference   # CUDA
 --shared adds, per format and batch, the experts with the block's shared expert (width 640; bf16 beside
 bf16 experts, INT6 with the experts' group beside INT4 ones, as `tierlm quantize --scheme int4-mixed`
@@ -38,7 +40,8 @@ kernel's recorded figures (RECORDED: session 7's H200 run), picks the best per b
 rows with it; the shapes are compiled first by --compile-workers processes (Triton's disk cache).
 --packed-variants times the INT4 decode form under each TIERLM_PACKED_MOE_VARIANT (`packed_decode.packed_variant`),
 NAME or NAME:FIELD=VALUE,... (fields of the variant's tiles replaced: DECODE_TILES[4] for v1, PACKED_V2_TILES
-for v2; early=0: weights loaded after the wait, `packed_decode.early_weights`), side by side per format and batch: each one's time, % of the copy bandwidth and max rel diff, and its speed-up over the first
+for v2; early=0 / early=1: weights loaded after the wait / before it at any group, `packed_decode`'s early weights),
+side by side per format and batch: each one's time, % of the copy bandwidth and max rel diff, and its speed-up over the first
 (instead of the usual rows: they would time the default variant again).
 Results go to bench/results/moe_decode_kernel_<device>.json.
 """
@@ -330,9 +333,10 @@ def sweep_packed(run: SimpleNamespace, experts: tuple, label: str, batches: list
 
 def measure_packed_variants(run: SimpleNamespace, experts: tuple, label: str, batch: int, specs: list[str]) -> dict:
     """--packed-variants: one INT4 format at one batch size, the routed experts under each variant spec
-    (NAME[:FIELD=VALUE,...], fields of the variant's PackedDecodeTiles, or early=0: its weights loaded after
-    its wait, TIERLM_NO_EARLY_EXPERT_WEIGHTS=1) on the same inputs; prints one line, returns the row."""
-    from tierlm.kernels.fused_moe import naive
+    (NAME[:FIELD=VALUE,...], fields of the variant's PackedDecodeTiles, or early=0 / early=1: its weights
+    loaded after its wait (TIERLM_NO_EARLY_EXPERT_WEIGHTS=1) / before it at any group size; without it, as
+    `packed_decode` chooses by group) on the same inputs; prints one line, returns the row."""
+    from tierlm.kernels.fused_moe import naive, packed_decode
     from tierlm.kernels.fused_moe import triton as kernels
 
     w_gate_up, w_down, kw, per_expert = experts
@@ -344,15 +348,18 @@ def measure_packed_variants(run: SimpleNamespace, experts: tuple, label: str, ba
     saved = {"v1": kernels.DECODE_TILES[4], "v2": kernels.PACKED_V2_TILES}
     saved_variant = os.environ.get("TIERLM_PACKED_MOE_VARIANT")
     saved_early = os.environ.get("TIERLM_NO_EARLY_EXPERT_WEIGHTS")
+    saved_min_group = packed_decode.PACKED_EARLY_MIN_GROUP
     cells = {}
     try:
         for spec in specs:
             name, _, fields = spec.partition(":")
             fields = {field: int(value) for field, value in (item.split("=") for item in fields.split(",") if item)}
-            if fields.pop("early", 1):
-                os.environ.pop("TIERLM_NO_EARLY_EXPERT_WEIGHTS", None)
-            else:
+            early = fields.pop("early", None)  # (None: as the kernels choose by group; 1: at every group; 0: off)
+            packed_decode.PACKED_EARLY_MIN_GROUP = saved_min_group if early is None else 0
+            if early == 0:
                 os.environ["TIERLM_NO_EARLY_EXPERT_WEIGHTS"] = "1"
+            else:
+                os.environ.pop("TIERLM_NO_EARLY_EXPERT_WEIGHTS", None)
             tiles = saved[name]._replace(**fields)
             kernels.DECODE_TILES[4], kernels.PACKED_V2_TILES = saved["v1"], saved["v2"]
             if name == "v2":
@@ -368,6 +375,7 @@ def measure_packed_variants(run: SimpleNamespace, experts: tuple, label: str, ba
                            "tiles": tiles._asdict()}
     finally:
         kernels.DECODE_TILES[4], kernels.PACKED_V2_TILES = saved["v1"], saved["v2"]
+        packed_decode.PACKED_EARLY_MIN_GROUP = saved_min_group
         if saved_early is None:
             os.environ.pop("TIERLM_NO_EARLY_EXPERT_WEIGHTS", None)
         else:

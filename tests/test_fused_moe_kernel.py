@@ -170,11 +170,13 @@ def within_tolerance(out: torch.Tensor, reference: torch.Tensor, exact: torch.Te
 def run_kernel_cases(names: list[str]) -> dict[str, str | None]:
     """Each case through the Triton kernels vs the reference: {case: None if it passed, else why not}."""
     import tierlm.kernels.fused_moe.triton as kernels
+    from tierlm.kernels.fused_moe import packed_decode
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     results = {}
     saved = (kernels.DECODE_MAX_PAIRS, kernels.PREFILL_BLOCK_M, kernels.DECODE_TILES, kernels.PACKED_V2_TILES,
-             kernels.EARLY_DOWN_TILES)
+             kernels.EARLY_DOWN_TILES, packed_decode.PACKED_EARLY_MIN_GROUP)
+    packed_decode.PACKED_EARLY_MIN_GROUP = 0  # (early at every group here: the cases' groups are 16 and 32)
     kernels.DECODE_MAX_PAIRS, kernels.PREFILL_BLOCK_M = DECODE_MAX_PAIRS, PREFILL_BLOCK_M
     try:
         for name in names:
@@ -209,7 +211,7 @@ def run_kernel_cases(names: list[str]) -> dict[str, str | None]:
             results[name] = within_tolerance(out, reference, *exact)
     finally:
         (kernels.DECODE_MAX_PAIRS, kernels.PREFILL_BLOCK_M, kernels.DECODE_TILES, kernels.PACKED_V2_TILES,
-         kernels.EARLY_DOWN_TILES) = saved
+         kernels.EARLY_DOWN_TILES, packed_decode.PACKED_EARLY_MIN_GROUP) = saved
         os.environ.pop("TIERLM_PACKED_MOE_VARIANT", None)
         os.environ.pop("TIERLM_NO_EARLY_EXPERT_WEIGHTS", None)
     return results

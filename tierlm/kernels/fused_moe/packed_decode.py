@@ -31,7 +31,8 @@ splits then the shared expert's. The shared expert takes its own format (INT6 in
 spreads over programs like an expert's: it costs its bytes, not a long tail (the looped-tile form before
 this one fused it at 0.74x of running it apart at batch 1 on an H200). Tiles: `PackedDecodeTiles`.
 
-Early weights (PDL, `dependent_launch`; TIERLM_NO_EARLY_EXPERT_WEIGHTS=1 turns it off): `_split_x_kernel` lets
+Early weights (PDL, `dependent_launch`; groups of PACKED_EARLY_MIN_GROUP values or more, as measured;
+TIERLM_NO_EARLY_EXPERT_WEIGHTS=1 turns it off): `_split_x_kernel` lets
 gate_up start only once its own wait has returned, that is once the router has finished; so a routed item
 of gate_up, and of down (which starts after gate_up has), reads its expert id and issues its first weight
 loads before it waits for its inputs. gate_up's weights then stream in while split x runs, and down's
@@ -85,6 +86,12 @@ from tierlm.kernels.split_reduce import arrival_counters
 PRODUCT_EXPONENT = tl.constexpr(64)  # E: each product is q * x * 2^-E (module docstring)
 SPLIT_X_BLOCK_W = 64  # words per `_split_x_kernel` program
 VARIANTS = ("v1", "v2")  # TIERLM_PACKED_MOE_VARIANT (`packed_variant`)
+# early weights (module docstring) for groups of at least this many values: on an H100 (session 18,
+# bench/results/moe_decode_kernel_early_nvidia-h100.txt, each against the same K loop without), g128 1.06x (v1) and
+# 1.09x (v2) at 1 token, 0.98-1.04x at 4, 1.00x at 16; g32 0.99-1.05x at 1 token, 0.97-1.00x at 4, 0.93-0.97x
+# at 16 (v1 g32's gate_up then holds 94 registers a thread against 64: fewer programs an SM), and in the
+# real-width int4-mixed stack (g32) 0.996x at 1 token, 0.997x at 4 (decode_roofline_nvidia-h100_int4-mixed_s18early.txt)
+PACKED_EARLY_MIN_GROUP = 128
 
 
 # where v1 stays the default for INT4 (group size, tokens): from `bench/moe_decode_kernel.py --formats int4-g32
@@ -718,7 +725,7 @@ def packed_decode(x: torch.Tensor, weights: tuple, topk_weights: torch.Tensor, t
     w_gate_up, gate_up_scales, w_down, down_scales = weights
     (t, h), top_k = x.shape, topk_ids.shape[1]
     launch = _packed_launch(t, h, inter, top_k, bits, group, tiles, max_tokens, shared.shape, DTYPE_NAMES[x.dtype],
-                            dot_precision(x), variant, early_weights())
+                            dot_precision(x), variant, early_weights() and group >= PACKED_EARLY_MIN_GROUP)
     workspace = torch.empty(sum(launch.buffer_sizes), dtype=torch.float32, device=x.device)
     xs, x_bias, act, act_bias, gate_up_partial, down_partial = workspace.split(launch.buffer_sizes)
     _split_x_kernel[launch.split_x_grid](x, xs, x_bias, x.stride(0), launch.bias_scale, **launch.split_x_constants,

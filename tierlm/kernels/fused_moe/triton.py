@@ -111,9 +111,10 @@ DECODE_TILES = {0: DecodeTiles(4, 512, 4, 16, 128, 2, 1), 6: DecodeTiles(8, 512,
 # 255), down 96, no spills; to be measured on an H200 by bench/moe_decode_kernel.py --packed-variants
 PACKED_V2_TILES = PackedDecodeTiles(64, 16, 2, 256, 16, 4, gate_up_chunks=2, down_chunks=1)
 # early weights (`decode_parts.early_weights`): down's K tiles of its first expert a program loads before its
-# wait (unquantized and INT6; bf16 at the target: 2 tiles of 16 rows x 128 values, 4 KB each, 32 registers a
-# thread on its 2 warps); a first guess, to be measured on an H200 (`bench/moe_decode_kernel.py
-# --early-down-tiles`)
+# wait (unquantized and INT6; bf16 at the target: 16 rows x 128 values, 4 KB a tile). bf16 experts at the target
+# on an H100 (session 18, `bench/moe_decode_kernel.py --formats bf16 --early-down-tiles 0 1 2 3`,
+# bench/results/moe_decode_kernel_early_nvidia-h100.txt): 1, 2 and 3 tiles 1.14-1.15x over none at 1 token
+# (51.2 -> 44.7 us: 63.6% -> 72.9% of the copy bandwidth), 1.01x at 4, 1.00x at 16; INT6 experts not measured
 EARLY_DOWN_TILES = 2
 PREFILL_BLOCK_M, PREFILL_BLOCK_N, PREFILL_BLOCK_K, PREFILL_NUM_WARPS = 32, 64, 64, 4
 SUM_BLOCK = 256
