@@ -81,11 +81,11 @@ CASES.update({f"{name}-v2": case for name, case in list(CASES.items())
 # form's routed items, the unquantized / INT6 form's down items: its first EARLY_DOWN_TILES tiles, here one of
 # I's two in fp32 and both in bf16); these cases take the other order (TIERLM_NO_EARLY_EXPERT_WEIGHTS=1):
 # both packed K loops and both dtypes with the INT6 shared expert (INT8 experts share the v1 code), and the
-# unquantized and INT6 forms
+# unquantized form (INT6 experts share its code)
 EARLY_DOWN_TILES = {torch.float32: 1, torch.bfloat16: 2}
 CASES.update({f"{name}-weights-late": CASES[name] for name in
               ("fp32-int4-g32-decode-split-shared-int6", "bf16-int4-g32-decode-split-shared-int6-v2",
-               "bf16-int8-g16-decode", "bf16-unquantized-decode-split-shared", "fp32-int6-g16-decode")})
+               "bf16-unquantized-decode-split-shared")})
 
 
 def route(tokens: int, top_k: int, skewed: bool, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
