@@ -27,10 +27,11 @@ and no launch needs a host sync, so a decode step can be captured in a CUDA grap
     those blocks (tl.dot), one expert's weights per block, blocks past the end idle; the down products
     times the routing weight are stored per pair in fp32 and `_sum_chunks_kernel` adds each token's k of
     them in ascending expert id, rounding once.
-Launches use programmatic dependent launch (`dependent_launch`): every program waits for the kernel
-before it first, as which expert it reads is the router's output (the shared expert's items, a few of
-them, could load a tile before the wait, but only on a path of their own: the kernels keep one wait,
-first). The decode form's launch shape and constants are worked out once per call shape
+Launches use programmatic dependent launch (`dependent_launch`): gate_up's programs wait for the kernel
+before it first, as which expert they read is the router's output; with early weights
+(`decode_parts.early_weights`) gate_up lets down start only once its own wait has returned, so down's
+routed items read the router's output and load their first EARLY_DOWN_TILES tiles before their wait
+(`dependent_launch`'s exception; the packed form does the same for both phases, `packed_decode`). The decode form's launch shape and constants are worked out once per call shape
 (`_decode_launch`, `packed_decode._packed_launch`).
 """
 
@@ -217,8 +218,8 @@ def _decode_gemv_kernel(
 ):
     """PHASE "gate_up": program i is gate_up's item (block i % gate_up_blocks, row i // gate_up_blocks);
     "down": down's item (block i % down_blocks, token (i // down_blocks) % T, split i // (down_blocks * T))
-    (a constexpr: each phase compiles only its own items' code). Under PDL every program waits first: which
-    expert an item reads is the router's output (a shared expert's items, a few of them, wait too). With
+    (a constexpr: each phase compiles only its own items' code). Under PDL a program waits first: which
+    expert an item reads is the router's output (a shared expert's items, a few of them, wait too); but with
     EARLY_TILES > 0 (early weights), gate_up lets down start only once its own wait has returned
     (`dependent_launch`'s exception), so down's routed items read the router's output and load their
     first weights before they wait (`_down_sum_gemv_program`)."""
