@@ -80,12 +80,12 @@ CASES.update({f"{name}-v2": case for name, case in list(CASES.items())
 # the decode forms load their first weights before their inputs (`decode_parts.early_weights`: the packed
 # form's routed items, the unquantized / INT6 form's down items: its first EARLY_DOWN_TILES tiles, here one of
 # I's two in fp32 and both in bf16); these cases take the other order (TIERLM_NO_EARLY_EXPERT_WEIGHTS=1):
-# both packed K loops and both dtypes with the INT6 shared expert (INT8 experts share the v1 code), and the
-# unquantized form (INT6 experts share its code)
+# both packed K loops and both dtypes with the INT6 shared expert (INT8 experts share the v1 code); the
+# unquantized / INT6 form's late order is its down_columns without tiles up front, which every case's
+# shared expert takes
 EARLY_DOWN_TILES = {torch.float32: 1, torch.bfloat16: 2}
 CASES.update({f"{name}-weights-late": CASES[name] for name in
-              ("fp32-int4-g32-decode-split-shared-int6", "bf16-int4-g32-decode-split-shared-int6-v2",
-               "bf16-unquantized-decode-split-shared")})
+              ("fp32-int4-g32-decode-split-shared-int6", "bf16-int4-g32-decode-split-shared-int6-v2")})
 
 
 def route(tokens: int, top_k: int, skewed: bool, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
