@@ -52,6 +52,8 @@ import argparse
 import json
 import os
 import re
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -331,69 +333,29 @@ def sweep_packed(run: SimpleNamespace, experts: tuple, label: str, batches: list
     return results
 
 
-def measure_packed_variants(run: SimpleNamespace, experts: tuple, label: str, batch: int, specs: list[str]) -> dict:
-    """--packed-variants: one INT4 format at one batch size, the routed experts under each variant spec
-    (NAME[:FIELD=VALUE,...], fields of the variant's PackedDecodeTiles, or early=0 / early=1: its weights
-    loaded after its wait (TIERLM_NO_EARLY_EXPERT_WEIGHTS=1) / before it at any group size; without it, as
-    `packed_decode` chooses by group) on the same inputs; prints one line, returns the row."""
-    from tierlm.kernels.fused_moe import naive, packed_decode
-    from tierlm.kernels.fused_moe import triton as kernels
-
-    w_gate_up, w_down, kw, per_expert = experts
-    shape, device = run.shape, run.device
-    x = [torch.randn(batch, shape["hidden"], generator=run.gen, device=device).to(torch.bfloat16)
-         for _ in range(ROUTINGS)]
-    routes = routings(batch, shape, device, run.gen)
-    nbytes = sum(torch.unique(ids).numel() for _, ids in routes) / ROUTINGS * per_expert
-    saved = {"v1": kernels.DECODE_TILES[4], "v2": kernels.PACKED_V2_TILES}
-    saved_variant = os.environ.get("TIERLM_PACKED_MOE_VARIANT")
-    saved_early = os.environ.get("TIERLM_NO_EARLY_EXPERT_WEIGHTS")
-    saved_min_group = packed_decode.PACKED_EARLY_MIN_GROUP
-    cells = {}
+@contextmanager
+def env_kept(*names: str) -> Iterator[None]:
+    """These environment variables as they were, on exit."""
+    saved = {name: os.environ.get(name) for name in names}
     try:
-        for spec in specs:
-            name, _, fields = spec.partition(":")
-            fields = {field: int(value) for field, value in (item.split("=") for item in fields.split(",") if item)}
-            early = fields.pop("early", None)  # (None: as the kernels choose by group; 1: at every group; 0: off)
-            packed_decode.PACKED_EARLY_MIN_GROUP = saved_min_group if early is None else 0
-            if early == 0:
-                os.environ["TIERLM_NO_EARLY_EXPERT_WEIGHTS"] = "1"
-            else:
-                os.environ.pop("TIERLM_NO_EARLY_EXPERT_WEIGHTS", None)
-            tiles = saved[name]._replace(**fields)
-            kernels.DECODE_TILES[4], kernels.PACKED_V2_TILES = saved["v1"], saved["v2"]
-            if name == "v2":
-                kernels.PACKED_V2_TILES = tiles
-            else:
-                kernels.DECODE_TILES[4] = tiles
-            os.environ["TIERLM_PACKED_MOE_VARIANT"] = name
-            seconds = timed(lambda i: kernels.fused_moe(x[i], w_gate_up, w_down, *routes[i], **kw), ROUTINGS, device,
-                            run.use_graph)
-            diff = max(rel_diff(kernels.fused_moe(x[i], w_gate_up, w_down, *routes[i], **kw),
-                                naive.fused_moe(x[i], w_gate_up, w_down, *routes[i], **kw)) for i in range(ROUTINGS))
-            cells[spec] = {"us": seconds * 1e6, "vs_copy": nbytes / seconds / run.copy, "max_rel_diff": diff,
-                           "tiles": tiles._asdict()}
+        yield
     finally:
-        kernels.DECODE_TILES[4], kernels.PACKED_V2_TILES = saved["v1"], saved["v2"]
-        packed_decode.PACKED_EARLY_MIN_GROUP = saved_min_group
-        if saved_early is None:
-            os.environ.pop("TIERLM_NO_EARLY_EXPERT_WEIGHTS", None)
-        else:
-            os.environ["TIERLM_NO_EARLY_EXPERT_WEIGHTS"] = saved_early
-        if saved_variant is None:
-            os.environ.pop("TIERLM_PACKED_MOE_VARIANT", None)
-        else:
-            os.environ["TIERLM_PACKED_MOE_VARIANT"] = saved_variant
-    first = cells[specs[0]]["us"]
-    print(f"{label:>10}{batch:>6}{nbytes / 1e6:>9.2f}  " + "  ".join(
-        f"{c['us']:>10.1f}{c['vs_copy']:>7.1%}{first / c['us']:>7.2f}x{c['max_rel_diff']:>9.1e}" for c in cells.values()))
-    return {"format": label, "batch": batch, "weight_bytes_per_call": nbytes, "variants": cells}
+        for name, value in saved.items():
+            set_env(name, value)
 
 
-def measure_early_tiles(run: SimpleNamespace, experts: tuple, label: str, batch: int, counts: list[int]) -> dict:
-    """--early-down-tiles: the bf16 decode form at one batch size with down's first N tiles loaded before its
-    wait (fused_moe.triton.EARLY_DOWN_TILES; 0: early weights off, TIERLM_NO_EARLY_EXPERT_WEIGHTS=1) for each
-    N, on the same inputs; prints one line, returns the row."""
+def set_env(name: str, value: str | None) -> None:
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
+
+
+def time_side_by_side(run: SimpleNamespace, experts: tuple, label: str, batch: int, keys: list,
+                      configure: Callable[[object], dict]) -> tuple[dict, float]:
+    """The routed experts at one batch size on the same inputs, once per key after configure(key) (which
+    returns what the key's cell records besides its time): ({key: cell}, weight bytes a call); prints one
+    line (us, % of copy, speed-up over the first key, max rel diff vs the reference)."""
     from tierlm.kernels.fused_moe import naive
     from tierlm.kernels.fused_moe import triton as kernels
 
@@ -403,29 +365,73 @@ def measure_early_tiles(run: SimpleNamespace, experts: tuple, label: str, batch:
          for _ in range(ROUTINGS)]
     routes = routings(batch, shape, device, run.gen)
     nbytes = sum(torch.unique(ids).numel() for _, ids in routes) / ROUTINGS * per_expert
-    saved, saved_switch = kernels.EARLY_DOWN_TILES, os.environ.get("TIERLM_NO_EARLY_EXPERT_WEIGHTS")
     cells = {}
-    try:
-        for count in counts:
-            kernels.EARLY_DOWN_TILES = count
-            if count:
-                os.environ.pop("TIERLM_NO_EARLY_EXPERT_WEIGHTS", None)
-            else:
-                os.environ["TIERLM_NO_EARLY_EXPERT_WEIGHTS"] = "1"
-            seconds = timed(lambda i: kernels.fused_moe(x[i], w_gate_up, w_down, *routes[i], **kw), ROUTINGS, device,
-                            run.use_graph)
-            diff = max(rel_diff(kernels.fused_moe(x[i], w_gate_up, w_down, *routes[i], **kw),
-                                naive.fused_moe(x[i], w_gate_up, w_down, *routes[i], **kw)) for i in range(ROUTINGS))
-            cells[count] = {"us": seconds * 1e6, "vs_copy": nbytes / seconds / run.copy, "max_rel_diff": diff}
-    finally:
-        kernels.EARLY_DOWN_TILES = saved
-        if saved_switch is None:
-            os.environ.pop("TIERLM_NO_EARLY_EXPERT_WEIGHTS", None)
-        else:
-            os.environ["TIERLM_NO_EARLY_EXPERT_WEIGHTS"] = saved_switch
-    first = cells[counts[0]]["us"]
+    for key in keys:
+        recorded = configure(key)
+        seconds = timed(lambda i: kernels.fused_moe(x[i], w_gate_up, w_down, *routes[i], **kw), ROUTINGS, device,
+                        run.use_graph)
+        diff = max(rel_diff(kernels.fused_moe(x[i], w_gate_up, w_down, *routes[i], **kw),
+                            naive.fused_moe(x[i], w_gate_up, w_down, *routes[i], **kw)) for i in range(ROUTINGS))
+        cells[key] = {"us": seconds * 1e6, "vs_copy": nbytes / seconds / run.copy, "max_rel_diff": diff, **recorded}
+    first = cells[keys[0]]["us"]
     print(f"{label:>10}{batch:>6}{nbytes / 1e6:>9.2f}  " + "  ".join(
         f"{c['us']:>10.1f}{c['vs_copy']:>7.1%}{first / c['us']:>7.2f}x{c['max_rel_diff']:>9.1e}" for c in cells.values()))
+    return cells, nbytes
+
+
+def measure_packed_variants(run: SimpleNamespace, experts: tuple, label: str, batch: int, specs: list[str]) -> dict:
+    """--packed-variants: one INT4 format at one batch size, the routed experts under each variant spec
+    (NAME[:FIELD=VALUE,...], fields of the variant's PackedDecodeTiles, or early=0 / early=1: its weights
+    loaded after its wait (TIERLM_NO_EARLY_EXPERT_WEIGHTS=1) / before it at any group size; without it, as
+    `packed_decode` chooses by group) on the same inputs; prints one line, returns the row."""
+    from tierlm.kernels.fused_moe import packed_decode
+    from tierlm.kernels.fused_moe import triton as kernels
+
+    saved = {"v1": kernels.DECODE_TILES[4], "v2": kernels.PACKED_V2_TILES}
+    saved_min_group = packed_decode.PACKED_EARLY_MIN_GROUP
+
+    def configure(spec: str) -> dict:
+        name, _, fields = spec.partition(":")
+        fields = {field: int(value) for field, value in (item.split("=") for item in fields.split(",") if item)}
+        early = fields.pop("early", None)  # (None: as the kernels choose by group; 1: at every group; 0: off)
+        packed_decode.PACKED_EARLY_MIN_GROUP = saved_min_group if early is None else 0
+        set_env("TIERLM_NO_EARLY_EXPERT_WEIGHTS", "1" if early == 0 else None)
+        tiles = saved[name]._replace(**fields)
+        kernels.DECODE_TILES[4], kernels.PACKED_V2_TILES = saved["v1"], saved["v2"]
+        if name == "v2":
+            kernels.PACKED_V2_TILES = tiles
+        else:
+            kernels.DECODE_TILES[4] = tiles
+        os.environ["TIERLM_PACKED_MOE_VARIANT"] = name
+        return {"tiles": tiles._asdict()}
+
+    try:
+        with env_kept("TIERLM_PACKED_MOE_VARIANT", "TIERLM_NO_EARLY_EXPERT_WEIGHTS"):
+            cells, nbytes = time_side_by_side(run, experts, label, batch, specs, configure)
+    finally:
+        kernels.DECODE_TILES[4], kernels.PACKED_V2_TILES = saved["v1"], saved["v2"]
+        packed_decode.PACKED_EARLY_MIN_GROUP = saved_min_group
+    return {"format": label, "batch": batch, "weight_bytes_per_call": nbytes, "variants": cells}
+
+
+def measure_early_tiles(run: SimpleNamespace, experts: tuple, label: str, batch: int, counts: list[int]) -> dict:
+    """--early-down-tiles: the bf16 decode form at one batch size with down's first N tiles loaded before its
+    wait (fused_moe.triton.EARLY_DOWN_TILES; 0: early weights off, TIERLM_NO_EARLY_EXPERT_WEIGHTS=1) for each
+    N, on the same inputs; prints one line, returns the row."""
+    from tierlm.kernels.fused_moe import triton as kernels
+
+    saved = kernels.EARLY_DOWN_TILES
+
+    def configure(count: int) -> dict:
+        kernels.EARLY_DOWN_TILES = count
+        set_env("TIERLM_NO_EARLY_EXPERT_WEIGHTS", None if count else "1")
+        return {}
+
+    try:
+        with env_kept("TIERLM_NO_EARLY_EXPERT_WEIGHTS"):
+            cells, nbytes = time_side_by_side(run, experts, label, batch, counts, configure)
+    finally:
+        kernels.EARLY_DOWN_TILES = saved
     return {"format": label, "batch": batch, "weight_bytes_per_call": nbytes,
             "early_down_tiles": {str(count): cell for count, cell in cells.items()}}
 
