@@ -88,7 +88,7 @@ SPLIT_X_BLOCK_W = 64  # words per `_split_x_kernel` program
 VARIANTS = ("v1", "v2")  # TIERLM_PACKED_MOE_VARIANT (`packed_variant`)
 # early weights (module docstring) for groups of at least this many values: on an H100 (session 18,
 # bench/results/moe_decode_kernel_early_nvidia-h100.txt, each against the same K loop without), g128 1.06x (v1) and
-# 1.09x (v2) at 1 token, 0.98-1.04x at 4, 1.00x at 16; g32 0.99-1.05x at 1 token, 0.97-1.00x at 4, 0.93-0.97x
+# 1.09x (v2) at 1 token, 1.02-1.04x at 4, 1.00x at 16; g32 1.00-1.05x at 1 token, 0.97-0.99x at 4, 0.93-0.97x
 # at 16 (v1 g32's gate_up then holds 94 registers a thread against 64: fewer programs an SM), and in the
 # real-width int4-mixed stack (g32) 0.996x at 1 token, 0.997x at 4 (decode_roofline_nvidia-h100_int4-mixed_s18early.txt)
 PACKED_EARLY_MIN_GROUP = 128
