@@ -52,8 +52,7 @@ import argparse
 import json
 import os
 import re
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -333,29 +332,15 @@ def sweep_packed(run: SimpleNamespace, experts: tuple, label: str, batches: list
     return results
 
 
-@contextmanager
-def env_kept(*names: str) -> Iterator[None]:
-    """These environment variables as they were, on exit."""
-    saved = {name: os.environ.get(name) for name in names}
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            set_env(name, value)
-
-
-def set_env(name: str, value: str | None) -> None:
-    if value is None:
-        os.environ.pop(name, None)
-    else:
-        os.environ[name] = value
-
-
 def time_side_by_side(run: SimpleNamespace, experts: tuple, label: str, batch: int, keys: list,
-                      configure: Callable[[object], dict]) -> tuple[dict, float]:
-    """The routed experts at one batch size on the same inputs, once per key after configure(key) (which
-    returns what the key's cell records besides its time): ({key: cell}, weight bytes a call); prints one
-    line (us, % of copy, speed-up over the first key, max rel diff vs the reference)."""
+                      configure: Callable[[object], tuple[dict, dict]]) -> tuple[dict, float]:
+    """The routed experts at one batch size on the same inputs, once per key after configure(key), which
+    returns (the environment variables the key sets, None: unset; what its cell records besides its
+    time), the variables restored after each key (decode_roofline's `environment`): ({key: cell}, weight
+    bytes a call); prints one line (us, % of copy, speed-up over the first key, max rel diff vs the
+    reference)."""
+    from decode_roofline import environment
+
     from tierlm.kernels.fused_moe import naive
     from tierlm.kernels.fused_moe import triton as kernels
 
@@ -367,11 +352,12 @@ def time_side_by_side(run: SimpleNamespace, experts: tuple, label: str, batch: i
     nbytes = sum(torch.unique(ids).numel() for _, ids in routes) / ROUTINGS * per_expert
     cells = {}
     for key in keys:
-        recorded = configure(key)
-        seconds = timed(lambda i: kernels.fused_moe(x[i], w_gate_up, w_down, *routes[i], **kw), ROUTINGS, device,
-                        run.use_graph)
-        diff = max(rel_diff(kernels.fused_moe(x[i], w_gate_up, w_down, *routes[i], **kw),
-                            naive.fused_moe(x[i], w_gate_up, w_down, *routes[i], **kw)) for i in range(ROUTINGS))
+        env, recorded = configure(key)
+        with environment(env):
+            seconds = timed(lambda i: kernels.fused_moe(x[i], w_gate_up, w_down, *routes[i], **kw), ROUTINGS, device,
+                            run.use_graph)
+            diff = max(rel_diff(kernels.fused_moe(x[i], w_gate_up, w_down, *routes[i], **kw),
+                                naive.fused_moe(x[i], w_gate_up, w_down, *routes[i], **kw)) for i in range(ROUTINGS))
         cells[key] = {"us": seconds * 1e6, "vs_copy": nbytes / seconds / run.copy, "max_rel_diff": diff, **recorded}
     first = cells[keys[0]]["us"]
     print(f"{label:>10}{batch:>6}{nbytes / 1e6:>9.2f}  " + "  ".join(
@@ -390,24 +376,22 @@ def measure_packed_variants(run: SimpleNamespace, experts: tuple, label: str, ba
     saved = {"v1": kernels.DECODE_TILES[4], "v2": kernels.PACKED_V2_TILES}
     saved_min_group = packed_decode.PACKED_EARLY_MIN_GROUP
 
-    def configure(spec: str) -> dict:
+    def configure(spec: str) -> tuple[dict, dict]:
         name, _, fields = spec.partition(":")
         fields = {field: int(value) for field, value in (item.split("=") for item in fields.split(",") if item)}
         early = fields.pop("early", None)  # (None: as the kernels choose by group; 1: at every group; 0: off)
         packed_decode.PACKED_EARLY_MIN_GROUP = saved_min_group if early is None else 0
-        set_env("TIERLM_NO_EARLY_EXPERT_WEIGHTS", "1" if early == 0 else None)
         tiles = saved[name]._replace(**fields)
         kernels.DECODE_TILES[4], kernels.PACKED_V2_TILES = saved["v1"], saved["v2"]
         if name == "v2":
             kernels.PACKED_V2_TILES = tiles
         else:
             kernels.DECODE_TILES[4] = tiles
-        os.environ["TIERLM_PACKED_MOE_VARIANT"] = name
-        return {"tiles": tiles._asdict()}
+        env = {"TIERLM_PACKED_MOE_VARIANT": name, "TIERLM_NO_EARLY_EXPERT_WEIGHTS": "1" if early == 0 else None}
+        return env, {"tiles": tiles._asdict()}
 
     try:
-        with env_kept("TIERLM_PACKED_MOE_VARIANT", "TIERLM_NO_EARLY_EXPERT_WEIGHTS"):
-            cells, nbytes = time_side_by_side(run, experts, label, batch, specs, configure)
+        cells, nbytes = time_side_by_side(run, experts, label, batch, specs, configure)
     finally:
         kernels.DECODE_TILES[4], kernels.PACKED_V2_TILES = saved["v1"], saved["v2"]
         packed_decode.PACKED_EARLY_MIN_GROUP = saved_min_group
@@ -422,14 +406,12 @@ def measure_early_tiles(run: SimpleNamespace, experts: tuple, label: str, batch:
 
     saved = kernels.EARLY_DOWN_TILES
 
-    def configure(count: int) -> dict:
+    def configure(count: int) -> tuple[dict, dict]:
         kernels.EARLY_DOWN_TILES = count
-        set_env("TIERLM_NO_EARLY_EXPERT_WEIGHTS", None if count else "1")
-        return {}
+        return {"TIERLM_NO_EARLY_EXPERT_WEIGHTS": None if count else "1"}, {}
 
     try:
-        with env_kept("TIERLM_NO_EARLY_EXPERT_WEIGHTS"):
-            cells, nbytes = time_side_by_side(run, experts, label, batch, counts, configure)
+        cells, nbytes = time_side_by_side(run, experts, label, batch, counts, configure)
     finally:
         kernels.EARLY_DOWN_TILES = saved
     return {"format": label, "batch": batch, "weight_bytes_per_call": nbytes,

@@ -339,15 +339,15 @@ def test_packed_variant_is_checked(monkeypatch):
     # 8 and 4 words a tile: 2 and 1 groups of 32 INT4 values; H = 256: 32 words, in 2 x 8 a v2 program
     tiles = PackedDecodeTiles(16, 8, 4, 64, 4, 4, gate_up_chunks=2)
     args = (1, 256, 64, 2, 4, 32, tiles, 1, SharedShape(0, 0, 0, 0, 0), "bf16", "ieee")
-    assert _packed_launch(*args, "v2").constants["GU_SPLITS"] == 2
+    assert _packed_launch(*args, "v2", True).constants["GU_SPLITS"] == 2
     with pytest.raises(ValueError, match="v1 reads one tile a program"):
-        _packed_launch(*args, "v1")
-    assert _packed_launch(*args[:6], tiles._replace(gate_up_chunks=1), *args[7:], "v1").constants["GU_SPLITS"] == 4
+        _packed_launch(*args, "v1", True)
+    assert _packed_launch(*args[:6], tiles._replace(gate_up_chunks=1), *args[7:], "v1", True).constants["GU_SPLITS"] == 4
     with pytest.raises(ValueError, match="whole groups of 16 words"):
-        _packed_launch(*args[:5], 128, *args[6:], "v2")  # 8 words: half a group of 128
-    assert _packed_launch(*args[:6], tiles._replace(gate_up_block_w=12, gate_up_chunks=1), *args[7:], "v1")
+        _packed_launch(*args[:5], 128, *args[6:], "v2", True)  # 8 words: half a group of 128
+    assert _packed_launch(*args[:6], tiles._replace(gate_up_block_w=12, gate_up_chunks=1), *args[7:], "v1", True)
     with pytest.raises(ValueError, match="gate_up_block_w 12 must be a power of two"):
-        _packed_launch(*args[:6], tiles._replace(gate_up_block_w=12), *args[7:], "v2")
+        _packed_launch(*args[:6], tiles._replace(gate_up_block_w=12), *args[7:], "v2", True)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")

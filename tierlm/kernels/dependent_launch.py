@@ -20,9 +20,10 @@ Because each kernel waits for its predecessor to finish, and a kernel finishes o
 One exception to the first rule: a kernel whose predecessor lets it start only once the predecessor's own
 wait has returned (`allow_dependents_once_waited`) can start only after the kernel before that one has
 finished, so it may load that kernel's output (and any earlier one's) before its own wait; and so may the
-kernel after it, which cannot start before it has. The packed fused MoE (`fused_moe.packed_decode`) uses
-this: its gate_up and down items read the router's output (which experts) and start their weight loads
-before they wait for x's split copy and for gate_up's activations.
+kernel after it, which cannot start before it has. The fused MoE's decode forms use this (early weights,
+`fused_moe.decode_parts.early_weights`): their routed items read the router's output (which experts) and
+start their weight loads before they wait (the packed form's gate_up for x's split copy, both forms' down
+for gate_up's activations).
 
 Where a kernel lets the next one start is its trigger (`launch_options`): "start" (its programs allow it
 first thing, so the next kernel's weight loads overlap this kernel's whole run; the next one may in turn

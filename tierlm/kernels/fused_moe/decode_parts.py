@@ -24,9 +24,9 @@ from tierlm.kernels.fused_moe.naive import SharedExpert, check_shared_args
 from tierlm.kernels.quant_linear.triton import (
     check_whole_word_groups,
     gemv_loop,
-    gemv_step,
+    gemv_steps,
     gemv_sum,
-    gemv_weights,
+    gemv_tiles_ahead,
     gemv_zeros,
     quant_linear,
     round_to,
@@ -72,16 +72,12 @@ def down_columns(act_ptr, act_row, w_ptr, s_ptr, offs_n, n_mask, stride_wn, stri
     fp32, [BLOCK_N]. UP_FRONT > 0 (at most K's tiles): the program has not waited for its inputs yet; the
     first UP_FRONT tiles of weights are loaded, then it waits (`wait_for_inputs`), then reads act."""
     act_rows, one_row = act_row + tl.zeros((1,), dtype=tl.int64), tl.full((1,), 1, tl.int1)
-    tiles = ()
-    for t in tl.static_range(UP_FRONT):
-        tiles += (gemv_weights(w_ptr, s_ptr, t * BLOCK_K, offs_n, n_mask, stride_wn, stride_sn, K, BITS, GROUP_SIZE,
-                               BLOCK_K, EVEN_K, act_ptr.dtype.element_ty, PRECISION),)
-    if UP_FRONT > 0:
-        wait_for_inputs(PDL)
     acc = gemv_zeros(1, BLOCK_N, BLOCK_K, BITS)
-    for t in tl.static_range(UP_FRONT):
-        tile, scale = tiles[t]
-        acc = gemv_step(acc, tile, scale, act_ptr, act_rows, one_row, t * BLOCK_K, K, BITS, GROUP_SIZE, BLOCK_K, EVEN_K)
+    if UP_FRONT > 0:
+        tiles = gemv_tiles_ahead(w_ptr, s_ptr, 0, offs_n, n_mask, stride_wn, stride_sn, K, BITS, GROUP_SIZE, BLOCK_K,
+                                 EVEN_K, act_ptr.dtype.element_ty, PRECISION, UP_FRONT)
+        wait_for_inputs(PDL)
+        acc = gemv_steps(acc, tiles, act_ptr, act_rows, one_row, 0, K, BITS, GROUP_SIZE, BLOCK_K, EVEN_K, UP_FRONT)
     acc = gemv_loop(acc, act_ptr, act_rows, one_row, w_ptr, s_ptr, UP_FRONT * BLOCK_K, K, offs_n, n_mask, stride_wn,
                     stride_sn, K, BITS, GROUP_SIZE, BLOCK_K, EVEN_K, PRECISION)
     return tl.reshape(gemv_sum(acc, BITS), (BLOCK_N,))

@@ -264,13 +264,13 @@ def _tile_sums(w_ptr, s_ptr, rows, xs_ptr, bias_ptr, split, WORDS: tl.constexpr,
     """Each row's sum, times 2^-E, over words [split * BLOCK_W, +BLOCK_W) of weight rows `rows` against one
     row of split x (planes at xs_ptr, word sums at bias_ptr): [R] fp32. The words, their scales and x are
     loaded together, then each word's fields are multiplied in place. EARLY: the weights are loaded
-    first, then the program waits for its inputs (`_early_wait`), then x; else x's planes first (they need
+    first, then the program waits for its inputs, then x; else x's planes first (they need
     no expert id; ptxas still issues some of the words after the first products at 4 rows a thread:
     other programs on the SM cover that wait)."""
     offs_w, inside = _tile_words(split, WORDS, BLOCK_W)
     if EARLY:
         words, scale = _tile_weights(w_ptr, s_ptr, rows, offs_w, inside, WORDS, BITS, GROUP_SIZE, BLOCK_W)
-        _early_wait(EARLY, PDL)
+        wait_for_inputs(PDL)
         word_bias, x0, x1, x2, x3, x4, x5, x6, x7 = _tile_planes(xs_ptr, bias_ptr, offs_w, inside, WORDS, BITS,
                                                                  BLOCK_W)
     else:
@@ -327,12 +327,11 @@ def _chunk_weights(w_ptr, s_ptr, rows, offs_g, offs_w, inside, WORDS: tl.constex
 def _chunk_loads(w_ptr, s_ptr, rows, xs_ptr, bias_ptr, first_word, WORDS: tl.constexpr, GROUP_WORDS: tl.constexpr,
                  BLOCK_G: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr):
     """v2: one chunk's loads, INT4 (`_chunk_words`): x's planes and word sums, then the words and scales;
-    EARLY: the words and scales first, then the wait for the inputs (`_early_wait`; the first chunk's
-    only), then x's."""
+    EARLY: the words and scales first, then the wait for the inputs (the first chunk's only), then x's."""
     offs_g, offs_w, inside = _chunk_words(first_word, WORDS, GROUP_WORDS, BLOCK_G)
     if EARLY:
         words, scale = _chunk_weights(w_ptr, s_ptr, rows, offs_g, offs_w, inside, WORDS, GROUP_WORDS)
-        _early_wait(EARLY, PDL)
+        wait_for_inputs(PDL)
         word_bias, x0, x1, x2, x3, x4, x5, x6, x7 = _chunk_planes(xs_ptr, bias_ptr, offs_w, inside, WORDS)
     else:
         word_bias, x0, x1, x2, x3, x4, x5, x6, x7 = _chunk_planes(xs_ptr, bias_ptr, offs_w, inside, WORDS)
@@ -668,7 +667,7 @@ def v2_misfit(tiles: PackedDecodeTiles, bits: int, group: int) -> str | None:
 @functools.cache
 def _packed_launch(t: int, h: int, inter: int, top_k: int, bits: int, group: int, tiles: PackedDecodeTiles,
                    max_tokens: int, shared: SharedShape, dtype: str, precision: str, variant: str,
-                   early: bool = True) -> PackedLaunch:
+                   early: bool) -> PackedLaunch:
     """The three launches' shapes and constants for T tokens of top-k over experts [H -> I] packed in
     `bits`, worked out once per shape (eager decode calls this every layer of every step); `variant`:
     `packed_variant`'s; `early`: `early_weights`'."""

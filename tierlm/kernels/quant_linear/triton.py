@@ -369,6 +369,30 @@ def gemv_weights(w_ptr, s_ptr, k0, offs_n, n_mask, stride_wn, stride_sn, K, BITS
 
 
 @triton.jit
+def gemv_tiles_ahead(w_ptr, s_ptr, k_start, offs_n, n_mask, stride_wn, stride_sn, K, BITS: tl.constexpr,
+                     GROUP_SIZE: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, DTYPE: tl.constexpr,
+                     PRECISION: tl.constexpr, COUNT: tl.constexpr):
+    """The COUNT `gemv_weights` tiles from input column k_start, as a tuple: what a kernel loads before its
+    `wait_for_inputs` (PDL), then steps with `gemv_steps`."""
+    tiles = ()
+    for t in tl.static_range(COUNT):
+        tiles += (gemv_weights(w_ptr, s_ptr, k_start + t * BLOCK_K, offs_n, n_mask, stride_wn, stride_sn, K, BITS,
+                               GROUP_SIZE, BLOCK_K, EVEN_K, DTYPE, PRECISION),)
+    return tiles
+
+
+@triton.jit
+def gemv_steps(acc, tiles, x_ptr, x_rows, m_mask, k_start, K, BITS: tl.constexpr, GROUP_SIZE: tl.constexpr,
+               BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, COUNT: tl.constexpr):
+    """acc + x's rows times `gemv_tiles_ahead`'s COUNT tiles from input column k_start (`gemv_step` each)."""
+    for t in tl.static_range(COUNT):
+        tile, scale = tiles[t]
+        acc = gemv_step(acc, tile, scale, x_ptr, x_rows, m_mask, k_start + t * BLOCK_K, K, BITS, GROUP_SIZE, BLOCK_K,
+                        EVEN_K)
+    return acc
+
+
+@triton.jit
 def gemv_step(acc, tile, scale, x_ptr, x_rows, m_mask, k0, K, BITS: tl.constexpr, GROUP_SIZE: tl.constexpr,
               BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
     """One tile of `gemv_loop`: acc + x's rows at input columns [k0, k0 + BLOCK_K) times a `gemv_weights`
@@ -625,16 +649,11 @@ def _gemv_kernel(
     m_mask, n_mask = offs_m < M, offs_n < N
     x_rows = tl.where(m_mask, offs_m, 0).to(tl.int64) * stride_xm
     k_start = split * k_per_split  # < K: every split has a tile
-    tiles = ()
-    for t in tl.static_range(UP_FRONT_TILES):
-        tiles += (gemv_weights(w_ptr, s_ptr, k_start + t * BLOCK_K, offs_n, n_mask, stride_wn, stride_sn, K, BITS,
-                               GROUP_SIZE, BLOCK_K, EVEN_K, x_ptr.dtype.element_ty, PRECISION),)
+    tiles = gemv_tiles_ahead(w_ptr, s_ptr, k_start, offs_n, n_mask, stride_wn, stride_sn, K, BITS, GROUP_SIZE,
+                             BLOCK_K, EVEN_K, x_ptr.dtype.element_ty, PRECISION, UP_FRONT_TILES)
     wait_for_inputs(PDL)
-    acc = gemv_zeros(BLOCK_M, BLOCK_N, BLOCK_K, BITS)
-    for t in tl.static_range(UP_FRONT_TILES):
-        tile, scale = tiles[t]
-        acc = gemv_step(acc, tile, scale, x_ptr, x_rows, m_mask, k_start + t * BLOCK_K, K, BITS, GROUP_SIZE, BLOCK_K,
-                        EVEN_K)
+    acc = gemv_steps(gemv_zeros(BLOCK_M, BLOCK_N, BLOCK_K, BITS), tiles, x_ptr, x_rows, m_mask, k_start, K, BITS,
+                     GROUP_SIZE, BLOCK_K, EVEN_K, UP_FRONT_TILES)
     acc = gemv_loop(acc, x_ptr, x_rows, m_mask, w_ptr, s_ptr, k_start + UP_FRONT_TILES * BLOCK_K,
                     tl.minimum(k_start + k_per_split, K), offs_n, n_mask, stride_wn, stride_sn, K, BITS, GROUP_SIZE,
                     BLOCK_K, EVEN_K, PRECISION)
