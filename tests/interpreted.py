@@ -15,6 +15,7 @@ The queue's children are forked from one server process that imported torch and 
 each fork runs its script as `python -c` would, with its own stdout and stderr, and exits, so what a
 script patches (tile constants, the interpreter's casts) dies with it; the ~1.5 s import is paid once for
 the whole queue instead of once a child. The server runs nothing itself (no torch op: no threads to fork).
+Every child runs under `fast_interpreter.patch()` (Triton's interpreter without its repeated language patch).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ CHILD_ENV = {"TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THRE
 FORK_SERVER = """
 import json, os, sys, traceback
 import torch, triton, triton.language  # (imported, not used: the fixed cost each fork skips)
+import fast_interpreter; fast_interpreter.patch()  # (one language patch per helper, see there)
 for line in sys.stdin:
     script, argv, out_path, err_path = json.loads(line)
     pid = os.fork()
@@ -73,7 +75,8 @@ def _spawn(script: str, argv: tuple[str, ...]):
     # files, not pipes: a chatty child never blocks; the collector closes them
     out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")  # noqa: SIM115
     process = subprocess.Popen(
-        [sys.executable, "-c", script, *argv], cwd=Path(__file__).parent, env={**os.environ, **CHILD_ENV},
+        [sys.executable, "-c", f"import fast_interpreter; fast_interpreter.patch()\n{script}", *argv],
+        cwd=Path(__file__).parent, env={**os.environ, **CHILD_ENV},
         stdout=out, stderr=err, text=True,
     )
     return process, out, err

@@ -375,7 +375,7 @@ class PipelineDriver:
             sends.append(self.group.isend(output, 1))
             receive = self.group.recv_ids(ids)
         except Exception as exc:  # noqa: BLE001
-            self._fail(f"sending the hidden state to rank 1 failed: {_first_line(exc)}")
+            self._fail(self._peer_failure(f"sending the hidden state to rank 1 failed: {_first_line(exc)}"))
         host_ids = None if self._host_ids is None else self._host_ids.start(receive, ids)
         # CUDA: the next step's stream waits for the ids when it first reads them (CPU: `launch` waited)
         sampled = _SampledOnDevice(ids[0], None if host_ids is None else functools.partial(self._wait_receive, receive))
@@ -449,7 +449,7 @@ class PipelineDriver:
         try:
             sends.append(self.group.isend(output, 1))
         except Exception as exc:  # noqa: BLE001
-            self._fail(f"sending the hidden state to rank 1 failed: {_first_line(exc)}")
+            self._fail(self._peer_failure(f"sending the hidden state to rank 1 failed: {_first_line(exc)}"))
         answer = self._wait_result()
         self._wait_sends(sends)
         self._check_answer(answer, message.step)
@@ -537,8 +537,9 @@ class PipelineDriver:
         return host[:, :rows].tolist()
 
     def _peer_failure(self, why: str) -> str:
-        """Why the last rank went away: its own error when its answer says so (it sends one before it
-        exits), else `why`."""
+        """Why the last rank went away (or a send to a rank failed, which its going may cause): its own
+        error when its answer says so (it sends one before it exits, but the result thread may read it
+        after a send has failed), else `why`."""
         self._peer_failed.wait(timeout=1.0)
         return self._peer_error or why
 
@@ -563,7 +564,7 @@ class PipelineDriver:
             try:
                 sends += self.group.post_object(message, rank)
             except Exception as exc:  # noqa: BLE001
-                self._fail(f"sending a step to rank {rank} failed: {_first_line(exc)}")
+                self._fail(self._peer_failure(f"sending a step to rank {rank} failed: {_first_line(exc)}"))
         return sends
 
     # ---- waiting, and failures ----

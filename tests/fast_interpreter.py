@@ -1,0 +1,37 @@
+"""Triton's interpreter, a quarter faster on our kernels: the interpreter children call `patch()` first.
+
+Each call of a @triton.jit helper from inside a kernel (`InterpretedFunction.__call__`) patches
+triton.language again for the helper's module (`_patch_lang`: inspect.getmembers over five modules, about
+a millisecond), thousands of times a test on kernels built from many helpers (a quarter of the
+layer-combine fold child's time, measured with cProfile: 27 s -> 20 s without it). Nothing undoes those
+patches except a launch's own restore, which puts back only what that launch patched, and every launch
+patches its kernel's modules again; so one patch per helper (its first call) leaves each launch running
+under the same patches. Where triton's interpreter has another shape this does nothing.
+"""
+
+from __future__ import annotations
+
+
+def patch() -> None:
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    device_function = getattr(interpreter, "InterpretedFunction", None)
+    if device_function is None or not hasattr(device_function, "rewrite") or getattr(device_function, "_patched_once",
+                                                                                         False):
+        return
+    call_and_patch = device_function.__call__
+    patched: set = set()
+
+    def call(self, *args, **kwargs):
+        if self.fn not in patched:
+            patched.add(self.fn)
+            return call_and_patch(self, *args, **kwargs)
+        try:
+            return self.rewrite()(*args, **kwargs)
+        except Exception as exc:
+            raise interpreter.InterpreterError(repr(exc)) from exc
+
+    device_function.__call__ = call
+    device_function._patched_once = True
