@@ -3,7 +3,9 @@
 `timed`: seconds per call of fn(i), i in range(calls), replayed from one CUDA graph (or eagerly), best of 5
 rounds; on a CPU one plain pass after a warm-up call. `copy_bandwidth`: the device's copy bandwidth, the
 bytes read plus the bytes written of a large eager copy per second, best of 12 (a graph replays a copy as
-a memcpy node, slower than the copy kernel). `kernels_per_call`: the CUDA kernels one eager call of fn
+a memcpy node, slower than the copy kernel). `copy_floor`: seconds per call of the copy kernel moving a
+small kernel's bytes in its own launches (a small read never reaches the large copy's bandwidth: the launch's
+ramp and tail weigh). `kernels_per_call`: the CUDA kernels one eager call of fn
 launches (profiled). `device_label`: the device's name in results files.
 """
 
@@ -62,6 +64,23 @@ def copy_bandwidth(device: torch.device, nbytes: int) -> float:
         end.synchronize()
         best = min(best, start.elapsed_time(end) / 1000)
     return 2 * nbytes / best
+
+
+def copy_floor(moved: list[int], calls: int, device: torch.device, use_graph: bool = True) -> float:
+    """Seconds per call of one copy per entry of `moved`, in order, each moving that many bytes (half read,
+    half written, as `copy_bandwidth` counts them), from `calls` distinct sets of buffers (as a kernel timed
+    over `calls` routings reads distinct weights: nothing served from L2), timed as `timed` times a kernel.
+    At these sizes the copy kernel's own speed does not follow the size smoothly: on an
+    H100, one launch moving 25.34 MB reached 67% of the copy bandwidth, 27.65 MB 77%, the same in runs
+    with the lengths rounded to 256 values."""
+    pairs = [[(src := torch.empty(max(1, n // 4), dtype=torch.bfloat16, device=device).normal_(),
+               torch.empty_like(src)) for n in moved] for _ in range(calls)]
+
+    def copies(i: int) -> None:
+        for src, dst in pairs[i]:
+            dst.copy_(src)
+
+    return timed(copies, calls, device, use_graph)
 
 
 def device_label(device: torch.device) -> str:

@@ -57,7 +57,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
-from device_timing import copy_bandwidth, timed
+from device_timing import copy_bandwidth, copy_floor, timed
 
 ROUTINGS = 8  # (2 on the CPU, where the interpreter takes seconds per call)
 TARGET = {"hidden": 2560, "experts": 512, "top_k": 10, "intermediate": 640, "shared": 640, "groups": (32, 128)}
@@ -210,13 +210,33 @@ def measure_batch(run: SimpleNamespace, experts: tuple, label: str, batch: int) 
         "gathered_over_kernel": None if gathered_s is None else gathered_s / kernel_s,
         "max_rel_diff": diff, "tiles": config,
     }
+    if run.copy_floor and decode:
+        row.update(copy_floor_row(run, nbytes, kernel_s))
     baseline = (" " * 28 if baseline_s is None else
                 f"{baseline_s * 1e6:>11.1f}{nbytes / baseline_s / run.copy:>8.1%}{baseline_s / kernel_s:>8.2f}x")
     gathered = " " * 22 if gathered_s is None else f"{gathered_s * 1e6:>12.1f}{gathered_s / kernel_s:>9.2f}x"
     reference_text = " " * 19 if reference_s is None else f"{reference_s * 1e6:>10.1f}{reference_s / kernel_s:>8.2f}x"
     print(f"{label:>10}{batch:>6}{row['path']:>8}{distinct:>8.1f}{nbytes / 1e6:>9.2f}{kernel_s * 1e6:>11.1f}"
           f"{row['kernel_GBps']:>8.1f}{row['kernel_vs_copy']:>8.1%}{baseline}{reference_text}{gathered}{diff:>13.2e}")
+    if "copy_one_launch_us" in row:
+        print(f"{'':>16}the copy kernel moving the same {nbytes / 1e6:.2f} MB: in one launch "
+              f"{row['copy_one_launch_us']:.1f} us ({row['copy_one_launch_vs_copy']:.1%} of copy), as gate_up's and "
+              f"down's shares in two launches {row['copy_two_launches_us']:.1f} us ({row['copy_two_launches_vs_copy']:.1%});"
+              f" the kernel at {row['kernel_vs_one_launch_copy']:.1%} / {row['kernel_vs_two_launch_copy']:.1%} of "
+              "their speed")
     return row
+
+
+def copy_floor_row(run: SimpleNamespace, nbytes: float, kernel_s: float) -> dict:
+    """--copy-floor: the copy kernel moving the call's bytes in one launch, and in the decode form's two
+    dependent launches' shares (gate_up reads 2 / 3 of an expert's bytes, down 1 / 3, in every format: the
+    same K groups over 2I x H and H x I values), each over ROUTINGS distinct buffers as the kernel reads
+    distinct experts; with the kernel's time against theirs."""
+    one = copy_floor([int(nbytes)], ROUTINGS, run.device, run.use_graph)
+    two = copy_floor([int(nbytes * 2 / 3), int(nbytes / 3)], ROUTINGS, run.device, run.use_graph)
+    return {"copy_one_launch_us": one * 1e6, "copy_one_launch_vs_copy": nbytes / one / run.copy,
+            "copy_two_launches_us": two * 1e6, "copy_two_launches_vs_copy": nbytes / two / run.copy,
+            "kernel_vs_one_launch_copy": one / kernel_s, "kernel_vs_two_launch_copy": two / kernel_s}
 
 
 def packed_tiles(gate_up: tuple[int, int, int] | None = None, down: tuple[int, int, int] | None = None):
@@ -519,7 +539,7 @@ def measure(args, device: torch.device) -> dict:
     run = SimpleNamespace(shape=shape, device=device, gen=gen, copy=copy, use_graph=use_graph, sweep=args.sweep,
                           no_reference=args.no_reference, baseline=None, sweep_batch=args.batches[0],
                           packed_best={} if args.packed_sweep else None, bf16_share={},
-                          shared_sweep=args.shared_sweep)
+                          shared_sweep=args.shared_sweep, copy_floor=args.copy_floor)
     if args.baseline is not None:
         from kernel_baseline import load_baseline
 
@@ -601,6 +621,9 @@ def main() -> None:
     parser.add_argument("--early-down-tiles", type=int, nargs="+", default=None, metavar="N",
                         help="time the bf16 decode form with down's first N tiles loaded before its wait, for each "
                              "N (0: early weights off), side by side (the first is the baseline)")
+    parser.add_argument("--copy-floor", action="store_true",
+                        help="also time the copy kernel moving each decode row's bytes, in one launch and in the "
+                             "two launches' shares (what a small read reaches at all), beside the kernel")
     parser.add_argument("--no-reference", action="store_true",
                         help="skip timing the torch reference (outputs are still checked against it)")
     parser.add_argument("--baseline", type=Path, default=None, metavar="ROOT",
