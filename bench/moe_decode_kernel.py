@@ -212,6 +212,8 @@ def measure_batch(run: SimpleNamespace, experts: tuple, label: str, batch: int) 
     }
     if run.copy_floor and decode:
         row.update(copy_floor_row(run, nbytes, kernel_s))
+    if run.phases and device.type == "cuda":
+        row["launches_us"] = launch_times(kernel)
     baseline = (" " * 28 if baseline_s is None else
                 f"{baseline_s * 1e6:>11.1f}{nbytes / baseline_s / run.copy:>8.1%}{baseline_s / kernel_s:>8.2f}x")
     gathered = " " * 22 if gathered_s is None else f"{gathered_s * 1e6:>12.1f}{gathered_s / kernel_s:>9.2f}x"
@@ -224,7 +226,32 @@ def measure_batch(run: SimpleNamespace, experts: tuple, label: str, batch: int) 
               f"down's shares in two launches {row['copy_two_launches_us']:.1f} us ({row['copy_two_launches_vs_copy']:.1%});"
               f" the kernel at {row['kernel_vs_one_launch_copy']:.1%} / {row['kernel_vs_two_launch_copy']:.1%} of "
               "their speed")
+    if "launches_us" in row:
+        print(f"{'':>16}each launch alone (eager, PDL off): "
+              + ", ".join(f"{name} {us:.1f} us" for name, us in row["launches_us"]))
     return row
+
+
+def launch_times(kernel, repeats: int = 5) -> list[tuple[str, float]]:
+    """--phases: (kernel name, us) of each launch of one call, in launch order, averaged over `repeats`
+    passes over the ROUTINGS calls: eager with TIERLM_NO_PDL=1 (each launch starts once the one before it
+    has ended, so its time is its own)."""
+    from decode_roofline import environment
+
+    with environment({"TIERLM_NO_PDL": "1"}):
+        for i in range(ROUTINGS):
+            kernel(i)
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(repeats):
+                for i in range(ROUTINGS):
+                    kernel(i)
+            torch.cuda.synchronize()
+    events = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                    key=lambda e: e.time_range.start)
+    per_call = len(events) // (repeats * ROUTINGS)
+    return [(events[j].name, sum(e.device_time_total for e in events[j::per_call]) / (repeats * ROUTINGS))
+            for j in range(per_call)]
 
 
 def copy_floor_row(run: SimpleNamespace, nbytes: float, kernel_s: float) -> dict:
@@ -539,7 +566,7 @@ def measure(args, device: torch.device) -> dict:
     run = SimpleNamespace(shape=shape, device=device, gen=gen, copy=copy, use_graph=use_graph, sweep=args.sweep,
                           no_reference=args.no_reference, baseline=None, sweep_batch=args.batches[0],
                           packed_best={} if args.packed_sweep else None, bf16_share={},
-                          shared_sweep=args.shared_sweep, copy_floor=args.copy_floor)
+                          shared_sweep=args.shared_sweep, copy_floor=args.copy_floor, phases=args.phases)
     if args.baseline is not None:
         from kernel_baseline import load_baseline
 
@@ -624,6 +651,8 @@ def main() -> None:
     parser.add_argument("--copy-floor", action="store_true",
                         help="also time the copy kernel moving each decode row's bytes, in one launch and in the "
                              "two launches' shares (what a small read reaches at all), beside the kernel")
+    parser.add_argument("--phases", action="store_true",
+                        help="also time each launch of a call alone (eager, PDL off, profiled; CUDA only)")
     parser.add_argument("--no-reference", action="store_true",
                         help="skip timing the torch reference (outputs are still checked against it)")
     parser.add_argument("--baseline", type=Path, default=None, metavar="ROOT",
