@@ -13,14 +13,16 @@ from __future__ import annotations
 
 
 def patch() -> None:
+    """Make `InterpretedFunction.__call__` patch the language on a helper's first call only."""
     try:
         from triton.runtime import interpreter
     except ImportError:
         return
     device_function = getattr(interpreter, "InterpretedFunction", None)
-    if device_function is None or not hasattr(device_function, "rewrite") or getattr(device_function, "_patched_once",
-                                                                                         False):
-        return
+    if device_function is None or not hasattr(device_function, "rewrite"):
+        return  # another interpreter: left as it is
+    if getattr(device_function, "_patched_once", False):
+        return  # (patched already in this process)
     call_and_patch = device_function.__call__
     patched: set = set()
 
