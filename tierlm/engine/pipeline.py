@@ -268,6 +268,7 @@ class PipelineDriver:
         self._launched = 0  # steps launched (StepMessage.step)
         self._block_changes = BlockListChanges()  # what the other ranks hold of each request's block list
         self._peer_error: str | None = None  # the last rank's error, or its connection lost (result thread)
+        self._last_rank_error: str | None = None  # the last rank's own error, as its answer said (result thread)
         self._peer_failed = threading.Event()
         self._results: queue.Queue = queue.Queue()
         # posted before any step is sent: the last rank's answers never wait for this process
@@ -375,7 +376,7 @@ class PipelineDriver:
             sends.append(self.group.isend(output, 1))
             receive = self.group.recv_ids(ids)
         except Exception as exc:  # noqa: BLE001
-            self._fail(self._peer_failure(f"sending the hidden state to rank 1 failed: {_first_line(exc)}"))
+            self._fail(f"sending the hidden state to rank 1 failed: {_first_line(exc)}")
         host_ids = None if self._host_ids is None else self._host_ids.start(receive, ids)
         # CUDA: the next step's stream waits for the ids when it first reads them (CPU: `launch` waited)
         sampled = _SampledOnDevice(ids[0], None if host_ids is None else functools.partial(self._wait_receive, receive))
@@ -449,7 +450,7 @@ class PipelineDriver:
         try:
             sends.append(self.group.isend(output, 1))
         except Exception as exc:  # noqa: BLE001
-            self._fail(self._peer_failure(f"sending the hidden state to rank 1 failed: {_first_line(exc)}"))
+            self._fail(f"sending the hidden state to rank 1 failed: {_first_line(exc)}")
         answer = self._wait_result()
         self._wait_sends(sends)
         self._check_answer(answer, message.step)
@@ -512,7 +513,7 @@ class PipelineDriver:
         try:
             receive.wait()
         except Exception as exc:  # noqa: BLE001
-            self._fail(self._peer_failure(self._lost_last_rank(exc)))
+            self._fail(self._lost_last_rank(exc))
 
     def _read_ids(self, entry: PipelineStep) -> tuple[list[int], list[int]]:
         """The step's sampled ids and their statuses, one per sampling row, on the host (CPU: waits for
@@ -536,19 +537,12 @@ class PipelineDriver:
             time.sleep(0)
         return host[:, :rows].tolist()
 
-    def _peer_failure(self, why: str) -> str:
-        """Why the last rank went away (or a send to a rank failed, which its going may cause): its own
-        error when its answer says so (it sends one before it exits, but the result thread may read it
-        after a send has failed), else `why`."""
-        self._peer_failed.wait(timeout=1.0)
-        return self._peer_error or why
-
     def _send_last(self, message: StepMessage) -> None:
         last = self.world_size - 1
         try:
             self.group.send_object(message, last)
         except Exception as exc:  # noqa: BLE001
-            self._fail(self._peer_failure(f"sending to pipeline rank {last} failed: {_first_line(exc)}"))
+            self._fail(f"sending to pipeline rank {last} failed: {_first_line(exc)}")
 
     def _release_finished(self) -> list[int]:
         """The keys of requests that finished (or were aborted) and are in no batch in flight: the last rank
@@ -564,7 +558,7 @@ class PipelineDriver:
             try:
                 sends += self.group.post_object(message, rank)
             except Exception as exc:  # noqa: BLE001
-                self._fail(self._peer_failure(f"sending a step to rank {rank} failed: {_first_line(exc)}"))
+                self._fail(f"sending a step to rank {rank} failed: {_first_line(exc)}")
         return sends
 
     # ---- waiting, and failures ----
@@ -580,7 +574,7 @@ class PipelineDriver:
                 self._results.put(exc)
                 return
             if answer.error is not None:
-                self._peer_error = self._last_rank_failed(answer.error)
+                self._peer_error = self._last_rank_error = self._last_rank_failed(answer.error)
                 self._peer_failed.set()
             self._results.put(answer)
 
@@ -646,6 +640,11 @@ class PipelineDriver:
             while self.processes and time.monotonic() < deadline and all(p.poll() is None for p in self.processes):
                 time.sleep(0.05)
             dead = [(rank, p.returncode) for rank, p in enumerate(self.processes, start=1) if p.poll() is not None]
+            if any(rank == self.world_size - 1 for rank, _ in dead):
+                # it sends its own error before it exits, but the result thread may read it only after a send
+                # or a poll has seen the rank go: that error, not what its going caused here, is the failure
+                self._peer_failed.wait(timeout=1.0)
+            why = self._last_rank_error or why
             first = sorted(dead, key=lambda item: item[1] == EXIT_PEER_LOST)  # who saw another go: last
             if first:
                 named = _rank_exit(*first[0])
