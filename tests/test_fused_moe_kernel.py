@@ -86,6 +86,11 @@ CASES.update({f"{name}-v2": case for name, case in list(CASES.items())
 EARLY_DOWN_TILES = {torch.float32: 1, torch.bfloat16: 2}
 CASES.update({f"{name}-weights-late": CASES[name] for name in
               ("fp32-int4-g32-decode-split-shared-int6", "bf16-int4-g32-decode-split-shared-int6-v2")})
+# every other packed case runs its shared expert inside the packed decode launches (`run_kernel_cases`); at
+# the decode path's 3 tokens packed experts run it apart by default (PACKED_SHARED_APART_TOKENS: the routed
+# launches, then `quant_linear`'s, the outputs added): these cases keep that path
+CASES.update({f"{name}-apart": CASES[name] for name in
+              ("fp32-int4-g32-decode-split-shared-int6", "bf16-int4-g32-decode-split-shared-int6")})
 
 
 def route(tokens: int, top_k: int, skewed: bool, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -177,9 +182,6 @@ def run_kernel_cases(names: list[str]) -> dict[str, str | None]:
     saved = (kernels.DECODE_MAX_PAIRS, kernels.PREFILL_BLOCK_M, kernels.DECODE_TILES, kernels.PACKED_V2_TILES,
              kernels.EARLY_DOWN_TILES, packed_decode.PACKED_EARLY_MIN_GROUP, kernels.PACKED_SHARED_APART_TOKENS)
     packed_decode.PACKED_EARLY_MIN_GROUP = 0  # (early at every group here: the cases' groups are 16 and 32)
-    # the shared expert in the packed decode launches at every token count (at 3 it runs apart as measured:
-    # `quant_linear`'s launches, which its own tests cover)
-    kernels.PACKED_SHARED_APART_TOKENS = range(0)
     kernels.DECODE_MAX_PAIRS, kernels.PREFILL_BLOCK_M = DECODE_MAX_PAIRS, PREFILL_BLOCK_M
     try:
         for name in names:
@@ -202,6 +204,11 @@ def run_kernel_cases(names: list[str]) -> dict[str, str | None]:
                 os.environ["TIERLM_NO_EARLY_EXPERT_WEIGHTS"] = "1"
             else:
                 os.environ.pop("TIERLM_NO_EARLY_EXPERT_WEIGHTS", None)
+            # the shared expert inside the packed launches, except in the -apart cases (as shipped)
+            kernels.PACKED_SHARED_APART_TOKENS = saved[6] if name.endswith("-apart") else range(0)
+            if name.endswith("-apart") and args[0].shape[0] not in saved[6]:
+                results[name] = f"{args[0].shape[0]} tokens run the shared expert in the packed launches"
+                continue
             prefill = CASES[name][2] == PATHS["prefill"]
             if (ids.numel() <= DECODE_MAX_PAIRS) == prefill:
                 results[name] = f"{ids.numel()} pairs do not take the path of {name}"
