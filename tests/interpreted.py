@@ -35,12 +35,15 @@ CHILD_TIMEOUT_S = 1200
 # cores slow everything down many times over
 CHILD_ENV = {"TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
+# every child's first line: Triton's interpreter with one language patch per helper (see fast_interpreter)
+FAST_INTERPRETER = "import fast_interpreter; fast_interpreter.patch()\n"
+
 # reads requests [script, argv, stdout path, stderr path] a line each; answers the fork's pid, then its
 # exit code (as subprocess reports it: -signal when killed)
 FORK_SERVER = """
 import json, os, sys, traceback
 import torch, triton, triton.language  # (imported, not used: the fixed cost each fork skips)
-import fast_interpreter; fast_interpreter.patch()  # (one language patch per helper, see there)
+""" + FAST_INTERPRETER + """
 for line in sys.stdin:
     script, argv, out_path, err_path = json.loads(line)
     pid = os.fork()
@@ -75,7 +78,7 @@ def _spawn(script: str, argv: tuple[str, ...]):
     # files, not pipes: a chatty child never blocks; the collector closes them
     out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")  # noqa: SIM115
     process = subprocess.Popen(
-        [sys.executable, "-c", f"import fast_interpreter; fast_interpreter.patch()\n{script}", *argv],
+        [sys.executable, "-c", FAST_INTERPRETER + script, *argv],
         cwd=Path(__file__).parent, env={**os.environ, **CHILD_ENV},
         stdout=out, stderr=err, text=True,
     )
