@@ -24,8 +24,6 @@ the reference on every routing (max |diff| relative to max |reference|).
         --packed-variants v1 v2 v2:gate_up_chunks=1 v2:gate_up_block_n=64   # CUDA: the K loops side by side
     python bench/moe_decode_kernel.py --formats int4-g32 int4-g128 --no-reference \
         --packed-variants v1:early=1 v1:early=0 v2:early=1 v2:early=0   # CUDA: early weights on and off
-    python bench/moe_decode_kernel.py --formats int4-g32 int4-g128 --batches 1 4 --no-reference --copy-floor \
-        --packed-variants v1:one=0 v1:one=1 v2:one=0 v2:one=1   # CUDA: gate_up and down in one launch
     python bench/moe_decode_kernel.py --formats bf16 --early-down-tiles 0 1 2 3 --no-reference   # CUDA
 --shared adds, per format and batch, the experts with the block's shared expert (width 640; bf16 beside
 bf16 experts, INT6 with the experts' group beside INT4 ones, as `tierlm quantize --scheme int4-mixed`
@@ -42,8 +40,7 @@ kernel's recorded figures (RECORDED: session 7's H200 run), picks the best per b
 rows with it; the shapes are compiled first by --compile-workers processes (Triton's disk cache).
 --packed-variants times the INT4 decode form under each TIERLM_PACKED_MOE_VARIANT (`packed_decode.packed_variant`),
 NAME or NAME:FIELD=VALUE,... (fields of the variant's tiles replaced: DECODE_TILES[4] for v1, PACKED_V2_TILES
-for v2; early=0 / early=1: weights loaded after the wait / before it at any group, `packed_decode`'s early weights;
-one=0 / one=1: gate_up and down in two launches / one, TIERLM_PACKED_MOE_ONE_LAUNCH),
+for v2; early=0 / early=1: weights loaded after the wait / before it at any group, `packed_decode`'s early weights),
 side by side per format and batch: each one's time, % of the copy bandwidth and max rel diff, and its speed-up over the first
 (instead of the usual rows: they would time the default variant again).
 Results go to bench/results/moe_decode_kernel_<device>.json.
@@ -419,8 +416,7 @@ def measure_packed_variants(run: SimpleNamespace, experts: tuple, label: str, ba
     """--packed-variants: one INT4 format at one batch size, the routed experts under each variant spec
     (NAME[:FIELD=VALUE,...], fields of the variant's PackedDecodeTiles, or early=0 / early=1: its weights
     loaded after its wait (TIERLM_NO_EARLY_EXPERT_WEIGHTS=1) / before it at any group size; without it, as
-    `packed_decode` chooses by group; or one=0 / one=1: TIERLM_PACKED_MOE_ONE_LAUNCH) on the same inputs;
-    prints one line, returns the row."""
+    `packed_decode` chooses by group) on the same inputs; prints one line, returns the row."""
     from tierlm.kernels.fused_moe import packed_decode
     from tierlm.kernels.fused_moe import triton as kernels
 
@@ -431,7 +427,6 @@ def measure_packed_variants(run: SimpleNamespace, experts: tuple, label: str, ba
         name, _, fields = spec.partition(":")
         fields = {field: int(value) for field, value in (item.split("=") for item in fields.split(",") if item)}
         early = fields.pop("early", None)  # (None: as the kernels choose by group; 1: at every group; 0: off)
-        one = fields.pop("one", None)  # (None: as the kernels choose by tokens; 1: gate_up and down in one launch)
         packed_decode.PACKED_EARLY_MIN_GROUP = saved_min_group if early is None else 0
         tiles = saved[name]._replace(**fields)
         kernels.DECODE_TILES[4], kernels.PACKED_V2_TILES = saved["v1"], saved["v2"]
@@ -439,8 +434,7 @@ def measure_packed_variants(run: SimpleNamespace, experts: tuple, label: str, ba
             kernels.PACKED_V2_TILES = tiles
         else:
             kernels.DECODE_TILES[4] = tiles
-        env = {"TIERLM_PACKED_MOE_VARIANT": name, "TIERLM_NO_EARLY_EXPERT_WEIGHTS": "1" if early == 0 else None,
-               "TIERLM_PACKED_MOE_ONE_LAUNCH": None if one is None else str(one)}
+        env = {"TIERLM_PACKED_MOE_VARIANT": name, "TIERLM_NO_EARLY_EXPERT_WEIGHTS": "1" if early == 0 else None}
         return env, {"tiles": tiles._asdict()}
 
     try:

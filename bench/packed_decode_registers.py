@@ -3,14 +3,13 @@
 For each variant (TIERLM_PACKED_MOE_VARIANT: v1 with fused_moe.triton.DECODE_TILES[4], v2 with
 PACKED_V2_TILES, fields replaceable as in moe_decode_kernel.py --packed-variants, early=0 too), group and batch at the
 target's widths (hidden 2560, intermediate 640, top-10; with the INT6 shared expert of width 640 unless
---no-shared), each phase's programs (--one-launch: the one-launch form's "both" too), warps, registers a thread, stack bytes (spills), and global loads in
+--no-shared), each phase's programs, warps, registers a thread, stack bytes (spills), and global loads in
 the PTX (16-byte vector loads among them): what decides how many programs an SM holds, and so how many
 weight bytes are in flight, before any GPU time is spent. The launch is specialised as a real one is
 (16-byte aligned pointers, strides multiples of 16), or the loads come out scalar.
 
     python bench/packed_decode_registers.py                     # v1 and v2, g32 and g128, b1 and b4
     python bench/packed_decode_registers.py --variants v2:gate_up_block_n=128,gate_up_warps=4 --no-shared
-    python bench/packed_decode_registers.py --one-launch --batches 1
 """
 
 from __future__ import annotations
@@ -30,7 +29,7 @@ POINTER_TYPES = {"x_ptr": "*bf16", "xs_ptr": "*fp32", "x_bias_ptr": "*fp32", "gu
                  "gu_shared_s_ptr": "*bf16", "shared_act_ptr": "*bf16", "gu_partial_ptr": "*fp32",
                  "gu_counter_ptr": "*i32", "dn_w_ptr": "*i32", "dn_s_ptr": "*bf16", "routing_ptr": "*bf16",
                  "dn_shared_w_ptr": "*i32", "dn_shared_s_ptr": "*bf16", "shared_gate_ptr": "*bf16", "out_ptr": "*bf16",
-                 "dn_partial_ptr": "*fp32", "dn_counter_ptr": "*i32", "ticket_ptr": "*i64", "flags_ptr": "*i64"}
+                 "dn_partial_ptr": "*fp32", "dn_counter_ptr": "*i32"}
 FLOAT_ARGS = {"product_scale", "bias_scale"}
 
 
@@ -56,7 +55,6 @@ def main() -> None:
     parser.add_argument("--groups", type=int, nargs="+", default=[32, 128])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--no-shared", action="store_true", help="the routed experts alone")
-    parser.add_argument("--one-launch", action="store_true", help="also gate_up and down in one launch")
     args = parser.parse_args()
     print(f"{'variant':<40}{'group':>6}{'batch':>6}{'phase':>9}{'programs':>10}{'warps':>6}{'regs':>6}{'stack':>6}"
           f"{'loads':>7}{'16 B':>6}")
@@ -67,11 +65,8 @@ def main() -> None:
                       SharedShape(1, 6, SHARED_WIDTH, group, group))
             for batch in args.batches:
                 launch = packed_decode._packed_launch(batch, HIDDEN, INTERMEDIATE, TOP_K, 4, group, tiles, 16, shared,
-                                                      "bf16", "ieee", variant, early, args.one_launch)
-                phases = [("gate_up", launch.gate_up), ("down", launch.down)]
-                if args.one_launch:
-                    phases.append(("both", (launch.gate_up[0] + launch.down[0], max(launch.gate_up[1], launch.down[1]))))
-                for phase, (programs, warps) in phases:
+                                                      "bf16", "ieee", variant, early)
+                for phase, (programs, warps) in (("gate_up", launch.gate_up), ("down", launch.down)):
                     compiled = compile_phase(launch, phase, warps)
                     registers, stack = resources(compiled.asm["cubin"])
                     ptx = compiled.asm["ptx"]

@@ -91,12 +91,6 @@ CASES.update({f"{name}-weights-late": CASES[name] for name in
 # launches, then `quant_linear`'s, the outputs added): these cases keep that path
 CASES.update({f"{name}-apart": CASES[name] for name in
               ("fp32-int4-g32-decode-split-shared-int6", "bf16-int4-g32-decode-split-shared-int6")})
-# the packed form's gate_up and down in one launch (TIERLM_PACKED_MOE_ONE_LAUNCH=1: down's items wait on flags
-# gate_up's finishing items raise): both K loops, weights early and late, the shared expert inside, INT8, and a
-# whole-K tile (gate_up finishes without arriving); each must also equal the two launches' output exactly
-ONE_LAUNCH_CASES = ("fp32-int4-g32-decode-split-shared-int6", "bf16-int4-g32-decode-split-shared-int6-v2-weights-late",
-                    "bf16-int8-g16-decode", "bf16-int4-g32-decode-whole-k")
-CASES.update({f"{name}-one-launch": CASES[name] for name in ONE_LAUNCH_CASES})
 
 
 def route(tokens: int, top_k: int, skewed: bool, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -194,8 +188,6 @@ def run_kernel_cases(names: list[str]) -> dict[str, str | None]:
             args, kwargs, exact = make_case(name)
             ids = args[4]
             ranks = CASES[name][2][3]
-            one_launch = name.endswith("-one-launch")
-            name, case = name.removesuffix("-one-launch"), name
             kernels.DECODE_TILES = {
                 bits: tiles._replace(**PACKED_BLOCK_W[bits]) if bits in PACKED_BLOCK_W else
                 tiles._replace(down_ranks=ranks, **DECODE_BLOCK_K)
@@ -215,29 +207,23 @@ def run_kernel_cases(names: list[str]) -> dict[str, str | None]:
             # the shared expert inside the packed launches, except in the -apart cases (as shipped)
             kernels.PACKED_SHARED_APART_TOKENS = saved[6] if name.endswith("-apart") else range(0)
             if name.endswith("-apart") and args[0].shape[0] not in saved[6]:
-                results[case] = f"{args[0].shape[0]} tokens run the shared expert in the packed launches"
+                results[name] = f"{args[0].shape[0]} tokens run the shared expert in the packed launches"
                 continue
             prefill = CASES[name][2] == PATHS["prefill"]
             if (ids.numel() <= DECODE_MAX_PAIRS) == prefill:
-                results[case] = f"{ids.numel()} pairs do not take the path of {name}"
+                results[name] = f"{ids.numel()} pairs do not take the path of {name}"
                 continue
             if prefill and not (ids == 5).sum() > PREFILL_BLOCK_M:
-                results[case] = "expert 5 does not fill two blocks"
+                results[name] = "expert 5 does not fill two blocks"
                 continue
             reference = naive.fused_moe(*args, **kwargs)
-            os.environ["TIERLM_PACKED_MOE_ONE_LAUNCH"] = "1" if one_launch else "0"
             out = kernels.fused_moe(*(a.to(device) for a in args), **on_device(kwargs, device)).cpu()
-            results[case] = within_tolerance(out, reference, *exact)
-            if one_launch and results[case] is None:
-                os.environ["TIERLM_PACKED_MOE_ONE_LAUNCH"] = "0"
-                apart = kernels.fused_moe(*(a.to(device) for a in args), **on_device(kwargs, device)).cpu()
-                if not torch.equal(out, apart):
-                    results[case] = f"differs from the two launches by {(out - apart).abs().max().item():.3g}"
+            results[name] = within_tolerance(out, reference, *exact)
     finally:
         (kernels.DECODE_MAX_PAIRS, kernels.PREFILL_BLOCK_M, kernels.DECODE_TILES, kernels.PACKED_V2_TILES,
          kernels.EARLY_DOWN_TILES, packed_decode.PACKED_EARLY_MIN_GROUP, kernels.PACKED_SHARED_APART_TOKENS) = saved
-        for switch in ("TIERLM_PACKED_MOE_VARIANT", "TIERLM_NO_EARLY_EXPERT_WEIGHTS", "TIERLM_PACKED_MOE_ONE_LAUNCH"):
-            os.environ.pop(switch, None)
+        os.environ.pop("TIERLM_PACKED_MOE_VARIANT", None)
+        os.environ.pop("TIERLM_NO_EARLY_EXPERT_WEIGHTS", None)
     return results
 
 

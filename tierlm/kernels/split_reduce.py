@@ -18,27 +18,20 @@ import triton
 import triton.language as tl
 
 _COUNTERS: dict[tuple[str, torch.device], list[torch.Tensor]] = {}
-MIN_COUNTERS = 1 << 14  # per (owner, device): e.g. GDN decode's requests x key heads up to 1024 x 16
+MIN_COUNTERS = 1 << 14  # 64 KB per (owner, device): e.g. GDN decode's requests x key heads up to 1024 x 16
 
 
 def arrival_counters(owner: str, device: torch.device, count: int) -> torch.Tensor:
-    """At least `count` zeroed int32 counters on `device` (`kept_zeros`)."""
-    return kept_zeros(owner, device, count, torch.int32)
-
-
-def kept_zeros(owner: str, device: torch.device, count: int, dtype: torch.dtype) -> torch.Tensor:
-    """At least `count` elements of `dtype` on `device`, zeroed when made, the same tensor on every call for
-    `owner` until a call needs more: then a larger one (doubling), the old one kept for the process's life,
-    so a CUDA graph that captured it keeps a valid address."""
+    """At least `count` zeroed int32 counters on `device`, the same tensor on every call for `owner` until
+    a call needs more: then a larger one (doubling), the old one kept for the process's life, so a CUDA
+    graph that captured it keeps a valid address."""
     kept = _COUNTERS.setdefault((owner, torch.device(device)), [])
-    if kept and kept[-1].dtype != dtype:
-        raise ValueError(f"{owner}: kept as {kept[-1].dtype}, asked for as {dtype}")
     if not kept or kept[-1].numel() < count:
         if _capturing(device):
-            raise RuntimeError(f"{owner}: {count} counters are more than it has; they must be made before a "
+            raise RuntimeError(f"{owner}: {count} arrival counters are more than it has; they must be made before a "
                                "CUDA graph capture (run the forward once eagerly at this size first)")
         size = max(count, MIN_COUNTERS, 2 * kept[-1].numel() if kept else 0)
-        kept.append(torch.zeros(size, dtype=dtype, device=device))
+        kept.append(torch.zeros(size, dtype=torch.int32, device=device))
     return kept[-1]
 
 

@@ -80,13 +80,6 @@ from tierlm.kernels.fused_moe.decode_parts import (
     early_weights,
     round_as,
 )
-from tierlm.kernels.launch_order import (
-    launch_counter,
-    launch_flags,
-    raise_flag,
-    take_ticket,
-    wait_flags,
-)
 from tierlm.kernels.quant_linear.triton import dot_precision, gemv_loop, gemv_sum, gemv_zeros, round_to
 from tierlm.kernels.split_reduce import arrival_counters
 
@@ -123,21 +116,6 @@ def packed_variant(bits: int, group: int, tokens: int, v2_tiles: PackedDecodeTil
         fits = v2_misfit(v2_tiles, bits, group) is None
         return "v2" if fits and (group, tokens) not in PACKED_V1_DEFAULT else "v1"
     return variant
-
-
-# the token counts at which gate_up and down run in one launch by default (`packed_one_launch`): none until measured
-PACKED_ONE_LAUNCH_TOKENS: frozenset[int] = frozenset()
-
-
-def packed_one_launch(tokens: int) -> bool:
-    """Whether a decode step of `tokens` tokens runs gate_up and down in one launch (module docstring, "One
-    launch"): TIERLM_PACKED_MOE_ONE_LAUNCH=1 at any token count, =0 never; unset, at PACKED_ONE_LAUNCH_TOKENS."""
-    switch = os.environ.get("TIERLM_PACKED_MOE_ONE_LAUNCH")
-    if switch is None:
-        return tokens in PACKED_ONE_LAUNCH_TOKENS
-    if switch not in ("0", "1"):
-        raise ValueError(f"TIERLM_PACKED_MOE_ONE_LAUNCH={switch!r}: 0 or 1")
-    return switch == "1"
 
 
 class PackedDecodeTiles(NamedTuple):
@@ -281,20 +259,18 @@ def _tile_products(words, scale, word_bias, x0, x1, x2, x3, x4, x5, x6, x7, BITS
 
 
 @triton.jit
-def _tile_sums(w_ptr, s_ptr, rows, xs_ptr, bias_ptr, split, flag_ptr, flag_count, tag, WORDS: tl.constexpr,
-               BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, BLOCK_W: tl.constexpr, EARLY: tl.constexpr,
-               PDL: tl.constexpr, FLAG_SPAN: tl.constexpr):
+def _tile_sums(w_ptr, s_ptr, rows, xs_ptr, bias_ptr, split, WORDS: tl.constexpr, BITS: tl.constexpr,
+               GROUP_SIZE: tl.constexpr, BLOCK_W: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr):
     """Each row's sum, times 2^-E, over words [split * BLOCK_W, +BLOCK_W) of weight rows `rows` against one
     row of split x (planes at xs_ptr, word sums at bias_ptr): [R] fp32. The words, their scales and x are
     loaded together, then each word's fields are multiplied in place. EARLY: the weights are loaded
     first, then the program waits for its inputs, then x; else x's planes first (they need
     no expert id; ptxas still issues some of the words after the first products at 4 rows a thread:
-    other programs on the SM cover that wait). FLAG_SPAN > 0 (one launch): x is another program's output,
-    read once flags [0, flag_count) at flag_ptr hold `tag` (`_await_inputs`), the weights loaded first."""
+    other programs on the SM cover that wait)."""
     offs_w, inside = _tile_words(split, WORDS, BLOCK_W)
-    if EARLY or FLAG_SPAN > 0:
+    if EARLY:
         words, scale = _tile_weights(w_ptr, s_ptr, rows, offs_w, inside, WORDS, BITS, GROUP_SIZE, BLOCK_W)
-        _await_inputs(flag_ptr, flag_count, tag, EARLY, PDL, FLAG_SPAN)
+        wait_for_inputs(PDL)
         word_bias, x0, x1, x2, x3, x4, x5, x6, x7 = _tile_planes(xs_ptr, bias_ptr, offs_w, inside, WORDS, BITS,
                                                                  BLOCK_W)
     else:
@@ -309,15 +285,6 @@ def _early_wait(EARLY: tl.constexpr, PDL: tl.constexpr):
     """Where an EARLY program waits for its inputs (its weights already loading); the others waited first."""
     if EARLY:
         wait_for_inputs(PDL)
-
-
-@triton.jit
-def _await_inputs(flag_ptr, flag_count, tag, EARLY: tl.constexpr, PDL: tl.constexpr, FLAG_SPAN: tl.constexpr):
-    """An item's wait once its first weights are loading: for the kernel before (EARLY), then, in the one-launch
-    form (FLAG_SPAN > 0), for the gate_up items of this launch whose activations it reads (`launch_order`)."""
-    _early_wait(EARLY, PDL)
-    if FLAG_SPAN > 0:
-        wait_flags(flag_ptr, flag_count, tag, FLAG_SPAN)
 
 
 @triton.jit
@@ -357,16 +324,14 @@ def _chunk_weights(w_ptr, s_ptr, rows, offs_g, offs_w, inside, WORDS: tl.constex
 
 
 @triton.jit
-def _chunk_loads(w_ptr, s_ptr, rows, xs_ptr, bias_ptr, first_word, flag_ptr, flag_count, tag, WORDS: tl.constexpr,
-                 GROUP_WORDS: tl.constexpr, BLOCK_G: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr,
-                 FLAG_SPAN: tl.constexpr):
+def _chunk_loads(w_ptr, s_ptr, rows, xs_ptr, bias_ptr, first_word, WORDS: tl.constexpr, GROUP_WORDS: tl.constexpr,
+                 BLOCK_G: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr):
     """v2: one chunk's loads, INT4 (`_chunk_words`): x's planes and word sums, then the words and scales;
-    EARLY or FLAG_SPAN > 0: the words and scales first, then the wait for the inputs (`_await_inputs`; the first
-    chunk's only), then x's."""
+    EARLY: the words and scales first, then the wait for the inputs (the first chunk's only), then x's."""
     offs_g, offs_w, inside = _chunk_words(first_word, WORDS, GROUP_WORDS, BLOCK_G)
-    if EARLY or FLAG_SPAN > 0:
+    if EARLY:
         words, scale = _chunk_weights(w_ptr, s_ptr, rows, offs_g, offs_w, inside, WORDS, GROUP_WORDS)
-        _await_inputs(flag_ptr, flag_count, tag, EARLY, PDL, FLAG_SPAN)
+        wait_for_inputs(PDL)
         word_bias, x0, x1, x2, x3, x4, x5, x6, x7 = _chunk_planes(xs_ptr, bias_ptr, offs_w, inside, WORDS)
     else:
         word_bias, x0, x1, x2, x3, x4, x5, x6, x7 = _chunk_planes(xs_ptr, bias_ptr, offs_w, inside, WORDS)
@@ -392,26 +357,23 @@ def _chunk_sums(words, scale, word_bias, x0, x1, x2, x3, x4, x5, x6, x7):
 
 
 @triton.jit
-def _looped_tile_sums(w_ptr, s_ptr, rows, xs_ptr, bias_ptr, split, flag_ptr, flag_count, tag, WORDS: tl.constexpr,
-                      GROUP_SIZE: tl.constexpr, BLOCK_W: tl.constexpr, CHUNKS: tl.constexpr, EARLY: tl.constexpr,
-                      PDL: tl.constexpr, FLAG_SPAN: tl.constexpr):
+def _looped_tile_sums(w_ptr, s_ptr, rows, xs_ptr, bias_ptr, split, WORDS: tl.constexpr, GROUP_SIZE: tl.constexpr,
+                      BLOCK_W: tl.constexpr, CHUNKS: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr):
     """v2 (INT4): what `_tile_sums` returns, over words [split * BLOCK_W * CHUNKS, +BLOCK_W * CHUNKS) in
     CHUNKS chunks of BLOCK_W: each chunk's loads are issued before the chunk before it is multiplied
     (registers double-buffered: two chunks in flight a program all through its run, where a one-tile
     program has one, then waits on its arrival round trip with nothing loading); fp32 group sums
     accumulate over the chunks and are summed across the tile once, at the end. EARLY: the first chunk's
-    weights are loaded before the wait for the inputs (`_chunk_loads`), and so with FLAG_SPAN > 0."""
+    weights are loaded before the wait for the inputs (`_chunk_loads`)."""
     GROUP_WORDS: tl.constexpr = GROUP_SIZE // 8
     BLOCK_G: tl.constexpr = BLOCK_W // GROUP_WORDS
     first = split * (BLOCK_W * CHUNKS)
     words, scale, word_bias, x0, x1, x2, x3, x4, x5, x6, x7 = _chunk_loads(
-        w_ptr, s_ptr, rows, xs_ptr, bias_ptr, first, flag_ptr, flag_count, tag, WORDS, GROUP_WORDS, BLOCK_G, EARLY,
-        PDL, FLAG_SPAN)
+        w_ptr, s_ptr, rows, xs_ptr, bias_ptr, first, WORDS, GROUP_WORDS, BLOCK_G, EARLY, PDL)
     acc = tl.zeros(scale.shape, dtype=tl.float32)
     for chunk in range(1, CHUNKS):
         n_words, n_scale, n_bias, n0, n1, n2, n3, n4, n5, n6, n7 = _chunk_loads(
-            w_ptr, s_ptr, rows, xs_ptr, bias_ptr, first + chunk * BLOCK_W, flag_ptr, 0, tag, WORDS, GROUP_WORDS,
-            BLOCK_G, False, PDL, 0)
+            w_ptr, s_ptr, rows, xs_ptr, bias_ptr, first + chunk * BLOCK_W, WORDS, GROUP_WORDS, BLOCK_G, False, PDL)
         acc += _chunk_sums(words, scale, word_bias, x0, x1, x2, x3, x4, x5, x6, x7)
         words, scale, word_bias, x0, x1, x2, x3, x4, x5, x6, x7 = (
             n_words, n_scale, n_bias, n0, n1, n2, n3, n4, n5, n6, n7)
@@ -420,18 +382,16 @@ def _looped_tile_sums(w_ptr, s_ptr, rows, xs_ptr, bias_ptr, split, flag_ptr, fla
 
 
 @triton.jit
-def _split_sums(w_ptr, s_ptr, rows, xs_ptr, bias_ptr, split, flag_ptr, flag_count, tag, WORDS: tl.constexpr,
-                BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, BLOCK_W: tl.constexpr, CHUNKS: tl.constexpr,
-                VARIANT: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr, FLAG_SPAN: tl.constexpr):
+def _split_sums(w_ptr, s_ptr, rows, xs_ptr, bias_ptr, split, WORDS: tl.constexpr, BITS: tl.constexpr,
+                GROUP_SIZE: tl.constexpr, BLOCK_W: tl.constexpr, CHUNKS: tl.constexpr, VARIANT: tl.constexpr,
+                EARLY: tl.constexpr, PDL: tl.constexpr):
     """The rows' sums (times 2^-E) over K split `split`: v1 one tile (`_tile_sums`), v2 CHUNKS tiles
-    (`_looped_tile_sums`). EARLY: the program waits for its inputs in here, its first weights loading; FLAG_SPAN
-    > 0: so it waits for flags [0, flag_count) at flag_ptr to hold `tag` (`_await_inputs`)."""
+    (`_looped_tile_sums`). EARLY: the program waits for its inputs in here, its first weights loading."""
     if VARIANT == "v2":
-        sums = _looped_tile_sums(w_ptr, s_ptr, rows, xs_ptr, bias_ptr, split, flag_ptr, flag_count, tag, WORDS,
-                                 GROUP_SIZE, BLOCK_W, CHUNKS, EARLY, PDL, FLAG_SPAN)
+        sums = _looped_tile_sums(w_ptr, s_ptr, rows, xs_ptr, bias_ptr, split, WORDS, GROUP_SIZE, BLOCK_W, CHUNKS,
+                                 EARLY, PDL)
     else:
-        sums = _tile_sums(w_ptr, s_ptr, rows, xs_ptr, bias_ptr, split, flag_ptr, flag_count, tag, WORDS, BITS,
-                          GROUP_SIZE, BLOCK_W, EARLY, PDL, FLAG_SPAN)
+        sums = _tile_sums(w_ptr, s_ptr, rows, xs_ptr, bias_ptr, split, WORDS, BITS, GROUP_SIZE, BLOCK_W, EARLY, PDL)
     return sums
 
 
@@ -482,38 +442,33 @@ def _gate_up_finish(total, row, pid_n, num_shared, act_ptr, act_bias_ptr, shared
 
 @triton.jit
 def _gate_up_end(sums, row, pid_n, split, num_shared, act_ptr, act_bias_ptr, shared_act_ptr, partial_ptr, counter_ptr,
-                 flags_ptr, tag, S, bias_scale, stride_sap, I: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr,
+                 S, bias_scale, stride_sap, I: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr,
                  N_BLOCKS: tl.constexpr, SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, SLOTS: tl.constexpr,
-                 DTYPE: tl.constexpr, PRECISION: tl.constexpr, FLAGS: tl.constexpr):
+                 DTYPE: tl.constexpr, PRECISION: tl.constexpr):
     """A gate_up item's end: its sums are split `split` of SPLITS of row's column block pid_n; one split
-    finishes the columns itself, several through `_arrive` (the last to arrive finishes them). FLAGS (the
-    one-launch form): the program that finishes them then raises the block's flag (row * N_BLOCKS + pid_n)."""
+    finishes the columns itself, several through `_arrive` (the last to arrive finishes them)."""
     if SPLITS == 1:
         _gate_up_finish(sums, row, pid_n, num_shared, act_ptr, act_bias_ptr, shared_act_ptr, S, bias_scale, stride_sap,
                         I, BITS, BLOCK_N, DTYPE, PRECISION)
-        if FLAGS:
-            raise_flag(flags_ptr + row * N_BLOCKS + pid_n, tag)
     else:
         last, total = _arrive(sums, partial_ptr, counter_ptr, row * N_BLOCKS + pid_n, split, SPLITS, SPLITS_P2, SLOTS,
                               2 * BLOCK_N)
         if last:
             _gate_up_finish(total, row, pid_n, num_shared, act_ptr, act_bias_ptr, shared_act_ptr, S, bias_scale,
                             stride_sap, I, BITS, BLOCK_N, DTYPE, PRECISION)
-            if FLAGS:
-                raise_flag(flags_ptr + row * N_BLOCKS + pid_n, tag)
 
 
 @triton.jit
 def _gate_up_program(
     row, pid_n, split, x_ptr, xs_ptr, x_bias_ptr, w_ptr, s_ptr, ids_ptr, act_ptr, act_bias_ptr, shared_w_ptr,
-    shared_s_ptr, shared_act_ptr, partial_ptr, counter_ptr, flags_ptr, tag, num_shared, S, product_scale, bias_scale,
-    stride_xt, stride_swn, stride_ssn, stride_sap,
+    shared_s_ptr, shared_act_ptr, partial_ptr, counter_ptr, num_shared, S, product_scale, bias_scale, stride_xt,
+    stride_swn, stride_ssn, stride_sap,
     H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, BITS: tl.constexpr, GROUP_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, N_BLOCKS: tl.constexpr, BLOCK_W: tl.constexpr, SPLITS: tl.constexpr,
     SPLITS_P2: tl.constexpr, SHARED_SPLITS: tl.constexpr, SHARED_SPLITS_P2: tl.constexpr, SLOTS: tl.constexpr,
     DTYPE: tl.constexpr, HAS_SHARED: tl.constexpr, SHARED_BITS: tl.constexpr, SHARED_GROUP_SIZE: tl.constexpr,
     SHARED_BLOCK_K: tl.constexpr, SHARED_EVEN_K: tl.constexpr, PRECISION: tl.constexpr, CHUNKS: tl.constexpr,
-    VARIANT: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr, FLAGS: tl.constexpr,
+    VARIANT: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr,
 ):
     """gate_up's item (row, pid_n, split): the gate and up sums of columns [pid_n * BLOCK_N, +BLOCK_N) over
     one K split. Rows below num_shared (T with a shared expert, else 0) are the tokens' shared expert: its
@@ -522,8 +477,7 @@ def _gate_up_program(
     gate and up rows in one [2 * BLOCK_N, BLOCK_W] tile of H's words [split * BLOCK_W, +BLOCK_W) (of
     SPLITS). SLOTS: partials a column block holds (the larger split count). The split that arrives last
     finishes the columns (`_gate_up_end`). EARLY: a pair's item loads its expert id and weights before it
-    waits for its inputs (`_split_sums`); every other path waits first (`_early_wait`). FLAGS (the one-launch
-    form): the finished columns' flag is raised for down's items (`_gate_up_end`)."""
+    waits for its inputs (`_split_sums`); every other path waits first (`_early_wait`)."""
     VALUES: tl.constexpr = 32 // BITS
     WORDS: tl.constexpr = H // VALUES
     pair = row - num_shared
@@ -538,11 +492,11 @@ def _gate_up_program(
             if I % BLOCK_N != 0:
                 rows = tl.where(n < I, rows, 0)  # clamped
             sums = _split_sums(w_ptr + expert * (2 * I * WORDS), s_ptr + expert * (2 * I * (H // GROUP_SIZE)),
-                               rows.to(tl.int64), xs_ptr + token * H, x_bias_ptr + token * WORDS, split, flags_ptr, 0,
-                               tag, WORDS, BITS, GROUP_SIZE, BLOCK_W, CHUNKS, VARIANT, EARLY, PDL, 0) * product_scale
+                               rows.to(tl.int64), xs_ptr + token * H, x_bias_ptr + token * WORDS, split, WORDS, BITS,
+                               GROUP_SIZE, BLOCK_W, CHUNKS, VARIANT, EARLY, PDL) * product_scale
             _gate_up_end(sums, row, pid_n, split, num_shared, act_ptr, act_bias_ptr, shared_act_ptr, partial_ptr,
-                         counter_ptr, flags_ptr, tag, S, bias_scale, stride_sap, I, BITS, BLOCK_N, N_BLOCKS, SPLITS,
-                         SPLITS_P2, SLOTS, DTYPE, PRECISION, FLAGS)
+                         counter_ptr, S, bias_scale, stride_sap, I, BITS, BLOCK_N, N_BLOCKS, SPLITS, SPLITS_P2, SLOTS,
+                         DTYPE, PRECISION)
         else:
             _early_wait(EARLY, PDL)
             if HAS_SHARED:
@@ -563,8 +517,8 @@ def _gate_up_program(
                 up_sum = tl.reshape(gemv_sum(up, SHARED_BITS), (BLOCK_N,))
                 sums = tl.reshape(tl.trans(tl.join(gate_sum, up_sum)), (2 * BLOCK_N,))
                 _gate_up_end(sums, row, pid_n, split, num_shared, act_ptr, act_bias_ptr, shared_act_ptr, partial_ptr,
-                             counter_ptr, flags_ptr, tag, S, bias_scale, stride_sap, I, BITS, BLOCK_N, N_BLOCKS,
-                             SHARED_SPLITS, SHARED_SPLITS_P2, SLOTS, DTYPE, PRECISION, FLAGS)
+                             counter_ptr, S, bias_scale, stride_sap, I, BITS, BLOCK_N, N_BLOCKS, SHARED_SPLITS,
+                             SHARED_SPLITS_P2, SLOTS, DTYPE, PRECISION)
     else:
         _early_wait(EARLY, PDL)  # (an item past its row's width: it reads and writes nothing)
 
@@ -572,24 +526,20 @@ def _gate_up_program(
 @triton.jit
 def _down_program(
     pid_n, token, part, act_ptr, act_bias_ptr, w_ptr, s_ptr, routing_ptr, ids_ptr, shared_act_ptr, shared_w_ptr,
-    shared_s_ptr, shared_gate_ptr, out_ptr, partial_ptr, counter_ptr, flags_ptr, tag, num_shared, S, product_scale,
-    stride_sap, stride_swn, stride_ssn,
+    shared_s_ptr, shared_gate_ptr, out_ptr, partial_ptr, counter_ptr, S, product_scale, stride_sap, stride_swn,
+    stride_ssn,
     H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, BITS: tl.constexpr, GROUP_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, N_BLOCKS: tl.constexpr, BLOCK_W: tl.constexpr, SPLITS: tl.constexpr, SHARED_SPLITS: tl.constexpr,
     PARTS_P2: tl.constexpr, DTYPE: tl.constexpr, HAS_SHARED: tl.constexpr, SHARED_BITS: tl.constexpr, SHARED_GROUP_SIZE: tl.constexpr,
     SHARED_BLOCK_K: tl.constexpr, SHARED_EVEN_K: tl.constexpr, PRECISION: tl.constexpr, CHUNKS: tl.constexpr,
-    VARIANT: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr, GU_BLOCK_N: tl.constexpr, GU_BLOCKS: tl.constexpr,
-    FLAG_SPAN: tl.constexpr,
+    VARIANT: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr,
 ):
     """down's item (pid_n, token (int64), part): rows [pid_n * BLOCK_N, +BLOCK_N) of H for one token. Parts
     below TOP_K * SPLITS are slot part // SPLITS's expert over I's words [(part % SPLITS) * BLOCK_W,
     +BLOCK_W), times its routing weight (rounded to x's dtype); the rest the shared expert's K ranges of
     S, times its gate (`gemv_loop`, its own format). The token's part that arrives last adds all parts in
     order and rounds out[token] once. EARLY: a slot's item loads its expert id, routing weight and weights
-    before it waits for its inputs (`_split_sums`); the shared expert's items wait first (`_early_wait`).
-    FLAG_SPAN > 0 (the one-launch form): an item reads its activations once the flags of the gate_up column
-    blocks (GU_BLOCK_N wide, GU_BLOCKS a row) that wrote them hold this launch's tag; a slot's item loads its
-    weights first, whether EARLY or not."""
+    before it waits for its inputs (`_split_sums`); the shared expert's items wait first (`_early_wait`)."""
     VALUES: tl.constexpr = 32 // BITS
     WORDS: tl.constexpr = I // VALUES
     PARTS: tl.constexpr = TOP_K * SPLITS + HAS_SHARED * SHARED_SPLITS
@@ -603,25 +553,13 @@ def _down_program(
         pair = token * TOP_K + part // SPLITS
         expert = tl.load(ids_ptr + pair).to(tl.int64)
         routing = round_as(tl.load(routing_ptr + pair).to(tl.float32), DTYPE, PRECISION)
-        split = part % SPLITS
-        flag_ptr, flag_count = flags_ptr, 0
-        if FLAG_SPAN > 0:  # the gate_up blocks over this split's activations [lo, hi)
-            lo = split * (BLOCK_W * CHUNKS * VALUES)
-            first = lo // GU_BLOCK_N
-            flag_count = (tl.minimum(lo + BLOCK_W * CHUNKS * VALUES, I) - 1) // GU_BLOCK_N - first + 1
-            flag_ptr = flags_ptr + (num_shared + pair) * GU_BLOCKS + first
         result = _split_sums(w_ptr + expert * (H * WORDS), s_ptr + expert * (H * (I // GROUP_SIZE)),
-                             rows.to(tl.int64), act_ptr + pair * I, act_bias_ptr + pair * WORDS, split, flag_ptr,
-                             flag_count, tag, WORDS, BITS, GROUP_SIZE, BLOCK_W, CHUNKS, VARIANT, EARLY, PDL,
-                             FLAG_SPAN) * (routing * product_scale)
+                             rows.to(tl.int64), act_ptr + pair * I, act_bias_ptr + pair * WORDS, part % SPLITS, WORDS,
+                             BITS, GROUP_SIZE, BLOCK_W, CHUNKS, VARIANT, EARLY, PDL) * (routing * product_scale)
     else:
         _early_wait(EARLY, PDL)
         if HAS_SHARED:
             k_start = (part - TOP_K * SPLITS) * SHARED_BLOCK_K
-            if FLAG_SPAN > 0:  # the gate_up blocks of the token's shared row over [k_start, +SHARED_BLOCK_K)
-                first = k_start // GU_BLOCK_N
-                wait_flags(flags_ptr + token * GU_BLOCKS + first,
-                           (tl.minimum(k_start + SHARED_BLOCK_K, S) - 1) // GU_BLOCK_N - first + 1, tag, FLAG_SPAN)
             acc = gemv_loop(gemv_zeros(1, BLOCK_N, SHARED_BLOCK_K, SHARED_BITS), shared_act_ptr,
                             token * stride_sap + tl.zeros((1,), dtype=tl.int64), tl.full((1,), 1, tl.int1),
                             shared_w_ptr, shared_s_ptr, k_start, k_start + SHARED_BLOCK_K, offs_n,
@@ -642,126 +580,57 @@ def _down_program(
 def _packed_decode_kernel(
     x_ptr, xs_ptr, x_bias_ptr, gu_w_ptr, gu_s_ptr, ids_ptr, act_ptr, act_bias_ptr, gu_shared_w_ptr, gu_shared_s_ptr,
     shared_act_ptr, gu_partial_ptr, gu_counter_ptr, dn_w_ptr, dn_s_ptr, routing_ptr, dn_shared_w_ptr, dn_shared_s_ptr,
-    shared_gate_ptr, out_ptr, dn_partial_ptr, dn_counter_ptr, ticket_ptr, ticket_slot, flags_ptr, gate_up_items, S,
-    num_shared, product_scale, bias_scale, stride_xt, gu_stride_swn, gu_stride_ssn, stride_sap, dn_stride_swn,
-    dn_stride_ssn,
+    shared_gate_ptr, out_ptr, dn_partial_ptr, dn_counter_ptr, S, num_shared, product_scale, bias_scale, stride_xt,
+    gu_stride_swn, gu_stride_ssn, stride_sap, dn_stride_swn, dn_stride_ssn,
     H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, BITS: tl.constexpr, GROUP_SIZE: tl.constexpr,
     GU_BLOCK_N: tl.constexpr, GU_BLOCKS: tl.constexpr, GU_BLOCK_W: tl.constexpr, GU_SPLITS: tl.constexpr,
     GU_SPLITS_P2: tl.constexpr, GU_SHARED_SPLITS: tl.constexpr, GU_SHARED_SPLITS_P2: tl.constexpr,
-    DN_BLOCK_N: tl.constexpr, DN_BLOCKS: tl.constexpr, DN_BLOCK_W: tl.constexpr, DN_SPLITS: tl.constexpr,
-    DN_SHARED_SPLITS: tl.constexpr, DN_PARTS_P2: tl.constexpr, DTYPE: tl.constexpr,
+    DN_BLOCK_N: tl.constexpr, DN_BLOCKS: tl.constexpr, DN_BLOCK_W: tl.constexpr, DN_SPLITS: tl.constexpr, DN_SHARED_SPLITS: tl.constexpr,
+    DN_PARTS_P2: tl.constexpr, DTYPE: tl.constexpr,
     HAS_SHARED: tl.constexpr, SHARED_BITS: tl.constexpr, GU_SHARED_GROUP_SIZE: tl.constexpr,
     GU_SHARED_BLOCK_K: tl.constexpr, GU_SHARED_EVEN_K: tl.constexpr, DN_SHARED_GROUP_SIZE: tl.constexpr,
     DN_SHARED_BLOCK_K: tl.constexpr, DN_SHARED_EVEN_K: tl.constexpr, PHASE: tl.constexpr,
     PRECISION: tl.constexpr, GU_CHUNKS: tl.constexpr, DN_CHUNKS: tl.constexpr, VARIANT: tl.constexpr,
-    EARLY: tl.constexpr, FLAG_SPAN: tl.constexpr, PDL: tl.constexpr,
+    EARLY: tl.constexpr, PDL: tl.constexpr,
 ):
-    """PHASE "gate_up": program i is gate_up's item i (`_gate_up_item`); "down": down's item i (`_down_item`);
-    "both" (the one-launch form): a program takes a ticket (`launch_order`) and is gate_up's item `ticket` below
-    gate_up_items, else down's item `ticket - gate_up_items`; gate_up's finishing programs raise a flag per
-    column block, down's items wait on the flags over their activations (up to FLAG_SPAN). The experts'
+    """PHASE "gate_up": program i is gate_up's item (split i % GU_SPLITS, column block (i // GU_SPLITS) %
+    GU_BLOCKS, row i // (GU_SPLITS * GU_BLOCKS)); "down": down's item (part i % parts, column block
+    (i // parts) % DN_BLOCKS, token i // (parts * DN_BLOCKS)): a tile's splits are neighbours. The experts'
     weights and scales are contiguous: their strides are constants. Under PDL every program waits for its
     inputs first, or with EARLY once its expert's first weights are loading (the module docstring says
     why it may read the router's output before its wait)."""
-    if PHASE == "both":
-        index, tag = take_ticket(ticket_ptr, ticket_slot)
-    else:
-        index, tag = tl.program_id(0), 0
     allow_dependents(PDL)
     if not EARLY:
         wait_for_inputs(PDL)
+    index = tl.program_id(0)
     if PHASE == "gate_up":
-        _gate_up_item(
-            index, x_ptr, xs_ptr, x_bias_ptr, gu_w_ptr, gu_s_ptr, ids_ptr, act_ptr, act_bias_ptr, gu_shared_w_ptr,
-            gu_shared_s_ptr, shared_act_ptr, gu_partial_ptr, gu_counter_ptr, flags_ptr, tag, num_shared, S,
-            product_scale, bias_scale, stride_xt, gu_stride_swn, gu_stride_ssn, stride_sap, H, I, TOP_K, BITS,
-            GROUP_SIZE, GU_BLOCK_N, GU_BLOCKS, GU_BLOCK_W, GU_SPLITS, GU_SPLITS_P2, GU_SHARED_SPLITS,
-            GU_SHARED_SPLITS_P2, DTYPE, HAS_SHARED, SHARED_BITS, GU_SHARED_GROUP_SIZE, GU_SHARED_BLOCK_K,
-            GU_SHARED_EVEN_K, PRECISION, GU_CHUNKS, VARIANT, EARLY, PDL, False)
-    elif PHASE == "down":
-        _down_item(
-            index, act_ptr, act_bias_ptr, dn_w_ptr, dn_s_ptr, routing_ptr, ids_ptr, shared_act_ptr, dn_shared_w_ptr,
-            dn_shared_s_ptr, shared_gate_ptr, out_ptr, dn_partial_ptr, dn_counter_ptr, flags_ptr, tag, num_shared, S,
-            product_scale, stride_sap, dn_stride_swn, dn_stride_ssn, H, I, TOP_K, BITS, GROUP_SIZE, DN_BLOCK_N,
-            DN_BLOCKS, DN_BLOCK_W, DN_SPLITS, DN_SHARED_SPLITS, DN_PARTS_P2, DTYPE, HAS_SHARED, SHARED_BITS,
-            DN_SHARED_GROUP_SIZE, DN_SHARED_BLOCK_K, DN_SHARED_EVEN_K, PRECISION, DN_CHUNKS, VARIANT, EARLY, PDL,
-            GU_BLOCK_N, GU_BLOCKS, 0)
-    elif index < gate_up_items:
-        _gate_up_item(
-            index, x_ptr, xs_ptr, x_bias_ptr, gu_w_ptr, gu_s_ptr, ids_ptr, act_ptr, act_bias_ptr, gu_shared_w_ptr,
-            gu_shared_s_ptr, shared_act_ptr, gu_partial_ptr, gu_counter_ptr, flags_ptr, tag, num_shared, S,
-            product_scale, bias_scale, stride_xt, gu_stride_swn, gu_stride_ssn, stride_sap, H, I, TOP_K, BITS,
-            GROUP_SIZE, GU_BLOCK_N, GU_BLOCKS, GU_BLOCK_W, GU_SPLITS, GU_SPLITS_P2, GU_SHARED_SPLITS,
-            GU_SHARED_SPLITS_P2, DTYPE, HAS_SHARED, SHARED_BITS, GU_SHARED_GROUP_SIZE, GU_SHARED_BLOCK_K,
-            GU_SHARED_EVEN_K, PRECISION, GU_CHUNKS, VARIANT, EARLY, PDL, True)
-    else:
-        _down_item(
-            index - gate_up_items, act_ptr, act_bias_ptr, dn_w_ptr, dn_s_ptr, routing_ptr, ids_ptr, shared_act_ptr,
-            dn_shared_w_ptr, dn_shared_s_ptr, shared_gate_ptr, out_ptr, dn_partial_ptr, dn_counter_ptr, flags_ptr, tag,
-            num_shared, S, product_scale, stride_sap, dn_stride_swn, dn_stride_ssn, H, I, TOP_K, BITS, GROUP_SIZE,
-            DN_BLOCK_N, DN_BLOCKS, DN_BLOCK_W, DN_SPLITS, DN_SHARED_SPLITS, DN_PARTS_P2, DTYPE, HAS_SHARED,
-            SHARED_BITS, DN_SHARED_GROUP_SIZE, DN_SHARED_BLOCK_K, DN_SHARED_EVEN_K, PRECISION, DN_CHUNKS, VARIANT,
-            EARLY, PDL, GU_BLOCK_N, GU_BLOCKS, FLAG_SPAN)
-
-
-@triton.jit
-def _gate_up_item(
-    index, x_ptr, xs_ptr, x_bias_ptr, w_ptr, s_ptr, ids_ptr, act_ptr, act_bias_ptr, shared_w_ptr, shared_s_ptr,
-    shared_act_ptr, partial_ptr, counter_ptr, flags_ptr, tag, num_shared, S, product_scale, bias_scale, stride_xt,
-    stride_swn, stride_ssn, stride_sap,
-    H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, BITS: tl.constexpr, GROUP_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr, N_BLOCKS: tl.constexpr, BLOCK_W: tl.constexpr, SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr,
-    SHARED_SPLITS: tl.constexpr, SHARED_SPLITS_P2: tl.constexpr, DTYPE: tl.constexpr, HAS_SHARED: tl.constexpr,
-    SHARED_BITS: tl.constexpr, SHARED_GROUP_SIZE: tl.constexpr, SHARED_BLOCK_K: tl.constexpr,
-    SHARED_EVEN_K: tl.constexpr, PRECISION: tl.constexpr, CHUNKS: tl.constexpr, VARIANT: tl.constexpr,
-    EARLY: tl.constexpr, PDL: tl.constexpr, FLAGS: tl.constexpr,
-):
-    """gate_up's item `index`: (split index % splits, column block (index // splits) % N_BLOCKS, row index //
-    (splits * N_BLOCKS)), the shared expert's rows (num_shared of them, SHARED_SPLITS splits) first, then the
-    pairs' (SPLITS splits): a tile's splits are neighbours (`_gate_up_program`)."""
-    row_items = N_BLOCKS * SPLITS  # the items of a pair's row; a shared expert's row has its own count
-    first_pair, first = 0, 0
-    if HAS_SHARED:
-        first_pair, first = num_shared, num_shared * (N_BLOCKS * SHARED_SPLITS)
+        row_items = GU_BLOCKS * GU_SPLITS  # the items of a pair's row; a shared expert's row has its own count
+        first_pair, first = 0, 0
+        if HAS_SHARED:
+            first_pair, first = num_shared, num_shared * (GU_BLOCKS * GU_SHARED_SPLITS)
+            if index < first:
+                row_items = GU_BLOCKS * GU_SHARED_SPLITS
         if index < first:
-            row_items = N_BLOCKS * SHARED_SPLITS
-    if index < first:
-        row, item = index // row_items, index % row_items
+            row, item = index // row_items, index % row_items
+        else:
+            row, item = first_pair + (index - first) // row_items, (index - first) % row_items
+        splits = row_items // GU_BLOCKS
+        _gate_up_program(
+            row, item // splits, item % splits, x_ptr, xs_ptr, x_bias_ptr, gu_w_ptr, gu_s_ptr, ids_ptr, act_ptr,
+            act_bias_ptr, gu_shared_w_ptr, gu_shared_s_ptr, shared_act_ptr, gu_partial_ptr, gu_counter_ptr, num_shared,
+            S, product_scale, bias_scale, stride_xt, gu_stride_swn, gu_stride_ssn, stride_sap, H, I, TOP_K, BITS,
+            GROUP_SIZE, GU_BLOCK_N, GU_BLOCKS, GU_BLOCK_W, GU_SPLITS, GU_SPLITS_P2, GU_SHARED_SPLITS,
+            GU_SHARED_SPLITS_P2, max(GU_SPLITS, GU_SHARED_SPLITS), DTYPE, HAS_SHARED, SHARED_BITS,
+            GU_SHARED_GROUP_SIZE, GU_SHARED_BLOCK_K, GU_SHARED_EVEN_K, PRECISION, GU_CHUNKS, VARIANT, EARLY, PDL)
     else:
-        row, item = first_pair + (index - first) // row_items, (index - first) % row_items
-    splits = row_items // N_BLOCKS
-    _gate_up_program(
-        row, item // splits, item % splits, x_ptr, xs_ptr, x_bias_ptr, w_ptr, s_ptr, ids_ptr, act_ptr, act_bias_ptr,
-        shared_w_ptr, shared_s_ptr, shared_act_ptr, partial_ptr, counter_ptr, flags_ptr, tag, num_shared, S,
-        product_scale, bias_scale, stride_xt, stride_swn, stride_ssn, stride_sap, H, I, TOP_K, BITS, GROUP_SIZE,
-        BLOCK_N, N_BLOCKS, BLOCK_W, SPLITS, SPLITS_P2, SHARED_SPLITS, SHARED_SPLITS_P2, max(SPLITS, SHARED_SPLITS),
-        DTYPE, HAS_SHARED, SHARED_BITS, SHARED_GROUP_SIZE, SHARED_BLOCK_K, SHARED_EVEN_K, PRECISION, CHUNKS, VARIANT,
-        EARLY, PDL, FLAGS)
-
-
-@triton.jit
-def _down_item(
-    index, act_ptr, act_bias_ptr, w_ptr, s_ptr, routing_ptr, ids_ptr, shared_act_ptr, shared_w_ptr, shared_s_ptr,
-    shared_gate_ptr, out_ptr, partial_ptr, counter_ptr, flags_ptr, tag, num_shared, S, product_scale, stride_sap,
-    stride_swn, stride_ssn,
-    H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, BITS: tl.constexpr, GROUP_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr, N_BLOCKS: tl.constexpr, BLOCK_W: tl.constexpr, SPLITS: tl.constexpr,
-    SHARED_SPLITS: tl.constexpr, PARTS_P2: tl.constexpr, DTYPE: tl.constexpr, HAS_SHARED: tl.constexpr,
-    SHARED_BITS: tl.constexpr, SHARED_GROUP_SIZE: tl.constexpr, SHARED_BLOCK_K: tl.constexpr,
-    SHARED_EVEN_K: tl.constexpr, PRECISION: tl.constexpr, CHUNKS: tl.constexpr, VARIANT: tl.constexpr,
-    EARLY: tl.constexpr, PDL: tl.constexpr, GU_BLOCK_N: tl.constexpr, GU_BLOCKS: tl.constexpr,
-    FLAG_SPAN: tl.constexpr,
-):
-    """down's item `index`: (part index % parts, column block (index // parts) % N_BLOCKS, token index // (parts *
-    N_BLOCKS)): a tile's parts are neighbours (`_down_program`)."""
-    PARTS: tl.constexpr = TOP_K * SPLITS + HAS_SHARED * SHARED_SPLITS
-    _down_program(
-        (index // PARTS) % N_BLOCKS, (index // (PARTS * N_BLOCKS)).to(tl.int64), index % PARTS, act_ptr, act_bias_ptr,
-        w_ptr, s_ptr, routing_ptr, ids_ptr, shared_act_ptr, shared_w_ptr, shared_s_ptr, shared_gate_ptr, out_ptr,
-        partial_ptr, counter_ptr, flags_ptr, tag, num_shared, S, product_scale, stride_sap, stride_swn, stride_ssn, H,
-        I, TOP_K, BITS, GROUP_SIZE, BLOCK_N, N_BLOCKS, BLOCK_W, SPLITS, SHARED_SPLITS, PARTS_P2, DTYPE, HAS_SHARED,
-        SHARED_BITS, SHARED_GROUP_SIZE, SHARED_BLOCK_K, SHARED_EVEN_K, PRECISION, CHUNKS, VARIANT, EARLY, PDL,
-        GU_BLOCK_N, GU_BLOCKS, FLAG_SPAN)
+        PARTS: tl.constexpr = TOP_K * DN_SPLITS + HAS_SHARED * DN_SHARED_SPLITS
+        _down_program(
+            (index // PARTS) % DN_BLOCKS, (index // (PARTS * DN_BLOCKS)).to(tl.int64), index % PARTS, act_ptr,
+            act_bias_ptr, dn_w_ptr, dn_s_ptr, routing_ptr, ids_ptr, shared_act_ptr, dn_shared_w_ptr, dn_shared_s_ptr,
+            shared_gate_ptr, out_ptr, dn_partial_ptr, dn_counter_ptr, S, product_scale, stride_sap, dn_stride_swn,
+            dn_stride_ssn, H, I, TOP_K, BITS, GROUP_SIZE, DN_BLOCK_N, DN_BLOCKS, DN_BLOCK_W, DN_SPLITS, DN_SHARED_SPLITS, DN_PARTS_P2, DTYPE,
+            HAS_SHARED, SHARED_BITS, DN_SHARED_GROUP_SIZE, DN_SHARED_BLOCK_K, DN_SHARED_EVEN_K, PRECISION, DN_CHUNKS,
+            VARIANT, EARLY, PDL)
 
 
 class PackedLaunch(NamedTuple):
@@ -777,7 +646,6 @@ class PackedLaunch(NamedTuple):
     gate_up: tuple[int, int]  # (programs, warps)
     down: tuple[int, int]
     constants: Mapping  # `_packed_decode_kernel`'s compile-time constants (read-only: shared by every call)
-    one_launch: bool  # gate_up and down in one launch (PHASE "both", `packed_one_launch`)
 
 
 def _power_of_two(n: int) -> bool:
@@ -799,10 +667,10 @@ def v2_misfit(tiles: PackedDecodeTiles, bits: int, group: int) -> str | None:
 @functools.cache
 def _packed_launch(t: int, h: int, inter: int, top_k: int, bits: int, group: int, tiles: PackedDecodeTiles,
                    max_tokens: int, shared: SharedShape, dtype: str, precision: str, variant: str,
-                   early: bool, one_launch: bool = False) -> PackedLaunch:
-    """The launches' shapes and constants for T tokens of top-k over experts [H -> I] packed in `bits`,
-    worked out once per shape (eager decode calls this every layer of every step); `variant`:
-    `packed_variant`'s; `early`: `early_weights`'; `one_launch`: `packed_one_launch`'s."""
+                   early: bool) -> PackedLaunch:
+    """The three launches' shapes and constants for T tokens of top-k over experts [H -> I] packed in
+    `bits`, worked out once per shape (eager decode calls this every layer of every step); `variant`:
+    `packed_variant`'s; `early`: `early_weights`'."""
     values = 32 // bits
     if tiles.gate_up_block_n % values:
         raise ValueError(f"gate_up_block_n {tiles.gate_up_block_n} must be a multiple of {values} (values per word)")
@@ -835,41 +703,28 @@ def _packed_launch(t: int, h: int, inter: int, top_k: int, bits: int, group: int
         "DN_BLOCKS": down_blocks, "DN_BLOCK_W": tiles.down_block_w, "DN_SPLITS": down_splits,
         "DN_SHARED_SPLITS": shared_down_splits, "DN_PARTS_P2": triton.next_power_of_2(parts),
         "DTYPE": dtype, "PRECISION": precision, "GU_CHUNKS": gate_up_chunks, "DN_CHUNKS": down_chunks,
-        "VARIANT": variant, "EARLY": early, "FLAG_SPAN": _flag_span(
-            inter, tiles.down_block_w * down_chunks * values, shared.width if shared.present else 0,
-            shared_constants["DN_SHARED_BLOCK_K"], tiles.gate_up_block_n) if one_launch else 0,
-        **shared_constants}
+        "VARIANT": variant, "EARLY": early, **shared_constants}
     gate_up_items = gate_up_blocks * (num_shared * shared_gate_up_splits + t * top_k * gate_up_splits)
     return PackedLaunch(
         buffer_sizes, (t, triton.cdiv(words_h, SPLIT_X_BLOCK_W)),
         MappingProxyType({"WORDS": words_h, "BITS": bits, "BLOCK_W": SPLIT_X_BLOCK_W, "EARLY": early}), num_shared,
         most_rows * gate_up_blocks, max(t, max_tokens) * down_blocks, 2.0 ** PRODUCT_EXPONENT.value,
         2.0 ** (bits - 1 - PRODUCT_EXPONENT.value), (gate_up_items, tiles.gate_up_warps),
-        (t * down_blocks * parts, tiles.down_warps), MappingProxyType(constants), one_launch)
-
-
-def _flag_span(inter: int, down_values: int, shared_width: int, shared_block_k: int, block_n: int) -> int:
-    """The most gate_up column blocks (block_n wide) whose activations one down item reads: a routed item's
-    down_values of I, a shared expert's item's shared_block_k of its width (0: none); a power of two."""
-    def blocks(width: int, step: int) -> int:
-        return max(((min(lo + step, width) - 1) // block_n - lo // block_n + 1 for lo in range(0, width, step)), default=1)
-    return triton.next_power_of_2(max(blocks(inter, down_values), blocks(shared_width, shared_block_k)))
+        (t * down_blocks * parts, tiles.down_warps), MappingProxyType(constants))
 
 
 def packed_decode(x: torch.Tensor, weights: tuple, topk_weights: torch.Tensor, topk_ids: torch.Tensor, bits: int,
                   group: int, inter: int, tiles: PackedDecodeTiles, max_tokens: int, shared: SharedArgs,
-                  variant: str = "v1", one_launch: bool = False) -> torch.Tensor:
-    """The three launches (or two: `one_launch`, `packed_one_launch`) for x [T, H] (contiguous); weights
-    (w_gate_up, gate_up_scales, w_down, down_scales) packed in `bits` (4 or 8), contiguous (the kernels take
-    their strides from the shapes), groups of whole words; `shared`: the shared expert (or its absence);
-    `variant`: the routed experts' K loop (`packed_variant`). Returns [T, H] in x's dtype. max_tokens: the
-    most tokens a call can bring (the arrival counters and flags are made for that many once, so a captured
-    graph never sees them remade)."""
+                  variant: str = "v1") -> torch.Tensor:
+    """The three launches for x [T, H] (contiguous); weights (w_gate_up, gate_up_scales, w_down,
+    down_scales) packed in `bits` (4 or 8), contiguous (the kernels take their strides from the shapes),
+    groups of whole words; `shared`: the shared expert (or its absence); `variant`: the routed experts'
+    K loop (`packed_variant`). Returns [T, H] in x's dtype. max_tokens: the most tokens a call can bring (the
+    arrival counters are made for that many once, so a captured graph never sees them remade)."""
     w_gate_up, gate_up_scales, w_down, down_scales = weights
     (t, h), top_k = x.shape, topk_ids.shape[1]
     launch = _packed_launch(t, h, inter, top_k, bits, group, tiles, max_tokens, shared.shape, DTYPE_NAMES[x.dtype],
-                            dot_precision(x), variant, early_weights() and group >= PACKED_EARLY_MIN_GROUP,
-                            one_launch)
+                            dot_precision(x), variant, early_weights() and group >= PACKED_EARLY_MIN_GROUP)
     workspace = torch.empty(sum(launch.buffer_sizes), dtype=torch.float32, device=x.device)
     xs, x_bias, act, act_bias, gate_up_partial, down_partial = workspace.split(launch.buffer_sizes)
     _split_x_kernel[launch.split_x_grid](x, xs, x_bias, x.stride(0), launch.bias_scale, **launch.split_x_constants,
@@ -880,20 +735,11 @@ def packed_decode(x: torch.Tensor, weights: tuple, topk_weights: torch.Tensor, t
     down_counters = arrival_counters("fused_moe_packed_down", x.device, launch.down_counters)
     args = (x, xs, x_bias, w_gate_up, gate_up_scales, topk_ids, act, act_bias, shared.w_gate_up, shared.gate_up_scales,
             shared_act, gate_up_partial, gate_up_counters, w_down, down_scales, topk_weights, shared.w_down,
-            shared.down_scales, shared.gate, out, down_partial, down_counters)
-    strides = (shared.width, launch.num_shared, launch.product_scale, launch.bias_scale, x.stride(0),
-               shared.w_gate_up.stride(0), shared.gate_up_scales.stride(0), shared_act.stride(0),
-               shared.w_down.stride(0), shared.down_scales.stride(0))
-    if launch.one_launch:
-        (gate_up_items, gate_up_warps), (down_items, down_warps) = launch.gate_up, launch.down
-        counter, slot = launch_counter(x.device, gate_up_items + down_items)
-        flags = launch_flags("fused_moe_packed_flags", x.device, launch.gate_up_counters)
-        _packed_decode_kernel[(gate_up_items + down_items,)](
-            *args, counter, slot, flags, gate_up_items, *strides, PHASE="both", num_warps=max(gate_up_warps, down_warps),
-            **launch.constants, **launch_options(x.device))
-    else:
-        for phase, (programs, warps) in (("gate_up", launch.gate_up), ("down", launch.down)):
-            _packed_decode_kernel[(programs,)](*args, gate_up_counters, 0, gate_up_counters, programs, *strides,
-                                               PHASE=phase, num_warps=warps, **launch.constants,
-                                               **launch_options(x.device))
+            shared.down_scales, shared.gate, out, down_partial, down_counters, shared.width, launch.num_shared,
+            launch.product_scale, launch.bias_scale, x.stride(0), shared.w_gate_up.stride(0),
+            shared.gate_up_scales.stride(0), shared_act.stride(0), shared.w_down.stride(0),
+            shared.down_scales.stride(0))
+    for phase, (programs, warps) in (("gate_up", launch.gate_up), ("down", launch.down)):
+        _packed_decode_kernel[(programs,)](*args, PHASE=phase, num_warps=warps, **launch.constants,
+                                           **launch_options(x.device))
     return out

@@ -62,12 +62,7 @@ from tierlm.kernels.fused_moe.decode_parts import (
     swiglu_columns,
 )
 from tierlm.kernels.fused_moe.naive import SharedExpert, check_moe_args
-from tierlm.kernels.fused_moe.packed_decode import (
-    PackedDecodeTiles,
-    packed_decode,
-    packed_one_launch,
-    packed_variant,
-)
+from tierlm.kernels.fused_moe.packed_decode import PackedDecodeTiles, packed_decode, packed_variant
 from tierlm.kernels.quant_linear.triton import (
     accumulate_tile,
     check_whole_word_groups,
@@ -450,8 +445,7 @@ def _decode(x, weights, topk_weights, topk_ids, bits: int, group: int, inter: in
     if bits in (4, 8):
         variant = packed_variant(bits, group, x.shape[0], PACKED_V2_TILES)
         return packed_decode(x, weights, topk_weights, topk_ids, bits, group, inter,
-                             PACKED_V2_TILES if variant == "v2" else tiles, max_tokens, shared, variant,
-                             packed_one_launch(x.shape[0]))
+                             PACKED_V2_TILES if variant == "v2" else tiles, max_tokens, shared, variant)
     w_gate_up, gate_up_scales, w_down, down_scales = weights
     (t, h), top_k = x.shape, topk_ids.shape[1]
     launch = _decode_launch(t, h, inter, top_k, bits, group, tiles, shared.shape, dot_precision(x), early_weights())
