@@ -421,13 +421,13 @@ def measure_packed_variants(run: SimpleNamespace, experts: tuple, label: str, ba
     from tierlm.kernels.fused_moe import triton as kernels
 
     saved = {"v1": kernels.DECODE_TILES[4], "v2": kernels.PACKED_V2_TILES}
-    saved_min_group = packed_decode.PACKED_EARLY_MIN_GROUP
+    saved_min_group = packed_decode.PACKED_V2_EARLY_MIN_GROUP
 
     def configure(spec: str) -> tuple[dict, dict]:
         name, _, fields = spec.partition(":")
         fields = {field: int(value) for field, value in (item.split("=") for item in fields.split(",") if item)}
         early = fields.pop("early", None)  # (None: as the kernels choose by group; 1: at every group; 0: off)
-        packed_decode.PACKED_EARLY_MIN_GROUP = saved_min_group if early is None else 0
+        packed_decode.PACKED_V2_EARLY_MIN_GROUP = saved_min_group if early is None else 0
         tiles = saved[name]._replace(**fields)
         kernels.DECODE_TILES[4], kernels.PACKED_V2_TILES = saved["v1"], saved["v2"]
         if name == "v2":
@@ -441,7 +441,7 @@ def measure_packed_variants(run: SimpleNamespace, experts: tuple, label: str, ba
         cells, nbytes = time_side_by_side(run, experts, label, batch, specs, configure)
     finally:
         kernels.DECODE_TILES[4], kernels.PACKED_V2_TILES = saved["v1"], saved["v2"]
-        packed_decode.PACKED_EARLY_MIN_GROUP = saved_min_group
+        packed_decode.PACKED_V2_EARLY_MIN_GROUP = saved_min_group
     return {"format": label, "batch": batch, "weight_bytes_per_call": nbytes, "variants": cells}
 
 

@@ -91,6 +91,11 @@ CASES.update({f"{name}-weights-late": CASES[name] for name in
 # launches, then `quant_linear`'s, the outputs added): these cases keep that path
 CASES.update({f"{name}-apart": CASES[name] for name in
               ("fp32-int4-g32-decode-split-shared-int6", "bf16-int4-g32-decode-split-shared-int6")})
+# a group that does not nest with the packed tiles (3 words against v1's tiles of 8 and 4): one scale a word
+# where every other case's tiles take one a group (`packed_decode._tile_weights`); experts ODD_GROUP_I wide
+# (24 divides H, not I)
+ODD_GROUP_I = 48
+CASES["bf16-int4-g24-decode"] = (DTYPES["bf16"], (4, 24), PATHS["decode"])
 
 
 def route(tokens: int, top_k: int, skewed: bool, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -126,10 +131,11 @@ def make_shared(tokens: int, dtype: torch.dtype, shared_format: str, gen: torch.
 def make_case(name: str, seed: int = 0):
     """(args, kwargs, exact fp64 output) of one case."""
     dtype, (bits, group), (tokens, top_k, skewed, _), *shared_format = CASES[name]
+    inter = I if group is None or I % group == 0 else ODD_GROUP_I
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(tokens, H, generator=gen).to(dtype)
-    w_gate_up = (torch.randn(E, 2 * I, H, generator=gen) * H**-0.5).to(dtype)
-    w_down = (torch.randn(E, H, I, generator=gen) * I**-0.5).to(dtype)
+    w_gate_up = (torch.randn(E, 2 * inter, H, generator=gen) * H**-0.5).to(dtype)
+    w_down = (torch.randn(E, H, inter, generator=gen) * inter**-0.5).to(dtype)
     weights, ids = route(tokens, top_k, skewed, gen)
     weights = weights.to(dtype)
     if bits is None:
@@ -139,7 +145,7 @@ def make_case(name: str, seed: int = 0):
         args = (x, gu, down, weights, ids)
         kwargs = {"format": f"int{bits}", "scales": (gu_scales, down_scales), "group_size": group}
         used = (packing.dequantize(gu, gu_scales, bits, H, dtype=dtype),
-                packing.dequantize(down, down_scales, bits, I, dtype=dtype))
+                packing.dequantize(down, down_scales, bits, inter, dtype=dtype))
     shared = exact_shared = None
     if shared_format:
         shared, exact_shared = make_shared(tokens, dtype, shared_format[0], gen)
@@ -180,8 +186,8 @@ def run_kernel_cases(names: list[str]) -> dict[str, str | None]:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     results = {}
     saved = (kernels.DECODE_MAX_PAIRS, kernels.PREFILL_BLOCK_M, kernels.DECODE_TILES, kernels.PACKED_V2_TILES,
-             kernels.EARLY_DOWN_TILES, packed_decode.PACKED_EARLY_MIN_GROUP, kernels.PACKED_SHARED_APART_TOKENS)
-    packed_decode.PACKED_EARLY_MIN_GROUP = 0  # (early at every group here: the cases' groups are 16 and 32)
+             kernels.EARLY_DOWN_TILES, packed_decode.PACKED_V2_EARLY_MIN_GROUP, kernels.PACKED_SHARED_APART_TOKENS)
+    packed_decode.PACKED_V2_EARLY_MIN_GROUP = 0  # (v2 early at every group here: the cases' groups are 16-32)
     kernels.DECODE_MAX_PAIRS, kernels.PREFILL_BLOCK_M = DECODE_MAX_PAIRS, PREFILL_BLOCK_M
     try:
         for name in names:
@@ -221,7 +227,7 @@ def run_kernel_cases(names: list[str]) -> dict[str, str | None]:
             results[name] = within_tolerance(out, reference, *exact)
     finally:
         (kernels.DECODE_MAX_PAIRS, kernels.PREFILL_BLOCK_M, kernels.DECODE_TILES, kernels.PACKED_V2_TILES,
-         kernels.EARLY_DOWN_TILES, packed_decode.PACKED_EARLY_MIN_GROUP, kernels.PACKED_SHARED_APART_TOKENS) = saved
+         kernels.EARLY_DOWN_TILES, packed_decode.PACKED_V2_EARLY_MIN_GROUP, kernels.PACKED_SHARED_APART_TOKENS) = saved
         os.environ.pop("TIERLM_PACKED_MOE_VARIANT", None)
         os.environ.pop("TIERLM_NO_EARLY_EXPERT_WEIGHTS", None)
     return results
@@ -322,30 +328,30 @@ def test_bad_arguments_name_the_problem():
 
 
 def test_packed_variant_is_checked(monkeypatch):
-    """The INT4 K loop: v2 by default where its tiles are whole groups, but v1 where v1 measured faster (g32 at
-    one token); TIERLM_PACKED_MOE_VARIANT forces one (INT8 keeps v1); v2's tiles must be whole groups."""
+    """The INT4 K loop: v2 by default where its tiles are whole groups, but v1 where v1 measured faster (g32);
+    TIERLM_PACKED_MOE_VARIANT forces one (INT8 keeps v1); v2's tiles must be whole groups."""
     from tierlm.kernels.fused_moe.decode_parts import SharedShape
     from tierlm.kernels.fused_moe.packed_decode import PackedDecodeTiles, _packed_launch, packed_variant
     from tierlm.kernels.fused_moe.triton import PACKED_V2_TILES
 
     sixteen_words = PACKED_V2_TILES._replace(gate_up_block_w=16, down_block_w=16)
 
-    def variant(bits, group, tokens, v2_tiles=sixteen_words):
-        return packed_variant(bits, group, tokens, v2_tiles)
+    def variant(bits, group, v2_tiles=sixteen_words):
+        return packed_variant(bits, group, v2_tiles)
 
     monkeypatch.delenv("TIERLM_PACKED_MOE_VARIANT", raising=False)
     # 16-word v2 tiles: 128 INT4 values, whole groups up to g128 (g96: 12 words a group, not a power of two)
-    defaults = {(4, 32, 1): "v1", (4, 32, 4): "v2", (4, 128, 1): "v2", (4, 64, 16): "v2", (4, 256, 4): "v1",
-                (4, 96, 4): "v1", (4, 4, 4): "v1", (8, 128, 4): "v1"}
+    defaults = {(4, 32): "v1", (4, 128): "v2", (4, 64): "v2", (4, 256): "v1", (4, 96): "v1", (4, 4): "v1",
+                (8, 128): "v1"}
     assert {key: variant(*key) for key in defaults} == defaults
-    assert variant(4, 256, 4, PACKED_V2_TILES._replace(gate_up_block_w=32, down_block_w=32)) == "v2"  # the tiles'
+    assert variant(4, 256, PACKED_V2_TILES._replace(gate_up_block_w=32, down_block_w=32)) == "v2"  # the tiles'
     monkeypatch.setenv("TIERLM_PACKED_MOE_VARIANT", "v2")
-    assert (variant(4, 32, 1), variant(8, 32, 4)) == ("v2", "v1")
+    assert (variant(4, 32), variant(8, 32)) == ("v2", "v1")
     monkeypatch.setenv("TIERLM_PACKED_MOE_VARIANT", "v1")
-    assert variant(4, 128, 4) == "v1"
+    assert variant(4, 128) == "v1"
     monkeypatch.setenv("TIERLM_PACKED_MOE_VARIANT", "v3")
     with pytest.raises(ValueError, match="choose one of v1, v2"):
-        variant(4, 32, 4)
+        variant(4, 32)
     # 8 and 4 words a tile: 2 and 1 groups of 32 INT4 values; H = 256: 32 words, in 2 x 8 a v2 program
     tiles = PackedDecodeTiles(16, 8, 4, 64, 4, 4, gate_up_chunks=2)
     args = (1, 256, 64, 2, 4, 32, tiles, 1, SharedShape(0, 0, 0, 0, 0), "bf16", "ieee")

@@ -31,8 +31,8 @@ splits then the shared expert's. The shared expert takes its own format (INT6 in
 spreads over programs like an expert's: it costs its bytes, not a long tail (the looped-tile form before
 this one fused it at 0.74x of running it apart at batch 1 on an H200). Tiles: `PackedDecodeTiles`.
 
-Early weights (PDL, `dependent_launch`; groups of PACKED_EARLY_MIN_GROUP values or more, as measured;
-TIERLM_NO_EARLY_EXPERT_WEIGHTS=1 turns it off): `_split_x_kernel` lets
+Early weights (PDL, `dependent_launch`; v1 at every group, v2 from PACKED_V2_EARLY_MIN_GROUP values a group,
+as measured; TIERLM_NO_EARLY_EXPERT_WEIGHTS=1 turns it off): `_split_x_kernel` lets
 gate_up start only once its own wait has returned, that is once the router has finished; so a routed item
 of gate_up, and of down (which starts after gate_up has), reads its expert id and issues its first weight
 loads before it waits for its inputs. gate_up's weights then stream in while split x runs, and down's
@@ -41,7 +41,8 @@ the kernel before it had ended. The shared expert's items, and items past a row'
 
 Two K loops for the routed INT4 experts (`packed_variant`: by group size and tokens, as measured;
 TIERLM_PACKED_MOE_VARIANT=v1|v2 forces one; everything else is shared):
-  - v1: one [rows, words] tile a program (`_tile_sums`), a scale loaded per word; its tiles
+  - v1: one [rows, words] tile a program (`_tile_sums`), a scale loaded per group (per word where the
+    tile's words and the group's do not nest), each group's products summed, then scaled; its tiles
     (16 columns: 32 rows x 64 words) give a thread 4 rows x 4 words against 32 registers of x's planes,
     so x costs twice the registers of the weight bytes in flight.
   - v2 (`_looped_tile_sums`): tall tiles of whole groups, [rows, groups, words of a group], a thread one
@@ -86,27 +87,30 @@ from tierlm.kernels.split_reduce import arrival_counters
 PRODUCT_EXPONENT = tl.constexpr(64)  # E: each product is q * x * 2^-E (module docstring)
 SPLIT_X_BLOCK_W = 64  # words per `_split_x_kernel` program
 VARIANTS = ("v1", "v2")  # TIERLM_PACKED_MOE_VARIANT (`packed_variant`)
-# early weights (module docstring) for groups of at least this many values: on an H100 (session 18,
+# early weights (module docstring) for v2 from groups of this many values: on an H100 (session 18,
 # bench/results/moe_decode_kernel_early_nvidia-h100.txt, each against the same K loop without), g128 1.06x (v1) and
 # 1.09x (v2) at 1 token, 1.02-1.04x at 4, 1.00x at 16; g32 1.00-1.05x at 1 token, 0.97-0.99x at 4, 0.93-0.97x
-# at 16 (v1 g32's gate_up then holds 94 registers a thread against 64: fewer programs an SM), and in the
-# real-width int4-mixed stack (g32) 0.996x at 1 token, 0.997x at 4 (decode_roofline_nvidia-h100_int4-mixed_s18early.txt)
-PACKED_EARLY_MIN_GROUP = 128
+# at 16 (v1 g32's gate_up then held 94 registers a thread against 64: fewer programs an SM), and in the
+# real-width int4-mixed stack (g32) 0.996x at 1 token, 0.997x at 4 (decode_roofline_nvidia-h100_int4-mixed_s18early.txt).
+# v1 at every group since its scales are loaded per group (session 20, H100,
+# bench/results/moe_decode_kernel_group_scales_nvidia-h100.txt): g32 1.15x at 1 token, 1.10x at 4; g128 1.06x, 1.03x
+PACKED_V2_EARLY_MIN_GROUP = 128
 
 
-# where v1 stays the default for INT4 (group size, tokens): from `bench/moe_decode_kernel.py --formats int4-g32
-# int4-g128 --batches 1 4 --packed-variants v1 v2` on an H200 (session 10,
-# bench/results/moe_decode_kernel_packed_variants_nvidia_h200_s10.txt), v2 over v1: g128 1.09x at 1 token,
-# 1.20x at 4; g32 1.07x at 4, but 0.95x at 1 token
-PACKED_V1_DEFAULT = frozenset({(32, 1)})
+# the INT4 group sizes where v1 is the default at every token count: since v1 scales per group, on an H100
+# (session 20, `bench/moe_decode_kernel.py --formats int4-g32 int4-g128 --batches 1 2 4 8 16 --no-reference
+# --packed-variants v1:early=0 v1:early=1 v2:early=0 v2:early=1`, bench/results/moe_decode_kernel_group_scales_nvidia-h100.txt),
+# v1 (early weights) over v2 (late, as shipped at g32): g32 1.40x at 1 token, 1.30x at 2, 1.25x at 4, 1.20x at 8,
+# 1.16x at 16; g128 v2 (early) over v1 (early): 1.07x, 1.06x, 1.14x, 1.21x, 1.23x (g64 not measured: v2)
+PACKED_V1_GROUPS = frozenset({32})
 
 
-def packed_variant(bits: int, group: int, tokens: int, v2_tiles: PackedDecodeTiles) -> str:
-    """The routed experts' K loop for experts packed in `bits` in groups of `group`, at a decode step of
-    `tokens` tokens: TIERLM_PACKED_MOE_VARIANT, "v1" (one tile of words a program, `_tile_sums`) or "v2"
+def packed_variant(bits: int, group: int, v2_tiles: PackedDecodeTiles) -> str:
+    """The routed experts' K loop for experts packed in `bits` in groups of `group` (at any number of tokens):
+    TIERLM_PACKED_MOE_VARIANT, "v1" (one tile of words a program, `_tile_sums`) or "v2"
     (INT4 only, INT8 keeps v1: several tiles a program, double-buffered, one scale a group,
-    `_looped_tile_sums`). Unset: v2 for INT4 where `v2_tiles` hold whole groups (`v2_misfit`), except where
-    v1 measured faster (PACKED_V1_DEFAULT); v1 otherwise."""
+    `_looped_tile_sums`). Unset: v2 for INT4 where `v2_tiles` hold whole groups (`v2_misfit`), except at the
+    groups where v1 measured faster (PACKED_V1_GROUPS); v1 otherwise."""
     variant = os.environ.get("TIERLM_PACKED_MOE_VARIANT")
     if variant is not None and variant not in VARIANTS:
         raise ValueError(f"TIERLM_PACKED_MOE_VARIANT={variant!r}: choose one of {', '.join(VARIANTS)}")
@@ -114,8 +118,14 @@ def packed_variant(bits: int, group: int, tokens: int, v2_tiles: PackedDecodeTil
         return "v1"
     if variant is None:
         fits = v2_misfit(v2_tiles, bits, group) is None
-        return "v2" if fits and (group, tokens) not in PACKED_V1_DEFAULT else "v1"
+        return "v2" if fits and group not in PACKED_V1_GROUPS else "v1"
     return variant
+
+
+def packed_early(variant: str, group: int) -> bool:
+    """Whether the routed items of `variant` at groups of `group` load their first weights before their wait
+    ("Early weights" above; `early_weights`: TIERLM_NO_EARLY_EXPERT_WEIGHTS)."""
+    return early_weights() and (variant == "v1" or group >= PACKED_V2_EARLY_MIN_GROUP)
 
 
 class PackedDecodeTiles(NamedTuple):
@@ -222,29 +232,38 @@ def _tile_planes(xs_ptr, bias_ptr, offs_w, inside, WORDS: tl.constexpr, BITS: tl
 
 
 @triton.jit
-def _tile_weights(w_ptr, s_ptr, rows, offs_w, inside, WORDS: tl.constexpr, BITS: tl.constexpr,
+def _tile_weights(w_ptr, s_ptr, rows, split, offs_w, inside, WORDS: tl.constexpr, BITS: tl.constexpr,
                   GROUP_SIZE: tl.constexpr, BLOCK_W: tl.constexpr):
-    """The words [R, BLOCK_W] of weight rows `rows` ([R] int64, in range) at offs_w, and each word's group
-    scale (fp32); the weights' rows WORDS words long, their scales' WORDS / words per group: contiguous, so
-    every offset is a constant."""
+    """The words [R, BLOCK_W] of weight rows `rows` ([R] int64, in range) at offs_w (K split `split`), and
+    their group scales (fp32) [R, G]: one a group where the tile holds whole groups (G = BLOCK_W / words a
+    group) or lies inside one (G = 1), else one a word (G = BLOCK_W); the weights' rows
+    WORDS words long, their scales' WORDS / words per group: contiguous, so every offset is a constant."""
     VALUES: tl.constexpr = 32 // BITS
+    GROUP_WORDS: tl.constexpr = GROUP_SIZE // VALUES
     stride_wn: tl.constexpr = WORDS
-    stride_sn: tl.constexpr = WORDS * VALUES // GROUP_SIZE
+    stride_sn: tl.constexpr = WORDS // GROUP_WORDS
     word_ptrs = w_ptr + rows[:, None] * stride_wn + offs_w[None, :]
-    scale_ptrs = s_ptr + rows[:, None] * stride_sn + (offs_w // (GROUP_SIZE // VALUES))[None, :]
+    if BLOCK_W % GROUP_WORDS == 0 or GROUP_WORDS % BLOCK_W == 0:  # a tile holds whole groups or lies in one
+        offs_g = (split * BLOCK_W) // GROUP_WORDS + tl.arange(0, max(BLOCK_W // GROUP_WORDS, 1))
+        scale_mask = offs_g < stride_sn
+    else:
+        offs_g = offs_w // GROUP_WORDS
+        scale_mask = inside
+    scale_ptrs = s_ptr + rows[:, None] * stride_sn + offs_g[None, :]
     if WORDS % BLOCK_W == 0:
         words = tl.load(word_ptrs).to(tl.uint32, bitcast=True)
         scale = tl.load(scale_ptrs).to(tl.float32)
     else:
         words = tl.load(word_ptrs, mask=inside[None, :], other=0).to(tl.uint32, bitcast=True)
-        scale = tl.load(scale_ptrs, mask=inside[None, :], other=0.0).to(tl.float32)
+        scale = tl.load(scale_ptrs, mask=scale_mask[None, :], other=0.0).to(tl.float32)
     return words, scale
 
 
 @triton.jit
 def _tile_products(words, scale, word_bias, x0, x1, x2, x3, x4, x5, x6, x7, BITS: tl.constexpr):
     """Each row's sum (times 2^-E) of one tile: each word's fields multiplied in place against x's planes,
-    the bias taken off per word, each word's sum times its scale."""
+    the bias taken off per word, then the words of each of scale's G groups summed and each group's sum
+    times its scale (one product a group, not a word: with G = BLOCK_W, a word's sum times its scale)."""
     high = words >> 8
     acc = _field(words, high, 0, BITS) * x0[None, :] - word_bias[None, :]
     acc += _field(words, high, 1, BITS) * x1[None, :]
@@ -255,7 +274,13 @@ def _tile_products(words, scale, word_bias, x0, x1, x2, x3, x4, x5, x6, x7, BITS
         acc += _field(words, high, 5, BITS) * x5[None, :]
         acc += _field(words, high, 6, BITS) * x6[None, :]
         acc += _field(words, high, 7, BITS) * x7[None, :]
-    return tl.sum(acc * scale, axis=1)
+    ROWS: tl.constexpr = acc.shape[0]
+    GROUPS: tl.constexpr = scale.shape[1]
+    if GROUPS == acc.shape[1]:
+        sums = tl.sum(acc * scale, axis=1)
+    else:
+        sums = tl.sum(tl.sum(tl.reshape(acc, (ROWS, GROUPS, acc.shape[1] // GROUPS)), axis=2) * scale, axis=1)
+    return sums
 
 
 @triton.jit
@@ -269,14 +294,14 @@ def _tile_sums(w_ptr, s_ptr, rows, xs_ptr, bias_ptr, split, WORDS: tl.constexpr,
     other programs on the SM cover that wait)."""
     offs_w, inside = _tile_words(split, WORDS, BLOCK_W)
     if EARLY:
-        words, scale = _tile_weights(w_ptr, s_ptr, rows, offs_w, inside, WORDS, BITS, GROUP_SIZE, BLOCK_W)
+        words, scale = _tile_weights(w_ptr, s_ptr, rows, split, offs_w, inside, WORDS, BITS, GROUP_SIZE, BLOCK_W)
         wait_for_inputs(PDL)
         word_bias, x0, x1, x2, x3, x4, x5, x6, x7 = _tile_planes(xs_ptr, bias_ptr, offs_w, inside, WORDS, BITS,
                                                                  BLOCK_W)
     else:
         word_bias, x0, x1, x2, x3, x4, x5, x6, x7 = _tile_planes(xs_ptr, bias_ptr, offs_w, inside, WORDS, BITS,
                                                                  BLOCK_W)
-        words, scale = _tile_weights(w_ptr, s_ptr, rows, offs_w, inside, WORDS, BITS, GROUP_SIZE, BLOCK_W)
+        words, scale = _tile_weights(w_ptr, s_ptr, rows, split, offs_w, inside, WORDS, BITS, GROUP_SIZE, BLOCK_W)
     return _tile_products(words, scale, word_bias, x0, x1, x2, x3, x4, x5, x6, x7, BITS)
 
 
@@ -724,7 +749,7 @@ def packed_decode(x: torch.Tensor, weights: tuple, topk_weights: torch.Tensor, t
     w_gate_up, gate_up_scales, w_down, down_scales = weights
     (t, h), top_k = x.shape, topk_ids.shape[1]
     launch = _packed_launch(t, h, inter, top_k, bits, group, tiles, max_tokens, shared.shape, DTYPE_NAMES[x.dtype],
-                            dot_precision(x), variant, early_weights() and group >= PACKED_EARLY_MIN_GROUP)
+                            dot_precision(x), variant, packed_early(variant, group))
     workspace = torch.empty(sum(launch.buffer_sizes), dtype=torch.float32, device=x.device)
     xs, x_bias, act, act_bias, gate_up_partial, down_partial = workspace.split(launch.buffer_sizes)
     _split_x_kernel[launch.split_x_grid](x, xs, x_bias, x.stride(0), launch.bias_scale, **launch.split_x_constants,

@@ -443,7 +443,7 @@ def _decode(x, weights, topk_weights, topk_ids, bits: int, group: int, inter: in
     tiles = DECODE_TILES[bits]
     max_tokens = DECODE_MAX_PAIRS // topk_ids.shape[1]
     if bits in (4, 8):
-        variant = packed_variant(bits, group, x.shape[0], PACKED_V2_TILES)
+        variant = packed_variant(bits, group, PACKED_V2_TILES)
         return packed_decode(x, weights, topk_weights, topk_ids, bits, group, inter,
                              PACKED_V2_TILES if variant == "v2" else tiles, max_tokens, shared, variant)
     w_gate_up, gate_up_scales, w_down, down_scales = weights
