@@ -329,9 +329,9 @@ def test_bad_arguments_name_the_problem():
 
 def test_packed_variant_is_checked(monkeypatch):
     """The INT4 K loop: v2 by default where its tiles are whole groups, but v1 where v1 measured faster (g32);
-    TIERLM_PACKED_MOE_VARIANT forces one (INT8 keeps v1); v2's tiles must be whole groups."""
+    TIERLM_PACKED_MOE_VARIANT forces one (INT8 keeps v1); v2's tiles must be whole groups; which take early weights."""
     from tierlm.kernels.fused_moe.decode_parts import SharedShape
-    from tierlm.kernels.fused_moe.packed_decode import PackedDecodeTiles, _packed_launch, packed_variant
+    from tierlm.kernels.fused_moe.packed_decode import PackedDecodeTiles, _packed_launch, packed_early, packed_variant
     from tierlm.kernels.fused_moe.triton import PACKED_V2_TILES
 
     sixteen_words = PACKED_V2_TILES._replace(gate_up_block_w=16, down_block_w=16)
@@ -352,6 +352,11 @@ def test_packed_variant_is_checked(monkeypatch):
     monkeypatch.setenv("TIERLM_PACKED_MOE_VARIANT", "v3")
     with pytest.raises(ValueError, match="choose one of v1, v2"):
         variant(4, 32)
+    # early weights: v1 at every group, v2 from g128, neither under TIERLM_NO_EARLY_EXPERT_WEIGHTS=1
+    monkeypatch.delenv("TIERLM_NO_EARLY_EXPERT_WEIGHTS", raising=False)
+    assert [packed_early(*key) for key in (("v1", 32), ("v2", 32), ("v2", 128))] == [True, False, True]
+    monkeypatch.setenv("TIERLM_NO_EARLY_EXPERT_WEIGHTS", "1")
+    assert not packed_early("v1", 32) and not packed_early("v2", 128)
     # 8 and 4 words a tile: 2 and 1 groups of 32 INT4 values; H = 256: 32 words, in 2 x 8 a v2 program
     tiles = PackedDecodeTiles(16, 8, 4, 64, 4, 4, gate_up_chunks=2)
     args = (1, 256, 64, 2, 4, 32, tiles, 1, SharedShape(0, 0, 0, 0, 0), "bf16", "ieee")

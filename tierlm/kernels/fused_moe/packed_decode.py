@@ -39,7 +39,7 @@ loads before it waits for its inputs. gate_up's weights then stream in while spl
 while gate_up's last items finish, where each launch otherwise began with a round trip to memory after
 the kernel before it had ended. The shared expert's items, and items past a row's width, wait first.
 
-Two K loops for the routed INT4 experts (`packed_variant`: by group size and tokens, as measured;
+Two K loops for the routed INT4 experts (`packed_variant`: by group size, as measured;
 TIERLM_PACKED_MOE_VARIANT=v1|v2 forces one; everything else is shared):
   - v1: one [rows, words] tile a program (`_tile_sums`), a scale loaded per group (per word where the
     tile's words and the group's do not nest), each group's products summed, then scaled; its tiles
