@@ -329,9 +329,15 @@ def test_bad_arguments_name_the_problem():
 
 def test_packed_variant_is_checked(monkeypatch):
     """The INT4 K loop: v2 by default where its tiles are whole groups, but v1 where v1 measured faster (g32);
-    TIERLM_PACKED_MOE_VARIANT forces one (INT8 keeps v1); v2's tiles must be whole groups; which take early weights."""
+    TIERLM_PACKED_MOE_VARIANT forces one (INT8 keeps v1); v2's tiles must be whole groups; and which load their
+    weights early."""
     from tierlm.kernels.fused_moe.decode_parts import SharedShape
-    from tierlm.kernels.fused_moe.packed_decode import PackedDecodeTiles, _packed_launch, packed_early, packed_variant
+    from tierlm.kernels.fused_moe.packed_decode import (
+        PackedDecodeTiles,
+        _packed_launch,
+        packed_early,
+        packed_variant,
+    )
     from tierlm.kernels.fused_moe.triton import PACKED_V2_TILES
 
     sixteen_words = PACKED_V2_TILES._replace(gate_up_block_w=16, down_block_w=16)
