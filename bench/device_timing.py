@@ -5,8 +5,8 @@ rounds; on a CPU one plain pass after a warm-up call. `copy_bandwidth`: the devi
 bytes read plus the bytes written of a large eager copy per second, best of 12 (a graph replays a copy as
 a memcpy node, slower than the copy kernel). `copy_floor`: seconds per call of the copy kernel moving a
 small kernel's bytes in its own launches (a small read never reaches the large copy's bandwidth: the launch's
-ramp and tail weigh). `kernels_per_call`: the CUDA kernels one eager call of fn
-launches (profiled). `device_label`: the device's name in results files.
+ramp and tail weigh). `cuda_events`: the CUDA kernels one eager call of fn launches (profiled), in launch
+order; `kernels_per_call`: how many. `device_label`: the device's name in results files.
 """
 
 from __future__ import annotations
@@ -90,8 +90,14 @@ def device_label(device: torch.device) -> str:
     return f"cpu-{platform.machine()}"
 
 
-def kernels_per_call(fn) -> int:
+def cuda_events(fn) -> list:
+    """The profiler's events of the CUDA kernels one call of fn() launches, in launch order."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+    return sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                  key=lambda e: e.time_range.start)
+
+
+def kernels_per_call(fn) -> int:
+    return len(cuda_events(fn))

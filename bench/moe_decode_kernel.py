@@ -57,7 +57,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
-from device_timing import copy_bandwidth, copy_floor, timed
+from device_timing import copy_bandwidth, copy_floor, cuda_events, timed
 
 ROUTINGS = 8  # (2 on the CPU, where the interpreter takes seconds per call)
 TARGET = {"hidden": 2560, "experts": 512, "top_k": 10, "intermediate": 640, "shared": 640, "groups": (32, 128)}
@@ -238,17 +238,15 @@ def launch_times(kernel, repeats: int = 5) -> list[tuple[str, float]]:
     has ended, so its time is its own)."""
     from decode_roofline import environment
 
+    def passes(count: int) -> None:
+        for _ in range(count):
+            for i in range(ROUTINGS):
+                kernel(i)
+
     with environment({"TIERLM_NO_PDL": "1"}):
-        for i in range(ROUTINGS):
-            kernel(i)
+        passes(1)
         torch.cuda.synchronize()
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            for _ in range(repeats):
-                for i in range(ROUTINGS):
-                    kernel(i)
-            torch.cuda.synchronize()
-    events = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
-                    key=lambda e: e.time_range.start)
+        events = cuda_events(lambda: passes(repeats))
     per_call = len(events) // (repeats * ROUTINGS)
     return [(events[j].name, sum(e.device_time_total for e in events[j::per_call]) / (repeats * ROUTINGS))
             for j in range(per_call)]

@@ -93,7 +93,8 @@ VARIANTS = ("v1", "v2")  # TIERLM_PACKED_MOE_VARIANT (`packed_variant`)
 # at 16 (v1 g32's gate_up then held 94 registers a thread against 64: fewer programs an SM), and in the
 # real-width int4-mixed stack (g32) 0.996x at 1 token, 0.997x at 4 (decode_roofline_nvidia-h100_int4-mixed_s18early.txt).
 # v1 at every group since its scales are loaded per group (session 20, H100,
-# bench/results/moe_decode_kernel_group_scales_nvidia-h100.txt): g32 1.15x at 1 token, 1.10x at 4; g128 1.06x, 1.03x
+# bench/results/moe_decode_kernel_group_scales_nvidia-h100.txt, v1 early over late): g32 1.08x at 1 token, 1.05x at 2,
+# 1.02x at 4, 1.01x at 8, 1.00x at 16; g128 1.07x, 1.04x, 1.00x, 0.98x, 1.00x (where v2 is the default)
 PACKED_V2_EARLY_MIN_GROUP = 128
 
 

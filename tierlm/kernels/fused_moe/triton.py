@@ -31,8 +31,9 @@ Launches use programmatic dependent launch (`dependent_launch`): gate_up's progr
 before it first, as which expert they read is the router's output; with early weights
 (`decode_parts.early_weights`) gate_up lets down start only once its own wait has returned, so down's
 routed items read the router's output and load their first EARLY_DOWN_TILES tiles before their wait
-(`dependent_launch`'s exception; the packed form does the same for both phases, `packed_decode`). The decode form's launch shape and constants are worked out once per call shape
-(`_decode_launch`, `packed_decode._packed_launch`).
+(`dependent_launch`'s exception; the packed form does the same for both phases, `packed_decode`). The
+decode form's launch shape and constants are worked out once per call shape (`_decode_launch`,
+`packed_decode._packed_launch`).
 """
 
 from __future__ import annotations
