@@ -203,7 +203,7 @@ def per_call_seconds(fn, reps: int) -> float:
 
 
 def hc_candidates(batch: int) -> list:
-    """MixTiles to try at `batch` tokens: (block_n, block_j, block_k, down_warps, block_h, up_warps); the
+    """MixTiles to try at `batch` tokens: (block_n, block_j, block_k, down_warps, block_h, up_warps[, up_finish]); the
     GEMV form (block_n < 16) up to 8 tokens, tl.dot (block_n 16) at every batch. (About 20 compilations per
     widths and weight format: the tl.dot ones are shared by the batches.)"""
     from tierlm.kernels.hyper_connection.triton import MixTiles
@@ -216,7 +216,14 @@ def hc_candidates(batch: int) -> list:
     gemv = [MixTiles(n, 16, 512, 4, 8, 4), MixTiles(n, 32, 256, 4, 8, 4), MixTiles(n, 16, 256, 4, 8, 4),
             MixTiles(n, 8, 512, 4, 8, 4), MixTiles(n, 16, 1024, 8, 8, 4), MixTiles(n, 16, 512, 4, 4, 4),
             MixTiles(n, 16, 512, 4, 16, 4), MixTiles(n, 16, 512, 4, 8, 8)]
-    return gemv + dot[:2]
+    # the up programs finishing the down projection: few slices a stream, as their partials are each up
+    # program's registers (sm_90, ptxas, real widths: one token 125-163 registers a thread; 2 tokens fit only
+    # at block_h 2-4, 4 tokens take 200-210, and both read slower in the 4-layer stack: MIX_TILES' comment)
+    up_finish = [MixTiles(n, 2, 4096, 4, 8, 4, True), MixTiles(n, 4, 4096, 8, 8, 4, True),
+                 MixTiles(n, 4, 2048, 4, 8, 4, True), MixTiles(n, 8, 1024, 4, 8, 4, True),
+                 MixTiles(n, 2, 4096, 4, 4, 4, True), MixTiles(n, 2, 4096, 4, 16, 4, True),
+                 MixTiles(n, 8, 512, 4, 8, 4, True)]
+    return gemv + (up_finish if batch == 1 else []) + dot[:2]
 
 
 def sweep_hc(device, dtype, batches: list[int], reps: int, widths: list[str],

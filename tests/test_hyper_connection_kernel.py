@@ -153,7 +153,12 @@ INTERPRETED_EARLY = {  # (a child: started when collection ends, see tests/inter
         "               (k.MAX_TOKENS, k.MixTiles(16, 16, 16, 4, 16, 4)))\n"
         "import test_hyper_connection_kernel as t; t.compare('cpu', **t.SMALL)\n"
         "t.check_combine_and_mix('cpu', **dict(t.SMALL, tokens=1))\n"
-        "t.check_mix('cpu', t.SMALL['hc'], t.int8_inputs(**dict(t.SMALL, tokens=3)), 'int8')"),),
+        "t.check_mix('cpu', t.SMALL['hc'], t.int8_inputs(**dict(t.SMALL, tokens=3)), 'int8')\n"
+        # up_finish: the up programs sum the down projection's slices (4 at 1 token: a whole stream a slice;
+        # 12 at 2-4 tokens, uneven) and apply the activations; column block 0's store the injection gates
+        "k.MIX_TILES = ((1, k.MixTiles(1, 16, 64, 4, 8, 4, True)), (4, k.MixTiles(4, 8, 16, 4, 16, 4, True)))\n"
+        "t.compare('cpu', **dict(t.SMALL, tokens=1))\n"
+        "t.check_mix('cpu', t.SMALL['hc'], t.int8_inputs(**dict(t.SMALL, tokens=3)), 'int8, up_finish')"),),
 }
 
 
@@ -216,8 +221,11 @@ def test_bad_shapes_are_named():
     pytest.importorskip("triton")
     from tierlm.kernels.hyper_connection.triton import MixTiles, check_tiles
 
-    with pytest.raises(ValueError, match="at least 16 when block_n is"):
+    with pytest.raises(ValueError, match="at least 16 and no up_finish when block_n is"):
         check_tiles(MixTiles(16, 8, 512, 4, 16, 4), False)  # (tl.dot over 8 rows)
+    with pytest.raises(ValueError, match="no up_finish when block_n is"):
+        check_tiles(MixTiles(16, 16, 512, 4, 16, 4, True), False)  # (the GEMV form only)
+    check_tiles(MixTiles(4, 8, 512, 4, 16, 4, True), True)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
@@ -230,6 +238,21 @@ def test_kernels_at_real_widths_on_gpu(tokens):
 @pytest.mark.parametrize("tokens", [1, 16, 64])
 def test_int8_kernels_at_real_widths_on_gpu(tokens):
     check_mix("cuda", REAL["hc"], int8_inputs(tokens, **REAL, seed=tokens), "int8")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("up_finish", [False, True])
+def test_one_token_tiles_at_real_widths_on_gpu(monkeypatch, up_finish):
+    """One token with the down projection finished by the down launch's last programs and by every up
+    program, whichever MIX_TILES picks: dense and INT8 mixers, with and without injection, combine_and_mix."""
+    from tierlm.kernels.hyper_connection import triton as kernels
+
+    tiles = kernels.mix_tiles(1)._replace(up_finish=up_finish)
+    if not up_finish:
+        tiles = tiles._replace(block_k=min(tiles.block_k, 512))
+    monkeypatch.setattr(kernels, "MIX_TILES", ((1, tiles),))
+    compare("cuda", tokens=1, **REAL)
+    check_mix("cuda", REAL["hc"], int8_inputs(1, **REAL, seed=5), "int8")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")

@@ -19,7 +19,8 @@ Signatures (every form):
   naive.py   plain torch (the reference)
   triton.py  decode batches (up to MAX_TOKENS tokens): mix in two launches (the norm folded into the down
              projection; each row block's last program applies the streams' rms and the mixer's
-             activations to its rows; then the up projection, the gates and the mean over streams),
+             activations to its rows, or at one token every up program does; then the up projection,
+             the gates and the mean over streams),
              combine in one (or folded into the next mix: combine_and_mix); every program reads one tile of weights with all its loads up front, by
              tl.dot from 16 tokens a program and as a GEMV (broadcast multiply + sum) below (MIX_TILES);
              INT8 words read packed and split in registers; the streams read in place (no copies)

@@ -18,16 +18,25 @@ another, and each launch-2 program walked 4 streams x 5 low-rank tiles, one memo
      1/rms for launch 2. The row blocks finish in parallel, each in one more round trip to L2.
   2. `_mix_up_kernel`, programs over (BLOCK_H of the H columns, token block): for each stream, its BLOCK_H
      rows of W_up (the whole low rank in one tile), the gates sigmoid(W_up . low), the normed streams
-     x / rms * (1 + w), and the mean over streams of their products.
+     x / rms * (1 + w), and the mean over streams of their products. In the GEMV form its inputs (low,
+     every stream's x and 1/rms) are all loaded right after the wait, before the first product (loaded per
+     stream after its gates, each was a round trip of its own).
+  With MixTiles.up_finish (one token: MIX_TILES) launch 1 has no arrival: its slices are whole streams (a
+  program's BLOCK_K covers H, so a stream is 4 slices, not 20), row block 0's programs store the sums of
+  squares, and every launch-2 program loads all the partials ([slices, rows]: 5 KB a token) with its
+  inputs and finishes the projection itself (`_projected_rows`: the same fixed-order sums, redundantly in
+  each program; column block 0's store the injection gates). That saves launch 1's memory barrier, atomic
+  and second round trip; it costs each up program the partials' registers (125-128 a thread at one token;
+  two tokens spill or lose, MIX_TILES).
   Products (`_times_rows`), by MixTiles.block_n, the tokens per program: from 16 (tl.dot's least M, fewer
   tokens padded) tl.dot; below 16 a broadcast multiply and a sum over K in fp32 (a GEMV: for 1-8 tokens
-  no padded tensor-core tile and no shared-memory staging). Tiles by batch: MIX_TILES, picked on an H200
-  with `bench/decode_fusions.py --sweep-hc`.
+  no padded tensor-core tile and no shared-memory staging). Tiles by batch: MIX_TILES, picked with
+  `bench/decode_fusions.py --sweep-hc` (H200; one token's on an H100, in the 4-layer stack: MIX_TILES).
 INT8 per-channel mixer weights (int4-mixed checkpoints; half the bytes) are a compile-time variant of both
 launches: each int32 word is loaded once and split into its 4 signed values in registers (`_int8_values`,
 exact in the streams' dtype, so both product forms multiply them as they multiply bf16 weights), and each
-row's fp32 dot product is multiplied by the row's scale (launch 1: in the finishing program, after the sum
-over slices; launch 2: before the sigmoid). The reference rounds q * scale to the streams' dtype first: in
+row's fp32 dot product is multiplied by the row's scale (W_down|inj's: by the program that finishes the
+projection, after the sum over slices; W_up's: before the sigmoid). The reference rounds q * scale to the streams' dtype first: in
 fp32 the two agree to fp32 roundoff, in bf16 the kernel skips one rounding of the weight.
 combine, one launch (`_combine_kernel`): streams + inject[s] * block_output, the streams read in place.
 combine_and_mix: a combine folded into the next mix (`_mix_down_kernel`'s COMBINE): its programs add the
@@ -70,14 +79,16 @@ DOT_PRELOADED_STREAMS = 1
 
 
 class MixTiles(NamedTuple):
-    """The mix's launch shape; every entry a power of 2. The tl.dot form (block_n >= DOT_MIN) needs block_j,
-    block_h and block_k >= DOT_MIN; INT8 weights block_k >= 4 (whole words)."""
+    """The mix's launch shape; every number a power of 2. The tl.dot form (block_n >= DOT_MIN) needs block_j,
+    block_h and block_k >= DOT_MIN and no up_finish; INT8 weights block_k >= 4 (whole words)."""
     block_n: int  # tokens per program: from DOT_MIN products by tl.dot, below by broadcast multiply + sum
     block_j: int  # rows of W_down|inj per down program
     block_k: int  # stream columns per down program: hc x cdiv(H, block_k) slices
     down_warps: int
     block_h: int  # H columns per up program (its rows of W_up: hc x block_h, each the whole low rank)
     up_warps: int
+    up_finish: bool = False  # the GEMV form only: every up program sums the down projection's slices and
+    #                          applies the mixer's activations itself (no arrival round trip in launch 1)
 
 
 # by batch, the first entry whose token bound covers it: the candidate nearest each batch's best over real
@@ -90,8 +101,14 @@ class MixTiles(NamedTuple):
 # (`--sweep-hc --batches 2`, bench/results/decode_fusions_hc_sweep_b2_nvidia-h200.txt), real widths, MIX_TILES
 # with the 4-token tiles then with this entry: bf16 22.7 -> 17.3 us, INT8 26.4 -> 16.4; demo-small, this
 # tile in the first run: bf16 6.4 -> 5.3, INT8 7.0 -> 5.8
-MIX_TILES = ((1, MixTiles(1, 8, 512, 4, 8, 4)), (2, MixTiles(2, 8, 512, 4, 8, 4)), (4, MixTiles(4, 8, 512, 4, 8, 4)),
-             (MAX_TOKENS, MixTiles(16, 32, 256, 4, 16, 4)))
+# One token finishes in the up launch since session 21 (H100, bench/results/decode_fusions_hc_sweep_nvidia-h100_s21.txt
+# and decode_roofline_nvidia-h100_s21hc.txt): the sweep, a mix alone, 12.3 us before (bf16; INT8 13.7) -> 9.5-12.5
+# (10.0-15.8) over the up_finish candidates; in the real-width 4-layer stack at ctx 512, interleaved in one process
+# against the earlier (1, 8, 512, 4, 8, 4): (1, 8, 1024, 4, 8, 4, True) 1.029x bf16, 1.056x int4-mixed, and this
+# entry 1.001x / 1.015x over that one. At 2 and 4 tokens the stack read the up_finish tiles slower (2 tokens,
+# block_h 2-4: 0.926-0.979x; 4 tokens, block_h 2-4: 0.881-0.954x), so they keep the down launch's finish
+MIX_TILES = ((1, MixTiles(1, 2, 4096, 4, 8, 4, True)), (2, MixTiles(2, 8, 512, 4, 8, 4)),
+             (4, MixTiles(4, 8, 512, 4, 8, 4)), (MAX_TOKENS, MixTiles(16, 32, 256, 4, 16, 4)))
 
 
 @triton.jit
@@ -126,11 +143,13 @@ def _mix_down_kernel(x_ptr, stride_x, block_ptr, stride_block, gate_ptr, stride_
                      HIDDEN: tl.constexpr, HC: tl.constexpr, SPLIT: tl.constexpr, LOWRANK: tl.constexpr,
                      OUT_ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_K: tl.constexpr,
                      SLICES_P2: tl.constexpr, INT8: tl.constexpr, DOT: tl.constexpr, COMBINE: tl.constexpr,
-                     PRECISION: tl.constexpr, PDL: tl.constexpr):
+                     UP_FINISH: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
     """Program (slice, row block, token block): partial [token, slice, row] of W_down|inj times
     x * (1 + w_norm) over one slice of one stream, and the slice's sum of squares [row block, token,
-    slice]; the row block's last program to arrive finishes its rows (`_finish_rows`). INT8: the weight's
-    signed values q, its row scales (w_scale_ptr) applied by the finishing program. COMBINE: x is the
+    slice]; the row block's last program to arrive finishes its rows (`_finish_rows`). UP_FINISH: no
+    arrival, row block 0's programs store the sums of squares (one copy) and `_mix_up_kernel` finishes
+    every row. INT8: the weight's signed values q, its row scales (w_scale_ptr) applied by the finishing
+    program. COMBINE: x is the
     streams plus the previous block's output times its gate for the stream (gate_ptr), rounded as
     `_combine_kernel` rounds; row block 0's programs store it (combined_ptr, [N, hc*H]). PDL: the weight
     tile and the norm weight are loaded before `wait_for_inputs`."""
@@ -174,14 +193,19 @@ def _mix_down_kernel(x_ptr, stride_x, block_ptr, stride_block, gate_ptr, stride_
                       w, DOT, PRECISION)
     slice_rows = tokens.to(tl.int64) * SLICES + slice_id
     tl.store(partial_ptr + slice_rows[:, None] * OUT_ROWS + rows[None, :], acc, mask=t_mask[:, None] & r_mask[None, :])
-    row_sumsq_ptr = sumsq_ptr + row_block * n_tokens * SLICES
-    tl.store(row_sumsq_ptr + slice_rows, squares, mask=t_mask)
-    tl.debug_barrier()  # every thread's stores are issued before the program counts itself in
-    arrivals = counter_ptr + token_block * tl.num_programs(1) + row_block
-    if tl.atomic_add(arrivals, 1, sem="acq_rel") == SLICES - 1:
-        _finish_rows(partial_ptr, row_sumsq_ptr, w_scale_ptr, low_ptr, rstd_ptr, inject_ptr, tokens, t_mask, rows,
-                     r_mask, row_block, eps, HIDDEN, HC, SPLIT, LOWRANK, OUT_ROWS, SLICES_P2, INT8, dtype, PRECISION)
-        tl.atomic_xchg(arrivals, 0)  # ready for the next launch
+    if UP_FINISH:
+        if row_block == 0:
+            tl.store(sumsq_ptr + slice_rows, squares, mask=t_mask)
+    else:
+        row_sumsq_ptr = sumsq_ptr + row_block * n_tokens * SLICES
+        tl.store(row_sumsq_ptr + slice_rows, squares, mask=t_mask)
+        tl.debug_barrier()  # every thread's stores are issued before the program counts itself in
+        arrivals = counter_ptr + token_block * tl.num_programs(1) + row_block
+        if tl.atomic_add(arrivals, 1, sem="acq_rel") == SLICES - 1:
+            _finish_rows(partial_ptr, row_sumsq_ptr, w_scale_ptr, low_ptr, rstd_ptr, inject_ptr, tokens, t_mask,
+                         rows, r_mask, row_block, eps, HIDDEN, HC, SPLIT, LOWRANK, OUT_ROWS, SLICES_P2, INT8, dtype,
+                         PRECISION)
+            tl.atomic_xchg(arrivals, 0)  # ready for the next launch
 
 
 @triton.jit
@@ -190,35 +214,75 @@ def _finish_rows(partial_ptr, sumsq_ptr, w_scale_ptr, low_ptr, rstd_ptr, inject_
                  OUT_ROWS: tl.constexpr, SLICES_P2: tl.constexpr, INT8: tl.constexpr, DTYPE: tl.constexpr,
                  PRECISION: tl.constexpr):
     """A row block's last program: every slice's partial and sum of squares in one load each (read past
-    L1, .cg: other programs wrote them), each stream's 1/rms (row block 0 stores it), the projection as
-    the sum over slices of their stream's 1/rms times the partial (INT8: times each row's scale), then
+    L1, .cg: other programs wrote them), then `_projected_rows` (row block 0 stores each stream's 1/rms),
     silu(. / hc) -> low, 2 sigmoid(. / hc) -> inject."""
+    partial, squares = _slice_sums(partial_ptr, sumsq_ptr, tokens, t_mask, rows, r_mask, HC, SPLIT, OUT_ROWS,
+                                   SLICES_P2, ".cg")
+    if INT8:
+        row_scale = tl.load(w_scale_ptr + rows, mask=r_mask, other=0.0).to(tl.float32)
+    else:
+        row_scale = None
+    scaled, rstds = _projected_rows(partial, squares, row_scale, eps, HIDDEN, HC, SPLIT, SLICES_P2, INT8, DTYPE,
+                                    PRECISION)
+    if row_block == 0:
+        for stream in tl.static_range(HC):
+            tl.store(rstd_ptr + tokens * HC + stream, rstds[stream], mask=t_mask)
+    _store_activations(scaled, low_ptr, inject_ptr, tokens, t_mask, rows, r_mask, LOWRANK, OUT_ROWS, DTYPE,
+                       PRECISION)
+
+
+@triton.jit
+def _slice_sums(partial_ptr, sumsq_ptr, tokens, t_mask, rows, r_mask, HC: tl.constexpr, SPLIT: tl.constexpr,
+                OUT_ROWS: tl.constexpr, SLICES_P2: tl.constexpr, CACHE: tl.constexpr):
+    """The down launch's fp32 partials [BLOCK_N, SLICES_P2, rows] and sums of squares [BLOCK_N, SLICES_P2]
+    of `tokens` (0 past the slices and rows), each in one load."""
     SLICES: tl.constexpr = HC * SPLIT
     slices = tl.arange(0, SLICES_P2)
     slice_rows = tokens.to(tl.int64)[:, None] * SLICES + slices[None, :]  # [BLOCK_N, SLICES_P2]
     ts_mask = t_mask[:, None] & (slices < SLICES)[None, :]
     partial = tl.load(partial_ptr + slice_rows[:, :, None] * OUT_ROWS + rows[None, None, :],
-                      mask=ts_mask[:, :, None] & r_mask[None, None, :], other=0.0, cache_modifier=".cg")
-    squares = tl.load(sumsq_ptr + slice_rows, mask=ts_mask, other=0.0, cache_modifier=".cg")
-    stream_of = slices // SPLIT
+                      mask=ts_mask[:, :, None] & r_mask[None, None, :], other=0.0, cache_modifier=CACHE)
+    squares = tl.load(sumsq_ptr + slice_rows, mask=ts_mask, other=0.0, cache_modifier=CACHE)
+    return partial, squares
+
+
+@triton.jit
+def _projected_rows(partial, squares, row_scale, eps, HIDDEN: tl.constexpr, HC: tl.constexpr, SPLIT: tl.constexpr,
+                    SLICES_P2: tl.constexpr, INT8: tl.constexpr, DTYPE: tl.constexpr, PRECISION: tl.constexpr):
+    """(W_down|inj xn / hc [BLOCK_N, rows] in fp32, rounded where the reference rounds; each stream's 1/rms,
+    a tuple of hc [BLOCK_N]) from `_slice_sums`: the sum over slices of their stream's 1/rms times the
+    partial (INT8: times each row's scale, row_scale)."""
+    stream_of = tl.arange(0, SLICES_P2) // SPLIT
     slice_rstd = tl.zeros_like(squares)
+    rstds = ()
     for stream in tl.static_range(HC):
         in_stream = (stream_of == stream)[None, :]
         rstd = 1.0 / tl.sqrt(tl.sum(tl.where(in_stream, squares, 0.0), axis=1) / HIDDEN + eps)
-        if row_block == 0:
-            tl.store(rstd_ptr + tokens * HC + stream, rstd, mask=t_mask)
+        rstds += (rstd,)
         slice_rstd = tl.where(in_stream, rstd[:, None], slice_rstd)
     projected = tl.sum(partial * slice_rstd[:, :, None], axis=1)
     if INT8:
-        projected *= tl.load(w_scale_ptr + rows, mask=r_mask, other=0.0).to(tl.float32)[None, :]
+        projected *= row_scale[None, :]
     projected = round_to(projected, DTYPE, PRECISION).to(tl.float32)  # the linear's output dtype
-    scaled = round_to(projected / HC, DTYPE, PRECISION).to(tl.float32)
-    low = round_to(scaled * tl.sigmoid(scaled), DTYPE, PRECISION)
-    tl.store(low_ptr + tokens.to(tl.int64)[:, None] * LOWRANK + rows[None, :], low,
+    return round_to(projected / HC, DTYPE, PRECISION).to(tl.float32), rstds
+
+
+@triton.jit
+def _low(scaled, rows, LOWRANK: tl.constexpr, DTYPE: tl.constexpr, PRECISION: tl.constexpr):
+    """The mixer's low-rank vector silu(scaled) at `rows` (0 from row LOWRANK: the injection rows)."""
+    return tl.where((rows < LOWRANK)[None, :], round_to(scaled * tl.sigmoid(scaled), DTYPE, PRECISION), 0.0)
+
+
+@triton.jit
+def _store_activations(scaled, low_ptr, inject_ptr, tokens, t_mask, rows, r_mask, LOWRANK: tl.constexpr,
+                       OUT_ROWS: tl.constexpr, DTYPE: tl.constexpr, PRECISION: tl.constexpr):
+    """silu(scaled) -> low [N, LOWRANK] at the rows below LOWRANK, 2 sigmoid(scaled) -> inject [N, hc] at
+    the others (OUT_ROWS > LOWRANK: the injection rows)."""
+    tl.store(low_ptr + tokens.to(tl.int64)[:, None] * LOWRANK + rows[None, :], _low(scaled, rows, LOWRANK, DTYPE, PRECISION),
              mask=t_mask[:, None] & (rows < LOWRANK)[None, :])
     if OUT_ROWS > LOWRANK:
         inject = 2.0 * round_to(tl.sigmoid(scaled), DTYPE, PRECISION).to(tl.float32)
-        tl.store(inject_ptr + tokens.to(tl.int64)[:, None] * HC + (rows - LOWRANK)[None, :],
+        tl.store(inject_ptr + tokens.to(tl.int64)[:, None] * (OUT_ROWS - LOWRANK) + (rows - LOWRANK)[None, :],
                  round_to(inject, DTYPE, PRECISION), mask=t_mask[:, None] & ((rows >= LOWRANK) & r_mask)[None, :])
 
 
@@ -242,15 +306,28 @@ def _up_weights(up_ptr, up_scale_ptr, norm_ptr, channels, h_mask, ranks, LOWRANK
 
 
 @triton.jit
-def _mix_up_kernel(x_ptr, stride_x, norm_ptr, up_ptr, up_scale_ptr, low_ptr, rstd_ptr, out_ptr, n_tokens,
-                   HIDDEN: tl.constexpr, HC: tl.constexpr, LOWRANK: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, INT8: tl.constexpr, DOT: tl.constexpr,
-                   PRELOADED: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
+def _stream_columns(x_ptr, stride_x, tokens, t_mask, channels, h_mask):
+    """The streams' values [tokens, channels] (0 outside the masks)."""
+    return tl.load(x_ptr + tokens.to(tl.int64)[:, None] * stride_x + channels[None, :],
+                   mask=t_mask[:, None] & h_mask[None, :], other=0.0)
+
+
+@triton.jit
+def _mix_up_kernel(x_ptr, stride_x, norm_ptr, up_ptr, up_scale_ptr, low_ptr, rstd_ptr, out_ptr, partial_ptr, sumsq_ptr,
+                   w_scale_ptr, inject_ptr, n_tokens, eps, HIDDEN: tl.constexpr, HC: tl.constexpr,
+                   LOWRANK: tl.constexpr, SPLIT: tl.constexpr, OUT_ROWS: tl.constexpr, SLICES_P2: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, INT8: tl.constexpr,
+                   DOWN_INT8: tl.constexpr, DOT: tl.constexpr, UP_FINISH: tl.constexpr, PRELOADED: tl.constexpr,
+                   PRECISION: tl.constexpr, PDL: tl.constexpr):
     """Program (column block, token block): block input [tokens, columns] = mean over streams s of
     sigmoid(W_up[s*H + columns] . low) * normed stream s at those columns; each stream's rows of W_up are
     one tile [BLOCK_H, BLOCK_R] (the streams unrolled: their loads all in flight together). INT8: W_up's
     signed values, each row's dot product times its scale (up_scale_ptr). The weights of the first
-    PRELOADED streams (`_up_weights`) are loaded before `wait_for_inputs` (PDL), the others' in the loop."""
+    PRELOADED streams (`_up_weights`) are loaded before `wait_for_inputs` (PDL), the others' in the loop;
+    after the wait the GEMV form loads every input before its first product. UP_FINISH (BLOCK_R >= OUT_ROWS): low
+    and each stream's 1/rms come from the down launch's partials and sums of squares (`_projected_rows`,
+    DOWN_INT8: times W_down|inj's row scales, w_scale_ptr), and column block 0's programs store the
+    injection gates; else they are loaded (`_finish_rows` stored them)."""
     allow_dependents(PDL)
     column_block, token_block = tl.program_id(0), tl.program_id(1)
     dtype = x_ptr.dtype.element_ty
@@ -263,9 +340,34 @@ def _mix_up_kernel(x_ptr, stride_x, norm_ptr, up_ptr, up_scale_ptr, low_ptr, rst
     for stream in tl.static_range(PRELOADED):
         preloaded += (_up_weights(up_ptr, up_scale_ptr, norm_ptr, stream * HIDDEN + columns, h_mask, ranks, LOWRANK,
                                   BLOCK_R, INT8),)
+    if UP_FINISH and DOWN_INT8:
+        down_scale = tl.load(w_scale_ptr + ranks, mask=ranks < OUT_ROWS, other=0.0).to(tl.float32)
+    else:
+        down_scale = None
     wait_for_inputs(PDL)
-    low = tl.load(low_ptr + tokens.to(tl.int64)[:, None] * LOWRANK + ranks[None, :],
-                  mask=t_mask[:, None] & (ranks < LOWRANK)[None, :], other=0.0)
+    if UP_FINISH:
+        partial, squares = _slice_sums(partial_ptr, sumsq_ptr, tokens, t_mask, ranks, ranks < OUT_ROWS, HC, SPLIT,
+                                       OUT_ROWS, SLICES_P2, "")
+    else:
+        low = tl.load(low_ptr + tokens.to(tl.int64)[:, None] * LOWRANK + ranks[None, :],
+                      mask=t_mask[:, None] & (ranks < LOWRANK)[None, :], other=0.0)
+    xs = ()
+    if not DOT:  # (tl.dot's tiles leave no registers for them: sm_90 spills more, measured slower at 16 tokens)
+        for stream in tl.static_range(HC):
+            xs += (_stream_columns(x_ptr, stride_x, tokens, t_mask, stream * HIDDEN + columns, h_mask),)
+    if UP_FINISH:
+        scaled, rstds = _projected_rows(partial, squares, down_scale, eps, HIDDEN, HC, SPLIT, SLICES_P2, DOWN_INT8,
+                                        dtype, PRECISION)
+        low = _low(scaled, ranks, LOWRANK, dtype, PRECISION)
+        if OUT_ROWS > LOWRANK:  # column block 0's programs store the injection gates
+            inject = round_to(2.0 * round_to(tl.sigmoid(scaled), dtype, PRECISION).to(tl.float32), dtype, PRECISION)
+            if column_block == 0:
+                tl.store(inject_ptr + tokens.to(tl.int64)[:, None] * (OUT_ROWS - LOWRANK) + (ranks - LOWRANK)[None, :],
+                         inject, mask=t_mask[:, None] & ((ranks >= LOWRANK) & (ranks < OUT_ROWS))[None, :])
+    else:
+        rstds = ()
+        for stream in tl.static_range(HC):
+            rstds += (tl.load(rstd_ptr + tokens * HC + stream, mask=t_mask, other=0.0),)
     total = tl.zeros((BLOCK_N, BLOCK_H), dtype=tl.float32)
     for stream in tl.static_range(HC):
         channels = stream * HIDDEN + columns
@@ -282,10 +384,12 @@ def _mix_up_kernel(x_ptr, stride_x, norm_ptr, up_ptr, up_scale_ptr, low_ptr, rst
         if INT8:
             acc *= row_scale[None, :]
         gate = round_to(tl.sigmoid(round_to(acc, dtype, PRECISION).to(tl.float32)), dtype, PRECISION).to(tl.float32)
-        x = tl.load(x_ptr + tokens.to(tl.int64)[:, None] * stride_x + channels[None, :],
-                    mask=t_mask[:, None] & h_mask[None, :], other=0.0).to(tl.float32)
-        rstd = tl.load(rstd_ptr + tokens * HC + stream, mask=t_mask, other=0.0)
-        normed = round_to(x * rstd[:, None] * norm_scale[None, :], dtype, PRECISION).to(tl.float32)
+        if DOT:
+            x = _stream_columns(x_ptr, stride_x, tokens, t_mask, channels, h_mask)
+        else:
+            x = xs[stream]
+        normed = round_to(x.to(tl.float32) * rstds[stream][:, None] * norm_scale[None, :], dtype,
+                          PRECISION).to(tl.float32)
         total += round_to(gate * normed, dtype, PRECISION).to(tl.float32)
     tl.store(out_ptr + tokens.to(tl.int64)[:, None] * HIDDEN + columns[None, :],
              round_to(total / HC, dtype, PRECISION), mask=t_mask[:, None] & h_mask[None, :])
@@ -320,12 +424,13 @@ def mix_tiles(n_tokens: int) -> MixTiles:
 @functools.cache
 def check_tiles(tiles: MixTiles, int8: bool) -> None:
     """A clear error for tiles the kernels cannot take (see MixTiles)."""
-    powers = all(v > 0 and v & (v - 1) == 0 for v in tiles)
-    dot_fits = tiles.block_n < DOT_MIN or min(tiles.block_j, tiles.block_h, tiles.block_k) >= DOT_MIN
+    powers = all(v > 0 and v & (v - 1) == 0 for v in tiles[:6])
+    dot_fits = tiles.block_n < DOT_MIN or (min(tiles.block_j, tiles.block_h, tiles.block_k) >= DOT_MIN
+                                           and not tiles.up_finish)
     if not powers or not dot_fits or (int8 and tiles.block_k < 4):
         raise ValueError(f"hyper-connection kernel: tiles {tiles} must be powers of 2, with block_j, block_h and "
-                         f"block_k at least {DOT_MIN} when block_n is (tl.dot), block_k at least 4 for INT8 weights "
-                         f"(INT8 here: {int8})")
+                         f"block_k at least {DOT_MIN} and no up_finish when block_n is (tl.dot), block_k at least 4 "
+                         f"for INT8 weights (INT8 here: {int8})")
 
 
 def mix(
@@ -380,7 +485,7 @@ def _mix(streams, residual, norm_weight, down_weight, up_weight, hc_count, eps, 
     row_blocks, token_blocks = triton.cdiv(out_rows, tiles.block_j), triton.cdiv(n, tiles.block_n)
     f32 = {"dtype": torch.float32, "device": streams.device}
     partial = torch.empty(n, hc_count * split, out_rows, **f32)
-    sumsq = torch.empty(row_blocks, n, hc_count * split, **f32)
+    sumsq = torch.empty(1 if tiles.up_finish else row_blocks, n, hc_count * split, **f32)
     low, rstd = streams.new_empty(n, lowrank), torch.empty(n, hc_count, **f32)
     counters = arrival_counters("hyper_connection", streams.device, token_blocks * row_blocks)
     precision = dot_precision(streams)
@@ -389,14 +494,17 @@ def _mix(streams, residual, norm_weight, down_weight, up_weight, hc_count, eps, 
         down_weight, down_scale, partial, sumsq, counters, low, rstd, inject if with_inject else low, n, eps,
         HIDDEN=hidden, HC=hc_count, SPLIT=split, LOWRANK=lowrank, OUT_ROWS=out_rows, BLOCK_N=tiles.block_n,
         BLOCK_J=tiles.block_j, BLOCK_K=tiles.block_k, SLICES_P2=triton.next_power_of_2(hc_count * split),
-        INT8=down_int8, DOT=dot, COMBINE=residual is not None, PRECISION=precision, num_warps=tiles.down_warps,
-        **launch_options(streams.device),
+        INT8=down_int8, DOT=dot, COMBINE=residual is not None, UP_FINISH=tiles.up_finish, PRECISION=precision,
+        num_warps=tiles.down_warps, **launch_options(streams.device),
     )
-    block_r = max(triton.next_power_of_2(lowrank), DOT_MIN if dot else 1)  # the whole low rank in one tile
+    # the whole low rank in one tile (with up_finish, every row of the down projection)
+    block_r = max(triton.next_power_of_2(out_rows if tiles.up_finish else lowrank), DOT_MIN if dot else 1)
     _mix_up_kernel[(triton.cdiv(hidden, tiles.block_h), token_blocks)](
-        mixed, mixed.stride(0), norm_weight, up_weight, up_scale, low, rstd, block_input, n, HIDDEN=hidden,
-        HC=hc_count, LOWRANK=lowrank, BLOCK_N=tiles.block_n, BLOCK_H=tiles.block_h, BLOCK_R=block_r,
-        INT8=up_int8, DOT=dot, PRELOADED=DOT_PRELOADED_STREAMS if dot else hc_count, PRECISION=precision,
+        mixed, mixed.stride(0), norm_weight, up_weight, up_scale, low, rstd, block_input, partial, sumsq, down_scale,
+        inject if with_inject else low, n, eps, HIDDEN=hidden, HC=hc_count, LOWRANK=lowrank, SPLIT=split,
+        OUT_ROWS=out_rows, SLICES_P2=triton.next_power_of_2(hc_count * split), BLOCK_N=tiles.block_n,
+        BLOCK_H=tiles.block_h, BLOCK_R=block_r, INT8=up_int8, DOWN_INT8=down_int8, DOT=dot,
+        UP_FINISH=tiles.up_finish, PRELOADED=DOT_PRELOADED_STREAMS if dot else hc_count, PRECISION=precision,
         num_warps=tiles.up_warps, **launch_options(streams.device),
     )
     return mixed, block_input, inject
