@@ -35,7 +35,7 @@ PDL_FILES = [*(path for folder in ("hyper_connection", "moe_router", "ple", "emb
 # writes, and scalars); a pointer's `.dtype` is no read
 WEIGHTS = {
     "_mix_down_kernel": {"w_ptr", "norm_ptr", "n_tokens"},
-    "_mix_up_kernel": {"up_ptr", "up_scale_ptr", "norm_ptr", "n_tokens"},
+    "_mix_up_kernel": {"up_ptr", "up_scale_ptr", "w_scale_ptr", "norm_ptr", "n_tokens"},
     "_combine_kernel": set(),
     "_partial_logits_kernel": {"w_ptr", "n_tokens"},
     "_route_kernel": set(),
