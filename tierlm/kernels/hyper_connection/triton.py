@@ -21,10 +21,9 @@ another, and each launch-2 program walked 4 streams x 5 low-rank tiles, one memo
      x / rms * (1 + w), and the mean over streams of their products. In the GEMV form its inputs (low,
      every stream's x and 1/rms) are all loaded right after the wait, before the first product (loaded per
      stream after its gates, each was a round trip of its own).
-  With MixTiles.up_finish (one token: MIX_TILES) launch 1 has no arrival: its slices are whole streams (a
-  program's BLOCK_K covers H, so a stream is 4 slices, not 20), row block 0's programs store the sums of
-  squares, and every launch-2 program loads all the partials ([slices, rows]: 5 KB a token) with its
-  inputs and finishes the projection itself (`_projected_rows`: the same fixed-order sums, redundantly in
+  With MixTiles.up_finish (one token: MIX_TILES) launch 1 has no arrival: row block 0's programs store the
+  sums of squares, and every launch-2 program loads all the partials with its inputs (MIX_TILES' one-token
+  slices are whole streams, BLOCK_K >= H: [4 slices, rows], 5 KB a token) and finishes the projection itself (`_projected_rows`: the same fixed-order sums, redundantly in
   each program; column block 0's store the injection gates). That saves launch 1's memory barrier, atomic
   and second round trip; it costs each up program the partials' registers (125-128 a thread at one token;
   two tokens spill or lose, MIX_TILES).
@@ -36,8 +35,9 @@ INT8 per-channel mixer weights (int4-mixed checkpoints; half the bytes) are a co
 launches: each int32 word is loaded once and split into its 4 signed values in registers (`_int8_values`,
 exact in the streams' dtype, so both product forms multiply them as they multiply bf16 weights), and each
 row's fp32 dot product is multiplied by the row's scale (W_down|inj's: by the program that finishes the
-projection, after the sum over slices; W_up's: before the sigmoid). The reference rounds q * scale to the streams' dtype first: in
-fp32 the two agree to fp32 roundoff, in bf16 the kernel skips one rounding of the weight.
+projection, after the sum over slices; W_up's: before the sigmoid). The reference rounds q * scale to the
+streams' dtype first: in fp32 the two agree to fp32 roundoff, in bf16 the kernel skips one rounding of the
+weight.
 combine, one launch (`_combine_kernel`): streams + inject[s] * block_output, the streams read in place.
 combine_and_mix: a combine folded into the next mix (`_mix_down_kernel`'s COMBINE): its programs add the
 block output to the streams as they read them, row block 0's store the new streams, launch 2 reads those.
@@ -149,10 +149,9 @@ def _mix_down_kernel(x_ptr, stride_x, block_ptr, stride_block, gate_ptr, stride_
     slice]; the row block's last program to arrive finishes its rows (`_finish_rows`). UP_FINISH: no
     arrival, row block 0's programs store the sums of squares (one copy) and `_mix_up_kernel` finishes
     every row. INT8: the weight's signed values q, its row scales (w_scale_ptr) applied by the finishing
-    program. COMBINE: x is the
-    streams plus the previous block's output times its gate for the stream (gate_ptr), rounded as
-    `_combine_kernel` rounds; row block 0's programs store it (combined_ptr, [N, hc*H]). PDL: the weight
-    tile and the norm weight are loaded before `wait_for_inputs`."""
+    program. COMBINE: x is the streams plus the previous block's output times its gate for the stream
+    (gate_ptr), rounded as `_combine_kernel` rounds; row block 0's programs store it (combined_ptr,
+    [N, hc*H]). PDL: the weight tile and the norm weight are loaded before `wait_for_inputs`."""
     allow_dependents(PDL)
     SLICES: tl.constexpr = HC * SPLIT
     slice_id, row_block, token_block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
