@@ -275,14 +275,21 @@ def _low(scaled, rows, LOWRANK: tl.constexpr, DTYPE: tl.constexpr, PRECISION: tl
 @triton.jit
 def _store_activations(scaled, low_ptr, inject_ptr, tokens, t_mask, rows, r_mask, LOWRANK: tl.constexpr,
                        OUT_ROWS: tl.constexpr, DTYPE: tl.constexpr, PRECISION: tl.constexpr):
-    """silu(scaled) -> low [N, LOWRANK] at the rows below LOWRANK, 2 sigmoid(scaled) -> inject [N, hc] at
-    the others (OUT_ROWS > LOWRANK: the injection rows)."""
+    """silu(scaled) -> low [N, LOWRANK] at the rows below LOWRANK, and `_store_inject` at the others."""
     tl.store(low_ptr + tokens.to(tl.int64)[:, None] * LOWRANK + rows[None, :], _low(scaled, rows, LOWRANK, DTYPE, PRECISION),
              mask=t_mask[:, None] & (rows < LOWRANK)[None, :])
     if OUT_ROWS > LOWRANK:
-        inject = 2.0 * round_to(tl.sigmoid(scaled), DTYPE, PRECISION).to(tl.float32)
-        tl.store(inject_ptr + tokens.to(tl.int64)[:, None] * (OUT_ROWS - LOWRANK) + (rows - LOWRANK)[None, :],
-                 round_to(inject, DTYPE, PRECISION), mask=t_mask[:, None] & ((rows >= LOWRANK) & r_mask)[None, :])
+        _store_inject(scaled, inject_ptr, tokens, t_mask, rows, r_mask, LOWRANK, OUT_ROWS, DTYPE, PRECISION)
+
+
+@triton.jit
+def _store_inject(scaled, inject_ptr, tokens, t_mask, rows, r_mask, LOWRANK: tl.constexpr, OUT_ROWS: tl.constexpr,
+                  DTYPE: tl.constexpr, PRECISION: tl.constexpr):
+    """2 sigmoid(scaled) -> inject [N, hc] at the rows from LOWRANK (r_mask: below OUT_ROWS; OUT_ROWS > LOWRANK
+    when the mixer has injection rows)."""
+    inject = 2.0 * round_to(tl.sigmoid(scaled), DTYPE, PRECISION).to(tl.float32)
+    tl.store(inject_ptr + tokens.to(tl.int64)[:, None] * (OUT_ROWS - LOWRANK) + (rows - LOWRANK)[None, :],
+             round_to(inject, DTYPE, PRECISION), mask=t_mask[:, None] & ((rows >= LOWRANK) & r_mask)[None, :])
 
 
 @triton.jit
@@ -358,11 +365,9 @@ def _mix_up_kernel(x_ptr, stride_x, norm_ptr, up_ptr, up_scale_ptr, low_ptr, rst
         scaled, rstds = _projected_rows(partial, squares, down_scale, eps, HIDDEN, HC, SPLIT, SLICES_P2, DOWN_INT8,
                                         dtype, PRECISION)
         low = _low(scaled, ranks, LOWRANK, dtype, PRECISION)
-        if OUT_ROWS > LOWRANK:  # column block 0's programs store the injection gates
-            inject = round_to(2.0 * round_to(tl.sigmoid(scaled), dtype, PRECISION).to(tl.float32), dtype, PRECISION)
-            if column_block == 0:
-                tl.store(inject_ptr + tokens.to(tl.int64)[:, None] * (OUT_ROWS - LOWRANK) + (ranks - LOWRANK)[None, :],
-                         inject, mask=t_mask[:, None] & ((ranks >= LOWRANK) & (ranks < OUT_ROWS))[None, :])
+        if OUT_ROWS > LOWRANK and column_block == 0:  # column block 0's programs store the injection gates
+            _store_inject(scaled, inject_ptr, tokens, t_mask, ranks, ranks < OUT_ROWS, LOWRANK, OUT_ROWS, dtype,
+                          PRECISION)
     else:
         rstds = ()
         for stream in tl.static_range(HC):
