@@ -218,7 +218,7 @@ def hc_candidates(batch: int) -> list:
             MixTiles(n, 16, 512, 4, 16, 4), MixTiles(n, 16, 512, 4, 8, 8)]
     # the up programs finishing the down projection: few slices a stream, as their partials are each up
     # program's registers (sm_90, ptxas, real widths: one token 125-163 registers a thread; 2 tokens fit only
-    # at block_h 2-4, 4 tokens take 200-210, and both read slower in the 4-layer stack: MIX_TILES' comment)
+    # at block_h 2-4, 4 tokens take 193-210, and both read slower in the 4-layer stack: MIX_TILES' comment)
     up_finish = [MixTiles(n, 2, 4096, 4, 8, 4, True), MixTiles(n, 4, 4096, 8, 8, 4, True),
                  MixTiles(n, 4, 2048, 4, 8, 4, True), MixTiles(n, 8, 1024, 4, 8, 4, True),
                  MixTiles(n, 2, 4096, 4, 4, 4, True), MixTiles(n, 2, 4096, 4, 16, 4, True),

@@ -102,11 +102,11 @@ class MixTiles(NamedTuple):
 # with the 4-token tiles then with this entry: bf16 22.7 -> 17.3 us, INT8 26.4 -> 16.4; demo-small, this
 # tile in the first run: bf16 6.4 -> 5.3, INT8 7.0 -> 5.8
 # One token finishes in the up launch since session 21 (H100, bench/results/decode_fusions_hc_sweep_nvidia-h100_s21.txt
-# and decode_roofline_nvidia-h100_s21hc.txt): the sweep, a mix alone, 12.3 us before (bf16; INT8 13.7) -> 9.5-12.5
+# and decode_roofline_nvidia-h100_s21hc.txt): the sweep, a mix alone, 12.3 us before (bf16; INT8 13.7) -> 9.5-14.6
 # (10.0-15.8) over the up_finish candidates; in the real-width 4-layer stack at ctx 512, interleaved in one process
 # against the earlier (1, 8, 512, 4, 8, 4): (1, 8, 1024, 4, 8, 4, True) 1.029x bf16, 1.056x int4-mixed, and this
 # entry 1.001x / 1.015x over that one. At 2 and 4 tokens the stack read the up_finish tiles slower (2 tokens,
-# block_h 2-4: 0.926-0.979x; 4 tokens, block_h 2-4: 0.881-0.954x), so they keep the down launch's finish
+# block_h 2-4: 0.917-0.984x; 4 tokens, block_h 2-4: 0.881-0.954x), so they keep the down launch's finish
 MIX_TILES = ((1, MixTiles(1, 2, 4096, 4, 8, 4, True)), (2, MixTiles(2, 8, 512, 4, 8, 4)),
              (4, MixTiles(4, 8, 512, 4, 8, 4)), (MAX_TOKENS, MixTiles(16, 32, 256, 4, 16, 4)))
 
@@ -490,8 +490,11 @@ def _mix(streams, residual, norm_weight, down_weight, up_weight, hc_count, eps, 
     f32 = {"dtype": torch.float32, "device": streams.device}
     partial = torch.empty(n, hc_count * split, out_rows, **f32)
     sumsq = torch.empty(1 if tiles.up_finish else row_blocks, n, hc_count * split, **f32)
-    low, rstd = streams.new_empty(n, lowrank), torch.empty(n, hc_count, **f32)
-    counters = arrival_counters("hyper_connection", streams.device, token_blocks * row_blocks)
+    if tiles.up_finish:  # the up programs finish the rows: no low-rank vector, 1/rms or arrivals in memory
+        low = rstd = counters = partial  # (pointers the kernels never read at this constexpr)
+    else:
+        low, rstd = streams.new_empty(n, lowrank), torch.empty(n, hc_count, **f32)
+        counters = arrival_counters("hyper_connection", streams.device, token_blocks * row_blocks)
     precision = dot_precision(streams)
     _mix_down_kernel[(hc_count * split, row_blocks, token_blocks)](
         streams, streams.stride(0), block_output, block_output.stride(0), gates, gates.stride(0), mixed, norm_weight,
