@@ -43,7 +43,7 @@ WEIGHTS = {
     "_embeddings_kernel": {"multipliers_ptr", "sizes_ptr", "offsets_ptr", "scale_ptr"},
     "_residual_kernel": {"norm_conv_ptr", "conv_weight_ptr"},
     "_advance_context_kernel": set(),
-    "_decode_kernel": {"weight", "A_log", "dt_bias"},
+    "_decode_kernel": {"weight", "A_log", "dt_bias", "slots", "state_pool"},  # (the state: its own writes only)
     "_gemv_kernel": {"w_ptr", "s_ptr", "M", "N", "K", "k_per_split", "stride_xm", "stride_wn", "stride_sn"},
     "_gemm_kernel": set(),
     "_decode_gemv_kernel": set(),  # (which expert a program reads is an input)

@@ -38,8 +38,13 @@ warps: 80 registers, no stack, no tile through shared memory (`_conv_silu`: 1-D 
 
 Launched with programmatic dependent launch (`kernels/dependent_launch`): a program loads its weights (the
 conv taps of its q, k and v channels, as 1-D vectors: `_conv_taps`; its head's A_log and dt_bias) before
-it waits for the kernel before it, and only then its slot, the state and the inputs. The recurrent state
-and the conv windows are not weights: earlier kernels of the step wrote them. Compiled for sm_90 (triton
+it waits for the kernel before it, and so are its slot and its state tile: no kernel of a step but this
+one writes the recurrent state (each program its own tile, after its wait; resets, restores and
+rollbacks are copies made before the step's chain begins), and the slots are the step's staged inputs (a
+speculative step's `finish_step` rewrites them for the next replay). The conv windows and the inputs are
+loaded after the wait. Two dependent round trips (the slot, then the 16 KB state tile) leave the path
+after the wait: H100, the 4-layer bf16 stack, one process a tree (bench/results/decode_roofline_nvidia-h100_s22.txt),
+one stream 1,009.4 -> 1,013.3 tok/s at ctx 512 and 985.3 -> 991.8 at 8192, four streams unchanged. Compiled for sm_90 (triton
 3.6, real widths, tile 32, 2 warps): 166 registers at T = 1 and 242 at T = 3, no spills (155 and 241
 before, when each row's conv loaded its taps again).
 """
@@ -157,8 +162,8 @@ def _decode_kernel(mixed, mixed_stride, z, z_stride, b, b_stride, a, a_stride, w
     """One program per (value head x NV tiles of BV channels, request), over the request's T rows; the
     last of a key head's programs to finish also runs `_finish_key_head`. EVEN: Dk = BK and BV divides Dv
     (the state tile needs no mask). PDL: its weights (the conv taps of its q, k and v channels, A_log and
-    dt_bias of its head) are loaded before `wait_for_inputs`; the norm weight, read only by the finishing
-    program, after it."""
+    dt_bias of its head), its slot and its state tile are loaded before `wait_for_inputs` (module
+    docstring); the norm weight, read only by the finishing program, after it."""
     allow_dependents(PDL)
     head_tile, request = tl.program_id(0), tl.program_id(1).to(tl.int64)
     head, tile = head_tile // NV, head_tile % NV
@@ -172,16 +177,18 @@ def _decode_kernel(mixed, mixed_stride, z, z_stride, b, b_stride, a, a_stride, w
     v_taps = _conv_taps(weight, v_channels, v_inside, KC)
     decay_rate = -tl.exp(tl.load(A_log + head).to(tl.float32))
     bias = tl.load(dt_bias + head).to(tl.float32)
-    wait_for_inputs(PDL)
+    # the request's slot and its state tile: only this kernel writes the state (each program its own tile,
+    # after its wait), and the slots are the step's staged inputs, so both load before the wait
     slot = tl.load(slots + request).to(tl.int64)
-    conv_slot = conv_pool + slot * slot_stride
-    mixed_rows = mixed + request * T * mixed_stride
     state_offsets = head * DK * DV + dk[:, None] * DV + dv[None, :]
     state_mask = k_inside[:, None] & v_inside[None, :]
     if EVEN:  # unmasked: 16-byte loads and stores
         state = tl.load(state_pool + slot * HV * DK * DV + state_offsets)
     else:
         state = tl.load(state_pool + slot * HV * DK * DV + state_offsets, mask=state_mask, other=0.0)
+    wait_for_inputs(PDL)
+    conv_slot = conv_pool + slot * slot_stride
+    mixed_rows = mixed + request * T * mixed_stride
     model_dtype = out.dtype.element_ty
     # ptxas would issue the state tile's loads only after the first conv's taps arrive (two memory
     # latencies in a row); it keeps loads on their side of a barrier, which waits for none of them

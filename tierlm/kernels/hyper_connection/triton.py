@@ -16,11 +16,16 @@ another, and each launch-2 program walked 4 streams x 5 low-rank tiles, one memo
      times their stream's 1/rms and applies the mixer's activations to its rows: silu(. / hc) -> the
      low-rank vector, 2 sigmoid(. / hc) -> the injection gates; row block 0's also stores each stream's
      1/rms for launch 2. The row blocks finish in parallel, each in one more round trip to L2.
-  2. `_mix_up_kernel`, programs over (BLOCK_H of the H columns, token block): for each stream, its BLOCK_H
-     rows of W_up (the whole low rank in one tile), the gates sigmoid(W_up . low), the normed streams
-     x / rms * (1 + w), and the mean over streams of their products. In the GEMV form its inputs (low,
-     every stream's x and 1/rms) are all loaded right after the wait, before the first product (loaded per
-     stream after its gates, each was a round trip of its own).
+  2. `_mix_up_kernel`, programs over (BLOCK_H of the H columns, token block): each stream's BLOCK_H rows
+     of W_up (the whole low rank), the gates sigmoid(W_up . low), the normed streams x / rms * (1 + w), and
+     the mean over streams of their products. The GEMV form holds every stream's rows as one tile
+     [hc x BLOCK_H, r] (stream-major): one sum over the low rank for all of them and the mean over streams
+     a sum within each thread's rows (sm_90: 20 barriers a program at one token against 29 with a tile a
+     stream, 22 against 37 without up_finish); its inputs (low, every stream's x and 1/rms, each 1/rms
+     loaded or added from the sums of squares in the layout it is used in) are all loaded right after the
+     wait, before the first product. The tl.dot form walks the streams, a tile each. (H100, the 4-layer
+     stack, bench/results/decode_roofline_nvidia-h100_s22.txt: the merged tile with the GDN kernel's early
+     state, against neither, 1.009-1.013x at one stream, 1.017x at four in bf16; int4-mixed 1.001x / 1.017x.)
   With MixTiles.up_finish (one token: MIX_TILES) launch 1 has no arrival: row block 0's programs store the
   sums of squares, and every launch-2 program loads all the partials with its inputs (MIX_TILES' one-token
   slices are whole streams, BLOCK_K >= H: [4 slices, rows], 5 KB a token) and finishes the projection itself (`_projected_rows`: the same fixed-order sums, redundantly in
@@ -212,58 +217,64 @@ def _finish_rows(partial_ptr, sumsq_ptr, w_scale_ptr, low_ptr, rstd_ptr, inject_
                  row_block, eps, HIDDEN: tl.constexpr, HC: tl.constexpr, SPLIT: tl.constexpr, LOWRANK: tl.constexpr,
                  OUT_ROWS: tl.constexpr, SLICES_P2: tl.constexpr, INT8: tl.constexpr, DTYPE: tl.constexpr,
                  PRECISION: tl.constexpr):
-    """A row block's last program: every slice's partial and sum of squares in one load each (read past
-    L1, .cg: other programs wrote them), then `_projected_rows` (row block 0 stores each stream's 1/rms),
+    """A row block's last program: every slice's partial in one load and each slice's stream's 1/rms (read
+    past L1, .cg: other programs wrote them; row block 0 stores each stream's), then `_projected_rows`,
     silu(. / hc) -> low, 2 sigmoid(. / hc) -> inject."""
-    partial, squares = _slice_sums(partial_ptr, sumsq_ptr, tokens, t_mask, rows, r_mask, HC, SPLIT, OUT_ROWS,
-                                   SLICES_P2, ".cg")
+    SLICES: tl.constexpr = HC * SPLIT
+    slices = tl.arange(0, SLICES_P2)
+    partial = _slice_partials(partial_ptr, tokens, t_mask, rows, r_mask, HC, SPLIT, OUT_ROWS, SLICES_P2, ".cg")
+    slice_rstd = _stream_rstd(sumsq_ptr, tokens, t_mask, slices // SPLIT, slices < SLICES, eps, HIDDEN, SPLIT, SLICES,
+                              ".cg")
+    if row_block == 0:  # each stream's first slice
+        tl.store(rstd_ptr + tokens.to(tl.int64)[:, None] * HC + (slices // SPLIT)[None, :], slice_rstd,
+                 mask=t_mask[:, None] & ((slices % SPLIT == 0) & (slices < SLICES))[None, :])
     if INT8:
         row_scale = tl.load(w_scale_ptr + rows, mask=r_mask, other=0.0).to(tl.float32)
     else:
         row_scale = None
-    scaled, rstds = _projected_rows(partial, squares, row_scale, eps, HIDDEN, HC, SPLIT, SLICES_P2, INT8, DTYPE,
-                                    PRECISION)
-    if row_block == 0:
-        for stream in tl.static_range(HC):
-            tl.store(rstd_ptr + tokens * HC + stream, rstds[stream], mask=t_mask)
+    scaled = _projected_rows(partial, slice_rstd, row_scale, HC, INT8, DTYPE, PRECISION)
     _store_activations(scaled, low_ptr, inject_ptr, tokens, t_mask, rows, r_mask, LOWRANK, OUT_ROWS, DTYPE,
                        PRECISION)
 
 
 @triton.jit
-def _slice_sums(partial_ptr, sumsq_ptr, tokens, t_mask, rows, r_mask, HC: tl.constexpr, SPLIT: tl.constexpr,
-                OUT_ROWS: tl.constexpr, SLICES_P2: tl.constexpr, CACHE: tl.constexpr):
-    """The down launch's fp32 partials [BLOCK_N, SLICES_P2, rows] and sums of squares [BLOCK_N, SLICES_P2]
-    of `tokens` (0 past the slices and rows), each in one load."""
+def _slice_partials(partial_ptr, tokens, t_mask, rows, r_mask, HC: tl.constexpr, SPLIT: tl.constexpr,
+                    OUT_ROWS: tl.constexpr, SLICES_P2: tl.constexpr, CACHE: tl.constexpr):
+    """The down launch's fp32 partials [BLOCK_N, SLICES_P2, rows] of `tokens` (0 past the slices and rows),
+    in one load."""
     SLICES: tl.constexpr = HC * SPLIT
     slices = tl.arange(0, SLICES_P2)
     slice_rows = tokens.to(tl.int64)[:, None] * SLICES + slices[None, :]  # [BLOCK_N, SLICES_P2]
     ts_mask = t_mask[:, None] & (slices < SLICES)[None, :]
-    partial = tl.load(partial_ptr + slice_rows[:, :, None] * OUT_ROWS + rows[None, None, :],
-                      mask=ts_mask[:, :, None] & r_mask[None, None, :], other=0.0, cache_modifier=CACHE)
-    squares = tl.load(sumsq_ptr + slice_rows, mask=ts_mask, other=0.0, cache_modifier=CACHE)
-    return partial, squares
+    return tl.load(partial_ptr + slice_rows[:, :, None] * OUT_ROWS + rows[None, None, :],
+                   mask=ts_mask[:, :, None] & r_mask[None, None, :], other=0.0, cache_modifier=CACHE)
 
 
 @triton.jit
-def _projected_rows(partial, squares, row_scale, eps, HIDDEN: tl.constexpr, HC: tl.constexpr, SPLIT: tl.constexpr,
-                    SLICES_P2: tl.constexpr, INT8: tl.constexpr, DTYPE: tl.constexpr, PRECISION: tl.constexpr):
-    """(W_down|inj xn / hc [BLOCK_N, rows] in fp32, rounded where the reference rounds; each stream's 1/rms,
-    a tuple of hc [BLOCK_N]) from `_slice_sums`: the sum over slices of their stream's 1/rms times the
-    partial (INT8: times each row's scale, row_scale)."""
-    stream_of = tl.arange(0, SLICES_P2) // SPLIT
-    slice_rstd = tl.zeros_like(squares)
-    rstds = ()
-    for stream in tl.static_range(HC):
-        in_stream = (stream_of == stream)[None, :]
-        rstd = 1.0 / tl.sqrt(tl.sum(tl.where(in_stream, squares, 0.0), axis=1) / HIDDEN + eps)
-        rstds += (rstd,)
-        slice_rstd = tl.where(in_stream, rstd[:, None], slice_rstd)
+def _stream_rstd(sumsq_ptr, tokens, t_mask, streams, s_mask, eps, HIDDEN: tl.constexpr, SPLIT: tl.constexpr,
+                 SLICES: tl.constexpr, CACHE: tl.constexpr):
+    """1/rms [BLOCK_N, X] of stream `streams[x]` ([X], masked by s_mask) of each token, from the down
+    launch's sums of squares per slice (one copy, [N, SLICES]): its SPLIT slices' sums loaded where they
+    are needed and added in slice order (loads in the layout wanted: no reduction across threads)."""
+    where = tokens.to(tl.int64)[:, None] * SLICES + (streams * SPLIT)[None, :]
+    mask = t_mask[:, None] & s_mask[None, :]
+    total = tl.load(sumsq_ptr + where, mask=mask, other=0.0, cache_modifier=CACHE)
+    for part in tl.static_range(1, SPLIT):
+        total += tl.load(sumsq_ptr + where + part, mask=mask, other=0.0, cache_modifier=CACHE)
+    return 1.0 / tl.sqrt(total / HIDDEN + eps)
+
+
+@triton.jit
+def _projected_rows(partial, slice_rstd, row_scale, HC: tl.constexpr, INT8: tl.constexpr, DTYPE: tl.constexpr,
+                    PRECISION: tl.constexpr):
+    """W_down|inj xn / hc [BLOCK_N, rows] in fp32, rounded where the reference rounds: the sum over slices
+    of their stream's 1/rms (slice_rstd [BLOCK_N, slices]) times the partial (`_slice_partials`; INT8:
+    times each row's scale, row_scale)."""
     projected = tl.sum(partial * slice_rstd[:, :, None], axis=1)
     if INT8:
         projected *= row_scale[None, :]
     projected = round_to(projected, DTYPE, PRECISION).to(tl.float32)  # the linear's output dtype
-    return round_to(projected / HC, DTYPE, PRECISION).to(tl.float32), rstds
+    return round_to(projected / HC, DTYPE, PRECISION).to(tl.float32)
 
 
 @triton.jit
@@ -321,82 +332,109 @@ def _stream_columns(x_ptr, stride_x, tokens, t_mask, channels, h_mask):
 @triton.jit
 def _mix_up_kernel(x_ptr, stride_x, norm_ptr, up_ptr, up_scale_ptr, low_ptr, rstd_ptr, out_ptr, partial_ptr, sumsq_ptr,
                    w_scale_ptr, inject_ptr, n_tokens, eps, HIDDEN: tl.constexpr, HC: tl.constexpr,
-                   LOWRANK: tl.constexpr, SPLIT: tl.constexpr, OUT_ROWS: tl.constexpr, SLICES_P2: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, INT8: tl.constexpr,
-                   DOWN_INT8: tl.constexpr, DOT: tl.constexpr, UP_FINISH: tl.constexpr, PRELOADED: tl.constexpr,
-                   PRECISION: tl.constexpr, PDL: tl.constexpr):
+                   HC_P2: tl.constexpr, LOWRANK: tl.constexpr, SPLIT: tl.constexpr, OUT_ROWS: tl.constexpr,
+                   SLICES_P2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr,
+                   INT8: tl.constexpr, DOWN_INT8: tl.constexpr, DOT: tl.constexpr, UP_FINISH: tl.constexpr,
+                   PRELOADED: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
     """Program (column block, token block): block input [tokens, columns] = mean over streams s of
-    sigmoid(W_up[s*H + columns] . low) * normed stream s at those columns; each stream's rows of W_up are
-    one tile [BLOCK_H, BLOCK_R] (the streams unrolled: their loads all in flight together). INT8: W_up's
-    signed values, each row's dot product times its scale (up_scale_ptr). The weights of the first
-    PRELOADED streams (`_up_weights`) are loaded before `wait_for_inputs` (PDL), the others' in the loop;
-    after the wait the GEMV form loads every input before its first product. UP_FINISH (BLOCK_R >= OUT_ROWS): low
-    and each stream's 1/rms come from the down launch's partials and sums of squares (`_projected_rows`,
-    DOWN_INT8: times W_down|inj's row scales, w_scale_ptr), and column block 0's programs store the
-    injection gates; else they are loaded (`_finish_rows` stored them)."""
+    sigmoid(W_up[s*H + columns] . low) * normed stream s at those columns. The GEMV form reads every
+    stream's rows of W_up as one tile [hc x BLOCK_H, BLOCK_R] (stream-major; loaded before
+    `wait_for_inputs`, PDL), loads all its inputs right after the wait, and makes every product and gate
+    at once (one sum over the low rank, not one a stream), the mean over streams a sum within each
+    thread's rows. The tl.dot form walks the streams, each one's rows a tile [BLOCK_H, BLOCK_R] (the
+    first PRELOADED streams' loaded before the wait). INT8: W_up's signed values, each row's dot product
+    times its scale (up_scale_ptr). UP_FINISH (GEMV form, BLOCK_R >= OUT_ROWS): low and the streams' 1/rms
+    come from the down launch's partials and sums of squares (`_projected_rows`, DOWN_INT8: times
+    W_down|inj's row scales, w_scale_ptr), and column block 0's programs store the injection gates; else
+    they are loaded (`_finish_rows` stored them)."""
     allow_dependents(PDL)
     column_block, token_block = tl.program_id(0), tl.program_id(1)
     dtype = x_ptr.dtype.element_ty
     tokens = token_block * BLOCK_N + tl.arange(0, BLOCK_N)
     t_mask = tokens < n_tokens
-    columns = column_block * BLOCK_H + tl.arange(0, BLOCK_H)
-    h_mask = columns < HIDDEN
     ranks = tl.arange(0, BLOCK_R)
-    preloaded = ()
-    for stream in tl.static_range(PRELOADED):
-        preloaded += (_up_weights(up_ptr, up_scale_ptr, norm_ptr, stream * HIDDEN + columns, h_mask, ranks, LOWRANK,
-                                  BLOCK_R, INT8),)
+    if DOT:
+        columns = column_block * BLOCK_H + tl.arange(0, BLOCK_H)
+        h_mask = columns < HIDDEN
+        preloaded = ()
+        for stream in tl.static_range(PRELOADED):
+            preloaded += (_up_weights(up_ptr, up_scale_ptr, norm_ptr, stream * HIDDEN + columns, h_mask, ranks,
+                                      LOWRANK, BLOCK_R, INT8),)
+    else:  # rows: stream-major, hc x BLOCK_H (HC_P2: the tile's power of 2)
+        rows = tl.arange(0, HC_P2 * BLOCK_H)
+        row_stream = rows // BLOCK_H
+        row_columns = column_block * BLOCK_H + rows % BLOCK_H
+        row_mask = (row_stream < HC) & (row_columns < HIDDEN)
+        row_channels = row_stream * HIDDEN + row_columns
+        tile, row_scale, norm_scale = _up_weights(up_ptr, up_scale_ptr, norm_ptr, row_channels, row_mask, ranks,
+                                                  LOWRANK, BLOCK_R, INT8)
     if UP_FINISH and DOWN_INT8:
         down_scale = tl.load(w_scale_ptr + ranks, mask=ranks < OUT_ROWS, other=0.0).to(tl.float32)
     else:
         down_scale = None
     wait_for_inputs(PDL)
-    if UP_FINISH:
-        partial, squares = _slice_sums(partial_ptr, sumsq_ptr, tokens, t_mask, ranks, ranks < OUT_ROWS, HC, SPLIT,
-                                       OUT_ROWS, SLICES_P2, "")
-    else:
+    if DOT:
         low = tl.load(low_ptr + tokens.to(tl.int64)[:, None] * LOWRANK + ranks[None, :],
                       mask=t_mask[:, None] & (ranks < LOWRANK)[None, :], other=0.0)
-    xs = ()
-    if not DOT:  # (tl.dot's tiles leave no registers for them: sm_90 spills more, measured slower at 16 tokens)
+        total = tl.zeros((BLOCK_N, BLOCK_H), dtype=tl.float32)
         for stream in tl.static_range(HC):
-            xs += (_stream_columns(x_ptr, stride_x, tokens, t_mask, stream * HIDDEN + columns, h_mask),)
-    if UP_FINISH:
-        scaled, rstds = _projected_rows(partial, squares, down_scale, eps, HIDDEN, HC, SPLIT, SLICES_P2, DOWN_INT8,
-                                        dtype, PRECISION)
-        low = _low(scaled, ranks, LOWRANK, dtype, PRECISION)
-        if OUT_ROWS > LOWRANK and column_block == 0:  # column block 0's programs store the injection gates
-            _store_inject(scaled, inject_ptr, tokens, t_mask, ranks, ranks < OUT_ROWS, LOWRANK, OUT_ROWS, dtype,
-                          PRECISION)
-    else:
-        rstds = ()
-        for stream in tl.static_range(HC):
-            rstds += (tl.load(rstd_ptr + tokens * HC + stream, mask=t_mask, other=0.0),)
-    total = tl.zeros((BLOCK_N, BLOCK_H), dtype=tl.float32)
-    for stream in tl.static_range(HC):
-        channels = stream * HIDDEN + columns
-        if stream < PRELOADED:
-            tile, row_scale, norm_scale = preloaded[stream]
-        else:
-            tile, row_scale, norm_scale = _up_weights(up_ptr, up_scale_ptr, norm_ptr, channels, h_mask, ranks,
-                                                      LOWRANK, BLOCK_R, INT8)
-        if INT8:
-            w = _int8_values(tile, BLOCK_H, BLOCK_R // 4, dtype)
-        else:
-            w = tile
-        acc = _times_rows(tl.zeros((BLOCK_N, BLOCK_H), dtype=tl.float32), low, w, DOT, PRECISION)
-        if INT8:
-            acc *= row_scale[None, :]
-        gate = round_to(tl.sigmoid(round_to(acc, dtype, PRECISION).to(tl.float32)), dtype, PRECISION).to(tl.float32)
-        if DOT:
+            channels = stream * HIDDEN + columns
+            if stream < PRELOADED:
+                tile, row_scale, norm_scale = preloaded[stream]
+            else:
+                tile, row_scale, norm_scale = _up_weights(up_ptr, up_scale_ptr, norm_ptr, channels, h_mask, ranks,
+                                                          LOWRANK, BLOCK_R, INT8)
             x = _stream_columns(x_ptr, stride_x, tokens, t_mask, channels, h_mask)
+            rstd = tl.load(rstd_ptr + tokens * HC + stream, mask=t_mask, other=0.0)
+            total += _gated_rows(low, tile, row_scale, norm_scale, x, rstd[:, None], BLOCK_H, BLOCK_R, INT8, True,
+                                 dtype, PRECISION)
+        tl.store(out_ptr + tokens.to(tl.int64)[:, None] * HIDDEN + columns[None, :],
+                 round_to(total / HC, dtype, PRECISION), mask=t_mask[:, None] & h_mask[None, :])
+    else:
+        if UP_FINISH:
+            SLICES: tl.constexpr = HC * SPLIT
+            slices = tl.arange(0, SLICES_P2)
+            partial = _slice_partials(partial_ptr, tokens, t_mask, ranks, ranks < OUT_ROWS, HC, SPLIT, OUT_ROWS,
+                                      SLICES_P2, "")
+            slice_rstd = _stream_rstd(sumsq_ptr, tokens, t_mask, slices // SPLIT, slices < SLICES, eps, HIDDEN, SPLIT,
+                                      SLICES, "")
+            rstd = _stream_rstd(sumsq_ptr, tokens, t_mask, row_stream, row_stream < HC, eps, HIDDEN, SPLIT, SLICES,
+                                "")
         else:
-            x = xs[stream]
-        normed = round_to(x.to(tl.float32) * rstds[stream][:, None] * norm_scale[None, :], dtype,
-                          PRECISION).to(tl.float32)
-        total += round_to(gate * normed, dtype, PRECISION).to(tl.float32)
-    tl.store(out_ptr + tokens.to(tl.int64)[:, None] * HIDDEN + columns[None, :],
-             round_to(total / HC, dtype, PRECISION), mask=t_mask[:, None] & h_mask[None, :])
+            low = tl.load(low_ptr + tokens.to(tl.int64)[:, None] * LOWRANK + ranks[None, :],
+                          mask=t_mask[:, None] & (ranks < LOWRANK)[None, :], other=0.0)
+            rstd = tl.load(rstd_ptr + tokens[:, None] * HC + row_stream[None, :],
+                           mask=t_mask[:, None] & (row_stream < HC)[None, :], other=0.0)
+        x = _stream_columns(x_ptr, stride_x, tokens, t_mask, row_channels, row_mask)
+        if UP_FINISH:
+            scaled = _projected_rows(partial, slice_rstd, down_scale, HC, DOWN_INT8, dtype, PRECISION)
+            low = _low(scaled, ranks, LOWRANK, dtype, PRECISION)
+            if OUT_ROWS > LOWRANK and column_block == 0:  # column block 0's programs store the injection gates
+                _store_inject(scaled, inject_ptr, tokens, t_mask, ranks, ranks < OUT_ROWS, LOWRANK, OUT_ROWS, dtype,
+                              PRECISION)
+        gated = _gated_rows(low, tile, row_scale, norm_scale, x, rstd, HC_P2 * BLOCK_H, BLOCK_R, INT8, False, dtype,
+                            PRECISION)
+        total = tl.sum(tl.reshape(gated, (BLOCK_N, HC_P2, BLOCK_H)), axis=1)
+        columns = column_block * BLOCK_H + tl.arange(0, BLOCK_H)
+        tl.store(out_ptr + tokens.to(tl.int64)[:, None] * HIDDEN + columns[None, :],
+                 round_to(total / HC, dtype, PRECISION), mask=t_mask[:, None] & (columns < HIDDEN)[None, :])
+
+
+@triton.jit
+def _gated_rows(low, tile, row_scale, norm_scale, x, rstd, ROWS: tl.constexpr, BLOCK_R: tl.constexpr,
+                INT8: tl.constexpr, DOT: tl.constexpr, DTYPE: tl.constexpr, PRECISION: tl.constexpr):
+    """sigmoid(W_up rows . low) * the normed streams at those rows [BLOCK_N, ROWS], each rounded as the
+    reference rounds, in fp32: x [BLOCK_N, ROWS] the streams there, rstd their 1/rms (broadcast)."""
+    if INT8:
+        w = _int8_values(tile, ROWS, BLOCK_R // 4, DTYPE)
+    else:
+        w = tile
+    acc = _times_rows(tl.zeros((low.shape[0], ROWS), dtype=tl.float32), low, w, DOT, PRECISION)
+    if INT8:
+        acc *= row_scale[None, :]
+    gate = round_to(tl.sigmoid(round_to(acc, DTYPE, PRECISION).to(tl.float32)), DTYPE, PRECISION).to(tl.float32)
+    normed = round_to(x.to(tl.float32) * rstd * norm_scale[None, :], DTYPE, PRECISION).to(tl.float32)
+    return round_to(gate * normed, DTYPE, PRECISION).to(tl.float32)
 
 
 @triton.jit
@@ -508,10 +546,11 @@ def _mix(streams, residual, norm_weight, down_weight, up_weight, hc_count, eps, 
     block_r = max(triton.next_power_of_2(out_rows if tiles.up_finish else lowrank), DOT_MIN if dot else 1)
     _mix_up_kernel[(triton.cdiv(hidden, tiles.block_h), token_blocks)](
         mixed, mixed.stride(0), norm_weight, up_weight, up_scale, low, rstd, block_input, partial, sumsq, down_scale,
-        inject if with_inject else low, n, eps, HIDDEN=hidden, HC=hc_count, LOWRANK=lowrank, SPLIT=split,
+        inject if with_inject else low, n, eps, HIDDEN=hidden, HC=hc_count, HC_P2=triton.next_power_of_2(hc_count),
+        LOWRANK=lowrank, SPLIT=split,
         OUT_ROWS=out_rows, SLICES_P2=triton.next_power_of_2(hc_count * split), BLOCK_N=tiles.block_n,
         BLOCK_H=tiles.block_h, BLOCK_R=block_r, INT8=up_int8, DOWN_INT8=down_int8, DOT=dot,
-        UP_FINISH=tiles.up_finish, PRELOADED=DOT_PRELOADED_STREAMS if dot else hc_count, PRECISION=precision,
+        UP_FINISH=tiles.up_finish, PRELOADED=DOT_PRELOADED_STREAMS, PRECISION=precision,
         num_warps=tiles.up_warps, **launch_options(streams.device),
     )
     return mixed, block_input, inject
