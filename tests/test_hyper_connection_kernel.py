@@ -154,11 +154,14 @@ INTERPRETED_EARLY = {  # (a child: started when collection ends, see tests/inter
         "import test_hyper_connection_kernel as t; t.compare('cpu', **t.SMALL)\n"
         "t.check_combine_and_mix('cpu', **dict(t.SMALL, tokens=1))\n"
         "t.check_mix('cpu', t.SMALL['hc'], t.int8_inputs(**dict(t.SMALL, tokens=3)), 'int8')\n"
+        # hc 3: the GEMV form's up tile holds hc x BLOCK_H rows padded to a power of 2 of streams (masked)
+        "t.check_mix('cpu', 3, t.inputs(3, 3, 48, 24, True, seed=7), 'hc 3')\n"
         # up_finish: the up programs sum the down projection's slices (4 at 1 token: a whole stream a slice;
         # 12 at 2-4 tokens, uneven) and apply the activations; column block 0's store the injection gates
         "k.MIX_TILES = ((1, k.MixTiles(1, 16, 64, 4, 8, 4, True)), (4, k.MixTiles(4, 8, 16, 4, 16, 4, True)))\n"
         "t.compare('cpu', **dict(t.SMALL, tokens=1))\n"
-        "t.check_mix('cpu', t.SMALL['hc'], t.int8_inputs(**dict(t.SMALL, tokens=3)), 'int8, up_finish')"),),
+        "t.check_mix('cpu', t.SMALL['hc'], t.int8_inputs(**dict(t.SMALL, tokens=3)), 'int8, up_finish')\n"
+        "t.check_mix('cpu', 3, t.int8_inputs(1, 3, 48, 24, seed=7), 'hc 3, int8, up_finish')"),),
 }
 
 
