@@ -25,14 +25,15 @@ Results go to bench/results/quant_linear_kernel_<device>.json.
 
 --sweep-dense: the unquantized GEMV's tiles for the model's dense bf16 decode projections, which run it
 on CUDA (`DenseFormat.kernel_linear`): GDN's in_proj (16384 x 2560) and out_proj (2560 x 6144), PLE's
-key/value projection (12800 x 2560), at 1 and 4 rows. For each row count, first the tiles (BLOCK_N,
+key/value projection (12800 x 2560), at 1, 2 and 4 rows (2: a K=1 speculative verify step's rows, or two
+streams: `DENSE_GEMV_MAX_ROWS` in model/quantization/base.py says which take the GEMV). For each row count, first the tiles (BLOCK_N,
 BLOCK_K, warps; `DENSE_TILE_SWEEP`), then, with the best of them, the programs K is split to fill
 (`GEMV_TARGET_PROGRAMS`): each candidate's time on every shape against torch.matmul's (cuBLAS), its
 output checked against the reference (a candidate off by more than DENSE_TOLERANCE is reported and never
 chosen); the best is the least total time over the shapes (what a decode step pays), and the best per
 shape is printed too. One row sweeps the unquantized one-row tiles (`DENSE_GEMV_*`; the first candidate is
-the shipped one, whose BLOCK_K depends on K; the others use one BLOCK_K at every K); 4 rows sweep the GEMV
-tiles that unquantized rows share with INT6 (`GEMV_BLOCK_N`, `GEMV_BLOCK_K`, `GEMV_NUM_WARPS`). Results go
+the shipped one, whose BLOCK_K depends on K; the others use one BLOCK_K at every K); 2 and 4 rows sweep the
+GEMV tiles that unquantized rows share with INT6 (`GEMV_BLOCK_N`, `GEMV_BLOCK_K`, `GEMV_NUM_WARPS`). Results go
 to bench/results/quant_linear_kernel_dense_sweep_<device>.json.
 """
 
@@ -71,7 +72,7 @@ SPLIT_SWEEP = [{"GEMV_TARGET_PROGRAMS": t, "GEMV_MIN_TILES_PER_SPLIT": m} for t 
 # the target programs
 DENSE_SHAPES = {"target": [(16384, 2560), (2560, 6144), (12800, 2560)], "small": [(48, 256), (40, 384)]}
 DENSE_TILE_SWEEP = {rows: [(n, k, w) for n in (4, 8, 16, 32) for k in (128, 256, 512, 1024) for w in (4, 8)
-                           if 16 <= rows * n * k // (32 * w) <= 64] for rows in (1, 4)}
+                           if 16 <= rows * n * k // (32 * w) <= 64] for rows in (1, 2, 4)}
 DENSE_PROGRAMS_SWEEP = (264, 528, 1056, 2112)
 DENSE_SWEPT = ("DENSE_GEMV_BLOCK_N", "DENSE_GEMV_BLOCK_K", "DENSE_GEMV_LONG_BLOCK_K", "DENSE_GEMV_NUM_WARPS",
                "GEMV_BLOCK_N", "GEMV_BLOCK_K", "GEMV_NUM_WARPS", "GEMV_TARGET_PROGRAMS")  # restored after each
@@ -245,8 +246,8 @@ def sweep_dense(args, device: torch.device) -> dict:
         copies = 1 if device.type != "cuda" else max(2, min(8, math.ceil(l2_bytes / one)))
         weights_of[(n, k)], run.nbytes[(n, k, "bf16")] = make_weights(n, k, "bf16", copies + 1, device, gen)
     rows_out, best_of = [], {}
-    for rows in (1, 4):
-        block_m = rows  # (1 or 4: GEMV_BLOCK_K's key)
+    for rows in (1, 2, 4):
+        block_m = rows  # (GEMV_BLOCK_K's key)
         for k in {k for _, k in shapes}:
             run.xs[(k, rows)] = [torch.randn(rows, k, generator=gen, device=device).to(torch.bfloat16) for _ in range(4)]
         for n, k in shapes:

@@ -9,7 +9,10 @@ interleaved with the current ones in one process (an isolated kernel sweep, `moe
     tiles, both K loops (DECODE_TILES[4] for v1, PACKED_V2_TILES for v2): with --quantize int4-mixed;
   - HC_TILES=N:J:K:DW:H:UW:F replaces the hyper-connection mix's tiles for N tokens (the entry of
     `kernels/hyper_connection.triton.MIX_TILES` that a batch of N tokens takes) with MixTiles(N, J, K, DW,
-    H, UW, F): tokens, down rows, down columns, down warps, up columns, up warps, up_finish (0 or 1).
+    H, UW, F): tokens, down rows, down columns, down warps, up columns, up warps, up_finish (0 or 1);
+  - DENSE_GEMV_MAX_ROWS=N replaces `model/quantization/base.DENSE_GEMV_MAX_ROWS` (up to N decode rows, the
+    dense bf16 projections take quant_linear's Triton GEMV, in the PDL chain, not cuBLAS; at most
+    GEMV_MAX_ROWS).
 Every other argument is decode_roofline.py's.
 
     cd bench && python tiles_ab.py --contexts 8192 512 --batches 1 4 16 --rounds 3 --steps 100 \
@@ -18,6 +21,7 @@ Every other argument is decode_roofline.py's.
         --variants base MOE_SHARED_K=32:16
     cd bench && python tiles_ab.py --contexts 512 --batches 1 --rounds 5 --steps 50 \
         --variants base HC_TILES=1:8:512:4:8:4:0 HC_TILES=1:4:4096:8:8:4:1
+    cd bench && python tiles_ab.py --contexts 512 --batches 2 --rounds 5 --steps 50 --variants base DENSE_GEMV_MAX_ROWS=2
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ import decode_roofline
 
 import tierlm.kernels.fused_moe.triton as fused_moe
 import tierlm.kernels.hyper_connection.triton as hyper_connection
+import tierlm.kernels.quant_linear.triton as quant_linear
+import tierlm.model.quantization.base as quantization
 
 plain_environment = decode_roofline.environment
 FIELDS = ("gate_up_block_n", "gate_up_block_k", "gate_up_warps", "down_block_n", "down_block_k", "down_ranks",
@@ -60,12 +66,20 @@ def mix_tiles_with(spec: str) -> tuple:
     return tuple(entries)
 
 
+def dense_gemv_rows(spec: str) -> int:
+    """DENSE_GEMV_MAX_ROWS' rows (checked)."""
+    rows = numbers("DENSE_GEMV_MAX_ROWS", spec, ("rows",))["rows"]
+    if rows > quant_linear.GEMV_MAX_ROWS:
+        raise SystemExit(f"DENSE_GEMV_MAX_ROWS={spec}: at most {quant_linear.GEMV_MAX_ROWS} (the GEMV's rows)")
+    return rows
+
+
 @contextlib.contextmanager
 def environment(values: dict[str, str | None]):
-    """decode_roofline's environment, with MOE_TILES / MOE_SHARED_K / HC_TILES applied to the tiles inside the
-    block."""
+    """decode_roofline's environment, with MOE_TILES / MOE_SHARED_K / HC_TILES / DENSE_GEMV_MAX_ROWS applied
+    inside the block."""
     saved = fused_moe.DECODE_TILES[0], fused_moe.DECODE_TILES[4], fused_moe.PACKED_V2_TILES
-    saved_mix = hyper_connection.MIX_TILES
+    saved_mix, saved_rows = hyper_connection.MIX_TILES, quantization.DENSE_GEMV_MAX_ROWS
     if values.get("MOE_TILES"):
         fused_moe.DECODE_TILES[0] = saved[0]._replace(**numbers("MOE_TILES", values["MOE_TILES"], FIELDS))
     if values.get("MOE_SHARED_K"):
@@ -73,12 +87,14 @@ def environment(values: dict[str, str | None]):
         fused_moe.DECODE_TILES[4], fused_moe.PACKED_V2_TILES = saved[1]._replace(**shared), saved[2]._replace(**shared)
     if values.get("HC_TILES"):
         hyper_connection.MIX_TILES = mix_tiles_with(values["HC_TILES"])
+    if values.get("DENSE_GEMV_MAX_ROWS"):
+        quantization.DENSE_GEMV_MAX_ROWS = dense_gemv_rows(values["DENSE_GEMV_MAX_ROWS"])
     try:
         with plain_environment(values):
             yield
     finally:
         fused_moe.DECODE_TILES[0], fused_moe.DECODE_TILES[4], fused_moe.PACKED_V2_TILES = saved
-        hyper_connection.MIX_TILES = saved_mix
+        hyper_connection.MIX_TILES, quantization.DENSE_GEMV_MAX_ROWS = saved_mix, saved_rows
 
 
 if __name__ == "__main__":
