@@ -10,12 +10,22 @@ weight bytes are in flight, before any GPU time is spent. The launch is speciali
 
     python bench/packed_decode_registers.py                     # v1 and v2, g32 and g128, b1 and b4
     python bench/packed_decode_registers.py --variants v2:gate_up_block_n=128,gate_up_warps=4 --no-shared
+    python bench/packed_decode_registers.py --variants v1 --groups 32 --batches 1 --opcodes
+
+--opcodes: also each phase's SASS instructions (static: every path of the program, the shared expert's
+and the finishing program's too), the most frequent opcodes, and those a thread issues after its wait
+on the path through the first program-end (`EXIT`) after the wait: for an INT4 tile, about two a weight
+value (a LOP3 that masks the field, an FFMA that adds it), against the one a value of a copy.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import os
 import re
+import subprocess
+import tempfile
 
 from sm90_compile import compile_sm90, resources
 
@@ -49,12 +59,33 @@ def compile_phase(launch: packed_decode.PackedLaunch, phase: str, warps: int):
                         POINTER_TYPES, FLOAT_ARGS, divisible={"S"})
 
 
+def opcodes(cubin: bytes) -> tuple[collections.Counter, collections.Counter]:
+    """(every SASS instruction's opcode, counted; those from the first PDL wait (ACQBULK) to the next EXIT),
+    read by the cuobjdump triton ships."""
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+    names = [m.group(1).split(".")[0] for m in re.finditer(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)", text)]
+    after = []
+    if "ACQBULK" in names:
+        for name in names[names.index("ACQBULK"):]:
+            after.append(name)
+            if name == "EXIT":
+                break
+    return collections.Counter(names), collections.Counter(after)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--variants", nargs="+", default=["v1", "v2"], metavar="SPEC")
     parser.add_argument("--groups", type=int, nargs="+", default=[32, 128])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--no-shared", action="store_true", help="the routed experts alone")
+    parser.add_argument("--opcodes", action="store_true", help="also the SASS opcodes (see above)")
     args = parser.parse_args()
     print(f"{'variant':<40}{'group':>6}{'batch':>6}{'phase':>9}{'programs':>10}{'warps':>6}{'regs':>6}{'stack':>6}"
           f"{'loads':>7}{'16 B':>6}")
@@ -73,6 +104,11 @@ def main() -> None:
                     loads, vectors = len(re.findall(r"ld\.global", ptx)), len(re.findall(r"ld\.global[.a-z0-9]*\.v4", ptx))
                     print(f"{spec:<40}{group:>6}{batch:>6}{phase:>9}{programs:>10}{warps:>6}{registers:>6}{stack:>6}"
                           f"{loads:>7}{vectors:>6}", flush=True)
+                    if args.opcodes:
+                        every, after = opcodes(compiled.asm["cubin"])
+                        print(f"    SASS {sum(every.values())}: " + ", ".join(f"{k} {v}" for k, v in every.most_common(8)))
+                        print(f"    after the wait, to the first EXIT, {sum(after.values())}: "
+                              + ", ".join(f"{k} {v}" for k, v in after.most_common(8)))
 
 
 if __name__ == "__main__":
