@@ -24,8 +24,9 @@ another, and each launch-2 program walked 4 streams x 5 low-rank tiles, one memo
      stream, 22 against 37 without up_finish); its inputs (low, every stream's x and 1/rms, each 1/rms
      loaded or added from the sums of squares in the layout it is used in) are all loaded right after the
      wait, before the first product. The tl.dot form walks the streams, a tile each. (H100, the 4-layer
-     stack, bench/results/decode_roofline_nvidia-h100_s22.txt: the merged tile with the GDN kernel's early
-     state, against neither, 1.009-1.013x at one stream, 1.017x at four in bf16; int4-mixed 1.001x / 1.017x.)
+     bf16 stack, bench/results/decode_roofline_nvidia-h100_s22.txt, ctx 512: alone, one process a tree,
+     0.998x at one stream and 1.017x at four; with the GDN kernel's early state, alternating, 1.009-1.013x
+     and 1.017x, int4-mixed 1.001x / 1.017x.)
   With MixTiles.up_finish (one token: MIX_TILES) launch 1 has no arrival: row block 0's programs store the
   sums of squares, and every launch-2 program loads all the partials with its inputs (MIX_TILES' one-token
   slices are whole streams, BLOCK_K >= H: [4 slices, rows], 5 KB a token) and finishes the projection itself (`_projected_rows`: the same fixed-order sums, redundantly in
