@@ -217,8 +217,9 @@ def hc_candidates(batch: int) -> list:
             MixTiles(n, 8, 512, 4, 8, 4), MixTiles(n, 16, 1024, 8, 8, 4), MixTiles(n, 16, 512, 4, 4, 4),
             MixTiles(n, 16, 512, 4, 16, 4), MixTiles(n, 16, 512, 4, 8, 8)]
     # the up programs finishing the down projection: few slices a stream, as their partials are each up
-    # program's registers (sm_90, ptxas, real widths: one token 125-163 registers a thread; 2 tokens fit only
-    # at block_h 2-4, 4 tokens take 193-210, and both read slower in the 4-layer stack: MIX_TILES' comment)
+    # program's registers (sm_90, ptxas, real widths, the up tile a stream each (session 21): one token 125-163
+    # registers a thread, 2 tokens fit only at block_h 2-4, 4 tokens took 193-210, and both read slower in
+    # the 4-layer stack; the merged up tile's: kernels/hyper_connection's docstring)
     up_finish = [MixTiles(n, 2, 4096, 4, 8, 4, True), MixTiles(n, 4, 4096, 8, 8, 4, True),
                  MixTiles(n, 4, 2048, 4, 8, 4, True), MixTiles(n, 8, 1024, 4, 8, 4, True),
                  MixTiles(n, 2, 4096, 4, 4, 4, True), MixTiles(n, 2, 4096, 4, 16, 4, True),

@@ -43,10 +43,11 @@ one writes the recurrent state (each program its own tile, after its wait; reset
 rollbacks are copies made before the step's chain begins), and the slots are the step's staged inputs (a
 speculative step's `finish_step` rewrites them for the next replay). The conv windows and the inputs are
 loaded after the wait. Two dependent round trips (the slot, then the 16 KB state tile) leave the path
-after the wait: H100, the 4-layer bf16 stack, one process a tree (bench/results/decode_roofline_nvidia-h100_s22.txt),
-one stream 1,009.4 -> 1,013.3 tok/s at ctx 512 and 985.3 -> 991.8 at 8192, four streams unchanged. Compiled for sm_90 (triton
-3.6, real widths, tile 32, 2 warps): 166 registers at T = 1 and 242 at T = 3, no spills (155 and 241
-before, when each row's conv loaded its taps again).
+after the wait: H100, the 4-layer bf16 stack, one process a tree
+(bench/results/decode_roofline_nvidia-h100_s22.txt), one stream 1,009.4 -> 1,013.3 tok/s at ctx 512 and
+985.3 -> 991.8 at 8192, four streams unchanged. Compiled for sm_90 (triton 3.6, real widths, tile 32,
+2 warps): 166 registers at T = 1 and 242 at T = 3, no spills (155 and 241 before, when each row's conv
+loaded its taps again).
 """
 
 from __future__ import annotations
@@ -191,7 +192,9 @@ def _decode_kernel(mixed, mixed_stride, z, z_stride, b, b_stride, a, a_stride, w
     mixed_rows = mixed + request * T * mixed_stride
     model_dtype = out.dtype.element_ty
     # ptxas would issue the state tile's loads only after the first conv's taps arrive (two memory
-    # latencies in a row); it keeps loads on their side of a barrier, which waits for none of them
+    # latencies in a row); it keeps loads on their side of a barrier, which waits for none of them. (With
+    # PDL the wait already does: sm_90, triton 3.6, the same 51 loads before it with or without this
+    # barrier; it is kept for PDL off, where the wait is no instruction.)
     tl.debug_barrier()
     for t in tl.static_range(T):  # unrolled: T = 1 is the plain decode step
         row = request * T + t

@@ -29,10 +29,12 @@ another, and each launch-2 program walked 4 streams x 5 low-rank tiles, one memo
      and 1.017x, int4-mixed 1.001x / 1.017x.)
   With MixTiles.up_finish (one token: MIX_TILES) launch 1 has no arrival: row block 0's programs store the
   sums of squares, and every launch-2 program loads all the partials with its inputs (MIX_TILES' one-token
-  slices are whole streams, BLOCK_K >= H: [4 slices, rows], 5 KB a token) and finishes the projection itself (`_projected_rows`: the same fixed-order sums, redundantly in
-  each program; column block 0's store the injection gates). That saves launch 1's memory barrier, atomic
-  and second round trip; it costs each up program the partials' registers (125-128 a thread at one token;
-  two tokens spill or lose, MIX_TILES).
+  slices are whole streams, BLOCK_K >= H: [4 slices, rows], 5 KB a token) and finishes the projection
+  itself (`_projected_rows`: the same fixed-order sums, redundantly in each program; column block 0's
+  store the injection gates). That saves launch 1's memory barrier, atomic and second round trip; it costs
+  each up program the partials' registers (sm_90, triton 3.6, real widths, the merged tile: 168 a thread
+  at one token against 92 without; 2 tokens 128 / 167 / 255 at block_h 2 / 4 / 8, no spills; before the
+  merged tile 2 tokens spilled or read slower, MIX_TILES).
   Products (`_times_rows`), by MixTiles.block_n, the tokens per program: from 16 (tl.dot's least M, fewer
   tokens padded) tl.dot; below 16 a broadcast multiply and a sum over K in fp32 (a GEMV: for 1-8 tokens
   no padded tensor-core tile and no shared-memory staging). Tiles by batch: MIX_TILES, picked with
@@ -112,7 +114,8 @@ class MixTiles(NamedTuple):
 # (10.0-15.8) over the up_finish candidates; in the real-width 4-layer stack at ctx 512, interleaved in one process
 # against the earlier (1, 8, 512, 4, 8, 4): (1, 8, 1024, 4, 8, 4, True) 1.029x bf16, 1.056x int4-mixed, and this
 # entry 1.001x / 1.015x over that one. At 2 and 4 tokens the stack read the up_finish tiles slower (2 tokens,
-# block_h 2-4: 0.917-0.984x; 4 tokens, block_h 2-4: 0.881-0.954x), so they keep the down launch's finish
+# block_h 2-4: 0.917-0.984x; 4 tokens, block_h 2-4: 0.881-0.954x; session 21, a tile a stream in the up launch,
+# before the merged tile: not measured since), so they keep the down launch's finish
 MIX_TILES = ((1, MixTiles(1, 2, 4096, 4, 8, 4, True)), (2, MixTiles(2, 8, 512, 4, 8, 4)),
              (4, MixTiles(4, 8, 512, 4, 8, 4)), (MAX_TOKENS, MixTiles(16, 32, 256, 4, 16, 4)))
 
@@ -288,8 +291,8 @@ def _low(scaled, rows, LOWRANK: tl.constexpr, DTYPE: tl.constexpr, PRECISION: tl
 def _store_activations(scaled, low_ptr, inject_ptr, tokens, t_mask, rows, r_mask, LOWRANK: tl.constexpr,
                        OUT_ROWS: tl.constexpr, DTYPE: tl.constexpr, PRECISION: tl.constexpr):
     """silu(scaled) -> low [N, LOWRANK] at the rows below LOWRANK, and `_store_inject` at the others."""
-    tl.store(low_ptr + tokens.to(tl.int64)[:, None] * LOWRANK + rows[None, :], _low(scaled, rows, LOWRANK, DTYPE, PRECISION),
-             mask=t_mask[:, None] & (rows < LOWRANK)[None, :])
+    tl.store(low_ptr + tokens.to(tl.int64)[:, None] * LOWRANK + rows[None, :],
+             _low(scaled, rows, LOWRANK, DTYPE, PRECISION), mask=t_mask[:, None] & (rows < LOWRANK)[None, :])
     if OUT_ROWS > LOWRANK:
         _store_inject(scaled, inject_ptr, tokens, t_mask, rows, r_mask, LOWRANK, OUT_ROWS, DTYPE, PRECISION)
 
@@ -354,9 +357,9 @@ def _mix_up_kernel(x_ptr, stride_x, norm_ptr, up_ptr, up_scale_ptr, low_ptr, rst
     tokens = token_block * BLOCK_N + tl.arange(0, BLOCK_N)
     t_mask = tokens < n_tokens
     ranks = tl.arange(0, BLOCK_R)
+    columns = column_block * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_mask = columns < HIDDEN
     if DOT:
-        columns = column_block * BLOCK_H + tl.arange(0, BLOCK_H)
-        h_mask = columns < HIDDEN
         preloaded = ()
         for stream in tl.static_range(PRELOADED):
             preloaded += (_up_weights(up_ptr, up_scale_ptr, norm_ptr, stream * HIDDEN + columns, h_mask, ranks,
@@ -389,8 +392,6 @@ def _mix_up_kernel(x_ptr, stride_x, norm_ptr, up_ptr, up_scale_ptr, low_ptr, rst
             rstd = tl.load(rstd_ptr + tokens * HC + stream, mask=t_mask, other=0.0)
             total += _gated_rows(low, tile, row_scale, norm_scale, x, rstd[:, None], BLOCK_H, BLOCK_R, INT8, True,
                                  dtype, PRECISION)
-        tl.store(out_ptr + tokens.to(tl.int64)[:, None] * HIDDEN + columns[None, :],
-                 round_to(total / HC, dtype, PRECISION), mask=t_mask[:, None] & h_mask[None, :])
     else:
         if UP_FINISH:
             SLICES: tl.constexpr = HC * SPLIT
@@ -416,9 +417,8 @@ def _mix_up_kernel(x_ptr, stride_x, norm_ptr, up_ptr, up_scale_ptr, low_ptr, rst
         gated = _gated_rows(low, tile, row_scale, norm_scale, x, rstd, HC_P2 * BLOCK_H, BLOCK_R, INT8, False, dtype,
                             PRECISION)
         total = tl.sum(tl.reshape(gated, (BLOCK_N, HC_P2, BLOCK_H)), axis=1)
-        columns = column_block * BLOCK_H + tl.arange(0, BLOCK_H)
-        tl.store(out_ptr + tokens.to(tl.int64)[:, None] * HIDDEN + columns[None, :],
-                 round_to(total / HC, dtype, PRECISION), mask=t_mask[:, None] & (columns < HIDDEN)[None, :])
+    tl.store(out_ptr + tokens.to(tl.int64)[:, None] * HIDDEN + columns[None, :],
+             round_to(total / HC, dtype, PRECISION), mask=t_mask[:, None] & h_mask[None, :])
 
 
 @triton.jit
