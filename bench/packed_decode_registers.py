@@ -14,20 +14,17 @@ weight bytes are in flight, before any GPU time is spent. The launch is speciali
 
 --opcodes: also each phase's SASS instructions (static: every path of the program, the shared expert's
 and the finishing program's too), the most frequent opcodes, and those a thread issues after its wait
-on the path through the first program-end (`EXIT`) after the wait: for an INT4 tile, about two a weight
-value (a LOP3 that masks the field, an FFMA that adds it), against the one a value of a copy.
+on the path through the first program-end (`EXIT`) after the wait: for an INT4 tile about two a weight
+value (a LOP3 that masks the field, an FFMA that adds it), beside the addressing, loads and sums.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
-import os
 import re
-import subprocess
-import tempfile
 
-from sm90_compile import compile_sm90, resources
+from sm90_compile import compile_sm90, resources, sass_opcodes
 
 from tierlm.kernels.fused_moe import packed_decode
 from tierlm.kernels.fused_moe import triton as kernels
@@ -60,16 +57,8 @@ def compile_phase(launch: packed_decode.PackedLaunch, phase: str, warps: int):
 
 
 def opcodes(cubin: bytes) -> tuple[collections.Counter, collections.Counter]:
-    """(every SASS instruction's opcode, counted; those from the first PDL wait (ACQBULK) to the next EXIT),
-    read by the cuobjdump triton ships."""
-    import triton
-
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        text = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
-    names = [m.group(1).split(".")[0] for m in re.finditer(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)", text)]
+    """(every SASS instruction's opcode, counted; those from the first PDL wait (ACQBULK) to the next EXIT)."""
+    names = sass_opcodes(cubin)
     after = []
     if "ACQBULK" in names:
         for name in names[names.index("ACQBULK"):]:
@@ -106,9 +95,9 @@ def main() -> None:
                           f"{loads:>7}{vectors:>6}", flush=True)
                     if args.opcodes:
                         every, after = opcodes(compiled.asm["cubin"])
-                        print(f"    SASS {sum(every.values())}: " + ", ".join(f"{k} {v}" for k, v in every.most_common(8)))
-                        print(f"    after the wait, to the first EXIT, {sum(after.values())}: "
-                              + ", ".join(f"{k} {v}" for k, v in after.most_common(8)))
+                        for what, counts in (("SASS", every), ("after the wait, to the first EXIT,", after)):
+                            print(f"    {what} {sum(counts.values())}: "
+                                  + ", ".join(f"{k} {v}" for k, v in counts.most_common(8)))
 
 
 if __name__ == "__main__":

@@ -23,17 +23,17 @@ reference (`naive`: the weight dequantized, then F.linear): max |diff| relative 
     python bench/quant_linear_kernel.py --sweep-dense --small   # CPU: the same on tiny shapes, 2 candidates
 Results go to bench/results/quant_linear_kernel_<device>.json.
 
---sweep-dense: the unquantized GEMV's tiles for the model's dense bf16 decode projections, which run it
-on CUDA (`DenseFormat.kernel_linear`): GDN's in_proj (16384 x 2560) and out_proj (2560 x 6144), PLE's
-key/value projection (12800 x 2560), at 1, 2 and 4 rows (2: a K=1 speculative verify step's rows, or two
-streams: `DENSE_GEMV_MAX_ROWS` in model/quantization/base.py says which take the GEMV). For each row count, first the tiles (BLOCK_N,
-BLOCK_K, warps; `DENSE_TILE_SWEEP`), then, with the best of them, the programs K is split to fill
-(`GEMV_TARGET_PROGRAMS`): each candidate's time on every shape against torch.matmul's (cuBLAS), its
+--sweep-dense: the unquantized GEMV's tiles for the model's dense bf16 decode projections, which run it on
+CUDA (`DenseFormat.kernel_linear`): GDN's in_proj (16384 x 2560) and out_proj (2560 x 6144), PLE's key/value
+projection (12800 x 2560), at 1, 2 and 4 rows (2: a K=1 speculative verify step's rows, or two streams:
+`DENSE_GEMV_MAX_ROWS` in model/quantization/base.py says which take the GEMV). For each row count, first the
+tiles (BLOCK_N, BLOCK_K, warps; `DENSE_TILE_SWEEP`), then, with the best of them, the programs K is split to
+fill (`GEMV_TARGET_PROGRAMS`): each candidate's time on every shape against torch.matmul's (cuBLAS), its
 output checked against the reference (a candidate off by more than DENSE_TOLERANCE is reported and never
-chosen); the best is the least total time over the shapes (what a decode step pays), and the best per
-shape is printed too. One row sweeps the unquantized one-row tiles (`DENSE_GEMV_*`; the first candidate is
-the shipped one, whose BLOCK_K depends on K; the others use one BLOCK_K at every K); 2 and 4 rows sweep the
-GEMV tiles that unquantized rows share with INT6 (`GEMV_BLOCK_N`, `GEMV_BLOCK_K`, `GEMV_NUM_WARPS`). Results go
+chosen); the best is the least total time over the shapes (what a decode step pays), and the best per shape
+is printed too. One row sweeps the unquantized one-row tiles (`DENSE_GEMV_*`; the first candidate is the
+shipped one, whose BLOCK_K depends on K; the others use one BLOCK_K at every K); 2 and 4 rows sweep the GEMV
+tiles that unquantized rows share with INT6 (`GEMV_BLOCK_N`, `GEMV_BLOCK_K`, `GEMV_NUM_WARPS`). Results go
 to bench/results/quant_linear_kernel_dense_sweep_<device>.json.
 """
 

@@ -1,5 +1,5 @@
-"""A Triton kernel compiled for sm_90 without a GPU, as a launch specialises it, and what the cubin needs
-(shared by packed_decode_registers.py and quant_linear_registers.py)."""
+"""A Triton kernel compiled for sm_90 without a GPU, as a launch specialises it, what the cubin needs and
+its SASS opcodes (shared by packed_decode_registers.py and quant_linear_registers.py)."""
 
 from __future__ import annotations
 
@@ -31,12 +31,22 @@ def compile_sm90(kernel, constants: dict, warps: int, pointer_types: dict[str, s
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
 
 
-def resources(cubin: bytes) -> tuple[int, int]:
-    """(registers a thread, stack bytes) of a cubin, read by the cuobjdump triton ships."""
+def cuobjdump(cubin: bytes, flag: str) -> str:
+    """What the cuobjdump triton ships prints for a cubin with `flag` (--dump-resource-usage, -sass)."""
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        usage = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True, check=True)
-    found = re.search(r"REG:(\d+).*?STACK:(\d+)", usage.stdout)
+        return subprocess.run([tool, flag, f.name], capture_output=True, text=True, check=True).stdout
+
+
+def resources(cubin: bytes) -> tuple[int, int]:
+    """(registers a thread, stack bytes) of a cubin."""
+    found = re.search(r"REG:(\d+).*?STACK:(\d+)", cuobjdump(cubin, "--dump-resource-usage"))
     return int(found.group(1)), int(found.group(2))
+
+
+def sass_opcodes(cubin: bytes) -> list[str]:
+    """A cubin's SASS instructions' opcodes (without their modifiers), in address order."""
+    return [m.group(1).split(".")[0] for m in
+            re.finditer(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)", cuobjdump(cubin, "-sass"))]

@@ -21,7 +21,8 @@ Every other argument is decode_roofline.py's.
         --variants base MOE_SHARED_K=32:16
     cd bench && python tiles_ab.py --contexts 512 --batches 1 --rounds 5 --steps 50 \
         --variants base HC_TILES=1:8:512:4:8:4:0 HC_TILES=1:4:4096:8:8:4:1
-    cd bench && python tiles_ab.py --contexts 512 --batches 2 --rounds 5 --steps 50 --variants base DENSE_GEMV_MAX_ROWS=2
+    cd bench && python tiles_ab.py --contexts 512 --batches 2 --rounds 5 --steps 50 \
+        --variants base DENSE_GEMV_MAX_ROWS=2
 """
 
 from __future__ import annotations
