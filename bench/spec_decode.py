@@ -55,6 +55,23 @@ time from the end of the last span before a forward to its start: the time the d
 host). The device spans tile the device's time from the first forward to the last, so their means per step
 add up to the wall time per step (printed beside them); medians alone hide the steps that take far longer
 (a stall of the host, a step that is not chained: "schedule" runs in every step that is not).
+
+--variants SPEC [SPEC ...] (and --rounds N): instead of the table, the no-drafts, own-drafts and oracle columns
+under each variant, interleaved in one process: `base`, or NAME=VALUE[,NAME=VALUE...] as bench/tiles_ab.py
+takes them (environment variables, and MOE_TILES / MOE_SHARED_K / HC_TILES / DENSE_GEMV_MAX_ROWS for the
+decode kernels' module constants). Each round runs every variant (rotated order); printed: each round's
+ms/token and speed-ups, then the medians and each variant's over the first's. A demo model's step is
+launch- and host-bound, so its no-drafts column moves between runs of one process (0.33-0.44 ms/token,
+demo-small on an H100): compare medians of several rounds.
+
+    python bench/spec_decode.py --device cuda --size small --tokens 256 --rounds 3 \
+        --variants base DENSE_GEMV_MAX_ROWS=1
+
+--kernels (CUDA): instead of timing, each column's kernels over 20 decode steps under torch.profiler (CUDA
+graph replays included), PDL off (TIERLM_NO_PDL=1: under PDL a kernel's time includes its wait on the kernel
+before it): device us a step and launches a step per kernel name, side by side, and the total a token.
+
+    python bench/spec_decode.py --device cuda --real-width 4 -k 1 --token-map-size 32768 --kernels
 """
 
 from __future__ import annotations
@@ -63,6 +80,7 @@ import argparse
 import atexit
 import gc
 import json
+import os
 import shutil
 import statistics
 import sys
@@ -71,6 +89,9 @@ import time
 from pathlib import Path
 
 import torch
+from decode_roofline import parse_variants
+from tiles_ab import environment as variant_environment
+from torch.profiler import ProfilerActivity, profile
 
 from tierlm.demo_model import build_demo_model
 from tierlm.engine.llm_engine import EngineConfig, LLMEngine
@@ -80,32 +101,35 @@ from tierlm.model.speculative_step import OracleSpeculation
 from tierlm.sampling_params import SamplingParams
 
 ORACLE_RUNS = 8
+KERNEL_WARMUP_STEPS, KERNEL_STEPS = 10, 20  # --kernels' steps: untimed, then profiled
 PROMPT = "The history of the city begins with a small settlement on the river, where"
 
 
-def run(args, speculative: bool, eager: bool, oracle: list[int] | None = None, overlap: bool = True,
-        token_map: str | None = None) -> tuple[list[int], float, object]:
+def make_engine(args, speculative: bool, eager: bool, oracle: bool = False, overlap: bool = True,
+                token_map: str | None = None, trace: Path | None = None) -> LLMEngine:
     config = {"method": "mtp", "num_speculative_tokens": args.k} if speculative else None
     if token_map is not None:
         config["speculative_token_map"] = token_map
-    trace = None
-    if args.phases:
-        trace = Path(tempfile.mkdtemp(prefix="spec-trace-")) / "trace.json"
     # oracle: the greedy steps' graphs draft the known continuation on the device (steps chained by overlap
     # scheduling verify drafts the host has not read); the host sets the drafts of the other steps
     greedy_step = static_decode.GreedySpeculation
-    if oracle is not None:
+    if oracle:
         static_decode.GreedySpeculation = OracleSpeculation
     try:
-        engine = LLMEngine(EngineConfig(model=str(args.model), dtype=args.dtype, device=args.device, max_num_seqs=1,
-                                        load_format="auto" if args.real_width is None else "dummy",
-                                        max_model_len=args.max_model_len, enforce_eager=eager,
-                                        speculative_config=config, trace=str(trace) if trace else None,
-                                        async_scheduling=overlap))
+        return LLMEngine(EngineConfig(model=str(args.model), dtype=args.dtype, device=args.device, max_num_seqs=1,
+                                      load_format="auto" if args.real_width is None else "dummy",
+                                      max_model_len=args.max_model_len, enforce_eager=eager,
+                                      speculative_config=config, trace=str(trace) if trace else None,
+                                      async_scheduling=overlap))
     finally:
         static_decode.GreedySpeculation = greedy_step
-    args.resolved_dtype = engine.cache.dtype
-    # --repetition-penalty unset: the model's generation_config default (the trained default's is 1.05)
+
+
+def start(engine: LLMEngine, args, oracle: list[int] | None):
+    """The one request added and its prefill run (every chunk, see above); the step function that decodes the
+    rest (with oracle: each step's drafts set first, as the engine drafts; a chained step's: the graph's)."""
+    # --repetition-penalty unset: the model's generation_config default (the trained default's is 1.05,
+    # so its verify rows are penalized with the drafts before them)
     params = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True,
                             repetition_penalty=args.repetition_penalty)
     engine.add_request(args.prompt, params)
@@ -116,21 +140,36 @@ def run(args, speculative: bool, eager: bool, oracle: list[int] | None = None, o
     verify = getattr(engine.runner, "static_verify", None)
     if oracle is not None and verify is not None and verify.greedy is not None:
         verify.greedy.know(request.home_slot, request.prompt_token_ids + oracle)
+
+    def step() -> list:
+        if oracle is not None:
+            for running in filter(speculates, engine.scheduler.running):
+                running.draft_token_ids = oracle[len(running.output_token_ids) :][: args.k]
+        return engine.step()
+
+    return request, step
+
+
+def run(args, speculative: bool, eager: bool, oracle: list[int] | None = None, overlap: bool = True,
+        token_map: str | None = None) -> tuple[list[int], float, object]:
+    trace = None
+    if args.phases:
+        trace = Path(tempfile.mkdtemp(prefix="spec-trace-")) / "trace.json"
+    engine = make_engine(args, speculative, eager, oracle is not None, overlap, token_map, trace)
+    args.resolved_dtype = engine.cache.dtype
+    _, step = start(engine, args, oracle)
     gc.collect()  # the earlier columns' engines (see the module docstring)
     if args.device.startswith("cuda"):
         torch.cuda.synchronize()  # the last prefill chunk may be in flight (overlap scheduling)
-    start = time.perf_counter()
+    began = time.perf_counter()
     out, steps = None, 0
     while engine.has_unfinished_requests():
-        if oracle is not None:  # the drafts the host has, as the engine drafts (a chained step's: the graph's)
-            for running in filter(speculates, engine.scheduler.running):
-                running.draft_token_ids = oracle[len(running.output_token_ids) :][: args.k]
         steps += 1
-        for output in engine.step():
+        for output in step():
             out = output
     if args.device.startswith("cuda"):
         torch.cuda.synchronize()
-    seconds = time.perf_counter() - start
+    seconds = time.perf_counter() - began
     if trace is not None:
         engine.close()
         atexit.unregister(engine.trace.flush)
@@ -139,6 +178,77 @@ def run(args, speculative: bool, eager: bool, oracle: list[int] | None = None, o
                      1000 * seconds / steps, steps)
         shutil.rmtree(trace.parent)
     return out.outputs[0].token_ids, seconds, engine.stats()
+
+
+def run_oracle(args, continuation: list[int], token_map: str | None = None, overlap: bool = True,
+               quiet: bool = False) -> tuple[list[int], float, object, list[int]]:
+    """The oracle column, rerun (at most ORACLE_RUNS times) with its own output while that leaves the
+    continuation it was given (see above): tokens, seconds and stats of the last run, and the continuation it
+    was given."""
+    for runs in range(1, ORACLE_RUNS + 1):
+        oracle, seconds, stats = run(args, speculative=True, eager=False, oracle=continuation, overlap=overlap,
+                                     token_map=token_map)
+        if oracle == continuation:
+            if not quiet:
+                print(f"oracle continuation: the output of its own run {runs} (timed)")
+            break
+        if not quiet:
+            first = next((i for i, (a, b) in enumerate(zip(continuation, oracle)) if a != b), None)
+            print(f"oracle run {runs}: its output left the continuation at token {first}")
+        continuation = oracle
+    return oracle, seconds, stats, continuation
+
+
+def kernel_table(args, speculative: bool, oracle: list[int] | None = None,
+                 token_map: str | None = None) -> tuple[dict[str, tuple[float, float]], float]:
+    """--kernels: {kernel name: (launches, device us)} per decode step over KERNEL_STEPS profiled steps
+    (after KERNEL_WARMUP_STEPS), PDL off (with it a kernel's time includes its wait on the one before), and
+    the tokens a step. CUPTI records the kernels of CUDA graph replays too."""
+    saved = os.environ.get("TIERLM_NO_PDL")
+    os.environ["TIERLM_NO_PDL"] = "1"
+    gc.collect()  # the earlier columns' engines (a real-width one holds ~24 GB)
+    torch.cuda.empty_cache()
+    try:
+        engine = make_engine(args, speculative, eager=False, oracle=oracle is not None, token_map=token_map)
+        request, step = start(engine, args, oracle)
+        for _ in range(KERNEL_WARMUP_STEPS):
+            step()
+        torch.cuda.synchronize()
+        before = len(request.output_token_ids)
+        with profile(activities=[ProfilerActivity.CUDA]) as profiled:
+            for _ in range(KERNEL_STEPS):
+                step()
+            torch.cuda.synchronize()
+        tokens = (len(request.output_token_ids) - before) / KERNEL_STEPS
+    finally:
+        if saved is None:
+            os.environ.pop("TIERLM_NO_PDL")
+        else:
+            os.environ["TIERLM_NO_PDL"] = saved
+    table: dict[str, list[float]] = {}
+    for event in profiled.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            entry = table.setdefault(event.name, [0, 0.0])
+            entry[0] += 1
+            entry[1] += event.device_time_total
+    return {name: (n / KERNEL_STEPS, us / KERNEL_STEPS) for name, (n, us) in table.items()}, tokens
+
+
+def print_kernel_tables(columns: dict[str, tuple[dict[str, tuple[float, float]], float]], top: int = 40) -> None:
+    """Each column's kernels side by side: device us a step (launches a step), the largest first."""
+    names = sorted({name for table, _ in columns.values() for name in table},
+                   key=lambda name: -max(table.get(name, (0, 0.0))[1] for table, _ in columns.values()))
+    print("\nkernels per decode step (--kernels: PDL off, device us a step and launches a step; CUDA graph replays "
+          "included):")
+    print(f"  {'':>6s}" + "".join(f"{name[:22]:>24s}" for name in columns))
+    totals = [(sum(us for _, us in table.values()), sum(n for n, _ in table.values()), tokens)
+              for table, tokens in columns.values()]
+    print("  total " + "".join(f"{us:>15.1f} ({n:>5.1f})" for us, n, _ in totals))
+    print("  /token" + "".join(f"{us / tokens:>15.1f} {'':7s}" for us, _, tokens in totals))
+    for name in names[:top]:
+        cells = "".join(f"{table[name][1]:>15.1f} ({table[name][0]:>5.1f})" if name in table else f"{'-':>23s} "
+                        for table, _ in columns.values())
+        print(f"  {'':6s}{cells}  {name[:90]}")
 
 
 def print_phases(name: str, trace: Path, wall_ms: float, steps: int) -> None:
@@ -159,6 +269,55 @@ def print_phases(name: str, trace: Path, wall_ms: float, steps: int) -> None:
               f"{max(values):8.3f} {len(values):6d}")
 
 
+def compare_variants(args) -> None:
+    """--variants: the no-drafts, own-drafts and oracle columns (the drafting ones with --token-map's map if
+    given) under each variant, --rounds rounds, the variants' order rotated by one each round; each round's
+    ms/token, then the medians and each variant's over the first's. The oracle's continuation is the own
+    drafts column's output (the speculative path's greedy tokens), rerun as above while it leaves it."""
+    variants, n = args.variants, args.tokens - 1
+    names = {name for variant in variants for name in variant.assignments}
+    if args.device.startswith("cuda"):  # every variant's Triton compiles before any timing
+        untimed = argparse.Namespace(**{**vars(args), "phases": False})
+        for variant in variants:
+            with variant_environment(variant.environment(names)):
+                run(untimed, speculative=False, eager=False)
+                run(untimed, speculative=True, eager=False, token_map=args.token_map)
+    rounds: dict[str, list[tuple[float, float, float]]] = {variant.spec: [] for variant in variants}
+    for index in range(args.rounds):
+        for variant in variants[index % len(variants):] + variants[: index % len(variants)]:
+            with variant_environment(variant.environment(names)):
+                _, base_s, _ = run(args, speculative=False, eager=False)
+                own, own_s, _ = run(args, speculative=True, eager=False, token_map=args.token_map)
+                _, oracle_s, stats, _ = run_oracle(args, own, token_map=args.token_map, quiet=True)
+            ms = tuple(1000 * seconds / n for seconds in (base_s, own_s, oracle_s))
+            rounds[variant.spec].append(ms)
+            print(f"round {index + 1} {variant.spec}: no drafts {ms[0]:.3f}, own drafts {ms[1]:.3f} "
+                  f"(x{ms[0] / ms[1]:.2f}), oracle {ms[2]:.3f} (x{ms[0] / ms[2]:.2f}; accepted "
+                  f"{stats.num_accepted_tokens}/{stats.num_draft_tokens}) ms/token", flush=True)
+    print(f"{args.model}, {args.device}, K={args.k}, {n} tokens timed, medians of {args.rounds} rounds, ms/token"
+          + (f", drafting columns with the token map {args.token_map}" if args.token_map else ""))
+    first = [statistics.median(column) for column in zip(*rounds[variants[0].spec])]
+    for variant in variants:
+        base, own, oracle = (statistics.median(column) for column in zip(*rounds[variant.spec]))
+        print(f"  {variant.spec:40s} no drafts {base:.3f} (x{first[0] / base:.3f})  own drafts {own:.3f} "
+              f"(x{first[1] / own:.3f}; x{base / own:.2f} no drafts)  oracle {oracle:.3f} (x{first[2] / oracle:.3f}; "
+              f"x{base / oracle:.2f} no drafts)")
+
+
+def kernel_columns(args) -> None:
+    """--kernels: the tables of the no-drafts, own-drafts and oracle columns (and with a token map, its two)."""
+    own, _, _ = run(args, speculative=True, eager=False)  # the oracle's continuation (see compare_variants)
+    columns = {"no drafts": kernel_table(args, speculative=False),
+               "own drafts": kernel_table(args, speculative=True),
+               "oracle": kernel_table(args, speculative=True, oracle=own)}
+    if args.token_map is not None:
+        columns["own drafts, token map"] = kernel_table(args, speculative=True, token_map=args.token_map)
+        columns["oracle, token map"] = kernel_table(args, speculative=True, oracle=own, token_map=args.token_map)
+    print(f"{args.model}, {args.device}, K={args.k}; tokens a step: "
+          + ", ".join(f"{name} {tokens:.2f}" for name, (_, tokens) in columns.items()))
+    print_kernel_tables(columns)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="a checkpoint with mtp.* tensors (default: a demo model)")
@@ -174,6 +333,11 @@ def main() -> int:
     parser.add_argument("--phases", action="store_true", help="per column, where a step's time goes (see above)")
     parser.add_argument("--real-width", type=int, default=None, metavar="LAYERS",
                         help="decode_roofline's real-width stack of LAYERS layers with an MTP head, random weights")
+    parser.add_argument("--variants", nargs="+", default=None, metavar="SPEC",
+                        help="the no-drafts, own-drafts and oracle columns under each variant, interleaved (see above)")
+    parser.add_argument("--rounds", type=int, default=3, help="--variants' rounds")
+    parser.add_argument("--kernels", action="store_true",
+                        help="instead of timing, each column's kernels a step (CUDA; see above)")
     maps = parser.add_mutually_exclusive_group()
     maps.add_argument("--token-map", default=None, metavar="FILE",
                       help="also the drafting columns with this speculative token map (`tierlm draft-vocab`)")
@@ -181,6 +345,16 @@ def main() -> int:
                       help="also the drafting columns with a map of token ids 0..N-1 (random weights: any N ids cost "
                            "the same)")
     args = parser.parse_args()
+    if args.kernels and not args.device.startswith("cuda"):
+        parser.error("--kernels profiles CUDA kernels: give --device cuda")
+    if args.kernels and args.variants:
+        parser.error("--kernels and --variants: one or the other")
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {args.rounds}")
+    try:
+        args.variants = parse_variants(args.variants) if args.variants else None
+    except ValueError as error:
+        parser.error(str(error))
     if args.token_map_size is not None:
         if args.token_map_size < 1:
             parser.error(f"--token-map-size must be at least 1, got {args.token_map_size}")
@@ -202,6 +376,12 @@ def main() -> int:
         args.model = Path(f"/tmp/tierlm-bench-demo-{args.size}-mtp")
         if not (args.model / "config.json").is_file():
             build_demo_model(args.model, args.size, mtp=True, overwrite=True)
+    if args.variants:
+        compare_variants(args)
+        return 0
+    if args.kernels:
+        kernel_columns(args)
+        return 0
     if args.device.startswith("cuda"):  # compile every Triton kernel both columns need before any timing
         untimed = argparse.Namespace(**{**vars(args), "phases": False})
         run(untimed, speculative=False, eager=False)
@@ -213,15 +393,7 @@ def main() -> int:
     eager, eager_s, _ = run(args, speculative=False, eager=True)
     own, own_s, own_stats = run(args, speculative=True, eager=False)
     own_serial, own_serial_s, own_serial_stats = run(args, speculative=True, eager=False, overlap=False)
-    continuation = base
-    for runs in range(1, ORACLE_RUNS + 1):
-        oracle, oracle_s, oracle_stats = run(args, speculative=True, eager=False, oracle=continuation)
-        if oracle == continuation:
-            print(f"oracle continuation: the output of its own run {runs} (timed)")
-            break
-        first = next((i for i, (a, b) in enumerate(zip(continuation, oracle)) if a != b), None)
-        print(f"oracle run {runs}: its output left the continuation at token {first}")
-        continuation = oracle
+    oracle, oracle_s, oracle_stats, continuation = run_oracle(args, base)
     oracle_serial, oracle_serial_s, oracle_serial_stats = run(args, speculative=True, eager=False,
                                                               oracle=continuation, overlap=False)
     n = len(base) - 1  # tokens timed (the first came with the prefill)

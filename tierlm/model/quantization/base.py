@@ -19,7 +19,7 @@ The quantized `apply` runs the format's fused kernel where there is one (`kernel
 it is the torch reference: it dequantizes one layer's weight (one expert's, in the MoE) on the fly,
 inside the op, and drops it after; nothing keeps a dequantized copy. Unquantized experts on CUDA run the
 same fused MoE kernel (TIERLM_NO_FUSED_MOE=1: the torch path). Unquantized linear layers are F.linear,
-except on CUDA at a one-row decode step (DENSE_GEMV_MAX_ROWS), where a layer that takes it
+except on CUDA at a decode step of one or two rows (DENSE_GEMV_MAX_ROWS), where a layer that takes it
 (`decode_gemv`: all but the vocab-wide output heads) runs quant_linear's Triton GEMV over its weight:
 there the step's projections chain to their neighbours with programmatic dependent launch (cuBLAS
 would break the chain and, for the long-K ones, add a split-K reduce kernel);
@@ -136,8 +136,15 @@ class WeightFormat(ABC):
 # the rows up to which a dense projection takes the Triton GEMV on CUDA. H200, real widths, bf16, session 9
 # (bench/decode_roofline.py --ab TIERLM_NO_TRITON_DENSE_GEMV, PDL on): one row 1.11x the step's tok/s with
 # it (cuBLAS's kernels break the PDL chain), four rows 0.91x (quant_linear_kernel.py --sweep-dense: the
-# GEMV at 4 rows reads 0.58x as fast as cuBLAS at best; at 1 row 0.94x alone)
-DENSE_GEMV_MAX_ROWS = 1
+# GEMV at 4 rows reads 0.58x as fast as cuBLAS at best; at 1 row 0.94x alone). Two rows since session 23
+# (H100): alone the GEMV's best is 0.97x cuBLAS at the real widths (bench/results/
+# quant_linear_kernel_dense_sweep_nvidia-h100_s23.txt), in the chain the real-width stack at batch 2 1.003x
+# (bench/results/tiles_ab_b2_nvidia-h100_s23.txt: 64 kernels a step against 68), its MTP K=1 step (a 2-row
+# verify) 1.00x; demo-small's MTP K=1 step, launch-bound (23 cuBLAS launches a step left the chain), 1.065x
+# with its own drafts and 1.06x with oracle drafts (`bench/spec_decode.py --size small --variants base
+# DENSE_GEMV_MAX_ROWS=1`, medians of 3 interleaved rounds; an earlier run 1.07x / 1.01x; bench/results/
+# spec_decode_dense_rows_nvidia-h100_s23.txt)
+DENSE_GEMV_MAX_ROWS = 2
 
 
 class DenseFormat(WeightFormat):
