@@ -234,7 +234,8 @@ def test_a_draft_step_mixes_without_a_row_gather(loaded, sequences, monkeypatch)
     rows as they are, its layer's MoE combine folded into the mixer (`qwen4_exp.final_mix`: no
     `wanted_rows` gather, `mix_pending` with the combine pending); the logits are those of the unfolded
     path (the layer combines at its end, TIERLM_NO_FOLD_LAYER_COMBINE=1). A pass over 1 + K rows of which
-    one per request is wanted still gathers them (the mixer's kernels take no row index)."""
+    one per request is wanted gathers them past the layer's attention (its streams, attention output and
+    injection gates: the mixers' kernels take no row index), and nothing after."""
     model, config = loaded
     ids, hidden = sequences
     gathers, pending_mixes = [], []
@@ -269,7 +270,49 @@ def test_a_draft_step_mixes_without_a_row_gather(loaded, sequences, monkeypatch)
     batch = ForwardBatch.build([[3, 4, 5], [6, 7, 8]], [21, 21], [0, 1], runner.tables, BLOCK_SIZE)  # last rows
     gathers.clear()
     model.draft(batch, hidden[:, 21:24].flatten(0, 1), runner.cache)
-    assert gathers == [False]
+    assert gathers == [False] * 3
+
+
+def test_past_its_attention_the_draft_layer_runs_its_logits_rows_only(checkpoint, loaded, sequences, monkeypatch):
+    """A draft pass whose logits rows are some of its rows (a pass over 1 + K verify rows, a prefill chunk)
+    runs its layer past the attention on those rows only (`DecoderLayer.forward`'s wanted_rows_only; none:
+    the caches only): their logits and output streams are those of every row through the whole layer, taken
+    after (TIERLM_MTP_EVERY_ROW=1), and so is the next pass over the caches they left (every row's logits). fp32
+    within TOLERANCE; bf16 within twice the every-row bf16 path's own distance from the fp32 one."""
+    ids, hidden = sequences
+
+    def passes(model, config, dtype: torch.dtype, every_row: bool) -> list[torch.Tensor]:
+        if every_row:
+            monkeypatch.setenv("TIERLM_MTP_EVERY_ROW", "1")
+        else:
+            monkeypatch.delenv("TIERLM_MTP_EVERY_ROW", raising=False)
+        runner = DraftRunner(model, config, 2, dtype)
+        streams = hidden.to(dtype)
+        # positions 0-15 with no logits rows (a prefill chunk that samples nothing: the caches only)
+        batch = ForwardBatch.build([ids[r, 1:17].tolist() for r in (0, 1)], [0, 0], [0, 1], runner.tables,
+                                   BLOCK_SIZE, logits=[])
+        logits, out = model.draft(batch, streams[:, :16].flatten(0, 1), runner.cache)
+        assert logits.shape[0] == out.shape[0] == 0
+        # three rows a request at positions 16-18; wanted: request 0's first row, request 1's last
+        batch = ForwardBatch.build([ids[r, 17:20].tolist() for r in (0, 1)], [16, 16], [0, 1], runner.tables,
+                                   BLOCK_SIZE, logits=[0, 5])
+        assert not batch.logits_every_row
+        logits, out = model.draft(batch, streams[:, 16:19].flatten(0, 1), runner.cache)
+        assert logits.shape[0] == out.shape[0] == 2
+        runner.positions["draft"] = [19, 19]
+        after = runner.draft({r: (ids[r, 20:24].tolist(), streams[r, 19:23]) for r in (0, 1)})
+        return [logits, out, *(t for r in (0, 1) for t in after[r])]
+
+    model, config = loaded
+    every, pruned = passes(model, config, torch.float32, True), passes(model, config, torch.float32, False)
+    for ours, theirs in zip(pruned, every, strict=True):
+        assert (ours - theirs).abs().max().item() <= TOLERANCE
+    model16, config16 = load_model(checkpoint[0], dtype="bfloat16", device="cpu", load_mtp=True)
+    every16 = passes(model16, config16, torch.bfloat16, True)
+    pruned16 = passes(model16, config16, torch.bfloat16, False)
+    for ours, theirs, reference in zip(pruned16, every16, every, strict=True):
+        own_error = (theirs.float() - reference).abs().max().item()
+        assert (ours.float() - reference).abs().max().item() <= 2 * own_error + 1e-6
 
 
 def test_draft_bf16_within_the_reference_bf16_error(checkpoint, loaded, sequences, monkeypatch):

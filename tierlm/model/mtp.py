@@ -80,11 +80,17 @@ class MultiTokenPredictor(nn.Module):
         caches: list[LayerCaches], rope: Rope, step: int = 0,
     ) -> PendingStreams:
         """embeddings [N, H] of each row's next token; hidden_streams [N, hc*H] -> the draft layer's output
-        streams [N, hc*H] (before the draft's final mixer; its MoE combine pending). step: the draft step
-        (picks the layer)."""
+        streams of `batch`'s logits rows [M, hc*H] (before the draft's final mixer; its MoE combine
+        pending). step: the draft step (picks the layer). Every row's K/V and indexer state is written;
+        past the attention only the logits rows are computed (the others' outputs feed nothing: a pass
+        over 1 + K verify rows or a prefill chunk proposes from one row a request), unless
+        TIERLM_MTP_EVERY_ROW=1 (every row through the whole layer, then the logits rows taken)."""
         index = step % len(self.layers)
-        return self.layers[index](PendingStreams(self.layer_input(embeddings, hidden_streams)), batch, caches[index],
-                                  rope, None)
+        streams = PendingStreams(self.layer_input(embeddings, hidden_streams))
+        if not os.environ.get("TIERLM_MTP_EVERY_ROW"):
+            return self.layers[index](streams, batch, caches[index], rope, None, wanted_rows_only=True)
+        pending = self.layers[index](streams, batch, caches[index], rope, None)
+        return pending if batch.logits_every_row else PendingStreams(batch.wanted_rows(pending.combined()))
 
     def layer_input(self, embeddings: torch.Tensor, hidden_streams: torch.Tensor) -> torch.Tensor:
         """The draft layer's input streams [N, hc*H]: fc_hidden of the normed hidden streams plus the

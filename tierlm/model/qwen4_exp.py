@@ -220,6 +220,6 @@ class Qwen4ExpForCausalLM(nn.Module):
         embeddings = embed_rows(self.model.embed_tokens, batch.token_ids)
         if rope is None or rope.dtype != embeddings.dtype:  # rope: the verify forward's, at the same rows
             rope = Rope(self.model.rotary, batch, embeddings.dtype)
-        pending = self.mtp(embeddings, hidden_streams, batch, cache.draft_layers, rope, step)
-        streams, mixed = final_mix(self.mtp.hyper_connection_mixer, pending, batch)
+        pending = self.mtp(embeddings, hidden_streams, batch, cache.draft_layers, rope, step)  # the logits rows'
+        streams, mixed, _ = self.mtp.hyper_connection_mixer.mix_pending(pending)
         return self.mtp.logits(self.lm_head, mixed), streams

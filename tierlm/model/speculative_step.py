@@ -30,7 +30,8 @@ graph (mode "eager" runs the same function on the padded batches: the CPU tests'
 penalties verify against penalized logits that the host plans (engine/speculative.py): the verify forward
 replays alone, the host edits its logits and takes their argmax, and `accept_and_draft` replays as a
 second graph on those.
-The draft head's mixer and lm_head run on row a_i of each request only.
+The draft head's layer past its attention (`MultiTokenPredictor.forward`), its mixer and lm_head run on
+row a_i of each request only.
 
 `OracleSpeculation`: the same step drafting a known continuation instead of the head's proposals (forced
 acceptance on the device, for benchmarks and tests: steps chained by overlap scheduling verify drafts no

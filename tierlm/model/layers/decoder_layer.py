@@ -42,11 +42,13 @@ class DecoderLayer(nn.Module):
 
     def forward(
         self, streams: PendingStreams, batch: ForwardBatch, caches: LayerCaches, rope: Rope,
-        ngram_ids: NgramIds | None,
+        ngram_ids: NgramIds | None, wanted_rows_only: bool = False,
     ) -> PendingStreams:
         """streams [N, hc*H] (a combine maybe pending) -> [N, hc*H] with the MoE's combine pending (done
         here under TIERLM_NO_FOLD_LAYER_COMBINE=1); ngram_ids: the PLE layers' n-gram ids (None without
-        PLE, or when the host gathered the PLE embeddings)."""
+        PLE, or when the host gathered the PLE embeddings). wanted_rows_only: past the attention (which
+        writes every row's caches) only `batch`'s logits rows go on, and the result is theirs [M, hc*H]
+        (the MTP head: its one layer's other rows feed nothing)."""
         if self.ple is not None:
             streams = PendingStreams(self.ple(streams.combined(), batch, caches.ple, ngram_ids))
         streams, x, inject = self.attn_hyper_connection.mix_pending(streams)
@@ -54,6 +56,10 @@ class DecoderLayer(nn.Module):
             out = self.linear_attn(x, batch, caches.gdn)
         else:
             out = self.self_attn(x, batch, caches.kv, caches.indexer, rope)
+        if wanted_rows_only and not batch.logits_every_row:
+            streams, out, inject = (batch.wanted_rows(t) for t in (streams, out, inject))
+            if streams.shape[0] == 0:  # a pass that fills the caches only (a prefill chunk that samples nothing)
+                return PendingStreams(streams)
         streams, x, inject = self.mlp_hyper_connection.combine_and_mix(streams, out, inject)
         moe_output = self.mlp(x, batch.static)
         if fold_layer_combine():
