@@ -61,8 +61,9 @@ under each variant, interleaved in one process: `base`, or NAME=VALUE[,NAME=VALU
 takes them (environment variables, and MOE_TILES / MOE_SHARED_K / HC_TILES / DENSE_GEMV_MAX_ROWS for the
 decode kernels' module constants). Each round runs every variant (rotated order); printed: each round's
 ms/token and speed-ups, then the medians and each variant's over the first's. A demo model's step is
-launch- and host-bound, so its no-drafts column moves between runs of one process (0.33-0.44 ms/token,
-demo-small on an H100): compare medians of several rounds.
+launch- and host-bound, so its no-drafts column moves between runs of one process (0.33-0.55 ms/token,
+demo-small on an H100, session 23): compare medians of several rounds, and read its ratios to the no-drafts
+column with that spread in mind.
 
     python bench/spec_decode.py --device cuda --size small --tokens 256 --rounds 3 \
         --variants base DENSE_GEMV_MAX_ROWS=1
@@ -180,14 +181,13 @@ def run(args, speculative: bool, eager: bool, oracle: list[int] | None = None, o
     return out.outputs[0].token_ids, seconds, engine.stats()
 
 
-def run_oracle(args, continuation: list[int], token_map: str | None = None, overlap: bool = True,
+def run_oracle(args, continuation: list[int], token_map: str | None = None,
                quiet: bool = False) -> tuple[list[int], float, object, list[int]]:
     """The oracle column, rerun (at most ORACLE_RUNS times) with its own output while that leaves the
     continuation it was given (see above): tokens, seconds and stats of the last run, and the continuation it
     was given."""
     for runs in range(1, ORACLE_RUNS + 1):
-        oracle, seconds, stats = run(args, speculative=True, eager=False, oracle=continuation, overlap=overlap,
-                                     token_map=token_map)
+        oracle, seconds, stats = run(args, speculative=True, eager=False, oracle=continuation, token_map=token_map)
         if oracle == continuation:
             if not quiet:
                 print(f"oracle continuation: the output of its own run {runs} (timed)")
