@@ -81,7 +81,6 @@ import argparse
 import atexit
 import gc
 import json
-import os
 import shutil
 import statistics
 import sys
@@ -90,9 +89,9 @@ import time
 from pathlib import Path
 
 import torch
-from decode_roofline import parse_variants
+from decode_roofline import environment, parse_variants
+from device_timing import cuda_events
 from tiles_ab import environment as variant_environment
-from torch.profiler import ProfilerActivity, profile
 
 from tierlm.demo_model import build_demo_model
 from tierlm.engine.llm_engine import EngineConfig, LLMEngine
@@ -103,6 +102,7 @@ from tierlm.sampling_params import SamplingParams
 
 ORACLE_RUNS = 8
 KERNEL_WARMUP_STEPS, KERNEL_STEPS = 10, 20  # --kernels' steps: untimed, then profiled
+KERNEL_ROWS = 40  # --kernels' kernel names printed (the largest in any column)
 PROMPT = "The history of the city begins with a small settlement on the river, where"
 
 
@@ -202,40 +202,30 @@ def run_oracle(args, continuation: list[int], token_map: str | None = None,
 def kernel_table(args, speculative: bool, oracle: list[int] | None = None,
                  token_map: str | None = None) -> tuple[dict[str, tuple[float, float]], float]:
     """--kernels: {kernel name: (launches, device us)} per decode step over KERNEL_STEPS profiled steps
-    (after KERNEL_WARMUP_STEPS), PDL off (with it a kernel's time includes its wait on the one before), and
-    the tokens a step. CUPTI records the kernels of CUDA graph replays too."""
-    saved = os.environ.get("TIERLM_NO_PDL")
-    os.environ["TIERLM_NO_PDL"] = "1"
+    (after KERNEL_WARMUP_STEPS; `device_timing.cuda_events`: CUPTI records the kernels of CUDA graph
+    replays too), PDL off (with it a kernel's time includes its wait on the one before), and the tokens a
+    step."""
     gc.collect()  # the earlier columns' engines (a real-width one holds ~24 GB)
     torch.cuda.empty_cache()
-    try:
+    with environment({"TIERLM_NO_PDL": "1"}):
         engine = make_engine(args, speculative, eager=False, oracle=oracle is not None, token_map=token_map)
         request, step = start(engine, args, oracle)
         for _ in range(KERNEL_WARMUP_STEPS):
             step()
         torch.cuda.synchronize()
         before = len(request.output_token_ids)
-        with profile(activities=[ProfilerActivity.CUDA]) as profiled:
-            for _ in range(KERNEL_STEPS):
-                step()
-            torch.cuda.synchronize()
+        events = cuda_events(lambda: [step() for _ in range(KERNEL_STEPS)])
         tokens = (len(request.output_token_ids) - before) / KERNEL_STEPS
-    finally:
-        if saved is None:
-            os.environ.pop("TIERLM_NO_PDL")
-        else:
-            os.environ["TIERLM_NO_PDL"] = saved
     table: dict[str, list[float]] = {}
-    for event in profiled.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            entry = table.setdefault(event.name, [0, 0.0])
-            entry[0] += 1
-            entry[1] += event.device_time_total
+    for event in events:
+        entry = table.setdefault(event.name, [0, 0.0])
+        entry[0] += 1
+        entry[1] += event.device_time_total
     return {name: (n / KERNEL_STEPS, us / KERNEL_STEPS) for name, (n, us) in table.items()}, tokens
 
 
-def print_kernel_tables(columns: dict[str, tuple[dict[str, tuple[float, float]], float]], top: int = 40) -> None:
-    """Each column's kernels side by side: device us a step (launches a step), the largest first."""
+def print_kernel_tables(columns: dict[str, tuple[dict[str, tuple[float, float]], float]]) -> None:
+    """Each column's kernels side by side: device us a step (launches a step), the KERNEL_ROWS largest."""
     names = sorted({name for table, _ in columns.values() for name in table},
                    key=lambda name: -max(table.get(name, (0, 0.0))[1] for table, _ in columns.values()))
     print("\nkernels per decode step (--kernels: PDL off, device us a step and launches a step; CUDA graph replays "
@@ -245,7 +235,7 @@ def print_kernel_tables(columns: dict[str, tuple[dict[str, tuple[float, float]],
               for table, tokens in columns.values()]
     print("  total " + "".join(f"{us:>15.1f} ({n:>5.1f})" for us, n, _ in totals))
     print("  /token" + "".join(f"{us / tokens:>15.1f} {'':7s}" for us, _, tokens in totals))
-    for name in names[:top]:
+    for name in names[:KERNEL_ROWS]:
         cells = "".join(f"{table[name][1]:>15.1f} ({table[name][0]:>5.1f})" if name in table else f"{'-':>23s} "
                         for table, _ in columns.values())
         print(f"  {'':6s}{cells}  {name[:90]}")
