@@ -5,6 +5,9 @@ interleaved with the current ones in one process (an isolated kernel sweep, `moe
 --sweep` or `decode_fusions.py --sweep-hc`, times each candidate once, outside the step):
   - MOE_TILES=GN:GK:GW:DN:DK:DR:DW replaces `kernels/fused_moe.triton.DECODE_TILES[0]` (the bf16 experts'
     decode tiles: gate_up columns, K tile, warps; down columns, K tile, ranks a program, warps);
+  - PACKED_TILES=GN:GW:GR:DN:DW:DR replaces the packed INT4/INT8 decode form's v1 tiles
+    (`kernels/fused_moe.triton.DECODE_TILES[4]`, the K loop of INT4 g32 and INT8: gate_up columns, words a
+    program, warps; down rows, words a program, warps): with --quantize int4-mixed;
   - MOE_SHARED_K=GK:DK replaces the shared expert's K tiles (gate_up, down) of the packed INT4 decode form's
     tiles, both K loops (DECODE_TILES[4] for v1, PACKED_V2_TILES for v2): with --quantize int4-mixed;
   - HC_TILES=N:J:K:DW:H:UW:F replaces the hyper-connection mix's tiles for N tokens (the entry of
@@ -19,6 +22,8 @@ Every other argument is decode_roofline.py's.
         --variants base MOE_TILES=4:512:4:16:128:1:2 MOE_TILES=8:512:4:8:128:1:2
     cd bench && python tiles_ab.py --quantize int4-mixed --contexts 512 --batches 1 --rounds 3 --steps 100 \
         --variants base MOE_SHARED_K=32:16
+    cd bench && python tiles_ab.py --quantize int4-mixed --contexts 512 --batches 1 4 --rounds 3 --steps 100 \
+        --variants base PACKED_TILES=16:64:4:128:16:4
     cd bench && python tiles_ab.py --contexts 512 --batches 1 --rounds 5 --steps 50 \
         --variants base HC_TILES=1:8:512:4:8:4:0 HC_TILES=1:4:4096:8:8:4:1
     cd bench && python tiles_ab.py --contexts 512 --batches 2 --rounds 5 --steps 50 \
@@ -40,6 +45,7 @@ plain_environment = decode_roofline.environment
 FIELDS = ("gate_up_block_n", "gate_up_block_k", "gate_up_warps", "down_block_n", "down_block_k", "down_ranks",
           "down_warps")
 SHARED_FIELDS = ("shared_gate_up_block_k", "shared_down_block_k")
+PACKED_FIELDS = ("gate_up_block_n", "gate_up_block_w", "gate_up_warps", "down_block_n", "down_block_w", "down_warps")
 HC_FIELDS = hyper_connection.MixTiles._fields
 
 
@@ -77,15 +83,18 @@ def dense_gemv_rows(spec: str) -> int:
 
 @contextlib.contextmanager
 def environment(values: dict[str, str | None]):
-    """decode_roofline's environment, with MOE_TILES / MOE_SHARED_K / HC_TILES / DENSE_GEMV_MAX_ROWS applied
-    inside the block."""
+    """decode_roofline's environment, with MOE_TILES / PACKED_TILES / MOE_SHARED_K / HC_TILES /
+    DENSE_GEMV_MAX_ROWS applied inside the block."""
     saved = fused_moe.DECODE_TILES[0], fused_moe.DECODE_TILES[4], fused_moe.PACKED_V2_TILES
     saved_mix, saved_rows = hyper_connection.MIX_TILES, quantization.DENSE_GEMV_MAX_ROWS
     if values.get("MOE_TILES"):
         fused_moe.DECODE_TILES[0] = saved[0]._replace(**numbers("MOE_TILES", values["MOE_TILES"], FIELDS))
+    if values.get("PACKED_TILES"):
+        fused_moe.DECODE_TILES[4] = saved[1]._replace(**numbers("PACKED_TILES", values["PACKED_TILES"], PACKED_FIELDS))
     if values.get("MOE_SHARED_K"):
         shared = numbers("MOE_SHARED_K", values["MOE_SHARED_K"], SHARED_FIELDS)
-        fused_moe.DECODE_TILES[4], fused_moe.PACKED_V2_TILES = saved[1]._replace(**shared), saved[2]._replace(**shared)
+        fused_moe.DECODE_TILES[4] = fused_moe.DECODE_TILES[4]._replace(**shared)
+        fused_moe.PACKED_V2_TILES = saved[2]._replace(**shared)
     if values.get("HC_TILES"):
         hyper_connection.MIX_TILES = mix_tiles_with(values["HC_TILES"])
     if values.get("DENSE_GEMV_MAX_ROWS"):

@@ -42,9 +42,9 @@ the kernel before it had ended. The shared expert's items, and items past a row'
 Two K loops for the routed INT4 experts (`packed_variant`: by group size, as measured;
 TIERLM_PACKED_MOE_VARIANT=v1|v2 forces one; everything else is shared):
   - v1: one [rows, words] tile a program (`_tile_sums`), a scale loaded per group (per word where the
-    tile's words and the group's do not nest), each group's products summed, then scaled; its tiles
-    (16 columns: 32 rows x 64 words) give a thread 4 rows x 4 words against 32 registers of x's planes,
-    so x costs twice the registers of the weight bytes in flight.
+    tile's words and the group's do not nest), each group's products summed, then scaled; its gate_up
+    tiles (32 columns: 64 rows x 64 words on 4 warps) give a thread 8 rows x 4 words against 32 registers
+    of x's planes.
   - v2 (`_looped_tile_sums`): tall tiles of whole groups, [rows, groups, words of a group], a thread one
     16-byte vector of each of its 8 rows (so the planes of x it holds serve 8 rows, not 4), one scale a
     group applied to the group's sum (not a product a value), and CHUNKS such tiles a program with the
