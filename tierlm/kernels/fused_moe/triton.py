@@ -107,7 +107,8 @@ DECODE_MAX_PAIRS = 160  # up to this many (token, expert) pairs (16 tokens of to
 # --batches 1 2 4 --no-reference --packed-variants v1 v1:down_block_n=128,gate_up_block_n=32,down_warps=2 ...`):
 # 1.14x / 1.15x / 1.17x over the old at 1 / 2 / 4 tokens on an H200 (34.2% -> 38.9% of the copy bandwidth at one
 # token; bench/results/moe_decode_kernel_v1_tiles_nvidia-h200_s24.txt; an H100 sweep of 17 tiles before it:
-# ..._v1_tiles_nvidia-h100_s24.txt); the int4-mixed real-width stack (`tiles_ab.py --quantize int4-mixed
+# ..._v1_tiles_nvidia-h100_s24.txt; at 8 / 16 tokens on an H100 1.18x / 1.19x, 69.8% / 68.5% of the copy bandwidth,
+# ..._v1_tiles_b8_16_nvidia-h100_s24.txt); the int4-mixed real-width stack (`tiles_ab.py --quantize int4-mixed
 # --variants base PACKED_TILES=...`): 1.004x at batch 1, 1.029x at 4 (decode_roofline_nvidia-h200_int4-mixed_s24tiles.*).
 # INT8 experts take the same tiles, unmeasured.
 DECODE_TILES = {0: DecodeTiles(4, 512, 4, 16, 128, 2, 1), 6: DecodeTiles(8, 512, 4, 16, 128, 4, 2),
