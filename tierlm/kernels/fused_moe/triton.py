@@ -96,11 +96,9 @@ class DecodeTiles(NamedTuple):
 # interleaved with the earlier (8, 512, 4, 16, 128, 4, 2): 1.018x tok/s at batch 1, 1.010-1.012x at 4 and 16
 # (bench/results/decode_roofline_nvidia-h200_s11tiles.txt); INT6 experts keep the earlier tiles (not measured)
 DECODE_MAX_PAIRS = 160  # up to this many (token, expert) pairs (16 tokens of top-10), the GEMV form
-# (4 and 8 bits: `packed_decode`'s split-K form, first guesses checked only by compiling for sm_90 (72 / 64
-# registers with an INT6 shared expert, 67 / 56 without): to be swept on an H200 by
-# bench/moe_decode_kernel.py --packed-sweep; the shared expert's K tiles by --shared --shared-sweep: with INT6
-# read by runs of 16 values (quant_linear's `six_bit_tile`, session 11) 128 / 64 at g32 one token, the v1 K
-# loop's case: the MoE block with its INT6 shared expert in 28.9 us against 35.9 at the earlier 32 / 16
+# (4 and 8 bits: `packed_decode`'s split-K form, its routed tiles below; the shared expert's K tiles, swept by
+# bench/moe_decode_kernel.py --shared --shared-sweep: with INT6 read by runs of 16 values (quant_linear's
+# `six_bit_tile`, session 11) 128 / 64 at g32 one token, the v1 K loop's case: the MoE block with its INT6 shared expert in 28.9 us against 35.9 at the earlier 32 / 16
 # (H200, bench/results/moe_decode_kernel_shared_int6_runs_nvidia_h200_s11.txt); v2's keep 32 / 16, unmeasured)
 # The v1 K loop's tiles (INT4 g32, INT8) since session 24: gate_up 32 columns (was 16), down 128 rows on 2 warps
 # (was 64 on 4), fewer and larger programs. INT4 g32 experts alone (`bench/moe_decode_kernel.py --formats int4-g32
