@@ -58,8 +58,7 @@ add up to the wall time per step (printed beside them); medians alone hide the s
 
 --variants SPEC [SPEC ...] (and --rounds N): instead of the table, the no-drafts, own-drafts and oracle columns
 under each variant, interleaved in one process: `base`, or NAME=VALUE[,NAME=VALUE...] as bench/tiles_ab.py
-takes them (environment variables, and MOE_TILES / MOE_SHARED_K / HC_TILES / DENSE_GEMV_MAX_ROWS for the
-decode kernels' module constants). Each round runs every variant (rotated order); printed: each round's
+takes them (environment variables, and the decode kernels' module constants its docstring names). Each round runs every variant (rotated order); printed: each round's
 ms/token and speed-ups, then the medians and each variant's over the first's. A demo model's step is
 launch- and host-bound, so its no-drafts column moves between runs of one process (0.33-0.55 ms/token,
 demo-small on an H100, session 23): compare medians of several rounds, and read its ratios to the no-drafts

@@ -5,9 +5,9 @@ interleaved with the current ones in one process (an isolated kernel sweep, `moe
 --sweep` or `decode_fusions.py --sweep-hc`, times each candidate once, outside the step):
   - MOE_TILES=GN:GK:GW:DN:DK:DR:DW replaces `kernels/fused_moe.triton.DECODE_TILES[0]` (the bf16 experts'
     decode tiles: gate_up columns, K tile, warps; down columns, K tile, ranks a program, warps);
-  - PACKED_TILES=GN:GW:GR:DN:DW:DR replaces the packed INT4/INT8 decode form's v1 tiles
-    (`kernels/fused_moe.triton.DECODE_TILES[4]`, the K loop of INT4 g32 and INT8: gate_up columns, words a
-    program, warps; down rows, words a program, warps): with --quantize int4-mixed;
+  - PACKED_TILES=GN:GW:GR:DN:DW:DR replaces the packed INT4 decode form's v1 tiles
+    (`kernels/fused_moe.triton.DECODE_TILES[4]`, INT4 g32's K loop: gate_up columns, words a program, warps;
+    down rows, words a program, warps): with --quantize int4-mixed (INT8 experts keep DECODE_TILES[8]);
   - MOE_SHARED_K=GK:DK replaces the shared expert's K tiles (gate_up, down) of the packed INT4 decode form's
     tiles, both K loops (DECODE_TILES[4] for v1, PACKED_V2_TILES for v2): with --quantize int4-mixed;
   - HC_TILES=N:J:K:DW:H:UW:F replaces the hyper-connection mix's tiles for N tokens (the entry of

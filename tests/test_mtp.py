@@ -231,7 +231,7 @@ def test_later_draft_steps_read_the_previous_step_streams(checkpoint, loaded, se
 
 def test_a_draft_step_mixes_without_a_row_gather(loaded, sequences, monkeypatch):
     """A decode-shaped draft step (one row per request, every row's logits) takes the final mixer over its
-    rows as they are, its layer's MoE combine folded into the mixer (`qwen4_exp.final_mix`: no
+    rows as they are, its layer's MoE combine folded into the mixer (`Qwen4ExpForCausalLM.draft`: no
     `wanted_rows` gather, `mix_pending` with the combine pending); the logits are those of the unfolded
     path (the layer combines at its end, TIERLM_NO_FOLD_LAYER_COMBINE=1). A pass over 1 + K rows of which
     one per request is wanted gathers them past the layer's attention (its streams, attention output and

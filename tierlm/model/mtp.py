@@ -7,8 +7,9 @@ mixer ([hc*H]; at later draft steps, the previous draft step's output streams in
 - u = fc_hidden on each stream of pre_fc_norm_hidden(h), that norm over the whole hc*H vector (not one
   per stream: vLLM's GemmaRMSNorm(hc*H)); fc_hidden [H, H] is shared by the streams;
 - streams = u + e on every stream (a hyper-connection combine with unit weight), then a QSA decoder layer
-  without PLE (`DecoderLayer`, with its own K/V and indexer caches: `ModelCache.draft_layers`), whose MoE
-  combine its final mixer does (`qwen4_exp.final_mix`, as the target's);
+  without PLE (`DecoderLayer`, with its own K/V and indexer caches: `ModelCache.draft_layers`), run past
+  its attention on the logits rows only (`MultiTokenPredictor.forward`), its MoE combine left to its final
+  mixer (`mix_pending`);
 - its own final mixer, then the target's lm_head unless the checkpoint has `mtp.shared_head.head`
   (`Qwen4ExpForCausalLM.draft` does this last part and picks the head).
 A reduced draft vocabulary (`restrict_vocab`; FR-Spec, SGLang's speculative token map): the draft's logits

@@ -98,13 +98,14 @@ class DecodeTiles(NamedTuple):
 DECODE_MAX_PAIRS = 160  # up to this many (token, expert) pairs (16 tokens of top-10), the GEMV form
 # (4 and 8 bits: `packed_decode`'s split-K form, its routed tiles below; the shared expert's K tiles, swept by
 # bench/moe_decode_kernel.py --shared --shared-sweep: with INT6 read by runs of 16 values (quant_linear's
-# `six_bit_tile`, session 11) 128 / 64 at g32 one token, the v1 K loop's case: the MoE block with its INT6 shared expert in 28.9 us against 35.9 at the earlier 32 / 16
-# (H200, bench/results/moe_decode_kernel_shared_int6_runs_nvidia_h200_s11.txt); v2's keep 32 / 16, unmeasured)
+# `six_bit_tile`, session 11) 128 / 64 at g32 one token, the v1 K loop's case: the MoE block with its INT6
+# shared expert in 28.9 us against 35.9 at the earlier 32 / 16 (H200,
+# bench/results/moe_decode_kernel_shared_int6_runs_nvidia_h200_s11.txt); v2's keep 32 / 16, unmeasured)
 # The v1 K loop's tiles (INT4 g32, INT8) since session 24: gate_up 32 columns (was 16), down 128 rows on 2 warps
 # (was 64 on 4), fewer and larger programs. INT4 g32 experts alone (`bench/moe_decode_kernel.py --formats int4-g32
 # --batches 1 2 4 --no-reference --packed-variants v1 v1:down_block_n=128,gate_up_block_n=32,down_warps=2 ...`):
 # 1.14x / 1.15x / 1.17x over the old at 1 / 2 / 4 tokens on an H200 (34.2% -> 38.9% of the copy bandwidth at one
-# token; bench/results/moe_decode_kernel_v1_tiles_nvidia-h200_s24.txt; an H100 sweep of 17 tiles before it:
+# token; bench/results/moe_decode_kernel_v1_tiles_nvidia-h200_s24.txt; 16 candidates on an H100 before it:
 # ..._v1_tiles_nvidia-h100_s24.txt; at 8 / 16 tokens on an H100 1.18x / 1.19x, 69.8% / 68.5% of the copy bandwidth,
 # ..._v1_tiles_b8_16_nvidia-h100_s24.txt); the int4-mixed real-width stack (`tiles_ab.py --quantize int4-mixed
 # --variants base PACKED_TILES=...`): 1.004x at batch 1, 1.029x at 4 (decode_roofline_nvidia-h200_int4-mixed_s24tiles.*).
